@@ -1,0 +1,72 @@
+"""The local launcher: clean success, and a failing rank stops everyone with its traceback."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from trickles.errors import UserError
+from trickles.launch import launch
+from trickles.topology import ParallelDims, distributed_session
+
+
+def _train_like(path):
+    with distributed_session(ParallelDims(dp=int(os.environ["WORLD_SIZE"]))) as topo:
+        t = torch.ones(3) * (topo.rank + 1)
+        topo.comm("dp").all_reduce(t)
+        with open(os.path.join(path, f"rank{topo.rank}"), "w") as f:
+            f.write(str(t.tolist()))
+
+
+def _fail_on_rank_one(path):
+    with distributed_session(ParallelDims(dp=int(os.environ["WORLD_SIZE"]))) as topo:
+        with open(os.path.join(path, f"pid{topo.rank}"), "w") as f:
+            f.write(str(os.getpid()))
+        if topo.rank == 1:
+            time.sleep(0.5)
+            raise RuntimeError("rank one gave up")
+        topo.comm("dp").all_reduce(torch.ones(2))  # would wait forever for rank 1
+        time.sleep(60)
+
+
+def _user_error(_):
+    if int(os.environ["RANK"]) == 0:
+        raise UserError("data.source 'nowhere.txt' matches no file")
+    time.sleep(60)
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is as good as gone
+        return f.read().split()[2] != "Z"
+
+
+def test_success_is_clean_every_time(tmp_path):
+    for i in range(4):  # gloo teardown must not turn a good run red, ever
+        d = tmp_path / str(i)
+        d.mkdir()
+        assert launch(_train_like, (str(d),), 2) == 0
+        assert (d / "rank0").read_text() == (d / "rank1").read_text() == "[3.0, 3.0, 3.0]"
+
+
+def test_failing_rank_stops_all_and_prints_traceback(tmp_path, capfd):
+    start = time.monotonic()
+    status = launch(_fail_on_rank_one, (str(tmp_path),), 2)
+    took = time.monotonic() - start
+    err = capfd.readouterr().err
+    assert status == 1
+    assert took < 30, "the blocked rank must be killed, not waited for"
+    assert "rank 1 exited with status 1" in err and "RuntimeError: rank one gave up" in err
+    pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
+    assert not any(_alive(p) for p in pids), "no orphan ranks"
+
+
+def test_user_error_in_a_rank_is_one_line_status_two(tmp_path, capfd):
+    assert launch(_user_error, (None,), 2) == 2
+    err = capfd.readouterr().err
+    assert "error: data.source 'nowhere.txt' matches no file" in err
+    assert "Traceback" not in err

@@ -1,0 +1,136 @@
+"""The ``trickles`` command end to end: outputs of a run, local multi-rank runs, and bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
+        "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
+
+
+def trickles(*args, cwd=None, timeout=300):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+
+
+def run_args(tmp, *extra, steps=6):
+    return ["train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={tmp}/run",
+            "--set", f"train.steps={steps}", *extra]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli")
+    r = trickles(*run_args(tmp, "--set", "train.eval_every=3", "--set", "train.sample_tokens=20", "--set", "train.checkpoint_every=3"))
+    assert r.returncode == 0, r.stderr
+    return tmp, r
+
+
+def test_run_writes_metrics_plot_sample_and_checkpoints(finished_run):
+    tmp, r = finished_run
+    out = tmp / "run"
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == list(range(1, 7))
+    for x in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(x)
+    assert records[2]["val_loss"] is not None and records[5]["val_loss"] is not None
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert (out / "loss.png").stat().st_size > 1000
+    assert "sample after 6 steps" in r.stdout and (out / "sample.txt").read_text().startswith("def ")
+    steps = sorted(os.listdir(out / "checkpoints"))
+    assert steps == ["step_000003", "step_000006"]
+    for s in steps:
+        assert {"manifest.json", "model.safetensors", "optimizer.safetensors", "trainer.json", "tokenizer"} <= set(os.listdir(out / "checkpoints" / s))
+
+
+def test_generate_from_run(finished_run):
+    tmp, _ = finished_run
+    r = trickles("generate", str(tmp / "run"), "--prompt", "import os", "--max-new-tokens", "12", "--temperature", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("import os")
+    again = trickles("generate", str(tmp / "run" / "checkpoints" / "step_000006"), "--prompt", "import os", "--max-new-tokens", "12", "--temperature", "0")
+    assert again.stdout == r.stdout  # greedy is deterministic; the out_dir means its newest checkpoint
+
+
+def test_resume_auto_continues(finished_run, tmp_path):
+    tmp, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run", run)
+    r = trickles("train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={run}",
+                 "--set", "train.steps=8", "--set", "train.sample_tokens=0", "--resume", "auto", "--quiet")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == list(range(1, 9))
+
+
+def test_local_launcher_two_ranks(tmp_path):
+    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=5", steps=3))
+    assert r.returncode == 0, r.stderr
+    assert "2 rank(s) (dp=2)" in r.stdout
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def _one_line_error(r, needle):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert needle in lines[0], lines[0]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--set", "train.stpes=3"], "unknown key 'train.stpes'; did you mean 'train.steps'?"),
+    (["--set", "model.n_heads=three"], "model.n_heads must be an integer, got 'three'"),
+    (["--set", "data.source=/no/such/corpus.txt"], "data.source '/no/such/corpus.txt' is not a file; give an existing file"),
+    (["--config", "/no/such/run.toml"], "config file /no/such/run.toml does not exist"),
+    (["--nproc", "2", "--set", "parallel.dp=4"], "parallel.dp x tp x pp x cp = 4 x 1 x 1 x 1 = 4, but there are 2 processes"),
+    (["--nproc", "2", "--set", "train.global_batch=7"], "train.global_batch (7) must be divisible by parallel.dp (2)"),
+    (["--set", "parallel.tp=2", "--nproc", "2"], "this version trains with data parallelism only"),
+])
+def test_bad_input_is_one_line_status_two_and_leaves_nothing(tmp_path, extra, needle):
+    r = trickles(*run_args(tmp_path, *extra))
+    _one_line_error(r, needle)
+    assert not (tmp_path / "run").exists()
+
+
+def _damage(step_dir, how):
+    if how == "truncated":
+        with open(step_dir / "model.safetensors", "r+b") as f:
+            f.truncate(os.path.getsize(step_dir / "model.safetensors") // 2)
+    elif how == "edited":
+        text = (step_dir / "trainer.json").read_text()
+        assert '"step": 6,' in text
+        (step_dir / "trainer.json").write_text(text.replace('"step": 6,', '"step": 9,'))  # same size, other content
+    elif how == "no manifest":
+        (step_dir / "manifest.json").unlink()
+
+
+@pytest.mark.parametrize("how,needle", [
+    ("truncated", "model.safetensors has"),
+    ("edited", "trainer.json does not match its checksum"),
+    ("no manifest", "has no manifest.json"),
+])
+def test_damaged_checkpoint_is_refused_and_auto_falls_back(finished_run, tmp_path, how, needle):
+    tmp, _ = finished_run
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run", run)
+    newest = run / "checkpoints" / "step_000006"
+    _damage(newest, how)
+    r = trickles("train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={run}", "--set", "train.steps=7",
+                 "--resume", str(newest))
+    _one_line_error(r, needle)
+    r = trickles("train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={run}", "--set", "train.steps=7",
+                 "--set", "train.sample_tokens=0", "--resume", "auto", "--quiet")
+    assert r.returncode == 0, r.stderr
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == list(range(1, 8))  # resumed from step 3, not the damaged 6
+
+
+def test_fresh_run_into_a_used_out_dir_is_refused(finished_run):
+    tmp, _ = finished_run
+    r = trickles(*run_args(tmp))
+    _one_line_error(r, "already holds checkpoints (newest: step 6); continue with --resume auto")

@@ -1,0 +1,129 @@
+"""The ``trickles`` command: parse, build a config, call the library.
+
+    trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
+    trickles generate CHECKPOINT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    trickles config [--config run.toml] [--set ...] [--keys]
+
+``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
+``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
+``--nproc N`` instead spawns N local ranks itself. Mistakes in the input print one line and exit
+with status 2, before any process group is created.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import UserError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trickles", description="Train and sample transformer models on the hardware you have.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def config_args(sp):
+        sp.add_argument("--config", "-c", help="TOML config file (default: the built-in demo settings)")
+        sp.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value (repeatable), e.g. --set train.steps=100")
+
+    t = sub.add_parser("train", help="train a model (no arguments: the demo)")
+    config_args(t)
+    t.add_argument("--nproc", type=int, default=None, help="spawn N local ranks (not under torchrun)")
+    t.add_argument("--resume", default=None, metavar="auto|PATH", help="continue from a checkpoint; auto: the newest complete one in out_dir")
+    t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart all ranks up to K times after a failure")
+    t.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+
+    g = sub.add_parser("generate", help="sample text from a checkpoint")
+    g.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
+    g.add_argument("--prompt", default="def ", help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this much probability")
+    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+
+    c = sub.add_parser("config", help="print the resolved configuration as TOML (or every key with --keys)")
+    config_args(c)
+    c.add_argument("--keys", action="store_true", help="list every key with its type, default and meaning")
+    return p
+
+
+def _train(args) -> int:
+    from .config import Config
+    from .data.sources import check_source
+    from .launch import launch
+    from .topology import env_world_size
+    from .train.run import resolve_resume, run_training
+
+    cfg = Config.load(args.config, args.overrides)
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
+    if args.nproc is not None and under_torchrun:
+        raise UserError("--nproc starts local ranks itself; under torchrun leave it out (torchrun's --nproc-per-node decides)")
+    world = args.nproc or env_world_size()
+    cfg.validate(world)
+    check_source(cfg.data)
+    resume = resolve_resume(args.resume, cfg.train.out_dir)
+    if args.resume == "auto" and resume is None and not args.quiet:
+        print(f"[trickles] no complete checkpoint in {cfg.train.out_dir}; starting from step 0")
+    if args.nproc is not None and args.nproc > 1 or args.max_restarts:
+        return launch(run_training, (cfg, resume, args.quiet), world, max_restarts=args.max_restarts)
+    run_training(cfg, resume, quiet=args.quiet)
+    return 0
+
+
+def _generate(args) -> int:
+    import torch
+
+    from .models.generate import generate
+    from .topology import select_device
+    from .train.trainer import load_for_inference
+
+    if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1:
+        raise UserError("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1")
+    device = select_device(args.device)
+    model, tokenizer, meta = load_for_inference(args.checkpoint, device)
+    ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    prompt = torch.tensor([ids] * args.num_samples, device=device)
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos_id=tokenizer.eos_id, generator=g)
+    for i, row in enumerate(out.tolist()):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        print(args.prompt + tokenizer.decode(row))
+    return 0
+
+
+def _config(args) -> int:
+    from .config import Config, describe_keys
+
+    if args.keys:
+        print(describe_keys())
+        return 0
+    print(Config.load(args.config, args.overrides).to_toml(), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    try:
+        code = {"train": _train, "generate": _generate, "config": _config}[args.command](args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        code = 130
+    if distributed:  # skip interpreter teardown after gloo (see DESIGN.md)
+        from .topology import exit_process
+
+        exit_process(code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

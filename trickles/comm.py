@@ -1,0 +1,419 @@
+"""Collectives with byte accounting, and the autograd-aware versions parallel layers use.
+
+Every call goes through a :class:`GroupComm` (one per parallel dimension, handed out by the
+:class:`~trickles.topology.Topology`), which records into a :class:`CommLedger`:
+
+* ``bytes``: the size of the tensor this rank contributes (the input; for all-gather the shard),
+* ``wire_bytes``: what this rank sends under the bandwidth-optimal ring / pairwise algorithms,
+  with ``n`` ranks and ``S`` bytes of input:
+
+  ===============  =====================  ==========================================
+  all-reduce       ``2 (n-1)/n * S``      reduce-scatter then all-gather
+  all-gather       ``(n-1) * S``          each shard travels to n-1 peers
+  reduce-scatter   ``(n-1)/n * S``        one chunk of S/n sent per ring step
+  all-to-all       ``(n-1)/n * S``        everything but the own chunk leaves
+  broadcast        ``S`` (source only)
+  send / recv      ``S`` / 0
+  ===============  =====================  ==========================================
+
+A group of size 1 (or ``group=None``) makes every call a no-op that records nothing, so
+single-device code pays nothing. ``flight`` remembers the collective this process is inside,
+so a harness or watchdog can say which operation a hung rank is stuck in.
+
+Autograd-aware functions (Megatron's conjugate pairs), ``x`` being the local tensor:
+
+  ===========================  ===========================  ============================
+  function                     forward                      backward
+  ===========================  ===========================  ============================
+  ``copy_to_region``           identity                     all-reduce
+  ``reduce_from_region``       all-reduce                   identity
+  ``scatter_to_region``        keep own chunk of ``dim``    all-gather along ``dim``
+  ``gather_from_region``       all-gather along ``dim``     keep own chunk of ``dim``
+  ``gather_sequence``          all-gather along ``dim``     reduce-scatter along ``dim``
+  ``reduce_scatter_sequence``  reduce-scatter along ``dim`` all-gather along ``dim``
+  ``all_to_all``               all-to-all (scatter s,       all-to-all (scatter g,
+                               gather g)                    gather s)
+  ===========================  ===========================  ============================
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+# torch >= 2.12 renames the tensor-in/tensor-out collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    wire_bytes: int = 0
+
+
+class CommLedger:
+    """Calls and bytes per ``(op, group name)``; read by tests, benchmarks and reports."""
+
+    def __init__(self):
+        self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
+        self.enabled = True
+
+    def record(self, op: str, group: str, nbytes: int, wire_bytes: float) -> None:
+        if self.enabled:
+            s = self.stats[(op, group)]
+            s.calls += 1
+            s.bytes += int(nbytes)
+            s.wire_bytes += int(round(wire_bytes))
+
+    def reset(self) -> None:
+        self.stats.clear()
+
+    def _select(self, op: str | None, group: str | None):
+        return [s for (o, g), s in self.stats.items() if (op is None or o == op) and (group is None or g == group)]
+
+    def calls(self, op: str | None = None, group: str | None = None) -> int:
+        return sum(s.calls for s in self._select(op, group))
+
+    def bytes(self, op: str | None = None, group: str | None = None, wire: bool = False) -> int:
+        return sum(s.wire_bytes if wire else s.bytes for s in self._select(op, group))
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """``{"all_reduce/dp": {"calls": .., "bytes": .., "wire_bytes": ..}, ...}``"""
+        return {f"{o}/{g}": dict(calls=s.calls, bytes=s.bytes, wire_bytes=s.wire_bytes) for (o, g), s in sorted(self.stats.items())}
+
+    def table(self) -> str:
+        rows = [f"{'op/group':<28}{'calls':>8}{'bytes':>16}{'wire bytes':>16}"]
+        for k, v in self.snapshot().items():
+            rows.append(f"{k:<28}{v['calls']:>8}{v['bytes']:>16,}{v['wire_bytes']:>16,}")
+        return "\n".join(rows)
+
+
+@dataclass
+class FlightRecorder:
+    """The collective this process is currently inside (process-wide, diagnostics only)."""
+
+    current: str | None = None
+    since: float = 0.0
+    seq: int = 0
+    sink: Callable[[str | None], None] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def begin(self, what: str) -> None:
+        with self._lock:
+            self.seq += 1
+            self.current = f"{what} (call #{self.seq})"
+            self.since = time.monotonic()
+            if self.sink is not None:
+                self.sink(self.current)
+
+    def end(self) -> None:
+        with self._lock:
+            self.current = None
+            if self.sink is not None:
+                self.sink(None)
+
+
+flight = FlightRecorder()
+
+
+class Handle:
+    """An asynchronous collective in flight; ``wait()`` blocks until it is done."""
+
+    def __init__(self, work, what: str, result=None, after: Callable[[], None] | None = None):
+        self._work, self._what, self.result, self._after = work, what, result, after
+
+    def wait(self):
+        if self._work is not None:
+            flight.begin(self._what)
+            try:
+                self._work.wait()
+            finally:
+                flight.end()
+            self._work = None
+            if self._after is not None:
+                self._after()
+        return self.result
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class GroupComm:
+    """The collectives of one process group, recorded under the group's name."""
+
+    def __init__(self, name: str, group, ledger: CommLedger):
+        self.name = name
+        self.group = group
+        self.ledger = ledger
+        self.size = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+
+    def __repr__(self) -> str:
+        return f"GroupComm({self.name}, rank {self.rank} of {self.size})"
+
+    def global_rank(self, group_rank: int) -> int:
+        """Global rank of member ``group_rank`` of this group."""
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
+
+    def _run(self, op: str, t: torch.Tensor, wire: float, fn: Callable, async_op: bool, result=None, after=None):
+        self.ledger.record(op, self.name, _nbytes(t), wire)
+        what = f"{op} on group '{self.name}' ({self.size} ranks, {tuple(t.shape)} {str(t.dtype).replace('torch.', '')})"
+        if async_op:
+            return Handle(fn(True), what, result, after)
+        flight.begin(what)
+        try:
+            fn(False)
+        finally:
+            flight.end()
+        if after is not None:
+            after()
+        return result
+
+    # ---- collectives ---------------------------------------------------------------------
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """In-place reduction over the group (``op``: sum, mean, max, min); returns ``t`` (or a Handle)."""
+        if self.size == 1:
+            return Handle(None, "", t) if async_op else t
+        n = self.size
+        after = (lambda: t.div_(n)) if op == "mean" else None
+        return self._run("all_reduce", t, 2 * (n - 1) / n * _nbytes(t),
+                         lambda a: dist.all_reduce(t, _REDUCE_OPS[op], group=self.group, async_op=a), async_op, t, after)
+
+    def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False):
+        """Concatenation of every rank's ``t`` along ``dim`` in rank order (asynchronous: dim 0 only)."""
+        if self.size == 1:
+            return Handle(None, "", t) if async_op else t
+        if async_op and dim != 0:
+            raise ValueError("an asynchronous all_gather gathers along dim 0")
+        n, t = self.size, t.contiguous()
+        out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        res = self._run("all_gather", t, (n - 1) * _nbytes(t),
+                        lambda a: _all_gather_single(out, t, group=self.group, async_op=a), async_op, out)
+        return res if dim == 0 else torch.cat(out.chunk(n, 0), dim=dim)
+
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum", async_op: bool = False):
+        """Reduces ``t`` over the group and returns this rank's chunk along ``dim``."""
+        if self.size == 1:
+            return Handle(None, "", t) if async_op else t
+        n = self.size
+        if t.shape[dim] % n:
+            raise ValueError(f"reduce_scatter on group '{self.name}': size {t.shape[dim]} of dim {dim} is not divisible by {n}")
+        chunk_shape = list(t.shape)
+        chunk_shape[dim] //= n
+        out = torch.empty(chunk_shape, dtype=t.dtype, device=t.device)
+        if dim == 0:
+            inp, out_flat = t.contiguous(), out
+        else:  # lay the chunks out one after another so the collective can split dim 0
+            inp, out_flat = torch.stack(t.chunk(n, dim=dim)).contiguous(), out.unsqueeze(0)
+        after = (lambda: out.div_(n)) if op == "mean" else None
+        return self._run("reduce_scatter", t, (n - 1) / n * _nbytes(t),
+                         lambda a: _reduce_scatter_single(out_flat, inp, _REDUCE_OPS[op], group=self.group, async_op=a),
+                         async_op, out, after)
+
+    def all_to_all(self, t: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0) -> torch.Tensor:
+        """Chunk ``i`` of ``scatter_dim`` goes to rank ``i``; received chunks concatenate along ``gather_dim``."""
+        if self.size == 1:
+            return t
+        n = self.size
+        if t.shape[scatter_dim] % n:
+            raise ValueError(f"all_to_all on group '{self.name}': size {t.shape[scatter_dim]} of dim {scatter_dim} is not divisible by {n}")
+        inp = torch.stack(t.chunk(n, dim=scatter_dim)).contiguous()
+        out = torch.empty_like(inp)
+        self._run("all_to_all", t, (n - 1) / n * _nbytes(t),
+                  lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a), False)
+        return torch.cat(out.unbind(0), dim=gather_dim)
+
+    def all_to_all_uneven(self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        """Rows ``send_counts[i]`` of ``t`` (dim 0, in order) go to rank i; returns the received rows."""
+        if self.size == 1:
+            return t
+        out = torch.empty((sum(recv_counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
+        own = send_counts[self.rank] * t[0].numel() * t.element_size() if t.shape[0] else 0
+        self._run("all_to_all", t, _nbytes(t) - own,
+                  lambda a: dist.all_to_all_single(out, t.contiguous(), list(recv_counts), list(send_counts), group=self.group, async_op=a), False)
+        return out
+
+    def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Copies group rank ``src``'s ``t`` into every rank's ``t``."""
+        if self.size == 1:
+            return t
+        self._run("broadcast", t, _nbytes(t) if self.rank == src else 0,
+                  lambda a: dist.broadcast(t, self.global_rank(src), group=self.group, async_op=a), False)
+        return t
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            flight.begin(f"barrier on group '{self.name}'")
+            try:
+                dist.barrier(group=self.group)
+            finally:
+                flight.end()
+
+    # ---- point to point ------------------------------------------------------------------
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        """Blocking send to group rank ``dst``."""
+        self._run("send", t, _nbytes(t), lambda a: dist.send(t.contiguous(), self.global_rank(dst), group=self.group), False)
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Blocking receive from group rank ``src`` into ``t``."""
+        self.ledger.record("recv", self.name, _nbytes(t), 0)
+        flight.begin(f"recv on group '{self.name}' from rank {src} ({tuple(t.shape)})")
+        try:
+            dist.recv(t, self.global_rank(src), group=self.group)
+        finally:
+            flight.end()
+        return t
+
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> Handle:
+        """Starts ``[("send" | "recv", tensor, group peer), ...]`` together; returns one Handle.
+
+        Batching the sends and receives of a step lets neighbouring ranks exchange in both
+        directions without ordering deadlocks.
+        """
+        p2p = []
+        for kind, t, peer in ops:
+            if kind not in ("send", "recv"):
+                raise ValueError(f"batch_p2p: unknown operation {kind!r} (send or recv)")
+            self.ledger.record(kind, self.name, _nbytes(t), _nbytes(t) if kind == "send" else 0)
+            fn = dist.isend if kind == "send" else dist.irecv
+            p2p.append(dist.P2POp(fn, t, self.global_rank(peer), group=self.group))
+        if not p2p:
+            return Handle(None, "")
+        works = dist.batch_isend_irecv(p2p)
+
+        class _Multi:
+            def wait(self_inner):
+                for w in works:
+                    w.wait()
+
+        return Handle(_Multi(), f"batch_p2p on group '{self.name}' ({len(p2p)} ops)")
+
+
+# ---- autograd-aware collectives ------------------------------------------------------------
+
+def _chunk(x: torch.Tensor, comm: GroupComm, dim: int) -> torch.Tensor:
+    if x.shape[dim] % comm.size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by group '{comm.name}' of {comm.size} ranks")
+    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_reduce(g.contiguous().clone()), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        return comm.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return _chunk(x, comm, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_gather(g, dim=ctx.dim), None, None
+
+
+class _GatherFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return comm.all_gather(x, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _chunk(g, ctx.comm, ctx.dim), None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return comm.all_gather(x, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.reduce_scatter(g, dim=ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, dim):
+        ctx.comm, ctx.dim = comm, dim
+        return comm.reduce_scatter(x, dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_gather(g, dim=ctx.dim), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, scatter_dim, gather_dim):
+        ctx.comm, ctx.s, ctx.g = comm, scatter_dim, gather_dim
+        return comm.all_to_all(x, scatter_dim, gather_dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.comm.all_to_all(g, ctx.g, ctx.s), None, None, None
+
+
+def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    """Identity forward, all-reduce backward (entry of a column-parallel region)."""
+    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+
+
+def reduce_from_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    """All-reduce forward, identity backward (exit of a row-parallel region)."""
+    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+
+
+def scatter_to_region(x: torch.Tensor, comm: GroupComm, dim: int = -1) -> torch.Tensor:
+    """Keep this rank's chunk of ``dim`` forward, all-gather backward."""
+    return x if comm.size == 1 else _ScatterToRegion.apply(x, comm, dim % x.dim())
+
+
+def gather_from_region(x: torch.Tensor, comm: GroupComm, dim: int = -1) -> torch.Tensor:
+    """All-gather along ``dim`` forward, keep own chunk backward."""
+    return x if comm.size == 1 else _GatherFromRegion.apply(x, comm, dim % x.dim())
+
+
+def gather_sequence(x: torch.Tensor, comm: GroupComm, dim: int = 1) -> torch.Tensor:
+    """All-gather along the sequence forward, reduce-scatter backward (sequence-parallel entry)."""
+    return x if comm.size == 1 else _GatherSequence.apply(x, comm, dim % x.dim())
+
+
+def reduce_scatter_sequence(x: torch.Tensor, comm: GroupComm, dim: int = 1) -> torch.Tensor:
+    """Reduce-scatter along the sequence forward, all-gather backward (sequence-parallel exit)."""
+    return x if comm.size == 1 else _ReduceScatterSequence.apply(x, comm, dim % x.dim())
+
+
+def all_to_all(x: torch.Tensor, comm: GroupComm, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """All-to-all forward, the reverse all-to-all backward."""
+    return x if comm.size == 1 else _AllToAll.apply(x, comm, scatter_dim % x.dim(), gather_dim % x.dim())

@@ -1,0 +1,171 @@
+"""The whole run's configuration: one typed section per component, loaded from TOML.
+
+``Config.load("run.toml", ["train.steps=100", "parallel.tp=2"])`` reads the file with the
+standard library's ``tomllib``, applies ``--set`` overrides, and checks every value's type.
+``Config.validate(world_size)`` then checks the combinations (batch arithmetic, degrees against
+the number of processes) and returns the :class:`ParallelDims` to build; it runs before any
+process group exists, so a bad configuration never hangs a cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from .data.config import DataConfig
+from .errors import ConfigError
+from .memory.config import MemoryConfig
+from .models.config import ModelConfig, apply_preset
+from .options import field_docs, section_from_dict, unknown_key_error
+from .parallel.config import ParallelConfig
+from .topology import ParallelDims
+from .train.config import TrainConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "memory": MemoryConfig,
+}
+
+
+@dataclass
+class Config:
+    """Everything a run needs, section by section."""
+
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+
+    # ---- loading -------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, tables: dict[str, Any], where: str = "") -> "Config":
+        """Builds a config from ``{section: {key: value}}``; unknown sections and keys are errors."""
+        cfg = cls()
+        for section, values in tables.items():
+            if section not in SECTIONS:
+                raise unknown_key_error(section, SECTIONS, where)
+            if not isinstance(values, dict):
+                raise ConfigError(f"{section} must be a table of keys ([{section}]){where}")
+            values = dict(values)
+            base = None
+            if section == "model" and values.get("preset") is not None:
+                base = apply_preset(ModelConfig(), str(values.pop("preset")))
+            setattr(cfg, section, section_from_dict(SECTIONS[section], values, section, base, where))
+        return cfg
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> "Config":
+        """Reads ``path`` (TOML; None: the defaults, which are the demo) and applies ``overrides``."""
+        tables: dict[str, dict[str, Any]] = {}
+        where = ""
+        if path is not None:
+            where = f" (in {path})"
+            try:
+                with open(path, "rb") as f:
+                    tables = tomllib.load(f)
+            except FileNotFoundError:
+                raise ConfigError(f"config file {path} does not exist; give the path of a TOML file (see examples/)") from None
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            section, dot, name = key.strip().partition(".")
+            if not sep or not dot or not name:
+                raise ConfigError(f"override {item!r} must look like section.key=value (e.g. train.steps=100)")
+            if section not in SECTIONS:
+                raise unknown_key_error(section, SECTIONS, " (in --set)")
+            tables.setdefault(section, {})[name] = value.strip()
+        return cls.from_dict(tables, where)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        """The configuration as a TOML file that :meth:`load` reads back (unset keys commented)."""
+        lines = []
+        for name, cls in SECTIONS.items():
+            lines.append(f"[{name}]")
+            docs = field_docs(cls)
+            for key, value in dataclasses.asdict(getattr(self, name)).items():
+                lines.append(f"# {docs[key]}")
+                lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+            lines.append("")
+        return "\n".join(lines)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    # ---- checks --------------------------------------------------------------------------
+    def validate(self, world_size: int) -> ParallelDims:
+        """Checks every section and the combinations; returns the degrees to build."""
+        for name in SECTIONS:
+            section = getattr(self, name)
+            if hasattr(section, "validate"):
+                section.validate()
+        p = self.parallel
+        dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+        dims.validate(world_size)
+        if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
+            raise ConfigError(
+                f"this version trains with data parallelism only; parallel.tp={dims.tp}, parallel.pp={dims.pp}, "
+                f"parallel.cp={dims.cp}, parallel.ep={dims.ep} must all be 1 (use more data-parallel ranks instead)")
+        if self.memory.precision == "fp16":
+            raise ConfigError("memory.precision='fp16' needs dynamic loss scaling, which this version does not have; use 'bf16' or 'fp32'")
+        self.batch_plan(dims.dp)
+        if self.model.max_seq_len is not None and self.model.max_seq_len < self.data.seq_len:
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) is longer than model.max_seq_len ({self.model.max_seq_len}); shorten data.seq_len or raise model.max_seq_len")
+        if self.model.vocab_size is not None and self.data.tokenizer == "byte" and self.model.vocab_size < 257:
+            raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset")
+        return dims
+
+    def batch_plan(self, dp: int) -> tuple[int, int]:
+        """``(micro_batch, accumulation)`` with ``global_batch = micro_batch * accumulation * dp``."""
+        t = self.train
+        if t.global_batch % dp:
+            raise ConfigError(f"train.global_batch ({t.global_batch}) must be divisible by parallel.dp ({dp}); "
+                              f"set train.global_batch to a multiple of {dp}")
+        micro = t.micro_batch or t.global_batch // dp
+        per_rank = t.global_batch // dp
+        if per_rank % micro:
+            need = micro * dp
+            raise ConfigError(f"train.global_batch ({t.global_batch}) must equal train.micro_batch ({micro}) x accumulation x "
+                              f"parallel.dp ({dp}); set train.global_batch to a multiple of {need} or change train.micro_batch")
+        return micro, per_rank // micro
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return json.dumps(str(v))
+
+
+def describe_keys() -> str:
+    """Every key with its type, default and description (for ``trickles config --keys``)."""
+    import typing
+
+    lines = []
+    for name, cls in SECTIONS.items():
+        lines.append(f"[{name}]")
+        hints = typing.get_type_hints(cls)
+        defaults = cls()
+        for key, doc in field_docs(cls).items():
+            tp = str(hints[key]).replace("typing.", "")
+            lines.append(f"  {name}.{key} = {getattr(defaults, key)!r}  ({tp})\n      {doc}")
+    return "\n".join(lines)

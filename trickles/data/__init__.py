@@ -1,0 +1,21 @@
+"""Data: tokenizers, corpus sources with a tokenized cache, and the deterministic sharded loader."""
+
+from .config import DataConfig
+from .loader import ShardedBatches
+from .sources import Corpus, check_source, iter_documents, load_corpus
+from .tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer, load_tokenizer, train_bpe
+
+__all__ = [
+    "ByteTokenizer",
+    "Corpus",
+    "DataConfig",
+    "HFTokenizer",
+    "ShardedBatches",
+    "Tokenizer",
+    "build_tokenizer",
+    "check_source",
+    "iter_documents",
+    "load_corpus",
+    "load_tokenizer",
+    "train_bpe",
+]

@@ -1,0 +1,104 @@
+"""Deterministic, data-parallel batches of token windows.
+
+The token array is cut into ``n = (len(tokens) - 1) // seq_len`` non-overlapping windows of
+``seq_len + 1`` tokens; window ``i`` starts at ``i * seq_len`` (consecutive windows share one
+token), its first ``seq_len`` tokens are the inputs and its last ``seq_len`` the targets.
+
+Sampling is a pure function of ``(seed, g)``, where ``g`` counts samples from the start of the
+run: sample ``g`` is window ``perm_e[g % n]`` with epoch ``e = g // n`` and ``perm_e`` a
+permutation of ``range(n)`` drawn from ``numpy.random.default_rng([seed, e])``. So every epoch
+visits every window exactly once, and the order does not depend on the layout.
+
+A training step's global batch is samples ``consumed .. consumed + B - 1``. Data-parallel rank
+``r`` of ``dp`` takes rows ``[r*B/dp, (r+1)*B/dp)`` and cuts them, in order, into micro-batches;
+it reads only those rows' windows from the (memory-mapped) array. Concatenating the ranks'
+rows gives exactly the one-process batch, and resuming at ``consumed`` gives the same batch as
+running on to it. Held-out batch ``k`` is windows ``k*B .. k*B + B - 1`` (mod ``n``), unshuffled,
+sliced the same way.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import DataError
+
+
+class ShardedBatches:
+    """One data-parallel rank's view of the batches drawn from ``tokens`` (see module doc)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be at least 1, got {seq_len}")
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
+        self.tokens, self.seq_len, self.seed = tokens, seq_len, int(seed)
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.n_windows = max(0, (len(tokens) - 1) // seq_len)
+        self._perms: dict[int, np.ndarray] = {}
+
+    # ---- which windows -------------------------------------------------------------------
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The window order of ``epoch`` (the current and the previous one are cached)."""
+        perm = self._perms.get(epoch)
+        if perm is None:
+            rng = np.random.default_rng([self.seed % 2**64, epoch])
+            perm = rng.permutation(self.n_windows)
+            self._perms = {e: p for e, p in self._perms.items() if e == epoch - 1}
+            self._perms[epoch] = perm
+        return perm
+
+    def windows(self, first: int, count: int) -> np.ndarray:
+        """Window indices of global samples ``first .. first + count - 1``."""
+        g = np.arange(first, first + count, dtype=np.int64)
+        epochs = g // self.n_windows
+        out = np.empty(count, dtype=np.int64)
+        for e in np.unique(epochs):
+            sel = epochs == e
+            out[sel] = self.permutation(int(e))[g[sel] % self.n_windows]
+        return out
+
+    # ---- batches ---------------------------------------------------------------------------
+    def micro_batches(self, consumed: int, global_batch: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's ``(inputs, targets)`` micro-batches of the step starting at sample ``consumed``.
+
+        Each tensor is int64 on the CPU, ``[micro_batch, seq_len]``.
+        """
+        if consumed < 0:
+            raise ValueError(f"consumed must be non-negative, got {consumed}")
+        self._require("train")
+        start, rows = self._rank_rows(global_batch, micro_batch)
+        return self._gather(self.windows(consumed + start, rows), micro_batch)
+
+    def val_micro_batches(self, index: int, global_batch: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of held-out batch ``index``: windows ``index*B ...`` in order, wrapping."""
+        if index < 0:
+            raise ValueError(f"index must be non-negative, got {index}")
+        self._require("val")
+        start, rows = self._rank_rows(global_batch, micro_batch)
+        first = index * global_batch + start
+        return self._gather(np.arange(first, first + rows, dtype=np.int64) % self.n_windows, micro_batch)
+
+    # ---- helpers ---------------------------------------------------------------------------
+    def _require(self, split: str) -> None:
+        if self.n_windows < 1:
+            raise DataError(f"the {split} split has {len(self.tokens)} tokens, fewer than one window of "
+                            f"data.seq_len + 1 = {self.seq_len + 1}; use a smaller data.seq_len or more data")
+
+    def _rank_rows(self, global_batch: int, micro_batch: int) -> tuple[int, int]:
+        if global_batch < 1 or micro_batch < 1:
+            raise ValueError(f"global_batch ({global_batch}) and micro_batch ({micro_batch}) must be positive")
+        if global_batch % self.dp_size:
+            raise ValueError(f"global_batch ({global_batch}) is not divisible by the data-parallel size ({self.dp_size})")
+        rows = global_batch // self.dp_size
+        if rows % micro_batch:
+            raise ValueError(f"rows per data-parallel rank ({rows} = {global_batch} / {self.dp_size}) are not "
+                             f"divisible by micro_batch ({micro_batch})")
+        return self.dp_rank * rows, rows
+
+    def _gather(self, windows: np.ndarray, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        index = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
+        rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
+        return [(rows[i:i + micro_batch, :-1].contiguous(), rows[i:i + micro_batch, 1:].contiguous())
+                for i in range(0, len(rows), micro_batch)]

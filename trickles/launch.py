@@ -1,0 +1,164 @@
+"""Local launcher: run a function in N processes on this machine, the way torchrun would.
+
+``launch(fn, args, nproc)`` hosts a TCP store on an ephemeral port, spawns ``nproc`` ranks
+with torchrun's environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``) plus ``TRICKLES_AGENT_STORE=1`` so they join the launcher's store as clients,
+and watches them:
+
+* every rank succeeds -> exit status 0;
+* a rank fails -> the others are killed at once (with any processes they started), the failing
+  rank's traceback is printed and the status is non-zero (2 for a :class:`UserError`, whose
+  one-line message is printed instead of a traceback);
+* the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
+
+Ranks end through :func:`trickles.topology.exit_process`, so a rank that tore its group down
+cleanly cannot turn a green run red during interpreter teardown.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import sys
+import tempfile
+import traceback
+from typing import Any, Callable
+
+from .errors import UserError
+
+USER_ERROR_TAG = "trickles-user-error: "
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def rank_environment(rank: int, world: int, port: int, restart: int = 0) -> dict[str, str]:
+    """The torchrun-style environment of one local rank."""
+    return {
+        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "TRICKLES_AGENT_STORE": "1", "TRICKLES_RESTART": str(restart),
+    }
+
+
+def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str) -> None:
+    from .topology import exit_process
+
+    _die_with_parent()
+    os.setpgrp()
+    os.environ.update(env)
+    try:
+        code = fn(*args)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except UserError as e:
+        with open(error_file, "w") as f:
+            f.write(USER_ERROR_TAG + str(e))
+        exit_process(2)
+    except BaseException:
+        with open(error_file, "w") as f:
+            f.write(traceback.format_exc())
+        exit_process(1)
+    exit_process(code if isinstance(code, int) else 0)  # a function's return value is not a status
+
+
+def _kill(procs: list) -> None:
+    for p in procs:
+        if p.exitcode is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                p.kill()
+    for p in procs:
+        p.join(timeout=10)
+
+
+def free_store():
+    """A TCP store server on an ephemeral port of 127.0.0.1 (held by the caller, so no port races)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+def launch(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 0, quiet: bool = False) -> int:
+    """Runs ``fn(*args)`` on ``nproc`` local ranks; returns the exit status (0: every rank succeeded).
+
+    With ``max_restarts=K`` a failed attempt is retried up to K times with all ranks restarted
+    (``TRICKLES_RESTART`` counts the attempts), as ``torchrun --max-restarts`` does.
+    """
+    if nproc < 1:
+        raise UserError(f"--nproc must be at least 1, got {nproc}")
+    ctx = mp.get_context("spawn")
+    store = free_store()
+    status = 1
+    for attempt in range(max_restarts + 1):
+        status = _attempt(ctx, fn, args, nproc, store.port, attempt, quiet)
+        if status in (0, 2, 130) or attempt == max_restarts:
+            break
+        print(f"[trickles] restarting all {nproc} ranks (attempt {attempt + 2} of {max_restarts + 1})", file=sys.stderr)
+    del store
+    return status
+
+
+def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) -> int:
+    errors = tempfile.mkdtemp(prefix="trickles-ranks-")
+    procs = []
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum, frame):
+        _kill(procs)
+        raise KeyboardInterrupt
+
+    for s in previous:
+        signal.signal(s, on_signal)
+    try:
+        for r in range(nproc):
+            p = ctx.Process(target=_rank_main, args=(fn, args, rank_environment(r, nproc, port, attempt), os.path.join(errors, f"rank{r}.txt")),
+                            name=f"trickles-rank{r}")
+            p.start()
+            procs.append(p)
+        alive = {p.sentinel: (r, p) for r, p in enumerate(procs)}
+        while alive:
+            for s in mp.connection.wait(list(alive), timeout=1.0):
+                r, p = alive.pop(s)
+                p.join()
+                if p.exitcode != 0:
+                    _kill(procs)
+                    return _report(r, p.exitcode, errors, quiet)
+        return 0
+    except KeyboardInterrupt:
+        _kill(procs)
+        print("[trickles] interrupted; all ranks stopped", file=sys.stderr)
+        return 130
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        for name in os.listdir(errors):
+            os.unlink(os.path.join(errors, name))
+        os.rmdir(errors)
+
+
+def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
+    path = os.path.join(errors, f"rank{rank}.txt")
+    text = open(path).read() if os.path.exists(path) else ""
+    if text.startswith(USER_ERROR_TAG):
+        print(f"error: {text[len(USER_ERROR_TAG):]}", file=sys.stderr)
+        return 2
+    if exitcode < 0:
+        what = f"was killed by {signal.Signals(-exitcode).name}"
+    else:
+        what = f"exited with status {exitcode}"
+    if not quiet:
+        print(f"[trickles] rank {rank} {what}; stopped the other ranks", file=sys.stderr)
+        if text:
+            print(f"[trickles] traceback of rank {rank}:\n{text}", file=sys.stderr, end="")
+    return exitcode if exitcode > 0 else 1
+

@@ -1,0 +1,126 @@
+"""Model shape: the ``[model]`` section, its derived sizes and the named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
+
+from ..errors import ConfigError
+from ..options import opt
+
+Flavor = Literal["llama", "gpt2"]
+
+
+@dataclass
+class ModelConfig:
+    """Shape of a decoder-only transformer (the ``[model]`` section)."""
+
+    preset: str | None = opt(None, "named shape to start from (trickles.models.PRESETS); keys given beside it override it")
+    flavor: Flavor = opt("llama", "llama: RMSNorm, rotary, SwiGLU, no biases; gpt2: LayerNorm, learned positions, GELU, biases")
+    n_layers: int = opt(4, "number of transformer blocks")
+    d_model: int = opt(256, "hidden size")
+    n_heads: int = opt(8, "query heads")
+    n_kv_heads: int | None = opt(4, "key/value heads for grouped-query attention (none: same as n_heads)")
+    ffn_hidden: int | None = opt(None, "MLP hidden size (none: 4*d_model for gpt2; 8/3*d_model rounded up to ffn_multiple_of for llama)")
+    ffn_multiple_of: int = opt(64, "rounding of the default llama MLP hidden size")
+    vocab_size: int | None = opt(None, "vocabulary size (none: the tokenizer's, rounded up to vocab_multiple)")
+    vocab_multiple: int = opt(64, "rounding of the vocabulary size taken from the tokenizer")
+    max_seq_len: int | None = opt(None, "longest sequence the model accepts (none: data.seq_len)")
+    rope_theta: float = opt(10000.0, "rotary embedding base (llama)")
+    norm_eps: float = opt(1e-5, "epsilon of RMSNorm / LayerNorm")
+    dropout: float = opt(0.0, "dropout on embeddings, attention probabilities and residual branches")
+    tie_embeddings: bool | None = opt(None, "share the input embedding with the output projection (none: true for gpt2, false for llama)")
+    init_std: float = opt(0.02, "standard deviation of the normal initialization; residual output projections use init_std/sqrt(2*n_layers)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        if self.flavor == "gpt2":
+            return 4 * self.d_model
+        hidden = int(2 * 4 * self.d_model / 3)
+        m = self.ffn_multiple_of
+        return m * ((hidden + m - 1) // m)
+
+    @property
+    def tied(self) -> bool:
+        return self.flavor == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
+    def validate(self) -> None:
+        """Raises ConfigError for shapes no transformer can have."""
+        for key in ("n_layers", "d_model", "n_heads"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be at least 1, got {getattr(self, key)}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of them")
+        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+            raise ConfigError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change n_kv_heads to a divisor of n_heads")
+        if self.flavor == "llama" and self.head_dim % 2:
+            raise ConfigError(f"rotary embeddings need an even head size, but d_model/n_heads = {self.head_dim}; change model.d_model or model.n_heads")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ConfigError(f"model.vocab_size must be at least 2, got {self.vocab_size}")
+        if self.max_seq_len is not None and self.max_seq_len < 1:
+            raise ConfigError(f"model.max_seq_len must be at least 1, got {self.max_seq_len}")
+
+
+def _llama(n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, vocab_size, **extra):
+    return dict(flavor="llama", n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
+                ffn_hidden=ffn_hidden, vocab_size=vocab_size, **extra)
+
+
+def _gpt2(n_layers, d_model, n_heads):
+    return dict(flavor="gpt2", n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=None,
+                ffn_hidden=None, vocab_size=50257, max_seq_len=1024)
+
+
+#: Named shapes. The small ones train on a CPU; the large ones are for planning and GPU runs.
+PRESETS: dict[str, dict] = {
+    "tiny": _llama(2, 64, 4, 2, 128, None),
+    "demo": _llama(4, 256, 8, 4, None, None),
+    "llama-125m": _llama(12, 768, 12, 12, 2048, 32000),
+    "llama-350m": _llama(24, 1024, 16, 8, 2816, 32000),
+    "llama-1b": _llama(16, 2048, 32, 8, 8192, 128256, rope_theta=500000.0, tie_embeddings=True),
+    "llama-3b": _llama(28, 3072, 24, 8, 8192, 128256, rope_theta=500000.0, tie_embeddings=True),
+    "llama-7b": _llama(32, 4096, 32, 32, 11008, 32000),
+    "gpt2-tiny": dict(_gpt2(2, 64, 4), vocab_size=None, max_seq_len=None),
+    "gpt2-small": _gpt2(12, 768, 12),
+    "gpt2-medium": _gpt2(24, 1024, 16),
+    "gpt2-large": _gpt2(36, 1280, 20),
+    "gpt2-xl": _gpt2(48, 1600, 25),
+}
+
+
+def apply_preset(cfg: ModelConfig, name: str) -> ModelConfig:
+    """``cfg`` with the preset's values (fields the preset does not name keep their defaults)."""
+    if name not in PRESETS:
+        import difflib
+
+        hint = difflib.get_close_matches(name, PRESETS, n=1)
+        raise ConfigError(f"unknown model.preset {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; choose one of {', '.join(PRESETS)}"))
+    defaults = ModelConfig()
+    base = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(ModelConfig)}
+    base.update(PRESETS[name])
+    base["preset"] = name
+    return dataclasses.replace(cfg, **base)
+
+
+def resolve_model(cfg: ModelConfig, tokenizer_vocab: int, seq_len: int) -> ModelConfig:
+    """Fills the sizes left to the data: vocabulary from the tokenizer, length from data.seq_len."""
+    vocab = cfg.vocab_size
+    if vocab is None:
+        m = cfg.vocab_multiple
+        vocab = m * ((tokenizer_vocab + m - 1) // m)
+    elif vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); raise it or leave it unset")
+    return dataclasses.replace(cfg, vocab_size=vocab, max_seq_len=cfg.max_seq_len or seq_len)

@@ -1,0 +1,432 @@
+"""Hugging Face import/export: ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` directories.
+
+A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). Tensors are read
+with safetensors only; nothing is ever unpickled, so ``pytorch_model.bin`` directories are
+refused (re-save them with ``save_pretrained(..., safe_serialization=True)``).
+
+Names, llama (``model_type: llama``; every tensor copied as is, ``[out, in]`` like ``nn.Linear``)::
+
+    model.embed_tokens.weight                        embed.weight
+    model.layers.{i}.input_layernorm.weight          layers.{i}.attn_norm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight layers.{i}.attn.{q,k,v,o}_proj.weight
+    model.layers.{i}.post_attention_layernorm.weight layers.{i}.mlp_norm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight  layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.norm.weight                                norm.weight
+    lm_head.weight                                   output.weight (absent when tied)
+
+HF Llama checkpoints already use the rotate-half rotary convention this model uses, so q/k need
+no permutation.
+
+Names, gpt2 (``model_type: gpt2``). GPT-2's ``Conv1D`` stores weights ``[in, out]``: they are
+transposed; ``c_attn`` is q, k and v fused along ``out`` (in that order) and is split::
+
+    transformer.wte.weight                  embed.weight
+    transformer.wpe.weight                  pos_embed.weight
+    transformer.h.{i}.ln_1.{weight,bias}    layers.{i}.attn_norm.{weight,bias}
+    transformer.h.{i}.attn.c_attn.weight    layers.{i}.attn.{q,k,v}_proj.weight = split(W.T, d, dim=0)
+    transformer.h.{i}.attn.c_attn.bias      layers.{i}.attn.{q,k,v}_proj.bias = split(b, d)
+    transformer.h.{i}.attn.c_proj.*         layers.{i}.attn.o_proj.*        (weight transposed)
+    transformer.h.{i}.ln_2.*                layers.{i}.mlp_norm.*
+    transformer.h.{i}.mlp.c_fc.*            layers.{i}.mlp.up_proj.*        (weight transposed)
+    transformer.h.{i}.mlp.c_proj.*          layers.{i}.mlp.down_proj.*      (weight transposed)
+    transformer.ln_f.{weight,bias}          norm.{weight,bias}
+    lm_head.weight                          output.weight (absent when tied)
+
+Checkpoints written without the ``transformer.`` prefix (the original ``gpt2`` upload) are read
+too. Buffers some versions stored (GPT-2's ``attn.bias``/``attn.masked_bias`` causal masks,
+Llama's ``rotary_emb.inv_freq``) are ignored; any other tensor not listed above is an error, as
+is a listed tensor that is missing.
+
+Configs are mapped field by field (see :func:`config_from_hf` / :func:`config_to_hf`). Anything
+this model cannot reproduce exactly is refused with the field's name: biases or a head size
+other than ``hidden/heads`` in Llama, rope scaling, activations other than SiLU (Llama) or tanh
+GELU (GPT-2), GPT-2's per-layer attention scaling. Missing fields take ``transformers``' own
+defaults for that model type. A loaded model has dropout 0. Its ``bos/eos/pad_token_id`` are
+kept in ``model.hf_token_ids`` and written back by :func:`save_hf`.
+
+:func:`save_hf` writes what both transformers 4.x and 5.x read: ``rope_theta`` at the top level
+(4.x) and ``rope_parameters`` (5.x); ``torch_dtype`` (4.x) and ``dtype`` (5.x). Files are written
+in a temporary directory beside the target and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError, ConfigError, UserError
+from .config import ModelConfig
+from .transformer import Transformer
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Non-parameter buffers that some versions of transformers saved; safe to ignore.
+IGNORED = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|layers\.\d+\.self_attn\.rotary_emb\.inv_freq)$")
+
+# transformers' own defaults, used for fields a config.json leaves out.
+LLAMA_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=None, hidden_act="silu",
+                      max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                      initializer_range=0.02, attention_bias=False, mlp_bias=False, head_dim=None)
+GPT2_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12, n_head=12, n_inner=None,
+                     activation_function="gelu_new", layer_norm_epsilon=1e-5, initializer_range=0.02,
+                     scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
+                     reorder_and_upcast_attn=False, add_cross_attention=False, tie_word_embeddings=True)
+
+
+# ---- configs -----------------------------------------------------------------------------
+
+def _refuse(source: str, what: str) -> CheckpointError:
+    return CheckpointError(f"{source}: {what}, which trickles' transformer cannot represent exactly; "
+                           "only plain Llama and GPT-2 architectures can be imported")
+
+
+def _rope_theta(raw: dict, source: str) -> float:
+    """The rotary base, from 4.x (``rope_theta``, ``rope_scaling``) or 5.x (``rope_parameters``) fields."""
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
+        raise _refuse(source, f"rope parameters {params!r} are not one flat dict")
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ("default", None):
+        raise _refuse(source, f"rope scaling {kind!r} is set ({params})")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    if partial not in (None, 1, 1.0):
+        raise _refuse(source, f"partial_rotary_factor={partial} is set")
+    top, inner = raw.get("rope_theta"), params.get("rope_theta")
+    if top is not None and inner is not None and float(top) != float(inner):
+        raise CheckpointError(f"{source}: rope_theta={top} disagrees with rope_parameters.rope_theta={inner}; "
+                              "transformers 4.x and 5.x would read different models, fix one of them")
+    return float(inner if inner is not None else top if top is not None else 10000.0)
+
+
+def config_from_hf(raw: dict, source: str = CONFIG) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face ``config.json`` dict (CheckpointError if impossible)."""
+    kind = raw.get("model_type")
+    if raw.get("quantization_config"):
+        raise _refuse(source, "the weights are quantized (quantization_config is set)")
+    if kind == "llama":
+        c = {**LLAMA_DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in LLAMA_DEFAULTS}}
+        for key in ("attention_bias", "mlp_bias"):
+            if c[key]:
+                raise _refuse(source, f"{key}=true")
+        if c["hidden_act"] not in ("silu", "swish"):
+            raise _refuse(source, f"hidden_act={c['hidden_act']!r} (only silu)")
+        hidden, heads = c["hidden_size"], c["num_attention_heads"]
+        if c["head_dim"] is not None and c["head_dim"] * heads != hidden:
+            raise _refuse(source, f"head_dim={c['head_dim']} differs from hidden_size/num_attention_heads={hidden}/{heads}")
+        cfg = ModelConfig(flavor="llama", n_layers=c["num_hidden_layers"], d_model=hidden, n_heads=heads,
+                          n_kv_heads=c["num_key_value_heads"] or heads, ffn_hidden=c["intermediate_size"],
+                          vocab_size=c["vocab_size"], max_seq_len=c["max_position_embeddings"],
+                          rope_theta=_rope_theta(raw, source), norm_eps=float(c["rms_norm_eps"]), dropout=0.0,
+                          tie_embeddings=bool(c["tie_word_embeddings"]), init_std=float(c["initializer_range"]))
+    elif kind == "gpt2":
+        c = {**GPT2_DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in GPT2_DEFAULTS}}
+        if c["activation_function"] not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise _refuse(source, f"activation_function={c['activation_function']!r} (only gelu_new / gelu_pytorch_tanh)")
+        for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("reorder_and_upcast_attn", False), ("add_cross_attention", False)):
+            if bool(c[key]) != ok:
+                raise _refuse(source, f"{key}={str(c[key]).lower()}")
+        cfg = ModelConfig(flavor="gpt2", n_layers=c["n_layer"], d_model=c["n_embd"], n_heads=c["n_head"],
+                          n_kv_heads=None, ffn_hidden=c["n_inner"] or 4 * c["n_embd"], vocab_size=c["vocab_size"],
+                          max_seq_len=c["n_positions"], norm_eps=float(c["layer_norm_epsilon"]), dropout=0.0,
+                          tie_embeddings=bool(c["tie_word_embeddings"]), init_std=float(c["initializer_range"]))
+    else:
+        raise CheckpointError(f"{source}: model_type {kind!r} is not supported; load_hf reads 'llama' "
+                              "(LlamaForCausalLM) and 'gpt2' (GPT2LMHeadModel) checkpoints")
+    try:
+        cfg.validate()
+    except ConfigError as e:
+        raise CheckpointError(f"{source} describes a shape trickles cannot build: {e}") from None
+    return cfg
+
+
+def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict | None = None) -> dict:
+    """The ``config.json`` dict of a trickles model (ConfigError if Hugging Face has no such model)."""
+    ids = {k: v for k, v in (token_ids or {}).items()
+           if k in TOKEN_IDS and isinstance(v, int) and 0 <= v < cfg.vocab_size}
+    common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied, initializer_range=cfg.init_std,
+                  use_cache=True, torch_dtype=_dtype_name(dtype), dtype=_dtype_name(dtype),
+                  **{k: ids.get(k) for k in TOKEN_IDS})
+    if cfg.flavor == "llama":
+        return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=cfg.d_model,
+                    intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
+                    num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                    hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                    rope_theta=cfg.rope_theta, rope_scaling=None,
+                    rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                    attention_bias=False, mlp_bias=False, attention_dropout=cfg.dropout, pretraining_tp=1,
+                    **common)
+    if cfg.kv_heads != cfg.n_heads:
+        raise ConfigError(f"GPT-2 has no grouped-query attention, but model.n_kv_heads={cfg.kv_heads} != "
+                          f"model.n_heads={cfg.n_heads}; set model.n_kv_heads to none for a gpt2 model")
+    return dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=cfg.d_model, n_layer=cfg.n_layers,
+                n_head=cfg.n_heads, n_inner=cfg.ffn_dim, n_positions=cfg.max_seq_len,
+                activation_function="gelu_new", layer_norm_epsilon=cfg.norm_eps, resid_pdrop=cfg.dropout,
+                embd_pdrop=cfg.dropout, attn_pdrop=cfg.dropout, scale_attn_weights=True,
+                scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, **common)
+
+
+# ---- names -------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Entry:
+    """One Hugging Face tensor and the trickles parameter(s) it holds.
+
+    ``kind``: ``copy`` (same layout), ``conv1d`` (HF stores the transpose) or ``fused`` (HF
+    concatenates ``ours`` along the output dimension; a 2-D one is also transposed).
+    """
+
+    hf: str
+    ours: tuple[str, ...]
+    kind: str = "copy"
+
+
+def weight_map(cfg: ModelConfig, prefix: str = "transformer.") -> list[Entry]:
+    """Every tensor of a Hugging Face checkpoint of ``cfg``, in file order (``prefix``: gpt2 only)."""
+    if cfg.flavor == "llama":
+        out = [Entry("model.embed_tokens.weight", ("embed.weight",))]
+        for i in range(cfg.n_layers):
+            hf, us = f"model.layers.{i}.", f"layers.{i}."
+            out.append(Entry(hf + "input_layernorm.weight", (us + "attn_norm.weight",)))
+            out += [Entry(f"{hf}self_attn.{p}_proj.weight", (f"{us}attn.{p}_proj.weight",)) for p in "qkvo"]
+            out.append(Entry(hf + "post_attention_layernorm.weight", (us + "mlp_norm.weight",)))
+            out += [Entry(f"{hf}mlp.{p}_proj.weight", (f"{us}mlp.{p}_proj.weight",)) for p in ("gate", "up", "down")]
+        out.append(Entry("model.norm.weight", ("norm.weight",)))
+    else:
+        p = prefix
+        out = [Entry(p + "wte.weight", ("embed.weight",)), Entry(p + "wpe.weight", ("pos_embed.weight",))]
+        for i in range(cfg.n_layers):
+            hf, us = f"{p}h.{i}.", f"layers.{i}."
+            for leaf in ("weight", "bias"):
+                kind = "conv1d" if leaf == "weight" else "copy"
+                out.append(Entry(f"{hf}ln_1.{leaf}", (f"{us}attn_norm.{leaf}",)))
+                out.append(Entry(f"{hf}attn.c_attn.{leaf}", tuple(f"{us}attn.{x}_proj.{leaf}" for x in "qkv"), "fused"))
+                out.append(Entry(f"{hf}attn.c_proj.{leaf}", (f"{us}attn.o_proj.{leaf}",), kind))
+                out.append(Entry(f"{hf}ln_2.{leaf}", (f"{us}mlp_norm.{leaf}",)))
+                out.append(Entry(f"{hf}mlp.c_fc.{leaf}", (f"{us}mlp.up_proj.{leaf}",), kind))
+                out.append(Entry(f"{hf}mlp.c_proj.{leaf}", (f"{us}mlp.down_proj.{leaf}",), kind))
+        out += [Entry(f"{p}ln_f.{leaf}", (f"norm.{leaf}",)) for leaf in ("weight", "bias")]
+    if not cfg.tied:
+        out.append(Entry("lm_head.weight", ("output.weight",)))
+    return out
+
+
+def to_ours(entry: Entry, t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+    """The trickles tensors held in HF tensor ``t`` (``sizes``: output sizes of a fused entry)."""
+    if entry.kind == "copy":
+        return [t]
+    if entry.kind == "conv1d":
+        return [t.t()]
+    return list((t.t() if t.dim() == 2 else t).split(sizes, dim=0))
+
+
+def to_hf(entry: Entry, tensors: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of :func:`to_ours`."""
+    if entry.kind == "copy":
+        return tensors[0]
+    if entry.kind == "conv1d":
+        return tensors[0].t()
+    fused = torch.cat(tensors, dim=0)
+    return fused.t() if fused.dim() == 2 else fused
+
+
+def _hf_shape(entry: Entry, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
+    if entry.kind == "copy":
+        return shapes[0]
+    if entry.kind == "conv1d":
+        return shapes[0][::-1]
+    out = sum(s[0] for s in shapes)
+    return (shapes[0][1], out) if len(shapes[0]) == 2 else (out,)
+
+
+# ---- files -------------------------------------------------------------------------------
+
+def _tensor_index(root: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """``{tensor name: (file, shape)}`` from the files' headers (no data read)."""
+    if (root / WEIGHTS).is_file():
+        files = [root / WEIGHTS]
+        listed = None
+    elif (root / INDEX).is_file():
+        try:
+            listed = json.loads((root / INDEX).read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{root / INDEX} is not a valid safetensors index ({e!r})") from None
+        names = sorted(set(listed.values()))
+        bad = [n for n in names if Path(n).name != n]
+        if bad:
+            raise CheckpointError(f"{root / INDEX} names shard files outside the directory: {bad[:3]}")
+        files = [root / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CheckpointError(f"{root / INDEX} lists shard files that do not exist: {missing[:5]}")
+    else:
+        pickled = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
+        hint = (f" It holds {', '.join(pickled[:3])}: pickled weights, which trickles never loads. Re-save it with "
+                "model.save_pretrained(path, safe_serialization=True)") if pickled else ""
+        raise CheckpointError(f"{root} has no {WEIGHTS} or {INDEX}.{hint}")
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for k in st.keys():
+                    found[k] = (f, tuple(st.get_slice(k).get_shape()))
+        except Exception as e:
+            raise CheckpointError(f"cannot read {f}: {e}") from None
+    if listed is not None:
+        absent = [k for k, n in listed.items() if found.get(k, (None,))[0] != root / n]
+        if absent:
+            raise CheckpointError(f"{root / INDEX} places tensors in shards that do not hold them: {absent[:5]}")
+    return found
+
+
+def _as_dtype(dtype) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise ConfigError(f"dtype {dtype!r} is not a floating-point torch dtype; use e.g. 'float32' or 'bfloat16'")
+    return value
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load_hf(path, dtype=None, device="cpu") -> Transformer:
+    """Reads a Hugging Face Llama or GPT-2 directory into a :class:`Transformer`.
+
+    Parameters are ``dtype`` (default float32, whatever the file holds) on ``device``. Raises
+    CheckpointError naming the problem: no safetensors weights, an architecture or option this
+    model cannot reproduce, missing or unexpected tensors, wrong shapes.
+    """
+    root = Path(path)
+    if not (root / CONFIG).is_file():
+        raise CheckpointError(f"{root} is not a Hugging Face model directory: {root / CONFIG} does not exist")
+    try:
+        raw = json.loads((root / CONFIG).read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{root / CONFIG} is not valid JSON ({e})") from None
+    cfg = config_from_hf(raw, str(root / CONFIG))
+    found = _tensor_index(root)
+
+    prefix = "transformer."
+    if cfg.flavor == "gpt2" and "transformer.wte.weight" not in found and "wte.weight" in found:
+        prefix = ""
+    entries = weight_map(cfg, prefix)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to(dtype=_as_dtype(dtype) or torch.float32).to_empty(device=device)
+    model.reset_buffers()
+    params = dict(model.named_parameters())
+    covered = {n for e in entries for n in e.ours}
+    if covered != set(params):  # a bug in weight_map, not in the checkpoint
+        raise RuntimeError(f"weight_map does not cover the model: {sorted(covered ^ set(params))}")
+
+    expected = {e.hf for e in entries}
+    tied_head = cfg.tied and "lm_head.weight" in found
+    missing = sorted(expected - set(found))
+    unexpected = sorted(k for k in found if k not in expected and not IGNORED.search(k) and not (tied_head and k == "lm_head.weight"))
+    if missing or unexpected:
+        raise CheckpointError(f"{root} does not match its {CONFIG} ({cfg.flavor}, {cfg.n_layers} layers): "
+                              f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                              f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    for e in entries:
+        file, shape = found[e.hf]
+        want = _hf_shape(e, [tuple(params[n].shape) for n in e.ours])
+        if shape != want:
+            raise CheckpointError(f"{file}: {e.hf} has shape {list(shape)}, but {CONFIG} implies {list(want)}")
+
+    by_file: dict[Path, list[Entry]] = {}
+    for e in entries:
+        by_file.setdefault(found[e.hf][0], []).append(e)
+    with torch.no_grad():
+        for file, group in by_file.items():
+            try:
+                with safe_open(str(file), framework="pt", device="cpu") as st:
+                    for e in group:
+                        t = st.get_tensor(e.hf)
+                        if not t.is_floating_point():
+                            raise CheckpointError(f"{file}: {e.hf} is stored as {t.dtype}; only floating-point weights can be loaded")
+                        for name, value in zip(e.ours, to_ours(e, t, [params[n].shape[0] for n in e.ours])):
+                            params[name].copy_(value)
+            except UserError:
+                raise
+            except Exception as err:
+                raise CheckpointError(f"cannot read {file}: {err}") from None
+        if tied_head:
+            file = found["lm_head.weight"][0]
+            with safe_open(str(file), framework="pt", device="cpu") as st:
+                head = st.get_tensor("lm_head.weight")
+            if head.shape != model.embed.weight.shape or not torch.equal(head.to(model.embed.weight), model.embed.weight):
+                raise CheckpointError(f"{root}: tie_word_embeddings is true but lm_head.weight differs from the "
+                                      "token embedding; set tie_word_embeddings to false in config.json")
+    model.hf_token_ids = {k: raw.get(k) for k in TOKEN_IDS}
+    return model
+
+
+def save_hf(model: Transformer, path, dtype=None) -> Path:
+    """Writes ``model`` as a Hugging Face directory (``config.json`` + ``model.safetensors``).
+
+    ``dtype`` defaults to the parameters' dtype. A new ``path`` is created by renaming a finished
+    temporary directory; in an existing directory each file is replaced by rename, other files
+    (a tokenizer, say) are kept and stale sharded weights are removed. Returns ``path``.
+    """
+    cfg = model.cfg
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory; choose another path")
+    dtype = _as_dtype(dtype) or model.embed.weight.dtype
+    config = config_to_hf(cfg, dtype, getattr(model, "hf_token_ids", None))
+    state = model.state_dict()
+    tensors = {}
+    for e in weight_map(cfg):
+        absent = [n for n in e.ours if n not in state]
+        if absent:
+            raise CheckpointError(f"cannot export: the model has no {absent[:3]}; save the full, unparallelized model")
+        tensors[e.hf] = to_hf(e, [state[n].detach() for n in e.ours]).to(device="cpu", dtype=dtype).contiguous()
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        (tmp / CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for name in (WEIGHTS, CONFIG):
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        if not target.exists():
+            os.replace(tmp, target)
+            return target
+        for name in (WEIGHTS, CONFIG):
+            os.replace(tmp / name, target / name)
+        _remove_stale_shards(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _remove_stale_shards(root: Path) -> None:
+    """Deletes a sharded checkpoint left from an earlier save, so only one set of weights remains."""
+    index = root / INDEX
+    if not index.is_file():
+        return
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        shards = set()
+    for name in shards:
+        if isinstance(name, str) and Path(name).name == name and name.endswith(".safetensors") and name != WEIGHTS:
+            (root / name).unlink(missing_ok=True)
+    index.unlink()

@@ -1,0 +1,293 @@
+"""A single-device decoder-only transformer in two flavours.
+
+``llama``: RMSNorm, rotary position embeddings (rotate-half convention), SwiGLU MLP
+``down(silu(gate(x)) * up(x))``, grouped-query attention, no biases, untied output by default.
+``gpt2``: LayerNorm, learned absolute positions, GELU (tanh) MLP ``down(gelu(up(x)))``,
+biases everywhere, output projection tied to the token embedding.
+
+Both are pre-norm: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``. Attention runs through
+``torch.nn.functional.scaled_dot_product_attention`` (causal), so the fused flash / memory-
+efficient kernels are used where the device has them.
+
+This file knows nothing about parallelism. The parallel plans replace its linears and split its
+layers from the outside; to make that possible, modules read head counts from their weights'
+shapes at run time, and layers live in a ``ModuleDict`` keyed by their global index so a stage
+that holds layers 4..7 still names them ``layers.4`` ... ``layers.7``.
+
+Initialization is a pure function of (seed, parameter name, shape): see :func:`initial_value`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, with the statistics in fp32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.flavor == "llama":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+
+
+def rope_tables(head_dim: int, length: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape ``[length, head_dim]`` (each frequency repeated for both halves)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    pos = torch.arange(length, dtype=torch.float32, device=device)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates ``x [B, T, H, D]`` by position: ``x*cos + rotate_half(x)*sin`` (``cos, sin: [T, D]``)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    cos = cos[:, None, :].to(x.dtype)
+    sin = sin[:, None, :].to(x.dtype)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Pre-allocated keys and values for incremental decoding, ``[B, H_kv, max_len, D]`` per layer."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len = max_len
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Writes ``k, v [B, H_kv, T, D]`` at positions ``start..start+T`` and returns everything so far."""
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; generation reached {end}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with grouped-query key/value heads.
+
+    ``q_proj: d -> H*D``, ``k_proj, v_proj: d -> H_kv*D``, ``o_proj: H*D -> d``. Head counts are
+    read from the projection shapes at run time, so a tensor-parallel plan can hand this module
+    a slice of the heads.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        bias = cfg.flavor == "gpt2"
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
+        """Scores, softmax, dropout and the weighted sum: ``[B, H, T, D]`` in, ``[B, H, T, D]`` out.
+
+        ``causal_offset`` is the position of the first query (None: queries and keys start
+        together, plain causal mask).
+        """
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        p = self.dropout if self.training else 0.0
+        if causal_offset is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        t_q, t_k = q.shape[2], k.shape[2]
+        if t_q == 1:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
+        qpos = torch.arange(causal_offset, causal_offset + t_q, device=q.device)[:, None]
+        mask = torch.arange(t_k, device=q.device)[None, :] <= qpos
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+
+    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        offset = None
+        if cache is not None:
+            k, v = cache.update(self.layer_id, start, k, v)
+            offset = start
+        y = self.core(q, k, v, offset)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.resid_drop(self.o_proj(y))
+
+
+class MLP(nn.Module):
+    """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        bias = cfg.flavor == "gpt2"
+        self.gated = cfg.flavor == "llama"
+        if self.gated:
+            self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=bias)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=bias)
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        if self.gated:
+            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            h = F.gelu(self.up_proj(x), approximate="tanh")
+        return self.resid_drop(self.down_proj(h))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``h = x + attn(attn_norm(x)); y = h + mlp(mlp_norm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg, layer_id)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0):
+        h = x + self.attn(self.attn_norm(x), rope, cache, start)
+        return h + self.mlp(self.mlp_norm(h))
+
+
+class Transformer(nn.Module):
+    """Token ids ``[B, T]`` in, logits ``[B, T, vocab]`` out."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size is None or cfg.max_seq_len is None:
+            raise ValueError("resolve model.vocab_size and model.max_seq_len before building (trickles.config.resolve_model)")
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.flavor == "gpt2" else None
+        self.embed_drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        self.norm = make_norm(cfg)
+        self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tied:
+            self.output.weight = self.embed.weight
+        if cfg.flavor == "llama":
+            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        t = tokens.shape[1]
+        if start + t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + t} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
+        h = self.embed(tokens)
+        rope = None
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(torch.arange(start, start + t, device=tokens.device))
+        else:
+            rope = (self.rope_cos[start:start + t], self.rope_sin[start:start + t])
+        h = self.embed_drop(h)
+        for block in self.layers.values():
+            h = block(h, rope, cache, start)
+        return self.output(self.norm(h))
+
+    # ---- initialization -------------------------------------------------------------------
+    def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
+        """Allocates uninitialized storage on ``device``, keeping a tied output projection tied."""
+        super().to_empty(device=device, recurse=recurse)
+        if self.cfg.tied:
+            self.output.weight = self.embed.weight
+        return self
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Sets every parameter to :func:`initial_value` and recomputes the rotary tables.
+
+        Works on a model built on the meta device after ``to_empty``.
+        """
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
+        self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        if self.rope_cos is not None:
+            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+        p = self.output.weight
+        return KVCache(self.cfg.n_layers, batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit seed derived from the run seed and a parameter's name (stable across processes)."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full initial value of parameter ``name`` (fp32, CPU), independent of any layout.
+
+    Norm weights are one, biases zero, other weights ``N(0, init_std)``; the projections that
+    write into the residual stream (``o_proj``, ``down_proj``) use ``init_std / sqrt(2 n_layers)``
+    (GPT-2). A parallel plan that holds a slice of a parameter computes this and keeps its slice.
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name:
+        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+    if leaf == "bias":
+        return torch.zeros(shape)
+    std = cfg.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    g = torch.Generator().manual_seed(param_seed(seed, name))
+    return torch.empty(shape).normal_(0.0, std, generator=g)
+
+
+def build_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Transformer:
+    """Builds on the meta device, allocates on ``device`` and initializes from ``seed``."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
+
+
+def count_params(model: nn.Module, embeddings: bool = True) -> int:
+    """Parameters (shared ones once); ``embeddings=False`` leaves out the token and position tables."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if not embeddings and ("embed" in name) and "output" not in name:
+            continue
+        total += p.numel()
+    return total

@@ -1,0 +1,230 @@
+"""Who is who: parallel degrees, the device mesh, and the process group of each dimension.
+
+Ranks are laid out on a 4-D mesh ``(pp, dp, cp, tp)``, outermost first:
+
+    rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
+
+so the ranks of one tensor-parallel group are adjacent (same node, fastest links) and pipeline
+stages are furthest apart. Expert parallelism does not add ranks: the ``ep`` groups are blocks
+of ``ep`` consecutive ranks among the ``dp x cp`` ranks that share a (pp, tp) coordinate.
+
+:class:`ParallelDims` is checked before anything starts; :meth:`ParallelDims.build` creates
+the ``DeviceMesh`` and returns a :class:`Topology`, the one object every component receives to
+find its groups. There is no module-level group state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .comm import CommLedger, GroupComm
+from .errors import ConfigError
+
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallel dimension; ``dp * pp * cp * tp`` is the world size."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def infer(cls, world_size: int, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "ParallelDims":
+        """Fills ``dp=-1`` with what the world size leaves after tp, pp and cp."""
+        for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
+            if v < 1:
+                raise ConfigError(f"parallel.{name} must be at least 1, got {v}")
+        if dp == -1:
+            rest = tp * pp * cp
+            if world_size % rest:
+                raise ConfigError(
+                    f"{world_size} processes cannot be split into parallel.tp x pp x cp = {tp} x {pp} x {cp} = {rest}; "
+                    f"launch a multiple of {rest} processes or change parallel.tp/pp/cp")
+            dp = world_size // rest
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def validate(self, world_size: int) -> None:
+        """Raises ConfigError saying which number to change."""
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, int) or v < 1:
+                raise ConfigError(f"parallel.{f.name} must be a positive integer, got {v!r}")
+        if self.world_size != world_size:
+            raise ConfigError(
+                f"parallel.dp x tp x pp x cp = {self.dp} x {self.tp} x {self.pp} x {self.cp} = {self.world_size}, "
+                f"but there are {world_size} processes; launch {self.world_size} processes (--nproc {self.world_size}) "
+                f"or change the degrees (parallel.dp=-1 fills the rest)")
+        if (self.dp * self.cp) % self.ep:
+            divisors = [d for d in range(1, self.dp * self.cp + 1) if (self.dp * self.cp) % d == 0]
+            raise ConfigError(
+                f"parallel.ep ({self.ep}) must divide parallel.dp x parallel.cp ({self.dp * self.cp}), the ranks experts are "
+                f"spread over; set parallel.ep to one of {divisors}")
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Mesh coordinates of a global rank, e.g. ``{"pp": 0, "dp": 1, "cp": 0, "tp": 1, "ep": 1}``."""
+        out, r = {}, rank
+        for name in reversed(MESH_DIMS):
+            size = getattr(self, name)
+            out[name] = r % size
+            r //= size
+        out["ep"] = (out["dp"] * self.cp + out["cp"]) % self.ep
+        return {k: out[k] for k in (*MESH_DIMS, "ep")}
+
+    def build(self, device: torch.device | None = None) -> "Topology":
+        """Creates the mesh and groups (the default process group must exist unless world size is 1)."""
+        device = device or select_device()
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        self.validate(world)
+        if world == 1:
+            return Topology(self, None, device, {})
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = tuple(getattr(self, n) for n in MESH_DIMS)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+        groups = {n: mesh.get_group(n) for n in MESH_DIMS}
+        groups["ep"] = self._ep_group(dist.get_rank())
+        return Topology(self, mesh, device, groups)
+
+    def _ep_group(self, rank: int):
+        """Expert groups: blocks of ``ep`` among the dp x cp ranks sharing (pp, tp); every rank creates all."""
+        if self.ep == 1:
+            return None
+        mine = None
+        for pp_i in range(self.pp):
+            for tp_i in range(self.tp):
+                members = [((pp_i * self.dp + d) * self.cp + c) * self.tp + tp_i for d in range(self.dp) for c in range(self.cp)]
+                for start in range(0, len(members), self.ep):
+                    block = members[start:start + self.ep]
+                    g = dist.new_group(block)
+                    if rank in block:
+                        mine = g
+        return mine
+
+
+class Topology:
+    """The built layout: this rank's coordinates, device, and one :class:`GroupComm` per dimension."""
+
+    def __init__(self, dims: ParallelDims, mesh, device: torch.device, groups: dict):
+        self.dims = dims
+        self.mesh = mesh
+        self.device = device
+        self.ledger = CommLedger()
+        self.rank = dist.get_rank() if mesh is not None else 0
+        self.world_size = dims.world_size
+        self.coords = dims.coords(self.rank)
+        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep")}
+        self._comms["world"] = GroupComm("world", dist.group.WORLD if mesh is not None else None, self.ledger)
+
+    def comm(self, name: str) -> GroupComm:
+        """The communicator of dimension ``name`` (``dp``, ``tp``, ``pp``, ``cp``, ``ep`` or ``world``)."""
+        return self._comms[name]
+
+    def size(self, name: str) -> int:
+        return self._comms[name].size
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        c = ", ".join(f"{k}={v}/{self.size(k)}" for k, v in self.coords.items())
+        return f"Topology(rank={self.rank}, {c}, device={self.device})"
+
+
+# ---- process setup -------------------------------------------------------------------------
+
+def select_device(preference: str = "auto") -> torch.device:
+    """``cuda:LOCAL_RANK`` when CUDA is available (or asked for), else CPU."""
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("train.device asks for CUDA, but torch.cuda.is_available() is false; use train.device=auto or cpu")
+    if preference.startswith("cuda:"):
+        return torch.device(preference)
+    return torch.device("cuda", local % torch.cuda.device_count())
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def env_world_size() -> int:
+    """World size from the launcher's environment (torchrun or ours); 1 when not launched."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(device: torch.device, timeout_s: float | None = None) -> bool:
+    """Joins the default process group described by the environment; False when single-process.
+
+    Under torchrun, rendezvous is ``env://`` (MASTER_ADDR/MASTER_PORT, rank 0 hosts the store).
+    Under ``trickles.launch`` the launcher already hosts a TCP store on an ephemeral port
+    (``TRICKLES_AGENT_STORE=1``), and every rank joins it as a client.
+    """
+    world = env_world_size()
+    if world == 1 or dist.is_initialized():
+        return dist.is_initialized()
+    rank = int(os.environ["RANK"])
+    kwargs = {}
+    if timeout_s is not None:
+        kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        kwargs["device_id"] = device
+    if os.environ.get("TRICKLES_AGENT_STORE") == "1":
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                              timeout=kwargs.get("timeout", datetime.timedelta(seconds=300)))
+        prefix = f"attempt{os.environ.get('TRICKLES_RESTART', '0')}"
+        dist.init_process_group(backend_for(device), store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, **kwargs)
+    else:
+        dist.init_process_group(backend_for(device), rank=rank, world_size=world, **kwargs)
+    return True
+
+
+def shutdown_distributed() -> None:
+    """Clean teardown: barrier, collect garbage, destroy the group (see DESIGN.md's gloo note)."""
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
+
+
+def exit_process(code: int) -> None:
+    """Flushes output and leaves without running interpreter teardown (which can abort after gloo)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+@contextmanager
+def distributed_session(dims: ParallelDims | None = None, device: str | torch.device = "auto", timeout_s: float | None = None):
+    """Initializes the process group from the environment, yields a :class:`Topology`, tears down cleanly.
+
+    On an exception the group is left for the launcher to tear down (a barrier could hang).
+    """
+    dev = device if isinstance(device, torch.device) else select_device(device)
+    init_distributed(dev, timeout_s)
+    dims = dims or ParallelDims(dp=env_world_size())
+    topo = dims.build(dev)
+    yield topo
+    del topo
+    shutdown_distributed()

@@ -1,0 +1,1 @@
+"""Training: the loop (trainer.py), checkpoints, metrics, FLOPs, and the entry points (run.py)."""

@@ -1,0 +1,64 @@
+"""The ``[train]`` section: steps, batch, optimizer, schedule, logging and checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..options import opt
+
+
+@dataclass
+class TrainConfig:
+    """Optimization and bookkeeping (the ``[train]`` section)."""
+
+    steps: int = opt(250, "optimizer steps to run")
+    seed: int = opt(1234, "seed for initialization, data order and dropout")
+    global_batch: int = opt(16, "sequences per optimizer step, summed over data-parallel ranks and accumulation micro-steps")
+    micro_batch: int | None = opt(None, "sequences per forward/backward on one rank (none: global_batch / dp, no accumulation)")
+    lr: float = opt(2e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
+    warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay (not applied to norms, biases and embeddings' positions)")
+    beta1: float = opt(0.9, "AdamW first-moment decay")
+    beta2: float = opt(0.95, "AdamW second-moment decay")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
+    eval_every: int = opt(50, "evaluate on held-out data every N steps (0: never; the last step always evaluates when >0)")
+    eval_batches: int = opt(4, "held-out batches of global_batch sequences per evaluation")
+    checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
+    out_dir: str = opt("runs/demo", "directory for metrics, plots, samples and checkpoints")
+    compile: bool = opt(False, "compile each transformer block with torch.compile")
+    device: str = opt("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, or cuda")
+    tensorboard: bool = opt(False, "also write TensorBoard event files to <out_dir>/tb")
+    plot: bool = opt(True, "draw <out_dir>/loss.png at the end (needs matplotlib)")
+    sample_tokens: int = opt(200, "tokens to generate from the final model at the end (0: none)")
+    sample_prompt: str = opt("def ", "prompt of the final sample")
+    sample_temperature: float = opt(0.8, "temperature of the final sample")
+    sample_top_k: int = opt(40, "top-k of the final sample (0: off)")
+
+    def validate(self) -> None:
+        for key in ("steps", "global_batch"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"train.{key} must be at least 1, got {getattr(self, key)}")
+        if self.micro_batch is not None and self.micro_batch < 1:
+            raise ConfigError(f"train.micro_batch must be at least 1 or none, got {self.micro_batch}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be positive, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "sample_tokens", "sample_top_k"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"train.{key} must not be negative, got {getattr(self, key)}")
+        if self.keep_checkpoints < 1:
+            raise ConfigError(f"train.keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
+        if self.grad_clip < 0 or self.weight_decay < 0 or self.eps <= 0:
+            raise ConfigError("train.grad_clip and train.weight_decay must not be negative and train.eps must be positive")
+        for key in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"train.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if self.sample_temperature < 0:
+            raise ConfigError(f"train.sample_temperature must not be negative, got {self.sample_temperature}")

@@ -1,0 +1,49 @@
+"""Model FLOPs per token and device peaks, for achieved FLOP/s and MFU.
+
+Training FLOPs per token (PaLM, appendix B): ``6 N + 12 L d T``, with ``N`` the parameters
+taking part in matrix multiplies (attention and MLP projections and the output head; the
+embedding lookup is free) and ``12 L d T`` the attention scores and weighted sums over a
+sequence of ``T`` (forward ``4 L d T``, backward twice that). MFU is achieved model FLOP/s over
+the devices' dense peak.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.config import ModelConfig
+
+# Dense peak FLOP/s per device by (name fragment, precision); fp32 means TF32 tensor cores.
+PEAKS = [
+    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),
+    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),
+    ("H800", {"bf16": 989.4e12, "fp16": 989.4e12, "fp32": 494.7e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),
+    ("A800", {"bf16": 312e12, "fp16": 312e12, "fp32": 156e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "fp32": 183e12}),
+    ("L4", {"bf16": 121e12, "fp16": 121e12, "fp32": 60e12}),
+    ("A10", {"bf16": 125e12, "fp16": 125e12, "fp32": 62.5e12}),
+]
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
+    attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2
+    mlp = (3 if cfg.flavor == "llama" else 2) * d * cfg.ffn_dim
+    return L * (attn + mlp) + d * (cfg.vocab_size or 0)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs (forward + backward) per token."""
+    return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """Dense peak of one device at ``precision``, or None when unknown (e.g. a CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, peaks in PEAKS:
+        if fragment in name:
+            return peaks.get(precision)
+    return None

@@ -1,0 +1,82 @@
+"""Where training numbers go: ``metrics.jsonl``, optional TensorBoard, and the loss-curve PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``<out_dir>/metrics.jsonl`` (and TensorBoard if asked)."""
+
+    def __init__(self, out_dir: str, resume_step: int | None = None, tensorboard: bool = False):
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        os.makedirs(out_dir, exist_ok=True)
+        if resume_step is None:
+            open(self.path, "w").close()
+        else:
+            self._truncate_after(resume_step)
+        self._file = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise ImportError("train.tensorboard=true needs the tensorboard package: pip install 'trickles[tensorboard]'") from e
+            self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
+
+    def _truncate_after(self, step: int) -> None:
+        """Drops records of steps after ``step`` (written after the checkpoint we resume from)."""
+        if not os.path.exists(self.path):
+            return
+        keep = [line for line in open(self.path) if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(self.path, "w") as f:
+            f.writelines(keep)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
+                    self._tb.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(metrics_path: str, png_path: str) -> bool:
+    """Draws training (and validation) loss against step; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    records = read_metrics(metrics_path)
+    steps = [r["step"] for r in records if "loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
+    ax.plot(steps, [r["loss"] for r in records if "loss" in r], label="train", linewidth=1)
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return True

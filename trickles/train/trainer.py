@@ -1,0 +1,255 @@
+"""The training loop, assembled from the public pieces a user could call directly.
+
+One optimizer step (``Trainer.train_step``):
+
+1. the step's global batch is samples ``consumed .. consumed + global_batch`` (a pure function
+   of seed and position); this data-parallel rank takes its ``global_batch / dp`` rows and cuts
+   them into ``accumulation`` micro-batches;
+2. each micro-batch runs forward (under the precision policy) and backward on
+   ``loss / accumulation``, so the summed gradient is that of the mean loss;
+3. gradients are averaged over the data-parallel group, clipped to ``grad_clip`` by global norm,
+   and AdamW steps with the scheduled learning rate.
+
+The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows a progress bar,
+saves checkpoints and, at the end, draws the loss curve and prints a generated sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import Config
+from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
+from ..data.sources import iter_documents
+from ..errors import CheckpointError
+from ..memory.precision import autocast
+from ..models.config import ModelConfig, resolve_model
+from ..models.generate import generate
+from ..models.transformer import build_model, count_params
+from ..optim import build_adamw, lr_at
+from ..parallel.data import average_gradients
+from ..topology import Topology
+from . import checkpoint as ckpt
+from .flops import flops_per_token, peak_flops
+from .metrics import MetricsLog, plot_loss
+
+
+class Trainer:
+    """Builds data, model and optimizer for ``cfg`` on ``topo`` and trains them."""
+
+    def __init__(self, cfg: Config, topo: Topology, quiet: bool = False):
+        self.cfg, self.topo = cfg, topo
+        self.quiet = quiet or not topo.is_main
+        self.device = topo.device
+        t = cfg.train
+        self.micro_batch, self.accumulation = cfg.batch_plan(topo.dims.dp)
+        self.dp = topo.comm("dp")
+        torch.manual_seed(t.seed)
+
+        # Data: rank 0 trains/tokenizes into the cache first, the others then read it.
+        world = topo.comm("world")
+        if not topo.is_main:
+            world.barrier()
+        self.tokenizer = build_tokenizer(cfg.data, documents=lambda: iter_documents(cfg.data))
+        self.corpus = load_corpus(cfg.data, self.tokenizer, cfg.data.cache_dir)
+        if topo.is_main:
+            world.barrier()
+        seq = cfg.data.seq_len
+        self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size)
+        self.val_data = ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size) if len(self.corpus.val) > seq else None
+
+        # Model and optimizer.
+        self.model_cfg: ModelConfig = resolve_model(cfg.model, self.tokenizer.vocab_size, seq)
+        self.model = build_model(self.model_cfg, t.seed, self.device)
+        if t.compile:
+            for block in self.model.layers.values():
+                block.compile()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.names = {id(p): n for n, p in self.model.named_parameters()}
+        self.optimizer = build_adamw(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
+
+        self.step = 0
+        self.consumed = 0
+        self.flops_per_token = flops_per_token(self.model_cfg, seq)
+        self.peak = peak_flops(self.device, cfg.memory.precision)
+        self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
+        self.history: list[dict[str, Any]] = []
+
+    # ---- one step ------------------------------------------------------------------------
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.device, non_blocking=True)
+        y = y.to(self.device, non_blocking=True)
+        with autocast(self.cfg.memory.precision, self.device):
+            logits = self.model(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+    def train_step(self) -> dict[str, Any]:
+        """Runs one optimizer step on the next global batch; returns its metrics."""
+        t = self.cfg.train
+        start = time.perf_counter()
+        lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        total = torch.zeros((), device=self.device)
+        for x, y in self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch):
+            loss = self._loss(x, y)
+            (loss / self.accumulation).backward()
+            total += loss.detach()
+        average_gradients(self.params, self.dp)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf, foreach=True)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.dp.all_reduce(total / self.accumulation, op="mean")
+        loss_value = loss.item()
+        elapsed = time.perf_counter() - start
+        self.step += 1
+        self.consumed += t.global_batch
+        tokens = t.global_batch * self.cfg.data.seq_len
+        flops = self.flops_per_token * tokens / elapsed
+        return {
+            "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+            "tokens_per_s": tokens / elapsed, "flops_per_s": flops,
+            "mfu": flops / (self.peak * self.topo.world_size) if self.peak else None,
+            "step_time": elapsed, "consumed_samples": self.consumed,
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean loss over ``eval_batches`` held-out batches (None when there is no held-out data)."""
+        if self.val_data is None:
+            return None
+        t = self.cfg.train
+        self.model.eval()
+        total, count = torch.zeros((), device=self.device), 0
+        for i in range(t.eval_batches):
+            for x, y in self.val_data.val_micro_batches(i, t.global_batch, self.micro_batch):
+                total += self._loss(x, y)
+                count += 1
+        self.model.train()
+        return self.dp.all_reduce(total / max(count, 1), op="mean").item()
+
+    # ---- the loop ------------------------------------------------------------------------
+    def fit(self) -> list[dict[str, Any]]:
+        """Trains until ``train.steps``; returns the per-step metrics of this call."""
+        from tqdm import tqdm
+
+        t = self.cfg.train
+        log = MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard) if self.topo.is_main else None
+        if not self.quiet:
+            n = count_params(self.model)
+            print(f"[trickles] {self.model_cfg.flavor} model, {n / 1e6:.2f}M parameters, {self.topo.world_size} rank(s) "
+                  f"(dp={self.topo.dims.dp}), batch {t.global_batch}x{self.cfg.data.seq_len} "
+                  f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}")
+        bar = tqdm(total=t.steps, initial=self.step, disable=self.quiet, desc="train", unit="step", dynamic_ncols=True)
+        while self.step < t.steps:
+            record = self.train_step()
+            last = self.step == t.steps
+            if t.eval_every and (self.step % t.eval_every == 0 or last):
+                record["val_loss"] = self.evaluate()
+            self.history.append(record)
+            if log is not None:
+                log.write(record)
+            bar.update(1)
+            post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
+            post["mfu" if record["mfu"] is not None else "GFLOP/s"] = (
+                f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else f"{record['flops_per_s'] / 1e9:.1f}")
+            if record.get("val_loss") is not None:
+                post["val"] = f"{record['val_loss']:.3f}"
+            bar.set_postfix(post, refresh=False)
+            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
+                self.save_checkpoint()
+        bar.close()
+        if log is not None:
+            log.close()
+            if t.plot and plot_loss(log.path, os.path.join(t.out_dir, "loss.png")) and not self.quiet:
+                print(f"[trickles] loss curve: {os.path.join(t.out_dir, 'loss.png')}")
+        if t.sample_tokens and self.topo.is_main:
+            text = self.sample(t.sample_prompt, t.sample_tokens)
+            with open(os.path.join(t.out_dir, "sample.txt"), "w") as f:
+                f.write(text)
+            if not self.quiet:
+                print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
+        return self.history
+
+    def sample(self, prompt: str, n_tokens: int) -> str:
+        """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``)."""
+        t = self.cfg.train
+        ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
+        g = torch.Generator(device=self.device).manual_seed(t.seed)
+        with autocast(self.cfg.memory.precision, self.device):
+            new = generate(self.model, torch.tensor([ids], device=self.device), n_tokens, t.sample_temperature, t.sample_top_k,
+                           eos_id=self.tokenizer.eos_id, generator=g)
+        return prompt + self.tokenizer.decode(new[0].tolist())
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self) -> str | None:
+        """Writes ``<out_dir>/checkpoints/step_N`` atomically; returns its path on rank 0."""
+        world = self.topo.comm("world")
+        rng = _gather_objects(ckpt.rng_state(), self.topo)
+        if not self.topo.is_main:
+            world.barrier()
+            return None
+        tmp = ckpt.begin(self.ckpt_dir, self.step)
+        ckpt.save_tensors(ckpt.unique_state(self.model), os.path.join(tmp, "model.safetensors"))
+        ckpt.save_tensors(ckpt.optimizer_tensors(self.optimizer, self.names), os.path.join(tmp, "optimizer.safetensors"))
+        self.tokenizer.save(os.path.join(tmp, "tokenizer"))
+        ckpt.write_json(os.path.join(tmp, "trainer.json"), {
+            "step": self.step, "consumed_samples": self.consumed, "world_size": self.topo.world_size,
+            "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
+        })
+        final = ckpt.commit(tmp, self.cfg.train.keep_checkpoints)
+        world.barrier()
+        return final
+
+    def load_checkpoint(self, path: str, verify: bool = True) -> None:
+        """Restores model, optimizer, position and RNG from ``path`` (a step_N directory)."""
+        if verify:
+            ckpt.verify(path)
+        meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+        saved = meta.get("model", {})
+        mine = dataclasses.asdict(self.model_cfg)
+        diff = sorted(k for k in mine if k != "preset" and saved.get(k) != mine[k])
+        if diff:
+            detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
+            raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
+        ckpt.load_model_state(self.model, ckpt.load_tensors(os.path.join(path, "model.safetensors"), self.device), path)
+        ckpt.load_optimizer_tensors(self.optimizer, self.names, ckpt.load_tensors(os.path.join(path, "optimizer.safetensors"), self.device), path)
+        self.step = int(meta["step"])
+        self.consumed = int(meta["consumed_samples"])
+        rng = meta.get("rng") or []
+        if rng:
+            ckpt.set_rng_state(rng[self.topo.rank % len(rng)])
+
+
+def _gather_objects(obj: Any, topo: Topology) -> list[Any]:
+    if topo.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def load_for_inference(path: str, device: torch.device | str = "cpu"):
+    """``(model, tokenizer, trainer_meta)`` from a checkpoint directory, run's out_dir or checkpoints folder."""
+    path = ckpt.resolve(path)
+    ckpt.verify(path)
+    meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+    model_cfg = ModelConfig(**meta["model"])
+    with torch.device("meta"):
+        from ..models.transformer import Transformer
+
+        model = Transformer(model_cfg)
+    model.to_empty(device=device)
+    model.reset_buffers()
+    ckpt.load_model_state(model, ckpt.load_tensors(os.path.join(path, "model.safetensors"), device), path)
+    model.eval()
+    return model, load_tokenizer(os.path.join(path, "tokenizer")), meta
