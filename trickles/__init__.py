@@ -1,0 +1,28 @@
+"""trickles: train and serve large transformer models on the hardware you have.
+
+The public API (everything the CLI uses is reachable from here):
+
+    from trickles import Config, Trainer, ParallelDims, distributed_session, run_training
+    cfg = Config.load("examples/demo.toml", ["train.steps=50"])
+    run_training(cfg)                                  # or, step by step:
+    with distributed_session(cfg.validate(1)) as topo:
+        trainer = Trainer(cfg, topo)
+        loss = trainer.train_step()["loss"]
+"""
+
+from .comm import CommLedger, GroupComm
+from .config import Config
+from .errors import CheckpointError, ConfigError, DataError, UserError
+from .launch import launch
+from .models import ModelConfig, Transformer, build_model, load_hf, save_hf
+from .topology import ParallelDims, Topology, distributed_session
+from .train.run import run_training
+from .train.trainer import Trainer, load_for_inference
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CommLedger", "GroupComm", "Config", "CheckpointError", "ConfigError", "DataError", "UserError", "launch",
+    "ModelConfig", "Transformer", "build_model", "load_hf", "save_hf", "ParallelDims", "Topology",
+    "distributed_session", "run_training", "Trainer", "load_for_inference",
+]

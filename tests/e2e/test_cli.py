@@ -134,3 +134,16 @@ def test_fresh_run_into_a_used_out_dir_is_refused(finished_run):
     tmp, _ = finished_run
     r = trickles(*run_args(tmp))
     _one_line_error(r, "already holds checkpoints (newest: step 6); continue with --resume auto")
+
+
+def test_same_job_under_torchrun(tmp_path):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trickles",
+           *run_args(tmp_path, "--quiet", "--set", "train.sample_tokens=0", steps=3)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    ours = trickles(*run_args(tmp_path / "local", "--nproc", "2", "--quiet", "--set", "train.sample_tokens=0", steps=3))
+    assert ours.returncode == 0, ours.stderr
+    a = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(x)["loss"] for x in (tmp_path / "local" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert a == b  # the launcher and torchrun run the identical job

@@ -28,6 +28,9 @@ from torch import nn
 
 from .config import ModelConfig
 
+# ``enable_gqa`` arrived in torch 2.5; older versions repeat the key/value heads instead.
+_SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
 
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, with the statistics in fp32."""
@@ -110,14 +113,20 @@ class Attention(nn.Module):
         ``causal_offset`` is the position of the first query (None: queries and keys start
         together, plain causal mask).
         """
+        p = self.dropout if self.training else 0.0
         rep = q.shape[1] // k.shape[1]
+        t_q = q.shape[2]
+        if _SDPA_GQA and (causal_offset is None or t_q == 1):
+            # No mask: SDPA shares each key/value head among its ``rep`` query heads itself, so
+            # neither k/v copies nor their reduction in backward are materialized.
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal_offset is None,
+                                                  enable_gqa=rep > 1)
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        p = self.dropout if self.training else 0.0
         if causal_offset is None:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        t_q, t_k = q.shape[2], k.shape[2]
+        t_k = k.shape[2]
         if t_q == 1:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p)
         qpos = torch.arange(causal_offset, causal_offset + t_q, device=q.device)[:, None]

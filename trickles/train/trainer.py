@@ -183,7 +183,7 @@ class Trainer:
         t = self.cfg.train
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
         g = torch.Generator(device=self.device).manual_seed(t.seed)
-        with autocast(self.cfg.memory.precision, self.device):
+        with autocast(self.cfg.memory.precision, self.device), _eager():
             new = generate(self.model, torch.tensor([ids], device=self.device), n_tokens, t.sample_temperature, t.sample_top_k,
                            eos_id=self.tokenizer.eos_id, generator=g)
         return prompt + self.tokenizer.decode(new[0].tolist())
@@ -226,6 +226,14 @@ class Trainer:
         rng = meta.get("rng") or []
         if rng:
             ckpt.set_rng_state(rng[self.topo.rank % len(rng)])
+
+
+def _eager():
+    """Runs compiled blocks eagerly (decoding shapes would only trigger recompilation)."""
+    import contextlib
+
+    stance = getattr(torch.compiler, "set_stance", None)
+    return stance("force_eager") if stance is not None else contextlib.nullcontext()
 
 
 def _gather_objects(obj: Any, topo: Topology) -> list[Any]:
