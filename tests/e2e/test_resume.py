@@ -48,3 +48,20 @@ def test_keeps_last_k_and_ignores_incomplete(tmp_path):
     with open(os.path.join(d, "step_000003", "model.safetensors"), "r+b") as f:
         f.truncate(100)
     assert ckpt.find_latest(d).endswith("step_000002")  # damaged newest is skipped
+
+
+def test_metrics_file_tensorboard_and_plot(tmp_path):
+    import json
+
+    from trickles.train.metrics import read_metrics
+
+    cfg = tiny_config(tmp_path, "train.tensorboard=true", "train.plot=true", "train.eval_every=2", steps=4)
+    trainer = Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=True)
+    trainer.fit()
+    out = cfg.train.out_dir
+    records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert records[1]["val_loss"] is not None and "val_loss" not in records[0]
+    assert json.loads(json.dumps(records[0]))["tokens_per_s"] > 0
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb")))
+    assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
