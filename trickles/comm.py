@@ -308,112 +308,68 @@ def _chunk(x: torch.Tensor, comm: GroupComm, dim: int) -> torch.Tensor:
     return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
 
 
-class _CopyToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return x.view_as(x)
+class _Conjugate(torch.autograd.Function):
+    """``y = forward(x)``; in backward ``dx = backward(dy)``: one collective each way."""
 
     @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_reduce(g.contiguous().clone()), None
-
-
-class _ReduceFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        return comm.all_reduce(x.contiguous().clone())
+    def forward(ctx, x, forward, backward):
+        ctx.backward_fn = backward
+        return forward(x)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return ctx.backward_fn(g.contiguous()), None, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return _chunk(x, comm, dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_gather(g, dim=ctx.dim), None, None
-
-
-class _GatherFromRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return comm.all_gather(x, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _chunk(g, ctx.comm, ctx.dim), None, None
-
-
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return comm.all_gather(x, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.reduce_scatter(g, dim=ctx.dim), None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, dim):
-        ctx.comm, ctx.dim = comm, dim
-        return comm.reduce_scatter(x, dim=dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_gather(g, dim=ctx.dim), None, None
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm, scatter_dim, gather_dim):
-        ctx.comm, ctx.s, ctx.g = comm, scatter_dim, gather_dim
-        return comm.all_to_all(x, scatter_dim, gather_dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.comm.all_to_all(g, ctx.g, ctx.s), None, None, None
+def _all_reduced(comm: GroupComm) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda t: comm.all_reduce(t.clone())
 
 
 def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     """Identity forward, all-reduce backward (entry of a column-parallel region)."""
-    return x if comm.size == 1 else _CopyToRegion.apply(x, comm)
+    return x if comm.size == 1 else _Conjugate.apply(x, lambda t: t.view_as(t), _all_reduced(comm))
 
 
 def reduce_from_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
     """All-reduce forward, identity backward (exit of a row-parallel region)."""
-    return x if comm.size == 1 else _ReduceFromRegion.apply(x, comm)
+    return x if comm.size == 1 else _Conjugate.apply(x.contiguous(), _all_reduced(comm), lambda g: g)
 
 
 def scatter_to_region(x: torch.Tensor, comm: GroupComm, dim: int = -1) -> torch.Tensor:
     """Keep this rank's chunk of ``dim`` forward, all-gather backward."""
-    return x if comm.size == 1 else _ScatterToRegion.apply(x, comm, dim % x.dim())
+    if comm.size == 1:
+        return x
+    dim %= x.dim()
+    return _Conjugate.apply(x, lambda t: _chunk(t, comm, dim), lambda g: comm.all_gather(g, dim=dim))
 
 
 def gather_from_region(x: torch.Tensor, comm: GroupComm, dim: int = -1) -> torch.Tensor:
     """All-gather along ``dim`` forward, keep own chunk backward."""
-    return x if comm.size == 1 else _GatherFromRegion.apply(x, comm, dim % x.dim())
+    if comm.size == 1:
+        return x
+    dim %= x.dim()
+    return _Conjugate.apply(x, lambda t: comm.all_gather(t, dim=dim), lambda g: _chunk(g, comm, dim))
 
 
 def gather_sequence(x: torch.Tensor, comm: GroupComm, dim: int = 1) -> torch.Tensor:
     """All-gather along the sequence forward, reduce-scatter backward (sequence-parallel entry)."""
-    return x if comm.size == 1 else _GatherSequence.apply(x, comm, dim % x.dim())
+    if comm.size == 1:
+        return x
+    dim %= x.dim()
+    return _Conjugate.apply(x, lambda t: comm.all_gather(t, dim=dim), lambda g: comm.reduce_scatter(g, dim=dim))
 
 
 def reduce_scatter_sequence(x: torch.Tensor, comm: GroupComm, dim: int = 1) -> torch.Tensor:
     """Reduce-scatter along the sequence forward, all-gather backward (sequence-parallel exit)."""
-    return x if comm.size == 1 else _ReduceScatterSequence.apply(x, comm, dim % x.dim())
+    if comm.size == 1:
+        return x
+    dim %= x.dim()
+    return _Conjugate.apply(x, lambda t: comm.reduce_scatter(t, dim=dim), lambda g: comm.all_gather(g, dim=dim))
 
 
 def all_to_all(x: torch.Tensor, comm: GroupComm, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """All-to-all forward, the reverse all-to-all backward."""
-    return x if comm.size == 1 else _AllToAll.apply(x, comm, scatter_dim % x.dim(), gather_dim % x.dim())
+    if comm.size == 1:
+        return x
+    s, g = scatter_dim % x.dim(), gather_dim % x.dim()
+    return _Conjugate.apply(x, lambda t: comm.all_to_all(t, s, g), lambda d: comm.all_to_all(d, g, s))
