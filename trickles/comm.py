@@ -132,6 +132,10 @@ class Handle:
     def __init__(self, work, what: str, result=None, after: Callable[[], None] | None = None):
         self._work, self._what, self.result, self._after = work, what, result, after
 
+    def done(self) -> bool:
+        """True once the collective has completed (``wait`` then returns at once)."""
+        return self._work is None or self._work.is_completed()
+
     def wait(self):
         if self._work is not None:
             flight.begin(self._what)
@@ -190,28 +194,46 @@ class GroupComm:
         return self._run("all_reduce", t, 2 * (n - 1) / n * _nbytes(t),
                          lambda a: dist.all_reduce(t, _REDUCE_OPS[op], group=self.group, async_op=a), async_op, t, after)
 
-    def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False):
-        """Concatenation of every rank's ``t`` along ``dim`` in rank order (asynchronous: dim 0 only)."""
+    def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
+        """Concatenation of every rank's ``t`` along ``dim`` in rank order.
+
+        ``out`` (dim 0 only) receives the result in place; it may hold ``t`` as this rank's
+        chunk. Asynchronous calls gather along dim 0.
+        """
         if self.size == 1:
+            if out is not None and out.data_ptr() != t.data_ptr():
+                out.copy_(t)
+            t = out if out is not None else t
             return Handle(None, "", t) if async_op else t
-        if async_op and dim != 0:
-            raise ValueError("an asynchronous all_gather gathers along dim 0")
+        if (async_op or out is not None) and dim != 0:
+            raise ValueError("an asynchronous or in-place all_gather gathers along dim 0")
         n, t = self.size, t.contiguous()
-        out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+        if out is None:
+            out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
         res = self._run("all_gather", t, (n - 1) * _nbytes(t),
                         lambda a: _all_gather_single(out, t, group=self.group, async_op=a), async_op, out)
         return res if dim == 0 else torch.cat(out.chunk(n, 0), dim=dim)
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum", async_op: bool = False):
-        """Reduces ``t`` over the group and returns this rank's chunk along ``dim``."""
+    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum", async_op: bool = False,
+                       out: torch.Tensor | None = None):
+        """Reduces ``t`` over the group and returns this rank's chunk along ``dim``.
+
+        ``out`` (dim 0 only) receives the chunk in place; it may be this rank's chunk of ``t``.
+        """
         if self.size == 1:
+            if out is not None and out.data_ptr() != t.data_ptr():
+                out.copy_(t)
+            t = out if out is not None else t
             return Handle(None, "", t) if async_op else t
         n = self.size
         if t.shape[dim] % n:
             raise ValueError(f"reduce_scatter on group '{self.name}': size {t.shape[dim]} of dim {dim} is not divisible by {n}")
+        if out is not None and dim != 0:
+            raise ValueError("an in-place reduce_scatter scatters along dim 0")
         chunk_shape = list(t.shape)
         chunk_shape[dim] //= n
-        out = torch.empty(chunk_shape, dtype=t.dtype, device=t.device)
+        if out is None:
+            out = torch.empty(chunk_shape, dtype=t.dtype, device=t.device)
         if dim == 0:
             inp, out_flat = t.contiguous(), out
         else:  # lay the chunks out one after another so the collective can split dim 0
@@ -296,6 +318,9 @@ class GroupComm:
             def wait(self_inner):
                 for w in works:
                     w.wait()
+
+            def is_completed(self_inner):
+                return all(w.is_completed() for w in works)
 
         return Handle(_Multi(), f"batch_p2p on group '{self.name}' ({len(p2p)} ops)")
 

@@ -122,6 +122,11 @@ class Config:
             raise ConfigError(
                 f"this version trains with data parallelism only; parallel.tp={dims.tp}, parallel.pp={dims.pp}, "
                 f"parallel.cp={dims.cp}, parallel.ep={dims.ep} must all be 1 (use more data-parallel ranks instead)")
+        if self.memory.offload_optimizer and self.parallel.zero == 0:
+            raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
+        if self.parallel.zero == 3 and self.train.compile:
+            raise ConfigError("train.compile does not work with parallel.zero=3 yet (its gather hooks run around each block); "
+                              "use parallel.zero=2 or train.compile=false")
         if self.memory.precision == "fp16":
             raise ConfigError("memory.precision='fp16' needs dynamic loss scaling, which this version does not have; use 'bf16' or 'fp32'")
         self.batch_plan(dims.dp)
@@ -166,6 +171,6 @@ def describe_keys() -> str:
         hints = typing.get_type_hints(cls)
         defaults = cls()
         for key, doc in field_docs(cls).items():
-            tp = str(hints[key]).replace("typing.", "")
+            tp = hints[key].__name__ if isinstance(hints[key], type) else str(hints[key]).replace("typing.", "")
             lines.append(f"  {name}.{key} = {getattr(defaults, key)!r}  ({tp})\n      {doc}")
     return "\n".join(lines)

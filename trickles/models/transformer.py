@@ -251,7 +251,7 @@ class Transformer(nn.Module):
             self.rope_sin.copy_(sin)
 
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
-        p = self.output.weight
+        p = next(self.parameters())
         return KVCache(self.cfg.n_layers, batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
 
 

@@ -1,6 +1,6 @@
 """Optimizers and learning-rate schedules."""
 
-from .adamw import build_adamw, param_groups
+from .adamw import AdamWSettings, build_adamw, decay_flags, param_groups
 from .schedule import lr_at
 
-__all__ = ["build_adamw", "param_groups", "lr_at"]
+__all__ = ["AdamWSettings", "build_adamw", "decay_flags", "param_groups", "lr_at"]

@@ -7,30 +7,54 @@ projection is the embedding table and is therefore not decayed either.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Two groups: ``decay`` (2-D linear weights) and ``no_decay`` (norms, biases, embeddings)."""
-    decay, no_decay, seen = [], [], set()
+def decay_flags(model: nn.Module) -> dict[str, bool]:
+    """``{parameter name: decays?}`` for every trainable parameter (shared ones under their first name)."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    flags, seen = {}, set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        if p.dim() < 2 or id(p) in embeddings:
-            no_decay.append(p)
-        else:
-            decay.append(p)
+        flags[name] = p.dim() >= 2 and id(p) not in embeddings
+    return flags
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two groups: ``decay`` (2-D linear weights) and ``no_decay`` (norms, biases, embeddings)."""
+    flags = decay_flags(model)
+    params = dict(model.named_parameters())
     return [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+        {"params": [params[n] for n, d in flags.items() if d], "weight_decay": weight_decay, "name": "decay"},
+        {"params": [params[n] for n, d in flags.items() if not d], "weight_decay": 0.0, "name": "no_decay"},
     ]
 
 
+def adamw_kwargs(device: torch.device) -> dict:
+    """The fastest torch AdamW implementation for ``device``: fused on CUDA, multi-tensor elsewhere."""
+    return {"fused": True} if device.type == "cuda" else {"foreach": True}
+
+
 def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`; the fused kernel on CUDA, the multi-tensor one elsewhere."""
-    on_cuda = any(p.is_cuda for p in model.parameters())
-    kwargs = {"fused": True} if on_cuda else {"foreach": True}
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **kwargs)
+    """torch AdamW over :func:`param_groups`."""
+    device = next(model.parameters()).device
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **adamw_kwargs(device))
+
+
+@dataclass(frozen=True)
+class AdamWSettings:
+    """AdamW hyper-parameters (the learning rate is set per step by the schedule)."""
+
+    lr: float
+    betas: tuple[float, float]
+    eps: float
+    weight_decay: float
+
+    @classmethod
+    def from_train(cls, t) -> "AdamWSettings":
+        return cls(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay)

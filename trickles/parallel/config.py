@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import ConfigError
 from ..options import opt
 
 
@@ -16,3 +17,12 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel degree")
     cp: int = opt(1, "context (sequence) parallel degree")
     ep: int = opt(1, "expert-parallel degree; experts are spread over the dp x cp ranks, so it must divide dp*cp")
+    zero: int = opt(0, "ZeRO stage over the data-parallel ranks: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters")
+    bucket_mb: float = opt(25.0, "size of a gradient-reduction bucket in MiB (0: one bucket for the whole model)")
+    prefetch: bool = opt(True, "ZeRO-3: start gathering the next block's parameters while the current one computes")
+
+    def validate(self) -> None:
+        if self.zero not in (0, 1, 2, 3):
+            raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
+        if self.bucket_mb < 0:
+            raise ConfigError(f"parallel.bucket_mb must not be negative, got {self.bucket_mb}")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -129,10 +130,19 @@ def resolve(path: str) -> str:
 
 # ---- tensors -----------------------------------------------------------------------------
 
-def save_tensors(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """Writes full (unsharded) tensors with their slice metadata."""
-    meta = {"format": "pt", "slices": json.dumps({k: {"global_shape": list(v.shape), "offset": [0] * v.dim()} for k, v in tensors.items()})}
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path, metadata=meta)
+def save_tensors(tensors: dict[str, Any], path: str) -> None:
+    """Writes ``{key: tensor}`` (whole tensors) or ``{key: (tensor, slice metadata)}`` (parts).
+
+    Slice metadata is ``{"global_shape": [...], "flat_range": [a, b]}`` for a range of the
+    flattened tensor, or ``{"global_shape": [...], "offset": [...]}`` for a block; a whole tensor
+    is the block at offset 0.
+    """
+    data, slices = {}, {}
+    for k, v in tensors.items():
+        t, meta = v if isinstance(v, tuple) else (v, {"global_shape": list(v.shape), "offset": [0] * v.dim()})
+        data[k] = t.detach().contiguous().cpu()
+        slices[k] = meta
+    save_file(data, path, metadata={"format": "pt", "slices": json.dumps(slices)})
 
 
 def load_tensors(path: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -144,6 +154,83 @@ def load_tensors(path: str, device: torch.device | str = "cpu") -> dict[str, tor
     except Exception as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
     return out
+
+
+class SliceReader:
+    """Reads whole tensors or ranges of flattened tensors from every ``<prefix>*.safetensors``.
+
+    A checkpoint written at any data-parallel layout stores each tensor as one or more pieces,
+    each with its global shape and the part it holds; the reader assembles what is asked for
+    from whichever pieces overlap it, reading only those slices from disk.
+    """
+
+    def __init__(self, root: str, prefix: str):
+        self.pieces: dict[str, list[tuple[str, dict]]] = {}
+        names = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n.endswith(".safetensors"))
+        if not names:
+            raise CheckpointError(f"checkpoint {root} has no {prefix}*.safetensors files")
+        for n in names:
+            path = os.path.join(root, n)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    slices = json.loads((f.metadata() or {}).get("slices", "{}"))
+                    for k in f.keys():
+                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {}))
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"cannot read {path}: {e}") from None
+
+    def keys(self) -> list[str]:
+        return sorted(self.pieces)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.pieces
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.pieces[key][0][1].get("global_shape", []))
+
+    def read(self, key: str, flat_range: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """The whole tensor (``flat_range=None``) or elements ``[a, b)`` of it flattened; None if absent."""
+        if key not in self.pieces:
+            return None
+        shape = self.global_shape(key)
+        pieces = self.pieces[key]
+        if pieces[0][1].get("scalar"):
+            return self._get(pieces[0][0], key, None)
+        numel = math.prod(shape)
+        a, b = flat_range if flat_range is not None else (0, numel)
+        out, filled = None, 0
+        for path, meta in pieces:
+            if "flat_range" in meta:
+                s, e = meta["flat_range"]
+            elif list(meta.get("offset", [])) == [0] * len(shape):
+                s, e = 0, numel
+            else:
+                raise CheckpointError(f"{path}: {key} is stored as a block; this loader reads flat ranges")
+            lo, hi = max(a, s), min(b, e)
+            if lo >= hi:
+                continue
+            part = self._get(path, key, (lo - s, hi - s))
+            if out is None:
+                out = torch.empty(b - a, dtype=part.dtype)
+            out[lo - a:hi - a] = part
+            filled += hi - lo
+        if out is None or filled != b - a:
+            raise CheckpointError(f"the checkpoint's pieces of {key} cover {filled} of the {b - a} elements asked for; it is incomplete")
+        return out.view(shape) if flat_range is None else out
+
+    @staticmethod
+    def _get(path: str, key: str, rng: tuple[int, int] | None) -> torch.Tensor:
+        with safe_open(path, framework="pt") as f:
+            if rng is None:
+                return f.get_tensor(key)
+            sl = f.get_slice(key)
+            shape = sl.get_shape()
+            row = math.prod(shape[1:]) if len(shape) > 1 else 1
+            r0, r1 = rng[0] // row, -(-rng[1] // row)  # only the rows that hold the range
+            rows = sl[r0:r1].reshape(-1)
+            return rows[rng[0] - r0 * row:rng[1] - r0 * row].clone()
 
 
 def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -158,47 +245,52 @@ def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if k in persistent}
 
 
-def load_model_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], source: str) -> None:
+def load_model_state(model: torch.nn.Module, reader: "SliceReader", source: str) -> None:
+    """Copies every parameter and persistent buffer of ``model`` from the checkpoint's pieces."""
     state = unique_state(model)
-    missing = sorted(set(state) - set(tensors))
-    extra = sorted(set(tensors) - set(state))
+    missing = sorted(k for k in state if k not in reader)
+    extra = sorted(set(reader.keys()) - set(state))
     if missing or extra:
         raise CheckpointError(f"{source} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}; "
                               "check that model.* settings match the run that wrote it")
     with torch.no_grad():
         for k, t in state.items():
-            if tuple(t.shape) != tuple(tensors[k].shape):
-                raise CheckpointError(f"{source}: {k} has shape {tuple(tensors[k].shape)}, the model expects {tuple(t.shape)}")
-            t.copy_(tensors[k])
+            shape = reader.global_shape(k)
+            if tuple(t.shape) != shape:
+                raise CheckpointError(f"{source}: {k} has shape {shape}, the model expects {tuple(t.shape)}")
+            t.copy_(reader.read(k))
 
 
 # ---- optimizer ---------------------------------------------------------------------------
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, torch.Tensor]:
-    """``"<param name>/<key>" -> tensor`` for every per-parameter optimizer state."""
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, tuple[torch.Tensor, dict]]:
+    """``"<param name>/<key>" -> (tensor, metadata)`` for every per-parameter optimizer state."""
     out = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             for key, value in optimizer.state.get(p, {}).items():
                 t = value if torch.is_tensor(value) else torch.tensor(value)
-                out[f"{names[id(p)]}/{key}"] = t
+                if t.dim() == 0:
+                    out[f"{names[id(p)]}/{key}"] = (t.reshape(1).float(), {"global_shape": [1], "scalar": True})
+                else:
+                    out[f"{names[id(p)]}/{key}"] = (t, {"global_shape": list(t.shape), "flat_range": [0, t.numel()]})
     return out
 
 
 def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor], source: str) -> None:
+    """Sets torch optimizer state from ``"<param name>/<key>"`` tensors (step counters as 1-element)."""
     by_param: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in tensors.items():
         pname, _, key = k.rpartition("/")
-        by_param.setdefault(pname, {})[key] = v
+        by_param.setdefault(pname, {})[key] = v.reshape(()) if key == "step" else v
     state, index = {}, 0
     groups = []
     for group in optimizer.param_groups:
         ids = []
         for p in group["params"]:
             pname = names[id(p)]
-            if pname not in by_param:
-                raise CheckpointError(f"{source} has no optimizer state for {pname}; was it written by a different model?")
-            state[index] = dict(by_param[pname])
+            if pname in by_param:
+                state[index] = dict(by_param[pname])
             ids.append(index)
             index += 1
         groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})

@@ -17,7 +17,6 @@ saves checkpoints and, at the end, draws the loss curve and prints a generated s
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
 from typing import Any
@@ -32,9 +31,9 @@ from ..errors import CheckpointError
 from ..memory.precision import autocast
 from ..models.config import ModelConfig, resolve_model
 from ..models.generate import generate
-from ..models.transformer import build_model, count_params
-from ..optim import build_adamw, lr_at
-from ..parallel.data import average_gradients
+from ..models.transformer import Transformer, count_params
+from ..optim import lr_at
+from ..parallel.plan import parallelize
 from ..topology import Topology
 from . import checkpoint as ckpt
 from .flops import flops_per_token, peak_flops
@@ -65,15 +64,16 @@ class Trainer:
         self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size)
         self.val_data = ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size) if len(self.corpus.val) > seq else None
 
-        # Model and optimizer.
+        # Model, built without memory, then allocated and wrapped by the parallel plan.
         self.model_cfg: ModelConfig = resolve_model(cfg.model, self.tokenizer.vocab_size, seq)
-        self.model = build_model(self.model_cfg, t.seed, self.device)
+        with torch.device("meta"):
+            model = Transformer(self.model_cfg)
+        self.n_params = count_params(model)
+        self.engine = parallelize(model, topo, cfg, t.seed)
+        self.model = self.engine.model
         if t.compile:
             for block in self.model.layers.values():
                 block.compile()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.names = {id(p): n for n, p in self.model.named_parameters()}
-        self.optimizer = build_adamw(self.model, t.lr, t.weight_decay, (t.beta1, t.beta2), t.eps)
 
         self.step = 0
         self.consumed = 0
@@ -95,17 +95,17 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
         total = torch.zeros((), device=self.device)
-        for x, y in self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch):
-            loss = self._loss(x, y)
-            (loss / self.accumulation).backward()
+        batches = self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch)
+        self.engine.zero_grad()
+        for i, (x, y) in enumerate(batches):
+            with self.engine.micro_step(last=i == len(batches) - 1):
+                loss = self._loss(x, y)
+                (loss / self.accumulation).backward()
             total += loss.detach()
-        average_gradients(self.params, self.dp)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf, foreach=True)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.finish_backward()
+        grad_norm = self.engine.clip_grad_norm(t.grad_clip)
+        self.engine.step(lr)
         loss = self.dp.all_reduce(total / self.accumulation, op="mean")
         loss_value = loss.item()
         elapsed = time.perf_counter() - start
@@ -143,9 +143,9 @@ class Trainer:
         t = self.cfg.train
         log = MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard) if self.topo.is_main else None
         if not self.quiet:
-            n = count_params(self.model)
-            print(f"[trickles] {self.model_cfg.flavor} model, {n / 1e6:.2f}M parameters, {self.topo.world_size} rank(s) "
-                  f"(dp={self.topo.dims.dp}), batch {t.global_batch}x{self.cfg.data.seq_len} "
+            zero = f", ZeRO-{self.engine.stage}" if self.engine.stage else ""
+            print(f"[trickles] {self.model_cfg.flavor} model, {self.n_params / 1e6:.2f}M parameters, {self.topo.world_size} rank(s) "
+                  f"(dp={self.topo.dims.dp}{zero}), batch {t.global_batch}x{self.cfg.data.seq_len} "
                   f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}")
         bar = tqdm(total=t.steps, initial=self.step, disable=self.quiet, desc="train", unit="step", dynamic_ncols=True)
         while self.step < t.steps:
@@ -170,10 +170,11 @@ class Trainer:
             log.close()
             if t.plot and plot_loss(log.path, os.path.join(t.out_dir, "loss.png")) and not self.quiet:
                 print(f"[trickles] loss curve: {os.path.join(t.out_dir, 'loss.png')}")
-        if t.sample_tokens and self.topo.is_main:
-            text = self.sample(t.sample_prompt, t.sample_tokens)
-            with open(os.path.join(t.out_dir, "sample.txt"), "w") as f:
-                f.write(text)
+        if t.sample_tokens:
+            text = self.sample(t.sample_prompt, t.sample_tokens)  # every rank: sharded parameters need all of them
+            if self.topo.is_main:
+                with open(os.path.join(t.out_dir, "sample.txt"), "w") as f:
+                    f.write(text)
             if not self.quiet:
                 print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
         return self.history
@@ -190,26 +191,29 @@ class Trainer:
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self) -> str | None:
-        """Writes ``<out_dir>/checkpoints/step_N`` atomically; returns its path on rank 0."""
+        """Writes ``<out_dir>/checkpoints/step_N`` atomically (every rank its part); returns its path on rank 0."""
         world = self.topo.comm("world")
         rng = _gather_objects(ckpt.rng_state(), self.topo)
-        if not self.topo.is_main:
-            world.barrier()
-            return None
-        tmp = ckpt.begin(self.ckpt_dir, self.step)
-        ckpt.save_tensors(ckpt.unique_state(self.model), os.path.join(tmp, "model.safetensors"))
-        ckpt.save_tensors(ckpt.optimizer_tensors(self.optimizer, self.names), os.path.join(tmp, "optimizer.safetensors"))
-        self.tokenizer.save(os.path.join(tmp, "tokenizer"))
-        ckpt.write_json(os.path.join(tmp, "trainer.json"), {
-            "step": self.step, "consumed_samples": self.consumed, "world_size": self.topo.world_size,
-            "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
-        })
-        final = ckpt.commit(tmp, self.cfg.train.keep_checkpoints)
+        tmp = ckpt.step_dir(self.ckpt_dir, self.step) + ".tmp"
+        if self.topo.is_main:
+            ckpt.begin(self.ckpt_dir, self.step)
+        world.barrier()
+        self.engine.save(tmp, self.topo.rank)
+        world.barrier()
+        final = None
+        if self.topo.is_main:
+            self.tokenizer.save(os.path.join(tmp, "tokenizer"))
+            ckpt.write_json(os.path.join(tmp, "trainer.json"), {
+                "step": self.step, "consumed_samples": self.consumed, "world_size": self.topo.world_size,
+                "layout": {"dp": self.topo.dims.dp, "zero": self.engine.stage},
+                "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
+            })
+            final = ckpt.commit(tmp, self.cfg.train.keep_checkpoints)
         world.barrier()
         return final
 
     def load_checkpoint(self, path: str, verify: bool = True) -> None:
-        """Restores model, optimizer, position and RNG from ``path`` (a step_N directory)."""
+        """Restores model, optimizer, position and RNG from ``path`` (a step_N directory, any dp layout)."""
         if verify:
             ckpt.verify(path)
         meta = ckpt.read_json(os.path.join(path, "trainer.json"))
@@ -219,8 +223,7 @@ class Trainer:
         if diff:
             detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
             raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
-        ckpt.load_model_state(self.model, ckpt.load_tensors(os.path.join(path, "model.safetensors"), self.device), path)
-        ckpt.load_optimizer_tensors(self.optimizer, self.names, ckpt.load_tensors(os.path.join(path, "optimizer.safetensors"), self.device), path)
+        self.engine.load(path)
         self.step = int(meta["step"])
         self.consumed = int(meta["consumed_samples"])
         rng = meta.get("rng") or []
@@ -253,11 +256,9 @@ def load_for_inference(path: str, device: torch.device | str = "cpu"):
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     model_cfg = ModelConfig(**meta["model"])
     with torch.device("meta"):
-        from ..models.transformer import Transformer
-
         model = Transformer(model_cfg)
     model.to_empty(device=device)
     model.reset_buffers()
-    ckpt.load_model_state(model, ckpt.load_tensors(os.path.join(path, "model.safetensors"), device), path)
+    ckpt.load_model_state(model, ckpt.SliceReader(path, "model"), path)
     model.eval()
     return model, load_tokenizer(os.path.join(path, "tokenizer")), meta

@@ -1,0 +1,139 @@
+"""AdamW over the parameter segments one data-parallel rank owns (ZeRO's sharded optimizer).
+
+Each rank updates only its :class:`~trickles.parallel.flat.Segment` s. The update is torch's
+own AdamW applied to per-segment tensors, so it is element for element the update a single
+process makes on the whole parameter (AdamW is element-wise).
+
+Where the state lives:
+
+* default, fp32 parameters: the *master weights are the parameters themselves* (the rank's
+  slices of the flat parameter buffer), updated in place; Adam's two moments add ``8 P / N``
+  bytes per rank;
+* parameters in a lower precision: an fp32 master copy of the segments (``4 P / N``) is kept
+  and copied back into the parameters after each step;
+* ``offload=True``: master copy, moments and the step itself live in host memory (pinned on
+  CUDA); reduced gradient segments are copied to the host before the step and the updated
+  masters copied back after it, on a side stream so that the transfers overlap other work.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..parallel.flat import Segment
+from .adamw import adamw_kwargs
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+
+class ShardedAdamW:
+    """AdamW on ``segments``; ``param_of(seg)`` / ``grad_of(seg)`` give the device tensors (1-D)."""
+
+    def __init__(self, segments: list[Segment], param_of: Callable[[Segment], torch.Tensor],
+                 grad_of: Callable[[Segment], torch.Tensor], decay: dict[str, bool], lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, offload: bool = False):
+        self.segments = segments
+        self.params = [param_of(s) for s in segments]
+        self.grads = [grad_of(s) for s in segments]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.offload = offload
+        self.separate = offload or any(p.dtype != torch.float32 for p in self.params)
+        if self.separate:
+            host = torch.device("cpu") if offload else device
+            pin = offload and device.type == "cuda"
+            n = sum(s.numel for s in segments)
+            self.master_flat = torch.empty(n, dtype=torch.float32, device=host, pin_memory=pin)
+            self.grad_flat = torch.zeros(n, dtype=torch.float32, device=host, pin_memory=pin)
+            self.masters, self.host_grads, pos = [], [], 0
+            for s, p in zip(segments, self.params):
+                self.masters.append(self.master_flat[pos:pos + s.numel])
+                self.host_grads.append(self.grad_flat[pos:pos + s.numel])
+                pos += s.numel
+            with torch.no_grad():
+                for m, p in zip(self.masters, self.params):
+                    m.copy_(p)
+        else:
+            self.masters, self.host_grads = self.params, self.grads
+        for m, g in zip(self.masters, self.host_grads):
+            m.grad = g
+        groups = [
+            {"params": [m for s, m in zip(segments, self.masters) if decay[s.name]], "weight_decay": weight_decay},
+            {"params": [m for s, m in zip(segments, self.masters) if not decay[s.name]], "weight_decay": 0.0},
+        ]
+        groups = [g for g in groups if g["params"]]
+        opt_device = self.masters[0].device if self.masters else torch.device("cpu")
+        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kwargs(opt_device)) if groups else None
+        self._stream = torch.cuda.Stream(device) if offload and device.type == "cuda" else None
+
+    def step(self, lr: float) -> None:
+        """One AdamW step with learning rate ``lr`` on every owned segment."""
+        if self.optimizer is None:
+            return
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        if self.separate:
+            self._copy(self.host_grads, self.grads)
+        self.optimizer.step()
+        if self.separate:
+            self._copy(self.params, self.masters)
+
+    def _copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            if self._stream is None:
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+                return
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
+                for d, s in zip(dst, src):
+                    d.copy_(s, non_blocking=True)
+            torch.cuda.current_stream().wait_stream(self._stream)
+            self._stream.synchronize()
+
+    # ---- accounting and checkpoints ------------------------------------------------------
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state held: moments, step counters, and separate masters/gradients."""
+        total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()) if self.optimizer else 0
+        if self.separate:
+            total += self.master_flat.numel() * 4 + (self.grad_flat.numel() * 4 if self.offload else 0)
+        return total
+
+    def state_tensors(self) -> dict[str, tuple[torch.Tensor, dict]]:
+        """``"<param>/<key>" -> (1-D tensor, slice metadata)`` of every owned segment."""
+        out = {}
+        for s, m in zip(self.segments, self.masters):
+            meta = {"global_shape": list(s.slot.shape), "flat_range": list(s.param_range)}
+            st = self.optimizer.state.get(m, {}) if self.optimizer else {}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    out[f"{s.name}/{key}"] = (st[key], meta)
+            if "step" in st:
+                out[f"{s.name}/step"] = (st["step"].reshape(1).float(), {"global_shape": [1], "scalar": True})
+            if self.separate and self.params[0].dtype != torch.float32:
+                out[f"{s.name}/master"] = (m, meta)
+        return out
+
+    def load_state(self, read: Callable[[str, tuple[int, int] | None], torch.Tensor | None]) -> None:
+        """Restores moments (and masters) with ``read(key, param_range)``; None means absent."""
+        if self.optimizer is None:
+            return
+        if self.separate:  # the parameters were just loaded: start the masters from them
+            with torch.no_grad():
+                for m, p in zip(self.masters, self.params):
+                    m.copy_(p)
+        for s, m in zip(self.segments, self.masters):
+            exp_avg = read(f"{s.name}/exp_avg", s.param_range)
+            if exp_avg is None:
+                continue
+            state = {"exp_avg": exp_avg.to(m.device, torch.float32).clone(),
+                     "exp_avg_sq": read(f"{s.name}/exp_avg_sq", s.param_range).to(m.device, torch.float32).clone()}
+            step = read(f"{s.name}/step", None)
+            state["step"] = torch.tensor(float(step.reshape(-1)[0]), dtype=torch.float32,
+                                         device=m.device if self.optimizer.defaults.get("fused") else "cpu")
+            self.optimizer.state[m] = state
+            master = read(f"{s.name}/master", s.param_range) if self.separate else None
+            if master is not None:
+                with torch.no_grad():
+                    m.copy_(master)

@@ -1,0 +1,153 @@
+"""Flat, bucketed, rank-sharded layout of a set of parameters.
+
+Parameters are laid end to end in one flat 1-D space, in the *reverse* of the order given
+(gradients become ready roughly in reverse registration order during backward, so the first
+bucket fills first). Consecutive parameters are grouped into buckets of about ``bucket_bytes``;
+each bucket is padded to a multiple of ``world * align`` elements so that it splits into
+``world`` equal, aligned shards:
+
+    bucket b = [start_b, end_b),   shard_b = (end_b - start_b) / world
+    rank r owns [start_b + r * shard_b, start_b + (r + 1) * shard_b) of every bucket.
+
+A parameter lives in exactly one bucket, so a rank's slice of that bucket meets it in at most
+one contiguous range: a :class:`Segment`. A rank's *shard buffer* is its slices of all buckets
+concatenated in bucket order (``sum_b shard_b`` elements); data-parallel reductions are one
+all-reduce or reduce-scatter per bucket, and ZeRO's optimizer works on the segments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Slot:
+    """One parameter's place in the flat space."""
+
+    name: str
+    param: nn.Parameter
+    shape: tuple[int, ...]
+    numel: int
+    offset: int  # flat position of its first element
+    bucket: int
+
+
+@dataclass
+class Bucket:
+    """A padded run of the flat space reduced in one collective."""
+
+    index: int
+    start: int
+    end: int  # padded
+    slots: list[Slot] = field(default_factory=list)
+    world: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def shard_size(self) -> int:
+        return self.size // self.world
+
+    def rank_range(self, rank: int) -> tuple[int, int]:
+        s = self.start + rank * self.shard_size
+        return s, s + self.shard_size
+
+
+@dataclass
+class Segment:
+    """The part of one parameter that one rank owns.
+
+    ``param_range`` is the range of the flattened parameter, ``flat_range`` the same elements in
+    the flat space, ``shard_offset`` their position in the rank's shard buffer.
+    """
+
+    slot: Slot
+    param_range: tuple[int, int]
+    flat_range: tuple[int, int]
+    shard_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_range[1] - self.param_range[0]
+
+    @property
+    def name(self) -> str:
+        return self.slot.name
+
+
+class FlatLayout:
+    """Buckets, padding and per-rank segments for ``named_params`` over ``world`` ranks."""
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int, bucket_bytes: int | None, align: int = 16):
+        self.world = world
+        seen, ordered = set(), []
+        for name, p in named_params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                ordered.append((name, p))
+        ordered.reverse()
+        unit = world * align
+        self.slots: list[Slot] = []
+        self.buckets: list[Bucket] = []
+        pos = 0
+        bucket = Bucket(0, 0, 0, world=world)
+        filled = 0
+        for name, p in ordered:
+            if bucket.slots and bucket_bytes is not None and filled >= bucket_bytes:
+                bucket.end = _round_up(pos, unit)
+                self.buckets.append(bucket)
+                pos = bucket.end
+                bucket = Bucket(len(self.buckets), pos, pos, world=world)
+                filled = 0
+            slot = Slot(name, p, tuple(p.shape), p.numel(), pos, bucket.index)
+            bucket.slots.append(slot)
+            self.slots.append(slot)
+            pos += p.numel()
+            filled += p.numel() * p.element_size()
+        bucket.end = _round_up(max(pos, bucket.start + 1), unit)
+        self.buckets.append(bucket)
+        self.total = bucket.end
+        self.numel = sum(s.numel for s in self.slots)
+        self.shard_numel = sum(b.shard_size for b in self.buckets)
+        self._shard_starts = []
+        acc = 0
+        for b in self.buckets:
+            self._shard_starts.append(acc)
+            acc += b.shard_size
+
+    def shard_range(self, bucket: Bucket) -> tuple[int, int]:
+        """Where ``bucket``'s slice sits in a rank's shard buffer."""
+        s = self._shard_starts[bucket.index]
+        return s, s + bucket.shard_size
+
+    def segments(self, rank: int) -> list[Segment]:
+        """The parts of parameters that ``rank`` owns, in flat order."""
+        out = []
+        for b in self.buckets:
+            lo, hi = b.rank_range(rank)
+            shard_base = self._shard_starts[b.index]
+            for s in b.slots:
+                a, e = max(lo, s.offset), min(hi, s.offset + s.numel)
+                if a < e:
+                    out.append(Segment(s, (a - s.offset, e - s.offset), (a, e), shard_base + (a - lo)))
+        return out
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's view (in its shape) into a flat tensor of ``total`` elements."""
+        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+
+    def pack(self, flat: torch.Tensor) -> None:
+        """Copies every parameter's current value into its place in ``flat`` (padding zeroed)."""
+        flat.zero_()
+        with torch.no_grad():
+            for s in self.slots:
+                flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+
+
+def _round_up(n: int, m: int) -> int:
+    return (n + m - 1) // m * m

@@ -1,0 +1,190 @@
+"""ZeRO stages 1 and 2: optimizer state (stage 1) and gradients (stage 2) sharded over dp ranks.
+
+Layout. The parameters become views into one flat buffer laid out by
+:class:`~trickles.parallel.flat.FlatLayout`: buckets of ``bucket_bytes``, each padded to a
+multiple of ``N = dp`` and split into ``N`` equal shards; rank ``r`` owns shard ``r`` of every
+bucket. The rank's :class:`~trickles.optim.sharded.ShardedAdamW` updates only the segments it
+owns, with the owned slices of the flat buffer as fp32 master weights.
+
+One optimizer step, per bucket:
+
+* **stage 1** -- gradients accumulate, full size, in a flat gradient buffer (no communication
+  during accumulation micro-steps); on the last micro-step, as soon as all of a bucket's
+  parameters have their gradients, the bucket is reduce-scattered (mean) in place, so that
+  each rank's owned slice holds the averaged gradient; backward continues meanwhile;
+* **stage 2** -- there is no full gradient buffer. A bucket's gradients collect in a bucket-
+  sized buffer that exists only while that bucket is being filled and reduced; it is
+  reduce-scattered on *every* micro-step into a persistent shard of ``P / N`` elements
+  (accumulating across micro-steps) and released as soon as the reduction is done;
+* then every rank clips with the global norm (one all-reduce of ``sum g^2`` over owned
+  elements), updates its segments, and the buckets are all-gathered so every rank holds the
+  new parameters.
+
+Bytes per rank (fp32 parameters, Adam, ``P`` parameters): parameters ``4P``; gradients ``4P``
+(stage 1) or ``4P/N`` plus at most two buckets in flight (stage 2); optimizer ``8P/N``.
+Communication per step: reduce-scatter ``(N-1)/N * 4P`` plus all-gather ``(N-1)/N * 4P`` --
+the same volume as an all-reduce (stage 2 repeats the reduce-scatter on every micro-step).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import GroupComm, Handle
+from ..optim.adamw import AdamWSettings, decay_flags
+from ..optim.sharded import ShardedAdamW
+from ..train import checkpoint as ckpt
+from .engine import Engine, weak_method, sharded_clip, unique_named_parameters
+from .flat import FlatLayout
+
+MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finish
+
+
+class ZeroDataParallel(Engine):
+    """ZeRO stage 1 or 2 over ``comm`` (see module docstring)."""
+
+    def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: AdamWSettings, bucket_bytes: int | None,
+                 offload: bool = False):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
+        super().__init__(model, comm)
+        self.stage = stage
+        self.named = unique_named_parameters(model)
+        self.params = [p for _, p in self.named]
+        p0 = self.params[0]
+        self.layout = FlatLayout(self.named, comm.size, bucket_bytes)
+        # parameters become views of one flat buffer, so the all-gather lands in them directly
+        self.param_buffer = torch.empty(self.layout.total, dtype=p0.dtype, device=p0.device)
+        self.layout.pack(self.param_buffer)
+        for slot, view in zip(self.layout.slots, self.layout.views(self.param_buffer)):
+            slot.param.data = view
+        self.segments = self.layout.segments(comm.rank)
+        if stage == 1:
+            self.grad_buffer = torch.zeros(self.layout.total, dtype=p0.dtype, device=p0.device)
+            self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
+            grad_of = lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]]  # noqa: E731
+        else:
+            self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=p0.dtype, device=p0.device)
+            self._buffers: dict[int, torch.Tensor] = {}
+            self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
+            grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
+        self.optimizer = ShardedAdamW(self.segments, lambda s: self.param_buffer[s.flat_range[0]:s.flat_range[1]], grad_of,
+                                      decay_flags(model), optim.lr, optim.betas, optim.eps, optim.weight_decay, offload)
+        self._slot_of = {id(s.param): s for s in self.layout.slots}
+        self._pending: list[int] = []
+        self._launched: set[int] = set()
+        self._handles: list[Handle] = []
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
+
+    # ---- backward ------------------------------------------------------------------------
+    def _begin_micro_step(self, last: bool) -> None:
+        if self.stage == 2 or last:
+            self._pending = [len(b.slots) for b in self.layout.buckets]
+            self._launched = set()
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        slot = self._slot_of[id(p)]
+        if self.stage == 1:
+            self._main[id(p)].add_(p.grad)
+        else:
+            buf = self._buffers.get(slot.bucket)
+            if buf is None:
+                b = self.layout.buckets[slot.bucket]
+                buf = self._buffers[slot.bucket] = torch.zeros(b.size, dtype=p.dtype, device=p.device)
+            start = slot.offset - self.layout.buckets[slot.bucket].start
+            buf[start:start + slot.numel].view(slot.shape).add_(p.grad)
+        p.grad = None
+        if self.stage == 2 or self._reduce:
+            self._pending[slot.bucket] -= 1
+            if self._pending[slot.bucket] == 0:
+                self._launch(slot.bucket)
+
+    def _launch(self, b: int) -> None:
+        self._launched.add(b)
+        bucket = self.layout.buckets[b]
+        if self.stage == 1:
+            lo, hi = bucket.rank_range(self.comm.rank)
+            self._handles.append(self.comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
+                                                          out=self.grad_buffer[lo:hi]))
+            return
+        self._retire(done_only=True)
+        while len(self._inflight) >= MAX_INFLIGHT:
+            self._retire_oldest()
+        buf = self._buffers.pop(b, None)
+        if buf is None:  # no parameter of this bucket got a gradient in this micro-step
+            buf = torch.zeros(bucket.size, dtype=self.shard_grads.dtype, device=self.shard_grads.device)
+        out = torch.empty(bucket.shard_size, dtype=buf.dtype, device=buf.device)
+        self._inflight.append((b, buf, out, self.comm.reduce_scatter(buf, op="mean", async_op=True, out=out)))
+
+    def _retire_oldest(self) -> None:
+        b, buf, out, handle = self._inflight.pop(0)
+        handle.wait()
+        lo, hi = self.layout.shard_range(self.layout.buckets[b])
+        self.shard_grads[lo:hi].add_(out)
+        del buf  # the bucket's full-size gradients are gone from here on
+
+    def _retire(self, done_only: bool) -> None:
+        while self._inflight and (not done_only or self._inflight[0][3].done()):
+            self._retire_oldest()
+
+    def _finish_micro_step(self) -> None:
+        for b in range(len(self.layout.buckets)):
+            if b not in self._launched:
+                self._launch(b)
+        if self.stage == 1:
+            for h in self._handles:
+                h.wait()
+            self._handles = []
+        else:
+            self._retire(done_only=False)
+
+    def _end_micro_step(self, last: bool) -> None:
+        if self.stage == 2 and not last:
+            self._finish_micro_step()  # stage 2 reduces (and frees) on every micro-step
+
+    def finish_backward(self) -> None:
+        self._finish_micro_step()
+
+    # ---- update --------------------------------------------------------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        return self.optimizer.grads
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        return sharded_clip(self.owned_grads(), max_norm, self.comm)
+
+    def step(self, lr: float) -> None:
+        self.optimizer.step(lr)
+        handles = []
+        for bucket in self.layout.buckets:
+            lo, hi = bucket.rank_range(self.comm.rank)
+            handles.append(self.comm.all_gather(self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start:bucket.end]))
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        if self.stage == 1:
+            self.grad_buffer.zero_()
+        else:
+            self.shard_grads.zero_()
+
+    # ---- accounting and checkpoints ------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        grads = self.grad_buffer if self.stage == 1 else self.shard_grads
+        transient = sum(t.numel() * t.element_size() for t in self._buffers.values()) if self.stage == 2 else 0
+        return {"parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
+                "gradients": grads.numel() * grads.element_size() + transient,
+                "optimizer": self.optimizer.state_bytes()}
+
+    def save(self, directory: str, rank: int) -> None:
+        if rank == 0:
+            ckpt.save_tensors(ckpt.unique_state(self.model), f"{directory}/model.safetensors")
+        ckpt.save_tensors(self.optimizer.state_tensors(), f"{directory}/optimizer-rank{rank:05d}.safetensors")
+
+    def load(self, directory: str) -> None:
+        ckpt.load_model_state(self.model, ckpt.SliceReader(directory, "model"), directory)
+        reader = ckpt.SliceReader(directory, "optimizer")
+        self.optimizer.load_state(reader.read)
