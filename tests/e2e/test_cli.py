@@ -67,11 +67,15 @@ def test_resume_auto_continues(finished_run, tmp_path):
     assert [x["step"] for x in records] == list(range(1, 9))
 
 
-def test_local_launcher_two_ranks(tmp_path):
-    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=5", steps=3))
+@pytest.mark.parametrize("zero", [0, 3])
+def test_local_launcher_two_ranks(tmp_path, zero):
+    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=5", "--set", f"parallel.zero={zero}", steps=3))
     assert r.returncode == 0, r.stderr
-    assert "2 rank(s) (dp=2)" in r.stdout
+    assert "2 rank(s) (dp=2" in r.stdout and (zero == 0 or "ZeRO-3" in r.stdout)
+    assert "leaked" not in r.stderr and "Traceback" not in r.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
+    g = trickles("generate", str(tmp_path / "run"), "--max-new-tokens", "5", "--temperature", "0")
+    assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr  # also from ZeRO-3's sharded checkpoint
 
 
 def _one_line_error(r, needle):
@@ -90,6 +94,9 @@ def _one_line_error(r, needle):
     (["--nproc", "2", "--set", "parallel.dp=4"], "parallel.dp x tp x pp x cp = 4 x 1 x 1 x 1 = 4, but there are 2 processes"),
     (["--nproc", "2", "--set", "train.global_batch=7"], "train.global_batch (7) must be divisible by parallel.dp (2)"),
     (["--set", "parallel.tp=2", "--nproc", "2"], "this version trains with data parallelism only"),
+    (["--set", "parallel.zero=4"], "parallel.zero must be 0, 1, 2 or 3, got 4"),
+    (["--set", "memory.offload_optimizer=true"], "memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3"),
+    (["--set", "parallel.zero=3", "--set", "train.compile=true"], "train.compile does not work with parallel.zero=3 yet"),
 ])
 def test_bad_input_is_one_line_status_two_and_leaves_nothing(tmp_path, extra, needle):
     r = trickles(*run_args(tmp_path, *extra))

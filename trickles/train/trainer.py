@@ -7,8 +7,9 @@ One optimizer step (``Trainer.train_step``):
    them into ``accumulation`` micro-batches;
 2. each micro-batch runs forward (under the precision policy) and backward on
    ``loss / accumulation``, so the summed gradient is that of the mean loss;
-3. gradients are averaged over the data-parallel group, clipped to ``grad_clip`` by global norm,
-   and AdamW steps with the scheduled learning rate.
+3. the data-parallel engine (:func:`trickles.parallel.plan.parallelize`: replicated, or ZeRO
+   stage 1-3) averages the gradients over the data-parallel group -- overlapping backward --
+   clips them to ``grad_clip`` by global norm and runs AdamW with the scheduled learning rate.
 
 The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows a progress bar,
 saves checkpoints and, at the end, draws the loss curve and prints a generated sample.
@@ -138,8 +139,11 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
         """Trains until ``train.steps``; returns the per-step metrics of this call."""
+        import threading
+
         from tqdm import tqdm
 
+        tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: ranks leave through os._exit
         t = self.cfg.train
         log = MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard) if self.topo.is_main else None
         if not self.quiet:

@@ -1,0 +1,425 @@
+"""Data-parallel training step: trickles' ZeRO engines vs PyTorch DDP and FSDP2, same run.
+
+What is compared
+    One full training step -- forward, cross-entropy, backward, gradient reduction over the
+    data-parallel group, global-norm clipping (1.0), AdamW step -- at data-parallel degree
+    ``N`` (``--world``), for
+
+    * ours: ``trickles.parallel.plan.parallelize`` with ``parallel.zero`` = 0 (bucketed,
+      overlapped all-reduce), 1, 2 and 3; ``--offload`` adds stages 1-3 with
+      ``memory.offload_optimizer`` (optimizer state and step in host memory);
+    * peers: ``torch.nn.parallel.DistributedDataParallel`` (same bucket size,
+      ``gradient_as_bucket_view=True``) and FSDP2 (``torch.distributed.fsdp.fully_shard`` on
+      every transformer block and then on the root, ``reshard_after_forward=True``, over
+      ``init_device_mesh(device, (N,))``), both with ``torch.optim.AdamW`` (foreach on CPU,
+      fused on CUDA) over the same decay / no-decay groups as ours, and
+      ``torch.nn.utils.clip_grad_norm_`` (for FSDP2 the norm of the sharded gradients is
+      reduced over the mesh, as torchtitan does).
+
+    Pairs: stage 0 vs DDP, stages 1 and 2 vs DDP (same communication volume, less memory),
+    stage 3 vs FSDP2; offload rows against the same peers.
+
+How
+    * Every contestant lives in the same ``N`` processes at once, on the same model shape,
+      batch and initial weights: peers get ``build_model(cfg, seed)`` on every rank, ours a
+      meta-device model that ``parallelize`` initializes from the same seed (the
+      initialization is a pure function of seed and parameter name, so it is identical).
+    * Same data: a global batch of random tokens from a fixed generator; rank ``r`` trains on
+      rows ``[r B/N, (r+1) B/N)``; the loss is the mean over the rank's rows, so the averaged
+      gradient is that of the global batch.
+    * Agreement check before timing: two steps each; every rank's loss at step 1 (same
+      weights) and step 2 (after one update) must agree with DDP's within ``--tol`` (relative,
+      default 1e-4 in fp32), else the run stops.
+    * Communication: the bytes this rank sends per step in our engines, from the topology's
+      ``CommLedger`` (``snapshot()`` around one step), next to the textbook volume
+      ``k (N-1)/N * 4P`` with ``k = 2`` for stages 0-2 (all-reduce, or reduce-scatter plus
+      all-gather) and ``k = 3`` for stage 3 (two all-gathers and one reduce-scatter).
+    * Timing: after ``--warmup`` untimed rounds, ``--steps`` rounds in which every contestant
+      runs one step, the order rotating each round so noise falls on all of them alike. Each
+      step starts after a barrier; its time is the slowest rank's. The table gives median
+      and mean step time, the ratio of medians against the peer (``vs peer``) and the paired
+      ratio (median over rounds of ours/peer in the same round).
+    * Memory: bytes per rank of parameters, gradients and optimizer state after a step, from
+      ``engine.memory()`` for ours and measured from the peers' live tensors (local shards
+      for FSDP2; DDP's gradients are views into its buckets).
+    * CPU: ``torch.set_num_threads(cores // N)`` in every rank (``--threads`` overrides).
+
+Target
+    ours/peer median step time <= 1.0x: stage 0 vs DDP, stage 3 vs FSDP2 (stages 1-2 vs DDP
+    are reported; they trade a little time for memory).
+
+Examples::
+
+    python benchmarks/data_parallel.py                        # CPU, 2 ranks, demo shape (vocab 4096), batch 8 x 256
+    python benchmarks/data_parallel.py --world 4 --offload
+    python benchmarks/data_parallel.py --json out/dp.json
+    torchrun --nproc-per-node 8 benchmarks/data_parallel.py --device cuda --preset llama-125m   # one GPU per rank
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import rotations, summarize, sync, table, timed  # noqa: E402
+
+from trickles.config import Config  # noqa: E402
+from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
+from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
+from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
+from trickles.parallel.plan import parallelize  # noqa: E402
+from trickles.topology import ParallelDims, exit_process, init_distributed, select_device, shutdown_distributed  # noqa: E402
+
+DEFAULTS = {"cpu": {"batch": 8, "seq": 256}, "cuda": {"batch_per_rank": 8, "seq": 1024}}
+DDP, FSDP = "ddp", "fsdp2"
+COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}  # x (N-1)/N x parameter bytes sent per rank and step
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--world", type=int, default=2, help="data-parallel degree (processes); under torchrun its WORLD_SIZE")
+    p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
+    p.add_argument("--batch", type=int, default=None,
+                   help=f"global batch in sequences, split over the ranks (default: cpu {DEFAULTS['cpu']['batch']}, "
+                        f"cuda {DEFAULTS['cuda']['batch_per_rank']} per rank)")
+    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
+    p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of every contestant per round)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the two agreement-check steps")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for ours (parallel.bucket_mb) and DDP (bucket_cap_mb)")
+    p.add_argument("--offload", action="store_true", help="also time stages 1-3 with the optimizer offloaded to host memory")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant, every contestant)")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (every contestant)")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference allowed in the agreement check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
+    return p.parse_args(argv)
+
+
+# ---- contestants ---------------------------------------------------------------------------
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    if t is None:
+        return 0
+    t = getattr(t, "_local_tensor", t)  # DTensor: this rank's shard
+    return t.numel() * t.element_size()
+
+
+class Contestant:
+    """One implementation: its model, optimizer and training step on this rank."""
+
+    peer: str | None = None  # the peer a row of ours is compared with
+    stage: int | None = None
+
+    def __init__(self, name: str):
+        self.name = name
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def memory(self) -> dict[str, int]:
+        raise NotImplementedError
+
+
+class Ours(Contestant):
+    def __init__(self, name: str, stage: int, offload: bool, model_cfg: ModelConfig, topo, args):
+        super().__init__(name)
+        self.stage, self.peer, self.topo = stage, FSDP if stage == 3 else DDP, topo
+        cfg = Config.load(None, [f"parallel.zero={stage}", f"parallel.bucket_mb={args.bucket_mb}",
+                                 f"memory.offload_optimizer={'true' if offload else 'false'}", f"train.lr={args.lr}",
+                                 "train.weight_decay=0.1", "train.beta1=0.9", "train.beta2=0.95", "train.eps=1e-8"])
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        self.engine = parallelize(model, topo, cfg, args.seed)
+        self.model = self.engine.model.train()
+        self.lr, self.clip = args.lr, args.clip
+
+    def step(self, x, y):
+        e = self.engine
+        e.zero_grad()
+        with e.micro_step(last=True):
+            loss = _loss(self.model, x, y)
+            loss.backward()
+        e.finish_backward()
+        e.clip_grad_norm(self.clip)
+        e.step(self.lr)
+        return loss.detach()
+
+    def memory(self):
+        return dict(self.engine.memory())
+
+
+class Peer(Contestant):
+    def __init__(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, args, sharded: bool):
+        super().__init__(name)
+        self.model, self.optimizer, self.clip, self.sharded = model, optimizer, args.clip, sharded
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def step(self, x, y):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = _loss(self.model, x, y)
+        loss.backward()
+        if self.sharded:  # torchtitan's clip for FSDP2: the norm of DTensor gradients is made whole, then applied
+            grads = [p.grad for p in self.params if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.clip, norm, foreach=True)
+        else:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip, foreach=True)
+        self.optimizer.step()
+        return loss.detach()
+
+    def memory(self):
+        return {"parameters": sum(_nbytes(p) for p in self.params),
+                "gradients": sum(_nbytes(p.grad) for p in self.params),
+                "optimizer": sum(_nbytes(t) for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t))}
+
+
+def _adamw(model: torch.nn.Module, optim: AdamWSettings, device: torch.device) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                             **adamw_kwargs(device))
+
+
+def make_ddp(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, args) -> Peer:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build_model(model_cfg, seed=args.seed, device=device).train()
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                  bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    return Peer(DDP, ddp, _adamw(model, optim, device), args, sharded=False)
+
+
+def make_fsdp(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, world: int, args) -> Peer:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (world,))
+    model = build_model(model_cfg, seed=args.seed, device=device).train()
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    return Peer(FSDP, model, _adamw(model, optim, device), args, sharded=True)
+
+
+# ---- one rank ------------------------------------------------------------------------------
+
+def _setup(args) -> tuple[torch.device, int, int]:
+    device = select_device(args.device)
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(args.threads or max(1, cores // world))
+    else:
+        torch.set_float32_matmul_precision("highest")  # fp32 matmuls, so the agreement check means fp32
+    if not init_distributed(device):  # a single process: DDP and FSDP2 still want a group
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def rank_main(args) -> int:
+    device, rank, world = _setup(args)
+    batch = args.batch or (DEFAULTS["cpu"]["batch"] if device.type == "cpu" else DEFAULTS["cuda"]["batch_per_rank"] * world)
+    seq = args.seq or DEFAULTS[device.type]["seq"]
+    if batch % world:
+        raise SystemExit(f"--batch {batch} must be divisible by the world size {world}")
+    model_cfg = resolve_model(apply_preset(ModelConfig(), args.preset), tokenizer_vocab=args.vocab, seq_len=seq)
+    topo = ParallelDims(dp=world).build(device)
+    ledger = topo.ledger
+    optim = AdamWSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
+
+    contestants: list[Contestant] = [make_ddp(model_cfg, device, optim, args), make_fsdp(model_cfg, device, optim, world, args)]
+    for stage in (0, 1, 2, 3):
+        contestants.append(Ours(f"ours zero-{stage}", stage, False, model_cfg, topo, args))
+    if args.offload:
+        for stage in (1, 2, 3):
+            contestants.append(Ours(f"ours zero-{stage}+offload", stage, True, model_cfg, topo, args))
+    by_name = {c.name: c for c in contestants}
+    with torch.device("meta"):
+        n_params = count_params(Transformer(model_cfg))
+
+    g = torch.Generator().manual_seed(args.seed)
+    tokens = torch.randint(0, model_cfg.vocab_size, (2, batch, seq + 1), generator=g)
+    rows = slice(rank * batch // world, (rank + 1) * batch // world)
+    data = [(t[rows, :-1].contiguous().to(device), t[rows, 1:].contiguous().to(device)) for t in tokens]
+
+    def run(c: Contestant, x, y, record: bool) -> None:
+        dist.barrier()
+        seconds, loss = timed(lambda: c.step(x, y), device)
+        c.losses.append(loss.item())
+        if record:
+            c.times.append(seconds)
+
+    # agreement check: step 1 on the initial weights, step 2 after one update (a second batch);
+    # our ledger is read around step 2 (step 1 sets up buffers, the volume is the same)
+    comm: dict[str, dict] = {}
+    for i, (x, y) in enumerate(data):
+        for c in contestants:
+            before = ledger.snapshot()
+            run(c, x, y, record=False)
+            if isinstance(c, Ours) and i == 1:
+                after = ledger.snapshot()
+                comm[c.name] = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
+                                if v != before.get(k)}
+    check = {c.name: list(c.losses) for c in contestants}
+
+    names = [c.name for c in contestants]
+    for _, name in rotations(names, args.warmup):
+        run(by_name[name], *data[0], record=False)
+    for _, name in rotations(names, args.steps):
+        run(by_name[name], *data[0], record=True)
+    sync(device)
+    memory = {c.name: c.memory() for c in contestants}
+    mine = {"times": {c.name: c.times for c in contestants}, "check": check, "memory": memory, "comm": comm,
+            "last_loss": {c.name: c.losses[-1] for c in contestants}}
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+
+    status = 0
+    if rank == 0:
+        status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world)
+    del contestants, by_name, topo
+    gc.collect()
+    status_t = torch.tensor([status], device=device)
+    dist.broadcast(status_t, 0)
+    shutdown_distributed()
+    return int(status_t.item())
+
+
+# ---- report (rank 0) -----------------------------------------------------------------------
+
+def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int,
+           device: torch.device, world: int) -> int:
+    names = [c.name for c in contestants]
+    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    print(f"trickles data parallel (ZeRO 0-3) vs torch DDP and FSDP2, one training step each, {world} ranks, same weights and data")
+    print(f"  model   {args.preset}: {model_cfg.n_layers} layers, d={model_cfg.d_model}, heads={model_cfg.n_heads}/{model_cfg.kv_heads} kv, "
+          f"ffn={model_cfg.ffn_dim}, vocab={model_cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)")
+    print(f"  step    global batch {batch} x seq {seq} ({batch // world} sequences per rank), fp32, clip {args.clip}, "
+          f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}, bucket {args.bucket_mb:g} MiB")
+    print(f"  device  {device.type}: {dev_name}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
+          f"torch {torch.__version__}, backend {dist.get_backend()}")
+
+    # agreement
+    ref = DDP
+    print(f"\nagreement check: every rank's loss vs {ref}'s on the same rank, relative tolerance {args.tol:g}")
+    rows, ok = [], True
+    for n in names:
+        diffs = [max(abs(r["check"][n][s] - r["check"][ref][s]) / abs(r["check"][ref][s]) for r in everyone) for s in (0, 1)]
+        means = [statistics.fmean(r["check"][n][s] for r in everyone) for s in (0, 1)]
+        good = all(d <= args.tol for d in diffs)
+        ok &= good
+        rows.append([n, f"{means[0]:.6f}", f"{diffs[0]:.1e}", f"{means[1]:.6f}", f"{diffs[1]:.1e}", "ok" if good else "MISMATCH"])
+    print(table(["implementation", "step 1 loss", "max rel diff", "step 2 loss", "max rel diff", ""], rows))
+    print("  (loss: mean over ranks of the rank-local loss = global-batch loss; step 2 runs after one AdamW update)")
+    if not ok:
+        print(f"the implementations disagree by more than --tol {args.tol:g}: they do not train the same thing and the "
+              "timings would be meaningless", file=sys.stderr)
+        return 1
+
+    # communication (ours)
+    param_bytes = 4 * n_params
+    print(f"\nbytes sent per rank and step (our CommLedger, wire bytes), vs k x (N-1)/N x parameter bytes ({param_bytes / 2**20:.2f} MiB):")
+    rows = []
+    for c in contestants:
+        if not isinstance(c, Ours):
+            continue
+        comm = everyone[0]["comm"][c.name]
+        sent = max(sum(v["wire_bytes"] for k, v in r["comm"][c.name].items() if k.endswith("/dp")) for r in everyone)
+        expect = COMM_FACTOR[c.stage] * (world - 1) / world * param_bytes
+        ops = ", ".join(f"{k.split('/')[0]} x{v['calls']}" for k, v in sorted(comm.items()) if k.endswith("/dp"))
+        rows.append([c.name, f"{sent / 2**20:.2f}", f"{COMM_FACTOR[c.stage]}x", f"{expect / 2**20:.2f}",
+                     f"{sent / expect:.3f}" if expect else "-", ops])
+    print(table(["implementation", "sent MiB", "k", "formula MiB", "ratio", "collectives"], rows))
+    print("  (ratio above 1: padding of buckets/units to multiples of N x 16 elements, and the 4-byte norm all-reduce)")
+
+    # timing
+    step_times = {n: [max(r["times"][n][i] for r in everyone) for i in range(args.steps)] for n in names}
+    stats = {n: summarize(step_times[n]) for n in names}
+    tokens = batch * seq
+    results = {}
+    rows = []
+    for c in contestants:
+        n, s = c.name, stats[c.name]
+        peer = c.peer
+        ratio = s["median"] / stats[peer]["median"] if peer else None
+        paired = statistics.median(a / b for a, b in zip(step_times[n], step_times[peer])) if peer else None
+        mem = everyone[0]["memory"][n]
+        total = sum(mem.values())
+        peer_total = sum(everyone[0]["memory"][peer].values()) if peer else None
+        results[n] = {**s, "peer": peer, "ratio": ratio, "paired_ratio": paired, "tokens_per_s": tokens / s["median"],
+                      "memory": mem, "memory_ratio": total / peer_total if peer else None, "times": step_times[n]}
+        rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}", f"{tokens / s['median']:,.0f}",
+                     peer or "-", f"{ratio:.3f}x" if peer else "-", f"{paired:.3f}x" if peer else "-",
+                     f"{mem['parameters'] / 2**20:.1f}", f"{mem['gradients'] / 2**20:.1f}", f"{mem['optimizer'] / 2**20:.1f}",
+                     f"{total / 2**20:.1f}", f"{total / peer_total:.2f}x" if peer else "-"])
+    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its slowest rank's:")
+    print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired",
+                 "param MiB", "grad MiB", "optim MiB", "total MiB", "mem vs peer"], rows))
+    print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round). "
+          "Memory: bytes per rank after a step (engine.memory() for ours; live parameter, gradient and optimizer-state "
+          "tensors for the peers, FSDP2's local shards).")
+
+    verdicts = []
+    for n, peer in (("ours zero-0", DDP), ("ours zero-3", FSDP)):
+        r = results[n]["ratio"]
+        verdicts.append(f"{n}/{peer} {r:.3f}x (paired {results[n]['paired_ratio']:.3f}x): {'met' if r <= 1.0 else 'NOT met'}")
+    print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
+
+    if args.json:
+        out = {"args": vars(args), "world": world, "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
+               "threads": torch.get_num_threads(), "torch": torch.__version__, "params": n_params,
+               "model": {k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")},
+               "check": {n: [r["check"][n] for r in everyone] for n in names},
+               "comm": {n: [r["comm"].get(n) for r in everyone] for n in names if n.startswith("ours")},
+               "results": results}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        print(f"wrote {args.json}")
+    sys.stdout.flush()
+    return 0
+
+
+# ---- entry ---------------------------------------------------------------------------------
+
+def _under_launcher() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if _under_launcher():  # torchrun (or any launcher that sets the torchrun environment): we are one rank
+        status = rank_main(args)
+        exit_process(status)
+    if args.world < 1:
+        raise SystemExit("--world must be at least 1")
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if want_cuda and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"--world {args.world} on CUDA needs one GPU per rank, this machine has {torch.cuda.device_count()}; "
+                         "lower --world or use --device cpu")
+    from trickles.launch import launch
+
+    return launch(rank_main, (args,), nproc=args.world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
