@@ -347,7 +347,7 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
         expect = COMM_FACTOR[c.stage] * (world - 1) / world * param_bytes
         ops = ", ".join(f"{k.split('/')[0]} x{v['calls']}" for k, v in sorted(comm.items()) if k.endswith("/dp"))
         rows.append([c.name, f"{sent / 2**20:.2f}", f"{COMM_FACTOR[c.stage]}x", f"{expect / 2**20:.2f}",
-                     f"{sent / expect:.3f}" if expect else "-", ops])
+                     f"{sent / expect:.4f}" if expect else "-", ops])
     print(table(["implementation", "sent MiB", "k", "formula MiB", "ratio", "collectives"], rows))
     print("  (ratio above 1: padding of buckets/units to multiples of N x 16 elements, and the 4-byte norm all-reduce)")
 
@@ -377,6 +377,9 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round). "
           "Memory: bytes per rank after a step (engine.memory() for ours; live parameter, gradient and optimizer-state "
           "tensors for the peers, FSDP2's local shards).")
+    if args.offload:
+        print("+offload rows: the optimizer column is host memory (fp32 masters, moments and a gradient copy); on CUDA only "
+              "the parameter and gradient columns are on the device.")
 
     verdicts = []
     for n, peer in (("ours zero-0", DDP), ("ours zero-3", FSDP)):

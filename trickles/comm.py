@@ -162,6 +162,14 @@ class GroupComm:
         self.ledger = ledger
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        # NCCL averages natively; gloo has no AVG, so "mean" there is a sum divided afterwards
+        self._native_avg = group is not None and dist.get_backend(group) == "nccl"
+
+    def _op(self, op: str, n_div_target: torch.Tensor):
+        """The reduce op to issue and what to run after completion for ``op``."""
+        if op == "mean" and self._native_avg:
+            return dist.ReduceOp.AVG, None
+        return _REDUCE_OPS[op], ((lambda: n_div_target.div_(self.size)) if op == "mean" else None)
 
     def __repr__(self) -> str:
         return f"GroupComm({self.name}, rank {self.rank} of {self.size})"
@@ -190,9 +198,9 @@ class GroupComm:
         if self.size == 1:
             return Handle(None, "", t) if async_op else t
         n = self.size
-        after = (lambda: t.div_(n)) if op == "mean" else None
+        red, after = self._op(op, t)
         return self._run("all_reduce", t, 2 * (n - 1) / n * _nbytes(t),
-                         lambda a: dist.all_reduce(t, _REDUCE_OPS[op], group=self.group, async_op=a), async_op, t, after)
+                         lambda a: dist.all_reduce(t, red, group=self.group, async_op=a), async_op, t, after)
 
     def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenation of every rank's ``t`` along ``dim`` in rank order.
@@ -238,9 +246,9 @@ class GroupComm:
             inp, out_flat = t.contiguous(), out
         else:  # lay the chunks out one after another so the collective can split dim 0
             inp, out_flat = torch.stack(t.chunk(n, dim=dim)).contiguous(), out.unsqueeze(0)
-        after = (lambda: out.div_(n)) if op == "mean" else None
+        red, after = self._op(op, out)
         return self._run("reduce_scatter", t, (n - 1) / n * _nbytes(t),
-                         lambda a: _reduce_scatter_single(out_flat, inp, _REDUCE_OPS[op], group=self.group, async_op=a),
+                         lambda a: _reduce_scatter_single(out_flat, inp, red, group=self.group, async_op=a),
                          async_op, out, after)
 
     def all_to_all(self, t: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0) -> torch.Tensor:

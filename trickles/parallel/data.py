@@ -24,7 +24,7 @@ from torch import nn
 from ..comm import GroupComm, Handle
 from ..optim.adamw import AdamWSettings, adamw_kwargs, param_groups
 from ..train import checkpoint as ckpt
-from .engine import Engine, weak_method, unique_named_parameters
+from .engine import FIRST_BUCKET_BYTES, Engine, weak_method, unique_named_parameters
 from .flat import FlatLayout
 
 
@@ -51,7 +51,7 @@ class DataParallel(Engine):
                                            eps=optim.eps, **adamw_kwargs(device))
         self.bucketed = comm.size > 1
         if self.bucketed:
-            self.layout = FlatLayout(self.named, comm.size, bucket_bytes)
+            self.layout = FlatLayout(self.named, comm.size, bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES)
             self.grad_buffer = torch.zeros(self.layout.total, dtype=self.params[0].dtype, device=device)
             self.main_grads = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
             self._bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
@@ -105,6 +105,7 @@ class DataParallel(Engine):
             p.grad = None
         if self.bucketed:
             self.grad_buffer.zero_()
+            self._begin_micro_step(last=True)  # a plain backward() after zero_grad() also reduces
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:

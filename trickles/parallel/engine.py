@@ -130,5 +130,8 @@ def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
+FIRST_BUCKET_BYTES = 1 << 20  # PyTorch DDP's first bucket: the output layer's gradients leave early
+
+
 def bucket_bytes(mb: float) -> int | None:
     return None if mb <= 0 or math.isinf(mb) else int(mb * 2**20)

@@ -2,7 +2,9 @@
 
 Parameters are laid end to end in one flat 1-D space, in the *reverse* of the order given
 (gradients become ready roughly in reverse registration order during backward, so the first
-bucket fills first). Consecutive parameters are grouped into buckets of about ``bucket_bytes``;
+bucket fills first). Consecutive parameters are grouped into buckets of about ``bucket_bytes``
+(the first one at most ``first_bucket_bytes``, so that communication starts early in backward,
+as in PyTorch DDP);
 each bucket is padded to a multiple of ``world * align`` elements so that it splits into
 ``world`` equal, aligned shards:
 
@@ -83,7 +85,8 @@ class Segment:
 class FlatLayout:
     """Buckets, padding and per-rank segments for ``named_params`` over ``world`` ranks."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int, bucket_bytes: int | None, align: int = 16):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int, bucket_bytes: int | None, align: int = 16,
+                 first_bucket_bytes: int | None = None):
         self.world = world
         seen, ordered = set(), []
         for name, p in named_params:
@@ -98,7 +101,10 @@ class FlatLayout:
         bucket = Bucket(0, 0, 0, world=world)
         filled = 0
         for name, p in ordered:
-            if bucket.slots and bucket_bytes is not None and filled >= bucket_bytes:
+            cap = bucket_bytes
+            if not self.buckets and first_bucket_bytes is not None and cap is not None:
+                cap = min(cap, first_bucket_bytes)
+            if bucket.slots and cap is not None and filled >= cap:
                 bucket.end = _round_up(pos, unit)
                 self.buckets.append(bucket)
                 pos = bucket.end

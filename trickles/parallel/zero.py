@@ -18,7 +18,8 @@ One optimizer step, per bucket:
   (accumulating across micro-steps) and released as soon as the reduction is done;
 * then every rank clips with the global norm (one all-reduce of ``sum g^2`` over owned
   elements), updates its segments, and the buckets are all-gathered so every rank holds the
-  new parameters.
+  new parameters; the gathers run in the background until the next forward reaches the
+  layers they hold.
 
 Bytes per rank (fp32 parameters, Adam, ``P`` parameters): parameters ``4P``; gradients ``4P``
 (stage 1) or ``4P/N`` plus at most two buckets in flight (stage 2); optimizer ``8P/N``.
@@ -28,6 +29,8 @@ the same volume as an all-reduce (stage 2 repeats the reduce-scatter on every mi
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -35,7 +38,7 @@ from ..comm import GroupComm, Handle
 from ..optim.adamw import AdamWSettings, decay_flags
 from ..optim.sharded import ShardedAdamW
 from ..train import checkpoint as ckpt
-from .engine import Engine, weak_method, sharded_clip, unique_named_parameters
+from .engine import FIRST_BUCKET_BYTES, Engine, weak_method, sharded_clip, unique_named_parameters
 from .flat import FlatLayout
 
 MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finish
@@ -53,7 +56,7 @@ class ZeroDataParallel(Engine):
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         p0 = self.params[0]
-        self.layout = FlatLayout(self.named, comm.size, bucket_bytes)
+        self.layout = FlatLayout(self.named, comm.size, bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES)
         # parameters become views of one flat buffer, so the all-gather lands in them directly
         self.param_buffer = torch.empty(self.layout.total, dtype=p0.dtype, device=p0.device)
         self.layout.pack(self.param_buffer)
@@ -72,6 +75,8 @@ class ZeroDataParallel(Engine):
         self.optimizer = ShardedAdamW(self.segments, lambda s: self.param_buffer[s.flat_range[0]:s.flat_range[1]], grad_of,
                                       decay_flags(model), optim.lr, optim.betas, optim.eps, optim.weight_decay, offload)
         self._slot_of = {id(s.param): s for s in self.layout.slots}
+        self._param_handles: dict[int, Handle] = {}
+        self._install_param_waits(model)
         self._pending: list[int] = []
         self._launched: set[int] = set()
         self._handles: list[Handle] = []
@@ -155,13 +160,43 @@ class ZeroDataParallel(Engine):
         return sharded_clip(self.owned_grads(), max_norm, self.comm)
 
     def step(self, lr: float) -> None:
+        """Updates the owned segments, then starts the all-gathers of the new parameters.
+
+        The gathers run in forward order (the last bucket holds the first layers) and are waited
+        for by each module just before its next forward, so they overlap the next step's
+        beginning (Megatron's overlapped parameter gather).
+        """
+        self.wait_for_parameters()
         self.optimizer.step(lr)
-        handles = []
-        for bucket in self.layout.buckets:
+        for bucket in reversed(self.layout.buckets):
             lo, hi = bucket.rank_range(self.comm.rank)
-            handles.append(self.comm.all_gather(self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start:bucket.end]))
-        for h in handles:
-            h.wait()
+            self._param_handles[bucket.index] = self.comm.all_gather(
+                self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start:bucket.end])
+
+    def wait_for_parameters(self, buckets=None) -> None:
+        """Blocks until the updated parameters of ``buckets`` (default: all) have arrived."""
+        for b in list(self._param_handles) if buckets is None else buckets:
+            h = self._param_handles.pop(b, None)
+            if h is not None:
+                h.wait()
+
+    def _install_param_waits(self, model: nn.Module) -> None:
+        """A pre-forward hook on each top-level piece of the model (blocks, embeddings, head)."""
+        targets = []
+        for child in model.children():
+            if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
+                targets.extend(child.children())
+            else:
+                targets.append(child)
+        covered = set()
+        for m in targets:
+            buckets = sorted({self._slot_of[id(p)].bucket for p in m.parameters() if id(p) in self._slot_of})
+            covered.update(id(p) for p in m.parameters())
+            if buckets:
+                m.register_forward_pre_hook(_param_wait_hook(self, buckets))
+        rest = sorted({s.bucket for s in self.layout.slots if id(s.param) not in covered})
+        if rest:
+            model.register_forward_pre_hook(_param_wait_hook(self, rest))
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -170,6 +205,7 @@ class ZeroDataParallel(Engine):
             self.grad_buffer.zero_()
         else:
             self.shard_grads.zero_()
+        self._begin_micro_step(last=True)  # a plain backward() after zero_grad() also reduces
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:
@@ -179,12 +215,29 @@ class ZeroDataParallel(Engine):
                 "gradients": grads.numel() * grads.element_size() + transient,
                 "optimizer": self.optimizer.state_bytes()}
 
+    def full_state(self) -> dict[str, torch.Tensor]:
+        self.wait_for_parameters()
+        return super().full_state()
+
     def save(self, directory: str, rank: int) -> None:
+        self.wait_for_parameters()
         if rank == 0:
             ckpt.save_tensors(ckpt.unique_state(self.model), f"{directory}/model.safetensors")
         ckpt.save_tensors(self.optimizer.state_tensors(), f"{directory}/optimizer-rank{rank:05d}.safetensors")
 
     def load(self, directory: str) -> None:
+        self.wait_for_parameters()
         ckpt.load_model_state(self.model, ckpt.SliceReader(directory, "model"), directory)
         reader = ckpt.SliceReader(directory, "optimizer")
         self.optimizer.load_state(reader.read)
+
+
+def _param_wait_hook(engine: ZeroDataParallel, buckets: list[int]):
+    ref = weakref.ref(engine)
+
+    @torch.compiler.disable  # a compiled block breaks its graph here, before any of its compute
+    def hook(module, args):
+        e = ref()
+        if e is not None and e._param_handles:
+            e.wait_for_parameters(buckets)
+    return hook
