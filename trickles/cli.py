@@ -2,6 +2,7 @@
 
     trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
     trickles generate CHECKPOINT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
     trickles config [--config run.toml] [--set ...] [--keys]
 
 ``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
@@ -16,7 +17,7 @@ import argparse
 import os
 import sys
 
-from .errors import UserError
+from .errors import ONE_LINE_ERRORS, UserError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+
+    m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
+    config_args(m)
+    m.add_argument("--nproc", type=int, default=None, help="number of ranks of the layout (spawned when measuring)")
+    m.add_argument("--measure", type=int, default=0, metavar="STEPS", help="also run this many training steps and measure")
+    m.add_argument("--png", default=None, help="write a bar chart of the categories to this PNG")
+    m.add_argument("--device-gb", type=float, default=None, help="say whether the peak fits on a device of this many GB")
 
     c = sub.add_parser("config", help="print the resolved configuration as TOML (or every key with --keys)")
     config_args(c)
@@ -97,6 +105,23 @@ def _generate(args) -> int:
     return 0
 
 
+def _memory(args) -> int:
+    from .config import Config
+    from .launch import launch
+    from .memory.report import run_report
+    from .topology import env_world_size
+
+    cfg = Config.load(args.config, args.overrides)
+    world = args.nproc or env_world_size()
+    cfg.validate(world)
+    if args.measure < 0:
+        raise UserError(f"--measure must be 0 or more steps, got {args.measure}")
+    if args.measure and world > 1 and args.nproc:
+        return launch(run_report, (cfg, args.measure, args.png, args.device_gb, world), world)
+    run_report(cfg, args.measure, args.png, args.device_gb, world)
+    return 0
+
+
 def _config(args) -> int:
     from .config import Config, describe_keys
 
@@ -111,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     try:
-        code = {"train": _train, "generate": _generate, "config": _config}[args.command](args)
-    except UserError as e:
+        code = {"train": _train, "generate": _generate, "memory": _memory, "config": _config}[args.command](args)
+    except ONE_LINE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
-        code = 2
+        code = e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

@@ -127,8 +127,6 @@ class Config:
         if self.parallel.zero == 3 and self.train.compile:
             raise ConfigError("train.compile does not work with parallel.zero=3 yet (its gather hooks run around each block); "
                               "use parallel.zero=2 or train.compile=false")
-        if self.memory.precision == "fp16":
-            raise ConfigError("memory.precision='fp16' needs dynamic loss scaling, which this version does not have; use 'bf16' or 'fp32'")
         self.batch_plan(dims.dp)
         if self.model.max_seq_len is not None and self.model.max_seq_len < self.data.seq_len:
             raise ConfigError(f"data.seq_len ({self.data.seq_len}) is longer than model.max_seq_len ({self.model.max_seq_len}); shorten data.seq_len or raise model.max_seq_len")

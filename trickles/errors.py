@@ -1,12 +1,15 @@
-"""Errors that mean "what you asked for cannot be done", as opposed to bugs.
+"""Errors that end a command with a one-line message instead of a traceback.
 
-The command line prints a :class:`UserError` as one line and exits with status 2; everything
-else is a bug and keeps its traceback.
+:class:`UserError` means "what you asked for cannot be done" (exit status 2);
+:class:`TrainingStopped` means "training cannot usefully go on" (exit status 3). Both messages
+say what to change. Everything else is a bug and keeps its traceback.
 """
 
 
 class UserError(Exception):
     """A mistake in the user's input; the message says what to change."""
+
+    exit_code = 2
 
 
 class ConfigError(UserError):
@@ -19,3 +22,13 @@ class DataError(UserError):
 
 class CheckpointError(UserError):
     """A checkpoint that is missing, incomplete, truncated or altered."""
+
+
+class TrainingStopped(Exception):
+    """Training stopped on purpose (e.g. the loss stayed non-finite); nothing corrupt was saved."""
+
+    exit_code = 3
+
+
+#: Exceptions reported as one line (``error: ...``) with their ``exit_code``.
+ONE_LINE_ERRORS = (UserError, TrainingStopped)

@@ -7,8 +7,8 @@ and watches them:
 
 * every rank succeeds -> exit status 0;
 * a rank fails -> the others are killed at once (with any processes they started), the failing
-  rank's traceback is printed and the status is non-zero (2 for a :class:`UserError`, whose
-  one-line message is printed instead of a traceback);
+  rank's traceback is printed and the status is non-zero (for a :class:`UserError` or
+  :class:`TrainingStopped`, its one-line message and its exit code, 2 or 3);
 * the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
 
 Ranks end through :func:`trickles.topology.exit_process`, so a rank that tore its group down
@@ -27,7 +27,7 @@ import tempfile
 import traceback
 from typing import Any, Callable
 
-from .errors import UserError
+from .errors import ONE_LINE_ERRORS, UserError
 
 USER_ERROR_TAG = "trickles-user-error: "
 
@@ -59,10 +59,10 @@ def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str) 
         code = fn(*args)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except UserError as e:
+    except ONE_LINE_ERRORS as e:
         with open(error_file, "w") as f:
-            f.write(USER_ERROR_TAG + str(e))
-        exit_process(2)
+            f.write(f"{USER_ERROR_TAG}{e.exit_code} {e}")
+        exit_process(e.exit_code)
     except BaseException:
         with open(error_file, "w") as f:
             f.write(traceback.format_exc())
@@ -101,7 +101,7 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 
     status = 1
     for attempt in range(max_restarts + 1):
         status = _attempt(ctx, fn, args, nproc, store.port, attempt, quiet)
-        if status in (0, 2, 130) or attempt == max_restarts:
+        if status in (0, 2, 3, 130) or attempt == max_restarts:
             break
         print(f"[trickles] restarting all {nproc} ranks (attempt {attempt + 2} of {max_restarts + 1})", file=sys.stderr)
     del store
@@ -150,8 +150,9 @@ def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
     path = os.path.join(errors, f"rank{rank}.txt")
     text = open(path).read() if os.path.exists(path) else ""
     if text.startswith(USER_ERROR_TAG):
-        print(f"error: {text[len(USER_ERROR_TAG):]}", file=sys.stderr)
-        return 2
+        code, _, message = text[len(USER_ERROR_TAG):].partition(" ")
+        print(f"error: {message}", file=sys.stderr)
+        return int(code)
     if exitcode < 0:
         what = f"was killed by {signal.Signals(-exitcode).name}"
     else:

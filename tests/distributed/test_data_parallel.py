@@ -27,7 +27,7 @@ def _bucketed_vs_naive(tmp):
     with tr.engine.micro_step(last=True):
         tr._loss(x, y).backward()
     tr.engine.finish_backward()
-    bucketed = {n: p.grad.clone() for n, p in tr.engine.named}
+    bucketed = {n: tr.engine.main_grads[id(p)].clone() for n, p in tr.engine.named}
     plain = build_model(tr.model_cfg, tr.cfg.train.seed)  # same weights, no hooks
     F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
     average_gradients(plain.parameters(), tr.dp)

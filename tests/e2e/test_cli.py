@@ -44,7 +44,7 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(finished_run):
     steps = sorted(os.listdir(out / "checkpoints"))
     assert steps == ["step_000003", "step_000006"]
     for s in steps:
-        assert {"manifest.json", "model.safetensors", "optimizer.safetensors", "trainer.json", "tokenizer"} <= set(os.listdir(out / "checkpoints" / s))
+        assert {"manifest.json", "model.safetensors", "optimizer-rank00000.safetensors", "trainer.json", "tokenizer"} <= set(os.listdir(out / "checkpoints" / s))
 
 
 def test_generate_from_run(finished_run):
@@ -154,3 +154,18 @@ def test_same_job_under_torchrun(tmp_path):
     a = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(x)["loss"] for x in (tmp_path / "local" / "run" / "metrics.jsonl").read_text().splitlines()]
     assert a == b  # the launcher and torchrun run the identical job
+
+
+def test_memory_command_predicts_measures_and_draws(tmp_path):
+    png = tmp_path / "mem.png"
+    r = trickles("memory", *TINY, "--set", f"data.cache_dir={tmp_path}/cache", "--set", "memory.recompute=selective",
+                 "--nproc", "2", "--set", "parallel.zero=2", "--measure", "2", "--png", str(png), "--device-gb", "16")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.strip()}
+    for key in ("parameters", "gradients", "optimizer", "activations", "head"):
+        assert rows[key][-1] == "1.000", r.stdout  # measured / predicted
+    assert "layer 1" in r.stdout and "-> fits" in r.stdout
+    assert png.stat().st_size > 1000
+    only = trickles("memory", "--set", "model.preset=llama-7b", "--set", "memory.precision=bf16", "--set", "data.seq_len=4096",
+                    "--set", "train.global_batch=1", "--device-gb", "80")
+    assert only.returncode == 0 and "does NOT fit" in only.stdout  # 7B with Adam on one 80 GB device

@@ -108,11 +108,16 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
-        """Scores, softmax, dropout and the weighted sum: ``[B, H, T, D]`` in, ``[B, H, T, D]`` out.
+        """Scores, softmax, dropout and the weighted sum: ``q [B, H, T, D]``, ``k, v [B, H_kv, T', D]``
+        in, the heads side by side ``[B, T, H*D]`` out (ready for ``o_proj``).
 
         ``causal_offset`` is the position of the first query (None: queries and keys start
         together, plain causal mask).
         """
+        b, _, t_q, _ = q.shape
+        return self._attend(q, k, v, causal_offset).transpose(1, 2).reshape(b, t_q, -1)
+
+    def _attend(self, q, k, v, causal_offset):
         p = self.dropout if self.training else 0.0
         rep = q.shape[1] // k.shape[1]
         t_q = q.shape[2]
@@ -146,9 +151,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_id, start, k, v)
             offset = start
-        y = self.core(q, k, v, offset)
-        y = y.transpose(1, 2).reshape(b, t, -1)
-        return self.resid_drop(self.o_proj(y))
+        return self.resid_drop(self.o_proj(self.core(q, k, v, offset)))
 
 
 class MLP(nn.Module):

@@ -10,7 +10,8 @@ Where the state lives:
   slices of the flat parameter buffer), updated in place; Adam's two moments add ``8 P / N``
   bytes per rank;
 * parameters in a lower precision: an fp32 master copy of the segments (``4 P / N``) is kept
-  and copied back into the parameters after each step;
+  and copied back into the parameters after each step; gradients in a lower precision are
+  copied to fp32 before the step (another ``4 P / N``), fp32 gradients are used as they are;
 * ``offload=True``: master copy, moments and the step itself live in host memory (pinned on
   CUDA); reduced gradient segments are copied to the host before the step and the updated
   masters copied back after it, on a side stream so that the transfers overlap other work.
@@ -39,23 +40,19 @@ class ShardedAdamW:
         self.grads = [grad_of(s) for s in segments]
         device = self.params[0].device if self.params else torch.device("cpu")
         self.offload = offload
-        self.separate = offload or any(p.dtype != torch.float32 for p in self.params)
+        self.separate = offload or any(p.dtype != torch.float32 for p in self.params)  # masters apart from params
+        self.copy_grads = offload or any(g.dtype != torch.float32 for g in self.grads)  # fp32 gradients apart
+        host = torch.device("cpu") if offload else device
+        pin = offload and device.type == "cuda"
+        n = sum(s.numel for s in segments)
+        self.master_flat = torch.empty(n, dtype=torch.float32, device=host, pin_memory=pin) if self.separate else None
+        self.grad_flat = torch.zeros(n, dtype=torch.float32, device=host, pin_memory=pin) if self.copy_grads else None
+        self.masters = _pieces(self.master_flat, segments) if self.separate else self.params
+        self.host_grads = _pieces(self.grad_flat, segments) if self.copy_grads else self.grads
         if self.separate:
-            host = torch.device("cpu") if offload else device
-            pin = offload and device.type == "cuda"
-            n = sum(s.numel for s in segments)
-            self.master_flat = torch.empty(n, dtype=torch.float32, device=host, pin_memory=pin)
-            self.grad_flat = torch.zeros(n, dtype=torch.float32, device=host, pin_memory=pin)
-            self.masters, self.host_grads, pos = [], [], 0
-            for s, p in zip(segments, self.params):
-                self.masters.append(self.master_flat[pos:pos + s.numel])
-                self.host_grads.append(self.grad_flat[pos:pos + s.numel])
-                pos += s.numel
             with torch.no_grad():
                 for m, p in zip(self.masters, self.params):
                     m.copy_(p)
-        else:
-            self.masters, self.host_grads = self.params, self.grads
         for m, g in zip(self.masters, self.host_grads):
             m.grad = g
         groups = [
@@ -73,7 +70,7 @@ class ShardedAdamW:
             return
         for g in self.optimizer.param_groups:
             g["lr"] = lr
-        if self.separate:
+        if self.copy_grads:
             self._copy(self.host_grads, self.grads)
         self.optimizer.step()
         if self.separate:
@@ -96,8 +93,9 @@ class ShardedAdamW:
     def state_bytes(self) -> int:
         """Bytes of optimizer state held: moments, step counters, and separate masters/gradients."""
         total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()) if self.optimizer else 0
-        if self.separate:
-            total += self.master_flat.numel() * 4 + (self.grad_flat.numel() * 4 if self.offload else 0)
+        for extra in (self.master_flat, self.grad_flat):
+            if extra is not None:
+                total += extra.numel() * 4
         return total
 
     def state_tensors(self) -> dict[str, tuple[torch.Tensor, dict]]:
@@ -137,3 +135,11 @@ class ShardedAdamW:
             if master is not None:
                 with torch.no_grad():
                     m.copy_(master)
+
+
+def _pieces(flat: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+    out, pos = [], 0
+    for s in segments:
+        out.append(flat[pos:pos + s.numel])
+        pos += s.numel
+    return out

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from ..comm import GroupComm, Handle
-from ..optim.adamw import AdamWSettings, adamw_kwargs, param_groups
+from ..optim.adamw import AdamWSettings, decay_flags
+from ..optim.sharded import ShardedAdamW
 from ..train import checkpoint as ckpt
-from .engine import FIRST_BUCKET_BYTES, Engine, weak_method, unique_named_parameters
+from .engine import FIRST_BUCKET_BYTES, Engine, sharded_clip, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
 
@@ -38,31 +39,37 @@ def average_gradients(params: Iterable[torch.nn.Parameter], comm: GroupComm) -> 
 
 
 class DataParallel(Engine):
-    """Replicated parameters and optimizer; bucketed all-reduce of gradients overlapping backward."""
+    """Replicated parameters and optimizer; bucketed all-reduce of gradients overlapping backward.
+
+    Gradients accumulate in a flat buffer of ``grad_dtype`` (fp32 by default, also for
+    low-precision parameters); the optimizer keeps fp32 master weights when the parameters
+    are in a lower precision.
+    """
 
     stage = 0
 
-    def __init__(self, model: nn.Module, comm: GroupComm, optim: AdamWSettings, bucket_bytes: int | None):
+    def __init__(self, model: nn.Module, comm: GroupComm, optim: AdamWSettings, bucket_bytes: int | None,
+                 grad_dtype: torch.dtype = torch.float32):
         super().__init__(model, comm)
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         device = self.params[0].device
-        self.optimizer = torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas,
-                                           eps=optim.eps, **adamw_kwargs(device))
-        self.bucketed = comm.size > 1
-        if self.bucketed:
-            self.layout = FlatLayout(self.named, comm.size, bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES)
-            self.grad_buffer = torch.zeros(self.layout.total, dtype=self.params[0].dtype, device=device)
-            self.main_grads = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
-            self._bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
-            self._pending: list[int] = []
-            self._handles: dict[int, Handle] = {}
-            for p in self.params:
-                p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
+        self.layout = FlatLayout(self.named, comm.size, bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES)
+        self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=device)
+        self.main_grads = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
+        self._bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
+        self._pending: list[int] = []
+        self._handles: dict[int, Handle] = {}
+        self.optimizer = ShardedAdamW(self.layout.whole_segments(), lambda s: s.slot.param.data.view(-1),
+                                      lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]], decay_flags(model),
+                                      optim.lr, optim.betas, optim.eps, optim.weight_decay)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
+        self._begin_micro_step(last=True)  # ready for a plain backward()
 
     # ---- backward ------------------------------------------------------------------------
     def _begin_micro_step(self, last: bool) -> None:
-        if self.bucketed and last:
+        if last:
             self._pending = [len(b.slots) for b in self.layout.buckets]
             self._handles = {}
 
@@ -80,56 +87,41 @@ class DataParallel(Engine):
         self._handles[b] = self.comm.all_reduce(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True)
 
     def finish_backward(self) -> None:
-        if not self.bucketed:
-            return
         for b in range(len(self.layout.buckets)):  # buckets with a parameter that got no gradient
             if b not in self._handles:
                 self._launch(b)
         for h in self._handles.values():
             h.wait()
         self._handles = {}
-        for p in self.params:
-            p.grad = self.main_grads[id(p)]
 
     # ---- update --------------------------------------------------------------------------
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [self.grad_buffer]
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        return sharded_clip(self.owned_grads(), max_norm, None)  # replicated: every rank computes the same norm
 
     def step(self, lr: float) -> None:
-        for g in self.optimizer.param_groups:
-            g["lr"] = lr
-        self.optimizer.step()
+        self.optimizer.step(lr)
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
-        if self.bucketed:
-            self.grad_buffer.zero_()
-            self._begin_micro_step(last=True)  # a plain backward() after zero_grad() also reduces
+        self.grad_buffer.zero_()
+        self._begin_micro_step(last=True)  # a plain backward() after zero_grad() also reduces
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        params = sum(p.numel() * p.element_size() for p in self.params)
-        if self.bucketed:
-            grads = self.grad_buffer.numel() * self.grad_buffer.element_size()
-        else:
-            grads = sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
-        opt = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t))
-        return {"parameters": params, "gradients": grads, "optimizer": opt}
+        return {"parameters": sum(p.numel() * p.element_size() for p in self.params),
+                "gradients": self.grad_buffer.numel() * self.grad_buffer.element_size(),
+                "optimizer": self.optimizer.state_bytes()}
 
     def save(self, directory: str, rank: int) -> None:
         if rank != 0:
             return
         ckpt.save_tensors(ckpt.unique_state(self.model), f"{directory}/model.safetensors")
-        names = {id(p): n for n, p in self.named}
-        ckpt.save_tensors(ckpt.optimizer_tensors(self.optimizer, names), f"{directory}/optimizer.safetensors")
+        ckpt.save_tensors(self.optimizer.state_tensors(), f"{directory}/optimizer-rank00000.safetensors")
 
     def load(self, directory: str) -> None:
         ckpt.load_model_state(self.model, ckpt.SliceReader(directory, "model"), directory)
-        reader = ckpt.SliceReader(directory, "optimizer")
-        names = {id(p): n for n, p in self.named}
-        state = {}
-        for n, _ in self.named:
-            if f"{n}/exp_avg" in reader:
-                state.update({f"{n}/{k}": reader.read(f"{n}/{k}") for k in ("exp_avg", "exp_avg_sq", "step")})
-        ckpt.load_optimizer_tensors(self.optimizer, names, state, directory)
+        self.optimizer.load_state(ckpt.SliceReader(directory, "optimizer").read)

@@ -57,7 +57,18 @@ class Engine:
     def finish_backward(self) -> None:
         raise NotImplementedError
 
+    def owned_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients this rank updates from (the whole buffer, or its shards)."""
+        raise NotImplementedError
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiplies the reduced gradients by ``factor`` (unscaling a loss-scaled backward)."""
+        grads = self.owned_grads()
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clips the reduced gradients to ``max_norm`` by global norm; returns the norm (fp32, all ranks agree)."""
         raise NotImplementedError
 
     def step(self, lr: float) -> None:
@@ -85,24 +96,25 @@ class Engine:
         raise NotImplementedError
 
 
-def sharded_clip(grads: list[torch.Tensor], max_norm: float, comm: GroupComm) -> torch.Tensor:
+def sharded_clip(grads: list[torch.Tensor], max_norm: float, comm: GroupComm | None) -> torch.Tensor:
     """Global-norm clipping of gradients split disjointly over ``comm``: one all-reduce of ``sum g^2``.
 
-    ``norm = sqrt(sum over ranks of sum over owned elements g^2)``; every gradient is scaled by
+    ``norm = sqrt(sum over ranks of sum over owned elements g^2)``, accumulated in fp32 (``comm``
+    None: the gradients are replicated and every rank has them all); every gradient is scaled by
     ``min(1, max_norm / (norm + 1e-6))`` (torch's ``clip_grad_norm_`` rule). ``max_norm <= 0``
-    only measures.
+    only measures. An inf or NaN anywhere makes the norm non-finite on every rank.
     """
     device = grads[0].device if grads else torch.device("cpu")
     if grads:
-        sq = torch.stack([n.float() ** 2 for n in torch._foreach_norm(grads)]).sum()
+        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
     else:
         sq = torch.zeros((), device=device)
-    if comm.size > 1:
+    if comm is not None and comm.size > 1:
         sq = comm.all_reduce(sq.reshape(1)).reshape(())
     norm = sq.sqrt()
     if max_norm > 0 and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
     return norm
 
 

@@ -143,6 +143,10 @@ class FlatLayout:
                     out.append(Segment(s, (a - s.offset, e - s.offset), (a, e), shard_base + (a - lo)))
         return out
 
+    def whole_segments(self) -> list[Segment]:
+        """Every parameter as one segment (for a replicated optimizer); ``shard_offset`` is its flat offset."""
+        return [Segment(s, (0, s.numel), (s.offset, s.offset + s.numel), s.offset) for s in self.slots]
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's view (in its shape) into a flat tensor of ``total`` elements."""
         return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]

@@ -48,7 +48,7 @@ class ZeroDataParallel(Engine):
     """ZeRO stage 1 or 2 over ``comm`` (see module docstring)."""
 
     def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: AdamWSettings, bucket_bytes: int | None,
-                 offload: bool = False):
+                 offload: bool = False, grad_dtype: torch.dtype = torch.float32):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         super().__init__(model, comm)
@@ -64,11 +64,11 @@ class ZeroDataParallel(Engine):
             slot.param.data = view
         self.segments = self.layout.segments(comm.rank)
         if stage == 1:
-            self.grad_buffer = torch.zeros(self.layout.total, dtype=p0.dtype, device=p0.device)
+            self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=p0.device)
             self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
             grad_of = lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]]  # noqa: E731
         else:
-            self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=p0.dtype, device=p0.device)
+            self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
             self._buffers: dict[int, torch.Tensor] = {}
             self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
             grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
@@ -82,6 +82,7 @@ class ZeroDataParallel(Engine):
         self._handles: list[Handle] = []
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
+        self._begin_micro_step(last=True)  # ready for a plain backward()
 
     # ---- backward ------------------------------------------------------------------------
     def _begin_micro_step(self, last: bool) -> None:
@@ -97,7 +98,7 @@ class ZeroDataParallel(Engine):
             buf = self._buffers.get(slot.bucket)
             if buf is None:
                 b = self.layout.buckets[slot.bucket]
-                buf = self._buffers[slot.bucket] = torch.zeros(b.size, dtype=p.dtype, device=p.device)
+                buf = self._buffers[slot.bucket] = torch.zeros(b.size, dtype=self.shard_grads.dtype, device=p.device)
             start = slot.offset - self.layout.buckets[slot.bucket].start
             buf[start:start + slot.numel].view(slot.shape).add_(p.grad)
         p.grad = None

@@ -47,13 +47,13 @@ class _Unit:
     """One unit's shard, its transient gathered buffer and where its parameters plug in."""
 
     def __init__(self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]],
-                 owners: dict[int, list[tuple[nn.Module, str]]], comm: GroupComm, device, dtype):
+                 owners: dict[int, list[tuple[nn.Module, str]]], comm: GroupComm, device, dtype, grad_dtype):
         self.name, self.module, self.comm = name, module, comm
         self.layout = FlatLayout(named, comm.size, bucket_bytes=None)
         self.owners = [owners[id(s.param)] for s in self.layout.slots]
         self.segments = self.layout.segments(comm.rank)
         self.shard = nn.Parameter(torch.zeros(self.layout.shard_numel, dtype=dtype, device=device))
-        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=dtype, device=device)
+        self.grad_shard = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=device)
         self.full = torch.empty(self.layout.total, dtype=dtype, device=device)
         self._bytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -130,20 +130,18 @@ class Zero3DataParallel(Engine):
 
     def __init__(self, model: nn.Module, comm: GroupComm, units: list[nn.Module], optim: AdamWSettings,
                  init_value: Callable[[str, tuple[int, ...]], torch.Tensor] | None, device: torch.device,
-                 offload: bool = False, prefetch: bool = True):
+                 offload: bool = False, prefetch: bool = True, param_dtype: torch.dtype | None = None,
+                 grad_dtype: torch.dtype = torch.float32):
         super().__init__(model, comm)
         self.prefetch = prefetch
         decay = decay_flags(model)
         names = {id(m): n for n, m in model.named_modules()}
         unit_ids = {id(m) for m in units}
-        dtype = next(model.parameters()).dtype
-        if dtype == torch.float64 or not dtype.is_floating_point:
-            raise ValueError(f"ZeRO-3 shards floating-point parameters, got {dtype}")
-        dtype = torch.float32 if next(model.parameters()).is_meta else dtype
+        dtype = param_dtype or next(model.parameters()).dtype
         self.units: list[_Unit] = []
         for module in [*units, model]:
             named, owners = _owned(module, names[id(module)], unit_ids - {id(module)})
-            unit = _Unit(names[id(module)] or "<root>", module, named, owners, comm, device, dtype)
+            unit = _Unit(names[id(module)] or "<root>", module, named, owners, comm, device, dtype, grad_dtype)
             _fill_shard(unit, init_value)
             for slot_owners in unit.owners:
                 for mod, attr in slot_owners:
@@ -206,8 +204,8 @@ class Zero3DataParallel(Engine):
 
     def _reduce_unit(self, unit: _Unit, grad: torch.Tensor) -> None:
         self._retire(done_only=True)
+        grad = grad.to(unit.grad_shard.dtype).contiguous()  # reduced in the gradient type
         out = torch.empty(unit.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        grad = grad.contiguous()
         self._inflight.append((unit, grad, out, self.comm.reduce_scatter(grad, op="mean", async_op=True, out=out)))
 
     def _retire(self, done_only: bool) -> None:
@@ -223,8 +221,11 @@ class Zero3DataParallel(Engine):
             if unit.live_graphs == 0 and unit.gathered:
                 unit.free()
 
+    def owned_grads(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.units]
+
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return sharded_clip(self.optimizer.grads, max_norm, self.comm)
+        return sharded_clip(self.owned_grads(), max_norm, self.comm)
 
     def step(self, lr: float) -> None:
         self.optimizer.step(lr)
@@ -232,6 +233,10 @@ class Zero3DataParallel(Engine):
     def zero_grad(self) -> None:
         for unit in self.units:
             unit.grad_shard.zero_()
+
+    def gathered_storages(self) -> set[int]:
+        """Storages of the currently gathered unit buffers (model state, not activations)."""
+        return {u.full.untyped_storage().data_ptr() for u in self.units if u.gathered_bytes()}
 
     def memory(self) -> dict[str, int]:
         shard = sum(u.shard.numel() * u.shard.element_size() for u in self.units)

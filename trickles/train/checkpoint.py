@@ -2,16 +2,19 @@
 
 Layout of ``<out_dir>/checkpoints/step_000100/``::
 
-    model.safetensors       parameters by name (a tied weight once, under its first name)
-    optimizer.safetensors   "<param name>/<state key>" -> tensor (Adam moments, step counters)
+    model.safetensors       parameters by name (a tied weight once), written by rank 0 when replicated;
+                            model-rankNNNNN.safetensors instead, one per rank, under ZeRO-3
+    optimizer-rankNNNNN.safetensors
+                            "<param name>/<state key>" -> the rank's part of the Adam moments
+                            (and fp32 master weights of low-precision parameters), step counters
     trainer.json            step, consumed samples, resolved config, every rank's RNG states
     tokenizer/              what the tokenizer needs to rebuild itself
     manifest.json           size and sha256 of every file above; written last
 
-Every tensor entry's safetensors metadata records its global shape and the offset of the slice
-stored (``{"name": {"global_shape": [...], "offset": [...]}}``); a replicated tensor is one
-slice at offset 0, a sharded layout writes one file per shard, and a loader at any layout can
-read the slices it needs.
+Every tensor entry's safetensors metadata records its global shape and which part it holds
+(``{"global_shape": [...], "flat_range": [a, b]}`` for a range of the flattened tensor,
+``"offset"`` for a block); a replicated tensor is one whole piece, a sharded layout writes one
+file per rank, and :class:`SliceReader` reads, at any layout, just the pieces it needs.
 
 Writing happens in ``step_000100.tmp`` and ends with ``os.replace`` to the final name, so a
 directory without ``.tmp`` always holds a complete checkpoint. Loading checks the manifest
@@ -145,17 +148,6 @@ def save_tensors(tensors: dict[str, Any], path: str) -> None:
     save_file(data, path, metadata={"format": "pt", "slices": json.dumps(slices)})
 
 
-def load_tensors(path: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    out = {}
-    try:
-        with safe_open(path, framework="pt", device=str(device)) as f:
-            for k in f.keys():
-                out[k] = f.get_tensor(k)
-    except Exception as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-    return out
-
-
 class SliceReader:
     """Reads whole tensors or ranges of flattened tensors from every ``<prefix>*.safetensors``.
 
@@ -259,42 +251,6 @@ def load_model_state(model: torch.nn.Module, reader: "SliceReader", source: str)
             if tuple(t.shape) != shape:
                 raise CheckpointError(f"{source}: {k} has shape {shape}, the model expects {tuple(t.shape)}")
             t.copy_(reader.read(k))
-
-
-# ---- optimizer ---------------------------------------------------------------------------
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, tuple[torch.Tensor, dict]]:
-    """``"<param name>/<key>" -> (tensor, metadata)`` for every per-parameter optimizer state."""
-    out = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            for key, value in optimizer.state.get(p, {}).items():
-                t = value if torch.is_tensor(value) else torch.tensor(value)
-                if t.dim() == 0:
-                    out[f"{names[id(p)]}/{key}"] = (t.reshape(1).float(), {"global_shape": [1], "scalar": True})
-                else:
-                    out[f"{names[id(p)]}/{key}"] = (t, {"global_shape": list(t.shape), "flat_range": [0, t.numel()]})
-    return out
-
-
-def load_optimizer_tensors(optimizer: torch.optim.Optimizer, names: dict[int, str], tensors: dict[str, torch.Tensor], source: str) -> None:
-    """Sets torch optimizer state from ``"<param name>/<key>"`` tensors (step counters as 1-element)."""
-    by_param: dict[str, dict[str, torch.Tensor]] = {}
-    for k, v in tensors.items():
-        pname, _, key = k.rpartition("/")
-        by_param.setdefault(pname, {})[key] = v.reshape(()) if key == "step" else v
-    state, index = {}, 0
-    groups = []
-    for group in optimizer.param_groups:
-        ids = []
-        for p in group["params"]:
-            pname = names[id(p)]
-            if pname in by_param:
-                state[index] = dict(by_param[pname])
-            ids.append(index)
-            index += 1
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 # ---- RNG ---------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW second-moment decay")
     eps: float = opt(1e-8, "AdamW epsilon")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
+    max_nonfinite_steps: int = opt(10, "stop (exit status 3) after this many consecutive steps with a non-finite loss or gradient; such steps are skipped")
     eval_every: int = opt(50, "evaluate on held-out data every N steps (0: never; the last step always evaluates when >0)")
     eval_batches: int = opt(4, "held-out batches of global_batch sequences per evaluation")
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
@@ -51,6 +52,8 @@ class TrainConfig:
         for key in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "sample_tokens", "sample_top_k"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"train.{key} must not be negative, got {getattr(self, key)}")
+        if self.max_nonfinite_steps < 1:
+            raise ConfigError(f"train.max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"train.keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.grad_clip < 0 or self.weight_decay < 0 or self.eps <= 0:

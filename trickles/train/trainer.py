@@ -18,6 +18,7 @@ saves checkpoints and, at the end, draws the loss curve and prints a generated s
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from typing import Any
@@ -28,8 +29,9 @@ import torch.nn.functional as F
 from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
 from ..data.sources import iter_documents
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TrainingStopped
 from ..memory.precision import autocast
+from ..memory.scaler import DynamicLossScaler
 from ..models.config import ModelConfig, resolve_model
 from ..models.generate import generate
 from ..models.transformer import Transformer, count_params
@@ -76,8 +78,14 @@ class Trainer:
             for block in self.model.layers.values():
                 block.compile()
 
+        self.scaler = None
+        if cfg.memory.precision == "fp16":
+            m = cfg.memory
+            self.scaler = DynamicLossScaler(m.loss_scale, m.loss_scale_growth_interval, m.loss_scale_hysteresis, m.loss_scale_min)
         self.step = 0
         self.consumed = 0
+        self.skipped = 0  # optimizer steps skipped for non-finite gradients
+        self._bad_streak: list[int] = []  # consecutive steps whose loss or gradients were not finite
         self.flops_per_token = flops_per_token(self.model_cfg, seq)
         self.peak = peak_flops(self.device, cfg.memory.precision)
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
@@ -98,28 +106,57 @@ class Trainer:
         lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         total = torch.zeros((), device=self.device)
         batches = self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch)
+        scale = self.scaler.scale if self.scaler else 1.0
         self.engine.zero_grad()
         for i, (x, y) in enumerate(batches):
             with self.engine.micro_step(last=i == len(batches) - 1):
                 loss = self._loss(x, y)
-                (loss / self.accumulation).backward()
+                (loss * (scale / self.accumulation)).backward()
             total += loss.detach()
         self.engine.finish_backward()
-        grad_norm = self.engine.clip_grad_norm(t.grad_clip)
-        self.engine.step(lr)
+        if scale != 1.0:
+            self.engine.scale_grads(1.0 / scale)
+        grad_norm = float(self.engine.clip_grad_norm(t.grad_clip))  # one all-reduce: every rank sees the same norm
+        finite = math.isfinite(grad_norm)
+        if finite:
+            self.engine.step(lr)
+        else:
+            self.skipped += 1
+        if self.scaler:
+            self.scaler.update(overflow=not finite)
         loss = self.dp.all_reduce(total / self.accumulation, op="mean")
         loss_value = loss.item()
+        self._guard(loss_value, finite)
         elapsed = time.perf_counter() - start
         self.step += 1
         self.consumed += t.global_batch
         tokens = t.global_batch * self.cfg.data.seq_len
         flops = self.flops_per_token * tokens / elapsed
-        return {
-            "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+        record = {
+            "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens / elapsed, "flops_per_s": flops,
             "mfu": flops / (self.peak * self.topo.world_size) if self.peak else None,
-            "step_time": elapsed, "consumed_samples": self.consumed,
+            "step_time": elapsed, "consumed_samples": self.consumed, "skipped": not finite, "skipped_total": self.skipped,
         }
+        if self.scaler:
+            record["loss_scale"] = scale
+        return record
+
+    def _guard(self, loss: float, finite_grads: bool) -> None:
+        """Stops training when the loss or gradients stay non-finite; skipped steps changed nothing.
+
+        An fp16 gradient overflow with a finite loss is the loss scaler's business, unless the
+        scale is already at its minimum.
+        """
+        bad = not math.isfinite(loss) or (not finite_grads and (self.scaler is None or self.scaler.at_minimum))
+        self._bad_streak = self._bad_streak + [self.step + 1] if bad else []
+        limit = self.cfg.train.max_nonfinite_steps
+        if len(self._bad_streak) >= limit:
+            first = self._bad_streak[0]
+            raise TrainingStopped(
+                f"the loss or gradients were not finite for {limit} consecutive steps ({first}-{self.step + 1}, last loss {loss}); "
+                f"those updates were skipped and nothing was saved after step {first - 1}; lower train.lr, raise "
+                f"train.warmup_steps, use memory.precision=bf16 or fp32, or check the data")
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -166,6 +203,10 @@ class Trainer:
                 f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else f"{record['flops_per_s'] / 1e9:.1f}")
             if record.get("val_loss") is not None:
                 post["val"] = f"{record['val_loss']:.3f}"
+            if self.skipped:
+                post["skipped"] = self.skipped
+            if self.scaler:
+                post["scale"] = f"{self.scaler.scale:g}"
             bar.set_postfix(post, refresh=False)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
                 self.save_checkpoint()
@@ -209,7 +250,8 @@ class Trainer:
             self.tokenizer.save(os.path.join(tmp, "tokenizer"))
             ckpt.write_json(os.path.join(tmp, "trainer.json"), {
                 "step": self.step, "consumed_samples": self.consumed, "world_size": self.topo.world_size,
-                "layout": {"dp": self.topo.dims.dp, "zero": self.engine.stage},
+                "layout": {"dp": self.topo.dims.dp, "zero": self.engine.stage}, "skipped_steps": self.skipped,
+                "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
             })
             final = ckpt.commit(tmp, self.cfg.train.keep_checkpoints)
@@ -230,6 +272,9 @@ class Trainer:
         self.engine.load(path)
         self.step = int(meta["step"])
         self.consumed = int(meta["consumed_samples"])
+        self.skipped = int(meta.get("skipped_steps", 0))
+        if self.scaler and meta.get("loss_scaler"):
+            self.scaler.load_state_dict(meta["loss_scaler"])
         rng = meta.get("rng") or []
         if rng:
             ckpt.set_rng_state(rng[self.topo.rank % len(rng)])

@@ -1,0 +1,123 @@
+"""Activation memory: what autograd keeps for backward, predicted by formula and measured.
+
+**Measured** (:class:`ActivationMeter`): a ``saved_tensors_hooks`` pack hook sees every tensor
+autograd saves; distinct storages are counted once, parameters and buffers (model state, not
+activations) are left out, and each tensor is charged to the transformer layer running when it
+was first saved (``"head"``: embedding, final norm, output projection and loss). Under full
+recomputation the checkpoint keeps a block's input through a function that saves it, so it is
+seen the same way.
+
+**Predicted** (:func:`activation_bytes`) for this implementation, per layer, with ``s`` tokens
+per micro-batch (batch x sequence ``T``), hidden ``d``, query heads ``a`` and key/value heads
+``a_kv`` of size ``h``, MLP width ``f``, ``p`` bytes per element of the compute type (fused
+attention, dropout 0):
+
+=================  ==========================================================  ===========================
+piece              saved for backward                                          bytes
+=================  ==========================================================  ===========================
+RMSNorm (llama)    fp32 input, fp32 1/rms, x_hat, the output the next linear   ``4sd + 4s + 2psd``
+                   keeps
+LayerNorm (gpt2)   input, mean and 1/std, output (CPU autocast keeps p; CUDA   ``2psd + 2ps``
+                   autocast upcasts: ``4sd + 8s + psd``)
+attention          q, k, v after rotation; the fused kernel's output (which    ``ps(ah + 2 a_kv h) + psah
+                   ``o_proj`` keeps as its input) and fp32 log-sum-exp;          + 4sa (+ 4Thp)``
+                   llama in low precision: cos/sin cast for q and k
+MLP                llama: gate, silu(gate), up, product; gpt2: pre-activation  ``4psf`` / ``2psf``
+                   and GELU output
+=================  ==========================================================  ===========================
+
+A layer holds two norms, the attention and the MLP. ``selective`` recomputation of the
+attention core drops what the core keeps beyond its inputs -- with a fused kernel only the
+log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabilities);
+``full`` keeps only the block input, ``psd``. The head keeps token ids and targets (``16s``),
+position ids (gpt2), the final norm, and the fp32 log-softmax of the logits, ``4sV``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..models.config import ModelConfig
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "none", dtype_bytes: int = 4,
+                     device_type: str = "cpu") -> dict[str, int]:
+    """``{"layer": bytes per layer, "layers": all layers, "head": bytes, "total": ...}`` for one micro-batch."""
+    s = batch * seq
+    d, a, kv, h, f, p = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim, dtype_bytes
+    llama = cfg.flavor == "llama"
+    if llama:
+        norm = 4 * s * d + 4 * s + 2 * p * s * d
+    elif device_type == "cuda" and p != 4:
+        norm = 4 * s * d + 8 * s + p * s * d
+    else:
+        norm = 2 * p * s * d + 2 * p * s
+    lse = 4 * s * a
+    attention = p * s * (a * h + 2 * kv * h) + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
+    mlp = (4 if llama else 2) * p * s * f
+    layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse, "full": p * s * d}.get(recompute)
+    if layer is None:
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    head = 16 * s + (0 if llama else 8 * seq) + norm + 4 * s * (cfg.vocab_size or 0)
+    layers = layer * cfg.n_layers
+    return {"layer": layer, "layers": layers, "head": head, "total": layers + head}
+
+
+class ActivationMeter:
+    """Counts the bytes autograd saves during forward, per transformer layer (see module docstring).
+
+    ``with ActivationMeter(model) as meter: loss = ...`` then ``meter.per_layer`` (``{name: bytes}``)
+    and ``meter.total``. ``exclude`` returns storages that are model state (e.g. parameters
+    gathered by ZeRO-3) beyond the module's own parameters and buffers.
+    """
+
+    def __init__(self, model: nn.Module, exclude=None):
+        self.model = model
+        self.exclude = exclude
+        self.per_layer: dict[str, int] = {}
+        self._seen: set[int] = set()
+        self._current = "head"
+        self._handles = []
+        self._state: set[int] = set()
+
+    def _pack(self, t: torch.Tensor):
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        if ptr and ptr not in self._seen and ptr not in self._state and st.nbytes():
+            if self.exclude is None or ptr not in self.exclude():
+                self._seen.add(ptr)
+                self.per_layer[self._current] = self.per_layer.get(self._current, 0) + st.nbytes()
+        return t
+
+    def _enter_layer(self, name):
+        def hook(module, args):
+            self._current = name
+        return hook
+
+    def _leave_layer(self, module, args, output):
+        self._current = "head"
+
+    def __enter__(self) -> "ActivationMeter":
+        self._state = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()] if not t.is_meta}
+        layers = getattr(self.model, "layers", {})
+        for name, block in layers.items():
+            self._handles.append(block.register_forward_pre_hook(self._enter_layer(f"layers.{name}")))
+            self._handles.append(block.register_forward_hook(self._leave_layer))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer.values())
+
+    @property
+    def layers(self) -> dict[str, int]:
+        return {k: v for k, v in self.per_layer.items() if k != "head"}

@@ -1,0 +1,227 @@
+"""Where the memory goes: predicted bytes per device, and measured ones, side by side.
+
+:func:`predict` works from the configuration alone (no process group, no device): model
+states from the ZeRO formulas for the layout and precision (``accounting.py``), activations
+per layer from the formulas of this implementation (``activations.py``), and an estimated
+peak. :func:`measure` builds the real trainer, runs a few steps and reads the same categories
+back: parameters, gradients and optimizer state from the tensors the data-parallel engine
+holds (which are all the live tensors), activations with saved-tensor hooks over one
+micro-batch, and, on CUDA, the allocator's peak. :func:`report` puts both in a table, a bar
+chart PNG and an answer to "does this fit in X GB".
+
+``held`` = model states on the device + all saved activations of one micro-batch (what is
+alive at the end of forward); predicted ``peak`` = ``held`` + transients: the fp32 gradient of
+the logits (``4sV``, alive at the start of backward) and buffers (ZeRO-2: two gradient
+buckets; ZeRO-3: the root and two gathered blocks). On CUDA the measured peak is the
+allocator's ``max_memory_allocated``; a CPU has no such statistic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import Config
+from ..models.config import ModelConfig, resolve_model
+from ..topology import ParallelDims
+from .accounting import zero_model_state_bytes
+from .activations import ActivationMeter, activation_bytes
+from .precision import policy
+
+GiB = 2**30
+
+
+@dataclass
+class MemoryReport:
+    """Bytes per device by category; ``measured`` is empty until :func:`measure` fills it."""
+
+    predicted: dict[str, float]
+    layers_predicted: list[int]
+    measured: dict[str, float] = field(default_factory=dict)
+    layers_measured: list[int] = field(default_factory=list)
+    host_optimizer: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
+
+    def table(self, device_gb: float | None = None) -> str:
+        has_m = bool(self.measured)
+        head = f"{'category':<14}{'predicted':>14}" + (f"{'measured':>14}{'meas/pred':>11}" if has_m else "")
+        lines = [head, "-" * len(head)]
+        for c in self.CATEGORIES:
+            name = c + (" (host)" if c == "optimizer" and self.host_optimizer else "")
+            row = f"{name:<14}{_fmt(self.predicted.get(c)):>14}"
+            if has_m:
+                m = self.measured.get(c)
+                ratio = f"{m / self.predicted[c]:.3f}" if m is not None and self.predicted.get(c) else "-"
+                row += f"{_fmt(m):>14}{ratio:>11}"
+            lines.append(row)
+        if self.layers_predicted and not self.layers_measured:
+            lines.append("")
+            lines.append(f"each of the {len(self.layers_predicted)} layers: {_fmt(self.layers_predicted[0])} of saved activations")
+        elif self.layers_predicted:
+            lines.append("")
+            lines.append(f"{'per layer':<14}{'predicted':>14}" + (f"{'measured':>14}" if self.layers_measured else ""))
+            for i, pl in enumerate(self.layers_predicted):
+                ml = self.layers_measured[i] if i < len(self.layers_measured) else None
+                lines.append(f"{'layer ' + str(i):<14}{_fmt(pl):>14}" + (f"{_fmt(ml):>14}" if self.layers_measured else ""))
+        if device_gb is not None:
+            peak = max(self.measured.get("peak") or 0, self.predicted["peak"])
+            cap = device_gb * 1e9
+            verdict = "fits" if peak <= 0.9 * cap else ("tight" if peak <= cap else "does NOT fit")
+            lines.append("")
+            lines.append(f"device of {device_gb:g} GB: peak {_fmt(peak)} is {100 * peak / cap:.0f}% of it -> {verdict}"
+                         + (" (keep 10% for the allocator and the framework)" if verdict == "tight" else ""))
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def plot(self, path: str) -> bool:
+        """Bar chart of predicted (and measured) bytes per category; False without matplotlib."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+        except ImportError:
+            return False
+        cats = [c for c in self.CATEGORIES if self.predicted.get(c)]
+        top = max(max(self.predicted.values()), max(self.measured.values(), default=0))
+        unit, size = ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
+        x = range(len(cats))
+        fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
+        w = 0.4 if self.measured else 0.8
+        ax.bar([i - (w / 2 if self.measured else 0) for i in x], [self.predicted[c] / size for c in cats], w, label="predicted")
+        if self.measured:
+            ax.bar([i + w / 2 for i in x], [(self.measured.get(c) or 0) / size for c in cats], w, label="measured")
+        ax.set_xticks(list(x))
+        ax.set_xticklabels(cats)
+        ax.set_ylabel(f"{unit} per device")
+        ax.legend()
+        ax.grid(axis="y", alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path)
+        plt.close(fig)
+        return True
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(v) >= size:
+            return f"{v / size:,.2f} {unit}"
+    return f"{v:,.0f} B"
+
+
+def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu") -> MemoryReport:
+    """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved)."""
+    from ..models.transformer import Transformer, count_params
+
+    with torch.device("meta"):
+        meta = Transformer(model_cfg)
+    n = count_params(meta)
+    prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
+    p = torch.finfo(prec.param_dtype).bits // 8
+    g = torch.finfo(prec.grad_dtype).bits // 8
+    offload = cfg.memory.offload_optimizer
+    # Adam moments; fp32 master weights apart from low-precision (or offloaded) parameters; an fp32
+    # copy of low-precision (or offloaded) gradients for the update
+    k = 8 + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
+    stage = cfg.parallel.zero
+    states = zero_model_state_bytes(n, dims.dp, stage, (p, g, k))
+    micro, _ = cfg.batch_plan(dims.dp)
+    act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type)
+    transient = 4 * micro * cfg.data.seq_len * model_cfg.vocab_size
+    if stage == 2:
+        bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n * g
+        transient += 2 * min(bucket, n * g)
+    if stage == 3:
+        per_block = (n - _root_params(meta)) / model_cfg.n_layers
+        transient += p * (_root_params(meta) + 2 * per_block)
+    device_states = states["parameters"] + states["gradients"] + (0 if offload else states["optimizer"])
+    predicted = {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"],
+                 "activations": act["layers"], "head": act["head"], "transient": transient}
+    predicted["held"] = device_states + act["total"]
+    predicted["peak"] = predicted["held"] + transient
+    report = MemoryReport(predicted, [act["layer"]] * model_cfg.n_layers, host_optimizer=offload)
+    report.notes.append(f"{n / 1e6:.1f}M parameters, dp={dims.dp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
+                        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}")
+    return report
+
+
+def _root_params(model) -> int:
+    layer_ids = {id(p) for blk in model.layers.values() for p in blk.parameters()}
+    seen, total = set(), 0
+    for prm in model.parameters():
+        if id(prm) not in layer_ids and id(prm) not in seen:
+            seen.add(id(prm))
+            total += prm.numel()
+    return total
+
+
+def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
+    """Runs ``steps`` training steps on ``trainer`` and fills ``report.measured`` (every rank must call it)."""
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for _ in range(max(1, steps)):
+        trainer.train_step()
+    states = trainer.engine.memory()
+    x, y = trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch)[0]
+    exclude = getattr(trainer.engine, "gathered_storages", None)
+    trainer.engine.zero_grad()
+    with ActivationMeter(trainer.model, exclude=exclude) as meter:
+        loss = trainer._loss(x, y)
+    loss.backward()  # release the graph the way training would
+    trainer.engine.finish_backward()
+    trainer.engine.zero_grad()
+    m = dict(states)
+    m["activations"] = sum(meter.layers.values())
+    m["head"] = meter.per_layer.get("head", 0)
+    m["held"] = m["parameters"] + m["gradients"] + (0 if report.host_optimizer else m["optimizer"]) + m["activations"] + m["head"]
+    if device.type == "cuda":
+        m["peak"] = torch.cuda.max_memory_allocated(device)
+    else:
+        report.notes.append("no allocator statistics on CPU: the measured peak is left out; 'held' (model states + saved activations) is measured")
+    report.measured = m
+    report.layers_measured = [meter.per_layer.get(f"layers.{i}", 0) for i in range(trainer.model_cfg.n_layers)]
+    return report
+
+
+def report_for(cfg: Config, world_size: int, measure_steps: int = 0, quiet: bool = False) -> MemoryReport:
+    """Predicts (and, with ``measure_steps > 0``, measures) memory for ``cfg`` on ``world_size`` ranks.
+
+    Measuring needs the processes of the layout (run it under ``trickles memory --nproc N`` or
+    torchrun); predicting needs none.
+    """
+    from ..data import build_tokenizer
+    from ..data.sources import iter_documents
+
+    dims = cfg.validate(world_size)
+    vocab = cfg.model.vocab_size or build_tokenizer(cfg.data, documents=lambda: iter_documents(cfg.data)).vocab_size
+    model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_len)
+    device_type = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
+    report = predict(cfg, dims, model_cfg, device_type)
+    if measure_steps > 0:
+        from ..topology import distributed_session
+        from ..train.trainer import Trainer
+
+        with distributed_session(dims, cfg.train.device) as topo:
+            trainer = Trainer(cfg, topo, quiet=True)
+            measure(trainer, report, measure_steps)
+            del trainer
+    return report
+
+
+def run_report(cfg: Config, measure_steps: int, png: str | None, device_gb: float | None, world_size: int) -> None:
+    """``trickles memory`` in one process (every rank of a measuring job runs it; rank 0 prints and draws)."""
+    import os
+
+    report = report_for(cfg, world_size, measure_steps)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    if png and report.plot(png):
+        report.notes.append(f"bar chart: {png}")
+    print(report.table(device_gb))
+
