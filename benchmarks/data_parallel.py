@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -71,6 +70,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _ranks import main as run_main, print_verdicts, setup_rank, write_json  # noqa: E402
 from _timing import rotations, summarize, sync, table, timed  # noqa: E402
 
 from trickles.config import Config  # noqa: E402
@@ -78,7 +78,7 @@ from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_m
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
 from trickles.parallel.plan import parallelize  # noqa: E402
-from trickles.topology import ParallelDims, exit_process, init_distributed, select_device, shutdown_distributed  # noqa: E402
+from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "seq": 256}, "cuda": {"batch_per_rank": 8, "seq": 1024}}
 DDP, FSDP = "ddp", "fsdp2"
@@ -222,21 +222,8 @@ def make_fsdp(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings
 
 # ---- one rank ------------------------------------------------------------------------------
 
-def _setup(args) -> tuple[torch.device, int, int]:
-    device = select_device(args.device)
-    if device.type == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(args.threads or max(1, cores // world))
-    else:
-        torch.set_float32_matmul_precision("highest")  # fp32 matmuls, so the agreement check means fp32
-    if not init_distributed(device):  # a single process: DDP and FSDP2 still want a group
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return device, dist.get_rank(), dist.get_world_size()
-
-
 def rank_main(args) -> int:
-    device, rank, world = _setup(args)
+    device, rank, world = setup_rank(args)
     batch = args.batch or (DEFAULTS["cpu"]["batch"] if device.type == "cpu" else DEFAULTS["cuda"]["batch_per_rank"] * world)
     seq = args.seq or DEFAULTS[device.type]["seq"]
     if batch % world:
@@ -381,47 +368,23 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
         print("+offload rows: the optimizer column is host memory (fp32 masters, moments and a gradient copy); on CUDA only "
               "the parameter and gradient columns are on the device.")
 
-    verdicts = []
-    for n, peer in (("ours zero-0", DDP), ("ours zero-3", FSDP)):
-        r = results[n]["ratio"]
-        verdicts.append(f"{n}/{peer} {r:.3f}x (paired {results[n]['paired_ratio']:.3f}x): {'met' if r <= 1.0 else 'NOT met'}")
-    print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
+    print_verdicts(results, ("ours zero-0", "ours zero-3"))
 
     if args.json:
-        out = {"args": vars(args), "world": world, "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
+        write_json(args.json, {"args": vars(args), "world": world, "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
                "threads": torch.get_num_threads(), "torch": torch.__version__, "params": n_params,
                "model": {k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")},
                "check": {n: [r["check"][n] for r in everyone] for n in names},
                "comm": {n: [r["comm"].get(n) for r in everyone] for n in names if n.startswith("ours")},
-               "results": results}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
-        print(f"wrote {args.json}")
+               "results": results})
     sys.stdout.flush()
     return 0
 
 
 # ---- entry ---------------------------------------------------------------------------------
 
-def _under_launcher() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    if _under_launcher():  # torchrun (or any launcher that sets the torchrun environment): we are one rank
-        status = rank_main(args)
-        exit_process(status)
-    if args.world < 1:
-        raise SystemExit("--world must be at least 1")
-    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if want_cuda and torch.cuda.device_count() < args.world:
-        raise SystemExit(f"--world {args.world} on CUDA needs one GPU per rank, this machine has {torch.cuda.device_count()}; "
-                         "lower --world or use --device cpu")
-    from trickles.launch import launch
-
-    return launch(rank_main, (args,), nproc=args.world)
+    return run_main(parse_args(argv), rank_main)
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     peak = peak_flops(device, args.precision)
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
     n_params = count_params(ours)
-    print(f"trickles vs transformers.LlamaForCausalLM (sdpa), one training step each, same weights")
+    print("trickles vs transformers.LlamaForCausalLM (sdpa), one training step each, same weights")
     print(f"  model   {args.preset}: {cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}/{cfg.kv_heads} kv, "
           f"ffn={cfg.ffn_dim}, vocab={cfg.vocab_size}, {n_params / 1e6:.1f}M params")
     print(f"  step    batch {batch} x seq {seq} = {tokens_per_step} tokens, {args.precision}"

@@ -118,10 +118,11 @@ class Config:
         p = self.parallel
         dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         dims.validate(world_size)
-        if dims.tp > 1 or dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
+        if dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
             raise ConfigError(
-                f"this version trains with data parallelism only; parallel.tp={dims.tp}, parallel.pp={dims.pp}, "
-                f"parallel.cp={dims.cp}, parallel.ep={dims.ep} must all be 1 (use more data-parallel ranks instead)")
+                f"this version has data and tensor parallelism; parallel.pp={dims.pp}, parallel.cp={dims.cp}, "
+                f"parallel.ep={dims.ep} must be 1 (use more data- or tensor-parallel ranks instead)")
+        self._check_tensor_parallel(dims.tp)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
         if self.parallel.zero == 3 and self.train.compile:
@@ -133,6 +134,23 @@ class Config:
         if self.model.vocab_size is not None and self.data.tokenizer == "byte" and self.model.vocab_size < 257:
             raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset")
         return dims
+
+    def _check_tensor_parallel(self, tp: int) -> None:
+        m = self.model
+        if self.parallel.sequence_parallel and tp == 1:
+            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the sequence over the tensor-parallel ranks)")
+        if tp == 1:
+            return
+        if m.n_heads % tp:
+            raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp}): each rank takes whole heads")
+        if m.ffn_dim % tp:
+            raise ConfigError(f"the MLP width ({m.ffn_dim}) must be divisible by parallel.tp ({tp}); set model.ffn_hidden")
+        vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
+        if vocab_unit % tp:
+            raise ConfigError(f"the vocabulary ({'model.vocab_size' if m.vocab_size else 'model.vocab_multiple'} = {vocab_unit}) "
+                              f"must be divisible by parallel.tp ({tp}) to split the embedding and output layer")
+        if self.parallel.sequence_parallel and self.data.seq_len % tp:
+            raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({tp}) for sequence parallelism")
 
     def batch_plan(self, dp: int) -> tuple[int, int]:
         """``(micro_batch, accumulation)`` with ``global_batch = micro_batch * accumulation * dp``."""

@@ -46,6 +46,7 @@ def _worker(rank: int, world: int, port: int, conn, status, threads: int) -> Non
 
     _die_with_parent()
     os.environ.update(rank_environment(rank, world, port))
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks over gloo, also on a machine with GPUs
     torch.set_num_threads(threads)
 
     def sink(what):

@@ -15,6 +15,7 @@ find its groups. There is no module-level group state.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -98,7 +99,8 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = tuple(getattr(self, n) for n in MESH_DIMS)
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
+        with _valid_local_rank(device):
+            mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         groups = {n: mesh.get_group(n) for n in MESH_DIMS}
         groups["ep"] = self._ep_group(dist.get_rank())
         return Topology(self, mesh, device, groups)
@@ -152,15 +154,40 @@ class Topology:
 # ---- process setup -------------------------------------------------------------------------
 
 def select_device(preference: str = "auto") -> torch.device:
-    """``cuda:LOCAL_RANK`` when CUDA is available (or asked for), else CPU."""
+    """``cuda:LOCAL_RANK`` when CUDA is available (or asked for) with a GPU for every local rank, else CPU.
+
+    ``auto`` falls back to CPU when this machine runs more ranks than it has GPUs (NCCL needs
+    one GPU per rank); asking for ``cuda`` then is an error that says what to change.
+    """
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise ConfigError("train.device asks for CUDA, but torch.cuda.is_available() is false; use train.device=auto or cpu")
     if preference.startswith("cuda:"):
         return torch.device(preference)
-    return torch.device("cuda", local % torch.cuda.device_count())
+    count = torch.cuda.device_count()
+    if local_world > count:
+        if preference == "auto":
+            return torch.device("cpu")
+        raise ConfigError(f"{local_world} ranks on this machine but {count} GPU(s) visible; launch at most {count} "
+                          f"processes per machine or use train.device=cpu")
+    return torch.device("cuda", local)
+
+
+@contextlib.contextmanager
+def _valid_local_rank(device: torch.device):
+    """torch's DeviceMesh binds the process to ``cuda:LOCAL_RANK`` whenever CUDA is present, even for a CPU mesh;
+    keep that index in range for CPU ranks on a machine with fewer GPUs than ranks."""
+    saved = os.environ.get("LOCAL_RANK")
+    if device.type == "cpu" and saved is not None and torch.cuda.is_available():
+        os.environ["LOCAL_RANK"] = str(int(saved) % torch.cuda.device_count())
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["LOCAL_RANK"] = saved
 
 
 def backend_for(device: torch.device) -> str:

@@ -4,7 +4,6 @@ import os
 import time
 
 import torch
-import torch.distributed as dist
 
 from trickles.errors import UserError
 from trickles.launch import launch

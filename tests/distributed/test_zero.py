@@ -146,9 +146,9 @@ def _second_half(tmp, stage, path, tag):
 def test_checkpoint_resume_same_layout(tmp_path, stage):
     (path, straight, final), *_ = run_ranks(2, _first_half, str(tmp_path), stage, "a")
     assert {f for f in os.listdir(path) if f.endswith(".safetensors")} == {
-        0: {"model.safetensors", "optimizer-rank00000.safetensors"},  # replicated: rank 0 writes it all
-        1: {"model.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
-        2: {"model.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
+        0: {"model-rank00000.safetensors", "optimizer-rank00000.safetensors"},  # replicated: rank 0 writes it all
+        1: {"model-rank00000.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
+        2: {"model-rank00000.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
         3: {"model-rank00000.safetensors", "model-rank00001.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
     }[stage]
     (tail, resumed), *_ = run_ranks(2, _second_half, str(tmp_path), stage, path, "b")

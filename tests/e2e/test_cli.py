@@ -44,7 +44,7 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(finished_run):
     steps = sorted(os.listdir(out / "checkpoints"))
     assert steps == ["step_000003", "step_000006"]
     for s in steps:
-        assert {"manifest.json", "model.safetensors", "optimizer-rank00000.safetensors", "trainer.json", "tokenizer"} <= set(os.listdir(out / "checkpoints" / s))
+        assert {"manifest.json", "model-rank00000.safetensors", "optimizer-rank00000.safetensors", "trainer.json", "tokenizer"} <= set(os.listdir(out / "checkpoints" / s))
 
 
 def test_generate_from_run(finished_run):
@@ -67,15 +67,21 @@ def test_resume_auto_continues(finished_run, tmp_path):
     assert [x["step"] for x in records] == list(range(1, 9))
 
 
-@pytest.mark.parametrize("zero", [0, 3])
-def test_local_launcher_two_ranks(tmp_path, zero):
-    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=5", "--set", f"parallel.zero={zero}", steps=3))
+LAYOUTS = {"dp2": (["parallel.zero=0"], "(dp=2)"), "dp2-zero3": (["parallel.zero=3"], "(dp=2, ZeRO-3)"),
+           "tp2-sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], "(dp=1, tp=2 with sequence parallel)")}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_local_launcher_two_ranks(tmp_path, layout):
+    settings, banner = LAYOUTS[layout]
+    sets = [a for s in settings for a in ("--set", s)]
+    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=5", *sets, steps=3))
     assert r.returncode == 0, r.stderr
-    assert "2 rank(s) (dp=2" in r.stdout and (zero == 0 or "ZeRO-3" in r.stdout)
+    assert f"2 rank(s) {banner}" in r.stdout
     assert "leaked" not in r.stderr and "Traceback" not in r.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
     g = trickles("generate", str(tmp_path / "run"), "--max-new-tokens", "5", "--temperature", "0")
-    assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr  # also from ZeRO-3's sharded checkpoint
+    assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr  # also from sharded (ZeRO-3, tp) checkpoints
 
 
 def _one_line_error(r, needle):
@@ -93,7 +99,9 @@ def _one_line_error(r, needle):
     (["--config", "/no/such/run.toml"], "config file /no/such/run.toml does not exist"),
     (["--nproc", "2", "--set", "parallel.dp=4"], "parallel.dp x tp x pp x cp = 4 x 1 x 1 x 1 = 4, but there are 2 processes"),
     (["--nproc", "2", "--set", "train.global_batch=7"], "train.global_batch (7) must be divisible by parallel.dp (2)"),
-    (["--set", "parallel.tp=2", "--nproc", "2"], "this version trains with data parallelism only"),
+    (["--set", "parallel.pp=2", "--nproc", "2"], "this version has data and tensor parallelism; parallel.pp=2"),
+    (["--set", "parallel.tp=3", "--nproc", "3"], "model.n_heads (4) must be divisible by parallel.tp (3)"),
+    (["--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tp > 1"),
     (["--set", "parallel.zero=4"], "parallel.zero must be 0, 1, 2 or 3, got 4"),
     (["--set", "memory.offload_optimizer=true"], "memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3"),
     (["--set", "parallel.zero=3", "--set", "train.compile=true"], "train.compile does not work with parallel.zero=3 yet"),
@@ -106,8 +114,8 @@ def test_bad_input_is_one_line_status_two_and_leaves_nothing(tmp_path, extra, ne
 
 def _damage(step_dir, how):
     if how == "truncated":
-        with open(step_dir / "model.safetensors", "r+b") as f:
-            f.truncate(os.path.getsize(step_dir / "model.safetensors") // 2)
+        with open(step_dir / "model-rank00000.safetensors", "r+b") as f:
+            f.truncate(os.path.getsize(step_dir / "model-rank00000.safetensors") // 2)
     elif how == "edited":
         text = (step_dir / "trainer.json").read_text()
         assert '"step": 6,' in text
@@ -117,7 +125,7 @@ def _damage(step_dir, how):
 
 
 @pytest.mark.parametrize("how,needle", [
-    ("truncated", "model.safetensors has"),
+    ("truncated", "model-rank00000.safetensors has"),
     ("edited", "trainer.json does not match its checksum"),
     ("no manifest", "has no manifest.json"),
 ])

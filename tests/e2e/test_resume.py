@@ -45,7 +45,7 @@ def test_keeps_last_k_and_ignores_incomplete(tmp_path):
     os.makedirs(os.path.join(d, "step_000009.tmp"))  # a write that never finished
     os.makedirs(os.path.join(d, "step_000010"))  # no manifest
     assert ckpt.find_latest(d).endswith("step_000003")
-    with open(os.path.join(d, "step_000003", "model.safetensors"), "r+b") as f:
+    with open(os.path.join(d, "step_000003", "model-rank00000.safetensors"), "r+b") as f:
         f.truncate(100)
     assert ckpt.find_latest(d).endswith("step_000002")  # damaged newest is skipped
 

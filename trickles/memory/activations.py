@@ -42,24 +42,41 @@ from ..models.config import ModelConfig
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "none", dtype_bytes: int = 4,
-                     device_type: str = "cpu") -> dict[str, int]:
-    """``{"layer": bytes per layer, "layers": all layers, "head": bytes, "total": ...}`` for one micro-batch."""
+                     device_type: str = "cpu", tp: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
+    """``{"layer": bytes per layer, "layers": all layers, "head": bytes, "total": ...}`` for one micro-batch on one rank.
+
+    With tensor parallelism ``tp > 1`` the heads and the MLP width are split (``a/tp``, ``f/tp``;
+    key/value heads ``a_kv/tp``, or ``a/tp`` selected ones when they are replicated) while the
+    norms see all ``s`` tokens; with ``sequence_parallel`` the norms work on ``s/tp`` tokens and
+    the linears after them keep only that shard (Megatron-LM: every part outside the matmuls
+    shrinks by ``tp``). The vocabulary-parallel loss keeps fp32 probabilities over ``V/tp``.
+    """
     s = batch * seq
+    t = tp
     d, a, kv, h, f, p = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim, dtype_bytes
+    if t > 1:
+        a, f, kv = a // t, f // t, (kv // t if kv % t == 0 else a // t)
     llama = cfg.flavor == "llama"
+    sn = s // t if sequence_parallel and t > 1 else s  # tokens a norm works on
     if llama:
-        norm = 4 * s * d + 4 * s + 2 * p * s * d
+        norm = 4 * sn * d + 4 * sn + 2 * p * sn * d
     elif device_type == "cuda" and p != 4:
-        norm = 4 * s * d + 8 * s + p * s * d
+        norm = 4 * sn * d + 8 * sn + p * sn * d
     else:
-        norm = 2 * p * s * d + 2 * p * s
+        norm = 2 * p * sn * d + 2 * p * sn
     lse = 4 * s * a
     attention = p * s * (a * h + 2 * kv * h) + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
     mlp = (4 if llama else 2) * p * s * f
-    layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse, "full": p * s * d}.get(recompute)
+    full = p * (s // t if sequence_parallel and t > 1 else s) * d
+    layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse, "full": full}.get(recompute)
     if layer is None:
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    head = 16 * s + (0 if llama else 8 * seq) + norm + 4 * s * (cfg.vocab_size or 0)
+    vocab = cfg.vocab_size or 0
+    if t > 1:  # embedding: shifted ids and the out-of-range mask; loss: ids and mask too
+        head = 18 * s + norm + 4 * s * (vocab // t)
+    else:
+        head = 16 * s + norm + 4 * s * vocab
+    head += 0 if llama else 8 * seq
     layers = layer * cfg.n_layers
     return {"layer": layer, "layers": layers, "head": head, "total": layers + head}
 

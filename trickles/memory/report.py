@@ -10,8 +10,9 @@ micro-batch, and, on CUDA, the allocator's peak. :func:`report` puts both in a t
 chart PNG and an answer to "does this fit in X GB".
 
 ``held`` = model states on the device + all saved activations of one micro-batch (what is
-alive at the end of forward); predicted ``peak`` = ``held`` + transients: the fp32 gradient of
-the logits (``4sV``, alive at the start of backward) and buffers (ZeRO-2: two gradient
+alive at the end of forward); predicted ``peak`` = ``held`` + transients: the fp32 gradients of
+the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
+for the vocabulary-parallel loss, which reuses its saved probabilities) and buffers (ZeRO-2: two gradient
 buckets; ZeRO-3: the root and two gathered blocks). On CUDA the measured peak is the
 allocator's ``max_memory_allocated``; a CPU has no such statistic.
 """
@@ -120,6 +121,13 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
 
     with torch.device("meta"):
         meta = Transformer(model_cfg)
+    total_params = count_params(meta)
+    if dims.tp > 1:  # what one tensor-parallel rank holds: apply the plan to the meta model
+        from types import SimpleNamespace
+
+        from ..parallel.tensor_plan import apply_tensor_parallel
+
+        apply_tensor_parallel(meta, SimpleNamespace(size=dims.tp, rank=0), cfg.parallel.sequence_parallel)
     n = count_params(meta)
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     p = torch.finfo(prec.param_dtype).bits // 8
@@ -131,8 +139,11 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     stage = cfg.parallel.zero
     states = zero_model_state_bytes(n, dims.dp, stage, (p, g, k))
     micro, _ = cfg.batch_plan(dims.dp)
-    act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type)
-    transient = 4 * micro * cfg.data.seq_len * model_cfg.vocab_size
+    act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
+                           cfg.parallel.sequence_parallel)
+    # the loss's backward: the fp32 gradients of the log-probabilities and of the logits live together
+    # (the vocabulary-parallel loss writes its gradient into the saved probabilities: one more [s, V/tp])
+    transient = (8 if dims.tp == 1 else 4) * micro * cfg.data.seq_len * model_cfg.vocab_size // dims.tp
     if stage == 2:
         bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n * g
         transient += 2 * min(bucket, n * g)
@@ -145,7 +156,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     predicted["held"] = device_states + act["total"]
     predicted["peak"] = predicted["held"] + transient
     report = MemoryReport(predicted, [act["layer"]] * model_cfg.n_layers, host_optimizer=offload)
-    report.notes.append(f"{n / 1e6:.1f}M parameters, dp={dims.dp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
+    tp = f", tp={dims.tp}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
+    report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
                         f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}")
     return report
 

@@ -255,7 +255,9 @@ class Transformer(nn.Module):
 
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         p = next(self.parameters())
-        return KVCache(self.cfg.n_layers, batch, self.cfg.kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
+        # key/value heads this model holds (fewer than cfg.kv_heads when a parallel plan split them)
+        kv_heads = self.layers["0"].attn.k_proj.out_features // self.cfg.head_dim
+        return KVCache(self.cfg.n_layers, batch, kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
 
 
 def param_seed(seed: int, name: str) -> int:

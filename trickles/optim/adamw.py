@@ -15,7 +15,8 @@ from torch import nn
 
 def decay_flags(model: nn.Module) -> dict[str, bool]:
     """``{parameter name: decays?}`` for every trainable parameter (shared ones under their first name)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    # lookup tables: nn.Embedding, or a parallel layer that declares itself one (``is_embedding``)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) or getattr(m, "is_embedding", False)}
     flags, seen = {}, set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:

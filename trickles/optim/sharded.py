@@ -98,11 +98,19 @@ class ShardedAdamW:
                 total += extra.numel() * 4
         return total
 
-    def state_tensors(self) -> dict[str, tuple[torch.Tensor, dict]]:
-        """``"<param>/<key>" -> (1-D tensor, slice metadata)`` of every owned segment."""
+    def state_tensors(self, include_replicated: bool = True) -> dict[str, tuple[torch.Tensor, dict]]:
+        """``"<param>/<key>" -> (1-D tensor, piece description)`` of every owned segment.
+
+        ``include_replicated=False`` leaves out parameters every tensor-parallel rank holds alike.
+        """
+        from ..train.pieces import describe
+
         out = {}
         for s, m in zip(self.segments, self.masters):
-            meta = {"global_shape": list(s.slot.shape), "flat_range": list(s.param_range)}
+            spec = getattr(s.slot.param, "tp_spec", None)
+            if not include_replicated and (spec is None or spec.replicated):
+                continue
+            meta = describe(s.slot.param, s.param_range)
             st = self.optimizer.state.get(m, {}) if self.optimizer else {}
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in st:
@@ -113,8 +121,10 @@ class ShardedAdamW:
                 out[f"{s.name}/master"] = (m, meta)
         return out
 
-    def load_state(self, read: Callable[[str, tuple[int, int] | None], torch.Tensor | None]) -> None:
-        """Restores moments (and masters) with ``read(key, param_range)``; None means absent."""
+    def load_state(self, reader) -> None:
+        """Restores moments (and fp32 masters) of the owned segments from a :class:`PieceReader`."""
+        from ..train.pieces import region_of
+
         if self.optimizer is None:
             return
         if self.separate:  # the parameters were just loaded: start the masters from them
@@ -122,19 +132,18 @@ class ShardedAdamW:
                 for m, p in zip(self.masters, self.params):
                     m.copy_(p)
         for s, m in zip(self.segments, self.masters):
-            exp_avg = read(f"{s.name}/exp_avg", s.param_range)
-            if exp_avg is None:
+            if f"{s.name}/exp_avg" not in reader:
                 continue
-            state = {"exp_avg": exp_avg.to(m.device, torch.float32).clone(),
-                     "exp_avg_sq": read(f"{s.name}/exp_avg_sq", s.param_range).to(m.device, torch.float32).clone()}
-            step = read(f"{s.name}/step", None)
+            where = region_of(s.slot.param)
+            state = {key: reader.read(f"{s.name}/{key}", where, s.param_range).to(m.device, torch.float32)
+                     for key in ("exp_avg", "exp_avg_sq")}
+            step = reader.read(f"{s.name}/step")
             state["step"] = torch.tensor(float(step.reshape(-1)[0]), dtype=torch.float32,
                                          device=m.device if self.optimizer.defaults.get("fused") else "cpu")
             self.optimizer.state[m] = state
-            master = read(f"{s.name}/master", s.param_range) if self.separate else None
-            if master is not None:
+            if self.separate and f"{s.name}/master" in reader:
                 with torch.no_grad():
-                    m.copy_(master)
+                    m.copy_(reader.read(f"{s.name}/master", where, s.param_range))
 
 
 def _pieces(flat: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:

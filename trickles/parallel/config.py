@@ -17,6 +17,7 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel degree")
     cp: int = opt(1, "context (sequence) parallel degree")
     ep: int = opt(1, "expert-parallel degree; experts are spread over the dp x cp ranks, so it must divide dp*cp")
+    sequence_parallel: bool = opt(False, "with tp > 1: run norms and dropout on sequence shards (all-gather / reduce-scatter instead of all-reduce)")
     zero: int = opt(0, "ZeRO stage over the data-parallel ranks: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters")
     bucket_mb: float = opt(25.0, "size of a gradient-reduction bucket in MiB (0: one bucket for the whole model)")
     prefetch: bool = opt(True, "ZeRO-3: start gathering the next block's parameters while the current one computes")

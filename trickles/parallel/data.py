@@ -25,7 +25,7 @@ from ..comm import GroupComm, Handle
 from ..optim.adamw import AdamWSettings, decay_flags
 from ..optim.sharded import ShardedAdamW
 from ..train import checkpoint as ckpt
-from .engine import FIRST_BUCKET_BYTES, Engine, sharded_clip, unique_named_parameters, weak_method
+from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
 
@@ -49,8 +49,8 @@ class DataParallel(Engine):
     stage = 0
 
     def __init__(self, model: nn.Module, comm: GroupComm, optim: AdamWSettings, bucket_bytes: int | None,
-                 grad_dtype: torch.dtype = torch.float32):
-        super().__init__(model, comm)
+                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None):
+        super().__init__(model, comm, tp)
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         device = self.params[0].device
@@ -86,7 +86,7 @@ class DataParallel(Engine):
         bucket = self.layout.buckets[b]
         self._handles[b] = self.comm.all_reduce(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True)
 
-    def finish_backward(self) -> None:
+    def _finish_reduction(self) -> None:
         for b in range(len(self.layout.buckets)):  # buckets with a parameter that got no gradient
             if b not in self._handles:
                 self._launch(b)
@@ -95,11 +95,11 @@ class DataParallel(Engine):
         self._handles = {}
 
     # ---- update --------------------------------------------------------------------------
-    def owned_grads(self) -> list[torch.Tensor]:
-        return [self.grad_buffer]
+    def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(p, self.main_grads[id(p)]) for p in self.params]
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return sharded_clip(self.owned_grads(), max_norm, None)  # replicated: every rank computes the same norm
+    def scale_grads(self, factor: float) -> None:
+        self.grad_buffer.mul_(factor)
 
     def step(self, lr: float) -> None:
         self.optimizer.step(lr)
@@ -117,11 +117,11 @@ class DataParallel(Engine):
                 "optimizer": self.optimizer.state_bytes()}
 
     def save(self, directory: str, rank: int) -> None:
-        if rank != 0:
+        if self.comm.rank != 0:  # the data-parallel replicas are identical: their first rank writes
             return
-        ckpt.save_tensors(ckpt.unique_state(self.model), f"{directory}/model.safetensors")
-        ckpt.save_tensors(self.optimizer.state_tensors(), f"{directory}/optimizer-rank00000.safetensors")
+        ckpt.save_pieces(ckpt.model_pieces(self.model, self.writes_replicated), f"{directory}/model-rank{rank:05d}.safetensors")
+        self._save_optimizer(directory, rank)
 
     def load(self, directory: str) -> None:
-        ckpt.load_model_state(self.model, ckpt.SliceReader(directory, "model"), directory)
-        self.optimizer.load_state(ckpt.SliceReader(directory, "optimizer").read)
+        ckpt.load_model_state(self.model, ckpt.PieceReader(directory, "model"), directory)
+        self._load_optimizer(directory)

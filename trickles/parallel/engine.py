@@ -30,14 +30,23 @@ from ..comm import GroupComm
 
 
 class Engine:
-    """Base class: data-parallel gradient reduction, optimizer step and checkpoint I/O."""
+    """Base class: data-parallel gradient reduction, optimizer step and checkpoint I/O.
+
+    With tensor parallelism (``tp``: the tensor-parallel group), parameters this engine sees are
+    the rank's tensor-parallel shards; gradients of parameters that every tp rank holds but
+    uses on different data (``tp_spec.partial_grad``) are summed over ``tp`` after the
+    data-parallel reduction, and the global gradient norm counts tp-replicated parameters once.
+    """
 
     stage: int = 0
 
-    def __init__(self, model: nn.Module, comm: GroupComm):
+    def __init__(self, model: nn.Module, comm: GroupComm, tp: GroupComm | None = None):
         self.model = model
         self.comm = comm
+        self.tp = tp
         self._reduce = True
+        self.loss_fn = default_loss
+        self.full_logits = lambda logits: logits
 
     @contextlib.contextmanager
     def micro_step(self, last: bool):
@@ -55,11 +64,24 @@ class Engine:
         pass
 
     def finish_backward(self) -> None:
+        """Waits for the gradient reductions still in flight; completes tensor-parallel partial gradients."""
+        self._finish_reduction()
+        if self.tp is not None and self.tp.size > 1:
+            partial = [g for p, g in self.owned_param_grads() if _spec(p, "partial_grad")]
+            if partial:
+                flat = torch.cat([g.reshape(-1) for g in partial])
+                self.tp.all_reduce(flat)
+                torch._foreach_copy_(partial, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in partial]), partial)])
+
+    def _finish_reduction(self) -> None:
+        raise NotImplementedError
+
+    def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """``(parameter, reduced gradient)`` for every parameter part this rank updates."""
         raise NotImplementedError
 
     def owned_grads(self) -> list[torch.Tensor]:
-        """The reduced gradients this rank updates from (the whole buffer, or its shards)."""
-        raise NotImplementedError
+        return [g for _, g in self.owned_param_grads()]
 
     def scale_grads(self, factor: float) -> None:
         """Multiplies the reduced gradients by ``factor`` (unscaling a loss-scaled backward)."""
@@ -68,8 +90,32 @@ class Engine:
             torch._foreach_mul_(grads, factor)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clips the reduced gradients to ``max_norm`` by global norm; returns the norm (fp32, all ranks agree)."""
-        raise NotImplementedError
+        """Clips to ``max_norm`` by the global norm of all gradients; returns the norm (fp32, equal on all ranks).
+
+        ``norm^2 = sum over owned parts of g^2`` (accumulated in fp32), summed over the dp ranks
+        when gradients are sharded there (ZeRO >= 1) and over the tp ranks, where tp-replicated
+        parameters count on tp rank 0 only. Every gradient is scaled by
+        ``min(1, max_norm / (norm + 1e-6))`` (torch's ``clip_grad_norm_`` rule); ``max_norm <= 0``
+        only measures. An inf or NaN anywhere makes the norm non-finite on every rank.
+        """
+        pairs = self.owned_param_grads()
+        device = pairs[0][1].device if pairs else next(self.model.parameters()).device
+        tp_rank = self.tp.rank if self.tp is not None else 0
+        counted = [g for p, g in pairs if tp_rank == 0 or not _spec(p, "replicated", default=True)]
+        sq = torch.zeros((), device=device, dtype=torch.float32)
+        if counted:
+            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
+        sq = sq.reshape(1)
+        if self.stage >= 1 and self.comm.size > 1:
+            self.comm.all_reduce(sq)
+        if self.tp is not None and self.tp.size > 1:
+            self.tp.all_reduce(sq)
+        norm = sq.sqrt().reshape(())
+        grads = [g for _, g in pairs]
+        if max_norm > 0 and grads:
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+        return norm
 
     def step(self, lr: float) -> None:
         raise NotImplementedError
@@ -78,7 +124,7 @@ class Engine:
         raise NotImplementedError
 
     def full_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter and persistent buffer whole, by name (a collective under ZeRO-3)."""
+        """Every parameter and persistent buffer as this rank holds it (whole under ZeRO-3: a collective)."""
         from ..train.checkpoint import unique_state
 
         return {k: v.detach() for k, v in unique_state(self.model).items()}
@@ -95,27 +141,39 @@ class Engine:
         """Restores model and optimizer state from a checkpoint directory (any data-parallel layout)."""
         raise NotImplementedError
 
+    def placements(self) -> dict[str, object]:
+        """``{name: TPSpec or None}`` for every parameter in :meth:`full_state`: where its tensor sits in the global one."""
+        return {n: getattr(p, "tp_spec", None) for n, p in self.model.named_parameters()}
 
-def sharded_clip(grads: list[torch.Tensor], max_norm: float, comm: GroupComm | None) -> torch.Tensor:
-    """Global-norm clipping of gradients split disjointly over ``comm``: one all-reduce of ``sum g^2``.
+    # ---- shared checkpoint pieces ----------------------------------------------------------
+    @property
+    def writes_replicated(self) -> bool:
+        """Whether this rank writes what all tensor-parallel ranks hold alike (tp rank 0 does)."""
+        return self.tp is None or self.tp.rank == 0
 
-    ``norm = sqrt(sum over ranks of sum over owned elements g^2)``, accumulated in fp32 (``comm``
-    None: the gradients are replicated and every rank has them all); every gradient is scaled by
-    ``min(1, max_norm / (norm + 1e-6))`` (torch's ``clip_grad_norm_`` rule). ``max_norm <= 0``
-    only measures. An inf or NaN anywhere makes the norm non-finite on every rank.
-    """
-    device = grads[0].device if grads else torch.device("cpu")
-    if grads:
-        sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in grads]).sum()
-    else:
-        sq = torch.zeros((), device=device)
-    if comm is not None and comm.size > 1:
-        sq = comm.all_reduce(sq.reshape(1)).reshape(())
-    norm = sq.sqrt()
-    if max_norm > 0 and grads:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))
-    return norm
+    def _save_optimizer(self, directory: str, rank: int) -> None:
+        from ..train.checkpoint import save_pieces
+
+        tensors = self.optimizer.state_tensors(include_replicated=self.writes_replicated)
+        if tensors:
+            save_pieces(tensors, f"{directory}/optimizer-rank{rank:05d}.safetensors")
+
+    def _load_optimizer(self, directory: str) -> None:
+        from ..train.checkpoint import PieceReader
+
+        self.optimizer.load_state(PieceReader(directory, "optimizer"))
+
+
+def default_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy, computed from fp32 logits."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
+
+
+def _spec(p, attr: str, default: bool = False) -> bool:
+    spec = getattr(p, "tp_spec", None)
+    return default if spec is None else getattr(spec, attr)
 
 
 def weak_method(method):

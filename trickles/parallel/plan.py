@@ -1,12 +1,19 @@
 """``parallelize``: turn a single-device model into the configured parallel training setup.
 
-The model arrives built on the meta device (no memory). Recomputation (``memory.recompute``)
-wraps its blocks first; parameters take the precision policy's type (``memory.precision``). For ZeRO stages 0-2 it is allocated on
-the rank's device and initialized in full (every rank holds all parameters), then wrapped by
-:class:`~trickles.parallel.data.DataParallel` (stage 0) or
-:class:`~trickles.parallel.zero.ZeroDataParallel` (stages 1, 2). For stage 3 each transformer
-block and the root become :class:`~trickles.parallel.zero3.Zero3DataParallel` units, and each
-rank computes and keeps only its shard of every parameter.
+The model arrives built on the meta device (no memory), as single-device code. In order:
+
+1. activation recomputation wraps its blocks or attention cores (``memory.recompute``);
+2. tensor parallelism swaps its modules for column/row-parallel ones over the ``tp`` group
+   (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor_plan`);
+3. the data-parallel engine over the ``dp`` group: for ZeRO stages 0-2 the rank allocates its
+   (tensor-parallel) parameters, initializes them and casts them to the precision policy's type,
+   then :class:`~trickles.parallel.data.DataParallel` (stage 0) or
+   :class:`~trickles.parallel.zero.ZeroDataParallel` (stages 1, 2) wraps them; for stage 3 each
+   block and the root become :class:`~trickles.parallel.zero3.Zero3DataParallel` units and the
+   rank computes and keeps only its shard of every parameter.
+
+Initialization is layout-independent: each parameter's full value comes from
+:func:`~trickles.models.transformer.initial_value` (seed and name) and a rank keeps its block.
 """
 
 from __future__ import annotations
@@ -21,34 +28,49 @@ from ..optim.adamw import AdamWSettings
 from ..topology import Topology
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
+from .tensor import init_tp_param
+from .tensor_plan import apply_tensor_parallel, tp_full_logits, tp_loss
 from .zero import ZeroDataParallel
 from .zero3 import Zero3DataParallel
 
 
 def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> Engine:
-    """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says.
-
-    Order: recomputation wrappers, then parameters in the precision policy's type (initialized
-    in fp32 and rounded), then the data-parallel engine (fp32 master weights inside its optimizer).
-    """
-    comm = topo.comm("dp")
+    """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says."""
+    comm, tp = topo.comm("dp"), topo.comm("tp")
     stage = cfg.parallel.zero
     optim = AdamWSettings.from_train(cfg.train)
     offload = cfg.memory.offload_optimizer
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     apply_recompute(model, cfg.memory.recompute)
+    ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full") if tp.size > 1 else None
+
+    def init_value(name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        spec = getattr(param, "tp_spec", None)
+        shape = tuple(spec.global_shape) if spec is not None else tuple(param.shape)
+        return init_tp_param(initial_value(model.cfg, name, shape, seed), param)
+
     if stage == 3:
-        return Zero3DataParallel(model, comm, list(model.layers.values()), optim,
-                                 lambda name, shape: initial_value(model.cfg, name, shape, seed), topo.device,
-                                 offload=offload, prefetch=cfg.parallel.prefetch, param_dtype=prec.param_dtype,
-                                 grad_dtype=prec.grad_dtype)
-    model.to_empty(device=topo.device)
-    model.init_weights(seed)
-    if prec.low:
+        engine: Engine = Zero3DataParallel(model, comm, list(model.layers.values()), optim, init_value, topo.device,
+                                           offload=offload, prefetch=cfg.parallel.prefetch, param_dtype=prec.param_dtype,
+                                           grad_dtype=prec.grad_dtype, tp=tp)
+    else:
+        specs = {n: p.tp_spec for n, p in model.named_parameters() if hasattr(p, "tp_spec")}
+        model.to_empty(device=topo.device)  # new Parameter objects: carry the tensor-parallel specs over
+        for n, p in model.named_parameters():
+            if n in specs:
+                p.tp_spec = specs[n]
         with torch.no_grad():
-            for p in model.parameters():
-                p.data = p.data.to(prec.param_dtype)
-    buckets = bucket_bytes(cfg.parallel.bucket_mb)
-    if stage == 0:
-        return DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype)
-    return ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype)
+            for name, p in model.named_parameters():
+                p.copy_(init_value(name, p))
+                if prec.low:
+                    p.data = p.data.to(prec.param_dtype)
+        model.reset_buffers()
+        buckets = bucket_bytes(cfg.parallel.bucket_mb)
+        if stage == 0:
+            engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp)
+        else:
+            engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp)
+    if ctx is not None:
+        engine.loss_fn = tp_loss(ctx)
+        engine.full_logits = tp_full_logits(ctx)
+    return engine

@@ -38,7 +38,7 @@ from ..comm import GroupComm, Handle
 from ..optim.adamw import AdamWSettings, decay_flags
 from ..optim.sharded import ShardedAdamW
 from ..train import checkpoint as ckpt
-from .engine import FIRST_BUCKET_BYTES, Engine, weak_method, sharded_clip, unique_named_parameters
+from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
 MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finish
@@ -48,10 +48,10 @@ class ZeroDataParallel(Engine):
     """ZeRO stage 1 or 2 over ``comm`` (see module docstring)."""
 
     def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: AdamWSettings, bucket_bytes: int | None,
-                 offload: bool = False, grad_dtype: torch.dtype = torch.float32):
+                 offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
-        super().__init__(model, comm)
+        super().__init__(model, comm, tp)
         self.stage = stage
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
@@ -150,15 +150,12 @@ class ZeroDataParallel(Engine):
         if self.stage == 2 and not last:
             self._finish_micro_step()  # stage 2 reduces (and frees) on every micro-step
 
-    def finish_backward(self) -> None:
+    def _finish_reduction(self) -> None:
         self._finish_micro_step()
 
     # ---- update --------------------------------------------------------------------------
-    def owned_grads(self) -> list[torch.Tensor]:
-        return self.optimizer.grads
-
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return sharded_clip(self.owned_grads(), max_norm, self.comm)
+    def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(s.slot.param, g) for s, g in zip(self.segments, self.optimizer.grads)]
 
     def step(self, lr: float) -> None:
         """Updates the owned segments, then starts the all-gathers of the new parameters.
@@ -222,15 +219,14 @@ class ZeroDataParallel(Engine):
 
     def save(self, directory: str, rank: int) -> None:
         self.wait_for_parameters()
-        if rank == 0:
-            ckpt.save_tensors(ckpt.unique_state(self.model), f"{directory}/model.safetensors")
-        ckpt.save_tensors(self.optimizer.state_tensors(), f"{directory}/optimizer-rank{rank:05d}.safetensors")
+        if self.comm.rank == 0:  # parameters are replicated over dp: its first rank writes them
+            ckpt.save_pieces(ckpt.model_pieces(self.model, self.writes_replicated), f"{directory}/model-rank{rank:05d}.safetensors")
+        self._save_optimizer(directory, rank)
 
     def load(self, directory: str) -> None:
         self.wait_for_parameters()
-        ckpt.load_model_state(self.model, ckpt.SliceReader(directory, "model"), directory)
-        reader = ckpt.SliceReader(directory, "optimizer")
-        self.optimizer.load_state(reader.read)
+        ckpt.load_model_state(self.model, ckpt.PieceReader(directory, "model"), directory)
+        self._load_optimizer(directory)
 
 
 def _param_wait_hook(engine: ZeroDataParallel, buckets: list[int]):

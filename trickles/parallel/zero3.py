@@ -39,7 +39,7 @@ from ..comm import GroupComm, Handle
 from ..optim.adamw import AdamWSettings, decay_flags
 from ..optim.sharded import ShardedAdamW
 from ..train import checkpoint as ckpt
-from .engine import Engine, sharded_clip
+from .engine import Engine
 from .flat import FlatLayout, Slot
 
 
@@ -129,10 +129,10 @@ class Zero3DataParallel(Engine):
     stage = 3
 
     def __init__(self, model: nn.Module, comm: GroupComm, units: list[nn.Module], optim: AdamWSettings,
-                 init_value: Callable[[str, tuple[int, ...]], torch.Tensor] | None, device: torch.device,
+                 init_value: Callable[[str, nn.Parameter], torch.Tensor] | None, device: torch.device,
                  offload: bool = False, prefetch: bool = True, param_dtype: torch.dtype | None = None,
-                 grad_dtype: torch.dtype = torch.float32):
-        super().__init__(model, comm)
+                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None):
+        super().__init__(model, comm, tp)
         self.prefetch = prefetch
         decay = decay_flags(model)
         names = {id(m): n for n, m in model.named_modules()}
@@ -215,17 +215,17 @@ class Zero3DataParallel(Engine):
             unit.grad_shard.add_(out)
 
     # ---- engine --------------------------------------------------------------------------
-    def finish_backward(self) -> None:
+    def _finish_reduction(self) -> None:
         self._retire(done_only=False)
         for unit in self.units:
             if unit.live_graphs == 0 and unit.gathered:
                 unit.free()
 
-    def owned_grads(self) -> list[torch.Tensor]:
-        return [u.grad_shard for u in self.units]
+    def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(s.slot.param, g) for s, g in zip(self.optimizer.segments, self.optimizer.grads)]
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        return sharded_clip(self.owned_grads(), max_norm, self.comm)
+    def scale_grads(self, factor: float) -> None:
+        torch._foreach_mul_([u.grad_shard for u in self.units], factor)
 
     def step(self, lr: float) -> None:
         self.optimizer.step(lr)
@@ -256,17 +256,24 @@ class Zero3DataParallel(Engine):
                     out[slot.name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return out
 
+    def placements(self) -> dict[str, object]:
+        return {slot.name: getattr(slot.param, "tp_spec", None) for u in self.units for slot in u.layout.slots}
+
     def save(self, directory: str, rank: int) -> None:
         tensors = {}
         for unit in self.units:
             for seg in unit.segments:
+                spec = getattr(seg.slot.param, "tp_spec", None)
+                if not self.writes_replicated and (spec is None or spec.replicated):
+                    continue
                 piece = unit.shard.detach()[seg.shard_offset:seg.shard_offset + seg.numel]
-                tensors[seg.name] = (piece, {"global_shape": list(seg.slot.shape), "flat_range": list(seg.param_range)})
-        ckpt.save_tensors(tensors, f"{directory}/model-rank{rank:05d}.safetensors")
-        ckpt.save_tensors(self.optimizer.state_tensors(), f"{directory}/optimizer-rank{rank:05d}.safetensors")
+                tensors[seg.name] = (piece, ckpt.describe(seg.slot.param, seg.param_range))
+        if tensors:
+            ckpt.save_pieces(tensors, f"{directory}/model-rank{rank:05d}.safetensors")
+        self._save_optimizer(directory, rank)
 
     def load(self, directory: str) -> None:
-        reader = ckpt.SliceReader(directory, "model")
+        reader = ckpt.PieceReader(directory, "model")
         wanted = {s.name: s for u in self.units for s in u.layout.slots}
         missing = sorted(n for n in wanted if n not in reader)
         extra = sorted(set(reader.keys()) - set(wanted))
@@ -275,10 +282,14 @@ class Zero3DataParallel(Engine):
         with torch.no_grad():
             for unit in self.units:
                 for seg in unit.segments:
-                    if reader.global_shape(seg.name) != seg.slot.shape:
-                        raise ckpt.CheckpointError(f"{directory}: {seg.name} has shape {reader.global_shape(seg.name)}, the model expects {seg.slot.shape}")
-                    unit.shard[seg.shard_offset:seg.shard_offset + seg.numel].copy_(reader.read(seg.name, seg.param_range))
-        self.optimizer.load_state(ckpt.SliceReader(directory, "optimizer").read)
+                    param = seg.slot.param
+                    spec = getattr(param, "tp_spec", None)
+                    expect = tuple(spec.global_shape) if spec is not None else seg.slot.shape
+                    if reader.global_shape(seg.name) != expect:
+                        raise ckpt.CheckpointError(f"{directory}: {seg.name} has shape {reader.global_shape(seg.name)}, the model expects {expect}")
+                    unit.shard[seg.shard_offset:seg.shard_offset + seg.numel].copy_(
+                        reader.read(seg.name, ckpt.region_of(param), seg.param_range))
+        self._load_optimizer(directory)
 
 
 def _owned(module: nn.Module, prefix: str, other_units: set[int]):
@@ -308,7 +319,7 @@ def _fill_shard(unit: _Unit, init_value) -> None:
             if slot.param.is_meta:
                 if init_value is None:
                     raise ValueError(f"{slot.name} is on the meta device; pass init_value to compute it")
-                full = init_value(slot.name, slot.shape)
+                full = init_value(slot.name, slot.param)  # this rank's whole (tensor-parallel) parameter
             else:
                 full = slot.param.detach()
             a, b = seg.param_range

@@ -2,8 +2,10 @@
 
 Layout of ``<out_dir>/checkpoints/step_000100/``::
 
-    model.safetensors       parameters by name (a tied weight once), written by rank 0 when replicated;
-                            model-rankNNNNN.safetensors instead, one per rank, under ZeRO-3
+    model-rankNNNNN.safetensors
+                            parameters by name (a tied weight once): with ZeRO 0-2 written by the
+                            first data-parallel rank of each tensor-parallel rank, under ZeRO-3
+                            by every rank (its shard)
     optimizer-rankNNNNN.safetensors
                             "<param name>/<state key>" -> the rank's part of the Adam moments
                             (and fp32 master weights of low-precision parameters), step counters
@@ -14,7 +16,7 @@ Layout of ``<out_dir>/checkpoints/step_000100/``::
 Every tensor entry's safetensors metadata records its global shape and which part it holds
 (``{"global_shape": [...], "flat_range": [a, b]}`` for a range of the flattened tensor,
 ``"offset"`` for a block); a replicated tensor is one whole piece, a sharded layout writes one
-file per rank, and :class:`SliceReader` reads, at any layout, just the pieces it needs.
+file per rank, and :class:`~trickles.train.pieces.PieceReader` reads, at any layout, just the pieces it needs.
 
 Writing happens in ``step_000100.tmp`` and ends with ``os.replace`` to the final name, so a
 directory without ``.tmp`` always holds a complete checkpoint. Loading checks the manifest
@@ -26,17 +28,14 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import os
 import re
 import shutil
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
-
 from ..errors import CheckpointError
+from .pieces import PieceReader, describe, region_of, save_pieces  # noqa: F401  (re-exported)
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -133,98 +132,6 @@ def resolve(path: str) -> str:
 
 # ---- tensors -----------------------------------------------------------------------------
 
-def save_tensors(tensors: dict[str, Any], path: str) -> None:
-    """Writes ``{key: tensor}`` (whole tensors) or ``{key: (tensor, slice metadata)}`` (parts).
-
-    Slice metadata is ``{"global_shape": [...], "flat_range": [a, b]}`` for a range of the
-    flattened tensor, or ``{"global_shape": [...], "offset": [...]}`` for a block; a whole tensor
-    is the block at offset 0.
-    """
-    data, slices = {}, {}
-    for k, v in tensors.items():
-        t, meta = v if isinstance(v, tuple) else (v, {"global_shape": list(v.shape), "offset": [0] * v.dim()})
-        data[k] = t.detach().contiguous().cpu()
-        slices[k] = meta
-    save_file(data, path, metadata={"format": "pt", "slices": json.dumps(slices)})
-
-
-class SliceReader:
-    """Reads whole tensors or ranges of flattened tensors from every ``<prefix>*.safetensors``.
-
-    A checkpoint written at any data-parallel layout stores each tensor as one or more pieces,
-    each with its global shape and the part it holds; the reader assembles what is asked for
-    from whichever pieces overlap it, reading only those slices from disk.
-    """
-
-    def __init__(self, root: str, prefix: str):
-        self.pieces: dict[str, list[tuple[str, dict]]] = {}
-        names = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n.endswith(".safetensors"))
-        if not names:
-            raise CheckpointError(f"checkpoint {root} has no {prefix}*.safetensors files")
-        for n in names:
-            path = os.path.join(root, n)
-            try:
-                with safe_open(path, framework="pt") as f:
-                    slices = json.loads((f.metadata() or {}).get("slices", "{}"))
-                    for k in f.keys():
-                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {}))
-            except CheckpointError:
-                raise
-            except Exception as e:
-                raise CheckpointError(f"cannot read {path}: {e}") from None
-
-    def keys(self) -> list[str]:
-        return sorted(self.pieces)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.pieces
-
-    def global_shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self.pieces[key][0][1].get("global_shape", []))
-
-    def read(self, key: str, flat_range: tuple[int, int] | None = None) -> torch.Tensor | None:
-        """The whole tensor (``flat_range=None``) or elements ``[a, b)`` of it flattened; None if absent."""
-        if key not in self.pieces:
-            return None
-        shape = self.global_shape(key)
-        pieces = self.pieces[key]
-        if pieces[0][1].get("scalar"):
-            return self._get(pieces[0][0], key, None)
-        numel = math.prod(shape)
-        a, b = flat_range if flat_range is not None else (0, numel)
-        out, filled = None, 0
-        for path, meta in pieces:
-            if "flat_range" in meta:
-                s, e = meta["flat_range"]
-            elif list(meta.get("offset", [])) == [0] * len(shape):
-                s, e = 0, numel
-            else:
-                raise CheckpointError(f"{path}: {key} is stored as a block; this loader reads flat ranges")
-            lo, hi = max(a, s), min(b, e)
-            if lo >= hi:
-                continue
-            part = self._get(path, key, (lo - s, hi - s))
-            if out is None:
-                out = torch.empty(b - a, dtype=part.dtype)
-            out[lo - a:hi - a] = part
-            filled += hi - lo
-        if out is None or filled != b - a:
-            raise CheckpointError(f"the checkpoint's pieces of {key} cover {filled} of the {b - a} elements asked for; it is incomplete")
-        return out.view(shape) if flat_range is None else out
-
-    @staticmethod
-    def _get(path: str, key: str, rng: tuple[int, int] | None) -> torch.Tensor:
-        with safe_open(path, framework="pt") as f:
-            if rng is None:
-                return f.get_tensor(key)
-            sl = f.get_slice(key)
-            shape = sl.get_shape()
-            row = math.prod(shape[1:]) if len(shape) > 1 else 1
-            r0, r1 = rng[0] // row, -(-rng[1] // row)  # only the rows that hold the range
-            rows = sl[r0:r1].reshape(-1)
-            return rows[rng[0] - r0 * row:rng[1] - r0 * row].clone()
-
-
 def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name, shared tensors once (under the first name)."""
     seen, out = set(), {}
@@ -237,8 +144,22 @@ def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if k in persistent}
 
 
-def load_model_state(model: torch.nn.Module, reader: "SliceReader", source: str) -> None:
-    """Copies every parameter and persistent buffer of ``model`` from the checkpoint's pieces."""
+def model_pieces(model: torch.nn.Module, replicated: bool = True) -> dict[str, tuple[torch.Tensor, dict]]:
+    """This rank's parameters (its tensor-parallel blocks) and buffers with their piece descriptions.
+
+    ``replicated=False`` leaves out what every tensor-parallel rank holds alike (one rank writes it).
+    """
+    out = {}
+    for name, t in unique_state(model).items():
+        spec = getattr(t, "tp_spec", None)
+        if not replicated and (spec is None or spec.replicated):
+            continue
+        out[name] = (t, describe(t))
+    return out
+
+
+def load_model_state(model: torch.nn.Module, reader: PieceReader, source: str) -> None:
+    """Copies every parameter and persistent buffer of ``model`` (its blocks) from the checkpoint's pieces."""
     state = unique_state(model)
     missing = sorted(k for k in state if k not in reader)
     extra = sorted(set(reader.keys()) - set(state))
@@ -247,10 +168,11 @@ def load_model_state(model: torch.nn.Module, reader: "SliceReader", source: str)
                               "check that model.* settings match the run that wrote it")
     with torch.no_grad():
         for k, t in state.items():
-            shape = reader.global_shape(k)
-            if tuple(t.shape) != shape:
-                raise CheckpointError(f"{source}: {k} has shape {shape}, the model expects {tuple(t.shape)}")
-            t.copy_(reader.read(k))
+            spec = getattr(t, "tp_spec", None)
+            expect = tuple(spec.global_shape) if spec is not None else tuple(t.shape)
+            if reader.global_shape(k) != expect:
+                raise CheckpointError(f"{source}: {k} has shape {reader.global_shape(k)}, the model expects {expect}")
+            t.copy_(reader.read(k, region_of(t)))
 
 
 # ---- RNG ---------------------------------------------------------------------------------

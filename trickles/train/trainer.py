@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
@@ -97,7 +96,7 @@ class Trainer:
         y = y.to(self.device, non_blocking=True)
         with autocast(self.cfg.memory.precision, self.device):
             logits = self.model(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return self.engine.loss_fn(logits, y)
 
     def train_step(self) -> dict[str, Any]:
         """Runs one optimizer step on the next global batch; returns its metrics."""
@@ -185,6 +184,8 @@ class Trainer:
         log = MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard) if self.topo.is_main else None
         if not self.quiet:
             zero = f", ZeRO-{self.engine.stage}" if self.engine.stage else ""
+            if self.topo.dims.tp > 1:
+                zero += f", tp={self.topo.dims.tp}" + (" with sequence parallel" if self.cfg.parallel.sequence_parallel else "")
             print(f"[trickles] {self.model_cfg.flavor} model, {self.n_params / 1e6:.2f}M parameters, {self.topo.world_size} rank(s) "
                   f"(dp={self.topo.dims.dp}{zero}), batch {t.global_batch}x{self.cfg.data.seq_len} "
                   f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}")
@@ -231,7 +232,7 @@ class Trainer:
         g = torch.Generator(device=self.device).manual_seed(t.seed)
         with autocast(self.cfg.memory.precision, self.device), _eager():
             new = generate(self.model, torch.tensor([ids], device=self.device), n_tokens, t.sample_temperature, t.sample_top_k,
-                           eos_id=self.tokenizer.eos_id, generator=g)
+                           eos_id=self.tokenizer.eos_id, generator=g, logits_fn=self.engine.full_logits)
         return prompt + self.tokenizer.decode(new[0].tolist())
 
     # ---- checkpoints ---------------------------------------------------------------------
@@ -250,7 +251,8 @@ class Trainer:
             self.tokenizer.save(os.path.join(tmp, "tokenizer"))
             ckpt.write_json(os.path.join(tmp, "trainer.json"), {
                 "step": self.step, "consumed_samples": self.consumed, "world_size": self.topo.world_size,
-                "layout": {"dp": self.topo.dims.dp, "zero": self.engine.stage}, "skipped_steps": self.skipped,
+                "layout": {"dp": self.topo.dims.dp, "tp": self.topo.dims.tp, "zero": self.engine.stage,
+                           "sequence_parallel": self.cfg.parallel.sequence_parallel}, "skipped_steps": self.skipped,
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
             })
@@ -308,6 +310,6 @@ def load_for_inference(path: str, device: torch.device | str = "cpu"):
         model = Transformer(model_cfg)
     model.to_empty(device=device)
     model.reset_buffers()
-    ckpt.load_model_state(model, ckpt.SliceReader(path, "model"), path)
+    ckpt.load_model_state(model, ckpt.PieceReader(path, "model"), path)
     model.eval()
     return model, load_tokenizer(os.path.join(path, "tokenizer")), meta

@@ -1,0 +1,65 @@
+"""What the multi-rank benchmarks share: per-rank set-up, the entry point, the verdict and the JSON.
+
+A benchmark runs as ``N`` ranks: under ``torchrun`` (one rank per process, its environment read),
+or spawned on this machine by :func:`trickles.launch.launch` with ``--world N``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from trickles.topology import exit_process, init_distributed, select_device
+
+
+def setup_rank(args) -> tuple[torch.device, int, int]:
+    """Device, rank and world size of this process; CPU threads split among the local ranks; fp32 matmuls exact."""
+    device = select_device(args.device)
+    if device.type == "cpu":
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+        torch.set_num_threads(args.threads or max(1, cores // world))
+    else:
+        torch.set_float32_matmul_precision("highest")  # fp32 matmuls, so the agreement check means fp32
+    if not init_distributed(device):  # a single process: the peers (DDP, FSDP2, DTensor) still want a group
+        extra = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1, **extra)
+    return device, dist.get_rank(), dist.get_world_size()
+
+
+def print_verdicts(results: dict, names) -> None:
+    """One line: each of ``names`` against its peer, ``<= 1.0x`` being the target."""
+    verdicts = []
+    for n in names:
+        r, peer = results[n]["ratio"], results[n]["peer"]
+        verdicts.append(f"{n}/{peer} {r:.3f}x (paired {results[n]['paired_ratio']:.3f}x): {'met' if r <= 1.0 else 'NOT met'}")
+    print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
+
+
+def write_json(path: str | None, out: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f, indent=2, default=str)
+        print(f"wrote {path}")
+
+
+def main(args, rank_main: Callable) -> int:
+    """Runs ``rank_main(args)`` as this rank under a launcher, else on ``args.world`` spawned local ranks."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any launcher setting its environment)
+        exit_process(rank_main(args))
+    if args.world < 1:
+        raise SystemExit("--world must be at least 1")
+    want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if want_cuda and torch.cuda.device_count() < args.world:
+        raise SystemExit(f"--world {args.world} on CUDA needs one GPU per rank, this machine has {torch.cuda.device_count()}; "
+                         "lower --world or use --device cpu")
+    from trickles.launch import launch
+
+    sys.stdout.flush()
+    return launch(rank_main, (args,), nproc=args.world)

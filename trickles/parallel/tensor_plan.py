@@ -1,0 +1,121 @@
+"""Applies 1-D tensor (and sequence) parallelism to a :class:`~trickles.models.transformer.Transformer`.
+
+The model is built on the meta device as single-device code; :func:`apply_tensor_parallel`
+swaps its modules for the layers of :mod:`trickles.parallel.tensor` in place, keeping every
+parameter's name:
+
+==================================  =========================================================
+module                              becomes
+==================================  =========================================================
+``embed``                           :class:`VocabParallelEmbedding` (rows split by vocabulary; with
+                                    sequence parallel its reduce-scatter leaves sequence shards)
+``pos_embed``                       sequence parallel: looks up this rank's positions only
+``embed_drop``                      sequence parallel: dropout with this rank's random stream
+``layers.i.attn_norm``, ``mlp_norm``  the norm, then the region entry (copy / all-gather)
+``attn.q_proj`` (``k_proj``, ``v_proj``)  column-parallel by heads (key/value: whole on every rank
+                                    when ``n_kv_heads`` does not divide by ``tp``)
+``attn.o_proj``, ``mlp.down_proj``  row-parallel, leaving the region (all-reduce / reduce-scatter)
+``mlp.gate_proj``, ``up_proj``      column-parallel
+``attn.core``                       run with this rank's private random stream (its heads' dropout)
+``norm``                            the final norm, then the region entry
+``output``                          column-parallel over the vocabulary (shares the embedding's
+                                    shard when tied); the loss is :func:`vocab_parallel_cross_entropy`
+==================================  =========================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import GroupComm, gather_from_region
+from ..models.transformer import Transformer
+from .tensor import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
+                     TPContext, VocabParallelEmbedding, enter_after, replicated_spec, set_spec, vocab_parallel_cross_entropy)
+
+
+def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel: bool, recomputed_blocks: bool = False) -> TPContext:
+    """Swaps ``model``'s modules for tensor-parallel ones over ``comm`` (in place); returns the shared context.
+
+    ``recomputed_blocks``: the blocks are recomputed whole in backward, so their column-parallel
+    layers keep the gathered input rather than all-gathering it once more (see :class:`TPContext`).
+    """
+    cfg = model.cfg
+    tp = comm.size
+    ctx = TPContext(comm, sequence_parallel)
+    rg = not recomputed_blocks
+    dev = torch.device("meta")
+    bias = cfg.flavor == "gpt2"
+    sp = sequence_parallel
+
+    def norm(module):
+        for p in module.parameters():
+            set_spec(p, replicated_spec(p.shape, partial=sp))
+        return enter_after(module, ctx)
+
+    model.embed = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, ctx, device=dev)
+    if model.pos_embed is not None:  # learned positions: under sequence parallel, only this rank's
+        set_spec(model.pos_embed.weight, replicated_spec(model.pos_embed.weight.shape, partial=sp))
+        model.pos_embed.register_forward_pre_hook(_own_positions(ctx))
+    if sp:
+        model.embed_drop = ForkRNG(model.embed_drop, ctx, cfg.dropout)
+    for block in model.layers.values():
+        attn, mlp = block.attn, block.mlp
+        block.attn_norm = norm(block.attn_norm)
+        block.mlp_norm = norm(block.mlp_norm)
+        hd = cfg.head_dim
+        attn.q_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, bias, ctx, device=dev, regather=rg)
+        if cfg.kv_heads % tp == 0:
+            attn.k_proj = ColumnParallelLinear(cfg.d_model, cfg.kv_heads * hd, bias, ctx, device=dev, regather=rg)
+            attn.v_proj = ColumnParallelLinear(cfg.d_model, cfg.kv_heads * hd, bias, ctx, device=dev, regather=rg)
+        else:
+            attn.k_proj = ReplicatedKV(cfg.d_model, cfg.n_heads, cfg.kv_heads, hd, bias, ctx, device=dev, regather=rg)
+            attn.v_proj = ReplicatedKV(cfg.d_model, cfg.n_heads, cfg.kv_heads, hd, bias, ctx, device=dev, regather=rg)
+        attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, bias, ctx, device=dev)
+        # an instance attribute (not a submodule): it must shadow the class's ``core`` method
+        object.__setattr__(attn, "core", ForkRNG(attn.core, ctx, cfg.dropout, owner=attn))
+        if mlp.gated:
+            mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, False, ctx, device=dev, regather=rg)
+        mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, bias, ctx, device=dev, regather=rg)
+        mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias, ctx, device=dev)
+        if sp:
+            attn.resid_drop = ForkRNG(attn.resid_drop, ctx, cfg.dropout)
+            mlp.resid_drop = ForkRNG(mlp.resid_drop, ctx, cfg.dropout)
+    model.norm = norm(model.norm)
+    model.output = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, False, ctx, device=dev)
+    if cfg.tied:
+        model.output.weight = model.embed.weight
+    ctx.vocab_start = model.output.weight.tp_spec.offset[0]
+    model.register_forward_pre_hook(_sequence_parallel_switch(ctx), with_kwargs=True)
+    model.register_forward_hook(lambda module, args, out: setattr(ctx, "_entry", None))  # hold no activation past forward
+    return ctx
+
+
+def _sequence_parallel_switch(ctx: TPContext):
+    """Sequence parallelism needs a sequence that splits evenly and no KV cache (decoding)."""
+
+    def hook(module, args, kwargs):
+        tokens = args[0] if args else kwargs["tokens"]
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        ctx.sp_active = ctx.sequence_parallel and cache is None and tokens.shape[1] % ctx.comm.size == 0
+        return None
+    return hook
+
+
+def _own_positions(ctx: TPContext):
+    """Sequence parallel: look up only the positions of this rank's sequence shard."""
+
+    def hook(module, args):
+        if ctx.sp_active:
+            return (args[0].chunk(ctx.comm.size)[ctx.comm.rank],)
+        return None
+    return hook
+
+
+def tp_loss(ctx: TPContext):
+    """The mean token cross-entropy from vocabulary-sharded logits."""
+    return lambda logits, target: vocab_parallel_cross_entropy(logits, target, ctx.comm, ctx.vocab_start)
+
+
+def tp_full_logits(ctx: TPContext):
+    """Gathers vocabulary-sharded logits (for sampling)."""
+    return lambda logits: gather_from_region(logits, ctx.comm, dim=-1)

@@ -1,0 +1,160 @@
+"""Tensors stored in pieces: what each piece is, and reading any region back from them.
+
+Every layout stores a tensor as one or more *pieces*. A piece is described (in the safetensors
+file's metadata, ``{"slices": {key: description}}``) as
+
+    {"global_shape": [...], "offset": [...], "block_shape": [...], "flat_range": [a, b]}
+
+-- a block of the global tensor (``offset``/``block_shape``; absent: the whole tensor, as a
+replicated parameter is stored) and, optionally, elements ``[a, b)`` of that block flattened
+(absent: all of it). Tensor parallelism stores blocks, ZeRO flat ranges, both together flat
+ranges of blocks. ``{"scalar": true}`` marks a value stored once (a step counter).
+
+:class:`PieceReader` answers "give me block ``(offset, shape)`` of tensor ``key``, or elements
+``[a, b)`` of it" from whichever pieces overlap, reading from disk only the rows those pieces
+contribute, so a rank never loads the whole model to find its part.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..errors import CheckpointError
+
+
+def describe(param: torch.Tensor, flat_range: tuple[int, int] | None = None) -> dict[str, Any]:
+    """The piece description of ``param`` as this rank holds it (its tensor-parallel block, if any)."""
+    spec = getattr(param, "tp_spec", None)
+    shape = list(param.shape)
+    if spec is None or spec.replicated:
+        meta: dict[str, Any] = {"global_shape": shape}
+    else:
+        meta = {"global_shape": list(spec.global_shape), "offset": list(spec.offset), "block_shape": shape}
+    if flat_range is not None:
+        meta["flat_range"] = [int(flat_range[0]), int(flat_range[1])]
+    return meta
+
+
+def region_of(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offset, shape)`` of the block of the global tensor that ``param`` holds."""
+    spec = getattr(param, "tp_spec", None)
+    if spec is None or spec.replicated:
+        return (0,) * param.dim(), tuple(param.shape)
+    return tuple(spec.offset), tuple(param.shape)
+
+
+def save_pieces(tensors: dict[str, Any], path: str) -> None:
+    """Writes ``{key: tensor}`` (whole tensors) or ``{key: (tensor, description)}``."""
+    data, slices = {}, {}
+    for k, v in tensors.items():
+        t, meta = v if isinstance(v, tuple) else (v, {"global_shape": list(v.shape)})
+        data[k] = t.detach().contiguous().cpu()
+        slices[k] = meta
+    save_file(data, path, metadata={"format": "pt", "slices": json.dumps(slices)})
+
+
+class PieceReader:
+    """Reads regions of tensors from every ``<prefix>*.safetensors`` of a checkpoint directory."""
+
+    def __init__(self, root: str, prefix: str):
+        self.pieces: dict[str, list[tuple[str, dict]]] = {}
+        names = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n.endswith(".safetensors"))
+        if not names:
+            raise CheckpointError(f"checkpoint {root} has no {prefix}*.safetensors files")
+        for n in names:
+            path = os.path.join(root, n)
+            try:
+                with safe_open(path, framework="pt") as f:
+                    slices = json.loads((f.metadata() or {}).get("slices", "{}"))
+                    for k in f.keys():
+                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {"global_shape": list(f.get_slice(k).get_shape())}))
+            except Exception as e:
+                raise CheckpointError(f"cannot read {path}: {e}") from None
+
+    def keys(self) -> list[str]:
+        return sorted(self.pieces)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.pieces
+
+    def global_shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.pieces[key][0][1].get("global_shape", []))
+
+    def read(self, key: str, block: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+             flat_range: tuple[int, int] | None = None) -> torch.Tensor | None:
+        """Block ``(offset, shape)`` of ``key`` (None: all of it), or its elements ``[a, b)`` flattened; None if absent."""
+        if key not in self.pieces:
+            return None
+        pieces = self.pieces[key]
+        if pieces[0][1].get("scalar"):
+            return _load(pieces[0][0], key)
+        gshape = self.global_shape(key)
+        t_off, t_shape = block if block is not None else ((0,) * len(gshape), gshape)
+        out, covered = None, None
+        for path, meta in pieces:
+            p_off = tuple(meta.get("offset", (0,) * len(gshape)))
+            p_shape = tuple(meta.get("block_shape", gshape))
+            lo = [max(a, b) for a, b in zip(t_off, p_off)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(t_off, t_shape, p_off, p_shape)]
+            if any(x >= y for x, y in zip(lo, hi)):
+                continue
+            part, mask = _piece_region(path, key, meta, p_off, p_shape, lo, hi)
+            if out is None:
+                out = torch.empty(t_shape, dtype=part.dtype)
+                covered = torch.zeros(t_shape, dtype=torch.bool)
+            dst = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, t_off))
+            if mask is None:
+                out[dst] = part
+                covered[dst] = True
+            else:
+                out[dst] = torch.where(mask, part, out[dst])
+                covered[dst] |= mask
+        if out is None:
+            raise CheckpointError(f"the checkpoint holds no piece of {key} covering the part asked for; it is incomplete")
+        flat_out, flat_cov = out.reshape(-1), covered.reshape(-1)
+        if flat_range is not None:
+            flat_out, flat_cov = flat_out[flat_range[0]:flat_range[1]], flat_cov[flat_range[0]:flat_range[1]]
+        if not bool(flat_cov.all()):
+            raise CheckpointError(f"the checkpoint's pieces of {key} cover {int(flat_cov.sum())} of the {flat_cov.numel()} "
+                                  "elements asked for; it is incomplete")
+        return flat_out.clone() if flat_range is not None else out
+
+
+def _load(path: str, key: str) -> torch.Tensor:
+    with safe_open(path, framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def _piece_region(path, key, meta, p_off, p_shape, lo, hi):
+    """Elements ``lo..hi`` (global coordinates) from one piece, and which of them it holds (None: all)."""
+    local = tuple(slice(x - o, y - o) for x, y, o in zip(lo, hi, p_off))
+    with safe_open(path, framework="pt") as f:
+        sl = f.get_slice(key)
+        if "flat_range" not in meta:
+            return sl[local] if local else f.get_tensor(key), None
+        a, b = meta["flat_range"]
+        row = math.prod(p_shape[1:]) if len(p_shape) > 1 else 1
+        # rows of the piece's block that the wanted region touches, as a flat range of the block
+        first = max(a, local[0].start * row) if local else a
+        last = min(b, local[0].stop * row) if local else b
+        if first >= last:
+            empty = torch.zeros([y - x for x, y in zip(lo, hi)], dtype=_dtype(sl))
+            return empty, torch.zeros_like(empty, dtype=torch.bool)
+        data = sl[first - a:last - a]
+    block = torch.zeros(math.prod(p_shape), dtype=data.dtype)
+    have = torch.zeros(math.prod(p_shape), dtype=torch.bool)
+    block[first:last] = data
+    have[first:last] = True
+    return block.view(p_shape)[local], have.view(p_shape)[local]
+
+
+def _dtype(sl) -> torch.dtype:
+    names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "I64": torch.int64}
+    return names.get(sl.get_dtype(), torch.float32)
