@@ -6,8 +6,10 @@ or spawned on this machine by :func:`trickles.launch.launch` with ``--world N``.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import statistics
 import sys
 from typing import Callable
 
@@ -63,3 +65,38 @@ def main(args, rank_main: Callable) -> int:
 
     sys.stdout.flush()
     return launch(rank_main, (args,), nproc=args.world)
+
+
+def compare_times(everyone: list[dict], contestants, steps: int, tokens: int) -> tuple[dict, dict]:
+    """``(results, rows)`` per contestant: step times (each round's slowest rank), their summary and the ratio to the peer.
+
+    ``vs peer`` is the ratio of medians; ``paired`` the median over rounds of (this / peer in the
+    same round). ``rows[name]`` holds the table cells: name, median/mean/stdev ms, tokens/s, peer,
+    vs peer, paired.
+    """
+    from _timing import summarize
+
+    names = [c.name for c in contestants]
+    step_times = {n: [max(r["times"][n][i] for r in everyone) for i in range(steps)] for n in names}
+    stats = {n: summarize(step_times[n]) for n in names}
+    results, rows = {}, {}
+    for c in contestants:
+        n, s, peer = c.name, stats[c.name], c.peer
+        ratio = s["median"] / stats[peer]["median"] if peer else None
+        paired = statistics.median(a / b for a, b in zip(step_times[n], step_times[peer])) if peer else None
+        results[n] = {**s, "peer": peer, "ratio": ratio, "paired_ratio": paired, "tokens_per_s": tokens / s["median"],
+                      "times": step_times[n]}
+        rows[n] = [n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}", f"{tokens / s['median']:,.0f}",
+                   peer or "-", f"{ratio:.3f}x" if peer else "-", f"{paired:.3f}x" if peer else "-"]
+    return results, rows
+
+
+def finish(status: int, device: torch.device) -> int:
+    """Rank 0's status on every rank; then leaves the process group."""
+    from trickles.topology import shutdown_distributed
+
+    gc.collect()
+    status_t = torch.tensor([status], device=device)
+    dist.broadcast(status_t, 0)
+    shutdown_distributed()
+    return int(status_t.item())

@@ -59,7 +59,6 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import platform
 import statistics
@@ -70,15 +69,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import main as run_main, print_verdicts, setup_rank, write_json  # noqa: E402
-from _timing import rotations, summarize, sync, table, timed  # noqa: E402
+from _ranks import compare_times, finish, main as run_main, print_verdicts, setup_rank, write_json  # noqa: E402
+from _timing import rotations, sync, table, timed  # noqa: E402
 
 from trickles.config import Config  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
 from trickles.parallel.plan import parallelize  # noqa: E402
-from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
+from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "seq": 256}, "cuda": {"batch_per_rank": 8, "seq": 1024}}
 DDP, FSDP = "ddp", "fsdp2"
@@ -284,11 +283,7 @@ def rank_main(args) -> int:
     if rank == 0:
         status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world)
     del contestants, by_name, topo
-    gc.collect()
-    status_t = torch.tensor([status], device=device)
-    dist.broadcast(status_t, 0)
-    shutdown_distributed()
-    return int(status_t.item())
+    return finish(status, device)
 
 
 # ---- report (rank 0) -----------------------------------------------------------------------
@@ -339,24 +334,16 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     print("  (ratio above 1: padding of buckets/units to multiples of N x 16 elements, and the 4-byte norm all-reduce)")
 
     # timing
-    step_times = {n: [max(r["times"][n][i] for r in everyone) for i in range(args.steps)] for n in names}
-    stats = {n: summarize(step_times[n]) for n in names}
     tokens = batch * seq
-    results = {}
+    results, cells = compare_times(everyone, contestants, args.steps, tokens)
     rows = []
     for c in contestants:
-        n, s = c.name, stats[c.name]
-        peer = c.peer
-        ratio = s["median"] / stats[peer]["median"] if peer else None
-        paired = statistics.median(a / b for a, b in zip(step_times[n], step_times[peer])) if peer else None
+        n, peer = c.name, c.peer
         mem = everyone[0]["memory"][n]
         total = sum(mem.values())
         peer_total = sum(everyone[0]["memory"][peer].values()) if peer else None
-        results[n] = {**s, "peer": peer, "ratio": ratio, "paired_ratio": paired, "tokens_per_s": tokens / s["median"],
-                      "memory": mem, "memory_ratio": total / peer_total if peer else None, "times": step_times[n]}
-        rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}", f"{tokens / s['median']:,.0f}",
-                     peer or "-", f"{ratio:.3f}x" if peer else "-", f"{paired:.3f}x" if peer else "-",
-                     f"{mem['parameters'] / 2**20:.1f}", f"{mem['gradients'] / 2**20:.1f}", f"{mem['optimizer'] / 2**20:.1f}",
+        results[n].update(memory=mem, memory_ratio=total / peer_total if peer else None)
+        rows.append([*cells[n], f"{mem['parameters'] / 2**20:.1f}", f"{mem['gradients'] / 2**20:.1f}", f"{mem['optimizer'] / 2**20:.1f}",
                      f"{total / 2**20:.1f}", f"{total / peer_total:.2f}x" if peer else "-"])
     print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its slowest rank's:")
     print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired",

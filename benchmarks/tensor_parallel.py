@@ -101,8 +101,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import main as run_main, print_verdicts, setup_rank, write_json  # noqa: E402
-from _timing import rotations, summarize, sync, table, timed  # noqa: E402
+from _ranks import compare_times, finish, main as run_main, print_verdicts, setup_rank, write_json  # noqa: E402
+from _timing import rotations, sync, table, timed  # noqa: E402
 
 from trickles.config import Config  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
@@ -423,11 +423,7 @@ def rank_main(args) -> int:
     if rank == 0:
         status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world)
     del contestants, by_name, topo, mesh
-    gc.collect()
-    status_t = torch.tensor([status], device=device)
-    dist.broadcast(status_t, 0)
-    shutdown_distributed()
-    return int(status_t.item())
+    return finish(status, device)
 
 
 # ---- report (rank 0) -----------------------------------------------------------------------
@@ -495,20 +491,9 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
           "peers: collectives one rank issues per step, counted by CommDebugMode, forward and backward)")
 
     # timing
-    step_times = {n: [max(r["times"][n][i] for r in everyone) for i in range(args.steps)] for n in names}
-    stats = {n: summarize(step_times[n]) for n in names}
     tokens = batch * seq
-    results = {}
-    rows = []
-    for c in contestants:
-        n, s = c.name, stats[c.name]
-        peer = c.peer
-        ratio = s["median"] / stats[peer]["median"] if peer else None
-        paired = statistics.median(a / b for a, b in zip(step_times[n], step_times[peer])) if peer else None
-        results[n] = {**s, "peer": peer, "ratio": ratio, "paired_ratio": paired, "tokens_per_s": tokens / s["median"],
-                      "times": step_times[n]}
-        rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}", f"{tokens / s['median']:,.0f}",
-                     peer or "-", f"{ratio:.3f}x" if peer else "-", f"{paired:.3f}x" if peer else "-"])
+    results, cells = compare_times(everyone, contestants, args.steps, tokens)
+    rows = [cells[c.name] for c in contestants]
     print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its slowest rank's:")
     print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired"], rows))
     print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round).")
