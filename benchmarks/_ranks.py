@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from _timing import device_name, summarize
 from trickles.topology import exit_process, init_distributed, select_device
 
 
@@ -41,6 +42,13 @@ def print_verdicts(results: dict, names) -> None:
         r, peer = results[n]["ratio"], results[n]["peer"]
         verdicts.append(f"{n}/{peer} {r:.3f}x (paired {results[n]['paired_ratio']:.3f}x): {'met' if r <= 1.0 else 'NOT met'}")
     print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
+
+
+def run_info(args, world: int, batch: int, seq: int, device: torch.device, n_params: int, model_cfg) -> dict:
+    """What every multi-rank benchmark's JSON starts with: the settings, the machine and the model."""
+    return {"args": vars(args), "world": world, "batch": batch, "seq": seq, "device": str(device), "device_name": device_name(device),
+            "threads": torch.get_num_threads(), "torch": torch.__version__, "params": n_params,
+            "model": {k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")}}
 
 
 def write_json(path: str | None, out: dict) -> None:
@@ -74,8 +82,6 @@ def compare_times(everyone: list[dict], contestants, steps: int, tokens: int) ->
     same round). ``rows[name]`` holds the table cells: name, median/mean/stdev ms, tokens/s, peer,
     vs peer, paired.
     """
-    from _timing import summarize
-
     names = [c.name for c in contestants]
     step_times = {n: [max(r["times"][n][i] for r in everyone) for i in range(steps)] for n in names}
     stats = {n: summarize(step_times[n]) for n in names}

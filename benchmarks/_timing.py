@@ -8,11 +8,17 @@ synchronized before the clock starts and before it stops, so a step's time inclu
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from typing import Any, Callable
 
 import torch
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or the CPU's."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
 
 
 def sync(device: torch.device) -> None:

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 
@@ -69,8 +68,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import compare_times, finish, main as run_main, print_verdicts, setup_rank, write_json  # noqa: E402
-from _timing import rotations, sync, table, timed  # noqa: E402
+from _ranks import compare_times, finish, main as run_main, print_verdicts, run_info, setup_rank, write_json  # noqa: E402
+from _timing import device_name, rotations, sync, table, timed  # noqa: E402
 
 from trickles.config import Config  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
@@ -291,7 +290,7 @@ def rank_main(args) -> int:
 def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int,
            device: torch.device, world: int) -> int:
     names = [c.name for c in contestants]
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    dev_name = device_name(device)
     print(f"trickles data parallel (ZeRO 0-3) vs torch DDP and FSDP2, one training step each, {world} ranks, same weights and data")
     print(f"  model   {args.preset}: {model_cfg.n_layers} layers, d={model_cfg.d_model}, heads={model_cfg.n_heads}/{model_cfg.kv_heads} kv, "
           f"ffn={model_cfg.ffn_dim}, vocab={model_cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)")
@@ -358,9 +357,7 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     print_verdicts(results, ("ours zero-0", "ours zero-3"))
 
     if args.json:
-        write_json(args.json, {"args": vars(args), "world": world, "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
-               "threads": torch.get_num_threads(), "torch": torch.__version__, "params": n_params,
-               "model": {k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")},
+        write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
                "check": {n: [r["check"][n] for r in everyone] for n in names},
                "comm": {n: [r["comm"].get(n) for r in everyone] for n in names if n.startswith("ours")},
                "results": results})

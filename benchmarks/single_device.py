@@ -50,7 +50,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -59,7 +58,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import rotations, si, summarize, table, timed  # noqa: E402
+from _timing import device_name, rotations, si, summarize, table, timed  # noqa: E402
 
 from trickles.memory.precision import autocast  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
@@ -206,7 +205,7 @@ def main(argv=None) -> int:
     tokens_per_step = batch * seq
     fpt = flops_per_token(cfg, seq)
     peak = peak_flops(device, args.precision)
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    dev_name = device_name(device)
     n_params = count_params(ours)
     print("trickles vs transformers.LlamaForCausalLM (sdpa), one training step each, same weights")
     print(f"  model   {args.preset}: {cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}/{cfg.kv_heads} kv, "

@@ -92,7 +92,6 @@ import argparse
 import contextlib
 import gc
 import os
-import platform
 import statistics
 import sys
 
@@ -101,8 +100,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import compare_times, finish, main as run_main, print_verdicts, setup_rank, write_json  # noqa: E402
-from _timing import rotations, sync, table, timed  # noqa: E402
+from _ranks import compare_times, finish, main as run_main, print_verdicts, run_info, setup_rank, write_json  # noqa: E402
+from _timing import device_name, rotations, sync, table, timed  # noqa: E402
 
 from trickles.config import Config  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
@@ -431,7 +430,7 @@ def rank_main(args) -> int:
 def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int,
            device: torch.device, world: int) -> int:
     names = [c.name for c in contestants]
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
+    dev_name = device_name(device)
     lp = "loss_parallel" if not args.no_loss_parallel else "replicated logits"
     print(f"trickles 1-D tensor parallel (+ sequence parallel) vs torch DTensor tensor parallel, one training step each, "
           f"tp={world}, same weights and data")
@@ -501,9 +500,7 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     print_verdicts(results, (OURS_TP, OURS_SP))
 
     if args.json:
-        write_json(args.json, {"args": vars(args), "world": world, "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
-               "threads": torch.get_num_threads(), "torch": torch.__version__, "params": n_params,
-               "model": {k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")},
+        write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
                "check": {n: [r["check"][n] for r in everyone] for n in [REF, *names]},
                "comm": comm_results, "results": results})
     sys.stdout.flush()
