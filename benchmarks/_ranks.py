@@ -16,8 +16,77 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from _timing import device_name, summarize
+from _timing import device_name, rotations, summarize, sync, timed
 from trickles.topology import exit_process, init_distributed, select_device
+
+
+class Contestant:
+    """One implementation: its model, optimizer and training step on this rank."""
+
+    peer: str | None = None  # the peer a row of ours is compared with
+
+    def __init__(self, name: str):
+        self.name = name
+        self.times: list[float] = []
+        self.losses: list[float] = []
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Ours(Contestant):
+    """trickles: ``parallelize`` with ``settings`` (``section.key=value``), stepped as ``Trainer.train_step`` does (one micro-batch)."""
+
+    def __init__(self, name: str, peer: str, settings: list[str], model_cfg, topo, args):
+        from trickles.config import Config
+        from trickles.models.transformer import Transformer
+        from trickles.parallel.plan import parallelize
+
+        super().__init__(name)
+        self.peer, self.topo = peer, topo
+        cfg = Config.load(None, [*settings, f"train.lr={args.lr}", "train.weight_decay=0.1", "train.beta1=0.9",
+                                 "train.beta2=0.95", "train.eps=1e-8"])
+        with torch.device("meta"):
+            model = Transformer(model_cfg)
+        self.engine = parallelize(model, topo, cfg, args.seed)
+        self.model = self.engine.model.train()
+        self.lr, self.clip = args.lr, args.clip
+
+    def step(self, x, y):
+        e = self.engine
+        e.zero_grad()
+        with e.micro_step(last=True):
+            loss = e.loss_fn(self.model(x), y)
+            loss.backward()
+        e.finish_backward()
+        e.clip_grad_norm(self.clip)
+        e.step(self.lr)
+        return loss.detach()
+
+
+def run_step(c: Contestant, x, y, device: torch.device, record: bool) -> None:
+    """One step of ``c`` after a barrier; its loss kept, its time too when ``record``."""
+    dist.barrier()
+    seconds, loss = timed(lambda: c.step(x, y), device)
+    c.losses.append(loss.item())
+    if record:
+        c.times.append(seconds)
+
+
+def ledger_delta(before: dict, after: dict) -> dict:
+    """What a :class:`~trickles.comm.CommLedger` snapshot gained between ``before`` and ``after``."""
+    return {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items() if v != before.get(k)}
+
+
+def time_rounds(contestants: list[Contestant], x, y, args, device: torch.device) -> None:
+    """``args.warmup`` untimed then ``args.steps`` timed rounds, one step of every contestant each, order rotating."""
+    by_name = {c.name: c for c in contestants}
+    names = list(by_name)
+    for _, name in rotations(names, args.warmup):
+        run_step(by_name[name], x, y, device, record=False)
+    for _, name in rotations(names, args.steps):
+        run_step(by_name[name], x, y, device, record=True)
+    sync(device)
 
 
 def setup_rank(args) -> tuple[torch.device, int, int]:

@@ -68,14 +68,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import compare_times, finish, main as run_main, print_verdicts, run_info, setup_rank, write_json  # noqa: E402
-from _timing import device_name, rotations, sync, table, timed  # noqa: E402
+from _ranks import (Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
+                    print_verdicts, run_info, run_step, setup_rank, time_rounds, write_json)
+from _timing import device_name, table  # noqa: E402
 
-from trickles.config import Config  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
-from trickles.parallel.plan import parallelize  # noqa: E402
 from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "seq": 256}, "cuda": {"batch_per_rank": 8, "seq": 1024}}
@@ -108,10 +107,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- contestants ---------------------------------------------------------------------------
 
-def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(x).float().flatten(0, 1), y.flatten())
-
-
 def _nbytes(t: torch.Tensor | None) -> int:
     if t is None:
         return 0
@@ -119,47 +114,12 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return t.numel() * t.element_size()
 
 
-class Contestant:
-    """One implementation: its model, optimizer and training step on this rank."""
-
-    peer: str | None = None  # the peer a row of ours is compared with
-    stage: int | None = None
-
-    def __init__(self, name: str):
-        self.name = name
-        self.times: list[float] = []
-        self.losses: list[float] = []
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def memory(self) -> dict[str, int]:
-        raise NotImplementedError
-
-
-class Ours(Contestant):
+class Ours(EngineContestant):
     def __init__(self, name: str, stage: int, offload: bool, model_cfg: ModelConfig, topo, args):
-        super().__init__(name)
-        self.stage, self.peer, self.topo = stage, FSDP if stage == 3 else DDP, topo
-        cfg = Config.load(None, [f"parallel.zero={stage}", f"parallel.bucket_mb={args.bucket_mb}",
-                                 f"memory.offload_optimizer={'true' if offload else 'false'}", f"train.lr={args.lr}",
-                                 "train.weight_decay=0.1", "train.beta1=0.9", "train.beta2=0.95", "train.eps=1e-8"])
-        with torch.device("meta"):
-            model = Transformer(model_cfg)
-        self.engine = parallelize(model, topo, cfg, args.seed)
-        self.model = self.engine.model.train()
-        self.lr, self.clip = args.lr, args.clip
-
-    def step(self, x, y):
-        e = self.engine
-        e.zero_grad()
-        with e.micro_step(last=True):
-            loss = _loss(self.model, x, y)
-            loss.backward()
-        e.finish_backward()
-        e.clip_grad_norm(self.clip)
-        e.step(self.lr)
-        return loss.detach()
+        super().__init__(name, FSDP if stage == 3 else DDP, [
+            f"parallel.zero={stage}", f"parallel.bucket_mb={args.bucket_mb}",
+            f"memory.offload_optimizer={'true' if offload else 'false'}"], model_cfg, topo, args)
+        self.stage = stage
 
     def memory(self):
         return dict(self.engine.memory())
@@ -173,7 +133,7 @@ class Peer(Contestant):
 
     def step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
-        loss = _loss(self.model, x, y)
+        loss = F.cross_entropy(self.model(x).float().flatten(0, 1), y.flatten())
         loss.backward()
         if self.sharded:  # torchtitan's clip for FSDP2: the norm of DTensor gradients is made whole, then applied
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -237,7 +197,6 @@ def rank_main(args) -> int:
     if args.offload:
         for stage in (1, 2, 3):
             contestants.append(Ours(f"ours zero-{stage}+offload", stage, True, model_cfg, topo, args))
-    by_name = {c.name: c for c in contestants}
     with torch.device("meta"):
         n_params = count_params(Transformer(model_cfg))
 
@@ -246,32 +205,18 @@ def rank_main(args) -> int:
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     data = [(t[rows, :-1].contiguous().to(device), t[rows, 1:].contiguous().to(device)) for t in tokens]
 
-    def run(c: Contestant, x, y, record: bool) -> None:
-        dist.barrier()
-        seconds, loss = timed(lambda: c.step(x, y), device)
-        c.losses.append(loss.item())
-        if record:
-            c.times.append(seconds)
-
     # agreement check: step 1 on the initial weights, step 2 after one update (a second batch);
     # our ledger is read around step 2 (step 1 sets up buffers, the volume is the same)
     comm: dict[str, dict] = {}
     for i, (x, y) in enumerate(data):
         for c in contestants:
             before = ledger.snapshot()
-            run(c, x, y, record=False)
+            run_step(c, x, y, device, record=False)
             if isinstance(c, Ours) and i == 1:
-                after = ledger.snapshot()
-                comm[c.name] = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
-                                if v != before.get(k)}
+                comm[c.name] = ledger_delta(before, ledger.snapshot())
     check = {c.name: list(c.losses) for c in contestants}
 
-    names = [c.name for c in contestants]
-    for _, name in rotations(names, args.warmup):
-        run(by_name[name], *data[0], record=False)
-    for _, name in rotations(names, args.steps):
-        run(by_name[name], *data[0], record=True)
-    sync(device)
+    time_rounds(contestants, *data[0], args, device)
     memory = {c.name: c.memory() for c in contestants}
     mine = {"times": {c.name: c.times for c in contestants}, "check": check, "memory": memory, "comm": comm,
             "last_loss": {c.name: c.losses[-1] for c in contestants}}
@@ -281,7 +226,7 @@ def rank_main(args) -> int:
     status = 0
     if rank == 0:
         status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world)
-    del contestants, by_name, topo
+    del contestants, topo
     return finish(status, device)
 
 

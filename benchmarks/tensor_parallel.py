@@ -100,14 +100,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import compare_times, finish, main as run_main, print_verdicts, run_info, setup_rank, write_json  # noqa: E402
-from _timing import device_name, rotations, sync, table, timed  # noqa: E402
+from _ranks import (Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
+                    print_verdicts, run_info, run_step, setup_rank, time_rounds, write_json)
+from _timing import device_name, table  # noqa: E402
 
-from trickles.config import Config  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
-from trickles.parallel.plan import parallelize  # noqa: E402
 from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 4, "seq": 256}, "cuda": {"batch": 8, "seq": 1024}}
@@ -144,44 +143,11 @@ def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-class Contestant:
-    """One implementation: its model, optimizer and training step on this rank."""
-
-    peer: str | None = None  # the peer a row of ours is compared with
-    sp: bool = False
-
-    def __init__(self, name: str):
-        self.name = name
-        self.times: list[float] = []
-        self.losses: list[float] = []
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class Ours(Contestant):
+class Ours(EngineContestant):
     def __init__(self, name: str, sp: bool, model_cfg: ModelConfig, topo, args):
-        super().__init__(name)
-        self.sp, self.peer = sp, PEER_SP if sp else PEER_TP
-        cfg = Config.load(None, [f"parallel.tp={topo.dims.tp}", f"parallel.sequence_parallel={'true' if sp else 'false'}",
-                                 f"train.lr={args.lr}", "train.weight_decay=0.1", "train.beta1=0.9", "train.beta2=0.95",
-                                 "train.eps=1e-8"])
-        with torch.device("meta"):
-            model = Transformer(model_cfg)
-        self.engine = parallelize(model, topo, cfg, args.seed)
-        self.model = self.engine.model.train()
-        self.lr, self.clip = args.lr, args.clip
-
-    def step(self, x, y):  # trickles.train.Trainer.train_step with one micro-batch, fp32
-        e = self.engine
-        e.zero_grad()
-        with e.micro_step(last=True):
-            loss = e.loss_fn(self.model(x), y)
-            loss.backward()
-        e.finish_backward()
-        e.clip_grad_norm(self.clip)
-        e.step(self.lr)
-        return loss.detach()
+        super().__init__(name, PEER_SP if sp else PEER_TP, [
+            f"parallel.tp={topo.dims.tp}", f"parallel.sequence_parallel={'true' if sp else 'false'}"], model_cfg, topo, args)
+        self.sp = sp
 
 
 class Peer(Contestant):
@@ -366,20 +332,12 @@ def rank_main(args) -> int:
     contestants: list[Contestant] = [Ours(OURS_TP, False, model_cfg, topo, args), Ours(OURS_SP, True, model_cfg, topo, args),
                                      make_dtensor(model_cfg, device, optim, mesh, False, args),
                                      make_dtensor(model_cfg, device, optim, mesh, True, args)]
-    by_name = {c.name: c for c in contestants}
     with torch.device("meta"):
         n_params = count_params(Transformer(model_cfg))
 
     g = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model_cfg.vocab_size, (2, batch, seq + 1), generator=g)
     data = [(t[:, :-1].contiguous().to(device), t[:, 1:].contiguous().to(device)) for t in tokens]
-
-    def run(c: Contestant, x, y, record: bool) -> None:
-        dist.barrier()
-        seconds, loss = timed(lambda: c.step(x, y), device)
-        c.losses.append(loss.item())
-        if record:
-            c.times.append(seconds)
 
     # agreement check: step 1 on the initial weights, step 2 after one update (a second batch);
     # our ledger is read around step 2 (step 1 sets up buffers, the volume is the same), the
@@ -394,26 +352,19 @@ def rank_main(args) -> int:
                 dist.barrier()
                 counted = _peer_comm_counts(c, x, y)
                 if counted is None:
-                    run(c, x, y, record=False)
+                    run_step(c, x, y, device, record=False)
                 else:
                     c.losses.append(counted.pop("loss").item())
                 peer_comm[c.name] = counted
                 continue
-            run(c, x, y, record=False)
+            run_step(c, x, y, device, record=False)
             if isinstance(c, Ours) and i == 1:
-                after = ledger.snapshot()
-                comm[c.name] = {k: {f: v[f] - before.get(k, {}).get(f, 0) for f in v} for k, v in after.items()
-                                if v != before.get(k)}
+                comm[c.name] = ledger_delta(before, ledger.snapshot())
     check = {c.name: list(c.losses) for c in [reference, *contestants]}
     del reference
     gc.collect()
 
-    names = [c.name for c in contestants]
-    for _, name in rotations(names, args.warmup):
-        run(by_name[name], *data[0], record=False)
-    for _, name in rotations(names, args.steps):
-        run(by_name[name], *data[0], record=True)
-    sync(device)
+    time_rounds(contestants, *data[0], args, device)
     mine = {"times": {c.name: c.times for c in contestants}, "check": check, "comm": comm, "peer_comm": peer_comm}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
@@ -421,7 +372,7 @@ def rank_main(args) -> int:
     status = 0
     if rank == 0:
         status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world)
-    del contestants, by_name, topo, mesh
+    del contestants, topo, mesh
     return finish(status, device)
 
 
