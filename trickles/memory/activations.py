@@ -67,7 +67,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     lse = 4 * s * a
     attention = p * s * (a * h + 2 * kv * h) + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
     mlp = (4 if llama else 2) * p * s * f
-    full = p * (s // t if sequence_parallel and t > 1 else s) * d
+    full = p * sn * d  # the block input, on this rank's sequence shard under sequence parallelism
     layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse, "full": full}.get(recompute)
     if layer is None:
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")

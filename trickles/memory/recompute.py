@@ -31,7 +31,6 @@ def _recomputed(fn):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-    run.recomputed = True
     return run
 
 

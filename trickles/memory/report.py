@@ -148,8 +148,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n * g
         transient += 2 * min(bucket, n * g)
     if stage == 3:
-        per_block = (n - _root_params(meta)) / model_cfg.n_layers
-        transient += p * (_root_params(meta) + 2 * per_block)
+        root = _root_params(meta)
+        transient += p * (root + 2 * (n - root) / model_cfg.n_layers)
     device_states = states["parameters"] + states["gradients"] + (0 if offload else states["optimizer"])
     predicted = {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"],
                  "activations": act["layers"], "head": act["head"], "transient": transient}

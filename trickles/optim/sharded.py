@@ -14,7 +14,8 @@ Where the state lives:
   copied to fp32 before the step (another ``4 P / N``), fp32 gradients are used as they are;
 * ``offload=True``: master copy, moments and the step itself live in host memory (pinned on
   CUDA); reduced gradient segments are copied to the host before the step and the updated
-  masters copied back after it, on a side stream so that the transfers overlap other work.
+  masters copied back after it, on a side stream; the step still waits for each transfer
+  (pinned-memory copies are fast, but they do not yet overlap the rest of the step).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from ..parallel.flat import Segment
 from .adamw import adamw_kwargs
 
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "step")
+MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam state kept per element (the step counter is a scalar)
 
 
 class ShardedAdamW:
@@ -103,16 +104,15 @@ class ShardedAdamW:
 
         ``include_replicated=False`` leaves out parameters every tensor-parallel rank holds alike.
         """
-        from ..train.pieces import describe
+        from ..train.pieces import describe, whole_on_every_tp_rank
 
         out = {}
         for s, m in zip(self.segments, self.masters):
-            spec = getattr(s.slot.param, "tp_spec", None)
-            if not include_replicated and (spec is None or spec.replicated):
+            if not include_replicated and whole_on_every_tp_rank(s.slot.param):
                 continue
             meta = describe(s.slot.param, s.param_range)
             st = self.optimizer.state.get(m, {}) if self.optimizer else {}
-            for key in ("exp_avg", "exp_avg_sq"):
+            for key in MOMENTS:
                 if key in st:
                     out[f"{s.name}/{key}"] = (st[key], meta)
             if "step" in st:
@@ -136,7 +136,7 @@ class ShardedAdamW:
                 continue
             where = region_of(s.slot.param)
             state = {key: reader.read(f"{s.name}/{key}", where, s.param_range).to(m.device, torch.float32)
-                     for key in ("exp_avg", "exp_avg_sq")}
+                     for key in MOMENTS}
             step = reader.read(f"{s.name}/step")
             state["step"] = torch.tensor(float(step.reshape(-1)[0]), dtype=torch.float32,
                                          device=m.device if self.optimizer.defaults.get("fused") else "cpu")

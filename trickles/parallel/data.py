@@ -24,7 +24,6 @@ from torch import nn
 from ..comm import GroupComm, Handle
 from ..optim.adamw import AdamWSettings, decay_flags
 from ..optim.sharded import ShardedAdamW
-from ..train import checkpoint as ckpt
 from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
@@ -116,12 +115,3 @@ class DataParallel(Engine):
                 "gradients": self.grad_buffer.numel() * self.grad_buffer.element_size(),
                 "optimizer": self.optimizer.state_bytes()}
 
-    def save(self, directory: str, rank: int) -> None:
-        if self.comm.rank != 0:  # the data-parallel replicas are identical: their first rank writes
-            return
-        ckpt.save_pieces(ckpt.model_pieces(self.model, self.writes_replicated), f"{directory}/model-rank{rank:05d}.safetensors")
-        self._save_optimizer(directory, rank)
-
-    def load(self, directory: str) -> None:
-        ckpt.load_model_state(self.model, ckpt.PieceReader(directory, "model"), directory)
-        self._load_optimizer(directory)

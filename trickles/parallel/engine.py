@@ -134,12 +134,25 @@ class Engine:
         raise NotImplementedError
 
     def save(self, directory: str, rank: int) -> None:
-        """Writes this rank's part of the model and optimizer state into ``directory``."""
-        raise NotImplementedError
+        """Writes this rank's part of the model and optimizer state into ``directory``.
+
+        Parameters are replicated over the data-parallel ranks (ZeRO 0-2): the first of them
+        writes them. Optimizer state is written by every rank when it is sharded (ZeRO >= 1),
+        else by the first one too.
+        """
+        from ..train.checkpoint import model_pieces
+
+        if self.comm.rank == 0:
+            self._save_model(directory, rank, model_pieces(self.model, self.writes_replicated))
+        if self.stage >= 1 or self.comm.rank == 0:
+            self._save_optimizer(directory, rank)
 
     def load(self, directory: str) -> None:
         """Restores model and optimizer state from a checkpoint directory (any data-parallel layout)."""
-        raise NotImplementedError
+        from ..train.checkpoint import PieceReader, load_model_state
+
+        load_model_state(self.model, PieceReader(directory, "model"), directory)
+        self._load_optimizer(directory)
 
     def placements(self) -> dict[str, object]:
         """``{name: TPSpec or None}`` for every parameter in :meth:`full_state`: where its tensor sits in the global one."""
@@ -150,6 +163,12 @@ class Engine:
     def writes_replicated(self) -> bool:
         """Whether this rank writes what all tensor-parallel ranks hold alike (tp rank 0 does)."""
         return self.tp is None or self.tp.rank == 0
+
+    def _save_model(self, directory: str, rank: int, tensors: dict) -> None:
+        from ..train.checkpoint import save_pieces
+
+        if tensors:
+            save_pieces(tensors, f"{directory}/model-rank{rank:05d}.safetensors")
 
     def _save_optimizer(self, directory: str, rank: int) -> None:
         from ..train.checkpoint import save_pieces

@@ -28,6 +28,7 @@ from ..optim.adamw import AdamWSettings
 from ..topology import Topology
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
+from ..train.pieces import global_shape
 from .tensor import init_tp_param
 from .tensor_plan import apply_tensor_parallel, tp_full_logits, tp_loss
 from .zero import ZeroDataParallel
@@ -45,9 +46,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
     ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full") if tp.size > 1 else None
 
     def init_value(name: str, param: torch.nn.Parameter) -> torch.Tensor:
-        spec = getattr(param, "tp_spec", None)
-        shape = tuple(spec.global_shape) if spec is not None else tuple(param.shape)
-        return init_tp_param(initial_value(model.cfg, name, shape, seed), param)
+        return init_tp_param(initial_value(model.cfg, name, global_shape(param), seed), param)
 
     if stage == 3:
         engine: Engine = Zero3DataParallel(model, comm, list(model.layers.values()), optim, init_value, topo.device,

@@ -37,7 +37,6 @@ from torch import nn
 from ..comm import GroupComm, Handle
 from ..optim.adamw import AdamWSettings, decay_flags
 from ..optim.sharded import ShardedAdamW
-from ..train import checkpoint as ckpt
 from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
@@ -219,14 +218,11 @@ class ZeroDataParallel(Engine):
 
     def save(self, directory: str, rank: int) -> None:
         self.wait_for_parameters()
-        if self.comm.rank == 0:  # parameters are replicated over dp: its first rank writes them
-            ckpt.save_pieces(ckpt.model_pieces(self.model, self.writes_replicated), f"{directory}/model-rank{rank:05d}.safetensors")
-        self._save_optimizer(directory, rank)
+        super().save(directory, rank)
 
     def load(self, directory: str) -> None:
         self.wait_for_parameters()
-        ckpt.load_model_state(self.model, ckpt.PieceReader(directory, "model"), directory)
-        self._load_optimizer(directory)
+        super().load(directory)
 
 
 def _param_wait_hook(engine: ZeroDataParallel, buckets: list[int]):

@@ -263,30 +263,20 @@ class Zero3DataParallel(Engine):
         tensors = {}
         for unit in self.units:
             for seg in unit.segments:
-                spec = getattr(seg.slot.param, "tp_spec", None)
-                if not self.writes_replicated and (spec is None or spec.replicated):
+                if not self.writes_replicated and ckpt.whole_on_every_tp_rank(seg.slot.param):
                     continue
                 piece = unit.shard.detach()[seg.shard_offset:seg.shard_offset + seg.numel]
                 tensors[seg.name] = (piece, ckpt.describe(seg.slot.param, seg.param_range))
-        if tensors:
-            ckpt.save_pieces(tensors, f"{directory}/model-rank{rank:05d}.safetensors")
+        self._save_model(directory, rank, tensors)
         self._save_optimizer(directory, rank)
 
     def load(self, directory: str) -> None:
         reader = ckpt.PieceReader(directory, "model")
-        wanted = {s.name: s for u in self.units for s in u.layout.slots}
-        missing = sorted(n for n in wanted if n not in reader)
-        extra = sorted(set(reader.keys()) - set(wanted))
-        if missing or extra:
-            raise ckpt.CheckpointError(f"{directory} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}")
+        ckpt.check_fits(reader, {s.name: s.param for u in self.units for s in u.layout.slots}, directory)
         with torch.no_grad():
             for unit in self.units:
                 for seg in unit.segments:
                     param = seg.slot.param
-                    spec = getattr(param, "tp_spec", None)
-                    expect = tuple(spec.global_shape) if spec is not None else seg.slot.shape
-                    if reader.global_shape(seg.name) != expect:
-                        raise ckpt.CheckpointError(f"{directory}: {seg.name} has shape {reader.global_shape(seg.name)}, the model expects {expect}")
                     unit.shard[seg.shard_offset:seg.shard_offset + seg.numel].copy_(
                         reader.read(seg.name, ckpt.region_of(param), seg.param_range))
         self._load_optimizer(directory)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from ..errors import CheckpointError
-from .pieces import PieceReader, describe, region_of, save_pieces  # noqa: F401  (re-exported)
+from .pieces import PieceReader, describe, global_shape, region_of, save_pieces, whole_on_every_tp_rank  # noqa: F401  (re-exported)
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -151,8 +151,7 @@ def model_pieces(model: torch.nn.Module, replicated: bool = True) -> dict[str, t
     """
     out = {}
     for name, t in unique_state(model).items():
-        spec = getattr(t, "tp_spec", None)
-        if not replicated and (spec is None or spec.replicated):
+        if not replicated and whole_on_every_tp_rank(t):
             continue
         out[name] = (t, describe(t))
     return out
@@ -161,18 +160,22 @@ def model_pieces(model: torch.nn.Module, replicated: bool = True) -> dict[str, t
 def load_model_state(model: torch.nn.Module, reader: PieceReader, source: str) -> None:
     """Copies every parameter and persistent buffer of ``model`` (its blocks) from the checkpoint's pieces."""
     state = unique_state(model)
-    missing = sorted(k for k in state if k not in reader)
-    extra = sorted(set(reader.keys()) - set(state))
+    check_fits(reader, state, source)
+    with torch.no_grad():
+        for k, t in state.items():
+            t.copy_(reader.read(k, region_of(t)))
+
+
+def check_fits(reader: PieceReader, params: dict[str, torch.Tensor], source: str) -> None:
+    """Raises unless the checkpoint holds exactly ``params`` (by name), each with its global shape."""
+    missing = sorted(k for k in params if k not in reader)
+    extra = sorted(set(reader.keys()) - set(params))
     if missing or extra:
         raise CheckpointError(f"{source} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}; "
                               "check that model.* settings match the run that wrote it")
-    with torch.no_grad():
-        for k, t in state.items():
-            spec = getattr(t, "tp_spec", None)
-            expect = tuple(spec.global_shape) if spec is not None else tuple(t.shape)
-            if reader.global_shape(k) != expect:
-                raise CheckpointError(f"{source}: {k} has shape {reader.global_shape(k)}, the model expects {expect}")
-            t.copy_(reader.read(k, region_of(t)))
+    for k, t in params.items():
+        if reader.global_shape(k) != global_shape(t):
+            raise CheckpointError(f"{source}: {k} has shape {reader.global_shape(k)}, the model expects {global_shape(t)}")
 
 
 # ---- RNG ---------------------------------------------------------------------------------

@@ -29,14 +29,25 @@ from safetensors.torch import save_file
 from ..errors import CheckpointError
 
 
+def whole_on_every_tp_rank(param: torch.Tensor) -> bool:
+    """Whether every tensor-parallel rank holds all of ``param`` (no ``tp_spec``, or a replicated one)."""
+    spec = getattr(param, "tp_spec", None)
+    return spec is None or spec.replicated
+
+
+def global_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape of the whole tensor that ``param`` is (a tensor-parallel block of)."""
+    spec = getattr(param, "tp_spec", None)
+    return tuple(spec.global_shape) if spec is not None else tuple(param.shape)
+
+
 def describe(param: torch.Tensor, flat_range: tuple[int, int] | None = None) -> dict[str, Any]:
     """The piece description of ``param`` as this rank holds it (its tensor-parallel block, if any)."""
-    spec = getattr(param, "tp_spec", None)
     shape = list(param.shape)
-    if spec is None or spec.replicated:
+    if whole_on_every_tp_rank(param):
         meta: dict[str, Any] = {"global_shape": shape}
     else:
-        meta = {"global_shape": list(spec.global_shape), "offset": list(spec.offset), "block_shape": shape}
+        meta = {"global_shape": list(param.tp_spec.global_shape), "offset": list(param.tp_spec.offset), "block_shape": shape}
     if flat_range is not None:
         meta["flat_range"] = [int(flat_range[0]), int(flat_range[1])]
     return meta
@@ -44,10 +55,9 @@ def describe(param: torch.Tensor, flat_range: tuple[int, int] | None = None) -> 
 
 def region_of(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offset, shape)`` of the block of the global tensor that ``param`` holds."""
-    spec = getattr(param, "tp_spec", None)
-    if spec is None or spec.replicated:
+    if whole_on_every_tp_rank(param):
         return (0,) * param.dim(), tuple(param.shape)
-    return tuple(spec.offset), tuple(param.shape)
+    return tuple(param.tp_spec.offset), tuple(param.shape)
 
 
 def save_pieces(tensors: dict[str, Any], path: str) -> None:

@@ -29,7 +29,7 @@ from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
 from ..data.sources import iter_documents
 from ..errors import CheckpointError, TrainingStopped
-from ..memory.precision import autocast
+from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
 from ..models.config import ModelConfig, resolve_model
 from ..models.generate import generate
@@ -78,7 +78,7 @@ class Trainer:
                 block.compile()
 
         self.scaler = None
-        if cfg.memory.precision == "fp16":
+        if policy(cfg.memory.precision, cfg.memory.grad_dtype).needs_loss_scaling:
             m = cfg.memory
             self.scaler = DynamicLossScaler(m.loss_scale, m.loss_scale_growth_interval, m.loss_scale_hysteresis, m.loss_scale_min)
         self.step = 0
