@@ -1,6 +1,8 @@
 """Configuration loading, overrides, and the table of bad inputs with their messages."""
 
 import dataclasses
+import glob
+import os
 
 import pytest
 
@@ -117,3 +119,13 @@ def test_mesh_coordinates_put_tp_innermost():
     assert dims.coords(0) == dict(pp=0, dp=0, cp=0, tp=0, ep=0)
     assert dims.coords(1)["tp"] == 1 and dims.coords(2)["dp"] == 1 and dims.coords(4)["pp"] == 1
     assert dataclasses.astuple(dims) == (2, 2, 2, 1, 1)
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "*.toml"))),
+                         ids=os.path.basename)
+def test_every_example_loads_and_validates(path):
+    cfg = Config.load(path, [])
+    p = cfg.parallel
+    world = max(p.dp, 1) * p.tp * p.pp * p.cp
+    dims = cfg.validate(world)
+    assert dims.dp * dims.tp * dims.pp * dims.cp == world
