@@ -35,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", default=None, metavar="auto|PATH", help="continue from a checkpoint; auto: the newest complete one in out_dir")
     t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restart all ranks up to K times after a failure")
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary")
+    t.add_argument("--pipeline-trace", default=None, metavar="PNG",
+                   help="with parallel.pp > 1: draw the last step's pipeline timeline (same as --set train.pipeline_trace=PNG)")
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
@@ -67,7 +69,8 @@ def _train(args) -> int:
     from .topology import env_world_size
     from .train.run import resolve_resume, run_training
 
-    cfg = Config.load(args.config, args.overrides)
+    overrides = args.overrides + ([f"train.pipeline_trace={args.pipeline_trace}"] if args.pipeline_trace else [])
+    cfg = Config.load(args.config, overrides)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
     if args.nproc is not None and under_torchrun:
         raise UserError("--nproc starts local ranks itself; under torchrun leave it out (torchrun's --nproc-per-node decides)")

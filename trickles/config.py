@@ -118,11 +118,12 @@ class Config:
         p = self.parallel
         dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         dims.validate(world_size)
-        if dims.pp > 1 or dims.cp > 1 or dims.ep > 1:
+        if dims.cp > 1 or dims.ep > 1:
             raise ConfigError(
-                f"this version has data and tensor parallelism; parallel.pp={dims.pp}, parallel.cp={dims.cp}, "
-                f"parallel.ep={dims.ep} must be 1 (use more data- or tensor-parallel ranks instead)")
+                f"this version has data, tensor and pipeline parallelism; parallel.cp={dims.cp} and "
+                f"parallel.ep={dims.ep} must be 1 (use more data-, tensor- or pipeline-parallel ranks instead)")
         self._check_tensor_parallel(dims.tp)
+        self._check_pipeline(dims)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
         if self.parallel.zero == 3 and self.train.compile:
@@ -151,6 +152,28 @@ class Config:
                               f"must be divisible by parallel.tp ({tp}) to split the embedding and output layer")
         if self.parallel.sequence_parallel and self.data.seq_len % tp:
             raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({tp}) for sequence parallelism")
+
+    def _check_pipeline(self, dims: ParallelDims) -> None:
+        from .parallel.pipeline import partition_layers
+        from .parallel.schedules import Shape, check_shape
+
+        p = self.parallel
+        if dims.pp == 1:
+            if self.train.pipeline_trace:
+                raise ConfigError("train.pipeline_trace (--pipeline-trace) draws pipeline stages; it needs parallel.pp > 1")
+            if p.virtual_stages != 1 or p.pipeline_layers or p.schedule == "interleaved":
+                raise ConfigError("parallel.schedule=interleaved, parallel.virtual_stages and parallel.pipeline_layers "
+                                  "need parallel.pp > 1")
+            return
+        partition_layers(self.model.n_layers, dims.pp * p.virtual_stages, p.pipeline_layers)
+        if p.zero > 1:
+            raise ConfigError(f"parallel.zero={p.zero} does not combine with pipeline stages (it would reduce or gather "
+                              "parameters for every micro-batch); use parallel.zero=0 or 1 with parallel.pp > 1")
+        _, micro_batches = self.batch_plan(dims.dp)
+        try:
+            check_shape(p.schedule, Shape(dims.pp, p.virtual_stages, micro_batches))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def batch_plan(self, dp: int) -> tuple[int, int]:
         """``(micro_batch, accumulation)`` with ``global_batch = micro_batch * accumulation * dp``."""

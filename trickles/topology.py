@@ -103,7 +103,26 @@ class ParallelDims:
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         groups = {n: mesh.get_group(n) for n in MESH_DIMS}
         groups["ep"] = self._ep_group(dist.get_rank())
+        groups.update(self._pipeline_groups(dist.get_rank()))
         return Topology(self, mesh, device, groups)
+
+    def _pipeline_groups(self, rank: int) -> dict:
+        """``pp_grad``: the pipeline ranks again, so gradients travel apart from activations (each
+        direction between two ranks then carries one kind of message, in order); ``pp_ends``: the
+        first and last stage (weights tied between them). Every rank creates all of them."""
+        if self.pp == 1:
+            return {}
+        out = {}
+        inner = self.dp * self.cp * self.tp
+        for base in range(inner):
+            members = [base + i * inner for i in range(self.pp)]
+            grads = dist.new_group(members)
+            ends = dist.new_group([members[0], members[-1]])
+            if rank in members:
+                out["pp_grad"] = grads
+            if rank in (members[0], members[-1]):
+                out["pp_ends"] = ends
+        return out
 
     def _ep_group(self, rank: int):
         """Expert groups: blocks of ``ep`` among the dp x cp ranks sharing (pp, tp); every rank creates all."""
@@ -132,11 +151,12 @@ class Topology:
         self.rank = dist.get_rank() if mesh is not None else 0
         self.world_size = dims.world_size
         self.coords = dims.coords(self.rank)
-        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep")}
+        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep", "pp_grad", "pp_ends")}
         self._comms["world"] = GroupComm("world", dist.group.WORLD if mesh is not None else None, self.ledger)
 
     def comm(self, name: str) -> GroupComm:
-        """The communicator of dimension ``name`` (``dp``, ``tp``, ``pp``, ``cp``, ``ep`` or ``world``)."""
+        """The communicator of dimension ``name`` (``dp``, ``tp``, ``pp``, ``cp``, ``ep`` or ``world``; with
+        pipeline stages also ``pp_grad`` and ``pp_ends``, see :meth:`ParallelDims._pipeline_groups`)."""
         return self._comms[name]
 
     def size(self, name: str) -> int:

@@ -72,9 +72,11 @@ class KVCache:
     """Pre-allocated keys and values for incremental decoding, ``[B, H_kv, max_len, D]`` per layer."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.shape = (batch, n_kv_heads, max_len, head_dim)
+        self.dtype, self.device = dtype, device
+        self.k: dict[int, torch.Tensor] = {}  # a layer's tables appear on its first update (a model part
+        self.v: dict[int, torch.Tensor] = {}  # holding some layers allocates only theirs)
+        self.n_layers = n_layers
         self.max_len = max_len
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,6 +84,9 @@ class KVCache:
         end = start + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; generation reached {end}")
+        if layer not in self.k:
+            self.k[layer] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.v[layer] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
@@ -215,25 +220,38 @@ class Transformer(nn.Module):
             self.rope_cos = self.rope_sin = None
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        h = self.embed_tokens(tokens, start)
+        rope = self.rope(start, tokens.shape[1])
+        for block in self.layers.values():
+            h = block(h, rope, cache, start)
+        return self.head(h)
+
+    # The three parts of ``forward``, callable on their own (a pipeline stage runs some of them).
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Token (and, for gpt2, position) embeddings of ``tokens [B, T]`` at positions ``start..``, after dropout."""
         t = tokens.shape[1]
         if start + t > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {start + t} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
         h = self.embed(tokens)
-        rope = None
         if self.pos_embed is not None:
             h = h + self.pos_embed(torch.arange(start, start + t, device=tokens.device))
-        else:
-            rope = (self.rope_cos[start:start + t], self.rope_sin[start:start + t])
-        h = self.embed_drop(h)
-        for block in self.layers.values():
-            h = block(h, rope, cache, start)
+        return self.embed_drop(h)
+
+    def rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary tables of positions ``start..start+length`` (None for learned positions)."""
+        if self.rope_cos is None:
+            return None
+        return self.rope_cos[start:start + length], self.rope_sin[start:start + length]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm and output projection: hidden states in, logits out."""
         return self.output(self.norm(h))
 
     # ---- initialization -------------------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
         """Allocates uninitialized storage on ``device``, keeping a tied output projection tied."""
         super().to_empty(device=device, recurse=recurse)
-        if self.cfg.tied:
+        if self.cfg.tied and self.output is not None and self.embed is not None:
             self.output.weight = self.embed.weight
         return self
 
@@ -256,7 +274,7 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         p = next(self.parameters())
         # key/value heads this model holds (fewer than cfg.kv_heads when a parallel plan split them)
-        kv_heads = self.layers["0"].attn.k_proj.out_features // self.cfg.head_dim
+        kv_heads = next(iter(self.layers.values())).attn.k_proj.out_features // self.cfg.head_dim
         return KVCache(self.cfg.n_layers, batch, kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
 
 

@@ -21,9 +21,18 @@ class ParallelConfig:
     zero: int = opt(0, "ZeRO stage over the data-parallel ranks: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters")
     bucket_mb: float = opt(25.0, "size of a gradient-reduction bucket in MiB (0: one bucket for the whole model)")
     prefetch: bool = opt(True, "ZeRO-3: start gathering the next block's parameters while the current one computes")
+    schedule: str = opt("1f1b", "with pp > 1: the pipeline schedule, gpipe, 1f1b or interleaved")
+    virtual_stages: int = opt(1, "with the interleaved schedule: model chunks per pipeline rank (the bubble shrinks by this factor)")
+    pipeline_layers: list[int] = opt([], "layers of each (virtual) stage in order, e.g. [4, 3]; empty: as even as possible, earlier stages taking the extra ones")
 
     def validate(self) -> None:
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.bucket_mb < 0:
             raise ConfigError(f"parallel.bucket_mb must not be negative, got {self.bucket_mb}")
+        from .schedules import SCHEDULES
+
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.virtual_stages < 1:
+            raise ConfigError(f"parallel.virtual_stages must be at least 1, got {self.virtual_stages}")

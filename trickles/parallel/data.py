@@ -64,18 +64,20 @@ class DataParallel(Engine):
                                       optim.lr, optim.betas, optim.eps, optim.weight_decay)
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
-        self._begin_micro_step(last=True)  # ready for a plain backward()
+        self._reset_reduction()  # ready for a plain backward()
 
     # ---- backward ------------------------------------------------------------------------
-    def _begin_micro_step(self, last: bool) -> None:
-        if last:
-            self._pending = [len(b.slots) for b in self.layout.buckets]
-            self._handles = {}
+    def _reset_reduction(self) -> None:
+        self._pending = [len(b.slots) for b in self.layout.buckets]
+        self._handles = {}
+
+    def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
+        return self.main_grads[id(p)]
 
     def _on_grad(self, p: torch.Tensor) -> None:
         self.main_grads[id(p)].add_(p.grad)
         p.grad = None
-        if self._reduce:
+        if self._reduce and id(p) not in self._deferred:
             b = self._bucket_of[id(p)]
             self._pending[b] -= 1
             if self._pending[b] == 0:
@@ -91,7 +93,7 @@ class DataParallel(Engine):
                 self._launch(b)
         for h in self._handles.values():
             h.wait()
-        self._handles = {}
+        self._reset_reduction()
 
     # ---- update --------------------------------------------------------------------------
     def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
@@ -107,7 +109,7 @@ class DataParallel(Engine):
         for p in self.params:
             p.grad = None
         self.grad_buffer.zero_()
-        self._begin_micro_step(last=True)  # a plain backward() after zero_grad() also reduces
+        self._reset_reduction()  # a plain backward() after zero_grad() also reduces
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:

@@ -47,6 +47,25 @@ class Engine:
         self._reduce = True
         self.loss_fn = default_loss
         self.full_logits = lambda logits: logits
+        self.pipeline = None  # a PipelineRunner when the model is one stage of a pipeline
+        self.stages: GroupComm | None = None  # the pipeline group: the gradient norm sums over it
+        self._tied: list[nn.Parameter] = []
+        self._tied_comm: GroupComm | None = None
+        self._tied_counted = True
+        self._deferred: set[int] = set()
+
+    def tie_across_stages(self, params: list[nn.Parameter], comm: GroupComm, counted: bool) -> None:
+        """``params`` have copies on other pipeline stages (over ``comm``): their gradients are summed
+        there before the data-parallel reduction, and count in the gradient norm here if ``counted``.
+
+        Their buckets are reduced once backward is over (:meth:`finish_backward`), not during it.
+        """
+        self._tied, self._tied_comm, self._tied_counted = list(params), comm, counted
+        self._deferred = {id(p) for p in params}
+
+    def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """The whole gradient of ``p`` accumulated over this step's micro-batches, before any reduction."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no whole gradient per parameter")
 
     @contextlib.contextmanager
     def micro_step(self, last: bool):
@@ -64,7 +83,11 @@ class Engine:
         pass
 
     def finish_backward(self) -> None:
-        """Waits for the gradient reductions still in flight; completes tensor-parallel partial gradients."""
+        """Sums gradients tied across pipeline stages, waits for the data-parallel reductions still in
+        flight and completes tensor-parallel partial gradients."""
+        if self._tied_comm is not None:
+            for p in self._tied:
+                self._tied_comm.all_reduce(self.accumulated_grad(p))
         self._finish_reduction()
         if self.tp is not None and self.tp.size > 1:
             partial = [g for p, g in self.owned_param_grads() if _spec(p, "partial_grad")]
@@ -93,15 +116,17 @@ class Engine:
         """Clips to ``max_norm`` by the global norm of all gradients; returns the norm (fp32, equal on all ranks).
 
         ``norm^2 = sum over owned parts of g^2`` (accumulated in fp32), summed over the dp ranks
-        when gradients are sharded there (ZeRO >= 1) and over the tp ranks, where tp-replicated
-        parameters count on tp rank 0 only. Every gradient is scaled by
+        when gradients are sharded there (ZeRO >= 1), over the tp ranks, where tp-replicated
+        parameters count on tp rank 0 only, and over the pipeline stages, where a weight tied
+        across stages counts on one of them. Every gradient is scaled by
         ``min(1, max_norm / (norm + 1e-6))`` (torch's ``clip_grad_norm_`` rule); ``max_norm <= 0``
         only measures. An inf or NaN anywhere makes the norm non-finite on every rank.
         """
         pairs = self.owned_param_grads()
         device = pairs[0][1].device if pairs else next(self.model.parameters()).device
         tp_rank = self.tp.rank if self.tp is not None else 0
-        counted = [g for p, g in pairs if tp_rank == 0 or not _spec(p, "replicated", default=True)]
+        skip = set() if self._tied_counted else self._deferred
+        counted = [g for p, g in pairs if (tp_rank == 0 or not _spec(p, "replicated", default=True)) and id(p) not in skip]
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
             sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
@@ -110,6 +135,8 @@ class Engine:
             self.comm.all_reduce(sq)
         if self.tp is not None and self.tp.size > 1:
             self.tp.all_reduce(sq)
+        if self.stages is not None and self.stages.size > 1:
+            self.stages.all_reduce(sq)
         norm = sq.sqrt().reshape(())
         grads = [g for _, g in pairs]
         if max_norm > 0 and grads:
@@ -151,7 +178,7 @@ class Engine:
         """Restores model and optimizer state from a checkpoint directory (any data-parallel layout)."""
         from ..train.checkpoint import PieceReader, load_model_state
 
-        load_model_state(self.model, PieceReader(directory, "model"), directory)
+        load_model_state(self.model, PieceReader(directory, "model"), directory, part=self.pipeline is not None)
         self._load_optimizer(directory)
 
     def placements(self) -> dict[str, object]:

@@ -5,6 +5,8 @@ The model arrives built on the meta device (no memory), as single-device code. I
 1. activation recomputation wraps its blocks or attention cores (``memory.recompute``);
 2. tensor parallelism swaps its modules for column/row-parallel ones over the ``tp`` group
    (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor_plan`);
+   pipeline parallelism prunes it to this rank's stage (``parallel.pp``; :mod:`trickles.parallel.pipeline`),
+   and a :class:`~trickles.parallel.pipeline_runner.PipelineRunner` (``engine.pipeline``) drives its steps;
 3. the data-parallel engine over the ``dp`` group: for ZeRO stages 0-2 the rank allocates its
    (tensor-parallel) parameters, initializes them and casts them to the precision policy's type,
    then :class:`~trickles.parallel.data.DataParallel` (stage 0) or
@@ -21,13 +23,16 @@ from __future__ import annotations
 import torch
 
 from ..config import Config
-from ..memory.precision import policy
+from ..memory.precision import autocast, policy
 from ..memory.recompute import apply_recompute
 from ..models.transformer import Transformer, initial_value
 from ..optim.adamw import AdamWSettings
 from ..topology import Topology
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
+from .pipeline import keep_stage, partition_layers, tied_parameters
+from .pipeline_runner import PipelineRunner
+from .schedules import Shape
 from ..train.pieces import global_shape
 from .tensor import init_tp_param
 from .tensor_plan import apply_tensor_parallel, tp_full_logits, tp_loss
@@ -44,6 +49,13 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     apply_recompute(model, cfg.memory.recompute)
     ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full") if tp.size > 1 else None
+    pp = topo.comm("pp")
+    chunks = None
+    if pp.size > 1:
+        _, micro_batches = cfg.batch_plan(topo.dims.dp)
+        shape = Shape(pp.size, cfg.parallel.virtual_stages, micro_batches)
+        parts = partition_layers(model.cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
+        chunks = keep_stage(model, pp.rank, shape, parts)
 
     def init_value(name: str, param: torch.nn.Parameter) -> torch.Tensor:
         return init_tp_param(initial_value(model.cfg, name, global_shape(param), seed), param)
@@ -72,4 +84,12 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
     if ctx is not None:
         engine.loss_fn = tp_loss(ctx)
         engine.full_logits = tp_full_logits(ctx)
+    if chunks is not None:
+        engine.stages = pp
+        tied = tied_parameters(model, pp.rank, pp.size)
+        if tied:
+            engine.tie_across_stages(tied, topo.comm("pp_ends"), counted=pp.rank == 0)
+        engine.pipeline = PipelineRunner(engine, chunks, pp, topo.comm("pp_grad"), cfg.parallel.schedule, shape.m,
+                                         model.cfg.d_model, prec.param_dtype, topo.device,
+                                         lambda: autocast(cfg.memory.precision, topo.device), ctx)
     return engine

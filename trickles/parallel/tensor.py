@@ -85,6 +85,17 @@ class TPContext:
         self.vocab_start = 0  # first vocabulary id of this rank's logit shard
         self._entry: tuple[torch.Tensor, torch.Tensor, _Regather] | None = None
 
+    def begin_forward(self, seq_len: int, decoding: bool = False) -> None:
+        """Decides sequence parallelism for the forward about to run over ``seq_len`` positions.
+
+        It needs a sequence that splits evenly over ``tp`` and no KV cache (decoding).
+        """
+        self.sp_active = self.sequence_parallel and not decoding and seq_len % self.comm.size == 0
+
+    def end_forward(self) -> None:
+        """Forgets the latest region entry, so no activation is held past the forward."""
+        self._entry = None
+
     def enter(self, x: torch.Tensor) -> torch.Tensor:
         if not self.sp_active:
             return copy_to_region(x, self.comm)

@@ -86,17 +86,17 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
         model.output.weight = model.embed.weight
     ctx.vocab_start = model.output.weight.tp_spec.offset[0]
     model.register_forward_pre_hook(_sequence_parallel_switch(ctx), with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: setattr(ctx, "_entry", None))  # hold no activation past forward
+    model.register_forward_hook(lambda module, args, out: ctx.end_forward())
     return ctx
 
 
 def _sequence_parallel_switch(ctx: TPContext):
-    """Sequence parallelism needs a sequence that splits evenly and no KV cache (decoding)."""
+    """Decides per forward whether sequence parallelism is on (see :meth:`TPContext.begin_forward`)."""
 
     def hook(module, args, kwargs):
         tokens = args[0] if args else kwargs["tokens"]
         cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
-        ctx.sp_active = ctx.sequence_parallel and cache is None and tokens.shape[1] % ctx.comm.size == 0
+        ctx.begin_forward(tokens.shape[1], decoding=cache is not None)
         return None
     return hook
 

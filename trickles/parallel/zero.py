@@ -81,13 +81,21 @@ class ZeroDataParallel(Engine):
         self._handles: list[Handle] = []
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
-        self._begin_micro_step(last=True)  # ready for a plain backward()
+        self._reset_reduction()  # ready for a plain backward()
 
     # ---- backward ------------------------------------------------------------------------
+    def _reset_reduction(self) -> None:
+        self._pending = [len(b.slots) for b in self.layout.buckets]
+        self._launched = set()
+
     def _begin_micro_step(self, last: bool) -> None:
-        if self.stage == 2 or last:
-            self._pending = [len(b.slots) for b in self.layout.buckets]
-            self._launched = set()
+        if self.stage == 2:
+            self._reset_reduction()
+
+    def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
+        if self.stage != 1:
+            raise NotImplementedError("ZeRO-2 keeps no whole gradient of a parameter")
+        return self._main[id(p)]
 
     def _on_grad(self, p: torch.Tensor) -> None:
         slot = self._slot_of[id(p)]
@@ -101,7 +109,7 @@ class ZeroDataParallel(Engine):
             start = slot.offset - self.layout.buckets[slot.bucket].start
             buf[start:start + slot.numel].view(slot.shape).add_(p.grad)
         p.grad = None
-        if self.stage == 2 or self._reduce:
+        if (self.stage == 2 or self._reduce) and id(p) not in self._deferred:
             self._pending[slot.bucket] -= 1
             if self._pending[slot.bucket] == 0:
                 self._launch(slot.bucket)
@@ -144,6 +152,7 @@ class ZeroDataParallel(Engine):
             self._handles = []
         else:
             self._retire(done_only=False)
+        self._reset_reduction()
 
     def _end_micro_step(self, last: bool) -> None:
         if self.stage == 2 and not last:
@@ -202,7 +211,7 @@ class ZeroDataParallel(Engine):
             self.grad_buffer.zero_()
         else:
             self.shard_grads.zero_()
-        self._begin_micro_step(last=True)  # a plain backward() after zero_grad() also reduces
+        self._reset_reduction()  # a plain backward() after zero_grad() also reduces
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:

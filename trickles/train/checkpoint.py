@@ -157,19 +157,22 @@ def model_pieces(model: torch.nn.Module, replicated: bool = True) -> dict[str, t
     return out
 
 
-def load_model_state(model: torch.nn.Module, reader: PieceReader, source: str) -> None:
-    """Copies every parameter and persistent buffer of ``model`` (its blocks) from the checkpoint's pieces."""
+def load_model_state(model: torch.nn.Module, reader: PieceReader, source: str, part: bool = False) -> None:
+    """Copies every parameter and persistent buffer of ``model`` (its blocks) from the checkpoint's pieces.
+
+    ``part``: the model is one pipeline stage, holding some of the checkpoint's tensors.
+    """
     state = unique_state(model)
-    check_fits(reader, state, source)
+    check_fits(reader, state, source, part)
     with torch.no_grad():
         for k, t in state.items():
             t.copy_(reader.read(k, region_of(t)))
 
 
-def check_fits(reader: PieceReader, params: dict[str, torch.Tensor], source: str) -> None:
-    """Raises unless the checkpoint holds exactly ``params`` (by name), each with its global shape."""
+def check_fits(reader: PieceReader, params: dict[str, torch.Tensor], source: str, part: bool = False) -> None:
+    """Raises unless the checkpoint holds exactly ``params`` (``part``: at least them), by name, each with its global shape."""
     missing = sorted(k for k in params if k not in reader)
-    extra = sorted(set(reader.keys()) - set(params))
+    extra = [] if part else sorted(set(reader.keys()) - set(params))
     if missing or extra:
         raise CheckpointError(f"{source} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}; "
                               "check that model.* settings match the run that wrote it")

@@ -34,6 +34,7 @@ class TrainConfig:
     device: str = opt("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, or cuda")
     tensorboard: bool = opt(False, "also write TensorBoard event files to <out_dir>/tb")
     plot: bool = opt(True, "draw <out_dir>/loss.png at the end (needs matplotlib)")
+    pipeline_trace: str = opt("", "with parallel.pp > 1: time every stage's forwards and backwards and draw the last step's Gantt chart to this PNG")
     sample_tokens: int = opt(200, "tokens to generate from the final model at the end (0: none)")
     sample_prompt: str = opt("def ", "prompt of the final sample")
     sample_temperature: float = opt(0.8, "temperature of the final sample")

@@ -11,6 +11,10 @@ One optimizer step (``Trainer.train_step``):
    stage 1-3) averages the gradients over the data-parallel group -- overlapping backward --
    clips them to ``grad_clip`` by global norm and runs AdamW with the scheduled learning rate.
 
+With pipeline stages (``parallel.pp > 1``) step 2 is the engine's
+:class:`~trickles.parallel.pipeline_runner.PipelineRunner`: the micro-batches are the pipeline's,
+and its schedule interleaves their forwards and backwards across the stages.
+
 The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows a progress bar,
 saves checkpoints and, at the end, draws the loss curve and prints a generated sample.
 """
@@ -35,6 +39,7 @@ from ..models.config import ModelConfig, resolve_model
 from ..models.generate import generate
 from ..models.transformer import Transformer, count_params
 from ..optim import lr_at
+from ..parallel.pipeline_runner import PipelinedModel
 from ..parallel.plan import parallelize
 from ..topology import Topology
 from . import checkpoint as ckpt
@@ -73,6 +78,9 @@ class Trainer:
         self.n_params = count_params(model)
         self.engine = parallelize(model, topo, cfg, t.seed)
         self.model = self.engine.model
+        self.pipeline = self.engine.pipeline  # a PipelineRunner when parallel.pp > 1
+        if self.pipeline is not None:
+            self.pipeline.trace_enabled = bool(t.pipeline_trace)
         if t.compile:
             for block in self.model.layers.values():
                 block.compile()
@@ -107,7 +115,9 @@ class Trainer:
         batches = self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch)
         scale = self.scaler.scale if self.scaler else 1.0
         self.engine.zero_grad()
-        for i, (x, y) in enumerate(batches):
+        if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
+            total = self.pipeline.forward_backward(batches, scale) * self.accumulation
+        for i, (x, y) in enumerate(batches if self.pipeline is None else []):
             with self.engine.micro_step(last=i == len(batches) - 1):
                 loss = self._loss(x, y)
                 (loss * (scale / self.accumulation)).backward()
@@ -166,7 +176,12 @@ class Trainer:
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
         for i in range(t.eval_batches):
-            for x, y in self.val_data.val_micro_batches(i, t.global_batch, self.micro_batch):
+            micro = self.val_data.val_micro_batches(i, t.global_batch, self.micro_batch)
+            if self.pipeline is not None:
+                total += self.pipeline.forward_only(micro) * len(micro)
+                count += len(micro)
+                continue
+            for x, y in micro:
                 total += self._loss(x, y)
                 count += 1
         self.model.train()
@@ -186,6 +201,9 @@ class Trainer:
             zero = f", ZeRO-{self.engine.stage}" if self.engine.stage else ""
             if self.topo.dims.tp > 1:
                 zero += f", tp={self.topo.dims.tp}" + (" with sequence parallel" if self.cfg.parallel.sequence_parallel else "")
+            if self.pipeline is not None:
+                p = self.pipeline.shape
+                zero += f", pp={p.p} {self.cfg.parallel.schedule}" + (f" x {p.v} chunks" if p.v > 1 else "")
             print(f"[trickles] {self.model_cfg.flavor} model, {self.n_params / 1e6:.2f}M parameters, {self.topo.world_size} rank(s) "
                   f"(dp={self.topo.dims.dp}{zero}), batch {t.global_batch}x{self.cfg.data.seq_len} "
                   f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}")
@@ -212,6 +230,8 @@ class Trainer:
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
                 self.save_checkpoint()
         bar.close()
+        if self.pipeline is not None and t.pipeline_trace:
+            self.draw_pipeline_trace(t.pipeline_trace)
         if log is not None:
             log.close()
             if t.plot and plot_loss(log.path, os.path.join(t.out_dir, "loss.png")) and not self.quiet:
@@ -230,10 +250,25 @@ class Trainer:
         t = self.cfg.train
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
         g = torch.Generator(device=self.device).manual_seed(t.seed)
+        model = self.model
+        if self.pipeline is not None:
+            vocab_local = self.model_cfg.vocab_size // self.topo.dims.tp
+            model = PipelinedModel(self.pipeline, self.model, vocab_local)
         with autocast(self.cfg.memory.precision, self.device), _eager():
-            new = generate(self.model, torch.tensor([ids], device=self.device), n_tokens, t.sample_temperature, t.sample_top_k,
+            new = generate(model, torch.tensor([ids], device=self.device), n_tokens, t.sample_temperature, t.sample_top_k,
                            eos_id=self.tokenizer.eos_id, generator=g, logits_fn=self.engine.full_logits)
         return prompt + self.tokenizer.decode(new[0].tolist())
+
+    def draw_pipeline_trace(self, path: str) -> None:
+        """Draws when each stage ran each forward and backward of the last step (pipeline rank 0 of the first replica)."""
+        from ..parallel.pipeline_plot import plot_pipeline
+
+        timeline = self.pipeline.gather_trace()
+        if timeline is not None and self.topo.is_main:
+            measured, predicted = plot_pipeline(timeline, self.pipeline.shape, self.cfg.parallel.schedule, path)
+            if not self.quiet:
+                print(f"[trickles] pipeline trace: {path} (bubble {100 * measured:.1f}% measured, "
+                      f"{100 * predicted:.1f}% by (p-1)/(v*m+p-1))")
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self) -> str | None:
@@ -251,8 +286,9 @@ class Trainer:
             self.tokenizer.save(os.path.join(tmp, "tokenizer"))
             ckpt.write_json(os.path.join(tmp, "trainer.json"), {
                 "step": self.step, "consumed_samples": self.consumed, "world_size": self.topo.world_size,
-                "layout": {"dp": self.topo.dims.dp, "tp": self.topo.dims.tp, "zero": self.engine.stage,
-                           "sequence_parallel": self.cfg.parallel.sequence_parallel}, "skipped_steps": self.skipped,
+                "layout": {"dp": self.topo.dims.dp, "tp": self.topo.dims.tp, "pp": self.topo.dims.pp, "zero": self.engine.stage,
+                           "sequence_parallel": self.cfg.parallel.sequence_parallel, "schedule": self.cfg.parallel.schedule,
+                           "virtual_stages": self.cfg.parallel.virtual_stages}, "skipped_steps": self.skipped,
                 "loss_scaler": self.scaler.state_dict() if self.scaler else None,
                 "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
             })

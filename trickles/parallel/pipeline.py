@@ -1,0 +1,102 @@
+"""Pipeline stages: cutting a single-device :class:`~trickles.models.transformer.Transformer` into parts.
+
+The ``n_layers`` blocks are cut into ``S = pp * v`` consecutive parts (virtual stages), as even as
+possible by count -- the earlier parts taking the extra layers, e.g. 7 layers on 2 stages as
+``[4, 3]`` -- or as ``parallel.pipeline_layers`` lists them. Part ``s`` becomes chunk ``s // pp`` of
+pipeline rank ``s % pp`` (see :mod:`trickles.parallel.schedules`). The token and position
+embeddings go with part 0, the final norm, output projection and loss with part ``S - 1``.
+
+:func:`keep_stage` prunes the model, still on the meta device, to what one rank holds, so the
+rank only ever allocates and initializes its own stage; parameters keep their global names
+(``layers.5.attn.q_proj.weight``), which is what makes initialization, checkpoints and
+resharding independent of the layout.
+
+Tied input and output embeddings (gpt2): the last rank keeps the ``embed`` module as the holder of
+its copy of the weight, used only by the output projection. The two copies start equal (same
+name, same initial value), their gradients are summed over the first and last rank
+(``pp_ends`` group) before the data-parallel reduction, so they get the same update and stay
+equal, as in Megatron-LM.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import torch
+
+from ..errors import ConfigError
+from ..models.transformer import KVCache, Transformer
+from .schedules import Shape
+
+
+def partition_layers(n_layers: int, parts: int, given: list[int] | None = None) -> list[list[int]]:
+    """The layer indices of each of ``parts`` consecutive parts (``given``: their sizes)."""
+    if given:
+        if len(given) != parts:
+            raise ConfigError(f"parallel.pipeline_layers lists {len(given)} stages, but parallel.pp x parallel.virtual_stages "
+                              f"= {parts}; give one layer count per (virtual) stage")
+        if any(n < 1 for n in given) or sum(given) != n_layers:
+            raise ConfigError(f"parallel.pipeline_layers {list(given)} must be positive counts adding up to model.n_layers "
+                              f"({n_layers})")
+        sizes = list(given)
+    else:
+        if n_layers < parts:
+            raise ConfigError(f"model.n_layers ({n_layers}) is smaller than the number of pipeline stages (parallel.pp x "
+                              f"parallel.virtual_stages = {parts}); every stage needs at least one layer: lower parallel.pp "
+                              f"or parallel.virtual_stages, or add layers")
+        base, extra = divmod(n_layers, parts)
+        sizes = [base + (1 if s < extra else 0) for s in range(parts)]
+    out, start = [], 0
+    for n in sizes:
+        out.append(list(range(start, start + n)))
+        start += n
+    return out
+
+
+class StageChunk:
+    """One model chunk of a rank: some consecutive layers, perhaps with the embedding or the head.
+
+    Not a module: it runs parts of the rank's (pruned) model, which owns the parameters.
+    ``first``: it starts from token ids (virtual stage 0); ``last``: it ends with logits.
+    """
+
+    def __init__(self, model: Transformer, layers: list[int], first: bool, last: bool):
+        self.model, self.layers, self.first, self.last = model, layers, first, last
+
+    def __call__(self, inp: torch.Tensor, seq_len: int, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """Token ids ``[B, T]`` (first chunk) or hidden states in; hidden states or logits (last chunk) out."""
+        m = self.model
+        h = m.embed_tokens(inp, start) if self.first else inp
+        rope = m.rope(start, seq_len)
+        for i in self.layers:
+            h = m.layers[str(i)](h, rope, cache, start)
+        return m.head(h) if self.last else h
+
+    def __repr__(self) -> str:
+        ends = ("embedding + " if self.first else "") + f"layers {self.layers[0]}-{self.layers[-1]}" + (" + head" if self.last else "")
+        return f"StageChunk({ends})"
+
+
+def keep_stage(model: Transformer, rank: int, shape: Shape, parts: list[list[int]]) -> list[StageChunk]:
+    """Prunes ``model`` (in place) to pipeline rank ``rank``'s chunks; returns them in chunk order."""
+    owned = [parts[shape.stage(rank, c)] for c in range(shape.v)]
+    keep = set(chain.from_iterable(owned))
+    for key in list(model.layers.keys()):
+        if int(key) not in keep:
+            del model.layers[key]
+    first, last = rank == 0, rank == shape.p - 1
+    if not first:
+        model.pos_embed = None
+        if not (last and model.cfg.tied):
+            model.embed = None
+    if not last:
+        model.norm = None
+        model.output = None
+    return [StageChunk(model, owned[c], first and c == 0, last and c == shape.v - 1) for c in range(shape.v)]
+
+
+def tied_parameters(model: Transformer, rank: int, pp: int) -> list[torch.nn.Parameter]:
+    """The weights this rank shares with another stage: the tied embedding on the first and last rank."""
+    if pp == 1 or not model.cfg.tied or rank not in (0, pp - 1):
+        return []
+    return [model.embed.weight]

@@ -1,0 +1,257 @@
+"""Running a pipeline schedule: one rank's action list executed against its stage.
+
+:class:`PipelineRunner` walks the list :func:`~trickles.parallel.schedules.build` made for this rank:
+
+* ``F c.i``: the input is micro-batch ``i``'s tokens (virtual stage 0) or the activation received
+  for it, made a leaf that requires grad; chunk ``c`` runs forward under the precision policy; the
+  last stage computes the loss and keeps ``loss * scale / m`` as what its backward starts from.
+  The output (detached) waits in the outbox for its send; the pair (input, output) is kept until
+  the backward -- the *live* micro-batches the schedule bounds (``m`` for GPipe, at most ``pp``
+  for 1F1B), counted in :attr:`PipelineRunner.peak_alive`.
+* ``B c.i``: ``torch.autograd.backward(output, received gradient)`` (the loss alone on the last
+  stage) inside the engine's ``micro_step``; it is the *last* micro-step of chunk ``c`` when no
+  later backward of the step touches that chunk's parameters, which lets the data-parallel
+  engine start reducing them while the rest of the schedule runs. The input's gradient goes to
+  the outbox.
+* a run of messages: posted together without waiting, one ``batch_isend_irecv`` per group --
+  activations over ``pp``, gradients over ``pp_grad``. A receive is waited for just before the
+  compute that reads it; sends are released as they complete and all waited for at the end.
+
+Received shapes follow from the micro-batch: ``[b, T, d]``, or ``[b, T / tp, d]`` while sequence
+parallelism is on (each tensor-parallel rank passes its own shard to its peer in the next stage).
+The step's loss is the last stage's mean over micro-batches, summed over the pipeline group so
+that every stage returns it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable
+
+import torch
+
+from ..comm import GroupComm
+from .engine import Engine
+from .pipeline import StageChunk
+from .schedules import Action, Shape, Timeline, batches, build, peer
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class PipelineRunner:
+    """Executes training, evaluation and decoding steps of one pipeline rank."""
+
+    def __init__(self, engine: Engine, chunks: list[StageChunk], acts: GroupComm, grads: GroupComm, schedule: str,
+                 micro_batches: int, d_model: int, act_dtype: torch.dtype, device: torch.device,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, tp_ctx=None):
+        self.engine, self.chunks = engine, chunks
+        self.acts, self.grads = acts, grads
+        self.rank = acts.rank
+        self.schedule = schedule
+        self.shape = Shape(acts.size, len(chunks), micro_batches)
+        self.d_model, self.act_dtype, self.device = d_model, act_dtype, device
+        self.autocast, self.tp_ctx = autocast, tp_ctx
+        self.actions = build(schedule, self.shape)[self.rank]
+        self.final_backward = {}  # chunk -> its micro-batch whose backward comes last
+        for a in self.actions:
+            if a.kind == "B":
+                self.final_backward[a.chunk] = a.micro
+        self.trace_enabled = False
+        self.last_trace: list[tuple[Action, float, float]] = []
+        self.peak_alive = 0
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+
+    # ---- public steps ----------------------------------------------------------------------
+    def forward_backward(self, micro: list[Batch], loss_scale: float = 1.0) -> torch.Tensor:
+        """Forward and backward of every micro-batch by the schedule; the mean loss (every stage)."""
+        if len(micro) != self.shape.m:
+            raise ValueError(f"the pipeline schedule was built for {self.shape.m} micro-batches, got {len(micro)}")
+        return self._run(self.actions, micro, train=True, loss_scale=loss_scale)
+
+    @torch.no_grad()
+    def forward_only(self, micro: list[Batch]) -> torch.Tensor:
+        """Evaluation: the mean loss over ``micro`` (every stage), no backward."""
+        actions = build(self.schedule, Shape(self.shape.p, self.shape.v, len(micro)), forward_only=True)[self.rank]
+        return self._run(actions, micro, train=False)
+
+    def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float, grad_clip: float = 0.0) -> float:
+        """One optimizer step on a batch (cut into the schedule's micro-batches); returns its loss."""
+        m = self.shape.m
+        if tokens.shape[0] % m:
+            raise ValueError(f"a batch of {tokens.shape[0]} rows does not cut into {m} micro-batches")
+        self.engine.zero_grad()
+        loss = self.forward_backward(list(zip(tokens.chunk(m), targets.chunk(m))))
+        self.engine.finish_backward()
+        self.engine.clip_grad_norm(grad_clip)
+        self.engine.step(lr)
+        return float(loss)
+
+    # ---- the executor ----------------------------------------------------------------------
+    def _run(self, actions: list[Action], micro: list[Batch], train: bool, loss_scale: float = 1.0,
+             cache=None, start: int = 0) -> torch.Tensor:
+        self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}
+        self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
+        self._sending: list[tuple[object, list[torch.Tensor]]] = []
+        self._total = torch.zeros((), device=self.device)
+        self._logits = None
+        alive = peak = 0
+        trace = []
+        t0 = self._trace_start()
+        for run in batches(actions):
+            a = run[0]
+            if not a.is_compute:
+                self._post(run, micro)
+                continue
+            began = time.perf_counter()
+            if a.kind == "F":
+                self._forward(a, micro, train, loss_scale, cache, start)
+                alive += train
+                peak = max(peak, alive)
+            else:
+                self._backward(a)
+                alive -= 1
+            if self.trace_enabled:
+                trace.append((a, began - t0, time.perf_counter() - t0))
+            self._sending = [(h, keep) for h, keep in self._sending if not h.done()]
+        for h, _ in self._sending:
+            h.wait()
+        self._sending = []
+        if train:
+            self.peak_alive = peak
+        if self.trace_enabled and train:
+            self.last_trace = trace
+        loss = self._total / len(micro)
+        return self.acts.all_reduce(loss.reshape(1)).reshape(())  # only the last stage holds a loss
+
+    def _trace_start(self) -> float:
+        if self.trace_enabled:
+            self.acts.barrier()  # the stages start their clocks together
+        return time.perf_counter()
+
+    def _expected(self, micro: list[Batch], i: int, decoding: bool) -> tuple[int, ...]:
+        b, t = micro[i][0].shape[:2]
+        if self.tp_ctx is not None and self.tp_ctx.sequence_parallel and not decoding and t % self.tp_ctx.comm.size == 0:
+            t //= self.tp_ctx.comm.size
+        return (b, t, self.d_model)
+
+    def _post(self, run: list[Action], micro: list[Batch]) -> None:
+        """Starts one run of messages: a batch per group, nothing waited for."""
+        for comm, kind in ((self.acts, "F"), (self.grads, "B")):
+            ops, keep, recvs = [], [], []
+            for a in run:
+                if a.kind[-1] != kind:
+                    continue
+                key = (kind, a.chunk, a.micro)
+                if a.kind.startswith("SEND"):
+                    t = self._outbox.pop(key)
+                    ops.append(("send", t, peer(a, self.shape, self.rank)))
+                    keep.append(t)
+                else:
+                    buf = torch.empty(self._expected(micro, a.micro, self._decoding), dtype=self.act_dtype, device=self.device)
+                    ops.append(("recv", buf, peer(a, self.shape, self.rank)))
+                    recvs.append((key, buf))
+            if not ops:
+                continue
+            handle = comm.batch_p2p(ops)
+            for key, buf in recvs:
+                self._inbox[key] = (buf, handle)
+            if keep:
+                self._sending.append((handle, keep))
+
+    def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+        buf, handle = self._inbox.pop(key)
+        handle.wait()
+        return buf
+
+    def _forward(self, a: Action, micro: list[Batch], train: bool, loss_scale: float, cache, start: int) -> None:
+        chunk = self.chunks[a.chunk]
+        x, y = micro[a.micro]
+        inp = x.to(self.device, non_blocking=True) if chunk.first else self._received(("F", a.chunk, a.micro)).requires_grad_(train)
+        seq_len = x.shape[1]
+        if self.tp_ctx is not None:
+            self.tp_ctx.begin_forward(seq_len, decoding=self._decoding)
+        with self.autocast():
+            out = chunk(inp, seq_len, cache, start)
+        if self.tp_ctx is not None:
+            self.tp_ctx.end_forward()
+        if chunk.last:
+            if y is None:  # decoding: keep the last position's logits
+                self._logits = out[:, -1:].float()
+                return
+            loss = self.engine.loss_fn(out, y.to(self.device, non_blocking=True))
+            self._total += loss.detach()
+            out = loss * (loss_scale / self.shape.m)
+        else:
+            expected = self._expected(micro, a.micro, self._decoding)
+            if tuple(out.shape) != expected or out.dtype != self.act_dtype:
+                raise RuntimeError(f"pipeline stage {self.shape.stage(self.rank, a.chunk)} produced {tuple(out.shape)} "
+                                   f"{out.dtype}, but the next stage expects {expected} {self.act_dtype}")
+            self._outbox[("F", a.chunk, a.micro)] = out.detach()
+        if train:
+            self._saved[(a.chunk, a.micro)] = (None if chunk.first else inp, out)
+
+    def _backward(self, a: Action) -> None:
+        chunk = self.chunks[a.chunk]
+        inp, out = self._saved.pop((a.chunk, a.micro))
+        grad = None if chunk.last else self._received(("B", a.chunk, a.micro))
+        with self.engine.micro_step(last=self.final_backward[a.chunk] == a.micro):
+            torch.autograd.backward(out, grad)
+        if inp is not None:
+            self._outbox[("B", a.chunk, a.micro)] = inp.grad
+
+    _decoding = False
+
+    # ---- decoding --------------------------------------------------------------------------
+    @torch.no_grad()
+    def last_logits(self, tokens: torch.Tensor, cache, start: int, vocab_local: int) -> torch.Tensor:
+        """Logits ``[B, 1, V]`` (this tensor-parallel rank's vocabulary shard) of the last position,
+        on every stage: the stages run forward once, the last one broadcasts."""
+        self._decoding = True
+        try:
+            actions = build(self.schedule, Shape(self.shape.p, self.shape.v, 1), forward_only=True)[self.rank]
+            self._run(actions, [(tokens, None)], train=False, cache=cache, start=start)
+            logits = self._logits
+        finally:
+            self._decoding = False
+        if logits is None:
+            logits = torch.empty((tokens.shape[0], 1, vocab_local), dtype=torch.float32, device=self.device)
+        return self.acts.broadcast(logits, src=self.shape.p - 1)
+
+    def gather_trace(self) -> Timeline | None:
+        """Every stage's spans of the last traced step, on pipeline rank 0 (None elsewhere)."""
+        import torch.distributed as dist
+
+        rows = [[(a, s, e) for a, s, e in self.last_trace]]
+        if self.acts.size > 1:
+            out: list = [None] * self.acts.size
+            dist.all_gather_object(out, rows[0], group=self.acts.group)
+            rows = out
+        return Timeline(rows) if self.rank == 0 else None
+
+
+class PipelinedModel:
+    """Looks like the whole model to :func:`~trickles.models.generate.generate`: each call runs the
+    stages forward (with their own layers' KV cache) and returns the last position's logits."""
+
+    def __init__(self, runner: PipelineRunner, model, vocab_local: int):
+        self.runner, self.model, self.cfg, self.vocab_local = runner, model, model.cfg, vocab_local
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def eval(self):
+        self.model.eval()
+        return self
+
+    def train(self, mode: bool = True):
+        self.model.train(mode)
+        return self
+
+    def new_cache(self, batch: int, max_len: int):
+        p = next(self.model.parameters())
+        return self.model.new_cache(batch, max_len, dtype=p.dtype)
+
+    def __call__(self, tokens: torch.Tensor, cache=None, start: int = 0) -> torch.Tensor:
+        return self.runner.last_logits(tokens, cache, start, self.vocab_local)
