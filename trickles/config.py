@@ -165,7 +165,6 @@ class Config:
                 raise ConfigError("parallel.schedule=interleaved, parallel.virtual_stages and parallel.pipeline_layers "
                                   "need parallel.pp > 1")
             return
-        partition_layers(self.model.n_layers, dims.pp * p.virtual_stages, p.pipeline_layers)
         if p.zero > 1:
             raise ConfigError(f"parallel.zero={p.zero} does not combine with pipeline stages (it would reduce or gather "
                               "parameters for every micro-batch); use parallel.zero=0 or 1 with parallel.pp > 1")
@@ -174,6 +173,7 @@ class Config:
             check_shape(p.schedule, Shape(dims.pp, p.virtual_stages, micro_batches))
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        partition_layers(self.model.n_layers, dims.pp * p.virtual_stages, p.pipeline_layers)
 
     def batch_plan(self, dp: int) -> tuple[int, int]:
         """``(micro_batch, accumulation)`` with ``global_batch = micro_batch * accumulation * dp``."""

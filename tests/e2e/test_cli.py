@@ -84,6 +84,21 @@ def test_local_launcher_two_ranks(tmp_path, layout):
     assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr  # also from sharded (ZeRO-3, tp) checkpoints
 
 
+def test_pipeline_from_the_command_line_with_its_timeline(tmp_path):
+    """``--set parallel.pp=2 --set parallel.schedule=1f1b`` trains, samples through the stages, checkpoints
+    (each stage its part), and ``--pipeline-trace`` draws the last step with its bubble."""
+    png = tmp_path / "pipe.png"
+    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "parallel.pp=2", "--set", "parallel.schedule=1f1b",
+                           "--set", "train.micro_batch=2", "--set", "model.n_layers=4", "--set", "train.sample_tokens=5",
+                           "--pipeline-trace", str(png), steps=3))
+    assert r.returncode == 0, r.stderr
+    assert "2 rank(s) (dp=1, pp=2 1f1b)" in r.stdout
+    assert f"pipeline trace: {png} (bubble" in r.stdout and "by (p-1)/(v*m+p-1)" in r.stdout
+    assert png.stat().st_size > 10_000
+    g = trickles("generate", str(tmp_path / "run"), "--max-new-tokens", "5", "--temperature", "0")
+    assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr
+
+
 def _one_line_error(r, needle):
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
@@ -99,7 +114,8 @@ def _one_line_error(r, needle):
     (["--config", "/no/such/run.toml"], "config file /no/such/run.toml does not exist"),
     (["--nproc", "2", "--set", "parallel.dp=4"], "parallel.dp x tp x pp x cp = 4 x 1 x 1 x 1 = 4, but there are 2 processes"),
     (["--nproc", "2", "--set", "train.global_batch=7"], "train.global_batch (7) must be divisible by parallel.dp (2)"),
-    (["--set", "parallel.pp=2", "--nproc", "2"], "this version has data and tensor parallelism; parallel.pp=2"),
+    (["--set", "parallel.cp=2", "--nproc", "2"], "this version has data, tensor and pipeline parallelism; parallel.cp=2"),
+    (["--set", "parallel.pp=4", "--nproc", "4"], "model.n_layers (2) is smaller than the number of pipeline stages"),
     (["--set", "parallel.tp=3", "--nproc", "3"], "model.n_heads (4) must be divisible by parallel.tp (3)"),
     (["--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tp > 1"),
     (["--set", "parallel.zero=4"], "parallel.zero must be 0, 1, 2 or 3, got 4"),

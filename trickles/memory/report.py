@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config
+from ..errors import ConfigError
 from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from .accounting import zero_model_state_bytes
@@ -118,6 +119,10 @@ def _fmt(v) -> str:
 def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu") -> MemoryReport:
     """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved)."""
     from ..models.transformer import Transformer, count_params
+
+    if dims.pp > 1:
+        raise ConfigError("the memory report does not model pipeline stages yet (each holds its layers and up to pp "
+                          "micro-batches' activations under 1F1B); run it with parallel.pp=1")
 
     with torch.device("meta"):
         meta = Transformer(model_cfg)

@@ -103,13 +103,14 @@ class PipelineRunner:
             if not a.is_compute:
                 self._post(run, micro)
                 continue
+            received = self._received((a.kind, a.chunk, a.micro))  # waiting for it is idle time, not compute
             began = time.perf_counter()
             if a.kind == "F":
-                self._forward(a, micro, train, loss_scale, cache, start)
+                self._forward(a, received, micro, train, loss_scale, cache, start)
                 alive += train
                 peak = max(peak, alive)
             else:
-                self._backward(a)
+                self._backward(a, received)
                 alive -= 1
             if self.trace_enabled:
                 trace.append((a, began - t0, time.perf_counter() - t0))
@@ -159,15 +160,19 @@ class PipelineRunner:
             if keep:
                 self._sending.append((handle, keep))
 
-    def _received(self, key: tuple[str, int, int]) -> torch.Tensor:
+    def _received(self, key: tuple[str, int, int]) -> torch.Tensor | None:
+        """The activation (or gradient) a compute action reads, once it has arrived; None if it reads none."""
+        if key not in self._inbox:
+            return None
         buf, handle = self._inbox.pop(key)
         handle.wait()
         return buf
 
-    def _forward(self, a: Action, micro: list[Batch], train: bool, loss_scale: float, cache, start: int) -> None:
+    def _forward(self, a: Action, received: torch.Tensor | None, micro: list[Batch], train: bool, loss_scale: float,
+                 cache, start: int) -> None:
         chunk = self.chunks[a.chunk]
         x, y = micro[a.micro]
-        inp = x.to(self.device, non_blocking=True) if chunk.first else self._received(("F", a.chunk, a.micro)).requires_grad_(train)
+        inp = x.to(self.device, non_blocking=True) if chunk.first else received.requires_grad_(train)
         seq_len = x.shape[1]
         if self.tp_ctx is not None:
             self.tp_ctx.begin_forward(seq_len, decoding=self._decoding)
@@ -191,10 +196,8 @@ class PipelineRunner:
         if train:
             self._saved[(a.chunk, a.micro)] = (None if chunk.first else inp, out)
 
-    def _backward(self, a: Action) -> None:
-        chunk = self.chunks[a.chunk]
+    def _backward(self, a: Action, grad: torch.Tensor | None) -> None:
         inp, out = self._saved.pop((a.chunk, a.micro))
-        grad = None if chunk.last else self._received(("B", a.chunk, a.micro))
         with self.engine.micro_step(last=self.final_backward[a.chunk] == a.micro):
             torch.autograd.backward(out, grad)
         if inp is not None:

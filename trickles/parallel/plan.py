@@ -28,12 +28,12 @@ from ..memory.recompute import apply_recompute
 from ..models.transformer import Transformer, initial_value
 from ..optim.adamw import AdamWSettings
 from ..topology import Topology
+from ..train.pieces import global_shape
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
 from .pipeline import keep_stage, partition_layers, tied_parameters
 from .pipeline_runner import PipelineRunner
 from .schedules import Shape
-from ..train.pieces import global_shape
 from .tensor import init_tp_param
 from .tensor_plan import apply_tensor_parallel, tp_full_logits, tp_loss
 from .zero import ZeroDataParallel

@@ -1,0 +1,109 @@
+"""Pipeline schedules as action lists: complete, deadlock-free, matched in order, memory-bounded, and with
+the bubble of the formula; partitioning and the configurations refused before any process group."""
+
+import pytest
+
+from helpers import tiny_config
+from trickles.errors import ConfigError
+from trickles.parallel.pipeline import partition_layers
+from trickles.parallel.schedules import Action, Shape, batches, build, check_shape, peak_alive, render, simulate
+
+SHAPES = [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)] + \
+         [("1f1b", Shape(p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 4, 8)] + \
+         [("interleaved", Shape(p, v, m)) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)]
+
+
+@pytest.mark.parametrize("schedule,shape", SHAPES, ids=[f"{s}-p{sh.p}v{sh.v}m{sh.m}" for s, sh in SHAPES])
+def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule, shape):
+    lists = build(schedule, shape)
+    for r, acts in enumerate(lists):
+        fwd = [(a.chunk, a.micro) for a in acts if a.kind == "F"]
+        bwd = [(a.chunk, a.micro) for a in acts if a.kind == "B"]
+        every = sorted((c, i) for c in range(shape.v) for i in range(shape.m))
+        assert sorted(fwd) == every and sorted(bwd) == every  # each chunk's forward and backward of each micro-batch once
+        for a in acts:
+            if a.kind == "B":
+                assert acts.index(Action("F", a.chunk, a.micro)) < acts.index(a)
+    for tf, tb in ((1.0, 2.0), (1.0, 1.0), (1.0, 3.0)):
+        # simulate() raises on a deadlock or on a send meeting the wrong receive
+        assert simulate(lists, shape, tf, tb).bubble() == pytest.approx(shape.bubble(), abs=1e-9)
+
+
+def test_activation_memory_bound_of_each_schedule():
+    """GPipe keeps all m micro-batches alive; 1F1B at most p (rank r: p - r); interleaved as Megatron's warm-up says."""
+    p, m = 4, 8
+    assert [peak_alive(a) for a in build("gpipe", Shape(p, 1, m))] == [m] * p
+    assert [peak_alive(a) for a in build("1f1b", Shape(p, 1, m))] == [p - r for r in range(p)]
+    assert [peak_alive(a) for a in build("1f1b", Shape(p, 1, 2))] == [2, 2, 2, 1]  # fewer micro-batches than stages
+    v = 2
+    assert [peak_alive(a) for a in build("interleaved", Shape(p, v, m))] == [2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p)]
+
+
+def test_the_lists_read_as_the_schedules_are_drawn():
+    text = render(build("1f1b", Shape(2, 1, 3)))
+    assert text.splitlines() == [
+        "rank 0: F0.0 SEND_F0.0 F0.1 SEND_F0.1 RECV_B0.0 B0.0 F0.2 SEND_F0.2 RECV_B0.1 B0.1 RECV_B0.2 B0.2",
+        "rank 1: RECV_F0.0 F0.0 B0.0 SEND_B0.0 RECV_F0.1 F0.1 B0.1 SEND_B0.1 RECV_F0.2 F0.2 B0.2 SEND_B0.2",
+    ]
+    # after a compute action its send and the next one's receive go out together (Megatron's pairing)
+    runs = [[str(a) for a in run] for run in batches(build("1f1b", Shape(2, 1, 3))[0])]
+    assert ["SEND_F0.1", "RECV_B0.0"] in runs
+
+
+def test_interleaving_cuts_the_bubble_by_the_chunk_count():
+    one, two = Shape(4, 1, 8), Shape(4, 2, 8)
+    assert one.bubble() == pytest.approx(3 / 11) and two.bubble() == pytest.approx(3 / 19)
+    t1 = simulate(build("1f1b", one), one, 2.0, 4.0)  # a chunk of half the layers takes half the time
+    t2 = simulate(build("interleaved", two), two, 1.0, 2.0)
+    assert t2.makespan < t1.makespan
+    assert (t1.makespan - 8 * 6.0) == pytest.approx(2 * (t2.makespan - 8 * 6.0))  # idle time halves
+
+
+def test_shapes_a_schedule_cannot_run_are_refused():
+    with pytest.raises(ValueError, match="multiple of 4"):
+        check_shape("interleaved", Shape(4, 2, 6))
+    with pytest.raises(ValueError, match="virtual_stages >= 2"):
+        check_shape("interleaved", Shape(2, 1, 4))
+    with pytest.raises(ValueError, match="needs parallel.schedule=interleaved"):
+        check_shape("1f1b", Shape(2, 2, 4))
+    with pytest.raises(ValueError, match="one of"):
+        check_shape("zigzag", Shape(2, 1, 4))
+
+
+def test_partition_even_uneven_and_given():
+    assert partition_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert partition_layers(7, 2) == [[0, 1, 2, 3], [4, 5, 6]]  # the earlier stage takes the extra layer
+    assert partition_layers(7, 2, [2, 5]) == [[0, 1], [2, 3, 4, 5, 6]]
+    with pytest.raises(ConfigError, match="smaller than the number of pipeline stages"):
+        partition_layers(3, 4)
+    with pytest.raises(ConfigError, match="adding up to model.n_layers"):
+        partition_layers(7, 2, [3, 3])
+    with pytest.raises(ConfigError, match="one layer count per"):
+        partition_layers(7, 2, [7])
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.pp=4"], 4, "model.n_layers \\(2\\) is smaller than the number of pipeline stages"),
+    (["parallel.pp=2", "model.n_layers=8", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch=8"],
+     2, "groups of parallel.pp \\(2\\), but there are 1 micro-batches"),
+    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=interleaved", "parallel.virtual_stages=4", "train.micro_batch=2"], 2,
+     "smaller than the number of pipeline stages"),
+    (["parallel.pp=2", "parallel.zero=2"], 2, "parallel.zero=2 does not combine with pipeline stages"),
+    (["parallel.pp=2", "parallel.pipeline_layers=[1, 2]"], 2, "adding up to model.n_layers"),
+    (["parallel.virtual_stages=2"], 1, "need parallel.pp > 1"),
+    (["parallel.pp=2", "parallel.virtual_stages=2"], 2, "needs parallel.schedule=interleaved"),
+    (["parallel.pp=3"], 2, "cannot be split"),
+    (["train.pipeline_trace=out.png"], 1, "needs parallel.pp > 1"),
+], ids=["more-stages-than-layers", "interleaved-micro-batches", "too-many-chunks", "zero2", "layer-list", "virtual-without-pp",
+        "virtual-without-interleaved", "world", "trace-without-pp"])
+def test_bad_pipeline_configurations_are_refused_before_any_process_group(tmp_path, overrides, world, message):
+    cfg = tiny_config(str(tmp_path), *overrides)
+    with pytest.raises(ConfigError, match=message):
+        cfg.validate(world)
+
+
+def test_a_good_pipeline_configuration_passes(tmp_path):
+    cfg = tiny_config(str(tmp_path), "parallel.pp=2", "model.n_layers=8", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                      "train.micro_batch=2", "parallel.tp=2", "parallel.zero=1")
+    dims = cfg.validate(8)
+    assert (dims.dp, dims.tp, dims.pp) == (2, 2, 2)
