@@ -201,3 +201,37 @@ def test_checkpoint_each_stage_saves_its_part_and_loads_at_another_layout(tmp_pa
     model, _, meta = load_for_inference(path)
     assert meta["layout"]["pp"] == 2 and len(model.layers) == 8
     assert model.output.weight is model.embed.weight
+
+
+# ---- one call per step ---------------------------------------------------------------------
+
+def _api_step(tmp):
+    from trickles.optim import lr_at
+
+    overrides = ["model.n_layers=4", "parallel.schedule=1f1b", "train.grad_clip=0.5"]
+    by_trainer = _trainer(tmp, 1, 1, 2, overrides, steps=4)
+    by_api = _trainer(tmp, 1, 1, 2, overrides, steps=4)
+    t = by_api.cfg.train
+    losses = [], []
+    for step in range(2):
+        losses[0].append(by_trainer.train_step()["loss"])
+        micro = by_api.train_data.micro_batches(step * t.global_batch, t.global_batch, by_api.micro_batch)
+        tokens, targets = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
+        lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        losses[1].append(by_api.pipeline.train_step(tokens, targets, lr, t.grad_clip))
+    return losses, _pieces(by_trainer.engine), _pieces(by_api.engine)
+
+
+def test_pipeline_train_step_is_one_call_per_step(tmp_path):
+    """``engine.pipeline.train_step(tokens, targets, lr, clip)`` does what the trainer's step does."""
+    for (by_trainer, by_api), a, b in run_ranks(2, _api_step, str(tmp_path)):
+        assert by_api == by_trainer
+        assert a.keys() == b.keys() and all(torch.equal(a[n][0], b[n][0]) for n in a)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_through_the_stages_tracks_fp32(tmp_path, precision):
+    """bf16 activations and gradients cross the stages; fp16 also scales the loss on the last stage."""
+    ref, _ = reference(str(tmp_path), "tiny", 8)
+    for losses, *_ in run_ranks(2, _train, str(tmp_path), 1, 1, 2, ["model.n_layers=8", f"memory.precision={precision}"]):
+        assert losses == pytest.approx(ref, rel=2e-2)
