@@ -12,6 +12,10 @@ optimizer step as::
     norm = engine.clip_grad_norm(max_norm)
     engine.step(lr)
 
+With pipeline stages the loop over micro-batches is ``engine.pipeline.forward_backward``
+(:class:`~trickles.parallel.pipeline_runner.PipelineRunner`), which wraps each backward in
+``micro_step``, marking a chunk's last backward of the step as ``last``.
+
 Implementations: :class:`~trickles.parallel.data.DataParallel` (ZeRO stage 0),
 :class:`~trickles.parallel.zero.ZeroDataParallel` (stages 1 and 2) and
 :class:`~trickles.parallel.zero3.Zero3DataParallel` (stage 3).

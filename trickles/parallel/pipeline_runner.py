@@ -60,7 +60,11 @@ class PipelineRunner:
         self.trace_enabled = False
         self.last_trace: list[tuple[Action, float, float]] = []
         self.peak_alive = 0
-        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, micro) -> (input, output)
+        self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}  # posted receives
+        self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, not yet sent
+        self._sending: list[tuple[object, list[torch.Tensor]]] = []  # sends in flight, with their tensors
+        self._decoding = False
 
     # ---- public steps ----------------------------------------------------------------------
     def forward_backward(self, micro: list[Batch], loss_scale: float = 1.0) -> torch.Tensor:
@@ -90,9 +94,7 @@ class PipelineRunner:
     # ---- the executor ----------------------------------------------------------------------
     def _run(self, actions: list[Action], micro: list[Batch], train: bool, loss_scale: float = 1.0,
              cache=None, start: int = 0) -> torch.Tensor:
-        self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}
-        self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}
-        self._sending: list[tuple[object, list[torch.Tensor]]] = []
+        self._inbox, self._outbox, self._sending = {}, {}, []
         self._total = torch.zeros((), device=self.device)
         self._logits = None
         alive = peak = 0
@@ -202,8 +204,6 @@ class PipelineRunner:
             torch.autograd.backward(out, grad)
         if inp is not None:
             self._outbox[("B", a.chunk, a.micro)] = inp.grad
-
-    _decoding = False
 
     # ---- decoding --------------------------------------------------------------------------
     @torch.no_grad()
