@@ -238,4 +238,8 @@ def test_low_precision_through_the_stages_tracks_one_process(tmp_path, precision
     fp32, _ = reference(str(tmp_path), "tiny", 8)
     assert one[:3] == pytest.approx(fp32[:3], rel=2e-2)
     for losses, *_ in run_ranks(2, _train, str(tmp_path), 1, 1, 2, overrides):
-        assert losses == pytest.approx(one, rel=1e-3)
+        # the first forward computes the same numbers; later steps drift apart by rounding alone (the gradient norm
+        # is summed over the stages in another order, and a bf16/fp16 weight then rounds differently now and
+        # then), so they are held to about one ulp of the low-precision type (bf16: 2^-8)
+        assert losses[0] == pytest.approx(one[0], rel=1e-6)
+        assert losses == pytest.approx(one, rel=5e-3)
