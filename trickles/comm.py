@@ -162,8 +162,9 @@ class GroupComm:
         self.ledger = ledger
         self.size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        self.backend = dist.get_backend(group) if group is not None else None
         # NCCL averages natively; gloo has no AVG, so "mean" there is a sum divided afterwards
-        self._native_avg = group is not None and dist.get_backend(group) == "nccl"
+        self._native_avg = self.backend == "nccl"
 
     def _op(self, op: str, n_div_target: torch.Tensor):
         """The reduce op to issue and what to run after completion for ``op``."""
@@ -305,11 +306,14 @@ class GroupComm:
             flight.end()
         return t
 
-    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> Handle:
-        """Starts ``[("send" | "recv", tensor, group peer), ...]`` together; returns one Handle.
+    def batch_p2p(self, ops: Sequence[tuple[str, torch.Tensor, int]]) -> list[Handle]:
+        """Starts ``[("send" | "recv", tensor, group peer), ...]`` together; returns a Handle per op.
 
         Batching the sends and receives of a step lets neighbouring ranks exchange in both
-        directions without ordering deadlocks.
+        directions without ordering deadlocks. Where the backend runs each op on its own (gloo),
+        each Handle waits for its op alone, so a receive can be waited for while the sends posted
+        with it are still in flight; where it coalesces the batch (NCCL), every Handle waits for
+        the whole batch.
         """
         p2p = []
         for kind, t, peer in ops:
@@ -319,10 +323,13 @@ class GroupComm:
             fn = dist.isend if kind == "send" else dist.irecv
             p2p.append(dist.P2POp(fn, t, self.global_rank(peer), group=self.group))
         if not p2p:
-            return Handle(None, "")
+            return []
         works = dist.batch_isend_irecv(p2p)
+        what = [f"{kind} on group '{self.name}' with rank {peer} ({tuple(t.shape)})" for kind, t, peer in ops]
+        if len(works) == len(p2p):
+            return [Handle(w, w_what) for w, w_what in zip(works, what)]
 
-        class _Multi:
+        class _Whole:  # one work for the coalesced batch
             def wait(self_inner):
                 for w in works:
                     w.wait()
@@ -330,7 +337,8 @@ class GroupComm:
             def is_completed(self_inner):
                 return all(w.is_completed() for w in works)
 
-        return Handle(_Multi(), f"batch_p2p on group '{self.name}' ({len(p2p)} ops)")
+        whole = _Whole()
+        return [Handle(whole, f"batch_p2p on group '{self.name}' ({len(p2p)} ops)") for _ in p2p]
 
 
 # ---- autograd-aware collectives ------------------------------------------------------------

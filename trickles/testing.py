@@ -61,11 +61,30 @@ def _worker(rank: int, world: int, port: int, conn, status, threads: int) -> Non
             break
         fn, args, kwargs = msg
         try:
+            _release_groups()
             conn.send(("ok", fn(*args, **kwargs)))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
     shutdown_distributed()
     exit_process(0)
+
+
+def _release_groups() -> None:
+    """Destroys the process groups the previous function created (its topology's mesh and pipeline groups),
+    once every rank has started the next one: each gloo group keeps threads polling its connections, and a
+    pool that runs many functions would otherwise pile them up until the idle ranks eat the machine."""
+    import gc
+
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _world
+
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    gc.collect()
+    for group in list(_world.pg_map):
+        if group is not dist.GroupMember.WORLD:
+            dist.destroy_process_group(group)
 
 
 class RankPool:

@@ -28,7 +28,8 @@ def _collectives():
     b = torch.full((3,), float(r))
     c.broadcast(b, src=1)
     buf = torch.zeros(3)
-    c.batch_p2p([("send", torch.full((3,), float(r)), (r + 1) % n), ("recv", buf, (r - 1) % n)]).wait()
+    for h in c.batch_p2p([("send", torch.full((3,), float(r)), (r + 1) % n), ("recv", buf, (r - 1) % n)]):
+        h.wait()
     h = c.all_reduce(torch.ones(5), async_op=True)
     return dict(x=x, m=m, mx=mx, g0=g0, g1=g1, rs=rs, rs0=rs0, a2a=a2a, b=b, buf=buf, h=h.wait(), ledger=topo.ledger.snapshot())
 

@@ -13,9 +13,10 @@ SHAPES = [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)] + \
          [("interleaved", Shape(p, v, m)) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)]
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["due", "prefetch"])
 @pytest.mark.parametrize("schedule,shape", SHAPES, ids=[f"{s}-p{sh.p}v{sh.v}m{sh.m}" for s, sh in SHAPES])
-def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule, shape):
-    lists = build(schedule, shape)
+def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule, shape, prefetch):
+    lists = build(schedule, shape, prefetch=prefetch)
     for r, acts in enumerate(lists):
         fwd = [(a.chunk, a.micro) for a in acts if a.kind == "F"]
         bwd = [(a.chunk, a.micro) for a in acts if a.kind == "B"]
@@ -43,11 +44,66 @@ def test_the_lists_read_as_the_schedules_are_drawn():
     text = render(build("1f1b", Shape(2, 1, 3)))
     assert text.splitlines() == [
         "rank 0: F0.0 SEND_F0.0 F0.1 SEND_F0.1 RECV_B0.0 B0.0 F0.2 SEND_F0.2 RECV_B0.1 B0.1 RECV_B0.2 B0.2",
-        "rank 1: RECV_F0.0 F0.0 B0.0 SEND_B0.0 RECV_F0.1 F0.1 B0.1 SEND_B0.1 RECV_F0.2 F0.2 B0.2 SEND_B0.2",
+        "rank 1: RECV_F0.0 F0.0 RECV_F0.1 B0.0 SEND_B0.0 F0.1 B0.1 SEND_B0.1 RECV_F0.2 F0.2 B0.2 SEND_B0.2",
     ]
-    # after a compute action its send and the next one's receive go out together (Megatron's pairing)
+    # a compute's send and the receives due at that point go out together
     runs = [[str(a) for a in run] for run in batches(build("1f1b", Shape(2, 1, 3))[0])]
     assert ["SEND_F0.1", "RECV_B0.0"] in runs
+
+
+@pytest.mark.parametrize("schedule,shape", [("gpipe", Shape(4, 1, 8)), ("1f1b", Shape(4, 1, 8)), ("interleaved", Shape(4, 2, 8))])
+def test_receives_are_posted_once_their_send_is_due_and_before_their_reader(schedule, shape):
+    """In the uniform timeline each receive is posted after its send (a global order a real run can follow, so a
+    posted receive never waits on its own rank), at the first point its rank reaches after that send, which is
+    often several computes before the compute that reads it (Megatron's pairing posts it one compute ahead)."""
+    from trickles.parallel.schedules import _producer, uniform_times
+
+    lists = build(schedule, shape)
+    times = uniform_times([[a for a in acts if a.is_compute] for acts in lists], shape)
+    ahead = []
+    for r, acts in enumerate(lists):
+        for k, a in enumerate(acts):
+            if not a.kind.startswith("RECV"):
+                continue
+            reader = acts.index(Action(a.kind[-1], a.chunk, a.micro))
+            sent_at = times[_producer(acts[reader], shape, r)][1]
+            before = [b for b in acts[:k] if b.is_compute]
+            after = [b for b in acts[k:reader] if b.is_compute]
+            assert all(times[(r, b)][0] < sent_at for b in before), (r, a)  # not earlier than the send allows ...
+            assert not after or times[(r, after[0])][0] >= sent_at, (r, a)  # ... and not later
+            ahead.append(len(after))
+    assert max(ahead) == {"gpipe": 0, "1f1b": 1, "interleaved": 3}[schedule]  # gpipe's inputs arrive just in time
+
+
+@pytest.mark.parametrize("schedule,shape", [("gpipe", Shape(4, 1, 8)), ("1f1b", Shape(4, 1, 8)), ("interleaved", Shape(4, 2, 8))])
+def test_prefetch_keeps_one_message_per_channel_on_its_way(schedule, shape):
+    """With prefetch each receive is posted no later than the read of the previous message from the same peer in
+    the same direction (so one is always in flight), and never later than without prefetch."""
+    due, early = build(schedule, shape), build(schedule, shape, prefetch=True)
+    for r in range(shape.p):
+        readers = {"F": [], "B": []}
+        for k, a in enumerate(early[r]):
+            if a.is_compute and (Action(f"RECV_{a.kind}", a.chunk, a.micro) in early[r]):
+                readers[a.kind].append((k, a))
+        for kind, reads in readers.items():
+            for (k_prev, _), (_, a) in zip(reads, reads[1:]):
+                assert early[r].index(Action(f"RECV_{kind}", a.chunk, a.micro)) < k_prev, (r, a)
+        computes_before = lambda acts, msg: sum(b.is_compute for b in acts[:acts.index(msg)])  # noqa: E731
+        for msg in (a for a in due[r] if a.kind.startswith("RECV")):
+            assert computes_before(early[r], msg) <= computes_before(due[r], msg)
+
+
+def test_simulate_refuses_receives_out_of_order_and_reads_without_a_receive():
+    shape = Shape(2, 1, 2)
+    lists = build("gpipe", shape)
+    swapped = [list(acts) for acts in lists]
+    swapped[1] = [Action("RECV_F", 0, 1), Action("RECV_F", 0, 0)] + [a for a in swapped[1] if a.kind != "RECV_F"]
+    with pytest.raises(ValueError, match="in the place of"):
+        simulate(swapped, shape)
+    missing = [list(acts) for acts in lists]
+    missing[1].remove(Action("RECV_F", 0, 1))
+    with pytest.raises(ValueError, match="without having posted the receive"):
+        simulate(missing, shape)
 
 
 def test_interleaving_cuts_the_bubble_by_the_chunk_count():

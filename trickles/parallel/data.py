@@ -8,8 +8,9 @@ on the whole batch (the loss being a mean over equally sized slices).
   the oracle the bucketed form is tested against.
 * :class:`DataParallel`, the bucketed, overlapped form. Gradients accumulate into one flat
   buffer laid out by :class:`~trickles.parallel.flat.FlatLayout` (reverse parameter order,
-  buckets of ``bucket_bytes``). A post-accumulate-grad hook adds each parameter's gradient into
-  its place; on the last accumulation micro-step, a bucket whose parameters have all reported is
+  buckets of ``bucket_bytes``). Each parameter's ``.grad`` is its view of that buffer when the
+  dtypes agree, so autograd accumulates micro-batches in place (else a post-accumulate-grad hook
+  adds the fresh gradient into its place); on the last accumulation micro-step, a bucket whose parameters have all reported is
   all-reduced (mean) asynchronously while backward goes on. Earlier micro-steps only
   accumulate. Per step each rank sends ``2 (dp-1)/dp * 4 * P`` bytes in fp32.
 """
@@ -64,7 +65,7 @@ class DataParallel(Engine):
                                       optim.lr, optim.betas, optim.eps, optim.weight_decay)
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
-        self._reset_reduction()  # ready for a plain backward()
+        self.zero_grad()  # ready for a plain backward()
 
     # ---- backward ------------------------------------------------------------------------
     def _reset_reduction(self) -> None:
@@ -75,8 +76,7 @@ class DataParallel(Engine):
         return self.main_grads[id(p)]
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        self.main_grads[id(p)].add_(p.grad)
-        p.grad = None
+        self._accumulate(p, self.main_grads[id(p)])
         if self._reduce and id(p) not in self._deferred:
             b = self._bucket_of[id(p)]
             self._pending[b] -= 1
@@ -106,9 +106,8 @@ class DataParallel(Engine):
         self.optimizer.step(lr)
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
         self.grad_buffer.zero_()
+        self._bind_grads(self.main_grads)
         self._reset_reduction()  # a plain backward() after zero_grad() also reduces
 
     # ---- accounting and checkpoints ------------------------------------------------------

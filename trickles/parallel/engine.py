@@ -57,6 +57,7 @@ class Engine:
         self._tied_comm: GroupComm | None = None
         self._tied_counted = True
         self._deferred: set[int] = set()
+        self._bound: set[int] = set()  # parameters whose .grad is their view of the gradient buffer
 
     def tie_across_stages(self, params: list[nn.Parameter], comm: GroupComm, counted: bool) -> None:
         """``params`` have copies on other pipeline stages (over ``comm``): their gradients are summed
@@ -66,6 +67,32 @@ class Engine:
         """
         self._tied, self._tied_comm, self._tied_counted = list(params), comm, counted
         self._deferred = {id(p) for p in params}
+
+    # ---- gradients as views of a flat buffer ------------------------------------------------
+    def _bind_grads(self, views: dict[int, torch.Tensor]) -> None:
+        """Sets each parameter's ``.grad`` to its (zeroed) place in the flat gradient buffer where dtype
+        and device agree, so that autograd adds every micro-batch's gradient into it in place (PyTorch
+        DDP's ``gradient_as_bucket_view``) instead of handing over a fresh tensor to be added."""
+        self._bound = set()
+        for p in self.params:
+            view = views.get(id(p))
+            if view is not None and view.dtype == p.dtype and view.device == p.device:
+                p.grad = view
+                self._bound.add(id(p))
+            else:
+                p.grad = None
+
+    def _accumulate(self, p: nn.Parameter, main: torch.Tensor) -> None:
+        """In the post-accumulate-grad hook: makes ``main`` hold ``p``'s gradient summed over the micro-steps."""
+        g = p.grad
+        if g.data_ptr() == main.data_ptr():
+            return  # autograd accumulated into the view in place
+        bound = id(p) in self._bound
+        if bound and torch.is_grad_enabled():  # backward(create_graph=True) sums out of place: view + new
+            main.copy_(g)
+        else:  # a fresh gradient: the parameter was not bound, or its .grad was reset from outside
+            main.add_(g)
+        p.grad = main if bound else None
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
         """The whole gradient of ``p`` accumulated over this step's micro-batches, before any reduction."""

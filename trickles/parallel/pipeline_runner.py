@@ -14,13 +14,15 @@
   engine start reducing them while the rest of the schedule runs. The input's gradient goes to
   the outbox.
 * a run of messages: posted together without waiting, one ``batch_isend_irecv`` per group --
-  activations over ``pp``, gradients over ``pp_grad``. A receive is waited for just before the
-  compute that reads it; sends are released as they complete and all waited for at the end.
+  activations over ``pp``, gradients over ``pp_grad``. The lists post a receive as soon as its
+  send is due (see :mod:`~trickles.parallel.schedules`), often several computes before its
+  reader; it is waited for (alone, where the backend allows) just before the compute that reads
+  it. Sends are released as they complete and all waited for at the end.
 
 Received shapes follow from the micro-batch: ``[b, T, d]``, or ``[b, T / tp, d]`` while sequence
 parallelism is on (each tensor-parallel rank passes its own shard to its peer in the next stage).
 The step's loss is the last stage's mean over micro-batches, summed over the pipeline group so
-that every stage returns it.
+that every stage returns it (``async_loss``: in the background, while the step goes on).
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class PipelineRunner:
         self.shape = Shape(acts.size, len(chunks), micro_batches)
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, device
         self.autocast, self.tp_ctx = autocast, tp_ctx
-        self.actions = build(schedule, self.shape)[self.rank]
+        # gloo runs every send and receive on its own: a receive may be posted long before it is read
+        self.prefetch = acts.backend == "gloo" and grads.backend == "gloo"
+        self.actions = build(schedule, self.shape, prefetch=self.prefetch)[self.rank]
         self.final_backward = {}  # chunk -> its micro-batch whose backward comes last
         for a in self.actions:
             if a.kind == "B":
@@ -63,21 +67,34 @@ class PipelineRunner:
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, micro) -> (input, output)
         self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}  # posted receives
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, not yet sent
-        self._sending: list[tuple[object, list[torch.Tensor]]] = []  # sends in flight, with their tensors
+        self._sending: list[tuple[object, torch.Tensor]] = []  # sends in flight, with their tensors
         self._decoding = False
 
     # ---- public steps ----------------------------------------------------------------------
-    def forward_backward(self, micro: list[Batch], loss_scale: float = 1.0) -> torch.Tensor:
-        """Forward and backward of every micro-batch by the schedule; the mean loss (every stage)."""
+    def forward_backward(self, micro: list[Batch], loss_scale: float = 1.0, async_loss: bool = False):
+        """Forward and backward of every micro-batch by the schedule; the mean loss (every stage).
+
+        ``async_loss=True`` returns a :class:`~trickles.comm.Handle` instead, whose ``wait()`` gives
+        the loss: its sum over the pipeline group then runs while the caller reduces, clips and
+        steps, rather than adding one more synchronization of the stages to the step.
+        """
         if len(micro) != self.shape.m:
             raise ValueError(f"the pipeline schedule was built for {self.shape.m} micro-batches, got {len(micro)}")
-        return self._run(self.actions, micro, train=True, loss_scale=loss_scale)
+        handle = self._reduce_loss(self._run(self.actions, micro, train=True, loss_scale=loss_scale))
+        return handle if async_loss else handle.wait()
 
     @torch.no_grad()
     def forward_only(self, micro: list[Batch]) -> torch.Tensor:
         """Evaluation: the mean loss over ``micro`` (every stage), no backward."""
-        actions = build(self.schedule, Shape(self.shape.p, self.shape.v, len(micro)), forward_only=True)[self.rank]
-        return self._run(actions, micro, train=False)
+        actions = build(self.schedule, Shape(self.shape.p, self.shape.v, len(micro)), forward_only=True, prefetch=self.prefetch)[self.rank]
+        return self._reduce_loss(self._run(actions, micro, train=False)).wait()
+
+    def _reduce_loss(self, local: torch.Tensor):
+        """Sums the last stage's mean loss over the pipeline group (the other stages hold zero)."""
+        loss = local.reshape(1)
+        handle = self.acts.all_reduce(loss, async_op=True)
+        handle.result = loss.reshape(())
+        return handle
 
     def train_step(self, tokens: torch.Tensor, targets: torch.Tensor, lr: float, grad_clip: float = 0.0) -> float:
         """One optimizer step on a batch (cut into the schedule's micro-batches); returns its loss."""
@@ -85,11 +102,11 @@ class PipelineRunner:
         if tokens.shape[0] % m:
             raise ValueError(f"a batch of {tokens.shape[0]} rows does not cut into {m} micro-batches")
         self.engine.zero_grad()
-        loss = self.forward_backward(list(zip(tokens.chunk(m), targets.chunk(m))))
+        loss = self.forward_backward(list(zip(tokens.chunk(m), targets.chunk(m))), async_loss=True)
         self.engine.finish_backward()
         self.engine.clip_grad_norm(grad_clip)
         self.engine.step(lr)
-        return float(loss)
+        return float(loss.wait())
 
     # ---- the executor ----------------------------------------------------------------------
     def _run(self, actions: list[Action], micro: list[Batch], train: bool, loss_scale: float = 1.0,
@@ -124,8 +141,7 @@ class PipelineRunner:
             self.peak_alive = peak
         if self.trace_enabled and train:
             self.last_trace = trace
-        loss = self._total / len(micro)
-        return self.acts.all_reduce(loss.reshape(1)).reshape(())  # only the last stage holds a loss
+        return self._total / len(micro)  # this stage's mean loss: zero but on the last stage
 
     def _trace_start(self) -> float:
         if self.trace_enabled:
@@ -141,26 +157,22 @@ class PipelineRunner:
     def _post(self, run: list[Action], micro: list[Batch]) -> None:
         """Starts one run of messages: a batch per group, nothing waited for."""
         for comm, kind in ((self.acts, "F"), (self.grads, "B")):
-            ops, keep, recvs = [], [], []
+            ops = []
             for a in run:
                 if a.kind[-1] != kind:
                     continue
-                key = (kind, a.chunk, a.micro)
                 if a.kind.startswith("SEND"):
-                    t = self._outbox.pop(key)
-                    ops.append(("send", t, peer(a, self.shape, self.rank)))
-                    keep.append(t)
+                    t = self._outbox.pop((kind, a.chunk, a.micro))
                 else:
-                    buf = torch.empty(self._expected(micro, a.micro, self._decoding), dtype=self.act_dtype, device=self.device)
-                    ops.append(("recv", buf, peer(a, self.shape, self.rank)))
-                    recvs.append((key, buf))
-            if not ops:
-                continue
-            handle = comm.batch_p2p(ops)
-            for key, buf in recvs:
-                self._inbox[key] = (buf, handle)
-            if keep:
-                self._sending.append((handle, keep))
+                    t = torch.empty(self._expected(micro, a.micro, self._decoding), dtype=self.act_dtype, device=self.device)
+                ops.append((a, t))
+            handles = comm.batch_p2p([("send" if a.kind.startswith("SEND") else "recv", t, peer(a, self.shape, self.rank))
+                                      for a, t in ops])
+            for (a, t), h in zip(ops, handles):
+                if a.kind.startswith("SEND"):
+                    self._sending.append((h, t))  # the tensor lives until its send completes
+                else:
+                    self._inbox[(kind, a.chunk, a.micro)] = (t, h)
 
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor | None:
         """The activation (or gradient) a compute action reads, once it has arrived; None if it reads none."""
@@ -212,7 +224,7 @@ class PipelineRunner:
         on every stage: the stages run forward once, the last one broadcasts."""
         self._decoding = True
         try:
-            actions = build(self.schedule, Shape(self.shape.p, self.shape.v, 1), forward_only=True)[self.rank]
+            actions = build(self.schedule, Shape(self.shape.p, self.shape.v, 1), forward_only=True, prefetch=self.prefetch)[self.rank]
             self._run(actions, [(tokens, None)], train=False, cache=cache, start=start)
             logits = self._logits
         finally:

@@ -23,10 +23,24 @@ With forward and backward times ``t_f, t_b`` per chunk the same on every stage, 
 for ``(p - 1)(t_f + t_b)`` of a step that takes ``(v m + p - 1)(t_f + t_b)``: the *bubble*
 fraction is ``(p - 1) / (v m + p - 1)`` for all three (interleaving cuts it by ``v``).
 
-Messages follow Megatron's pairing: after a compute action, the rank sends what it produced and
-posts the receive its next compute action needs, as one batch (``batch_isend_irecv``), so two
-neighbours exchanging in both directions never wait on each other's order. :func:`simulate`
-replays the lists with given compute times, checks that every send meets its receive in order
+Messages: a compute action's send goes right after it. A receive is *posted* (non-blocking) as
+early as its send allows and *waited for* only just before the compute that reads it. "As early
+as its send allows" is read off the timeline of uniform stages (forward 1, backward 2, every
+compute starting as soon as its rank is free and its input has been sent): the receive goes
+right after the last compute its rank started before the matching send was issued -- the
+placement of ``torch.distributed.pipelining``. In that timeline every receive is posted after
+its send, so a real run can follow the same global order and no receive waits on work its own
+rank has still to do (safe also where a posted receive occupies the communication stream, as
+with NCCL). Posting early matters on gloo, where a message moves only once its receive is
+posted: the transfer then runs during the computes in between instead of on the critical path
+(pairing each send with the *next* compute's receive, Megatron's order, posts it only one compute
+ahead). On a transport where a posted receive holds up nothing else (gloo), ``prefetch`` posts
+each receive no later than the read of the previous message from the same peer, so one message
+per channel is always on its way even when the receiving stage is slower than the uniform
+timeline assumes (the last stage, with the output layer and the loss, usually is).
+Consecutive messages go out together as one batch (``batch_isend_irecv``).
+:func:`simulate` replays the lists with given compute times -- posted receives do not block, a
+compute waits for the message it reads -- checks that every receive meets the send it expects
 and that nothing deadlocks, and returns the timeline whose bubble the formula predicts.
 """
 
@@ -129,29 +143,82 @@ def _messages(a: Action, shape: Shape, rank: int) -> tuple[Action | None, Action
             Action("SEND_B", a.chunk, a.micro) if s > 0 else None)
 
 
-def with_messages(order: list[Action], shape: Shape, rank: int) -> list[Action]:
-    """Inserts the messages: each compute action's send right after it, followed by the next one's receive."""
-    out: list[Action] = []
-    first_recv = _messages(order[0], shape, rank)[0] if order else None
-    if first_recv:
-        out.append(first_recv)
-    for k, a in enumerate(order):
-        out.append(a)
-        send = _messages(a, shape, rank)[1]
-        if send:
-            out.append(send)
-        if k + 1 < len(order):
-            recv = _messages(order[k + 1], shape, rank)[0]
+def _producer(a: Action, shape: Shape, rank: int) -> tuple[int, Action] | None:
+    """``(rank, compute action)`` whose output compute action ``a`` reads; None for the pipeline's ends."""
+    s, p = shape.stage(rank, a.chunk), shape.p
+    src = s - 1 if a.kind == "F" else s + 1
+    if src < 0 or src >= shape.stages:
+        return None
+    return src % p, Action(a.kind, src // p, a.micro)
+
+
+def uniform_times(orders: list[list[Action]], shape: Shape, t_forward: float = 1.0,
+                  t_backward: float = 2.0) -> dict[tuple[int, Action], tuple[float, float]]:
+    """``{(rank, compute action): (start, end)}`` when every compute starts as soon as its rank is free
+    and its input exists; raises ValueError when the orders wait on each other in a cycle."""
+    p = shape.p
+    times: dict[tuple[int, Action], tuple[float, float]] = {}
+    pos, clock = [0] * p, [0.0] * p
+    while any(pos[r] < len(orders[r]) for r in range(p)):
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                a = orders[r][pos[r]]
+                src = _producer(a, shape, r)
+                if src is not None and src not in times:
+                    break
+                start = max(clock[r], times[src][1] if src is not None else 0.0)
+                clock[r] = start + (t_forward if a.kind == "F" else t_backward)
+                times[(r, a)] = (start, clock[r])
+                pos[r] += 1
+                progressed = True
+        if not progressed:
+            stuck = ", ".join(f"rank {r} at {orders[r][pos[r]]}" for r in range(p) if pos[r] < len(orders[r]))
+            raise ValueError(f"the schedule deadlocks: {stuck}")
+    return times
+
+
+def with_messages(orders: list[list[Action]], shape: Shape, prefetch: bool = False) -> list[list[Action]]:
+    """Every rank's compute order with its messages: each send right after the compute that produces it,
+    each receive right after the last compute its rank starts before the send (uniform timeline).
+
+    ``prefetch``: a receive is also posted no later than the compute that reads the previous
+    message of its channel (same peer, same direction), so that one message per channel is always
+    on its way. Only for transports where a posted receive holds up nothing else (gloo); where
+    receives queue on a stream with the sends (NCCL) it could wait on work its own rank has yet
+    to do.
+    """
+    times = uniform_times(orders, shape)
+    out = []
+    for r, order in enumerate(orders):
+        slots: list[list[tuple[int, int, Action]]] = [[] for _ in range(len(order) + 1)]
+        starts = [times[(r, a)][0] for a in order]
+        previous_reader: dict[str, int] = {}  # channel (direction) -> index of the compute that read its last message
+        for k, a in enumerate(order):
+            recv, send = _messages(a, shape, r)
+            if send:
+                slots[k + 1].append((0, k, send))  # before the receives posted at the same point
             if recv:
-                out.append(recv)
+                sent_at = times[_producer(a, shape, r)][1]
+                slot = sum(st < sent_at for st in starts)
+                if prefetch:
+                    slot = min(slot, previous_reader.get(a.kind, 0))
+                previous_reader[a.kind] = k
+                slots[slot].append((1, k, recv))
+        acts: list[Action] = []
+        for k, slot in enumerate(slots):
+            if k:
+                acts.append(order[k - 1])
+            acts += [m for *_, m in sorted(slot, key=lambda x: x[:2])]
+        out.append(acts)
     return out
 
 
-def build(schedule: str, shape: Shape, forward_only: bool = False) -> list[list[Action]]:
-    """Every rank's action list."""
+def build(schedule: str, shape: Shape, forward_only: bool = False, prefetch: bool = False) -> list[list[Action]]:
+    """Every rank's action list (``prefetch``: see :func:`with_messages`)."""
     if forward_only:
-        return [with_messages(forward_only_order(shape, r), shape, r) for r in range(shape.p)]
-    return [with_messages(compute_order(schedule, shape, r), shape, r) for r in range(shape.p)]
+        return with_messages([forward_only_order(shape, r) for r in range(shape.p)], shape, prefetch)
+    return with_messages([compute_order(schedule, shape, r) for r in range(shape.p)], shape, prefetch)
 
 
 def peer(a: Action, shape: Shape, rank: int) -> int:
@@ -212,15 +279,20 @@ class Timeline:
 
 
 def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0, t_backward: float = 2.0) -> Timeline:
-    """Replays the action lists: compute takes the given times, messages arrive when sent.
+    """Replays the action lists: compute takes the given times, a message arrives when it is sent.
 
-    Raises ValueError when a send and a receive meet out of order (wrong data would arrive) or
-    when no rank can go on (deadlock).
+    A receive is posted without waiting; the compute that reads it waits until the message is
+    there. Messages between two ranks in one direction match in the order they are posted, as on
+    a real transport. Raises ValueError when a receive would get another message than the one its
+    compute expects (wrong data would arrive), when a compute reads a message that was never
+    posted, or when no rank can go on (deadlock).
     """
     p = shape.p
     pos = [0] * p
     clock = [0.0] * p
-    sent: dict[tuple[int, int, str], list[tuple[Action, float]]] = {}  # (src, dst, kind) -> queue
+    sent: dict[tuple[int, int, str], list[tuple[Action, float]]] = {}  # (src, dst, kind) -> messages in order
+    posted: dict[tuple[int, int, str], int] = {}  # receives posted so far on a channel
+    pending: list[dict[tuple[str, int, int], tuple[tuple[int, int, str], int]]] = [{} for _ in range(p)]
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
     while any(pos[r] < len(schedules[r]) for r in range(p)):
         progressed = False
@@ -230,16 +302,23 @@ def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0
                 if a.kind.startswith("SEND"):
                     sent.setdefault((r, peer(a, shape, r), a.kind[-1]), []).append((a, clock[r]))
                 elif a.kind.startswith("RECV"):
-                    queue = sent.get((peer(a, shape, r), r, a.kind[-1]))
-                    if not queue:
-                        break
-                    msg, at = queue.pop(0)
-                    want = (msg.micro, msg.chunk + (1 if a.kind == "RECV_F" and r == 0 else 0) -
-                            (1 if a.kind == "RECV_B" and r == p - 1 else 0))
-                    if (a.micro, a.chunk) != want:
-                        raise ValueError(f"rank {r} receives {a} but its peer sent {msg} first")
-                    clock[r] = max(clock[r], at)
+                    channel = (peer(a, shape, r), r, a.kind[-1])
+                    pending[r][(a.kind[-1], a.chunk, a.micro)] = (channel, posted.get(channel, 0))
+                    posted[channel] = posted.get(channel, 0) + 1
                 else:
+                    if _messages(a, shape, r)[0] is not None:
+                        if (a.kind, a.chunk, a.micro) not in pending[r]:
+                            raise ValueError(f"rank {r} runs {a} without having posted the receive of its input")
+                        channel, n = pending[r][(a.kind, a.chunk, a.micro)]
+                        queue = sent.get(channel, [])
+                        if len(queue) <= n:
+                            break
+                        msg, at = queue[n]
+                        want = _producer(a, shape, r)[1]
+                        if (msg.chunk, msg.micro) != (want.chunk, want.micro):
+                            raise ValueError(f"rank {r} posted the receive for {a} in the place of {msg}")
+                        del pending[r][(a.kind, a.chunk, a.micro)]
+                        clock[r] = max(clock[r], at)
                     t = t_forward if a.kind == "F" else t_backward
                     spans[r].append((a, clock[r], clock[r] + t))
                     clock[r] += t

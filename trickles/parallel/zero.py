@@ -81,7 +81,7 @@ class ZeroDataParallel(Engine):
         self._handles: list[Handle] = []
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
-        self._reset_reduction()  # ready for a plain backward()
+        self.zero_grad()  # ready for a plain backward()
 
     # ---- backward ------------------------------------------------------------------------
     def _reset_reduction(self) -> None:
@@ -100,7 +100,7 @@ class ZeroDataParallel(Engine):
     def _on_grad(self, p: torch.Tensor) -> None:
         slot = self._slot_of[id(p)]
         if self.stage == 1:
-            self._main[id(p)].add_(p.grad)
+            self._accumulate(p, self._main[id(p)])
         else:
             buf = self._buffers.get(slot.bucket)
             if buf is None:
@@ -108,7 +108,7 @@ class ZeroDataParallel(Engine):
                 buf = self._buffers[slot.bucket] = torch.zeros(b.size, dtype=self.shard_grads.dtype, device=p.device)
             start = slot.offset - self.layout.buckets[slot.bucket].start
             buf[start:start + slot.numel].view(slot.shape).add_(p.grad)
-        p.grad = None
+            p.grad = None
         if (self.stage == 2 or self._reduce) and id(p) not in self._deferred:
             self._pending[slot.bucket] -= 1
             if self._pending[slot.bucket] == 0:
@@ -205,11 +205,12 @@ class ZeroDataParallel(Engine):
             model.register_forward_pre_hook(_param_wait_hook(self, rest))
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
         if self.stage == 1:
             self.grad_buffer.zero_()
+            self._bind_grads(self._main)
         else:
+            for p in self.params:
+                p.grad = None
             self.shard_grads.zero_()
         self._reset_reduction()  # a plain backward() after zero_grad() also reduces
 

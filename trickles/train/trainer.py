@@ -115,8 +115,9 @@ class Trainer:
         batches = self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch)
         scale = self.scaler.scale if self.scaler else 1.0
         self.engine.zero_grad()
+        pipeline_loss = None
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
-            total = self.pipeline.forward_backward(batches, scale) * self.accumulation
+            pipeline_loss = self.pipeline.forward_backward(batches, scale, async_loss=True)
         for i, (x, y) in enumerate(batches if self.pipeline is None else []):
             with self.engine.micro_step(last=i == len(batches) - 1):
                 loss = self._loss(x, y)
@@ -133,6 +134,8 @@ class Trainer:
             self.skipped += 1
         if self.scaler:
             self.scaler.update(overflow=not finite)
+        if pipeline_loss is not None:  # summed over the stages in the background meanwhile
+            total = pipeline_loss.wait() * self.accumulation
         loss = self.dp.all_reduce(total / self.accumulation, op="mean")
         loss_value = loss.item()
         self._guard(loss_value, finite)
