@@ -13,10 +13,10 @@ SHAPES = [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)] + \
          [("interleaved", Shape(p, v, m)) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)]
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["due", "prefetch"])
+@pytest.mark.parametrize("early", [False, True], ids=["due", "early"])
 @pytest.mark.parametrize("schedule,shape", SHAPES, ids=[f"{s}-p{sh.p}v{sh.v}m{sh.m}" for s, sh in SHAPES])
-def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule, shape, prefetch):
-    lists = build(schedule, shape, prefetch=prefetch)
+def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule, shape, early):
+    lists = build(schedule, shape, early_receives=early)
     for r, acts in enumerate(lists):
         fwd = [(a.chunk, a.micro) for a in acts if a.kind == "F"]
         bwd = [(a.chunk, a.micro) for a in acts if a.kind == "B"]
@@ -76,18 +76,14 @@ def test_receives_are_posted_once_their_send_is_due_and_before_their_reader(sche
 
 
 @pytest.mark.parametrize("schedule,shape", [("gpipe", Shape(4, 1, 8)), ("1f1b", Shape(4, 1, 8)), ("interleaved", Shape(4, 2, 8))])
-def test_prefetch_keeps_one_message_per_channel_on_its_way(schedule, shape):
-    """With prefetch each receive is posted no later than the read of the previous message from the same peer in
-    the same direction (so one is always in flight), and never later than without prefetch."""
-    due, early = build(schedule, shape), build(schedule, shape, prefetch=True)
+def test_early_receives_are_all_posted_where_the_rank_first_waits(schedule, shape):
+    """With early receives (gloo) every receive of the step is posted before the rank's first compute that reads a
+    message, and never later than without."""
+    due, early = build(schedule, shape), build(schedule, shape, early_receives=True)
     for r in range(shape.p):
-        readers = {"F": [], "B": []}
-        for k, a in enumerate(early[r]):
-            if a.is_compute and (Action(f"RECV_{a.kind}", a.chunk, a.micro) in early[r]):
-                readers[a.kind].append((k, a))
-        for kind, reads in readers.items():
-            for (k_prev, _), (_, a) in zip(reads, reads[1:]):
-                assert early[r].index(Action(f"RECV_{kind}", a.chunk, a.micro)) < k_prev, (r, a)
+        first_read = next(k for k, a in enumerate(early[r]) if a.is_compute and Action(f"RECV_{a.kind}", a.chunk, a.micro) in early[r])
+        receives = [k for k, a in enumerate(early[r]) if a.kind.startswith("RECV")]
+        assert len(receives) == sum(a.kind.startswith("RECV") for a in due[r]) and max(receives) < first_read
         computes_before = lambda acts, msg: sum(b.is_compute for b in acts[:acts.index(msg)])  # noqa: E731
         for msg in (a for a in due[r] if a.kind.startswith("RECV")):
             assert computes_before(early[r], msg) <= computes_before(due[r], msg)

@@ -15,8 +15,8 @@
   the outbox.
 * a run of messages: posted together without waiting, one ``batch_isend_irecv`` per group --
   activations over ``pp``, gradients over ``pp_grad``. The lists post a receive as soon as its
-  send is due (see :mod:`~trickles.parallel.schedules`), often several computes before its
-  reader; it is waited for (alone, where the backend allows) just before the compute that reads
+  send is due (see :mod:`~trickles.parallel.schedules`; on gloo, all of them where the rank first
+  waits); it is waited for (alone, where the backend allows) just before the compute that reads
   it. Sends are released as they complete and all waited for at the end.
 
 Received shapes follow from the micro-batch: ``[b, T, d]``, or ``[b, T / tp, d]`` while sequence
@@ -55,8 +55,8 @@ class PipelineRunner:
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, device
         self.autocast, self.tp_ctx = autocast, tp_ctx
         # gloo runs every send and receive on its own: a receive may be posted long before it is read
-        self.prefetch = acts.backend == "gloo" and grads.backend == "gloo"
-        self.actions = build(schedule, self.shape, prefetch=self.prefetch)[self.rank]
+        self.early_receives = acts.backend == "gloo" and grads.backend == "gloo"
+        self.actions = build(schedule, self.shape, early_receives=self.early_receives)[self.rank]
         self.final_backward = {}  # chunk -> its micro-batch whose backward comes last
         for a in self.actions:
             if a.kind == "B":
@@ -86,7 +86,7 @@ class PipelineRunner:
     @torch.no_grad()
     def forward_only(self, micro: list[Batch]) -> torch.Tensor:
         """Evaluation: the mean loss over ``micro`` (every stage), no backward."""
-        actions = build(self.schedule, Shape(self.shape.p, self.shape.v, len(micro)), forward_only=True, prefetch=self.prefetch)[self.rank]
+        actions = build(self.schedule, Shape(self.shape.p, self.shape.v, len(micro)), forward_only=True, early_receives=self.early_receives)[self.rank]
         return self._reduce_loss(self._run(actions, micro, train=False)).wait()
 
     def _reduce_loss(self, local: torch.Tensor):
@@ -224,7 +224,7 @@ class PipelineRunner:
         on every stage: the stages run forward once, the last one broadcasts."""
         self._decoding = True
         try:
-            actions = build(self.schedule, Shape(self.shape.p, self.shape.v, 1), forward_only=True, prefetch=self.prefetch)[self.rank]
+            actions = build(self.schedule, Shape(self.shape.p, self.shape.v, 1), forward_only=True, early_receives=self.early_receives)[self.rank]
             self._run(actions, [(tokens, None)], train=False, cache=cache, start=start)
             logits = self._logits
         finally:

@@ -34,10 +34,11 @@ rank has still to do (safe also where a posted receive occupies the communicatio
 with NCCL). Posting early matters on gloo, where a message moves only once its receive is
 posted: the transfer then runs during the computes in between instead of on the critical path
 (pairing each send with the *next* compute's receive, Megatron's order, posts it only one compute
-ahead). On a transport where a posted receive holds up nothing else (gloo), ``prefetch`` posts
-each receive no later than the read of the previous message from the same peer, so one message
-per channel is always on its way even when the receiving stage is slower than the uniform
-timeline assumes (the last stage, with the output layer and the loss, usually is).
+ahead). On a transport where a posted receive holds up nothing else (gloo), ``early_receives``
+posts all of a step's receives where the rank first waits for a message anyway: one call per
+receive costs 0.1-0.2 ms on a busy CPU, which then no longer falls between computes on the
+critical path (usually the last stage's, slowed by the output layer and the loss), at the price
+of one buffer per message of the step held from the start.
 Consecutive messages go out together as one batch (``batch_isend_irecv``).
 :func:`simulate` replays the lists with given compute times -- posted receives do not block, a
 compute waits for the message it reads -- checks that every receive meets the send it expects
@@ -178,22 +179,21 @@ def uniform_times(orders: list[list[Action]], shape: Shape, t_forward: float = 1
     return times
 
 
-def with_messages(orders: list[list[Action]], shape: Shape, prefetch: bool = False) -> list[list[Action]]:
+def with_messages(orders: list[list[Action]], shape: Shape, early_receives: bool = False) -> list[list[Action]]:
     """Every rank's compute order with its messages: each send right after the compute that produces it,
     each receive right after the last compute its rank starts before the send (uniform timeline).
 
-    ``prefetch``: a receive is also posted no later than the compute that reads the previous
-    message of its channel (same peer, same direction), so that one message per channel is always
-    on its way. Only for transports where a posted receive holds up nothing else (gloo); where
-    receives queue on a stream with the sends (NCCL) it could wait on work its own rank has yet
-    to do.
+    ``early_receives``: every receive is posted where the rank's first reading compute waits
+    (see the module docstring); only for transports where a posted receive holds up nothing
+    else (gloo). Where receives queue on a stream with the sends (NCCL) it could wait on work its
+    own rank has yet to do.
     """
     times = uniform_times(orders, shape)
     out = []
     for r, order in enumerate(orders):
         slots: list[list[tuple[int, int, Action]]] = [[] for _ in range(len(order) + 1)]
         starts = [times[(r, a)][0] for a in order]
-        previous_reader: dict[str, int] = {}  # channel (direction) -> index of the compute that read its last message
+        first_read = next((k for k, a in enumerate(order) if _messages(a, shape, r)[0] is not None), 0)
         for k, a in enumerate(order):
             recv, send = _messages(a, shape, r)
             if send:
@@ -201,9 +201,8 @@ def with_messages(orders: list[list[Action]], shape: Shape, prefetch: bool = Fal
             if recv:
                 sent_at = times[_producer(a, shape, r)][1]
                 slot = sum(st < sent_at for st in starts)
-                if prefetch:
-                    slot = min(slot, previous_reader.get(a.kind, 0))
-                previous_reader[a.kind] = k
+                if early_receives:
+                    slot = min(slot, first_read)
                 slots[slot].append((1, k, recv))
         acts: list[Action] = []
         for k, slot in enumerate(slots):
@@ -214,11 +213,10 @@ def with_messages(orders: list[list[Action]], shape: Shape, prefetch: bool = Fal
     return out
 
 
-def build(schedule: str, shape: Shape, forward_only: bool = False, prefetch: bool = False) -> list[list[Action]]:
-    """Every rank's action list (``prefetch``: see :func:`with_messages`)."""
-    if forward_only:
-        return with_messages([forward_only_order(shape, r) for r in range(shape.p)], shape, prefetch)
-    return with_messages([compute_order(schedule, shape, r) for r in range(shape.p)], shape, prefetch)
+def build(schedule: str, shape: Shape, forward_only: bool = False, early_receives: bool = False) -> list[list[Action]]:
+    """Every rank's action list (``early_receives``: see :func:`with_messages`)."""
+    orders = [forward_only_order(shape, r) if forward_only else compute_order(schedule, shape, r) for r in range(shape.p)]
+    return with_messages(orders, shape, early_receives)
 
 
 def peer(a: Action, shape: Shape, rank: int) -> int:
