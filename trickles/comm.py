@@ -100,11 +100,20 @@ class CommLedger:
 
 @dataclass
 class FlightRecorder:
-    """The collective this process is currently inside (process-wide, diagnostics only)."""
+    """The communication call this process is blocked in, if any (process-wide).
+
+    Every blocking collective, receive and ``Handle.wait`` runs between :meth:`begin` and
+    :meth:`end`: ``current`` names it, ``since`` is when it began (``time.monotonic``), ``step``
+    is the training step the trainer says it is in, and ``blocked_s`` sums the seconds spent
+    inside such calls -- the communication that computation did not hide. Read by the hang
+    watchdog (:mod:`trickles.watchdog`), the test harness and the scaling report.
+    """
 
     current: str | None = None
     since: float = 0.0
     seq: int = 0
+    step: int | None = None
+    blocked_s: float = 0.0
     sink: Callable[[str | None], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
@@ -118,6 +127,8 @@ class FlightRecorder:
 
     def end(self) -> None:
         with self._lock:
+            if self.current is not None:
+                self.blocked_s += time.monotonic() - self.since
             self.current = None
             if self.sink is not None:
                 self.sink(None)
