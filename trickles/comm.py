@@ -111,17 +111,20 @@ class FlightRecorder:
 
     current: str | None = None
     since: float = 0.0
+    limit_s: float | None = None
     seq: int = 0
     step: int | None = None
     blocked_s: float = 0.0
     sink: Callable[[str | None], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def begin(self, what: str) -> None:
+    def begin(self, what: str, limit_s: float | None = None) -> None:
+        """Entering ``what``; ``limit_s``: how long it may take (None: the watchdog's timeout)."""
         with self._lock:
             self.seq += 1
             self.current = f"{what} (call #{self.seq})"
             self.since = time.monotonic()
+            self.limit_s = limit_s
             if self.sink is not None:
                 self.sink(self.current)
 
@@ -130,6 +133,7 @@ class FlightRecorder:
             if self.current is not None:
                 self.blocked_s += time.monotonic() - self.since
             self.current = None
+            self.limit_s = None
             if self.sink is not None:
                 self.sink(None)
 
@@ -294,9 +298,10 @@ class GroupComm:
                   lambda a: dist.broadcast(t, self.global_rank(src), group=self.group, async_op=a), False)
         return t
 
-    def barrier(self) -> None:
+    def barrier(self, limit_s: float | None = None) -> None:
+        """Waits for every rank of the group; ``limit_s``: how long the hang watchdog lets it take."""
         if self.size > 1:
-            flight.begin(f"barrier on group '{self.name}'")
+            flight.begin(f"barrier on group '{self.name}'", limit_s)
             try:
                 dist.barrier(group=self.group)
             finally:

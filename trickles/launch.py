@@ -8,7 +8,9 @@ and watches them:
 * every rank succeeds -> exit status 0;
 * a rank fails -> the others are killed at once (with any processes they started), the failing
   rank's traceback is printed and the status is non-zero (for a :class:`UserError` or
-  :class:`TrainingStopped`, its one-line message and its exit code, 2 or 3);
+  :class:`TrainingStopped`, its one-line message and its exit code, 2 or 3); when its hang
+  watchdog stopped it (status 4, :mod:`trickles.watchdog`), the others first get
+  ``HANG_GRACE_S`` to report where they are;
 * the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
 
 Ranks end through :func:`trickles.topology.exit_process`, so a rank that tore its group down
@@ -24,10 +26,14 @@ import os
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from typing import Any, Callable
 
 from .errors import ONE_LINE_ERRORS, UserError
+from .watchdog import HANG_EXIT
+
+HANG_GRACE_S = 5.0  # after a rank's watchdog fired, how long the others get to report before they are stopped
 
 USER_ERROR_TAG = "trickles-user-error: "
 
@@ -131,6 +137,8 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
                 r, p = alive.pop(s)
                 p.join()
                 if p.exitcode != 0:
+                    if p.exitcode == HANG_EXIT:  # let the other ranks' watchdogs say where they are
+                        _await_exits(alive, HANG_GRACE_S)
                     _kill(procs)
                     return _report(r, p.exitcode, errors, quiet)
         return 0
@@ -146,6 +154,14 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
         os.rmdir(errors)
 
 
+def _await_exits(alive: dict, seconds: float) -> None:
+    """Waits up to ``seconds`` for the processes in ``alive`` (sentinel -> (rank, process)) to end by themselves."""
+    deadline = time.monotonic() + seconds
+    while alive and time.monotonic() < deadline:
+        for s in mp.connection.wait(list(alive), timeout=max(0.0, deadline - time.monotonic())):
+            alive.pop(s)[1].join()
+
+
 def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
     path = os.path.join(errors, f"rank{rank}.txt")
     text = open(path).read() if os.path.exists(path) else ""
@@ -153,6 +169,10 @@ def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
         code, _, message = text[len(USER_ERROR_TAG):].partition(" ")
         print(f"error: {message}", file=sys.stderr)
         return int(code)
+    if exitcode == HANG_EXIT:
+        print(f"[trickles] rank {rank} found a communication call stuck past parallel.timeout_s; the ranks' reports are "
+              "above; stopped the others", file=sys.stderr)
+        return exitcode
     if exitcode < 0:
         what = f"was killed by {signal.Signals(-exitcode).name}"
     else:

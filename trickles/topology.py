@@ -266,12 +266,23 @@ def exit_process(code: int) -> None:
 def distributed_session(dims: ParallelDims | None = None, device: str | torch.device = "auto", timeout_s: float | None = None):
     """Initializes the process group from the environment, yields a :class:`Topology`, tears down cleanly.
 
-    On an exception the group is left for the launcher to tear down (a barrier could hang).
+    ``timeout_s``: with several ranks, a :class:`~trickles.watchdog.Watchdog` ends the job (every
+    rank reporting where it is) when a communication call takes longer; the process group's own
+    timeout is the watchdog's backstop. On an exception the group is left for the launcher to
+    tear down (a barrier could hang).
     """
+    from .watchdog import Watchdog, backstop_timeout
+
     dev = device if isinstance(device, torch.device) else select_device(device)
-    init_distributed(dev, timeout_s)
+    init_distributed(dev, backstop_timeout(timeout_s).total_seconds() if timeout_s else None)
     dims = dims or ParallelDims(dp=env_world_size())
     topo = dims.build(dev)
+    watchdog = None
+    if timeout_s and topo.world_size > 1:
+        where = ", ".join(f"{k} {v}/{topo.size(k)}" for k, v in topo.coords.items() if topo.size(k) > 1)
+        watchdog = Watchdog(timeout_s, topo.rank, where).start()
     yield topo
     del topo
     shutdown_distributed()
+    if watchdog is not None:
+        watchdog.stop()

@@ -224,7 +224,7 @@ def report_for(cfg: Config, world_size: int, measure_steps: int = 0, quiet: bool
         from ..topology import distributed_session
         from ..train.trainer import Trainer
 
-        with distributed_session(dims, cfg.train.device) as topo:
+        with distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
             trainer = Trainer(cfg, topo, quiet=True)
             measure(trainer, report, measure_steps)
             del trainer

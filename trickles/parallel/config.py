@@ -24,6 +24,7 @@ class ParallelConfig:
     schedule: str = opt("1f1b", "with pp > 1: the pipeline schedule, gpipe, 1f1b or interleaved")
     virtual_stages: int = opt(1, "with the interleaved schedule: model chunks per pipeline rank (the bubble shrinks by this factor)")
     pipeline_layers: list[int] = opt([], "layers of each (virtual) stage in order, e.g. [4, 3]; empty: as even as possible, earlier stages taking the extra ones")
+    timeout_s: float = opt(600.0, "seconds one collective or point-to-point wait may take; then every rank reports where it is and the job exits (status 4)")
 
     def validate(self) -> None:
         if self.zero not in (0, 1, 2, 3):
@@ -34,5 +35,7 @@ class ParallelConfig:
 
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"parallel.timeout_s must be positive (seconds), got {self.timeout_s}")
         if self.virtual_stages < 1:
             raise ConfigError(f"parallel.virtual_stages must be at least 1, got {self.virtual_stages}")

@@ -28,10 +28,18 @@ class MetricsLog:
             self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
 
     def _truncate_after(self, step: int) -> None:
-        """Drops records of steps after ``step`` (written after the checkpoint we resume from)."""
+        """Drops records of steps after ``step`` (written after the checkpoint we resume from), and a last line
+        cut short by a process that was killed while writing it."""
         if not os.path.exists(self.path):
             return
-        keep = [line for line in open(self.path) if line.strip() and json.loads(line).get("step", 0) <= step]
+        keep = []
+        for line in open(self.path):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("step", 0) <= step:
+                keep.append(line if line.endswith("\n") else line + "\n")
         with open(self.path, "w") as f:
             f.writelines(keep)
 

@@ -1,4 +1,10 @@
-"""Entry points the CLI and the launchers call: resolve a resume target, train in this process."""
+"""Entry points the CLI and the launchers call: resolve a resume target, train in this process.
+
+Fault tolerance: under ``trickles train --nproc N --max-restarts K`` or ``torchrun --max-restarts=K``
+a failed rank brings all ranks down and back up; the restarted ranks see a non-zero
+:func:`restart_count` and continue from the newest complete checkpoint in ``train.out_dir``
+(same weights, optimizer state, data position and random states as when it was written).
+"""
 
 from __future__ import annotations
 
@@ -11,8 +17,22 @@ from . import checkpoint
 from .trainer import Trainer
 
 
+def restart_count() -> int:
+    """How often the launcher has restarted this job after a failure: ``TRICKLES_RESTART`` (``trickles train
+    --max-restarts``) or ``TORCHELASTIC_RESTART_COUNT`` (``torchrun --max-restarts``); 0 on the first attempt."""
+    return int(os.environ.get("TRICKLES_RESTART") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 def resolve_resume(resume: str | None, out_dir: str) -> str | None:
-    """``None`` | ``"auto"`` (newest complete checkpoint under out_dir, or none) | a path; verified."""
+    """``None`` | ``"auto"`` (newest complete checkpoint under out_dir, or none) | a path; verified.
+
+    A restarted job (:func:`restart_count` > 0) continues from the newest complete checkpoint in
+    out_dir, whatever it was started with; only when it wrote none yet does it start as before.
+    """
+    if restart_count() > 0:
+        latest = checkpoint.find_latest(os.path.join(out_dir, "checkpoints"))
+        if latest or resume in (None, "auto"):
+            return latest
     if resume is None:
         latest = checkpoint.list_checkpoints(os.path.join(out_dir, "checkpoints"))
         if latest:
@@ -33,9 +53,13 @@ def run_training(cfg: Config, resume: str | None = None, quiet: bool = False, ve
     ``verified``). Returns this rank's per-step metrics.
     """
     dims = cfg.validate(env_world_size())
-    with distributed_session(dims, cfg.train.device) as topo:
+    if restart_count() > 0:  # the launcher brought the job back up after a failure
+        resume, verified = resolve_resume(resume, cfg.train.out_dir), True
+    with distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
         trainer = Trainer(cfg, topo, quiet=quiet)
         if resume:
+            if restart_count() > 0 and topo.is_main:
+                print(f"[trickles] restart {restart_count()}: continuing from {resume}", flush=True)
             trainer.load_checkpoint(resume, verify=not verified)
         history = trainer.fit()
         del trainer

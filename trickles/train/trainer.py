@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ..comm import flight
 from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
 from ..data.sources import iter_documents
@@ -59,14 +60,15 @@ class Trainer:
         self.dp = topo.comm("dp")
         torch.manual_seed(t.seed)
 
-        # Data: rank 0 trains/tokenizes into the cache first, the others then read it.
+        # Data: rank 0 trains/tokenizes into the cache first, the others then read it (for as long as that
+        # takes: the hang watchdog leaves waits for another rank's file work to the process group's timeout).
         world = topo.comm("world")
         if not topo.is_main:
-            world.barrier()
+            world.barrier(limit_s=math.inf)
         self.tokenizer = build_tokenizer(cfg.data, documents=lambda: iter_documents(cfg.data))
         self.corpus = load_corpus(cfg.data, self.tokenizer, cfg.data.cache_dir)
         if topo.is_main:
-            world.barrier()
+            world.barrier(limit_s=math.inf)
         seq = cfg.data.seq_len
         self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size)
         self.val_data = ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size) if len(self.corpus.val) > seq else None
@@ -110,6 +112,7 @@ class Trainer:
         """Runs one optimizer step on the next global batch; returns its metrics."""
         t = self.cfg.train
         start = time.perf_counter()
+        flight.step = self.step + 1  # named in hang reports
         lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         total = torch.zeros((), device=self.device)
         batches = self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch)
@@ -283,7 +286,7 @@ class Trainer:
             ckpt.begin(self.ckpt_dir, self.step)
         world.barrier()
         self.engine.save(tmp, self.topo.rank)
-        world.barrier()
+        world.barrier(limit_s=math.inf)  # waits for the slowest writer
         final = None
         if self.topo.is_main:
             self.tokenizer.save(os.path.join(tmp, "tokenizer"))
@@ -296,7 +299,7 @@ class Trainer:
                 "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
             })
             final = ckpt.commit(tmp, self.cfg.train.keep_checkpoints)
-        world.barrier()
+        world.barrier(limit_s=math.inf)  # rank 0 checksums every file into the manifest
         return final
 
     def load_checkpoint(self, path: str, verify: bool = True) -> None:
