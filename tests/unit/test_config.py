@@ -71,6 +71,7 @@ def test_bad_keys_and_types(overrides, message):
 
 BAD_VALUES = [
     (["train.steps=0"], 1, "train.steps must be at least 1"),
+    (["parallel.timeout_s=0"], 1, "parallel.timeout_s must be positive (seconds), got 0"),
     (["model.d_model=100", "model.n_heads=3"], 1, "model.d_model (100) must be divisible by model.n_heads (3)"),
     (["model.n_kv_heads=3"], 1, "must be a multiple of model.n_kv_heads (3)"),
     (["train.global_batch=30", "train.micro_batch=4"], 2, "train.global_batch (30) must equal train.micro_batch (4) x accumulation x parallel.dp (2)"),
