@@ -20,6 +20,26 @@ from _timing import device_name, rotations, summarize, sync, timed
 from trickles.topology import exit_process, init_distributed, select_device
 
 
+def add_run_args(p) -> None:
+    """The options every multi-rank benchmark shares: rounds, device, threads, optimizer, tolerance, seed, JSON."""
+    p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of every contestant per round)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the two agreement-check steps")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant, every contestant)")
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (every contestant)")
+    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference allowed in the agreement check")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
+
+
+def token_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean token cross-entropy of fp32 logits ``[B, T, V]``, the peers' loss."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
 class Contestant:
     """One implementation: its model, optimizer and training step on this rank."""
 

@@ -68,7 +68,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
+from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
                     print_verdicts, run_info, run_step, setup_rank, time_rounds, write_json)
 from _timing import device_name, table  # noqa: E402
 
@@ -91,17 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"global batch in sequences, split over the ranks (default: cpu {DEFAULTS['cpu']['batch']}, "
                         f"cuda {DEFAULTS['cuda']['batch_per_rank']} per rank)")
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
-    p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of every contestant per round)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the two agreement-check steps")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for ours (parallel.bucket_mb) and DDP (bucket_cap_mb)")
     p.add_argument("--offload", action="store_true", help="also time stages 1-3 with the optimizer offloaded to host memory")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant, every contestant)")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (every contestant)")
-    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference allowed in the agreement check")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
+    add_run_args(p)
     return p.parse_args(argv)
 
 

@@ -88,12 +88,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
-                    print_verdicts, run_info, run_step, setup_rank, time_rounds, write_json)
+from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
+                    print_verdicts, run_info, run_step, setup_rank, time_rounds, token_ce, write_json)
 from _timing import device_name, table  # noqa: E402
 
 from trickles.errors import ConfigError  # noqa: E402
@@ -127,23 +126,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
     p.add_argument("--virtual", type=int, default=2, help="model chunks per rank of the interleaved schedules (parallel.virtual_stages)")
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES), help="which schedules to time")
-    p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of every contestant per round)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the two agreement-check steps")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant, every contestant)")
-    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (every contestant)")
-    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference allowed in the agreement check")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
+    add_run_args(p)
     return p.parse_args(argv)
 
 
 # ---- contestants ---------------------------------------------------------------------------
-
-def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
 
 def _parts(schedule: str, model_cfg: ModelConfig, pp: int, v: int) -> list[list[int]]:
     """The layers of every (virtual) stage, as ours cuts them."""
@@ -220,7 +207,7 @@ class Peer(Contestant):
         cls = getattr(pipelining, PEER_CLASSES[schedule])
 
         def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            return _ce(logits, y) / m  # the schedule sums the micro-batches' gradients: this makes them the mean's
+            return token_ce(logits, y) / m  # the schedule sums the micro-batches' gradients: this makes them the mean's
 
         target = self.stages[0] if schedule != "interleaved" else self.stages
         self.schedule = cls(target, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
@@ -260,7 +247,7 @@ class Reference:
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for xi, yi in zip(x.chunk(self.m), y.chunk(self.m)):
-            loss = _ce(self.model(xi), yi) / self.m
+            loss = token_ce(self.model(xi), yi) / self.m
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip, foreach=True)
