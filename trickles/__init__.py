@@ -2,12 +2,13 @@
 
 The public API (everything the CLI uses is reachable from here):
 
-    from trickles import Config, Trainer, ParallelDims, distributed_session, run_training
+    from trickles import Config, Trainer, ParallelDims, distributed_session, measure_scaling, run_training
     cfg = Config.load("examples/demo.toml", ["train.steps=50"])
     run_training(cfg)                                  # or, step by step:
     with distributed_session(cfg.validate(1)) as topo:
         trainer = Trainer(cfg, topo)
         loss = trainer.train_step()["loss"]
+    rows = measure_scaling(cfg, ranks=[1, 2])          # weak scaling: the same work per rank on 1 and 2 ranks
 """
 
 from .comm import CommLedger, GroupComm
@@ -17,6 +18,7 @@ from .launch import launch
 from .models import ModelConfig, Transformer, build_model, load_hf, save_hf
 from .topology import ParallelDims, Topology, distributed_session
 from .train.run import run_training
+from .train.scaling import measure_scaling
 from .train.trainer import Trainer, load_for_inference
 
 __version__ = "0.1.0"
@@ -24,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CommLedger", "GroupComm", "Config", "CheckpointError", "ConfigError", "DataError", "UserError", "launch",
     "ModelConfig", "Transformer", "build_model", "load_hf", "save_hf", "ParallelDims", "Topology",
-    "distributed_session", "run_training", "Trainer", "load_for_inference",
+    "distributed_session", "run_training", "measure_scaling", "Trainer", "load_for_inference",
 ]

@@ -3,12 +3,14 @@
     trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
     trickles generate CHECKPOINT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
+    trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
 
 ``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
 ``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
-``--nproc N`` instead spawns N local ranks itself. Mistakes in the input print one line and exit
-with status 2, before any process group is created.
+``--nproc N`` instead spawns N local ranks itself. ``trickles bench scaling`` starts its own local
+ranks for each world size in ``--ranks`` and reports weak scaling (:mod:`trickles.train.scaling`).
+Mistakes in the input print one line and exit with status 2, before any process group is created.
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--measure", type=int, default=0, metavar="STEPS", help="also run this many training steps and measure")
     m.add_argument("--png", default=None, help="write a bar chart of the categories to this PNG")
     m.add_argument("--device-gb", type=float, default=None, help="say whether the peak fits on a device of this many GB")
+
+    b = sub.add_parser("bench", help="measure how training performs on this machine")
+    actions = b.add_subparsers(dest="action", required=True)
+    sc = actions.add_parser("scaling", help="weak scaling: the same work per rank on 1, 2, 4, ... local ranks; "
+                                            "throughput, scale factor, communication share and bytes sent")
+    config_args(sc)
+    sc.add_argument("--ranks", type=int, nargs="+", default=None, metavar="N",
+                    help="world sizes to run (default: 1, 2, 4, ... up to the GPUs, or the CPU cores but at least 1 and 2)")
+    sc.add_argument("--steps", type=int, default=5, help="timed training steps per world size (default: 5)")
+    sc.add_argument("--warmup", type=int, default=2, help="untimed training steps before them (default: 2)")
+    sc.add_argument("--png", default=None, help="draw throughput against ideal linear scaling, and the communication share, to this PNG")
+    sc.add_argument("--json", default=None, help="write the rows (with every step time and bytes per operation) to this JSON file")
 
     c = sub.add_parser("config", help="print the resolved configuration as TOML (or every key with --keys)")
     config_args(c)
@@ -125,6 +139,45 @@ def _memory(args) -> int:
     return 0
 
 
+def _writable(option: str, path: str | None) -> None:
+    folder = os.path.dirname(os.path.abspath(path)) if path else None
+    if folder and not os.path.isdir(folder):
+        raise UserError(f"{option} {path}: the directory {folder} does not exist; create it or give another path")
+
+
+def _bench(args) -> int:
+    return {"scaling": _bench_scaling}[args.action](args)
+
+
+def _bench_scaling(args) -> int:
+    import json
+
+    from .config import Config
+    from .topology import env_world_size
+    from .train.scaling import RanksFailed, measure_scaling, plot_scaling, scaling_json, scaling_table
+
+    if "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1:
+        raise UserError("trickles bench starts its own local ranks; run it once, not under torchrun")
+    cfg = Config.load(args.config, args.overrides)
+    _writable("--png", args.png)
+    _writable("--json", args.json)
+    try:
+        rows = measure_scaling(cfg, args.ranks, args.steps, args.warmup, quiet=False)
+    except RanksFailed as e:  # the launcher has printed the failing rank's message
+        return e.exit_code
+    print(scaling_table(rows))
+    if args.png:
+        if plot_scaling(rows, args.png):
+            print(f"[trickles] scaling plot: {args.png}")
+        else:
+            print("[trickles] no plot: matplotlib is not installed (pip install 'trickles[plots]')")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(scaling_json(rows, args.steps, args.warmup), f, indent=2)
+        print(f"[trickles] scaling rows: {args.json}")
+    return 0
+
+
 def _config(args) -> int:
     from .config import Config, describe_keys
 
@@ -139,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     try:
-        code = {"train": _train, "generate": _generate, "memory": _memory, "config": _config}[args.command](args)
+        code = {"train": _train, "generate": _generate, "memory": _memory, "bench": _bench,
+                "config": _config}[args.command](args)
     except ONE_LINE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code

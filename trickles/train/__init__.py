@@ -1,1 +1,1 @@
-"""Training: the loop (trainer.py), checkpoints, metrics, FLOPs, and the entry points (run.py)."""
+"""Training: the loop (trainer.py), checkpoints, metrics, FLOPs, the entry points (run.py) and the scaling report (scaling.py)."""
