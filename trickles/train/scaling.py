@@ -227,7 +227,7 @@ def measure_rank(cfg: Config, steps: int, warmup: int, threads: int, result_path
 
     torch.set_num_threads(threads)
     dims = cfg.validate(env_world_size())
-    with distributed_session(dims, cfg.train.device) as topo:
+    with distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
         trainer = Trainer(cfg, topo, quiet=True)
         for _ in range(warmup):
             trainer.train_step()
