@@ -8,6 +8,7 @@ The public API (everything the CLI uses is reachable from here):
     with distributed_session(cfg.validate(1)) as topo:
         trainer = Trainer(cfg, topo)
         loss = trainer.train_step()["loss"]
+    export_checkpoint("runs/demo", "runs/demo-single")  # any layout's checkpoint, every tensor whole
 """
 
 from .comm import CommLedger, GroupComm
@@ -16,6 +17,7 @@ from .errors import CheckpointError, ConfigError, DataError, UserError
 from .launch import launch
 from .models import ModelConfig, Transformer, build_model, load_hf, save_hf
 from .topology import ParallelDims, Topology, distributed_session
+from .train.export import export_checkpoint
 from .train.run import run_training
 from .train.trainer import Trainer, load_for_inference
 
@@ -24,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CommLedger", "GroupComm", "Config", "CheckpointError", "ConfigError", "DataError", "UserError", "launch",
     "ModelConfig", "Transformer", "build_model", "load_hf", "save_hf", "ParallelDims", "Topology",
-    "distributed_session", "run_training", "Trainer", "load_for_inference",
+    "distributed_session", "export_checkpoint", "run_training", "Trainer", "load_for_inference",
 ]
