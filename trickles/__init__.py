@@ -2,13 +2,14 @@
 
 The public API (everything the CLI uses is reachable from here):
 
-    from trickles import Config, Trainer, ParallelDims, distributed_session, measure_scaling, run_training
+    from trickles import Config, Trainer, ParallelDims, distributed_session, export_checkpoint, measure_scaling, run_training
     cfg = Config.load("examples/demo.toml", ["train.steps=50"])
     run_training(cfg)                                  # or, step by step:
     with distributed_session(cfg.validate(1)) as topo:
         trainer = Trainer(cfg, topo)
         loss = trainer.train_step()["loss"]
     rows = measure_scaling(cfg, ranks=[1, 2])          # weak scaling: the same work per rank on 1 and 2 ranks
+    export_checkpoint("runs/demo", "runs/demo-single")  # any layout's checkpoint, every tensor whole
 """
 
 from .comm import CommLedger, GroupComm
@@ -17,6 +18,7 @@ from .errors import CheckpointError, ConfigError, DataError, UserError
 from .launch import launch
 from .models import ModelConfig, Transformer, build_model, load_hf, save_hf
 from .topology import ParallelDims, Topology, distributed_session
+from .train.export import export_checkpoint
 from .train.run import run_training
 from .train.scaling import measure_scaling
 from .train.trainer import Trainer, load_for_inference
@@ -26,5 +28,5 @@ __version__ = "0.1.0"
 __all__ = [
     "CommLedger", "GroupComm", "Config", "CheckpointError", "ConfigError", "DataError", "UserError", "launch",
     "ModelConfig", "Transformer", "build_model", "load_hf", "save_hf", "ParallelDims", "Topology",
-    "distributed_session", "run_training", "measure_scaling", "Trainer", "load_for_inference",
+    "distributed_session", "export_checkpoint", "run_training", "measure_scaling", "Trainer", "load_for_inference",
 ]

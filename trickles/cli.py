@@ -5,12 +5,16 @@
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
+    trickles checkpoint export CHECKPOINT OUT [--format trickles|hf]
 
 ``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
 ``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
 ``--nproc N`` instead spawns N local ranks itself. ``trickles bench scaling`` starts its own local
 ranks for each world size in ``--ranks`` and reports weak scaling (:mod:`trickles.train.scaling`).
-Mistakes in the input print one line and exit with status 2, before any process group is created.
+``trickles checkpoint export`` consolidates a checkpoint written by any number of ranks, in one
+process, into a single-device checkpoint (every tensor whole, optimizer state included) or a
+Hugging Face directory. Mistakes in the input print one line and exit with status 2, before any
+process group is created.
 """
 
 from __future__ import annotations
@@ -73,6 +77,15 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="print the resolved configuration as TOML (or every key with --keys)")
     config_args(c)
     c.add_argument("--keys", action="store_true", help="list every key with its type, default and meaning")
+
+    k = sub.add_parser("checkpoint", help="work with checkpoints (export)")
+    actions = k.add_subparsers(dest="action", required=True)
+    e = actions.add_parser("export", help="consolidate a checkpoint written at any layout, in one process")
+    e.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
+    e.add_argument("out", help="directory to create (must not exist)")
+    e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
+                   help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
+                        "hf: a Hugging Face directory (config.json + model.safetensors)")
     return p
 
 
@@ -188,12 +201,21 @@ def _config(args) -> int:
     return 0
 
 
+def _checkpoint(args) -> int:
+    from .train.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, args.fmt)
+    print(f"[trickles] exported {args.checkpoint} to {out} ({args.fmt})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     try:
-        code = {"train": _train, "generate": _generate, "memory": _memory, "bench": _bench,
-                "config": _config}[args.command](args)
+        commands = {"train": _train, "generate": _generate, "memory": _memory, "bench": _bench, "config": _config,
+                    "checkpoint": _checkpoint}
+        code = commands[args.command](args)
     except ONE_LINE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         code = e.exit_code

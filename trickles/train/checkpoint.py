@@ -204,13 +204,18 @@ def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:06d}")
 
 
-def begin(directory: str, step: int) -> str:
-    """Creates an empty ``step_N.tmp`` directory (removing a leftover one) and returns it."""
-    tmp = step_dir(directory, step) + ".tmp"
+def begin_dir(final: str) -> str:
+    """Creates an empty ``<final>.tmp`` directory (removing a leftover one) and returns it."""
+    tmp = final + ".tmp"
     if os.path.exists(tmp):
         shutil.rmtree(tmp)
     os.makedirs(tmp)
     return tmp
+
+
+def begin(directory: str, step: int) -> str:
+    """Creates an empty ``step_N.tmp`` directory (removing a leftover one) and returns it."""
+    return begin_dir(step_dir(directory, step))
 
 
 def commit(tmp: str, keep: int) -> str:

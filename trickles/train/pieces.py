@@ -12,7 +12,9 @@ ranges of blocks. ``{"scalar": true}`` marks a value stored once (a step counter
 
 :class:`PieceReader` answers "give me block ``(offset, shape)`` of tensor ``key``, or elements
 ``[a, b)`` of it" from whichever pieces overlap, reading from disk only the rows those pieces
-contribute, so a rank never loads the whole model to find its part.
+contribute, so a rank never loads the whole model to find its part. :func:`save_whole` writes
+every tensor of a :class:`PieceReader` whole into one file (consolidating a checkpoint), holding
+one tensor in memory at a time.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import struct
 from typing import Any
 
 import torch
@@ -27,6 +30,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
+
+#: safetensors' names of the element types a checkpoint may hold
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+          "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
 def whole_on_every_tp_rank(param: torch.Tensor) -> bool:
@@ -75,6 +82,7 @@ class PieceReader:
 
     def __init__(self, root: str, prefix: str):
         self.pieces: dict[str, list[tuple[str, dict]]] = {}
+        self.dtypes: dict[str, str] = {}  # key -> safetensors element type (of its first piece)
         names = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n.endswith(".safetensors"))
         if not names:
             raise CheckpointError(f"checkpoint {root} has no {prefix}*.safetensors files")
@@ -84,7 +92,9 @@ class PieceReader:
                 with safe_open(path, framework="pt") as f:
                     slices = json.loads((f.metadata() or {}).get("slices", "{}"))
                     for k in f.keys():
-                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {"global_shape": list(f.get_slice(k).get_shape())}))
+                        sl = f.get_slice(k)
+                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {"global_shape": list(sl.get_shape())}))
+                        self.dtypes.setdefault(k, sl.get_dtype())
             except Exception as e:
                 raise CheckpointError(f"cannot read {path}: {e}") from None
 
@@ -96,6 +106,10 @@ class PieceReader:
 
     def global_shape(self, key: str) -> tuple[int, ...]:
         return tuple(self.pieces[key][0][1].get("global_shape", []))
+
+    def is_scalar(self, key: str) -> bool:
+        """Whether ``key`` is a value stored once (``{"scalar": true}``, e.g. a step counter)."""
+        return bool(self.pieces[key][0][1].get("scalar"))
 
     def read(self, key: str, block: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
              flat_range: tuple[int, int] | None = None) -> torch.Tensor | None:
@@ -166,5 +180,42 @@ def _piece_region(path, key, meta, p_off, p_shape, lo, hi):
 
 
 def _dtype(sl) -> torch.dtype:
-    names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64, "I64": torch.int64}
-    return names.get(sl.get_dtype(), torch.float32)
+    return DTYPES.get(sl.get_dtype(), torch.float32)
+
+
+def save_whole(reader: PieceReader, path: str) -> None:
+    """Writes every tensor of ``reader`` whole into the safetensors file ``path``, one tensor in memory at a time.
+
+    Each entry is described as the whole tensor (``{"global_shape": shape}``; a scalar keeps
+    ``{"scalar": true}``), so :class:`PieceReader` reads it back at any layout. The file is laid out
+    as :func:`safetensors.torch.save_file` lays it out -- an 8-byte little-endian header length, the
+    JSON header padded to 8 bytes, then the tensors' bytes back to back, larger elements first so
+    that every tensor stays aligned -- but the header is computed from the pieces' metadata and each
+    tensor is written as soon as it is assembled.
+    """
+    unknown = sorted({d for d in reader.dtypes.values() if d not in DTYPES})
+    if unknown:
+        raise CheckpointError(f"{path}: cannot consolidate tensors of type {unknown}; they are not checkpoint types")
+    keys = sorted(reader.keys(), key=lambda k: (-DTYPES[reader.dtypes[k]].itemsize, k))
+    header: dict[str, Any] = {}
+    slices: dict[str, dict] = {}
+    pos = 0
+    for k in keys:
+        shape = list(reader.global_shape(k))
+        nbytes = math.prod(shape) * DTYPES[reader.dtypes[k]].itemsize
+        header[k] = {"dtype": reader.dtypes[k], "shape": shape, "data_offsets": [pos, pos + nbytes]}
+        slices[k] = {"global_shape": shape, "scalar": True} if reader.is_scalar(k) else {"global_shape": shape}
+        pos += nbytes
+    header["__metadata__"] = {"format": "pt", "slices": json.dumps(slices)}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for k in keys:
+            t = reader.read(k)
+            want = (DTYPES[reader.dtypes[k]], tuple(header[k]["shape"]))
+            if (t.dtype, tuple(t.shape)) != want:
+                raise CheckpointError(f"the pieces of {k} hold {t.dtype} {tuple(t.shape)}, its description says {want[0]} {want[1]}; "
+                                      "the checkpoint is inconsistent")
+            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)

@@ -342,10 +342,14 @@ def _gather_objects(obj: Any, topo: Topology) -> list[Any]:
     return out
 
 
-def load_for_inference(path: str, device: torch.device | str = "cpu"):
-    """``(model, tokenizer, trainer_meta)`` from a checkpoint directory, run's out_dir or checkpoints folder."""
+def load_for_inference(path: str, device: torch.device | str = "cpu", verify: bool = True):
+    """``(model, tokenizer, trainer_meta)`` from a checkpoint directory, run's out_dir or checkpoints folder.
+
+    ``verify=False`` skips checking the manifest (the caller just did).
+    """
     path = ckpt.resolve(path)
-    ckpt.verify(path)
+    if verify:
+        ckpt.verify(path)
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     model_cfg = ModelConfig(**meta["model"])
     with torch.device("meta"):

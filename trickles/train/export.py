@@ -1,0 +1,138 @@
+"""Consolidating a checkpoint: into one that a single process loads as it is, or into a Hugging Face directory.
+
+A checkpoint written by N ranks holds each tensor in pieces (see :mod:`~trickles.train.pieces`).
+:func:`export_checkpoint` reads it in this one process, whatever layout wrote it, after checking
+its manifest, and writes
+
+* ``fmt="trickles"``: the checkpoint one process at dp = tp = pp = 1 without ZeRO would have
+  written: ``model-rank00000.safetensors`` with every parameter and buffer whole,
+  ``optimizer-rank00000.safetensors`` with every Adam moment (and fp32 master weight of a
+  low-precision parameter) whole and the step counters as scalars -- both streamed, one tensor in
+  memory at a time --, ``trainer.json`` for one process (world size 1, the layout and the
+  ``[parallel]`` settings reset, rank 0's RNG state, and under ``exported_from`` the source and
+  its layout), the tokenizer, and a fresh manifest. Step, consumed samples, loss scaler, model
+  and the rest of the config are kept. Like any checkpoint it loads at any layout.
+* ``fmt="hf"``: the whole model through :func:`~trickles.train.trainer.load_for_inference` and
+  :func:`~trickles.models.hf.save_hf` (``config.json`` + ``model.safetensors``, the tokenizer's
+  eos id in the config), with the tokenizer's files beside them.
+
+Either is written in ``<out>.tmp`` and renamed to ``out`` once complete; a failure removes
+``<out>.tmp``, and an existing ``out`` is refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import shutil
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, UserError
+from ..models.config import ModelConfig
+from ..models.transformer import Transformer
+from ..parallel.config import ParallelConfig
+from . import checkpoint as ckpt
+from .config import TrainConfig
+from .pieces import PieceReader, save_whole
+
+FORMATS = ("trickles", "hf")
+TOKENIZER = "tokenizer"
+
+
+def export_checkpoint(src: str, out: str, fmt: str = "trickles") -> str:
+    """Writes the checkpoint at ``src`` (a step_N directory, a checkpoints folder or a run's out_dir) to ``out`` as ``fmt``.
+
+    Returns ``out``. Raises :class:`CheckpointError` for a missing or damaged source (nothing is
+    written then) and for an ``out`` that already exists.
+    """
+    if fmt not in FORMATS:
+        raise UserError(f"unknown export format {fmt!r}; choose {' or '.join(FORMATS)}")
+    path = ckpt.resolve(src)
+    ckpt.verify(path)
+    out = os.path.normpath(out)
+    if os.path.lexists(out):
+        raise CheckpointError(f"{out} already exists; choose another path or delete it")
+    source, target = os.path.realpath(path), os.path.realpath(out)
+    if os.path.commonpath([source, target]) == source:
+        raise CheckpointError(f"{out} lies inside the checkpoint it exports; choose a path outside {path}")
+    meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+    tmp = ckpt.begin_dir(out)
+    try:
+        if fmt == "trickles":
+            _write_single_process(path, tmp, meta)
+            ckpt.write_manifest(tmp)
+        else:
+            _write_hf(path, tmp)
+        if os.path.lexists(out):
+            raise CheckpointError(f"{out} appeared while exporting; choose another path or delete it")
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_single_process(path: str, tmp: str, meta: dict[str, Any]) -> None:
+    """Model, optimizer state, tokenizer and trainer.json of the checkpoint at ``path``, whole, into ``tmp``."""
+    models = PieceReader(path, "model")
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**meta["model"]))
+    ckpt.check_fits(models, ckpt.unique_state(model), path)
+    save_whole(models, os.path.join(tmp, "model-rank00000.safetensors"))
+    if any(n.startswith("optimizer") and n.endswith(".safetensors") for n in os.listdir(path)):
+        save_whole(PieceReader(path, "optimizer"), os.path.join(tmp, "optimizer-rank00000.safetensors"))
+    shutil.copytree(_tokenizer_dir(path), os.path.join(tmp, TOKENIZER))
+    ckpt.write_json(os.path.join(tmp, "trainer.json"), single_process_meta(meta, path))
+
+
+def single_process_meta(meta: dict[str, Any], source: str) -> dict[str, Any]:
+    """``trainer.json`` of the checkpoint at ``source`` as one process would have written it.
+
+    The layout becomes dp = tp = pp = 1, ZeRO 0, no sequence parallelism, the default schedule;
+    the config's ``[parallel]`` section says the same (its bucket size and prefetch kept), and the
+    settings that need several ranks (``memory.offload_optimizer``, ``train.pipeline_trace``) are
+    off, so that ``Config.validate(1)`` accepts it. Only rank 0's RNG state is kept.
+    """
+    defaults = ParallelConfig()
+    out = copy.deepcopy(meta)
+    config = out.setdefault("config", {})
+    old = config.get("parallel", {})
+    config["parallel"] = {**dataclasses.asdict(defaults), "dp": 1, **{k: old[k] for k in ("bucket_mb", "prefetch") if k in old}}
+    if "memory" in config:
+        config["memory"]["offload_optimizer"] = False
+    if "train" in config:
+        config["train"]["pipeline_trace"] = TrainConfig().pipeline_trace
+    out.update(
+        world_size=1, config=config, rng=(meta.get("rng") or [])[:1],
+        layout={"dp": 1, "tp": 1, "pp": 1, "zero": 0, "sequence_parallel": False, "schedule": defaults.schedule,
+                "virtual_stages": defaults.virtual_stages},
+        exported_from={"checkpoint": os.path.abspath(source), "world_size": meta.get("world_size"), "layout": meta.get("layout")},
+    )
+    return out
+
+
+def _write_hf(path: str, tmp: str) -> None:
+    """The whole model of the checkpoint at ``path`` as a Hugging Face directory ``tmp``, the tokenizer's files beside it."""
+    from ..models.hf import save_hf
+    from .trainer import load_for_inference
+
+    model, tokenizer, _ = load_for_inference(path, verify=False)  # verified by the caller
+    model.hf_token_ids = {"eos_token_id": tokenizer.eos_id}
+    save_hf(model, tmp)
+    del model
+    tok = _tokenizer_dir(path)
+    for name in sorted(os.listdir(tok)):
+        if os.path.exists(os.path.join(tmp, name)):
+            raise CheckpointError(f"the tokenizer's {name} would overwrite the model's; the checkpoint's tokenizer/ is unexpected")
+        copy = shutil.copytree if os.path.isdir(os.path.join(tok, name)) else shutil.copy2
+        copy(os.path.join(tok, name), os.path.join(tmp, name))
+
+
+def _tokenizer_dir(path: str) -> str:
+    tok = os.path.join(path, TOKENIZER)
+    if not os.path.isdir(tok):
+        raise CheckpointError(f"checkpoint {path} has no {TOKENIZER}/ directory; it is incomplete")
+    return tok
