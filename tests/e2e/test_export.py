@@ -270,3 +270,27 @@ def test_command_refuses_an_existing_out(work, tmp_path):
     r = trickles("checkpoint", "export", path, str(out), "--format", "hf")
     _one_line_error(r, "already exists; choose another path or delete it")
     assert os.listdir(out) == ["keep.txt"] and sorted(os.listdir(tmp_path)) == ["out"]
+
+
+def test_consolidated_files_are_cut_at_the_size_limit_and_read_back_whole(tmp_path):
+    from trickles.train.pieces import save_pieces, save_whole
+
+    src = tmp_path / "src"
+    src.mkdir()
+    full = {"a": torch.arange(12.0).view(3, 4), "b": torch.arange(8, dtype=torch.bfloat16), "c": torch.ones(5, 2)}
+    # "a" in two row blocks from two ranks, "b" as two flat ranges, "c" whole; a scalar step counter
+    save_pieces({"a": (full["a"][:2], {"global_shape": [3, 4], "offset": [0, 0], "block_shape": [2, 4]}),
+                 "b": (full["b"][:3], {"global_shape": [8], "flat_range": [0, 3]}),
+                 "step": (torch.tensor(7.0), {"global_shape": [], "scalar": True})}, str(src / "x-rank00000.safetensors"))
+    save_pieces({"a": (full["a"][2:], {"global_shape": [3, 4], "offset": [2, 0], "block_shape": [1, 4]}),
+                 "b": (full["b"][3:], {"global_shape": [8], "flat_range": [3, 8]}), "c": full["c"]},
+                str(src / "x-rank00001.safetensors"))
+    out = tmp_path / "out"
+    out.mkdir()
+    files = save_whole(PieceReader(str(src), "x"), str(out), "x", shard_bytes=64)
+    assert [os.path.basename(f) for f in files] == ["x-rank00000.safetensors", "x-rank00000-2.safetensors"]  # a, b: 48 + 16 bytes; c, step: 40 + 4
+    back = PieceReader(str(out), "x")
+    assert back.keys() == ["a", "b", "c", "step"] and back.is_scalar("step") and back.read("step").item() == 7.0
+    for k, t in full.items():
+        assert torch.equal(back.read(k), t) and back.read(k).dtype == t.dtype
+        assert back.pieces[k][0][1] == {"global_shape": list(t.shape)}  # described whole

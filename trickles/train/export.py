@@ -7,8 +7,9 @@ its manifest, and writes
 * ``fmt="trickles"``: the checkpoint one process at dp = tp = pp = 1 without ZeRO would have
   written: ``model-rank00000.safetensors`` with every parameter and buffer whole,
   ``optimizer-rank00000.safetensors`` with every Adam moment (and fp32 master weight of a
-  low-precision parameter) whole and the step counters as scalars -- both streamed, one tensor in
-  memory at a time --, ``trainer.json`` for one process (world size 1, the layout and the
+  low-precision parameter) whole and the step counters as scalars -- read one tensor at a time and
+  written in files of at most 2 GiB (``...-rank00000-2.safetensors`` and on for larger models) --,
+  ``trainer.json`` for one process (world size 1, the layout and the
   ``[parallel]`` settings reset, rank 0's RNG state, and under ``exported_from`` the source and
   its layout), the tokenizer, and a fresh manifest. Step, consumed samples, loss scaler, model
   and the rest of the config are kept. Like any checkpoint it loads at any layout.
@@ -81,9 +82,9 @@ def _write_single_process(path: str, tmp: str, meta: dict[str, Any]) -> None:
     with torch.device("meta"):
         model = Transformer(ModelConfig(**meta["model"]))
     ckpt.check_fits(models, ckpt.unique_state(model), path)
-    save_whole(models, os.path.join(tmp, "model-rank00000.safetensors"))
+    save_whole(models, tmp, "model")
     if any(n.startswith("optimizer") and n.endswith(".safetensors") for n in os.listdir(path)):
-        save_whole(PieceReader(path, "optimizer"), os.path.join(tmp, "optimizer-rank00000.safetensors"))
+        save_whole(PieceReader(path, "optimizer"), tmp, "optimizer")
     shutil.copytree(_tokenizer_dir(path), os.path.join(tmp, TOKENIZER))
     ckpt.write_json(os.path.join(tmp, "trainer.json"), single_process_meta(meta, path))
 

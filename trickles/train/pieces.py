@@ -13,8 +13,7 @@ ranges of blocks. ``{"scalar": true}`` marks a value stored once (a step counter
 :class:`PieceReader` answers "give me block ``(offset, shape)`` of tensor ``key``, or elements
 ``[a, b)`` of it" from whichever pieces overlap, reading from disk only the rows those pieces
 contribute, so a rank never loads the whole model to find its part. :func:`save_whole` writes
-every tensor of a :class:`PieceReader` whole into one file (consolidating a checkpoint), holding
-one tensor in memory at a time.
+every tensor of a :class:`PieceReader` whole (consolidating a checkpoint), in files of bounded size.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import struct
 from typing import Any
 
 import torch
@@ -82,7 +80,6 @@ class PieceReader:
 
     def __init__(self, root: str, prefix: str):
         self.pieces: dict[str, list[tuple[str, dict]]] = {}
-        self.dtypes: dict[str, str] = {}  # key -> safetensors element type (of its first piece)
         names = sorted(n for n in os.listdir(root) if n.startswith(prefix) and n.endswith(".safetensors"))
         if not names:
             raise CheckpointError(f"checkpoint {root} has no {prefix}*.safetensors files")
@@ -92,9 +89,7 @@ class PieceReader:
                 with safe_open(path, framework="pt") as f:
                     slices = json.loads((f.metadata() or {}).get("slices", "{}"))
                     for k in f.keys():
-                        sl = f.get_slice(k)
-                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {"global_shape": list(sl.get_shape())}))
-                        self.dtypes.setdefault(k, sl.get_dtype())
+                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {"global_shape": list(f.get_slice(k).get_shape())}))
             except Exception as e:
                 raise CheckpointError(f"cannot read {path}: {e}") from None
 
@@ -183,39 +178,34 @@ def _dtype(sl) -> torch.dtype:
     return DTYPES.get(sl.get_dtype(), torch.float32)
 
 
-def save_whole(reader: PieceReader, path: str) -> None:
-    """Writes every tensor of ``reader`` whole into the safetensors file ``path``, one tensor in memory at a time.
+def save_whole(reader: PieceReader, directory: str, prefix: str, shard_bytes: int = 2 << 30) -> list[str]:
+    """Writes every tensor of ``reader`` whole into ``<directory>/<prefix>-rank00000.safetensors``; returns the files.
 
     Each entry is described as the whole tensor (``{"global_shape": shape}``; a scalar keeps
-    ``{"scalar": true}``), so :class:`PieceReader` reads it back at any layout. The file is laid out
-    as :func:`safetensors.torch.save_file` lays it out -- an 8-byte little-endian header length, the
-    JSON header padded to 8 bytes, then the tensors' bytes back to back, larger elements first so
-    that every tensor stays aligned -- but the header is computed from the pieces' metadata and each
-    tensor is written as soon as it is assembled.
+    ``{"scalar": true}``), so :class:`PieceReader` reads it back at any layout. Tensors are read
+    one at a time and written in files of at most ``shard_bytes`` (one larger tensor gets a file of
+    its own; the second file is ``<prefix>-rank00000-2.safetensors``, and so on), so consolidating
+    never holds more than one file's worth in memory.
     """
-    unknown = sorted({d for d in reader.dtypes.values() if d not in DTYPES})
-    if unknown:
-        raise CheckpointError(f"{path}: cannot consolidate tensors of type {unknown}; they are not checkpoint types")
-    keys = sorted(reader.keys(), key=lambda k: (-DTYPES[reader.dtypes[k]].itemsize, k))
-    header: dict[str, Any] = {}
-    slices: dict[str, dict] = {}
-    pos = 0
-    for k in keys:
-        shape = list(reader.global_shape(k))
-        nbytes = math.prod(shape) * DTYPES[reader.dtypes[k]].itemsize
-        header[k] = {"dtype": reader.dtypes[k], "shape": shape, "data_offsets": [pos, pos + nbytes]}
-        slices[k] = {"global_shape": shape, "scalar": True} if reader.is_scalar(k) else {"global_shape": shape}
-        pos += nbytes
-    header["__metadata__"] = {"format": "pt", "slices": json.dumps(slices)}
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for k in keys:
-            t = reader.read(k)
-            want = (DTYPES[reader.dtypes[k]], tuple(header[k]["shape"]))
-            if (t.dtype, tuple(t.shape)) != want:
-                raise CheckpointError(f"the pieces of {k} hold {t.dtype} {tuple(t.shape)}, its description says {want[0]} {want[1]}; "
-                                      "the checkpoint is inconsistent")
-            f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    files: list[str] = []
+    batch: dict[str, tuple[torch.Tensor, dict]] = {}
+    size = 0
+
+    def flush() -> None:
+        name = f"{prefix}-rank00000" + (f"-{len(files) + 1}" if files else "") + ".safetensors"
+        files.append(os.path.join(directory, name))
+        save_pieces(batch, files[-1])
+        batch.clear()
+
+    for key in reader.keys():
+        t = reader.read(key)
+        nbytes = t.numel() * t.element_size()
+        if batch and size + nbytes > shard_bytes:
+            flush()
+            size = 0
+        meta = {"global_shape": list(t.shape), "scalar": True} if reader.is_scalar(key) else {"global_shape": list(t.shape)}
+        batch[key] = (t, meta)
+        size += nbytes
+    if batch or not files:
+        flush()
+    return files
