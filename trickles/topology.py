@@ -219,12 +219,20 @@ def env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def restart_count() -> int:
+    """How often the launcher has restarted this job after a failure: ``TRICKLES_RESTART`` (``trickles train
+    --max-restarts``) or ``TORCHELASTIC_RESTART_COUNT`` (``torchrun --max-restarts``); 0 on the first attempt."""
+    return int(os.environ.get("TRICKLES_RESTART") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+
+
 def init_distributed(device: torch.device, timeout_s: float | None = None) -> bool:
     """Joins the default process group described by the environment; False when single-process.
 
-    Under torchrun, rendezvous is ``env://`` (MASTER_ADDR/MASTER_PORT, rank 0 hosts the store).
-    Under ``trickles.launch`` the launcher already hosts a TCP store on an ephemeral port
-    (``TRICKLES_AGENT_STORE=1``), and every rank joins it as a client.
+    Rendezvous goes through the TCP store at ``MASTER_ADDR:MASTER_PORT``: hosted by the launcher
+    (``trickles.launch``, which sets ``TRICKLES_AGENT_STORE=1``) or by torchrun's agent
+    (``TORCHELASTIC_USE_AGENT_STORE``), else by rank 0. Every attempt of a restarted job
+    (``TRICKLES_RESTART`` / ``TORCHELASTIC_RESTART_COUNT``) works under its own key prefix, so its
+    ranks never meet the addresses the previous attempt left in the store.
     """
     world = env_world_size()
     if world == 1 or dist.is_initialized():
@@ -236,13 +244,11 @@ def init_distributed(device: torch.device, timeout_s: float | None = None) -> bo
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    if os.environ.get("TRICKLES_AGENT_STORE") == "1":
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                              timeout=kwargs.get("timeout", datetime.timedelta(seconds=300)))
-        prefix = f"attempt{os.environ.get('TRICKLES_RESTART', '0')}"
-        dist.init_process_group(backend_for(device), store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, **kwargs)
-    else:
-        dist.init_process_group(backend_for(device), rank=rank, world_size=world, **kwargs)
+    hosted = os.environ.get("TRICKLES_AGENT_STORE") == "1" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not hosted and rank == 0,
+                          timeout=kwargs.get("timeout", datetime.timedelta(seconds=300)))
+    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"attempt{restart_count()}", store), rank=rank,
+                            world_size=world, **kwargs)
     return True
 
 

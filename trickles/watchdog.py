@@ -56,7 +56,7 @@ class Watchdog:
             raise ValueError(f"the communication timeout must be positive, got {timeout_s}")
         self.timeout_s, self.rank, self.where = timeout_s, rank, where
         self.store = store if store is not None else _default_store()
-        self.key = f"{_KEY}/{os.environ.get('TRICKLES_RESTART', os.environ.get('TORCHELASTIC_RESTART_COUNT', '0'))}"
+        self.key = _KEY  # the job's store is already prefixed per attempt (trickles.topology.init_distributed)
         self.poll_s = min(1.0, timeout_s / 10)
         self._exit = exit_fn
         self._stop = threading.Event()

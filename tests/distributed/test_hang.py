@@ -65,6 +65,7 @@ class _Store:
 def test_watchdog_fires_past_the_limit_and_stops_the_other_ranks(capfd):
     store, exits = _Store(), []
     done = threading.Event()
+    flight.step = None  # no training step in this process (an earlier test's trainer may have set one)
 
     def exit_fn(code):
         exits.append(code)

@@ -2,7 +2,7 @@
 
 Fault tolerance: under ``trickles train --nproc N --max-restarts K`` or ``torchrun --max-restarts=K``
 a failed rank brings all ranks down and back up; the restarted ranks see a non-zero
-:func:`restart_count` and continue from the newest complete checkpoint in ``train.out_dir``
+:func:`~trickles.topology.restart_count` and continue from the newest complete checkpoint in ``train.out_dir``
 (same weights, optimizer state, data position and random states as when it was written).
 """
 
@@ -12,21 +12,15 @@ import os
 
 from ..config import Config
 from ..errors import UserError
-from ..topology import distributed_session, env_world_size
+from ..topology import distributed_session, env_world_size, restart_count
 from . import checkpoint
 from .trainer import Trainer
-
-
-def restart_count() -> int:
-    """How often the launcher has restarted this job after a failure: ``TRICKLES_RESTART`` (``trickles train
-    --max-restarts``) or ``TORCHELASTIC_RESTART_COUNT`` (``torchrun --max-restarts``); 0 on the first attempt."""
-    return int(os.environ.get("TRICKLES_RESTART") or os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
 
 
 def resolve_resume(resume: str | None, out_dir: str) -> str | None:
     """``None`` | ``"auto"`` (newest complete checkpoint under out_dir, or none) | a path; verified.
 
-    A restarted job (:func:`restart_count` > 0) continues from the newest complete checkpoint in
+    A restarted job (:func:`~trickles.topology.restart_count` > 0) continues from the newest complete checkpoint in
     out_dir, whatever it was started with; only when it wrote none yet does it start as before.
     """
     if restart_count() > 0:
