@@ -167,11 +167,16 @@ def _piece_region(path, key, meta, p_off, p_shape, lo, hi):
             empty = torch.zeros([y - x for x, y in zip(lo, hi)], dtype=_dtype(sl))
             return empty, torch.zeros_like(empty, dtype=torch.bool)
         data = sl[first - a:last - a]
-    block = torch.zeros(math.prod(p_shape), dtype=data.dtype)
-    have = torch.zeros(math.prod(p_shape), dtype=torch.bool)
-    block[first:last] = data
-    have[first:last] = True
-    return block.view(p_shape)[local], have.view(p_shape)[local]
+    # a buffer of just the rows the wanted region spans (not the piece's whole block), the piece's elements put in place
+    r0, r1 = (local[0].start, local[0].stop) if local else (0, 1)
+    rows = torch.zeros((r1 - r0) * row, dtype=data.dtype)
+    have = torch.zeros((r1 - r0) * row, dtype=torch.bool)
+    rows[first - r0 * row:last - r0 * row] = data
+    have[first - r0 * row:last - r0 * row] = True
+    if not local:
+        return rows.view(p_shape), have.view(p_shape)
+    shape, rest = (r1 - r0, *p_shape[1:]), (slice(None), *local[1:])
+    return rows.view(shape)[rest], have.view(shape)[rest]
 
 
 def _dtype(sl) -> torch.dtype:
