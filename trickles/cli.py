@@ -3,7 +3,7 @@
     trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
     trickles generate CHECKPOINT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
-    trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F] [--json F]
+    trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
     trickles checkpoint export CHECKPOINT OUT [--format trickles|hf]
 
@@ -71,7 +71,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="world sizes to run (default: 1, 2, 4, ... up to the GPUs, or the CPU cores but at least 1 and 2)")
     sc.add_argument("--steps", type=int, default=5, help="timed training steps per world size (default: 5)")
     sc.add_argument("--warmup", type=int, default=2, help="untimed training steps before them (default: 2)")
-    sc.add_argument("--png", default=None, help="draw throughput against ideal linear scaling, and the communication share, to this PNG")
+    sc.add_argument("--png", default=None, help="draw throughput against ideal linear scaling, and the communication share, "
+                                                "to this PNG (default: scaling.png in train.out_dir)")
+    sc.add_argument("--no-png", action="store_true", help="print the table only, draw no PNG")
     sc.add_argument("--json", default=None, help="write the rows (with every step time and bytes per operation) to this JSON file")
 
     c = sub.add_parser("config", help="print the resolved configuration as TOML (or every key with --keys)")
@@ -172,16 +174,19 @@ def _bench_scaling(args) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1:
         raise UserError("trickles bench starts its own local ranks; run it once, not under torchrun")
     cfg = Config.load(args.config, args.overrides)
-    _writable("--png", args.png)
+    png = None if args.no_png else args.png or os.path.join(cfg.train.out_dir, "scaling.png")
+    if args.png:
+        _writable("--png", args.png)
     _writable("--json", args.json)
     try:
         rows = measure_scaling(cfg, args.ranks, args.steps, args.warmup, quiet=False)
     except RanksFailed as e:  # the launcher has printed the failing rank's message
         return e.exit_code
     print(scaling_table(rows))
-    if args.png:
-        if plot_scaling(rows, args.png):
-            print(f"[trickles] scaling plot: {args.png}")
+    if png:
+        os.makedirs(os.path.dirname(os.path.abspath(png)), exist_ok=True)
+        if plot_scaling(rows, png):
+            print(f"[trickles] scaling plot: {png}")
         else:
             print("[trickles] no plot: matplotlib is not installed (pip install 'trickles[plots]')")
     if args.json:

@@ -42,8 +42,8 @@ def _padded_gradient(tmp, dp):
 
 
 def test_one_and_two_ranks_table_plot_and_json(tmp_path):
-    png, out = tmp_path / "scaling.png", tmp_path / "scaling.json"
-    r = trickles(*bench_args(tmp_path, "--ranks", "1", "2", "--steps", "2", "--warmup", "1", "--png", str(png), "--json", str(out)))
+    png, out = tmp_path / "run" / "scaling.png", tmp_path / "scaling.json"  # the PNG by default in train.out_dir
+    r = trickles(*bench_args(tmp_path, "--ranks", "1", "2", "--steps", "2", "--warmup", "1", "--json", str(out)))
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "leaked" not in r.stderr
     lines = r.stdout.splitlines()
@@ -71,8 +71,8 @@ def test_one_and_two_ranks_table_plot_and_json(tmp_path):
     assert two["sent_by_op"] == {"all_reduce/dp": 2 * (2 - 1) / 2 * 4 * (padded + 1)}
     assert two["bytes_sent"] == 4 * (padded + 1)
     assert table[1][6] == f"{4 * (padded + 1):,}"
-    assert png.stat().st_size > 10_000
-    assert not (tmp_path / "run").exists()  # nothing written to out_dir
+    assert png.stat().st_size > 10_000 and f"scaling plot: {png}" in r.stdout
+    assert os.listdir(tmp_path / "run") == ["scaling.png"]  # the training runs wrote nothing there
 
 
 @pytest.mark.parametrize("extra,needle", [
