@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from _timing import device_name, rotations, summarize, sync, timed
-from trickles.topology import exit_process, init_distributed, select_device
+from trickles.topology import cpu_cores, exit_process, init_distributed, select_device
 
 
 def add_run_args(p) -> None:
@@ -113,9 +113,8 @@ def setup_rank(args) -> tuple[torch.device, int, int]:
     """Device, rank and world size of this process; CPU threads split among the local ranks; fp32 matmuls exact."""
     device = select_device(args.device)
     if device.type == "cpu":
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
-        torch.set_num_threads(args.threads or max(1, cores // world))
+        torch.set_num_threads(args.threads or max(1, cpu_cores() // world))
     else:
         torch.set_float32_matmul_precision("highest")  # fp32 matmuls, so the agreement check means fp32
     if not init_distributed(device):  # a single process: the peers (DDP, FSDP2, DTensor) still want a group

@@ -95,7 +95,7 @@ def _train(args) -> int:
     from .config import Config
     from .data.sources import check_source
     from .launch import launch
-    from .topology import env_world_size
+    from .topology import env_world_size, restart_count
     from .train.run import resolve_resume, run_training
 
     overrides = args.overrides + ([f"train.pipeline_trace={args.pipeline_trace}"] if args.pipeline_trace else [])
@@ -111,7 +111,7 @@ def _train(args) -> int:
         print(f"[trickles] no complete checkpoint in {cfg.train.out_dir}; starting from step 0")
     if args.nproc is not None and args.nproc > 1 or args.max_restarts:
         return launch(run_training, (cfg, resume, args.quiet), world, max_restarts=args.max_restarts)
-    run_training(cfg, resume, quiet=args.quiet)
+    run_training(cfg, resume, quiet=args.quiet, resolved_at=restart_count())  # under torchrun: resolved for this attempt
     return 0
 
 

@@ -64,8 +64,9 @@ def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str) 
     if "OMP_NUM_THREADS" not in os.environ:  # the ranks share this machine's cores (torchrun sets 1 per rank)
         import torch
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        torch.set_num_threads(max(1, cores // int(env["LOCAL_WORLD_SIZE"])))
+        from .topology import cpu_cores
+
+        torch.set_num_threads(max(1, cpu_cores() // int(env["LOCAL_WORLD_SIZE"])))
     try:
         code = fn(*args)
     except SystemExit as e:

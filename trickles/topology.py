@@ -214,6 +214,12 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity where the OS tells it, else all of them)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 def env_world_size() -> int:
     """World size from the launcher's environment (torchrun or ours); 1 when not launched."""
     return int(os.environ.get("WORLD_SIZE", "1"))

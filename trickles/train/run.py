@@ -40,14 +40,16 @@ def resolve_resume(resume: str | None, out_dir: str) -> str | None:
     return path
 
 
-def run_training(cfg: Config, resume: str | None = None, quiet: bool = False, verified: bool = True) -> list[dict]:
+def run_training(cfg: Config, resume: str | None = None, quiet: bool = False, verified: bool = True,
+                 resolved_at: int = 0) -> list[dict]:
     """Trains ``cfg`` in this process (one rank of a torchrun/launcher job, or alone).
 
     ``resume`` is a checkpoint directory (already checked by :func:`resolve_resume` when
-    ``verified``). Returns this rank's per-step metrics.
+    ``verified``), resolved at restart count ``resolved_at``: a job restarted since then
+    resolves it again, to the newest complete checkpoint. Returns this rank's per-step metrics.
     """
     dims = cfg.validate(env_world_size())
-    if restart_count() > 0:  # the launcher brought the job back up after a failure
+    if restart_count() != resolved_at:  # the launcher brought the job back up after a failure
         resume, verified = resolve_resume(resume, cfg.train.out_dir), True
     with distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
         trainer = Trainer(cfg, topo, quiet=quiet)

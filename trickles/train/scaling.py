@@ -55,7 +55,7 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError, UserError
-from ..topology import ParallelDims
+from ..topology import ParallelDims, cpu_cores
 
 
 @dataclass
@@ -124,12 +124,6 @@ def scale_rows(rows: list[ScalingRow]) -> list[ScalingRow]:
 
 # ---- what runs where -----------------------------------------------------------------------
 
-def cpu_cores() -> int:
-    """CPU cores this process may run on."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
-
-
 def host(cfg: Config) -> tuple[str, int]:
     """``("cuda", GPUs)`` when the ranks will run on GPUs, else ``("cpu", cores)``."""
     device = cfg.train.device
@@ -186,9 +180,6 @@ def plan(cfg: Config, ranks: list[int] | None, steps: int, warmup: int) -> list[
         raise UserError(f"--steps must be at least 1, got {steps}")
     if warmup < 0:
         raise UserError(f"--warmup must not be negative, got {warmup}")
-    for n in ranks or ():
-        if n < 1:
-            raise UserError(f"--ranks must be at least 1, got {n}")
     p = cfg.parallel
     cfg.validate(_replica(cfg) * (p.dp if p.dp >= 1 else 1))  # the layout as written, whose per-rank work is scaled
     kind, capacity = host(cfg)
