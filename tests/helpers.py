@@ -1,4 +1,19 @@
-"""Small shared pieces of the test suite: a tiny, fast configuration."""
+"""Small shared pieces of the test suite: a tiny, fast configuration, and tolerance checks that prove they can fail.
+
+A tolerance is only worth something if a wrong run would break it. :func:`assert_losses_track` and
+:func:`assert_weights_track` therefore assert both sides at once:
+
+* the run under test is within ``tol`` of the reference (the same precision on one process), and
+* each deliberately wrong run (a learning rate 5% off, a weight that never moved) is *farther* than ``tol``.
+
+Every caller justifies its ``tol`` in a comment by the gap it measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
 
 from trickles.config import Config
 
@@ -10,3 +25,49 @@ def tiny_config(tmp, *overrides, steps=6, corpus_bytes=120_000):
         f"train.steps={steps}", "train.global_batch=8", "train.warmup_steps=2", "train.eval_every=0",
         "train.sample_tokens=0", "train.plot=false", f"train.out_dir={tmp}/run", "train.lr=3e-3", *overrides,
     ])
+
+
+def loss_gap(losses: Sequence[float], reference: Sequence[float]) -> float:
+    """Largest relative difference between two loss curves, step by step."""
+    assert len(losses) == len(reference), (len(losses), len(reference))
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+
+
+def weight_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest absolute element difference (fp32 arithmetic)."""
+    return float((a.detach().float() - b.detach().float()).abs().max())
+
+
+def assert_losses_track(losses, reference, tol: float, wrong: Mapping[str, Sequence[float]]) -> float:
+    """``losses`` within ``tol`` (relative, per step) of ``reference``, and every run in ``wrong`` farther.
+
+    Returns the measured gap, for the caller's message or comment."""
+    gap = loss_gap(losses, reference)
+    assert gap <= tol, f"losses differ from the reference by {gap:.3g} relative, more than the tolerance {tol:.3g}"
+    assert wrong, "name at least one wrong run the tolerance must reject"
+    for name, bad in wrong.items():
+        bad_gap = loss_gap(bad, reference)
+        assert bad_gap > tol, f"the tolerance {tol:.3g} would pass a wrong run ({name}: gap {bad_gap:.3g})"
+    return gap
+
+
+def assert_weights_track(weights: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+                         initial: Mapping[str, torch.Tensor], tol: float) -> float:
+    """Every weight within ``tol`` (absolute) of the reference's, and every weight moved farther than ``tol`` from
+    where it started -- so a weight that was never updated (left at ``initial``) fails. Returns the largest gap."""
+    assert weights.keys() == reference.keys() == initial.keys(), (sorted(weights), sorted(reference), sorted(initial))
+    worst = 0.0
+    for name, w in weights.items():
+        gap = weight_gap(w, reference[name])
+        moved = weight_gap(initial[name], reference[name])
+        assert gap <= tol, f"{name} differs from the reference by {gap:.3g}, more than the tolerance {tol:.3g}"
+        assert moved > tol, f"the tolerance {tol:.3g} would pass {name} never being updated (it moved {moved:.3g} in all)"
+        worst = max(worst, gap)
+    return worst
+
+
+def perturbed(weights: Mapping[str, torch.Tensor], name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A copy of ``weights`` with ``name`` replaced by ``value`` (e.g. its initial value: a weight left un-updated)."""
+    out = dict(weights)
+    out[name] = value
+    return out

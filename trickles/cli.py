@@ -20,14 +20,22 @@ process group is created.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
 from .errors import ONE_LINE_ERRORS, UserError
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the command's error style: one line ``error: ...`` and status 2 (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="trickles", description="Train and sample transformer models on the hardware you have.")
+    p = _Parser(prog="trickles", description="Train and sample transformer models on the hardware you have.")
     sub = p.add_subparsers(dest="command", required=True)
 
     def config_args(sp):
@@ -98,6 +106,9 @@ def _train(args) -> int:
     from .topology import env_world_size, restart_count
     from .train.run import resolve_resume, run_training
 
+    _count("--nproc", args.nproc, 1)
+    _count("--max-restarts", args.max_restarts, 0)
+    _writable("--pipeline-trace", args.pipeline_trace)
     overrides = args.overrides + ([f"train.pipeline_trace={args.pipeline_trace}"] if args.pipeline_trace else [])
     cfg = Config.load(args.config, overrides)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
@@ -122,8 +133,19 @@ def _generate(args) -> int:
     from .topology import select_device
     from .train.trainer import load_for_inference
 
-    if args.max_new_tokens < 0 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0 or args.num_samples < 1:
-        raise UserError("need --max-new-tokens >= 0, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0, --num-samples >= 1")
+    _count("--max-new-tokens", args.max_new_tokens, 0)
+    _count("--top-k", args.top_k, 0)
+    _count("--num-samples", args.num_samples, 1)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature:g}")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top-p must be in (0, 1] (1: off), got {args.top_p:g}")
+    if args.device not in ("auto", "cpu", "cuda") and not (args.device.startswith("cuda:") and args.device[5:].isdigit()):
+        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu")
+    if not os.path.exists(args.checkpoint):
+        raise UserError(f"checkpoint {args.checkpoint} does not exist; give a checkpoint directory or a run's out_dir")
     device = select_device(args.device)
     model, tokenizer, meta = load_for_inference(args.checkpoint, device)
     ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
@@ -143,15 +165,25 @@ def _memory(args) -> int:
     from .memory.report import run_report
     from .topology import env_world_size
 
+    _count("--nproc", args.nproc, 1)
+    if args.measure < 0:
+        raise UserError(f"--measure must be 0 or more steps, got {args.measure}")
+    if args.device_gb is not None and not (math.isfinite(args.device_gb) and args.device_gb > 0):
+        raise UserError(f"--device-gb must be a positive number of GB, got {args.device_gb:g}")
+    _writable("--png", args.png)
     cfg = Config.load(args.config, args.overrides)
     world = args.nproc or env_world_size()
     cfg.validate(world)
-    if args.measure < 0:
-        raise UserError(f"--measure must be 0 or more steps, got {args.measure}")
     if args.measure and world > 1 and args.nproc:
         return launch(run_report, (cfg, args.measure, args.png, args.device_gb, world), world)
     run_report(cfg, args.measure, args.png, args.device_gb, world)
     return 0
+
+
+def _count(option: str, value: int | None, low: int) -> None:
+    """An integer option (None: not given) that must be at least ``low``."""
+    if value is not None and value < low:
+        raise UserError(f"{option} must be at least {low}, got {value}")
 
 
 def _writable(option: str, path: str | None) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -200,16 +201,58 @@ def _toml_value(v: Any) -> str:
     return json.dumps(str(v))
 
 
-def describe_keys() -> str:
-    """Every key with its type, default and description (for ``trickles config --keys``)."""
+def key_rows() -> list[tuple[str, str, str, Any, str]]:
+    """``(section, key, type, default, description)`` for every key, from the section dataclasses.
+
+    The one source of ``trickles config --keys`` (:func:`describe_keys`) and of the configuration
+    reference page, docs/configuration.md (:func:`keys_markdown`).
+    """
     import typing
 
-    lines = []
+    rows = []
     for name, cls in SECTIONS.items():
-        lines.append(f"[{name}]")
         hints = typing.get_type_hints(cls)
         defaults = cls()
         for key, doc in field_docs(cls).items():
             tp = hints[key].__name__ if isinstance(hints[key], type) else str(hints[key]).replace("typing.", "")
-            lines.append(f"  {name}.{key} = {getattr(defaults, key)!r}  ({tp})\n      {doc}")
+            rows.append((name, key, tp, getattr(defaults, key), doc))
+    return rows
+
+
+def describe_keys() -> str:
+    """Every key with its type, default and description (for ``trickles config --keys``)."""
+    lines, section = [], None
+    for name, key, tp, default, doc in key_rows():
+        if name != section:
+            lines.append(f"[{name}]")
+            section = name
+        lines.append(f"  {name}.{key} = {default!r}  ({tp})\n      {doc}")
     return "\n".join(lines)
+
+
+def keys_markdown() -> str:
+    """The key tables (and model presets) of docs/configuration.md, rendered from :func:`key_rows`."""
+    from .models.config import PRESETS
+
+    def cell(text: str) -> str:
+        return str(text).replace("|", "\\|").replace("<", "&lt;")
+
+    out, section = [], None
+    for name, key, tp, default, doc in key_rows():
+        if name != section:
+            first_line = (SECTIONS[name].__doc__ or "").strip().splitlines()[0]
+            first_line = re.sub(r":\w+:`", "`", first_line.replace("``", "`"))
+            out += ["", f"### [{name}]", "", first_line, "",
+                    "| key | type | default | meaning |", "|---|---|---|---|"]
+            section = name
+        value = "none" if default is None else _toml_value(default)
+        out.append(f"| `{name}.{key}` | `{cell(tp)}` | `{cell(value)}` | {cell(doc)} |")
+    out += ["", "### Model presets (`model.preset`)", "",
+            "| preset | flavor | layers | d_model | heads | kv heads | MLP width | vocabulary | tied |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for preset in PRESETS:
+        m = apply_preset(ModelConfig(), preset)
+        vocab = m.vocab_size if m.vocab_size is not None else "the tokenizer's"
+        out.append(f"| `{preset}` | {m.flavor} | {m.n_layers} | {m.d_model} | {m.n_heads} | {m.kv_heads} | "
+                   f"{m.ffn_dim} | {vocab} | {'yes' if m.tied else 'no'} |")
+    return "\n".join(out[1:]) + "\n"

@@ -108,6 +108,8 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 
     """
     if nproc < 1:
         raise UserError(f"--nproc must be at least 1, got {nproc}")
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts must be at least 0, got {max_restarts}")
     ctx = mp.get_context("spawn")
     store = free_store()
     status = 1

@@ -85,17 +85,24 @@ class Watchdog:
 
     def _run(self) -> None:
         while not self._stop.wait(self.poll_s):
-            call, waited, limit = self._state()
-            limit = self.timeout_s if limit is None else limit
-            if call is not None and waited > limit:
-                line = self._describe(call, waited)
-                self._publish(line)
-                self._fire(f"{line}, more than the {limit:g} s allowed (parallel.timeout_s); stopping")
+            if self.check():
                 return
-            other = self._published()
-            if other is not None:
-                self._fire(f"{self._describe(call, waited)}; stopping because {other}")
-                return
+
+    def check(self) -> bool:
+        """One look (what the thread does every ``poll_s``): fires and returns True when this rank has been
+        inside a call past its limit, or another rank has reported; else returns False."""
+        call, waited, limit = self._state()
+        limit = self.timeout_s if limit is None else limit
+        if call is not None and waited > limit:
+            line = self._describe(call, waited)
+            self._publish(line)
+            self._fire(f"{line}, more than the {limit:g} s allowed (parallel.timeout_s); stopping")
+            return True
+        other = self._published()
+        if other is not None:
+            self._fire(f"{self._describe(call, waited)}; stopping because {other}")
+            return True
+        return False
 
     def _publish(self, line: str) -> None:
         if self.store is None:

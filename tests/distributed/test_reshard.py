@@ -1,6 +1,7 @@
 """Checkpoints reshard across layouts: saved at one (dp, ZeRO stage, tp with sequence parallel, pp with virtual
-stages), loaded at another, training goes on as if nothing changed -- weights, Adam moments and the data position
-all come back -- and a rank reads only the slices it needs."""
+stages, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
+weights, Adam moments and the data position all come back -- and a rank reads only the slices it needs. With the
+optimizer offloaded, a resume at the same layout is exact, at every ZeRO stage."""
 
 import os
 
@@ -13,10 +14,11 @@ from trickles.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 BEFORE, AFTER = 6, 10
-CACHE = "/tmp/trickles-test-reshard"
 # eps as in the tensor-parallel tests: fp32 rounding of near-zero gradients would otherwise dominate; 8 layers so
-# that 4 stages (or 2 x 2 virtual ones) fit; micro-batches of 1 so that an interleaved pipeline gets m % pp == 0
-COMMON = ("model.n_layers=8", f"data.cache_dir={CACHE}", "parallel.bucket_mb=0.05", "train.eps=1e-6", "train.micro_batch=1")
+# that 4 stages (or 2 x 2 virtual ones) fit; micro-batches of 1 so that an interleaved pipeline gets m % pp == 0.
+# The tokenized data is cached under the module's per-run directory (tiny_config: data.cache_dir=<tmp>/cache).
+COMMON = ("model.n_layers=8", "parallel.bucket_mb=0.05", "train.eps=1e-6", "train.micro_batch=1")
+OFFLOAD = "memory.offload_optimizer=true"
 
 LAYOUTS = {
     "dp2-zero3": (2, ["parallel.zero=3"]),
@@ -24,9 +26,17 @@ LAYOUTS = {
     "dp2-tp2-sp-pp2-interleaved-zero1": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                                              "parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.zero=1"]),
     "dp1": (1, []),
+    "pp2": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
     "pp4": (4, ["parallel.pp=4"]),
     "tp4": (4, ["parallel.tp=4"]),
     "dp4-zero2": (4, ["parallel.zero=2"]),
+    # the optimizer state and step on the host
+    "dp2-zero1-offload": (2, ["parallel.zero=1", OFFLOAD]),
+    "dp2-zero2-offload": (2, ["parallel.zero=2", OFFLOAD]),
+    "dp2-zero3-offload": (2, ["parallel.zero=3", OFFLOAD]),
+    "dp2-tp2-zero1-offload": (4, ["parallel.tp=2", "parallel.zero=1", OFFLOAD]),
+    "dp2-pp2-zero1-offload": (4, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1", OFFLOAD]),
+    "dp4-zero2-offload": (4, ["parallel.zero=2", OFFLOAD]),
 }
 
 
@@ -72,10 +82,22 @@ def _source(tmp, layout):
     return path, straight
 
 
+class Sources:
+    """Each source layout's checkpoint and straight continuation, made once per run when a case first needs it."""
+
+    def __init__(self, tmp):
+        self.tmp, self.made = tmp, {}
+
+    def __getitem__(self, layout):
+        if layout not in self.made:
+            self.made[layout] = _source(self.tmp, layout)
+        return self.made[layout]
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
-    tmp = str(tmp_path_factory.mktemp("reshard"))
-    return tmp, {name: _source(tmp, name) for name in ("dp2-zero3", "dp2-tp2-sp-pp2-interleaved-zero1")}
+    tmp = str(tmp_path_factory.mktemp("reshard"))  # this run's own directory: checkpoints and the data cache
+    return tmp, Sources(tmp)
 
 
 @pytest.mark.parametrize("source,target", [
@@ -84,6 +106,10 @@ def sources(tmp_path_factory):
     ("dp2-tp2-sp-pp2-interleaved-zero1", "pp4"),
     ("dp2-tp2-sp-pp2-interleaved-zero1", "tp4"),
     ("dp2-tp2-sp-pp2-interleaved-zero1", "dp4-zero2"),
+    ("pp2", "dp2-zero3"),  # pipeline stages <-> ZeRO-3 shards, both ways
+    ("dp2-zero3", "pp2"),
+    ("dp2-tp2-zero1-offload", "dp1"),  # host-offloaded optimizer with tp, loaded without offload at another dp
+    ("dp2-pp2-zero1-offload", "dp4-zero2-offload"),  # with pp, loaded offloaded at another dp and ZeRO stage
 ])
 def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sources, source, target):
     tmp, found = sources
@@ -98,3 +124,46 @@ def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sourc
             assert read < 0.5 * stored, (read, stored)
         elif target == "dp1":
             assert read > 0.95 * stored, (read, stored)
+
+
+def _offload_round_trip(tmp, layout):
+    """3 steps, a checkpoint, 3 more; a new trainer at the same layout loads it: the live state at saving and after
+    loading (weights, and the optimizer's masters, moments and step on the host), and both runs' last 3 losses."""
+    tr = _trainer(tmp, layout, f"{tmp}/{layout}-exact")
+    assert tr.engine.optimizer.offload and tr.engine.optimizer.separate  # masters, moments and step apart on the host
+    for _ in range(3):
+        tr.train_step()
+    path = tr.save_checkpoint()
+    saved = _live_state(tr)
+    straight = [tr.train_step()["loss"] for _ in range(3)]
+    again = _trainer(tmp, layout, f"{tmp}/{layout}-exact-resumed")
+    again.load_checkpoint(path if path is not None else _latest(f"{tmp}/{layout}-exact"))
+    loaded = _live_state(again)
+    return saved, loaded, straight, [again.train_step()["loss"] for _ in range(3)]
+
+
+def _latest(out):
+    from trickles.train import checkpoint as ckpt
+
+    return ckpt.find_latest(os.path.join(out, "checkpoints"))
+
+
+def _live_state(tr):
+    """This rank's parameters, and its optimizer's state: moments and step per segment, and its fp32 masters."""
+    opt = tr.engine.optimizer
+    state = {k: t.detach().clone() for k, (t, _) in opt.state_tensors().items()}
+    state.update({f"{s.name}@{s.param_range}/master": m.detach().clone() for s, m in zip(opt.segments, opt.masters)})
+    return {k: v.detach().clone() for k, v in tr.engine.full_state().items()}, state
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offloaded_optimizer_resumes_exactly_at_the_same_layout(sources, stage):
+    """dp=2, ZeRO-``stage``, the optimizer on the host: after loading, every weight, master, moment and step counter
+    is the one saved, bit for bit, and the three steps after it are the ones the saving run took."""
+    tmp, _ = sources
+    for (weights, state), (weights_back, state_back), straight, resumed in run_ranks(
+            2, _offload_round_trip, tmp, f"dp2-zero{stage}-offload"):
+        assert weights.keys() == weights_back.keys() and state.keys() == state_back.keys()
+        assert all(torch.equal(weights[k], weights_back[k]) for k in weights)
+        assert all(torch.equal(state[k], state_back[k]) for k in state)
+        assert resumed == straight

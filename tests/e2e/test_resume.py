@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from helpers import tiny_config
@@ -51,17 +52,41 @@ def test_keeps_last_k_and_ignores_incomplete(tmp_path):
 
 
 def test_metrics_file_tensorboard_and_plot(tmp_path):
+    """Each record holds what its step did: the loss a separate identical run computes, the samples consumed so far,
+    throughput equal to the step's tokens over its own recorded time; TensorBoard holds the same numbers."""
     import json
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from trickles.train.metrics import read_metrics
 
     cfg = tiny_config(tmp_path, "train.tensorboard=true", "train.plot=true", "train.eval_every=2", steps=4)
     trainer = Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=True)
+    began = time.perf_counter()
     trainer.fit()
+    took = time.perf_counter() - began
+    _, by_hand = _run(cfg, 4)  # the same steps, taken one by one
     out = cfg.train.out_dir
     records = read_metrics(os.path.join(out, "metrics.jsonl"))
+    assert records == json.loads(json.dumps(trainer.history))  # the file holds what fit() returned
+    tokens = cfg.train.global_batch * cfg.data.seq_len
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert records[1]["val_loss"] is not None and "val_loss" not in records[0]
-    assert json.loads(json.dumps(records[0]))["tokens_per_s"] > 0
-    assert any(name.startswith("events.out.tfevents") for name in os.listdir(os.path.join(out, "tb")))
+    assert [r["loss"] for r in records] == by_hand
+    assert [r["consumed_samples"] for r in records] == [cfg.train.global_batch * s for s in (1, 2, 3, 4)]
+    for r in records:
+        assert r["step_time"] > 0 and r["tokens_per_s"] == pytest.approx(tokens / r["step_time"], rel=1e-12)
+        assert r["flops_per_s"] == pytest.approx(trainer.flops_per_token * tokens / r["step_time"], rel=1e-12)
+        assert r["mfu"] is None  # no known peak for a CPU
+    # the steps' own times lie inside fit()'s (an order of events, not a speed: seconds, not milliseconds)
+    assert sum(r["step_time"] for r in records) <= took
+    assert [r.get("val_loss") is not None for r in records] == [False, True, False, True]
+
+    events = EventAccumulator(os.path.join(out, "tb"))
+    events.Reload()
+    for key in ("loss", "tokens_per_s", "val_loss", "grad_norm"):
+        logged = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+        scalars = [(e.step, e.value) for e in events.Scalars(key)]
+        assert [s for s, _ in scalars] == [s for s, _ in logged], key
+        assert [v for _, v in scalars] == pytest.approx([v for _, v in logged], rel=1e-6), key  # stored as float32
     assert os.path.getsize(os.path.join(out, "loss.png")) > 1000

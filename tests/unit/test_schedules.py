@@ -1,6 +1,8 @@
 """Pipeline schedules as action lists: complete, deadlock-free, matched in order, memory-bounded, and with
 the bubble of the formula; partitioning and the configurations refused before any process group."""
 
+from fractions import Fraction
+
 import pytest
 
 from helpers import tiny_config
@@ -25,9 +27,19 @@ def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule,
         for a in acts:
             if a.kind == "B":
                 assert acts.index(Action("F", a.chunk, a.micro)) < acts.index(a)
-    for tf, tb in ((1.0, 2.0), (1.0, 1.0), (1.0, 3.0)):
-        # simulate() raises on a deadlock or on a send meeting the wrong receive
-        assert simulate(lists, shape, tf, tb).bubble() == pytest.approx(shape.bubble(), abs=1e-9)
+    p, vm = shape.p, shape.v * shape.m
+    for tf, tb in ((1, 2), (1, 1), (1, 3)):
+        # simulate() raises on a deadlock or on a send meeting the wrong receive; integer slot times are exact in
+        # floating point, so the counts are compared exactly: every rank runs v m forwards and v m backwards and idles
+        # (p - 1)(t_f + t_b) of a step of (v m + p - 1)(t_f + t_b) slots -- the bubble (p - 1) / (v m + p - 1)
+        timeline = simulate(lists, shape, float(tf), float(tb))
+        makespan = Fraction(timeline.makespan)
+        assert makespan == (vm + p - 1) * (tf + tb)
+        for row in timeline.spans:
+            assert sum(a.kind == "F" for a, _, _ in row) == sum(a.kind == "B" for a, _, _ in row) == vm
+            idle = makespan - sum(Fraction(e) - Fraction(s) for _, s, e in row)
+            assert idle == (p - 1) * (tf + tb) and idle / makespan == Fraction(p - 1, vm + p - 1)
+        assert timeline.bubble() == pytest.approx(shape.bubble(), abs=1e-12)
 
 
 def test_activation_memory_bound_of_each_schedule():

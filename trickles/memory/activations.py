@@ -30,7 +30,8 @@ A layer holds two norms, the attention and the MLP. ``selective`` recomputation 
 attention core drops what the core keeps beyond its inputs -- with a fused kernel only the
 log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabilities);
 ``full`` keeps only the block input, ``psd``. The head keeps token ids and targets (``16s``),
-position ids (gpt2), the final norm, and the fp32 log-softmax of the logits, ``4sV``.
+position ids (gpt2), the final norm, and the fp32 log-softmax of the logits, ``4sV``, with the
+loss's fp32 total weight (one scalar, ``4``) beside it.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     key/value heads ``a_kv/tp``, or ``a/tp`` selected ones when they are replicated) while the
     norms see all ``s`` tokens; with ``sequence_parallel`` the norms work on ``s/tp`` tokens and
     the linears after them keep only that shard (Megatron-LM: every part outside the matmuls
-    shrinks by ``tp``). The vocabulary-parallel loss keeps fp32 probabilities over ``V/tp``.
+    shrinks by ``tp``). Replicated key/value heads select theirs with an int64 index of ``a/tp``
+    entries, kept for backward by k and by v (``16 a/tp`` bytes). The vocabulary-parallel loss
+    keeps fp32 probabilities over ``V/tp``.
     """
     s = batch * seq
     t = tp
@@ -66,6 +69,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         norm = 2 * p * sn * d + 2 * p * sn
     lse = 4 * s * a
     attention = p * s * (a * h + 2 * kv * h) + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
+    if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of the heads they select
+        attention += 2 * 8 * a
     mlp = (4 if llama else 2) * p * s * f
     full = p * sn * d  # the block input, on this rank's sequence shard under sequence parallelism
     layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse, "full": full}.get(recompute)
@@ -74,8 +79,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     vocab = cfg.vocab_size or 0
     if t > 1:  # embedding: shifted ids and the out-of-range mask; loss: ids and mask too
         head = 18 * s + norm + 4 * s * (vocab // t)
-    else:
-        head = 16 * s + norm + 4 * s * vocab
+    else:  # ... and F.cross_entropy's fp32 total weight, a scalar
+        head = 16 * s + norm + 4 * s * vocab + 4
     head += 0 if llama else 8 * seq
     layers = layer * cfg.n_layers
     return {"layer": layer, "layers": layers, "head": head, "total": layers + head}

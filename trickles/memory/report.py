@@ -27,7 +27,6 @@ from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
-from .accounting import zero_model_state_bytes
 from .activations import ActivationMeter, activation_bytes
 from .precision import policy
 
@@ -116,8 +115,9 @@ def _fmt(v) -> str:
     return f"{v:,.0f} B"
 
 
-def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu") -> MemoryReport:
-    """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved)."""
+def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu", dp_rank: int = 0) -> MemoryReport:
+    """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved): the device of
+    data-parallel rank ``dp_rank`` (ranks differ by a few bytes under ZeRO >= 1: the segments each owns)."""
     from ..models.transformer import Transformer, count_params
 
     if dims.pp > 1:
@@ -138,11 +138,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     p = torch.finfo(prec.param_dtype).bits // 8
     g = torch.finfo(prec.grad_dtype).bits // 8
     offload = cfg.memory.offload_optimizer
-    # Adam moments; fp32 master weights apart from low-precision (or offloaded) parameters; an fp32
-    # copy of low-precision (or offloaded) gradients for the update
-    k = 8 + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
     stage = cfg.parallel.zero
-    states = zero_model_state_bytes(n, dims.dp, stage, (p, g, k))
+    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp, dp_rank)
     micro, _ = cfg.batch_plan(dims.dp)
     act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
                            cfg.parallel.sequence_parallel)
@@ -165,6 +162,46 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
                         f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}")
     return report
+
+
+def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
+
+    ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type. These are
+    the ZeRO formulas (:func:`~trickles.memory.accounting.zero_model_state_bytes`) with ``p``, ``g``
+    bytes per parameter and gradient and ``k`` of optimizer state (Adam moments 8; fp32 master
+    weights apart from low-precision or offloaded parameters 4; an fp32 copy of low-precision or
+    offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
+    multiple of ``16 dp`` elements (:class:`~trickles.parallel.flat.FlatLayout`; under ZeRO-3 one
+    bucket per block and one for the root), and a 4-byte step counter per owned parameter segment.
+    """
+    from ..parallel.engine import FIRST_BUCKET_BYTES, bucket_bytes, unique_named_parameters
+    from ..parallel.flat import FlatLayout
+
+    prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
+    p = torch.finfo(prec.param_dtype).bits // 8
+    g = torch.finfo(prec.grad_dtype).bits // 8
+    offload = cfg.memory.offload_optimizer
+    k = 8 + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
+    stage = cfg.parallel.zero
+    if stage == 3:
+        from ..parallel.zero3 import _owned
+
+        names = {id(m): name for name, m in meta.named_modules()}
+        units = list(meta.layers.values())
+        unit_ids = {id(m) for m in units}
+        layouts = [FlatLayout(_owned(m, names[id(m)], unit_ids - {id(m)})[0], dp, None) for m in [*units, meta]]
+        shard = sum(lay.shard_numel for lay in layouts)
+        params, grads = p * shard, g * shard
+        segments = [seg for lay in layouts for seg in lay.segments(dp_rank)]
+    else:
+        layout = FlatLayout(unique_named_parameters(meta), dp, bucket_bytes(cfg.parallel.bucket_mb),
+                            first_bucket_bytes=FIRST_BUCKET_BYTES)
+        params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
+        grads = g * (layout.shard_numel if stage == 2 else layout.total)
+        segments = layout.whole_segments() if stage == 0 else layout.segments(dp_rank)
+    optimizer = k * sum(s.numel for s in segments) + 4 * len(segments)
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
 
 
 def _root_params(model) -> int:

@@ -12,6 +12,7 @@ import os
 
 from ..config import Config
 from ..errors import UserError
+from ..hints import warn_slow_config
 from ..topology import distributed_session, env_world_size, restart_count
 from . import checkpoint
 from .trainer import Trainer
@@ -35,6 +36,8 @@ def resolve_resume(resume: str | None, out_dir: str) -> str | None:
         return None
     if resume == "auto":
         return checkpoint.find_latest(os.path.join(out_dir, "checkpoints"))
+    if not os.path.exists(resume):
+        raise UserError(f"--resume {resume}: no such checkpoint directory; give a step_* directory, a run's out_dir, or auto")
     path = checkpoint.resolve(resume)
     checkpoint.verify(path)
     return path
@@ -52,6 +55,7 @@ def run_training(cfg: Config, resume: str | None = None, quiet: bool = False, ve
     if restart_count() != resolved_at:  # the launcher brought the job back up after a failure
         resume, verified = resolve_resume(resume, cfg.train.out_dir), True
     with distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
+        warn_slow_config(cfg, topo)  # valid but slow on this device (fp16 on a CPU, ...): one line each, rank 0
         trainer = Trainer(cfg, topo, quiet=quiet)
         if resume:
             if restart_count() > 0 and topo.is_main:
