@@ -12,8 +12,12 @@ thread per rank wakes every ``min(1 s, timeout / 10)`` and
   call, or not inside any (a rank stuck in computation, or one that skipped a collective and
   went on) -- and exits the same way.
 
-So a job in which one rank skipped a collective ends within the timeout plus a poll interval,
-every rank that still runs saying where it was, instead of hanging until the scheduler kills it.
+A rank that has reported counts itself in the store and, before it exits, waits (at most
+:data:`REPORT_WAIT_S`) until every rank has: a rank that left at once would close its connections,
+and a peer blocked in a receive from it would end with a connection error instead of saying where
+it was. So a job in which one rank skipped a collective ends within the timeout plus a poll
+interval or two, every rank that still runs saying where it was, instead of hanging until the
+scheduler kills it.
 The launcher (:mod:`trickles.launch`) gives the ranks a moment to report before it stops them,
 and counts the exit as a failure that ``--max-restarts`` may restart. The process group's own
 timeout stays as a backstop for waits that do not pass through the recorder (CUDA-side waits
@@ -32,11 +36,19 @@ from .comm import flight
 
 HANG_EXIT = 4
 _KEY = "trickles/hang"
+_REPORTED = "trickles/hang_reported"  # how many ranks have reported (a store counter)
+REPORT_WAIT_S = 10.0  # how long a rank that reported waits for the others' reports before it exits
 
 
 def backstop_timeout(timeout_s: float) -> datetime.timedelta:
     """The process group's timeout: twice the watchdog's, at least 30 minutes (long setup phases)."""
     return datetime.timedelta(seconds=max(2 * timeout_s, 1800.0))
+
+
+def _default_world() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _default_store():
@@ -51,11 +63,12 @@ def _default_store():
 class Watchdog:
     """Watches this rank's communication calls (see the module docstring); ``start()`` / ``stop()``."""
 
-    def __init__(self, timeout_s: float, rank: int, where: str = "", store=None, exit_fn=os._exit):
+    def __init__(self, timeout_s: float, rank: int, where: str = "", store=None, exit_fn=os._exit, world: int | None = None):
         if timeout_s <= 0:
             raise ValueError(f"the communication timeout must be positive, got {timeout_s}")
         self.timeout_s, self.rank, self.where = timeout_s, rank, where
         self.store = store if store is not None else _default_store()
+        self.world = world if world is not None else _default_world()
         self.key = _KEY  # the job's store is already prefixed per attempt (trickles.topology.init_distributed)
         self.poll_s = min(1.0, timeout_s / 10)
         self._exit = exit_fn
@@ -126,4 +139,18 @@ class Watchdog:
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(2, f"[trickles] hang: {message}\n".encode())  # one write: the ranks' lines do not interleave
+        self._await_reports()
         self._exit(HANG_EXIT)
+
+    def _await_reports(self) -> None:
+        """Counts this rank's report and waits until every rank has reported, at most :data:`REPORT_WAIT_S`."""
+        if self.store is None or self.world <= 1:
+            return
+        try:
+            reported = self.store.add(_REPORTED, 1)
+            deadline = time.monotonic() + REPORT_WAIT_S
+            while reported < self.world and time.monotonic() < deadline:
+                time.sleep(min(self.poll_s, 0.1))
+                reported = self.store.add(_REPORTED, 0)
+        except Exception:  # the store's host may be gone already: exit now
+            pass

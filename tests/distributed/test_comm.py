@@ -1,5 +1,8 @@
 """Collectives, their autograd pairs and byte accounting on spawned CPU ranks (gloo)."""
 
+import os
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,10 +154,15 @@ def test_mesh_groups_have_the_documented_members():
     assert eps == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0]]
 
 
-def _skip_collective():
+def _skip_collective(marker):
+    """Rank 0 enters an all-reduce rank 1 never joins; rank 1 returns only once rank 0 is on its way into it."""
     c = ParallelDims(dp=dist.get_world_size()).build().comm("dp")
     if dist.get_rank() == 0:
+        open(marker, "w").close()
         c.all_reduce(torch.ones(4))
+    else:
+        while not os.path.exists(marker):
+            time.sleep(0.01)
     return "done"
 
 
@@ -164,10 +172,13 @@ def _raise_on_rank_one():
     return 1
 
 
-def test_hang_is_reported_with_rank_and_collective():
+def test_hang_is_reported_with_rank_and_collective(tmp_path):
+    # The pool's timeout is the mechanism under test; the events it reports are ordered by the marker (rank 1 has
+    # returned, rank 0 is inside the all-reduce), and they take well under a second, far inside the timeout.
     with pytest.raises(RankTimeout) as e:
-        run_ranks(2, _skip_collective, timeout=8)
+        run_ranks(2, _skip_collective, str(tmp_path / "rank0 entering"), timeout=10)
     msg = str(e.value)
+    assert "did not finish on 1 of 2 ranks" in msg, msg
     assert "rank 0: all_reduce on group 'dp' (2 ranks, (4,) float32)" in msg
     assert "rank 1" not in msg
     # the pool is replaced and works again

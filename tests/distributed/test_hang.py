@@ -8,6 +8,7 @@ the job's status is not the hang status and the test fails instead of hanging.
 import os
 import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 from trickles.comm import flight
 from trickles.launch import launch
 from trickles.topology import ParallelDims, distributed_session
-from trickles.watchdog import HANG_EXIT, Watchdog
+from trickles.watchdog import _REPORTED, HANG_EXIT, Watchdog
 
 TIMEOUT = 3.0
 SAFETY_S = 240  # never reached when the watchdog works
@@ -85,7 +86,7 @@ def _pipeline_skips_a_send(tmp: str) -> int:
 
         def skipping(self, run, micro):
             if flight.step == 2:
-                run = [a for a in run if not (a.kind == "SEND_F" and a.micro == int(os.environ.get("SKIPM", "3")))]
+                run = [a for a in run if not (a.kind == "SEND_F" and a.micro == 3)]  # the last of 4
             return post(self, run, micro)
 
         PipelineRunner._post = skipping
@@ -113,9 +114,16 @@ def test_a_skipped_pipeline_send_ends_the_job_with_both_stages_naming_their_rece
 class _Store:
     def __init__(self):
         self.data = {}
+        self.lock = threading.Lock()
 
     def set(self, k, v):
         self.data[k] = v.encode()
+
+    def add(self, k, n):
+        with self.lock:
+            value = int(self.data.get(k, b"0")) + n
+            self.data[k] = str(value).encode()
+            return value
 
     def check(self, keys):
         return all(k in self.data for k in keys)
@@ -182,3 +190,29 @@ def test_watchdog_thread_looks_by_itself():
         flight.end()
         dog.stop()
     assert exits == [HANG_EXIT] and dog.key in store.data
+
+
+def test_a_rank_that_reported_exits_only_after_the_others_reported():
+    """Leaving at once would close this rank's connections and end a peer's receive with an error before that peer
+    said where it was; so the reporting rank waits for every rank's report (counted in the store) before it exits."""
+    store, events = _Store(), []
+    flight.step = None
+    dog = Watchdog(LIMIT, rank=0, store=store, exit_fn=lambda code: events.append(("exit", code)), world=2)
+
+    def peer():  # the other rank: reports once it has seen this rank's report
+        while _REPORTED not in store.data:
+            time.sleep(0.01)
+        events.append(("peer reported", None))
+        store.add(_REPORTED, 1)
+
+    thread = threading.Thread(target=peer, daemon=True)
+    thread.start()
+    flight.begin("recv on group 'pp' with rank 1 ((2, 32, 64))")
+    try:
+        flight.since -= LIMIT + 1
+        assert dog.check()
+    finally:
+        flight.end()
+    thread.join(60)
+    assert events == [("peer reported", None), ("exit", HANG_EXIT)]
+    assert store.data[_REPORTED] == b"2"

@@ -1,6 +1,7 @@
 """The local launcher: clean success, and a failing rank stops everyone with its traceback."""
 
 import os
+import threading
 import time
 
 import torch
@@ -22,11 +23,15 @@ def _fail_on_rank_one(path):
     with distributed_session(ParallelDims(dp=int(os.environ["WORLD_SIZE"]))) as topo:
         with open(os.path.join(path, f"pid{topo.rank}"), "w") as f:
             f.write(str(os.getpid()))
+        topo.comm("dp").all_reduce(torch.ones(2))  # both ranks are up and connected
         if topo.rank == 1:
-            time.sleep(0.5)
             raise RuntimeError("rank one gave up")
-        topo.comm("dp").all_reduce(torch.ones(2))  # would wait forever for rank 1
-        time.sleep(60)
+        # rank 0 is blocked until the test releases it, which it does only if the launcher returned without
+        # stopping it (or, as a safety net, after RELEASE_S): a rank that ever gets past here was waited for
+        while not os.path.exists(os.path.join(path, "release")):
+            time.sleep(0.05)
+        with open(os.path.join(path, "rank0 released"), "w") as f:
+            f.write("the launcher let the blocked rank run on")
 
 
 def _user_error(_):
@@ -52,16 +57,23 @@ def test_success_is_clean_every_time(tmp_path):
         assert (d / "rank0").read_text() == (d / "rank1").read_text() == "[3.0, 3.0, 3.0]"
 
 
+RELEASE_S = 300  # safety net only: a launcher that waits for the blocked rank returns after this, and the test fails
+
+
 def test_failing_rank_stops_all_and_prints_traceback(tmp_path, capfd):
-    start = time.monotonic()
-    status = launch(_fail_on_rank_one, (str(tmp_path),), 2)
-    took = time.monotonic() - start
+    safety = threading.Timer(RELEASE_S, (tmp_path / "release").touch)
+    safety.start()
+    try:
+        status = launch(_fail_on_rank_one, (str(tmp_path),), 2)
+    finally:
+        safety.cancel()
+    (tmp_path / "release").touch()  # a rank 0 still running now would run on and say so
     err = capfd.readouterr().err
     assert status == 1
-    assert took < 30, "the blocked rank must be killed, not waited for"
     assert "rank 1 exited with status 1" in err and "RuntimeError: rank one gave up" in err
     pids = [int((tmp_path / f"pid{r}").read_text()) for r in range(2)]
     assert not any(_alive(p) for p in pids), "no orphan ranks"
+    assert not (tmp_path / "rank0 released").exists(), "the blocked rank must be killed, not waited for"
 
 
 def test_user_error_in_a_rank_is_one_line_status_two(tmp_path, capfd):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
         "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
@@ -17,15 +18,58 @@ def trickles(*args, cwd=None, timeout=300):
     return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
 
 
+def generated(*args) -> str:
+    """stdout of ``trickles generate ARGS``, exactly (text mode would turn a sampled carriage return into a newline)."""
+    r = subprocess.run([sys.executable, "-m", "trickles", "generate", *args], capture_output=True, timeout=300,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"))
+    assert r.returncode == 0, r.stderr.decode(errors="replace")
+    return r.stdout.decode("utf-8")
+
+
 def run_args(tmp, *extra, steps=6):
     return ["train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={tmp}/run",
             "--set", f"train.steps={steps}", *extra]
 
 
+SEED = 1234  # train.seed's default: the run's final sample is drawn with a generator seeded by it
+TEMPERATURE = 0.8
+
+
+def reference_samples(checkpoint, prompt: str, n: int, num_samples: int = 1, seed: int = SEED) -> list[str]:
+    """What ``trickles generate --temperature 0.8 --seed SEED`` must print, decoded by the plainest loop: the checkpoint
+    loaded in this process, the whole sequence through the model for every token (no KV cache), each token drawn
+    from softmax(logits / 0.8) with a generator seeded like the command's, stopping once every row has drawn eos.
+
+    Sampling rather than greedy decoding: the tiny model after a few steps is nearly a unigram model whose argmax
+    is a space whatever the details of its weights, the sampler or the prompt, so greedy text would pass most bugs;
+    sampled draws depend on every probability. (The KV cache against the full forward: tests/unit/test_model.py.)"""
+    from trickles.train.trainer import load_for_inference
+
+    model, tokenizer, _ = load_for_inference(str(checkpoint), "cpu")
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    rows = torch.tensor([ids] * num_samples)
+    g = torch.Generator().manual_seed(seed)
+    done = torch.zeros(num_samples, dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(n):
+            probs = (model(rows)[:, -1].float() / TEMPERATURE).softmax(-1)
+            nxt = torch.multinomial(probs, 1, generator=g)[:, 0]
+            rows = torch.cat([rows, nxt[:, None]], dim=1)
+            done |= nxt == tokenizer.eos_id
+            if bool(done.all()):
+                break
+    return [prompt + tokenizer.decode(row[len(ids):].tolist()) for row in rows]
+
+
+# the run's own sample at the end drawn the same way (no top-k), so it is comparable too
+SAMPLED = ["--set", f"train.sample_temperature={TEMPERATURE}", "--set", "train.sample_top_k=0"]
+
+
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli")
-    r = trickles(*run_args(tmp, "--set", "train.eval_every=3", "--set", "train.sample_tokens=20", "--set", "train.checkpoint_every=3"))
+    r = trickles(*run_args(tmp, "--set", "train.eval_every=3", "--set", "train.sample_tokens=20", "--set", "train.checkpoint_every=3",
+                           *SAMPLED))
     assert r.returncode == 0, r.stderr
     return tmp, r
 
@@ -40,7 +84,9 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(finished_run):
     assert records[2]["val_loss"] is not None and records[5]["val_loss"] is not None
     assert records[-1]["loss"] < records[0]["loss"]
     assert (out / "loss.png").stat().st_size > 1000
-    assert "sample after 6 steps" in r.stdout and (out / "sample.txt").read_text().startswith("def ")
+    sample = (out / "sample.txt").read_bytes().decode("utf-8")
+    assert [sample] == reference_samples(out / "checkpoints" / "step_000006", "def ", 20)  # the final model's tokens
+    assert "sample after 6 steps:" in r.stdout
     steps = sorted(os.listdir(out / "checkpoints"))
     assert steps == ["step_000003", "step_000006"]
     for s in steps:
@@ -49,11 +95,11 @@ def test_run_writes_metrics_plot_sample_and_checkpoints(finished_run):
 
 def test_generate_from_run(finished_run):
     tmp, _ = finished_run
-    r = trickles("generate", str(tmp / "run"), "--prompt", "import os", "--max-new-tokens", "12", "--temperature", "0")
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("import os")
-    again = trickles("generate", str(tmp / "run" / "checkpoints" / "step_000006"), "--prompt", "import os", "--max-new-tokens", "12", "--temperature", "0")
-    assert again.stdout == r.stdout  # greedy is deterministic; the out_dir means its newest checkpoint
+    args = ["--prompt", "import os", "--max-new-tokens", "20", "--temperature", str(TEMPERATURE), "--num-samples", "3", "--seed", "5"]
+    out = generated(str(tmp / "run"), *args)
+    samples = reference_samples(tmp / "run" / "checkpoints" / "step_000006", "import os", 20, num_samples=3, seed=5)
+    assert out == "".join(f"--- sample {i + 1} ---\n{text}\n" for i, text in enumerate(samples))
+    assert generated(str(tmp / "run" / "checkpoints" / "step_000006"), *args) == out  # the out_dir: its newest checkpoint
 
 
 def test_resume_auto_continues(finished_run, tmp_path):
@@ -75,13 +121,20 @@ LAYOUTS = {"dp2": (["parallel.zero=0"], "(dp=2)"), "dp2-zero3": (["parallel.zero
 def test_local_launcher_two_ranks(tmp_path, layout):
     settings, banner = LAYOUTS[layout]
     sets = [a for s in settings for a in ("--set", s)]
-    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=5", *sets, steps=3))
+    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=8", *SAMPLED, *sets, steps=3))
     assert r.returncode == 0, r.stderr
     assert f"2 rank(s) {banner}" in r.stdout
     assert "leaked" not in r.stderr and "Traceback" not in r.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
-    g = trickles("generate", str(tmp_path / "run"), "--max-new-tokens", "5", "--temperature", "0")
-    assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr  # also from sharded (ZeRO-3, tp) checkpoints
+    _check_samples(tmp_path / "run", steps=3)  # also from sharded (ZeRO-3, tp) checkpoints
+
+
+def _check_samples(run, steps):
+    """The run's own sample (the live, sharded model on every rank), ``trickles generate`` from its checkpoint
+    (consolidated into one process) and the plain reference loop agree token for token."""
+    [reference] = reference_samples(run / "checkpoints" / f"step_{steps:06d}", "def ", 8)
+    assert (run / "sample.txt").read_bytes().decode("utf-8") == reference
+    assert generated(str(run), "--max-new-tokens", "8", "--temperature", str(TEMPERATURE), "--seed", str(SEED)) == reference + "\n"
 
 
 def test_pipeline_from_the_command_line_with_its_timeline(tmp_path):
@@ -89,14 +142,13 @@ def test_pipeline_from_the_command_line_with_its_timeline(tmp_path):
     (each stage its part), and ``--pipeline-trace`` draws the last step with its bubble."""
     png = tmp_path / "pipe.png"
     r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "parallel.pp=2", "--set", "parallel.schedule=1f1b",
-                           "--set", "train.micro_batch=2", "--set", "model.n_layers=4", "--set", "train.sample_tokens=5",
+                           "--set", "train.micro_batch=2", "--set", "model.n_layers=4", "--set", "train.sample_tokens=8", *SAMPLED,
                            "--pipeline-trace", str(png), steps=3))
     assert r.returncode == 0, r.stderr
     assert "2 rank(s) (dp=1, pp=2 1f1b)" in r.stdout
     assert f"pipeline trace: {png} (bubble" in r.stdout and "by (p-1)/(v*m+p-1)" in r.stdout
     assert png.stat().st_size > 10_000
-    g = trickles("generate", str(tmp_path / "run"), "--max-new-tokens", "5", "--temperature", "0")
-    assert g.returncode == 0 and g.stdout.startswith("def "), g.stderr
+    _check_samples(tmp_path / "run", steps=3)  # sampled through the stages, and from each stage's part of the checkpoint
 
 
 def _one_line_error(r, needle):
@@ -121,11 +173,32 @@ def _one_line_error(r, needle):
     (["--set", "parallel.zero=4"], "parallel.zero must be 0, 1, 2 or 3, got 4"),
     (["--set", "memory.offload_optimizer=true"], "memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3"),
     (["--set", "parallel.zero=3", "--set", "train.compile=true"], "train.compile does not work with parallel.zero=3 yet"),
+    (["--resume", "/no/such/path"], "--resume /no/such/path: no such checkpoint directory; give a step_* directory, a run's out_dir, or auto"),
+    (["--nproc", "2", "--max-restarts", "-1"], "--max-restarts must be at least 0, got -1"),
+    (["--nproc", "0"], "--nproc must be at least 1, got 0"),
 ])
 def test_bad_input_is_one_line_status_two_and_leaves_nothing(tmp_path, extra, needle):
     r = trickles(*run_args(tmp_path, *extra))
     _one_line_error(r, needle)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "{tmp}/no/such/run"], "checkpoint {tmp}/no/such/run does not exist; give a checkpoint directory or a run's out_dir"),
+    (["generate", "{tmp}"], "no complete checkpoint found at {tmp}; give a step_* directory or a run's out_dir"),
+    (["generate", "{tmp}", "--max-new-tokens", "-1"], "--max-new-tokens must be at least 0, got -1"),
+    (["generate", "{tmp}", "--max-new-tokens", "ten"], "argument --max-new-tokens: invalid int value: 'ten' (see trickles generate --help)"),
+    (["generate", "{tmp}", "--top-p", "1.5"], "--top-p must be in (0, 1] (1: off), got 1.5"),
+    (["generate", "{tmp}", "--device", "tpu"], "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+    (["memory", "--set", "model.n_layer=3"], "unknown key 'model.n_layer'; did you mean 'model.n_layers'?"),
+    (["memory", "--device-gb", "0"], "--device-gb must be a positive number of GB, got 0"),
+    (["memory", "--nproc", "0"], "--nproc must be at least 1, got 0"),
+    (["memory", "--png", "{tmp}/no/such/dir/m.png"], "--png {tmp}/no/such/dir/m.png: the directory {tmp}/no/such/dir does not exist"),
+])
+def test_bad_input_to_generate_and_memory_is_one_line_status_two(tmp_path, args, needle):
+    r = trickles(*[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
+    _one_line_error(r, needle.format(tmp=tmp_path))
+    assert os.listdir(tmp_path) == []  # nothing written, here or under a default out_dir
 
 
 def _damage(step_dir, how):

@@ -122,11 +122,28 @@ def test_mesh_coordinates_put_tp_innermost():
     assert dataclasses.astuple(dims) == (2, 2, 2, 1, 1)
 
 
+# Each example's layout, written out from what its header comment promises: (ranks, {degree: value}, (micro-batch,
+# accumulation)). A new example needs a row here.
+EXAMPLES = {
+    "demo.toml": (1, dict(dp=1, tp=1, pp=1), (16, 1)),
+    "gpt2_bpe.toml": (1, dict(dp=1, tp=1, pp=1), (8, 2)),  # "two accumulation micro-steps per optimizer step on one rank"
+    "llama_125m_gpu.toml": (2, dict(dp=2, tp=1, pp=1), (16, 2)),  # "one or more GPUs": data parallel over them
+    "pipeline_parallel.toml": (4, dict(dp=1, tp=2, pp=2), (2, 8)),  # "2 pipeline stages x 2 tensor-parallel ranks", "8 micro-batches"
+    "tensor_parallel.toml": (4, dict(dp=2, tp=2, pp=1), (8, 1)),  # "2 data-parallel replicas x 2 tensor-parallel ranks", "8 sequences per replica"
+}
+
+
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "*.toml"))),
                          ids=os.path.basename)
-def test_every_example_loads_and_validates(path):
+def test_every_example_has_the_layout_its_comment_states(path):
+    name = os.path.basename(path)
+    assert name in EXAMPLES, f"examples/{name} has no expected layout in EXAMPLES; add one from its comment"
+    world, degrees, plan = EXAMPLES[name]
+    text = open(path).read()
+    for command in ("--nproc ", "--nproc-per-node "):  # the launch commands the file shows use that many ranks
+        for stated in text.split(command)[1:]:
+            assert stated.split()[0] in (str(world), "N"), f"{name} says {command}{stated.split()[0]}, the table {world}"
     cfg = Config.load(path, [])
-    p = cfg.parallel
-    world = max(p.dp, 1) * p.tp * p.pp * p.cp
     dims = cfg.validate(world)
-    assert dims.dp * dims.tp * dims.pp * dims.cp == world
+    assert {k: getattr(dims, k) for k in degrees} == degrees and dims.cp == dims.ep == 1
+    assert cfg.batch_plan(dims.dp) == plan
