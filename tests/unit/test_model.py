@@ -99,3 +99,38 @@ def test_meta_build_keeps_tied_weights():
     m = build_model(cfg_for("gpt2-tiny"), seed=0)
     assert m.output.weight is m.embed.weight
     assert count_params(m) == sum(p.numel() for p in m.parameters())
+
+
+@pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny"])
+def test_kv_cache_decoding_gives_the_full_forward_logits_at_every_position(preset):
+    """Prefill then one token at a time through the cache: each step's logits are the full sequence's logits at that
+    position (an off-by-one cache slot or position id shows here even where the argmax happens not to change)."""
+    m = build_model(cfg_for(preset), seed=3).eval()
+    seq = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        full = m(seq)
+        cache = m.new_cache(2, 12)
+        steps = [m(seq[:, :5], cache=cache, start=0)]
+        for pos in range(5, 12):
+            steps.append(m(seq[:, pos:pos + 1], cache=cache, start=pos))
+    cached = torch.cat(steps, dim=1)
+    assert cached.shape == full.shape
+    assert torch.allclose(cached, full, rtol=0, atol=1e-5), (cached - full).abs().max()
+
+
+def test_generate_scores_each_new_token_with_the_full_sequence_logits():
+    """The logits ``generate`` samples every token from equal the full forward of prompt + tokens so far."""
+    m = build_model(cfg_for("tiny"), seed=3).eval()
+    prompt = torch.randint(0, 128, (2, 5))
+    seen = []
+
+    def record(z):
+        seen.append(z[:, -1].clone())
+        return z
+
+    out = generate(m, prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(0), logits_fn=record)
+    with torch.no_grad():
+        full = m(torch.cat([prompt, out], dim=1))
+    assert len(seen) == 8
+    for i, logits in enumerate(seen):  # token i of the continuation is drawn from the logits at position 4 + i
+        assert torch.allclose(logits, full[:, 4 + i], rtol=0, atol=1e-5), (i, (logits - full[:, 4 + i]).abs().max())

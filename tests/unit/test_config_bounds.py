@@ -1,0 +1,19 @@
+"""Each numeric bound of the [memory] section accepts its smallest valid value and refuses the next one down."""
+
+import pytest
+
+from helpers import tiny_config
+from trickles.errors import ConfigError
+
+
+@pytest.mark.parametrize("key", ["memory.loss_scale_growth_interval", "memory.loss_scale_hysteresis"])
+def test_loss_scaler_counts_start_at_one(tmp_path, key):
+    assert tiny_config(tmp_path, f"{key}=1").validate(1).world_size == 1
+    with pytest.raises(ConfigError, match="must be at least 1"):
+        tiny_config(tmp_path, f"{key}=0").validate(1)
+
+
+def test_loss_scale_may_equal_its_minimum_but_not_fall_below(tmp_path):
+    assert tiny_config(tmp_path, "memory.loss_scale=4", "memory.loss_scale_min=4").validate(1).world_size == 1
+    with pytest.raises(ConfigError, match="loss_scale >= loss_scale_min"):
+        tiny_config(tmp_path, "memory.loss_scale=2", "memory.loss_scale_min=4").validate(1)
