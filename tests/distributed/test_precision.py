@@ -95,7 +95,8 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, cache,
 # ---- fp16: the loss scale survives a checkpoint ------------------------------------------------------
 
 BAD_STEPS = {1, 2, 5}  # steps whose gradients overflow (injected), in the straight run and the resumed one alike
-SCALER = ["memory.precision=fp16", "memory.loss_scale=1024", "memory.loss_scale_hysteresis=2", "memory.loss_scale_growth_interval=3"]
+SCALER = ["memory.precision=fp16", "memory.loss_scale=1024", "memory.loss_scale_hysteresis=2",
+          "memory.loss_scale_growth_interval=3"]
 
 
 def _fp16_steps(tr, until):

@@ -134,3 +134,14 @@ def test_generate_scores_each_new_token_with_the_full_sequence_logits():
     assert len(seen) == 8
     for i, logits in enumerate(seen):  # token i of the continuation is drawn from the logits at position 4 + i
         assert torch.allclose(logits, full[:, 4 + i], rtol=0, atol=1e-5), (i, (logits - full[:, 4 + i]).abs().max())
+
+
+def test_pipelined_model_switches_modes_like_a_module():
+    """The stand-in ``generate`` sees for a pipeline stage: eval()/train() switch the stage's layers and return it,
+    as nn.Module's do."""
+    from trickles.parallel.pipeline_runner import PipelinedModel
+
+    stage = build_model(cfg_for("tiny"), seed=0)
+    wrapped = PipelinedModel(None, stage, stage.cfg.vocab_size)
+    assert wrapped.eval() is wrapped and not wrapped.training and not stage.training
+    assert wrapped.train() is wrapped and wrapped.training and stage.training

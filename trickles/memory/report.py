@@ -1,7 +1,8 @@
 """Where the memory goes: predicted bytes per device, and measured ones, side by side.
 
 :func:`predict` works from the configuration alone (no process group, no device): model
-states from the ZeRO formulas for the layout and precision (``accounting.py``), activations
+states from the ZeRO formulas for the layout and precision (``accounting.py``), counted on the
+engine's padded flat layout (:func:`engine_state_bytes`, exact to the byte), activations
 per layer from the formulas of this implementation (``activations.py``), and an estimated
 peak. :func:`measure` builds the real trainer, runs a few steps and reads the same categories
 back: parameters, gradients and optimizer state from the tensors the data-parallel engine
