@@ -56,6 +56,12 @@ def _run(tmp, cache, overrides, dp=None, masters=False):
         from torch._dynamo.utils import counters
 
         assert counters["stats"]["unique_graphs"] > 0, dict(counters["stats"])
+        # the rank pool is reused: compiled graphs would keep this trainer's tensors alive in later tests' byte counts
+        import gc
+
+        del tr, state
+        torch._dynamo.reset()
+        gc.collect()
     return losses, weights, initial, shapes
 
 
