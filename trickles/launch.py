@@ -178,8 +178,9 @@ def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
         print(f"error: {message}", file=sys.stderr)
         return int(code)
     if exitcode == HANG_EXIT:
-        print(f"[trickles] rank {rank} found a communication call stuck past parallel.timeout_s; the ranks' reports are "
-              "above; stopped the others", file=sys.stderr)
+        # every rank exits with the hang status once all have reported: whichever is seen first is not the one that found it
+        print(f"[trickles] a communication call was stuck past parallel.timeout_s (rank {rank} ended with the hang status); "
+              "the ranks' reports are above; stopped the others", file=sys.stderr)
         return exitcode
     if exitcode < 0:
         what = f"was killed by {signal.Signals(-exitcode).name}"
