@@ -119,11 +119,11 @@ class Config:
         p = self.parallel
         dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         dims.validate(world_size)
-        if dims.cp > 1 or dims.ep > 1:
-            raise ConfigError(
-                f"this version has data, tensor and pipeline parallelism; parallel.cp={dims.cp} and "
-                f"parallel.ep={dims.ep} must be 1 (use more data-, tensor- or pipeline-parallel ranks instead)")
+        if dims.ep > 1:
+            raise ConfigError(f"this version has no expert parallelism; parallel.ep={dims.ep} must be 1 "
+                              "(use more data-, context-, tensor- or pipeline-parallel ranks instead)")
         self._check_tensor_parallel(dims.tp)
+        self._check_context_parallel(dims)
         self._check_pipeline(dims)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
@@ -153,6 +153,26 @@ class Config:
                               f"must be divisible by parallel.tp ({tp}) to split the embedding and output layer")
         if self.parallel.sequence_parallel and self.data.seq_len % tp:
             raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({tp}) for sequence parallelism")
+
+    def _check_context_parallel(self, dims: ParallelDims) -> None:
+        cp, m, p, seq = dims.cp, self.model, self.parallel, self.data.seq_len
+        if cp == 1:
+            return
+        unit = 2 * cp if p.cp_mode == "ring" else cp
+        if seq % unit:
+            what = f"2 x parallel.cp = {unit} (ring attention cuts it into 2 chunks per rank)" if p.cp_mode == "ring" else f"parallel.cp ({cp})"
+            raise ConfigError(f"data.seq_len ({seq}) must be divisible by {what}; set data.seq_len to a multiple of {unit}")
+        if p.sequence_parallel and (seq // cp) % dims.tp:
+            raise ConfigError(f"each context-parallel rank's {seq // cp} tokens must divide by parallel.tp ({dims.tp}) for "
+                              f"sequence parallelism; set data.seq_len to a multiple of {cp * dims.tp * (2 if p.cp_mode == 'ring' else 1)}")
+        if m.dropout > 0:
+            raise ConfigError(f"model.dropout ({m.dropout}) must be 0 with parallel.cp > 1 (attention split over ranks has no "
+                              "attention dropout); set model.dropout=0")
+        if p.cp_mode == "ulysses":
+            heads = m.n_heads // dims.tp
+            if heads % cp:
+                raise ConfigError(f"parallel.cp_mode=ulysses splits each tensor-parallel rank's {heads} query heads over "
+                                  f"parallel.cp ({cp}) ranks; use a cp that divides {heads} or parallel.cp_mode=ring")
 
     def _check_pipeline(self, dims: ParallelDims) -> None:
         from .parallel.pipeline import partition_layers

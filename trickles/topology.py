@@ -103,6 +103,7 @@ class ParallelDims:
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         groups = {n: mesh.get_group(n) for n in MESH_DIMS}
         groups["ep"] = self._ep_group(dist.get_rank())
+        groups["dp_cp"] = self._data_group(dist.get_rank())
         groups.update(self._pipeline_groups(dist.get_rank()))
         return Topology(self, mesh, device, groups)
 
@@ -124,19 +125,35 @@ class ParallelDims:
                 out["pp_ends"] = ends
         return out
 
+    def _replica_members(self):
+        """For every (pp, tp) coordinate, the dp x cp ranks sharing it (they hold the same weights)."""
+        for pp_i in range(self.pp):
+            for tp_i in range(self.tp):
+                yield [((pp_i * self.dp + d) * self.cp + c) * self.tp + tp_i for d in range(self.dp) for c in range(self.cp)]
+
+    def _data_group(self, rank: int):
+        """``dp_cp``: the dp x cp ranks of one (pp, tp) coordinate, which average gradients together
+        (context-parallel ranks hold the same weights as data-parallel ones); every rank creates all."""
+        if self.cp == 1:
+            return None
+        mine = None
+        for members in self._replica_members():
+            g = dist.new_group(members)
+            if rank in members:
+                mine = g
+        return mine
+
     def _ep_group(self, rank: int):
         """Expert groups: blocks of ``ep`` among the dp x cp ranks sharing (pp, tp); every rank creates all."""
         if self.ep == 1:
             return None
         mine = None
-        for pp_i in range(self.pp):
-            for tp_i in range(self.tp):
-                members = [((pp_i * self.dp + d) * self.cp + c) * self.tp + tp_i for d in range(self.dp) for c in range(self.cp)]
-                for start in range(0, len(members), self.ep):
-                    block = members[start:start + self.ep]
-                    g = dist.new_group(block)
-                    if rank in block:
-                        mine = g
+        for members in self._replica_members():
+            for start in range(0, len(members), self.ep):
+                block = members[start:start + self.ep]
+                g = dist.new_group(block)
+                if rank in block:
+                    mine = g
         return mine
 
 
@@ -151,16 +168,22 @@ class Topology:
         self.rank = dist.get_rank() if mesh is not None else 0
         self.world_size = dims.world_size
         self.coords = dims.coords(self.rank)
-        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep", "pp_grad", "pp_ends")}
+        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep", "pp_grad", "pp_ends", "dp_cp")}
         self._comms["world"] = GroupComm("world", dist.group.WORLD if mesh is not None else None, self.ledger)
 
     def comm(self, name: str) -> GroupComm:
         """The communicator of dimension ``name`` (``dp``, ``tp``, ``pp``, ``cp``, ``ep`` or ``world``; with
-        pipeline stages also ``pp_grad`` and ``pp_ends``, see :meth:`ParallelDims._pipeline_groups`)."""
+        pipeline stages also ``pp_grad`` and ``pp_ends``, see :meth:`ParallelDims._pipeline_groups`; with
+        context parallelism ``dp_cp``, see :meth:`replicas`)."""
         return self._comms[name]
 
     def size(self, name: str) -> int:
         return self._comms[name].size
+
+    def replicas(self) -> GroupComm:
+        """The ranks holding the same weights, which average their gradients: ``dp``, or with context
+        parallelism the combined ``dp x cp`` group (``dp_cp``)."""
+        return self._comms["dp_cp"] if self.dims.cp > 1 else self._comms["dp"]
 
     @property
     def is_main(self) -> bool:

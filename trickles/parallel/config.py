@@ -15,7 +15,8 @@ class ParallelConfig:
     dp: int = opt(-1, "data-parallel degree (-1: whatever the world size leaves after tp, pp and cp)")
     tp: int = opt(1, "tensor-parallel degree")
     pp: int = opt(1, "pipeline-parallel degree")
-    cp: int = opt(1, "context (sequence) parallel degree")
+    cp: int = opt(1, "context-parallel degree: every sequence is split over this many ranks (weights replicated over them, like dp)")
+    cp_mode: str = opt("ring", "with cp > 1: ring (keys and values passed around a ring, load-balanced causal chunks) or ulysses (all-to-all from sequence to head shards)")
     ep: int = opt(1, "expert-parallel degree; experts are spread over the dp x cp ranks, so it must divide dp*cp")
     sequence_parallel: bool = opt(False, "with tp > 1: run norms and dropout on sequence shards (all-gather / reduce-scatter instead of all-reduce)")
     zero: int = opt(0, "ZeRO stage over the data-parallel ranks: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters")
@@ -27,6 +28,8 @@ class ParallelConfig:
     timeout_s: float = opt(600.0, "seconds one collective or point-to-point wait may take; then every rank reports where it is and the job exits (status 4)")
 
     def validate(self) -> None:
+        if self.cp_mode not in ("ring", "ulysses"):
+            raise ConfigError(f"parallel.cp_mode must be ring or ulysses, got {self.cp_mode!r}")
         if self.zero not in (0, 1, 2, 3):
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.bucket_mb < 0:

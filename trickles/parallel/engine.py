@@ -51,6 +51,7 @@ class Engine:
         self._reduce = True
         self.loss_fn = default_loss
         self.full_logits = lambda logits: logits
+        self.shard_sequence = lambda tokens: tokens  # context parallelism: this rank's tokens of [B, T] inputs and targets
         self.pipeline = None  # a PipelineRunner when the model is one stage of a pipeline
         self.stages: GroupComm | None = None  # the pipeline group: the gradient norm sums over it
         self._tied: list[nn.Parameter] = []

@@ -46,14 +46,15 @@ class PipelineRunner:
 
     def __init__(self, engine: Engine, chunks: list[StageChunk], acts: GroupComm, grads: GroupComm, schedule: str,
                  micro_batches: int, d_model: int, act_dtype: torch.dtype, device: torch.device,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, tp_ctx=None):
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, tp_ctx=None,
+                 cp_ctx=None):
         self.engine, self.chunks = engine, chunks
         self.acts, self.grads = acts, grads
         self.rank = acts.rank
         self.schedule = schedule
         self.shape = Shape(acts.size, len(chunks), micro_batches)
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, device
-        self.autocast, self.tp_ctx = autocast, tp_ctx
+        self.autocast, self.tp_ctx, self.cp_ctx = autocast, tp_ctx, cp_ctx
         # gloo runs every send and receive on its own: a receive may be posted long before it is read
         self.early_receives = acts.backend == "gloo" and grads.backend == "gloo"
         self.actions = build(schedule, self.shape, early_receives=self.early_receives)[self.rank]
@@ -188,12 +189,14 @@ class PipelineRunner:
         x, y = micro[a.micro]
         inp = x.to(self.device, non_blocking=True) if chunk.first else received.requires_grad_(train)
         seq_len = x.shape[1]
-        if self.tp_ctx is not None:
-            self.tp_ctx.begin_forward(seq_len, decoding=self._decoding)
+        for ctx in (self.cp_ctx, self.tp_ctx):
+            if ctx is not None:
+                ctx.begin_forward(seq_len, decoding=self._decoding)
         with self.autocast():
             out = chunk(inp, seq_len, cache, start)
-        if self.tp_ctx is not None:
-            self.tp_ctx.end_forward()
+        for ctx in (self.cp_ctx, self.tp_ctx):
+            if ctx is not None:
+                ctx.end_forward()
         if chunk.last:
             if y is None:  # decoding: keep the last position's logits
                 self._logits = out[:, -1:].float()

@@ -3,11 +3,14 @@
 The model arrives built on the meta device (no memory), as single-device code. In order:
 
 1. activation recomputation wraps its blocks or attention cores (``memory.recompute``);
-2. tensor parallelism swaps its modules for column/row-parallel ones over the ``tp`` group
+2. context parallelism makes attention span the ``cp`` ranks' parts of each sequence and looks
+   positions up globally (``parallel.cp``, ``parallel.cp_mode``; :mod:`trickles.parallel.context`);
+   tensor parallelism swaps its modules for column/row-parallel ones over the ``tp`` group
    (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor_plan`);
    pipeline parallelism prunes it to this rank's stage (``parallel.pp``; :mod:`trickles.parallel.pipeline`),
    and a :class:`~trickles.parallel.pipeline_runner.PipelineRunner` (``engine.pipeline``) drives its steps;
-3. the data-parallel engine over the ``dp`` group: for ZeRO stages 0-2 the rank allocates its
+3. the data-parallel engine over the ``dp`` group (``dp x cp`` with context parallelism: the cp
+   ranks hold the same weights, see :meth:`~trickles.topology.Topology.replicas`): for ZeRO stages 0-2 the rank allocates its
    (tensor-parallel) parameters, initializes them and casts them to the precision policy's type,
    then :class:`~trickles.parallel.data.DataParallel` (stage 0) or
    :class:`~trickles.parallel.zero.ZeroDataParallel` (stages 1, 2) wraps them; for stage 3 each
@@ -29,6 +32,7 @@ from ..models.transformer import Transformer, initial_value
 from ..optim.adamw import AdamWSettings
 from ..topology import Topology
 from ..train.pieces import global_shape
+from .context import apply_context_parallel, shard_sequence
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
 from .pipeline import keep_stage, partition_layers, tied_parameters
@@ -42,12 +46,13 @@ from .zero3 import Zero3DataParallel
 
 def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> Engine:
     """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says."""
-    comm, tp = topo.comm("dp"), topo.comm("tp")
+    comm, tp, cp = topo.replicas(), topo.comm("tp"), topo.comm("cp")
     stage = cfg.parallel.zero
     optim = AdamWSettings.from_train(cfg.train)
     offload = cfg.memory.offload_optimizer
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     apply_recompute(model, cfg.memory.recompute)
+    cp_ctx = apply_context_parallel(model, cp, cfg.parallel.cp_mode) if cp.size > 1 else None
     ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full") if tp.size > 1 else None
     pp = topo.comm("pp")
     chunks = None
@@ -84,6 +89,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
     if ctx is not None:
         engine.loss_fn = tp_loss(ctx)
         engine.full_logits = tp_full_logits(ctx)
+    if cp_ctx is not None:
+        engine.shard_sequence = lambda tokens: shard_sequence(tokens, cp.size, cp.rank, cfg.parallel.cp_mode)
     if chunks is not None:
         engine.stages = pp
         tied = tied_parameters(model, pp.rank, pp.size)
@@ -91,5 +98,5 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
             engine.tie_across_stages(tied, topo.comm("pp_ends"), counted=pp.rank == 0)
         engine.pipeline = PipelineRunner(engine, chunks, pp, topo.comm("pp_grad"), cfg.parallel.schedule, shape.m,
                                          model.cfg.d_model, prec.param_dtype, topo.device,
-                                         lambda: autocast(cfg.memory.precision, topo.device), ctx)
+                                         lambda: autocast(cfg.memory.precision, topo.device), ctx, cp_ctx)
     return engine

@@ -57,7 +57,8 @@ class Trainer:
         self.device = topo.device
         t = cfg.train
         self.micro_batch, self.accumulation = cfg.batch_plan(topo.dims.dp)
-        self.dp = topo.comm("dp")
+        self.dp = topo.comm("dp")  # which rows of the global batch this rank reads
+        self.replicas = topo.replicas()  # the ranks averaging gradients and losses (dp, or dp x cp)
         torch.manual_seed(t.seed)
 
         # Data: rank 0 trains/tokenizes into the cache first, the others then read it (for as long as that
@@ -108,6 +109,11 @@ class Trainer:
             logits = self.model(x)
         return self.engine.loss_fn(logits, y)
 
+    def _shard(self, micro: list) -> list:
+        """With context parallelism, this rank's tokens of each micro-batch's inputs and targets."""
+        cut = self.engine.shard_sequence
+        return [(cut(x), cut(y)) for x, y in micro]
+
     def train_step(self) -> dict[str, Any]:
         """Runs one optimizer step on the next global batch; returns its metrics."""
         t = self.cfg.train
@@ -115,7 +121,7 @@ class Trainer:
         flight.step = self.step + 1  # named in hang reports
         lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         total = torch.zeros((), device=self.device)
-        batches = self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch)
+        batches = self._shard(self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch))
         scale = self.scaler.scale if self.scaler else 1.0
         self.engine.zero_grad()
         pipeline_loss = None
@@ -139,7 +145,7 @@ class Trainer:
             self.scaler.update(overflow=not finite)
         if pipeline_loss is not None:  # summed over the stages in the background meanwhile
             total = pipeline_loss.wait() * self.accumulation
-        loss = self.dp.all_reduce(total / self.accumulation, op="mean")
+        loss = self.replicas.all_reduce(total / self.accumulation, op="mean")
         loss_value = loss.item()
         self._guard(loss_value, finite)
         elapsed = time.perf_counter() - start
@@ -182,7 +188,7 @@ class Trainer:
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
         for i in range(t.eval_batches):
-            micro = self.val_data.val_micro_batches(i, t.global_batch, self.micro_batch)
+            micro = self._shard(self.val_data.val_micro_batches(i, t.global_batch, self.micro_batch))
             if self.pipeline is not None:
                 total += self.pipeline.forward_only(micro) * len(micro)
                 count += len(micro)
@@ -191,7 +197,7 @@ class Trainer:
                 total += self._loss(x, y)
                 count += 1
         self.model.train()
-        return self.dp.all_reduce(total / max(count, 1), op="mean").item()
+        return self.replicas.all_reduce(total / max(count, 1), op="mean").item()
 
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:

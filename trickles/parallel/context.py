@@ -1,0 +1,313 @@
+"""Context parallelism: every sequence split over the ``cp`` ranks, attention exchanged between them.
+
+Weights are replicated over the ``cp`` ranks exactly like data parallelism: each cp rank runs the
+whole model on its ``T / cp`` tokens of every sequence, the loss is its mean over those tokens, and
+the gradients are averaged over the combined ``dp x cp`` group (every rank holds the same number of
+tokens, so the average of the per-rank means is the mean over the global batch). Everything except
+attention is per token; attention needs the other ranks' keys and values. Two ways:
+
+**Ring** (``parallel.cp_mode = "ring"``). The sequence is cut into ``2 cp`` chunks of ``c = T / (2 cp)``
+tokens; rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (positions ``[i c, (i+1) c)`` and
+``[(2 cp - 1 - i) c, (2 cp - i) c)``), so under the causal mask every rank has the same work. On ring
+step ``s = 0 .. cp-1`` rank ``i`` holds the keys and values of rank ``j = i - s (mod cp)``, and while it
+attends to them it already sends them on to rank ``i + 1`` and receives rank ``j - 1``'s from rank
+``i - 1`` (one non-blocking send and receive, ``cp - 1`` per layer). For query chunk ``a`` and key chunk
+``b``: ``b < a`` attends fully, ``b = a`` with the causal triangle, ``b > a`` is above the diagonal and
+skipped (never computed). Each step thus computes half of the ``2 x 2`` chunk pairs -- for ``j < i``
+both query chunks against key chunk ``j``; for ``j > i`` query chunk ``2 cp - 1 - i`` against both --
+and step 0 the two diagonal blocks and one full block.
+
+The merge is exact: a block gives ``o_b = softmax(S_b) V_b`` and ``lse_b = log sum exp S_b`` per query
+row (fp32); with ``lse = logaddexp(lse_acc, lse_b)``,
+``o = o_acc exp(lse_acc - lse) + o_b exp(lse_b - lse)`` is the softmax over the union of the keys,
+because ``exp(S) / sum exp(S)`` over a union splits into each part's weights times its share
+``exp(lse_part - lse)``. The order of the blocks changes only rounding.
+
+Backward runs the ring again with the saved output ``O`` and ``lse``: per block
+``P = exp(S - lse)``, ``dV += P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ += dS K / sqrt(D)``,
+``dK += dS^T Q / sqrt(D)``. The keys and values travel as in forward (``cp - 1`` sends); their
+gradients (fp32) travel with them, each rank adding its part, and after ``cp`` sends are back with
+their owner. Grouped-query attention sends only the ``H_kv`` key/value heads (each rank repeats them to
+its query heads locally and sums the repeats' gradients).
+
+Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes
+per element: a key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward
+sends ``(cp - 1)`` blocks and ``cp`` gradient blocks of ``2 B H_kv t D 4``. In flight at once: the
+block being used and the one arriving (forward), plus one gradient block each way (backward).
+
+**All-to-all** (``parallel.cp_mode = "ulysses"``). Rank ``i`` holds the contiguous positions
+``[i t, (i+1) t)``. Before attention one all-to-all per tensor trades sequence shards for head
+shards -- ``q [B, H, t, D] -> [B, H / cp, T, D]``, likewise ``k`` and ``v`` -- attention runs on
+whole sequences for ``H / cp`` heads (the model's own attention, causal), and one all-to-all trades
+the output back. Four all-to-alls forward and, by autograd, the four reverse ones backward; each
+sends ``(cp - 1) / cp`` of its tensor: ``(cp - 1) / cp * B t D e * (2 H + 2 H_kv')`` per layer each
+way, where ``H_kv' = H_kv`` when ``cp`` divides it, else the key/value heads are first repeated
+``f = cp / gcd(H_kv, cp)`` times (``H_kv' = f H_kv``; each copy then serves ``H / (f H_kv)`` query
+heads, so every rank receives exactly the key/value heads its query heads use). Needs ``cp`` to
+divide the (tensor-parallel rank's) query heads.
+
+Positions: the rotary tables and learned position embeddings are looked up at each token's global
+position (:class:`CPContext.positions`), so the model computes what it computes on one process.
+Decoding with a KV cache (sampling, ``generate``) does not split the sequence: every cp rank then
+runs the whole prompt, like a data-parallel replica.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..comm import GroupComm, all_to_all
+from ..models.transformer import Transformer
+
+MODES = ("ring", "ulysses")
+
+
+def positions(seq_len: int, cp: int, rank: int, mode: str) -> torch.Tensor:
+    """Global positions rank ``rank`` of ``cp`` holds of a ``seq_len`` sequence, in its local order."""
+    if mode == "ring":
+        c = seq_len // (2 * cp)
+        j = 2 * cp - 1 - rank
+        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(j * c, (j + 1) * c)])
+    t = seq_len // cp
+    return torch.arange(rank * t, (rank + 1) * t)
+
+
+def shard_sequence(t: torch.Tensor, cp: int, rank: int, mode: str) -> torch.Tensor:
+    """This rank's tokens of ``t [B, T, ...]`` (inputs or targets), in the layout of ``mode``."""
+    if cp == 1:
+        return t
+    return t[:, positions(t.shape[1], cp, rank, mode)].contiguous()
+
+
+def unshard_sequence(parts: list[torch.Tensor], mode: str) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: every rank's ``[B, t, ...]`` (in rank order) -> ``[B, T, ...]``."""
+    cp = len(parts)
+    seq = parts[0].shape[1] * cp
+    out = parts[0].new_empty((parts[0].shape[0], seq, *parts[0].shape[2:]))
+    for r, p in enumerate(parts):
+        out[:, positions(seq, cp, r, mode).to(out.device)] = p
+    return out
+
+
+class CPContext:
+    """What the swapped-in attention and position lookups share: the group, the mode, and whether
+    the forward now running is split over the cp ranks (no KV cache)."""
+
+    def __init__(self, comm: GroupComm, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"context-parallel mode must be one of {MODES}, got {mode!r}")
+        self.comm, self.mode = comm, mode
+        self.active = False
+        self._positions: dict[tuple[int, str], torch.Tensor] = {}
+
+    def begin_forward(self, local_len: int, decoding: bool = False) -> None:
+        self.active = self.comm.size > 1 and not decoding
+        self.local_len = local_len
+
+    def end_forward(self) -> None:
+        self.active = False
+
+    def positions(self, device) -> torch.Tensor:
+        """Global positions of this rank's tokens in the forward now running."""
+        key = (self.local_len, str(device))
+        if key not in self._positions:
+            self._positions[key] = positions(self.local_len * self.comm.size, self.comm.size, self.comm.rank, self.mode).to(device)
+        return self._positions[key]
+
+
+# ---- ring attention ----------------------------------------------------------------------------
+
+def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
+    return rank, 2 * cp - 1 - rank
+
+
+def _pairs(q_rank: int, kv_rank: int, cp: int, c: int):
+    """``(q slice, kv slice, causal)`` of every block of ``q_rank``'s queries against ``kv_rank``'s keys
+    that is not above the diagonal (local token offsets)."""
+    for qa, a in enumerate(_chunk_ids(q_rank, cp)):
+        for kb, b in enumerate(_chunk_ids(kv_rank, cp)):
+            if b <= a:
+                yield slice(qa * c, (qa + 1) * c), slice(kb * c, (kb + 1) * c), b == a
+
+
+def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
+    return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
+
+
+def _scores(q, k, scale, causal):
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if causal:
+        n = s.shape[-1]
+        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    return s
+
+
+def _block_forward(q, k, v, scale, causal):
+    """``(softmax(S) V, logsumexp(S))`` of one block, fp32."""
+    s = _scores(q, k, scale, causal)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - lse[..., None])
+    return torch.matmul(p.to(v.dtype), v).float(), lse
+
+
+def _block_backward(q, k, v, do, lse, delta, scale, causal):
+    """``(dq, dk, dv)`` of one block (fp32) from the final ``lse`` and ``delta = rowsum(dO O)``."""
+    q, k, v = q.float(), k.float(), v.float()
+    p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta[..., None])
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def _exchange(comm: GroupComm, send: torch.Tensor, recv: torch.Tensor):
+    """Starts sending ``send`` to the next rank and receiving into ``recv`` from the previous one."""
+    nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    return comm.batch_p2p([("send", send, nxt), ("recv", recv, prev)])
+
+
+def _wait(handles) -> None:
+    for h in handles:
+        h.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, comm: GroupComm):
+        b, h, t, d = q.shape
+        cp, rank = comm.size, comm.rank
+        rep, c, scale = h // k.shape[1], t // 2, 1.0 / math.sqrt(d)
+        out = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()  # one message per step
+        for step in range(cp):
+            handles, nxt = [], None
+            if step < cp - 1:
+                nxt = torch.empty_like(kv)
+                handles = _exchange(comm, kv, nxt)
+            src = (rank - step) % cp
+            kk, vv = _expand(kv[0], rep), _expand(kv[1], rep)
+            for qs, ks, causal in _pairs(rank, src, cp, c):
+                o_b, lse_b = _block_forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal)
+                new = torch.logaddexp(lse[:, :, qs], lse_b)
+                out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None]
+                lse[:, :, qs] = new
+            _wait(handles)
+            kv = nxt
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.comm = comm
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        comm = ctx.comm
+        b, h, t, d = q.shape
+        cp, rank = comm.size, comm.rank
+        h_kv = k.shape[1]
+        rep, c, scale = h // h_kv, t // 2, 1.0 / math.sqrt(d)
+        do = dout.float()
+        delta = (do * out.float()).sum(-1)
+        dq = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv, dkv_handles = None, []  # the gradient block arriving with the keys and values being held
+        for step in range(cp):
+            handles, nxt = [], None
+            if step < cp - 1:
+                nxt = torch.empty_like(kv)
+                handles = _exchange(comm, kv, nxt)
+            src = (rank - step) % cp
+            kk, vv = _expand(kv[0], rep), _expand(kv[1], rep)
+            part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
+            for qs, ks, causal in _pairs(rank, src, cp, c):
+                dq_b, dk_b, dv_b = _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], lse[:, :, qs],
+                                                   delta[:, :, qs], scale, causal)
+                dq[:, :, qs] += dq_b
+                part[0][:, :, ks] += dk_b
+                part[1][:, :, ks] += dv_b
+            if rep > 1:  # the repeats' gradients back onto the key/value heads
+                part = part.view(2, b, h_kv, rep, t, d).sum(3)
+            _wait(dkv_handles)
+            if dkv is not None:
+                part += dkv
+            dkv = torch.empty_like(part)
+            dkv_handles = _exchange(comm, part, dkv)  # on to the next rank; after cp sends, home
+            _wait(handles)
+            kv = nxt
+        _wait(dkv_handles)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+    """Causal attention of this rank's ``q [B, H, t, D]`` over every rank's ``k, v [B, H_kv, t, D]``,
+    tokens in the ring layout (:func:`positions`); returns ``[B, H, t, D]``."""
+    if q.shape[2] % 2:
+        raise ValueError(f"ring attention holds two equal chunks per rank; got {q.shape[2]} local tokens")
+    return _RingAttention.apply(q, k, v, comm)
+
+
+# ---- all-to-all attention ----------------------------------------------------------------------
+
+def kv_repeats(n_heads: int, kv_heads: int, cp: int) -> int:
+    """How often the all-to-all mode repeats each key/value head so that ``cp`` divides them and each
+    copy serves whole query heads: ``cp / gcd(kv_heads, cp)`` (1 when ``cp`` divides ``kv_heads``)."""
+    f = cp // math.gcd(kv_heads, cp)
+    if (n_heads // kv_heads) % f:
+        raise ValueError(f"{n_heads} query heads on {kv_heads} key/value heads cannot be split over {cp} ranks")
+    return f
+
+
+def ulysses_attention(q, k, v, comm: GroupComm, attend) -> torch.Tensor:
+    """All-to-all attention: ``q [B, H, t, D]``, ``k, v [B, H_kv, t, D]`` in (contiguous sequence shards),
+    ``attend(q, k, v)`` on whole sequences of ``H / cp`` heads, ``[B, H, t, D]`` out."""
+    cp = comm.size
+    if q.shape[1] % cp:
+        raise ValueError(f"all-to-all attention splits the {q.shape[1]} query heads over {cp} ranks; they must divide")
+    f = kv_repeats(q.shape[1], k.shape[1], cp)
+    k, v = _expand(k, f), _expand(v, f)
+    q, k, v = (all_to_all(x.contiguous(), comm, scatter_dim=1, gather_dim=2) for x in (q, k, v))
+    out = attend(q, k, v)
+    return all_to_all(out.contiguous(), comm, scatter_dim=2, gather_dim=1)
+
+
+# ---- applying it to a model --------------------------------------------------------------------
+
+def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CPContext:
+    """Makes ``model`` (in place) run on this rank's tokens of every sequence: attention over the ring or
+    all-to-all, positions looked up globally. The parameters are untouched (replicated over cp)."""
+    ctx = CPContext(comm, mode)
+    for block in model.layers.values():
+        attn = block.attn
+        plain = attn._attend  # the model's own attention (SDPA), used when not split and by all-to-all
+
+        def attend(q, k, v, causal_offset, plain=plain):
+            if not ctx.active or causal_offset is not None:
+                return plain(q, k, v, causal_offset)
+            if mode == "ring":
+                return ring_attention(q, k, v, ctx.comm)
+            return ulysses_attention(q, k, v, ctx.comm, lambda q_, k_, v_: plain(q_, k_, v_, None))
+        # instance attribute shadowing the method; ``core`` (and what wraps it) calls ``self._attend``
+        object.__setattr__(attn, "_attend", attend)
+
+    if model.pos_embed is not None:
+        # before any other hook (sequence parallel then keeps its part of these positions)
+        model.pos_embed.register_forward_pre_hook(lambda module, args: (ctx.positions(args[0].device),) if ctx.active else None,
+                                                  prepend=True)
+    rope = model.rope
+
+    def global_rope(start: int, length: int):
+        if not ctx.active or model.rope_cos is None:
+            return rope(start, length)
+        pos = ctx.positions(model.rope_cos.device)
+        return model.rope_cos[pos], model.rope_sin[pos]
+    object.__setattr__(model, "rope", global_rope)
+
+    def switch(module, args, kwargs):
+        tokens = args[0] if args else kwargs["tokens"]
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        ctx.begin_forward(tokens.shape[1], decoding=cache is not None)
+    model.register_forward_pre_hook(switch, with_kwargs=True, prepend=True)
+    model.register_forward_hook(lambda module, args, out: ctx.end_forward())
+    return ctx
