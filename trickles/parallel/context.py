@@ -103,11 +103,10 @@ class CPContext:
         self._positions: dict[tuple[int, str], torch.Tensor] = {}
 
     def begin_forward(self, local_len: int, decoding: bool = False) -> None:
+        """Decides for the forward about to run (and stays so for its backward, where recomputation runs
+        parts of it again): split unless decoding with a KV cache."""
         self.active = self.comm.size > 1 and not decoding
         self.local_len = local_len
-
-    def end_forward(self) -> None:
-        self.active = False
 
     def positions(self, device) -> torch.Tensor:
         """Global positions of this rank's tokens in the forward now running."""
@@ -309,5 +308,4 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
         cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
         ctx.begin_forward(tokens.shape[1], decoding=cache is not None)
     model.register_forward_pre_hook(switch, with_kwargs=True, prepend=True)
-    model.register_forward_hook(lambda module, args, out: ctx.end_forward())
     return ctx

@@ -194,9 +194,8 @@ class PipelineRunner:
                 ctx.begin_forward(seq_len, decoding=self._decoding)
         with self.autocast():
             out = chunk(inp, seq_len, cache, start)
-        for ctx in (self.cp_ctx, self.tp_ctx):
-            if ctx is not None:
-                ctx.end_forward()
+        if self.tp_ctx is not None:
+            self.tp_ctx.end_forward()
         if chunk.last:
             if y is None:  # decoding: keep the last position's logits
                 self._logits = out[:, -1:].float()
