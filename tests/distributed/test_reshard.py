@@ -1,5 +1,5 @@
 """Checkpoints reshard across layouts: saved at one (dp, ZeRO stage, tp with sequence parallel, pp with virtual
-stages, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
+stages, cp, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
 weights, Adam moments and the data position all come back -- and a rank reads only the slices it needs. With the
 optimizer offloaded, a resume at the same layout is exact, at every ZeRO stage."""
 
@@ -37,6 +37,10 @@ LAYOUTS = {
     "dp2-tp2-zero1-offload": (4, ["parallel.tp=2", "parallel.zero=1", OFFLOAD]),
     "dp2-pp2-zero1-offload": (4, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1", OFFLOAD]),
     "dp4-zero2-offload": (4, ["parallel.zero=2", OFFLOAD]),
+    # context parallel: the sequence split over ranks that hold the same weights (ZeRO shards over dp x cp)
+    "cp2-zero1": (2, ["parallel.cp=2", "parallel.zero=1"]),
+    "cp4-ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
+    "dp2-cp2-zero3": (4, ["parallel.cp=2", "parallel.zero=3"]),
 }
 
 
@@ -110,6 +114,10 @@ def sources(tmp_path_factory):
     ("dp2-zero3", "pp2"),
     ("dp2-tp2-zero1-offload", "dp1"),  # host-offloaded optimizer with tp, loaded without offload at another dp
     ("dp2-pp2-zero1-offload", "dp4-zero2-offload"),  # with pp, loaded offloaded at another dp and ZeRO stage
+    ("cp2-zero1", "dp1"),  # context parallel to one process, to cp=4 (other mode), to pipeline and tensor layouts
+    ("cp2-zero1", "cp4-ulysses"),
+    ("dp2-cp2-zero3", "pp2"),
+    ("dp2-cp2-zero3", "tp2"),
 ])
 def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sources, source, target):
     tmp, found = sources

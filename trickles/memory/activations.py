@@ -26,6 +26,15 @@ MLP                llama: gate, silu(gate), up, product; gpt2: pre-activation  `
                    and GELU output
 =================  ==========================================================  ===========================
 
+With context parallelism (``cp`` ranks) every term counts this rank's ``s = batch x T / cp`` tokens
+(``T`` in the cos/sin term becomes ``T / cp``); ring attention saves what the fused kernel saves
+(its output laid out so ``o_proj`` keeps a view of it); the all-to-all mode's core keeps the fused
+output in head shards beside ``o_proj``'s input in sequence shards, ``psah``, and the key/value
+heads repeated ``f`` times (``2 (f-1) ps a_kv h``, see :func:`trickles.parallel.context.kv_repeats`),
+both dropped by selective recomputation. llama in fp32 also keeps the rotary tables
+gathered at the rank's positions, ``8 (T/cp) h`` once per forward (``"tables"``; the meter charges
+them to the first layer that uses them).
+
 A layer holds two norms, the attention and the MLP. ``selective`` recomputation of the
 attention core drops what the core keeps beyond its inputs -- with a fused kernel only the
 log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabilities);
@@ -43,8 +52,10 @@ from ..models.config import ModelConfig
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "none", dtype_bytes: int = 4,
-                     device_type: str = "cpu", tp: int = 1, sequence_parallel: bool = False) -> dict[str, int]:
-    """``{"layer": bytes per layer, "layers": all layers, "head": bytes, "total": ...}`` for one micro-batch on one rank.
+                     device_type: str = "cpu", tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
+                     cp_mode: str = "ring") -> dict[str, int]:
+    """``{"layer": bytes per layer, "layers": all layers, "head": bytes, "tables": bytes, "total": ...}`` for one
+    micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
 
     With tensor parallelism ``tp > 1`` the heads and the MLP width are split (``a/tp``, ``f/tp``;
     key/value heads ``a_kv/tp``, or ``a/tp`` selected ones when they are replicated) while the
@@ -54,11 +65,13 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     entries, kept for backward by k and by v (``16 a/tp`` bytes). The vocabulary-parallel loss
     keeps fp32 probabilities over ``V/tp``.
     """
+    seq //= cp
     s = batch * seq
     t = tp
     d, a, kv, h, f, p = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim, dtype_bytes
     if t > 1:
         a, f, kv = a // t, f // t, (kv // t if kv % t == 0 else a // t)
+    ulysses = cp > 1 and cp_mode == "ulysses"
     llama = cfg.flavor == "llama"
     sn = s // t if sequence_parallel and t > 1 else s  # tokens a norm works on
     if llama:
@@ -72,8 +85,14 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of the heads they select
         attention += 2 * 8 * a
     mlp = (4 if llama else 2) * p * s * f
+    core_extra = 0  # all-to-all: the fused output in head shards beside o_proj's input, the repeated heads
+    if ulysses:
+        from ..parallel.context import kv_repeats
+        core_extra = p * s * a * h + (kv_repeats(a, kv, cp) - 1) * 2 * p * s * kv * h
+    attention += core_extra
     full = p * sn * d  # the block input, on this rank's sequence shard under sequence parallelism
-    layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse, "full": full}.get(recompute)
+    layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse - core_extra,
+             "full": full}.get(recompute)
     if layer is None:
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
     vocab = cfg.vocab_size or 0
@@ -83,7 +102,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         head = 16 * s + norm + 4 * s * vocab + 4
     head += 0 if llama else 8 * seq
     layers = layer * cfg.n_layers
-    return {"layer": layer, "layers": layers, "head": head, "total": layers + head}
+    tables = 8 * seq * h if cp > 1 and llama and p == 4 and recompute != "full" else 0
+    return {"layer": layer, "layers": layers, "head": head, "tables": tables, "total": layers + head + tables}
 
 
 class ActivationMeter:

@@ -140,13 +140,17 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     g = torch.finfo(prec.grad_dtype).bits // 8
     offload = cfg.memory.offload_optimizer
     stage = cfg.parallel.zero
-    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp, dp_rank)
+    # the weights are replicated over dp x cp ranks: ZeRO shards over all of them (dp_rank counts them)
+    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, dp_rank)
     micro, _ = cfg.batch_plan(dims.dp)
     act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
-                           cfg.parallel.sequence_parallel)
+                           cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode)
+    tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
     # the loss's backward: the fp32 gradients of the log-probabilities and of the logits live together
     # (the vocabulary-parallel loss writes its gradient into the saved probabilities: one more [s, V/tp])
-    transient = (8 if dims.tp == 1 else 4) * micro * cfg.data.seq_len * model_cfg.vocab_size // dims.tp
+    transient = (8 if dims.tp == 1 else 4) * tokens * model_cfg.vocab_size // dims.tp
+    if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
+        transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
     if stage == 2:
         bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n * g
         transient += 2 * min(bucket, n * g)
@@ -160,9 +164,20 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     predicted["peak"] = predicted["held"] + transient
     report = MemoryReport(predicted, [act["layer"]] * model_cfg.n_layers, host_optimizer=offload)
     tp = f", tp={dims.tp}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
+    tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
                         f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}")
     return report
+
+
+def ring_blocks_in_flight(cfg: ModelConfig, tokens: int, p: int, tp: int = 1) -> int:
+    """Ring attention's key/value blocks alive at once beyond the saved activations, for ``tokens`` of this
+    rank (one layer at a time): in backward the block held and the one arriving (``2 x 2 s a_kv h p``)
+    and two fp32 gradient blocks, the one being sent on and the one arriving (``2 x 2 s a_kv h 4``);
+    forward holds only the two key/value blocks."""
+    kv = cfg.kv_heads // tp if cfg.kv_heads % tp == 0 else cfg.n_heads // tp
+    block = 2 * tokens * kv * cfg.head_dim
+    return 2 * block * p + 2 * block * 4
 
 
 def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0) -> dict[str, int]:

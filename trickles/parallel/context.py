@@ -194,7 +194,9 @@ class _RingAttention(torch.autograd.Function):
                 lse[:, :, qs] = new
             _wait(handles)
             kv = nxt
-        out = out.to(q.dtype)
+        # laid out [B, t, H, D] like the fused kernels' output, so the heads side by side that ``o_proj``
+        # keeps for its backward are a view of this same tensor (saved once)
+        out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.comm = comm
         return out
