@@ -294,3 +294,27 @@ def test_a_cp_checkpoint_evaluates_and_generates_like_one_process(tmp_path, cach
     new = generate(model, torch.tensor([ids]), 24, 0.8, 0, eos_id=tokenizer.eos_id, generator=g)
     assert "def " + tokenizer.decode(new[0].tolist()) == text
     assert len(set(text[4:])) > 3, text  # a varied sample, not a run of one token
+
+
+# ---- the memory report ------------------------------------------------------------------------
+
+def _report(tmp, cache, overrides):
+    from trickles.memory.report import measure, predict
+
+    cfg = tiny_config(tmp, cache, "parallel.cp=2", "model.d_model=72", "parallel.bucket_mb=0.05", *overrides, steps=4)
+    tr = Trainer(cfg, cfg.validate(4).build(CPU), quiet=True)
+    rep = predict(tr.cfg, tr.topo.dims, tr.model_cfg, dp_rank=tr.replicas.rank)
+    measure(tr, rep, steps=2)
+    return {k: (rep.predicted[k], rep.measured[k]) for k in ("parameters", "gradients", "optimizer", "activations", "head", "held")}, \
+        rep.layers_predicted, rep.layers_measured
+
+
+@pytest.mark.parametrize("overrides", [["parallel.zero=3"], ["parallel.zero=1", "parallel.cp_mode=ulysses", "memory.precision=bf16"]],
+                         ids=["ring-zero3", "ulysses-zero1-bf16"])
+def test_memory_report_predicts_each_cp_rank(tmp_path, cache, overrides):
+    """dp2 x cp2: the report's states (ZeRO sharded over the 4 ranks of dp x cp, padding included), activations per
+    layer and head equal what each rank measures, exactly."""
+    for pairs, layers_pred, layers_meas in run_ranks(4, _report, str(tmp_path), cache, overrides):
+        assert layers_pred == layers_meas
+        for key, (pred, meas) in pairs.items():
+            assert pred == meas, (key, pred, meas)

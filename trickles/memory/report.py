@@ -61,7 +61,11 @@ class MemoryReport:
             lines.append(row)
         if self.layers_predicted and not self.layers_measured:
             lines.append("")
-            lines.append(f"each of the {len(self.layers_predicted)} layers: {_fmt(self.layers_predicted[0])} of saved activations")
+            first, rest = self.layers_predicted[0], self.layers_predicted[1:]
+            if all(x == first for x in rest):
+                lines.append(f"each of the {len(self.layers_predicted)} layers: {_fmt(first)} of saved activations")
+            else:  # context parallel llama in fp32: the first layer also keeps the gathered rotary tables
+                lines.append(f"layer 0: {_fmt(first)}, each of the other {len(rest)}: {_fmt(rest[0])} of saved activations")
         elif self.layers_predicted:
             lines.append("")
             lines.append(f"{'per layer':<14}{'predicted':>14}" + (f"{'measured':>14}" if self.layers_measured else ""))
@@ -118,7 +122,8 @@ def _fmt(v) -> str:
 
 def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu", dp_rank: int = 0) -> MemoryReport:
     """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved): the device of
-    data-parallel rank ``dp_rank`` (ranks differ by a few bytes under ZeRO >= 1: the segments each owns)."""
+    data-parallel rank ``dp_rank`` (ranks differ by a few bytes under ZeRO >= 1: the segments each owns; with
+    context parallelism the rank in the ``dp x cp`` group, :meth:`~trickles.topology.Topology.replicas`)."""
     from ..models.transformer import Transformer, count_params
 
     if dims.pp > 1:
@@ -159,10 +164,10 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         transient += p * (root + 2 * (n - root) / model_cfg.n_layers)
     device_states = states["parameters"] + states["gradients"] + (0 if offload else states["optimizer"])
     predicted = {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"],
-                 "activations": act["layers"], "head": act["head"], "transient": transient}
+                 "activations": act["layers"] + act["tables"], "head": act["head"], "transient": transient}
     predicted["held"] = device_states + act["total"]
     predicted["peak"] = predicted["held"] + transient
-    report = MemoryReport(predicted, [act["layer"]] * model_cfg.n_layers, host_optimizer=offload)
+    report = MemoryReport(predicted, [act["layer"] + act["tables"]] + [act["layer"]] * (model_cfg.n_layers - 1), host_optimizer=offload)
     tp = f", tp={dims.tp}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
     tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
@@ -238,7 +243,7 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     for _ in range(max(1, steps)):
         trainer.train_step()
     states = trainer.engine.memory()
-    x, y = trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch)[0]
+    x, y = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
     exclude = getattr(trainer.engine, "gathered_storages", None)
     trainer.engine.zero_grad()
     with ActivationMeter(trainer.model, exclude=exclude) as meter:
