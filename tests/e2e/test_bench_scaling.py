@@ -77,7 +77,7 @@ def test_one_and_two_ranks_table_plot_and_json(tmp_path):
 
 @pytest.mark.parametrize("extra,needle", [
     (["--ranks", "0", "1"], "--ranks must be at least 1, got 0"),
-    (["--ranks", "2", "3", "--set", "parallel.tp=2"], "3 rank(s) cannot hold parallel.tp x pp = 2 x 1 = 2 ranks per data-parallel replica"),
+    (["--ranks", "2", "3", "--set", "parallel.tp=2"], "3 rank(s) cannot hold parallel.tp x pp x cp = 2 x 1 x 1 = 2 ranks per data-parallel replica"),
     (["--ranks", "1", "2", "--set", "train.stpes=3"], "unknown key 'train.stpes'; did you mean 'train.steps'?"),
     (["--ranks", "1", "2", "--set", "train.global_batch=7", "--set", "train.micro_batch=2"], "train.global_batch (7) must equal"),
     (["--ranks", "1", "--steps", "0"], "--steps must be at least 1, got 0"),

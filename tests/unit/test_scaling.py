@@ -69,11 +69,14 @@ def test_weak_scaling_keeps_the_work_per_rank(tmp_path, overrides, per_rank):
     assert cfg.train.global_batch == 8 and cfg.parallel.dp == (2 if overrides == ["parallel.dp=2"] else -1)  # untouched
 
 
-def test_tensor_parallel_degree_is_kept_and_must_divide(tmp_path):
-    cfg = tiny_config(tmp_path, "parallel.tp=2")
+@pytest.mark.parametrize("degree", ["tp", "cp"])
+def test_tensor_and_context_parallel_degrees_are_kept_and_must_divide(tmp_path, degree):
+    cfg = tiny_config(tmp_path, f"parallel.{degree}=2")
     assert [(weak_scaling_config(cfg, n, 3).parallel.dp, weak_scaling_config(cfg, n, 3).train.global_batch) for n in (2, 4)] == [(1, 8), (2, 16)]
-    with pytest.raises(ConfigError, match=r"3 rank\(s\) cannot hold parallel.tp x pp = 2 x 1 = 2 ranks per data-parallel replica; "
-                                          r"give --ranks multiples of 2 \(e.g. --ranks 2 4\) or change parallel.tp/pp"):
+    assert [getattr(plan(cfg, [2, 4], 2, 1)[i][1].validate(n), degree) for i, n in enumerate((2, 4))] == [2, 2]
+    tp, cp = (2, 1) if degree == "tp" else (1, 2)
+    with pytest.raises(ConfigError, match=rf"3 rank\(s\) cannot hold parallel.tp x pp x cp = {tp} x 1 x {cp} = 2 ranks per data-parallel "
+                                          r"replica; give --ranks multiples of 2 \(e.g. --ranks 2 4\) or change parallel.tp/pp/cp"):
         plan(cfg, [2, 3], 2, 1)
     with pytest.raises(ConfigError, match="1 rank"):
         plan(cfg, [1, 2], 2, 1)

@@ -3,10 +3,10 @@
 :func:`measure_scaling` (``trickles bench scaling``) runs the real :class:`~trickles.train.trainer.Trainer`
 at each world size ``n`` with the same work per rank. The configuration's micro-batch ``b`` and
 accumulation ``a`` per data-parallel rank (at its own ``parallel.dp``; at dp = 1 when that is -1)
-stay fixed, and so do its tensor- and pipeline-parallel degrees; the data-parallel degree and the
-global batch grow with ``n``:
+stay fixed, and so do its tensor-, pipeline- and context-parallel degrees; the data-parallel degree
+and the global batch grow with ``n``:
 
-    dp_n = n / (tp * pp),        global_batch_n = b * a * dp_n
+    dp_n = n / (tp * pp * cp),   global_batch_n = b * a * dp_n
 
 Each world size is a fresh set of ``n`` local ranks (:func:`trickles.launch.launch`: one GPU per
 rank on CUDA, gloo on CPU) that run ``W`` warm-up steps and ``N`` timed steps, with no evaluation,
@@ -142,7 +142,7 @@ def _replica(cfg: Config) -> int:
 
 
 def default_ranks(cfg: Config) -> list[int]:
-    """``u, 2u, 4u, ...`` (``u = tp * pp``) up to the GPUs, or on CPU up to the cores but at least ``2u``."""
+    """``u, 2u, 4u, ...`` (``u = tp * pp * cp``) up to the GPUs, or on CPU up to the cores but at least ``2u``."""
     kind, capacity = host(cfg)
     unit = _replica(cfg)
     top = capacity if kind == "cuda" else max(capacity, 2 * unit)
@@ -161,8 +161,8 @@ def weak_scaling_config(cfg: Config, n: int, steps: int) -> Config:
     p = cfg.parallel
     if n % unit:
         raise ConfigError(
-            f"{n} rank(s) cannot hold parallel.tp x pp = {p.tp} x {p.pp} = {unit} ranks per data-parallel replica; "
-            f"give --ranks multiples of {unit} (e.g. --ranks {unit} {2 * unit}) or change parallel.tp/pp")
+            f"{n} rank(s) cannot hold parallel.tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {unit} ranks per data-parallel "
+            f"replica; give --ranks multiples of {unit} (e.g. --ranks {unit} {2 * unit}) or change parallel.tp/pp/cp")
     micro, accumulation = cfg.batch_plan(p.dp if p.dp >= 1 else 1)
     dp = n // unit
     train = dataclasses.replace(cfg.train, global_batch=micro * accumulation * dp, micro_batch=micro, steps=steps,

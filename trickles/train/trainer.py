@@ -4,11 +4,12 @@ One optimizer step (``Trainer.train_step``):
 
 1. the step's global batch is samples ``consumed .. consumed + global_batch`` (a pure function
    of seed and position); this data-parallel rank takes its ``global_batch / dp`` rows and cuts
-   them into ``accumulation`` micro-batches;
+   them into ``accumulation`` micro-batches (with context parallelism, each cp rank keeps its
+   tokens of every sequence: :func:`trickles.parallel.context.shard_sequence`);
 2. each micro-batch runs forward (under the precision policy) and backward on
    ``loss / accumulation``, so the summed gradient is that of the mean loss;
 3. the data-parallel engine (:func:`trickles.parallel.plan.parallelize`: replicated, or ZeRO
-   stage 1-3) averages the gradients over the data-parallel group -- overlapping backward --
+   stage 1-3) averages the gradients over the data-parallel group (``dp x cp`` with context parallelism) -- overlapping backward --
    clips them to ``grad_clip`` by global norm and runs AdamW with the scheduled learning rate.
 
 With pipeline stages (``parallel.pp > 1``) step 2 is the engine's
@@ -213,6 +214,8 @@ class Trainer:
             zero = f", ZeRO-{self.engine.stage}" if self.engine.stage else ""
             if self.topo.dims.tp > 1:
                 zero += f", tp={self.topo.dims.tp}" + (" with sequence parallel" if self.cfg.parallel.sequence_parallel else "")
+            if self.topo.dims.cp > 1:
+                zero += f", cp={self.topo.dims.cp} {self.cfg.parallel.cp_mode}"
             if self.pipeline is not None:
                 p = self.pipeline.shape
                 zero += f", pp={p.p} {self.cfg.parallel.schedule}" + (f" x {p.v} chunks" if p.v > 1 else "")
