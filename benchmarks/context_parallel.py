@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
-import math
 import os
 import sys
 import warnings
@@ -132,7 +131,6 @@ class Core(Contestant):
         self.inputs = [take(x).detach().clone().requires_grad_() for x in whole]
         self.dout = take(dout).contiguous()
         self.none = torch.zeros((), device=dout.device)
-        self.sent = None  # bytes this rank sent in the measured step, where known
 
     def forward(self) -> torch.Tensor:
         return self.fn(*self.inputs)

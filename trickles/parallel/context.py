@@ -32,7 +32,7 @@ its query heads locally and sums the repeats' gradients).
 
 Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes
 per element: a key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward
-sends ``(cp - 1)`` blocks and ``cp`` gradient blocks of ``2 B H_kv t D 4``. In flight at once: the
+sends ``(cp - 1)`` blocks and ``cp`` gradient blocks of ``2 B H_kv t D 4`` (a ring of one rank sends nothing). In flight at once: the
 block being used and the one arriving (forward), plus one gradient block each way (backward).
 
 **All-to-all** (``parallel.cp_mode = "ulysses"``). Rank ``i`` holds the contiguous positions
@@ -143,17 +143,31 @@ def _scores(q, k, scale, causal):
     return s
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """Whether a block runs PyTorch's fused CPU attention kernel (it returns the log-sum-exp and takes the final
+    output and log-sum-exp in backward); elsewhere the blocks are plain matmuls in fp32."""
+    return q.device.type == "cpu"
+
+
 def _block_forward(q, k, v, scale, causal):
     """``(softmax(S) V, logsumexp(S))`` of one block, fp32."""
+    if _fused(q):
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return o.float(), lse.float()
     s = _scores(q, k, scale, causal)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[..., None])
     return torch.matmul(p.to(v.dtype), v).float(), lse
 
 
-def _block_backward(q, k, v, do, lse, delta, scale, causal):
-    """``(dq, dk, dv)`` of one block (fp32) from the final ``lse`` and ``delta = rowsum(dO O)``."""
-    q, k, v = q.float(), k.float(), v.float()
+def _block_backward(q, k, v, do, out, lse, delta, scale, causal):
+    """``(dq, dk, dv)`` of one block (fp32) from the final output ``out``, its ``lse`` and
+    ``delta = rowsum(dO O)``: ``P = exp(S - lse)`` is this block's share of the final softmax."""
+    if _fused(q):
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do.to(q.dtype), q, k, v, out, lse, 0.0, causal, scale=scale)
+        return tuple(g.float() for g in grads)
+    q, k, v, do = q.float(), k.float(), v.float(), do.float()
     p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta[..., None])
@@ -223,8 +237,8 @@ class _RingAttention(torch.autograd.Function):
             kk, vv = _expand(kv[0], rep), _expand(kv[1], rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
             for qs, ks, causal in _pairs(rank, src, cp, c):
-                dq_b, dk_b, dv_b = _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], lse[:, :, qs],
-                                                   delta[:, :, qs], scale, causal)
+                dq_b, dk_b, dv_b = _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], out[:, :, qs],
+                                                   lse[:, :, qs], delta[:, :, qs], scale, causal)
                 dq[:, :, qs] += dq_b
                 part[0][:, :, ks] += dk_b
                 part[1][:, :, ks] += dv_b
@@ -233,6 +247,9 @@ class _RingAttention(torch.autograd.Function):
             _wait(dkv_handles)
             if dkv is not None:
                 part += dkv
+            if cp == 1:  # already home
+                dkv = part
+                continue
             dkv = torch.empty_like(part)
             dkv_handles = _exchange(comm, part, dkv)  # on to the next rank; after cp sends, home
             _wait(handles)
@@ -268,9 +285,11 @@ def ulysses_attention(q, k, v, comm: GroupComm, attend) -> torch.Tensor:
         raise ValueError(f"all-to-all attention splits the {q.shape[1]} query heads over {cp} ranks; they must divide")
     f = kv_repeats(q.shape[1], k.shape[1], cp)
     k, v = _expand(k, f), _expand(v, f)
-    q, k, v = (all_to_all(x.contiguous(), comm, scatter_dim=1, gather_dim=2) for x in (q, k, v))
-    out = attend(q, k, v)
-    return all_to_all(out.contiguous(), comm, scatter_dim=2, gather_dim=1)
+    # the all-to-all packs its chunks from any strides (one copy in, one out), so the projections' transposed
+    # views go in as they are; the output comes back laid out [B, t, H, D], as ``o_proj`` takes it
+    q, k, v = (all_to_all(x, comm, scatter_dim=1, gather_dim=2) for x in (q, k, v))
+    out = attend(q, k, v).transpose(1, 2)
+    return all_to_all(out, comm, scatter_dim=1, gather_dim=2).transpose(1, 2)
 
 
 # ---- applying it to a model --------------------------------------------------------------------
