@@ -143,11 +143,12 @@ def test_one_process_step_equals_torch_adamw(tmp_path, cache):
         record = tr.train_step()
         assert record["lr"] == pytest.approx(LRS[s], rel=1e-12)
         assert norm > 1.0  # clipping is active in every step compared
-        # measured: bit for bit, loss, norm and every weight after every step (torch's multi-tensor AdamW in the
-        # engine, its per-tensor one here); the smallest largest-change of any weight in one step is 1.5e-3
-        assert record["loss"] == loss and record["grad_norm"] == norm
+        # measured: bit for bit on one machine; on another the norm differed in its last bit (its sum of squares
+        # runs in another order), so: within 1e-6 relative, every weight within 1e-6 (torch's multi-tensor AdamW
+        # in the engine, its per-tensor one here); the smallest largest-change of any weight in one step is 1.5e-3
+        assert record["loss"] == pytest.approx(loss, rel=1e-6) and record["grad_norm"] == pytest.approx(norm, rel=1e-6)
         for n, p in tr.model.named_parameters():
-            assert torch.equal(p.detach(), weights[n]), (s + 1, n, (p.detach() - weights[n]).abs().max())
+            assert torch.allclose(p.detach(), weights[n], rtol=0, atol=1e-6), (s + 1, n, (p.detach() - weights[n]).abs().max())
 
 
 def _sharded_steps(tmp, cache):

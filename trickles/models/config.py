@@ -32,6 +32,14 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout on embeddings, attention probabilities and residual branches")
     tie_embeddings: bool | None = opt(None, "share the input embedding with the output projection (none: true for gpt2, false for llama)")
     init_std: float = opt(0.02, "standard deviation of the normal initialization; residual output projections use init_std/sqrt(2*n_layers)")
+    moe_experts: int = opt(0, "routed experts in each mixture-of-experts block (0: every block has a dense MLP)")
+    moe_top_k: int = opt(2, "experts each token is routed to")
+    moe_every: int = opt(1, "every n-th block is a mixture of experts (blocks n-1, 2n-1, ...; 1: all)")
+    moe_ffn_hidden: int | None = opt(None, "hidden size of each expert MLP (none: the dense MLP's)")
+    moe_capacity_factor: float = opt(0.0, "each expert takes at most ceil(factor x top_k x T / experts) of a sequence's assignments, first choices first (0: dropless)")
+    moe_aux_loss: float = opt(0.01, "weight of the Switch/GShard load-balancing loss")
+    moe_z_loss: float = opt(0.001, "weight of the router z-loss (mean squared log-sum-exp of the router logits)")
+    moe_shared_experts: int = opt(0, "always-on experts beside the routed ones (one MLP of shared x moe_ffn_hidden units)")
 
     @property
     def kv_heads(self) -> int:
@@ -52,6 +60,17 @@ class ModelConfig:
         return m * ((hidden + m - 1) // m)
 
     @property
+    def moe_ffn_dim(self) -> int:
+        return self.moe_ffn_hidden or self.ffn_dim
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Indices of the mixture-of-experts blocks."""
+        if not self.moe_experts:
+            return []
+        return [i for i in range(self.n_layers) if i % self.moe_every == self.moe_every - 1]
+
+    @property
     def tied(self) -> bool:
         return self.flavor == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
 
@@ -70,6 +89,18 @@ class ModelConfig:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.vocab_size is not None and self.vocab_size < 2:
             raise ConfigError(f"model.vocab_size must be at least 2, got {self.vocab_size}")
+        if self.moe_experts:
+            if self.moe_experts < 2:
+                raise ConfigError(f"model.moe_experts must be 0 (dense) or at least 2, got {self.moe_experts}")
+            if not 1 <= self.moe_top_k <= self.moe_experts:
+                raise ConfigError(f"model.moe_top_k must be between 1 and model.moe_experts ({self.moe_experts}), got {self.moe_top_k}")
+            if self.moe_every < 1:
+                raise ConfigError(f"model.moe_every must be at least 1, got {self.moe_every}")
+            if self.moe_ffn_hidden is not None and self.moe_ffn_hidden < 1:
+                raise ConfigError(f"model.moe_ffn_hidden must be at least 1, got {self.moe_ffn_hidden}")
+            for key in ("moe_capacity_factor", "moe_aux_loss", "moe_z_loss", "moe_shared_experts"):
+                if not getattr(self, key) >= 0:
+                    raise ConfigError(f"model.{key} must be at least 0, got {getattr(self, key)}")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"model.max_seq_len must be at least 1, got {self.max_seq_len}")
 

@@ -157,6 +157,9 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict | None = 
     """The ``config.json`` dict of a trickles model (ConfigError if Hugging Face has no such model)."""
     ids = {k: v for k, v in (token_ids or {}).items()
            if k in TOKEN_IDS and isinstance(v, int) and 0 <= v < cfg.vocab_size}
+    if cfg.moe_experts:
+        raise ConfigError("exporting mixture-of-experts blocks to Hugging Face (Mixtral) is not built yet; "
+                          "export a dense model (model.moe_experts=0)")
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied, initializer_range=cfg.init_std,
                   use_cache=True, torch_dtype=_dtype_name(dtype), dtype=_dtype_name(dtype),
                   **{k: ids.get(k) for k in TOKEN_IDS})

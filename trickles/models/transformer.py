@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig
+from .moe import MoE, MoEStats
 
 # ``enable_gqa`` arrived in torch 2.5; older versions repeat the key/value heads instead.
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
@@ -162,14 +163,15 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
         bias = cfg.flavor == "gpt2"
         self.gated = cfg.flavor == "llama"
+        hidden = hidden or cfg.ffn_dim
         if self.gated:
-            self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=bias)
-        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=bias)
+            self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, cfg.d_model, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
@@ -181,14 +183,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``h = x + attn(attn_norm(x)); y = h + mlp(mlp_norm(h))``."""
+    """Pre-norm transformer block: ``h = x + attn(attn_norm(x)); y = h + mlp(mlp_norm(h))``; ``mlp`` is a
+    :class:`~trickles.models.moe.MoE` in the mixture-of-experts blocks."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, moe_stats: MoEStats | None = None):
         super().__init__()
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer_id)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, layer_id, moe_stats) if layer_id in cfg.moe_layers else MLP(cfg)
 
     def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0):
         h = x + self.attn(self.attn_norm(x), rope, cache, start)
@@ -207,7 +210,9 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.flavor == "gpt2" else None
         self.embed_drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
+        #: what the mixture-of-experts blocks report (auxiliary losses, load), None without experts
+        self.moe_stats = MoEStats() if cfg.moe_experts else None
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, self.moe_stats) for i in range(cfg.n_layers)})
         self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:

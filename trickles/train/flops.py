@@ -2,7 +2,8 @@
 
 Training FLOPs per token (PaLM, appendix B): ``6 N + 12 L d T``, with ``N`` the parameters
 taking part in matrix multiplies (attention and MLP projections and the output head; the
-embedding lookup is free) and ``12 L d T`` the attention scores and weighted sums over a
+embedding lookup is free; of a mixture-of-experts block only the router and the experts a token
+passes through) and ``12 L d T`` the attention scores and weighted sums over a
 sequence of ``T`` (forward ``4 L d T``, backward twice that). MFU is achieved model FLOP/s over
 the devices' dense peak.
 """
@@ -26,11 +27,18 @@ PEAKS = [
 ]
 
 
-def matmul_params(cfg: ModelConfig) -> int:
+def matmul_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Parameters in matrix multiplies. In a mixture-of-experts block a token passes the router and
+    ``moe_top_k`` routed experts plus the shared ones: ``active`` counts those (what FLOPs and MFU
+    use); ``active=False`` counts every expert."""
     d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2
-    mlp = (3 if cfg.flavor == "llama" else 2) * d * cfg.ffn_dim
-    return L * (attn + mlp) + d * (cfg.vocab_size or 0)
+    per_mlp = (3 if cfg.flavor == "llama" else 2) * d
+    mlp = per_mlp * cfg.ffn_dim
+    experts = (cfg.moe_top_k if active else cfg.moe_experts) + cfg.moe_shared_experts
+    moe = per_mlp * cfg.moe_ffn_dim * experts + d * cfg.moe_experts
+    n_moe = len(cfg.moe_layers)
+    return L * attn + (L - n_moe) * mlp + n_moe * moe + d * (cfg.vocab_size or 0)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:

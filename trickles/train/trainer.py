@@ -45,7 +45,7 @@ from ..parallel.pipeline_runner import PipelinedModel
 from ..parallel.plan import parallelize
 from ..topology import Topology
 from . import checkpoint as ckpt
-from .flops import flops_per_token, peak_flops
+from .flops import flops_per_token, matmul_params, peak_flops
 from .metrics import MetricsLog, plot_loss
 
 
@@ -80,6 +80,9 @@ class Trainer:
         with torch.device("meta"):
             model = Transformer(self.model_cfg)
         self.n_params = count_params(model)
+        self.moe_stats = model.moe_stats  # what the mixture-of-experts blocks report (None without experts)
+        # a mixture of experts: parameters a token passes through (the router and top-k of the experts)
+        self.n_active = self.n_params - (matmul_params(self.model_cfg, active=False) - matmul_params(self.model_cfg))
         self.engine = parallelize(model, topo, cfg, t.seed)
         self.model = self.engine.model
         self.pipeline = self.engine.pipeline  # a PipelineRunner when parallel.pp > 1
@@ -124,6 +127,10 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         batches = self._shard(self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch))
         scale = self.scaler.scale if self.scaler else 1.0
+        moe = self.moe_stats
+        if moe is not None:  # the experts' auxiliary losses backpropagate scaled like the loss
+            moe.reset()
+            moe.grad_scale = scale / self.accumulation
         self.engine.zero_grad()
         pipeline_loss = None
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
@@ -162,7 +169,28 @@ class Trainer:
         }
         if self.scaler:
             record["loss_scale"] = scale
+        if moe is not None:
+            record.update(self._moe_metrics(moe))
         return record
+
+    def _moe_metrics(self, moe) -> dict[str, Any]:
+        """The step's mixture-of-experts figures over every rank: the mean load-balancing and z-losses
+        (unweighted), the fraction of assignments dropped over capacity, and per MoE layer the
+        assignments each expert took (summed over the step's micro-batches and the replicas)."""
+        layers = self.model_cfg.moe_layers
+        e = self.model_cfg.moe_experts
+        load = torch.zeros(len(layers), e, dtype=torch.float64)
+        for i, layer in enumerate(layers):
+            if layer in moe.load:
+                load[i] = moe.load[layer].double()
+        flat = torch.cat([torch.tensor([moe.aux, moe.z, moe.forwards, moe.assigned, moe.dropped], dtype=torch.float64),
+                          load.flatten()]).to(self.device)
+        world = self.topo.comm("world")
+        flat = world.all_reduce(flat) / self.topo.dims.tp  # tensor-parallel ranks see the same tokens
+        aux, z, forwards, assigned, dropped = flat[:5].tolist()
+        load = flat[5:].view(len(layers), e).round().long().tolist()
+        return {"moe_aux_loss": aux / max(forwards, 1), "moe_z_loss": z / max(forwards, 1),
+                "moe_dropped": dropped / max(assigned, 1), "moe_load": {str(layer): row for layer, row in zip(layers, load)}}
 
     def _guard(self, loss: float, finite_grads: bool) -> None:
         """Stops training when the loss or gradients stay non-finite; skipped steps changed nothing.
@@ -219,7 +247,12 @@ class Trainer:
             if self.pipeline is not None:
                 p = self.pipeline.shape
                 zero += f", pp={p.p} {self.cfg.parallel.schedule}" + (f" x {p.v} chunks" if p.v > 1 else "")
-            print(f"[trickles] {self.model_cfg.flavor} model, {self.n_params / 1e6:.2f}M parameters, {self.topo.world_size} rank(s) "
+            params = f"{self.n_params / 1e6:.2f}M parameters"
+            if self.model_cfg.moe_experts:
+                mc = self.model_cfg
+                params += (f" ({self.n_active / 1e6:.2f}M active: {mc.moe_experts} experts, top-{mc.moe_top_k}"
+                           f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}, in {len(mc.moe_layers)} of {mc.n_layers} blocks)")
+            print(f"[trickles] {self.model_cfg.flavor} model, {params}, {self.topo.world_size} rank(s) "
                   f"(dp={self.topo.dims.dp}{zero}), batch {t.global_batch}x{self.cfg.data.seq_len} "
                   f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}")
         bar = tqdm(total=t.steps, initial=self.step, disable=self.quiet, desc="train", unit="step", dynamic_ncols=True)

@@ -1,0 +1,241 @@
+"""Mixture of experts: a router and ``E`` expert MLPs in place of a block's MLP (single-device code).
+
+A token ``x`` (``[d]``) is scored by the router, ``logits = W_r x`` (``W_r: [E, d]``, computed in fp32
+whatever the precision policy), ``p = softmax(logits)`` (fp32). It goes to its ``k`` most probable
+experts ``e_1 .. e_k`` with weights ``w_j = p_{e_j}`` (renormalized to sum to 1 when ``k > 1``, as
+Mixtral does; ``k = 1`` keeps the raw probability, as Switch does, so the router still gets a
+gradient), and the layer's output is ``sum_j w_j MLP_{e_j}(x)`` plus, with shared experts, an always-on
+MLP ``MLP_s(x)`` of ``n_shared x moe_ffn_hidden`` hidden units. Each expert is an MLP of the model's
+flavour (llama: ``down(silu(gate x) * up x)``; gpt2: ``down(gelu(up x))`` with biases) of
+``moe_ffn_hidden`` hidden units. The experts' weights are stacked on a leading expert axis
+(``experts.gate_proj.weight [E, F, d]``, ``up_proj [E, F, d]``, ``down_proj [E, d, F]``): the checkpoint
+keeps them by global expert index, and expert parallelism splits that axis.
+
+**Capacity** (``moe_capacity_factor = c > 0``). The unit is one sequence: each expert takes at most
+``C = ceil(c k T / E)`` of a sequence's ``k T`` assignments (``T`` its tokens). Within a sequence the
+assignments queue in the order (choice ``j``, position ``t``): every token's first choice, by position,
+then every second choice, and so on (GShard's priority to first choices); an expert keeps the first
+``C`` in its queue and drops the rest, whose contribution is then zero (the residual stream carries
+the token on; the kept weights are not renormalized). Since the unit is a sequence, which tokens are
+dropped does not depend on how a batch is split over data-parallel ranks, micro-batches or pipeline
+stages. ``c = 0`` is dropless: every assignment is computed.
+
+**Auxiliary losses**, each also per sequence and averaged over the micro-batch's sequences like the
+cross-entropy is averaged over its tokens:
+
+* load balancing (Switch / GShard), weight ``moe_aux_loss``: ``E sum_e f_e P_e`` with ``f_e`` the
+  fraction of the sequence's ``k T`` assignments routed to ``e`` (before dropping; no gradient) and
+  ``P_e`` the mean router probability of ``e`` over its tokens; 1 when the load is uniform;
+* router z-loss (ST-MoE), weight ``moe_z_loss``: the mean over tokens of ``logsumexp(logits)^2``.
+
+They are not added to the model's output: the layer passes its output through :class:`AuxLossGrad`,
+which is the identity forward and in backward also starts the auxiliary losses' gradients, scaled by
+:attr:`MoEStats.grad_scale` -- the factor the trainer applies to the cross-entropy before backward
+(``1 / micro-batches`` times the fp16 loss scale). So every micro-batch, every pipeline stage and a
+recomputed block backpropagates its own auxiliary losses with its own backward, and no loss function
+changes. Their values, the fraction of dropped assignments and each layer's load (assignments kept
+per expert) are collected in :class:`MoEStats` for the metrics (not in a recomputed forward).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+
+
+def _graph_task() -> int:
+    """-1 outside backward (a recomputed forward runs inside one)."""
+    probe = getattr(torch._C, "_current_graph_task_id", None)
+    return probe() if probe is not None else -1
+
+
+class MoEStats:
+    """What the MoE layers of one model report, summed over the forwards since :meth:`reset`, and the
+    gradient scale their auxiliary losses use (set by the trainer)."""
+
+    def __init__(self):
+        self.grad_scale = 1.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.forwards = 0  # forwards of MoE layers recorded
+        self.aux = 0.0  # sum over those forwards of the load-balancing loss (unweighted)
+        self.z = 0.0  # ... of the z-loss (unweighted)
+        self.assigned = 0  # assignments routed
+        self.dropped = 0  # assignments dropped over capacity
+        self.load: dict[int, torch.Tensor] = {}  # layer -> assignments kept per expert (int64, [E])
+
+    def record(self, layer: int, aux: torch.Tensor, z: torch.Tensor, assigned: int, kept: torch.Tensor) -> None:
+        if _graph_task() != -1:  # the forward recomputed in backward: already counted
+            return
+        self.forwards += 1
+        self.aux += float(aux)
+        self.z += float(z)
+        self.assigned += assigned
+        self.dropped += assigned - int(kept.sum())
+        prev = self.load.get(layer)
+        self.load[layer] = kept.detach().cpu() if prev is None else prev + kept.detach().cpu()
+
+
+class AuxLossGrad(torch.autograd.Function):
+    """``y`` forward; backward passes ``y``'s gradient on and gives ``loss`` the gradient ``scale``."""
+
+    @staticmethod
+    def forward(ctx, y, loss, scale: float):
+        ctx.scale = scale
+        ctx.meta = (loss.dtype, loss.device)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.meta
+        return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None
+
+
+class Router(nn.Module):
+    """``weight [E, d]``; logits in fp32 (or the input's type when wider), never autocast."""
+
+    def __init__(self, d_model: int, n_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dtype), self.weight.to(dtype))
+
+
+class StackedLinear(nn.Module):
+    """``E`` linears ``in -> out`` stacked: ``weight [E, out, in]`` (and ``bias [E, out]``)."""
+
+    def __init__(self, n: int, d_in: int, d_out: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
+        self.bias = nn.Parameter(torch.empty(n, d_out)) if bias else None
+
+    def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
+
+
+class Experts(nn.Module):
+    """The ``E`` expert MLPs (llama: gated SiLU; gpt2: GELU with biases) on stacked weights. ``first``: the
+    global index of the first expert held (expert parallelism holds a slice)."""
+
+    def __init__(self, cfg: ModelConfig, n: int):
+        super().__init__()
+        bias = cfg.flavor == "gpt2"
+        self.gated = cfg.flavor == "llama"
+        f = cfg.moe_ffn_dim
+        if self.gated:
+            self.gate_proj = StackedLinear(n, cfg.d_model, f, False)
+        self.up_proj = StackedLinear(n, cfg.d_model, f, bias)
+        self.down_proj = StackedLinear(n, f, cfg.d_model, bias)
+        self.first = 0
+
+    @property
+    def count(self) -> int:
+        return self.up_proj.weight.shape[0]
+
+    def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``e`` on the rows ``x [N, d]``."""
+        if self.gated:
+            h = F.silu(self.gate_proj.one(e, x)) * self.up_proj.one(e, x)
+        else:
+            h = F.gelu(self.up_proj.one(e, x), approximate="tanh")
+        return self.down_proj.one(e, h)
+
+
+def route(logits: torch.Tensor, k: int, capacity_factor: float):
+    """Top-``k`` routing with per-sequence capacity (see the module docstring).
+
+    ``logits [B, T, E]`` (fp32) -> ``probs [B, T, E]``, ``experts [B, T, k]`` (int64), ``weights [B, T, k]``
+    (fp32, differentiable), ``keep [B, T, k]`` (bool).
+    """
+    b, t, e = logits.shape
+    probs = logits.softmax(-1)
+    top, experts = probs.topk(k, dim=-1)
+    weights = top / top.sum(-1, keepdim=True) if k > 1 else top
+    if capacity_factor <= 0:
+        return probs, experts, weights, torch.ones_like(experts, dtype=torch.bool)
+    cap = math.ceil(capacity_factor * k * t / e)
+    order = experts.transpose(1, 2).reshape(b, k * t)  # (choice, position) order within each sequence
+    onehot = F.one_hot(order, e)
+    place = (onehot.cumsum(1) * onehot).sum(-1) - 1  # 0-based place in its expert's queue
+    keep = (place < cap).view(b, k, t).transpose(1, 2)
+    return probs, experts, weights, keep
+
+
+def aux_losses(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(load-balancing loss, z-loss)``, each per sequence then averaged over the sequences."""
+    b, t, e = probs.shape
+    k = experts.shape[-1]
+    f = F.one_hot(experts, e).sum(2).sum(1).float() / (t * k)  # [B, E]
+    balance = (e * (f * probs.mean(1)).sum(-1)).mean()
+    z = torch.logsumexp(logits, dim=-1).square().mean()
+    return balance, z
+
+
+class MoE(nn.Module):
+    """Router, ``E`` routed experts and the optional shared experts; replaces a block's ``mlp``."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int, stats: MoEStats):
+        super().__init__()
+        from .transformer import MLP
+
+        self.layer_id = layer_id
+        self.top_k = cfg.moe_top_k
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_weight, self.z_weight = cfg.moe_aux_loss, cfg.moe_z_loss
+        self.n_experts = cfg.moe_experts
+        self.router = Router(cfg.d_model, cfg.moe_experts)
+        self.experts = Experts(cfg, cfg.moe_experts)
+        self.shared = MLP(cfg, cfg.moe_shared_experts * cfg.moe_ffn_dim) if cfg.moe_shared_experts else None
+        self.resid_drop = nn.Dropout(cfg.dropout)
+        object.__setattr__(self, "stats", stats)  # shared with the model, not a submodule
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        logits = self.router(x)
+        probs, experts, weights, keep = route(logits, self.top_k, self.capacity_factor)
+        out = self.dispatch(x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),
+                            keep.reshape(b * t, -1)).view(b, t, d)
+        balance, z = aux_losses(logits, probs, experts)
+        kept = torch.bincount(experts[keep].flatten(), minlength=self.n_experts)
+        self.stats.record(self.layer_id, balance.detach(), z.detach(), experts.numel(), kept)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        out = self.resid_drop(out)
+        aux = self.aux_weight * balance + self.z_weight * z
+        if aux.requires_grad:
+            out = AuxLossGrad.apply(out, aux, self.stats.grad_scale)
+        return out
+
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``sum_j w_j MLP_{e_j}(x)`` over the kept assignments of the rows ``x [N, d]`` (one device: the rows
+        grouped by expert, one matmul per expert; expert parallelism replaces this method)."""
+        n, k = experts.shape
+        token = torch.arange(n, device=x.device).repeat_interleave(k)[keep.flatten()]
+        expert = experts.flatten()[keep.flatten()]
+        weight = weights.flatten()[keep.flatten()]
+        order = torch.argsort(expert, stable=True)
+        token, expert, weight = token[order], expert[order], weight[order]
+        counts = torch.bincount(expert, minlength=self.experts.count).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for e, c in enumerate(counts):
+            if c:
+                rows = token[start:start + c]
+                y = self.experts.one(e, x[rows]) * weight[start:start + c, None].to(x.dtype)
+                out.index_add_(0, rows, y)
+            start += c
+        return out
+
+
+def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
+    """Every ``moe_every``-th block is a mixture of experts: layers ``moe_every - 1, 2 moe_every - 1, ...``."""
+    return cfg.moe_experts > 0 and layer_id % cfg.moe_every == cfg.moe_every - 1
