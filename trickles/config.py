@@ -119,9 +119,12 @@ class Config:
         p = self.parallel
         dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
         dims.validate(world_size)
-        if dims.ep > 1:
-            raise ConfigError(f"this version has no expert parallelism; parallel.ep={dims.ep} must be 1 "
-                              "(use more data-, context-, tensor- or pipeline-parallel ranks instead)")
+        if dims.ep > 1 and not self.model.moe_experts:
+            raise ConfigError(f"parallel.ep={dims.ep} splits the experts of mixture-of-experts blocks, but model.moe_experts is 0; "
+                              "set model.moe_experts or parallel.ep=1")
+        if dims.ep > 1 and self.model.moe_experts % dims.ep:
+            raise ConfigError(f"model.moe_experts ({self.model.moe_experts}) must be divisible by parallel.ep ({dims.ep}); "
+                              f"change one of them")
         self._check_tensor_parallel(dims.tp)
         self._check_context_parallel(dims)
         if self.model.moe_experts and (dims.tp > 1 or dims.cp > 1):

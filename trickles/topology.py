@@ -103,6 +103,7 @@ class ParallelDims:
             mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_DIMS)
         groups = {n: mesh.get_group(n) for n in MESH_DIMS}
         groups["ep"] = self._ep_group(dist.get_rank())
+        groups["edp"] = self._expert_data_group(dist.get_rank())
         groups["dp_cp"] = self._data_group(dist.get_rank())
         groups.update(self._pipeline_groups(dist.get_rank()))
         return Topology(self, mesh, device, groups)
@@ -157,6 +158,21 @@ class ParallelDims:
         return mine
 
 
+    def _expert_data_group(self, rank: int):
+        """``edp``: the ranks holding the same experts -- the same position in each ``ep`` block of a
+        replica group (``R / ep`` ranks); every rank creates all."""
+        if self.ep == 1:
+            return None
+        mine = None
+        for members in self._replica_members():
+            for j in range(self.ep):
+                block = members[j::self.ep]
+                g = dist.new_group(block)
+                if rank in block:
+                    mine = g
+        return mine
+
+
 class Topology:
     """The built layout: this rank's coordinates, device, and one :class:`GroupComm` per dimension."""
 
@@ -168,7 +184,7 @@ class Topology:
         self.rank = dist.get_rank() if mesh is not None else 0
         self.world_size = dims.world_size
         self.coords = dims.coords(self.rank)
-        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep", "pp_grad", "pp_ends", "dp_cp")}
+        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep", "edp", "pp_grad", "pp_ends", "dp_cp")}
         self._comms["world"] = GroupComm("world", dist.group.WORLD if mesh is not None else None, self.ledger)
 
     def comm(self, name: str) -> GroupComm:
@@ -182,8 +198,14 @@ class Topology:
 
     def replicas(self) -> GroupComm:
         """The ranks holding the same weights, which average their gradients: ``dp``, or with context
-        parallelism the combined ``dp x cp`` group (``dp_cp``)."""
+        parallelism the combined ``dp x cp`` group (``dp_cp``). (With expert parallelism they hold the same
+        weights except their experts; the engine then reduces over :meth:`gradient_group`.)"""
         return self._comms["dp_cp"] if self.dims.cp > 1 else self._comms["dp"]
+
+    def gradient_group(self) -> GroupComm:
+        """The group the engine averages (and ZeRO shards) over: :meth:`replicas`, or with expert parallelism
+        the ranks holding the same experts (``edp``; see :mod:`trickles.parallel.expert`)."""
+        return self._comms["edp"] if self.dims.ep > 1 else self.replicas()
 
     @property
     def is_main(self) -> bool:

@@ -1,9 +1,11 @@
-"""Mixture-of-experts models under data parallelism, ZeRO, pipeline stages and recomputation: the same losses,
-weights and expert load as one process; what is not built yet is refused by the config."""
+"""Mixture-of-experts models under data parallelism, ZeRO, expert parallelism, pipeline stages and recomputation: the
+same losses, weights and expert load as one process; the all-to-all bytes of expert parallelism; what is not built
+yet is refused by the config."""
 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -28,9 +30,13 @@ def cache(tmp_path_factory):
 def _train(tmp, dims, overrides, steps=STEPS):
     cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", EPS, *MOE, *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides,
                       steps=steps)
-    tr = Trainer(cfg, cfg.validate(math.prod(dims.values())).build(CPU), quiet=True)
+    tr = Trainer(cfg, cfg.validate(_world(dims)).build(CPU), quiet=True)
     records = [tr.train_step() for _ in range(steps)]
-    state = {n: t.detach().float().clone() for n, t in tr.engine.full_state().items()}
+    specs = tr.engine.placements()
+    state = {}
+    for name, t in tr.engine.full_state().items():  # each tensor with the offset of its block in the global one
+        spec = specs.get(name)
+        state[name] = (t.detach().float().clone(), spec.offset if spec else (0,) * t.dim())
     return [r["loss"] for r in records], [(r["moe_aux_loss"], r["moe_z_loss"], r["moe_dropped"], r["moe_load"]) for r in records], state
 
 
@@ -51,7 +57,16 @@ LAYOUTS = [  # (id, degrees, overrides)
     ("dp2-zero2-accum-gpt2", {"dp": 2}, ["parallel.zero=2", "train.micro_batch=2", "model.preset=gpt2-tiny"]),
     ("pp2-1f1b-capacity", {"pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
     ("dp2-full-recompute-every2", {"dp": 2}, ["memory.recompute=full", "model.n_layers=4", "model.moe_every=2"]),
+    ("ep2-capacity", {"dp": 2, "ep": 2}, ["model.moe_capacity_factor=1.0"]),
+    ("ep4-dropless-gpt2", {"dp": 4, "ep": 4}, ["model.preset=gpt2-tiny"]),
+    ("dp4-ep2-zero1", {"dp": 4, "ep": 2}, ["parallel.zero=1", "model.moe_capacity_factor=1.0"]),
+    ("dp4-ep2-zero3-shared", {"dp": 4, "ep": 2}, ["parallel.zero=3", "model.moe_shared_experts=1"]),
+    ("dp2-ep2-pp2-1f1b", {"dp": 2, "ep": 2, "pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
 ]
+
+
+def _world(dims):
+    return math.prod(v for k, v in dims.items() if k != "ep")
 
 
 @pytest.mark.parametrize("dims,overrides", [c[1:] for c in LAYOUTS], ids=[c[0] for c in LAYOUTS])
@@ -61,15 +76,18 @@ def test_layout_invariance(tmp_path, cache, dims, overrides):
     sequence, so every layout drops the same assignments)."""
     same_math = [o for o in overrides if o.startswith(("model.", "train.micro_batch"))]
     ref_losses, ref_moe, ref_w = _reference(str(tmp_path), cache, same_math)
-    for losses, moe, weights in run_ranks(math.prod(dims.values()), _train, str(tmp_path), dims, [cache, *overrides]):
+    ref_w = {n: t for n, (t, _) in ref_w.items()}
+    held = set()
+    for losses, moe, weights in run_ranks(_world(dims), _train, str(tmp_path), dims, [cache, *overrides]):
         assert losses == pytest.approx(ref_losses, rel=1e-4)
         for (aux, z, dropped, load), (r_aux, r_z, r_dropped, r_load) in zip(moe, ref_moe):
             assert load == r_load and dropped == r_dropped
             assert aux == pytest.approx(r_aux, rel=1e-5) and z == pytest.approx(r_z, rel=1e-5)
-        if "pp" in dims:  # each stage holds its layers; together they are checked by the loss
-            weights = {n: w for n, w in weights.items() if n in ref_w}
-        for name, w in weights.items():
-            assert torch.allclose(w, ref_w[name], atol=1e-5, rtol=0), (name, (w - ref_w[name]).abs().max())
+        for name, (w, offset) in weights.items():  # a stage holds its layers, an expert-parallel rank its experts
+            ref = ref_w[name][tuple(slice(o, o + n) for o, n in zip(offset, w.shape))]
+            assert torch.allclose(w, ref, atol=1e-5, rtol=0), (name, (w - ref).abs().max())
+            held.add((name, tuple(offset)))
+    assert {n for n, _ in held} == set(ref_w)  # the ranks together hold every weight
     if any("capacity" in o for o in overrides):
         assert any(d > 0 for _, _, d, _ in ref_moe)  # capacity really dropped assignments
     else:
@@ -79,9 +97,48 @@ def test_layout_invariance(tmp_path, cache, dims, overrides):
 @pytest.mark.parametrize("overrides,world,message", [
     (["parallel.tp=2"], 2, "mixture-of-experts blocks do not run under parallel.tp > 1 yet"),
     (["parallel.cp=2"], 2, "mixture-of-experts blocks do not run under parallel.cp > 1 yet"),
-    (["parallel.ep=2"], 2, "this version has no expert parallelism"),
+    (["parallel.ep=3"], 3, "model.moe_experts (4) must be divisible by parallel.ep (3)"),
+    (["parallel.ep=2", "model.moe_experts=0"], 2, "parallel.ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts is 0"),
+    (["parallel.ep=4"], 2, "parallel.ep (4) must divide parallel.dp x parallel.cp (2)"),
 ])
-def test_layouts_not_built_yet_are_refused_by_the_config(tmp_path, overrides, world, message):
+def test_bad_moe_layouts_are_refused_by_the_config(tmp_path, overrides, world, message):
     cfg = tiny_config(str(tmp_path), *MOE, *overrides)
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         cfg.validate(world)
+
+
+# ---- expert parallelism: bytes ----------------------------------------------------------------------------------
+
+def _ep_step(tmp, cache, overrides):
+    cfg = tiny_config(tmp, cache, *MOE, "parallel.ep=2", "parallel.dp=2", *overrides, steps=2)
+    tr = Trainer(cfg, cfg.validate(2).build(CPU), quiet=True)
+    tr.train_step()
+    tr.topo.ledger.reset()
+    tr.train_step()
+    load = {layer: t.tolist() for layer, t in tr.moe_stats.load.items()}
+    return tr.topo.comm("ep").rank, tr.accumulation, tr.model_cfg.d_model, load, tr.topo.ledger.snapshot()
+
+
+@pytest.mark.parametrize("overrides", [["model.moe_capacity_factor=1.0"], ["train.micro_batch=2"]], ids=["capacity", "accumulation"])
+def test_expert_parallel_all_to_all_sends_the_formula_bytes(tmp_path, cache, overrides):
+    """One step at ep=2: the ``ep`` group's all-to-alls carry, per MoE block and micro-batch, the rows this rank
+    sends to the other rank's experts (``m_out``) and those it returns (``m_in``), forward and backward:
+    ``2 (m_out + m_in) d 4`` bytes per step on the wire, plus the counts (``(ep-1)/ep x E x 8`` bytes, once per block
+    and micro-batch); over the two ranks ``2 x 2 x (rows routed off-rank) x d x 4``, the module docstring's formula.
+    ``m_out`` and ``m_in`` come from each rank's own routing (the kept assignments per expert)."""
+    results = run_ranks(2, _ep_step, str(tmp_path), cache, overrides)
+    e, ep = 4, 2
+    mine = {rank: set(range(rank * e // ep, (rank + 1) * e // ep)) for rank, *_ in results}
+    total_off = 0
+    for rank, accumulation, d, load, ledger in results:
+        m_out = sum(c for row in load.values() for x, c in enumerate(row) if x not in mine[rank])
+        m_in = sum(c for other, _, _, other_load, _ in results if other != rank
+                   for row in other_load.values() for x, c in enumerate(row) if x in mine[rank])
+        total_off += m_out
+        blocks = len(load) * accumulation
+        op = ledger["all_to_all/ep"]
+        assert op["calls"] == 5 * blocks  # forward: counts, rows out, rows back; backward: the two row exchanges
+        assert op["wire_bytes"] == 2 * (m_out + m_in) * d * 4 + blocks * (ep - 1) * e * 8 // ep, (op, m_out, m_in)
+        assert m_out > 0 and m_in > 0
+    wire = sum(r[4]["all_to_all/ep"]["wire_bytes"] for r in results)
+    assert wire == 2 * 2 * total_off * 64 * 4 + 2 * len(results[0][3]) * results[0][1] * (ep - 1) * e * 8 // ep

@@ -1,5 +1,5 @@
 """Checkpoints reshard across layouts: saved at one (dp, ZeRO stage, tp with sequence parallel, pp with virtual
-stages, cp, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
+stages, cp, ep, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
 weights, Adam moments and the data position all come back -- and a rank reads only the slices it needs. With the
 optimizer offloaded, a resume at the same layout is exact, at every ZeRO stage."""
 
@@ -19,6 +19,7 @@ BEFORE, AFTER = 6, 10
 # The tokenized data is cached under the module's per-run directory (tiny_config: data.cache_dir=<tmp>/cache).
 COMMON = ("model.n_layers=8", "parallel.bucket_mb=0.05", "train.eps=1e-6", "train.micro_batch=1")
 OFFLOAD = "memory.offload_optimizer=true"
+MOE = ["model.moe_experts=4", "model.moe_every=2", "model.moe_ffn_hidden=32", "model.moe_capacity_factor=1.0"]
 
 LAYOUTS = {
     "dp2-zero3": (2, ["parallel.zero=3"]),
@@ -41,6 +42,10 @@ LAYOUTS = {
     "cp2-zero1": (2, ["parallel.cp=2", "parallel.zero=1"]),
     "cp4-ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
     "dp2-cp2-zero3": (4, ["parallel.cp=2", "parallel.zero=3"]),
+    # mixture of experts (another model: 4 experts in every other block): the experts split over ep ranks
+    "moe-ep2": (2, [*MOE, "parallel.ep=2"]),
+    "moe-dp1": (1, MOE),
+    "moe-dp4-ep4-zero1": (4, [*MOE, "parallel.ep=4", "parallel.zero=1"]),
 }
 
 
@@ -118,6 +123,8 @@ def sources(tmp_path_factory):
     ("cp2-zero1", "cp4-ulysses"),
     ("dp2-cp2-zero3", "pp2"),
     ("dp2-cp2-zero3", "tp2"),
+    ("moe-ep2", "moe-dp1"),  # experts by global index: from 2 expert-parallel ranks to one process and to 4
+    ("moe-ep2", "moe-dp4-ep4-zero1"),
 ])
 def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sources, source, target):
     tmp, found = sources

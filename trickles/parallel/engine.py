@@ -48,6 +48,7 @@ class Engine:
         self.model = model
         self.comm = comm
         self.tp = tp
+        self.ep: GroupComm | None = None  # expert parallelism: ``comm`` is then the experts' data-parallel group
         self._reduce = True
         self.loss_fn = default_loss
         self.full_logits = lambda logits: logits
@@ -127,6 +128,16 @@ class Engine:
                 flat = torch.cat([g.reshape(-1) for g in partial])
                 self.tp.all_reduce(flat)
                 torch._foreach_copy_(partial, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in partial]), partial)])
+        if self.ep is not None and self.ep.size > 1:  # see trickles.parallel.expert: "Gradients"
+            pairs = self.owned_param_grads()
+            whole = [g for p, g in pairs if not _spec(p, "ep_sharded")]
+            experts = [g for p, g in pairs if _spec(p, "ep_sharded")]
+            if whole:
+                flat = torch.cat([g.reshape(-1) for g in whole])
+                self.ep.all_reduce(flat, op="mean")
+                torch._foreach_copy_(whole, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in whole]), whole)])
+            if experts:
+                torch._foreach_mul_(experts, 1.0 / self.ep.size)
 
     def _finish_reduction(self) -> None:
         raise NotImplementedError
@@ -157,8 +168,10 @@ class Engine:
         pairs = self.owned_param_grads()
         device = pairs[0][1].device if pairs else next(self.model.parameters()).device
         tp_rank = self.tp.rank if self.tp is not None else 0
+        ep_rank = self.ep.rank if self.ep is not None else 0
         skip = set() if self._tied_counted else self._deferred
-        counted = [g for p, g in pairs if (tp_rank == 0 or not _spec(p, "replicated", default=True)) and id(p) not in skip]
+        counted = [g for p, g in pairs if (tp_rank == 0 or not _spec(p, "replicated", default=True)) and id(p) not in skip
+                   and (ep_rank == 0 or _spec(p, "ep_sharded"))]
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
             sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
@@ -167,6 +180,8 @@ class Engine:
             self.comm.all_reduce(sq)
         if self.tp is not None and self.tp.size > 1:
             self.tp.all_reduce(sq)
+        if self.ep is not None and self.ep.size > 1:
+            self.ep.all_reduce(sq)
         if self.stages is not None and self.stages.size > 1:
             self.stages.all_reduce(sq)
         norm = sq.sqrt().reshape(())
@@ -220,8 +235,8 @@ class Engine:
     # ---- shared checkpoint pieces ----------------------------------------------------------
     @property
     def writes_replicated(self) -> bool:
-        """Whether this rank writes what all tensor-parallel ranks hold alike (tp rank 0 does)."""
-        return self.tp is None or self.tp.rank == 0
+        """Whether this rank writes what all tensor-parallel (and expert-parallel) ranks hold alike (their rank 0 does)."""
+        return (self.tp is None or self.tp.rank == 0) and (self.ep is None or self.ep.rank == 0)
 
     def _save_model(self, directory: str, rank: int, tensors: dict) -> None:
         from ..train.checkpoint import save_pieces

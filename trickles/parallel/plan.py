@@ -7,6 +7,8 @@ The model arrives built on the meta device (no memory), as single-device code. I
    positions up globally (``parallel.cp``, ``parallel.cp_mode``; :mod:`trickles.parallel.context`);
    tensor parallelism swaps its modules for column/row-parallel ones over the ``tp`` group
    (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor_plan`);
+   expert parallelism keeps this rank's experts of every mixture-of-experts block and sends their tokens
+   over the ``ep`` group (``parallel.ep``; :mod:`trickles.parallel.expert`);
    pipeline parallelism prunes it to this rank's stage (``parallel.pp``; :mod:`trickles.parallel.pipeline`),
    and a :class:`~trickles.parallel.pipeline_runner.PipelineRunner` (``engine.pipeline``) drives its steps;
 3. the data-parallel engine over the ``dp`` group (``dp x cp`` with context parallelism: the cp
@@ -35,6 +37,7 @@ from ..train.pieces import global_shape
 from .context import apply_context_parallel, shard_sequence
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
+from .expert import apply_expert_parallel
 from .pipeline import keep_stage, partition_layers, tied_parameters
 from .pipeline_runner import PipelineRunner
 from .schedules import Shape
@@ -46,13 +49,15 @@ from .zero3 import Zero3DataParallel
 
 def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> Engine:
     """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says."""
-    comm, tp, cp = topo.replicas(), topo.comm("tp"), topo.comm("cp")
+    comm, tp, cp, ep = topo.gradient_group(), topo.comm("tp"), topo.comm("cp"), topo.comm("ep")
     stage = cfg.parallel.zero
     optim = AdamWSettings.from_train(cfg.train)
     offload = cfg.memory.offload_optimizer
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     apply_recompute(model, cfg.memory.recompute)
     cp_ctx = apply_context_parallel(model, cp, cfg.parallel.cp_mode) if cp.size > 1 else None
+    if ep.size > 1:
+        apply_expert_parallel(model, ep)
     ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full") if tp.size > 1 else None
     pp = topo.comm("pp")
     chunks = None
@@ -86,6 +91,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
             engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp)
         else:
             engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp)
+    if ep.size > 1:
+        engine.ep = ep
     if ctx is not None:
         engine.loss_fn = tp_loss(ctx)
         engine.full_logits = tp_full_logits(ctx)

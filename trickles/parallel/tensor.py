@@ -52,6 +52,7 @@ class TPSpec:
     offset: tuple[int, ...]
     partial_grad: bool = False  # each rank holds part of the gradient of a replicated parameter: sum over tp
     replicated: bool = False  # every tp rank holds the same values (counted once in the gradient norm)
+    ep_sharded: bool = False  # an expert-parallel block of experts (its gradient: over edp, then / ep)
 
     def block(self, local_shape) -> tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(self.offset, local_shape))

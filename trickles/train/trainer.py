@@ -244,6 +244,8 @@ class Trainer:
                 zero += f", tp={self.topo.dims.tp}" + (" with sequence parallel" if self.cfg.parallel.sequence_parallel else "")
             if self.topo.dims.cp > 1:
                 zero += f", cp={self.topo.dims.cp} {self.cfg.parallel.cp_mode}"
+            if self.topo.dims.ep > 1:
+                zero += f", ep={self.topo.dims.ep}"
             if self.pipeline is not None:
                 p = self.pipeline.shape
                 zero += f", pp={p.p} {self.cfg.parallel.schedule}" + (f" x {p.v} chunks" if p.v > 1 else "")

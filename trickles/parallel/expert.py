@@ -1,0 +1,110 @@
+"""Expert parallelism: the experts of every mixture-of-experts block split over the ``ep`` ranks.
+
+Layout. ``ep`` divides the ``R = dp x cp`` ranks holding the same (pipeline, tensor) part of the model
+(:meth:`~trickles.topology.Topology.replicas`); they form blocks of ``ep`` consecutive ranks (the ``ep``
+group, :meth:`~trickles.topology.ParallelDims._ep_group`), and rank ``r`` of a block holds experts
+``[r E_l, (r+1) E_l)``, ``E_l = E / ep``, of every MoE block (the stacked expert weights' leading axis,
+described to checkpoints as that block of the global ``[E, ...]`` tensor, so they reshard like
+tensor-parallel blocks). Every other weight -- attention, norms, dense MLPs, the routers -- is whole on
+every rank. The ranks holding the same experts (one per block: the ``edp`` group, ``R / ep`` ranks) are
+the data-parallel group of the experts.
+
+Dispatch (per MoE block, forward). Each rank routes its own tokens (:func:`~trickles.models.moe.route`)
+and sorts its kept assignments by global expert, hence by the rank that holds it. One all-to-all trades
+the counts per expert (``[ep, E_l]`` int64); a second sends each assignment's input row to its expert's
+rank (``all_to_all_single`` with those split sizes); the rank runs its experts on what it received
+(grouped by local expert); a third all-to-all returns the outputs to the tokens' ranks, which weight them by
+the routing weights and add them up. Backward runs the two row all-to-alls in reverse. Bytes on the wire
+per rank and MoE block (per micro-batch), ``d`` the model width, ``e`` bytes per element, ``m_out`` the
+assignments this rank sends to experts on other ranks (after capacity) and ``m_in`` those it receives for its
+own experts: forward ``(m_out + m_in) d e`` (the rows out, the outputs back) plus the counts
+``(ep - 1) / ep x E x 8``; backward again ``(m_out + m_in) d e``. Summed over a block of ranks,
+``m_in`` and ``m_out`` are both the assignments routed off-rank, so the total is ``2 x (off-rank
+assignments) x d x e`` forward and the same backward.
+
+Gradients. The engine averages every gradient over ``edp`` (its data-parallel group); then the weights
+whole on every rank are averaged over the ``ep`` group as well (together: the mean over all ``R``
+replicas, in two steps), and the expert weights are divided by ``ep``: an expert's gradient already sums
+the contributions of every token sent to it from the ``ep`` ranks of its block, so the sum over ``edp``
+covers all ``R`` ranks' losses, whose mean is wanted. In the gradient norm, whole weights count on
+``ep`` rank 0 only and each rank's experts count on it. ZeRO shards over ``edp``: the optimizer state of
+the whole weights is replicated over the ``ep`` ranks (Megatron's distributed optimizer shards those over
+all ``R``; here ZeRO's group is one group per engine, see the docs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import GroupComm
+from ..models.moe import MoE
+from ..models.transformer import Transformer
+from .tensor import TPSpec, set_spec
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """Rows ``send[i]`` go to rank ``i`` (in order), ``recv[i]`` rows come from it; backward the reverse."""
+
+    @staticmethod
+    def forward(ctx, x, comm: GroupComm, send: list[int], recv: list[int]):
+        ctx.comm, ctx.send, ctx.recv = comm, send, recv
+        return comm.all_to_all_uneven(x.contiguous(), send, recv)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.all_to_all_uneven(grad.contiguous(), ctx.recv, ctx.send), None, None, None
+
+
+def expert_dispatch(layer: MoE, comm: GroupComm):
+    """The expert-parallel ``dispatch`` of ``layer`` (same contract as :meth:`MoE.dispatch`)."""
+    n_ep, el = comm.size, layer.experts.count
+
+    def dispatch(x, experts, weights, keep):
+        n, k = experts.shape
+        flat_keep = keep.flatten()
+        token = torch.arange(n, device=x.device).repeat_interleave(k)[flat_keep]
+        expert = experts.flatten()[flat_keep]
+        weight = weights.flatten()[flat_keep]
+        order = torch.argsort(expert, stable=True)
+        token, expert, weight = token[order], expert[order], weight[order]
+        counts = torch.bincount(expert, minlength=n_ep * el).view(n_ep, el)
+        got = comm.all_to_all(counts, 0, 0)  # [source rank, local expert]
+        send, recv = counts.sum(1).tolist(), got.sum(1).tolist()
+        rows = _AllToAllRows.apply(x[token], comm, send, recv)  # source-major, then by expert
+        local = torch.arange(el, device=x.device).repeat(n_ep).repeat_interleave(got.flatten())
+        by_expert = torch.argsort(local, stable=True)
+        grouped = rows[by_expert]
+        outs, start = [], 0
+        for e, c in enumerate(got.sum(0).tolist()):
+            if c:
+                outs.append(layer.experts.one(e, grouped[start:start + c]))
+            start += c
+        y = torch.cat(outs) if outs else grouped[:0]
+        back = torch.empty_like(y).index_copy(0, by_expert, y) if y.shape[0] else y  # received order again
+        back = _AllToAllRows.apply(back, comm, recv, send)
+        out = torch.zeros_like(x)
+        out.index_add_(0, token, back * weight[:, None].to(x.dtype))
+        return out
+    return dispatch
+
+
+def apply_expert_parallel(model: Transformer, comm: GroupComm) -> None:
+    """Keeps this rank's ``E / ep`` experts of every MoE block (on the meta device, before allocation) and
+    routes their tokens over ``comm`` (the ``ep`` group)."""
+    r, n_ep = comm.rank, comm.size
+    for block in model.layers.values():
+        layer = block.mlp
+        if not isinstance(layer, MoE):
+            continue
+        ex = layer.experts
+        e = ex.count
+        el = e // n_ep
+        for lin in [m for m in (getattr(ex, "gate_proj", None), ex.up_proj, ex.down_proj) if m is not None]:
+            for name in ("weight", "bias"):
+                p = getattr(lin, name)
+                if p is None:
+                    continue
+                local = torch.nn.Parameter(torch.empty((el, *p.shape[1:]), device=p.device, dtype=p.dtype))
+                setattr(lin, name, set_spec(local, TPSpec(tuple(p.shape), (r * el,) + (0,) * (p.dim() - 1), ep_sharded=True)))
+        ex.first = r * el
+        object.__setattr__(layer, "dispatch", expert_dispatch(layer, comm))
