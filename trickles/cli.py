@@ -1,7 +1,7 @@
 """The ``trickles`` command: parse, build a config, call the library.
 
     trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
-    trickles generate CHECKPOINT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+    trickles generate CHECKPOINT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--label L]
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
@@ -62,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    g.add_argument("--label", default=None, help="hard-routed experts (model.moe_router=hard): decode with this label's experts")
 
     m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
     config_args(m)
@@ -151,7 +152,17 @@ def _generate(args) -> int:
     ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
     g = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.tensor([ids] * args.num_samples, device=device)
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos_id=tokenizer.eos_id, generator=g)
+    labels = None
+    hard = model.cfg.moe_experts and model.cfg.moe_router == "hard"
+    if hard or args.label is not None:
+        names = list(model.cfg.label_experts) if hard else []
+        if args.label is None or args.label not in names:
+            what = f"--label {args.label!r} is not one of its labels" if args.label is not None else "give --label"
+            raise UserError(f"{what}: this model routes by label ({', '.join(names)})" if hard else
+                            "--label is for models with hard-routed experts (model.moe_router=hard); this one has none")
+        labels = torch.full((args.num_samples,), names.index(args.label), dtype=torch.long, device=device)
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos_id=tokenizer.eos_id,
+                   generator=g, labels=labels)
     for i, row in enumerate(out.tolist()):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")

@@ -265,9 +265,9 @@ def test_readme_links_every_page_and_marks_what_is_not_built():
     rows = [r for r in _readme_section("What it does").splitlines() if r.startswith("| ") and not r.startswith("| technique")]
     planned = [r for r in rows if "not yet" in r]
     assert planned, "the README's table lists the planned features as 'not yet'"
-    for key in ("parallel.cp", "parallel.ep"):  # a parallel degree the config accepts is built; one it refuses is not
-        try:
-            Config.load(None, [f"{key}=2"]).validate(2)
+    for key, needs in (("parallel.cp", []), ("parallel.ep", ["model.moe_experts=4"])):
+        try:  # a parallel degree the config accepts (with what it needs) is built; one it refuses is not
+            Config.load(None, [f"{key}=2", *needs]).validate(2)
             built = True
         except ConfigError:
             built = False

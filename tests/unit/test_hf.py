@@ -40,6 +40,14 @@ def gpt2_hf(tied: bool = True):
     return perturb(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN), 2)
 
 
+def mixtral_hf(tied: bool = False):
+    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32, rope_theta=5000.0,
+                                     router_jitter_noise=0.0, router_aux_loss_coef=0.02, tie_word_embeddings=tied)
+    return perturb(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN), 5)
+
+
 def tokens():
     return torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(0))
 
@@ -231,3 +239,87 @@ def test_unprefixed_gpt2_checkpoint(tmp_path):
     weights["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
     assert_close(our_logits(load_hf(tmp_path)), hf_logits(hf))
+
+
+# ---- Mixtral -----------------------------------------------------------------------------
+
+MOE = dict(flavor="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32,
+           moe_experts=4, moe_top_k=2, moe_ffn_hidden=48)
+
+
+def _per_expert_names(path):
+    return {k for k in load_file(path / "model.safetensors") if "block_sparse_moe.experts." in k}
+
+
+@pytest.mark.parametrize("original_format", [True, False], ids=["per-expert", "fused"])
+def test_mixtral_to_trickles_and_back(original_format, tmp_path):
+    """transformers 5.x writes the per-expert layout by default, its modules' fused one on request."""
+    hf = mixtral_hf()
+    hf.save_pretrained(tmp_path / "hf", save_original_format=original_format)
+    assert bool(_per_expert_names(tmp_path / "hf")) == original_format
+    ours = load_hf(tmp_path / "hf")
+    c = ours.cfg
+    assert (c.moe_experts, c.moe_top_k, c.moe_every, c.moe_ffn_dim, c.kv_heads) == (4, 2, 1, 48, 2)
+    assert (c.moe_capacity_factor, c.moe_shared_experts, c.moe_aux_loss, c.moe_z_loss, c.rope_theta) == (0, 0, 0.02, 0, 5000.0)
+    expected = hf_logits(hf)
+    assert_close(our_logits(ours), expected)
+
+    save_hf(ours, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["model_type"] == "mixtral" and config["architectures"] == ["MixtralForCausalLM"]
+    back = load_transformers(tmp_path / "out")
+    assert_close(hf_logits(back), expected)
+    written = set(load_file(tmp_path / "out" / "model.safetensors"))
+    assert len(_per_expert_names(tmp_path / "out")) == 2 * 4 * 3
+    if original_format:
+        assert written == set(load_file(tmp_path / "hf" / "model.safetensors"))
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(moe_top_k=3, tie_embeddings=True, n_kv_heads=None)],
+                         ids=["top2", "top3-tied-mha"])
+def test_trickles_moe_to_transformers(shape, tmp_path):
+    cfg = ModelConfig(**{**MOE, **shape})
+    ours = perturb(build_model(cfg, seed=3), 6)
+    save_hf(ours, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, cfg.moe_top_k, 48)
+    assert config["sliding_window"] is None and config["router_aux_loss_coef"] == cfg.moe_aux_loss
+    hf = load_transformers(tmp_path / "m")
+    assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.tie_word_embeddings == cfg.tied
+    assert_close(hf_logits(hf), our_logits(ours))
+
+    again = load_hf(tmp_path / "m")
+    assert (again.cfg.moe_experts, again.cfg.moe_top_k, again.cfg.moe_ffn_dim) == (4, cfg.moe_top_k, 48)
+    assert list(again.state_dict()) == list(ours.state_dict())
+    for (name, a), b in zip(ours.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(moe_shared_experts=1), "no shared experts.*moe_shared_experts=0"),
+    (dict(moe_capacity_factor=1.25), "dropless.*moe_capacity_factor=0"),
+    (dict(moe_every=2), "every block.*moe_every=1"),
+    (dict(moe_top_k=1), "moe_top_k >= 2"),
+    (dict(moe_router="hard", moe_label_experts=["a:0+1", "b:2+3"]), "moe_router=learned"),
+    (dict(flavor="gpt2", n_kv_heads=None), "no GPT-2 mixture of experts"),
+])
+def test_unexportable_moe_models(changes, message, tmp_path):
+    model = build_model(ModelConfig(**{**MOE, **changes}), 0)
+    with pytest.raises(ConfigError, match=message) as err:
+        save_hf(model, tmp_path / "m")
+    assert "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(sliding_window=16), "sliding_window=16"),
+    (dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0}), "rope scaling 'yarn'"),
+])
+def test_unsupported_mixtral_configs(changes, message, tmp_path):
+    mixtral_hf().save_pretrained(tmp_path)
+    _edit_config(tmp_path, **changes)
+    with pytest.raises(CheckpointError, match=message) as err:
+        load_hf(tmp_path)
+    assert "\n" not in str(err.value)

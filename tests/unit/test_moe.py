@@ -190,3 +190,40 @@ def test_model_places_experts_every_nth_block_and_counts_active_parameters():
 def test_bad_moe_shapes_are_refused(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         _cfg(**kw).validate()
+
+
+def test_hard_routing_sends_every_token_only_to_its_labels_experts():
+    """Per-token labels (a sequence may cross documents): counted per layer, each token's assignments go only to its
+    label's experts, weighted by the router's softmax over them; without labels the layer says what it needs."""
+    cfg = _cfg(n_layers=2, moe_experts=6, moe_top_k=2, moe_router="hard", moe_label_experts=["a:0+3", "b:1+2", "c:4+5"])
+    cfg.validate()
+    layer = _layer(cfg)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 10, cfg.d_model, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 3, (3, 10), generator=g)
+    logits = layer.router(x)
+    masked = logits.masked_fill(~layer.allowed(x.device)[labels], float("-inf"))
+    _, experts, weights, _ = route(masked, 2, 0.0)
+    table = [{0, 3}, {1, 2}, {4, 5}]
+    for b in range(3):
+        for t in range(10):
+            assert set(experts[b, t].tolist()) == table[labels[b, t]]
+    assert torch.allclose(weights.sum(-1), torch.ones(3, 10, dtype=torch.float64))
+    out = layer(x, labels)
+    ref = layer(x, labels[:, :1].expand(3, 10).clone())  # a per-sample label is a per-token one repeated
+    assert torch.equal(layer(x, labels[:, 0]), ref) and not torch.equal(out, ref)
+    with pytest.raises(ValueError, match="hard routing needs each sample's label"):
+        layer(x)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"moe_router": "hard"}, "model.moe_router=hard needs model.moe_label_experts"),
+    ({"moe_router": "hard", "moe_label_experts": ["a:0", "b:1"]}, "every label of model.moe_label_experts must name model.moe_top_k (2)"),
+    ({"moe_router": "hard", "moe_label_experts": ["a:0+9", "b:1+2"]}, "names expert 9, but there are 4"),
+    ({"moe_router": "hard", "moe_label_experts": ["a=0+1"]}, "is not 'label:expert[+expert...]'"),
+])
+def test_bad_label_maps_are_refused(kw, message):
+    import re
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _cfg(**kw).validate()

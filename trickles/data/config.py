@@ -22,6 +22,8 @@ class DataConfig:
     seq_len: int = opt(256, "tokens per training sequence")
     val_fraction: float = opt(0.01, "share of the corpus (taken from its end, whole documents) held out for validation")
     max_bytes: int | None = opt(None, "read at most this many bytes of text (none: everything)")
+    label_field: str | None = opt(None, "hard-routed experts: the JSONL field holding each document's label")
+    label_path: Literal["none", "package", "directory"] = opt("none", "hard-routed experts, file sources: a document's label from its path: package (first path part below the source's root, e.g. the stdlib package; a top-level module's own name) or directory (its parent directory's name)")
     cache_dir: str | None = opt(None, "where tokenized corpora and trained tokenizers are cached (none: ~/.cache/trickles)")
 
     def validate(self) -> None:

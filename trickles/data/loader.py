@@ -28,12 +28,14 @@ from ..errors import DataError
 class ShardedBatches:
     """One data-parallel rank's view of the batches drawn from ``tokens`` (see module doc)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
+                 labels: np.ndarray | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
         self.tokens, self.seq_len, self.seed = tokens, seq_len, int(seed)
+        self.labels = labels  # each token's label id (hard-routed experts): batches then carry the inputs' labels
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.n_windows = max(0, (len(tokens) - 1) // seq_len)
         self._perms: dict[int, np.ndarray] = {}
@@ -100,5 +102,9 @@ class ShardedBatches:
     def _gather(self, windows: np.ndarray, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         index = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
         rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
-        return [(rows[i:i + micro_batch, :-1].contiguous(), rows[i:i + micro_batch, 1:].contiguous())
-                for i in range(0, len(rows), micro_batch)]
+        out = [(rows[i:i + micro_batch, :-1].contiguous(), rows[i:i + micro_batch, 1:].contiguous())
+               for i in range(0, len(rows), micro_batch)]
+        if self.labels is None:
+            return out
+        labels = torch.from_numpy(np.asarray(self.labels[index[:, :-1]], dtype=np.int64))
+        return [(x, y, labels[i:i + micro_batch]) for (x, y), i in zip(out, range(0, len(rows), micro_batch))]

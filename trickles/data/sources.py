@@ -19,7 +19,10 @@ empty documents are skipped; ``data.max_bytes`` stops reading after that many by
 one array, written once (streamed, then renamed into place) to
 ``<cache>/corpus/<key>.npy`` with its summary in ``<key>.json``; later loads memory-map it. The
 key hashes the file list (paths, sizes, mtimes), the tokenizer's identity, ``max_bytes``,
-``val_fraction``, ``text_field`` and ``format``. The validation split is whole documents taken
+``val_fraction``, ``text_field`` and ``format`` (and the label settings). With labels (hard-routed
+experts), each document's label comes from ``data.label_field`` (JSONL) or its path
+(``data.label_path``); documents whose label the experts are not mapped for are left out, and each
+token's label id is written beside the tokens (``<key>.labels.npy``, uint16). The validation split is whole documents taken
 from the end of the document list, together at least ``val_fraction`` of the tokens (at least
 one document when ``val_fraction > 0``, never all of them). The token stream itself is cut
 instead (the last ``val_fraction`` of the tokens) when there is a single document, or when
@@ -141,20 +144,45 @@ def source_fingerprint(cfg: DataConfig) -> list:
 
 # ---- documents ---------------------------------------------------------------------------
 
-def _documents(cfg: DataConfig) -> Iterator[tuple[str, int]]:
-    """``(text, bytes of text read)`` for every non-empty document, within ``data.max_bytes``."""
+def source_root(cfg: DataConfig) -> str:
+    """The directory a file source's paths are taken relative to (the stdlib root, a glob's fixed part)."""
+    if cfg.source == "stdlib":
+        return sysconfig.get_paths()["stdlib"]
+    pattern = os.path.expanduser(cfg.source)
+    if not _is_glob(pattern):
+        return os.path.dirname(os.path.abspath(pattern))
+    fixed = pattern[:min(pattern.index(c) for c in "*?[" if c in pattern)]
+    return os.path.abspath(fixed if fixed.endswith(os.sep) else os.path.dirname(fixed))
+
+
+def path_label(cfg: DataConfig, root: str, path: str) -> str:
+    """A file document's label by ``data.label_path``: ``package`` -- the first part of its path below ``root``
+    (a top-level module's own name without ``.py``); ``directory`` -- its parent directory's name."""
+    if cfg.label_path == "directory":
+        return os.path.basename(os.path.dirname(os.path.abspath(path)))
+    first = os.path.relpath(os.path.abspath(path), root).split(os.sep)[0]
+    return first[:-3] if first.endswith(".py") else first
+
+
+def _documents(cfg: DataConfig, keep: set[str] | None = None) -> Iterator[tuple[str, int, str | None]]:
+    """``(text, bytes of text read, label or None)`` for every non-empty document, within ``data.max_bytes``;
+    ``keep``: only the documents with one of these labels (the others are not read, nor counted)."""
     files = resolve_files(cfg)
     if resolve_format(cfg, files) == "tokens":
         raise DataError(f"data.source {cfg.source!r} holds tokens, not text; there are no documents to read")
     left = cfg.max_bytes
+    root = source_root(cfg) if cfg.label_path != "none" else None
     for path in files:
         if left is not None and left <= 0:
             return
         try:
             if file_format(cfg, path) == "jsonl":
-                for text, n in _jsonl_documents(cfg, path, left):
+                for text, n, label in _jsonl_documents(cfg, path, left, keep):
                     left = None if left is None else left - n
-                    yield text, n
+                    yield text, n, label
+                continue
+            label = path_label(cfg, root, path) if root is not None else None
+            if keep is not None and label not in keep:
                 continue
             with open(path, "rb") as f:
                 raw = f.read() if left is None else f.read(left)
@@ -163,10 +191,11 @@ def _documents(cfg: DataConfig) -> Iterator[tuple[str, int]]:
         if left is not None:
             left -= len(raw)
         if raw:
-            yield codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=left is None or left > 0), len(raw)
+            text = codecs.getincrementaldecoder("utf-8")(errors="replace").decode(raw, final=left is None or left > 0)
+            yield text, len(raw), label
 
 
-def _jsonl_documents(cfg: DataConfig, path: str, left: int | None) -> Iterator[tuple[str, int]]:
+def _jsonl_documents(cfg: DataConfig, path: str, left: int | None, keep: set[str] | None = None) -> Iterator[tuple[str, int, str | None]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -178,12 +207,19 @@ def _jsonl_documents(cfg: DataConfig, path: str, left: int | None) -> Iterator[t
             if not isinstance(record, dict) or not isinstance(record.get(cfg.text_field), str):
                 raise DataError(f"{path}:{lineno}: no string field {cfg.text_field!r}; fix the line or set data.text_field")
             text = record[cfg.text_field]
+            label = None
+            if cfg.label_field is not None:
+                if not isinstance(record.get(cfg.label_field), (str, int)):
+                    raise DataError(f"{path}:{lineno}: no label field {cfg.label_field!r}; fix the line or set data.label_field")
+                label = str(record[cfg.label_field])
+                if keep is not None and label not in keep:
+                    continue
             raw = text.encode("utf-8")
             if left is not None and len(raw) >= left:
                 raw = raw[:left]
                 text = raw.decode("utf-8", errors="ignore")
             if raw:
-                yield text, len(raw)
+                yield text, len(raw), label
             if left is not None:
                 left -= len(raw)
                 if left <= 0:
@@ -192,7 +228,7 @@ def _jsonl_documents(cfg: DataConfig, path: str, left: int | None) -> Iterator[t
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
     """The source's documents as strings, in order (what a BPE tokenizer trains on)."""
-    for text, _ in _documents(cfg):
+    for text, _, _ in _documents(cfg):
         yield text
 
 
@@ -208,6 +244,9 @@ class Corpus:
     documents: int | None = None
     bytes: int | None = None
     tokenizer: str = ""
+    train_labels: np.ndarray | None = None  # with labels: each token's document label id, aligned with ``train``
+    val_labels: np.ndarray | None = None
+    label_documents: dict[str, int] | None = None  # documents per label read
 
     def describe(self) -> str:
         """One line: source, documents, bytes, tokens train/val, tokenizer."""
@@ -219,6 +258,8 @@ class Corpus:
         parts.append(f"{len(self.train):,} train / {len(self.val):,} val tokens")
         if self.tokenizer:
             parts.append(f"tokenizer {self.tokenizer}")
+        if self.label_documents:
+            parts.append("labels " + ", ".join(f"{k} ({v} docs)" for k, v in self.label_documents.items()))
         return ", ".join(parts)
 
 
@@ -302,14 +343,19 @@ def _split(arr: np.ndarray, split: int) -> tuple[np.ndarray, np.ndarray]:
     return arr[:split], arr[split:]
 
 
-def load_corpus(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | None = None) -> Corpus:
+def load_corpus(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | None = None, labels: list[str] | None = None) -> Corpus:
     """The source tokenized with ``tokenizer`` and split into train/val (cached; see module doc).
 
-    ``cache_dir`` defaults to ``cfg.cache_dir``, then ``~/.cache/trickles``.
+    ``cache_dir`` defaults to ``cfg.cache_dir``, then ``~/.cache/trickles``. ``labels`` (hard-routed
+    experts): keep only the documents with one of these labels (``data.label_field`` or
+    ``data.label_path``) and record each token's label id (its position in ``labels``).
     """
     files = resolve_files(cfg)
     fmt = resolve_format(cfg, files)
     label = "stdlib" if cfg.source == "stdlib" else cfg.source
+    if labels is not None and (fmt == "tokens" or (cfg.label_field is None and cfg.label_path == "none")):
+        raise DataError("hard-routed experts need each document's label: set data.label_field (a JSONL field) or "
+                        "data.label_path (package or directory) for a text source")
     if fmt == "tokens" and len(files) == 1:
         arr = _open_token_file(cfg, files[0])
         _check_ids(arr, files[0], tokenizer)
@@ -318,20 +364,30 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | None = N
 
     key_parts = [_CACHE_VERSION, source_fingerprint(cfg), tokenizer.identity(), cfg.max_bytes, cfg.val_fraction,
                  cfg.text_field, cfg.format, cfg.token_dtype if fmt == "tokens" else None]
+    if labels is not None:
+        key_parts += [cfg.label_field, cfg.label_path, list(labels)]
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
     directory = os.path.join(cache_root(cache_dir if cache_dir is not None else cfg.cache_dir), "corpus")
     npy, meta_path = os.path.join(directory, f"{key}.npy"), os.path.join(directory, f"{key}.json")
     meta = _read_cached(npy, meta_path)
     if meta is None:
         os.makedirs(directory, exist_ok=True)
-        meta = _tokenize_to(npy, cfg, files, fmt, tokenizer)
+        meta = _tokenize_to(npy, cfg, files, fmt, tokenizer, labels)
         tmp = f"{meta_path}.tmp-{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(meta, f)
         os.replace(tmp, meta_path)
     arr = np.load(npy, mmap_mode="r")
     train, val = _split(arr, meta["split"])
-    return Corpus(train, val, label, meta["documents"], meta["bytes"], tokenizer.name)
+    corpus = Corpus(train, val, label, meta["documents"], meta["bytes"], tokenizer.name)
+    if labels is not None:
+        corpus.train_labels, corpus.val_labels = _split(np.load(_labels_path(npy), mmap_mode="r"), meta["split"])
+        corpus.label_documents = meta["label_documents"]
+    return corpus
+
+
+def _labels_path(npy: str) -> str:
+    return npy[:-len(".npy")] + ".labels.npy"
 
 
 def _read_cached(npy: str, meta_path: str) -> dict | None:
@@ -345,9 +401,14 @@ def _read_cached(npy: str, meta_path: str) -> dict | None:
     return None
 
 
-def _tokenize_to(npy: str, cfg: DataConfig, files: list[str], fmt: Format, tokenizer: Tokenizer) -> dict:
-    """Writes the concatenated tokens to ``npy``; returns ``{tokens, split, documents, bytes}``."""
+def _tokenize_to(npy: str, cfg: DataConfig, files: list[str], fmt: Format, tokenizer: Tokenizer,
+                 labels: list[str] | None = None) -> dict:
+    """Writes the concatenated tokens to ``npy`` (and with ``labels`` each token's label id beside it);
+    returns ``{tokens, split, documents, bytes}`` (and ``label_documents``)."""
     writer = _NpyWriter(npy, token_dtype(tokenizer.vocab_size))
+    label_writer = _NpyWriter(_labels_path(npy), np.dtype(np.uint16)) if labels is not None else None
+    ids = {name: i for i, name in enumerate(labels or [])}
+    per_label = {name: 0 for name in labels or []}
     try:
         if fmt == "tokens":  # several token files: concatenate them
             for path in files:
@@ -360,29 +421,46 @@ def _tokenize_to(npy: str, cfg: DataConfig, files: list[str], fmt: Format, token
             split, docs, nbytes = split_point([writer.n], cfg.val_fraction), None, None
         else:
             lengths: list[int] = []
-            nbytes, batch, chars = 0, [], 0
-            for text, n in _documents(cfg):
+            nbytes, batch, chars, batch_ids = 0, [], 0, []
+            for text, n, doc_label in _documents(cfg, set(ids) if label_writer is not None else None):
+                if label_writer is not None:  # (documents with labels the experts are not mapped for are left out)
+                    per_label[doc_label] += 1
+                    batch_ids.append(ids[doc_label])
                 nbytes += n
                 batch.append(text)
                 chars += len(text)
                 if chars >= _BATCH_CHARS:
-                    lengths += _write_batch(writer, tokenizer, batch)
-                    batch, chars = [], 0
-            lengths += _write_batch(writer, tokenizer, batch)
+                    lengths += _write_batch(writer, tokenizer, batch, label_writer, batch_ids)
+                    batch, chars, batch_ids = [], 0, []
+            lengths += _write_batch(writer, tokenizer, batch, label_writer, batch_ids)
+            missing = [k for k, v in per_label.items() if v == 0]
+            if missing:
+                raise DataError(f"no document of data.source {cfg.source!r} has the label(s) {', '.join(missing)} "
+                                f"(model.moe_label_experts); fix the labels or data.label_field / data.label_path")
             if not lengths:
                 raise DataError(f"data.source {cfg.source!r} holds no text; give a non-empty source")
             split, docs = split_point(lengths, cfg.val_fraction), len(lengths)
         writer.commit()
+        if label_writer is not None:
+            label_writer.commit()
     except BaseException:
         writer.abort()
+        if label_writer is not None:
+            label_writer.abort()
         raise
-    return {"tokens": writer.n, "split": split, "documents": docs, "bytes": nbytes}
+    meta = {"tokens": writer.n, "split": split, "documents": docs, "bytes": nbytes}
+    if labels is not None:
+        meta["label_documents"] = per_label
+    return meta
 
 
-def _write_batch(writer: _NpyWriter, tokenizer: Tokenizer, batch: list[str]) -> list[int]:
+def _write_batch(writer: _NpyWriter, tokenizer: Tokenizer, batch: list[str], label_writer: _NpyWriter | None = None,
+                 label_ids: list[int] | None = None) -> list[int]:
     if not batch:
         return []
     arrays = tokenizer.encode_documents(batch)
-    for a in arrays:
+    for i, a in enumerate(arrays):
         writer.write(a)
+        if label_writer is not None:
+            label_writer.write(np.full(len(a), label_ids[i], dtype=np.uint16))
     return [len(a) for a in arrays]

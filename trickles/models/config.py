@@ -40,6 +40,8 @@ class ModelConfig:
     moe_aux_loss: float = opt(0.01, "weight of the Switch/GShard load-balancing loss")
     moe_z_loss: float = opt(0.001, "weight of the router z-loss (mean squared log-sum-exp of the router logits)")
     moe_shared_experts: int = opt(0, "always-on experts beside the routed ones (one MLP of shared x moe_ffn_hidden units)")
+    moe_router: Literal["learned", "hard"] = opt("learned", "learned: each token's top-k experts by the router; hard: the experts its sample's label maps to (model.moe_label_experts)")
+    moe_label_experts: list[str] = opt([], "hard routing: 'label:expert[+expert...]' per label, e.g. json:0 email:1 (each label the same number of experts)")
 
     @property
     def kv_heads(self) -> int:
@@ -69,6 +71,19 @@ class ModelConfig:
         if not self.moe_experts:
             return []
         return [i for i in range(self.n_layers) if i % self.moe_every == self.moe_every - 1]
+
+    @property
+    def label_experts(self) -> dict[str, list[int]]:
+        """Hard routing: ``{label: [experts]}`` in the order given (a label's id is its position)."""
+        out = {}
+        for item in self.moe_label_experts:
+            label, _, experts = str(item).partition(":")
+            try:
+                out[label.strip()] = [int(e) for e in experts.split("+")]
+            except ValueError:
+                raise ConfigError(f"model.moe_label_experts entry {item!r} is not 'label:expert[+expert...]', "
+                                  f"e.g. 'json:0' or 'email:1+2'") from None
+        return out
 
     @property
     def tied(self) -> bool:
@@ -101,6 +116,20 @@ class ModelConfig:
             for key in ("moe_capacity_factor", "moe_aux_loss", "moe_z_loss", "moe_shared_experts"):
                 if not getattr(self, key) >= 0:
                     raise ConfigError(f"model.{key} must be at least 0, got {getattr(self, key)}")
+            if self.moe_router == "hard":
+                table = self.label_experts
+                if not table:
+                    raise ConfigError("model.moe_router=hard needs model.moe_label_experts, e.g. ['json:0', 'email:1']")
+                if len(table) != len(self.moe_label_experts):
+                    raise ConfigError("model.moe_label_experts names a label twice; give each label once")
+                sizes = {len(v) for v in table.values()}
+                bad = [e for v in table.values() for e in v if not 0 <= e < self.moe_experts]
+                if bad:
+                    raise ConfigError(f"model.moe_label_experts names expert {bad[0]}, but there are {self.moe_experts} "
+                                      f"(0..{self.moe_experts - 1})")
+                if len(sizes) != 1 or sizes != {self.moe_top_k} or any(len(set(v)) != len(v) for v in table.values()):
+                    raise ConfigError(f"hard routing sends each token to all of its label's experts: every label of "
+                                      f"model.moe_label_experts must name model.moe_top_k ({self.moe_top_k}) distinct experts")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"model.max_seq_len must be at least 1, got {self.max_seq_len}")
 

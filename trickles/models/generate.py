@@ -33,13 +33,13 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, eos_id: int | None = None, generator: torch.Generator | None = None,
-             logits_fn=None) -> torch.Tensor:
+             logits_fn=None, labels: torch.Tensor | None = None) -> torch.Tensor:
     """Continues ``prompt [B, T]`` by up to ``max_new_tokens``; returns only the new tokens ``[B, N]``.
 
     The prompt is cut from the left and the continuation shortened so that everything fits in
     ``model.cfg.max_seq_len``. Generation stops early when every row has produced ``eos_id``.
     ``logits_fn`` turns what the model returns into full-vocabulary logits (e.g. gathering
-    tensor-parallel shards).
+    tensor-parallel shards). ``labels [B]``: each row's label id, for hard-routed experts.
     """
     full = logits_fn or (lambda z: z)
     was_training = model.training
@@ -48,7 +48,8 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     prompt = prompt[:, -max(1, limit - 1):]
     max_new_tokens = min(max_new_tokens, limit - prompt.shape[1])
     cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens)
-    logits = full(model(prompt, cache=cache, start=0)[:, -1:])[:, -1]
+    extra = {} if labels is None else {"labels": labels}
+    logits = full(model(prompt, cache=cache, start=0, **extra)[:, -1:])[:, -1]
     pos = prompt.shape[1]
     out = []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
@@ -60,7 +61,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
             if bool(done.all()):
                 break
         if i + 1 < max_new_tokens:
-            logits = full(model(nxt[:, None], cache=cache, start=pos))[:, -1]
+            logits = full(model(nxt[:, None], cache=cache, start=pos, **extra))[:, -1]
             pos += 1
     model.train(was_training)
     return torch.stack(out, dim=1) if out else prompt.new_zeros((prompt.shape[0], 0))

@@ -1,4 +1,4 @@
-"""Hugging Face import/export: ``LlamaForCausalLM`` and ``GPT2LMHeadModel`` directories.
+"""Hugging Face import/export: ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``GPT2LMHeadModel`` directories.
 
 A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). Tensors are read
@@ -17,6 +17,26 @@ Names, llama (``model_type: llama``; every tensor copied as is, ``[out, in]`` li
 
 HF Llama checkpoints already use the rotate-half rotary convention this model uses, so q/k need
 no permutation.
+
+Names, mixtral (``model_type: mixtral``): a llama-flavour model whose every block is a mixture of
+experts (``moe_every=1``, learned top-k routing, dropless, no shared experts). Attention, norms,
+embeddings and head are named as in llama; each block's MLP is written per expert, the layout of
+the published Mixtral checkpoints, which transformers 4.x reads as is and 5.x converts on load (5.x
+``save_pretrained`` writes it too)::
+
+    model.layers.{i}.block_sparse_moe.gate.weight          layers.{i}.mlp.router.weight
+    model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight layers.{i}.mlp.experts.gate_proj.weight[j]
+    model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight layers.{i}.mlp.experts.up_proj.weight[j]
+    model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight layers.{i}.mlp.experts.down_proj.weight[j]
+
+:func:`load_hf` also reads the fused layout of transformers 5.x's modules (``save_pretrained(...,
+save_original_format=False)``): ``model.layers.{i}.mlp.gate.weight`` (the router),
+``mlp.experts.gate_up_proj [E, 2F, d]`` (gate and up concatenated along dim 1) and
+``mlp.experts.down_proj [E, d, F]``. Mixtral's router (softmax in fp32, top-k, the k weights
+renormalized to sum 1) is trickles' for ``k > 1``; ``k = 1`` is refused both ways, since Mixtral
+then gives the expert weight 1 and trickles the router probability. ``router_aux_loss_coef`` is
+``moe_aux_loss``; Mixtral has no z-loss (an imported model has ``moe_z_loss=0``; export drops it) and
+its ``router_jitter_noise``, like dropout, only acts in training and is not imported.
 
 Names, gpt2 (``model_type: gpt2``). GPT-2's ``Conv1D`` stores weights ``[in, out]``: they are
 transposed; ``c_attn`` is q, k and v fused along ``out`` (in that order) and is split::
@@ -40,8 +60,10 @@ is a listed tensor that is missing.
 
 Configs are mapped field by field (see :func:`config_from_hf` / :func:`config_to_hf`). Anything
 this model cannot reproduce exactly is refused with the field's name: biases or a head size
-other than ``hidden/heads`` in Llama, rope scaling, activations other than SiLU (Llama) or tanh
-GELU (GPT-2), GPT-2's per-layer attention scaling. Missing fields take ``transformers``' own
+other than ``hidden/heads`` in Llama, rope scaling, activations other than SiLU (Llama, Mixtral)
+or tanh GELU (GPT-2), GPT-2's per-layer attention scaling, Mixtral's sliding window or top-1
+routing; on export, MoE models Mixtral cannot express (shared experts, a capacity factor, dense
+blocks between MoE ones, hard routing, gpt2-flavour experts). Missing fields take ``transformers``' own
 defaults for that model type. A loaded model has dropout 0. Its ``bos/eos/pad_token_id`` are
 kept in ``model.hf_token_ids`` and written back by :func:`save_hf`.
 
@@ -84,16 +106,21 @@ GPT2_DEFAULTS = dict(vocab_size=50257, n_positions=1024, n_embd=768, n_layer=12,
                      activation_function="gelu_new", layer_norm_epsilon=1e-5, initializer_range=0.02,
                      scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
                      reorder_and_upcast_attn=False, add_cross_attention=False, tie_word_embeddings=True)
+MIXTRAL_DEFAULTS = dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
+                        max_position_embeddings=4096 * 32, initializer_range=0.02, rms_norm_eps=1e-5,
+                        tie_word_embeddings=False, sliding_window=None, num_experts_per_tok=2,
+                        num_local_experts=8, router_aux_loss_coef=0.001)
 
 
 # ---- configs -----------------------------------------------------------------------------
 
 def _refuse(source: str, what: str) -> CheckpointError:
     return CheckpointError(f"{source}: {what}, which trickles' transformer cannot represent exactly; "
-                           "only plain Llama and GPT-2 architectures can be imported")
+                           "only plain Llama, Mixtral and GPT-2 architectures can be imported")
 
 
-def _rope_theta(raw: dict, source: str) -> float:
+def _rope_theta(raw: dict, source: str, default: float = 10000.0) -> float:
     """The rotary base, from 4.x (``rope_theta``, ``rope_scaling``) or 5.x (``rope_parameters``) fields."""
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
     if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
@@ -108,7 +135,7 @@ def _rope_theta(raw: dict, source: str) -> float:
     if top is not None and inner is not None and float(top) != float(inner):
         raise CheckpointError(f"{source}: rope_theta={top} disagrees with rope_parameters.rope_theta={inner}; "
                               "transformers 4.x and 5.x would read different models, fix one of them")
-    return float(inner if inner is not None else top if top is not None else 10000.0)
+    return float(inner if inner is not None else top if top is not None else default)
 
 
 def config_from_hf(raw: dict, source: str = CONFIG) -> ModelConfig:
@@ -131,6 +158,26 @@ def config_from_hf(raw: dict, source: str = CONFIG) -> ModelConfig:
                           vocab_size=c["vocab_size"], max_seq_len=c["max_position_embeddings"],
                           rope_theta=_rope_theta(raw, source), norm_eps=float(c["rms_norm_eps"]), dropout=0.0,
                           tie_embeddings=bool(c["tie_word_embeddings"]), init_std=float(c["initializer_range"]))
+    elif kind == "mixtral":
+        c = {**MIXTRAL_DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in MIXTRAL_DEFAULTS}}
+        if c["sliding_window"] is not None:
+            raise _refuse(source, f"sliding_window={c['sliding_window']} is set (only full causal attention)")
+        if c["hidden_act"] not in ("silu", "swish"):
+            raise _refuse(source, f"hidden_act={c['hidden_act']!r} (only silu)")
+        if c["num_experts_per_tok"] == 1:
+            raise _refuse(source, "num_experts_per_tok=1 (Mixtral gives the one expert weight 1, trickles its router probability)")
+        hidden, heads = c["hidden_size"], c["num_attention_heads"]
+        if c["head_dim"] is not None and c["head_dim"] * heads != hidden:
+            raise _refuse(source, f"head_dim={c['head_dim']} differs from hidden_size/num_attention_heads={hidden}/{heads}")
+        ffn = c["intermediate_size"]
+        cfg = ModelConfig(flavor="llama", n_layers=c["num_hidden_layers"], d_model=hidden, n_heads=heads,
+                          n_kv_heads=raw.get("num_key_value_heads", MIXTRAL_DEFAULTS["num_key_value_heads"]) or heads,
+                          ffn_hidden=ffn, vocab_size=c["vocab_size"], max_seq_len=c["max_position_embeddings"],
+                          rope_theta=_rope_theta(raw, source, 1e6), norm_eps=float(c["rms_norm_eps"]), dropout=0.0,
+                          tie_embeddings=bool(c["tie_word_embeddings"]), init_std=float(c["initializer_range"]),
+                          moe_experts=c["num_local_experts"], moe_top_k=c["num_experts_per_tok"], moe_every=1,
+                          moe_ffn_hidden=ffn, moe_capacity_factor=0.0, moe_shared_experts=0,
+                          moe_aux_loss=float(c["router_aux_loss_coef"]), moe_z_loss=0.0)
     elif kind == "gpt2":
         c = {**GPT2_DEFAULTS, **{k: v for k, v in raw.items() if v is not None or k not in GPT2_DEFAULTS}}
         if c["activation_function"] not in ("gelu_new", "gelu_pytorch_tanh"):
@@ -145,7 +192,7 @@ def config_from_hf(raw: dict, source: str = CONFIG) -> ModelConfig:
                           tie_embeddings=bool(c["tie_word_embeddings"]), init_std=float(c["initializer_range"]))
     else:
         raise CheckpointError(f"{source}: model_type {kind!r} is not supported; load_hf reads 'llama' "
-                              "(LlamaForCausalLM) and 'gpt2' (GPT2LMHeadModel) checkpoints")
+                              "(LlamaForCausalLM), 'mixtral' (MixtralForCausalLM) and 'gpt2' (GPT2LMHeadModel) checkpoints")
     try:
         cfg.validate()
     except ConfigError as e:
@@ -158,11 +205,19 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict | None = 
     ids = {k: v for k, v in (token_ids or {}).items()
            if k in TOKEN_IDS and isinstance(v, int) and 0 <= v < cfg.vocab_size}
     if cfg.moe_experts:
-        raise ConfigError("exporting mixture-of-experts blocks to Hugging Face (Mixtral) is not built yet; "
-                          "export a dense model (model.moe_experts=0)")
+        _check_mixtral(cfg)
     common = dict(vocab_size=cfg.vocab_size, tie_word_embeddings=cfg.tied, initializer_range=cfg.init_std,
                   use_cache=True, torch_dtype=_dtype_name(dtype), dtype=_dtype_name(dtype),
                   **{k: ids.get(k) for k in TOKEN_IDS})
+    if cfg.moe_experts:
+        return dict(architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=cfg.d_model,
+                    intermediate_size=cfg.moe_ffn_dim, num_hidden_layers=cfg.n_layers,
+                    num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim,
+                    hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+                    rope_theta=cfg.rope_theta, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+                    sliding_window=None, attention_dropout=cfg.dropout, num_local_experts=cfg.moe_experts,
+                    num_experts_per_tok=cfg.moe_top_k, router_aux_loss_coef=cfg.moe_aux_loss,
+                    router_jitter_noise=0.0, output_router_logits=False, **common)
     if cfg.flavor == "llama":
         return dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=cfg.d_model,
                     intermediate_size=cfg.ffn_dim, num_hidden_layers=cfg.n_layers,
@@ -182,23 +237,49 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict | None = 
                 scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False, **common)
 
 
+def _check_mixtral(cfg: ModelConfig) -> None:
+    """ConfigError unless the MoE model ``cfg`` is exactly a Mixtral."""
+    if cfg.flavor != "llama":
+        raise ConfigError("Hugging Face has no GPT-2 mixture of experts (Mixtral is llama-flavoured); "
+                          "export a model with model.flavor=llama or model.moe_experts=0")
+    if cfg.moe_every != 1:
+        raise ConfigError(f"Mixtral makes every block a mixture of experts, but model.moe_every={cfg.moe_every}; "
+                          "set model.moe_every=1 to export to Hugging Face")
+    if cfg.moe_shared_experts:
+        raise ConfigError(f"Mixtral has no shared experts, but model.moe_shared_experts={cfg.moe_shared_experts}; "
+                          "set model.moe_shared_experts=0 to export to Hugging Face")
+    if cfg.moe_capacity_factor > 0:
+        raise ConfigError(f"Mixtral is dropless, but model.moe_capacity_factor={cfg.moe_capacity_factor} drops "
+                          "assignments over capacity; set model.moe_capacity_factor=0 to export to Hugging Face")
+    if cfg.moe_router != "learned":
+        raise ConfigError(f"Mixtral routes with its learned router only, but model.moe_router={cfg.moe_router}; "
+                          "set model.moe_router=learned to export to Hugging Face")
+    if cfg.moe_top_k == 1:
+        raise ConfigError("Mixtral renormalizes the top-k weights, so with model.moe_top_k=1 its expert weight is 1 "
+                          "where trickles uses the router probability; use model.moe_top_k >= 2 to export to Hugging Face")
+
+
 # ---- names -------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Entry:
     """One Hugging Face tensor and the trickles parameter(s) it holds.
 
-    ``kind``: ``copy`` (same layout), ``conv1d`` (HF stores the transpose) or ``fused`` (HF
-    concatenates ``ours`` along the output dimension; a 2-D one is also transposed).
+    ``kind``: ``copy`` (same layout), ``conv1d`` (HF stores the transpose), ``fused`` (HF
+    concatenates ``ours`` along the output dimension; a 2-D one is also transposed), ``expert`` (HF
+    holds slice ``index`` of the stacked ``ours[0]``, one expert's weight) or ``cat1`` (HF concatenates
+    the stacked ``ours`` along dim 1, their output dimension).
     """
 
     hf: str
     ours: tuple[str, ...]
     kind: str = "copy"
+    index: int = 0
 
 
-def weight_map(cfg: ModelConfig, prefix: str = "transformer.") -> list[Entry]:
-    """Every tensor of a Hugging Face checkpoint of ``cfg``, in file order (``prefix``: gpt2 only)."""
+def weight_map(cfg: ModelConfig, prefix: str = "transformer.", fused_experts: bool = False) -> list[Entry]:
+    """Every tensor of a Hugging Face checkpoint of ``cfg``, in file order (``prefix``: gpt2 only;
+    ``fused_experts``: Mixtral in transformers 5.x's fused layout instead of per expert)."""
     if cfg.flavor == "llama":
         out = [Entry("model.embed_tokens.weight", ("embed.weight",))]
         for i in range(cfg.n_layers):
@@ -206,7 +287,18 @@ def weight_map(cfg: ModelConfig, prefix: str = "transformer.") -> list[Entry]:
             out.append(Entry(hf + "input_layernorm.weight", (us + "attn_norm.weight",)))
             out += [Entry(f"{hf}self_attn.{p}_proj.weight", (f"{us}attn.{p}_proj.weight",)) for p in "qkvo"]
             out.append(Entry(hf + "post_attention_layernorm.weight", (us + "mlp_norm.weight",)))
-            out += [Entry(f"{hf}mlp.{p}_proj.weight", (f"{us}mlp.{p}_proj.weight",)) for p in ("gate", "up", "down")]
+            if i not in cfg.moe_layers:
+                out += [Entry(f"{hf}mlp.{p}_proj.weight", (f"{us}mlp.{p}_proj.weight",)) for p in ("gate", "up", "down")]
+            elif fused_experts:
+                ex = f"{us}mlp.experts."
+                out += [Entry(hf + "mlp.gate.weight", (us + "mlp.router.weight",)),
+                        Entry(hf + "mlp.experts.gate_up_proj", (ex + "gate_proj.weight", ex + "up_proj.weight"), "cat1"),
+                        Entry(hf + "mlp.experts.down_proj", (ex + "down_proj.weight",))]
+            else:
+                out.append(Entry(hf + "block_sparse_moe.gate.weight", (us + "mlp.router.weight",)))
+                out += [Entry(f"{hf}block_sparse_moe.experts.{j}.{w}.weight", (f"{us}mlp.experts.{p}_proj.weight",),
+                              "expert", j)
+                        for j in range(cfg.moe_experts) for w, p in (("w1", "gate"), ("w2", "down"), ("w3", "up"))]
         out.append(Entry("model.norm.weight", ("norm.weight",)))
     else:
         p = prefix
@@ -228,11 +320,14 @@ def weight_map(cfg: ModelConfig, prefix: str = "transformer.") -> list[Entry]:
 
 
 def to_ours(entry: Entry, t: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
-    """The trickles tensors held in HF tensor ``t`` (``sizes``: output sizes of a fused entry)."""
-    if entry.kind == "copy":
+    """The trickles tensors held in HF tensor ``t`` (``sizes``: output sizes of a fused entry); for an
+    ``expert`` entry, the slice ``entry.index`` of ``ours[0]``."""
+    if entry.kind in ("copy", "expert"):
         return [t]
     if entry.kind == "conv1d":
         return [t.t()]
+    if entry.kind == "cat1":
+        return list(t.split(sizes, dim=1))
     return list((t.t() if t.dim() == 2 else t).split(sizes, dim=0))
 
 
@@ -240,8 +335,12 @@ def to_hf(entry: Entry, tensors: list[torch.Tensor]) -> torch.Tensor:
     """The inverse of :func:`to_ours`."""
     if entry.kind == "copy":
         return tensors[0]
+    if entry.kind == "expert":
+        return tensors[0][entry.index].clone()  # its own storage: safetensors refuses shared tensors
     if entry.kind == "conv1d":
         return tensors[0].t()
+    if entry.kind == "cat1":
+        return torch.cat(tensors, dim=1)
     fused = torch.cat(tensors, dim=0)
     return fused.t() if fused.dim() == 2 else fused
 
@@ -251,6 +350,10 @@ def _hf_shape(entry: Entry, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
         return shapes[0]
     if entry.kind == "conv1d":
         return shapes[0][::-1]
+    if entry.kind == "expert":
+        return shapes[0][1:]
+    if entry.kind == "cat1":
+        return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
     out = sum(s[0] for s in shapes)
     return (shapes[0][1], out) if len(shapes[0]) == 2 else (out,)
 
@@ -309,7 +412,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def load_hf(path, dtype=None, device="cpu") -> Transformer:
-    """Reads a Hugging Face Llama or GPT-2 directory into a :class:`Transformer`.
+    """Reads a Hugging Face Llama, Mixtral or GPT-2 directory into a :class:`Transformer`.
 
     Parameters are ``dtype`` (default float32, whatever the file holds) on ``device``. Raises
     CheckpointError naming the problem: no safetensors weights, an architecture or option this
@@ -328,7 +431,8 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
     prefix = "transformer."
     if cfg.flavor == "gpt2" and "transformer.wte.weight" not in found and "wte.weight" in found:
         prefix = ""
-    entries = weight_map(cfg, prefix)
+    fused = bool(cfg.moe_layers) and f"model.layers.{cfg.moe_layers[0]}.mlp.experts.gate_up_proj" in found
+    entries = weight_map(cfg, prefix, fused)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to(dtype=_as_dtype(dtype) or torch.float32).to_empty(device=device)
@@ -363,8 +467,9 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
                         t = st.get_tensor(e.hf)
                         if not t.is_floating_point():
                             raise CheckpointError(f"{file}: {e.hf} is stored as {t.dtype}; only floating-point weights can be loaded")
-                        for name, value in zip(e.ours, to_ours(e, t, [params[n].shape[0] for n in e.ours])):
-                            params[name].copy_(value)
+                        dim = 1 if e.kind == "cat1" else 0
+                        for name, value in zip(e.ours, to_ours(e, t, [params[n].shape[dim] for n in e.ours])):
+                            (params[name][e.index] if e.kind == "expert" else params[name]).copy_(value)
             except UserError:
                 raise
             except Exception as err:

@@ -28,7 +28,15 @@ cross-entropy is averaged over its tokens:
   ``P_e`` the mean router probability of ``e`` over its tokens; 1 when the load is uniform;
 * router z-loss (ST-MoE), weight ``moe_z_loss``: the mean over tokens of ``logsumexp(logits)^2``.
 
-They are not added to the model's output: the layer passes its output through :class:`AuxLossGrad`,
+Under hard routing the load is fixed by the labels, so the load-balancing loss is not applied (its value
+is still reported); the z-loss is.
+
+**Hard routing** (``moe_router = "hard"``): each token carries its sample's label (an id: the position of the
+label in ``moe_label_experts``), and its router logits outside that label's experts are set to ``-inf`` before
+routing; every label names ``moe_top_k`` experts, so each token goes to exactly its label's experts, weighted
+by the router's softmax over them (one expert: weight 1).
+
+The auxiliary losses are not added to the model's output: the layer passes its output through :class:`AuxLossGrad`,
 which is the identity forward and in backward also starts the auxiliary losses' gradients, scaled by
 :attr:`MoEStats.grad_scale` -- the factor the trainer applies to the cross-entropy before backward
 (``1 / micro-batches`` times the fp16 loss scale). So every micro-batch, every pipeline stage and a
@@ -192,28 +200,52 @@ class MoE(nn.Module):
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_weight, self.z_weight = cfg.moe_aux_loss, cfg.moe_z_loss
         self.n_experts = cfg.moe_experts
+        self.hard = cfg.moe_router == "hard"
+        if self.hard:
+            self.label_names = list(cfg.label_experts)
+            self._label_experts = list(cfg.label_experts.values())
+            self._allowed: dict[torch.device, torch.Tensor] = {}
         self.router = Router(cfg.d_model, cfg.moe_experts)
         self.experts = Experts(cfg, cfg.moe_experts)
         self.shared = MLP(cfg, cfg.moe_shared_experts * cfg.moe_ffn_dim) if cfg.moe_shared_experts else None
         self.resid_drop = nn.Dropout(cfg.dropout)
         object.__setattr__(self, "stats", stats)  # shared with the model, not a submodule
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B, T, d]``; ``labels``: hard routing's label ids, per sample ``[B]`` or per token ``[B, T]``."""
         b, t, d = x.shape
         logits = self.router(x)
-        probs, experts, weights, keep = route(logits, self.top_k, self.capacity_factor)
+        route_logits = logits
+        if self.hard:
+            if labels is None:
+                raise ValueError("hard routing needs each sample's label (model.moe_router=hard): give labels "
+                                 f"({', '.join(self.label_names)})")
+            labels = labels.to(x.device)
+            labels = labels[:, None].expand(b, t) if labels.dim() == 1 else labels
+            route_logits = logits.masked_fill(~self.allowed(x.device)[labels], float("-inf"))
+        probs, experts, weights, keep = route(route_logits, self.top_k, self.capacity_factor)
         out = self.dispatch(x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),
                             keep.reshape(b * t, -1)).view(b, t, d)
-        balance, z = aux_losses(logits, probs, experts)
+        balance, z = aux_losses(logits, probs, experts)  # z-loss on the router's own logits
         kept = torch.bincount(experts[keep].flatten(), minlength=self.n_experts)
         self.stats.record(self.layer_id, balance.detach(), z.detach(), experts.numel(), kept)
         if self.shared is not None:
             out = out + self.shared(x)
         out = self.resid_drop(out)
-        aux = self.aux_weight * balance + self.z_weight * z
+        aux = (0.0 if self.hard else self.aux_weight) * balance + self.z_weight * z  # a fixed route needs no balancing
         if aux.requires_grad:
             out = AuxLossGrad.apply(out, aux, self.stats.grad_scale)
         return out
+
+    def allowed(self, device) -> torch.Tensor:
+        """Hard routing: ``[labels, E]``, which experts each label uses (made per device, not a buffer: the model
+        is built on the meta device)."""
+        if device not in self._allowed:
+            table = torch.zeros(len(self._label_experts), self.n_experts, dtype=torch.bool)
+            for i, experts in enumerate(self._label_experts):
+                table[i, experts] = True
+            self._allowed[device] = table.to(device)
+        return self._allowed[device]
 
     def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
         """``sum_j w_j MLP_{e_j}(x)`` over the kept assignments of the rows ``x [N, d]`` (one device: the rows

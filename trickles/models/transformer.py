@@ -191,11 +191,13 @@ class Block(nn.Module):
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg, layer_id)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MoE(cfg, layer_id, moe_stats) if layer_id in cfg.moe_layers else MLP(cfg)
+        self.moe = layer_id in cfg.moe_layers
+        self.mlp = MoE(cfg, layer_id, moe_stats) if self.moe else MLP(cfg)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0):
+    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, labels: torch.Tensor | None = None):
+        """``labels``: the samples' label ids, for hard-routed experts (see :class:`~trickles.models.moe.MoE`)."""
         h = x + self.attn(self.attn_norm(x), rope, cache, start)
-        return h + self.mlp(self.mlp_norm(h))
+        return h + (self.mlp(self.mlp_norm(h), labels) if self.moe else self.mlp(self.mlp_norm(h)))
 
 
 class Transformer(nn.Module):
@@ -224,11 +226,13 @@ class Transformer(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        """``labels``: label ids per sample ``[B]`` or per token ``[B, T]``, used by hard-routed experts only."""
         h = self.embed_tokens(tokens, start)
         rope = self.rope(start, tokens.shape[1])
         for block in self.layers.values():
-            h = block(h, rope, cache, start)
+            h = block(h, rope, cache, start, labels)
         return self.head(h)
 
     # The three parts of ``forward``, callable on their own (a pipeline stage runs some of them).

@@ -38,7 +38,7 @@ from .engine import Engine
 from .pipeline import StageChunk
 from .schedules import Action, Shape, Timeline, batches, build, peer
 
-Batch = tuple[torch.Tensor, torch.Tensor]
+Batch = tuple  # (inputs, targets) or (inputs, targets, label ids)
 
 
 class PipelineRunner:
@@ -186,14 +186,15 @@ class PipelineRunner:
     def _forward(self, a: Action, received: torch.Tensor | None, micro: list[Batch], train: bool, loss_scale: float,
                  cache, start: int) -> None:
         chunk = self.chunks[a.chunk]
-        x, y = micro[a.micro]
+        x, y, *rest = micro[a.micro]
+        labels = rest[0] if rest else None  # hard-routed experts: the micro-batch's label ids
         inp = x.to(self.device, non_blocking=True) if chunk.first else received.requires_grad_(train)
         seq_len = x.shape[1]
         for ctx in (self.cp_ctx, self.tp_ctx):
             if ctx is not None:
                 ctx.begin_forward(seq_len, decoding=self._decoding)
         with self.autocast():
-            out = chunk(inp, seq_len, cache, start)
+            out = chunk(inp, seq_len, cache, start, labels)
         if self.tp_ctx is not None:
             self.tp_ctx.end_forward()
         if chunk.last:
@@ -221,13 +222,13 @@ class PipelineRunner:
 
     # ---- decoding --------------------------------------------------------------------------
     @torch.no_grad()
-    def last_logits(self, tokens: torch.Tensor, cache, start: int, vocab_local: int) -> torch.Tensor:
+    def last_logits(self, tokens: torch.Tensor, cache, start: int, vocab_local: int, labels: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[B, 1, V]`` (this tensor-parallel rank's vocabulary shard) of the last position,
         on every stage: the stages run forward once, the last one broadcasts."""
         self._decoding = True
         try:
             actions = build(self.schedule, Shape(self.shape.p, self.shape.v, 1), forward_only=True, early_receives=self.early_receives)[self.rank]
-            self._run(actions, [(tokens, None)], train=False, cache=cache, start=start)
+            self._run(actions, [(tokens, None) if labels is None else (tokens, None, labels)], train=False, cache=cache, start=start)
             logits = self._logits
         finally:
             self._decoding = False
@@ -270,5 +271,5 @@ class PipelinedModel:
         p = next(self.model.parameters())
         return self.model.new_cache(batch, max_len, dtype=p.dtype)
 
-    def __call__(self, tokens: torch.Tensor, cache=None, start: int = 0) -> torch.Tensor:
-        return self.runner.last_logits(tokens, cache, start, self.vocab_local)
+    def __call__(self, tokens: torch.Tensor, cache=None, start: int = 0, labels: torch.Tensor | None = None) -> torch.Tensor:
+        return self.runner.last_logits(tokens, cache, start, self.vocab_local, labels)

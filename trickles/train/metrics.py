@@ -7,6 +7,8 @@ import math
 import os
 from typing import Any
 
+import numpy as np
+
 
 class MetricsLog:
     """Appends one JSON object per line to ``<out_dir>/metrics.jsonl`` (and TensorBoard if asked)."""
@@ -82,6 +84,48 @@ def plot_loss(metrics_path: str, png_path: str) -> bool:
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, png_path)
+    return True
+
+
+def expert_load(records: list[dict[str, Any]]) -> tuple[list[int], dict[str, np.ndarray]]:
+    """``(steps, {MoE layer: [steps, experts] share of the step's assignments each expert kept})`` from the
+    metrics records' ``moe_load``."""
+    rows = [r for r in records if r.get("moe_load")]
+    steps = [r["step"] for r in rows]
+    layers = list(rows[0]["moe_load"]) if rows else []
+    out = {}
+    for layer in layers:
+        counts = np.array([r["moe_load"][layer] for r in rows], dtype=np.float64)
+        out[layer] = counts / np.maximum(counts.sum(1, keepdims=True), 1)
+    return steps, out
+
+
+def plot_expert_load(metrics_path: str, png_path: str) -> bool:
+    """A heat map per mixture-of-experts block: each expert's share of the assignments (colour) over the steps;
+    False when matplotlib is missing or the run has no experts. A balanced router is an even colour (1/E)."""
+    steps, shares = expert_load(read_metrics(metrics_path))
+    if not shares:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(len(shares), 1, figsize=(8, 1.2 + 1.4 * len(shares)), dpi=120, squeeze=False, sharex=True)
+    for ax, (layer, share) in zip(axes[:, 0], shares.items()):
+        im = ax.imshow(share.T, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower",
+                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, share.shape[1] - 0.5))
+        ax.set_ylabel(f"block {layer}\nexpert")
+        fig.colorbar(im, ax=ax, label="share")
+    axes[-1, 0].set_xlabel("step")
+    fig.suptitle("expert load (share of each step's routed assignments kept)")
     fig.tight_layout()
     tmp = png_path + ".tmp.png"
     fig.savefig(tmp)

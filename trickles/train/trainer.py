@@ -34,7 +34,7 @@ from ..comm import flight
 from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
 from ..data.sources import iter_documents
-from ..errors import CheckpointError, TrainingStopped
+from ..errors import CheckpointError, ConfigError, TrainingStopped
 from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
 from ..models.config import ModelConfig, resolve_model
@@ -46,7 +46,7 @@ from ..parallel.plan import parallelize
 from ..topology import Topology
 from . import checkpoint as ckpt
 from .flops import flops_per_token, matmul_params, peak_flops
-from .metrics import MetricsLog, plot_loss
+from .metrics import MetricsLog, plot_expert_load, plot_loss
 
 
 class Trainer:
@@ -68,12 +68,15 @@ class Trainer:
         if not topo.is_main:
             world.barrier(limit_s=math.inf)
         self.tokenizer = build_tokenizer(cfg.data, documents=lambda: iter_documents(cfg.data))
-        self.corpus = load_corpus(cfg.data, self.tokenizer, cfg.data.cache_dir)
+        hard = cfg.model.moe_experts and cfg.model.moe_router == "hard"
+        self.label_names = list(cfg.model.label_experts) if hard else None  # hard-routed experts' labels, by id
+        self.corpus = load_corpus(cfg.data, self.tokenizer, cfg.data.cache_dir, labels=self.label_names)
         if topo.is_main:
             world.barrier(limit_s=math.inf)
         seq = cfg.data.seq_len
-        self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size)
-        self.val_data = ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size) if len(self.corpus.val) > seq else None
+        self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.train_labels)
+        self.val_data = (ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.val_labels)
+                         if len(self.corpus.val) > seq else None)
 
         # Model, built without memory, then allocated and wrapped by the parallel plan.
         self.model_cfg: ModelConfig = resolve_model(cfg.model, self.tokenizer.vocab_size, seq)
@@ -106,17 +109,17 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
 
     # ---- one step ------------------------------------------------------------------------
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         with autocast(self.cfg.memory.precision, self.device):
-            logits = self.model(x)
+            logits = self.model(x) if labels is None else self.model(x, labels=labels)
         return self.engine.loss_fn(logits, y)
 
     def _shard(self, micro: list) -> list:
         """With context parallelism, this rank's tokens of each micro-batch's inputs and targets."""
         cut = self.engine.shard_sequence
-        return [(cut(x), cut(y)) for x, y in micro]
+        return [tuple(cut(t) for t in batch) for batch in micro]  # inputs, targets (and label ids)
 
     def train_step(self) -> dict[str, Any]:
         """Runs one optimizer step on the next global batch; returns its metrics."""
@@ -135,9 +138,9 @@ class Trainer:
         pipeline_loss = None
         if self.pipeline is not None:  # the schedule runs every micro-batch's forward and backward
             pipeline_loss = self.pipeline.forward_backward(batches, scale, async_loss=True)
-        for i, (x, y) in enumerate(batches if self.pipeline is None else []):
+        for i, batch in enumerate(batches if self.pipeline is None else []):
             with self.engine.micro_step(last=i == len(batches) - 1):
-                loss = self._loss(x, y)
+                loss = self._loss(*batch)
                 (loss * (scale / self.accumulation)).backward()
             total += loss.detach()
         self.engine.finish_backward()
@@ -222,8 +225,8 @@ class Trainer:
                 total += self.pipeline.forward_only(micro) * len(micro)
                 count += len(micro)
                 continue
-            for x, y in micro:
-                total += self._loss(x, y)
+            for batch in micro:
+                total += self._loss(*batch)
                 count += 1
         self.model.train()
         return self.replicas.all_reduce(total / max(count, 1), op="mean").item()
@@ -286,6 +289,9 @@ class Trainer:
             log.close()
             if t.plot and plot_loss(log.path, os.path.join(t.out_dir, "loss.png")) and not self.quiet:
                 print(f"[trickles] loss curve: {os.path.join(t.out_dir, 'loss.png')}")
+            if t.plot and self.moe_stats is not None and plot_expert_load(log.path, os.path.join(t.out_dir, "expert_load.png")) \
+                    and not self.quiet:
+                print(f"[trickles] expert load: {os.path.join(t.out_dir, 'expert_load.png')}")
         if t.sample_tokens:
             text = self.sample(t.sample_prompt, t.sample_tokens)  # every rank: sharded parameters need all of them
             if self.topo.is_main:
@@ -295,8 +301,9 @@ class Trainer:
                 print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
         return self.history
 
-    def sample(self, prompt: str, n_tokens: int) -> str:
-        """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``)."""
+    def sample(self, prompt: str, n_tokens: int, label: str | None = None) -> str:
+        """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``); hard-routed
+        experts decode with ``label``'s experts (default: the first label)."""
         t = self.cfg.train
         ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
         g = torch.Generator(device=self.device).manual_seed(t.seed)
@@ -306,8 +313,16 @@ class Trainer:
             model = PipelinedModel(self.pipeline, self.model, vocab_local)
         with autocast(self.cfg.memory.precision, self.device), _eager():
             new = generate(model, torch.tensor([ids], device=self.device), n_tokens, t.sample_temperature, t.sample_top_k,
-                           eos_id=self.tokenizer.eos_id, generator=g, logits_fn=self.engine.full_logits)
+                           eos_id=self.tokenizer.eos_id, generator=g, logits_fn=self.engine.full_logits,
+                           labels=self.label_ids(label or self.label_names[0]) if self.label_names else None)
         return prompt + self.tokenizer.decode(new[0].tolist())
+
+    def label_ids(self, label: str, rows: int = 1) -> torch.Tensor:
+        """``[rows]`` label ids of ``label`` for hard-routed experts; ConfigError naming the labels when unknown."""
+        if label not in self.label_names:
+            raise ConfigError(f"unknown label {label!r}; the experts are mapped for {', '.join(self.label_names)} "
+                              f"(model.moe_label_experts)")
+        return torch.full((rows,), self.label_names.index(label), dtype=torch.long, device=self.device)
 
     def draw_pipeline_trace(self, path: str) -> None:
         """Draws when each stage ran each forward and backward of the last step (pipeline rank 0 of the first replica)."""
