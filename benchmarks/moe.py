@@ -131,7 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the agreement check")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads on CPU (default: the cores for one device, cores // world per rank)")
+                   help="torch.set_num_threads on CPU, both parts (default: cores // --world, what one rank of the ep part gets)")
     p.add_argument("--tol", type=float, default=1e-5, help="largest relative error allowed in the (fp32) agreement check")
     p.add_argument("--no-block", action="store_true", help="leave the whole-block comparison out")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed-MoE out of the ep part")
@@ -169,7 +169,8 @@ def load_hf_moe(hf, ours) -> None:
     got = (tuple(hf.gate.weight.shape), tuple(hf.experts.gate_up_proj.shape), tuple(hf.experts.down_proj.shape))
     want = ((e, d), (e, 2 * f, d), (e, d, f))
     if got != want:
-        raise SystemExit(f"moe.py: transformers' Mixtral expert layout is {got}, expected {want} (gate, gate_up_proj, down_proj); "
+        raise SystemExit(f"moe.py: transformers' Mixtral expert layout is {got}, expected {want} "
+                         "(gate, gate_up_proj, down_proj); "
                          "this script knows the fused layout of transformers 5")
     hf.gate.weight.copy_(ours.router.weight)
     hf.experts.gate_up_proj.copy_(torch.cat([ex.gate_proj.weight, ex.up_proj.weight], 1))
@@ -238,7 +239,7 @@ def single_device(args) -> tuple[int, dict]:
     precision = args.precision or DEFAULT_PRECISION[device.type]
     dtype = DTYPES[precision]
     if device.type == "cpu":
-        torch.set_num_threads(args.threads or cpu_cores())
+        torch.set_num_threads(args.threads or max(1, cpu_cores() // args.world))
     else:
         torch.set_float32_matmul_precision("highest")  # the check in true fp32
     b, t, d = args.batch, args.seq, args.d_model
@@ -248,7 +249,7 @@ def single_device(args) -> tuple[int, dict]:
     x = torch.randn(b, t, d, generator=g).to(device)
     dy = torch.randn(b, t, d, generator=g).to(device)
 
-    steps = [Step(OURS_LAYER, "layer", block.mlp, block.mlp, lambda: dict(block.mlp.named_parameters()), x, dy)]
+    steps = [Step(OURS_LAYER, "layer", block.mlp, block.mlp, lambda: {n: p.grad for n, p in block.mlp.named_parameters()}, x, dy)]
     for impl in ("grouped_mm", "eager"):
         hf = MixtralSparseMoeBlock(hf_config(args, impl)).to(device).train()
         load_hf_moe(hf, block.mlp)
@@ -256,12 +257,13 @@ def single_device(args) -> tuple[int, dict]:
     if not args.no_block:
         cos, sin = (r.to(device) for r in rope_tables(cfg.head_dim, t, ROPE_THETA))
         ours_rope = (cos, sin)
-        steps.append(Step(OURS_BLOCK, "block", block, lambda x: block(x, ours_rope), lambda: dict(block.named_parameters()), x, dy))
+        steps.append(Step(OURS_BLOCK, "block", block, lambda x: block(x, ours_rope),
+                          lambda: {n: p.grad for n, p in block.named_parameters()}, x, dy))
         for impl in ("grouped_mm", "eager"):
             hcfg = hf_config(args, impl)
             hf = MixtralDecoderLayer(hcfg, 0).to(device).train()
             load_hf_block(hf, block)
-            hf_rope = MixtralRotaryEmbedding(hcfg, device=device)(x, torch.arange(t, device=device)[None])
+            hf_rope = MixtralRotaryEmbedding(hcfg).to(device)(x, torch.arange(t, device=device)[None])
 
             def fn(x, hf=hf, hf_rope=hf_rope):
                 return hf(x, position_embeddings=tuple(r.to(x.dtype) for r in hf_rope), attention_mask=None)
@@ -292,9 +294,11 @@ def single_device(args) -> tuple[int, dict]:
             s.to(dtype)
 
     print(f"trickles MoE vs transformers {transformers.__version__} Mixtral, one device, forward + backward")
-    print(f"  shape   B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts}, top-{args.top_k}, dropless, {precision}"
+    print(f"  shape   B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts}, top-{args.top_k}, dropless, "
+          f"{precision}"
           + ("" if args.no_block else f"; block: {args.heads} heads, {args.kv_heads} key/value heads, causal sdpa"))
-    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; torch {torch.__version__}")
+    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
+          f"torch {torch.__version__}")
     print(f"\nagreement check (fp32): output, input gradient, weight gradients (largest over the parameters); relative error "
           f"||a-b||/||b||, tolerance {args.tol:g}")
     print(table(["pair", "out", "dx", "dW", ""], checks))
@@ -319,7 +323,8 @@ def single_device(args) -> tuple[int, dict]:
         peer = min(peers.values(), key=lambda n: stats[n]["median"])  # the faster transformers implementation
         for n in (ours, *peers.values()):
             s = stats[n]
-            vs = {p: (s["median"] / stats[p]["median"], statistics.median(a / c for a, c in zip(by_name[n].times, by_name[p].times)))
+            vs = {p: (s["median"] / stats[p]["median"],
+                      statistics.median(a / c for a, c in zip(by_name[n].times, by_name[p].times)))
                   for p in peers.values()} if n == ours else {}
             results[n] = {**s, "times": by_name[n].times, "peer": peer if n == ours else None,
                           "ratio": vs[peer][0] if vs else None, "paired_ratio": vs[peer][1] if vs else None,
@@ -332,8 +337,8 @@ def single_device(args) -> tuple[int, dict]:
         verdicts.append(f"{kind} {ours}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
                         f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}"
                         + "".join(f"; vs {p} {r['vs'][p]['ratio']:.3f}x (paired {r['vs'][p]['paired']:.3f}x)" for p in others))
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; peer: the faster transformers "
-          "experts implementation")
+    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; peer: the faster "
+          "transformers experts implementation")
     print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired"], rows))
     print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
     sys.stdout.flush()
@@ -417,7 +422,8 @@ def expert_grads(c: Layer, name: str, el: int, rank: int) -> dict[str, torch.Ten
     """This rank's experts' weight gradients ``[E_l, ...]`` under our names, whatever the implementation."""
     if name == DS_EP:
         exs = c.module.deepspeed_moe.experts.deepspeed_experts
-        return {f"experts.{n}.weight": torch.stack([getattr(ex, n).weight.grad for ex in exs]) for n in ("gate_proj", "up_proj", "down_proj")}
+        return {f"experts.{n}.weight": torch.stack([getattr(ex, n).weight.grad for ex in exs])
+                for n in ("gate_proj", "up_proj", "down_proj")}
     grads = {f"experts.{n}.weight": getattr(c.module.experts, n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")}
     if name == REF_EP:  # all experts: the slice this rank holds under ep (the sum over ranks is taken by the caller)
         return {n: g[rank * el:(rank + 1) * el] for n, g in grads.items()}
@@ -610,13 +616,15 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
     e = DTYPES[precision].itemsize
     names = [c.name for c in contestants]
     print(f"\ntrickles expert parallelism vs DeepSpeed-MoE, one MoE layer forward + backward, ep={world} (dp={world})")
-    print(f"  shape   per rank B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts} ({args.experts // world} per rank), "
+    print(f"  shape   per rank B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts} "
+          f"({args.experts // world} per rank), "
           f"top-{args.top_k}, dropless, {precision}")
     print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
           f"torch {torch.__version__}, backend {dist.get_backend()}")
     for n, what in peers.items():
         print(f"  peer    {n}: {what}")
-    loads = [sum(c[r * (args.experts // world):(r + 1) * (args.experts // world)] for c in all_counts) for r in range(world)]
+    el = args.experts // world
+    loads = [sum(sum(c[r * el:(r + 1) * el]) for c in all_counts) for r in range(world)]
     print(f"  routing assignments per rank's experts (all ranks' tokens): {loads}; largest expert load on a rank "
           f"{max(max(c) for c in all_counts)} (mean {b * t * args.top_k // args.experts})")
 
@@ -637,8 +645,8 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
     expect = formulas(all_counts, world, d, e)
     results, cells = compare_times(everyone, contestants, args.steps, b * t * world)
     mib = lambda x: f"{x / 2**20:.2f}"  # noqa: E731
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its slowest "
-          f"rank's; tokens/s over all ranks; bytes per rank (largest over the ranks):")
+    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its "
+          "slowest rank's; tokens/s over all ranks; bytes per rank (largest over the ranks):")
     rows = []
     for n in names:
         s = max(r["sent"][n]["sent"] for r in everyone)
@@ -654,8 +662,8 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
             ops = everyone[0]["sent"][n]["ops"]
             print(f"  {n} (rank 0): " + ", ".join(f"{k} x{v['calls']} {v['wire_bytes'] / 2**20:.2f} MiB" for k, v in ops.items()))
     r = results[OURS_EP]
-    verdict = (f"{OURS_EP}/{r['peer']} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): {'met' if r['ratio'] <= 1.0 else 'NOT met'}"
-               if r["peer"] else f"{OURS_EP}: no peer ran")
+    verdict = (f"{OURS_EP}/{r['peer']} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
+               f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}" if r["peer"] else f"{OURS_EP}: no peer ran")
     print("\ntarget ours/peer <= 1.0x:  " + verdict)
     if args.json:
         write_part(args.json, "ep", {"world": world, "device": str(device), "device_name": device_name(device),
@@ -686,6 +694,10 @@ def write_part(path: str, part: str, data: dict) -> None:
 def main(argv=None) -> int:
     args = parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched and args.part == "single":
+        print("moe.py: --part single runs in one process; run it without torchrun (under torchrun only the ep part runs)",
+              file=sys.stderr)
+        return 2
     if args.json and os.path.exists(args.json) and not launched:
         os.remove(args.json)
     if args.part in ("all", "single") and not launched:

@@ -62,6 +62,8 @@ LAYOUTS = [  # (id, degrees, overrides)
     ("dp4-ep2-zero1", {"dp": 4, "ep": 2}, ["parallel.zero=1", "model.moe_capacity_factor=1.0"]),
     ("dp4-ep2-zero3-shared", {"dp": 4, "ep": 2}, ["parallel.zero=3", "model.moe_shared_experts=1"]),
     ("dp2-ep2-pp2-1f1b", {"dp": 2, "ep": 2, "pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
+    ("tp2-ep2-capacity", {"dp": 2, "ep": 2, "tp": 2}, ["model.moe_capacity_factor=1.0"]),
+    ("tp2-zero1-gpt2", {"tp": 2}, ["parallel.zero=1", "model.preset=gpt2-tiny"]),
 ]
 
 
@@ -95,7 +97,7 @@ def test_layout_invariance(tmp_path, cache, dims, overrides):
 
 
 @pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.tp=2"], 2, "mixture-of-experts blocks do not run under parallel.tp > 1 yet"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, "mixture-of-experts blocks do not run under sequence parallelism yet"),
     (["parallel.cp=2"], 2, "mixture-of-experts blocks do not run under parallel.cp > 1 yet"),
     (["parallel.ep=3"], 3, "model.moe_experts (4) must be divisible by parallel.ep (3)"),
     (["parallel.ep=2", "model.moe_experts=0"], 2, "parallel.ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts is 0"),

@@ -99,16 +99,16 @@ class ShardedAdamW:
                 total += extra.numel() * 4
         return total
 
-    def state_tensors(self, include_replicated: bool = True) -> dict[str, tuple[torch.Tensor, dict]]:
+    def state_tensors(self, writes=None) -> dict[str, tuple[torch.Tensor, dict]]:
         """``"<param>/<key>" -> (1-D tensor, piece description)`` of every owned segment.
 
-        ``include_replicated=False`` leaves out parameters every tensor-parallel rank holds alike.
+        ``writes(param)``: whether this rank writes the state of ``param`` (None: all of it).
         """
-        from ..train.pieces import describe, whole_on_every_tp_rank
+        from ..train.pieces import describe
 
         out = {}
         for s, m in zip(self.segments, self.masters):
-            if not include_replicated and whole_on_every_tp_rank(s.slot.param):
+            if writes is not None and not writes(s.slot.param):
                 continue
             meta = describe(s.slot.param, s.param_range)
             st = self.optimizer.state.get(m, {}) if self.optimizer else {}

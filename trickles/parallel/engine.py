@@ -167,11 +167,8 @@ class Engine:
         """
         pairs = self.owned_param_grads()
         device = pairs[0][1].device if pairs else next(self.model.parameters()).device
-        tp_rank = self.tp.rank if self.tp is not None else 0
-        ep_rank = self.ep.rank if self.ep is not None else 0
         skip = set() if self._tied_counted else self._deferred
-        counted = [g for p, g in pairs if (tp_rank == 0 or not _spec(p, "replicated", default=True)) and id(p) not in skip
-                   and (ep_rank == 0 or _spec(p, "ep_sharded"))]
+        counted = [g for p, g in pairs if self.writes(p) and id(p) not in skip]  # each part of the model once
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
             sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
@@ -217,7 +214,7 @@ class Engine:
         from ..train.checkpoint import model_pieces
 
         if self.comm.rank == 0:
-            self._save_model(directory, rank, model_pieces(self.model, self.writes_replicated))
+            self._save_model(directory, rank, model_pieces(self.model, self.writes))
         if self.stage >= 1 or self.comm.rank == 0:
             self._save_optimizer(directory, rank)
 
@@ -233,10 +230,13 @@ class Engine:
         return {n: getattr(p, "tp_spec", None) for n, p in self.model.named_parameters()}
 
     # ---- shared checkpoint pieces ----------------------------------------------------------
-    @property
-    def writes_replicated(self) -> bool:
-        """Whether this rank writes what all tensor-parallel (and expert-parallel) ranks hold alike (their rank 0 does)."""
-        return (self.tp is None or self.tp.rank == 0) and (self.ep is None or self.ep.rank == 0)
+    def writes(self, p: torch.Tensor) -> bool:
+        """Whether this rank writes ``p`` to checkpoints and counts it in the gradient norm: what every
+        tensor-parallel rank holds alike, tp rank 0 does; what every expert-parallel rank holds alike (all but the
+        experts), ep rank 0 does."""
+        tp_whole = _spec(p, "replicated", default=True)
+        return ((self.tp is None or self.tp.rank == 0 or not tp_whole)
+                and (self.ep is None or self.ep.rank == 0 or _spec(p, "ep_sharded")))
 
     def _save_model(self, directory: str, rank: int, tensors: dict) -> None:
         from ..train.checkpoint import save_pieces
@@ -247,7 +247,7 @@ class Engine:
     def _save_optimizer(self, directory: str, rank: int) -> None:
         from ..train.checkpoint import save_pieces
 
-        tensors = self.optimizer.state_tensors(include_replicated=self.writes_replicated)
+        tensors = self.optimizer.state_tensors(self.writes)
         if tensors:
             save_pieces(tensors, f"{directory}/optimizer-rank{rank:05d}.safetensors")
 

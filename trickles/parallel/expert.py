@@ -105,6 +105,8 @@ def apply_expert_parallel(model: Transformer, comm: GroupComm) -> None:
                 if p is None:
                     continue
                 local = torch.nn.Parameter(torch.empty((el, *p.shape[1:]), device=p.device, dtype=p.dtype))
-                setattr(lin, name, set_spec(local, TPSpec(tuple(p.shape), (r * el,) + (0,) * (p.dim() - 1), ep_sharded=True)))
+                # whole on every tensor-parallel rank (experts are not split by tp), a block of the experts here
+                spec = TPSpec(tuple(p.shape), (r * el,) + (0,) * (p.dim() - 1), replicated=True, ep_sharded=True)
+                setattr(lin, name, set_spec(local, spec))
         ex.first = r * el
         object.__setattr__(layer, "dispatch", expert_dispatch(layer, comm))

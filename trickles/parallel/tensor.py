@@ -335,7 +335,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, com
 def init_tp_param(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """This rank's block of the full initial value ``full`` of parameter ``p``."""
     spec = getattr(p, "tp_spec", None)
-    if spec is None or spec.replicated:
+    if spec is None or tuple(spec.global_shape) == tuple(p.shape):
         return full
     return full[spec.block(p.shape)]
 

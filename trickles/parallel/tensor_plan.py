@@ -17,6 +17,11 @@ module                              becomes
 ``attn.o_proj``, ``mlp.down_proj``  row-parallel, leaving the region (all-reduce / reduce-scatter)
 ``mlp.gate_proj``, ``up_proj``      column-parallel
 ``attn.core``                       run with this rank's private random stream (its heads' dropout)
+``mlp`` of a mixture-of-experts block  unchanged: router and experts whole on every tp rank (each rank
+                                    routes and computes all the block's tokens, identical on every tp
+                                    rank; no region, no collective; with expert parallelism each tp
+                                    rank's ep group dispatches); its ``mlp_norm`` stays plain. Not with
+                                    sequence parallelism (refused by the config)
 ``norm``                            the final norm, then the region entry
 ``output``                          column-parallel over the vocabulary (shares the embedding's
                                     shard when tied); the loss is :func:`vocab_parallel_cross_entropy`
@@ -61,7 +66,12 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
     for block in model.layers.values():
         attn, mlp = block.attn, block.mlp
         block.attn_norm = norm(block.attn_norm)
-        block.mlp_norm = norm(block.mlp_norm)
+        if block.moe:  # experts whole on every tp rank, outside any region (see the table above)
+            for p in [*block.mlp_norm.parameters(), *mlp.parameters()]:
+                if not hasattr(p, "tp_spec"):  # (expert-parallel blocks already say where they sit)
+                    set_spec(p, replicated_spec(p.shape, partial=False))
+        else:
+            block.mlp_norm = norm(block.mlp_norm)
         hd = cfg.head_dim
         attn.q_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, bias, ctx, device=dev, regather=rg)
         if cfg.kv_heads % tp == 0:
@@ -73,10 +83,11 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
         attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, bias, ctx, device=dev)
         # an instance attribute (not a submodule): it must shadow the class's ``core`` method
         object.__setattr__(attn, "core", ForkRNG(attn.core, ctx, cfg.dropout, owner=attn))
-        if mlp.gated:
-            mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, False, ctx, device=dev, regather=rg)
-        mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, bias, ctx, device=dev, regather=rg)
-        mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias, ctx, device=dev)
+        if not block.moe:
+            if mlp.gated:
+                mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, False, ctx, device=dev, regather=rg)
+            mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, bias, ctx, device=dev, regather=rg)
+            mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias, ctx, device=dev)
         if sp:
             attn.resid_drop = ForkRNG(attn.resid_drop, ctx, cfg.dropout)
             mlp.resid_drop = ForkRNG(mlp.resid_drop, ctx, cfg.dropout)

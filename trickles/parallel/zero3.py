@@ -263,7 +263,7 @@ class Zero3DataParallel(Engine):
         tensors = {}
         for unit in self.units:
             for seg in unit.segments:
-                if not self.writes_replicated and ckpt.whole_on_every_tp_rank(seg.slot.param):
+                if not self.writes(seg.slot.param):
                     continue
                 piece = unit.shard.detach()[seg.shard_offset:seg.shard_offset + seg.numel]
                 tensors[seg.name] = (piece, ckpt.describe(seg.slot.param, seg.param_range))

@@ -144,14 +144,15 @@ def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if k in persistent}
 
 
-def model_pieces(model: torch.nn.Module, replicated: bool = True) -> dict[str, tuple[torch.Tensor, dict]]:
-    """This rank's parameters (its tensor-parallel blocks) and buffers with their piece descriptions.
+def model_pieces(model: torch.nn.Module, writes=None) -> dict[str, tuple[torch.Tensor, dict]]:
+    """This rank's parameters (its tensor- or expert-parallel blocks) and buffers with their piece descriptions.
 
-    ``replicated=False`` leaves out what every tensor-parallel rank holds alike (one rank writes it).
+    ``writes(tensor)``: whether this rank writes it (what several ranks hold alike, one of them writes;
+    :meth:`~trickles.parallel.engine.Engine.writes`); None: everything.
     """
     out = {}
     for name, t in unique_state(model).items():
-        if not replicated and whole_on_every_tp_rank(t):
+        if writes is not None and not writes(t):
             continue
         out[name] = (t, describe(t))
     return out

@@ -40,6 +40,12 @@ def whole_on_every_tp_rank(param: torch.Tensor) -> bool:
     return spec is None or spec.replicated
 
 
+def is_block(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a block of a larger tensor (split by tensor or expert parallelism)."""
+    spec = getattr(param, "tp_spec", None)
+    return spec is not None and tuple(spec.global_shape) != tuple(param.shape)
+
+
 def global_shape(param: torch.Tensor) -> tuple[int, ...]:
     """The shape of the whole tensor that ``param`` is (a tensor-parallel block of)."""
     spec = getattr(param, "tp_spec", None)
@@ -49,7 +55,7 @@ def global_shape(param: torch.Tensor) -> tuple[int, ...]:
 def describe(param: torch.Tensor, flat_range: tuple[int, int] | None = None) -> dict[str, Any]:
     """The piece description of ``param`` as this rank holds it (its tensor-parallel block, if any)."""
     shape = list(param.shape)
-    if whole_on_every_tp_rank(param):
+    if not is_block(param):
         meta: dict[str, Any] = {"global_shape": shape}
     else:
         meta = {"global_shape": list(param.tp_spec.global_shape), "offset": list(param.tp_spec.offset), "block_shape": shape}
@@ -60,7 +66,7 @@ def describe(param: torch.Tensor, flat_range: tuple[int, int] | None = None) -> 
 
 def region_of(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offset, shape)`` of the block of the global tensor that ``param`` holds."""
-    if whole_on_every_tp_rank(param):
+    if not is_block(param):
         return (0,) * param.dim(), tuple(param.shape)
     return tuple(param.tp_spec.offset), tuple(param.shape)
 
