@@ -29,3 +29,30 @@ def _plain_backward_on_a_fresh_engine(tmp, stage):
 def test_a_fresh_engine_reduces_a_plain_backward(tmp_path):
     for diff in run_ranks(2, _plain_backward_on_a_fresh_engine, str(tmp_path), 0):
         assert diff < 1e-7  # the same averaged gradients as per-parameter all-reduce (fp32, summation order aside)
+
+
+def _plain_backward_after_a_training_step(tmp, stage):
+    """A training step (its backwards inside ``micro_step``), then a plain backward: reduced as well."""
+    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", f"parallel.zero={stage}", "train.micro_batch=2")
+    tr = Trainer(cfg, ParallelDims(dp=dist.get_world_size()).build(torch.device("cpu")), quiet=True)
+    tr.train_step()
+    plain = build_model(tr.model_cfg, cfg.train.seed)
+    plain.load_state_dict({n: t.float() for n, t in tr.engine.full_state().items()}, strict=False)
+    x, y = tr.train_data.micro_batches(8, 8, 4)[0]
+    tr.engine.zero_grad()
+    tr.topo.ledger.reset()
+    tr._loss(x, y).backward()
+    during = tr.topo.ledger.snapshot().get("all_reduce/dp", {}).get("calls", 0)  # started while backward ran
+    tr.engine.finish_backward()
+    got = {n: tr.engine.accumulated_grad(p).clone() for n, p in tr.engine.named}
+    F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
+    average_gradients(plain.parameters(), tr.dp)
+    return max((got[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()), during, len(tr.engine.layout.buckets)
+
+
+def test_a_plain_backward_after_a_training_step_is_reduced_during_backward(tmp_path):
+    """The step's micro-batches leave the engine ready for a plain backward again: its buckets are reduced while
+    backward runs (every bucket, not deferred to ``finish_backward``), to the averaged gradients."""
+    for diff, during, buckets in run_ranks(2, _plain_backward_after_a_training_step, str(tmp_path), 0):
+        assert diff < 1e-6
+        assert during == buckets > 1
