@@ -47,7 +47,9 @@ How
       tensor (weights: the largest over the parameters) at most ``--tol`` (1e-5), else the run stops. One
       device: ours against each transformers implementation. Expert parallel: every contestant against
       ``MixtralSparseMoeBlock`` (eager) holding all experts on this rank's tokens; expert weight gradients
-      against that reference's, summed over the ranks, this rank's slice; the largest error over the ranks.
+      against that reference's, summed over the ranks, this rank's slice; the largest error over the ranks. At
+      ``--top-k 1`` Mixtral's weight is 1, ours (Switch's) and DeepSpeed's the raw probability: the one-device part
+      is skipped and the expert-parallel reference is our layer with all experts.
     * Bytes sent per rank, in one more untimed step: ours from the topology's ``CommLedger`` (wire bytes of the
       ``ep`` group's all-to-alls), DeepSpeed's by wrapping ``deepspeed.comm.all_to_all_single`` and
       ``all_reduce``; both next to their formulas (below), computed from this step's routing.
@@ -514,13 +516,17 @@ def rank_main(args) -> int:
     if ds is not None:
         contestants.append(Layer(DS_EP, None, ds, lambda x: ds(x)[0], x, dy))
 
-    # agreement check (fp32): against transformers' Mixtral block with all experts on this rank's tokens
-    ref = MixtralSparseMoeBlock(hf_config(args, "eager")).to(device).train()
-    load_hf_moe(ref, full)
+    # agreement check (fp32): against transformers' Mixtral block with all experts on this rank's tokens (at top-1,
+    # where Mixtral's weight is 1 and ours and DeepSpeed's the raw probability: our layer with all experts)
+    if args.top_k > 1:
+        ref = MixtralSparseMoeBlock(hf_config(args, "eager")).to(device).train()
+        load_hf_moe(ref, full)
+    else:
+        ref = build_model(cfg, args.seed, device).layers["0"].mlp.train()
     xr = x.detach().clone().requires_grad_()
     yr = ref(xr)
     yr.backward(dy)
-    ref_grads = hf_moe_grads(ref)
+    ref_grads = hf_moe_grads(ref) if args.top_k > 1 else {n: p.grad for n, p in ref.named_parameters()}
     ref_ex = {n: ref_grads[n].clone() for n in ref_grads if n.startswith("experts.")}
     for v in ref_ex.values():
         dist.all_reduce(v)  # an expert's gradient under ep: every rank's tokens routed to it
@@ -628,9 +634,10 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
     print(f"  routing assignments per rank's experts (all ranks' tokens): {loads}; largest expert load on a rank "
           f"{max(max(c) for c in all_counts)} (mean {b * t * args.top_k // args.experts})")
 
+    what = ("transformers' MixtralSparseMoeBlock (eager)" if args.top_k > 1
+            else "our single-device layer (Mixtral's top-1 weight is 1)")
     print(f"\nagreement check (fp32): output, input gradient, this rank's expert weight gradients (summed over the ranks) vs "
-          f"transformers' MixtralSparseMoeBlock (eager) with all experts on this rank's tokens; largest over the ranks, "
-          f"tolerance {args.tol:g}")
+          f"{what} with all experts on this rank's tokens; largest over the ranks, tolerance {args.tol:g}")
     rows, ok = [], True
     for n in names:
         errs = [max(r["errors"][n][i] for r in everyone) for i in range(3)]
@@ -700,7 +707,12 @@ def main(argv=None) -> int:
         return 2
     if args.json and os.path.exists(args.json) and not launched:
         os.remove(args.json)
-    if args.part in ("all", "single") and not launched:
+    if args.part in ("all", "single") and not launched and args.top_k == 1:
+        print("moe.py: no one-device comparison at --top-k 1: Mixtral renormalizes the top-k weights even for k = 1 "
+              "(weight 1), ours keeps the raw probability there, as Switch does (DeepSpeed's top-1 gate too)", file=sys.stderr)
+        if args.part == "single":
+            return 2
+    elif args.part in ("all", "single") and not launched:
         status, out = single_device(args)
         if status:
             return status

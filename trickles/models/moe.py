@@ -126,9 +126,6 @@ class StackedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(n, d_out, d_in))
         self.bias = nn.Parameter(torch.empty(n, d_out)) if bias else None
 
-    def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight[e], None if self.bias is None else self.bias[e])
-
 
 class Experts(nn.Module):
     """The ``E`` expert MLPs (llama: gated SiLU; gpt2: GELU with biases) on stacked weights. ``first``: the
@@ -149,13 +146,25 @@ class Experts(nn.Module):
     def count(self) -> int:
         return self.up_proj.weight.shape[0]
 
-    def one(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert ``e`` on the rows ``x [N, d]``."""
-        if self.gated:
-            h = F.silu(self.gate_proj.one(e, x)) * self.up_proj.one(e, x)
-        else:
-            h = F.gelu(self.up_proj.one(e, x), approximate="tanh")
-        return self.down_proj.one(e, h)
+    def grouped(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """Local expert ``e`` on ``rows[e]`` for every ``e``; the outputs concatenated in that order. The stacked
+        weights are split once (``unbind``: one gradient buffer per weight in backward, not one per expert)."""
+        def parts(lin):
+            return lin.weight.unbind(0), (lin.bias.unbind(0) if lin.bias is not None else [None] * self.count)
+        up, down = parts(self.up_proj), parts(self.down_proj)
+        gate = parts(self.gate_proj) if self.gated else None
+        outs = []
+        for e, x in enumerate(rows):
+            if not x.shape[0]:
+                continue
+            if self.gated:
+                h = F.silu(F.linear(x, gate[0][e])) * F.linear(x, up[0][e])
+            else:
+                h = F.gelu(F.linear(x, up[0][e], up[1][e]), approximate="tanh")
+            outs.append(F.linear(h, down[0][e], down[1][e]))
+        # no rows at all: an empty [0, d] still tied to the inputs (experts map d -> d), so that backward runs the
+        # same collectives on every rank
+        return torch.cat(outs) if outs else torch.cat(rows)
 
 
 def route(logits: torch.Tensor, k: int, capacity_factor: float):
@@ -257,14 +266,9 @@ class MoE(nn.Module):
         order = torch.argsort(expert, stable=True)
         token, expert, weight = token[order], expert[order], weight[order]
         counts = torch.bincount(expert, minlength=self.experts.count).tolist()
+        y = self.experts.grouped(list(x[token].split(counts)))  # one gather, one matmul per expert and weight
         out = torch.zeros_like(x)
-        start = 0
-        for e, c in enumerate(counts):
-            if c:
-                rows = token[start:start + c]
-                y = self.experts.one(e, x[rows]) * weight[start:start + c, None].to(x.dtype)
-                out.index_add_(0, rows, y)
-            start += c
+        out.index_add_(0, token, y * weight[:, None].to(x.dtype))
         return out
 
 

@@ -71,6 +71,7 @@ class DataParallel(Engine):
     def _reset_reduction(self) -> None:
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._handles = {}
+        self._next = 0  # buckets are launched in index order (see _on_grad)
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
         return self.main_grads[id(p)]
@@ -78,10 +79,13 @@ class DataParallel(Engine):
     def _on_grad(self, p: torch.Tensor) -> None:
         self._accumulate(p, self.main_grads[id(p)])
         if self._reduce and id(p) not in self._deferred:
-            b = self._bucket_of[id(p)]
-            self._pending[b] -= 1
-            if self._pending[b] == 0:
-                self._launch(b)
+            self._pending[self._bucket_of[id(p)]] -= 1
+            # complete buckets go out in index order, never one before a lower-numbered one: every rank then issues
+            # the same all-reduces in the same order even when their backward graphs differ (a mixture of experts
+            # skips the experts that got no token on one rank and not on another)
+            while self._next < len(self._pending) and self._pending[self._next] == 0:
+                self._launch(self._next)
+                self._next += 1
 
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]

@@ -87,6 +87,7 @@ class ZeroDataParallel(Engine):
     def _reset_reduction(self) -> None:
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._launched = set()
+        self._next = 0  # buckets are launched in index order (see _launch_ready)
 
     def _begin_micro_step(self, last: bool) -> None:
         if self.stage == 2:
@@ -111,8 +112,16 @@ class ZeroDataParallel(Engine):
             p.grad = None
         if (self.stage == 2 or self._reduce) and id(p) not in self._deferred:
             self._pending[slot.bucket] -= 1
-            if self._pending[slot.bucket] == 0:
-                self._launch(slot.bucket)
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launches the complete buckets in index order, never one before a lower-numbered one: every rank then
+        issues the same collectives in the same order even when their backward graphs differ (a mixture of
+        experts skips the experts that got no token on one rank and not on another)."""
+        n = len(self.layout.buckets)
+        while self._next < n and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self._next += 1
 
     def _launch(self, b: int) -> None:
         self._launched.add(b)
@@ -143,7 +152,7 @@ class ZeroDataParallel(Engine):
             self._retire_oldest()
 
     def _finish_micro_step(self) -> None:
-        for b in range(len(self.layout.buckets)):
+        for b in range(self._next, len(self.layout.buckets)):  # the rest, in order
             if b not in self._launched:
                 self._launch(b)
         if self.stage == 1:
