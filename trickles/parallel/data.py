@@ -11,7 +11,9 @@ on the whole batch (the loss being a mean over equally sized slices).
   buckets of ``bucket_bytes``). Each parameter's ``.grad`` is its view of that buffer when the
   dtypes agree, so autograd accumulates micro-batches in place (else a post-accumulate-grad hook
   adds the fresh gradient into its place); on the last accumulation micro-step, a bucket whose parameters have all reported is
-  all-reduced (mean) asynchronously while backward goes on. Earlier micro-steps only
+  all-reduced (mean) asynchronously while backward goes on -- in bucket order (a complete bucket waits for the
+  lower-numbered ones), so every rank issues the same collectives in the same order even where their backward
+  graphs differ (mixture-of-experts ranks skip the experts no token reached). Earlier micro-steps only
   accumulate. Per step each rank sends ``2 (dp-1)/dp * 4 * P`` bytes in fp32.
 """
 
