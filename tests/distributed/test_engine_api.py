@@ -1,6 +1,7 @@
 """The Engine API as a user calls it: a freshly built engine takes a plain ``backward()`` (no ``zero_grad``, no
 ``micro_step``) and reduces the gradients over the data-parallel group, as its constructor promises."""
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,15 +20,21 @@ def _plain_backward_on_a_fresh_engine(tmp, stage):
     x, y = tr.train_data.micro_batches(0, 8, 4)[0]
     tr._loss(x, y).backward()  # straight after construction
     tr.engine.finish_backward()
-    got = {n: tr.engine.accumulated_grad(p).clone() for n, p in tr.engine.named}
     plain = build_model(tr.model_cfg, cfg.train.seed)
     F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
     average_gradients(plain.parameters(), tr.dp)
-    return max((got[n] - p.grad).abs().max().item() for n, p in plain.named_parameters())
+    if stage == 0:
+        got = {n: tr.engine.accumulated_grad(p).clone() for n, p in tr.engine.named}
+        return max((got[n] - p.grad).abs().max().item() for n, p in plain.named_parameters())
+    # ZeRO: each rank holds the reduced gradient of its segments
+    ref = dict(plain.named_parameters())
+    return max((g - ref[s.slot.name].grad.flatten()[s.param_range[0]:s.param_range[1]]).abs().max().item()
+               for s, g in zip(tr.engine.segments, tr.engine.optimizer.grads))
 
 
-def test_a_fresh_engine_reduces_a_plain_backward(tmp_path):
-    for diff in run_ranks(2, _plain_backward_on_a_fresh_engine, str(tmp_path), 0):
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_fresh_engine_reduces_a_plain_backward(tmp_path, stage):
+    for diff in run_ranks(2, _plain_backward_on_a_fresh_engine, str(tmp_path), stage):
         assert diff < 1e-7  # the same averaged gradients as per-parameter all-reduce (fp32, summation order aside)
 
 

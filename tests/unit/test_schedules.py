@@ -8,7 +8,7 @@ import pytest
 from helpers import tiny_config
 from trickles.errors import ConfigError
 from trickles.parallel.pipeline import partition_layers
-from trickles.parallel.schedules import Action, Shape, batches, build, check_shape, peak_alive, render, simulate
+from trickles.parallel.schedules import Action, Shape, Timeline, batches, build, check_shape, peak_alive, render, simulate
 
 SHAPES = [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)] + \
          [("1f1b", Shape(p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 4, 8)] + \
@@ -171,3 +171,8 @@ def test_a_good_pipeline_configuration_passes(tmp_path):
                       "train.micro_batch=2", "parallel.tp=2", "parallel.zero=1")
     dims = cfg.validate(8)
     assert (dims.dp, dims.tp, dims.pp) == (2, 2, 2)
+
+
+def test_an_empty_timeline_has_no_bubble():
+    """Nothing ran (no step traced yet): the bubble is 0, a number the plot and the trainer's line can print."""
+    assert Timeline([[], []]).bubble() == 0.0 and Timeline([[], []]).makespan == 0.0
