@@ -166,7 +166,7 @@ def _one_line_error(r, needle):
     (["--config", "/no/such/run.toml"], "config file /no/such/run.toml does not exist"),
     (["--nproc", "2", "--set", "parallel.dp=4"], "parallel.dp x tp x pp x cp = 4 x 1 x 1 x 1 = 4, but there are 2 processes"),
     (["--nproc", "2", "--set", "train.global_batch=7"], "train.global_batch (7) must be divisible by parallel.dp (2)"),
-    (["--set", "parallel.ep=2", "--nproc", "2"], "this version has no expert parallelism; parallel.ep=2 must be 1"),
+    (["--set", "parallel.ep=2", "--nproc", "2"], "parallel.ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts is 0"),
     (["--set", "parallel.pp=4", "--nproc", "4"], "model.n_layers (2) is smaller than the number of pipeline stages"),
     (["--set", "parallel.tp=3", "--nproc", "3"], "model.n_heads (4) must be divisible by parallel.tp (3)"),
     (["--set", "parallel.sequence_parallel=true"], "parallel.sequence_parallel needs parallel.tp > 1"),
