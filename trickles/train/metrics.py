@@ -84,12 +84,19 @@ def plot_loss(metrics_path: str, png_path: str) -> bool:
     ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    _save(fig, png_path)
+    return True
+
+
+def _save(fig, png_path: str) -> None:
+    """Writes ``fig`` under a temporary name, then renames it into place (a reader never sees half a PNG)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     tmp = png_path + ".tmp.png"
     fig.savefig(tmp)
     plt.close(fig)
     os.replace(tmp, png_path)
-    return True
 
 
 def expert_load(records: list[dict[str, Any]]) -> tuple[list[int], dict[str, np.ndarray]]:
@@ -126,9 +133,5 @@ def plot_expert_load(metrics_path: str, png_path: str) -> bool:
         fig.colorbar(im, ax=ax, label="share")
     axes[-1, 0].set_xlabel("step")
     fig.suptitle("expert load (share of each step's routed assignments kept)")
-    fig.tight_layout()
-    tmp = png_path + ".tmp.png"
-    fig.savefig(tmp)
-    plt.close(fig)
-    os.replace(tmp, png_path)
+    _save(fig, png_path)
     return True
