@@ -181,7 +181,8 @@ def plan(cfg: Config, ranks: list[int] | None, steps: int, warmup: int) -> list[
     if warmup < 0:
         raise UserError(f"--warmup must not be negative, got {warmup}")
     p = cfg.parallel
-    cfg.validate(_replica(cfg) * (p.dp if p.dp >= 1 else 1))  # the layout as written, whose per-rank work is scaled
+    # the layout as written, whose per-rank work is scaled (dp unset: the fewest ranks that hold the experts' split)
+    cfg.validate(_replica(cfg) * (p.dp if p.dp >= 1 else p.ep))
     kind, capacity = host(cfg)
     ranks = sorted(set(ranks)) if ranks else default_ranks(cfg)
     if kind == "cuda":
