@@ -127,12 +127,6 @@ class Config:
                               f"change one of them")
         self._check_tensor_parallel(dims.tp)
         self._check_context_parallel(dims)
-        if self.model.moe_experts and dims.cp > 1:
-            raise ConfigError("mixture-of-experts blocks do not run under parallel.cp > 1 yet; use data-, expert-, "
-                              "tensor- and pipeline-parallel ranks with model.moe_experts, or model.moe_experts=0")
-        if self.model.moe_experts and dims.tp > 1 and self.parallel.sequence_parallel:
-            raise ConfigError("mixture-of-experts blocks do not run under sequence parallelism yet; set "
-                              "parallel.sequence_parallel=false (tensor parallelism without it works)")
         self._check_pipeline(dims)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")

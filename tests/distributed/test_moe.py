@@ -1,4 +1,5 @@
-"""Mixture-of-experts models under data parallelism, ZeRO, expert parallelism, pipeline stages and recomputation: the
+"""Mixture-of-experts models under data parallelism, ZeRO, expert, tensor (with and without sequence), context and
+pipeline parallelism and recomputation: the
 same losses, weights and expert load as one process; the all-to-all bytes of expert parallelism; what is not built
 yet is refused by the config."""
 
@@ -64,6 +65,10 @@ LAYOUTS = [  # (id, degrees, overrides)
     ("dp2-ep2-pp2-1f1b", {"dp": 2, "ep": 2, "pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
     ("tp2-ep2-capacity", {"dp": 2, "ep": 2, "tp": 2}, ["model.moe_capacity_factor=1.0"]),
     ("tp2-zero1-gpt2", {"tp": 2}, ["parallel.zero=1", "model.preset=gpt2-tiny"]),
+    ("cp2-ring-capacity", {"cp": 2}, ["model.moe_capacity_factor=1.0"]),
+    ("cp2-ulysses-ep2-zero1", {"cp": 2, "ep": 2}, ["parallel.cp_mode=ulysses", "parallel.zero=1", "model.moe_shared_experts=1"]),
+    ("tp2-sp-capacity", {"tp": 2}, ["parallel.sequence_parallel=true", "model.moe_capacity_factor=1.0"]),
+    ("dp2-tp2-sp-ep2-cp2", {"dp": 2, "tp": 2, "cp": 2, "ep": 2}, ["parallel.sequence_parallel=true", "model.moe_capacity_factor=1.0"]),
 ]
 
 
@@ -97,8 +102,6 @@ def test_layout_invariance(tmp_path, cache, dims, overrides):
 
 
 @pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], 2, "mixture-of-experts blocks do not run under sequence parallelism yet"),
-    (["parallel.cp=2"], 2, "mixture-of-experts blocks do not run under parallel.cp > 1 yet"),
     (["parallel.ep=3"], 3, "model.moe_experts (4) must be divisible by parallel.ep (3)"),
     (["parallel.ep=2", "model.moe_experts=0"], 2, "parallel.ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts is 0"),
     (["parallel.ep=4"], 2, "parallel.ep (4) must divide parallel.dp x parallel.cp (2)"),
@@ -176,13 +179,18 @@ def two_labels(tmp_path_factory):
     return f"data.source={path}"
 
 
-def test_hard_routing_layout_invariance(tmp_path, cache, two_labels):
-    """Label-routed experts at dp2 x ep2 with ZeRO-1 track one process like the learned router (losses 1e-4, weights
-    1e-5, the same load)."""
+@pytest.mark.parametrize("dims,extra", [({"dp": 2, "ep": 2}, ["parallel.zero=1"]), ({"tp": 2}, ["parallel.sequence_parallel=true"])],
+                         ids=["dp2-ep2-zero1", "tp2-sp"])
+def test_hard_routing_layout_invariance(tmp_path, cache, two_labels, dims, extra):
+    """Label-routed experts at dp2 x ep2 with ZeRO-1, and under sequence parallelism (each rank's share of the
+    per-token labels), track one process like the learned router (losses 1e-4, weights 1e-5, the same load)."""
     over = [two_labels, *HARD]
-    ref_losses, ref_moe, ref_w = run_ranks(1, _train, str(tmp_path), {}, [cache, *over])[0]
+    key = ("hard", cache, two_labels)
+    if key not in _REFERENCE:
+        _REFERENCE[key] = run_ranks(1, _train, str(tmp_path), {}, [cache, *over])[0]
+    ref_losses, ref_moe, ref_w = _REFERENCE[key]
     ref_w = {n: t for n, (t, _) in ref_w.items()}
-    for losses, moe, weights in run_ranks(2, _train, str(tmp_path), {"dp": 2, "ep": 2}, [cache, *over, "parallel.zero=1"]):
+    for losses, moe, weights in run_ranks(2, _train, str(tmp_path), dims, [cache, *over, *extra]):
         assert losses == pytest.approx(ref_losses, rel=1e-4)
         assert [m[3] for m in moe] == [m[3] for m in ref_moe]
         for name, (w, offset) in weights.items():

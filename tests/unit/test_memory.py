@@ -77,6 +77,55 @@ def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, 
     assert measured["full"] < measured["selective"] < measured["none"]
 
 
+# Mixture-of-experts blocks (layer 1 of 2; layer 0 stays dense): llama in fp32 with top-2 and a shared expert, in every
+# recompute mode; gpt2 in bf16 with top-1 (no renormalization, the norm's output kept by nobody but the router's copy).
+MOE = ["model.n_layers=2", "model.moe_every=2", "model.moe_experts=4", "data.seq_len=32", "train.micro_batch=2",
+       "train.global_batch=2"]
+_MOE_CASES = [("tiny", "fp32", 2, 1, ("none", "selective", "full")), ("gpt2-tiny", "bf16", 1, 0, ("none",))]
+
+
+def _moe_forward(tmp, *overrides):
+    """A fresh MoE trainer's saved activations over one micro-batch: (trainer, meter)."""
+    tr = _trainer(tmp, *MOE, *overrides)
+    x, y = tr.train_data.micro_batches(0, 2, 2)[0]
+    with ActivationMeter(tr.model) as meter:
+        loss = tr._loss(x, y)
+    loss.backward()
+    return tr, meter
+
+
+@pytest.mark.parametrize("flavor,precision,k,shared,modes", _MOE_CASES, ids=[f"{c[0]}-{c[1]}-top{c[2]}-shared{c[3]}" for c in _MOE_CASES])
+def test_moe_activation_prediction_matches_measurement(tmp_path, flavor, precision, k, shared, modes):
+    """Dropless routing: the router's fp32 tensors, the routing indices and masks, the gathered rows, each expert's
+    MLP on its rows, the weighting, the shared expert and the auxiliary losses, counted to the byte, per layer --
+    dense and MoE layers each by their own formula."""
+    for mode in modes:
+        tr, meter = _moe_forward(tmp_path, f"model.preset={flavor}", f"memory.precision={precision}", f"memory.recompute={mode}",
+                                 f"model.moe_top_k={k}", f"model.moe_shared_experts={shared}")
+        predicted = activation_bytes(tr.model_cfg, 2, 32, mode, 2 if precision == "bf16" else 4)
+        measured = [meter.per_layer[f"layers.{i}"] for i in range(2)]
+        assert measured == predicted["per_layer"] == [predicted["layer"], predicted["moe_layer"]], (mode, measured, predicted)
+        assert meter.per_layer["head"] == predicted["head"], mode
+        assert mode == "full" or predicted["moe_layer"] > predicted["layer"], mode  # the formulas do differ
+
+
+def test_moe_capacity_prediction_bounds_the_kept_rows(tmp_path):
+    """With capacity the kept assignments depend on the routes: the prediction assumes every expert full
+    (``m = min(k s, S E C)``), no less than measured; given the kept count the formula is exact."""
+    from trickles.memory.activations import moe_bytes
+
+    tr, meter = _moe_forward(tmp_path, "model.moe_top_k=2", "model.moe_capacity_factor=0.5")  # C = 8 of a sequence's 64
+    cfg = tr.model_cfg
+    predicted = activation_bytes(cfg, 2, 32)
+    kept = int(tr.moe_stats.load[1].sum())
+    assert kept <= 2 * 4 * 8 < 2 * 2 * 32  # capacity binds: at most E C per sequence
+    assert meter.per_layer["layers.1"] <= predicted["moe_layer"]
+    mlp = 4 * 4 * 2 * 32 * cfg.ffn_dim  # the dense MLP the block replaces
+    exact = predicted["layer"] - mlp + moe_bytes(cfg, 2, 32, 32, assignments=kept)
+    assert meter.per_layer["layers.1"] == exact
+    assert predicted["moe_layer"] == predicted["layer"] - mlp + moe_bytes(cfg, 2, 32, 32, assignments=2 * 4 * 8)
+
+
 def test_activation_formula_scales_with_tokens_and_mode():
     from trickles.models import ModelConfig, apply_preset
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from trickles.errors import ConfigError
 from trickles.models.config import ModelConfig
-from trickles.models.moe import MoE, MoEStats, aux_losses, route
+from trickles.models.moe import MoE, MoEStats, aux_losses, load_fraction, route
 from trickles.models.transformer import build_model, initial_value
 from trickles.train.flops import matmul_params
 
@@ -138,7 +138,7 @@ def test_auxiliary_losses_values_and_their_injected_gradient():
     e = 4
     probs = torch.full((2, 8, e), 1 / e)
     experts = torch.arange(8).remainder(e).view(1, 8, 1).expand(2, 8, 1)
-    balance, z = aux_losses(torch.zeros(2, 8, e), probs, experts)
+    balance, z = aux_losses(torch.zeros(2, 8, e), probs, load_fraction(experts, e))
     assert balance.item() == pytest.approx(1.0) and z.item() == pytest.approx(math.log(e) ** 2)
 
     cfg = _cfg(moe_aux_loss=0.3, moe_z_loss=0.05)
@@ -149,7 +149,7 @@ def test_auxiliary_losses_values_and_their_injected_gradient():
     ours = torch.autograd.grad((layer(x) * up).sum() * 0.25, list(layer.parameters()))
     logits = layer.router(x)
     probs, experts, _, _ = route(logits, cfg.moe_top_k, 0.0)
-    balance, z = aux_losses(logits, probs, experts)
+    balance, z = aux_losses(logits, probs, load_fraction(experts, logits.shape[-1]))
     layer.aux_weight = layer.z_weight = 0.0
     total = ((layer(x) * up).sum() + 0.3 * balance + 0.05 * z) * 0.25
     ref = torch.autograd.grad(total, list(layer.parameters()))

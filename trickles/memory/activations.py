@@ -35,6 +35,50 @@ both dropped by selective recomputation. llama in fp32 also keeps the rotary tab
 gathered at the rank's positions, ``8 (T/cp) h`` once per forward (``"tables"``; the meter charges
 them to the first layer that uses them).
 
+**Mixture-of-experts blocks** (:attr:`ModelConfig.moe_layers <trickles.models.config.ModelConfig.moe_layers>`,
+:mod:`trickles.models.moe`) keep, in place of the MLP, with ``S`` sequences of the micro-batch, ``E``
+experts, top-``k``, expert width ``F``, ``F_s = moe_shared_experts x F`` and ``m`` the assignments this
+rank's tokens keep (dropless: ``m = k s``):
+
+=================  ==========================================================  ===========================
+piece              saved for backward                                          bytes
+=================  ==========================================================  ===========================
+router             low precision only: the fp32 copies of its input and        ``4sd + 4Ed`` (``p < 4``)
+                   weight (in fp32 it keeps the norm's output, counted there)
+routing            fp32 probabilities; top-k indices (int64); ``k > 1``: the   ``4sE + 8sk (+ 4sk + 4s)
+                   top probabilities and their sum (renormalization); the      + sk + 16m``
+                   keep mask (bool); the sort order and the token of each
+                   kept assignment (int64)
+experts            the gathered input rows; each expert's MLP on its rows      ``pmd + 4pmF`` / ``+ 2pmF``
+                   (llama / gpt2, like the dense MLP)
+combine            the expert outputs and the weights (compute type) of the    ``2pmd + pm``
+                   weighting; the weighted rows ``index_add`` keeps
+auxiliary losses   the load fractions; the fp32 logits and log-sum-exp of      ``4SE + 4sE + 4s``
+                   the z-loss
+shared experts     a dense MLP of ``F_s`` units on all ``s`` tokens (it keeps  ``4psF_s`` / ``2psF_s``
+                   the norm's output; without it, in low precision nothing
+                   does: ``- psd``)
+hard routing       the mask of the label's experts (bool)                      ``sE``
+=================  ==========================================================  ===========================
+
+Together, with ``c_f`` = 4 (llama) or 2 (gpt2) and ``[x]_{cond}`` a term present only when ``cond`` holds, an
+MoE layer keeps ``2 norms + attention + moe`` with
+
+``moe = [4sd + 4Ed]_{p<4} + 4sE + 8sk + [4sk + 4s]_{k>1} + sk + 16m + 3pmd + pm + c_f pmF + 4SE + 4sE + 4s
++ (c_f psF_s if shared experts else -[psd]_{p<4}) + [sE]_{hard}``
+
+(exact, byte for byte, for dropless routing on one process). ``s`` counts the tokens the block routes: this
+rank's, ``s/tp`` under sequence parallelism (the router and experts are whole on every tensor-parallel rank).
+With capacity (``moe_capacity_factor = c > 0``) ``m`` is data-dependent; the prediction is its upper
+bound ``m = min(k s, S E C)``, ``C = ceil(c k T / E)`` (no more is kept; dropless predicts exactly).
+With expert parallelism (``ep`` ranks) the rows a rank's experts receive, ``m_in``, replace ``m`` in the
+experts' terms and the rank also keeps the index that groups them by expert and the expert outputs
+before they return (``8 m_in + p m_in d``, :func:`~trickles.parallel.expert.expert_dispatch`); ``m_in`` is
+data-dependent and predicted balanced (each rank receives on average what it sends: ``m_in = m``),
+so with dropless routing the ``ep`` ranks' MoE layers sum to ``ep`` times the prediction. Recomputation treats an MoE block like a
+dense one (``selective``: the attention core; ``full``: the block input, and with hard routing the first
+block also keeps the per-token label ids, ``8s``, counted with ``"tables"``).
+
 A layer holds two norms, the attention and the MLP. ``selective`` recomputation of the
 attention core drops what the core keeps beyond its inputs -- with a fused kernel only the
 log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabilities);
@@ -45,6 +89,8 @@ loss's fp32 total weight (one scalar, ``4``) beside it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -53,9 +99,11 @@ from ..models.config import ModelConfig
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "none", dtype_bytes: int = 4,
                      device_type: str = "cpu", tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
-                     cp_mode: str = "ring") -> dict[str, int]:
-    """``{"layer": bytes per layer, "layers": all layers, "head": bytes, "tables": bytes, "total": ...}`` for one
-    micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
+                     cp_mode: str = "ring", ep: int = 1) -> dict:
+    """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
+    "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
+    "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...}``
+    for one micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
 
     With tensor parallelism ``tp > 1`` the heads and the MLP width are split (``a/tp``, ``f/tp``;
     key/value heads ``a_kv/tp``, or ``a/tp`` selected ones when they are replicated) while the
@@ -64,7 +112,12 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     shrinks by ``tp``). Replicated key/value heads select theirs with an int64 index of ``a/tp``
     entries, kept for backward by k and by v (``16 a/tp`` bytes). The vocabulary-parallel loss
     keeps fp32 probabilities over ``V/tp``.
+
+    A mixture-of-experts block (module docstring) routes the tokens its norm sees (all ``s`` under tensor
+    parallelism, ``s/tp`` with sequence parallelism) and keeps ``moe_bytes`` in place of the MLP's; ``ep > 1``
+    adds the expert-parallel dispatch's terms for a balanced load.
     """
+    whole_seq = seq
     seq //= cp
     s = batch * seq
     t = tp
@@ -91,19 +144,70 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         core_extra = p * s * a * h + (kv_repeats(a, kv, cp) - 1) * 2 * p * s * kv * h
     attention += core_extra
     full = p * sn * d  # the block input, on this rank's sequence shard under sequence parallelism
-    layer = {"none": 2 * norm + attention + mlp, "selective": 2 * norm + attention + mlp - lse - core_extra,
-             "full": full}.get(recompute)
-    if layer is None:
+    if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+
+    def block(ffn: int) -> int:
+        return {"none": 2 * norm + attention + ffn, "selective": 2 * norm + attention + ffn - lse - core_extra,
+                "full": full}[recompute]
+
+    layer = block(mlp)
+    moe_layer = block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep)) if cfg.moe_experts else 0
     vocab = cfg.vocab_size or 0
     if t > 1:  # embedding: shifted ids and the out-of-range mask; loss: ids and mask too
         head = 18 * s + norm + 4 * s * (vocab // t)
     else:  # ... and F.cross_entropy's fp32 total weight, a scalar
         head = 16 * s + norm + 4 * s * vocab + 4
     head += 0 if llama else 8 * seq
-    layers = layer * cfg.n_layers
+    moe = set(cfg.moe_layers)
+    per_layer = [moe_layer if i in moe else layer for i in range(cfg.n_layers)]
+    layers = sum(per_layer)
     tables = 8 * seq * h if cp > 1 and llama and p == 4 and recompute != "full" else 0
-    return {"layer": layer, "layers": layers, "head": head, "tables": tables, "total": layers + head + tables}
+    # full recomputation keeps each block's inputs, hard routing's per-token label ids among them (one storage)
+    labels = 8 * s if recompute == "full" and cfg.moe_experts and cfg.moe_router == "hard" else 0
+    if per_layer:
+        per_layer[0] += tables + labels
+    return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
+            "tables": tables + labels, "total": layers + head + tables + labels}
+
+
+def moe_assignments(cfg: ModelConfig, batch: int, tokens: int, seq: int) -> int:
+    """``m``: the assignments kept for ``batch`` sequences of which this rank routes ``tokens`` each (``seq``: the
+    whole sequence, which capacity is counted on). Dropless: exactly ``k x batch x tokens``; with capacity the
+    upper bound ``min(k s, S E C)``, ``C = ceil(c k T / E)`` per expert and sequence (which are dropped depends on
+    the data)."""
+    k, e, c = cfg.moe_top_k, cfg.moe_experts, cfg.moe_capacity_factor
+    m = k * batch * tokens
+    if c > 0:
+        m = min(m, batch * e * math.ceil(c * k * seq / e))
+    return m
+
+
+def moe_bytes(cfg: ModelConfig, batch: int, tokens: int, seq: int, dtype_bytes: int = 4, ep: int = 1,
+              assignments: int | None = None, received: int | None = None) -> int:
+    """What a mixture-of-experts block keeps in place of the MLP (module docstring, "Mixture-of-experts blocks")
+    for ``batch`` sequences of which it routes ``tokens`` each (``seq``: the whole sequence); with ``ep > 1`` the
+    expert-parallel dispatch's extra terms. ``assignments``: the kept count ``m`` when known (default
+    :func:`moe_assignments`); ``received``: ``m_in``, the rows this rank's experts got (default ``m``, a
+    balanced load)."""
+    s, d, p = batch * tokens, cfg.d_model, dtype_bytes
+    e, k, f = cfg.moe_experts, cfg.moe_top_k, cfg.moe_ffn_dim
+    m = moe_assignments(cfg, batch, tokens, seq) if assignments is None else assignments
+    m_in = m if received is None else received
+    router = 4 * s * d + 4 * e * d if p != 4 else 0
+    routing = 4 * s * e + 8 * s * k + (4 * s * k + 4 * s if k > 1 else 0) + s * k + 16 * m
+    if cfg.moe_router == "hard":
+        routing += s * e
+    mlp_factor = 4 if cfg.flavor == "llama" else 2
+    experts = p * m_in * d + mlp_factor * p * m_in * f  # the rows the experts run on
+    combine = 2 * p * m * d + p * m  # this rank's tokens' outputs back
+    aux = 4 * batch * e + 4 * s * e + 4 * s
+    if cfg.moe_shared_experts:
+        shared = mlp_factor * p * s * cfg.moe_shared_experts * f
+    else:
+        shared = -p * s * d if p != 4 else 0  # nothing keeps the norm's low-precision output
+    dispatch = 8 * m_in + p * m_in * d if ep > 1 else 0  # grouping by expert; outputs before their return
+    return router + routing + experts + combine + aux + shared + dispatch
 
 
 class ActivationMeter:

@@ -13,14 +13,24 @@ chart PNG and an answer to "does this fit in X GB".
 ``held`` = model states on the device + all saved activations of one micro-batch (what is
 alive at the end of forward); predicted ``peak`` = ``held`` + transients: the fp32 gradients of
 the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
-for the vocabulary-parallel loss, which reuses its saved probabilities) and buffers (ZeRO-2: two gradient
+for the vocabulary-parallel loss, which reuses its saved probabilities), ring attention's key/value blocks
+in flight, expert parallelism's rows in flight (``2 p m d``: the rows one all-to-all sends and receives, ``m``
+the assignments of the rank's tokens, :func:`expert_rows_in_flight`) and buffers (ZeRO-2: two gradient
 buckets; ZeRO-3: the root and two gathered blocks). On CUDA the measured peak is the
 allocator's ``max_memory_allocated``; a CPU has no such statistic.
+
+Mixture-of-experts models: each MoE block's activations have their own formula
+(:mod:`~trickles.memory.activations`); with expert parallelism (``parallel.ep``) a rank holds ``E / ep`` experts
+of every block (the plan's :func:`~trickles.parallel.expert.apply_expert_parallel` applied to the meta model)
+and ZeRO shards over the ``edp`` group, the ``dp x cp / ep`` ranks holding the same experts
+(:meth:`~trickles.topology.Topology.gradient_group`). What a rank's experts receive depends on the routing:
+the prediction is for a balanced load.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -44,6 +54,7 @@ class MemoryReport:
     layers_measured: list[int] = field(default_factory=list)
     host_optimizer: bool = False
     notes: list[str] = field(default_factory=list)
+    moe_layers: list[int] = field(default_factory=list)  # which layers are mixture-of-experts blocks
 
     CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
 
@@ -61,17 +72,14 @@ class MemoryReport:
             lines.append(row)
         if self.layers_predicted and not self.layers_measured:
             lines.append("")
-            first, rest = self.layers_predicted[0], self.layers_predicted[1:]
-            if all(x == first for x in rest):
-                lines.append(f"each of the {len(self.layers_predicted)} layers: {_fmt(first)} of saved activations")
-            else:  # context parallel llama in fp32: the first layer also keeps the gathered rotary tables
-                lines.append(f"layer 0: {_fmt(first)}, each of the other {len(rest)}: {_fmt(rest[0])} of saved activations")
+            lines.extend(self._layer_summary())
         elif self.layers_predicted:
             lines.append("")
             lines.append(f"{'per layer':<14}{'predicted':>14}" + (f"{'measured':>14}" if self.layers_measured else ""))
             for i, pl in enumerate(self.layers_predicted):
                 ml = self.layers_measured[i] if i < len(self.layers_measured) else None
-                lines.append(f"{'layer ' + str(i):<14}{_fmt(pl):>14}" + (f"{_fmt(ml):>14}" if self.layers_measured else ""))
+                name = f"layer {i}" + (" (MoE)" if i in self.moe_layers else "")
+                lines.append(f"{name:<14}{_fmt(pl):>14}" + (f"{_fmt(ml):>14}" if self.layers_measured else ""))
         if device_gb is not None:
             peak = max(self.measured.get("peak") or 0, self.predicted["peak"])
             cap = device_gb * 1e9
@@ -81,6 +89,23 @@ class MemoryReport:
                          + (" (keep 10% for the allocator and the framework)" if verdict == "tight" else ""))
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def _layer_summary(self) -> list[str]:
+        """One line per kind of layer (dense, mixture of experts): what each keeps; the first layer apart when it
+        keeps more (context parallel llama in fp32: the gathered rotary tables)."""
+        moe = set(self.moe_layers)
+        lines = []
+        for kind in ("dense", "mixture-of-experts"):
+            idx = [i for i in range(len(self.layers_predicted)) if (i in moe) == (kind != "dense")]
+            if not idx:
+                continue
+            label = f" {kind}" if moe else ""
+            first, rest = self.layers_predicted[idx[0]], [self.layers_predicted[i] for i in idx[1:]]
+            if all(x == first for x in rest):
+                lines.append(f"each of the {len(idx)}{label} layers: {_fmt(first)} of saved activations")
+            else:
+                lines.append(f"layer {idx[0]}: {_fmt(first)}, each of the other {len(rest)}{label}: {_fmt(rest[0])} of saved activations")
+        return lines
 
     def plot(self, path: str) -> bool:
         """Bar chart of predicted (and measured) bytes per category; False without matplotlib."""
@@ -123,7 +148,8 @@ def _fmt(v) -> str:
 def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu", dp_rank: int = 0) -> MemoryReport:
     """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved): the device of
     data-parallel rank ``dp_rank`` (ranks differ by a few bytes under ZeRO >= 1: the segments each owns; with
-    context parallelism the rank in the ``dp x cp`` group, :meth:`~trickles.topology.Topology.replicas`)."""
+    context parallelism the rank in the ``dp x cp`` group, :meth:`~trickles.topology.Topology.replicas`; with
+    expert parallelism that rank's experts and its place, ``dp_rank // ep``, in its ``edp`` group)."""
     from ..models.transformer import Transformer, count_params
 
     if dims.pp > 1:
@@ -133,9 +159,13 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     with torch.device("meta"):
         meta = Transformer(model_cfg)
     total_params = count_params(meta)
-    if dims.tp > 1:  # what one tensor-parallel rank holds: apply the plan to the meta model
-        from types import SimpleNamespace
+    active_params = total_params - _idle_expert_params(meta)
+    if dims.ep > 1:  # this rank's E / ep experts of every MoE block, in the order the plan applies them
+        from ..parallel.expert import apply_expert_parallel
 
+        # (the dispatch it installs would talk over the ep group; the meta model never runs it)
+        apply_expert_parallel(meta, SimpleNamespace(size=dims.ep, rank=dp_rank % dims.ep))
+    if dims.tp > 1:  # what one tensor-parallel rank holds: apply the plan to the meta model
         from ..parallel.tensor_plan import apply_tensor_parallel
 
         apply_tensor_parallel(meta, SimpleNamespace(size=dims.tp, rank=0), cfg.parallel.sequence_parallel)
@@ -145,17 +175,23 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     g = torch.finfo(prec.grad_dtype).bits // 8
     offload = cfg.memory.offload_optimizer
     stage = cfg.parallel.zero
-    # the weights are replicated over dp x cp ranks: ZeRO shards over all of them (dp_rank counts them)
-    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, dp_rank)
+    # the weights are replicated over dp x cp ranks: ZeRO shards over all of them (dp_rank counts them); with expert
+    # parallelism the engine's group is edp, the R / ep ranks holding the same experts (Topology.gradient_group):
+    # replica r is rank r // ep of its edp group
+    edp = dims.dp * dims.cp // dims.ep
+    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, edp, dp_rank // dims.ep)
     micro, _ = cfg.batch_plan(dims.dp)
     act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
-                           cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode)
+                           cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep)
     tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
     # the loss's backward: the fp32 gradients of the log-probabilities and of the logits live together
     # (the vocabulary-parallel loss writes its gradient into the saved probabilities: one more [s, V/tp])
     transient = (8 if dims.tp == 1 else 4) * tokens * model_cfg.vocab_size // dims.tp
     if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
         transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
+    if dims.ep > 1 and model_cfg.moe_layers:
+        routed = tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens
+        transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p)
     if stage == 2:
         bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n * g
         transient += 2 * min(bucket, n * g)
@@ -164,15 +200,53 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         transient += p * (root + 2 * (n - root) / model_cfg.n_layers)
     device_states = states["parameters"] + states["gradients"] + (0 if offload else states["optimizer"])
     predicted = {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"],
-                 "activations": act["layers"] + act["tables"], "head": act["head"], "transient": transient}
+                 "activations": sum(act["per_layer"]), "head": act["head"], "transient": transient}
     predicted["held"] = device_states + act["total"]
     predicted["peak"] = predicted["held"] + transient
-    report = MemoryReport(predicted, [act["layer"] + act["tables"]] + [act["layer"]] * (model_cfg.n_layers - 1), host_optimizer=offload)
+    report = MemoryReport(predicted, list(act["per_layer"]), host_optimizer=offload, moe_layers=list(model_cfg.moe_layers))
     tp = f", tp={dims.tp}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
     tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
                         f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}")
+    if model_cfg.moe_experts:
+        mc = model_cfg
+        note = (f"mixture of experts in {len(mc.moe_layers)} of {mc.n_layers} blocks: {mc.moe_experts} experts, top-{mc.moe_top_k}"
+                f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}; {total_params / 1e6:.2f}M parameters in all, "
+                f"{active_params / 1e6:.2f}M active per token")
+        if dims.ep > 1:
+            note += (f"; ep={dims.ep}: {mc.moe_experts // dims.ep} experts per rank ({n / 1e6:.2f}M parameters), ZeRO over the "
+                     f"{edp} rank{'s' if edp > 1 else ''} holding the same experts (edp), the experts' activations and the "
+                     f"all-to-all rows in flight for a balanced load")
+        if mc.moe_capacity_factor > 0:
+            note += f"; capacity factor {mc.moe_capacity_factor:g}: expert activations are an upper bound (every expert full)"
+        report.notes.append(note)
     return report
+
+
+def _idle_expert_params(model) -> int:
+    """Parameters a token does not pass through: the ``E - k`` routed experts it is not sent to, in every MoE block."""
+    from ..models.moe import MoE
+
+    idle = 0
+    for block in model.layers.values():
+        if isinstance(block.mlp, MoE):
+            ex = block.mlp.experts
+            per_expert = sum(prm.numel() for prm in ex.parameters()) // ex.count
+            idle += (ex.count - block.mlp.top_k) * per_expert
+    return idle
+
+
+def expert_rows_in_flight(cfg: ModelConfig, batch: int, tokens: int, seq: int, p: int) -> int:
+    """Expert parallelism's rows alive at once beyond the saved activations, in one MoE block (one at a time):
+    ``2 p m d`` with ``m`` the assignments of the rank's ``batch x tokens`` routed tokens
+    (:func:`~trickles.memory.activations.moe_assignments`; balanced, each rank receiving what it sends). Forward,
+    the first all-to-all holds the gathered rows sent and the rows received; the second the received rows (still
+    referenced by the dispatch) and the outputs being sent back (those that arrive are saved). Backward, each
+    all-to-all holds the gradient rows sent and those received: ``2 p m d`` in every case
+    (:func:`~trickles.parallel.expert.expert_dispatch`)."""
+    from .activations import moe_assignments
+
+    return 2 * p * moe_assignments(cfg, batch, tokens, seq) * cfg.d_model
 
 
 def ring_blocks_in_flight(cfg: ModelConfig, tokens: int, p: int, tp: int = 1) -> int:

@@ -167,32 +167,46 @@ class Experts(nn.Module):
         return torch.cat(outs) if outs else torch.cat(rows)
 
 
-def route(logits: torch.Tensor, k: int, capacity_factor: float):
-    """Top-``k`` routing with per-sequence capacity (see the module docstring).
-
-    ``logits [B, T, E]`` (fp32) -> ``probs [B, T, E]``, ``experts [B, T, k]`` (int64), ``weights [B, T, k]``
-    (fp32, differentiable), ``keep [B, T, k]`` (bool).
-    """
-    b, t, e = logits.shape
+def top_k(logits: torch.Tensor, k: int):
+    """``logits [B, T, E]`` (fp32) -> ``probs [B, T, E]``, ``experts [B, T, k]`` (int64), ``weights [B, T, k]``
+    (fp32, differentiable): each token's ``k`` most probable experts and their weights."""
     probs = logits.softmax(-1)
     top, experts = probs.topk(k, dim=-1)
     weights = top / top.sum(-1, keepdim=True) if k > 1 else top
+    return probs, experts, weights
+
+
+def capacity_keep(experts: torch.Tensor, n_experts: int, capacity_factor: float) -> torch.Tensor:
+    """``keep [B, T, k]`` (bool) for the choices ``experts [B, T, k]`` of whole sequences (see the module
+    docstring: ``C = ceil(c k T / E)`` per expert and sequence, queued by (choice, position))."""
+    b, t, k = experts.shape
     if capacity_factor <= 0:
-        return probs, experts, weights, torch.ones_like(experts, dtype=torch.bool)
-    cap = math.ceil(capacity_factor * k * t / e)
+        return torch.ones_like(experts, dtype=torch.bool)
+    cap = math.ceil(capacity_factor * k * t / n_experts)
     order = experts.transpose(1, 2).reshape(b, k * t)  # (choice, position) order within each sequence
-    onehot = F.one_hot(order, e)
+    onehot = F.one_hot(order, n_experts)
     place = (onehot.cumsum(1) * onehot).sum(-1) - 1  # 0-based place in its expert's queue
-    keep = (place < cap).view(b, k, t).transpose(1, 2)
-    return probs, experts, weights, keep
+    return (place < cap).view(b, k, t).transpose(1, 2)
 
 
-def aux_losses(logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(load-balancing loss, z-loss)``, each per sequence then averaged over the sequences."""
-    b, t, e = probs.shape
-    k = experts.shape[-1]
-    f = F.one_hot(experts, e).sum(2).sum(1).float() / (t * k)  # [B, E]
-    balance = (e * (f * probs.mean(1)).sum(-1)).mean()
+def route(logits: torch.Tensor, k: int, capacity_factor: float):
+    """Top-``k`` routing with per-sequence capacity: :func:`top_k`'s ``probs, experts, weights`` and
+    :func:`capacity_keep`'s ``keep``."""
+    probs, experts, weights = top_k(logits, k)
+    return probs, experts, weights, capacity_keep(experts, logits.shape[-1], capacity_factor)
+
+
+def load_fraction(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``f [B, E]``: the fraction of each sequence's ``k T`` assignments routed to each expert (no gradient)."""
+    b, t, k = experts.shape
+    return F.one_hot(experts, n_experts).sum(2).sum(1).float() / (t * k)
+
+
+def aux_losses(logits: torch.Tensor, probs: torch.Tensor, fraction: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(load-balancing loss, z-loss)``, each per sequence then averaged over the sequences; ``fraction``
+    is :func:`load_fraction` of the sequences' routes."""
+    e = probs.shape[-1]
+    balance = (e * (fraction * probs.mean(1)).sum(-1)).mean()
     z = torch.logsumexp(logits, dim=-1).square().mean()
     return balance, z
 
@@ -218,6 +232,9 @@ class MoE(nn.Module):
         self.experts = Experts(cfg, cfg.moe_experts)
         self.shared = MLP(cfg, cfg.moe_shared_experts * cfg.moe_ffn_dim) if cfg.moe_shared_experts else None
         self.resid_drop = nn.Dropout(cfg.dropout)
+        # the auxiliary losses' share of the gradient this rank starts (sequence parallelism: 1 / tp, each tp
+        # rank's losses being one of tp equal parts of the whole sequences' and its gradients summed over tp)
+        self.aux_grad_factor = 1.0
         object.__setattr__(self, "stats", stats)  # shared with the model, not a submodule
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
@@ -232,10 +249,11 @@ class MoE(nn.Module):
             labels = labels.to(x.device)
             labels = labels[:, None].expand(b, t) if labels.dim() == 1 else labels
             route_logits = logits.masked_fill(~self.allowed(x.device)[labels], float("-inf"))
-        probs, experts, weights, keep = route(route_logits, self.top_k, self.capacity_factor)
+        probs, experts, weights = top_k(route_logits, self.top_k)
+        keep = self.keep(experts)
         out = self.dispatch(x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),
                             keep.reshape(b * t, -1)).view(b, t, d)
-        balance, z = aux_losses(logits, probs, experts)  # z-loss on the router's own logits
+        balance, z = aux_losses(logits, probs, self.load_fraction(experts))  # z-loss on the router's own logits
         kept = torch.bincount(experts[keep].flatten(), minlength=self.n_experts)
         self.stats.record(self.layer_id, balance.detach(), z.detach(), experts.numel(), kept)
         if self.shared is not None:
@@ -243,8 +261,17 @@ class MoE(nn.Module):
         out = self.resid_drop(out)
         aux = (0.0 if self.hard else self.aux_weight) * balance + self.z_weight * z  # a fixed route needs no balancing
         if aux.requires_grad:
-            out = AuxLossGrad.apply(out, aux, self.stats.grad_scale)
+            out = AuxLossGrad.apply(out, aux, self.stats.grad_scale * self.aux_grad_factor)
         return out
+
+    def keep(self, experts: torch.Tensor) -> torch.Tensor:
+        """:func:`capacity_keep` of this layer's routes (a split sequence replaces it, see
+        :func:`trickles.parallel.expert.split_sequence`)."""
+        return capacity_keep(experts, self.n_experts, self.capacity_factor)
+
+    def load_fraction(self, experts: torch.Tensor) -> torch.Tensor:
+        """:func:`load_fraction` of this layer's routes (a split sequence replaces it)."""
+        return load_fraction(experts, self.n_experts)
 
     def allowed(self, device) -> torch.Tensor:
         """Hard routing: ``[labels, E]``, which experts each label uses (made per device, not a buffer: the model

@@ -49,7 +49,9 @@ divide the (tensor-parallel rank's) query heads.
 Positions: the rotary tables and learned position embeddings are looked up at each token's global
 position (:class:`CPContext.positions`), so the model computes what it computes on one process.
 Decoding with a KV cache (sampling, ``generate``) does not split the sequence: every cp rank then
-runs the whole prompt, like a data-parallel replica.
+runs the whole prompt, like a data-parallel replica. Mixture-of-experts blocks route each rank's tokens
+and complete their per-sequence capacity and load-balancing statistics over the cp ranks
+(:func:`trickles.parallel.expert.split_sequence`).
 """
 
 from __future__ import annotations
@@ -310,6 +312,9 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
             return ulysses_attention(q, k, v, ctx.comm, lambda q_, k_, v_: plain(q_, k_, v_, None))
         # instance attribute shadowing the method; ``core`` (and what wraps it) calls ``self._attend``
         object.__setattr__(attn, "_attend", attend)
+        if block.moe:  # per-sequence routing rules completed over the cp ranks
+            from .expert import split_sequence
+            split_sequence(block.mlp, comm, mode, lambda: ctx.active)
 
     if model.pos_embed is not None:
         # before any other hook (sequence parallel then keeps its part of these positions)

@@ -30,15 +30,37 @@ covers all ``R`` ranks' losses, whose mean is wanted. In the gradient norm, whol
 ``ep`` rank 0 only and each rank's experts count on it. ZeRO shards over ``edp``: the optimizer state of
 the whole weights is replicated over the ``ep`` ranks (Megatron's distributed optimizer shards those over
 all ``R``; here ZeRO's group is one group per engine, see the docs).
+
+**Split sequences** (:func:`split_sequence`: context parallelism, and sequence parallelism under tensor
+parallelism). A rank then holds ``t = T / n`` tokens of every sequence (``n`` the cp or tp ranks). Routing,
+the experts and the z-loss are per token and run on those; what is defined per sequence is completed over
+the ``n`` ranks, so every layout routes and drops exactly what one process does:
+
+* capacity: the ranks all-gather their tokens' choices (``[B, t, k]`` int64: ``(n - 1) B t k 8`` bytes in per
+  rank), put them at their global positions, and each computes the whole sequences' keep mask and takes its
+  tokens' part (the queue order is (choice, global position));
+* load balancing: ``f_e`` (the fraction of the sequence's assignments to ``e``, no gradient) is the mean over the
+  ranks of the local fractions (an all-reduce of ``[B, E]`` fp32; the ranks hold equal token counts), and each
+  rank's loss is ``E sum_e f_e P_e^local``: their mean over the ranks is the sequence's ``E sum_e f_e P_e``;
+  the z-loss is a mean over tokens, so the mean of the ranks' means.
+
+Under context parallelism the engine averages gradients over ``dp x cp``, which takes that mean. Under
+sequence parallelism the ``tp`` ranks' gradients of the router, the experts and the norm before them are
+summed (``partial_grad``), so each rank starts its auxiliary losses' gradient at ``1 / tp``
+(:attr:`~trickles.models.moe.MoE.aux_grad_factor`) and hard routing's per-token labels are cut to the rank's
+sequence shard.
 """
 
 from __future__ import annotations
 
 import torch
 
+from typing import Callable
+
 from ..comm import GroupComm
 from ..models.moe import MoE
 from ..models.transformer import Transformer
+from .context import positions
 from .tensor import TPSpec, set_spec
 
 
@@ -104,3 +126,40 @@ def apply_expert_parallel(model: Transformer, comm: GroupComm) -> None:
                 setattr(lin, name, set_spec(local, spec))
         ex.first = r * el
         object.__setattr__(layer, "dispatch", expert_dispatch(layer, comm))
+
+
+def split_sequence(layer: MoE, comm: GroupComm, layout: str, active: Callable[[], bool], aux_grad_factor: float = 1.0) -> None:
+    """Makes ``layer`` route this rank's ``T / n`` tokens of every sequence exactly as one process routes the
+    whole sequences (module docstring: "Split sequences"). ``comm``: the ``n`` ranks sharing the sequences;
+    ``layout``: which positions each holds (``"ring"``: chunks ``i`` and ``2n - 1 - i`` of ``2n``; otherwise
+    contiguous, :func:`~trickles.parallel.context.positions`); ``active()``: whether the forward now running
+    is split (not when decoding with a KV cache)."""
+    plain_keep, plain_fraction = layer.keep, layer.load_fraction
+    n = comm.size
+    cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def places(t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global position of each gathered token, in rank order; this rank's positions)."""
+        key = (t, str(device))
+        if key not in cache:
+            every = [positions(t * n, n, r, layout) for r in range(n)]
+            cache[key] = torch.cat(every).to(device), every[comm.rank].to(device)
+        return cache[key]
+
+    def keep(experts: torch.Tensor) -> torch.Tensor:
+        if not active() or layer.capacity_factor <= 0:  # dropless keeps everything: nothing to complete
+            return plain_keep(experts)
+        b, t, k = experts.shape
+        gathered = comm.all_gather(experts.contiguous(), dim=1)  # [B, n t, k], rank after rank
+        where, mine = places(t, experts.device)
+        whole = torch.empty_like(gathered)
+        whole[:, where] = gathered
+        return plain_keep(whole)[:, mine]
+
+    def fraction(experts: torch.Tensor) -> torch.Tensor:
+        f = plain_fraction(experts)
+        return comm.all_reduce(f, op="mean") if active() else f
+
+    object.__setattr__(layer, "keep", keep)
+    object.__setattr__(layer, "load_fraction", fraction)
+    layer.aux_grad_factor = aux_grad_factor

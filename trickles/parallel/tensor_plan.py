@@ -17,11 +17,13 @@ module                              becomes
 ``attn.o_proj``, ``mlp.down_proj``  row-parallel, leaving the region (all-reduce / reduce-scatter)
 ``mlp.gate_proj``, ``up_proj``      column-parallel
 ``attn.core``                       run with this rank's private random stream (its heads' dropout)
-``mlp`` of a mixture-of-experts block  unchanged: router and experts whole on every tp rank (each rank
+``mlp`` of a mixture-of-experts block  unchanged: router and experts whole on every tp rank, no region;
+                                    its ``mlp_norm`` stays plain. Without sequence parallelism each rank
                                     routes and computes all the block's tokens, identical on every tp
-                                    rank; no region, no collective; with expert parallelism each tp
-                                    rank's ep group dispatches); its ``mlp_norm`` stays plain. Not with
-                                    sequence parallelism (refused by the config)
+                                    rank. With it each rank routes its sequence shard (per-sequence
+                                    capacity and balancing completed over tp, the gradients summed over
+                                    tp: :func:`~trickles.parallel.expert.split_sequence`). With expert
+                                    parallelism each tp rank's ep group dispatches its tokens
 ``norm``                            the final norm, then the region entry
 ``output``                          column-parallel over the vocabulary (shares the embedding's
                                     shard when tied); the loss is :func:`vocab_parallel_cross_entropy`
@@ -30,10 +32,13 @@ module                              becomes
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..comm import GroupComm, gather_from_region
 from ..models.transformer import Transformer
+from .expert import split_sequence
 from .tensor import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
                      TPContext, VocabParallelEmbedding, enter_after, replicated_spec, set_spec, vocab_parallel_cross_entropy)
 
@@ -68,8 +73,13 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
         block.attn_norm = norm(block.attn_norm)
         if block.moe:  # experts whole on every tp rank, outside any region (see the table above)
             for p in [*block.mlp_norm.parameters(), *mlp.parameters()]:
-                if not hasattr(p, "tp_spec"):  # (expert-parallel blocks already say where they sit)
-                    set_spec(p, replicated_spec(p.shape, partial=False))
+                if hasattr(p, "tp_spec"):  # an expert-parallel block of experts: also partial under sp
+                    p.tp_spec = dataclasses.replace(p.tp_spec, partial_grad=sp)
+                else:
+                    set_spec(p, replicated_spec(p.shape, partial=sp))
+            if sp:
+                split_sequence(mlp, comm, "contiguous", lambda: ctx.sp_active, 1.0 / tp)
+                mlp.register_forward_pre_hook(_own_labels(ctx))
         else:
             block.mlp_norm = norm(block.mlp_norm)
         hd = cfg.head_dim
@@ -118,6 +128,16 @@ def _own_positions(ctx: TPContext):
     def hook(module, args):
         if ctx.sp_active:
             return (args[0].chunk(ctx.comm.size)[ctx.comm.rank],)
+        return None
+    return hook
+
+
+def _own_labels(ctx: TPContext):
+    """Sequence parallel: a mixture-of-experts block's per-token labels ``[B, T]`` cut to this rank's shard."""
+
+    def hook(module, args):
+        if ctx.sp_active and len(args) > 1 and args[1] is not None and args[1].dim() == 2:
+            return (args[0], args[1].chunk(ctx.comm.size, dim=1)[ctx.comm.rank])
         return None
     return hook
 

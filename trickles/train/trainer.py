@@ -189,7 +189,8 @@ class Trainer:
         flat = torch.cat([torch.tensor([moe.aux, moe.z, moe.forwards, moe.assigned, moe.dropped], dtype=torch.float64),
                           load.flatten()]).to(self.device)
         world = self.topo.comm("world")
-        flat = world.all_reduce(flat) / self.topo.dims.tp  # tensor-parallel ranks see the same tokens
+        # tensor-parallel ranks see the same tokens, unless sequence parallelism gave each its shard
+        flat = world.all_reduce(flat) / (1 if self.cfg.parallel.sequence_parallel else self.topo.dims.tp)
         aux, z, forwards, assigned, dropped = flat[:5].tolist()
         load = flat[5:].view(len(layers), e).round().long().tolist()
         return {"moe_aux_loss": aux / max(forwards, 1), "moe_z_loss": z / max(forwards, 1),
