@@ -50,7 +50,9 @@ routing            fp32 probabilities; top-k indices (int64); ``k > 1``: the   `
                    keep mask (bool); the sort order and the token of each
                    kept assignment (int64)
 experts            the gathered input rows; each expert's MLP on its rows      ``pmd + 4pmF`` / ``+ 2pmF``
-                   (llama / gpt2, like the dense MLP)
+                   (llama / gpt2, like the dense MLP); llama in fp32 on CPU   (``+ 4E``)
+                   with ``d``, ``F`` multiples of 4 (``grouped_mm``): the
+                   int32 offsets of the ``E`` groups
 combine            the expert outputs and the weights (compute type) of the    ``2pmd + pm``
                    weighting; the weighted rows ``index_add`` keeps
 auxiliary losses   the load fractions; the fp32 logits and log-sum-exp of      ``4SE + 4sE + 4s``
@@ -65,7 +67,7 @@ Together, with ``c_f`` = 4 (llama) or 2 (gpt2) and ``[x]_{cond}`` a term present
 MoE layer keeps ``2 norms + attention + moe`` with
 
 ``moe = [4sd + 4Ed]_{p<4} + 4sE + 8sk + [4sk + 4s]_{k>1} + sk + 16m + 3pmd + pm + c_f pmF + 4SE + 4sE + 4s
-+ (c_f psF_s if shared experts else -[psd]_{p<4}) + [sE]_{hard}``
++ (c_f psF_s if shared experts else -[psd]_{p<4}) + [sE]_{hard} + [4E]_{grouped_mm}``
 
 (exact, byte for byte, for dropless routing on one process). ``s`` counts the tokens the block routes: this
 rank's, ``s/tp`` under sequence parallelism (the router and experts are whole on every tensor-parallel rank).
@@ -152,7 +154,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
                 "full": full}[recompute]
 
     layer = block(mlp)
-    moe_layer = block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep)) if cfg.moe_experts else 0
+    moe_layer = block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type)) if cfg.moe_experts else 0
     vocab = cfg.vocab_size or 0
     if t > 1:  # embedding: shifted ids and the out-of-range mask; loss: ids and mask too
         head = 18 * s + norm + 4 * s * (vocab // t)
@@ -184,7 +186,7 @@ def moe_assignments(cfg: ModelConfig, batch: int, tokens: int, seq: int) -> int:
 
 
 def moe_bytes(cfg: ModelConfig, batch: int, tokens: int, seq: int, dtype_bytes: int = 4, ep: int = 1,
-              assignments: int | None = None, received: int | None = None) -> int:
+              assignments: int | None = None, received: int | None = None, device_type: str = "cpu") -> int:
     """What a mixture-of-experts block keeps in place of the MLP (module docstring, "Mixture-of-experts blocks")
     for ``batch`` sequences of which it routes ``tokens`` each (``seq``: the whole sequence); with ``ep > 1`` the
     expert-parallel dispatch's extra terms. ``assignments``: the kept count ``m`` when known (default
@@ -200,6 +202,8 @@ def moe_bytes(cfg: ModelConfig, batch: int, tokens: int, seq: int, dtype_bytes: 
         routing += s * e
     mlp_factor = 4 if cfg.flavor == "llama" else 2
     experts = p * m_in * d + mlp_factor * p * m_in * f  # the rows the experts run on
+    if cfg.flavor == "llama" and p == 4 and device_type == "cpu" and d % 4 == 0 and f % 4 == 0:  # grouped_mm's offsets
+        experts += 4 * (e // ep)
     combine = 2 * p * m * d + p * m  # this rank's tokens' outputs back
     aux = 4 * batch * e + 4 * s * e + 4 * s
     if cfg.moe_shared_experts:

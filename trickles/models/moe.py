@@ -56,6 +56,9 @@ from torch import nn
 from .config import ModelConfig
 
 
+GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9
+
+
 def _graph_task() -> int:
     """-1 outside backward (a recomputed forward runs inside one)."""
     probe = getattr(torch._C, "_current_graph_task_id", None)
@@ -146,25 +149,44 @@ class Experts(nn.Module):
     def count(self) -> int:
         return self.up_proj.weight.shape[0]
 
-    def grouped(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """Local expert ``e`` on ``rows[e]`` for every ``e``; the outputs concatenated in that order. The stacked
-        weights are split once (``unbind``: one gradient buffer per weight in backward, not one per expert)."""
+    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Local expert ``e`` on its ``counts[e]`` rows of ``x`` (rows sorted by expert); the outputs in the same order.
+
+        Gated experts in fp32, bf16 or fp16 without autocast on CPU, whose rows (``d`` and ``F`` elements) are multiples
+        of 16 bytes, run one ``torch.nn.functional.grouped_mm`` per projection over all the
+        rows (what the loop gives, to rounding); otherwise a loop over the experts hit, with the stacked weights
+        split once (``unbind``: one gradient buffer per weight in backward, not one per expert). Under autocast the
+        loop's ``F.linear`` calls autocast as a dense MLP's do (``grouped_mm`` is not on autocast's lists)."""
+        if not x.shape[0]:
+            # no rows at all: the empty [0, d] itself (experts map d -> d), still tied to the inputs, so that backward
+            # runs the same collectives on every rank
+            return x
+        if self._grouped_mm(x):
+            offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+
+            def mm(inp, lin):
+                return F.grouped_mm(inp, lin.weight.transpose(-2, -1), offs=offs)
+            return mm(F.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+
         def parts(lin):
             return lin.weight.unbind(0), (lin.bias.unbind(0) if lin.bias is not None else [None] * self.count)
         up, down = parts(self.up_proj), parts(self.down_proj)
         gate = parts(self.gate_proj) if self.gated else None
         outs = []
-        for e, x in enumerate(rows):
-            if not x.shape[0]:
+        for e, rows in enumerate(x.split(counts)):
+            if not rows.shape[0]:
                 continue
             if self.gated:
-                h = F.silu(F.linear(x, gate[0][e])) * F.linear(x, up[0][e])
+                h = F.silu(F.linear(rows, gate[0][e])) * F.linear(rows, up[0][e])
             else:
-                h = F.gelu(F.linear(x, up[0][e], up[1][e]), approximate="tanh")
+                h = F.gelu(F.linear(rows, up[0][e], up[1][e]), approximate="tanh")
             outs.append(F.linear(h, down[0][e], down[1][e]))
-        # no rows at all: an empty [0, d] still tied to the inputs (experts map d -> d), so that backward runs the
-        # same collectives on every rank
-        return torch.cat(outs) if outs else torch.cat(rows)
+        return torch.cat(outs)
+
+    def _grouped_mm(self, x: torch.Tensor) -> bool:
+        aligned = all(n * x.element_size() % 16 == 0 for n in self.down_proj.weight.shape[1:])  # the kernel's row strides
+        return (GROUPED_MM is not None and self.gated and x.device.type == "cpu" and x.dtype == self.up_proj.weight.dtype
+                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and aligned and not torch.is_autocast_enabled("cpu"))
 
 
 def top_k(logits: torch.Tensor, k: int):
@@ -293,7 +315,7 @@ class MoE(nn.Module):
         order = torch.argsort(expert, stable=True)
         token, expert, weight = token[order], expert[order], weight[order]
         counts = torch.bincount(expert, minlength=self.experts.count).tolist()
-        y = self.experts.grouped(list(x[token].split(counts)))  # one gather, one matmul per expert and weight
+        y = self.experts.grouped(x[token], counts)  # one gather, then the experts on their rows
         out = torch.zeros_like(x)
         out.index_add_(0, token, y * weight[:, None].to(x.dtype))
         return out

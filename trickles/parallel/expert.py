@@ -95,7 +95,7 @@ def expert_dispatch(layer: MoE, comm: GroupComm):
         rows = _AllToAllRows.apply(x[token], comm, send, recv)  # source-major, then by expert
         local = torch.arange(el, device=x.device).repeat(n_ep).repeat_interleave(got.flatten())
         by_expert = torch.argsort(local, stable=True)
-        y = layer.experts.grouped(list(rows[by_expert].split(got.sum(0).tolist())))
+        y = layer.experts.grouped(rows[by_expert], got.sum(0).tolist())
         back = torch.empty_like(y).index_copy(0, by_expert, y) if y.shape[0] else y  # received order again
         back = _AllToAllRows.apply(back, comm, recv, send)
         out = torch.zeros_like(x)
