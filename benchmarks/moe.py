@@ -211,26 +211,38 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- one device -----------------------------------------------------------------------------
 
-class Step:
-    """One implementation on one device: ``fn(x) -> y`` over its own leaf ``x``, backward from ``dy``."""
+class LeafStep:
+    """Forward and backward of ``fn`` over its own leaf ``self.x``, from the fixed upstream gradient ``self.dy``."""
 
-    def __init__(self, name: str, kind: str, module: nn.Module, fn, grads, x: torch.Tensor, dy: torch.Tensor):
-        self.name, self.kind, self.module, self.fn, self.grads = name, kind, module, fn, grads
+    module: nn.Module
+
+    def _leaf(self, module: nn.Module, fn, x: torch.Tensor, dy: torch.Tensor) -> None:
+        self.module, self.fn = module, fn
         self.x, self.dy = x.detach().clone().requires_grad_(), dy
-        self.times: list[float] = []
 
     def to(self, dtype) -> None:
         self.module.to(dtype)
         self.x = self.x.detach().to(dtype).requires_grad_()
         self.dy = self.dy.to(dtype)
 
-    def step(self) -> torch.Tensor:
+    def run(self) -> torch.Tensor:
         self.x.grad = None
         for p in self.module.parameters():
             p.grad = None
         y = self.fn(self.x)
         y.backward(self.dy)
         return y
+
+
+class Step(LeafStep):
+    """One implementation on one device (``kind``: layer or block); ``grads()`` its weight gradients by our names."""
+
+    def __init__(self, name: str, kind: str, module: nn.Module, fn, grads, x: torch.Tensor, dy: torch.Tensor):
+        self.name, self.kind, self.grads = name, kind, grads
+        self._leaf(module, fn, x, dy)
+        self.times: list[float] = []
+
+    step = LeafStep.run
 
 
 def single_device(args) -> tuple[int, dict]:
@@ -393,27 +405,14 @@ def make_deepspeed(args, full, world: int, rank: int, device: torch.device):
     return ds, f"deepspeed {deepspeed.__version__}"
 
 
-class Layer(Contestant):
+class Layer(Contestant, LeafStep):
     """One MoE layer on this rank: its leaf ``x`` (this rank's tokens), ``fn(x) -> y``, backward from ``dy``."""
 
     def __init__(self, name: str, peer: str | None, module: nn.Module, fn, x, dy):
         super().__init__(name)
-        self.peer, self.module, self.fn = peer, module, fn
-        self.x, self.dy = x.detach().clone().requires_grad_(), dy
+        self.peer = peer
+        self._leaf(module, fn, x, dy)
         self.none = torch.zeros((), device=dy.device)
-
-    def to(self, dtype) -> None:
-        self.module.to(dtype)
-        self.x = self.x.detach().to(dtype).requires_grad_()
-        self.dy = self.dy.to(dtype)
-
-    def run(self) -> torch.Tensor:
-        self.x.grad = None
-        for p in self.module.parameters():
-            p.grad = None
-        y = self.fn(self.x)
-        y.backward(self.dy)
-        return y
 
     def step(self, x=None, y=None) -> torch.Tensor:
         self.run()

@@ -24,6 +24,11 @@ listed as equivalent in ``mutants.toml`` run but are not scored.
   python3 tools/mutation.py --limit 48 --seed 0 --json mutation.json [--jobs 2]
   python3 tools/mutation.py --module trickles/parallel/zero.py --limit 5
   python3 tools/mutation.py --patches /work/plausible_bugs --json bugs.json [--tests SELECTOR ...]
+  python3 tools/mutation.py --rerun mutation.json --only survived --json mutation-rerun.json
+
+``--rerun JSON`` runs the mutants of an earlier run again (the same draw: found again by their source line if the
+file moved since, an error if the line is gone), with today's test map and equivalents; with ``--only STATUS ...``
+just those that ended so, the others keeping their recorded outcome, and the score is over all of them.
 
 ``--patches DIR`` applies each ``*.patch``/``*.diff`` of DIR (``patch -p1``) in place of a mutant and runs its
 ``# tests:`` line (or ``--tests``; else the tests of the files it touches); its ``# bug:`` line names it. A test
@@ -174,6 +179,16 @@ def choose(modules: list[str], limit: int, seed: int) -> list[dict]:
     return out
 
 
+def relocate(m: dict) -> int:
+    """The line of mutant ``m`` in today's source: its recorded line if unchanged, else the one line reading the same
+    (stripped) nearest to it; the recorded line when there is none (the run then reports it as an error)."""
+    lines = open(os.path.join(ROOT, m["file"])).read().splitlines()
+    if m["line"] <= len(lines) and lines[m["line"] - 1].strip() == m["text"]:
+        return m["line"]
+    same = [i + 1 for i, ln in enumerate(lines) if ln.strip() == m["text"]]
+    return min(same, key=lambda i: abs(i - m["line"])) if same else m["line"]
+
+
 def equivalent(m: dict) -> str | None:
     return next((r for f, t, w, r in EQUIVALENT if (f, t, w) == (m["file"], m.get("text"), m["what"])), None)
 
@@ -272,8 +287,8 @@ def run_one(m: dict, spaces: Queue, passed: dict[str, float], timeout: float | N
             r = subprocess.run([*cmd, "--dry-run"], cwd=ws.dir, capture_output=True, text=True)
             if r.returncode or subprocess.run(cmd, cwd=ws.dir, capture_output=True).returncode:
                 ids, m["by"] = [], "does not apply: " + ((r.stdout + r.stderr).strip().splitlines() or ["?"])[0]
-        elif saved[m["file"]].splitlines()[m["line"] - 1].strip() != m["text"]:
-            ids, m["by"] = [], "the source changed while the run started"
+        elif (saved[m["file"]].splitlines()[m["line"] - 1:m["line"]] or [""])[0].strip() != m["text"]:
+            ids, m["by"] = [], "the mutated line is not in the source (changed since the mutant was drawn)"
         else:
             with open(os.path.join(ws.dir, m["file"]), "w") as fh:
                 fh.write(mutate(saved[m["file"]], m))
@@ -308,8 +323,26 @@ def main() -> None:
     ap.add_argument("--json", help="write every result and the score to this file")
     ap.add_argument("--patches", help="a directory of patches (plausible bugs) to run instead of mutants")
     ap.add_argument("--tests", nargs="+", help="run these test selectors instead of the mapped ones")
+    ap.add_argument("--rerun", metavar="JSON", help="run the mutants of an earlier run's --json output again")
+    ap.add_argument("--only", nargs="+", choices=["killed", "timeout", "survived", "error"],
+                    help="with --rerun: only the mutants that ended so; the others keep their recorded outcome")
     args = ap.parse_args()
-    if args.patches:
+    carried: dict[int, dict] = {}
+    if args.only and not args.rerun:
+        raise SystemExit("mutation: --only goes with --rerun JSON")
+    if args.rerun:
+        earlier = [r for r in json.load(open(args.rerun))["results"] if "line" in r]
+        jobs = []
+        for i, r in enumerate(earlier):
+            m = {k: r[k] for k in ("file", "line", "col", "end", "new", "what", "text")}
+            m["line"] = relocate(m)
+            m["tests"] = args.tests or tests_for([m["file"]])
+            if args.only and r["status"] not in args.only:
+                carried[i] = m | {k: r[k] for k in ("status", "by", "seconds")} | {"equivalent": equivalent(m)}
+            else:
+                jobs.append(m)
+        print(f"rerun of {args.rerun}: {len(jobs)} mutants to run, {len(carried)} outcomes carried over", flush=True)
+    elif args.patches:
         jobs = []
         for path in sorted(glob.glob(os.path.join(args.patches, "*.patch")) + glob.glob(os.path.join(args.patches, "*.diff"))):
             text = open(path).read()
@@ -335,7 +368,8 @@ def main() -> None:
         passed, warns = baseline(spaces.queue[0], [m["tests"] for m in jobs])
         print("".join(f"warning: {w}\n" for w in warns), end="")
         with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-            results = list(pool.map(lambda m: run_one(m, spaces, passed, args.timeout), jobs))
+            ran = iter(pool.map(lambda m: run_one(m, spaces, passed, args.timeout), jobs))
+            results = [carried[i] if i in carried else next(ran) for i in range(len(jobs) + len(carried))]
     finally:
         shutil.rmtree(base, ignore_errors=True)
     scored = [r for r in results if not r["equivalent"] and r["status"] != "error"]

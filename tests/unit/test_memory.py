@@ -44,9 +44,10 @@ def test_recompute_gives_identical_losses_and_weights(tmp_path, flavor, precisio
     for mode in ("none", "selective", "full"):
         tr = _trainer(tmp_path, f"model.preset={flavor}", "model.dropout=0.1", f"memory.precision={precision}", f"memory.recompute={mode}")
         losses = [tr.train_step()["loss"] for _ in range(3)]
-        results[mode] = losses, tr.engine.full_state()
+        results[mode] = losses, tr.engine.full_state(), tr.evaluate()  # evaluation: no graph, nothing recomputed
     for mode in ("selective", "full"):
         assert results[mode][0] == results["none"][0], mode  # bit for bit, dropout included
+        assert results[mode][2] == results["none"][2] is not None, mode
         for name, w in results[mode][1].items():
             assert torch.equal(w, results["none"][1][name]), (mode, name)
 
@@ -135,3 +136,17 @@ def test_activation_formula_scales_with_tokens_and_mode():
     assert activation_bytes(cfg, 1, 1024, "full")["layer"] == 1024 * 768 * 4
     bf16 = activation_bytes(cfg, 1, 1024, dtype_bytes=2)
     assert bf16["layer"] < a["layer"]
+
+
+def test_report_note_names_only_the_dimensions_in_use(tmp_path):
+    """The report's first note states the layout: at one process no tensor- or context-parallel clause."""
+    from trickles.memory.report import predict
+
+    tr = _trainer(tmp_path)
+    cfg, mc = tr.cfg, tr.model_cfg
+    note = predict(cfg, ParallelDims(), mc).notes[0]
+    total = sum(p.numel() for p in tr.model.parameters())
+    assert note == (f"{total / 1e6:.1f}M parameters, dp=1, ZeRO-0, fp32 (gradients fp32), micro-batch "
+                    f"{cfg.train.micro_batch or cfg.train.global_batch} x {cfg.data.seq_len}, recompute none")
+    tp2 = predict(cfg, ParallelDims(tp=2), mc).notes[0]
+    assert ", tp=2 (" in tp2 and ", cp=" not in tp2

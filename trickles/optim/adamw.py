@@ -17,12 +17,10 @@ def decay_flags(model: nn.Module) -> dict[str, bool]:
     """``{parameter name: decays?}`` for every trainable parameter (shared ones under their first name)."""
     # lookup tables: nn.Embedding, or a parallel layer that declares itself one (``is_embedding``)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) or getattr(m, "is_embedding", False)}
-    flags, seen = {}, set()
-    for name, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        flags[name] = p.dim() >= 2 and id(p) not in embeddings
+    flags = {}
+    for name, p in model.named_parameters():  # (a shared parameter comes once, under its first name)
+        if p.requires_grad:
+            flags[name] = p.dim() >= 2 and id(p) not in embeddings
     return flags
 
 
