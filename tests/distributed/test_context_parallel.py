@@ -36,7 +36,20 @@ SHAPES = [  # (heads, kv heads, sequence, head dim): plain; grouped-query with a
 ]
 
 
-def _kernel(mode, heads, kv_heads, seq, d):
+def _kernel(mode, heads, kv_heads, seq, d, fused=True):
+    """``fused=False``: the ring's blocks as plain fp32 matmuls, the path it takes off CPU."""
+    import trickles.parallel.context as context
+
+    real = context._fused
+    if not fused:
+        context._fused = lambda q: False
+    try:
+        return _kernel_run(mode, heads, kv_heads, seq, d)
+    finally:
+        context._fused = real
+
+
+def _kernel_run(mode, heads, kv_heads, seq, d):
     topo = ParallelDims(cp=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1).build(CPU)
     comm = topo.comm("cp")
     cp, b = comm.size, 2
@@ -97,6 +110,14 @@ def test_attention_equals_sdpa_on_the_whole_sequence_and_sends_the_formula_bytes
                         assert got[op]["wire_bytes"] == (world - 1) * nbytes // world
                 if mode == "ring":  # every send has its receive
                     assert got["recv/cp"]["bytes"] == got["send/cp"]["bytes"]
+
+
+def test_ring_matmul_blocks_equal_sdpa_too():
+    """The ring's block kernel off CPU (fp32 matmuls, softmax by its log-sum-exp, the backward by hand) forced on CPU:
+    the same 1e-6 against SDPA on the whole sequence."""
+    for heads, kv_heads, seq, d in SHAPES:
+        for errors, *_ in run_ranks(2, _kernel, "ring", heads, kv_heads, seq, d, False):
+            assert max(errors) < 1e-6, (heads, kv_heads, seq, d, errors)
 
 
 def test_chunk_layout_balances_the_causal_work():

@@ -122,3 +122,22 @@ def test_zero1_forward_waits_for_each_pieces_parameters_as_it_starts(tmp_path):
     for waits, embed, buckets in run_ranks(2, _first_parameter_waits, str(tmp_path)):
         assert buckets > 2 and waits[0] == embed  # the embedding's buckets only, then block by block
         assert {b for w in waits for b in w} == set(range(buckets))  # every bucket waited for (shared ones by both pieces)
+
+
+def _reductions_before_the_embedding_gradient(tmp):
+    """Buckets are filled from the output backwards (DDP's reverse order), so some are already being reduced
+    when backward reaches the embedding, the first layer."""
+    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05")
+    tr = Trainer(cfg, ParallelDims(dp=dist.get_world_size()).build(torch.device("cpu")), quiet=True)
+    started = []
+    tr.model.embed.weight.register_hook(lambda g: started.append(tr.topo.ledger.calls("all_reduce", "dp")))
+    x, y = tr.train_data.micro_batches(0, 8, 4)[0]
+    tr.topo.ledger.reset()
+    tr._loss(x, y).backward()
+    tr.engine.finish_backward()
+    return started[0], len(tr.engine.layout.buckets)
+
+
+def test_gradient_reduction_overlaps_backward(tmp_path):
+    for started, buckets in run_ranks(2, _reductions_before_the_embedding_gradient, str(tmp_path)):
+        assert buckets > 2 and 0 < started < buckets

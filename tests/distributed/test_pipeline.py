@@ -376,3 +376,15 @@ def test_default_eps_through_stages_and_tensor_parallel_tracks_one_process(tmp_p
     for rank_losses in losses:
         assert_losses_track(rank_losses, one, 2e-5, wrong={"lr 5% off": off})
     assert_weights_track(weights, one_w, initial, 5e-5)
+
+
+def _entries_after_a_step(tmp, cache):
+    tr = _trainer(tmp, 1, 2, 2, [cache, "parallel.sequence_parallel=true"], steps=1)
+    tr.train_step()
+    return tr.engine.pipeline.tp_ctx._entry is None
+
+
+def test_sequence_parallel_stage_keeps_no_region_entry_past_its_forward(tmp_path, cache):
+    """Each stage's forward under sequence parallelism forgets its last region entry (the gathered activation it
+    kept for a column-parallel layer's backward) once the forward is over, as the whole model's forward does."""
+    assert run_ranks(4, _entries_after_a_step, str(tmp_path), cache) == [True] * 4

@@ -150,3 +150,20 @@ def test_report_note_names_only_the_dimensions_in_use(tmp_path):
                     f"{cfg.train.micro_batch or cfg.train.global_batch} x {cfg.data.seq_len}, recompute none")
     tp2 = predict(cfg, ParallelDims(tp=2), mc).notes[0]
     assert ", tp=2 (" in tp2 and ", cp=" not in tp2
+
+
+def test_a_fresh_scaler_grows_after_exactly_growth_interval_good_steps():
+    s = DynamicLossScaler(scale=8, growth_interval=3)
+    for _ in range(2):
+        s.update(overflow=False)
+    assert s.scale == 8
+    s.update(overflow=False)
+    assert s.scale == 16
+
+
+def test_measure_runs_the_steps_it_is_asked_for(tmp_path):
+    from trickles.memory.report import measure, predict
+
+    tr = _trainer(tmp_path)
+    measure(tr, predict(tr.cfg, ParallelDims(), tr.model_cfg), steps=2)
+    assert tr.step == 2
