@@ -159,6 +159,11 @@ def test_a_fresh_scaler_grows_after_exactly_growth_interval_good_steps():
     assert s.scale == 8
     s.update(overflow=False)
     assert s.scale == 16
+    for _ in range(2):  # and again after exactly growth_interval more
+        s.update(overflow=False)
+    assert s.scale == 16
+    s.update(overflow=False)
+    assert s.scale == 32
 
 
 def test_measure_runs_the_steps_it_is_asked_for(tmp_path):
