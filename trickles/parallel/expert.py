@@ -60,7 +60,7 @@ from typing import Callable
 from ..comm import GroupComm
 from ..models.moe import MoE
 from ..models.transformer import Transformer
-from .context import positions
+from .context import positions, unshard_sequence
 from .tensor import TPSpec, set_spec
 
 
@@ -136,25 +136,18 @@ def split_sequence(layer: MoE, comm: GroupComm, layout: str, active: Callable[[]
     is split (not when decoding with a KV cache)."""
     plain_keep, plain_fraction = layer.keep, layer.load_fraction
     n = comm.size
-    cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def places(t: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(global position of each gathered token, in rank order; this rank's positions)."""
-        key = (t, str(device))
-        if key not in cache:
-            every = [positions(t * n, n, r, layout) for r in range(n)]
-            cache[key] = torch.cat(every).to(device), every[comm.rank].to(device)
-        return cache[key]
+    mine: dict[tuple[int, str], torch.Tensor] = {}  # this rank's global positions, per local length and device
 
     def keep(experts: torch.Tensor) -> torch.Tensor:
         if not active() or layer.capacity_factor <= 0:  # dropless keeps everything: nothing to complete
             return plain_keep(experts)
-        b, t, k = experts.shape
+        t = experts.shape[1]
         gathered = comm.all_gather(experts.contiguous(), dim=1)  # [B, n t, k], rank after rank
-        where, mine = places(t, experts.device)
-        whole = torch.empty_like(gathered)
-        whole[:, where] = gathered
-        return plain_keep(whole)[:, mine]
+        whole = unshard_sequence(list(gathered.chunk(n, dim=1)), layout)  # at their global positions
+        key = (t, str(experts.device))
+        if key not in mine:
+            mine[key] = positions(t * n, n, comm.rank, layout).to(experts.device)
+        return plain_keep(whole)[:, mine[key]]
 
     def fraction(experts: torch.Tensor) -> torch.Tensor:
         f = plain_fraction(experts)
