@@ -20,7 +20,11 @@ def _plain_backward_on_a_fresh_engine(tmp, stage):
     x, y = tr.train_data.micro_batches(0, 8, 4)[0]
     tr._loss(x, y).backward()  # straight after construction
     tr.engine.finish_backward()
-    return _diff_from_averaged(tr, build_model(tr.model_cfg, cfg.train.seed), x, y, stage)
+    diff = _diff_from_averaged(tr, build_model(tr.model_cfg, cfg.train.seed), x, y, stage)
+    before = [g.clone() for g in tr.engine.owned_grads()]
+    tr.engine.scale_grads(0.25)  # how the fp16 loss scale is taken off the reduced gradients
+    scaled = max((g - 0.25 * b).abs().max().item() for g, b in zip(tr.engine.owned_grads(), before))
+    return diff, scaled, max(b.abs().max().item() for b in before)
 
 
 def _diff_from_averaged(tr, plain, x, y, stage) -> float:
@@ -65,8 +69,9 @@ def test_engine_zero_grad_rebinds_after_the_model_dropped_its_grads(tmp_path, st
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_fresh_engine_reduces_a_plain_backward(tmp_path, stage):
-    for diff in run_ranks(2, _plain_backward_on_a_fresh_engine, str(tmp_path), stage):
+    for diff, scaled, largest in run_ranks(2, _plain_backward_on_a_fresh_engine, str(tmp_path), stage):
         assert diff < 1e-7  # the same averaged gradients as per-parameter all-reduce (fp32, summation order aside)
+        assert largest > 0 and scaled == 0  # scale_grads multiplies every reduced gradient (exact: a power of two)
 
 
 def _plain_backward_after_a_training_step(tmp, stage):

@@ -1,0 +1,23 @@
+"""A group of one rank: every autograd-aware collective is the identity, both ways, and records nothing."""
+
+import pytest
+import torch
+
+from trickles import comm as C
+
+
+@pytest.mark.parametrize("fn", [
+    C.copy_to_region, C.reduce_from_region, C.scatter_to_region, C.gather_from_region,
+    C.gather_sequence, C.reduce_scatter_sequence,
+    lambda x, g: C.all_to_all(x, g, 1, 2),
+], ids=["copy_to", "reduce_from", "scatter_to", "gather_from", "gather_sequence", "reduce_scatter_sequence", "all_to_all"])
+def test_single_rank_collectives_are_the_identity(fn):
+    ledger = C.CommLedger()
+    group = C.GroupComm("solo", None, ledger)
+    x = torch.randn(2, 4, 6, requires_grad=True)
+    y = fn(x, group)
+    assert isinstance(y, torch.Tensor) and torch.equal(y, x)
+    g = torch.randn_like(x)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
+    assert not ledger.stats
