@@ -197,14 +197,14 @@ class Topology:
         return self._comms[name].size
 
     def replicas(self) -> GroupComm:
-        """The ranks holding the same weights, which average their gradients: ``dp``, or with context
-        parallelism the combined ``dp x cp`` group (``dp_cp``). (With expert parallelism they hold the same
-        weights except their experts; the engine then reduces over :meth:`gradient_group`.)"""
+        """The ranks holding the same weights, which average their gradients (and ZeRO shards them over): ``dp``,
+        or with context parallelism the combined ``dp x cp`` group (``dp_cp``). (With expert parallelism they hold
+        the same weights except their experts: those over :meth:`expert_group`.)"""
         return self._comms["dp_cp"] if self.dims.cp > 1 else self._comms["dp"]
 
-    def gradient_group(self) -> GroupComm:
-        """The group the engine averages (and ZeRO shards) over: :meth:`replicas`, or with expert parallelism
-        the ranks holding the same experts (``edp``; see :mod:`trickles.parallel.expert`)."""
+    def expert_group(self) -> GroupComm:
+        """The ranks holding the same experts (``edp``, the data-parallel group of the experts; see
+        :mod:`trickles.parallel.expert`): :meth:`replicas` without expert parallelism."""
         return self._comms["edp"] if self.dims.ep > 1 else self.replicas()
 
     @property

@@ -59,7 +59,7 @@ LAYOUTS = [  # (id, degrees, overrides)
     ("pp2-1f1b-capacity", {"pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
     ("dp2-full-recompute-every2", {"dp": 2}, ["memory.recompute=full", "model.n_layers=4", "model.moe_every=2"]),
     ("ep2-capacity", {"dp": 2, "ep": 2}, ["model.moe_capacity_factor=1.0"]),
-    ("ep4-dropless-gpt2", {"dp": 4, "ep": 4}, ["model.preset=gpt2-tiny"]),
+    ("ep4-dropless-gpt2-zero2-accum", {"dp": 4, "ep": 4}, ["model.preset=gpt2-tiny", "parallel.zero=2", "train.micro_batch=1"]),
     ("dp4-ep2-zero1", {"dp": 4, "ep": 2}, ["parallel.zero=1", "model.moe_capacity_factor=1.0"]),
     ("dp4-ep2-zero3-shared", {"dp": 4, "ep": 2}, ["parallel.zero=3", "model.moe_shared_experts=1"]),
     ("dp2-ep2-pp2-1f1b", {"dp": 2, "ep": 2, "pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
@@ -147,6 +147,38 @@ def test_expert_parallel_all_to_all_sends_the_formula_bytes(tmp_path, cache, ove
         assert m_out > 0 and m_in > 0
     wire = sum(r[4]["all_to_all/ep"]["wire_bytes"] for r in results)
     assert wire == 2 * 2 * total_off * 64 * 4 + 2 * len(results[0][3]) * results[0][1] * (ep - 1) * e * 8 // ep
+
+
+def _zero1_reductions(tmp, cache):
+    cfg = tiny_config(tmp, cache, *MOE, "parallel.ep=2", "parallel.dp=4", "parallel.zero=1", "parallel.bucket_mb=0.05", steps=2)
+    tr = Trainer(cfg, cfg.validate(4).build(CPU), quiet=True)
+    tr.train_step()
+    tr.topo.ledger.reset()
+    tr.train_step()
+    held = [0, 0]  # parameters this rank holds: 0 the dense ones, 1 its experts
+    for n, p in tr.model.named_parameters():
+        held[int(".experts." in n)] += p.numel()
+    groups = [tr.engine.group_of(s.param) for s in tr.engine.layout.slots]
+    expected = [int(".experts." in s.name) for s in tr.engine.layout.slots]
+    buckets = [[b.size for b in tr.engine.layout.buckets if b.group == g] for g in (0, 1)]
+    return held, groups == expected, buckets, tr.topo.ledger.snapshot()
+
+
+def test_zero_reduces_and_shards_experts_over_edp_and_the_rest_over_all_replicas(tmp_path, cache):
+    """dp4 x ep2 with ZeRO-1 (Megatron's distributed optimizer): the dense weights' buckets are reduce-scattered and
+    all-gathered over all 4 replicas (``dp``), the experts' over the 2 ranks holding the same experts (``edp``); each
+    bucket is padded to a multiple of 16 x its group's size; nothing else reduces gradients (no second averaging over
+    ``ep``); over the replicas, one all-reduce of the squared norm and one of the step's loss."""
+    for held, grouped, buckets, ledger in run_ranks(4, _zero1_reductions, str(tmp_path), cache):
+        assert grouped  # the experts and only they are in group 1
+        for g, (group, n) in enumerate((("dp", 4), ("edp", 2))):
+            assert all(size % (16 * n) == 0 for size in buckets[g])
+            assert 0 <= sum(buckets[g]) - held[g] < 16 * n * len(buckets[g])  # the padding: less than a unit per bucket
+            assert ledger[f"reduce_scatter/{group}"] == {"calls": len(buckets[g]), "bytes": 4 * sum(buckets[g]),
+                                                         "wire_bytes": 4 * sum(buckets[g]) * (n - 1) // n}
+            assert ledger[f"all_gather/{group}"]["bytes"] == 4 * sum(buckets[g]) // n  # each rank's shard
+        assert ledger["all_reduce/dp"] == {"calls": 2, "bytes": 8, "wire_bytes": 2 * 2 * 4 * 3 // 4}  # the norm, the loss
+        assert not any(k.startswith(("all_reduce/ep", "all_reduce/edp")) for k in ledger)
 
 
 # ---- hard (label-routed) experts ---------------------------------------------------------------------------------

@@ -209,29 +209,39 @@ def test_memory_report_measures_the_live_tensors(tmp_path, cache, stage):
             assert meas == pred, (stage, key, pred, meas)  # exact: padding and 4-byte step counters included
 
 
-def _expert_parallel_report(tmp, cache):
-    cfg = tiny_config(tmp, f"data.cache_dir={cache}", "parallel.dp=2", "parallel.ep=2", "parallel.zero=1", *PADDED,
+def _expert_parallel_report(tmp, cache, stage):
+    cfg = tiny_config(tmp, f"data.cache_dir={cache}", "parallel.dp=2", "parallel.ep=2", f"parallel.zero={stage}", *PADDED,
                       "model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2", "model.moe_ffn_hidden=64",
                       "train.global_batch=4", steps=3)
     tr = Trainer(cfg, cfg.validate(2).build(torch.device("cpu")), quiet=True)
     rep = predict(tr.cfg, tr.topo.dims, tr.model_cfg, dp_rank=tr.replicas.rank)
     measure(tr, rep, steps=1)
-    experts = sum(p.numel() for n, p in tr.model.named_parameters() if ".experts." in n)
-    return rep.predicted, rep.measured, rep.layers_predicted, rep.layers_measured, experts, rep.notes
+    e = tr.engine
+    slots = e.layout.slots if stage < 3 else [s for u in e.units for s in u.layout.slots]
+    held, owned = [0, 0], [0, 0]  # elements per group (0: dense, 1: experts): on the rank, and in its ZeRO shard
+    for s in slots:
+        held[e.group_of(s.param)] += s.numel
+    for seg in e.optimizer.segments:
+        owned[e.group_of(seg.slot.param)] += seg.numel
+    return rep.predicted, rep.measured, rep.layers_predicted, rep.layers_measured, held, owned, rep.notes
 
 
-def test_memory_report_predicts_expert_parallel_ranks(tmp_path, cache):
-    """dp2 x ep2 with ZeRO-1: each rank holds 2 of the 4 experts, and ZeRO shards over the ranks holding the same
-    experts (edp, 1 rank here, not dp x cp = 2): parameters, gradients and optimizer state as predicted, to the byte.
-    The dense layer and the head are exact; a rank's MoE layer depends on how many rows its experts receive, and the
-    prediction is the balanced load, so the two ranks' MoE layers add up to twice it."""
-    results = run_ranks(2, _expert_parallel_report, str(tmp_path), cache)
-    for pred, meas, layers_pred, layers_meas, experts, notes in results:
+@pytest.mark.parametrize("stage", [1, 3])
+def test_memory_report_predicts_expert_parallel_ranks(tmp_path, cache, stage):
+    """dp2 x ep2 with ZeRO-1 and ZeRO-3: each rank holds 2 of the 4 experts; ZeRO shards the dense weights over both
+    replicas (dp x cp = 2) and the experts over the ranks holding the same ones (edp, 1 rank here): parameters,
+    gradients and optimizer state as predicted, to the byte. The dense layer and the head are exact; a rank's MoE layer
+    depends on how many rows its experts receive, and the prediction is the balanced load, so the two ranks' MoE
+    layers add up to twice it."""
+    results = run_ranks(2, _expert_parallel_report, str(tmp_path), cache, stage)
+    for pred, meas, layers_pred, layers_meas, held, owned, notes in results:
         for key in ("parameters", "gradients", "optimizer", "head"):
             assert meas[key] == pred[key], (key, pred[key], meas[key])
         assert layers_meas[0] == layers_pred[0] and layers_pred[1] > layers_pred[0]
-        assert experts == 2 * 3 * 64 * 72  # half of the 4 experts' gate, up and down
+        assert held[1] == owned[1] == 2 * 3 * 64 * 72  # half of the 4 experts' gate, up and down, all in its shard
         assert any("ep=2: 2 experts per rank" in n for n in notes), notes
+    assert sum(r[5][0] for r in results) == results[0][4][0] == results[1][4][0]  # each dense element on one rank
+    assert all(0 < r[5][0] < r[4][0] for r in results)
     assert sum(r[3][1] for r in results) == 2 * results[0][2][1]
 
 

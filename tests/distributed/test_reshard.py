@@ -45,7 +45,8 @@ LAYOUTS = {
     # mixture of experts (another model: 4 experts in every other block): the experts split over ep ranks
     "moe-ep2": (2, [*MOE, "parallel.ep=2"]),
     "moe-dp1": (1, MOE),
-    "moe-dp4-ep4-zero1": (4, [*MOE, "parallel.ep=4", "parallel.zero=1"]),
+    "moe-ep2-zero1": (2, [*MOE, "parallel.ep=2", "parallel.zero=1"]),  # ZeRO: dense state over both ranks, experts apart
+    "moe-dp4-ep4-zero3": (4, [*MOE, "parallel.ep=4", "parallel.zero=3"]),  # each block's experts a ZeRO-3 unit of their own
 }
 
 
@@ -124,7 +125,7 @@ def sources(tmp_path_factory):
     ("dp2-cp2-zero3", "pp2"),
     ("dp2-cp2-zero3", "tp2"),
     ("moe-ep2", "moe-dp1"),  # experts by global index: from 2 expert-parallel ranks to one process and to 4
-    ("moe-ep2", "moe-dp4-ep4-zero1"),
+    ("moe-ep2-zero1", "moe-dp4-ep4-zero3"),
 ])
 def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sources, source, target):
     tmp, found = sources

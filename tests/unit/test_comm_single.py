@@ -21,3 +21,17 @@ def test_single_rank_collectives_are_the_identity(fn):
     y.backward(g)
     assert torch.equal(x.grad, g)
     assert not ledger.stats
+
+
+def test_ledger_totals_select_by_op_and_group():
+    ledger = C.CommLedger()
+    ledger.record("all_reduce", "dp", 100, 150.0)
+    ledger.record("all_reduce", "dp", 20, 30.0)
+    ledger.record("all_gather", "tp", 8, 4.0)
+    assert ledger.calls() == 3 and ledger.calls("all_reduce") == 2 and ledger.calls(group="tp") == 1
+    assert ledger.calls("all_gather", "dp") == 0
+    assert ledger.bytes("all_reduce", "dp") == 120 and ledger.bytes(wire=True) == 184
+    assert ledger.snapshot()["all_gather/tp"] == {"calls": 1, "bytes": 8, "wire_bytes": 4}
+    ledger.enabled = False
+    ledger.record("all_reduce", "dp", 1, 1.0)
+    assert ledger.calls() == 3

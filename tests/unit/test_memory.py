@@ -172,3 +172,15 @@ def test_measure_runs_the_steps_it_is_asked_for(tmp_path):
     tr = _trainer(tmp_path)
     measure(tr, predict(tr.cfg, ParallelDims(), tr.model_cfg), steps=2)
     assert tr.step == 2
+
+
+def test_live_tensor_bytes_counts_storages_once_on_the_device_asked():
+    from trickles.memory.accounting import live_tensor_bytes
+
+    before_cpu, before_other = live_tensor_bytes("cpu"), live_tensor_bytes("cuda")
+    t = torch.zeros(1000)
+    views = [t[:10], t.view(10, 100)]  # views share the storage: counted once
+    assert live_tensor_bytes("cpu") - before_cpu == 4000
+    assert live_tensor_bytes("cuda") == before_other  # another device's filter leaves the new CPU tensor out
+    assert live_tensor_bytes() >= live_tensor_bytes("cpu")
+    del t, views

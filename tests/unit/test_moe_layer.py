@@ -246,7 +246,7 @@ def test_grouped_mm_path_equals_the_expert_loop(dtype, monkeypatch):
         monkeypatch.setattr(moe, "GROUPED_MM", torch.nn.functional.grouped_mm if grouped else None)
         assert experts._grouped_mm(x) == grouped  # the path under test is the one taken
         xa = x.clone().requires_grad_()
-        y = experts.grouped(xa, counts)
+        y = experts(xa, counts)
         results.append((y, *torch.autograd.grad((y * up).sum(), [xa, *experts.parameters()])))
     for a, b in zip(*results):
         # another summation order: fp32 within a few units of the last place (2e-6 relative measured), bf16 its rounding

@@ -22,8 +22,9 @@ allocator's ``max_memory_allocated``; a CPU has no such statistic.
 Mixture-of-experts models: each MoE block's activations have their own formula
 (:mod:`~trickles.memory.activations`); with expert parallelism (``parallel.ep``) a rank holds ``E / ep`` experts
 of every block (the plan's :func:`~trickles.parallel.expert.apply_expert_parallel` applied to the meta model)
-and ZeRO shards over the ``edp`` group, the ``dp x cp / ep`` ranks holding the same experts
-(:meth:`~trickles.topology.Topology.gradient_group`). What a rank's experts receive depends on the routing:
+and ZeRO shards the experts over their ``edp`` group, the ``dp x cp / ep`` ranks holding the same experts
+(:meth:`~trickles.topology.Topology.expert_group`), and every other weight over all ``dp x cp`` replicas.
+What a rank's experts receive depends on the routing:
 the prediction is for a balanced load.
 """
 
@@ -176,10 +177,11 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     offload = cfg.memory.offload_optimizer
     stage = cfg.parallel.zero
     # the weights are replicated over dp x cp ranks: ZeRO shards over all of them (dp_rank counts them); with expert
-    # parallelism the engine's group is edp, the R / ep ranks holding the same experts (Topology.gradient_group):
+    # parallelism the experts over edp, the R / ep ranks holding the same experts (Topology.expert_group):
     # replica r is rank r // ep of its edp group
     edp = dims.dp * dims.cp // dims.ep
-    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, edp, dp_rank // dims.ep)
+    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, dp_rank,
+                                (edp, dp_rank // dims.ep) if dims.ep > 1 else None)
     micro, _ = cfg.batch_plan(dims.dp)
     act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
                            cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep)
@@ -214,8 +216,9 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
                 f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}; {total_params / 1e6:.2f}M parameters in all, "
                 f"{active_params / 1e6:.2f}M active per token")
         if dims.ep > 1:
-            note += (f"; ep={dims.ep}: {mc.moe_experts // dims.ep} experts per rank ({n / 1e6:.2f}M parameters), ZeRO over the "
-                     f"{edp} rank{'s' if edp > 1 else ''} holding the same experts (edp), the experts' activations and the "
+            note += (f"; ep={dims.ep}: {mc.moe_experts // dims.ep} experts per rank ({n / 1e6:.2f}M parameters), ZeRO shards the "
+                     f"experts over the {edp} rank{'s' if edp > 1 else ''} holding the same ones (edp) and the rest over all "
+                     f"{dims.dp * dims.cp}; the experts' activations and the "
                      f"all-to-all rows in flight for a balanced load")
         if mc.moe_capacity_factor > 0:
             note += f"; capacity factor {mc.moe_capacity_factor:g}: expert activations are an upper bound (every expert full)"
@@ -259,7 +262,7 @@ def ring_blocks_in_flight(cfg: ModelConfig, tokens: int, p: int, tp: int = 1) ->
     return 2 * block * p + 2 * block * 4
 
 
-def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0) -> dict[str, int]:
+def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tuple[int, int] | None = None) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
 
     ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type. These are
@@ -269,6 +272,8 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0) -> dict[str
     offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
     multiple of ``16 dp`` elements (:class:`~trickles.parallel.flat.FlatLayout`; under ZeRO-3 one
     bucket per block and one for the root), and a 4-byte step counter per owned parameter segment.
+    ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
+    experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it).
     """
     from ..parallel.engine import FIRST_BUCKET_BYTES, bucket_bytes, unique_named_parameters
     from ..parallel.flat import FlatLayout
@@ -279,22 +284,27 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0) -> dict[str
     offload = cfg.memory.offload_optimizer
     k = 8 + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
     stage = cfg.parallel.zero
+    worlds, ranks = ([dp], [dp_rank]) if experts is None else ([dp, experts[0]], [dp_rank, experts[1]])
     if stage == 3:
+        from ..parallel.expert import expert_modules
         from ..parallel.zero3 import _owned
 
         names = {id(m): name for name, m in meta.named_modules()}
-        units = list(meta.layers.values())
+        expert_units = expert_modules(meta) if experts is not None else []
+        units = [*meta.layers.values(), *expert_units, meta]
         unit_ids = {id(m) for m in units}
-        layouts = [FlatLayout(_owned(m, names[id(m)], unit_ids - {id(m)})[0], dp, None) for m in [*units, meta]]
+        group = [1 if any(m is e for e in expert_units) else 0 for m in units]
+        layouts = [FlatLayout(_owned(m, names[id(m)], unit_ids - {id(m)})[0], worlds[gi], None) for m, gi in zip(units, group)]
         shard = sum(lay.shard_numel for lay in layouts)
         params, grads = p * shard, g * shard
-        segments = [seg for lay in layouts for seg in lay.segments(dp_rank)]
+        segments = [seg for lay, gi in zip(layouts, group) for seg in lay.segments(ranks[gi])]
     else:
-        layout = FlatLayout(unique_named_parameters(meta), dp, bucket_bytes(cfg.parallel.bucket_mb),
-                            first_bucket_bytes=FIRST_BUCKET_BYTES)
+        layout = FlatLayout(unique_named_parameters(meta), worlds, bucket_bytes(cfg.parallel.bucket_mb),
+                            first_bucket_bytes=FIRST_BUCKET_BYTES,
+                            group_of=lambda t: int(experts is not None and getattr(getattr(t, "tp_spec", None), "ep_sharded", False)))
         params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
         grads = g * (layout.shard_numel if stage == 2 else layout.total)
-        segments = layout.whole_segments() if stage == 0 else layout.segments(dp_rank)
+        segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
     optimizer = k * sum(s.numel for s in segments) + 4 * len(segments)
     return {"parameters": params, "gradients": grads, "optimizer": optimizer}
 

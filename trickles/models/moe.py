@@ -149,8 +149,10 @@ class Experts(nn.Module):
     def count(self) -> int:
         return self.up_proj.weight.shape[0]
 
-    def grouped(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Local expert ``e`` on its ``counts[e]`` rows of ``x`` (rows sorted by expert); the outputs in the same order.
+        (A module call, so that hooks on the experts run: ZeRO-3 gathers them as a unit of their own under expert
+        parallelism.)
 
         Gated experts in fp32, bf16 or fp16 without autocast on CPU, whose rows (``d`` and ``F`` elements) are multiples
         of 16 bytes, run one ``torch.nn.functional.grouped_mm`` per projection over all the
@@ -158,9 +160,9 @@ class Experts(nn.Module):
         split once (``unbind``: one gradient buffer per weight in backward, not one per expert). Under autocast the
         loop's ``F.linear`` calls autocast as a dense MLP's do (``grouped_mm`` is not on autocast's lists)."""
         if not x.shape[0]:
-            # no rows at all: the empty [0, d] itself (experts map d -> d), still tied to the inputs, so that backward
-            # runs the same collectives on every rank
-            return x
+            # no rows at all: an empty [0, d] (experts map d -> d) still tied to the inputs and to the weights (zero
+            # gradients), so that backward runs the same collectives on every rank, the experts' own included
+            return x + 0 * self.down_proj.weight.sum()
         if self._grouped_mm(x):
             offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
 
@@ -315,7 +317,7 @@ class MoE(nn.Module):
         order = torch.argsort(expert, stable=True)
         token, expert, weight = token[order], expert[order], weight[order]
         counts = torch.bincount(expert, minlength=self.experts.count).tolist()
-        y = self.experts.grouped(x[token], counts)  # one gather, then the experts on their rows
+        y = self.experts(x[token], counts)  # one gather, then the experts on their rows
         out = torch.zeros_like(x)
         out.index_add_(0, token, y * weight[:, None].to(x.dtype))
         return out

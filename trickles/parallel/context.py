@@ -139,9 +139,8 @@ def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
 
 def _scores(q, k, scale, causal):
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if causal:
-        n = s.shape[-1]
-        s.masked_fill_(torch.ones(n, n, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    if causal:  # a diagonal block: query i sees keys 0..i
+        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     return s
 
 

@@ -14,7 +14,9 @@ on the whole batch (the loss being a mean over equally sized slices).
   all-reduced (mean) asynchronously while backward goes on -- in bucket order (a complete bucket waits for the
   lower-numbered ones), so every rank issues the same collectives in the same order even where their backward
   graphs differ (mixture-of-experts ranks skip the experts no token reached). Earlier micro-steps only
-  accumulate. Per step each rank sends ``2 (dp-1)/dp * 4 * P`` bytes in fp32.
+  accumulate. Per step each rank sends ``2 (dp-1)/dp * 4 * P`` bytes in fp32. With expert parallelism the
+  experts' buckets are all-reduced over their ``edp`` group and the rest over all replicas (each group's
+  buckets in their own index order; :class:`~trickles.parallel.flat.FlatLayout`, "Groups").
 """
 
 from __future__ import annotations
@@ -51,12 +53,14 @@ class DataParallel(Engine):
     stage = 0
 
     def __init__(self, model: nn.Module, comm: GroupComm, optim: AdamWSettings, bucket_bytes: int | None,
-                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None):
-        super().__init__(model, comm, tp)
+                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None, ep: GroupComm | None = None,
+                 edp: GroupComm | None = None):
+        super().__init__(model, comm, tp, ep, edp)
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         device = self.params[0].device
-        self.layout = FlatLayout(self.named, comm.size, bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES)
+        self.layout = FlatLayout(self.named, [g.size for g in self.groups], bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES,
+                                 group_of=self.group_of)
         self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=device)
         self.main_grads = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
         self._bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
@@ -73,7 +77,7 @@ class DataParallel(Engine):
     def _reset_reduction(self) -> None:
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._handles = {}
-        self._next = 0  # buckets are launched in index order (see _on_grad)
+        self._next = [r.start for r in self.layout.group_buckets]  # each group's buckets go in index order (see _on_grad)
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
         return self.main_grads[id(p)]
@@ -81,17 +85,20 @@ class DataParallel(Engine):
     def _on_grad(self, p: torch.Tensor) -> None:
         self._accumulate(p, self.main_grads[id(p)])
         if self._reduce and id(p) not in self._deferred:
-            self._pending[self._bucket_of[id(p)]] -= 1
-            # complete buckets go out in index order, never one before a lower-numbered one: every rank then issues
-            # the same all-reduces in the same order even when their backward graphs differ (a mixture of experts
-            # skips the experts that got no token on one rank and not on another)
-            while self._next < len(self._pending) and self._pending[self._next] == 0:
-                self._launch(self._next)
-                self._next += 1
+            b = self._bucket_of[id(p)]
+            self._pending[b] -= 1
+            # complete buckets go out in index order, never one before a lower-numbered one of their group: every rank
+            # then issues the same all-reduces in the same order even when their backward graphs differ (a mixture of
+            # experts skips the experts that got no token on one rank and not on another)
+            g = self.layout.buckets[b].group
+            end = self.layout.group_buckets[g].stop
+            while self._next[g] < end and self._pending[self._next[g]] == 0:
+                self._launch(self._next[g])
+                self._next[g] += 1
 
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]
-        self._handles[b] = self.comm.all_reduce(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True)
+        self._handles[b] = self.groups[bucket.group].all_reduce(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True)
 
     def _finish_reduction(self) -> None:
         for b in range(len(self.layout.buckets)):  # buckets with a parameter that got no gradient

@@ -40,15 +40,23 @@ class Engine:
     the rank's tensor-parallel shards; gradients of parameters that every tp rank holds but
     uses on different data (``tp_spec.partial_grad``) are summed over ``tp`` after the
     data-parallel reduction, and the global gradient norm counts tp-replicated parameters once.
+
+    With expert parallelism (``ep``: the ranks splitting the experts, ``edp``: the ranks holding the same
+    experts; :mod:`trickles.parallel.expert`) the parameters fall in two groups (:attr:`groups`): the
+    experts, averaged (and under ZeRO sharded) over ``edp``, and every other weight, over all of ``comm``
+    (the replicas) as without experts.
     """
 
     stage: int = 0
 
-    def __init__(self, model: nn.Module, comm: GroupComm, tp: GroupComm | None = None):
+    def __init__(self, model: nn.Module, comm: GroupComm, tp: GroupComm | None = None, ep: GroupComm | None = None,
+                 edp: GroupComm | None = None):
         self.model = model
         self.comm = comm
         self.tp = tp
-        self.ep: GroupComm | None = None  # expert parallelism: ``comm`` is then the experts' data-parallel group
+        self.ep = ep if ep is not None and ep.size > 1 else None
+        # each parameter's data-parallel group (group_of): the replicas; with expert parallelism the experts' edp
+        self.groups: list[GroupComm] = [comm] if self.ep is None else [comm, edp]
         self._reduce = True
         self.loss_fn = default_loss
         self.full_logits = lambda logits: logits
@@ -60,6 +68,14 @@ class Engine:
         self._tied_counted = True
         self._deferred: set[int] = set()
         self._bound: set[int] = set()  # parameters whose .grad is their view of the gradient buffer
+
+    def group_of(self, p: torch.Tensor) -> int:
+        """The index in :attr:`groups` of the ranks ``p``'s gradient is averaged (and its state sharded) over."""
+        return 1 if self.ep is not None and _spec(p, "ep_sharded") else 0
+
+    @property
+    def group_ranks(self) -> list[int]:
+        return [g.rank for g in self.groups]
 
     def tie_across_stages(self, params: list[nn.Parameter], comm: GroupComm, counted: bool) -> None:
         """``params`` have copies on other pipeline stages (over ``comm``): their gradients are summed
@@ -128,14 +144,8 @@ class Engine:
                 flat = torch.cat([g.reshape(-1) for g in partial])
                 self.tp.all_reduce(flat)
                 torch._foreach_copy_(partial, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in partial]), partial)])
-        if self.ep is not None and self.ep.size > 1:  # see trickles.parallel.expert: "Gradients"
-            pairs = self.owned_param_grads()
-            whole = [g for p, g in pairs if not _spec(p, "ep_sharded")]
-            experts = [g for p, g in pairs if _spec(p, "ep_sharded")]
-            if whole:
-                flat = torch.cat([g.reshape(-1) for g in whole])
-                self.ep.all_reduce(flat, op="mean")
-                torch._foreach_copy_(whole, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in whole]), whole)])
+        if self.ep is not None:  # see trickles.parallel.expert: "Gradients"
+            experts = [g for p, g in self.owned_param_grads() if self.group_of(p) == 1]
             if experts:
                 torch._foreach_mul_(experts, 1.0 / self.ep.size)
 
@@ -161,24 +171,26 @@ class Engine:
         ``norm^2 = sum over owned parts of g^2`` (accumulated in fp32), summed over the dp ranks
         when gradients are sharded there (ZeRO >= 1), over the tp ranks, where tp-replicated
         parameters count on tp rank 0 only, and over the pipeline stages, where a weight tied
-        across stages counts on one of them. Every gradient is scaled by
+        across stages counts on one of them. With expert parallelism the sum always runs over the
+        replicas (``comm``), every rank holding different experts: without ZeRO each weight counts
+        on the first rank of its group. Every gradient is scaled by
         ``min(1, max_norm / (norm + 1e-6))`` (torch's ``clip_grad_norm_`` rule); ``max_norm <= 0``
         only measures. An inf or NaN anywhere makes the norm non-finite on every rank.
         """
         pairs = self.owned_param_grads()
         device = pairs[0][1].device if pairs else next(self.model.parameters()).device
         skip = set() if self._tied_counted else self._deferred
-        counted = [g for p, g in pairs if self.writes(p) and id(p) not in skip]  # each part of the model once
+        summed = self.stage >= 1 or self.ep is not None  # over the replicas
+        counted = [g for p, g in pairs if self.writes(p) and id(p) not in skip  # each part of the model once
+                   and (self.stage >= 1 or self.ep is None or self.groups[self.group_of(p)].rank == 0)]
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
             sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
         sq = sq.reshape(1)
-        if self.stage >= 1 and self.comm.size > 1:
+        if summed and self.comm.size > 1:
             self.comm.all_reduce(sq)
         if self.tp is not None and self.tp.size > 1:
             self.tp.all_reduce(sq)
-        if self.ep is not None and self.ep.size > 1:
-            self.ep.all_reduce(sq)
         if self.stages is not None and self.stages.size > 1:
             self.stages.all_reduce(sq)
         norm = sq.sqrt().reshape(())
@@ -207,16 +219,14 @@ class Engine:
     def save(self, directory: str, rank: int) -> None:
         """Writes this rank's part of the model and optimizer state into ``directory``.
 
-        Parameters are replicated over the data-parallel ranks (ZeRO 0-2): the first of them
-        writes them. Optimizer state is written by every rank when it is sharded (ZeRO >= 1),
-        else by the first one too.
+        Parameters are replicated over the data-parallel ranks (ZeRO 0-2): the first rank of each
+        parameter's group writes it. Optimizer state is written by every rank when it is sharded
+        (ZeRO >= 1), else by the first one too.
         """
         from ..train.checkpoint import model_pieces
 
-        if self.comm.rank == 0:
-            self._save_model(directory, rank, model_pieces(self.model, self.writes))
-        if self.stage >= 1 or self.comm.rank == 0:
-            self._save_optimizer(directory, rank)
+        self._save_model(directory, rank, model_pieces(self.model, lambda p: self.writes(p) and self._first_of_group(p)))
+        self._save_optimizer(directory, rank)
 
     def load(self, directory: str) -> None:
         """Restores model and optimizer state from a checkpoint directory (any data-parallel layout)."""
@@ -231,12 +241,13 @@ class Engine:
 
     # ---- shared checkpoint pieces ----------------------------------------------------------
     def writes(self, p: torch.Tensor) -> bool:
-        """Whether this rank writes ``p`` to checkpoints and counts it in the gradient norm: what every
-        tensor-parallel rank holds alike, tp rank 0 does; what every expert-parallel rank holds alike (all but the
-        experts), ep rank 0 does."""
-        tp_whole = _spec(p, "replicated", default=True)
-        return ((self.tp is None or self.tp.rank == 0 or not tp_whole)
-                and (self.ep is None or self.ep.rank == 0 or _spec(p, "ep_sharded")))
+        """Whether this rank, of the tensor-parallel ranks, writes its copy of ``p`` to checkpoints and counts it
+        in the gradient norm: what every tp rank holds alike, tp rank 0 does."""
+        return self.tp is None or self.tp.rank == 0 or not _spec(p, "replicated", default=True)
+
+    def _first_of_group(self, p: torch.Tensor) -> bool:
+        """Whether this rank is the first of the data-parallel ranks holding the same whole ``p``."""
+        return self.groups[self.group_of(p)].rank == 0
 
     def _save_model(self, directory: str, rank: int, tensors: dict) -> None:
         from ..train.checkpoint import save_pieces
@@ -247,7 +258,7 @@ class Engine:
     def _save_optimizer(self, directory: str, rank: int) -> None:
         from ..train.checkpoint import save_pieces
 
-        tensors = self.optimizer.state_tensors(self.writes)
+        tensors = self.optimizer.state_tensors(lambda p: self.writes(p) and (self.stage >= 1 or self._first_of_group(p)))
         if tensors:
             save_pieces(tensors, f"{directory}/optimizer-rank{rank:05d}.safetensors")
 

@@ -22,14 +22,14 @@ own experts: forward ``(m_out + m_in) d e`` (the rows out, the outputs back) plu
 ``m_in`` and ``m_out`` are both the assignments routed off-rank, so the total is ``2 x (off-rank
 assignments) x d x e`` forward and the same backward.
 
-Gradients. The engine averages every gradient over ``edp`` (its data-parallel group); then the weights
-whole on every rank are averaged over the ``ep`` group as well (together: the mean over all ``R``
-replicas, in two steps), and the expert weights are divided by ``ep``: an expert's gradient already sums
-the contributions of every token sent to it from the ``ep`` ranks of its block, so the sum over ``edp``
-covers all ``R`` ranks' losses, whose mean is wanted. In the gradient norm, whole weights count on
-``ep`` rank 0 only and each rank's experts count on it. ZeRO shards over ``edp``: the optimizer state of
-the whole weights is replicated over the ``ep`` ranks (Megatron's distributed optimizer shards those over
-all ``R``; here ZeRO's group is one group per engine, see the docs).
+Gradients. The engine averages the experts' gradients over ``edp`` (their data-parallel group) and every other
+weight's over all ``R`` replicas (:attr:`~trickles.parallel.engine.Engine.groups`: two groups of buckets, each
+reduced in its own index order); then the experts' are divided by ``ep``: an expert's gradient already sums the
+contributions of every token sent to it from the ``ep`` ranks of its block, so the sum over ``edp`` covers all
+``R`` ranks' losses, whose mean is wanted. ZeRO shards each group over its own ranks, as Megatron's distributed
+optimizer does: the experts' state over ``edp``, the rest over all ``R`` (ZeRO-3: each block's ``Experts`` is a
+unit of its own, gathered over ``edp``). In the gradient norm every rank's owned parts sum over the ``R``
+replicas (without ZeRO each weight counts on the first rank of its group).
 
 **Split sequences** (:func:`split_sequence`: context parallelism, and sequence parallelism under tensor
 parallelism). A rank then holds ``t = T / n`` tokens of every sequence (``n`` the cp or tp ranks). Routing,
@@ -95,7 +95,7 @@ def expert_dispatch(layer: MoE, comm: GroupComm):
         rows = _AllToAllRows.apply(x[token], comm, send, recv)  # source-major, then by expert
         local = torch.arange(el, device=x.device).repeat(n_ep).repeat_interleave(got.flatten())
         by_expert = torch.argsort(local, stable=True)
-        y = layer.experts.grouped(rows[by_expert], got.sum(0).tolist())
+        y = layer.experts(rows[by_expert], got.sum(0).tolist())
         back = torch.empty_like(y).index_copy(0, by_expert, y) if y.shape[0] else y  # received order again
         back = _AllToAllRows.apply(back, comm, recv, send)
         out = torch.zeros_like(x)
@@ -156,3 +156,8 @@ def split_sequence(layer: MoE, comm: GroupComm, layout: str, active: Callable[[]
     object.__setattr__(layer, "keep", keep)
     object.__setattr__(layer, "load_fraction", fraction)
     layer.aux_grad_factor = aux_grad_factor
+
+
+def expert_modules(model: Transformer) -> list[torch.nn.Module]:
+    """The ``Experts`` module of every mixture-of-experts block (ZeRO-3 shards each as a unit over ``edp``)."""
+    return [block.mlp.experts for block in model.layers.values() if isinstance(block.mlp, MoE)]

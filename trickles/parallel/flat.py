@@ -15,11 +15,19 @@ A parameter lives in exactly one bucket, so a rank's slice of that bucket meets 
 one contiguous range: a :class:`Segment`. A rank's *shard buffer* is its slices of all buckets
 concatenated in bucket order (``sum_b shard_b`` elements); data-parallel reductions are one
 all-reduce or reduce-scatter per bucket, and ZeRO's optimizer works on the segments.
+
+Groups. Parameters may be reduced over different groups of ranks (expert parallelism: the experts over the
+``edp`` ranks holding the same experts, every other weight over all replicas). ``group_of(param)`` then
+names each parameter's group ``g`` and ``world[g]`` its size: the parameters of group 0 come first (in
+the reverse order as above), then those of group 1, and so on; a bucket holds one group's parameters, is
+padded to a multiple of ``world[g] * align`` and split into ``world[g]`` shards (:attr:`Bucket.group`);
+``segments`` takes the rank's place in each group.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -46,6 +54,7 @@ class Bucket:
     end: int  # padded
     slots: list[Slot] = field(default_factory=list)
     world: int = 1
+    group: int = 0  # which group of ranks reduces it (see the module docstring: "Groups")
 
     @property
     def size(self) -> int:
@@ -83,41 +92,30 @@ class Segment:
 
 
 class FlatLayout:
-    """Buckets, padding and per-rank segments for ``named_params`` over ``world`` ranks."""
+    """Buckets, padding and per-rank segments for ``named_params`` over ``world`` ranks (one size per group
+    with ``group_of``)."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int, bucket_bytes: int | None, align: int = 16,
-                 first_bucket_bytes: int | None = None):
-        self.world = world
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int | Sequence[int], bucket_bytes: int | None,
+                 align: int = 16, first_bucket_bytes: int | None = None,
+                 group_of: Callable[[nn.Parameter], int] | None = None):
+        self.worlds = [world] if isinstance(world, int) else list(world)
+        self.world = self.worlds[0]
         seen, ordered = set(), []
         for name, p in named_params:
             if id(p) not in seen:
                 seen.add(id(p))
                 ordered.append((name, p))
         ordered.reverse()
-        unit = world * align
         self.slots: list[Slot] = []
         self.buckets: list[Bucket] = []
+        self.group_buckets: list[range] = []  # the bucket indices of each group
         pos = 0
-        bucket = Bucket(0, 0, 0, world=world)
-        filled = 0
-        for name, p in ordered:
-            cap = bucket_bytes
-            if not self.buckets and first_bucket_bytes is not None and cap is not None:
-                cap = min(cap, first_bucket_bytes)
-            if bucket.slots and cap is not None and filled >= cap:
-                bucket.end = _round_up(pos, unit)
-                self.buckets.append(bucket)
-                pos = bucket.end
-                bucket = Bucket(len(self.buckets), pos, pos, world=world)
-                filled = 0
-            slot = Slot(name, p, tuple(p.shape), p.numel(), pos, bucket.index)
-            bucket.slots.append(slot)
-            self.slots.append(slot)
-            pos += p.numel()
-            filled += p.numel() * p.element_size()
-        bucket.end = _round_up(max(pos, bucket.start + 1), unit)
-        self.buckets.append(bucket)
-        self.total = bucket.end
+        for g, n in enumerate(self.worlds):
+            first = len(self.buckets)
+            members = [(name, p) for name, p in ordered if (group_of(p) if group_of else 0) == g]
+            pos = self._lay_out(members, n, g, pos, n * align, bucket_bytes, first_bucket_bytes)
+            self.group_buckets.append(range(first, len(self.buckets)))
+        self.total = pos
         self.numel = sum(s.numel for s in self.slots)
         self.shard_numel = sum(b.shard_size for b in self.buckets)
         self._shard_starts = []
@@ -126,16 +124,42 @@ class FlatLayout:
             self._shard_starts.append(acc)
             acc += b.shard_size
 
+    def _lay_out(self, ordered, world: int, group: int, pos: int, unit: int, bucket_bytes, first_bucket_bytes) -> int:
+        """Buckets of one group from flat position ``pos``; returns the position after its last bucket."""
+        if not ordered and group > 0:
+            return pos  # no parameter in this group: no bucket (group 0 keeps one, possibly empty)
+        bucket = Bucket(len(self.buckets), pos, pos, world=world, group=group)
+        filled, opened = 0, len(self.buckets)
+        for name, p in ordered:
+            cap = bucket_bytes
+            if len(self.buckets) == opened and first_bucket_bytes is not None and cap is not None:
+                cap = min(cap, first_bucket_bytes)
+            if bucket.slots and cap is not None and filled >= cap:
+                bucket.end = bucket.start + _round_up(pos - bucket.start, unit)
+                self.buckets.append(bucket)
+                pos = bucket.end
+                bucket = Bucket(len(self.buckets), pos, pos, world=world, group=group)
+                filled = 0
+            slot = Slot(name, p, tuple(p.shape), p.numel(), pos, bucket.index)
+            bucket.slots.append(slot)
+            self.slots.append(slot)
+            pos += p.numel()
+            filled += p.numel() * p.element_size()
+        bucket.end = bucket.start + _round_up(max(pos - bucket.start, 1), unit)
+        self.buckets.append(bucket)
+        return bucket.end
+
     def shard_range(self, bucket: Bucket) -> tuple[int, int]:
         """Where ``bucket``'s slice sits in a rank's shard buffer."""
         s = self._shard_starts[bucket.index]
         return s, s + bucket.shard_size
 
-    def segments(self, rank: int) -> list[Segment]:
-        """The parts of parameters that ``rank`` owns, in flat order."""
+    def segments(self, rank: int | Sequence[int]) -> list[Segment]:
+        """The parts of parameters that ``rank`` owns (its rank in each group), in flat order."""
+        ranks = [rank] if isinstance(rank, int) else list(rank)
         out = []
         for b in self.buckets:
-            lo, hi = b.rank_range(rank)
+            lo, hi = b.rank_range(ranks[b.group])
             shard_base = self._shard_starts[b.index]
             for s in b.slots:
                 a, e = max(lo, s.offset), min(hi, s.offset + s.numel)

@@ -12,7 +12,8 @@ The model arrives built on the meta device (no memory), as single-device code. I
    pipeline parallelism prunes it to this rank's stage (``parallel.pp``; :mod:`trickles.parallel.pipeline`),
    and a :class:`~trickles.parallel.pipeline_runner.PipelineRunner` (``engine.pipeline``) drives its steps;
 3. the data-parallel engine over the ``dp`` group (``dp x cp`` with context parallelism: the cp
-   ranks hold the same weights, see :meth:`~trickles.topology.Topology.replicas`): for ZeRO stages 0-2 the rank allocates its
+   ranks hold the same weights, see :meth:`~trickles.topology.Topology.replicas`; with expert parallelism the
+   experts over their ``edp`` group): for ZeRO stages 0-2 the rank allocates its
    (tensor-parallel) parameters, initializes them and casts them to the precision policy's type,
    then :class:`~trickles.parallel.data.DataParallel` (stage 0) or
    :class:`~trickles.parallel.zero.ZeroDataParallel` (stages 1, 2) wraps them; for stage 3 each
@@ -37,7 +38,7 @@ from ..train.pieces import global_shape
 from .context import apply_context_parallel, shard_sequence
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
-from .expert import apply_expert_parallel
+from .expert import apply_expert_parallel, expert_modules
 from .pipeline import keep_stage, partition_layers, tied_parameters
 from .pipeline_runner import PipelineRunner
 from .schedules import Shape
@@ -49,7 +50,8 @@ from .zero3 import Zero3DataParallel
 
 def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> Engine:
     """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says."""
-    comm, tp, cp, ep = topo.gradient_group(), topo.comm("tp"), topo.comm("cp"), topo.comm("ep")
+    comm, tp, cp, ep = topo.replicas(), topo.comm("tp"), topo.comm("cp"), topo.comm("ep")
+    experts = {"ep": ep, "edp": topo.expert_group()} if ep.size > 1 else {}
     stage = cfg.parallel.zero
     optim = AdamWSettings.from_train(cfg.train)
     offload = cfg.memory.offload_optimizer
@@ -73,7 +75,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
     if stage == 3:
         engine: Engine = Zero3DataParallel(model, comm, list(model.layers.values()), optim, init_value, topo.device,
                                            offload=offload, prefetch=cfg.parallel.prefetch, param_dtype=prec.param_dtype,
-                                           grad_dtype=prec.grad_dtype, tp=tp)
+                                           grad_dtype=prec.grad_dtype, tp=tp, expert_units=expert_modules(model), **experts)
     else:
         specs = {n: p.tp_spec for n, p in model.named_parameters() if hasattr(p, "tp_spec")}
         model.to_empty(device=topo.device)  # new Parameter objects: carry the tensor-parallel specs over
@@ -88,11 +90,9 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
         model.reset_buffers()
         buckets = bucket_bytes(cfg.parallel.bucket_mb)
         if stage == 0:
-            engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp)
+            engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp, **experts)
         else:
-            engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp)
-    if ep.size > 1:
-        engine.ep = ep
+            engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp, **experts)
     if ctx is not None:
         engine.loss_fn = tp_loss(ctx)
         engine.full_logits = tp_full_logits(ctx)

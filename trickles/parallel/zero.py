@@ -25,6 +25,11 @@ Bytes per rank (fp32 parameters, Adam, ``P`` parameters): parameters ``4P``; gra
 (stage 1) or ``4P/N`` plus at most two buckets in flight (stage 2); optimizer ``8P/N``.
 Communication per step: reduce-scatter ``(N-1)/N * 4P`` plus all-gather ``(N-1)/N * 4P`` --
 the same volume as an all-reduce (stage 2 repeats the reduce-scatter on every micro-step).
+
+With expert parallelism the experts' buckets are sharded over their ``edp`` group (``N_e = R / ep`` ranks)
+and every other weight's over all ``R`` replicas, as Megatron's distributed optimizer does
+(:class:`~trickles.parallel.flat.FlatLayout`, "Groups"): per rank, optimizer state ``8 (P_d / R + P_e / N_e)``
+for ``P_d`` dense and ``P_e`` expert parameters held.
 """
 
 from __future__ import annotations
@@ -47,21 +52,23 @@ class ZeroDataParallel(Engine):
     """ZeRO stage 1 or 2 over ``comm`` (see module docstring)."""
 
     def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: AdamWSettings, bucket_bytes: int | None,
-                 offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None):
+                 offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None,
+                 ep: GroupComm | None = None, edp: GroupComm | None = None):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
-        super().__init__(model, comm, tp)
+        super().__init__(model, comm, tp, ep, edp)
         self.stage = stage
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         p0 = self.params[0]
-        self.layout = FlatLayout(self.named, comm.size, bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES)
+        self.layout = FlatLayout(self.named, [g.size for g in self.groups], bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES,
+                                 group_of=self.group_of)
         # parameters become views of one flat buffer, so the all-gather lands in them directly
         self.param_buffer = torch.empty(self.layout.total, dtype=p0.dtype, device=p0.device)
         self.layout.pack(self.param_buffer)
         for slot, view in zip(self.layout.slots, self.layout.views(self.param_buffer)):
             slot.param.data = view
-        self.segments = self.layout.segments(comm.rank)
+        self.segments = self.layout.segments(self.group_ranks)
         if stage == 1:
             self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=p0.device)
             self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
@@ -87,7 +94,7 @@ class ZeroDataParallel(Engine):
     def _reset_reduction(self) -> None:
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._launched = set()
-        self._next = 0  # buckets are launched in index order (see _launch_ready)
+        self._next = [r.start for r in self.layout.group_buckets]  # each group's buckets go in index order (_launch_ready)
 
     def _begin_micro_step(self, last: bool) -> None:
         if self.stage == 2:
@@ -112,23 +119,24 @@ class ZeroDataParallel(Engine):
             p.grad = None
         if (self.stage == 2 or self._reduce) and id(p) not in self._deferred:
             self._pending[slot.bucket] -= 1
-            self._launch_ready()
+            self._launch_ready(self.layout.buckets[slot.bucket].group)
 
-    def _launch_ready(self) -> None:
-        """Launches the complete buckets in index order, never one before a lower-numbered one: every rank then
-        issues the same collectives in the same order even when their backward graphs differ (a mixture of
+    def _launch_ready(self, g: int) -> None:
+        """Launches group ``g``'s complete buckets in index order, never one before a lower-numbered one: every rank
+        then issues the same collectives in the same order even when their backward graphs differ (a mixture of
         experts skips the experts that got no token on one rank and not on another)."""
-        n = len(self.layout.buckets)
-        while self._next < n and self._pending[self._next] == 0:
-            self._launch(self._next)
-            self._next += 1
+        end = self.layout.group_buckets[g].stop
+        while self._next[g] < end and self._pending[self._next[g]] == 0:
+            self._launch(self._next[g])
+            self._next[g] += 1
 
     def _launch(self, b: int) -> None:
         self._launched.add(b)
         bucket = self.layout.buckets[b]
+        comm = self.groups[bucket.group]
         if self.stage == 1:
-            lo, hi = bucket.rank_range(self.comm.rank)
-            self._handles.append(self.comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
+            lo, hi = bucket.rank_range(comm.rank)
+            self._handles.append(comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
                                                           out=self.grad_buffer[lo:hi]))
             return
         self._retire(done_only=True)
@@ -138,7 +146,7 @@ class ZeroDataParallel(Engine):
         if buf is None:  # no parameter of this bucket got a gradient in this micro-step
             buf = torch.zeros(bucket.size, dtype=self.shard_grads.dtype, device=self.shard_grads.device)
         out = torch.empty(bucket.shard_size, dtype=buf.dtype, device=buf.device)
-        self._inflight.append((b, buf, out, self.comm.reduce_scatter(buf, op="mean", async_op=True, out=out)))
+        self._inflight.append((b, buf, out, comm.reduce_scatter(buf, op="mean", async_op=True, out=out)))
 
     def _retire_oldest(self) -> None:
         b, buf, out, handle = self._inflight.pop(0)
@@ -152,7 +160,7 @@ class ZeroDataParallel(Engine):
             self._retire_oldest()
 
     def _finish_micro_step(self) -> None:
-        for b in range(self._next, len(self.layout.buckets)):  # the rest, in order
+        for b in range(len(self.layout.buckets)):  # the rest, in order
             if b not in self._launched:
                 self._launch(b)
         if self.stage == 1:
@@ -184,8 +192,9 @@ class ZeroDataParallel(Engine):
         self.wait_for_parameters()
         self.optimizer.step(lr)
         for bucket in reversed(self.layout.buckets):
-            lo, hi = bucket.rank_range(self.comm.rank)
-            self._param_handles[bucket.index] = self.comm.all_gather(
+            comm = self.groups[bucket.group]
+            lo, hi = bucket.rank_range(comm.rank)
+            self._param_handles[bucket.index] = comm.all_gather(
                 self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start:bucket.end])
 
     def wait_for_parameters(self, buckets=None) -> None:

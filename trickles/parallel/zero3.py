@@ -25,6 +25,10 @@ The gather is the autograd function ``_GatherUnit``: all-gather forward, reduce-
 backward. Per step each rank sends ``3 (N-1)/N * 4P`` bytes (fp32): two all-gathers and one
 reduce-scatter. Bytes per rank: ``16P / N`` for parameters, gradients and Adam state, plus the
 gathered buffers of at most two units and the root at a time.
+
+With expert parallelism each mixture-of-experts block's experts (its ``Experts`` module) are a unit of their
+own, sharded over their ``edp`` group (``R / ep`` ranks), and the rest of the model over all ``R`` replicas:
+the experts' gather and reduce-scatter run over ``edp``, just around the experts' own forward and backward.
 """
 
 from __future__ import annotations
@@ -131,8 +135,11 @@ class Zero3DataParallel(Engine):
     def __init__(self, model: nn.Module, comm: GroupComm, units: list[nn.Module], optim: AdamWSettings,
                  init_value: Callable[[str, nn.Parameter], torch.Tensor] | None, device: torch.device,
                  offload: bool = False, prefetch: bool = True, param_dtype: torch.dtype | None = None,
-                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None):
-        super().__init__(model, comm, tp)
+                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None, ep: GroupComm | None = None,
+                 edp: GroupComm | None = None, expert_units: list[nn.Module] = ()):
+        super().__init__(model, comm, tp, ep, edp)
+        units = [*units, *(expert_units if self.ep is not None else ())]
+        expert_ids = {id(m) for m in expert_units}
         self.prefetch = prefetch
         decay = decay_flags(model)
         names = {id(m): n for n, m in model.named_modules()}
@@ -141,7 +148,8 @@ class Zero3DataParallel(Engine):
         self.units: list[_Unit] = []
         for module in [*units, model]:
             named, owners = _owned(module, names[id(module)], unit_ids - {id(module)})
-            unit = _Unit(names[id(module)] or "<root>", module, named, owners, comm, device, dtype, grad_dtype)
+            group = self.groups[1] if id(module) in expert_ids and self.ep is not None else comm
+            unit = _Unit(names[id(module)] or "<root>", module, named, owners, group, device, dtype, grad_dtype)
             _fill_shard(unit, init_value)
             for slot_owners in unit.owners:
                 for mod, attr in slot_owners:
@@ -206,7 +214,7 @@ class Zero3DataParallel(Engine):
         self._retire(done_only=True)
         grad = grad.to(unit.grad_shard.dtype).contiguous()  # reduced in the gradient type
         out = torch.empty(unit.layout.shard_numel, dtype=grad.dtype, device=grad.device)
-        self._inflight.append((unit, grad, out, self.comm.reduce_scatter(grad, op="mean", async_op=True, out=out)))
+        self._inflight.append((unit, grad, out, unit.comm.reduce_scatter(grad, op="mean", async_op=True, out=out)))
 
     def _retire(self, done_only: bool) -> None:
         while self._inflight and (not done_only or self._inflight[0][3].done()):
@@ -251,7 +259,7 @@ class Zero3DataParallel(Engine):
         out = {}
         with torch.no_grad():
             for unit in self.units:
-                full = self.comm.all_gather(unit.shard.detach())
+                full = unit.comm.all_gather(unit.shard.detach())
                 for slot in unit.layout.slots:
                     out[slot.name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
         return out
