@@ -184,3 +184,20 @@ def test_live_tensor_bytes_counts_storages_once_on_the_device_asked():
     assert live_tensor_bytes("cuda") == before_other  # another device's filter leaves the new CPU tensor out
     assert live_tensor_bytes() >= live_tensor_bytes("cpu")
     del t, views
+
+
+def test_only_zero2_adds_two_gradient_buckets_to_the_transient_bytes(tmp_path):
+    """ZeRO-2 reduces a bucket-sized gradient buffer at a time, two in flight (``MAX_INFLIGHT``): the report adds
+    ``2 x min(bucket, all gradients)`` to the transient bytes at stage 2 only (stage 3's gathered blocks aside)."""
+    from trickles.memory.report import predict
+    from trickles.parallel.zero import MAX_INFLIGHT
+
+    tr = _trainer(tmp_path)
+    n = sum(p.numel() for p in tr.model.parameters())
+    transient = {}
+    for stage, mb in ((0, 0.01), (1, 0.01), (2, 0.01), (2, 0)):
+        cfg = dataclasses.replace(tr.cfg, parallel=dataclasses.replace(tr.cfg.parallel, zero=stage, bucket_mb=mb))
+        transient[stage, mb] = predict(cfg, ParallelDims(dp=2), tr.model_cfg).predicted["transient"]
+    assert transient[0, 0.01] == transient[1, 0.01]
+    assert transient[2, 0.01] - transient[1, 0.01] == pytest.approx(MAX_INFLIGHT * 0.01 * 2**20, abs=1e-6)
+    assert transient[2, 0] - transient[1, 0.01] == MAX_INFLIGHT * 4 * n  # one bucket: all gradients

@@ -176,3 +176,14 @@ def test_a_good_pipeline_configuration_passes(tmp_path):
 def test_an_empty_timeline_has_no_bubble():
     """Nothing ran (no step traced yet): the bubble is 0, a number the plot and the trainer's line can print."""
     assert Timeline([[], []]).bubble() == 0.0 and Timeline([[], []]).makespan == 0.0
+
+
+def test_uniform_times_names_the_ranks_of_a_deadlocked_order():
+    """Rank 0 starts with a backward that needs rank 1's, rank 1 with a forward that needs rank 0's: neither can go."""
+    from trickles.parallel.schedules import uniform_times
+
+    orders = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]]
+    with pytest.raises(ValueError, match=r"^the schedule deadlocks: rank 0 at B0\.0, rank 1 at F0\.0$"):
+        uniform_times(orders, Shape(2, 1, 1))
+    fine = uniform_times([[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]], Shape(2, 1, 1))
+    assert fine[(1, Action("B", 0, 0))] == (2.0, 4.0) and fine[(0, Action("B", 0, 0))] == (4.0, 6.0)
