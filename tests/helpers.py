@@ -66,6 +66,24 @@ def assert_weights_track(weights: Mapping[str, torch.Tensor], reference: Mapping
     return worst
 
 
+def assert_updates_track(weights: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
+                         initial: Mapping[str, torch.Tensor], tol: float) -> float:
+    """Every weight's distance to the reference within ``tol`` of the reference's own update, in norm:
+    ``||w - ref|| <= tol ||ref - initial||`` -- a weight never updated scores 1. For low-precision runs where a few
+    elements with near-zero gradients take Adam steps of opposite sign (a full learning rate apart) although the
+    tensor as a whole tracks. Returns the largest ratio."""
+    assert weights.keys() == reference.keys() == initial.keys(), (sorted(weights), sorted(reference), sorted(initial))
+    assert 0 < tol < 1, "a tolerance of 1 or more passes a weight never updated"
+    worst = 0.0
+    for name, w in weights.items():
+        ref = reference[name].float()
+        update = float((ref - initial[name].float()).norm())
+        ratio = float((w.float() - ref).norm()) / update if update else float("inf")
+        assert ratio <= tol, f"{name} is {ratio:.3g} of its update away from the reference, more than the tolerance {tol:.3g}"
+        worst = max(worst, ratio)
+    return worst
+
+
 def perturbed(weights: Mapping[str, torch.Tensor], name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
     """A copy of ``weights`` with ``name`` replaced by ``value`` (e.g. its initial value: a weight left un-updated)."""
     out = dict(weights)
