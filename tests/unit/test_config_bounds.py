@@ -25,3 +25,10 @@ def test_bucket_size_may_be_a_fraction_of_a_megabyte_or_zero_but_not_negative(tm
         assert tiny_config(tmp_path, f"parallel.bucket_mb={mb}").validate(1).world_size == 1
     with pytest.raises(ConfigError, match="parallel.bucket_mb must not be negative"):
         tiny_config(tmp_path, "parallel.bucket_mb=-0.5").validate(1)
+
+
+def test_collective_timeout_may_be_under_a_second_but_must_be_positive(tmp_path):
+    assert tiny_config(tmp_path, "parallel.timeout_s=0.5").validate(1).world_size == 1
+    for bad in ("0", "-1"):
+        with pytest.raises(ConfigError, match="parallel.timeout_s must be positive"):
+            tiny_config(tmp_path, f"parallel.timeout_s={bad}").validate(1)

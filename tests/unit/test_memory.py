@@ -201,3 +201,14 @@ def test_only_zero2_adds_two_gradient_buckets_to_the_transient_bytes(tmp_path):
     assert transient[0, 0.01] == transient[1, 0.01]
     assert transient[2, 0.01] - transient[1, 0.01] == pytest.approx(MAX_INFLIGHT * 0.01 * 2**20, abs=1e-6)
     assert transient[2, 0] - transient[1, 0.01] == MAX_INFLIGHT * 4 * n  # one bucket: all gradients
+
+
+def test_report_table_marks_the_mixture_of_experts_layers(tmp_path):
+    """Beside a measurement, the per-layer rows name the MoE blocks (every second block here)."""
+    from trickles.memory.report import predict
+
+    tr = _trainer(tmp_path, "model.n_layers=4", "model.moe_experts=4", "model.moe_every=2")
+    rep = predict(tr.cfg, ParallelDims(), tr.model_cfg)
+    rep.layers_measured = list(rep.layers_predicted)
+    rows = [line.split("  ")[0] for line in rep.table().splitlines() if line.startswith("layer ")]
+    assert rows == ["layer 0", "layer 1 (MoE)", "layer 2", "layer 3 (MoE)"], rows
