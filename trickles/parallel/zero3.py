@@ -225,9 +225,6 @@ class Zero3DataParallel(Engine):
     # ---- engine --------------------------------------------------------------------------
     def _finish_reduction(self) -> None:
         self._retire(done_only=False)
-        for unit in self.units:
-            if unit.live_graphs == 0 and unit.gathered:
-                unit.free()
 
     def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         return [(s.slot.param, g) for s, g in zip(self.optimizer.segments, self.optimizer.grads)]
