@@ -354,6 +354,18 @@ def test_collectives_per_step_match_megatron(tmp_path, cache, tp):
 
 # ---- activation memory ---------------------------------------------------------------------
 
+def _entry_after_a_step(tmp, cache):
+    tr = _trainer(tmp, 1, 2, [cache, "parallel.sequence_parallel=true"], steps=1)
+    tr.train_step()
+    return tr.model.output.ctx._entry is None
+
+
+def test_sequence_parallel_model_keeps_no_region_entry_past_its_forward(tmp_path, cache):
+    """The latest gathered activation (the next column-parallel layer reuses it) is dropped when the model's forward
+    ends, so none is held past it (the pipeline stage's twin: test_pipeline.py)."""
+    assert run_ranks(2, _entry_after_a_step, str(tmp_path), cache) == [True, True]
+
+
 def _activations(tmp, cache, preset, sp, seq=64, batch=4):
     tp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     tr = _trainer(tmp, 1, tp, [cache, f"model.preset={preset}", f"parallel.sequence_parallel={str(sp).lower()}", f"data.seq_len={seq}",

@@ -16,8 +16,10 @@ def test_loss_scaler_counts_start_at_one(tmp_path, key):
 
 def test_loss_scale_may_equal_its_minimum_but_not_fall_below(tmp_path):
     assert tiny_config(tmp_path, "memory.loss_scale=4", "memory.loss_scale_min=4").validate(1).world_size == 1
-    with pytest.raises(ConfigError, match="loss_scale >= loss_scale_min"):
-        tiny_config(tmp_path, "memory.loss_scale=2", "memory.loss_scale_min=4").validate(1)
+    for bad in (["memory.loss_scale=2", "memory.loss_scale_min=4"], ["memory.loss_scale_min=0"], ["memory.loss_scale_min=-1"],
+                ["memory.loss_scale=0", "memory.loss_scale_min=0"]):
+        with pytest.raises(ConfigError, match="loss_scale >= loss_scale_min"):
+            tiny_config(tmp_path, *bad).validate(1)
 
 
 def test_bucket_size_may_be_a_fraction_of_a_megabyte_or_zero_but_not_negative(tmp_path):

@@ -168,3 +168,17 @@ def test_zero1_sharded_adamw_equals_torch_adamw(tmp_path, cache):
         for n, ref in reference[-1][2].items():
             # measured: 1.2e-7 after 4 steps; every weight moves at least 1.5e-3 (its largest element) in each step
             torch.testing.assert_close(weights[n], ref, rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_build_adamw_decays_exactly_the_decay_flags_parameters(tmp_path):
+    """The optimizer benchmarks build for both contestants: torch's AdamW over the two groups of ``param_groups``."""
+    from trickles.models.config import resolve_model
+    from trickles.optim import build_adamw
+
+    model = build_model(resolve_model(tiny_config(tmp_path).model, 256, 32), 0)
+    opt = build_adamw(model, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    assert isinstance(opt, torch.optim.AdamW)
+    flags, named = decay_flags(model), dict(model.named_parameters())
+    by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in opt.param_groups}
+    assert by_decay == {0.1: {id(named[n]) for n, d in flags.items() if d}, 0.0: {id(named[n]) for n, d in flags.items() if not d}}
+    assert all(g["lr"] == 1e-3 and g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 for g in opt.param_groups)
