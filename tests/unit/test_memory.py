@@ -212,3 +212,14 @@ def test_report_table_marks_the_mixture_of_experts_layers(tmp_path):
     rep.layers_measured = list(rep.layers_predicted)
     rows = [line.split("  ")[0] for line in rep.table().splitlines() if line.startswith("layer ")]
     assert rows == ["layer 0", "layer 1 (MoE)", "layer 2", "layer 3 (MoE)"], rows
+
+
+def test_expert_parallel_adds_the_rows_in_flight_to_the_transient_bytes(tmp_path):
+    """ep=2 (dropless top-2): the report adds the rows one all-to-all sends and receives, ``2 p m d`` with ``m`` the
+    assignments of the rank's tokens in a micro-batch (``micro x seq x k``), to the transient bytes of dp=2."""
+    from trickles.memory.report import predict
+
+    tr = _trainer(tmp_path, "model.moe_experts=4", "model.moe_top_k=2")
+    micro, _ = tr.cfg.batch_plan(2)
+    got = {ep: predict(tr.cfg, ParallelDims(dp=2, ep=ep), tr.model_cfg).predicted["transient"] for ep in (1, 2)}
+    assert got[2] - got[1] == 2 * 4 * (micro * tr.cfg.data.seq_len * 2) * tr.model_cfg.d_model
