@@ -192,3 +192,18 @@ def _ok():
 def test_rank_error_carries_traceback():
     with pytest.raises(RankError, match="(?s)rank 1 raised.*ValueError: boom on rank one"):
         run_ranks(2, _raise_on_rank_one)
+
+
+def _barrier_orders(tmp):
+    comm = C.GroupComm("world", dist.group.WORLD, C.CommLedger())
+    marker = os.path.join(tmp, "written-before-the-barrier")
+    if comm.rank == 0:
+        time.sleep(0.5)  # rank 1 reaches the barrier first
+        open(marker, "w").close()
+    comm.barrier()
+    return os.path.exists(marker)
+
+
+def test_barrier_waits_for_every_rank(tmp_path):
+    """What rank 0 does before the barrier is done when any rank leaves it (an order, not a time)."""
+    assert run_ranks(2, _barrier_orders, str(tmp_path)) == [True, True]

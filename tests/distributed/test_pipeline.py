@@ -285,13 +285,14 @@ def _api_step(tmp, cache):
         tokens, targets = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
         lr = lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
         losses[1].append(by_api.pipeline.train_step(tokens, targets, lr, t.grad_clip))
-    return losses, _pieces(by_trainer.engine), _pieces(by_api.engine)
+    return losses, _pieces(by_trainer.engine), _pieces(by_api.engine), len(by_api.pipeline.last_trace)
 
 
 def test_pipeline_train_step_is_one_call_per_step(tmp_path, cache):
-    """``engine.pipeline.train_step(tokens, targets, lr, clip)`` does what the trainer's step does."""
-    for (by_trainer, by_api), a, b in run_ranks(2, _api_step, str(tmp_path), cache):
-        assert by_api == by_trainer
+    """``engine.pipeline.train_step(tokens, targets, lr, clip)`` does what the trainer's step does (and records no
+    timeline unless asked: ``--pipeline-trace``)."""
+    for (by_trainer, by_api), a, b, traced in run_ranks(2, _api_step, str(tmp_path), cache):
+        assert by_api == by_trainer and traced == 0
         assert a.keys() == b.keys() and all(torch.equal(a[n][0], b[n][0]) for n in a)
 
 

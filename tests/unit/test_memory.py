@@ -223,3 +223,10 @@ def test_expert_parallel_adds_the_rows_in_flight_to_the_transient_bytes(tmp_path
     micro, _ = tr.cfg.batch_plan(2)
     got = {ep: predict(tr.cfg, ParallelDims(dp=2, ep=ep), tr.model_cfg).predicted["transient"] for ep in (1, 2)}
     assert got[2] - got[1] == 2 * 4 * (micro * tr.cfg.data.seq_len * 2) * tr.model_cfg.d_model
+
+
+def test_report_sizes_switch_unit_at_each_power_of_1024():
+    from trickles.memory.report import _fmt
+
+    assert [_fmt(v) for v in (None, 1023, 1024, 2**20 - 1, 2**20, 2**30, -2**20)] == [
+        "-", "1,023 B", "1.00 KiB", "1,024.00 KiB", "1.00 MiB", "1.00 GiB", "-1.00 MiB"]
