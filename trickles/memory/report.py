@@ -275,7 +275,7 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
     experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it).
     """
-    from ..parallel.engine import FIRST_BUCKET_BYTES, bucket_bytes, unique_named_parameters
+    from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
     from ..parallel.flat import FlatLayout
 
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
@@ -301,7 +301,7 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     else:
         layout = FlatLayout(unique_named_parameters(meta), worlds, bucket_bytes(cfg.parallel.bucket_mb),
                             first_bucket_bytes=FIRST_BUCKET_BYTES,
-                            group_of=lambda t: int(experts is not None and getattr(getattr(t, "tp_spec", None), "ep_sharded", False)))
+                            group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")))
         params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
         grads = g * (layout.shard_numel if stage == 2 else layout.total)
         segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)

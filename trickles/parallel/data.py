@@ -87,14 +87,7 @@ class DataParallel(Engine):
         if self._reduce and id(p) not in self._deferred:
             b = self._bucket_of[id(p)]
             self._pending[b] -= 1
-            # complete buckets go out in index order, never one before a lower-numbered one of their group: every rank
-            # then issues the same all-reduces in the same order even when their backward graphs differ (a mixture of
-            # experts skips the experts that got no token on one rank and not on another)
-            g = self.layout.buckets[b].group
-            end = self.layout.group_buckets[g].stop
-            while self._next[g] < end and self._pending[self._next[g]] == 0:
-                self._launch(self._next[g])
-                self._next[g] += 1
+            self._launch_ready(self.layout.buckets[b].group)
 
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]

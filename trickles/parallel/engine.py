@@ -149,6 +149,16 @@ class Engine:
             if experts:
                 torch._foreach_mul_(experts, 1.0 / self.ep.size)
 
+    def _launch_ready(self, g: int) -> None:
+        """Launches group ``g``'s complete buckets in index order, never one before a lower-numbered one: every rank
+        then issues the same collectives in the same order even when their backward graphs differ (a mixture of
+        experts skips the experts that got no token on one rank and not on another). For the bucketed engines:
+        ``layout``, ``_pending`` (parameters still to report, per bucket), ``_next`` (per group) and ``_launch``."""
+        end = self.layout.group_buckets[g].stop
+        while self._next[g] < end and self._pending[self._next[g]] == 0:
+            self._launch(self._next[g])
+            self._next[g] += 1
+
     def _finish_reduction(self) -> None:
         raise NotImplementedError
 

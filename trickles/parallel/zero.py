@@ -121,15 +121,6 @@ class ZeroDataParallel(Engine):
             self._pending[slot.bucket] -= 1
             self._launch_ready(self.layout.buckets[slot.bucket].group)
 
-    def _launch_ready(self, g: int) -> None:
-        """Launches group ``g``'s complete buckets in index order, never one before a lower-numbered one: every rank
-        then issues the same collectives in the same order even when their backward graphs differ (a mixture of
-        experts skips the experts that got no token on one rank and not on another)."""
-        end = self.layout.group_buckets[g].stop
-        while self._next[g] < end and self._pending[self._next[g]] == 0:
-            self._launch(self._next[g])
-            self._next[g] += 1
-
     def _launch(self, b: int) -> None:
         self._launched.add(b)
         bucket = self.layout.buckets[b]
