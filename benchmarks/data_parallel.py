@@ -74,7 +74,8 @@ from _timing import device_name, table  # noqa: E402
 
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
-from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
+from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
+from trickles.optim.settings import OptimizerSettings  # noqa: E402
 from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "seq": 256}, "cuda": {"batch_per_rank": 8, "seq": 1024}}
@@ -144,12 +145,12 @@ class Peer(Contestant):
                 "optimizer": sum(_nbytes(t) for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t))}
 
 
-def _adamw(model: torch.nn.Module, optim: AdamWSettings, device: torch.device) -> torch.optim.AdamW:
+def _adamw(model: torch.nn.Module, optim: OptimizerSettings, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps,
                              **adamw_kwargs(device))
 
 
-def make_ddp(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, args) -> Peer:
+def make_ddp(model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, args) -> Peer:
     from torch.nn.parallel import DistributedDataParallel
 
     model = build_model(model_cfg, seed=args.seed, device=device).train()
@@ -158,7 +159,7 @@ def make_ddp(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings,
     return Peer(DDP, ddp, _adamw(model, optim, device), args, sharded=False)
 
 
-def make_fsdp(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, world: int, args) -> Peer:
+def make_fsdp(model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, world: int, args) -> Peer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -181,7 +182,7 @@ def rank_main(args) -> int:
     model_cfg = resolve_model(apply_preset(ModelConfig(), args.preset), tokenizer_vocab=args.vocab, seq_len=seq)
     topo = ParallelDims(dp=world).build(device)
     ledger = topo.ledger
-    optim = AdamWSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
+    optim = OptimizerSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
 
     contestants: list[Contestant] = [make_ddp(model_cfg, device, optim, args), make_fsdp(model_cfg, device, optim, world, args)]
     for stage in (0, 1, 2, 3):

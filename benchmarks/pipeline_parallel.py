@@ -106,7 +106,8 @@ from _timing import device_name, table  # noqa: E402
 from trickles.errors import ConfigError  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
-from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
+from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
+from trickles.optim.settings import OptimizerSettings  # noqa: E402
 from trickles.parallel.pipeline import partition_layers  # noqa: E402
 from trickles.parallel.schedules import SCHEDULES, Shape, check_shape  # noqa: E402
 from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
@@ -199,7 +200,7 @@ class StageModule(nn.Module):
 class Peer(Contestant):
     """``torch.distributed.pipelining``: this rank's stage(s), the schedule, the pipeline clip and AdamW."""
 
-    def __init__(self, schedule: str, model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, m: int, args):
+    def __init__(self, schedule: str, model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, m: int, args):
         from torch.distributed import pipelining
 
         super().__init__(f"torch {schedule}")
@@ -247,7 +248,7 @@ class Peer(Contestant):
 class Reference:
     """The single-device model on rank 0: the same micro-batches accumulated (loss / m), clipped, AdamW."""
 
-    def __init__(self, model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, m: int, args):
+    def __init__(self, model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, m: int, args):
         self.model = build_model(model_cfg, seed=args.seed, device=device).train()
         self.optimizer = torch.optim.AdamW(param_groups(self.model, optim.weight_decay), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, **adamw_kwargs(device))
@@ -345,7 +346,7 @@ def rank_main(args) -> int:
     m = batch // args.micro_batch
     topo = ParallelDims(dp=1, pp=world).build(device)
     ledger = topo.ledger
-    optim = AdamWSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
+    optim = OptimizerSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
 
     reference = Reference(model_cfg, device, optim, m, args) if rank == 0 else None
     contestants: list[Contestant] = []

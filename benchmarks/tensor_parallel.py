@@ -105,7 +105,8 @@ from _timing import device_name, table  # noqa: E402
 
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
-from trickles.optim.adamw import AdamWSettings, adamw_kwargs, param_groups  # noqa: E402
+from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
+from trickles.optim.settings import OptimizerSettings  # noqa: E402
 from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 4, "seq": 256}, "cuda": {"batch": 8, "seq": 1024}}
@@ -140,7 +141,7 @@ class Ours(EngineContestant):
 class Peer(Contestant):
     """The single-device reference (plain parameters) or a DTensor tensor-parallel model."""
 
-    def __init__(self, name: str, model: torch.nn.Module, optim: AdamWSettings, device: torch.device, args,
+    def __init__(self, name: str, model: torch.nn.Module, optim: OptimizerSettings, device: torch.device, args,
                  sp: bool = False, loss_parallel: bool = False):
         super().__init__(name)
         from torch.distributed.tensor import DTensor
@@ -199,11 +200,11 @@ class Peer(Contestant):
                 torch.nn.utils.clip_grads_with_norm_(group, self.clip, norm, foreach=True)
 
 
-def make_reference(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, args) -> Peer:
+def make_reference(model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, args) -> Peer:
     return Peer(REF, build_model(model_cfg, seed=args.seed, device=device).train(), optim, device, args)
 
 
-def make_dtensor(model_cfg: ModelConfig, device: torch.device, optim: AdamWSettings, mesh, sp: bool, args) -> Peer:
+def make_dtensor(model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, mesh, sp: bool, args) -> Peer:
     """torchtitan's llama tensor-parallel plan (``parallelize_llama``'s ``apply_tp``) on our module names."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
@@ -313,7 +314,7 @@ def rank_main(args) -> int:
     topo = ParallelDims(dp=1, tp=world).build(device)
     ledger = topo.ledger
     mesh = init_device_mesh(device.type, (world,))
-    optim = AdamWSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
+    optim = OptimizerSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
 
     reference = make_reference(model_cfg, device, optim, args)
     contestants: list[Contestant] = [Ours(OURS_TP, False, model_cfg, topo, args), Ours(OURS_SP, True, model_cfg, topo, args),

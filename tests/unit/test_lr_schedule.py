@@ -30,3 +30,19 @@ def test_no_warmup_and_warmup_as_long_as_the_run():
     assert lr_at(10, 2.0, 0, 10, 0.0) == pytest.approx(0.0, abs=1e-15)
     assert lr_at(4, 1.0, 5, 5, 0.5) == 1.0  # warm-up only: the peak at the last step
     assert lr_at(6, 1.0, 5, 5, 0.5) == 0.5  # past a zero-length decay (a span of one step): the floor
+
+
+def test_poly_decays_as_the_power_of_the_remaining_fraction_and_auto_picks_it_for_lars():
+    from types import SimpleNamespace
+
+    from trickles.optim.schedule import schedule_kind
+
+    lr, warmup, steps, r = 2.0, 4, 24, 0.1
+    assert lr_at(3, lr, warmup, steps, r, "poly", 2.0) == lr  # the warm-up is the same linear ramp
+    assert lr_at(warmup, lr, warmup, steps, r, "poly", 2.0) == pytest.approx(lr, rel=1e-15)
+    assert lr_at(warmup + 5, lr, warmup, steps, r, "poly", 2.0) == pytest.approx(lr * (r + (1 - r) * 0.75 ** 2), rel=1e-12)
+    assert lr_at(warmup + 10, lr, warmup, steps, r, "poly", 1.0) == pytest.approx(lr * (r + (1 - r) * 0.5), rel=1e-12)
+    assert lr_at(steps, lr, warmup, steps, r, "poly", 2.0) == pytest.approx(lr * r, rel=1e-12)
+    kinds = {o: schedule_kind(SimpleNamespace(schedule="auto", optimizer=o)) for o in ("adamw", "lamb", "lars", "sgd")}
+    assert kinds == {"adamw": "cosine", "lamb": "cosine", "lars": "poly", "sgd": "cosine"}
+    assert schedule_kind(SimpleNamespace(schedule="cosine", optimizer="lars")) == "cosine"

@@ -267,14 +267,16 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
 
     ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type. These are
     the ZeRO formulas (:func:`~trickles.memory.accounting.zero_model_state_bytes`) with ``p``, ``g``
-    bytes per parameter and gradient and ``k`` of optimizer state (Adam moments 8; fp32 master
+    bytes per parameter and gradient and ``k`` of optimizer state (Adam's or LAMB's moments 8, LARS's or SGD's
+    momentum 4, plain SGD 0; fp32 master
     weights apart from low-precision or offloaded parameters 4; an fp32 copy of low-precision or
     offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
     multiple of ``16 dp`` elements (:class:`~trickles.parallel.flat.FlatLayout`; under ZeRO-3 one
-    bucket per block and one for the root), and a 4-byte step counter per owned parameter segment.
+    bucket per block and one for the root), and (AdamW, LAMB) a 4-byte step counter per owned parameter segment.
     ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
     experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it).
     """
+    from ..optim.settings import OptimizerSettings
     from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
     from ..parallel.flat import FlatLayout
 
@@ -282,7 +284,8 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     p = torch.finfo(prec.param_dtype).bits // 8
     g = torch.finfo(prec.grad_dtype).bits // 8
     offload = cfg.memory.offload_optimizer
-    k = 8 + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
+    settings = OptimizerSettings.from_train(cfg.train)
+    k = 4 * len(settings.state_keys) + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
     stage = cfg.parallel.zero
     worlds, ranks = ([dp], [dp_rank]) if experts is None else ([dp, experts[0]], [dp_rank, experts[1]])
     if stage == 3:
@@ -305,7 +308,7 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
         params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
         grads = g * (layout.shard_numel if stage == 2 else layout.total)
         segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
-    optimizer = k * sum(s.numel for s in segments) + 4 * len(segments)
+    optimizer = k * sum(s.numel for s in segments) + (4 * len(segments) if settings.counts_steps else 0)
     return {"parameters": params, "gradients": grads, "optimizer": optimizer}
 
 

@@ -124,6 +124,8 @@ class Router(nn.Module):
 class StackedLinear(nn.Module):
     """``E`` linears ``in -> out`` stacked: ``weight [E, out, in]`` (and ``bias [E, out]``)."""
 
+    stacked = True  # E weights in one tensor: per-weight rules (LAMB's and LARS's norms) take each expert apart
+
     def __init__(self, n: int, d_in: int, d_out: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n, d_out, d_in))

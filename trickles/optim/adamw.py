@@ -7,8 +7,6 @@ projection is the embedding table and is therefore not decayed either.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -43,17 +41,3 @@ def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[f
     """torch AdamW over :func:`param_groups`."""
     device = next(model.parameters()).device
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **adamw_kwargs(device))
-
-
-@dataclass(frozen=True)
-class AdamWSettings:
-    """AdamW hyper-parameters (the learning rate is set per step by the schedule)."""
-
-    lr: float
-    betas: tuple[float, float]
-    eps: float
-    weight_decay: float
-
-    @classmethod
-    def from_train(cls, t) -> "AdamWSettings":
-        return cls(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay)

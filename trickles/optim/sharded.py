@@ -1,14 +1,17 @@
-"""AdamW over the parameter segments one data-parallel rank owns (ZeRO's sharded optimizer).
+"""The optimizer over the parameter segments one data-parallel rank owns (ZeRO's sharded optimizer).
 
-Each rank updates only its :class:`~trickles.parallel.flat.Segment` s. The update is torch's
-own AdamW applied to per-segment tensors, so it is element for element the update a single
-process makes on the whole parameter (AdamW is element-wise).
+Each rank updates only its :class:`~trickles.parallel.flat.Segment` s, with the optimizer
+``train.optimizer`` names (:class:`~trickles.optim.settings.OptimizerSettings`) applied to
+per-segment tensors. AdamW and SGD are element-wise, so this is element for element the update a
+single process makes on the whole parameter; LAMB and LARS also need each weight's norms, which
+the engine's norm provider (:class:`~trickles.parallel.norms.ShardNorms`) reduces over the ranks
+holding its segments -- the same update again, to rounding.
 
 Where the state lives:
 
 * default, fp32 parameters: the *master weights are the parameters themselves* (the rank's
-  slices of the flat parameter buffer), updated in place; Adam's two moments add ``8 P / N``
-  bytes per rank;
+  slices of the flat parameter buffer), updated in place; Adam's (and LAMB's) two moments add
+  ``8 P / N`` bytes per rank, LARS's and SGD's momentum ``4 P / N``;
 * parameters in a lower precision: an fp32 master copy of the segments (``4 P / N``) is kept
   and copied back into the parameters after each step; gradients in a lower precision are
   copied to fp32 before the step (another ``4 P / N``), fp32 gradients are used as they are;
@@ -24,19 +27,20 @@ from typing import Callable
 
 import torch
 
+from ..errors import CheckpointError
 from ..parallel.flat import Segment
-from .adamw import adamw_kwargs
-
-MOMENTS = ("exp_avg", "exp_avg_sq")  # Adam state kept per element (the step counter is a scalar)
+from .settings import LAYERWISE, OptimizerSettings
 
 
-class ShardedAdamW:
-    """AdamW on ``segments``; ``param_of(seg)`` / ``grad_of(seg)`` give the device tensors (1-D)."""
+class ShardedOptimizer:
+    """The optimizer ``settings`` names on ``segments``; ``param_of(seg)`` / ``grad_of(seg)`` give the device
+    tensors (1-D); ``norms``: the engine's norm provider (LAMB and LARS), bound here to the master tensors."""
 
     def __init__(self, segments: list[Segment], param_of: Callable[[Segment], torch.Tensor],
-                 grad_of: Callable[[Segment], torch.Tensor], decay: dict[str, bool], lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float, offload: bool = False):
+                 grad_of: Callable[[Segment], torch.Tensor], decay: dict[str, bool], settings: OptimizerSettings,
+                 offload: bool = False, norms=None):
         self.segments = segments
+        self.settings = settings
         self.params = [param_of(s) for s in segments]
         self.grads = [grad_of(s) for s in segments]
         device = self.params[0].device if self.params else torch.device("cpu")
@@ -56,18 +60,24 @@ class ShardedAdamW:
                     m.copy_(p)
         for m, g in zip(self.masters, self.host_grads):
             m.grad = g
-        groups = [
-            {"params": [m for s, m in zip(segments, self.masters) if decay[s.name]], "weight_decay": weight_decay},
-            {"params": [m for s, m in zip(segments, self.masters) if not decay[s.name]], "weight_decay": 0.0},
+        groups = [  # the decay group also takes LAMB's and LARS's trust ratio (optim.settings)
+            {"params": [m for s, m in zip(segments, self.masters) if decay[s.name]], "weight_decay": settings.weight_decay,
+             "adapt": True},
+            {"params": [m for s, m in zip(segments, self.masters) if not decay[s.name]], "weight_decay": 0.0, "adapt": False},
         ]
         groups = [g for g in groups if g["params"]]
         opt_device = self.masters[0].device if self.masters else torch.device("cpu")
-        self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **adamw_kwargs(opt_device)) if groups else None
+        self.norms = norms
+        if norms is not None:
+            norms.bind(segments, self.masters)
+        self.optimizer = settings.build(groups, opt_device, norms) if groups else None
         self._stream = torch.cuda.Stream(device) if offload and device.type == "cuda" else None
 
     def step(self, lr: float) -> None:
-        """One AdamW step with learning rate ``lr`` on every owned segment."""
+        """One optimizer step with learning rate ``lr`` on every owned segment."""
         if self.optimizer is None:
+            if self.norms is not None and self.settings.name in LAYERWISE:
+                self.norms.norms([], [])  # a rank owning nothing still takes part in the norms' reduction
             return
         for g in self.optimizer.param_groups:
             g["lr"] = lr
@@ -93,7 +103,8 @@ class ShardedAdamW:
     # ---- accounting and checkpoints ------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state held: moments, step counters, and separate masters/gradients."""
-        total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()) if self.optimizer else 0
+        total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
+                    if torch.is_tensor(t)) if self.optimizer else 0
         for extra in (self.master_flat, self.grad_flat):
             if extra is not None:
                 total += extra.numel() * 4
@@ -112,8 +123,8 @@ class ShardedAdamW:
                 continue
             meta = describe(s.slot.param, s.param_range)
             st = self.optimizer.state.get(m, {}) if self.optimizer else {}
-            for key in MOMENTS:
-                if key in st:
+            for key in self.settings.state_keys:
+                if st.get(key) is not None:
                     out[f"{s.name}/{key}"] = (st[key], meta)
             if "step" in st:
                 out[f"{s.name}/step"] = (st["step"].reshape(1).float(), {"global_shape": [1], "scalar": True})
@@ -131,15 +142,22 @@ class ShardedAdamW:
             with torch.no_grad():
                 for m, p in zip(self.masters, self.params):
                     m.copy_(p)
+        keys = self.settings.state_keys
         for s, m in zip(self.segments, self.masters):
-            if f"{s.name}/exp_avg" not in reader:
+            if not keys:
+                break
+            if f"{s.name}/{keys[0]}" not in reader:
+                other = [k for k in ("exp_avg", "momentum_buffer") if f"{s.name}/{k}" in reader]
+                if other:
+                    raise CheckpointError(f"the checkpoint holds {other[0]} for {s.name}, the state of another optimizer than "
+                                          f"train.optimizer = {self.settings.name}; resume with the optimizer it was saved with")
                 continue
             where = region_of(s.slot.param)
-            state = {key: reader.read(f"{s.name}/{key}", where, s.param_range).to(m.device, torch.float32)
-                     for key in MOMENTS}
-            step = reader.read(f"{s.name}/step")
-            state["step"] = torch.tensor(float(step.reshape(-1)[0]), dtype=torch.float32,
-                                         device=m.device if self.optimizer.defaults.get("fused") else "cpu")
+            state = {key: reader.read(f"{s.name}/{key}", where, s.param_range).to(m.device, torch.float32) for key in keys}
+            if f"{s.name}/step" in reader:
+                step = reader.read(f"{s.name}/step")
+                state["step"] = torch.tensor(float(step.reshape(-1)[0]), dtype=torch.float32,
+                                             device=m.device if self.optimizer.defaults.get("fused") else "cpu")
             self.optimizer.state[m] = state
             if self.separate and f"{s.name}/master" in reader:
                 with torch.no_grad():

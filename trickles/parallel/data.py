@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from ..comm import GroupComm, Handle
-from ..optim.adamw import AdamWSettings, decay_flags
-from ..optim.sharded import ShardedAdamW
+from ..optim.adamw import decay_flags
+from ..optim.settings import OptimizerSettings
+from ..optim.sharded import ShardedOptimizer
 from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
@@ -52,7 +53,7 @@ class DataParallel(Engine):
 
     stage = 0
 
-    def __init__(self, model: nn.Module, comm: GroupComm, optim: AdamWSettings, bucket_bytes: int | None,
+    def __init__(self, model: nn.Module, comm: GroupComm, optim: OptimizerSettings, bucket_bytes: int | None,
                  grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None, ep: GroupComm | None = None,
                  edp: GroupComm | None = None):
         super().__init__(model, comm, tp, ep, edp)
@@ -66,9 +67,9 @@ class DataParallel(Engine):
         self._bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
         self._pending: list[int] = []
         self._handles: dict[int, Handle] = {}
-        self.optimizer = ShardedAdamW(self.layout.whole_segments(), lambda s: s.slot.param.data.view(-1),
-                                      lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]], decay_flags(model),
-                                      optim.lr, optim.betas, optim.eps, optim.weight_decay)
+        self.optimizer = ShardedOptimizer(self.layout.whole_segments(), lambda s: s.slot.param.data.view(-1),
+                                          lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]], decay_flags(model),
+                                          optim, norms=self.norm_provider(self.named, device))
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
         self.zero_grad()  # ready for a plain backward()

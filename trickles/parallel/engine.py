@@ -68,6 +68,8 @@ class Engine:
         self._tied_counted = True
         self._deferred: set[int] = set()
         self._bound: set[int] = set()  # parameters whose .grad is their view of the gradient buffer
+        # stacked expert weights [E, ...]: one norm unit per expert for LAMB and LARS (parallel.norms)
+        self._stacked = {id(p) for m in model.modules() if getattr(m, "stacked", False) for p in m.parameters(recurse=False)}
 
     def group_of(self, p: torch.Tensor) -> int:
         """The index in :attr:`groups` of the ranks ``p``'s gradient is averaged (and its state sharded) over."""
@@ -190,17 +192,12 @@ class Engine:
         pairs = self.owned_param_grads()
         device = pairs[0][1].device if pairs else next(self.model.parameters()).device
         skip = set() if self._tied_counted else self._deferred
-        summed = self.stage >= 1 or self.ep is not None  # over the replicas
-        counted = [g for p, g in pairs if self.writes(p) and id(p) not in skip  # each part of the model once
-                   and (self.stage >= 1 or self.ep is None or self.groups[self.group_of(p)].rank == 0)]
+        counted = [g for p, g in pairs if id(p) not in skip and self.counts(p)]  # each part of the model once
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
             sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
         sq = sq.reshape(1)
-        if summed and self.comm.size > 1:
-            self.comm.all_reduce(sq)
-        if self.tp is not None and self.tp.size > 1:
-            self.tp.all_reduce(sq)
+        self.sum_parts(sq)
         if self.stages is not None and self.stages.size > 1:
             self.stages.all_reduce(sq)
         norm = sq.sqrt().reshape(())
@@ -209,6 +206,28 @@ class Engine:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
         return norm
+
+    def counts(self, p: torch.Tensor) -> bool:
+        """Whether this rank's part of ``p`` counts in a sum over the model's parts (the gradient norm, LAMB's and
+        LARS's per-weight norms), so that :meth:`sum_parts` counts every element once: what every tp rank holds
+        alike counts on tp rank 0 (:meth:`writes`); without ZeRO, what every replica holds alike on the first of
+        the ranks holding it (under expert parallelism only, where the sum runs over the replicas)."""
+        return self.writes(p) and (self.stage >= 1 or self.ep is None or self.groups[self.group_of(p)].rank == 0)
+
+    def sum_parts(self, t: torch.Tensor) -> None:
+        """Sums per-rank partial sums ``t`` (fp32) in place over the ranks that hold the model's other parts: the
+        replicas, where they hold different parts (ZeRO >= 1 shards, expert parallelism), then the tp group."""
+        if (self.stage >= 1 or self.ep is not None) and self.comm.size > 1:
+            self.comm.all_reduce(t)
+        if self.tp is not None and self.tp.size > 1:
+            self.tp.all_reduce(t)
+
+    def norm_provider(self, named: list[tuple[str, nn.Parameter]], device: torch.device):
+        """The per-weight norm provider over the parameters ``named`` (every one this engine holds), for LAMB and
+        LARS (:class:`~trickles.parallel.norms.ShardNorms`)."""
+        from .norms import ShardNorms
+
+        return ShardNorms(named, self._stacked, self.counts, self.sum_parts, device)
 
     def step(self, lr: float) -> None:
         raise NotImplementedError

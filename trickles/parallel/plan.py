@@ -32,7 +32,7 @@ from ..config import Config
 from ..memory.precision import autocast, policy
 from ..memory.recompute import apply_recompute
 from ..models.transformer import Transformer, initial_value
-from ..optim.adamw import AdamWSettings
+from ..optim.settings import OptimizerSettings
 from ..topology import Topology
 from ..train.pieces import global_shape
 from .context import apply_context_parallel, shard_sequence
@@ -53,7 +53,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
     comm, tp, cp, ep = topo.replicas(), topo.comm("tp"), topo.comm("cp"), topo.comm("ep")
     experts = {"ep": ep, "edp": topo.expert_group()} if ep.size > 1 else {}
     stage = cfg.parallel.zero
-    optim = AdamWSettings.from_train(cfg.train)
+    optim = OptimizerSettings.from_train(cfg.train)
     offload = cfg.memory.offload_optimizer
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     apply_recompute(model, cfg.memory.recompute)

@@ -3,7 +3,7 @@
 Layout. The parameters become views into one flat buffer laid out by
 :class:`~trickles.parallel.flat.FlatLayout`: buckets of ``bucket_bytes``, each padded to a
 multiple of ``N = dp`` and split into ``N`` equal shards; rank ``r`` owns shard ``r`` of every
-bucket. The rank's :class:`~trickles.optim.sharded.ShardedAdamW` updates only the segments it
+bucket. The rank's :class:`~trickles.optim.sharded.ShardedOptimizer` updates only the segments it
 owns, with the owned slices of the flat buffer as fp32 master weights.
 
 One optimizer step, per bucket:
@@ -40,8 +40,9 @@ import torch
 from torch import nn
 
 from ..comm import GroupComm, Handle
-from ..optim.adamw import AdamWSettings, decay_flags
-from ..optim.sharded import ShardedAdamW
+from ..optim.adamw import decay_flags
+from ..optim.settings import OptimizerSettings
+from ..optim.sharded import ShardedOptimizer
 from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
@@ -51,7 +52,7 @@ MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finis
 class ZeroDataParallel(Engine):
     """ZeRO stage 1 or 2 over ``comm`` (see module docstring)."""
 
-    def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: AdamWSettings, bucket_bytes: int | None,
+    def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: OptimizerSettings, bucket_bytes: int | None,
                  offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None,
                  ep: GroupComm | None = None, edp: GroupComm | None = None):
         if stage not in (1, 2):
@@ -78,8 +79,8 @@ class ZeroDataParallel(Engine):
             self._buffers: dict[int, torch.Tensor] = {}
             self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
             grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
-        self.optimizer = ShardedAdamW(self.segments, lambda s: self.param_buffer[s.flat_range[0]:s.flat_range[1]], grad_of,
-                                      decay_flags(model), optim.lr, optim.betas, optim.eps, optim.weight_decay, offload)
+        self.optimizer = ShardedOptimizer(self.segments, lambda s: self.param_buffer[s.flat_range[0]:s.flat_range[1]], grad_of,
+                                          decay_flags(model), optim, offload, self.norm_provider(self.named, p0.device))
         self._slot_of = {id(s.param): s for s in self.layout.slots}
         self._param_handles: dict[int, Handle] = {}
         self._install_param_waits(model)

@@ -40,8 +40,9 @@ import torch
 from torch import nn
 
 from ..comm import GroupComm, Handle
-from ..optim.adamw import AdamWSettings, decay_flags
-from ..optim.sharded import ShardedAdamW
+from ..optim.adamw import decay_flags
+from ..optim.settings import OptimizerSettings
+from ..optim.sharded import ShardedOptimizer
 from ..train import checkpoint as ckpt
 from .engine import Engine
 from .flat import FlatLayout, Slot
@@ -132,7 +133,7 @@ class Zero3DataParallel(Engine):
 
     stage = 3
 
-    def __init__(self, model: nn.Module, comm: GroupComm, units: list[nn.Module], optim: AdamWSettings,
+    def __init__(self, model: nn.Module, comm: GroupComm, units: list[nn.Module], optim: OptimizerSettings,
                  init_value: Callable[[str, nn.Parameter], torch.Tensor] | None, device: torch.device,
                  offload: bool = False, prefetch: bool = True, param_dtype: torch.dtype | None = None,
                  grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None, ep: GroupComm | None = None,
@@ -167,8 +168,9 @@ class Zero3DataParallel(Engine):
                 segments.append(seg)
                 params[id(seg)] = unit.shard.data[seg.shard_offset:seg.shard_offset + seg.numel]
                 grads[id(seg)] = unit.grad_shard[seg.shard_offset:seg.shard_offset + seg.numel]
-        self.optimizer = ShardedAdamW(segments, lambda s: params[id(s)], lambda s: grads[id(s)], decay,
-                                      optim.lr, optim.betas, optim.eps, optim.weight_decay, offload)
+        named = [(slot.name, slot.param) for unit in self.units for slot in unit.layout.slots]
+        self.optimizer = ShardedOptimizer(segments, lambda s: params[id(s)], lambda s: grads[id(s)], decay, optim, offload,
+                                          self.norm_provider(named, device))
 
     # ---- hooks ---------------------------------------------------------------------------
     def _make_pre_forward(self, unit: _Unit):

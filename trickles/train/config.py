@@ -16,13 +16,19 @@ class TrainConfig:
     seed: int = opt(1234, "seed for initialization, data order and dropout")
     global_batch: int = opt(16, "sequences per optimizer step, summed over data-parallel ranks and accumulation micro-steps")
     micro_batch: int | None = opt(None, "sequences per forward/backward on one rank (none: global_batch / dp, no accumulation)")
+    optimizer: str = opt("adamw", "adamw, lamb (Adam with a per-weight trust ratio), lars (momentum SGD with a per-weight learning rate) or sgd (momentum SGD); see trickles.optim")
     lr: float = opt(2e-3, "peak learning rate")
-    min_lr_ratio: float = opt(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
+    schedule: str = opt("auto", "learning-rate decay after the warm-up: cosine, poly ((1 - progress)^poly_power) or auto (poly for lars, as its users train it; cosine otherwise)")
+    poly_power: float = opt(2.0, "exponent of the poly schedule")
+    min_lr_ratio: float = opt(0.1, "learning rate at the end of the decay, as a fraction of lr")
     warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
-    weight_decay: float = opt(0.1, "AdamW decoupled weight decay (not applied to norms, biases and embeddings' positions)")
-    beta1: float = opt(0.9, "AdamW first-moment decay")
-    beta2: float = opt(0.95, "AdamW second-moment decay")
-    eps: float = opt(1e-8, "AdamW epsilon")
+    weight_decay: float = opt(0.1, "weight decay of linear matrices (not of norms, biases and embeddings): decoupled for adamw and lamb, an L2 term for sgd and lars")
+    beta1: float = opt(0.9, "adamw/lamb first-moment decay")
+    beta2: float = opt(0.95, "adamw/lamb second-moment decay")
+    eps: float = opt(1e-8, "adamw/lamb epsilon")
+    momentum: float = opt(0.9, "sgd/lars momentum")
+    trust_coefficient: float = opt(0.001, "lars: eta, the local learning rate's coefficient (eta ||w|| / (||g|| + wd ||w||))")
+    trust_clip: float = opt(0.0, "lamb/lars: upper bound on the trust ratio (0: none)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
     max_nonfinite_steps: int = opt(10, "stop (exit status 3) after this many consecutive steps with a non-finite loss or gradient; such steps are skipped")
     eval_every: int = opt(50, "evaluate on held-out data every N steps (0: never; the last step always evaluates when >0)")
@@ -59,7 +65,17 @@ class TrainConfig:
             raise ConfigError(f"train.keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.grad_clip < 0 or self.weight_decay < 0 or self.eps <= 0:
             raise ConfigError("train.grad_clip and train.weight_decay must not be negative and train.eps must be positive")
-        for key in ("beta1", "beta2"):
+        from ..optim.settings import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}")
+        if self.schedule not in ("auto", "cosine", "poly"):
+            raise ConfigError(f"train.schedule must be auto, cosine or poly, got {self.schedule!r}")
+        if self.poly_power <= 0:
+            raise ConfigError(f"train.poly_power must be positive, got {self.poly_power}")
+        if self.trust_coefficient <= 0 or self.trust_clip < 0:
+            raise ConfigError("train.trust_coefficient must be positive and train.trust_clip must not be negative (0: no clip)")
+        for key in ("beta1", "beta2", "momentum"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

@@ -41,6 +41,7 @@ from ..models.config import ModelConfig, resolve_model
 from ..models.generate import generate
 from ..models.transformer import Transformer, count_params
 from ..optim import lr_at
+from ..optim.schedule import schedule_kind
 from ..parallel.pipeline_runner import PipelinedModel
 from ..parallel.plan import parallelize
 from ..topology import Topology
@@ -126,7 +127,7 @@ class Trainer:
         t = self.cfg.train
         start = time.perf_counter()
         flight.step = self.step + 1  # named in hang reports
-        lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, schedule_kind(t), t.poly_power)
         total = torch.zeros((), device=self.device)
         batches = self._shard(self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch))
         scale = self.scaler.scale if self.scaler else 1.0
@@ -373,6 +374,10 @@ class Trainer:
         if diff:
             detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
             raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
+        was = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
+        if was != self.cfg.train.optimizer:
+            raise CheckpointError(f"checkpoint {path} holds {was} state but train.optimizer = {self.cfg.train.optimizer}; "
+                                  f"set train.optimizer = {was} to resume it")
         self.engine.load(path)
         self.step = int(meta["step"])
         self.consumed = int(meta["consumed_samples"])
