@@ -81,6 +81,9 @@ class Ours(Contestant):
         e.finish_backward()
         e.clip_grad_norm(self.clip)
         e.step(self.lr)
+        wait = getattr(e, "wait_for_parameters", None)
+        if wait is not None:  # ZeRO-1/2's parameter all-gathers: this step's work, not the next contestant's
+            wait()
         return loss.detach()
 
 

@@ -16,8 +16,14 @@ What is compared
       ``torch.nn.utils.clip_grad_norm_`` (for FSDP2 the norm of the sharded gradients is
       reduced over the mesh, as torchtitan does).
 
+    * DeepSpeed ZeRO stages 1, 2 and 3 (``deepspeed.initialize`` with the same ``torch.optim.AdamW``
+      as its client optimizer, ``gradient_clipping`` = ours, ``overlap_comm``, buckets of
+      ``--bucket-mb``; on CPU ``DS_ACCELERATOR=cpu`` over gloo), where ``deepspeed`` imports
+      (an optional dependency; ``--no-deepspeed`` leaves it out).
+
     Pairs: stage 0 vs DDP, stages 1 and 2 vs DDP (same communication volume, less memory),
-    stage 3 vs FSDP2; offload rows against the same peers.
+    stage 3 vs FSDP2; offload rows against the same peers; and each of our stages 1-3 against
+    DeepSpeed's same stage (a table of its own).
 
 How
     * Every contestant lives in the same ``N`` processes at once, on the same model shape,
@@ -41,7 +47,12 @@ How
       ratio (median over rounds of ours/peer in the same round).
     * Memory: bytes per rank of parameters, gradients and optimizer state after a step, from
       ``engine.memory()`` for ours and measured from the peers' live tensors (local shards
-      for FSDP2; DDP's gradients are views into its buckets).
+      for FSDP2; DDP's gradients are views into its buckets). For the DeepSpeed table, every
+      contestant's *resident* bytes: the growth of the live tensors (distinct storages reachable
+      from Python) while it is built and runs its two agreement steps, so each keeps what it
+      keeps between steps, whatever it calls it.
+    * A step of ours ends when everything it started has finished: ZeRO-1/2 wait for their
+      parameter all-gathers (which the next forward would otherwise wait for).
     * CPU: ``torch.set_num_threads(cores // N)`` in every rank (``--threads`` overrides).
 
 Target
@@ -59,6 +70,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -72,6 +84,7 @@ from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_
                     print_verdicts, run_info, run_step, setup_rank, time_rounds, write_json)
 from _timing import device_name, table  # noqa: E402
 
+from trickles.memory.accounting import live_tensor_bytes  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
@@ -94,6 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for ours (parallel.bucket_mb) and DDP (bucket_cap_mb)")
     p.add_argument("--offload", action="store_true", help="also time stages 1-3 with the optimizer offloaded to host memory")
+    p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's ZeRO 1-3 out")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -145,6 +159,48 @@ class Peer(Contestant):
                 "optimizer": sum(_nbytes(t) for st in self.optimizer.state.values() for t in st.values() if torch.is_tensor(t))}
 
 
+class DeepSpeedPeer(Contestant):
+    """DeepSpeed's ZeRO at ``stage`` over every rank, with torch's AdamW as its client optimizer."""
+
+    def __init__(self, stage: int, model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, rows: int, args):
+        import deepspeed
+
+        super().__init__(f"deepspeed zero-{stage}")
+        model = build_model(model_cfg, seed=args.seed, device=device).train()
+        bucket = int(args.bucket_mb * 2**20 / 4)  # elements
+        config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": 1, "gradient_clipping": args.clip,
+                  "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+                  "zero_optimization": {"stage": stage, "overlap_comm": True, "contiguous_gradients": True,
+                                        "reduce_bucket_size": bucket, "allgather_bucket_size": bucket,
+                                        **({"stage3_prefetch_bucket_size": bucket, "stage3_param_persistence_threshold": 0}
+                                           if stage == 3 else {})}}
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=_adamw(model, optim, device), config=config,
+                                               dist_init_required=False)
+
+    def step(self, x, y):
+        loss = F.cross_entropy(self.engine(x).float().flatten(0, 1), y.flatten())
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.detach()
+
+
+def _deepspeed(device: torch.device, args) -> str | None:
+    """Why DeepSpeed is left out, or None when it imports (and has adopted the process group)."""
+    if args.no_deepspeed:
+        return "left out (--no-deepspeed)"
+    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
+    try:
+        import logging
+
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    except Exception as e:  # noqa: BLE001 - any failure to import or start means the peer is absent
+        return f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:160]}); pip install deepspeed"
+    return None
+
+
 def _adamw(model: torch.nn.Module, optim: OptimizerSettings, device: torch.device) -> torch.optim.AdamW:
     return torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr, betas=optim.betas, eps=optim.eps,
                              **adamw_kwargs(device))
@@ -184,41 +240,51 @@ def rank_main(args) -> int:
     ledger = topo.ledger
     optim = OptimizerSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
 
-    contestants: list[Contestant] = [make_ddp(model_cfg, device, optim, args), make_fsdp(model_cfg, device, optim, world, args)]
-    for stage in (0, 1, 2, 3):
-        contestants.append(Ours(f"ours zero-{stage}", stage, False, model_cfg, topo, args))
-    if args.offload:
-        for stage in (1, 2, 3):
-            contestants.append(Ours(f"ours zero-{stage}+offload", stage, True, model_cfg, topo, args))
     with torch.device("meta"):
         n_params = count_params(Transformer(model_cfg))
-
     g = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, model_cfg.vocab_size, (2, batch, seq + 1), generator=g)
     rows = slice(rank * batch // world, (rank + 1) * batch // world)
     data = [(t[rows, :-1].contiguous().to(device), t[rows, 1:].contiguous().to(device)) for t in tokens]
 
-    # agreement check: step 1 on the initial weights, step 2 after one update (a second batch);
-    # our ledger is read around step 2 (step 1 sets up buffers, the volume is the same)
+    makers = [lambda: make_ddp(model_cfg, device, optim, args), lambda: make_fsdp(model_cfg, device, optim, world, args)]
+    makers += [lambda s=s: Ours(f"ours zero-{s}", s, False, model_cfg, topo, args) for s in (0, 1, 2, 3)]
+    if args.offload:
+        makers += [lambda s=s: Ours(f"ours zero-{s}+offload", s, True, model_cfg, topo, args) for s in (1, 2, 3)]
+    no_ds = _deepspeed(device, args)
+    if no_ds is None:
+        makers += [lambda s=s: DeepSpeedPeer(s, model_cfg, device, optim, batch // world, args) for s in (1, 2, 3)]
+
+    # each contestant is built and runs the agreement check at once -- step 1 on the initial weights, step 2 after one
+    # update (a second batch) -- so that the live tensors it adds are its resident bytes; our ledger is read around
+    # step 2 (step 1 sets up buffers, the volume is the same)
+    contestants: list[Contestant] = []
     comm: dict[str, dict] = {}
-    for i, (x, y) in enumerate(data):
-        for c in contestants:
+    resident: dict[str, int] = {}
+    for make in makers:
+        gc.collect()
+        base = live_tensor_bytes(device)
+        c = make()
+        for i, (x, y) in enumerate(data):
             before = ledger.snapshot()
             run_step(c, x, y, device, record=False)
             if isinstance(c, Ours) and i == 1:
                 comm[c.name] = ledger_delta(before, ledger.snapshot())
+        gc.collect()
+        resident[c.name] = live_tensor_bytes(device) - base
+        contestants.append(c)
     check = {c.name: list(c.losses) for c in contestants}
 
     time_rounds(contestants, *data[0], args, device)
-    memory = {c.name: c.memory() for c in contestants}
+    memory = {c.name: c.memory() for c in contestants if not isinstance(c, DeepSpeedPeer)}
     mine = {"times": {c.name: c.times for c in contestants}, "check": check, "memory": memory, "comm": comm,
-            "last_loss": {c.name: c.losses[-1] for c in contestants}}
+            "last_loss": {c.name: c.losses[-1] for c in contestants}, "resident": resident}
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
 
     status = 0
     if rank == 0:
-        status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world)
+        status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world, no_ds)
     del contestants, topo
     return finish(status, device)
 
@@ -226,7 +292,7 @@ def rank_main(args) -> int:
 # ---- report (rank 0) -----------------------------------------------------------------------
 
 def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int,
-           device: torch.device, world: int) -> int:
+           device: torch.device, world: int, no_ds: str | None) -> int:
     names = [c.name for c in contestants]
     dev_name = device_name(device)
     print(f"trickles data parallel (ZeRO 0-3) vs torch DDP and FSDP2, one training step each, {world} ranks, same weights and data")
@@ -276,6 +342,8 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     rows = []
     for c in contestants:
         n, peer = c.name, c.peer
+        if isinstance(c, DeepSpeedPeer):  # its own table below
+            continue
         mem = everyone[0]["memory"][n]
         total = sum(mem.values())
         peer_total = sum(everyone[0]["memory"][peer].values()) if peer else None
@@ -293,14 +361,39 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
               "the parameter and gradient columns are on the device.")
 
     print_verdicts(results, ("ours zero-0", "ours zero-3"))
+    deepspeed_table(everyone, results, names, no_ds)
 
     if args.json:
         write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
                "check": {n: [r["check"][n] for r in everyone] for n in names},
+               "resident": {n: [r["resident"][n] for r in everyone] for n in names},
                "comm": {n: [r["comm"].get(n) for r in everyone] for n in names if n.startswith("ours")},
                "results": results})
     sys.stdout.flush()
     return 0
+
+
+def deepspeed_table(everyone: list[dict], results: dict, names: list[str], no_ds: str | None) -> None:
+    """Our stages 1-3 against DeepSpeed's: step time (medians of each round's slowest rank, and paired) and resident bytes
+    per rank (the largest over the ranks)."""
+    if no_ds is not None:
+        print(f"\nDeepSpeed ZeRO: {no_ds}")
+        return
+    rows, verdicts = [], []
+    for stage in (1, 2, 3):
+        ours, ds = f"ours zero-{stage}", f"deepspeed zero-{stage}"
+        a, b = results[ours], results[ds]
+        ratio = a["median"] / b["median"]
+        paired = statistics.median(x / y for x, y in zip(a["times"], b["times"]))
+        mem_a, mem_b = (max(r["resident"][n] for r in everyone) for n in (ours, ds))
+        results[ours].update(deepspeed_ratio=ratio, deepspeed_paired=paired, resident=mem_a, deepspeed_resident=mem_b)
+        rows.append([f"zero-{stage}", f"{a['median'] * 1e3:.1f}", f"{b['median'] * 1e3:.1f}", f"{ratio:.3f}x", f"{paired:.3f}x",
+                     f"{mem_a / 2**20:.1f}", f"{mem_b / 2**20:.1f}", f"{mem_a / mem_b:.2f}x"])
+        verdicts.append(f"zero-{stage} {ratio:.3f}x time, {mem_a / mem_b:.2f}x memory: "
+                        f"{'met' if ratio <= 1.0 and mem_a <= mem_b else 'NOT met'}")
+    print("\nours vs DeepSpeed, stage by stage (resident MiB: live tensors each keeps per rank between steps, the largest rank):")
+    print(table(["stage", "ours ms", "deepspeed ms", "ratio", "paired", "ours MiB", "deepspeed MiB", "memory"], rows))
+    print("target ours/deepspeed <= 1.0x at no more memory:  " + ";  ".join(verdicts))
 
 
 # ---- entry ---------------------------------------------------------------------------------
