@@ -389,7 +389,7 @@ def deepspeed_table(everyone: list[dict], results: dict, names: list[str], no_ds
         results[ours].update(deepspeed_ratio=ratio, deepspeed_paired=paired, resident=mem_a, deepspeed_resident=mem_b)
         rows.append([f"zero-{stage}", f"{a['median'] * 1e3:.1f}", f"{b['median'] * 1e3:.1f}", f"{ratio:.3f}x", f"{paired:.3f}x",
                      f"{mem_a / 2**20:.1f}", f"{mem_b / 2**20:.1f}", f"{mem_a / mem_b:.2f}x"])
-        verdicts.append(f"zero-{stage} {ratio:.3f}x time, {mem_a / mem_b:.2f}x memory: "
+        verdicts.append(f"zero-{stage} {ratio:.3f}x time, {mem_a / mem_b:.3f}x memory: "
                         f"{'met' if ratio <= 1.0 and mem_a <= mem_b else 'NOT met'}")
     print("\nours vs DeepSpeed, stage by stage (resident MiB: live tensors each keeps per rank between steps, the largest rank):")
     print(table(["stage", "ours ms", "deepspeed ms", "ratio", "paired", "ours MiB", "deepspeed MiB", "memory"], rows))
