@@ -89,14 +89,14 @@ class ShardedOptimizer:
 
     def _copy(self, dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
         with torch.no_grad():
+            if not dst:
+                return
             if self._stream is None:
-                for d, s in zip(dst, src):
-                    d.copy_(s)
+                torch._foreach_copy_(dst, src)
                 return
             self._stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(self._stream):
-                for d, s in zip(dst, src):
-                    d.copy_(s, non_blocking=True)
+                torch._foreach_copy_(dst, src, non_blocking=True)
             torch.cuda.current_stream().wait_stream(self._stream)
             self._stream.synchronize()
 

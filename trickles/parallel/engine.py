@@ -195,7 +195,7 @@ class Engine:
         counted = [g for p, g in pairs if id(p) not in skip and self.counts(p)]  # each part of the model once
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
-            sq = torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) ** 2 for g in counted]).sum()
+            sq = (torch.stack(torch._foreach_norm(counted, dtype=torch.float32)) ** 2).sum()
         sq = sq.reshape(1)
         self.sum_parts(sq)
         if self.stages is not None and self.stages.size > 1:
