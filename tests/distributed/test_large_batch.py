@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from helpers import assert_losses_track, assert_weights_track, tiny_config
-from trickles.optim import decay_flags
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
@@ -48,8 +47,9 @@ def _train(tmp, dims, overrides, steps=STEPS, save_after=None, resume=None):
     if resume:
         tr.load_checkpoint(resume)
     start = state()
-    flags = decay_flags(tr.model) if tr.engine.stage < 3 else None
-    cut = any(s.param_range != (0, s.slot.numel) and (flags is None or flags.get(s.name)) for s in tr.engine.optimizer.segments)
+    opt = tr.engine.optimizer  # which of this rank's segments are adapted (the trust ratio's group), and cut
+    adapted = {id(m) for g in opt.optimizer.param_groups if g["adapt"] for m in g["params"]} if opt.optimizer else set()
+    cut = any(s.param_range != (0, s.slot.numel) and id(m) in adapted for s, m in zip(opt.segments, opt.masters))
     losses = [tr.train_step()["loss"] for _ in range(tr.step, save_after or steps)]
     path = tr.save_checkpoint() if save_after else None
     return losses, state(), start, cut, path

@@ -34,11 +34,14 @@ def _problem(seed=0):
     return weights, grads, [True, True, False]
 
 
-def _run(make, weights, grads, adapt, wd):
+def _run(make, weights, grads, adapt, wd, plain=False):
+    """``make(groups)`` stepped over the problem: each adapted weight in a group of its own (so the optimizer finds each
+    group's norms in the right place among all of them), the rest in one non-adapted group; ``plain``: one bare list
+    of parameters and ``weight_decay`` left to ``make`` (the optimizer's defaults: every weight adapted)."""
     ps = [torch.nn.Parameter(w.clone()) for w in weights]
-    groups = [{"params": [p for p, a in zip(ps, adapt) if a], "weight_decay": wd, "adapt": True},
-              {"params": [p for p, a in zip(ps, adapt) if not a], "weight_decay": 0.0, "adapt": False}]
-    opt = make(groups)
+    groups = [{"params": [p], "weight_decay": wd, "adapt": True} for p, a in zip(ps, adapt) if a]
+    groups.append({"params": [p for p, a in zip(ps, adapt) if not a], "weight_decay": 0.0, "adapt": False})
+    opt = make(ps if plain else groups)
     for s in range(STEPS):
         for p, gr in zip(ps, grads[s]):
             p.grad = gr.clone()
@@ -96,6 +99,16 @@ def test_lamb_equals_the_papers_update(clip, bias_correction):
         assert float((b - weights[i]).abs().max()) > 1e-3, i
 
 
+def test_a_bare_parameter_list_is_adapted_and_decayed_by_default():
+    weights, grads, _ = _problem(3)
+    adapt = [True, True, True]
+    ours = _run(lambda ps: Lars(ps, momentum=0.9, weight_decay=0.01, trust_coefficient=0.05), weights, grads, adapt, 0.01,
+                plain=True)
+    ref = _lars_reference(weights, grads, adapt, 0.01, 0.9, 0.05, 0.0)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert float((a - b).abs().max()) < 1e-10, i
+
+
 @pytest.mark.parametrize("clip", [0.0, 0.02], ids=["paper", "clip"])
 def test_lars_equals_the_papers_update(clip):
     weights, grads, adapt = _problem(1)
@@ -112,7 +125,8 @@ def test_lamb_equals_torch_optimizer_lamb():
 
     weights, grads, _ = _problem(2)
     adapt = [True, True, True]
-    ours = _run(lambda g: Lamb(g, betas=(0.9, 0.99), eps=1e-6, bias_correction=False), weights, grads, adapt, wd=0.1)
+    ours = _run(lambda g: Lamb(g, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, bias_correction=False), weights, grads,
+                adapt, wd=0.1, plain=True)  # a bare parameter list: LAMB adapts every weight by default
     theirs = _run(lambda g: torch_optimizer.Lamb(g, betas=(0.9, 0.99), eps=1e-6, clamp_value=1e9), weights, grads, adapt, wd=0.1)
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert float((a - b).abs().max()) < 1e-6, i  # measured: 1.1e-16
@@ -168,11 +182,12 @@ def _trainer(tmp, *overrides, steps=4):
     return Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=True)
 
 
-@pytest.mark.parametrize("optimizer", ["lamb", "lars"])
+@pytest.mark.parametrize("optimizer", ["lamb", "lars", "sgd"])
 def test_one_process_engine_step_equals_the_reference_per_weight_and_per_expert(tmp_path, optimizer):
     """The engine's optimizer on a mixture-of-experts model equals the references above applied by hand: matrices
-    adapted and decayed, norms, biases and embeddings neither, every expert of a stacked weight its own unit."""
-    lr = {"lamb": "train.lr=0.02", "lars": "train.lr=2.0"}[optimizer]
+    adapted and decayed, norms, biases and embeddings neither, every expert of a stacked weight its own unit (and
+    SGD: torch's momentum SGD, the decay an L2 term on the same matrices)."""
+    lr = {"lamb": "train.lr=0.02", "lars": "train.lr=2.0", "sgd": "train.lr=0.5"}[optimizer]
     tr = _trainer(str(tmp_path), f"train.optimizer={optimizer}", lr, "train.weight_decay=0.01", "train.trust_coefficient=0.01")
     plain = build_model(tr.model_cfg, tr.cfg.train.seed)
     flags = decay_flags(plain)
@@ -206,6 +221,9 @@ def test_one_process_engine_step_equals_the_reference_per_weight_and_per_expert(
                     upd = (state[i] / (1 - 0.9 ** t)) / ((state2[i] / (1 - 0.95 ** t)).sqrt() + 1e-6) + wd * w
                     r = _ratio(float(w.norm()), float(upd.norm()), 0.0) if adapt[i] else 1.0
                     u.copy_(w - record["lr"] * r * upd)
+                elif optimizer == "sgd":
+                    state[i] = 0.9 * state[i] + (g + wd * w) if s else g + wd * w
+                    u.copy_(w - record["lr"] * state[i])
                 else:
                     wn, gn = float(w.norm()), float(g.norm())
                     local = 0.01 * wn / (gn + wd * wn) if adapt[i] and wn > 0 and gn > 0 else 1.0
@@ -252,3 +270,14 @@ def test_memory_report_predicts_each_optimizers_state(tmp_path, optimizer):
     params = sum(p.numel() for p in tr.model.parameters())
     assert rep.predicted["optimizer"] == {"lamb": 8 * params + 4 * len(list(tr.model.parameters())), "lars": 4 * params,
                                           "sgd-plain": 0}[optimizer]
+
+
+def test_optimizer_settings_defaults_are_the_configs():
+    """``OptimizerSettings`` built by hand (the benchmarks, a library user) defaults to what ``[train]`` does."""
+    from trickles.optim import OptimizerSettings
+    from trickles.train.config import TrainConfig
+
+    t = TrainConfig()
+    for name in ("adamw", "lars"):
+        t.optimizer = name
+        assert OptimizerSettings(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, name) == OptimizerSettings.from_train(t)
