@@ -24,30 +24,23 @@ import math
 
 import torch
 
-from .norms import LocalNorms, NormProvider, group_norms, pieces, trust_ratio
+from .norms import LayerwiseOptimizer, NormProvider, group_norms, pieces, trust_ratio
 
 
-class Lamb(torch.optim.Optimizer):
+class Lamb(LayerwiseOptimizer):
     """LAMB (module docstring); ``norms`` provides whole-weight norms when the tensors are shards."""
-
-    state_keys = ("exp_avg", "exp_avg_sq")
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, trust_clip: float = 0.0, bias_correction: bool = True,
                  norms: NormProvider | None = None):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_clip=trust_clip,
-                        bias_correction=bias_correction, adapt=True)
-        super().__init__(params, defaults)
-        self.provider = norms or LocalNorms()
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_clip=trust_clip,
+                                      bias_correction=bias_correction), norms)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         adapted = []  # (group, params, updates)
-        for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if not ps:
-                continue
+        for group, ps in self._with_grads():
             grads = [p.grad for p in ps]
             for p in ps:
                 st = self.state[p]

@@ -21,29 +21,21 @@ from __future__ import annotations
 
 import torch
 
-from .norms import LocalNorms, NormProvider, group_norms, pieces, trust_ratio
+from .norms import LayerwiseOptimizer, NormProvider, group_norms, pieces, trust_ratio
 
 
-class Lars(torch.optim.Optimizer):
+class Lars(LayerwiseOptimizer):
     """LARS (module docstring); ``norms`` provides whole-weight norms when the tensors are shards."""
-
-    state_keys = ("momentum_buffer",)
 
     def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, trust_clip: float = 0.0, norms: NormProvider | None = None):
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient,
-                        trust_clip=trust_clip, adapt=True)
-        super().__init__(params, defaults)
-        self.provider = norms or LocalNorms()
+        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                      trust_coefficient=trust_coefficient, trust_clip=trust_clip), norms)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
-        work = []  # (group, params, grads)
-        for group in self.param_groups:
-            ps = [p for p in group["params"] if p.grad is not None]
-            if ps:
-                work.append((group, ps, [p.grad for p in ps]))
+        work = [(group, ps, [p.grad for p in ps]) for group, ps in self._with_grads()]
         adapted = [w for w in work if w[0]["adapt"]]
         norms = dict(zip((id(w) for w in adapted), group_norms(self.provider, [(ps, gs) for _, ps, gs in adapted])))
         for item in work:

@@ -42,6 +42,22 @@ class LocalNorms:
         return [torch.stack(torch._foreach_norm(ts)) if ts else torch.zeros(0) for ts in (weights, *others)]
 
 
+class LayerwiseOptimizer(torch.optim.Optimizer):
+    """What LAMB and LARS share: groups adapted by default (``adapt``), a norm provider (:class:`LocalNorms` when none
+    is given), and each group's parameters that have a gradient."""
+
+    def __init__(self, params, defaults: dict, norms: NormProvider | None):
+        super().__init__(params, {**defaults, "adapt": True})
+        self.provider = norms or LocalNorms()
+
+    def _with_grads(self):
+        """``(group, params with a gradient)`` for every group that has any."""
+        for group in self.param_groups:
+            ps = [p for p in group["params"] if p.grad is not None]
+            if ps:
+                yield group, ps
+
+
 def pieces(tensors: list[torch.Tensor], weights: list[torch.Tensor], provider: NormProvider) -> list[torch.Tensor]:
     """Every tensor's pieces of one norm unit each (views), cut as the provider cuts the weight of the same place."""
     return [piece for t, w in zip(tensors, weights) for piece in t.reshape(-1).split(provider.sizes(w))]

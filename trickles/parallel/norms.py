@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..optim.norms import pieces
 from ..train.pieces import global_shape
 from .flat import Segment
 
@@ -51,6 +52,7 @@ class ShardNorms:
             total += global_shape(p)[0] if id(p) in stacked else 1
         self.total = total
         self._info: dict[int, tuple[list[int], list[int], bool]] = {}  # tensor id -> (piece sizes, unit numbers, counted)
+        self._plans: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind(self, segments: list[Segment], tensors: list[torch.Tensor]) -> None:
         """``tensors[i]`` (1-D) holds the elements ``segments[i].param_range`` of its parameter."""
@@ -72,20 +74,25 @@ class ShardNorms:
     def sizes(self, t: torch.Tensor) -> list[int]:
         return self._info[id(t)][0]
 
+    def _plan(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every piece's unit number and whether this rank counts it, for this list of weights (the same list every
+        step: computed once)."""
+        key = tuple(map(id, weights))
+        if key not in self._plans:
+            units = [u for w in weights for u in self._info[id(w)][1]]
+            counted = [self._info[id(w)][2] for w in weights for _ in self._info[id(w)][1]]
+            self._plans[key] = (torch.tensor(units, dtype=torch.long, device=self.device),
+                                torch.tensor(counted, dtype=torch.bool, device=self.device))
+        return self._plans[key]
+
     def norms(self, weights: list[torch.Tensor], *others: list[torch.Tensor]) -> list[torch.Tensor]:
         lists = [weights, *others]
-        units = [u for w in weights for u in self._info[id(w)][1]]
-        counted = [c for w in weights for c in [self._info[id(w)][2]] * len(self._info[id(w)][1])]
-        vec = torch.zeros(len(lists) * self.total, dtype=torch.float32, device=self.device)
-        at = torch.tensor([i * self.total + u for i in range(len(lists)) for u, c in zip(units, counted) if c],
-                          dtype=torch.long, device=self.device)
-        parts = [piece for ts in lists for t, w in zip(ts, weights) for piece, c in
-                 zip(t.reshape(-1).split(self.sizes(w)), [self._info[id(w)][2]] * len(self.sizes(w))) if c]
-        if parts:
-            sq = torch.stack(torch._foreach_norm(parts)).to(self.device, torch.float32) ** 2
-            vec.index_add_(0, at, sq)
+        units, counted = self._plan(weights)
+        vec = torch.zeros(len(lists), self.total, dtype=torch.float32, device=self.device)
+        if len(units):
+            parts = [piece for ts in lists for piece in pieces(ts, weights, self)]
+            sq = (torch.stack(torch._foreach_norm(parts)).to(self.device, torch.float32) ** 2).view(len(lists), -1)
+            vec.index_add_(1, units, torch.where(counted, sq, torch.zeros_like(sq)))
         self.sum_parts(vec)
-        norms = vec.sqrt()
-        idx = torch.tensor(units, dtype=torch.long, device=self.device)
         dev = weights[0].device if weights else self.device
-        return [norms[i * self.total:(i + 1) * self.total][idx].to(dev) for i in range(len(lists))]
+        return list(vec.sqrt()[:, units].to(dev).unbind())
