@@ -76,7 +76,7 @@ class Ours(Contestant):
         e = self.engine
         e.zero_grad()
         with e.micro_step(last=True):
-            loss = e.loss_fn(self.model(x), y)
+            loss = self.model(x, target=y)
             loss.backward()
         e.finish_backward()
         e.clip_grad_norm(self.clip)

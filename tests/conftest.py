@@ -23,6 +23,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))  # tests/helpers.py, for test modules and spawned ranks
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "TRITON_INTERPRET" not in os.environ:  # Triton kernels run in Triton's interpreter where there is no GPU; Triton
+    import torch  # decides when a kernel is defined, so this must come before trickles.kernels is imported
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 HARDWARE_MARKERS = ("needs_gpu",)  # skips CI tolerates: hardware the CI machine does not have

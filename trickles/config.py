@@ -125,6 +125,13 @@ class Config:
         if dims.ep > 1 and self.model.moe_experts % dims.ep:
             raise ConfigError(f"model.moe_experts ({self.model.moe_experts}) must be divisible by parallel.ep ({dims.ep}); "
                               f"change one of them")
+        if self.model.kernels == "triton":
+            from .kernels import check_kernels
+
+            import torch
+
+            wants_cpu = self.train.device == "cpu" or (self.train.device == "auto" and not torch.cuda.is_available())
+            check_kernels("triton", torch.device("cpu" if wants_cpu else "cuda"))
         self._check_tensor_parallel(dims.tp)
         self._check_context_parallel(dims)
         self._check_pipeline(dims)

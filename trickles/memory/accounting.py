@@ -16,7 +16,10 @@ fp32 parameters are their own master weights.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
 
 import torch
 
@@ -57,3 +60,51 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
         except Exception:  # objects that pretend to be tensors (e.g. fakes) are not memory
             continue
     return sum(seen.values())
+
+
+def peak_allocated(fn, device: torch.device | str = "cpu"):
+    """Runs ``fn()``; returns ``(its result, the most bytes allocated above the start while it ran)``.
+
+    On CUDA from the caching allocator's statistics (``max_memory_allocated``); on a CPU, which keeps no such
+    statistic, from the profiler's record of every allocation and free (``profile_memory=True``), replayed in
+    time order.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out, torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+
+    prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_stderr():  # the profiler's backend prints a line to the process's stderr as it starts and stops
+        prof.start()
+    try:
+        out = fn()
+    finally:
+        with _quiet_stderr():
+            prof.stop()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    level = peak = 0
+    for _, nbytes in events:
+        level += nbytes
+        peak = max(peak, level)
+    return out, peak
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 pointed at the null device (what C++ code writes there included)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -87,6 +87,13 @@ log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabiliti
 ``full`` keeps only the block input, ``psd``. The head keeps token ids and targets (``16s``),
 position ids (gpt2), the final norm, and the fp32 log-softmax of the logits, ``4sV``, with the
 loss's fp32 total weight (one scalar, ``4``) beside it.
+
+**Fused loss** (``model.fused_loss``, :mod:`trickles.kernels.cross_entropy`): the head keeps, in place
+of the targets and the log-softmax, the input and weight gradients computed in forward: ``p' s d + 4 V d``
+(``p' = 4`` under fp16, else ``p``; with tensor parallelism ``s`` all tokens and ``V/tp``), and nothing
+keeps the final norm's output (``- psd``, ``s/tp`` tokens under sequence parallelism). The
+transient is one chunk's logits, :func:`loss_transient_bytes`, where unfused it is the loss's
+backward (``8 sV``; ``4 sV/tp`` vocabulary-parallel).
 """
 
 from __future__ import annotations
@@ -101,7 +108,7 @@ from ..models.config import ModelConfig
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "none", dtype_bytes: int = 4,
                      device_type: str = "cpu", tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
-                     cp_mode: str = "ring", ep: int = 1) -> dict:
+                     cp_mode: str = "ring", ep: int = 1, fused_loss: bool = False, fp16: bool = False) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
     "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...}``
@@ -117,7 +124,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
 
     A mixture-of-experts block (module docstring) routes the tokens its norm sees (all ``s`` under tensor
     parallelism, ``s/tp`` with sequence parallelism) and keeps ``moe_bytes`` in place of the MLP's; ``ep > 1``
-    adds the expert-parallel dispatch's terms for a balanced load.
+    adds the expert-parallel dispatch's terms for a balanced load. ``fused_loss``: the head of the chunked
+    loss (module docstring); ``fp16``: the compute type is fp16 (the fused loss then keeps its input gradient in fp32).
     """
     whole_seq = seq
     seq //= cp
@@ -156,8 +164,11 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     layer = block(mlp)
     moe_layer = block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type)) if cfg.moe_experts else 0
     vocab = cfg.vocab_size or 0
-    if t > 1:  # embedding: shifted ids and the out-of-range mask; loss: ids and mask too
-        head = 18 * s + norm + 4 * s * (vocab // t)
+    if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
+        # gradient over all tokens, the fp32 weight gradient
+        head = (9 if t > 1 else 8) * s + norm - p * sn * d + (4 if fp16 else p) * s * d + 4 * (vocab // t) * d
+    elif t > 1:  # embedding: shifted ids and the out-of-range mask; loss: ids and mask too, and the count of targets
+        head = 18 * s + norm + 4 * s * (vocab // t) + 4
     else:  # ... and F.cross_entropy's fp32 total weight, a scalar
         head = 16 * s + norm + 4 * s * vocab + 4
     head += 0 if llama else 8 * seq
@@ -171,6 +182,34 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         per_layer[0] += tables + labels
     return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
             "tables": tables + labels, "total": layers + head + tables + labels}
+
+
+def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,
+                         triton: bool = False) -> int:
+    """The loss's largest short-lived tensors for ``tokens`` tokens on one rank.
+
+    Unfused: the fp32 gradients of the log-probabilities and of the logits, alive together in its backward
+    (``8 sV``); vocabulary-parallel, the gradient is written into the saved probabilities, one more
+    ``[s, V/tp]`` (``4 sV/tp``). Fused (:mod:`trickles.kernels.cross_entropy`), with ``c`` tokens per chunk
+    and ``p`` the compute type's bytes: in fp32 the chunk's logits, turned into their gradient in place
+    (``4 c V/tp``); in low precision the PyTorch path adds their fp32 copy and its cast back, and the
+    chunk's input in fp32 for the weight gradient's product (``(2p + 4) c V/tp + 4 c d``); the Triton kernels
+    work on the logits in their own type, the chunk's weight gradient in it before it joins the fp32 sum
+    (``p c V/tp + p V d / tp``).
+    """
+    from ..kernels.cross_entropy import default_chunk
+
+    v = (cfg.vocab_size or 0) // tp
+    if not fused_loss:
+        return (8 if tp == 1 else 4) * tokens * v
+    p = dtype_bytes
+    c = cfg.loss_chunk or default_chunk(tokens, cfg.vocab_size or 0, cfg.d_model)
+    c = min(c, tokens)
+    if p == 4:
+        return 4 * c * v
+    if triton:
+        return p * c * v + p * v * cfg.d_model
+    return (2 * p + 4) * c * v + 4 * c * cfg.d_model
 
 
 def moe_assignments(cfg: ModelConfig, batch: int, tokens: int, seq: int) -> int:

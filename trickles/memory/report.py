@@ -7,17 +7,19 @@ per layer from the formulas of this implementation (``activations.py``), and an 
 peak. :func:`measure` builds the real trainer, runs a few steps and reads the same categories
 back: parameters, gradients and optimizer state from the tensors the data-parallel engine
 holds (which are all the live tensors), activations with saved-tensor hooks over one
-micro-batch, and, on CUDA, the allocator's peak. :func:`report` puts both in a table, a bar
+micro-batch, and the peak: on CUDA the allocator's, on a CPU the model states plus the most the last step
+allocates above them (:func:`~trickles.memory.accounting.peak_allocated`, from the profiler's record). :func:`report` puts both in a table, a bar
 chart PNG and an answer to "does this fit in X GB".
 
 ``held`` = model states on the device + all saved activations of one micro-batch (what is
 alive at the end of forward); predicted ``peak`` = ``held`` + transients: the fp32 gradients of
 the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
-for the vocabulary-parallel loss, which reuses its saved probabilities), ring attention's key/value blocks
+for the vocabulary-parallel loss, which reuses its saved probabilities; with ``model.fused_loss``
+one chunk's logits instead, :func:`~trickles.memory.activations.loss_transient_bytes`), ring attention's key/value blocks
 in flight, expert parallelism's rows in flight (``2 p m d``: the rows one all-to-all sends and receives, ``m``
 the assignments of the rank's tokens, :func:`expert_rows_in_flight`) and buffers (ZeRO-2: two gradient
 buckets; ZeRO-3: the root and two gathered blocks). On CUDA the measured peak is the
-allocator's ``max_memory_allocated``; a CPU has no such statistic.
+allocator's ``max_memory_allocated``.
 
 Mixture-of-experts models: each MoE block's activations have their own formula
 (:mod:`~trickles.memory.activations`); with expert parallelism (``parallel.ep``) a rank holds ``E / ep`` experts
@@ -39,7 +41,9 @@ from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
-from .activations import ActivationMeter, activation_bytes
+from ..kernels import runs_triton
+from .accounting import peak_allocated
+from .activations import ActivationMeter, activation_bytes, loss_transient_bytes
 from .precision import policy
 
 GiB = 2**30
@@ -183,12 +187,14 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, dp_rank,
                                 (edp, dp_rank // dims.ep) if dims.ep > 1 else None)
     micro, _ = cfg.batch_plan(dims.dp)
+    triton = runs_triton(model_cfg.kernels, device_type)
+    fused = triton if model_cfg.fused_loss is None else model_cfg.fused_loss
     act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
-                           cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep)
+                           cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep, fused_loss=fused,
+                           fp16=cfg.memory.precision == "fp16")
     tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
-    # the loss's backward: the fp32 gradients of the log-probabilities and of the logits live together
-    # (the vocabulary-parallel loss writes its gradient into the saved probabilities: one more [s, V/tp])
-    transient = (8 if dims.tp == 1 else 4) * tokens * model_cfg.vocab_size // dims.tp
+    # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
+    transient = loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton)
     if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
         transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
     if dims.ep > 1 and model_cfg.moe_layers:
@@ -209,7 +215,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     tp = f", tp={dims.tp}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
     tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
-                        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}")
+                        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}"
+                        + (", fused loss (no [tokens, vocab] logits)" if fused else ""))
     if model_cfg.moe_experts:
         mc = model_cfg
         note = (f"mixture of experts in {len(mc.moe_layers)} of {mc.n_layers} blocks: {mc.moe_experts} experts, top-{mc.moe_top_k}"
@@ -327,8 +334,10 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     device = trainer.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(max(1, steps)):
+    for _ in range(max(1, steps) - 1):
         trainer.train_step()
+    before = trainer.engine.memory()
+    _, rise = peak_allocated(trainer.train_step, device)  # CPU: every allocation of the step, from the profiler
     states = trainer.engine.memory()
     x, y = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
     exclude = getattr(trainer.engine, "gathered_storages", None)
@@ -344,8 +353,10 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     m["held"] = m["parameters"] + m["gradients"] + (0 if report.host_optimizer else m["optimizer"]) + m["activations"] + m["head"]
     if device.type == "cuda":
         m["peak"] = torch.cuda.max_memory_allocated(device)
-    else:
-        report.notes.append("no allocator statistics on CPU: the measured peak is left out; 'held' (model states + saved activations) is measured")
+    else:  # the model states held when the last step began, and the most the step allocated above them
+        m["peak"] = before["parameters"] + before["gradients"] + (0 if report.host_optimizer else before["optimizer"]) + rise
+        report.notes.append("CPU: the measured peak is the model states plus the most the last step allocated above them "
+                            "(the profiler's record of allocations)")
     report.measured = m
     report.layers_measured = [meter.per_layer.get(f"layers.{i}", 0) for i in range(trainer.model_cfg.n_layers)]
     return report

@@ -32,6 +32,9 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout on embeddings, attention probabilities and residual branches")
     tie_embeddings: bool | None = opt(None, "share the input embedding with the output projection (none: true for gpt2, false for llama)")
     init_std: float = opt(0.02, "standard deviation of the normal initialization; residual output projections use init_std/sqrt(2*n_layers)")
+    kernels: Literal["auto", "triton", "torch"] = opt("auto", "auto: the Triton kernels (trickles.kernels) on CUDA when Triton is installed, eager PyTorch elsewhere; triton: always (a CPU needs TRITON_INTERPRET=1); torch: never")
+    fused_loss: bool | None = opt(None, "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits (none: when the kernels run Triton)")
+    loss_chunk: int = opt(0, "tokens per chunk of the fused loss (0: about as many as make a chunk's logits the size of the hidden states)")
     moe_experts: int = opt(0, "routed experts in each mixture-of-experts block (0: every block has a dense MLP)")
     moe_top_k: int = opt(2, "experts each token is routed to")
     moe_every: int = opt(1, "every n-th block is a mixture of experts (blocks n-1, 2n-1, ...; 1: all)")
@@ -130,6 +133,13 @@ class ModelConfig:
                 if len(sizes) != 1 or sizes != {self.moe_top_k} or any(len(set(v)) != len(v) for v in table.values()):
                     raise ConfigError(f"hard routing sends each token to all of its label's experts: every label of "
                                       f"model.moe_label_experts must name model.moe_top_k ({self.moe_top_k}) distinct experts")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"model.loss_chunk must be 0 (automatic) or a number of tokens, got {self.loss_chunk}")
+        if self.kernels == "triton":
+            from ..kernels import HAVE_TRITON
+
+            if not HAVE_TRITON:
+                raise ConfigError("model.kernels=triton needs Triton (pip install triton); use model.kernels=auto or torch")
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"model.max_seq_len must be at least 1, got {self.max_seq_len}")
 

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.activations import gelu_tanh, swiglu
 from .config import ModelConfig
 
 
@@ -140,6 +141,7 @@ class Experts(nn.Module):
         super().__init__()
         bias = cfg.flavor == "gpt2"
         self.gated = cfg.flavor == "llama"
+        self.kernels = cfg.kernels
         f = cfg.moe_ffn_dim
         if self.gated:
             self.gate_proj = StackedLinear(n, cfg.d_model, f, False)
@@ -170,7 +172,7 @@ class Experts(nn.Module):
 
             def mm(inp, lin):
                 return F.grouped_mm(inp, lin.weight.transpose(-2, -1), offs=offs)
-            return mm(F.silu(mm(x, self.gate_proj)) * mm(x, self.up_proj), self.down_proj)
+            return mm(swiglu(mm(x, self.gate_proj), mm(x, self.up_proj), self.kernels), self.down_proj)
 
         def parts(lin):
             return lin.weight.unbind(0), (lin.bias.unbind(0) if lin.bias is not None else [None] * self.count)
@@ -181,9 +183,9 @@ class Experts(nn.Module):
             if not rows.shape[0]:
                 continue
             if self.gated:
-                h = F.silu(F.linear(rows, gate[0][e])) * F.linear(rows, up[0][e])
+                h = swiglu(F.linear(rows, gate[0][e]), F.linear(rows, up[0][e]), self.kernels)
             else:
-                h = F.gelu(F.linear(rows, up[0][e], up[1][e]), approximate="tanh")
+                h = gelu_tanh(F.linear(rows, up[0][e], up[1][e]), self.kernels)
             outs.append(F.linear(h, down[0][e], down[1][e]))
         return torch.cat(outs)
 

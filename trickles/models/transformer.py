@@ -26,29 +26,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.activations import gelu_tanh, swiglu
+from ..kernels.cross_entropy import OutputLoss
+from ..kernels.norms import LayerNorm, RMSNorm
+from ..kernels.rotary import apply_rope, rotary
 from .config import ModelConfig
 from .moe import MoE, MoEStats
+
+__all__ = ["RMSNorm", "LayerNorm", "apply_rope", "Transformer", "build_model"]
 
 # ``enable_gqa`` arrived in torch 2.5; older versions repeat the key/value heads instead.
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 
 
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, with the statistics in fp32."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x)
-
-
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.flavor == "llama":
-        return RMSNorm(cfg.d_model, cfg.norm_eps)
-    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps)
+        return RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
+    return LayerNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
 
 
 def rope_tables(head_dim: int, length: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,15 +52,6 @@ def rope_tables(head_dim: int, length: int, theta: float, device=None) -> tuple[
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotates ``x [B, T, H, D]`` by position: ``x*cos + rotate_half(x)*sin`` (``cos, sin: [T, D]``)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
-    return x * cos + rotated * sin
 
 
 class KVCache:
@@ -107,6 +92,7 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
+        self.kernels = cfg.kernels
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
         self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
@@ -151,7 +137,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if rope is not None:
             cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = rotary(q, k, cos, sin, self.kernels)
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         offset = None
         if cache is not None:
@@ -167,6 +153,7 @@ class MLP(nn.Module):
         super().__init__()
         bias = cfg.flavor == "gpt2"
         self.gated = cfg.flavor == "llama"
+        self.kernels = cfg.kernels
         hidden = hidden or cfg.ffn_dim
         if self.gated:
             self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
@@ -176,9 +163,9 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gated:
-            h = F.silu(self.gate_proj(x)) * self.up_proj(x)
+            h = swiglu(self.gate_proj(x), self.up_proj(x), self.kernels)
         else:
-            h = F.gelu(self.up_proj(x), approximate="tanh")
+            h = gelu_tanh(self.up_proj(x), self.kernels)
         return self.resid_drop(self.down_proj(h))
 
 
@@ -201,7 +188,12 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Token ids ``[B, T]`` in, logits ``[B, T, vocab]`` out."""
+    """Token ids ``[B, T]`` in, logits ``[B, T, vocab]`` out -- or, given targets, the mean token cross-entropy.
+
+    The loss goes through :attr:`loss` (:class:`~trickles.kernels.cross_entropy.OutputLoss`), which with
+    ``model.fused_loss`` computes it chunk by chunk from the hidden states and the output weight,
+    never holding the logits.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -219,6 +211,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:
             self.output.weight = self.embed.weight
+        self.loss = OutputLoss(cfg.fused_loss, cfg.loss_chunk, cfg.kernels)
         if cfg.flavor == "llama":
             cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -227,13 +220,14 @@ class Transformer(nn.Module):
             self.rope_cos = self.rope_sin = None
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
-                labels: torch.Tensor | None = None) -> torch.Tensor:
-        """``labels``: label ids per sample ``[B]`` or per token ``[B, T]``, used by hard-routed experts only."""
+                labels: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
+        """``labels``: label ids per sample ``[B]`` or per token ``[B, T]``, used by hard-routed experts only.
+        ``target``: next-token ids ``[B, T]`` (``-100``: ignored); given, the mean cross-entropy is returned."""
         h = self.embed_tokens(tokens, start)
         rope = self.rope(start, tokens.shape[1])
         for block in self.layers.values():
             h = block(h, rope, cache, start, labels)
-        return self.head(h)
+        return self.head(h, target)
 
     # The three parts of ``forward``, callable on their own (a pipeline stage runs some of them).
     def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -252,9 +246,12 @@ class Transformer(nn.Module):
             return None
         return self.rope_cos[start:start + length], self.rope_sin[start:start + length]
 
-    def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Final norm and output projection: hidden states in, logits out."""
-        return self.output(self.norm(h))
+    def head(self, h: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and output projection: hidden states in, logits out; with ``target``, the mean token cross-entropy."""
+        h = self.norm(h)
+        if target is None:
+            return self.output(h)
+        return self.loss(h, self.output, target)
 
     # ---- initialization -------------------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True) -> "Transformer":

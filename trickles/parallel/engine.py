@@ -58,7 +58,6 @@ class Engine:
         # each parameter's data-parallel group (group_of): the replicas; with expert parallelism the experts' edp
         self.groups: list[GroupComm] = [comm] if self.ep is None else [comm, edp]
         self._reduce = True
-        self.loss_fn = default_loss
         self.full_logits = lambda logits: logits
         self.shard_sequence = lambda tokens: tokens  # context parallelism: this rank's tokens of [B, T] inputs and targets
         self.pipeline = None  # a PipelineRunner when the model is one stage of a pipeline
@@ -295,13 +294,6 @@ class Engine:
         from ..train.checkpoint import PieceReader
 
         self.optimizer.load_state(PieceReader(directory, "optimizer"))
-
-
-def default_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean token cross-entropy, computed from fp32 logits."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits.float().flatten(0, -2), target.flatten())
 
 
 def _spec(p, attr: str, default: bool = False) -> bool:

@@ -64,15 +64,16 @@ class StageChunk:
         self.model, self.layers, self.first, self.last = model, layers, first, last
 
     def __call__(self, inp: torch.Tensor, seq_len: int, cache: KVCache | None = None, start: int = 0,
-                 labels: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids ``[B, T]`` (first chunk) or hidden states in; hidden states or logits (last chunk) out.
-        ``labels``: the micro-batch's label ids (hard-routed experts)."""
+                 labels: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids ``[B, T]`` (first chunk) or hidden states in; hidden states or, from the last chunk, logits
+        (the mean token cross-entropy when ``target`` is given) out. ``labels``: the micro-batch's label ids
+        (hard-routed experts)."""
         m = self.model
         h = m.embed_tokens(inp, start) if self.first else inp
         rope = m.rope(start, seq_len)
         for i in self.layers:
             h = m.layers[str(i)](h, rope, cache, start, labels)
-        return m.head(h) if self.last else h
+        return m.head(h, target) if self.last else h
 
     def __repr__(self) -> str:
         ends = ("embedding + " if self.first else "") + f"layers {self.layers[0]}-{self.layers[-1]}" + (" + head" if self.last else "")

@@ -193,15 +193,16 @@ class PipelineRunner:
         for ctx in (self.cp_ctx, self.tp_ctx):
             if ctx is not None:
                 ctx.begin_forward(seq_len, decoding=self._decoding)
+        target = y.to(self.device, non_blocking=True) if chunk.last and y is not None else None
         with self.autocast():
-            out = chunk(inp, seq_len, cache, start, labels)
+            out = chunk(inp, seq_len, cache, start, labels, target)
         if self.tp_ctx is not None:
             self.tp_ctx.end_forward()
         if chunk.last:
             if y is None:  # decoding: keep the last position's logits
                 self._logits = out[:, -1:].float()
                 return
-            loss = self.engine.loss_fn(out, y.to(self.device, non_blocking=True))
+            loss = out
             self._total += loss.detach()
             out = loss * (loss_scale / self.shape.m)
         else:

@@ -43,7 +43,7 @@ from .pipeline import keep_stage, partition_layers, tied_parameters
 from .pipeline_runner import PipelineRunner
 from .schedules import Shape
 from .tensor import init_tp_param
-from .tensor_plan import apply_tensor_parallel, tp_full_logits, tp_loss
+from .tensor_plan import apply_tensor_parallel, tp_full_logits
 from .zero import ZeroDataParallel
 from .zero3 import Zero3DataParallel
 
@@ -94,7 +94,6 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
         else:
             engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp, **experts)
     if ctx is not None:
-        engine.loss_fn = tp_loss(ctx)
         engine.full_logits = tp_full_logits(ctx)
     if cp_ctx is not None:
         engine.shard_sequence = lambda tokens: shard_sequence(tokens, cp.size, cp.rank, cfg.parallel.cp_mode)

@@ -26,7 +26,9 @@ module                              becomes
                                     parallelism each tp rank's ep group dispatches its tokens
 ``norm``                            the final norm, then the region entry
 ``output``                          column-parallel over the vocabulary (shares the embedding's
-                                    shard when tied); the loss is :func:`vocab_parallel_cross_entropy`
+                                    shard when tied)
+``loss``                            :class:`VocabParallelLoss`: the loss from the logit shards (or fused,
+                                    chunk by chunk, over the weight's vocabulary slice)
 ==================================  =========================================================
 """
 
@@ -40,7 +42,7 @@ from ..comm import GroupComm, gather_from_region
 from ..models.transformer import Transformer
 from .expert import split_sequence
 from .tensor import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
-                     TPContext, VocabParallelEmbedding, enter_after, replicated_spec, set_spec, vocab_parallel_cross_entropy)
+                     TPContext, VocabParallelEmbedding, VocabParallelLoss, enter_after, replicated_spec, set_spec)
 
 
 def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel: bool, recomputed_blocks: bool = False) -> TPContext:
@@ -106,6 +108,7 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
     if cfg.tied:
         model.output.weight = model.embed.weight
     ctx.vocab_start = model.output.weight.tp_spec.offset[0]
+    model.loss = VocabParallelLoss(ctx, model.loss.fused, model.loss.chunk, model.loss.kernels)
     model.register_forward_pre_hook(_sequence_parallel_switch(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, out: ctx.end_forward())
     return ctx
@@ -140,11 +143,6 @@ def _own_labels(ctx: TPContext):
             return (args[0], args[1].chunk(ctx.comm.size, dim=1)[ctx.comm.rank])
         return None
     return hook
-
-
-def tp_loss(ctx: TPContext):
-    """The mean token cross-entropy from vocabulary-sharded logits."""
-    return lambda logits, target: vocab_parallel_cross_entropy(logits, target, ctx.comm, ctx.vocab_start)
 
 
 def tp_full_logits(ctx: TPContext):

@@ -114,8 +114,7 @@ class Trainer:
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         with autocast(self.cfg.memory.precision, self.device):
-            logits = self.model(x) if labels is None else self.model(x, labels=labels)
-        return self.engine.loss_fn(logits, y)
+            return self.model(x, labels=labels, target=y)
 
     def _shard(self, micro: list) -> list:
         """With context parallelism, this rank's tokens of each micro-batch's inputs and targets."""

@@ -1,0 +1,206 @@
+"""The fused kernels (:mod:`trickles.kernels`) against their PyTorch references, forward and backward.
+
+On a machine without a GPU the Triton kernels run in Triton's interpreter (``tests/conftest.py`` sets
+``TRITON_INTERPRET=1``); with one, compiled. fp32: equal to 1e-5 relative; bf16: within bf16 rounding of the
+fp32 reference computed from the same bf16 inputs (two roundings, ``2^-7`` of the largest value). Shapes are
+chosen against the kernels' blocking: hidden sizes that are not powers of two, a vocabulary that is not a
+multiple of the cross-entropy's 4096-column block (the last block partial), chunks that do not divide the
+tokens, and ignored targets (``-100``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from trickles.kernels import interpreting  # noqa: E402
+from trickles.kernels.activations import gelu_tanh, swiglu  # noqa: E402
+from trickles.kernels.cross_entropy import IGNORE_INDEX, default_chunk, linear_cross_entropy  # noqa: E402
+from trickles.kernels.norms import layer_norm, rms_norm, rms_norm_reference  # noqa: E402
+from trickles.kernels.rotary import apply_rope, rotary  # noqa: E402
+from trickles.models.config import ModelConfig  # noqa: E402
+from trickles.models.transformer import build_model, rope_tables  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+BF16_TOL = 2.0 ** -7
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _kernels_run_here():
+    assert DEVICE.type == "cuda" or interpreting(), "no GPU and no TRITON_INTERPRET=1: the Triton kernels cannot run"
+
+
+def _close(actual, expected, dtype):
+    """fp32: 1e-5 relative (of each element and of the largest); bf16: two roundings of the largest value."""
+    expected = expected.float()
+    tol = 1e-5 if dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(actual.float(), expected, rtol=tol, atol=tol * float(expected.detach().abs().max()))
+
+
+def _leaves(*shapes, dtype, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=g) * scale).to(DEVICE, dtype).requires_grad_() for s in shapes]
+
+
+def _grads(out, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    dy = torch.randn(out.shape, generator=g).to(out.device, out.dtype)
+    return torch.autograd.grad(out, inputs, dy)
+
+
+def _reference(fn, inputs):
+    """``fn`` in fp32 on the same (possibly bf16) values: the output and the input gradients."""
+    ref = [x.detach().float().requires_grad_() for x in inputs]
+    out = fn(*ref)
+    return out, _grads(out, ref)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rms_norm(dtype):
+    x, w = _leaves((3, 5, 100), (100,), dtype=dtype)
+    with torch.no_grad():
+        w.mul_(0.5).add_(1.0)
+    out = rms_norm(x, w, 1e-5, "triton")
+    assert out.dtype == dtype and out.shape == x.shape
+    ref, ref_grads = _reference(lambda a, b: rms_norm_reference(a, b, 1e-5), [x, w])
+    _close(out, ref, dtype)
+    for g, r in zip(_grads(out, [x, w]), ref_grads):
+        _close(g, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_layer_norm(dtype):
+    x, w, b = _leaves((4, 3, 72), (72,), (72,), dtype=dtype)
+    out = layer_norm(x, w, b, 1e-5, "triton")
+    ref, ref_grads = _reference(lambda a, ww, bb: F.layer_norm(a, (72,), ww, bb, 1e-5), [x, w, b])
+    _close(out, ref, dtype)
+    for g, r in zip(_grads(out, [x, w, b]), ref_grads):
+        _close(g, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_rotary_rotates_queries_and_keys_in_place(dtype):
+    """Head size 10 (halves of 5), three heads; queries and keys keep their storage."""
+    q0, k0 = _leaves((2, 6, 3, 10), (2, 6, 1, 10), dtype=dtype)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(10, 6, 10000.0))
+    q, k = q0 * 1, k0 * 1  # non-leaf tensors, as the projections' outputs are
+    where = (q.data_ptr(), k.data_ptr())
+    rq, rk = rotary(q, k, cos, sin, "triton")
+    assert (rq.data_ptr(), rk.data_ptr()) == where
+    out = torch.cat([rq.flatten(), rk.flatten()])
+    ref, ref_grads = _reference(lambda a, b: torch.cat([apply_rope(a, cos, sin).flatten(), apply_rope(b, cos, sin).flatten()]), [q0, k0])
+    _close(out, ref, dtype)
+    for g, r in zip(_grads(out, [q0, k0]), ref_grads):
+        _close(g, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_swiglu(dtype):
+    a, b = _leaves((3, 7, 1100), (3, 7, 1100), dtype=dtype)  # more elements than one 1024-wide block, the last partial
+    out = swiglu(a, b, "triton")
+    ref, ref_grads = _reference(lambda x, y: F.silu(x) * y, [a, b])
+    _close(out, ref, dtype)
+    for g, r in zip(_grads(out, [a, b]), ref_grads):
+        _close(g, r, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_gelu_tanh(dtype):
+    (a,) = _leaves((5, 411), dtype=dtype, scale=2.0)
+    out = gelu_tanh(a, "triton")
+    ref, ref_grads = _reference(lambda x: F.gelu(x, approximate="tanh"), [a])
+    _close(out, ref, dtype)
+    _close(_grads(out, [a])[0], ref_grads[0], dtype)
+
+
+def _ce_inputs(dtype, n=37, d=24, vocab=5003, bias=False):
+    h, w, b = _leaves((n, d), (vocab, d), (vocab,), dtype=dtype)
+    target = torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    target[[i for i in (0, 5, 6, 30) if i < n]] = IGNORE_INDEX
+    return h, w, (b if bias else None), target
+
+
+def _ce_reference(h, w, b, target):
+    """The unfused loss in fp32 on the same values, the logits rounded to the inputs' type as a matmul in that type
+    returns them; its gradients for ``h``, ``w`` (and ``b``)."""
+    leaves = [t.detach().float().requires_grad_() for t in (h, w) + ((b,) if b is not None else ())]
+    logits = F.linear(leaves[0], leaves[1], leaves[2] if b is not None else None).to(h.dtype).float()
+    loss = F.cross_entropy(logits, target)
+    return loss, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("kernels,dtype,bias", [("torch", torch.float32, False), ("triton", torch.float32, True),
+                                                ("torch", torch.bfloat16, False), ("triton", torch.bfloat16, False)],
+                         ids=["torch-fp32", "triton-fp32-bias", "torch-bf16", "triton-bf16"])
+def test_fused_linear_cross_entropy(kernels, dtype, bias):
+    """37 tokens in chunks of 10 (the last one 7), four of them ignored; 5003 classes: two 4096-column blocks."""
+    h, w, b, target = _ce_inputs(dtype, bias=bias)
+    loss = linear_cross_entropy(h, w, target, b, chunk=10, kernels=kernels)
+    ref, ref_grads = _ce_reference(h, w, b, target)
+    _close(loss, ref, dtype)
+    grads = torch.autograd.grad(loss * 3.0, [h, w] + ([b] if b is not None else []))  # the incoming gradient scales all
+    for i, (g, r) in enumerate(zip(grads, ref_grads)):
+        if i == 1 and kernels == "triton" and dtype == torch.bfloat16:
+            # the weight gradient sums bf16 products of bf16 logit gradients, one per chunk: within bf16 rounding of
+            # the terms it adds up, sum_i |dz_i| |h_i|
+            err, bound = (g.float() - 3.0 * r).abs(), 3.0 * BF16_TOL * (_abs_terms(h, w, target) + r.abs())
+            assert (err <= bound).all(), float((err / bound).max())
+        else:
+            _close(g, 3.0 * r, dtype)
+
+
+def _abs_terms(h, w, target):
+    """``|dz|^T |h|``: the magnitudes of the terms the weight gradient sums, in fp32."""
+    hf, wf = h.detach().float(), w.detach().float()
+    dz = torch.softmax(hf @ wf.t(), dim=1) - F.one_hot(target.clamp(min=0), wf.shape[0]).float()
+    dz = dz * (target != IGNORE_INDEX).float()[:, None] / float((target != IGNORE_INDEX).sum())
+    return dz.abs().t() @ hf.abs()
+
+
+def test_fused_cross_entropy_without_gradients_and_with_one_chunk():
+    """Under no_grad it only measures the loss; the default chunk (liger-kernel's rule) may cover every token."""
+    h, w, _, target = _ce_inputs(torch.float32)
+    with torch.no_grad():
+        loss = linear_cross_entropy(h, w, target, kernels="triton")
+    assert loss.grad_fn is None
+    _close(loss, _ce_reference(h, w, None, target)[0], torch.float32)
+    assert default_chunk(37, 5003, 24) == 1 and default_chunk(4096, 32000, 4096) == 512 and default_chunk(10, 10, 64) == 10
+
+
+def test_every_target_ignored_gives_zero_loss_and_gradients():
+    h, w, _, target = _ce_inputs(torch.float32, n=6)
+    target.fill_(IGNORE_INDEX)
+    for kernels in ("torch", "triton"):
+        loss = linear_cross_entropy(h, w, target, chunk=4, kernels=kernels)
+        dh, dw = torch.autograd.grad(loss, [h, w])
+        assert float(loss) == 0.0 and not dh.any() and not dw.any()
+
+
+@pytest.mark.parametrize("flavor,experts", [("llama", 0), ("gpt2", 0), ("llama", 4)], ids=["llama", "gpt2", "llama-moe"])
+def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
+    """A whole model (norms, rotary, MLP activation -- the experts' too --, fused loss) against the eager one: loss and
+    every gradient."""
+    cfg = ModelConfig(flavor=flavor, n_layers=2, d_model=48, n_heads=4, n_kv_heads=2 if flavor == "llama" else None,
+                      ffn_hidden=80, vocab_size=300, max_seq_len=12, kernels="torch", moe_experts=experts, moe_every=2,
+                      moe_ffn_hidden=40)
+    eager = build_model(cfg, 0, DEVICE)
+    fused = build_model(dataclasses.replace(cfg, kernels="triton", loss_chunk=7), 0, DEVICE)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 300, (2, 12), generator=g).to(DEVICE), torch.randint(0, 300, (2, 12), generator=g).to(DEVICE)
+    y[0, :3] = IGNORE_INDEX
+    ref, loss = eager(x, target=y), fused(x, target=y)
+    assert loss.grad_fn is not None and "LinearCrossEntropy" in type(loss.grad_fn).__name__
+    _close(loss, ref, torch.float32)
+    ref.backward()
+    loss.backward()
+    for (name, p), (_, q) in zip(eager.named_parameters(), fused.named_parameters()):
+        scale = max(float(p.grad.abs().max()), 1e-4)  # (gpt2's key bias gets no gradient: zero up to rounding)
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)

@@ -1,0 +1,121 @@
+"""MLP activations: SwiGLU and GELU (tanh), the PyTorch references, the Triton kernels, the autograd functions.
+
+* SwiGLU (llama): ``h = silu(a) b`` with ``silu(a) = a sigma(a)``. Backward:
+  ``da = dh b sigma(a) (1 + a (1 - sigma(a)))``, ``db = dh silu(a)``.
+* GELU, tanh approximation (gpt2): ``h = a (1 + tanh(u)) / 2`` with ``u = sqrt(2/pi) (a + 0.044715 a^3)``.
+  Backward: ``da = dh ((1 + tanh u) / 2 + a (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 a^2) / 2)``.
+
+One elementwise kernel each way (fp32 arithmetic, one rounding to the inputs' type). The Triton
+SwiGLU saves only ``a`` and ``b`` (``2 p`` bytes per unit, where the eager one also keeps ``silu(a)``:
+``3 p``); GELU saves ``a`` as the eager one does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import HAVE_TRITON, use_triton
+
+BLOCK = 1024
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _tanh(u):
+        return 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
+
+    @triton.jit
+    def _swiglu_forward(A, B, H, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        silu = (a * tl.sigmoid(a)).to(A.dtype.element_ty).to(tl.float32)
+        tl.store(H + offs, (silu * b).to(H.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_backward(DH, A, B, DA, DB, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(a)
+        silu = a * sig
+        tl.store(DA + offs, (dh * b * sig * (1.0 + a * (1.0 - sig))).to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + offs, (dh * silu.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gelu_forward(A, H, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+        u = 0.7978845608028654 * (a + 0.044715 * a * a * a)
+        tl.store(H + offs, (0.5 * a * (1.0 + _tanh(u))).to(H.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _gelu_backward(DH, A, DA, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
+        th = _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a))
+        grad = 0.5 * (1.0 + th) + 0.5 * a * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 0.134145 * a * a)
+        tl.store(DA + offs, (dh * grad).to(DA.dtype.element_ty), mask=mask)
+
+
+def _grid(n: int):
+    return (triton.cdiv(n, BLOCK),)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        a, b = a.contiguous(), b.contiguous()
+        h = torch.empty_like(a, dtype=torch.promote_types(a.dtype, b.dtype))
+        _swiglu_forward[_grid(a.numel())](a, b, h, a.numel(), BLOCK=BLOCK)
+        ctx.save_for_backward(a, b)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        a, b = ctx.saved_tensors
+        dh = dh.contiguous()
+        da, db = torch.empty_like(a), torch.empty_like(b)
+        _swiglu_backward[_grid(a.numel())](dh, a, b, da, db, a.numel(), BLOCK=BLOCK)
+        return da, db
+
+
+class _GELU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a):
+        a = a.contiguous()
+        h = torch.empty_like(a)
+        _gelu_forward[_grid(a.numel())](a, h, a.numel(), BLOCK=BLOCK)
+        ctx.save_for_backward(a)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        (a,) = ctx.saved_tensors
+        dh = dh.contiguous()
+        da = torch.empty_like(a)
+        _gelu_backward[_grid(a.numel())](dh, a, da, a.numel(), BLOCK=BLOCK)
+        return (da,)
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """``silu(a) * b`` (the gated MLP's activation)."""
+    if use_triton(kernels, a) and a.shape == b.shape:
+        return _SwiGLU.apply(a, b)
+    return F.silu(a) * b
+
+
+def gelu_tanh(a: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """GELU with the tanh approximation."""
+    if use_triton(kernels, a):
+        return _GELU.apply(a)
+    return F.gelu(a, approximate="tanh")

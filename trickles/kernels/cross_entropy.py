@@ -1,0 +1,212 @@
+"""The output projection and cross-entropy, fused chunk by chunk: the logits ``[tokens, vocab]`` never exist whole.
+
+With hidden states ``h [N, d]``, the output weight ``W [V, d]`` (optional bias), targets ``t [N]`` (``-100``:
+ignored) and ``n`` the targets not ignored, the loss is ``L = (1/n) sum_i (lse_i - z_{i, t_i})`` over the
+kept rows, ``z = h W^T + b``, ``lse_i = log sum_j exp z_ij``. Its gradients are
+``dz = (softmax(z) - onehot(t)) / n`` (zero on ignored rows), ``dh = dz W``, ``dW = dz^T h``, ``db = sum_i dz_i``.
+
+:func:`linear_cross_entropy` walks the ``N`` rows ``c`` at a time. For each chunk it computes
+``z_c = h_c W^T`` (in the autocast type when autocast is on, as the output layer would), the row
+statistics in fp32 (max ``m``, ``s = sum exp(z - m)``), the loss rows, and -- in the same forward,
+while ``z_c`` is at hand -- turns ``z_c`` into ``dz_c`` in place and adds ``dz_c W`` into ``dh`` and
+``dz_c^T h_c`` into an fp32 ``dW``. Backward only scales the saved ``dh``, ``dW`` (and ``db``) by the
+incoming gradient. Forward + backward cost three ``N x d x V`` matmuls, as unfused; what stays alive
+is ``dh`` (``p N d``, fp32 under fp16 so that loss scaling can rescue small values) and the fp32
+``dW`` (``4 V d``) instead of the fp32 log-probabilities (``4 N V``) and, in backward, two more
+``[N, V]`` fp32 gradients (see :mod:`trickles.memory.activations`). The transient is one chunk's
+logits: ``c V`` in the compute type plus, on the PyTorch path in low precision, their fp32 copy
+(from which ``dW``'s chunk product is taken in fp32) and its cast back; the chunk defaults to ``c = 2^ceil(log2(N / ceil(V / d)))`` tokens
+(liger-kernel's rule: a chunk's logits about as large as the hidden states ``N d``).
+
+**Vocabulary parallel** (``comm``: the tensor-parallel group, this rank holding rows
+``[vocab_start, vocab_start + V/tp)`` of ``W``): per chunk, the row maxima are all-reduced (max), then
+each rank's ``s`` rescaled to the global maximum and the target's logit (zero where another rank
+holds it) are all-reduced together (sum): two all-reduces, ``4c + 8c`` bytes of payload, per chunk.
+The loss is then complete on every rank; ``dz`` and ``dW`` are this rank's vocabulary slice and
+``dh`` its partial sum, completed by the all-reduce (or reduce-scatter) the region's entry runs in
+backward -- exactly as for the unfused vocabulary-parallel loss.
+
+**Triton** (``model.kernels``): two kernels work on ``z_c`` in its own type (no fp32 copy): one reads each
+row once for its online max and sum of exponentials, the other overwrites the row with
+``(exp(z - lse) - onehot) / n``. The matmuls stay cuBLAS's, ``dW``'s chunk products in the compute type
+(rounded once per chunk before they join the fp32 sum).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import HAVE_TRITON, use_triton
+
+IGNORE_INDEX = -100
+
+if HAVE_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _row_stats(Z, M, S, stride, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = Z + row * stride
+        m = float("-inf")
+        s = 0.0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        tl.store(M + row, m)
+        tl.store(S + row, s)
+
+    @triton.jit
+    def _row_grad(Z, LSE, IDX, SCALE, stride, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        base = Z + row * stride
+        lse = tl.load(LSE + row)
+        idx = tl.load(IDX + row)  # the target's local column, -1 where this rank does not hold it
+        scale = tl.load(SCALE + row)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < V
+            z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.exp(z - lse) - tl.where(cols == idx, 1.0, 0.0)
+            tl.store(base + cols, (g * scale).to(Z.dtype.element_ty), mask=mask)
+
+
+def default_chunk(tokens: int, vocab: int, hidden: int) -> int:
+    """liger-kernel's rule: ``2^ceil(log2(N / ceil(V / d)))`` tokens, so a chunk's logits are about ``N d`` (at most ``N``)."""
+    per = max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden))))
+    return min(tokens, 1 << (per - 1).bit_length())
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, grads):
+        n_rows, v_local = h.shape[0], weight.shape[0]
+        device = h.device
+        valid = target != IGNORE_INDEX
+        inv_n = 1.0 / valid.sum(dtype=torch.float32).clamp(min=1.0)
+        need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
+        need_b = grads and bias is not None and bias.requires_grad
+        store = torch.float32 if h.dtype == torch.float16 else h.dtype  # dh waits for the (loss-scaled) output gradient
+        dh = torch.empty(h.shape, dtype=store, device=device) if need_h else None
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+        db = torch.zeros(v_local, dtype=torch.float32, device=device) if need_b else None
+        w = weight.to(cd)
+        b = bias.to(cd) if bias is not None else None
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for s in range(0, n_rows, chunk):
+            e = min(s + chunk, n_rows)
+            hc, tc, vc = h[s:e].to(cd), target[s:e], valid[s:e]
+            z = F.linear(hc, w, b)
+            inside = vc & (tc >= vocab_start) & (tc < vocab_start + v_local)
+            idx = (tc - vocab_start).masked_fill(~inside, 0)
+            picked = z.gather(1, idx[:, None]).squeeze(1).float().masked_fill(~inside, 0.0)
+            if triton_rows:
+                m, se = torch.empty(e - s, dtype=torch.float32, device=device), torch.empty(e - s, dtype=torch.float32, device=device)
+                block = min(4096, triton.next_power_of_2(v_local))
+                _row_stats[(e - s,)](z, m, se, z.stride(0), v_local, BLOCK=block)
+            else:
+                zf = z.float()  # z itself in fp32
+                m = zf.amax(dim=1)
+                se = zf.sub_(m[:, None]).exp_().sum(dim=1)  # zf now holds exp(z - m)
+            m_local = m
+            if comm is not None:
+                m = m_local.clone()
+                comm.all_reduce(m, op="max")
+                sums = torch.stack([se * torch.exp(m_local - m), picked])
+                comm.all_reduce(sums)
+                se, picked = sums[0], sums[1]
+            lse = m + se.log()
+            total += ((lse - picked) * vc).sum()
+            if dh is None and dw is None and db is None:
+                z = zf = None
+                continue
+            row_scale = vc.float() * inv_n
+            if triton_rows:
+                g = z
+                _row_grad[(e - s,)](g, lse, idx.masked_fill(~inside, -1), row_scale, g.stride(0), v_local, BLOCK=block)
+            else:
+                zf.mul_((torch.exp(m_local - lse) * row_scale)[:, None])  # softmax / n on the kept rows
+                zf.scatter_add_(1, idx[:, None], -(inside.float() * row_scale)[:, None])
+                g = zf.to(cd)
+            if dh is not None:
+                dh[s:e] = g @ w
+            if dw is not None:
+                if cd == torch.float32:
+                    dw.addmm_(g.t(), hc)
+                elif triton_rows:  # each chunk's product in the compute type (tensor cores), added to the fp32 sum
+                    dw += g.t() @ hc
+                else:  # the fp32 gradient is at hand: an fp32 product, no rounding per chunk
+                    dw.addmm_(zf.t(), hc.float())
+            if db is not None:
+                db += g.float().sum(0)
+            z = zf = g = None  # let this chunk's logits go before the next chunk's are allocated
+        ctx.save_for_backward(dh, dw, db)
+        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return total * inv_n
+
+    @staticmethod
+    def backward(ctx, grad):
+        dh, dw, db = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        out_h = None if dh is None else dh.mul_(grad.to(dh.dtype)).to(h_dtype)
+        out_w = None if dw is None else dw.mul_(grad).to(w_dtype)
+        out_b = None if db is None else db.mul_(grad).to(b_dtype)
+        return out_h, out_w, out_b, None, None, None, None, None, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
+                         chunk: int = 0, kernels: str = "torch", comm=None, vocab_start: int = 0) -> torch.Tensor:
+    """Mean token cross-entropy of ``h [..., d] W^T + b`` against ``target [...]`` (module docstring), chunk by chunk.
+
+    ``chunk``: tokens per chunk (0: :func:`default_chunk`). ``comm``, ``vocab_start``: the tensor-parallel
+    group and this rank's first vocabulary id when ``weight`` holds a slice of the vocabulary
+    (anything with ``all_reduce(tensor, op=...)``, e.g. :class:`~trickles.comm.GroupComm`).
+    """
+    h2 = h.reshape(-1, h.shape[-1])
+    t = target.reshape(-1).to(h.device)
+    if h2.shape[0] != t.shape[0]:
+        raise ValueError(f"fused cross-entropy: {h2.shape[0]} hidden rows but {t.shape[0]} targets")
+    vocab = weight.shape[0] * (getattr(comm, "size", 1) if comm is not None else 1)
+    chunk = chunk or default_chunk(h2.shape[0], vocab, h2.shape[1])
+    grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
+    return _LinearCrossEntropy.apply(h2, weight, bias, t, chunk, _compute_dtype(h, weight), comm, vocab_start,
+                                     use_triton(kernels, h), grads)
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The unfused reference: mean token cross-entropy of the fp32 logits (``-100`` targets ignored)."""
+    return F.cross_entropy(logits.float().flatten(0, -2), target.flatten().to(logits.device))
+
+
+class OutputLoss(nn.Module):
+    """The loss head of a model: the output projection's mean token cross-entropy, fused or not.
+
+    ``fused``: True, the chunked :func:`linear_cross_entropy`; False, the logits then :func:`cross_entropy`;
+    None, fused when ``kernels`` runs Triton on the input's device. No parameters of its own: it uses the
+    output layer's. A tensor-parallel plan replaces it with its vocabulary-parallel counterpart.
+    """
+
+    def __init__(self, fused: bool | None = None, chunk: int = 0, kernels: str = "torch"):
+        super().__init__()
+        self.fused, self.chunk, self.kernels = fused, chunk, kernels
+
+    def is_fused(self, h: torch.Tensor) -> bool:
+        return use_triton(self.kernels, h) if self.fused is None else self.fused
+
+    def forward(self, h: torch.Tensor, output: nn.Module, target: torch.Tensor) -> torch.Tensor:
+        if self.is_fused(h):
+            return linear_cross_entropy(h, output.weight, target, getattr(output, "bias", None), self.chunk, self.kernels)
+        return cross_entropy(output(h), target)
