@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from queue import Queue
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = ["trickles/comm.py", "trickles/parallel/*.py", "trickles/memory/*.py", "trickles/optim/*.py"]
+TARGETS = ["trickles/comm.py", "trickles/parallel/*.py", "trickles/memory/*.py", "trickles/optim/*.py", "trickles/kernels/*.py"]
 EXCLUDED_FILES = {"trickles/parallel/pipeline_plot.py"}  # matplotlib drawing only
 SKIP_FUNCTIONS = {"__repr__", "__str__", "plot"}
 QUIET_CALLS = {"print", "warn", "debug", "info", "warning", "error", "exception", "write_line", "opt"}

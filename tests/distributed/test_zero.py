@@ -262,3 +262,26 @@ def test_zero_composes_with_recompute_and_precision(tmp_path, cache, stage, reco
     for losses, weights in run_ranks(2, _train, str(tmp_path), 2, [f"parallel.zero={stage}", *common], steps=16):
         assert_losses_track(losses, ref_losses, loss_tol, wrong={"lr 5% lower": slower})
         assert_weights_track(weights, ref_weights, initial, weight_tol)
+
+
+def _bucket_buffers(tmp, cache):
+    tr = _trainer(tmp, 2, [cache, "parallel.zero=2", "parallel.bucket_mb=0.02", "train.micro_batch=2"], steps=2)
+    counts = []
+    for _ in range(2):
+        tr.train_step()
+        counts.append(tr.engine.buffers_allocated)
+    return counts, len(tr.engine.layout.buckets), sum(t.numel() for ts in tr.engine._free.values() for t in ts)
+
+
+def test_zero2_reuses_its_bucket_buffers(tmp_path, cache):
+    """ZeRO-2 with gradient accumulation (two micro-steps per step) over many small buckets: each backward allocates
+    only the few bucket buffers filled or in flight at once (at most MAX_INFLIGHT + 1), however many buckets it
+    reduces, and holds none between steps (the memory formulas' tests check the bytes)."""
+    from trickles.parallel.zero import MAX_INFLIGHT
+
+    for counts, buckets, held in run_ranks(2, _bucket_buffers, str(tmp_path), cache):
+        backwards = 2 * len(counts)
+        assert buckets >= 4 * (MAX_INFLIGHT + 1), buckets  # enough buckets for reuse to show
+        assert counts[-1] <= backwards * (MAX_INFLIGHT + 1), (counts, buckets)
+        assert counts[-1] < backwards * buckets
+        assert held == 0

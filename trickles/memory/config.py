@@ -17,6 +17,7 @@ class MemoryConfig:
     grad_dtype: Literal["fp32", "param"] = opt("fp32", "type of the gradient buffers that accumulate and are reduced: fp32, or the parameters' type (half the bytes)")
     recompute: Literal["none", "selective", "full"] = opt("none", "activation recomputation: full recomputes each block in backward from its input; selective only the attention core")
     offload_optimizer: bool = opt(False, "keep the optimizer state and step in host memory (needs parallel.zero >= 1)")
+    offload_overlap: bool = opt(True, "ZeRO-1/2 with offload and AdamW or SGD: gradients leave for the host during backward, and the host step runs bucket by bucket on a thread while the next forward starts (false: the step waits for every copy)")
     loss_scale: float = opt(65536.0, "fp16: initial dynamic loss scale")
     loss_scale_growth_interval: int = opt(1000, "fp16: double the scale after this many steps without overflow")
     loss_scale_hysteresis: int = opt(2, "fp16: overflowing steps tolerated before the scale is halved")

@@ -16,9 +16,12 @@ Where the state lives:
   and copied back into the parameters after each step; gradients in a lower precision are
   copied to fp32 before the step (another ``4 P / N``), fp32 gradients are used as they are;
 * ``offload=True``: master copy, moments and the step itself live in host memory (pinned on
-  CUDA); reduced gradient segments are copied to the host before the step and the updated
-  masters copied back after it, on a side stream; the step still waits for each transfer
-  (pinned-memory copies are fast, but they do not yet overlap the rest of the step).
+  CUDA); reduced gradient segments are copied to the host and the updated masters copied back,
+  on side streams. Given ``units`` (the engine's buckets in forward order) and an element-wise
+  optimizer, the step is overlapped (:class:`~trickles.optim.offload.OverlappedHostStep`): gradients
+  leave during backward, the host steps unit by unit on a thread while the next forward starts,
+  and :meth:`ShardedOptimizer.wait_unit` hands each unit back just before it is used. Otherwise the
+  step waits for each transfer.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ class ShardedOptimizer:
 
     def __init__(self, segments: list[Segment], param_of: Callable[[Segment], torch.Tensor],
                  grad_of: Callable[[Segment], torch.Tensor], decay: dict[str, bool], settings: OptimizerSettings,
-                 offload: bool = False, norms=None):
+                 offload: bool = False, norms=None, units: list[list[int]] | None = None):
         self.segments = segments
         self.settings = settings
         self.params = [param_of(s) for s in segments]
@@ -72,6 +75,12 @@ class ShardedOptimizer:
             norms.bind(segments, self.masters)
         self.optimizer = settings.build(groups, opt_device, norms) if groups else None
         self._stream = torch.cuda.Stream(device) if offload and device.type == "cuda" else None
+        self.overlapped = None  # the overlapped host step (offload with units and an element-wise optimizer)
+        if offload and units is not None and self.optimizer is not None and settings.name not in LAYERWISE:
+            from .offload import OverlappedHostStep
+
+            self.overlapped = OverlappedHostStep(self.optimizer, units, self.params, self.grads, self.masters,
+                                                 self.host_grads, device)
 
     def step(self, lr: float) -> None:
         """One optimizer step with learning rate ``lr`` on every owned segment."""
@@ -81,6 +90,9 @@ class ShardedOptimizer:
             return
         for g in self.optimizer.param_groups:
             g["lr"] = lr
+        if self.overlapped is not None:
+            self.overlapped.launch(lr)
+            return
         if self.copy_grads:
             self._copy(self.host_grads, self.grads)
         self.optimizer.step()
@@ -100,9 +112,29 @@ class ShardedOptimizer:
             torch.cuda.current_stream().wait_stream(self._stream)
             self._stream.synchronize()
 
+    def grads_final(self, unit: int) -> None:
+        """The engine's word that ``unit``'s gradients are reduced and final: the overlapped step starts copying them."""
+        if self.overlapped is not None:
+            self.overlapped.copy_grads(unit)
+
+    def scale(self, factor: torch.Tensor) -> None:
+        """The engine multiplied the device gradients by ``factor``; the overlapped step's host copies get it too."""
+        if self.overlapped is not None:
+            self.overlapped.scale(factor)
+
+    def wait_unit(self, unit: int) -> None:
+        if self.overlapped is not None:
+            self.overlapped.wait_unit(unit)
+
+    def wait(self) -> None:
+        """Blocks until the latest step is done on the host and back on the device."""
+        if self.overlapped is not None:
+            self.overlapped.wait()
+
     # ---- accounting and checkpoints ------------------------------------------------------
     def state_bytes(self) -> int:
         """Bytes of optimizer state held: moments, step counters, and separate masters/gradients."""
+        self.wait()
         total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
                     if torch.is_tensor(t)) if self.optimizer else 0
         for extra in (self.master_flat, self.grad_flat):
@@ -117,6 +149,7 @@ class ShardedOptimizer:
         """
         from ..train.pieces import describe
 
+        self.wait()
         out = {}
         for s, m in zip(self.segments, self.masters):
             if writes is not None and not writes(s.slot.param):
@@ -138,6 +171,7 @@ class ShardedOptimizer:
 
         if self.optimizer is None:
             return
+        self.wait()
         if self.separate:  # the parameters were just loaded: start the masters from them
             with torch.no_grad():
                 for m, p in zip(self.masters, self.params):

@@ -175,6 +175,11 @@ class Engine:
         grads = self.owned_grads()
         if grads:
             torch._foreach_mul_(grads, factor)
+        self._scaled(torch.tensor(factor, dtype=torch.float32))
+
+    def _scaled(self, factor: torch.Tensor) -> None:
+        """The owned gradients were just multiplied by ``factor`` (an engine whose optimizer copied them away already
+        passes it on)."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Clips to ``max_norm`` by the global norm of all gradients; returns the norm (fp32, equal on all ranks).
@@ -204,6 +209,7 @@ class Engine:
         if max_norm > 0 and grads:
             coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].dtype))
+            self._scaled(coef)
         return norm
 
     def counts(self, p: torch.Tensor) -> bool:

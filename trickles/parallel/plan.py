@@ -92,7 +92,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
         if stage == 0:
             engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp, **experts)
         else:
-            engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp, **experts)
+            engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp,
+                                      overlap=cfg.memory.offload_overlap, **experts)
     if ctx is not None:
         engine.full_logits = tp_full_logits(ctx)
     if cp_ctx is not None:

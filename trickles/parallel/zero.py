@@ -13,9 +13,11 @@ One optimizer step, per bucket:
   parameters have their gradients, the bucket is reduce-scattered (mean) in place, so that
   each rank's owned slice holds the averaged gradient; backward continues meanwhile;
 * **stage 2** -- there is no full gradient buffer. A bucket's gradients collect in a bucket-
-  sized buffer that exists only while that bucket is being filled and reduced; it is
+  sized buffer that is in use only while that bucket is being filled and reduced; it is
   reduce-scattered on *every* micro-step into a persistent shard of ``P / N`` elements
-  (accumulating across micro-steps) and released as soon as the reduction is done;
+  (accumulating across micro-steps) and handed to the next bucket as soon as the reduction is
+  done (a backward allocates only as many as are filled or in flight at once, and releases them
+  when it ends);
 * then every rank clips with the global norm (one all-reduce of ``sum g^2`` over owned
   elements), updates its segments, and the buckets are all-gathered so every rank holds the
   new parameters; the gathers run in the background until the next forward reaches the
@@ -43,7 +45,7 @@ from ..comm import GroupComm, Handle
 from ..optim.adamw import decay_flags
 from ..optim.settings import OptimizerSettings
 from ..optim.sharded import ShardedOptimizer
-from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
+from .engine import FIRST_BUCKET_BYTES, Engine, _spec, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
 MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finish
@@ -54,7 +56,7 @@ class ZeroDataParallel(Engine):
 
     def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: OptimizerSettings, bucket_bytes: int | None,
                  offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None,
-                 ep: GroupComm | None = None, edp: GroupComm | None = None):
+                 ep: GroupComm | None = None, edp: GroupComm | None = None, overlap: bool = True):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         super().__init__(model, comm, tp, ep, edp)
@@ -78,15 +80,24 @@ class ZeroDataParallel(Engine):
             self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
             self._buffers: dict[int, torch.Tensor] = {}
             self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
+            self._largest = {"bucket": max(b.size for b in self.layout.buckets), "shard": max(b.shard_size for b in self.layout.buckets)}
+            self._free: dict[str, list[torch.Tensor]] = {"bucket": [], "shard": []}
+            self.buffers_allocated = 0  # bucket-sized buffers allocated since construction (reused within a backward)
             grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
+        # the overlapped offload's units: the buckets in the order the next forward needs them (the last holds the first layers)
+        order = list(reversed(range(len(self.layout.buckets))))
+        self._unit_of = {b: u for u, b in enumerate(order)}
+        units = [[i for i, s in enumerate(self.segments) if s.slot.bucket == b] for b in order] if offload and overlap else None
         self.optimizer = ShardedOptimizer(self.segments, lambda s: self.param_buffer[s.flat_range[0]:s.flat_range[1]], grad_of,
-                                          decay_flags(model), optim, offload, self.norm_provider(self.named, p0.device))
+                                          decay_flags(model), optim, offload, self.norm_provider(self.named, p0.device), units)
+        self._gathers_due: list[int] = []  # overlapped offload: buckets whose all-gather waits for their host update
+        self.trace: list | None = None  # a list to record the overlapped offload's events into (tests)
         self._slot_of = {id(s.param): s for s in self.layout.slots}
         self._param_handles: dict[int, Handle] = {}
         self._install_param_waits(model)
         self._pending: list[int] = []
         self._launched: set[int] = set()
-        self._handles: list[Handle] = []
+        self._handles: list[tuple[int, Handle]] = []  # stage 1: (bucket, its reduce-scatter)
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
         self.zero_grad()  # ready for a plain backward()
@@ -113,8 +124,7 @@ class ZeroDataParallel(Engine):
         else:
             buf = self._buffers.get(slot.bucket)
             if buf is None:
-                b = self.layout.buckets[slot.bucket]
-                buf = self._buffers[slot.bucket] = torch.zeros(b.size, dtype=self.shard_grads.dtype, device=p.device)
+                buf = self._buffers[slot.bucket] = self._take("bucket", self.layout.buckets[slot.bucket].size).zero_()
             start = slot.offset - self.layout.buckets[slot.bucket].start
             buf[start:start + slot.numel].view(slot.shape).add_(p.grad)
             p.grad = None
@@ -128,24 +138,43 @@ class ZeroDataParallel(Engine):
         comm = self.groups[bucket.group]
         if self.stage == 1:
             lo, hi = bucket.rank_range(comm.rank)
-            self._handles.append(comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
-                                                          out=self.grad_buffer[lo:hi]))
+            self._handles.append((b, comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
+                                                              out=self.grad_buffer[lo:hi])))
+            self._copy_reduced()
             return
         self._retire(done_only=True)
         while len(self._inflight) >= MAX_INFLIGHT:
             self._retire_oldest()
         buf = self._buffers.pop(b, None)
         if buf is None:  # no parameter of this bucket got a gradient in this micro-step
-            buf = torch.zeros(bucket.size, dtype=self.shard_grads.dtype, device=self.shard_grads.device)
-        out = torch.empty(bucket.shard_size, dtype=buf.dtype, device=buf.device)
+            buf = self._take("bucket", bucket.size).zero_()
+        out = self._take("shard", bucket.shard_size)
         self._inflight.append((b, buf, out, comm.reduce_scatter(buf, op="mean", async_op=True, out=out)))
+
+    def _take(self, kind: str, numel: int) -> torch.Tensor:
+        """A ``numel``-element view of a free buffer of the largest bucket's size (or shard's), allocated only when
+        none is free: a backward cycles through as many as are filled or in flight at once, whatever the number of
+        buckets, and :meth:`_finish_micro_step` releases them, so none is held between steps."""
+        free = self._free[kind]
+        if free:
+            base = free.pop()
+        else:
+            base = torch.empty(self._largest[kind], dtype=self.shard_grads.dtype, device=self.shard_grads.device)
+            self.buffers_allocated += kind == "bucket"
+        return base[:numel]
+
+    def _give_back(self, kind: str, view: torch.Tensor) -> None:
+        self._free[kind].append(view._base if view._base is not None else view)
 
     def _retire_oldest(self) -> None:
         b, buf, out, handle = self._inflight.pop(0)
         handle.wait()
         lo, hi = self.layout.shard_range(self.layout.buckets[b])
         self.shard_grads[lo:hi].add_(out)
-        del buf  # the bucket's full-size gradients are gone from here on
+        self._give_back("bucket", buf)  # free for the next bucket to fill
+        self._give_back("shard", out)
+        if self._reduce and self._early_copies:  # the step's last micro-batch: this bucket's gradients are final
+            self._to_host(b)
 
     def _retire(self, done_only: bool) -> None:
         while self._inflight and (not done_only or self._inflight[0][3].done()):
@@ -156,12 +185,57 @@ class ZeroDataParallel(Engine):
             if b not in self._launched:
                 self._launch(b)
         if self.stage == 1:
-            for h in self._handles:
+            for _, h in self._handles:
                 h.wait()
+            self._copy_reduced()
             self._handles = []
         else:
             self._retire(done_only=False)
+            self._free = {"bucket": [], "shard": []}  # nothing bucket-sized is held between micro-steps
         self._reset_reduction()
+
+    # ---- the overlapped offload (trickles.optim.offload) ------------------------------------------
+    @property
+    def _early_copies(self) -> bool:
+        """Whether a bucket's gradients are final when its reduction completes (nothing is added to them after: no
+        tensor-parallel partial gradients, experts or weights tied across pipeline stages), so they can leave for the
+        host during backward."""
+        if self.optimizer.overlapped is None or self._deferred or self.ep is not None:
+            return False
+        return self.tp is None or self.tp.size == 1 or not any(_partial(p) for p in self.params)
+
+    def _to_host(self, b: int) -> None:
+        self._record("reduced", b)
+        self.optimizer.grads_final(self._unit_of[b])
+
+    def _copy_reduced(self) -> None:
+        """Stage 1, last micro-batch: starts the host copy of every bucket whose reduce-scatter has completed."""
+        if not (self._reduce and self._early_copies):
+            return
+        while self._handles and self._handles[0][1].done():
+            b, handle = self._handles.pop(0)
+            handle.wait()  # complete already; on CUDA this orders the copy after it
+            self._to_host(b)
+
+    def finish_backward(self) -> None:
+        super().finish_backward()
+        if self.optimizer.overlapped is not None:  # what has not left yet leaves now, before any scaling
+            self._record("backward_end")
+            for b in self._unit_of:
+                self.optimizer.grads_final(self._unit_of[b])
+
+    def _scaled(self, factor: torch.Tensor) -> None:
+        self.optimizer.scale(factor)
+
+    def _record(self, name: str, unit: int | None = None) -> None:
+        if self.trace is not None:
+            self.trace.append((name, unit))
+
+    def set_trace(self, events: list | None) -> None:
+        """Records the overlapped offload's events (the engine's and the host step's) into ``events``."""
+        self.trace = events
+        if self.optimizer.overlapped is not None:
+            self.optimizer.overlapped.trace = events
 
     def _end_micro_step(self, last: bool) -> None:
         if self.stage == 2 and not last:
@@ -183,14 +257,38 @@ class ZeroDataParallel(Engine):
         """
         self.wait_for_parameters()
         self.optimizer.step(lr)
-        for bucket in reversed(self.layout.buckets):
-            comm = self.groups[bucket.group]
-            lo, hi = bucket.rank_range(comm.rank)
-            self._param_handles[bucket.index] = comm.all_gather(
-                self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start:bucket.end])
+        forward_order = [bucket.index for bucket in reversed(self.layout.buckets)]
+        if self.optimizer.overlapped is not None:  # each gather waits for its bucket's host update (_issue_gathers)
+            self._gathers_due = forward_order
+            self._record("step_returned")
+            return
+        for b in forward_order:
+            self._gather(b)
+
+    def _gather(self, b: int) -> None:
+        bucket = self.layout.buckets[b]
+        comm = self.groups[bucket.group]
+        lo, hi = bucket.rank_range(comm.rank)
+        self._param_handles[b] = comm.all_gather(self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start:bucket.end])
+
+    def _issue_gathers(self, needed) -> None:
+        """Overlapped offload: issues the due all-gathers in forward order up to the last of ``needed`` (None: all),
+        each once its bucket is back from the host, then the following ones already back. Every rank issues them in
+        the same order, from this (the main) thread."""
+        due = self._gathers_due
+        last = max((due.index(b) for b in needed if b in due), default=-1) if needed is not None else len(due) - 1
+        k = 0
+        while k < len(due) and (k <= last or not self.optimizer.overlapped.pending(self._unit_of[due[k]])):
+            self.optimizer.wait_unit(self._unit_of[due[k]])
+            self._record("gather", due[k])
+            self._gather(due[k])
+            k += 1
+        del due[:k]
 
     def wait_for_parameters(self, buckets=None) -> None:
         """Blocks until the updated parameters of ``buckets`` (default: all) have arrived."""
+        if self._gathers_due:
+            self._issue_gathers(buckets)
         for b in list(self._param_handles) if buckets is None else buckets:
             h = self._param_handles.pop(b, None)
             if h is not None:
@@ -251,6 +349,10 @@ def _param_wait_hook(engine: ZeroDataParallel, buckets: list[int]):
     @torch.compiler.disable  # a compiled block breaks its graph here, before any of its compute
     def hook(module, args):
         e = ref()
-        if e is not None and e._param_handles:
+        if e is not None and (e._param_handles or e._gathers_due):
             e.wait_for_parameters(buckets)
     return hook
+
+
+def _partial(p: torch.Tensor) -> bool:
+    return _spec(p, "partial_grad")
