@@ -228,3 +228,49 @@ def test_triton_kernels_under_full_recomputation_and_in_bf16():
     fused = build_model(cfg, 0, DEVICE).to(torch.bfloat16)
     le, lf = eager(x, target=y), fused(x, target=y)
     assert abs(float(le) - float(lf)) <= BF16_TOL * float(le)
+
+
+def test_triton_kernels_that_cannot_run_are_refused_before_any_process_group(monkeypatch):
+    """model.kernels=triton on a CPU without the interpreter, or without Triton, is one clear line; auto and torch run
+    anywhere; a negative loss chunk is refused."""
+    from trickles import kernels
+    from trickles.config import Config
+    from trickles.errors import ConfigError
+
+    cfg = Config.load(None, ["model.kernels=triton", "train.device=cpu"])
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON_INTERPRET=1.*model.kernels=auto"):
+        cfg.validate(1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    cfg.validate(1)
+    monkeypatch.setattr(kernels, "HAVE_TRITON", False)
+    with pytest.raises(ConfigError, match="needs Triton"):
+        Config.load(None, ["model.kernels=triton"]).validate(1)
+    for setting in ("auto", "torch"):
+        Config.load(None, [f"model.kernels={setting}", "train.device=cpu"]).validate(1)
+    with pytest.raises(ConfigError, match="loss_chunk"):
+        Config.load(None, ["model.loss_chunk=-1"]).validate(1)
+    assert kernels.runs_triton("auto", "cuda") is False  # no Triton now: auto falls back
+    assert kernels.runs_triton("torch", "cuda") is False and kernels.runs_triton("triton", "cpu") is True
+
+
+def test_elementwise_kernels_write_nothing_past_their_end():
+    """2,055 elements (the last 1024-wide block partial) written into views of longer buffers: the elements just past
+    the end keep their canary value, forward and backward."""
+    from trickles.kernels.activations import gelu_backward, gelu_forward, swiglu_backward, swiglu_forward
+
+    n = 2055
+    a, b, dh = (torch.randn(n, generator=torch.Generator().manual_seed(i)).to(DEVICE) for i in range(3))
+
+    def canaried():
+        return torch.full((n + 8,), 7.0, device=DEVICE)
+
+    outs = [canaried() for _ in range(6)]
+    swiglu_forward(a, b, out=outs[0][:n])
+    swiglu_backward(dh, a, b, da=outs[1][:n], db=outs[2][:n])
+    gelu_forward(a, out=outs[3][:n])
+    gelu_backward(dh, a, da=outs[4][:n])
+    for buf in outs[:5]:
+        assert torch.equal(buf[n:], outs[5][n:])
+    torch.testing.assert_close(outs[0][:n], F.silu(a) * b)
+    torch.testing.assert_close(outs[3][:n], F.gelu(a, approximate="tanh"))

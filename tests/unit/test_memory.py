@@ -71,6 +71,7 @@ def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, 
         predicted = activation_bytes(tr.model_cfg, batch, seq, mode, 2 if precision == "bf16" else 4)
         layers = [f"layers.{i}" for i in range(tr.model_cfg.n_layers)]
         assert sorted(meter.per_layer) == sorted(["head", *layers]), meter.per_layer
+        assert not any(b._forward_pre_hooks or b._forward_hooks for b in tr.model.layers.values()), "the meter left its hooks"
         for name in layers:
             assert meter.per_layer[name] == predicted["layer"], (mode, name, meter.per_layer[name] - predicted["layer"])
         assert meter.per_layer["head"] == predicted["head"], (mode, meter.per_layer["head"] - predicted["head"])

@@ -71,40 +71,59 @@ def _grid(n: int):
     return (triton.cdiv(n, BLOCK),)
 
 
+def _out(like: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return torch.empty_like(like, dtype=dtype) if out is None else out
+
+
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton forward on contiguous ``a``, ``b`` (into ``out`` if given, contiguous, of their shape)."""
+    h = _out(a, out, torch.promote_types(a.dtype, b.dtype))
+    _swiglu_forward[_grid(a.numel())](a, b, h, a.numel(), BLOCK=BLOCK)
+    return h
+
+
+def swiglu_backward(dh, a, b, da=None, db=None) -> tuple[torch.Tensor, torch.Tensor]:
+    da, db = _out(a, da), _out(b, db)
+    _swiglu_backward[_grid(a.numel())](dh, a, b, da, db, a.numel(), BLOCK=BLOCK)
+    return da, db
+
+
+def gelu_forward(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    h = _out(a, out)
+    _gelu_forward[_grid(a.numel())](a, h, a.numel(), BLOCK=BLOCK)
+    return h
+
+
+def gelu_backward(dh: torch.Tensor, a: torch.Tensor, da: torch.Tensor | None = None) -> torch.Tensor:
+    da = _out(a, da)
+    _gelu_backward[_grid(a.numel())](dh, a, da, a.numel(), BLOCK=BLOCK)
+    return da
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         a, b = a.contiguous(), b.contiguous()
-        h = torch.empty_like(a, dtype=torch.promote_types(a.dtype, b.dtype))
-        _swiglu_forward[_grid(a.numel())](a, b, h, a.numel(), BLOCK=BLOCK)
         ctx.save_for_backward(a, b)
-        return h
+        return swiglu_forward(a, b)
 
     @staticmethod
     def backward(ctx, dh):
         a, b = ctx.saved_tensors
-        dh = dh.contiguous()
-        da, db = torch.empty_like(a), torch.empty_like(b)
-        _swiglu_backward[_grid(a.numel())](dh, a, b, da, db, a.numel(), BLOCK=BLOCK)
-        return da, db
+        return swiglu_backward(dh.contiguous(), a, b)
 
 
 class _GELU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a):
         a = a.contiguous()
-        h = torch.empty_like(a)
-        _gelu_forward[_grid(a.numel())](a, h, a.numel(), BLOCK=BLOCK)
         ctx.save_for_backward(a)
-        return h
+        return gelu_forward(a)
 
     @staticmethod
     def backward(ctx, dh):
         (a,) = ctx.saved_tensors
-        dh = dh.contiguous()
-        da = torch.empty_like(a)
-        _gelu_backward[_grid(a.numel())](dh, a, da, a.numel(), BLOCK=BLOCK)
-        return (da,)
+        return (gelu_backward(dh.contiguous(), a),)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:

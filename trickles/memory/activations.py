@@ -163,7 +163,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
 
     layer = block(mlp)
     moe_layer = block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type)) if cfg.moe_experts else 0
-    vocab = cfg.vocab_size or 0
+    vocab = _vocab(cfg)
     if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
         # gradient over all tokens, the fp32 weight gradient
         head = (9 if t > 1 else 8) * s + norm - p * sn * d + (4 if fp16 else p) * s * d + 4 * (vocab // t) * d
@@ -199,17 +199,23 @@ def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp
     """
     from ..kernels.cross_entropy import default_chunk
 
-    v = (cfg.vocab_size or 0) // tp
+    v = _vocab(cfg) // tp
     if not fused_loss:
         return (8 if tp == 1 else 4) * tokens * v
     p = dtype_bytes
-    c = cfg.loss_chunk or default_chunk(tokens, cfg.vocab_size or 0, cfg.d_model)
+    c = cfg.loss_chunk or default_chunk(tokens, _vocab(cfg), cfg.d_model)
     c = min(c, tokens)
     if p == 4:
         return 4 * c * v
     if triton:
         return p * c * v + p * v * cfg.d_model
     return (2 * p + 4) * c * v + 4 * c * cfg.d_model
+
+
+def _vocab(cfg: ModelConfig) -> int:
+    if cfg.vocab_size is None:
+        raise ValueError("resolve model.vocab_size before predicting activations (trickles.models.config.resolve_model)")
+    return cfg.vocab_size
 
 
 def moe_assignments(cfg: ModelConfig, batch: int, tokens: int, seq: int) -> int:

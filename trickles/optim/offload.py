@@ -31,6 +31,7 @@ how the tests prove the order on a machine without a GPU.
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -61,6 +62,7 @@ class OverlappedHostStep:
             raise ValueError("every optimizer segment must belong to exactly one unit")
         self._factor: torch.Tensor | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trickles-host-step")
+        weakref.finalize(self, self._pool.shutdown, wait=False)  # the thread ends with the engine
         self._future: Future | None = None
         self.trace: list | None = None
 
@@ -174,7 +176,3 @@ class OverlappedHostStep:
             future.result()
             for u in range(len(self.units)):
                 self.wait_unit(u)
-
-    def close(self) -> None:
-        self.wait()
-        self._pool.shutdown(wait=True)
