@@ -166,13 +166,15 @@ def _abs_terms(h, w, target):
 
 
 def test_fused_cross_entropy_without_gradients_and_with_one_chunk():
-    """Under no_grad it only measures the loss; the default chunk (liger-kernel's rule) may cover every token."""
+    """Under no_grad it only measures the loss; the default chunk (liger-kernel's rule, at least 64 tokens) may
+    cover every token."""
     h, w, _, target = _ce_inputs(torch.float32)
     with torch.no_grad():
         loss = linear_cross_entropy(h, w, target, kernels="triton")
     assert loss.grad_fn is None
     _close(loss, _ce_reference(h, w, None, target)[0], torch.float32)
-    assert default_chunk(37, 5003, 24) == 1 and default_chunk(4096, 32000, 4096) == 512 and default_chunk(10, 10, 64) == 10
+    assert default_chunk(37, 5003, 24) == 37 and default_chunk(4096, 32000, 4096) == 512 and default_chunk(10, 10, 64) == 10
+    assert default_chunk(8192, 128256, 2048) == 256 and default_chunk(2048, 32000, 256) == 64  # (liger: 16)
 
 
 def test_every_target_ignored_gives_zero_loss_and_gradients():

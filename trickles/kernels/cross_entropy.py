@@ -16,7 +16,9 @@ is ``dh`` (``p N d``, fp32 under fp16 so that loss scaling can rescue small valu
 ``[N, V]`` fp32 gradients (see :mod:`trickles.memory.activations`). The transient is one chunk's
 logits: ``c V`` in the compute type plus, on the PyTorch path in low precision, their fp32 copy
 (from which ``dW``'s chunk product is taken in fp32) and its cast back; the chunk defaults to ``c = 2^ceil(log2(N / ceil(V / d)))`` tokens
-(liger-kernel's rule: a chunk's logits about as large as the hidden states ``N d``).
+(liger-kernel's rule: a chunk's logits about as large as the hidden states ``N d``), but at least
+:data:`MIN_CHUNK` (smaller matmuls cost more in overhead than they save: 16-token chunks were 1.6x the
+unfused loss's time on a CPU at ``d = 256``, 64-token ones 0.84x, ``benchmarks/kernels.py``).
 
 **Vocabulary parallel** (``comm``: the tensor-parallel group, this rank holding rows
 ``[vocab_start, vocab_start + V/tp)`` of ``W``): per chunk, the row maxima are all-reduced (max), then
@@ -78,10 +80,14 @@ if HAVE_TRITON:
             tl.store(base + cols, (g * scale).to(Z.dtype.element_ty), mask=mask)
 
 
+MIN_CHUNK = 64
+
+
 def default_chunk(tokens: int, vocab: int, hidden: int) -> int:
-    """liger-kernel's rule: ``2^ceil(log2(N / ceil(V / d)))`` tokens, so a chunk's logits are about ``N d`` (at most ``N``)."""
+    """liger-kernel's rule, ``2^ceil(log2(N / ceil(V / d)))`` tokens, so a chunk's logits are about ``N d``; at least
+    :data:`MIN_CHUNK`, at most ``N``."""
     per = max(1, math.ceil(tokens / max(1, math.ceil(vocab / hidden))))
-    return min(tokens, 1 << (per - 1).bit_length())
+    return min(tokens, max(MIN_CHUNK, 1 << (per - 1).bit_length()))
 
 
 def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
