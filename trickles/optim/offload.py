@@ -61,6 +61,7 @@ class OverlappedHostStep:
         if sum(len(g["params"]) for groups in self._unit_groups for g in groups) != sum(len(g["params"]) for g in optimizer.param_groups):
             raise ValueError("every optimizer segment must belong to exactly one unit")
         self._factor: torch.Tensor | None = None
+        self._step_queued = None  # CUDA: an event after the step's device work (the parameters are read until then)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trickles-host-step")
         weakref.finalize(self, self._pool.shutdown, wait=False)  # the thread ends with the engine
         self._future: Future | None = None
@@ -80,17 +81,7 @@ class OverlappedHostStep:
         dst, src = [self.host_grads[i] for i in idx], [self.grads[i] for i in idx]
         self._copied[unit] = True
         self._record("grads_to_host", unit)
-        if not dst:
-            return
-        with torch.no_grad():
-            if self._d2h is None:
-                torch._foreach_copy_(dst, src)
-                return
-            self._d2h.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._d2h):
-                torch._foreach_copy_(dst, src, non_blocking=True)
-                self._grads_ready[unit] = torch.cuda.Event()
-                self._grads_ready[unit].record(self._d2h)
+        self._copy(self._d2h, dst, src, self._queued(), self._grads_ready, unit)  # after the backward that made them
 
     def scale(self, factor: torch.Tensor) -> None:
         """Multiplies the gradients the host will use by ``factor`` (a scalar tensor), whether or not they left yet."""
@@ -103,6 +94,7 @@ class OverlappedHostStep:
         for u in range(len(self.units)):
             self.copy_grads(u)
         self._copied = [False] * len(self.units)  # the next backward copies afresh
+        self._step_queued = self._queued()  # the parameters go back only once this step's device work is done
         factor = None if self._factor is None else self._factor.to("cpu", non_blocking=False)
         self._factor = None
         for u in range(len(self.units)):
@@ -141,18 +133,32 @@ class OverlappedHostStep:
             opt.param_groups = every
 
     def _params_to_device(self, u: int, idx: list[int]) -> None:
-        dst, src = [self.params[i] for i in idx], [self.masters[i] for i in idx]
         self._record("params_to_device", u)
+        self._copy(self._h2d, [self.params[i] for i in idx], [self.masters[i] for i in idx], self._step_queued,
+                   self._params_ready, u)
+
+    def _queued(self):
+        """An event after the work queued so far on the device's current stream (None on a CPU)."""
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _copy(self, stream, dst: list[torch.Tensor], src: list[torch.Tensor], after, ready: list, unit: int) -> None:
+        """``dst <- src``: a plain copy on a CPU; on CUDA on ``stream`` once ``after`` has happened, the copy's end
+        recorded in ``ready[unit]``."""
         if not dst:
             return
         with torch.no_grad():
-            if self._h2d is None:
+            if stream is None:
                 torch._foreach_copy_(dst, src)
                 return
-            with torch.cuda.stream(self._h2d):
+            stream.wait_event(after)
+            with torch.cuda.stream(stream):
                 torch._foreach_copy_(dst, src, non_blocking=True)
-                self._params_ready[u] = torch.cuda.Event()
-                self._params_ready[u].record(self._h2d)
+                ready[unit] = torch.cuda.Event()
+                ready[unit].record(stream)
 
     # ---- 3. parameters back, when needed ---------------------------------------------------------
     def wait_unit(self, unit: int) -> None:
