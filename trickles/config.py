@@ -220,6 +220,10 @@ class Config:
                               f"parallel.dp ({dp}); set train.global_batch to a multiple of {need} or change train.micro_batch")
         return micro, per_rank // micro
 
+    def accumulates(self, dims: ParallelDims) -> bool:
+        """Whether a step's gradients add up over several backward passes (micro-batches, or pipeline stages' micro-batches)."""
+        return self.batch_plan(dims.dp)[1] > 1 or dims.pp > 1
+
 
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):

@@ -85,8 +85,9 @@ def test_dp_matches_single_process(tmp_path, dp, overrides):
 
 def _accumulation_in_place(tmp, stage, precision):
     """Three micro-steps: fp32 gradients of fp32 parameters accumulate in place in their view of the flat buffer
-    (no fresh tensor is added per micro-batch); low-precision parameters keep fp32 gradients through the hook."""
-    tr = _trainer(tmp, dist.get_world_size(), f"parallel.zero={stage}", f"memory.precision={precision}")
+    (no fresh tensor is added per micro-batch); low-precision parameters keep fp32 gradients through the hook. (A
+    configured accumulation: without one, ZeRO-1 keeps no whole gradient buffer.)"""
+    tr = _trainer(tmp, dist.get_world_size(), f"parallel.zero={stage}", f"memory.precision={precision}", "train.micro_batch=2")
     engine, batches = tr.engine, tr.train_data.micro_batches(0, 8, 2)[:3]
     main = engine.main_grads if stage == 0 else engine._main
     engine.zero_grad()

@@ -42,8 +42,9 @@ def _diff_from_averaged(tr, plain, x, y, stage) -> float:
 
 def _backward_after_the_model_dropped_its_grads(tmp, stage):
     """A step, then ``model.zero_grad()`` (PyTorch's default sets every ``.grad`` to None), then the engine's
-    ``zero_grad`` and a plain backward: the engine puts its gradient views back and reduces them."""
-    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", f"parallel.zero={stage}")
+    ``zero_grad`` and a plain backward: the engine puts its gradient views back and reduces them. (Micro-batches of
+    2: ZeRO-1 keeps a whole gradient buffer only when it accumulates.)"""
+    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", f"parallel.zero={stage}", "train.micro_batch=2")
     tr = Trainer(cfg, ParallelDims(dp=dist.get_world_size()).build(torch.device("cpu")), quiet=True)
     tr.train_step()
     plain = build_model(tr.model_cfg, cfg.train.seed)

@@ -30,13 +30,15 @@ def _run(tmp, cache, stage, overlap, delay=0.0, steps=3):
                       f"memory.offload_overlap={str(overlap).lower()}", "train.micro_batch=2", steps=steps)
     tr = Trainer(cfg, ParallelDims(dp=2).build(torch.device("cpu")), quiet=True)
     engine, events = tr.engine, []
-    if delay:
-        slow = OverlappedHostStep._step_unit
+    host = engine.optimizer.overlapped
+    if delay:  # this engine's host step only (the rank process runs other tests after this one)
+        assert isinstance(host, OverlappedHostStep)
+        slow = host._step_unit
 
-        def step_unit(self, u):
+        def step_unit(u):
             time.sleep(delay)
-            slow(self, u)
-        OverlappedHostStep._step_unit = step_unit
+            slow(u)
+        host._step_unit = step_unit
     if overlap:
         engine.set_trace(events)
         for name, block in tr.model.layers.items():

@@ -184,8 +184,9 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # parallelism the experts over edp, the R / ep ranks holding the same experts (Topology.expert_group):
     # replica r is rank r // ep of its edp group
     edp = dims.dp * dims.cp // dims.ep
+    accumulates = cfg.accumulates(dims)
     states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, dp_rank,
-                                (edp, dp_rank // dims.ep) if dims.ep > 1 else None)
+                                (edp, dp_rank // dims.ep) if dims.ep > 1 else None, accumulates)
     micro, _ = cfg.batch_plan(dims.dp)
     triton = runs_triton(model_cfg.kernels, device_type)
     fused = triton if model_cfg.fused_loss is None else model_cfg.fused_loss
@@ -200,7 +201,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     if dims.ep > 1 and model_cfg.moe_layers:
         routed = tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens
         transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p)
-    if stage == 2:
+    if stage == 2 or (stage == 1 and not accumulates):  # bucket buffers filling and in flight
         bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n * g
         transient += 2 * min(bucket, n * g)
     if stage == 3:
@@ -269,7 +270,8 @@ def ring_blocks_in_flight(cfg: ModelConfig, tokens: int, p: int, tp: int = 1) ->
     return 2 * block * p + 2 * block * 4
 
 
-def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tuple[int, int] | None = None) -> dict[str, int]:
+def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tuple[int, int] | None = None,
+                       accumulates: bool = True) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
 
     ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type. These are
@@ -281,7 +283,9 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     multiple of ``16 dp`` elements (:class:`~trickles.parallel.flat.FlatLayout`; under ZeRO-3 one
     bucket per block and one for the root), and (AdamW, LAMB) a 4-byte step counter per owned parameter segment.
     ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
-    experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it).
+    experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it). ``accumulates``: a step
+    adds up several micro-batches' gradients (stage 1 then keeps the full gradient buffer; otherwise it holds its shard,
+    as stage 2 does).
     """
     from ..optim.settings import OptimizerSettings
     from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
@@ -313,7 +317,8 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
                             first_bucket_bytes=FIRST_BUCKET_BYTES,
                             group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")))
         params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
-        grads = g * (layout.shard_numel if stage == 2 else layout.total)
+        sharded = stage == 2 or (stage == 1 and not accumulates)  # stage 1 reduces like stage 2 unless it accumulates
+        grads = g * (layout.shard_numel if sharded else layout.total)
         segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
     optimizer = k * sum(s.numel for s in segments) + (4 * len(segments) if settings.counts_steps else 0)
     return {"parameters": params, "gradients": grads, "optimizer": optimizer}

@@ -93,7 +93,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
             engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp, **experts)
         else:
             engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp,
-                                      overlap=cfg.memory.offload_overlap, **experts)
+                                      overlap=cfg.memory.offload_overlap, accumulates=cfg.accumulates(topo.dims), **experts)
     if ctx is not None:
         engine.full_logits = tp_full_logits(ctx)
     if cp_ctx is not None:

@@ -8,10 +8,13 @@ owns, with the owned slices of the flat buffer as fp32 master weights.
 
 One optimizer step, per bucket:
 
-* **stage 1** -- gradients accumulate, full size, in a flat gradient buffer (no communication
-  during accumulation micro-steps); on the last micro-step, as soon as all of a bucket's
-  parameters have their gradients, the bucket is reduce-scattered (mean) in place, so that
-  each rank's owned slice holds the averaged gradient; backward continues meanwhile;
+* **stage 1** with gradient accumulation (several micro-batches per step, or pipeline stages) --
+  gradients accumulate, full size, in a flat gradient buffer (no communication during
+  accumulation micro-steps); on the last micro-step, as soon as all of a bucket's parameters
+  have their gradients, the bucket is reduce-scattered (mean) in place, so that each rank's
+  owned slice holds the averaged gradient; backward continues meanwhile. **Without
+  accumulation** stage 1 has nothing to accumulate, so it reduces as stage 2 does (below): the
+  same one reduce-scatter per bucket, and only the shard held (as DeepSpeed's stage 1);
 * **stage 2** -- there is no full gradient buffer. A bucket's gradients collect in a bucket-
   sized buffer that is in use only while that bucket is being filled and reduced; it is
   reduce-scattered on *every* micro-step into a persistent shard of ``P / N`` elements
@@ -24,7 +27,8 @@ One optimizer step, per bucket:
   layers they hold.
 
 Bytes per rank (fp32 parameters, Adam, ``P`` parameters): parameters ``4P``; gradients ``4P``
-(stage 1) or ``4P/N`` plus at most two buckets in flight (stage 2); optimizer ``8P/N``.
+(stage 1 accumulating) or ``4P/N`` plus at most two buckets in flight (stage 2, and stage 1 without
+accumulation); optimizer ``8P/N``.
 Communication per step: reduce-scatter ``(N-1)/N * 4P`` plus all-gather ``(N-1)/N * 4P`` --
 the same volume as an all-reduce (stage 2 repeats the reduce-scatter on every micro-step).
 
@@ -56,11 +60,14 @@ class ZeroDataParallel(Engine):
 
     def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: OptimizerSettings, bucket_bytes: int | None,
                  offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None,
-                 ep: GroupComm | None = None, edp: GroupComm | None = None, overlap: bool = True):
+                 ep: GroupComm | None = None, edp: GroupComm | None = None, overlap: bool = True, accumulates: bool = True):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         super().__init__(model, comm, tp, ep, edp)
         self.stage = stage
+        # stage 1 keeps a full gradient buffer only when it accumulates micro-batches: otherwise each bucket is
+        # reduce-scattered into the rank's shard as stage 2 does (DeepSpeed's stage 1 frees what it does not own too)
+        self.full_grads = stage == 1 and accumulates
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         p0 = self.params[0]
@@ -72,7 +79,7 @@ class ZeroDataParallel(Engine):
         for slot, view in zip(self.layout.slots, self.layout.views(self.param_buffer)):
             slot.param.data = view
         self.segments = self.layout.segments(self.group_ranks)
-        if stage == 1:
+        if self.full_grads:
             self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=p0.device)
             self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
             grad_of = lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]]  # noqa: E731
@@ -109,17 +116,17 @@ class ZeroDataParallel(Engine):
         self._next = [r.start for r in self.layout.group_buckets]  # each group's buckets go in index order (_launch_ready)
 
     def _begin_micro_step(self, last: bool) -> None:
-        if self.stage == 2:
+        if not self.full_grads:
             self._reset_reduction()
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
-        if self.stage != 1:
-            raise NotImplementedError("ZeRO-2 keeps no whole gradient of a parameter")
+        if not self.full_grads:
+            raise NotImplementedError("ZeRO-2 (and ZeRO-1 without accumulation) keeps no whole gradient of a parameter")
         return self._main[id(p)]
 
     def _on_grad(self, p: torch.Tensor) -> None:
         slot = self._slot_of[id(p)]
-        if self.stage == 1:
+        if self.full_grads:
             self._accumulate(p, self._main[id(p)])
         else:
             buf = self._buffers.get(slot.bucket)
@@ -128,7 +135,7 @@ class ZeroDataParallel(Engine):
             start = slot.offset - self.layout.buckets[slot.bucket].start
             buf[start:start + slot.numel].view(slot.shape).add_(p.grad)
             p.grad = None
-        if (self.stage == 2 or self._reduce) and id(p) not in self._deferred:
+        if (not self.full_grads or self._reduce) and id(p) not in self._deferred:
             self._pending[slot.bucket] -= 1
             self._launch_ready(self.layout.buckets[slot.bucket].group)
 
@@ -136,7 +143,7 @@ class ZeroDataParallel(Engine):
         self._launched.add(b)
         bucket = self.layout.buckets[b]
         comm = self.groups[bucket.group]
-        if self.stage == 1:
+        if self.full_grads:
             lo, hi = bucket.rank_range(comm.rank)
             self._handles.append((b, comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
                                                               out=self.grad_buffer[lo:hi])))
@@ -184,7 +191,7 @@ class ZeroDataParallel(Engine):
         for b in range(len(self.layout.buckets)):  # the rest, in order
             if b not in self._launched:
                 self._launch(b)
-        if self.stage == 1:
+        if self.full_grads:
             for _, h in self._handles:
                 h.wait()
             self._copy_reduced()
@@ -238,7 +245,7 @@ class ZeroDataParallel(Engine):
             self.optimizer.overlapped.trace = events
 
     def _end_micro_step(self, last: bool) -> None:
-        if self.stage == 2 and not last:
+        if not self.full_grads and not last:
             self._finish_micro_step()  # stage 2 reduces (and frees) on every micro-step
 
     def _finish_reduction(self) -> None:
@@ -313,7 +320,7 @@ class ZeroDataParallel(Engine):
             model.register_forward_pre_hook(_param_wait_hook(self, rest))
 
     def zero_grad(self) -> None:
-        if self.stage == 1:
+        if self.full_grads:
             self.grad_buffer.zero_()
             self._bind_grads(self._main)
         else:
@@ -324,8 +331,8 @@ class ZeroDataParallel(Engine):
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        grads = self.grad_buffer if self.stage == 1 else self.shard_grads
-        transient = sum(t.numel() * t.element_size() for t in self._buffers.values()) if self.stage == 2 else 0
+        grads = self.grad_buffer if self.full_grads else self.shard_grads
+        transient = sum(t.numel() * t.element_size() for t in self._buffers.values()) if not self.full_grads else 0
         return {"parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
                 "gradients": grads.numel() * grads.element_size() + transient,
                 "optimizer": self.optimizer.state_bytes()}
