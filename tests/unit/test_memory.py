@@ -189,19 +189,24 @@ def test_live_tensor_bytes_counts_storages_once_on_the_device_asked():
 
 def test_only_zero2_adds_two_gradient_buckets_to_the_transient_bytes(tmp_path):
     """ZeRO-2 reduces a bucket-sized gradient buffer at a time, two in flight (``MAX_INFLIGHT``): the report adds
-    ``2 x min(bucket, all gradients)`` to the transient bytes at stage 2 only (stage 3's gathered blocks aside)."""
+    ``2 x min(bucket, all gradients)`` to the transient bytes at stage 2, and at stage 1 when it does not accumulate
+    micro-batches (it then reduces as stage 2 does), only (stage 3's gathered blocks aside). Micro-batches of one
+    sequence throughout, so that the loss's transient is the same in every case."""
     from trickles.memory.report import predict
     from trickles.parallel.zero import MAX_INFLIGHT
 
     tr = _trainer(tmp_path)
     n = sum(p.numel() for p in tr.model.parameters())
     transient = {}
-    for stage, mb in ((0, 0.01), (1, 0.01), (2, 0.01), (2, 0)):
-        cfg = dataclasses.replace(tr.cfg, parallel=dataclasses.replace(tr.cfg.parallel, zero=stage, bucket_mb=mb))
-        transient[stage, mb] = predict(cfg, ParallelDims(dp=2), tr.model_cfg).predicted["transient"]
-    assert transient[0, 0.01] == transient[1, 0.01]
-    assert transient[2, 0.01] - transient[1, 0.01] == pytest.approx(MAX_INFLIGHT * 0.01 * 2**20, abs=1e-6)
-    assert transient[2, 0] - transient[1, 0.01] == MAX_INFLIGHT * 4 * n  # one bucket: all gradients
+    for stage, mb, accumulate in ((0, 0.01, True), (1, 0.01, True), (1, 0.01, False), (2, 0.01, True), (2, 0, True)):
+        train = dataclasses.replace(tr.cfg.train, micro_batch=1, global_batch=4 if accumulate else 2)
+        cfg = dataclasses.replace(tr.cfg, parallel=dataclasses.replace(tr.cfg.parallel, zero=stage, bucket_mb=mb), train=train)
+        assert cfg.accumulates(ParallelDims(dp=2)) == accumulate
+        transient[stage, mb, accumulate] = predict(cfg, ParallelDims(dp=2), tr.model_cfg).predicted["transient"]
+    assert transient[0, 0.01, True] == transient[1, 0.01, True]
+    assert transient[2, 0.01, True] - transient[1, 0.01, True] == pytest.approx(MAX_INFLIGHT * 0.01 * 2**20, abs=1e-6)
+    assert transient[1, 0.01, False] == transient[2, 0.01, True]
+    assert transient[2, 0, True] - transient[1, 0.01, True] == MAX_INFLIGHT * 4 * n  # one bucket: all gradients
 
 
 def test_report_table_marks_the_mixture_of_experts_layers(tmp_path):

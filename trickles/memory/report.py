@@ -17,7 +17,7 @@ the log-probabilities and of the logits (``8sV``, alive together in the loss's b
 for the vocabulary-parallel loss, which reuses its saved probabilities; with ``model.fused_loss``
 one chunk's logits instead, :func:`~trickles.memory.activations.loss_transient_bytes`), ring attention's key/value blocks
 in flight, expert parallelism's rows in flight (``2 p m d``: the rows one all-to-all sends and receives, ``m``
-the assignments of the rank's tokens, :func:`expert_rows_in_flight`) and buffers (ZeRO-2: two gradient
+the assignments of the rank's tokens, :func:`expert_rows_in_flight`) and buffers (ZeRO-2, and ZeRO-1 without accumulation: two gradient
 buckets; ZeRO-3: the root and two gathered blocks). On CUDA the measured peak is the
 allocator's ``max_memory_allocated``.
 
