@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -82,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model after the two agreement-check steps")
     p.add_argument("--compile", action="store_true", help="also time our model with each block compiled (block.compile())")
+    p.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
+                   help="model.kernels for ours (auto: the Triton kernels and the fused loss on CUDA, eager PyTorch elsewhere)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
@@ -149,8 +152,10 @@ class Contestant:
 
     def step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with autocast(self.precision, self.device):
-            logits = self.logits(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            if self.hf:
+                loss = F.cross_entropy(self.logits(x).float().flatten(0, 1), y.flatten())
+            else:  # through the model's loss head: the fused loss where model.kernels runs Triton, else the same as HF's
+                loss = self.model(x, target=y)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -185,7 +190,8 @@ def main(argv=None) -> int:
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
     tol = args.tol if args.tol is not None else (1e-2 if args.precision == "bf16" or tf32 else 1e-4)
 
-    cfg = resolve_model(apply_preset(ModelConfig(), args.preset), tokenizer_vocab=args.vocab, seq_len=seq)
+    cfg = resolve_model(dataclasses.replace(apply_preset(ModelConfig(), args.preset), kernels=args.kernels),
+                        tokenizer_vocab=args.vocab, seq_len=seq)
 
     torch.manual_seed(args.seed)
     ours = build_model(cfg, seed=args.seed, device=device).train()
