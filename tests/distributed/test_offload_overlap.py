@@ -60,7 +60,8 @@ def test_offload_overlap_order_of_events(tmp_path, cache, stage):
         for s in range(1, len(marks)):  # step s's backward, then its host step under step s + 1's forward
             step = events[marks[s]:marks[s + 1] if s + 1 < len(marks) else len(events)]
             where = {e: i for i, e in reversed(list(enumerate(step)))}  # first occurrence of each event
-            end = where[("backward_end", None)]
+            end = where[("backward_done", None)]  # autograd's backward of the last micro-batch returned
+            assert end < where[("backward_end", None)]
             early = [u for u in units if where[("grads_to_host", u)] < end]
             assert early, f"no gradient left for the host before backward ended (step {s})"
             for u in early:  # ... each right after its bucket's reduction completed
@@ -92,3 +93,65 @@ def test_offload_overlap_gives_the_waiting_steps_weights(tmp_path, cache, stage)
     for (l0, w0, *_), (l1, w1, *_) in zip(plain, overlapped):
         assert l0 == l1
         assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def _tp_run(tmp, cache, overlap):
+    cfg = tiny_config(tmp, cache, "parallel.zero=1", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.bucket_mb=0.02",
+                      "memory.offload_optimizer=true", f"memory.offload_overlap={str(overlap).lower()}", steps=3)
+    tr = Trainer(cfg, cfg.validate(4).build(torch.device("cpu")), quiet=True)
+    early = tr.engine._early_copies
+    losses = [tr.train_step()["loss"] for _ in range(3)]
+    return losses, {k: v.clone() for k, v in tr.engine.full_state().items()}, early
+
+
+def test_offload_overlap_waits_for_partial_gradients_under_tensor_parallelism(tmp_path, cache):
+    """dp2 x tp2 with sequence parallelism: the norm weights' gradients are partial until finish_backward sums them over
+    tp, so none may leave for the host early; the overlapped step still equals the waiting one bit for bit."""
+    plain = run_ranks(4, _tp_run, str(tmp_path), cache, False)
+    overlapped = run_ranks(4, _tp_run, str(tmp_path), cache, True)
+    for (l0, w0, _), (l1, w1, early) in zip(plain, overlapped):
+        assert not early
+        assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)
+
+
+def test_an_error_in_the_host_step_surfaces_on_the_main_thread():
+    """The host thread's failure is raised where the main thread next waits, not lost."""
+    p = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(3))]
+    masters = [torch.ones(4), torch.ones(3)]
+    host = [torch.zeros(4), torch.zeros(3)]
+    for m, g in zip(masters, host):
+        m.grad = g
+    opt = torch.optim.AdamW([{"params": masters}], lr=0.1)
+    step = OverlappedHostStep(opt, [[0], [1]], [x.data for x in p], [torch.full((4,), 0.5), torch.full((3,), 0.5)],
+                              masters, host, torch.device("cpu"))
+    step.launch(0.1)
+    step.wait()
+    assert torch.equal(p[0].data, masters[0]) and not torch.equal(masters[0], torch.ones(4))  # stepped and copied back
+    broken = step._step_unit
+
+    def fail(u):
+        if u == 1:
+            raise RuntimeError("host step failed")
+        broken(u)
+    step._step_unit = fail
+    step.launch(0.1)
+    with pytest.raises(RuntimeError, match="host step failed"):
+        step.wait_unit(1)
+    with pytest.raises(RuntimeError, match="host step failed"):
+        step.wait()
+
+
+def _one_device(tmp, cache, overlap, device):
+    cfg = tiny_config(tmp, cache, "parallel.zero=1", "parallel.bucket_mb=0.02", "memory.offload_optimizer=true",
+                      f"memory.offload_overlap={str(overlap).lower()}", f"train.device={device}", steps=3)
+    tr = Trainer(cfg, ParallelDims(dp=1).build(torch.device(device)), quiet=True)
+    losses = [tr.train_step()["loss"] for _ in range(3)]
+    return losses, {k: v.detach().cpu().clone() for k, v in tr.engine.full_state().items()}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.needs_gpu)])
+def test_offload_overlap_on_one_device(tmp_path, cache, device):
+    """One rank (on CUDA: pinned host memory, side streams and events): the overlapped step equals the waiting one."""
+    (l0, w0), = run_ranks(1, _one_device, str(tmp_path), cache, False, device)
+    (l1, w1), = run_ranks(1, _one_device, str(tmp_path), cache, True, device)
+    assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)

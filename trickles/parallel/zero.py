@@ -216,12 +216,14 @@ class ZeroDataParallel(Engine):
         self.optimizer.grads_final(self._unit_of[b])
 
     def _copy_reduced(self) -> None:
-        """Stage 1, last micro-batch: starts the host copy of every bucket whose reduce-scatter has completed."""
-        if not (self._reduce and self._early_copies):
+        """Stage 1 (which reduces on the last micro-batch only): starts the host copy of every bucket whose
+        reduce-scatter has completed, waiting for the oldest while more than ``MAX_INFLIGHT`` are in flight (as stage 2
+        does), so the copies start during backward however fast it runs."""
+        if not self._early_copies:
             return
-        while self._handles and self._handles[0][1].done():
+        while self._handles and (len(self._handles) > MAX_INFLIGHT or self._handles[0][1].done()):
             b, handle = self._handles.pop(0)
-            handle.wait()  # complete already; on CUDA this orders the copy after it
+            handle.wait()  # (on CUDA this orders the copy after it)
             self._to_host(b)
 
     def finish_backward(self) -> None:
@@ -245,6 +247,8 @@ class ZeroDataParallel(Engine):
             self.optimizer.overlapped.trace = events
 
     def _end_micro_step(self, last: bool) -> None:
+        if last:
+            self._record("backward_done")  # autograd's backward of the step's last micro-batch has returned
         if not self.full_grads and not last:
             self._finish_micro_step()  # stage 2 reduces (and frees) on every micro-step
 
