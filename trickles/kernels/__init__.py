@@ -60,13 +60,12 @@ def use_triton(kernels: str, x: torch.Tensor) -> bool:
 
 
 def check_kernels(kernels: str, device: torch.device) -> None:
-    """Raises ConfigError when ``kernels`` cannot run on ``device`` (before any process group exists)."""
+    """Raises ConfigError when ``kernels`` cannot run on ``device`` (before any process group exists). Whether Triton is
+    installed at all, :meth:`ModelConfig.validate <trickles.models.config.ModelConfig.validate>` checks."""
     from ..errors import ConfigError
 
     if kernels != "triton":
         return
-    if not HAVE_TRITON:
-        raise ConfigError("model.kernels=triton needs Triton (pip install triton); use model.kernels=auto or torch")
     if device.type != "cuda" and not interpreting():
         raise ConfigError(f"model.kernels=triton runs on a CUDA device, or on the {device.type} under Triton's interpreter "
                           f"(set TRITON_INTERPRET=1 before starting); use model.kernels=auto to run the PyTorch path here")

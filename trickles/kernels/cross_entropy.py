@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import HAVE_TRITON, use_triton
+from . import HAVE_TRITON, runs_triton, use_triton
 
 IGNORE_INDEX = -100
 
@@ -197,6 +197,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, -2), target.flatten().to(logits.device))
 
 
+def fused_on(fused: bool | None, kernels: str, device_type: str) -> bool:
+    """Whether the loss is fused: ``model.fused_loss`` when set, else whether ``model.kernels`` runs Triton there."""
+    return runs_triton(kernels, device_type) if fused is None else fused
+
+
 class OutputLoss(nn.Module):
     """The loss head of a model: the output projection's mean token cross-entropy, fused or not.
 
@@ -210,7 +215,7 @@ class OutputLoss(nn.Module):
         self.fused, self.chunk, self.kernels = fused, chunk, kernels
 
     def is_fused(self, h: torch.Tensor) -> bool:
-        return use_triton(self.kernels, h) if self.fused is None else self.fused
+        return fused_on(self.fused, self.kernels, h.device.type)
 
     def forward(self, h: torch.Tensor, output: nn.Module, target: torch.Tensor) -> torch.Tensor:
         if self.is_fused(h):

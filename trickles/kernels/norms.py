@@ -32,6 +32,13 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _row_weight(W, H, BLOCK: tl.constexpr):
+        """The columns of a row, their mask and the (fp32) weight: every norm kernel's start."""
+        cols = tl.arange(0, BLOCK)
+        mask = cols < H
+        return cols, mask, tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+
+    @triton.jit
     def _rms_forward(X, W, Y, RSTD, stride, H, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
@@ -47,9 +54,7 @@ if HAVE_TRITON:
     def _rms_backward(DY, X, W, RSTD, DX, DW, stride, rows, H, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         step = tl.num_programs(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        cols, mask, w = _row_weight(W, H, BLOCK)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         for row in range(pid, rows, step):
             x = tl.load(X + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -81,9 +86,7 @@ if HAVE_TRITON:
     def _ln_backward(DY, X, W, MEAN, RSTD, DX, DW, DB, stride, rows, H, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         step = tl.num_programs(0)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < H
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        cols, mask, w = _row_weight(W, H, BLOCK)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         db = tl.zeros((BLOCK,), dtype=tl.float32)
         for row in range(pid, rows, step):

@@ -42,6 +42,7 @@ from ..errors import ConfigError
 from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
+from ..kernels.cross_entropy import fused_on
 from .accounting import peak_allocated
 from .activations import ActivationMeter, activation_bytes, loss_transient_bytes
 from .precision import policy
@@ -189,7 +190,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
                                 (edp, dp_rank // dims.ep) if dims.ep > 1 else None, accumulates)
     micro, _ = cfg.batch_plan(dims.dp)
     triton = runs_triton(model_cfg.kernels, device_type)
-    fused = triton if model_cfg.fused_loss is None else model_cfg.fused_loss
+    fused = fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type)
     act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
                            cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep, fused_loss=fused,
                            fp16=cfg.memory.precision == "fp16")
