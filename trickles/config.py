@@ -157,6 +157,9 @@ class Config:
             raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp}): each rank takes whole heads")
         if m.ffn_dim % tp:
             raise ConfigError(f"the MLP width ({m.ffn_dim}) must be divisible by parallel.tp ({tp}); set model.ffn_hidden")
+        if m.fuses_projections and m.kv_heads % tp:
+            raise ConfigError(f"fused q/k/v projections split whole key/value heads over parallel.tp ({tp}), but model.n_kv_heads "
+                              f"is {m.kv_heads}; set model.fused_proj=false or make n_kv_heads a multiple of parallel.tp")
         vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
         if vocab_unit % tp:
             raise ConfigError(f"the vocabulary ({'model.vocab_size' if m.vocab_size else 'model.vocab_multiple'} = {vocab_unit}) "

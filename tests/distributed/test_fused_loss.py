@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers import assert_losses_track, assert_weights_track, tiny_config
+from trickles.models.fused import fuse_state
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
@@ -40,7 +41,7 @@ def _train(tmp, dims, overrides, steps=STEPS):
     start = state()
     fused = tr.model.loss.is_fused(torch.empty(0)) if tr.model.loss is not None else None
     losses = [tr.train_step()["loss"] for _ in range(steps)]
-    return losses, state(), start, fused
+    return losses, state(), start, fused, tr.model_cfg
 
 
 _REFERENCE = {}
@@ -57,12 +58,14 @@ def _reference(tmp, cache, extra=(), steps=STEPS):
 
 
 def _check(run, reference, slower):
-    losses, weights, start, fused = run
+    losses, weights, start, fused, model_cfg = run
     assert fused in (True, None), "the case did not run the fused loss"  # None: a pipeline stage without the head
     assert_losses_track(losses, reference[0], 1e-4, wrong={"lr 5% lower": slower})
+    # with the Triton kernels the projections are fused too: compare with the reference's parts put together
+    whole = fuse_state(model_cfg, {n: w[0] for n, w in reference[1].items()})
     # gpt2's key bias gets no gradient (softmax does not see a shift shared by all keys): it never moves
-    names = [n for n in weights if not n.endswith("k_proj.bias")]
-    ref = {n: reference[1][n][0][tuple(slice(o, o + k) for o, k in zip(weights[n][1], weights[n][0].shape))] for n in names}
+    names = [n for n in weights if not n.endswith(("k_proj.bias", "qkv_proj.bias"))]
+    ref = {n: whole[n][tuple(slice(o, o + k) for o, k in zip(weights[n][1], weights[n][0].shape))] for n in names}
     return assert_weights_track({n: weights[n][0] for n in names}, ref, {n: start[n][0] for n in names}, 1e-5)
 
 
@@ -84,8 +87,9 @@ def test_fused_loss_layout_invariance(tmp_path, cache, dims, overrides):
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny"])
 def test_triton_kernels_under_tensor_parallelism(tmp_path, cache, preset):
-    """Every Triton kernel (norms, rotary or none, SwiGLU or GELU, the fused vocabulary-parallel loss) at tp=2 with
-    sequence parallelism, 3 steps on short sequences: the eager one-process run's losses and weights. The output
+    """Every Triton kernel (norms, rotary or none, SwiGLU or GELU, the fused vocabulary-parallel loss, and the fused
+    q/k/v and gate/up projections they bring by default) at tp=2 with sequence parallelism, 3 steps on short
+    sequences: the eager unfused one-process run's losses and weights. The output
     weight is tied to the embedding (gpt2's default), so that every row of each rank's vocabulary slice gets a
     gradient in 3 steps (the byte tokenizer's upper rows never occur as inputs)."""
     short = [f"model.preset={preset}", "data.seq_len=16", "train.global_batch=4", "model.tie_embeddings=true"]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from trickles.kernels import interpreting  # noqa: E402
-from trickles.kernels.activations import gelu_tanh, swiglu  # noqa: E402
+from trickles.kernels.activations import gelu_tanh, swiglu, swiglu_packed  # noqa: E402
 from trickles.kernels.cross_entropy import IGNORE_INDEX, default_chunk, linear_cross_entropy  # noqa: E402
 from trickles.kernels.norms import layer_norm, rms_norm, rms_norm_reference  # noqa: E402
 from trickles.kernels.rotary import apply_rope, rotary  # noqa: E402
@@ -113,6 +113,20 @@ def test_swiglu(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_swiglu_of_a_fused_gate_up_output(dtype):
+    """The packed kernel reads ``a, b`` as neighbours of ``[..., f, 2]`` (f = 550: 1,650 pairs per row block, the last
+    block partial) and writes their gradients as neighbours; the PyTorch path takes the same pairs apart."""
+    (ab,) = _leaves((3, 1, 1100), dtype=dtype)
+    out = swiglu_packed(ab, "triton")
+    ref, (ref_grad,) = _reference(lambda x: F.silu(x[..., 0::2]) * x[..., 1::2], [ab])
+    _close(out, ref, dtype)
+    _close(_grads(out, [ab])[0], ref_grad, dtype)
+    plain = swiglu_packed(ab, "torch")
+    _close(plain, ref, dtype)
+    _close(_grads(plain, [ab])[0], ref_grad, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 def test_gelu_tanh(dtype):
     (a,) = _leaves((5, 411), dtype=dtype, scale=2.0)
     out = gelu_tanh(a, "triton")
@@ -188,8 +202,11 @@ def test_every_target_ignored_gives_zero_loss_and_gradients():
 
 @pytest.mark.parametrize("flavor,experts", [("llama", 0), ("gpt2", 0), ("llama", 4)], ids=["llama", "gpt2", "llama-moe"])
 def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
-    """A whole model (norms, rotary, MLP activation -- the experts' too --, fused loss) against the eager one: loss and
-    every gradient."""
+    """A whole model (norms, rotary, MLP activation -- the experts' too --, fused loss, and -- the default with Triton --
+    fused q/k/v and gate/up projections, the rotary kernel rotating the split heads in place, the packed SwiGLU)
+    against the eager unfused one: loss and every gradient, the fused ones cut into their parts."""
+    from trickles.models.fused import split_state
+
     cfg = ModelConfig(flavor=flavor, n_layers=2, d_model=48, n_heads=4, n_kv_heads=2 if flavor == "llama" else None,
                       ffn_hidden=80, vocab_size=300, max_seq_len=12, kernels="torch", moe_experts=experts, moe_every=2,
                       moe_ffn_hidden=40)
@@ -203,9 +220,12 @@ def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
     _close(loss, ref, torch.float32)
     ref.backward()
     loss.backward()
-    for (name, p), (_, q) in zip(eager.named_parameters(), fused.named_parameters()):
+    assert fused.cfg.fuses_projections and not eager.cfg.fuses_projections
+    grads = split_state(fused.cfg, {n: p.grad for n, p in fused.named_parameters()})
+    assert set(grads) == {n for n, _ in eager.named_parameters()}
+    for name, p in eager.named_parameters():
         scale = max(float(p.grad.abs().max()), 1e-4)  # (gpt2's key bias gets no gradient: zero up to rounding)
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-5 * scale, msg=name)
 
 
 def test_triton_kernels_under_full_recomputation_and_in_bf16():

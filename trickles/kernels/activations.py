@@ -5,8 +5,9 @@
 * GELU, tanh approximation (gpt2): ``h = a (1 + tanh(u)) / 2`` with ``u = sqrt(2/pi) (a + 0.044715 a^3)``.
   Backward: ``da = dh ((1 + tanh u) / 2 + a (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 a^2) / 2)``.
 
-One elementwise kernel each way (fp32 arithmetic, one rounding to the inputs' type). The Triton
-SwiGLU saves only ``a`` and ``b`` (``2 p`` bytes per unit, where the eager one also keeps ``silu(a)``:
+One elementwise kernel each way (fp32 arithmetic, one rounding to the inputs' type); the SwiGLU kernels
+also read a fused gate/up projection's output ``[..., f, 2]`` in place (``STRIDE = 2``: ``a`` and ``b`` are
+neighbours, and their gradients are written as neighbours). The Triton SwiGLU saves only ``a`` and ``b`` (``2 p`` bytes per unit, where the eager one also keeps ``silu(a)``:
 ``3 p``); GELU saves ``a`` as the eager one does.
 """
 
@@ -28,25 +29,25 @@ if HAVE_TRITON:
         return 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
 
     @triton.jit
-    def _swiglu_forward(A, B, H, n, BLOCK: tl.constexpr):
+    def _swiglu_forward(A, B, H, n, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(A + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
         silu = (a * tl.sigmoid(a)).to(A.dtype.element_ty).to(tl.float32)
         tl.store(H + offs, (silu * b).to(H.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_backward(DH, A, B, DA, DB, n, BLOCK: tl.constexpr):
+    def _swiglu_backward(DH, A, B, DA, DB, n, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(A + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(B + offs, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(A + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(a)
         silu = a * sig
-        tl.store(DA + offs, (dh * b * sig * (1.0 + a * (1.0 - sig))).to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + offs, (dh * silu.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=mask)
+        tl.store(DA + offs * STRIDE, (dh * b * sig * (1.0 + a * (1.0 - sig))).to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + offs * STRIDE, (dh * silu.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _gelu_forward(A, H, n, BLOCK: tl.constexpr):
@@ -78,14 +79,32 @@ def _out(like: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype | None
 def swiglu_forward(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton forward on contiguous ``a``, ``b`` (into ``out`` if given, contiguous, of their shape)."""
     h = _out(a, out, torch.promote_types(a.dtype, b.dtype))
-    _swiglu_forward[_grid(a.numel())](a, b, h, a.numel(), BLOCK=BLOCK)
+    _swiglu_forward[_grid(a.numel())](a, b, h, a.numel(), STRIDE=1, BLOCK=BLOCK)
     return h
 
 
 def swiglu_backward(dh, a, b, da=None, db=None) -> tuple[torch.Tensor, torch.Tensor]:
     da, db = _out(a, da), _out(b, db)
-    _swiglu_backward[_grid(a.numel())](dh, a, b, da, db, a.numel(), BLOCK=BLOCK)
+    _swiglu_backward[_grid(a.numel())](dh, a, b, da, db, a.numel(), STRIDE=1, BLOCK=BLOCK)
     return da, db
+
+
+def swiglu_packed_forward(ab: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton forward on a contiguous packed ``ab [..., 2 f]`` (``a`` at even, ``b`` at odd positions)."""
+    n = ab.numel() // 2
+    h = torch.empty((*ab.shape[:-1], ab.shape[-1] // 2), dtype=ab.dtype, device=ab.device) if out is None else out
+    flat = ab.view(-1)
+    _swiglu_forward[_grid(n)](flat, flat[1:], h, n, STRIDE=2, BLOCK=BLOCK)
+    return h
+
+
+def swiglu_packed_backward(dh: torch.Tensor, ab: torch.Tensor, dab: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed input's gradient ``[..., 2 f]`` (``da`` at even, ``db`` at odd positions), into ``dab`` if given."""
+    n = ab.numel() // 2
+    dab = _out(ab, dab)
+    flat, dflat = ab.view(-1), dab.view(-1)
+    _swiglu_backward[_grid(n)](dh, flat, flat[1:], dflat, dflat[1:], n, STRIDE=2, BLOCK=BLOCK)
+    return dab
 
 
 def gelu_forward(a: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,6 +132,19 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_backward(dh.contiguous(), a, b)
 
 
+class _SwiGLUPacked(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ab):
+        ab = ab.contiguous()
+        ctx.save_for_backward(ab)
+        return swiglu_packed_forward(ab)
+
+    @staticmethod
+    def backward(ctx, dh):
+        (ab,) = ctx.saved_tensors
+        return swiglu_packed_backward(dh.contiguous(), ab)
+
+
 class _GELU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a):
@@ -130,6 +162,16 @@ def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Te
     """``silu(a) * b`` (the gated MLP's activation)."""
     if use_triton(kernels, a) and a.shape == b.shape:
         return _SwiGLU.apply(a, b)
+    return F.silu(a) * b
+
+
+def swiglu_packed(ab: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """``silu(a) * b`` of a fused gate/up projection's output ``ab [..., 2 f]``, read as ``[..., f, 2]``
+    (:mod:`trickles.models.fused`): ``a = ab[..., 0::2]``, ``b = ab[..., 1::2]``. The Triton kernel reads the
+    pairs in place and writes their gradients into one packed buffer."""
+    if use_triton(kernels, ab):
+        return _SwiGLUPacked.apply(ab)
+    a, b = ab.unflatten(-1, (-1, 2)).unbind(-1)
     return F.silu(a) * b
 
 

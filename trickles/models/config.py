@@ -34,6 +34,7 @@ class ModelConfig:
     init_std: float = opt(0.02, "standard deviation of the normal initialization; residual output projections use init_std/sqrt(2*n_layers)")
     kernels: Literal["auto", "triton", "torch"] = opt("auto", "auto: the Triton kernels (trickles.kernels) on CUDA when Triton is installed, eager PyTorch elsewhere; triton: always (a CPU needs TRITON_INTERPRET=1); torch: never")
     fused_loss: bool | None = opt(None, "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits (none: when the kernels run Triton)")
+    fused_proj: bool | None = opt(None, "one matmul for queries, keys and values and one for the gate and up projections, their names kept in checkpoints (none: when the kernels run Triton, i.e. kernels=triton, or auto on a machine with CUDA)")
     loss_chunk: int = opt(0, "tokens per chunk of the fused loss (0: about as many as make a chunk's logits the size of the hidden states)")
     moe_experts: int = opt(0, "routed experts in each mixture-of-experts block (0: every block has a dense MLP)")
     moe_top_k: int = opt(2, "experts each token is routed to")
@@ -87,6 +88,17 @@ class ModelConfig:
                 raise ConfigError(f"model.moe_label_experts entry {item!r} is not 'label:expert[+expert...]', "
                                   f"e.g. 'json:0' or 'email:1+2'") from None
         return out
+
+    @property
+    def fuses_projections(self) -> bool:
+        """Whether the blocks use fused q/k/v and gate/up projections (:mod:`trickles.models.fused`)."""
+        if self.fused_proj is not None:
+            return self.fused_proj
+        import torch
+
+        from ..kernels import runs_triton
+
+        return runs_triton(self.kernels, "cuda" if torch.cuda.is_available() else "cpu")
 
     @property
     def tied(self) -> bool:

@@ -79,6 +79,7 @@ import os
 import re
 import shutil
 import tempfile
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError, ConfigError, UserError
+from . import fused as fusion
 from .config import ModelConfig
 from .transformer import Transformer
 
@@ -411,10 +413,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_hf(path, dtype=None, device="cpu") -> Transformer:
+def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> Transformer:
     """Reads a Hugging Face Llama, Mixtral or GPT-2 directory into a :class:`Transformer`.
 
-    Parameters are ``dtype`` (default float32, whatever the file holds) on ``device``. Raises
+    Parameters are ``dtype`` (default float32, whatever the file holds) on ``device``; ``fused_proj`` sets
+    ``model.fused_proj`` (fused q/k/v and gate/up projections, :mod:`trickles.models.fused`). Raises
     CheckpointError naming the problem: no safetensors weights, an architecture or option this
     model cannot reproduce, missing or unexpected tensors, wrong shapes.
     """
@@ -425,7 +428,7 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
         raw = json.loads((root / CONFIG).read_text())
     except ValueError as e:
         raise CheckpointError(f"{root / CONFIG} is not valid JSON ({e})") from None
-    cfg = config_from_hf(raw, str(root / CONFIG))
+    cfg = dataclasses.replace(config_from_hf(raw, str(root / CONFIG)), fused_proj=fused_proj)
     found = _tensor_index(root)
 
     prefix = "transformer."
@@ -437,7 +440,8 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
         model = Transformer(cfg)
     model.to(dtype=_as_dtype(dtype) or torch.float32).to_empty(device=device)
     model.reset_buffers()
-    params = dict(model.named_parameters())
+    # the Hugging Face tensors map to the unfused parts; a fused projection is put together after reading them
+    params = fusion.split_state(cfg, {n: p.detach() for n, p in model.named_parameters()})
     covered = {n for e in entries for n in e.ours}
     if covered != set(params):  # a bug in weight_map, not in the checkpoint
         raise RuntimeError(f"weight_map does not cover the model: {sorted(covered ^ set(params))}")
@@ -481,6 +485,10 @@ def load_hf(path, dtype=None, device="cpu") -> Transformer:
             if head.shape != model.embed.weight.shape or not torch.equal(head.to(model.embed.weight), model.embed.weight):
                 raise CheckpointError(f"{root}: tie_word_embeddings is true but lm_head.weight differs from the "
                                       "token embedding; set tie_word_embeddings to false in config.json")
+        own = dict(model.named_parameters())
+        for name, value in fusion.fuse_state(cfg, params).items():
+            if fusion.layout_of(cfg, name) is not None:
+                own[name].copy_(value)
     model.hf_token_ids = {k: raw.get(k) for k in TOKEN_IDS}
     return model
 
@@ -498,7 +506,7 @@ def save_hf(model: Transformer, path, dtype=None) -> Path:
         raise CheckpointError(f"{target} exists and is not a directory; choose another path")
     dtype = _as_dtype(dtype) or model.embed.weight.dtype
     config = config_to_hf(cfg, dtype, getattr(model, "hf_token_ids", None))
-    state = model.state_dict()
+    state = fusion.split_state(cfg, model.state_dict())
     tensors = {}
     for e in weight_map(cfg):
         absent = [n for n in e.ours if n not in state]

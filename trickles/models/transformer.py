@@ -26,10 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.activations import gelu_tanh, swiglu
+from ..kernels.activations import gelu_tanh, swiglu, swiglu_packed
 from ..kernels.cross_entropy import OutputLoss
 from ..kernels.norms import LayerNorm, RMSNorm
 from ..kernels.rotary import apply_rope, rotary
+from . import fused
 from .config import ModelConfig
 from .moe import MoE, MoEStats
 
@@ -81,9 +82,10 @@ class KVCache:
 class Attention(nn.Module):
     """Multi-head causal self-attention with grouped-query key/value heads.
 
-    ``q_proj: d -> H*D``, ``k_proj, v_proj: d -> H_kv*D``, ``o_proj: H*D -> d``. Head counts are
-    read from the projection shapes at run time, so a tensor-parallel plan can hand this module
-    a slice of the heads.
+    ``q_proj: d -> H*D``, ``k_proj, v_proj: d -> H_kv*D``, ``o_proj: H*D -> d``; with ``model.fused_proj`` one
+    ``qkv_proj: d -> (H + 2 H_kv) D`` in its place, rows interleaved by key/value group
+    (:mod:`trickles.models.fused`). Head counts are read from the projection shapes at run time, so a
+    tensor-parallel plan can hand this module a slice of the heads.
     """
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
@@ -93,9 +95,14 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.kernels = cfg.kernels
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+        self.rep = cfg.n_heads // cfg.kv_heads  # query heads per key/value head
+        self.fused = cfg.fuses_projections
+        if self.fused:
+            self.qkv_proj = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * cfg.head_dim, bias=bias)
+        else:
+            self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
+            self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
+            self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
@@ -132,9 +139,12 @@ class Attention(nn.Module):
 
     def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim)
-        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        if self.fused:
+            q, k, v = fused.split_heads(self.qkv_proj(x), self.rep, self.head_dim)
+        else:
+            q = self.q_proj(x).view(b, t, -1, self.head_dim)
+            k = self.k_proj(x).view(b, t, -1, self.head_dim)
+            v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if rope is not None:
             cos, sin = rope
             q, k = rotary(q, k, cos, sin, self.kernels)
@@ -147,22 +157,33 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``."""
+    """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``.
+
+    With ``model.fused_proj`` the dense llama MLP computes gate and up in one ``gate_up_proj: d -> 2f`` (rows
+    interleaved channel by channel, :mod:`trickles.models.fused`); ``hidden`` given (a mixture-of-experts
+    block's shared experts) keeps them apart.
+    """
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
         bias = cfg.flavor == "gpt2"
         self.gated = cfg.flavor == "llama"
         self.kernels = cfg.kernels
+        self.fused = self.gated and hidden is None and cfg.fuses_projections
         hidden = hidden or cfg.ffn_dim
-        if self.gated:
-            self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
+        if self.fused:
+            self.gate_up_proj = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+        else:
+            if self.gated:
+                self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
+            self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, cfg.d_model, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x):
-        if self.gated:
+        if self.fused:
+            h = swiglu_packed(self.gate_up_proj(x), self.kernels)
+        elif self.gated:
             h = swiglu(self.gate_proj(x), self.up_proj(x), self.kernels)
         else:
             h = gelu_tanh(self.up_proj(x), self.kernels)
@@ -218,6 +239,7 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        fused.tag(self, cfg)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
                 labels: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -259,6 +281,7 @@ class Transformer(nn.Module):
         super().to_empty(device=device, recurse=recurse)
         if self.cfg.tied and self.output is not None and self.embed is not None:
             self.output.weight = self.embed.weight
+        fused.tag(self, self.cfg)  # new Parameter objects
         return self
 
     @torch.no_grad()
@@ -280,7 +303,11 @@ class Transformer(nn.Module):
     def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
         p = next(self.parameters())
         # key/value heads this model holds (fewer than cfg.kv_heads when a parallel plan split them)
-        kv_heads = next(iter(self.layers.values())).attn.k_proj.out_features // self.cfg.head_dim
+        attn = next(iter(self.layers.values())).attn
+        if attn.fused:
+            kv_heads = attn.qkv_proj.out_features // ((attn.rep + 2) * self.cfg.head_dim)
+        else:
+            kv_heads = attn.k_proj.out_features // self.cfg.head_dim
         return KVCache(self.cfg.n_layers, batch, kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
 
 
@@ -295,8 +322,14 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
 
     Norm weights are one, biases zero, other weights ``N(0, init_std)``; the projections that
     write into the residual stream (``o_proj``, ``down_proj``) use ``init_std / sqrt(2 n_layers)``
-    (GPT-2). A parallel plan that holds a slice of a parameter computes this and keeps its slice.
+    (GPT-2). A parallel plan that holds a slice of a parameter computes this and keeps its slice. A fused
+    projection's value is its parts' values (each by its own name) fused, so it starts where an unfused
+    model starts.
     """
+    layout = fused.layout_of(cfg, name)
+    if layout is not None:
+        return layout.fuse([initial_value(cfg, part, (layout.groups * n, *shape[1:]), seed)
+                            for part, n in zip(layout.part_keys(name), layout.sizes)])
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name:
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)

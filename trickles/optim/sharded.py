@@ -147,7 +147,7 @@ class ShardedOptimizer:
 
         ``writes(param)``: whether this rank writes the state of ``param`` (None: all of it).
         """
-        from ..train.pieces import describe
+        from ..train.pieces import describe, fused_meta
 
         self.wait()
         out = {}
@@ -160,14 +160,15 @@ class ShardedOptimizer:
                 if st.get(key) is not None:
                     out[f"{s.name}/{key}"] = (st[key], meta)
             if "step" in st:
-                out[f"{s.name}/step"] = (st["step"].reshape(1).float(), {"global_shape": [1], "scalar": True})
+                out[f"{s.name}/step"] = (st["step"].reshape(1).float(), {"global_shape": [1], "scalar": True,
+                                                                         **fused_meta(s.slot.param)})
             if self.separate and self.params[0].dtype != torch.float32:
                 out[f"{s.name}/master"] = (m, meta)
         return out
 
     def load_state(self, reader) -> None:
         """Restores moments (and fp32 masters) of the owned segments from a :class:`PieceReader`."""
-        from ..train.pieces import region_of
+        from ..train.pieces import fused_layout, region_of
 
         if self.optimizer is None:
             return
@@ -180,22 +181,24 @@ class ShardedOptimizer:
         for s, m in zip(self.segments, self.masters):
             if not keys:
                 break
-            if f"{s.name}/{keys[0]}" not in reader:
-                other = [k for k in ("exp_avg", "momentum_buffer") if f"{s.name}/{k}" in reader]
+            layout = fused_layout(s.slot.param)
+            if not reader.holds(f"{s.name}/{keys[0]}", layout):
+                other = [k for k in ("exp_avg", "momentum_buffer") if reader.holds(f"{s.name}/{k}", layout)]
                 if other:
                     raise CheckpointError(f"the checkpoint holds {other[0]} for {s.name}, the state of another optimizer than "
                                           f"train.optimizer = {self.settings.name}; resume with the optimizer it was saved with")
                 continue
             where = region_of(s.slot.param)
-            state = {key: reader.read(f"{s.name}/{key}", where, s.param_range).to(m.device, torch.float32) for key in keys}
-            if f"{s.name}/step" in reader:
-                step = reader.read(f"{s.name}/step")
+            state = {key: reader.read(f"{s.name}/{key}", where, s.param_range, layout).to(m.device, torch.float32)
+                     for key in keys}
+            if reader.holds(f"{s.name}/step", layout):
+                step = reader.read(f"{s.name}/step", layout=layout)
                 state["step"] = torch.tensor(float(step.reshape(-1)[0]), dtype=torch.float32,
                                              device=m.device if self.optimizer.defaults.get("fused") else "cpu")
             self.optimizer.state[m] = state
-            if self.separate and f"{s.name}/master" in reader:
+            if self.separate and reader.holds(f"{s.name}/master", layout):
                 with torch.no_grad():
-                    m.copy_(reader.read(f"{s.name}/master", where, s.param_range))
+                    m.copy_(reader.read(f"{s.name}/master", where, s.param_range, layout))
 
 
 def _pieces(flat: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:

@@ -14,8 +14,10 @@ module                              becomes
 ``layers.i.attn_norm``, ``mlp_norm``  the norm, then the region entry (copy / all-gather)
 ``attn.q_proj`` (``k_proj``, ``v_proj``)  column-parallel by heads (key/value: whole on every rank
                                     when ``n_kv_heads`` does not divide by ``tp``)
+``attn.qkv_proj`` (fused)           column-parallel by key/value groups: a rank's contiguous rows are its
+                                    query heads and the key/value heads they use (``tp`` divides ``n_kv_heads``)
 ``attn.o_proj``, ``mlp.down_proj``  row-parallel, leaving the region (all-reduce / reduce-scatter)
-``mlp.gate_proj``, ``up_proj``      column-parallel
+``mlp.gate_proj``, ``up_proj``      column-parallel (fused ``gate_up_proj``: by channel pairs)
 ``attn.core``                       run with this rank's private random stream (its heads' dropout)
 ``mlp`` of a mixture-of-experts block  unchanged: router and experts whole on every tp rank, no region;
                                     its ``mlp_norm`` stays plain. Without sequence parallelism each rank
@@ -39,6 +41,7 @@ import dataclasses
 import torch
 
 from ..comm import GroupComm, gather_from_region
+from ..models import fused
 from ..models.transformer import Transformer
 from .expert import split_sequence
 from .tensor import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
@@ -85,17 +88,22 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
         else:
             block.mlp_norm = norm(block.mlp_norm)
         hd = cfg.head_dim
-        attn.q_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, bias, ctx, device=dev, regather=rg)
-        if cfg.kv_heads % tp == 0:
-            attn.k_proj = ColumnParallelLinear(cfg.d_model, cfg.kv_heads * hd, bias, ctx, device=dev, regather=rg)
-            attn.v_proj = ColumnParallelLinear(cfg.d_model, cfg.kv_heads * hd, bias, ctx, device=dev, regather=rg)
+        if attn.fused:  # the config check made tp divide the key/value heads: whole groups per rank
+            attn.qkv_proj = ColumnParallelLinear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias, ctx, device=dev,
+                                                 regather=rg)
         else:
-            attn.k_proj = ReplicatedKV(cfg.d_model, cfg.n_heads, cfg.kv_heads, hd, bias, ctx, device=dev, regather=rg)
-            attn.v_proj = ReplicatedKV(cfg.d_model, cfg.n_heads, cfg.kv_heads, hd, bias, ctx, device=dev, regather=rg)
+            attn.q_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, bias, ctx, device=dev, regather=rg)
+            kv = ColumnParallelLinear if cfg.kv_heads % tp == 0 else ReplicatedKV
+            args = (cfg.kv_heads * hd,) if kv is ColumnParallelLinear else (cfg.n_heads, cfg.kv_heads, hd)
+            attn.k_proj = kv(cfg.d_model, *args, bias, ctx, device=dev, regather=rg)
+            attn.v_proj = kv(cfg.d_model, *args, bias, ctx, device=dev, regather=rg)
         attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, bias, ctx, device=dev)
         # an instance attribute (not a submodule): it must shadow the class's ``core`` method
         object.__setattr__(attn, "core", ForkRNG(attn.core, ctx, cfg.dropout, owner=attn))
-        if not block.moe:
+        if not block.moe and mlp.fused:
+            mlp.gate_up_proj = ColumnParallelLinear(cfg.d_model, 2 * cfg.ffn_dim, False, ctx, device=dev, regather=rg)
+            mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias, ctx, device=dev)
+        elif not block.moe:
             if mlp.gated:
                 mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, False, ctx, device=dev, regather=rg)
             mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, bias, ctx, device=dev, regather=rg)
@@ -109,6 +117,7 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
         model.output.weight = model.embed.weight
     ctx.vocab_start = model.output.weight.tp_spec.offset[0]
     model.loss = VocabParallelLoss(ctx, model.loss.fused, model.loss.chunk, model.loss.kernels)
+    fused.tag(model, cfg)
     model.register_forward_pre_hook(_sequence_parallel_switch(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, out: ctx.end_forward())
     return ctx

@@ -285,7 +285,7 @@ class Zero3DataParallel(Engine):
                 for seg in unit.segments:
                     param = seg.slot.param
                     unit.shard[seg.shard_offset:seg.shard_offset + seg.numel].copy_(
-                        reader.read(seg.name, ckpt.region_of(param), seg.param_range))
+                        reader.read(seg.name, ckpt.region_of(param), seg.param_range, layout=ckpt.fused_layout(param)))
         self._load_optimizer(directory)
 
 

@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 from ..errors import CheckpointError
-from .pieces import PieceReader, describe, global_shape, region_of, save_pieces, whole_on_every_tp_rank  # noqa: F401  (re-exported)
+from .pieces import (PieceReader, describe, fused_layout, global_shape, region_of, save_pieces,  # noqa: F401  (re-exported)
+                     whole_on_every_tp_rank)
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -167,19 +168,22 @@ def load_model_state(model: torch.nn.Module, reader: PieceReader, source: str, p
     check_fits(reader, state, source, part)
     with torch.no_grad():
         for k, t in state.items():
-            t.copy_(reader.read(k, region_of(t)))
+            t.copy_(reader.read(k, region_of(t), layout=fused_layout(t)))
 
 
 def check_fits(reader: PieceReader, params: dict[str, torch.Tensor], source: str, part: bool = False) -> None:
     """Raises unless the checkpoint holds exactly ``params`` (``part``: at least them), by name, each with its global shape."""
-    missing = sorted(k for k in params if k not in reader)
-    extra = [] if part else sorted(set(reader.keys()) - set(params))
+    # a fused projection's parameter is named by its parts, as the reader names it (trickles.models.fused)
+    names = {k: (fused_layout(t).part_keys(k) if fused_layout(t) is not None else [k]) for k, t in params.items()}
+    missing = sorted(n for ns in names.values() for n in ns if n not in reader)
+    extra = [] if part else sorted(set(reader.keys()) - {n for ns in names.values() for n in ns})
     if missing or extra:
         raise CheckpointError(f"{source} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}; "
                               "check that model.* settings match the run that wrote it")
     for k, t in params.items():
-        if reader.global_shape(k) != global_shape(t):
-            raise CheckpointError(f"{source}: {k} has shape {reader.global_shape(k)}, the model expects {global_shape(t)}")
+        have = reader.global_shape(k, fused_layout(t))
+        if have != global_shape(t):
+            raise CheckpointError(f"{source}: {k} has shape {have}, the model expects {global_shape(t)}")
 
 
 # ---- RNG ---------------------------------------------------------------------------------

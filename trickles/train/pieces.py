@@ -14,6 +14,12 @@ ranges of blocks. ``{"scalar": true}`` marks a value stored once (a step counter
 ``[a, b)`` of it" from whichever pieces overlap, reading from disk only the rows those pieces
 contribute, so a rank never loads the whole model to find its part. :func:`save_whole` writes
 every tensor of a :class:`PieceReader` whole (consolidating a checkpoint), in files of bounded size.
+
+A fused projection (:mod:`trickles.models.fused`) is stored as the model holds it, its description
+carrying ``{"fused": layout}``; the reader shows it under its parts' names only (``q_proj``, ``k_proj``,
+``v_proj``), reading a part's rows from the fused pieces, and gives a fused model's parameter from a
+checkpoint that holds the parts. So a checkpoint has the same names whether the run fused or not, and
+either kind of model resumes from either kind of checkpoint.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
+from ..models.fused import FusedLayout
 
 #: safetensors' names of the element types a checkpoint may hold
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
@@ -61,7 +68,18 @@ def describe(param: torch.Tensor, flat_range: tuple[int, int] | None = None) -> 
         meta = {"global_shape": list(param.tp_spec.global_shape), "offset": list(param.tp_spec.offset), "block_shape": shape}
     if flat_range is not None:
         meta["flat_range"] = [int(flat_range[0]), int(flat_range[1])]
-    return meta
+    return {**meta, **fused_meta(param)}
+
+
+def fused_layout(param: torch.Tensor) -> FusedLayout | None:
+    """The layout of a fused projection's parameter (None: any other tensor)."""
+    return getattr(param, "fused_layout", None)
+
+
+def fused_meta(param: torch.Tensor) -> dict[str, Any]:
+    """``{"fused": layout}`` for a fused projection's parameter, else nothing."""
+    layout = fused_layout(param)
+    return {"fused": layout.to_meta()} if layout is not None else {}
 
 
 def region_of(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -98,24 +116,51 @@ class PieceReader:
                         self.pieces.setdefault(k, []).append((path, slices.get(k) or {"global_shape": list(f.get_slice(k).get_shape())}))
             except Exception as e:
                 raise CheckpointError(f"cannot read {path}: {e}") from None
+        #: a part's name -> (the fused tensor stored, its layout, the part's index)
+        self.parts: dict[str, tuple[str, FusedLayout, int]] = {}
+        for k, pieces in self.pieces.items():
+            if "fused" in pieces[0][1]:
+                layout = FusedLayout.from_meta(pieces[0][1]["fused"])
+                self.parts.update({name: (k, layout, i) for i, name in enumerate(layout.part_keys(k))})
+        self.fused = {k for k, _, _ in self.parts.values()}
 
     def keys(self) -> list[str]:
-        return sorted(self.pieces)
+        """Every tensor's name, a fused projection's under its parts' names."""
+        return sorted([k for k in self.pieces if k not in self.fused] + list(self.parts))
 
     def __contains__(self, key: str) -> bool:
-        return key in self.pieces
+        return key in self.pieces or key in self.parts
 
-    def global_shape(self, key: str) -> tuple[int, ...]:
+    def holds(self, key: str, layout: FusedLayout | None = None) -> bool:
+        """Whether ``key`` can be read: stored, a part of a stored fused tensor, or (``layout``: ``key`` is a fused
+        tensor's) made of stored parts."""
+        return key in self or (layout is not None and all(k in self for k in layout.part_keys(key)))
+
+    def global_shape(self, key: str, layout: FusedLayout | None = None) -> tuple[int, ...]:
+        if key in self.parts:
+            stored, lay, i = self.parts[key]
+            shape = self.global_shape(stored)
+            return (lay.groups * lay.sizes[i], *shape[1:])
+        if key not in self.pieces and layout is not None:
+            shapes = [self.global_shape(k) for k in layout.part_keys(key)]
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
         return tuple(self.pieces[key][0][1].get("global_shape", []))
 
     def is_scalar(self, key: str) -> bool:
         """Whether ``key`` is a value stored once (``{"scalar": true}``, e.g. a step counter)."""
+        key = self.parts[key][0] if key in self.parts else key
         return bool(self.pieces[key][0][1].get("scalar"))
 
     def read(self, key: str, block: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-             flat_range: tuple[int, int] | None = None) -> torch.Tensor | None:
-        """Block ``(offset, shape)`` of ``key`` (None: all of it), or its elements ``[a, b)`` flattened; None if absent."""
+             flat_range: tuple[int, int] | None = None, layout: FusedLayout | None = None) -> torch.Tensor | None:
+        """Block ``(offset, shape)`` of ``key`` (None: all of it), or its elements ``[a, b)`` flattened; None if absent.
+
+        ``layout``: ``key`` is a fused projection's tensor with this layout, which may be stored as its parts."""
+        if key in self.parts:
+            return self._read_part(key, block, flat_range)
         if key not in self.pieces:
+            if layout is not None and self.holds(key, layout):
+                return self._read_fused(key, layout, block, flat_range)
             return None
         pieces = self.pieces[key]
         if pieces[0][1].get("scalar"):
@@ -150,6 +195,32 @@ class PieceReader:
             raise CheckpointError(f"the checkpoint's pieces of {key} cover {int(flat_cov.sum())} of the {flat_cov.numel()} "
                                   "elements asked for; it is incomplete")
         return flat_out.clone() if flat_range is not None else out
+
+    def _read_part(self, key, block, flat_range) -> torch.Tensor:
+        """Rows of one part, cut from the whole groups of the stored fused tensor that hold them."""
+        stored, layout, i = self.parts[key]
+        if self.is_scalar(stored):
+            return self.read(stored)
+        off, shape = block if block is not None else ((0,) * len(self.global_shape(key)), self.global_shape(key))
+        n = layout.sizes[i]
+        g0, g1 = off[0] // n, -(-(off[0] + shape[0]) // n)
+        rows = self.read(stored, ((g0 * layout.per_group, *off[1:]), ((g1 - g0) * layout.per_group, *shape[1:])))
+        part = layout.split_rows(rows)[i][off[0] - g0 * n:off[0] - g0 * n + shape[0]]
+        return part.reshape(-1)[flat_range[0]:flat_range[1]].clone() if flat_range is not None else part
+
+    def _read_fused(self, key, layout: FusedLayout, block, flat_range) -> torch.Tensor:
+        """Rows of a fused tensor, put together from the whole groups of its stored parts."""
+        names = layout.part_keys(key)
+        if self.is_scalar(names[0]):
+            return self.read(names[0])
+        gshape = self.global_shape(key, layout)
+        off, shape = block if block is not None else ((0,) * len(gshape), gshape)
+        per = layout.per_group
+        g0, g1 = off[0] // per, -(-(off[0] + shape[0]) // per)
+        parts = [self.read(name, ((g0 * n, *off[1:]), ((g1 - g0) * n, *shape[1:]))) for name, n in zip(names, layout.sizes)]
+        rows = FusedLayout(layout.module, layout.parts, layout.sizes, g1 - g0).fuse(parts)
+        out = rows[off[0] - g0 * per:off[0] - g0 * per + shape[0]]
+        return out.reshape(-1)[flat_range[0]:flat_range[1]].clone() if flat_range is not None else out
 
 
 def _load(path: str, key: str) -> torch.Tensor:

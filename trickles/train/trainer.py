@@ -369,7 +369,9 @@ class Trainer:
         meta = ckpt.read_json(os.path.join(path, "trainer.json"))
         saved = meta.get("model", {})
         mine = dataclasses.asdict(self.model_cfg)
-        diff = sorted(k for k in mine if k != "preset" and saved.get(k) != mine[k])
+        # how the model computes (kernels, fusion) may change between runs; what it computes may not
+        how = {"preset", "kernels", "fused_loss", "loss_chunk", "fused_proj"}
+        diff = sorted(k for k in mine if k not in how and saved.get(k) != mine[k])
         if diff:
             detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
             raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
