@@ -132,30 +132,27 @@ class _SwiGLU(torch.autograd.Function):
         return swiglu_backward(dh.contiguous(), a, b)
 
 
-class _SwiGLUPacked(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, ab):
-        ab = ab.contiguous()
-        ctx.save_for_backward(ab)
-        return swiglu_packed_forward(ab)
+def _one_input(forward, backward, name: str) -> type:
+    """The autograd function of a kernel of one input that saves it (contiguous) for its backward."""
 
-    @staticmethod
-    def backward(ctx, dh):
-        (ab,) = ctx.saved_tensors
-        return swiglu_packed_backward(dh.contiguous(), ab)
+    class _Kernel(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a):
+            a = a.contiguous()
+            ctx.save_for_backward(a)
+            return forward(a)
+
+        @staticmethod
+        def backward(ctx, dh):
+            (a,) = ctx.saved_tensors
+            return backward(dh.contiguous(), a)
+
+    _Kernel.__name__ = _Kernel.__qualname__ = name
+    return _Kernel
 
 
-class _GELU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a):
-        a = a.contiguous()
-        ctx.save_for_backward(a)
-        return gelu_forward(a)
-
-    @staticmethod
-    def backward(ctx, dh):
-        (a,) = ctx.saved_tensors
-        return (gelu_backward(dh.contiguous(), a),)
+_SwiGLUPacked = _one_input(swiglu_packed_forward, swiglu_packed_backward, "_SwiGLUPacked")
+_GELU = _one_input(gelu_forward, gelu_backward, "_GELU")
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
