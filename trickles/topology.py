@@ -5,7 +5,9 @@ Ranks are laid out on a 4-D mesh ``(pp, dp, cp, tp)``, outermost first:
     rank = ((pp_i * dp + dp_i) * cp + cp_i) * tp + tp_i
 
 so the ranks of one tensor-parallel group are adjacent (same node, fastest links) and pipeline
-stages are furthest apart. Expert parallelism does not add ranks: the ``ep`` groups are blocks
+stages are furthest apart. With multi-dimensional tensor parallelism (``tp_mode`` 2d, 2.5d, 3d) the
+``tp`` ranks also form a grid (:class:`TPGrid`) whose rows, columns and depth lines get groups of
+their own (``tp_row``, ``tp_col``, ``tp_dep``). Expert parallelism does not add ranks: the ``ep`` groups are blocks
 of ``ep`` consecutive ranks among the ``dp x cp`` ranks that share a (pp, tp) coordinate.
 
 :class:`ParallelDims` is checked before anything starts; :meth:`ParallelDims.build` creates
@@ -31,6 +33,64 @@ from .comm import CommLedger, GroupComm
 from .errors import ConfigError
 
 MESH_DIMS = ("pp", "dp", "cp", "tp")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+GRID_AXES = ("tp_row", "tp_col", "tp_dep")
+
+
+@dataclass(frozen=True)
+class TPGrid:
+    """The ``tp`` ranks of one tensor-parallel group as a grid (Colossal-AI's multi-dimensional tensor parallelism).
+
+    ``2d``: a ``q x q`` grid (Optimus, SUMMA); ``2.5d``: ``depth`` stacked ``q x q`` grids (Tesseract); ``3d``: a
+    ``q x q x q`` cube (``depth = q``); ``1d``: no grid (``q = 1``, Megatron's split). Tensor-parallel rank ``t`` sits
+    at row ``i``, column ``j``, depth ``k`` with ``t = (k q + i) q + j``: a row's ranks are adjacent.
+    """
+
+    mode: str = "1d"
+    q: int = 1
+    depth: int = 1
+
+    @classmethod
+    def of(cls, mode: str, tp: int, depth: int = 1) -> "TPGrid":
+        """The grid of ``tp`` ranks in ``mode``; ConfigError naming the nearest valid ``tp`` when there is none."""
+        if mode not in TP_MODES:
+            raise ConfigError(f"parallel.tp_mode must be one of {', '.join(TP_MODES)}, got {mode!r}")
+        if depth < 1:
+            raise ConfigError(f"parallel.tp_depth must be at least 1, got {depth}")
+        if mode != "2.5d" and depth != 1:
+            raise ConfigError(f"parallel.tp_depth is the d of 2.5-D tensor parallelism; with tp_mode={mode} leave it at 1")
+        if mode == "1d":
+            return cls()
+        power, per = {"2d": (2, 1), "2.5d": (2, depth), "3d": (3, 1)}[mode]
+        q = round((tp / per) ** (1 / power))
+        if q < 2 or per * q ** power != tp:
+            valid = [per * n ** power for n in range(2, 64)]
+            near = sorted(valid, key=lambda v: (abs(v - tp), v))[:2]
+            shape = {"2d": "q^2", "2.5d": f"q^2 x {depth} (tp_depth)", "3d": "q^3"}[mode]
+            raise ConfigError(f"parallel.tp={tp} is not {shape} for q >= 2, as tp_mode={mode} needs; "
+                              f"use parallel.tp={' or '.join(map(str, sorted(near)))}")
+        return cls(mode, q, q if mode == "3d" else per)
+
+    @property
+    def size(self) -> int:
+        return self.q * self.q * self.depth
+
+    def coords(self, t: int) -> tuple[int, int, int]:
+        """``(i, j, k)``: row, column and depth of tensor-parallel rank ``t``."""
+        return (t // self.q) % self.q, t % self.q, t // (self.q * self.q)
+
+    def rank(self, i: int, j: int, k: int) -> int:
+        return (k * self.q + i) * self.q + j
+
+    def lines(self, axis: str) -> list[list[int]]:
+        """Every line of the grid along ``axis`` (``tp_row``: the ranks of one row, ``j`` varying; ``tp_col``: of one
+        column, ``i`` varying; ``tp_dep``: of one ``(i, j)``, ``k`` varying), as tensor-parallel ranks."""
+        q, d = self.q, self.depth
+        if axis == "tp_row":
+            return [[self.rank(i, j, k) for j in range(q)] for k in range(d) for i in range(q)]
+        if axis == "tp_col":
+            return [[self.rank(i, j, k) for i in range(q)] for k in range(d) for j in range(q)]
+        return [[self.rank(i, j, k) for k in range(d)] for i in range(q) for j in range(q)]
 
 
 @dataclass(frozen=True)
@@ -42,9 +102,12 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     ep: int = 1
+    tp_mode: str = "1d"  # how the tp ranks split each matrix (TPGrid)
+    tp_depth: int = 1  # the d of 2.5-D tensor parallelism
 
     @classmethod
-    def infer(cls, world_size: int, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1) -> "ParallelDims":
+    def infer(cls, world_size: int, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+              tp_mode: str = "1d", tp_depth: int = 1) -> "ParallelDims":
         """Fills ``dp=-1`` with what the world size leaves after tp, pp and cp."""
         for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if v < 1:
@@ -56,7 +119,12 @@ class ParallelDims:
                     f"{world_size} processes cannot be split into parallel.tp x pp x cp = {tp} x {pp} x {cp} = {rest}; "
                     f"launch a multiple of {rest} processes or change parallel.tp/pp/cp")
             dp = world_size // rest
-        return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep)
+        TPGrid.of(tp_mode, tp, tp_depth)
+        return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, tp_mode=tp_mode, tp_depth=tp_depth)
+
+    @property
+    def grid(self) -> TPGrid:
+        return TPGrid.of(self.tp_mode, self.tp, self.tp_depth)
 
     @property
     def world_size(self) -> int:
@@ -66,6 +134,8 @@ class ParallelDims:
         """Raises ConfigError saying which number to change."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "tp_mode":
+                continue
             if not isinstance(v, int) or v < 1:
                 raise ConfigError(f"parallel.{f.name} must be a positive integer, got {v!r}")
         if self.world_size != world_size:
@@ -78,6 +148,7 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.ep ({self.ep}) must divide parallel.dp x parallel.cp ({self.dp * self.cp}), the ranks experts are "
                 f"spread over; set parallel.ep to one of {divisors}")
+        self.grid  # noqa: B018  (raises for a tp the mode cannot arrange)
 
     def coords(self, rank: int) -> dict[str, int]:
         """Mesh coordinates of a global rank, e.g. ``{"pp": 0, "dp": 1, "cp": 0, "tp": 1, "ep": 1}``."""
@@ -106,7 +177,25 @@ class ParallelDims:
         groups["edp"] = self._expert_data_group(dist.get_rank())
         groups["dp_cp"] = self._data_group(dist.get_rank())
         groups.update(self._pipeline_groups(dist.get_rank()))
+        groups.update(self._grid_groups(dist.get_rank()))
         return Topology(self, mesh, device, groups)
+
+    def _grid_groups(self, rank: int) -> dict:
+        """``tp_row``, ``tp_col`` (and ``tp_dep`` for 2.5-D and 3-D): the lines of every tensor-parallel group's grid
+        (:class:`TPGrid`); every rank creates all of them."""
+        grid = self.grid
+        if grid.mode == "1d":
+            return {}
+        out = {}
+        axes = GRID_AXES if grid.depth > 1 else GRID_AXES[:2]
+        for base in range(0, self.world_size, self.tp):  # the first rank of each tensor-parallel group
+            for axis in axes:
+                for line in grid.lines(axis):
+                    members = [base + t for t in line]
+                    g = dist.new_group(members)
+                    if rank in members:
+                        out[axis] = g
+        return out
 
     def _pipeline_groups(self, rank: int) -> dict:
         """``pp_grad``: the pipeline ranks again, so gradients travel apart from activations (each
@@ -184,13 +273,15 @@ class Topology:
         self.rank = dist.get_rank() if mesh is not None else 0
         self.world_size = dims.world_size
         self.coords = dims.coords(self.rank)
-        self._comms = {name: GroupComm(name, groups.get(name), self.ledger) for name in (*MESH_DIMS, "ep", "edp", "pp_grad", "pp_ends", "dp_cp")}
+        self._comms = {name: GroupComm(name, groups.get(name), self.ledger)
+                       for name in (*MESH_DIMS, "ep", "edp", "pp_grad", "pp_ends", "dp_cp", *GRID_AXES)}
         self._comms["world"] = GroupComm("world", dist.group.WORLD if mesh is not None else None, self.ledger)
 
     def comm(self, name: str) -> GroupComm:
         """The communicator of dimension ``name`` (``dp``, ``tp``, ``pp``, ``cp``, ``ep`` or ``world``; with
         pipeline stages also ``pp_grad`` and ``pp_ends``, see :meth:`ParallelDims._pipeline_groups`; with
-        context parallelism ``dp_cp``, see :meth:`replicas`)."""
+        context parallelism ``dp_cp``, see :meth:`replicas`; with a tensor-parallel grid ``tp_row``, ``tp_col``,
+        ``tp_dep``, see :class:`TPGrid`)."""
         return self._comms[name]
 
     def size(self, name: str) -> int:
