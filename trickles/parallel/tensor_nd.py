@@ -36,24 +36,30 @@ from ..comm import GroupComm
 
 
 class _Summa(torch.autograd.Function):
-    """``Y_ij = X_i A_j (+ b_j)``, see the module docstring; ``weight`` is this rank's block of ``A^T``."""
+    """``Y_ij = X_i A_j (+ b_j)``, see the module docstring; ``weight`` is this rank's block of ``A^T``. ``dep``: the
+    2.5-D depth group, whose layers hold the same weight blocks for other tokens (their gradients are summed)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, row: GroupComm, col: GroupComm):
+    def forward(ctx, x, weight, bias, row: GroupComm, col: GroupComm, dep: GroupComm | None):
         x_row = row.all_gather(x, dim=-1)  # [..., h]
         w_col = col.all_gather(weight, dim=1)  # [h'/q, h]: A_j^T
         ctx.save_for_backward(x_row, w_col)
-        ctx.row, ctx.col, ctx.has_bias = row, col, bias is not None
+        ctx.comms, ctx.has_bias = (row, col, dep), bias is not None
         return F.linear(x_row, w_col, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x_row, w_col = ctx.saved_tensors
-        row, col = ctx.row, ctx.col
+        row, col, dep = ctx.comms
         dx = row.reduce_scatter(dy @ w_col, dim=-1)
-        dw = col.reduce_scatter(dy.reshape(-1, dy.shape[-1]).t() @ x_row.reshape(-1, x_row.shape[-1]), dim=1)
-        db = col.all_reduce(dy.reshape(-1, dy.shape[-1]).sum(0)) if ctx.has_bias else None
-        return dx, dw, db, None, None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dw = col.reduce_scatter(dy2.t() @ x_row.reshape(-1, x_row.shape[-1]), dim=1)
+        db = col.all_reduce(dy2.sum(0)) if ctx.has_bias else None
+        if dep is not None:
+            dep.all_reduce(dw)
+            if db is not None:
+                dep.all_reduce(db)
+        return dx, dw, db, None, None, None
 
 
 class Linear2D(nn.Module):
@@ -61,7 +67,8 @@ class Linear2D(nn.Module):
     its row, ``weight`` its ``[h'/q, h/q]`` block (``tp_spec``: global shape and offset, as every tensor-parallel
     parameter), ``bias`` its column's ``[h'/q]``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, device=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, device=None,
+                 dep: GroupComm | None = None):
         super().__init__()
         from .tensor import TPSpec, set_spec
 
@@ -72,7 +79,7 @@ class Linear2D(nn.Module):
             if n % q:
                 raise ValueError(f"2-D tensor parallelism splits the {name} width ({n}) into q = {q} blocks; "
                                  f"make it a multiple of {q}")
-        self.row, self.col, self.q = row, col, q
+        self.row, self.col, self.dep, self.q = row, col, dep, q
         self.in_features, self.out_features = in_features, out_features
         i, j = col.rank, row.rank  # the column group's rank is the row index, and the other way round
         self.weight = nn.Parameter(torch.empty(out_features // q, in_features // q, device=device))
@@ -85,14 +92,109 @@ class Linear2D(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Summa.apply(x, self.weight, self.bias, self.row, self.col)
+        return _Summa.apply(x, self.weight, self.bias, self.row, self.col, self.dep)
 
     def wire_bytes(self, tokens: int, element_bytes: int) -> dict[str, float]:
-        """What one forward and one backward send per rank for ``tokens`` rows of this rank's block row (module docstring)."""
+        """What one forward and one backward send per rank for ``tokens`` rows of this rank's block row (module docstring;
+        2.5-D adds the all-reduce of the weight and bias gradients over the ``d`` layers)."""
         q, h, h2, p = self.q, self.in_features, self.out_features, element_bytes
         gathers = (q - 1) * p * (tokens * h // q + h * h2 // (q * q))
         bias = 2 * (q - 1) / q * p * (h2 // q) if self.bias is not None else 0.0
-        return {"forward": float(gathers), "backward": float(gathers + bias)}
+        d = self.dep.size if self.dep is not None else 1
+        depth = 2 * (d - 1) / d * p * (h * h2 // (q * q) + (h2 // q if self.bias is not None else 0))
+        return {"forward": float(gathers), "backward": float(gathers + bias + depth)}
+
+
+class Linear2p5D(Linear2D):
+    """2.5-D (Tesseract): ``d`` stacked ``q x q`` grids (``tp = q^2 d``). Layer ``k`` runs the 2-D algorithm on its own
+    ``1/d`` of the tokens (token block ``k q + i`` on row ``i`` of layer ``k``), every layer holding the same weight
+    blocks; after backward the weight (and bias) gradients are all-reduced over the depth line (``tp_dep``):
+    ``2 (d-1)/d p (h h'/q^2 + h'/q)`` more bytes per rank. Activations per rank shrink by ``q^2 d``, weights by ``q^2``."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, dep: GroupComm,
+                 device=None):
+        super().__init__(in_features, out_features, bias, row, col, device=device, dep=dep)
+
+
+class _Cube(torch.autograd.Function):
+    """``Y = X A`` on a ``q x q x q`` cube, see :class:`Linear3D` (``a``: the tokens' sub-split in, the output features'
+    split out; ``b``: the input features' split in, the tokens' sub-split out; ``c``: the weight's sub-split)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, a: GroupComm, b: GroupComm, c: GroupComm):
+        x_ik = a.all_gather(x, dim=0)  # [N/q, h/q]: the whole token block of this rank's line
+        w_kj = c.all_gather(weight, dim=1)  # [h'/q, h/q]
+        ctx.save_for_backward(x_ik, w_kj)
+        ctx.comms, ctx.has_bias = (a, b, c), bias is not None
+        y = b.reduce_scatter(F.linear(x_ik, w_kj), dim=0)  # the partial products summed over the input blocks
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x_ik, w_kj = ctx.saved_tensors
+        a, b, c = ctx.comms
+        dp = b.all_gather(dy.contiguous(), dim=0)
+        dx = a.reduce_scatter(dp @ w_kj, dim=0)
+        dw = c.reduce_scatter(dp.t() @ x_ik, dim=1)
+        db = b.all_reduce(c.all_reduce(dy.sum(0))) if ctx.has_bias else None
+        return dx, dw, db, None, None, None
+
+
+class Linear3D(nn.Module):
+    """``y = x A + b`` on a ``q x q x q`` cube (3-D tensor parallelism, Agarwal et al.'s matmul as Colossal-AI runs it).
+
+    Three groups of the cube (``tp_row``, ``tp_col``, ``tp_dep``, see :class:`~trickles.topology.TPGrid`) play three
+    roles, ``a``, ``b`` and ``c`` (always the columns), and a rank's index in each is ``u``, ``v``, ``w``. With the
+    tokens ``N`` in ``q`` blocks of ``q`` sub-blocks, and the input features in ``q`` blocks of ``q`` sub-blocks, it holds
+
+    * ``X``: token block ``w``, its sub-block ``u``, input-feature block ``v``: ``[N/q^2, h/q]``;
+    * ``A``: input-feature block ``v``, its sub-block ``w``, output-feature block ``u``: ``weight`` ``[h'/q, h/q^2]``;
+    * ``Y``: token block ``w``, its sub-block ``v``, output-feature block ``u``: ``[N/q^2, h'/q]``.
+
+    Forward: ``X_wv`` all-gathered over ``a`` (the token block), ``A_vu`` over ``c`` (the input block), the product
+    ``X_wv A_vu`` reduce-scattered over ``b`` (summing the ``q`` input blocks, splitting the tokens again). Backward:
+    ``dY`` all-gathered over ``b``; ``dX`` reduce-scattered over ``a``, ``dA`` over ``c``; ``db`` all-reduced over
+    ``c`` and ``b``. The output's token sub-split is over ``b`` and its features over ``a``: the next layer takes the
+    two roles swapped (``orientation``), so layers chain without other communication.
+
+    Bytes per rank with ``p`` bytes per element, ``x = N h/q^3``, ``w = h h'/q^3``, ``y = N h'/q^3``: forward
+    ``(q-1) p (x + w + y)``; backward the same (``dY``'s gather, ``dX``'s and ``dA``'s reduce-scatters), plus
+    ``4 (q-1)/q p h'/q`` for a bias.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, dep: GroupComm,
+                 orientation: int = 0, device=None):
+        super().__init__()
+        from .tensor import TPSpec, set_spec
+
+        q = row.size
+        if not (col.size == dep.size == q):
+            raise ValueError(f"a 3-D grid is a cube: lines of {row.size}, {col.size} and {dep.size} ranks")
+        if in_features % (q * q) or out_features % q:
+            raise ValueError(f"3-D tensor parallelism splits the input width ({in_features}) into q^2 = {q * q} blocks and "
+                             f"the output width ({out_features}) into q = {q}; make them multiples")
+        a, b = (row, dep) if orientation == 0 else (dep, row)
+        self.a, self.b, self.c, self.q = a, b, col, q
+        self.in_features, self.out_features, self.orientation = in_features, out_features, orientation
+        u, v, w = a.rank, b.rank, col.rank
+        self.weight = nn.Parameter(torch.empty(out_features // q, in_features // (q * q), device=device))
+        set_spec(self.weight, TPSpec((out_features, in_features),
+                                     (u * out_features // q, v * in_features // q + w * in_features // (q * q))))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features // q, device=device))
+            set_spec(self.bias, TPSpec((out_features,), (u * out_features // q,)))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Cube.apply(x, self.weight, self.bias, self.a, self.b, self.c)
+
+    def wire_bytes(self, tokens: int, element_bytes: int) -> dict[str, float]:
+        """What one forward and one backward send per rank for all ``tokens`` ``N`` of the group (class docstring)."""
+        q, h, h2, p = self.q, self.in_features, self.out_features, element_bytes
+        blocks = (q - 1) * p * (tokens * h + h * h2 + tokens * h2) // q ** 3
+        bias = 4 * (q - 1) / q * p * (h2 // q) if self.bias is not None else 0.0
+        return {"forward": float(blocks), "backward": float(blocks + bias)}
 
 
 def split_2d(full: torch.Tensor, i: int, j: int, q: int) -> torch.Tensor:
@@ -101,4 +203,4 @@ def split_2d(full: torch.Tensor, i: int, j: int, q: int) -> torch.Tensor:
     return full[..., i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
 
 
-__all__ = ["Linear2D", "split_2d"]
+__all__ = ["Linear2D", "Linear2p5D", "Linear3D", "split_2d"]
