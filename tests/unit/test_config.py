@@ -119,7 +119,7 @@ def test_mesh_coordinates_put_tp_innermost():
     dims = ParallelDims(dp=2, tp=2, pp=2)
     assert dims.coords(0) == dict(pp=0, dp=0, cp=0, tp=0, ep=0)
     assert dims.coords(1)["tp"] == 1 and dims.coords(2)["dp"] == 1 and dims.coords(4)["pp"] == 1
-    assert dataclasses.astuple(dims) == (2, 2, 2, 1, 1)
+    assert dataclasses.astuple(dims) == (2, 2, 2, 1, 1, "1d", 1)  # dp, tp, pp, cp, ep, tp_mode, tp_depth
 
 
 # Each example's layout, written out from what its header comment promises: (ranks, {degree: value}, (micro-batch,
