@@ -250,6 +250,9 @@ def _serve(args) -> int:
         serve(model, tokenizer, args.host, args.port, name=name, max_batch=args.max_batch, on_ready=ready)
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --host or --port") from None
+    except KeyboardInterrupt:  # uvicorn has shut down cleanly, then re-raised the signal: the normal way to stop
+        pass
+    print("[trickles] server stopped", flush=True)
     return 0
 
 

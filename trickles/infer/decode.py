@@ -121,7 +121,9 @@ class PaddedBatch:
         """Feeds one token per row ``[B]``; the logits ``[B, V]`` after it."""
         i = self.done_steps
         self.done_steps += 1
-        return self._call(tokens[:, None], self.width + i, (self.lengths + i)[:, None])
+        # a row that has used up its context has finished; it is still fed (at its last position) until the batch ends
+        positions = (self.lengths + i).clamp(max=self.model.cfg.max_seq_len - 1)
+        return self._call(tokens[:, None], self.width + i, positions[:, None])
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:

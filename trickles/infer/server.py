@@ -195,8 +195,7 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
     async def health():
         return {"status": "ok", "model": name, "context": context}
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req):
         prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         if not prompts:
             return _error(400, "prompt: give a string or a non-empty list of strings")
@@ -236,6 +235,8 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
             return _error(500, f"decoding failed: {result}", "server_error")
         return _response(head, result)
 
+    completions.__annotations__["req"] = CompletionRequest  # a class made here: FastAPI needs it, not its name
+    app.post("/v1/completions")(completions)
     return app
 
 
