@@ -227,3 +227,40 @@ def test_serve_bad_options(checkpoint, args, message):
     r = subprocess.run([sys.executable, "-m", "trickles", "serve", checkpoint, *args], capture_output=True, text=True,
                        timeout=TIMEOUT)
     assert r.returncode == 2 and r.stderr == f"error: {message}\n" and r.stdout == ""
+
+
+# ---- trickles generate: several prompts, beam search ------------------------------------------------------------
+
+def generate_cli(*args):
+    return subprocess.run([sys.executable, "-m", "trickles", "generate", *args], capture_output=True, timeout=TIMEOUT,
+                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+
+
+def test_generate_beams_over_several_prompts(checkpoint):
+    """``--prompt a --prompt bb --beams 3``: each prompt's best beam, as trickles.infer.beam_search gives it in this
+    process (the wiring; the search itself is checked against transformers in tests/unit/test_infer.py)."""
+    from trickles.infer import beam_search
+
+    model, tokenizer, _ = load_for_inference(checkpoint, "cpu")
+    prompts = ["a", "def f(bb"]
+    args = [checkpoint, "--prompt", prompts[0], "--prompt", prompts[1], "--beams", "3", "--max-new-tokens", "12"]
+    for lp in ("-2",):
+        r = generate_cli(*args, "--length-penalty", lp)
+        assert r.returncode == 0, r.stderr.decode(errors="replace")
+        best = beam_search(model, [tokenizer.encode(p) for p in prompts], 3, 12, length_penalty=float(lp),
+                           eos_id=tokenizer.eos_id, tokenizer=tokenizer)
+        assert r.stdout.decode("utf-8") == "".join(f"--- sample {i + 1} ---\n{p}{b.text}\n"
+                                                   for i, (p, b) in enumerate(zip(prompts, best)))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--beams", "0"], "--beams must be at least 1, got 0"),
+    (["--beams", "3", "--temperature", "0.5"], "--beams searches deterministically; leave out --temperature"),
+    (["--beams", "2", "--num-samples", "2", "--top-k", "3"], "--beams searches deterministically; leave out --top-k, --num-samples"),
+    (["--length-penalty", "2"], "--length-penalty and --early-stopping apply to beam search; add --beams N"),
+    (["--repetition-penalty", "0"], "--repetition-penalty must be a number > 0 (1: off), got 0"),
+    (["--stop", ""], "--stop needs a non-empty text"),
+])
+def test_generate_bad_options(tmp_path, args, message):
+    r = generate_cli(str(tmp_path), *args)
+    assert r.returncode == 2 and r.stderr.decode() == f"error: {message}\n" and r.stdout == b""
