@@ -100,22 +100,41 @@ class PaddedBatch:
         self.padded = bool((self.pad > 0).any())
         rows = [list(p) for p in prompts for _ in range(repeat)]
         self.tokens = torch.tensor([[0] * (self.width - len(r)) + r for r in rows], device=device)
-        size = self.width + new_tokens
-        self.cache = model.new_cache(len(rows), size)
-        self.pad_mask = torch.arange(size, device=device)[None, :] >= self.pad[:, None] if self.padded else None
+        self.repeat, self.size = repeat, self.width + new_tokens
+        self.cache = None
+        self.pad_mask = torch.arange(self.size, device=device)[None, :] >= self.pad[:, None] if self.padded else None
+        self.labels = labels
         self.extra = {} if labels is None else {"labels": labels.repeat_interleave(repeat)}
         self.done_steps = 0
 
-    def _call(self, tokens: torch.Tensor, start: int, positions: torch.Tensor) -> torch.Tensor:
-        kw = dict(self.extra)
+    def _call(self, tokens: torch.Tensor, start: int, positions: torch.Tensor, cache=None, pad_mask=None,
+              extra=None) -> torch.Tensor:
+        kw = dict(self.extra if extra is None else extra)
         if self.padded:
-            kw.update(positions=positions, pad_mask=self.pad_mask)
-        return self.full(self.model(tokens, cache=self.cache, start=start, **kw)[:, -1:])[:, -1]
+            kw.update(positions=positions, pad_mask=self.pad_mask if pad_mask is None else pad_mask)
+        out = self.model(tokens, cache=self.cache if cache is None else cache, start=start, **kw)
+        return self.full(out[:, -1:])[:, -1]
 
     def prefill(self) -> torch.Tensor:
-        """The next-token logits ``[B, V]`` after each prompt."""
+        """The next-token logits ``[B, V]`` after each prompt.
+
+        With ``repeat > 1`` each prompt runs once and its key/value rows are then repeated (one allocation of the
+        batch's cache, not a prefill per beam)."""
+        r = self.repeat
         positions = (torch.arange(self.width, device=self.tokens.device)[None, :] - self.pad[:, None]).clamp(min=0)
-        return self._call(self.tokens, 0, positions)
+        if r == 1:
+            self.cache = self.model.new_cache(len(self.tokens), self.size)
+            return self._call(self.tokens, 0, positions)
+        once = self.model.new_cache(len(self.tokens) // r, self.size)
+        extra = {} if self.labels is None else {"labels": self.labels}
+        logits = self._call(self.tokens[::r], 0, positions[::r], cache=once,
+                            pad_mask=None if self.pad_mask is None else self.pad_mask[::r], extra=extra)
+        self.cache = self.model.new_cache(len(self.tokens), self.size)
+        for table, full in ((once.k, self.cache.k), (once.v, self.cache.v)):
+            for layer, t in table.items():
+                full[layer] = t.repeat_interleave(r, dim=0)
+        self.cache.end = once.end
+        return logits.repeat_interleave(r, dim=0)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feeds one token per row ``[B]``; the logits ``[B, V]`` after it."""
