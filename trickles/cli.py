@@ -242,6 +242,9 @@ def _serve(args) -> int:
     from .infer.server import serve
 
     model, tokenizer, _ = load_for_inference(args.checkpoint, select_device(args.device))
+    if model.cfg.moe_experts and model.cfg.moe_router == "hard":
+        raise UserError("this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
+                        "field yet: use trickles generate --label L")
     name = os.path.basename(os.path.normpath(args.checkpoint))
 
     def ready(host, port):

@@ -177,6 +177,15 @@ def test_bad_requests_get_a_4xx_with_a_message(server, body, raw, words):
     assert status == 200
 
 
+def test_unknown_routes_and_methods_answer_json_errors(server):
+    url, _, _ = server
+    for req, status in ((urllib.request.Request(url + "/v1/nothing"), 404),
+                        (urllib.request.Request(url + "/v1/completions"), 405)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=TIMEOUT)
+        assert e.value.code == status and "message" in json.loads(e.value.read())["error"]
+
+
 def test_batcher_decodes_waiting_jobs_together(checkpoint):
     """Jobs queued before the worker starts run as one batch, each row as it would alone."""
     model, tokenizer, _ = load_for_inference(checkpoint, "cpu")

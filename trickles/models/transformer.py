@@ -124,8 +124,8 @@ class Attention(nn.Module):
         from every query (see :func:`padded_attention_mask`).
         """
         b, _, t_q, _ = q.shape
-        extra = () if pad_mask is None else (pad_mask,)  # (context parallelism swaps in a 4-argument _attend)
-        return self._attend(q, k, v, causal_offset, *extra).transpose(1, 2).reshape(b, t_q, -1)
+        extra = {} if pad_mask is None else {"pad_mask": pad_mask}  # (context parallelism swaps in a 4-argument _attend)
+        return self._attend(q, k, v, causal_offset, **extra).transpose(1, 2).reshape(b, t_q, -1)
 
     def _attend(self, q, k, v, causal_offset, pad_mask=None):
         p = self.dropout if self.training else 0.0
