@@ -190,44 +190,51 @@ transformers_cases = [(1.0, False), (0.5, True), (-1.0, False), (2.0, "never")]
 
 
 def _hf_pair(preset, tmp_path):
+    """Our model and transformers' on the same weights: ours exported with save_hf (what ``trickles checkpoint export
+    --format hf`` writes) and loaded by transformers."""
     transformers = pytest.importorskip("transformers", exc_type=ImportError)
-    from test_hf import gpt2_hf, llama_hf  # tests/unit is on the path (rootdir-relative imports)
+    from trickles.models import save_hf
 
-    from trickles.models import load_hf
+    ours = model_for(preset, max_seq_len=32)
+    save_hf(ours, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", attn_implementation="sdpa").eval()
+    return hf, ours
 
-    hf = llama_hf(False) if preset == "tiny" else gpt2_hf()
-    hf.save_pretrained(tmp_path / "hf")
-    return transformers, hf, load_hf(tmp_path / "hf").eval()
+
+# (prompt seed, which greedy token is the end-of-sequence token, [(length penalty, early_stopping)]), 16 new tokens.
+# The first row of each runs every mode; the others were found by trying one-line changes of beam.py against it
+# (the early-stopping heuristic's length, only the top N candidates may finish, no additions once early_stopping=True
+# has N): each of those changes alters the answer in one of these cases.
+BEAM_CASES = {"tiny": [(1, 5, transformers_cases), (0, 1, [(-1.0, False), (1.0, True)]), (2, 1, [(1.0, True)])],
+              "gpt2-tiny": [(1, 5, transformers_cases)]}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_beam_search_matches_transformers(preset, tmp_path):
-    """A batch of 2 prompts of different lengths, 3 beams, the same weights (exported from transformers): the best
+    """A batch of 2 prompts of different lengths, 3 beams, the same weights (ours exported with save_hf): the best
     beam's tokens and its length-normalized score equal transformers' generate(num_beams=3, do_sample=False), for
     length penalties favouring long and short text and each early_stopping mode; the end-of-sequence token is one
     the greedy continuation produces, so beams finish at different lengths."""
-    _, hf, ours = _hf_pair(preset, tmp_path)
-    from test_hf import VOCAB as HF_VOCAB
-
-    prompts = prompts_of([4, 9], seed=1)
-    prompts = [[t % (HF_VOCAB - 3) + 3 for t in p] for p in prompts]
-    eos = decode(ours, prompts, Sampling(max_new_tokens=10, temperature=0))[0].tokens[3]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    hf, ours = _hf_pair(preset, tmp_path)
     finished = set()
-    for lp, early in transformers_cases:
-        out = beam_search(ours, prompts, 3, 10, length_penalty=lp, early_stopping=early, eos_id=eos)
-        with torch.no_grad():
-            ref = hf.generate(ids, attention_mask=mask, num_beams=3, do_sample=False, length_penalty=lp,
-                              early_stopping=early, max_new_tokens=10, eos_token_id=eos, pad_token_id=0,
-                              output_scores=True, return_dict_in_generate=True)
-        for b in range(2):
-            row = ref.sequences[b, width:].tolist()
-            reason = "stop" if eos in row else "length"
-            row = row[:row.index(eos)] if eos in row else row
-            assert out[b].tokens == row, (lp, early, b)
-            assert out[b].finish_reason == reason
-            assert abs(out[b].score - float(ref.sequences_scores[b])) <= 1e-4 * abs(out[b].score)
-            finished.add(reason)
+    for seed, which, cases in BEAM_CASES[preset]:
+        prompts = prompts_of([4, 9], seed=seed)
+        eos = decode(ours, prompts, Sampling(max_new_tokens=16, temperature=0))[0].tokens[which]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+        for lp, early in cases:
+            out = beam_search(ours, prompts, 3, 16, length_penalty=lp, early_stopping=early, eos_id=eos)
+            with torch.no_grad():
+                ref = hf.generate(ids, attention_mask=mask, num_beams=3, do_sample=False, length_penalty=lp,
+                                  early_stopping=early, max_new_tokens=16, eos_token_id=eos, pad_token_id=0,
+                                  output_scores=True, return_dict_in_generate=True)
+            for b in range(2):
+                row = ref.sequences[b, width:].tolist()
+                reason = "stop" if eos in row else "length"
+                row = row[:row.index(eos)] if eos in row else row
+                assert out[b].tokens == row, (seed, lp, early, b)
+                assert out[b].finish_reason == reason
+                assert abs(out[b].score - float(ref.sequences_scores[b])) <= 1e-4 * abs(out[b].score)
+                finished.add(reason)
     assert finished == {"stop", "length"}  # both ways of ending were compared
