@@ -1,7 +1,9 @@
 """The ``trickles`` command: parse, build a config, call the library.
 
     trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
-    trickles generate CHECKPOINT [--prompt TEXT] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P] [--label L]
+    trickles generate CHECKPOINT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
+                     [--repetition-penalty R] [--stop S ...] [--beams N --length-penalty A] [--label L]
+    trickles serve CHECKPOINT [--host H] [--port P] [--max-batch N]
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
@@ -11,7 +13,9 @@
 ``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
 ``--nproc N`` instead spawns N local ranks itself. ``trickles bench scaling`` starts its own local
 ranks for each world size in ``--ranks`` and reports weak scaling (:mod:`trickles.train.scaling`).
-``trickles checkpoint export`` consolidates a checkpoint written by any number of ranks, in one
+``trickles generate`` decodes all its prompts (and samples) in one batch; ``--beams N`` searches instead of
+sampling (:mod:`trickles.infer`). ``trickles serve`` answers OpenAI-style completions over HTTP
+(:mod:`trickles.infer.server`). ``trickles checkpoint export`` consolidates a checkpoint written by any number of ranks, in one
 process, into a single-device checkpoint (every tensor whole, optimizer state included) or a
 Hugging Face directory. Mistakes in the input print one line and exit with status 2, before any
 process group is created.
@@ -54,15 +58,30 @@ def _parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
-    g.add_argument("--prompt", default="def ", help="text to continue")
+    g.add_argument("--prompt", action="append", default=None,
+                   help="text to continue (repeatable: all prompts are decoded in one batch; default: 'def ')")
     g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample among the most likely tokens holding this much probability")
+    g.add_argument("--temperature", type=float, default=None, help="0: greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (0: all, the default)")
+    g.add_argument("--top-p", type=float, default=None, help="sample among the most likely tokens holding this much probability (default 1: all)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages tokens already in the text (1: off)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="end a sample before this text (repeatable)")
+    g.add_argument("--beams", type=int, default=None, metavar="N", help="beam search with N beams instead of sampling")
+    g.add_argument("--length-penalty", type=float, default=None, metavar="A",
+                   help="with --beams: a finished beam scores logprob / length**A (default 1; > 0 favours longer text)")
+    g.add_argument("--early-stopping", choices=["false", "true", "never"], default=None,
+                   help="with --beams: when a prompt's search ends, as transformers' early_stopping (default false)")
     g.add_argument("--num-samples", type=int, default=1)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--label", default=None, help="hard-routed experts (model.moe_router=hard): decode with this label's experts")
+
+    v = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-style POST /v1/completions, GET /health")
+    v.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed at start)")
+    v.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together (default 32)")
+    v.add_argument("--device", default="auto", help="auto, cpu or cuda")
 
     m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
     config_args(m)
@@ -127,31 +146,55 @@ def _train(args) -> int:
     return 0
 
 
+def _check_device(device: str) -> None:
+    import torch
+
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu")
+
+
+def _check_checkpoint(path: str) -> None:
+    if not os.path.exists(path):
+        raise UserError(f"checkpoint {path} does not exist; give a checkpoint directory or a run's out_dir")
+
+
 def _generate(args) -> int:
     import torch
 
-    from .models.generate import generate
+    from .infer import Sampling, beam_search, decode
     from .topology import select_device
     from .train.trainer import load_for_inference
 
     _count("--max-new-tokens", args.max_new_tokens, 0)
     _count("--top-k", args.top_k, 0)
     _count("--num-samples", args.num_samples, 1)
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    _count("--beams", args.beams, 1)
+    if args.temperature is not None and not (math.isfinite(args.temperature) and args.temperature >= 0):
         raise UserError(f"--temperature must be a number >= 0 (0: greedy), got {args.temperature:g}")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         raise UserError(f"--top-p must be in (0, 1] (1: off), got {args.top_p:g}")
-    if args.device not in ("auto", "cpu", "cuda") and not (args.device.startswith("cuda:") and args.device[5:].isdigit()):
-        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu")
-    if not os.path.exists(args.checkpoint):
-        raise UserError(f"checkpoint {args.checkpoint} does not exist; give a checkpoint directory or a run's out_dir")
+    if not (math.isfinite(args.repetition_penalty) and args.repetition_penalty > 0):
+        raise UserError(f"--repetition-penalty must be a number > 0 (1: off), got {args.repetition_penalty:g}")
+    if any(not s for s in args.stop):
+        raise UserError("--stop needs a non-empty text")
+    if args.beams is None and (args.length_penalty is not None or args.early_stopping is not None):
+        raise UserError("--length-penalty and --early-stopping apply to beam search; add --beams N")
+    if args.beams is not None:
+        given = [o for o, v in (("--temperature", args.temperature), ("--top-k", args.top_k), ("--top-p", args.top_p),
+                                ("--stop", args.stop), ("--num-samples", args.num_samples > 1),
+                                ("--repetition-penalty", args.repetition_penalty != 1.0)) if v]
+        if given:
+            raise UserError(f"--beams searches deterministically; leave out {', '.join(given)}")
+    if args.length_penalty is not None and not math.isfinite(args.length_penalty):
+        raise UserError(f"--length-penalty must be a finite number, got {args.length_penalty:g}")
+    _check_device(args.device)
+    _check_checkpoint(args.checkpoint)
     device = select_device(args.device)
     model, tokenizer, meta = load_for_inference(args.checkpoint, device)
-    ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    prompt = torch.tensor([ids] * args.num_samples, device=device)
+    texts = args.prompt or ["def "]
+    prompts = [tokenizer.encode(t) or [tokenizer.eos_id] for t in texts]
     labels = None
     hard = model.cfg.moe_experts and model.cfg.moe_router == "hard"
     if hard or args.label is not None:
@@ -160,13 +203,59 @@ def _generate(args) -> int:
             what = f"--label {args.label!r} is not one of its labels" if args.label is not None else "give --label"
             raise UserError(f"{what}: this model routes by label ({', '.join(names)})" if hard else
                             "--label is for models with hard-routed experts (model.moe_router=hard); this one has none")
-        labels = torch.full((args.num_samples,), names.index(args.label), dtype=torch.long, device=device)
-    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p, eos_id=tokenizer.eos_id,
-                   generator=g, labels=labels)
-    for i, row in enumerate(out.tolist()):
-        if args.num_samples > 1:
+        labels = torch.full((len(prompts) * args.num_samples,), names.index(args.label), dtype=torch.long, device=device)
+    if args.beams is not None:
+        early = {"false": False, "true": True, "never": "never"}[args.early_stopping or "false"]
+        labels = None if labels is None else labels[:len(prompts)]
+        out = beam_search(model, prompts, args.beams, args.max_new_tokens, length_penalty=1.0 if args.length_penalty is None
+                          else args.length_penalty, early_stopping=early, eos_id=tokenizer.eos_id, tokenizer=tokenizer,
+                          labels=labels)
+    else:
+        sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=0.8 if args.temperature is None else args.temperature,
+                            top_k=args.top_k or 0, top_p=1.0 if args.top_p is None else args.top_p,
+                            repetition_penalty=args.repetition_penalty, stop=tuple(args.stop))
+        g = torch.Generator(device=device).manual_seed(args.seed)  # one generator for the batch: draws as generate's
+        rows = [p for p in prompts for _ in range(args.num_samples)]
+        out = decode(model, rows, sampling, eos_id=tokenizer.eos_id, tokenizer=tokenizer, generator=g, labels=labels)
+    heads = [t for t in texts for _ in range(len(out) // len(texts))]
+    for i, (head, c) in enumerate(zip(heads, out)):
+        if len(out) > 1:
             print(f"--- sample {i + 1} ---")
-        print(args.prompt + tokenizer.decode(row))
+        print(head + c.text)
+    return 0
+
+
+def _serve(args) -> int:
+    import importlib.util
+
+    from .topology import select_device
+    from .train.trainer import load_for_inference
+
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
+    _count("--max-batch", args.max_batch, 1)
+    _check_device(args.device)
+    _check_checkpoint(args.checkpoint)
+    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"trickles serve needs {' and '.join(missing)}: pip install 'trickles[serve]'")
+    from .infer.server import serve
+
+    model, tokenizer, _ = load_for_inference(args.checkpoint, select_device(args.device))
+    if model.cfg.moe_experts and model.cfg.moe_router == "hard":
+        raise UserError("this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
+                        "field yet: use trickles generate --label L")
+    name = os.path.basename(os.path.normpath(args.checkpoint))
+
+    def ready(host, port):
+        print(f"[trickles] serving {args.checkpoint} on http://{host}:{port} (POST /v1/completions, GET /health)", flush=True)
+    try:
+        serve(model, tokenizer, args.host, args.port, name=name, max_batch=args.max_batch, on_ready=ready)
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --host or --port") from None
+    except KeyboardInterrupt:  # uvicorn has shut down cleanly, then re-raised the signal: the normal way to stop
+        pass
+    print("[trickles] server stopped", flush=True)
     return 0
 
 
@@ -261,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     try:
-        commands = {"train": _train, "generate": _generate, "memory": _memory, "bench": _bench, "config": _config,
+        commands = {"train": _train, "generate": _generate, "serve": _serve, "memory": _memory, "bench": _bench, "config": _config,
                     "checkpoint": _checkpoint}
         code = commands[args.command](args)
     except ONE_LINE_ERRORS as e:

@@ -79,17 +79,18 @@ class _Rotary(torch.autograd.Function):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The reference: rotates ``x [B, T, H, D]`` by position, ``x*cos + rotate_half(x)*sin`` (``cos, sin: [T, D]``)."""
+    """The reference: rotates ``x [B, T, H, D]`` by position, ``x*cos + rotate_half(x)*sin`` (``cos, sin: [T, D]``,
+    or ``[B, T, D]`` for per-row positions)."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    cos = cos[:, None, :].to(x.dtype)
-    sin = sin[:, None, :].to(x.dtype)
+    cos = cos.unsqueeze(-2).to(x.dtype)
+    sin = sin.unsqueeze(-2).to(x.dtype)
     return x * cos + rotated * sin
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "torch"):
     """Queries and keys ``[B, T, H, D]`` rotated by position (the Triton path overwrites them)."""
-    if use_triton(kernels, q):
+    if use_triton(kernels, q) and cos.dim() == 2:  # per-row tables [B, T, D] (padded batches): the reference
         cos, sin = cos.contiguous(), sin.contiguous()
         return _Rotary.apply(q, cos, sin), _Rotary.apply(k, cos, sin)
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -65,6 +65,7 @@ class KVCache:
         self.v: dict[int, torch.Tensor] = {}  # holding some layers allocates only theirs)
         self.n_layers = n_layers
         self.max_len = max_len
+        self.end = 0  # positions written so far (the longest prefix any update reached)
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Writes ``k, v [B, H_kv, T, D]`` at positions ``start..start+T`` and returns everything so far."""
@@ -76,7 +77,21 @@ class KVCache:
             self.v[layer] = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         self.k[layer][:, :, start:end] = k
         self.v[layer][:, :, start:end] = v
+        self.end = max(self.end, end)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    @torch.no_grad()
+    def reorder(self, index: torch.Tensor) -> None:
+        """Row ``i`` becomes what row ``index[i]`` was (beam search), in place: only the rows that change are
+        gathered (``index_select``) and written back into the same storage (``index_copy_``)."""
+        index = index.to(device=self.device, dtype=torch.long)
+        rows = torch.nonzero(index != torch.arange(len(index), device=self.device)).flatten()
+        if rows.numel() == 0:
+            return
+        src = index[rows]
+        for table in (*self.k.values(), *self.v.values()):
+            written = table[:, :, :self.end]
+            written.index_copy_(0, rows, written.index_select(0, src))
 
 
 class Attention(nn.Module):
@@ -106,20 +121,28 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None) -> torch.Tensor:
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None,
+             pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Scores, softmax, dropout and the weighted sum: ``q [B, H, T, D]``, ``k, v [B, H_kv, T', D]``
         in, the heads side by side ``[B, T, H*D]`` out (ready for ``o_proj``).
 
         ``causal_offset`` is the position of the first query (None: queries and keys start
-        together, plain causal mask).
+        together, plain causal mask). ``pad_mask [B, >= T']`` (True: a real token) hides left padding
+        from every query (see :func:`padded_attention_mask`).
         """
         b, _, t_q, _ = q.shape
-        return self._attend(q, k, v, causal_offset).transpose(1, 2).reshape(b, t_q, -1)
+        extra = {} if pad_mask is None else {"pad_mask": pad_mask}  # (context parallelism swaps in a 4-argument _attend)
+        return self._attend(q, k, v, causal_offset, **extra).transpose(1, 2).reshape(b, t_q, -1)
 
-    def _attend(self, q, k, v, causal_offset):
+    def _attend(self, q, k, v, causal_offset, pad_mask=None):
         p = self.dropout if self.training else 0.0
         rep = q.shape[1] // k.shape[1]
         t_q = q.shape[2]
+        if pad_mask is not None:
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            mask = padded_attention_mask(pad_mask, causal_offset or 0, t_q, k.shape[2])
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
         if _SDPA_GQA and (causal_offset is None or t_q == 1):
             # No mask: SDPA shares each key/value head among its ``rep`` query heads itself, so
             # neither k/v copies nor their reduction in backward are materialized.
@@ -137,7 +160,7 @@ class Attention(nn.Module):
         mask = torch.arange(t_k, device=q.device)[None, :] <= qpos
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0):
+    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, pad_mask: torch.Tensor | None = None):
         b, t, _ = x.shape
         if self.fused:
             q, k, v = fused.split_heads(self.qkv_proj(x), self.rep, self.head_dim)
@@ -153,7 +176,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_id, start, k, v)
             offset = start
-        return self.resid_drop(self.o_proj(self.core(q, k, v, offset)))
+        return self.resid_drop(self.o_proj(self.core(q, k, v, offset, pad_mask)))
 
 
 class MLP(nn.Module):
@@ -202,9 +225,11 @@ class Block(nn.Module):
         self.moe = layer_id in cfg.moe_layers
         self.mlp = MoE(cfg, layer_id, moe_stats) if self.moe else MLP(cfg)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, labels: torch.Tensor | None = None):
-        """``labels``: the samples' label ids, for hard-routed experts (see :class:`~trickles.models.moe.MoE`)."""
-        h = x + self.attn(self.attn_norm(x), rope, cache, start)
+    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, labels: torch.Tensor | None = None,
+                pad_mask: torch.Tensor | None = None):
+        """``labels``: the samples' label ids, for hard-routed experts (see :class:`~trickles.models.moe.MoE`);
+        ``pad_mask``: see :meth:`Attention.core`."""
+        h = x + self.attn(self.attn_norm(x), rope, cache, start, pad_mask)
         return h + (self.mlp(self.mlp_norm(h), labels) if self.moe else self.mlp(self.mlp_norm(h)))
 
 
@@ -242,30 +267,41 @@ class Transformer(nn.Module):
         fused.tag(self, cfg)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
-                labels: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
+                labels: torch.Tensor | None = None, target: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``labels``: label ids per sample ``[B]`` or per token ``[B, T]``, used by hard-routed experts only.
-        ``target``: next-token ids ``[B, T]`` (``-100``: ignored); given, the mean cross-entropy is returned."""
-        h = self.embed_tokens(tokens, start)
-        rope = self.rope(start, tokens.shape[1])
+        ``target``: next-token ids ``[B, T]`` (``-100``: ignored); given, the mean cross-entropy is returned.
+
+        Left-padded batches (prompts of different lengths, :mod:`trickles.infer.decode`): ``positions [B, T]`` are
+        each row's own token positions (``start..`` by default) and ``pad_mask [B, S]`` (True: a real token) covers
+        the cache slots ``0..S`` so no query attends to padding; the slots themselves still run ``start..start+T``."""
+        h = self.embed_tokens(tokens, start, positions)
+        rope = self.rope(start, tokens.shape[1]) if positions is None else self.rope(start, tokens.shape[1], positions)
+        extra = {} if pad_mask is None else {"pad_mask": pad_mask}
         for block in self.layers.values():
-            h = block(h, rope, cache, start, labels)
+            h = block(h, rope, cache, start, labels, **extra)
         return self.head(h, target)
 
     # The three parts of ``forward``, callable on their own (a pipeline stage runs some of them).
-    def embed_tokens(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """Token (and, for gpt2, position) embeddings of ``tokens [B, T]`` at positions ``start..``, after dropout."""
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Token (and, for gpt2, position) embeddings of ``tokens [B, T]`` at positions ``start..`` (or each row's
+        ``positions [B, T]``), after dropout."""
         t = tokens.shape[1]
-        if start + t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + t} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
+        last = start + t if positions is None else int(positions.max()) + 1
+        if last > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {last} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
         h = self.embed(tokens)
         if self.pos_embed is not None:
-            h = h + self.pos_embed(torch.arange(start, start + t, device=tokens.device))
+            h = h + self.pos_embed(torch.arange(start, start + t, device=tokens.device) if positions is None else positions)
         return self.embed_drop(h)
 
-    def rope(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The rotary tables of positions ``start..start+length`` (None for learned positions)."""
+    def rope(self, start: int, length: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary tables of positions ``start..start+length`` ``[T, D]``, or of each row's ``positions [B, T]``
+        ``[B, T, D]`` (None for learned positions)."""
         if self.rope_cos is None:
             return None
+        if positions is not None:
+            return self.rope_cos[positions], self.rope_sin[positions]
         return self.rope_cos[start:start + length], self.rope_sin[start:start + length]
 
     def head(self, h: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
@@ -309,6 +345,16 @@ class Transformer(nn.Module):
         else:
             kv_heads = attn.k_proj.out_features // self.cfg.head_dim
         return KVCache(self.cfg.n_layers, batch, kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
+
+
+def padded_attention_mask(pad_mask: torch.Tensor, start: int, t_q: int, t_k: int) -> torch.Tensor:
+    """``[B, 1, t_q, t_k]`` boolean attention mask for queries at cache slots ``start..start+t_q`` of a left-padded
+    batch: causal over slots, and no real query sees a padding slot (``pad_mask [B, >= t_k]``, True: real).
+    A padding query sees itself only, so its (unused) row stays finite and never turns later layers' keys into NaN."""
+    slots = torch.arange(t_k, device=pad_mask.device)
+    qslots = torch.arange(start, start + t_q, device=pad_mask.device)[:, None]
+    causal = slots[None, :] <= qslots
+    return (causal & pad_mask[:, None, None, :t_k]) | (slots[None, :] == qslots)
 
 
 def param_seed(seed: int, name: str) -> int:
