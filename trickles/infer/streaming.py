@@ -45,7 +45,7 @@ from ..train import checkpoint as ckpt
 from ..train.pieces import DTYPES, PieceReader
 from .placement import Placement, plan_placement
 
-__all__ = ["checkpoint_key", "CheckpointTensors", "BlockStreamer", "load_streaming", "kv_cache_bytes", "save_for_inference", "ALIGN"]
+__all__ = ["checkpoint_key", "CheckpointTensors", "BlockStreamer", "load_streaming", "kv_cache_bytes", "block_bytes", "save_for_inference", "ALIGN"]
 
 ALIGN = 64  #: byte alignment of each tensor inside a block's buffer
 
@@ -231,6 +231,11 @@ def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtyp
     return 2 * cfg.n_layers * batch * cfg.kv_heads * max_len * cfg.head_dim * dtype.itemsize
 
 
+def block_bytes(block: nn.Module) -> int:
+    """Bytes a block takes in a streaming buffer: its parameters, each starting at a multiple of :data:`ALIGN`."""
+    return _Layout(block, "").nbytes
+
+
 def _nbytes(tensors) -> int:
     seen, total = set(), 0
     for t in tensors:
@@ -247,7 +252,7 @@ def plan_for(model: Transformer, budget_bytes: int, batch: int, max_len: int) ->
     fixed = _nbytes([p for p in model.parameters() if id(p) not in block_params] + list(model.buffers()))
     dtype = next(model.parameters()).dtype
     fixed += kv_cache_bytes(model.cfg, batch, max_len, dtype)
-    return plan_placement([_Layout(b, "").nbytes for b in blocks], fixed, budget_bytes)
+    return plan_placement([block_bytes(b) for b in blocks], fixed, budget_bytes)
 
 
 @torch.no_grad()
