@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--label", default=None, help="hard-routed experts (model.moe_router=hard): decode with this label's experts")
+    g.add_argument("--device-budget-gb", type=float, default=None, metavar="GB",
+                   help="keep weights and KV cache within this many GB of the device (RAM on CPU); blocks that do not fit "
+                        "stream from the checkpoint (docs/inference-streaming.md)")
 
     m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
     config_args(m)
@@ -145,10 +148,20 @@ def _generate(args) -> int:
         raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {args.device!r}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"--device {args.device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu")
+    budget = args.device_budget_gb
+    if budget is not None and not (math.isfinite(budget) and budget > 0):
+        raise UserError(f"--device-budget-gb must be a positive number of GB, got {budget:g}")
     if not os.path.exists(args.checkpoint):
         raise UserError(f"checkpoint {args.checkpoint} does not exist; give a checkpoint directory or a run's out_dir")
     device = select_device(args.device)
-    model, tokenizer, meta = load_for_inference(args.checkpoint, device)
+    if budget is None:
+        model, tokenizer, meta = load_for_inference(args.checkpoint, device)
+    else:
+        from .infer.streaming import load_streaming, prompt_length
+
+        max_len = prompt_length(args.checkpoint, args.prompt) + args.max_new_tokens
+        model, tokenizer, meta = load_streaming(args.checkpoint, device, int(budget * 1e9), args.num_samples, max_len)
+        print(model.placement.summary(), file=sys.stderr)
     ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
     g = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.tensor([ids] * args.num_samples, device=device)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from trickles.data.tokenizers import ByteTokenizer
+from trickles.errors import UserError
 from trickles.infer.placement import plan_placement, spaced
 from trickles.infer.streaming import CheckpointTensors, block_bytes, kv_cache_bytes, load_streaming, save_for_inference
 from trickles.models.config import ModelConfig, apply_preset
@@ -59,9 +60,9 @@ def test_plan_streams_the_fewest_blocks_that_fit():
         assert s >= 3 and p.n_buffers == 2 and p.buffer_bytes == b
         assert p.device_bytes == fixed + (n - s) * b + 2 * b <= budget
         assert p.streamed == spaced(n, s) and sorted(p.resident + p.streamed) == list(range(n))
-    with pytest.raises(ValueError, match="too small for this model: streaming every block still needs"):
+    with pytest.raises(UserError, match="too small for this model: streaming every block still needs"):
         plan_placement([b] * n, fixed, fixed + 2 * b - 1)
-    with pytest.raises(ValueError, match="must be positive"):
+    with pytest.raises(UserError, match="must be positive"):
         plan_placement([b] * n, fixed, 0)
 
 
@@ -197,7 +198,7 @@ def test_streams_a_checkpoint_stored_in_pieces(tmp_path):
 
 def test_a_budget_too_small_says_what_would_fit(tmp_path):
     path = _save(tmp_path)
-    with pytest.raises(ValueError, match=r"streaming every block still needs [0-9.e-]+ GB"):
+    with pytest.raises(UserError, match=r"streaming every block still needs [0-9.e-]+ GB"):
         load_streaming(path, "cpu", 10_000, max_len=64)
 
 

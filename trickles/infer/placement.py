@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import UserError
+
 __all__ = ["Placement", "plan_placement", "spaced"]
 
 
@@ -43,6 +45,13 @@ class Placement:
     @property
     def streams(self) -> bool:
         return bool(self.streamed)
+
+    def summary(self) -> str:
+        """One line: how many blocks stream, which, and the bytes against the budget."""
+        n = len(self.resident) + len(self.streamed)
+        which = f" (blocks {', '.join(map(str, self.streamed))})" if self.streamed else ""
+        return (f"device budget {self.budget_bytes / 1e9:.3g} GB: {len(self.streamed)} of {n} blocks stream{which}, "
+                f"{self.device_bytes / 1e9:.3g} GB on the device with {self.n_buffers} buffer(s) of {self.buffer_bytes / 1e6:.3g} MB")
 
 
 def spaced(n: int, s: int) -> tuple[int, ...]:
@@ -64,12 +73,12 @@ def _cost(block_bytes: list[int], fixed: int, streamed: tuple[int, ...]) -> tupl
 def plan_placement(block_bytes: list[int], fixed_bytes: int, budget_bytes: int) -> Placement:
     """The fewest streamed blocks, spaced evenly, that keep the device within ``budget_bytes``.
 
-    Raises ``ValueError`` (saying the least budget that works) when even streaming every block
-    does not fit: the fixed bytes plus two buffers of the largest block.
+    Raises :class:`~trickles.errors.UserError` (saying the least budget that works) when even
+    streaming every block does not fit: the fixed bytes plus two buffers of the largest block.
     """
     n = len(block_bytes)
     if budget_bytes <= 0:
-        raise ValueError(f"the device budget must be positive, got {budget_bytes} bytes")
+        raise UserError(f"the device budget must be positive, got {budget_bytes} bytes")
     for s in range(n + 1):
         streamed = spaced(n, s)
         used, buf, k = _cost(block_bytes, fixed_bytes, streamed)
@@ -77,6 +86,7 @@ def plan_placement(block_bytes: list[int], fixed_bytes: int, budget_bytes: int) 
             resident = tuple(i for i in range(n) if i not in set(streamed))
             return Placement(resident, streamed, buf, k, used, budget_bytes)
     least, _, _ = _cost(block_bytes, fixed_bytes, spaced(n, n))
-    raise ValueError(f"a device budget of {budget_bytes / 1e9:.3g} GB is too small for this model: streaming every block "
+    raise UserError(f"a device budget of {budget_bytes / 1e9:.3g} GB is too small for this model: streaming every block "
                      f"still needs {least / 1e9:.3g} GB (embeddings, output projection and KV cache {fixed_bytes / 1e9:.3g} GB "
-                     f"+ two buffers of the largest block, {max(block_bytes, default=0) / 1e9:.3g} GB each)")
+                     f"+ two buffers of the largest block, {max(block_bytes, default=0) / 1e9:.3g} GB each); give at least that, "
+                    "or fewer samples or positions (a smaller KV cache)")

@@ -45,7 +45,7 @@ from ..train import checkpoint as ckpt
 from ..train.pieces import DTYPES, PieceReader
 from .placement import Placement, plan_placement
 
-__all__ = ["checkpoint_key", "CheckpointTensors", "BlockStreamer", "load_streaming", "kv_cache_bytes", "block_bytes", "save_for_inference", "ALIGN"]
+__all__ = ["checkpoint_key", "CheckpointTensors", "BlockStreamer", "load_streaming", "kv_cache_bytes", "block_bytes", "prompt_length", "save_for_inference", "ALIGN"]
 
 ALIGN = 64  #: byte alignment of each tensor inside a block's buffer
 
@@ -269,8 +269,8 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
     The budget covers the weights on ``device`` and a KV cache for ``batch`` sequences of
     ``max_len`` positions (default: the model's ``max_seq_len``). Blocks that do not fit stream
     (module docstring); ``model.placement`` says which, ``model.streamer`` is the
-    :class:`BlockStreamer` (None when everything fits). Raises ``ValueError`` when even streaming
-    every block does not fit.
+    :class:`BlockStreamer` (None when everything fits). Raises :class:`~trickles.errors.UserError`
+    when even streaming every block does not fit.
     """
     device = torch.device(device)
     path = ckpt.resolve(path)
@@ -282,7 +282,7 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
     model.eval()
     tensors = CheckpointTensors(path)
     ckpt.check_fits(tensors.reader, {checkpoint_key(k): v for k, v in ckpt.unique_state(model).items()}, path)
-    placement = plan_for(model, budget_bytes, batch, max_len or model.cfg.max_seq_len)
+    placement = plan_for(model, budget_bytes, batch, min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len))
     for name, child in model.named_children():
         if name != "layers" and not (name == "output" and model.cfg.tied):
             _materialize(child, name + ".", tensors, device)
@@ -297,6 +297,11 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
     model.placement = placement
     model.streamer = BlockStreamer(streamed, placement, tensors, device) if streamed else None
     return model, load_tokenizer(os.path.join(path, "tokenizer")), meta
+
+
+def prompt_length(path: str, prompt: str) -> int:
+    """Tokens of ``prompt`` under the tokenizer of the checkpoint at ``path`` (at least one: an empty prompt is eos)."""
+    return len(load_tokenizer(os.path.join(ckpt.resolve(path), "tokenizer")).encode(prompt)) or 1
 
 
 def save_for_inference(model: Transformer, tokenizer, path: str) -> str:
