@@ -24,6 +24,10 @@ How
       with a rotating order. A generation's time includes its prefill (short next to the decode
       at the defaults). Reported: median and mean seconds per generation, tokens/s
       (new tokens / median time) and the paired ratio (median over rounds of the per-round ratio).
+    * ``--memory`` (CPU): each contestant is loaded again in a fresh process that generates once
+      while a thread samples ``RssAnon`` every millisecond; the peak above the process's baseline
+      (imports, and a tiny model built on the meta device) is printed. The budget of (b) is what
+      the streamed contestants were asked to hold, plus their KV cache.
 
 Examples::
 
@@ -72,6 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-accelerate", action="store_true", help="leave accelerate's offloading out of (b)")
+    p.add_argument("--memory", action="store_true",
+                   help="CPU: also measure each contestant's peak anonymous memory (RssAnon) in a fresh process")
+    p.add_argument("--measure-one", nargs=4, default=None, metavar=("NAME", "CKPT", "HF", "BUDGET"), help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     return p.parse_args(argv)
@@ -111,6 +118,72 @@ def load_accelerate(hf_dir: str, budget: int, device: torch.device, offload_dir:
     return model, f"accelerate {accelerate.__version__}: device_map={getattr(model, 'hf_device_map', {})} (places: {placed})"
 
 
+def rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def measure_one(args) -> int:
+    """In a fresh process: load one contestant and generate, printing the peak RssAnon above the baseline as JSON.
+
+    The baseline is read after the imports and after building a tiny model on the meta device (its first build
+    imports the kernels' modules); a thread samples ``/proc/self/status`` every millisecond from then on.
+    Memory-mapped checkpoint pages are file-backed, not anonymous.
+    """
+    import threading
+
+    name, ckpt_dir, hf_dir, budget = args.measure_one
+    budget = int(budget)
+    with torch.device("meta"):
+        from trickles.models.transformer import Transformer
+
+        Transformer(dataclasses.replace(apply_preset(ModelConfig(), "tiny"), vocab_size=256, max_seq_len=8))
+    device = torch.device("cpu")
+    base = peak = rss_anon()
+    stop = threading.Event()
+
+    def sample():
+        nonlocal peak
+        while not stop.wait(0.001):
+            peak = max(peak, rss_anon())
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    if name == "ours resident":
+        fn = ours(load_for_inference(ckpt_dir, device)[0])
+    elif name == "ours streamed":
+        model = load_streaming(ckpt_dir, device, budget, batch=1, max_len=args.prompt_len + args.new_tokens + 8)[0]
+        fn = ours(model)
+    elif name == "accelerate offload":
+        fn = HFGenerate(load_accelerate(hf_dir, budget, device, tempfile.mkdtemp(prefix="trickles-offload-"))[0].eval())
+    else:
+        from transformers import AutoModelForCausalLM
+
+        fn = HFGenerate(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").eval())
+    prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed + 1))
+    fn(prompt, args.new_tokens)
+    stop.set()
+    thread.join()
+    print(json.dumps({"peak_above_baseline": max(peak, rss_anon()) - base}))
+    return 0
+
+
+def measure_memory(args, names, ckpt_dir, hf_dir, budget) -> dict[str, int]:
+    import subprocess
+
+    out = {}
+    for name in names:
+        argv = [sys.executable, os.path.abspath(__file__), "--measure-one", name, ckpt_dir, hf_dir, str(budget)] + \
+            [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+             if k in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "prompt_len", "new_tokens", "seed")]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        if r.returncode != 0:
+            print(f"memory of {name}: the measuring process failed: {r.stderr.strip().splitlines()[-1:]}")
+            continue
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])["peak_above_baseline"]
+    return out
+
+
 def leading_match(a: torch.Tensor, b: torch.Tensor) -> int:
     same = (a.cpu() == b.cpu()).all(dim=0).tolist()
     return same.index(False) if False in same else len(same)
@@ -120,6 +193,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.measure_one:
+        return measure_one(args)
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
     cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                               n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, vocab_size=args.vocab,
@@ -183,7 +258,15 @@ def main(argv=None) -> int:
         ratio = f"{s['median'] / statistics.median(times[peer]):.3f}x ({paired(n, peer):.3f}x)" if peer else "-"
         rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{args.new_tokens / s['median']:.1f}", ratio])
         results[n] = {**s, "tokens_per_s": args.new_tokens / s["median"]}
-    print(table(["contestant", "median ms", "mean ms", "tokens/s", "time vs peer (paired)"], rows))
+    header = ["contestant", "median ms", "mean ms", "tokens/s", "time vs peer (paired)"]
+    if args.memory and device.type == "cpu":
+        del resident, hf, streamed, contestants
+        mem = measure_memory(args, names, ckpt_dir, hf_dir, budget)
+        header.append("peak anon MB")
+        for row, n in zip(rows, names):
+            row.append(f"{mem[n] / 1e6:.1f}" if n in mem else "-")
+            results[n]["peak_anon_bytes"] = mem.get(n)
+    print(table(header, rows))
     if "accelerate offload" in times:
         speedup = statistics.median(times["accelerate offload"]) / statistics.median(times["ours streamed"])
         print(f"(a) ours/HF time {statistics.median(times['ours resident']) / statistics.median(times['HF generate']):.3f}x "
@@ -192,7 +275,7 @@ def main(argv=None) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "device": str(device), "params": n_params, "budget_bytes": budget,
-                       "placement": dataclasses.asdict(streamed.placement), "results": results}, f, indent=2, default=str)
+                       "results": results}, f, indent=2, default=str)
         print(f"wrote {args.json}")
     return 0
 
