@@ -114,8 +114,12 @@ def load_accelerate(hf_dir: str, budget: int, device: torch.device, offload_dir:
     max_memory = {0: budget, "cpu": 64 << 30} if device.type == "cuda" else {"cpu": budget}
     model = AutoModelForCausalLM.from_pretrained(hf_dir, device_map="auto", max_memory=max_memory,
                                                  offload_folder=offload_dir, dtype=torch.float32, attn_implementation="sdpa")
-    placed = sorted(set(getattr(model, "hf_device_map", {}).values()), key=str)
-    return model, f"accelerate {accelerate.__version__}: device_map={getattr(model, 'hf_device_map', {})} (places: {placed})"
+    dmap = getattr(model, "hf_device_map", {})
+    # what it loads at every forward: the modules placed off the execution device
+    offloaded = [m for m, where in dmap.items() if where in ("disk", "cpu") and not (device.type == "cpu" and where == "cpu")]
+    moved = sum(p.numel() * 4 for m in offloaded for p in model.get_submodule(m).parameters(recurse=True))
+    return model, (f"accelerate {accelerate.__version__}: device_map={dmap}; loads {moved / 1e6:.1f} MB of offloaded "
+                   f"weights ({', '.join(offloaded)}) at every forward")
 
 
 def rss_anon() -> int:
@@ -219,7 +223,10 @@ def main(argv=None) -> int:
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").to(device).eval()
     contestants["HF generate"] = HFGenerate(hf)
     streamed, _, _ = load_streaming(ckpt_dir, device, budget, batch=1, max_len=cfg.max_seq_len)
-    print(f"(b) budget {budget / 1e6:.1f} MB = {args.budget_fraction:g} x the model; ours: {streamed.placement.summary()}")
+    st = streamed.streamer
+    per_token = sum(st.layouts[i].nbytes for i in st.order) if st is not None else 0
+    print(f"(b) budget {budget / 1e6:.1f} MB = {args.budget_fraction:g} x the model; ours: {streamed.placement.summary()}; "
+          f"copies {per_token / 1e6:.1f} MB of streamed blocks at every forward")
     contestants["ours streamed"] = ours(streamed)
     note = "accelerate left out (--no-accelerate)"
     if not args.no_accelerate:
