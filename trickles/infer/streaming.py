@@ -21,7 +21,7 @@ streams), so at most two streamed blocks occupy device memory at a time. When st
 next streamed block (cyclically: after the last comes the first, for the next token) starts
 into the other buffer -- on CUDA on a side stream (``non_blocking`` from pinned memory; an event
 makes the copy wait until the block that last used that buffer has finished, another makes the
-compute stream wait for the copy), on CPU on a copy thread (``Tensor.copy_`` releases the GIL).
+compute stream wait for the copy), on CPU on a copy thread (NumPy's copy, single-threaded, releases the GIL).
 When the block ends its parameters go back to meta tensors.
 
 The streamed model computes exactly what the resident one does: the same weights, bit for bit,
@@ -35,6 +35,7 @@ import os
 import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -94,6 +95,20 @@ class CheckpointTensors:
 
     def copy_into(self, key: str, dst: torch.Tensor, non_blocking: bool = False) -> None:
         dst.copy_(self.get(key), non_blocking=non_blocking)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` on the calling thread alone (NumPy's copy, bit for bit): ``Tensor.copy_`` of a large
+    tensor starts its own OpenMP team, which on a small CPU competes with the compute threads it should hide under."""
+    if src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape \
+            and src.element_size() in _BITS:
+        bits = _BITS[src.element_size()]
+        np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
+    else:
+        dst.copy_(src)
 
 
 def _aligned(n: int) -> int:
@@ -161,9 +176,10 @@ class BlockStreamer:
         return flat
 
     def _copy_block(self, i: int, slot: int) -> None:
+        """CPU: block ``i`` into buffer ``slot``, on the copy thread."""
         layout = self.layouts[i]
         for (_, _, key, *_), view in zip(layout.entries, layout.views(self.slots[slot])):
-            self.tensors.copy_into(key, view)
+            _copy_one_thread(view, self.tensors.get(key))
 
     def _fetch(self, i: int, slot: int) -> None:
         """Starts copying block ``i`` into buffer ``slot``."""
