@@ -77,6 +77,21 @@ def test_plan_sizes_the_buffers_by_the_largest_streamed_block():
     assert plan_placement(sizes, 0, 100).streamed == ()
 
 
+def test_the_copy_threads_copy_is_bit_for_bit_in_every_dtype():
+    from trickles.infer.streaming import _copy_one_thread
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.bool):
+        src = (torch.randn(37, 5, generator=g) * 50).to(dtype)
+        dst = torch.empty_like(src)
+        _copy_one_thread(dst, src)
+        assert torch.equal(dst.view(torch.uint8), src.view(torch.uint8)), dtype
+    src = torch.randn(8, 3, generator=g)
+    dst = torch.empty(8, 3, dtype=torch.bfloat16)  # a checkpoint in another precision: converted as copy_ does
+    _copy_one_thread(dst, src)
+    assert torch.equal(dst, src.to(torch.bfloat16))
+
+
 # ---- the streamed model against the resident one ------------------------------------------
 
 def _save(tmp, flavor="llama"):
