@@ -2,8 +2,8 @@
 
     trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
     trickles generate CHECKPOINT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                     [--repetition-penalty R] [--stop S ...] [--beams N --length-penalty A] [--label L]
-    trickles serve CHECKPOINT [--host H] [--port P] [--max-batch N]
+                     [--repetition-penalty R] [--stop S ...] [--beams N --length-penalty A] [--label L] [--device-budget-gb X]
+    trickles serve CHECKPOINT [--host H] [--port P] [--max-batch N] [--device-budget-gb X]
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
@@ -14,7 +14,8 @@
 ``--nproc N`` instead spawns N local ranks itself. ``trickles bench scaling`` starts its own local
 ranks for each world size in ``--ranks`` and reports weak scaling (:mod:`trickles.train.scaling`).
 ``trickles generate`` decodes all its prompts (and samples) in one batch; ``--beams N`` searches instead of
-sampling (:mod:`trickles.infer`). ``trickles serve`` answers OpenAI-style completions over HTTP
+sampling (:mod:`trickles.infer`); ``--device-budget-gb`` streams the blocks that do not fit (:mod:`trickles.infer.streaming`).
+``trickles serve`` answers OpenAI-style completions over HTTP
 (:mod:`trickles.infer.server`). ``trickles checkpoint export`` consolidates a checkpoint written by any number of ranks, in one
 process, into a single-device checkpoint (every tensor whole, optimizer state included) or a
 Hugging Face directory. Mistakes in the input print one line and exit with status 2, before any
@@ -75,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--label", default=None, help="hard-routed experts (model.moe_router=hard): decode with this label's experts")
+    g.add_argument("--device-budget-gb", type=float, default=None, metavar="GB",
+                   help="keep weights and KV cache within this many GB of the device (RAM on CPU); blocks that do not fit "
+                        "stream from the checkpoint (docs/inference-streaming.md)")
 
     v = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-style POST /v1/completions, GET /health")
     v.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
@@ -82,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port, printed at start)")
     v.add_argument("--max-batch", type=int, default=32, help="most sequences decoded together (default 32)")
     v.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    v.add_argument("--device-budget-gb", type=float, default=None, metavar="GB",
+                   help="as for generate, with a KV cache for --max-batch sequences of the model's context")
 
     m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
     config_args(m)
@@ -160,12 +166,38 @@ def _check_checkpoint(path: str) -> None:
         raise UserError(f"checkpoint {path} does not exist; give a checkpoint directory or a run's out_dir")
 
 
+def _context(path: str) -> int:
+    """The model's context length, from a checkpoint's ``trainer.json``."""
+    from .train import checkpoint as ckpt
+
+    return int(ckpt.read_json(os.path.join(ckpt.resolve(path), "trainer.json"))["model"]["max_seq_len"])
+
+
+def _check_budget(budget_gb: float | None) -> None:
+    if budget_gb is not None and not (math.isfinite(budget_gb) and budget_gb > 0):
+        raise UserError(f"--device-budget-gb must be a positive number of GB, got {budget_gb:g}")
+
+
+def _load_model(path: str, device, budget_gb: float | None, rows: int, max_len: int):
+    """``(model, tokenizer, meta)``: the whole model on ``device``, or with ``--device-budget-gb`` the blocks that do
+    not fit beside a KV cache of ``rows x max_len`` streamed from the checkpoint (placement printed on stderr)."""
+    from .train.trainer import load_for_inference
+
+    if budget_gb is None:
+        return load_for_inference(path, device)
+    from .infer.streaming import load_streaming
+
+    model, tokenizer, meta = load_streaming(path, device, int(budget_gb * 1e9), rows, max_len)
+    print(model.placement.summary(), file=sys.stderr)
+    return model, tokenizer, meta
+
+
 def _generate(args) -> int:
     import torch
 
     from .infer import Sampling, beam_search, decode
+    from .infer.streaming import prompt_length
     from .topology import select_device
-    from .train.trainer import load_for_inference
 
     _count("--max-new-tokens", args.max_new_tokens, 0)
     _count("--top-k", args.top_k, 0)
@@ -190,10 +222,13 @@ def _generate(args) -> int:
     if args.length_penalty is not None and not math.isfinite(args.length_penalty):
         raise UserError(f"--length-penalty must be a finite number, got {args.length_penalty:g}")
     _check_device(args.device)
+    _check_budget(args.device_budget_gb)
     _check_checkpoint(args.checkpoint)
     device = select_device(args.device)
-    model, tokenizer, meta = load_for_inference(args.checkpoint, device)
     texts = args.prompt or ["def "]
+    rows = len(texts) * (args.beams or args.num_samples)
+    longest = max(prompt_length(args.checkpoint, t) for t in texts) if args.device_budget_gb is not None else 0
+    model, tokenizer, meta = _load_model(args.checkpoint, device, args.device_budget_gb, rows, longest + args.max_new_tokens)
     prompts = [tokenizer.encode(t) or [tokenizer.eos_id] for t in texts]
     labels = None
     hard = model.cfg.moe_experts and model.cfg.moe_router == "hard"
@@ -229,19 +264,20 @@ def _serve(args) -> int:
     import importlib.util
 
     from .topology import select_device
-    from .train.trainer import load_for_inference
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     _count("--max-batch", args.max_batch, 1)
     _check_device(args.device)
+    _check_budget(args.device_budget_gb)
     _check_checkpoint(args.checkpoint)
     missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"trickles serve needs {' and '.join(missing)}: pip install 'trickles[serve]'")
     from .infer.server import serve
 
-    model, tokenizer, _ = load_for_inference(args.checkpoint, select_device(args.device))
+    model, tokenizer, _ = _load_model(args.checkpoint, select_device(args.device), args.device_budget_gb, args.max_batch,
+                                      _context(args.checkpoint))
     if model.cfg.moe_experts and model.cfg.moe_router == "hard":
         raise UserError("this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
                         "field yet: use trickles generate --label L")

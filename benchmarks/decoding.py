@@ -1,0 +1,115 @@
+"""Decoding: trickles' batched greedy decoding and beam search vs ``transformers``' ``generate``, same weights.
+
+What is compared
+    * ``greedy``: ``trickles.infer.decode`` (temperature 0) of ``--batch`` prompts of different lengths in one
+      left-padded batch, against ``LlamaForCausalLM.generate(do_sample=False)`` of the same left-padded batch
+      with its attention mask (both with a KV cache, ``--new`` new tokens, no end-of-sequence token, so every
+      row runs to the end);
+    * ``beams``: ``trickles.infer.beam_search`` with ``--beams`` beams against ``generate(num_beams=...)``
+      (length penalty 1, ``early_stopping=False``), the cache reordered in place on our side;
+    * ``one by one``: our greedy decoding of each prompt alone, one after the other (what batching saves).
+
+How
+    Ours is exported with ``save_hf`` and transformers loads that directory (sdpa attention), so both hold
+    identical fp32 weights. Agreement first: greedy and beam tokens must be equal, or the run stops. Then
+    ``--rounds`` rounds, each timing every contestant once, in an order rotated each round. Reported: median
+    time per call, new tokens per second, and ours/HF (median of the per-round ratios).
+
+Target
+    ours/HF <= 1.0x for greedy and beams.
+
+Examples::
+
+    python benchmarks/decoding.py                          # CPU: demo shape, vocab 4096, 8 prompts, 64 new tokens
+    python benchmarks/decoding.py --preset llama-125m --device cuda --batch 32 --new 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import device_name, rotations, table, timed  # noqa: E402
+
+from trickles.infer import Sampling, beam_search, decode  # noqa: E402
+from trickles.models import ModelConfig, apply_preset, build_model, save_hf  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=8, help="prompts per batch (lengths spread over 8..64 tokens)")
+    p.add_argument("--new", type=int, default=64, help="new tokens per prompt")
+    p.add_argument("--beams", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--verbose", action="store_true", help="print every time")
+    args = p.parse_args(argv)
+    import transformers
+
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), vocab_size=args.vocab, max_seq_len=64 + args.new + 1)
+    ours = build_model(cfg, seed=0, device=device).eval()
+    with torch.no_grad():  # away from the initialization: peaked distributions, varied tokens
+        for q in ours.parameters():
+            q.add_(torch.randn_like(q) * 0.02)
+    with tempfile.TemporaryDirectory() as d:
+        save_hf(ours, d)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa").to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.linspace(8, 64, args.batch).long().tolist()
+    prompts = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in lengths]
+    width = max(lengths)
+    ids = torch.tensor([[0] * (width - len(q)) + q for q in prompts], device=device)
+    mask = (torch.arange(width, device=device)[None] >= torch.tensor([width - n for n in lengths], device=device)[:, None]).long()
+    greedy = Sampling(max_new_tokens=args.new, temperature=0)
+    hf_kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new,
+                 pad_token_id=0, eos_token_id=None)
+
+    runs = {
+        "greedy ours": lambda: decode(ours, prompts, greedy),
+        "greedy HF": lambda: hf.generate(ids, **hf_kw),
+        "beams ours": lambda: beam_search(ours, prompts, args.beams, args.new),
+        "beams HF": lambda: hf.generate(ids, num_beams=args.beams, length_penalty=1.0, early_stopping=False, **hf_kw),
+        "one by one ours": lambda: [decode(ours, [q], greedy) for q in prompts],
+    }
+    with torch.no_grad():
+        a, b = runs["greedy ours"](), runs["greedy HF"]()
+        same = sum(x.tokens == y for x, y in zip(a, b[:, width:].tolist()))
+        c, e = runs["beams ours"](), runs["beams HF"]()
+        same_beams = sum(x.tokens == y for x, y in zip(c, e[:, width:].tolist()))
+        print(f"agreement: greedy {same}/{len(prompts)} rows, beams {same_beams}/{len(prompts)} rows equal token for token")
+        if same < len(prompts) or same_beams < len(prompts):
+            return 1
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _, name in rotations(list(runs), args.rounds):
+            times[name].append(timed(runs[name], device)[0])
+    print(f"{device_name(device)}; {args.preset} shape, vocab {args.vocab}, {args.batch} prompts of {lengths[0]}..{width} "
+          f"tokens, {args.new} new tokens each, {args.beams} beams, {args.rounds} rounds")
+    rows = []
+    for name, ts in times.items():
+        peer = name.replace("ours", "HF")
+        ratio = "-"
+        if peer != name and peer in times:
+            ratio = f"{statistics.median(x / y for x, y in zip(ts, times[peer])):.2f}x"
+        elif name.startswith("one by one"):
+            ratio = f"{statistics.median(x / y for x, y in zip(ts, times['greedy ours'])):.2f}x of batched"
+        med = statistics.median(ts)
+        rows.append([name, f"{med * 1000:.0f} ms", f"{args.batch * args.new / med:.0f}", ratio])
+    print(table(["contestant", "median", "new tok/s", "ours/HF"], rows))
+    if args.verbose:
+        print({k: [round(t, 3) for t in v] for k, v in times.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

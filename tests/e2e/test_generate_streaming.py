@@ -1,0 +1,58 @@
+"""``trickles generate --device-budget-gb``: the same text as the resident model, and one-line errors for bad budgets."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trickles.data.tokenizers import ByteTokenizer
+from trickles.infer.streaming import block_bytes, kv_cache_bytes, save_for_inference
+from trickles.models.config import ModelConfig, apply_preset
+from trickles.models.transformer import build_model
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", "trickles", "generate", *args], capture_output=True, timeout=300,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=6, vocab_size=257, max_seq_len=64)
+    model = build_model(cfg, seed=5)
+    path = str(tmp_path_factory.mktemp("stream") / "ckpt")
+    save_for_inference(model, ByteTokenizer(), path)
+    others = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("layers.")) + \
+        sum(b.numel() * 4 for b in model.buffers())
+    # every block streamed: the embeddings, head and KV cache (2 samples x 64 positions) plus two buffers
+    least = others + kv_cache_bytes(cfg, 2, 64) + 2 * block_bytes(model.layers["0"])
+    return path, least
+
+
+def test_streamed_text_equals_resident_text(checkpoint):
+    path, least = checkpoint
+    common = [path, "--prompt", "def f(", "--max-new-tokens", "40", "--temperature", "0.8", "--num-samples", "2",
+              "--seed", "11", "--device", "cpu"]
+    resident = _run(*common)
+    streamed = _run(*common, "--device-budget-gb", f"{least / 1e9:.9f}")
+    assert resident.returncode == 0 and streamed.returncode == 0, streamed.stderr.decode(errors="replace")
+    assert streamed.stdout == resident.stdout
+    assert ": 6 of 6 blocks stream (blocks 0, 1, 2, 3, 4, 5)" in streamed.stderr.decode()
+    assert resident.stdout.decode().count("--- sample") == 2
+
+
+@pytest.mark.parametrize("value,needle", [
+    ("0", "--device-budget-gb must be a positive number of GB, got 0"),
+    ("-2", "--device-budget-gb must be a positive number of GB, got -2"),
+    ("nan", "--device-budget-gb must be a positive number of GB, got nan"),
+    ("0.000001", "too small for this model: streaming every block still needs"),
+])
+def test_bad_budget_is_one_line_exit_2(checkpoint, value, needle):
+    r = _run(checkpoint[0], "--device-budget-gb", value, "--max-new-tokens", "4", "--device", "cpu")
+    err = r.stderr.decode()
+    assert r.returncode == 2 and r.stdout == b""
+    assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err

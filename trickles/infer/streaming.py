@@ -1,0 +1,337 @@
+"""Layer streaming: generate with a model larger than the device's memory.
+
+:func:`load_streaming` builds the model on the meta device, sizes its parts, asks
+:func:`~trickles.infer.placement.plan_placement` which blocks stay resident and which stream,
+and materializes the embeddings, the final norm, the output projection and the resident blocks
+on the device from the checkpoint's safetensors files, one tensor at a time. The streamed blocks
+keep meta parameters; a :class:`BlockStreamer` gives each one its weights just before it runs.
+
+**Where a streamed block's weights come from.** Whole tensors of a checkpoint (a one-process run,
+or one consolidated with ``trickles checkpoint export``) are read through memory maps of the
+safetensors files (``torch.UntypedStorage.from_file``): file-backed pages the kernel can drop,
+not anonymous memory. On CPU a streamed block is copied from those maps straight into a buffer;
+on CUDA each streamed block is packed once, at load, into pinned host memory, so its copy is one
+asynchronous transfer. A tensor stored in pieces (tensor-parallel blocks, ZeRO flat ranges) is
+read through :class:`~trickles.train.pieces.PieceReader` instead, at each use on CPU.
+
+**The two buffers.** Every streamed block is laid out (each tensor 64-byte aligned) in a flat
+byte buffer as large as the largest streamed block; there are two (one if a single block
+streams), so at most two streamed blocks occupy device memory at a time. When streamed block
+``i`` starts, its buffer is waited for, its parameters become views into it, and the copy of the
+next streamed block (cyclically: after the last comes the first, for the next token) starts
+into the other buffer -- on CUDA on a side stream (``non_blocking`` from pinned memory; an event
+makes the copy wait until the block that last used that buffer has finished, another makes the
+compute stream wait for the copy), on CPU on a copy thread (NumPy's copy, single-threaded, releases the GIL).
+When the block ends its parameters go back to meta tensors.
+
+The streamed model computes exactly what the resident one does: the same weights, bit for bit,
+go through the same operations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..data.tokenizers import load_tokenizer
+from ..models.config import ModelConfig
+from ..models.transformer import Transformer
+from ..train import checkpoint as ckpt
+from ..train.pieces import DTYPES, PieceReader
+from .placement import Placement, plan_placement
+
+__all__ = ["checkpoint_key", "CheckpointTensors", "BlockStreamer", "load_streaming", "kv_cache_bytes", "block_bytes", "prompt_length", "save_for_inference", "ALIGN"]
+
+ALIGN = 64  #: byte alignment of each tensor inside a block's buffer
+
+
+def checkpoint_key(param_name: str) -> str:
+    """The checkpoint entry holding the model parameter ``param_name`` (the one place a renaming would go)."""
+    return param_name
+
+
+class CheckpointTensors:
+    """A checkpoint's ``model*.safetensors`` tensors by name: memory-mapped views of whole ones, pieces read otherwise."""
+
+    def __init__(self, root: str):
+        self.reader = PieceReader(root, "model")
+        self._views: dict[str, torch.Tensor] = {}
+        for name in sorted(os.listdir(root)):
+            if name.startswith("model") and name.endswith(".safetensors"):
+                self._map_file(os.path.join(root, name))
+
+    def _map_file(self, path: str) -> None:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        size = os.path.getsize(path)
+        data = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(path, shared=False, nbytes=size))
+        for key, info in header.items():
+            if key == "__metadata__" or info["dtype"] not in DTYPES or len(self.reader.pieces.get(key, ())) != 1:
+                continue
+            meta = self.reader.pieces[key][0][1]
+            if meta.get("scalar") or "offset" in meta or "flat_range" in meta or list(meta["global_shape"]) != info["shape"]:
+                continue  # a part of a tensor: PieceReader assembles it
+            a, b = info["data_offsets"]
+            dtype = DTYPES[info["dtype"]]
+            if (8 + n + a) % dtype.itemsize:
+                continue
+            self._views[key] = data[8 + n + a:8 + n + b].view(dtype).view(info["shape"])
+
+    def mapped(self, key: str) -> bool:
+        """Whether ``key`` is read from a memory map (a whole tensor in one file)."""
+        return key in self._views
+
+    def get(self, key: str) -> torch.Tensor:
+        """Tensor ``key`` on the CPU: a view of the memory-mapped file, or assembled from its pieces."""
+        view = self._views.get(key)
+        return view if view is not None else self.reader.read(key)
+
+    def copy_into(self, key: str, dst: torch.Tensor, non_blocking: bool = False) -> None:
+        dst.copy_(self.get(key), non_blocking=non_blocking)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _copy_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` on the calling thread alone (NumPy's copy, bit for bit): ``Tensor.copy_`` of a large
+    tensor starts its own OpenMP team, which on a small CPU competes with the compute threads it should hide under."""
+    if src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape \
+            and src.element_size() in _BITS:
+        bits = _BITS[src.element_size()]
+        np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
+    else:
+        dst.copy_(src)
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class _Layout:
+    """Where each parameter of a block sits in a flat byte buffer: ``(module, attr, checkpoint key, shape, dtype, offset, bytes)``."""
+
+    def __init__(self, block: nn.Module, prefix: str):
+        self.entries = []
+        off = 0
+        for name, p in block.named_parameters():
+            mod_name, _, attr = name.rpartition(".")
+            mod = block.get_submodule(mod_name) if mod_name else block
+            nbytes = p.numel() * p.element_size()
+            self.entries.append((mod, attr, checkpoint_key(prefix + name), tuple(p.shape), p.dtype, off, nbytes))
+            off = _aligned(off + nbytes)
+        self.nbytes = off
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[o:o + nb].view(dt).view(shape) for _, _, _, shape, dt, o, nb in self.entries]
+
+
+class BlockStreamer:
+    """Gives streamed blocks their weights from up to two reusable device buffers, prefetching the next one.
+
+    ``blocks``: the streamed blocks by index (meta parameters); ``placement``: the plan.
+    Counters: :attr:`copies` (blocks copied in) and :attr:`bytes_copied`.
+    """
+
+    def __init__(self, blocks: dict[int, nn.Module], placement: Placement, tensors: CheckpointTensors, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.order = list(placement.streamed)
+        self.tensors = tensors
+        self.layouts = {i: _Layout(blocks[i], f"layers.{i}.") for i in self.order}
+        self.meta = {i: [(mod, attr, mod._parameters[attr]) for mod, attr, *_ in self.layouts[i].entries] for i in self.order}
+        self.slots = [torch.empty(placement.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(placement.n_buffers)]
+        self.holds: list[int | None] = [None] * len(self.slots)
+        self._views: dict[tuple[int, int], list] = {}
+        self._last = len(self.slots) - 1  # the slot the latest block ran from
+        self._running: int | None = None  # the slot of the block now running
+        self.copies = 0
+        self.bytes_copied = 0
+        if self.cuda:
+            self.copy_stream = torch.cuda.Stream(self.device)
+            self.ready = [torch.cuda.Event() for _ in self.slots]
+            self.free = [torch.cuda.Event() for _ in self.slots]
+            self.host = {i: self._pack_pinned(i) for i in self.order}
+        else:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trickles-prefetch")
+            self.pending: list[Future | None] = [None] * len(self.slots)
+        self.handles = []
+        for i in self.order:
+            self.handles.append(blocks[i].register_forward_pre_hook(self._pre_hook(i)))
+            self.handles.append(blocks[i].register_forward_hook(self._post_hook(i)))
+
+    # ---- copying --------------------------------------------------------------------------
+    def _pack_pinned(self, i: int) -> torch.Tensor:
+        layout = self.layouts[i]
+        flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
+        for (_, _, key, *_), view in zip(layout.entries, layout.views(flat)):
+            self.tensors.copy_into(key, view)
+        return flat
+
+    def _copy_block(self, i: int, slot: int) -> None:
+        """CPU: block ``i`` into buffer ``slot``, on the copy thread."""
+        layout = self.layouts[i]
+        for (_, _, key, *_), view in zip(layout.entries, layout.views(self.slots[slot])):
+            _copy_one_thread(view, self.tensors.get(key))
+
+    def _fetch(self, i: int, slot: int) -> None:
+        """Starts copying block ``i`` into buffer ``slot``."""
+        self.holds[slot] = i
+        self.copies += 1
+        self.bytes_copied += self.layouts[i].nbytes
+        if self.cuda:
+            with torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(self.free[slot])  # the block that used this buffer has finished
+                n = self.layouts[i].nbytes
+                self.slots[slot][:n].copy_(self.host[i], non_blocking=True)
+                self.ready[slot].record(self.copy_stream)
+        else:
+            self.pending[slot] = self._pool.submit(self._copy_block, i, slot)
+
+    def _wait(self, slot: int) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+            return
+        fut = self.pending[slot]
+        if fut is not None:
+            fut.result()
+            self.pending[slot] = None
+
+    # ---- hooks ----------------------------------------------------------------------------
+    def _pre_hook(self, i: int):
+        def hook(module, args):
+            slot = self.holds.index(i) if i in self.holds else None
+            if slot is None:
+                slot = (self._last + 1) % len(self.slots)
+                self._fetch(i, slot)
+            self._wait(slot)
+            views = self._views.get((i, slot))
+            if views is None:
+                views = self._views[(i, slot)] = [nn.Parameter(v, requires_grad=False) for v in self.layouts[i].views(self.slots[slot])]
+            for (mod, attr, _), v in zip(self.meta[i], views):
+                mod._parameters[attr] = v
+            self._last = self._running = slot
+            if len(self.slots) == 2:
+                nxt = self.order[(self.order.index(i) + 1) % len(self.order)]
+                if nxt not in self.holds:
+                    self._fetch(nxt, 1 - slot)
+        return hook
+
+    def _post_hook(self, i: int):
+        def hook(module, args, output):
+            for mod, attr, meta in self.meta[i]:
+                mod._parameters[attr] = meta
+            if self.cuda and self._running is not None:
+                self.free[self._running].record(torch.cuda.current_stream(self.device))
+            self._running = None
+        return hook
+
+    def close(self) -> None:
+        """Removes the hooks and stops the copy thread (the streamed blocks are left without weights)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if not self.cuda:
+            self._pool.shutdown(wait=True)
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of the KV cache of ``batch`` sequences of ``max_len`` positions: ``2 L B H_kv T D`` elements."""
+    return 2 * cfg.n_layers * batch * cfg.kv_heads * max_len * cfg.head_dim * dtype.itemsize
+
+
+def block_bytes(block: nn.Module) -> int:
+    """Bytes a block takes in a streaming buffer: its parameters, each starting at a multiple of :data:`ALIGN`."""
+    return _Layout(block, "").nbytes
+
+
+def _nbytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
+
+
+def plan_for(model: Transformer, budget_bytes: int, batch: int, max_len: int) -> Placement:
+    """The placement of ``model`` (on any device, meta included) for a KV cache of ``batch x max_len``."""
+    blocks = list(model.layers.values())
+    block_params = {id(p) for b in blocks for p in b.parameters()}
+    fixed = _nbytes([p for p in model.parameters() if id(p) not in block_params] + list(model.buffers()))
+    dtype = next(model.parameters()).dtype
+    fixed += kv_cache_bytes(model.cfg, batch, max_len, dtype)
+    return plan_placement([block_bytes(b) for b in blocks], fixed, budget_bytes)
+
+
+@torch.no_grad()
+def _materialize(module: nn.Module, prefix: str, tensors: CheckpointTensors, device) -> None:
+    module.to_empty(device=device, recurse=True)
+    for name, p in module.named_parameters():
+        tensors.copy_into(checkpoint_key(prefix + name), p)
+
+
+def load_streaming(path: str, device: torch.device | str, budget_bytes: int, batch: int = 1, max_len: int | None = None,
+                   verify: bool = True):
+    """``(model, tokenizer, trainer_meta)`` like :func:`~trickles.train.trainer.load_for_inference`, within ``budget_bytes``.
+
+    The budget covers the weights on ``device`` and a KV cache for ``batch`` sequences of
+    ``max_len`` positions (default: the model's ``max_seq_len``). Blocks that do not fit stream
+    (module docstring); ``model.placement`` says which, ``model.streamer`` is the
+    :class:`BlockStreamer` (None when everything fits). Raises :class:`~trickles.errors.UserError`
+    when even streaming every block does not fit.
+    """
+    device = torch.device(device)
+    path = ckpt.resolve(path)
+    if verify:
+        ckpt.verify(path)
+    meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**meta["model"]))
+    model.eval()
+    tensors = CheckpointTensors(path)
+    ckpt.check_fits(tensors.reader, {checkpoint_key(k): v for k, v in ckpt.unique_state(model).items()}, path)
+    placement = plan_for(model, budget_bytes, batch, min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len))
+    for name, child in model.named_children():
+        if name != "layers" and not (name == "output" and model.cfg.tied):
+            _materialize(child, name + ".", tensors, device)
+    if model.cfg.tied:  # the output projection is the token embedding, stored once under its name
+        model.output.weight = model.embed.weight
+    for name, buf in list(model.named_buffers(recurse=False)):
+        model._buffers[name] = torch.empty_like(buf, device=device)
+    model.reset_buffers()
+    for i in placement.resident:
+        _materialize(model.layers[str(i)], f"layers.{i}.", tensors, device)
+    streamed = {i: model.layers[str(i)] for i in placement.streamed}
+    model.placement = placement
+    model.streamer = BlockStreamer(streamed, placement, tensors, device) if streamed else None
+    return model, load_tokenizer(os.path.join(path, "tokenizer")), meta
+
+
+def prompt_length(path: str, prompt: str) -> int:
+    """Tokens of ``prompt`` under the tokenizer of the checkpoint at ``path`` (at least one: an empty prompt is eos)."""
+    return len(load_tokenizer(os.path.join(ckpt.resolve(path), "tokenizer")).encode(prompt)) or 1
+
+
+def save_for_inference(model: Transformer, tokenizer, path: str) -> str:
+    """Writes ``model`` (whole, one process) and ``tokenizer`` as a checkpoint directory that
+    :func:`load_streaming` and :func:`~trickles.train.trainer.load_for_inference` read; returns ``path``.
+
+    Only what inference needs: ``model-rank00000.safetensors``, ``trainer.json`` with the model
+    config, ``tokenizer/`` and the manifest (no optimizer state).
+    """
+    import dataclasses
+
+    os.makedirs(path, exist_ok=True)
+    ckpt.save_pieces(ckpt.model_pieces(model), os.path.join(path, "model-rank00000.safetensors"))
+    ckpt.write_json(os.path.join(path, "trainer.json"), {"model": dataclasses.asdict(model.cfg)})
+    tokenizer.save(os.path.join(path, "tokenizer"))
+    ckpt.write_manifest(path)
+    return path
