@@ -211,6 +211,22 @@ def test_streams_a_checkpoint_stored_in_pieces(tmp_path):
     assert torch.equal(generate(model, prompt, 16, temperature=0), generate(ref, prompt, 16, temperature=0))
 
 
+def test_streams_a_checkpoint_written_by_a_fused_model(tmp_path):
+    """A run with fused q/k/v and gate/up projections stores them fused; the streamed model (which keeps them apart,
+    copying the checkpoint's tensors as named) reads the parts out of them and decodes as the resident model does."""
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=N_LAYERS, vocab_size=257, max_seq_len=64,
+                              fused_proj=True)
+    path = str(tmp_path / "fused")
+    save_for_inference(build_model(cfg, seed=3), ByteTokenizer(), path)
+    assert "layers.0.attn.k_proj.weight" in ckpt.PieceReader(path, "model")
+    ref, tok, _ = load_for_inference(path, "cpu")
+    assert ref.cfg.fuses_projections
+    prompt = torch.tensor([tok.encode("fused")])
+    model, _, _ = load_streaming(path, "cpu", _budgets(ref, 30)[-1], max_len=30)
+    assert len(model.placement.streamed) == N_LAYERS and not model.cfg.fuses_projections
+    assert torch.equal(generate(model, prompt, 16, temperature=0), generate(ref, prompt, 16, temperature=0))
+
+
 def test_a_budget_too_small_says_what_would_fit(tmp_path):
     path = _save(tmp_path)
     with pytest.raises(UserError, match=r"streaming every block still needs [0-9.e-]+ GB"):

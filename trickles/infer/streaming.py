@@ -293,8 +293,10 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
     if verify:
         ckpt.verify(path)
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+    # blocks are copied tensor for tensor from the checkpoint, which names the parts of fused projections
+    # (trickles.models.fused): a streamed model keeps its q/k/v and gate/up projections apart
     with torch.device("meta"):
-        model = Transformer(ModelConfig(**meta["model"]))
+        model = Transformer(ModelConfig(**{**meta["model"], "fused_proj": False}))
     model.eval()
     tensors = CheckpointTensors(path)
     ckpt.check_fits(tensors.reader, {checkpoint_key(k): v for k, v in ckpt.unique_state(model).items()}, path)
