@@ -1,5 +1,6 @@
-"""Batched decoding (trickles.infer) through a tensor-parallel model: prompts of different lengths, left-padded,
-with the vocabulary shards gathered by the engine's ``full_logits``, decode as one process does."""
+"""Batched decoding (trickles.infer) through a tensor-parallel model (the vocabulary shards gathered by the engine's
+``full_logits``) and through a mixture-of-experts model with its experts split over two ranks (every token sent to
+its experts' rank and back): prompts of different lengths, left-padded, decode as one process does."""
 
 import math
 
@@ -20,9 +21,16 @@ def cache(tmp_path_factory):
     return f"data.cache_dir={tmp_path_factory.mktemp('infer-tp-cache')}"
 
 
-def _decode(tmp, dims, cache):
-    cfg = tiny_config(tmp, cache, *(f"parallel.{k}={v}" for k, v in dims.items()), steps=2)
-    tr = Trainer(cfg, cfg.validate(math.prod(dims.values()) if dims else 1).build(CPU), quiet=True)
+MOE = ["model.moe_experts=4", "model.moe_every=2"]
+
+
+def _world(dims):
+    return math.prod(v for k, v in dims.items() if k != "ep")  # experts spread over the dp ranks, adding none
+
+
+def _decode(tmp, dims, cache, extra=()):
+    cfg = tiny_config(tmp, cache, *(f"parallel.{k}={v}" for k, v in dims.items()), *extra, steps=2)
+    tr = Trainer(cfg, cfg.validate(_world(dims)).build(CPU), quiet=True)
     tr.train_step()
     tr.train_step()
     model, full = tr.model, tr.engine.full_logits
@@ -39,9 +47,10 @@ def _decode(tmp, dims, cache):
             [c.tokens for c in beams])
 
 
-def test_tensor_parallel_decoding_matches_one_process(tmp_path, cache):
-    [ref] = run_ranks(1, _decode, str(tmp_path / "one"), {}, cache)
-    for rank in run_ranks(2, _decode, str(tmp_path / "tp"), {"tp": 2}, cache):
+@pytest.mark.parametrize("dims,extra", [({"tp": 2}, []), ({"dp": 2, "ep": 2}, MOE)], ids=["tp2", "moe-ep2"])
+def test_parallel_decoding_matches_one_process(tmp_path, cache, dims, extra):
+    [ref] = run_ranks(1, _decode, str(tmp_path / "one"), {}, cache, extra)
+    for rank in run_ranks(_world(dims), _decode, str(tmp_path / "par"), dims, cache, extra):
         for a, b in zip(rank[0], ref[0]):
             # whole-vocabulary logits at every step; measured gap 9e-7 (fp32 sums split over the two ranks)
             assert a.shape == b.shape and (a - b).abs().max() <= 1e-5
