@@ -6,6 +6,7 @@
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
     trickles checkpoint export CHECKPOINT OUT [--format trickles|hf]
+    trickles compress quantize CHECKPOINT OUT [--bits 8] [--granularity row|tensor]
 
 ``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
 ``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
@@ -63,6 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--device", default="auto", help="auto, cpu or cuda")
     g.add_argument("--label", default=None, help="hard-routed experts (model.moe_router=hard): decode with this label's experts")
+    g.add_argument("--int8", choices=["weight", "full"], default=None,
+                   help="a quantized checkpoint: weight-only int8 (default) or full (activations per token, integer matmul)")
 
     m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
     config_args(m)
@@ -97,6 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
                    help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
                         "hf: a Hugging Face directory (config.json + model.safetensors)")
+
+    q = sub.add_parser("compress", help="compress a checkpoint (quantize)")
+    actions = q.add_subparsers(dest="action", required=True)
+    qz = actions.add_parser("quantize", help="symmetric int8 weights of every projection, in a new checkpoint")
+    qz.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
+    qz.add_argument("out", help="directory to create (must not exist)")
+    qz.add_argument("--bits", type=int, default=8, help="bits per weight (8)")
+    qz.add_argument("--granularity", choices=["row", "tensor"], default="row", help="one scale per output row (default) or per matrix")
     return p
 
 
@@ -132,7 +143,7 @@ def _generate(args) -> int:
 
     from .models.generate import generate
     from .topology import select_device
-    from .train.trainer import load_for_inference
+    from .compress.checkpoint import load_checkpoint
 
     _count("--max-new-tokens", args.max_new_tokens, 0)
     _count("--top-k", args.top_k, 0)
@@ -148,7 +159,7 @@ def _generate(args) -> int:
     if not os.path.exists(args.checkpoint):
         raise UserError(f"checkpoint {args.checkpoint} does not exist; give a checkpoint directory or a run's out_dir")
     device = select_device(args.device)
-    model, tokenizer, meta = load_for_inference(args.checkpoint, device)
+    model, tokenizer, meta = load_checkpoint(args.checkpoint, device, int8=args.int8)
     ids = tokenizer.encode(args.prompt) or [tokenizer.eos_id]
     g = torch.Generator(device=device).manual_seed(args.seed)
     prompt = torch.tensor([ids] * args.num_samples, device=device)
@@ -257,12 +268,20 @@ def _checkpoint(args) -> int:
     return 0
 
 
+def _compress(args) -> int:
+    from .compress.checkpoint import quantize_checkpoint
+
+    out = quantize_checkpoint(args.checkpoint, args.out, args.bits, args.granularity)
+    print(f"[trickles] quantized {args.checkpoint} to {out} (int{args.bits}, one scale per {args.granularity})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     try:
         commands = {"train": _train, "generate": _generate, "memory": _memory, "bench": _bench, "config": _config,
-                    "checkpoint": _checkpoint}
+                    "checkpoint": _checkpoint, "compress": _compress}
         code = commands[args.command](args)
     except ONE_LINE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

@@ -92,6 +92,10 @@ class Trainer:
         self.pipeline = self.engine.pipeline  # a PipelineRunner when parallel.pp > 1
         if self.pipeline is not None:
             self.pipeline.trace_enabled = bool(t.pipeline_trace)
+        if t.qat:  # fake int8 in every projection's forward (trickles.compress.qat)
+            from ..compress.qat import apply_qat
+
+            apply_qat(self.model)
         if t.compile:
             for block in self.model.layers.values():
                 block.compile()
@@ -282,7 +286,9 @@ class Trainer:
                 post["scale"] = f"{self.scaler.scale:g}"
             bar.set_postfix(post, refresh=False)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
+                if last and t.qat and saved:
+                    self.export_int8(saved)
         bar.close()
         if self.pipeline is not None and t.pipeline_trace:
             self.draw_pipeline_trace(t.pipeline_trace)
@@ -301,6 +307,19 @@ class Trainer:
             if not self.quiet:
                 print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
         return self.history
+
+    def export_int8(self, path: str) -> str | None:
+        """Quantization-aware training's final checkpoint ``path`` as an int8 checkpoint ``<out_dir>/int8_step_N`` (rank 0)."""
+        from ..compress.checkpoint import quantize_checkpoint
+
+        out = os.path.join(self.cfg.train.out_dir, f"int8_step_{self.step:06d}")
+        if os.path.lexists(out):
+            print(f"[trickles] {out} exists; not exporting the int8 checkpoint again")
+            return None
+        quantize_checkpoint(path, out, qat=True)
+        if not self.quiet:
+            print(f"[trickles] int8 checkpoint: {out}")
+        return out
 
     def sample(self, prompt: str, n_tokens: int, label: str | None = None) -> str:
         """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``); hard-routed
