@@ -18,7 +18,9 @@ Under tensor parallelism (:mod:`trickles.parallel.tensor`) the scales must be th
 
 Data parallelism and ZeRO change nothing (every rank's layers hold whole rows locally, ZeRO-3 gathers them before
 the forward); pipeline stages quantize the projections they hold. The layers keep their parameters and names, so
-checkpoints, resuming and resharding are unchanged. Mixture-of-experts blocks stay float (as in the export).
+checkpoints, resuming and resharding are unchanged. Mixture-of-experts blocks stay float (as in the export). An
+untied output head is fake-quantized too, so its loss is computed from its logits (``model.fused_loss`` is turned
+off for the run: the fused chunked loss reads the float weight).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def apply_qat(model: nn.Module) -> list[str]:
 
     forwards = {nn.Linear: _linear, ColumnParallelLinear: _column, RowParallelLinear: _row, ReplicatedKV: _replicated_kv}
     names = quantized_names(model)
+    if "output" in names and getattr(model, "loss", None) is not None:
+        model.loss.fused = False  # the loss from the (fake-quantized) head's logits, not from its float weight
     for name in names:
         mod = model.get_submodule(name)
         fwd = forwards.get(type(mod))

@@ -35,23 +35,27 @@ from torch import nn
 QMAX = 127
 GRANULARITIES = ("row", "tensor")
 MODES = ("weight", "full")
-#: the projections quantized (attention and dense MLP); embeddings, norms, experts, routers and the output head stay float
+#: the projections quantized (attention and dense MLP), with the output head unless it is tied to the embedding;
+#: embeddings, norms, experts and routers stay float
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
-def scales(w: torch.Tensor, granularity: str = "row") -> torch.Tensor:
-    """``s_w [n]``: max |W| / 127 of each row (``row``) or of the matrix repeated per row (``tensor``); zero -> 1."""
+def scales(w: torch.Tensor, granularity: str = "row", bits: int = 8) -> torch.Tensor:
+    """``s_w [n]``: max |W| / 127 of each row (``row``) or of the matrix repeated per row (``tensor``); zero -> 1.
+
+    ``bits < 8``: the grid of ``2^(bits-1) - 1`` steps each way (still stored as int8; for studying granularity)."""
     if granularity not in GRANULARITIES:
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     w = w.detach().float()
     amax = w.abs().amax(dim=1) if granularity == "row" else w.abs().amax().expand(w.shape[0])
-    return torch.where(amax > 0, amax / QMAX, torch.ones_like(amax))
+    return torch.where(amax > 0, amax / (2 ** (bits - 1) - 1), torch.ones_like(amax))
 
 
-def quantize_weight(w: torch.Tensor, granularity: str = "row") -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(w: torch.Tensor, granularity: str = "row", bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``(W_q int8 [n, k], s_w fp32 [n])`` with ``W ~= s_w[:, None] * W_q``."""
-    s = scales(w, granularity)
-    q = torch.round(w.detach().float() / s[:, None]).clamp_(-QMAX, QMAX).to(torch.int8)
+    s = scales(w, granularity, bits)
+    top = 2 ** (bits - 1) - 1
+    q = torch.round(w.detach().float() / s[:, None]).clamp_(-top, top).to(torch.int8)
     return q, s
 
 
@@ -118,9 +122,9 @@ class Int8Linear(nn.Module):
         self._wq_t = None  # W_q^T contiguous, cached for torch._int_mm
 
     @classmethod
-    def from_float(cls, linear: nn.Module, granularity: str = "row", mode: str = "weight") -> "Int8Linear":
+    def from_float(cls, linear: nn.Module, granularity: str = "row", mode: str = "weight", bits: int = 8) -> "Int8Linear":
         out = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, device=linear.weight.device)
-        q, s = quantize_weight(linear.weight, granularity)
+        q, s = quantize_weight(linear.weight, granularity, bits)
         out.weight.copy_(q)
         out.weight_scale.copy_(s)
         if linear.bias is not None:
@@ -162,22 +166,34 @@ def quantized_names(model: nn.Module) -> list[str]:
             for pname, mod in getattr(block, part).named_children():
                 if pname in PROJECTIONS and hasattr(mod, "weight"):
                     names.append(f"layers.{bname}.{part}.{pname}")
+    output = getattr(model, "output", None)
+    if output is not None and hasattr(output, "weight") and not model.cfg.tied:
+        names.append("output")
     return names
 
 
-def quantize_model(model: nn.Module, granularity: str = "row", mode: str = "weight") -> list[str]:
+def _unfuse_loss(model: nn.Module, names: list[str]) -> None:
+    """A quantized output head is called as a layer: the loss goes through the logits, not the fused chunked kernel
+    (which reads the float weight)."""
+    if "output" in names and getattr(model, "loss", None) is not None:
+        model.loss.fused = False
+
+
+def quantize_model(model: nn.Module, granularity: str = "row", mode: str = "weight", bits: int = 8) -> list[str]:
     """Replaces every projection of :func:`quantized_names` by :class:`Int8Linear` (in place); returns their names."""
     names = quantized_names(model)
+    _unfuse_loss(model, names)
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent)
-        setattr(owner, leaf, Int8Linear.from_float(getattr(owner, leaf), granularity, mode))
+        setattr(owner, leaf, Int8Linear.from_float(getattr(owner, leaf), granularity, mode, bits))
     return names
 
 
 def empty_quantized(model: nn.Module, mode: str = "weight") -> list[str]:
     """Like :func:`quantize_model` with empty int8 layers (their values loaded afterwards), on the model's device."""
     names = quantized_names(model)
+    _unfuse_loss(model, names)
     for name in names:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent)
