@@ -17,6 +17,7 @@ table and writes ``--out``/quantization.json.
 
     python benchmarks/quantization.py                          # CPU: trains the demo model 150 steps first (a few minutes)
     python benchmarks/quantization.py --checkpoint runs/demo   # an existing run
+    python benchmarks/quantization.py --speed-preset llama-125m --threads 1   # decode speed of a wider model (untrained)
 """
 
 from __future__ import annotations
@@ -78,10 +79,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
     p.add_argument("--eval-batches", type=int, default=None, help="held-out batches (default: the run's train.eval_batches)")
+    p.add_argument("--speed-preset", default=None, metavar="PRESET",
+                   help="decode speed only, of an untrained model of this preset (e.g. llama-125m), quantized in memory")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
+    if args.speed_preset:
+        return speed_only(args)
     path = ckpt.resolve(args.checkpoint) if args.checkpoint else train_demo(args)
     int8_dirs = {g: os.path.join(args.out, f"int8-{g}") for g in ("row", "tensor")}
     for g, d in int8_dirs.items():
@@ -100,10 +105,31 @@ def main() -> None:
         models["torchao-int8"] = ao
 
     losses = {n: validation_loss(m, meta, tok, args.eval_batches) for n, m in models.items()}
+    report(models, losses, args, path)
 
+
+def speed_only(args) -> None:
+    """The contestants built in memory from an untrained ``--speed-preset`` model (no held-out loss)."""
+    from trickles.compress import quantize_model
+    from trickles.models.config import ModelConfig, apply_preset, resolve_model
+    from trickles.models.transformer import build_model
+
+    cfg = resolve_model(apply_preset(ModelConfig(), args.speed_preset), 32000, args.prompt_tokens + args.new_tokens)
+    base = build_model(cfg, seed=0).eval()
+    models = {"fp32": base, "bf16": copy.deepcopy(base).to(torch.bfloat16)}
+    for name, g, mode in (("int8-weight", "row", "weight"), ("int8-full", "row", "full")):
+        models[name] = copy.deepcopy(base)
+        quantize_model(models[name], g, mode)
+    ao = torchao_model(base)
+    if ao is not None:
+        models["torchao-int8"] = ao
+    report(models, {n: None for n in models}, args, f"untrained {args.speed_preset} (vocab {cfg.vocab_size})")
+
+
+def report(models, losses, args, path) -> None:
     cpu = torch.device("cpu")
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, base.cfg.vocab_size, (args.batch, args.prompt_tokens), generator=g)
+    prompt = torch.randint(0, models["fp32"].cfg.vocab_size, (args.batch, args.prompt_tokens), generator=g)
     outputs = {}
     with torch.no_grad():
         for name, m in models.items():  # warm-up, and the greedy tokens
@@ -115,18 +141,23 @@ def main() -> None:
     tokens = args.batch * args.new_tokens
     rows, out = [], {}
     ref_loss = losses["fp32"]
+
+    def loss_cells(name):
+        if losses[name] is None:
+            return ["-", "-"]
+        return [f"{losses[name]:.4f}", f"{100 * (losses[name] - ref_loss) / ref_loss:+.3f}%"]
+
     ao_speed = tokens / statistics.median(times["torchao-int8"]) if "torchao-int8" in times else None
     for name in models:
         speed = tokens / statistics.median(times[name])
         same = float((outputs[name] == outputs["fp32"]).float().mean())
-        rows.append([name, f"{speed:.1f}", f"{speed / ao_speed:.2f}x" if ao_speed else "-", f"{losses[name]:.4f}",
-                     f"{100 * (losses[name] - ref_loss) / ref_loss:+.3f}%", f"{100 * same:.0f}%"])
+        rows.append([name, f"{speed:.1f}", f"{speed / ao_speed:.2f}x" if ao_speed else "-", *loss_cells(name), f"{100 * same:.0f}%"])
         out[name] = {"tokens_per_s": speed, "times": times[name], "val_loss": losses[name], "greedy_agreement": same}
     print(f"\n[bench] decode {args.new_tokens} tokens after {args.prompt_tokens}, batch {args.batch}, {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads, {device_name(cpu)}; model {path}")
     print(table(["model", "tokens/s", "vs torchao", "val loss", "vs fp32", "greedy = fp32"], rows))
     with open(os.path.join(args.out, "quantization.json"), "w") as f:
-        json.dump({"args": vars(args), "checkpoint": path, "results": out}, f, indent=2)
+        json.dump({"args": vars(args), "model": path, "results": out}, f, indent=2)
 
 
 if __name__ == "__main__":
