@@ -146,7 +146,7 @@ class Int8Linear(nn.Module):
             if self._wq_t is None or self._wq_t.device != x.device:
                 self._wq_t = self.weight.t().contiguous()
             acc = int8_matmul(xq, self._wq_t, self.path)
-            y = acc.float().mul_(sx[:, None]).mul_(self.weight_scale).to(x.dtype)
+            y = (acc * (sx[:, None] * self.weight_scale)).to(x.dtype)  # int32 * fp32 -> fp32: one operation
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
