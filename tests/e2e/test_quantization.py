@@ -142,6 +142,8 @@ def test_quantize_command_checkpoint_and_damage(trained, capsys):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
     assert not any(n.startswith("int8-4") or n.endswith(".tmp") for n in os.listdir(tmp))
+    with pytest.raises(CheckpointError, match="int8 checkpoint for inference"):
+        _trainer(tmp).load_checkpoint(out)  # not a training state
     # one byte of one int8 tensor altered: the manifest's checksum refuses it
     bad = os.path.join(tmp, "int8-damaged")
     shutil.copytree(out, bad)

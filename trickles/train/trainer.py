@@ -386,6 +386,9 @@ class Trainer:
         if verify:
             ckpt.verify(path)
         meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+        if meta.get("quantization"):
+            raise CheckpointError(f"{path} is an int8 checkpoint for inference; resume from the float checkpoint it came from "
+                                  f"({meta['quantization'].get('source')})")
         saved = meta.get("model", {})
         mine = dataclasses.asdict(self.model_cfg)
         # how the model computes (kernels, fusion) may change between runs; what it computes may not
