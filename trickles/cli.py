@@ -141,9 +141,9 @@ def _train(args) -> int:
 def _generate(args) -> int:
     import torch
 
+    from .compress.checkpoint import load_checkpoint
     from .models.generate import generate
     from .topology import select_device
-    from .compress.checkpoint import load_checkpoint
 
     _count("--max-new-tokens", args.max_new_tokens, 0)
     _count("--top-k", args.top_k, 0)

@@ -287,7 +287,7 @@ class Trainer:
             bar.set_postfix(post, refresh=False)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
                 saved = self.save_checkpoint()
-                if last and t.qat and saved:
+                if last and t.qat:
                     self.export_int8(saved)
         bar.close()
         if self.pipeline is not None and t.pipeline_trace:
@@ -308,17 +308,20 @@ class Trainer:
                 print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
         return self.history
 
-    def export_int8(self, path: str) -> str | None:
-        """Quantization-aware training's final checkpoint ``path`` as an int8 checkpoint ``<out_dir>/int8_step_N`` (rank 0)."""
+    def export_int8(self, path: str | None) -> str | None:
+        """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
+        ``<out_dir>/int8_step_N``, written by rank 0 while the others wait."""
         from ..compress.checkpoint import quantize_checkpoint
 
         out = os.path.join(self.cfg.train.out_dir, f"int8_step_{self.step:06d}")
-        if os.path.lexists(out):
-            print(f"[trickles] {out} exists; not exporting the int8 checkpoint again")
-            return None
-        quantize_checkpoint(path, out, qat=True)
-        if not self.quiet:
-            print(f"[trickles] int8 checkpoint: {out}")
+        if self.topo.is_main and path is not None:
+            if os.path.lexists(out):
+                print(f"[trickles] {out} exists; not exporting the int8 checkpoint again")
+            else:
+                quantize_checkpoint(path, out, qat=True)
+                if not self.quiet:
+                    print(f"[trickles] int8 checkpoint: {out}")
+        self.topo.comm("world").barrier(limit_s=math.inf)  # file work on rank 0 (see __init__)
         return out
 
     def sample(self, prompt: str, n_tokens: int, label: str | None = None) -> str:
