@@ -8,6 +8,7 @@
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
     trickles checkpoint export CHECKPOINT OUT [--format trickles|hf]
+    trickles compress quantize CHECKPOINT OUT [--bits 8] [--granularity row|tensor]
 
 ``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
 ``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
@@ -80,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="keep weights and KV cache within this many GB of the device (RAM on CPU); blocks that do not fit "
                         "stream from the checkpoint (docs/inference-streaming.md)")
 
+    g.add_argument("--int8", choices=["weight", "full"], default=None,
+                   help="a quantized checkpoint: weight-only int8 (default) or full (activations per token, integer matmul)")
+
     v = sub.add_parser("serve", help="serve a checkpoint over HTTP: OpenAI-style POST /v1/completions, GET /health")
     v.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
     v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -88,6 +92,7 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--device", default="auto", help="auto, cpu or cuda")
     v.add_argument("--device-budget-gb", type=float, default=None, metavar="GB",
                    help="as for generate, with a KV cache for --max-batch sequences of the model's context")
+    v.add_argument("--int8", choices=["weight", "full"], default=None, help="as for generate")
 
     m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
     config_args(m)
@@ -122,6 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
                    help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
                         "hf: a Hugging Face directory (config.json + model.safetensors)")
+
+    q = sub.add_parser("compress", help="compress a checkpoint (quantize)")
+    actions = q.add_subparsers(dest="action", required=True)
+    qz = actions.add_parser("quantize", help="symmetric int8 weights of every projection, in a new checkpoint")
+    qz.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
+    qz.add_argument("out", help="directory to create (must not exist)")
+    qz.add_argument("--bits", type=int, default=8, help="bits per weight (8)")
+    qz.add_argument("--granularity", choices=["row", "tensor"], default="row", help="one scale per output row (default) or per matrix")
     return p
 
 
@@ -178,16 +191,17 @@ def _check_budget(budget_gb: float | None) -> None:
         raise UserError(f"--device-budget-gb must be a positive number of GB, got {budget_gb:g}")
 
 
-def _load_model(path: str, device, budget_gb: float | None, rows: int, max_len: int):
-    """``(model, tokenizer, meta)``: the whole model on ``device``, or with ``--device-budget-gb`` the blocks that do
-    not fit beside a KV cache of ``rows x max_len`` streamed from the checkpoint (placement printed on stderr)."""
-    from .train.trainer import load_for_inference
+def _load_model(path: str, device, budget_gb: float | None, rows: int, max_len: int, int8: str | None = None):
+    """``(model, tokenizer, meta)``: the whole model on ``device`` (a quantized checkpoint with its ``int8`` matmul), or
+    with ``--device-budget-gb`` the blocks that do not fit beside a KV cache of ``rows x max_len`` streamed from the
+    checkpoint (placement printed on stderr)."""
+    from .compress.checkpoint import load_checkpoint
 
     if budget_gb is None:
-        return load_for_inference(path, device)
+        return load_checkpoint(path, device, int8=int8)
     from .infer.streaming import load_streaming
 
-    model, tokenizer, meta = load_streaming(path, device, int(budget_gb * 1e9), rows, max_len)
+    model, tokenizer, meta = load_streaming(path, device, int(budget_gb * 1e9), rows, max_len, int8=int8)
     print(model.placement.summary(), file=sys.stderr)
     return model, tokenizer, meta
 
@@ -228,7 +242,8 @@ def _generate(args) -> int:
     texts = args.prompt or ["def "]
     rows = len(texts) * (args.beams or args.num_samples)
     longest = max(prompt_length(args.checkpoint, t) for t in texts) if args.device_budget_gb is not None else 0
-    model, tokenizer, meta = _load_model(args.checkpoint, device, args.device_budget_gb, rows, longest + args.max_new_tokens)
+    model, tokenizer, meta = _load_model(args.checkpoint, device, args.device_budget_gb, rows, longest + args.max_new_tokens,
+                                         args.int8)
     prompts = [tokenizer.encode(t) or [tokenizer.eos_id] for t in texts]
     labels = None
     hard = model.cfg.moe_experts and model.cfg.moe_router == "hard"
@@ -277,7 +292,7 @@ def _serve(args) -> int:
     from .infer.server import serve
 
     model, tokenizer, _ = _load_model(args.checkpoint, select_device(args.device), args.device_budget_gb, args.max_batch,
-                                      _context(args.checkpoint))
+                                      _context(args.checkpoint), args.int8)
     if model.cfg.moe_experts and model.cfg.moe_router == "hard":
         raise UserError("this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
                         "field yet: use trickles generate --label L")
@@ -382,12 +397,20 @@ def _checkpoint(args) -> int:
     return 0
 
 
+def _compress(args) -> int:
+    from .compress.checkpoint import quantize_checkpoint
+
+    out = quantize_checkpoint(args.checkpoint, args.out, args.bits, args.granularity)
+    print(f"[trickles] quantized {args.checkpoint} to {out} (int{args.bits}, one scale per {args.granularity})")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     try:
         commands = {"train": _train, "generate": _generate, "serve": _serve, "memory": _memory, "bench": _bench, "config": _config,
-                    "checkpoint": _checkpoint}
+                    "checkpoint": _checkpoint, "compress": _compress}
         code = commands[args.command](args)
     except ONE_LINE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)

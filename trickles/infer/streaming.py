@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from ..data.tokenizers import load_tokenizer
+from ..errors import UserError
 from ..models.config import ModelConfig
 from ..models.transformer import Transformer
 from ..train import checkpoint as ckpt
@@ -115,13 +116,19 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _state(module: nn.Module):
+    """What a module's forward reads from its checkpoint: its parameters and persistent buffers (an int8 layer's codes
+    and scales, :mod:`trickles.compress.quantize`), by name."""
+    return module.state_dict(keep_vars=True).items()
+
+
 class _Layout:
-    """Where each parameter of a block sits in a flat byte buffer: ``(module, attr, checkpoint key, shape, dtype, offset, bytes)``."""
+    """Where each tensor of a block sits in a flat byte buffer: ``(module, attr, checkpoint key, shape, dtype, offset, bytes)``."""
 
     def __init__(self, block: nn.Module, prefix: str):
         self.entries = []
         off = 0
-        for name, p in block.named_parameters():
+        for name, p in _state(block):
             mod_name, _, attr = name.rpartition(".")
             mod = block.get_submodule(mod_name) if mod_name else block
             nbytes = p.numel() * p.element_size()
@@ -131,6 +138,11 @@ class _Layout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[o:o + nb].view(dt).view(shape) for _, _, _, shape, dt, o, nb in self.entries]
+
+
+def _slot_of(mod: nn.Module, attr: str) -> dict:
+    """The dictionary of ``mod`` that holds ``attr``: its parameters or its buffers."""
+    return mod._parameters if attr in mod._parameters else mod._buffers
 
 
 class BlockStreamer:
@@ -146,7 +158,7 @@ class BlockStreamer:
         self.order = list(placement.streamed)
         self.tensors = tensors
         self.layouts = {i: _Layout(blocks[i], f"layers.{i}.") for i in self.order}
-        self.meta = {i: [(mod, attr, mod._parameters[attr]) for mod, attr, *_ in self.layouts[i].entries] for i in self.order}
+        self.meta = {i: [(mod, attr, _slot_of(mod, attr)[attr]) for mod, attr, *_ in self.layouts[i].entries] for i in self.order}
         self.slots = [torch.empty(placement.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(placement.n_buffers)]
         self.holds: list[int | None] = [None] * len(self.slots)
         self._views: dict[tuple[int, int], list] = {}
@@ -214,9 +226,10 @@ class BlockStreamer:
             self._wait(slot)
             views = self._views.get((i, slot))
             if views is None:
-                views = self._views[(i, slot)] = [nn.Parameter(v, requires_grad=False) for v in self.layouts[i].views(self.slots[slot])]
+                views = self._views[(i, slot)] = [nn.Parameter(v, requires_grad=False) if isinstance(m, nn.Parameter) else v
+                                                  for (_, _, m), v in zip(self.meta[i], self.layouts[i].views(self.slots[slot]))]
             for (mod, attr, _), v in zip(self.meta[i], views):
-                mod._parameters[attr] = v
+                _slot_of(mod, attr)[attr] = v
             self._last = self._running = slot
             if len(self.slots) == 2:
                 nxt = self.order[(self.order.index(i) + 1) % len(self.order)]
@@ -227,7 +240,7 @@ class BlockStreamer:
     def _post_hook(self, i: int):
         def hook(module, args, output):
             for mod, attr, meta in self.meta[i]:
-                mod._parameters[attr] = meta
+                _slot_of(mod, attr)[attr] = meta
             if self.cuda and self._running is not None:
                 self.free[self._running].record(torch.cuda.current_stream(self.device))
             self._running = None
@@ -248,7 +261,8 @@ def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtyp
 
 
 def block_bytes(block: nn.Module) -> int:
-    """Bytes a block takes in a streaming buffer: its parameters, each starting at a multiple of :data:`ALIGN`."""
+    """Bytes a block takes in a streaming buffer: its parameters and persistent buffers, each starting at a multiple of
+    :data:`ALIGN`."""
     return _Layout(block, "").nbytes
 
 
@@ -264,8 +278,8 @@ def _nbytes(tensors) -> int:
 def plan_for(model: Transformer, budget_bytes: int, batch: int, max_len: int) -> Placement:
     """The placement of ``model`` (on any device, meta included) for a KV cache of ``batch x max_len``."""
     blocks = list(model.layers.values())
-    block_params = {id(p) for b in blocks for p in b.parameters()}
-    fixed = _nbytes([p for p in model.parameters() if id(p) not in block_params] + list(model.buffers()))
+    in_blocks = {id(t) for b in blocks for t in [*b.parameters(), *b.buffers()]}
+    fixed = _nbytes([t for t in [*model.parameters(), *model.buffers()] if id(t) not in in_blocks])
     dtype = next(model.parameters()).dtype
     fixed += kv_cache_bytes(model.cfg, batch, max_len, dtype)
     return plan_placement([block_bytes(b) for b in blocks], fixed, budget_bytes)
@@ -274,19 +288,20 @@ def plan_for(model: Transformer, budget_bytes: int, batch: int, max_len: int) ->
 @torch.no_grad()
 def _materialize(module: nn.Module, prefix: str, tensors: CheckpointTensors, device) -> None:
     module.to_empty(device=device, recurse=True)
-    for name, p in module.named_parameters():
+    for name, p in _state(module):
         tensors.copy_into(checkpoint_key(prefix + name), p)
 
 
 def load_streaming(path: str, device: torch.device | str, budget_bytes: int, batch: int = 1, max_len: int | None = None,
-                   verify: bool = True):
+                   verify: bool = True, int8: str | None = None):
     """``(model, tokenizer, trainer_meta)`` like :func:`~trickles.train.trainer.load_for_inference`, within ``budget_bytes``.
 
     The budget covers the weights on ``device`` and a KV cache for ``batch`` sequences of
     ``max_len`` positions (default: the model's ``max_seq_len``). Blocks that do not fit stream
     (module docstring); ``model.placement`` says which, ``model.streamer`` is the
     :class:`BlockStreamer` (None when everything fits). Raises :class:`~trickles.errors.UserError`
-    when even streaming every block does not fit.
+    when even streaming every block does not fit. A quantized checkpoint (:mod:`trickles.compress`) streams its int8
+    codes and scales (a quarter of fp32's bytes to move); ``int8`` picks its matmul (``weight``, the default, or ``full``).
     """
     device = torch.device(device)
     path = ckpt.resolve(path)
@@ -297,6 +312,12 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
     # (trickles.models.fused): a streamed model keeps its q/k/v and gate/up projections apart
     with torch.device("meta"):
         model = Transformer(ModelConfig(**{**meta["model"], "fused_proj": False}))
+        if meta.get("quantization"):
+            from ..compress.quantize import empty_quantized
+
+            empty_quantized(model, int8 or "weight")
+        elif int8 is not None:
+            raise UserError(f"{path} is not quantized, so --int8 does not apply; quantize it with trickles compress quantize")
     model.eval()
     tensors = CheckpointTensors(path)
     ckpt.check_fits(tensors.reader, {checkpoint_key(k): v for k, v in ckpt.unique_state(model).items()}, path)

@@ -36,6 +36,7 @@ class TrainConfig:
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
     out_dir: str = opt("runs/demo", "directory for metrics, plots, samples and checkpoints")
+    qat: bool = opt(False, "quantization-aware training: projections compute with int8 fake-quantized weights (per row) and inputs (per token), gradients straight through; the final checkpoint is also exported to int8 (<out_dir>/int8_step_N); see docs/compression.md")
     compile: bool = opt(False, "compile each transformer block with torch.compile")
     device: str = opt("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, or cuda")
     tensorboard: bool = opt(False, "also write TensorBoard event files to <out_dir>/tb")

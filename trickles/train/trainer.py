@@ -92,6 +92,10 @@ class Trainer:
         self.pipeline = self.engine.pipeline  # a PipelineRunner when parallel.pp > 1
         if self.pipeline is not None:
             self.pipeline.trace_enabled = bool(t.pipeline_trace)
+        if t.qat:  # fake int8 in every projection's forward (trickles.compress.qat)
+            from ..compress.qat import apply_qat
+
+            apply_qat(self.model)
         if t.compile:
             for block in self.model.layers.values():
                 block.compile()
@@ -282,7 +286,9 @@ class Trainer:
                 post["scale"] = f"{self.scaler.scale:g}"
             bar.set_postfix(post, refresh=False)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
+                if last and t.qat:
+                    self.export_int8(saved)
         bar.close()
         if self.pipeline is not None and t.pipeline_trace:
             self.draw_pipeline_trace(t.pipeline_trace)
@@ -301,6 +307,22 @@ class Trainer:
             if not self.quiet:
                 print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
         return self.history
+
+    def export_int8(self, path: str | None) -> str | None:
+        """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
+        ``<out_dir>/int8_step_N``, written by rank 0 while the others wait."""
+        from ..compress.checkpoint import quantize_checkpoint
+
+        out = os.path.join(self.cfg.train.out_dir, f"int8_step_{self.step:06d}")
+        if self.topo.is_main and path is not None:
+            if os.path.lexists(out):
+                print(f"[trickles] {out} exists; not exporting the int8 checkpoint again")
+            else:
+                quantize_checkpoint(path, out, qat=True)
+                if not self.quiet:
+                    print(f"[trickles] int8 checkpoint: {out}")
+        self.topo.comm("world").barrier(limit_s=math.inf)  # file work on rank 0 (see __init__)
+        return out
 
     def sample(self, prompt: str, n_tokens: int, label: str | None = None) -> str:
         """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``); hard-routed
@@ -367,6 +389,9 @@ class Trainer:
         if verify:
             ckpt.verify(path)
         meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+        if meta.get("quantization"):
+            raise CheckpointError(f"{path} is an int8 checkpoint for inference; resume from the float checkpoint it came from "
+                                  f"({meta['quantization'].get('source')})")
         saved = meta.get("model", {})
         mine = dataclasses.asdict(self.model_cfg)
         # how the model computes (kernels, fusion) may change between runs; what it computes may not
