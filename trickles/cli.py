@@ -6,6 +6,8 @@
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
     trickles checkpoint export CHECKPOINT OUT [--format trickles|hf]
+    trickles compress prune CHECKPOINT OUT [--heads F] [--ffn F] [--layers N] [--score taylor|activation]
+    trickles compress report CHECKPOINT [CHECKPOINT ...]
 
 ``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
 ``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
@@ -51,6 +53,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     t.add_argument("--pipeline-trace", default=None, metavar="PNG",
                    help="with parallel.pp > 1: draw the last step's pipeline timeline (same as --set train.pipeline_trace=PNG)")
+    t.add_argument("--teacher", default=None, metavar="CKPT_OR_HF_DIR",
+                   help="distil from this teacher (same as --set distill.teacher=...; see the [distill] keys)")
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
@@ -97,7 +101,42 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
                    help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
                         "hf: a Hugging Face directory (config.json + model.safetensors)")
+    _compress_parser(sub)
     return p
+
+
+def _compress_parser(sub) -> None:
+    """``trickles compress prune|report`` (trickles.compress)."""
+    group = sub.add_parser("compress", help="make a model smaller: prune it, compare checkpoints")
+    actions = group.add_subparsers(dest="action", required=True)
+    pr = actions.add_parser("prune", help="remove attention heads, MLP channels and whole blocks, least important first")
+    pr.add_argument("checkpoint", help="a checkpoint directory or a run's out_dir (its newest checkpoint)")
+    pr.add_argument("out", help="directory of the pruned checkpoint (must not exist)")
+    pr.add_argument("--heads", type=float, default=0.0, help="fraction of key/value head groups to remove in every block")
+    pr.add_argument("--ffn", type=float, default=0.0, help="fraction of MLP channels to remove in every block")
+    pr.add_argument("--layers", type=int, default=0, help="number of whole blocks to remove")
+    pr.add_argument("--score", choices=["taylor", "activation"], default="taylor",
+                    help="importance: taylor (sum |w x grad|) or activation (size of each unit's residual update)")
+    pr.add_argument("--batches", type=int, default=8, help="calibration batches of the run's training data (default: 8)")
+    pr.add_argument("--multiple-of", type=int, default=1, help="keep a multiple of this many groups and channels (a tensor-parallel degree)")
+    rp = actions.add_parser("report", help="parameters, size on disk, validation loss and perplexity, decode speed, side by side")
+    rp.add_argument("checkpoints", nargs="+", help="checkpoints to compare (the first one's run's held-out data is used)")
+    rp.add_argument("--tokens", type=int, default=64, help="tokens to decode when timing (default: 64)")
+
+
+def _compress(args) -> int:
+    if args.action == "prune":
+        from .compress.prune import prune_checkpoint
+
+        out, old, new = prune_checkpoint(args.checkpoint, args.out, args.heads, args.ffn, args.layers, args.score,
+                                         args.batches, args.multiple_of)
+        print(f"[trickles] pruned {args.checkpoint} to {out}: {old.n_layers} -> {new.n_layers} blocks, {old.n_heads} -> "
+              f"{new.n_heads} heads ({old.kv_heads} -> {new.kv_heads} key/value), MLP {old.ffn_dim} -> {new.ffn_dim}")
+        return 0
+    from .compress.report import compress_report, report_table
+
+    print(report_table(compress_report(args.checkpoints, args.tokens)))
+    return 0
 
 
 def _train(args) -> int:
@@ -111,6 +150,7 @@ def _train(args) -> int:
     _count("--max-restarts", args.max_restarts, 0)
     _writable("--pipeline-trace", args.pipeline_trace)
     overrides = args.overrides + ([f"train.pipeline_trace={args.pipeline_trace}"] if args.pipeline_trace else [])
+    overrides += [f"distill.teacher={args.teacher}"] if args.teacher else []
     cfg = Config.load(args.config, overrides)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
     if args.nproc is not None and under_torchrun:
@@ -262,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
     try:
         commands = {"train": _train, "generate": _generate, "memory": _memory, "bench": _bench, "config": _config,
-                    "checkpoint": _checkpoint}
+                    "checkpoint": _checkpoint, "compress": _compress}
         code = commands[args.command](args)
     except ONE_LINE_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
