@@ -55,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="with parallel.pp > 1: draw the last step's pipeline timeline (same as --set train.pipeline_trace=PNG)")
     t.add_argument("--teacher", default=None, metavar="CKPT_OR_HF_DIR",
                    help="distil from this teacher (same as --set distill.teacher=...; see the [distill] keys)")
+    t.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from this checkpoint's weights and model shape, step 0 (same as --set train.init_from=...)")
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
@@ -150,7 +152,8 @@ def _train(args) -> int:
     _count("--max-restarts", args.max_restarts, 0)
     _writable("--pipeline-trace", args.pipeline_trace)
     overrides = args.overrides + ([f"train.pipeline_trace={args.pipeline_trace}"] if args.pipeline_trace else [])
-    overrides += [f"distill.teacher={args.teacher}"] if args.teacher else []
+    overrides += ([f"distill.teacher={args.teacher}"] if args.teacher else []) + \
+        ([f"train.init_from={args.init_from}"] if args.init_from else [])
     cfg = Config.load(args.config, overrides)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
     if args.nproc is not None and under_torchrun:
