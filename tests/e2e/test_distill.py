@@ -119,3 +119,22 @@ def test_refused_layouts_and_vocabularies(teacher, tmp_path):
     with pytest.raises(ConfigError, match="vocabulary"):
         _trainer(tiny_config(tmp_path, *STUDENT, "model.vocab_size=384", f"distill.teacher={teacher}"))
     assert Distiller  # the class the trainer builds
+
+
+def test_distillation_at_dp2_tracks_one_process(teacher, tmp_path):
+    """The teacher runs on each data-parallel rank's rows: dp2 gives one process's losses (the layout tests' 1e-4)."""
+    import json
+
+    from trickles.cli import main
+
+    sets = ["model.preset=tiny", "model.n_layers=1", "data.seq_len=32", "data.max_bytes=120000", "train.global_batch=8",
+            "train.warmup_steps=2", "train.eval_every=0", "train.sample_tokens=0", "train.plot=false", "train.lr=3e-3",
+            f"data.cache_dir={tmp_path}/cache", "train.steps=4", f"train.out_dir={tmp_path}/dp2", "distill.alpha=0.5"]
+    assert main(["train", "--quiet", "--nproc", "2", "--teacher", teacher, *[a for s in sets for a in ("--set", s)]]) == 0
+    with open(tmp_path / "dp2" / "metrics.jsonl") as f:
+        dp2 = [json.loads(line)["loss"] for line in f]
+    _, one = _train(tiny_config(tmp_path / "one", *STUDENT, f"distill.teacher={teacher}", "distill.alpha=0.5", steps=4))
+    _, plain = _train(tiny_config(tmp_path / "plain", *STUDENT, steps=4))
+    gap = max(abs(a - b) / b for a, b in zip(dp2, one))
+    assert gap < 1e-4, (dp2, one)
+    assert max(abs(a - b) / b for a, b in zip(plain, one)) > 1e-4  # the tolerance would notice a run without the teacher

@@ -183,8 +183,12 @@ class Distiller:
                 p.grad = torch.zeros_like(p)
             p.grad.copy_(replicas.all_reduce(p.grad, op="mean"))
 
-    def step(self, lr: float, grad_scale: float = 1.0) -> None:
+    def step(self, lr: float, grad_scale: float = 1.0, skip: bool = False) -> None:
+        """Updates the projections at ``lr`` (their gradients divided by the loss scale); ``skip``: drops the step's gradients."""
         if self.optimizer is None:
+            return
+        if skip:
+            self.optimizer.zero_grad(set_to_none=True)
             return
         for group in self.optimizer.param_groups:
             group["lr"] = lr

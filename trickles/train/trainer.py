@@ -169,10 +169,10 @@ class Trainer:
         finite = math.isfinite(grad_norm)
         if finite:
             self.engine.step(lr)
-            if self.distill is not None:
-                self.distill.step(lr, scale)
         else:
             self.skipped += 1
+        if self.distill is not None:  # a learned hidden-state projection steps with the model (or drops its gradients)
+            self.distill.step(lr, scale, skip=not finite)
         if self.scaler:
             self.scaler.update(overflow=not finite)
         if pipeline_loss is not None:  # summed over the stages in the background meanwhile
