@@ -258,7 +258,9 @@ def prune_model(model: Transformer, p: Plan) -> Transformer:
     small.to_empty(device=next(model.parameters()).device)
     small.reset_buffers()
     missing, unexpected = small.load_state_dict(state, strict=False)
-    assert not unexpected and not [m for m in missing if "output.weight" not in m or not new_cfg.tied], (missing, unexpected)
+    tied = {"output.weight"} if new_cfg.tied else set()  # the embedding's, under its other name
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"pruned state does not fit the pruned model: missing {missing}, unexpected {unexpected}")
     return small.train(model.training)
 
 
@@ -271,6 +273,7 @@ def prune_checkpoint(src: str, out: str, heads: float = 0.0, ffn: float = 0.0, l
     ``pruned_from``; no optimizer state (train it with ``train.init_from``). Written in ``out.tmp``, renamed when
     complete. Returns ``(out, old config, new config)``."""
     from ..train import checkpoint as ckpt
+    from ..train.checkpoint import unique_state
     from ..train.pieces import save_pieces
     from .report import calibration_batches, load_model
 
@@ -286,8 +289,6 @@ def prune_checkpoint(src: str, out: str, heads: float = 0.0, ffn: float = 0.0, l
     p = plan(measure(model, calibration_batches(meta, tokenizer, "train", batches), score), model.cfg, heads, ffn,
              layers, multiple_of)
     small = prune_model(model, p)
-    from ..train.checkpoint import unique_state
-
     tmp = ckpt.begin_dir(out)
     try:
         save_pieces({k: v.detach() for k, v in unique_state(small).items()}, os.path.join(tmp, "model-rank00000.safetensors"))
