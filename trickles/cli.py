@@ -9,6 +9,8 @@
     trickles config [--config run.toml] [--set ...] [--keys]
     trickles checkpoint export CHECKPOINT OUT [--format trickles|hf]
     trickles compress quantize CHECKPOINT OUT [--bits 8] [--granularity row|tensor]
+    trickles compress prune CHECKPOINT OUT [--heads F] [--ffn F] [--layers N] [--score taylor|activation]
+    trickles compress report CHECKPOINT [CHECKPOINT ...]
 
 ``trickles train`` with no arguments is the demo. Under ``torchrun`` each process runs
 ``trickles train`` (or ``python -m trickles train``) and joins the job from the environment;
@@ -57,6 +59,10 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     t.add_argument("--pipeline-trace", default=None, metavar="PNG",
                    help="with parallel.pp > 1: draw the last step's pipeline timeline (same as --set train.pipeline_trace=PNG)")
+    t.add_argument("--teacher", default=None, metavar="CKPT_OR_HF_DIR",
+                   help="distil from this teacher (same as --set distill.teacher=...; see the [distill] keys)")
+    t.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from this checkpoint's weights and model shape, step 0 (same as --set train.init_from=...)")
 
     g = sub.add_parser("generate", help="sample text from a checkpoint")
     g.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
@@ -127,15 +133,53 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
                    help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
                         "hf: a Hugging Face directory (config.json + model.safetensors)")
+    _compress_parser(sub)
+    return p
 
-    q = sub.add_parser("compress", help="compress a checkpoint (quantize)")
-    actions = q.add_subparsers(dest="action", required=True)
+
+def _compress_parser(sub) -> None:
+    """``trickles compress quantize|prune|report`` (trickles.compress)."""
+    group = sub.add_parser("compress", help="make a model smaller: quantize it, prune it, compare checkpoints")
+    actions = group.add_subparsers(dest="action", required=True)
     qz = actions.add_parser("quantize", help="symmetric int8 weights of every projection, in a new checkpoint")
     qz.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
     qz.add_argument("out", help="directory to create (must not exist)")
     qz.add_argument("--bits", type=int, default=8, help="bits per weight (8)")
     qz.add_argument("--granularity", choices=["row", "tensor"], default="row", help="one scale per output row (default) or per matrix")
-    return p
+    pr = actions.add_parser("prune", help="remove attention heads, MLP channels and whole blocks, least important first")
+    pr.add_argument("checkpoint", help="a checkpoint directory or a run's out_dir (its newest checkpoint)")
+    pr.add_argument("out", help="directory of the pruned checkpoint (must not exist)")
+    pr.add_argument("--heads", type=float, default=0.0, help="fraction of key/value head groups to remove in every block")
+    pr.add_argument("--ffn", type=float, default=0.0, help="fraction of MLP channels to remove in every block")
+    pr.add_argument("--layers", type=int, default=0, help="number of whole blocks to remove")
+    pr.add_argument("--score", choices=["taylor", "activation"], default="taylor",
+                    help="importance: taylor (sum |w x grad|) or activation (size of each unit's residual update)")
+    pr.add_argument("--batches", type=int, default=8, help="calibration batches of the run's training data (default: 8)")
+    pr.add_argument("--multiple-of", type=int, default=1, help="keep a multiple of this many groups and channels (a tensor-parallel degree)")
+    rp = actions.add_parser("report", help="parameters, size on disk, validation loss and perplexity, decode speed, side by side")
+    rp.add_argument("checkpoints", nargs="+", help="checkpoints to compare (the first one's run's held-out data is used)")
+    rp.add_argument("--tokens", type=int, default=64, help="tokens to decode when timing (default: 64)")
+
+
+def _compress(args) -> int:
+    if args.action == "quantize":
+        from .compress.checkpoint import quantize_checkpoint
+
+        out = quantize_checkpoint(args.checkpoint, args.out, args.bits, args.granularity)
+        print(f"[trickles] quantized {args.checkpoint} to {out} (int{args.bits}, one scale per {args.granularity})")
+        return 0
+    if args.action == "prune":
+        from .compress.prune import prune_checkpoint
+
+        out, old, new = prune_checkpoint(args.checkpoint, args.out, args.heads, args.ffn, args.layers, args.score,
+                                         args.batches, args.multiple_of)
+        print(f"[trickles] pruned {args.checkpoint} to {out}: {old.n_layers} -> {new.n_layers} blocks, {old.n_heads} -> "
+              f"{new.n_heads} heads ({old.kv_heads} -> {new.kv_heads} key/value), MLP {old.ffn_dim} -> {new.ffn_dim}")
+        return 0
+    from .compress.report import compress_report, report_table
+
+    print(report_table(compress_report(args.checkpoints, args.tokens)))
+    return 0
 
 
 def _train(args) -> int:
@@ -149,6 +193,8 @@ def _train(args) -> int:
     _count("--max-restarts", args.max_restarts, 0)
     _writable("--pipeline-trace", args.pipeline_trace)
     overrides = args.overrides + ([f"train.pipeline_trace={args.pipeline_trace}"] if args.pipeline_trace else [])
+    overrides += ([f"distill.teacher={args.teacher}"] if args.teacher else []) + \
+        ([f"train.init_from={args.init_from}"] if args.init_from else [])
     cfg = Config.load(args.config, overrides)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
     if args.nproc is not None and under_torchrun:
@@ -394,14 +440,6 @@ def _checkpoint(args) -> int:
 
     out = export_checkpoint(args.checkpoint, args.out, args.fmt)
     print(f"[trickles] exported {args.checkpoint} to {out} ({args.fmt})")
-    return 0
-
-
-def _compress(args) -> int:
-    from .compress.checkpoint import quantize_checkpoint
-
-    out = quantize_checkpoint(args.checkpoint, args.out, args.bits, args.granularity)
-    print(f"[trickles] quantized {args.checkpoint} to {out} (int{args.bits}, one scale per {args.granularity})")
     return 0
 
 

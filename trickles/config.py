@@ -17,6 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
+from .compress.distill import DistillConfig
 from .data.config import DataConfig
 from .errors import ConfigError
 from .memory.config import MemoryConfig
@@ -37,6 +38,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "parallel": ParallelConfig,
     "memory": MemoryConfig,
+    "distill": DistillConfig,
 }
 
 
@@ -49,6 +51,7 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
+    distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -112,6 +115,10 @@ class Config:
     # ---- checks --------------------------------------------------------------------------
     def validate(self, world_size: int) -> ParallelDims:
         """Checks every section and the combinations; returns the degrees to build."""
+        if self.train.init_from:  # the checkpoint's model shape is the run's (a pruned model's, say)
+            from .train.checkpoint import model_config_of
+
+            self.model = model_config_of(self.train.init_from, self.model)
         for name in SECTIONS:
             section = getattr(self, name)
             if hasattr(section, "validate"):
@@ -135,6 +142,7 @@ class Config:
         self._check_tensor_parallel(dims.tp)
         self._check_context_parallel(dims)
         self._check_pipeline(dims)
+        self.distill.check_layout(dims, self.parallel.zero)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
         if self.parallel.zero == 3 and self.train.compile:

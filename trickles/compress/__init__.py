@@ -1,5 +1,6 @@
-"""Compression: int8 quantization after training (:mod:`.quantize`, :mod:`.checkpoint`) and quantization-aware
-training (:mod:`.qat`). See docs/compression.md."""
+"""Compression: int8 quantization after training (:mod:`.quantize`, :mod:`.checkpoint`), quantization-aware training
+(:mod:`.qat`), structured pruning (:mod:`.prune`), distillation (:mod:`.distill`) and the side-by-side report
+(:mod:`.report`). See docs/compression.md."""
 
 from .checkpoint import float_model, load_checkpoint, quantize_checkpoint
 from .qat import apply_qat, fake_quant_rows

@@ -22,6 +22,7 @@ class ModelConfig:
     d_model: int = opt(256, "hidden size")
     n_heads: int = opt(8, "query heads")
     n_kv_heads: int | None = opt(4, "key/value heads for grouped-query attention (none: same as n_heads)")
+    head_size: int | None = opt(None, "size of each attention head (none: d_model / n_heads); set where heads were pruned, which keeps their size")
     ffn_hidden: int | None = opt(None, "MLP hidden size (none: 4*d_model for gpt2; 8/3*d_model rounded up to ffn_multiple_of for llama)")
     ffn_multiple_of: int = opt(64, "rounding of the default llama MLP hidden size")
     vocab_size: int | None = opt(None, "vocabulary size (none: the tokenizer's, rounded up to vocab_multiple)")
@@ -53,7 +54,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
 
     @property
     def ffn_dim(self) -> int:
@@ -109,12 +110,14 @@ class ModelConfig:
         for key in ("n_layers", "d_model", "n_heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key} must be at least 1, got {getattr(self, key)}")
-        if self.d_model % self.n_heads:
+        if self.head_size is not None and self.head_size < 1:
+            raise ConfigError(f"model.head_size must be at least 1 or none (d_model / n_heads), got {self.head_size}")
+        if self.head_size is None and self.d_model % self.n_heads:
             raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of them")
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change n_kv_heads to a divisor of n_heads")
         if self.flavor == "llama" and self.head_dim % 2:
-            raise ConfigError(f"rotary embeddings need an even head size, but d_model/n_heads = {self.head_dim}; change model.d_model or model.n_heads")
+            raise ConfigError(f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change model.d_model, model.n_heads or model.head_size")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.vocab_size is not None and self.vocab_size < 2:

@@ -153,10 +153,10 @@ def config_from_hf(raw: dict, source: str = CONFIG) -> ModelConfig:
         if c["hidden_act"] not in ("silu", "swish"):
             raise _refuse(source, f"hidden_act={c['hidden_act']!r} (only silu)")
         hidden, heads = c["hidden_size"], c["num_attention_heads"]
-        if c["head_dim"] is not None and c["head_dim"] * heads != hidden:
-            raise _refuse(source, f"head_dim={c['head_dim']} differs from hidden_size/num_attention_heads={hidden}/{heads}")
+        # an explicit head_dim other than hidden/heads (a pruned model) is model.head_size
+        head_size = c["head_dim"] if c["head_dim"] is not None and c["head_dim"] * heads != hidden else None
         cfg = ModelConfig(flavor="llama", n_layers=c["num_hidden_layers"], d_model=hidden, n_heads=heads,
-                          n_kv_heads=c["num_key_value_heads"] or heads, ffn_hidden=c["intermediate_size"],
+                          n_kv_heads=c["num_key_value_heads"] or heads, head_size=head_size, ffn_hidden=c["intermediate_size"],
                           vocab_size=c["vocab_size"], max_seq_len=c["max_position_embeddings"],
                           rope_theta=_rope_theta(raw, source), norm_eps=float(c["rms_norm_eps"]), dropout=0.0,
                           tie_embeddings=bool(c["tie_word_embeddings"]), init_std=float(c["initializer_range"]))
@@ -229,6 +229,9 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype, token_ids: dict | None = 
                     rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
                     attention_bias=False, mlp_bias=False, attention_dropout=cfg.dropout, pretraining_tp=1,
                     **common)
+    if cfg.head_dim * cfg.n_heads != cfg.d_model:
+        raise ConfigError(f"GPT-2's heads are d_model / n_heads wide, but model.head_size={cfg.head_dim} with "
+                          f"{cfg.n_heads} heads and d_model={cfg.d_model}; prune a gpt2 model's MLP and blocks only to export it")
     if cfg.kv_heads != cfg.n_heads:
         raise ConfigError(f"GPT-2 has no grouped-query attention, but model.n_kv_heads={cfg.kv_heads} != "
                           f"model.n_heads={cfg.n_heads}; set model.n_kv_heads to none for a gpt2 model")

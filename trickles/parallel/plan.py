@@ -48,8 +48,11 @@ from .zero import ZeroDataParallel
 from .zero3 import Zero3DataParallel
 
 
-def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> Engine:
-    """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says."""
+def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init=None) -> Engine:
+    """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says.
+
+    ``init(name, param)``: the full starting value of a parameter (default: :func:`initial_value` from ``seed``;
+    ``train.init_from`` reads it from a checkpoint)."""
     comm, tp, cp, ep = topo.replicas(), topo.comm("tp"), topo.comm("cp"), topo.comm("ep")
     experts = {"ep": ep, "edp": topo.expert_group()} if ep.size > 1 else {}
     stage = cfg.parallel.zero
@@ -70,7 +73,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int) -> E
         chunks = keep_stage(model, pp.rank, shape, parts)
 
     def init_value(name: str, param: torch.nn.Parameter) -> torch.Tensor:
-        return init_tp_param(initial_value(model.cfg, name, global_shape(param), seed), param)
+        full = init(name, param) if init is not None else initial_value(model.cfg, name, global_shape(param), seed)
+        return init_tp_param(full, param)
 
     if stage == 3:
         engine: Engine = Zero3DataParallel(model, comm, list(model.layers.values()), optim, init_value, topo.device,

@@ -186,6 +186,21 @@ def check_fits(reader: PieceReader, params: dict[str, torch.Tensor], source: str
             raise CheckpointError(f"{source}: {k} has shape {have}, the model expects {global_shape(t)}")
 
 
+def model_config_of(path: str, mine):
+    """The model config of the checkpoint at ``path`` (``train.init_from``), keeping from ``mine`` how the model
+    computes (kernels, fused loss and projections), which may change between runs."""
+    import dataclasses
+
+    from ..models.config import ModelConfig
+
+    root = resolve(path)  # checked against its manifest when the trainer reads its weights
+    saved = read_json(os.path.join(root, "trainer.json")).get("model")
+    if not saved:
+        raise CheckpointError(f"{root}/trainer.json holds no model config; give a checkpoint trickles wrote")
+    how = {k: getattr(mine, k) for k in ("kernels", "fused_loss", "loss_chunk", "fused_proj")}
+    return dataclasses.replace(ModelConfig(**saved), preset=None, **how)
+
+
 # ---- RNG ---------------------------------------------------------------------------------
 
 def rng_state() -> dict[str, Any]:

@@ -33,6 +33,7 @@ class TrainConfig:
     max_nonfinite_steps: int = opt(10, "stop (exit status 3) after this many consecutive steps with a non-finite loss or gradient; such steps are skipped")
     eval_every: int = opt(50, "evaluate on held-out data every N steps (0: never; the last step always evaluates when >0)")
     eval_batches: int = opt(4, "held-out batches of global_batch sequences per evaluation")
+    init_from: str = opt("", "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one), with its model shape, a fresh optimizer and step 0 (empty: initialize from seed)")
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
     out_dir: str = opt("runs/demo", "directory for metrics, plots, samples and checkpoints")

@@ -87,7 +87,7 @@ class Trainer:
         self.moe_stats = model.moe_stats  # what the mixture-of-experts blocks report (None without experts)
         # a mixture of experts: parameters a token passes through (the router and top-k of the experts)
         self.n_active = self.n_params - (matmul_params(self.model_cfg, active=False) - matmul_params(self.model_cfg))
-        self.engine = parallelize(model, topo, cfg, t.seed)
+        self.engine = parallelize(model, topo, cfg, t.seed, init=self._init_source(model) if t.init_from else None)
         self.model = self.engine.model
         self.pipeline = self.engine.pipeline  # a PipelineRunner when parallel.pp > 1
         if self.pipeline is not None:
@@ -99,6 +99,12 @@ class Trainer:
         if t.compile:
             for block in self.model.layers.values():
                 block.compile()
+
+        self.distill = None  # the distillation loss (distill.teacher), trickles.compress.distill
+        if cfg.distill.teacher:
+            from ..compress.distill import Distiller
+
+            self.distill = Distiller(cfg.distill, self.model_cfg, self.device, t.seed, t.weight_decay)
 
         self.scaler = None
         if policy(cfg.memory.precision, cfg.memory.grad_dtype).needs_loss_scaling:
@@ -113,11 +119,22 @@ class Trainer:
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
         self.history: list[dict[str, Any]] = []
 
+    def _init_source(self, model: Transformer):
+        """``train.init_from``: each parameter's full value read from the checkpoint (checked against it first)."""
+        path = ckpt.resolve(self.cfg.train.init_from)
+        ckpt.verify(path)
+        reader = ckpt.PieceReader(path, "model")
+        ckpt.check_fits(reader, ckpt.unique_state(model), path)
+        return lambda name, p: reader.read(name, ((0,) * p.dim(), ckpt.global_shape(p)), layout=ckpt.fused_layout(p))
+
     # ---- one step ------------------------------------------------------------------------
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None, train: bool = False) -> torch.Tensor:
+        """The micro-batch's training loss (``train``: with distillation, its loss) or cross-entropy."""
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         with autocast(self.cfg.memory.precision, self.device):
+            if train and self.distill is not None:
+                return self.distill.loss(self.model, x, y, labels)
             return self.model(x, labels=labels, target=y)
 
     def _shard(self, micro: list) -> list:
@@ -144,10 +161,12 @@ class Trainer:
             pipeline_loss = self.pipeline.forward_backward(batches, scale, async_loss=True)
         for i, batch in enumerate(batches if self.pipeline is None else []):
             with self.engine.micro_step(last=i == len(batches) - 1):
-                loss = self._loss(*batch)
+                loss = self._loss(*batch, train=True)
                 (loss * (scale / self.accumulation)).backward()
             total += loss.detach()
         self.engine.finish_backward()
+        if self.distill is not None:
+            self.distill.reduce(self.replicas)
         if scale != 1.0:
             self.engine.scale_grads(1.0 / scale)
         grad_norm = float(self.engine.clip_grad_norm(t.grad_clip))  # one all-reduce: every rank sees the same norm
@@ -156,6 +175,8 @@ class Trainer:
             self.engine.step(lr)
         else:
             self.skipped += 1
+        if self.distill is not None:  # a learned hidden-state projection steps with the model (or drops its gradients)
+            self.distill.step(lr, scale, skip=not finite)
         if self.scaler:
             self.scaler.update(overflow=not finite)
         if pipeline_loss is not None:  # summed over the stages in the background meanwhile
