@@ -37,7 +37,7 @@ import torch  # noqa: E402
 
 from _timing import device_name, rotations, table, timed  # noqa: E402
 from trickles.compress import float_model, load_checkpoint, quantize_checkpoint  # noqa: E402
-from trickles.compress.evaluate import validation_loss  # noqa: E402
+from trickles.compress.report import validation_loss  # noqa: E402
 from trickles.models.generate import generate  # noqa: E402
 from trickles.train import checkpoint as ckpt  # noqa: E402
 

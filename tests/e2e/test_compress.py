@@ -79,3 +79,17 @@ def test_pruned_checkpoint_trains_at_tp2_like_one_process(pruned, tmp_path):
     # tensor parallel: same losses as one process within 1e-4 relative (the layout tests' tolerance)
     assert max(abs(a - b) / b for a, b in zip(tp2, losses)) < 1e-4, (tp2, losses)
     assert losses[2] != losses[0]
+
+
+def test_the_report_reads_an_int8_checkpoint_beside_its_float_source(pruned):
+    """The int8 copy of the source has as many weights as it (its codes counted, not its scales), fewer than half its
+    bytes on disk (the projections shrink 4x; this tiny model's fp32 embeddings are a third of it), and a held-out loss
+    within 2% of the float model's; every model decodes."""
+    tmp, src, _ = pruned
+    q = str(tmp / "int8")
+    assert main(["compress", "quantize", src, q]) == 0
+    rows = compress_report([src, q], tokens=4)
+    assert rows[1].params == rows[0].params
+    assert rows[1].disk_bytes < 0.5 * rows[0].disk_bytes
+    assert abs(rows[1].val_loss - rows[0].val_loss) <= 0.02 * rows[0].val_loss
+    assert all(r.tokens_per_s > 0 for r in rows)

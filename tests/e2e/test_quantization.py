@@ -21,7 +21,7 @@ import torch
 
 from helpers import tiny_config
 from trickles.compress import float_model, load_checkpoint, quantize_checkpoint, quantize_model, quantize_weight
-from trickles.compress.evaluate import validation_loss
+from trickles.compress.report import validation_loss
 from trickles.compress.quantize import dequantize, quantized_names
 from trickles.data import load_tokenizer
 from trickles.errors import CheckpointError

@@ -227,6 +227,29 @@ def test_streams_a_checkpoint_written_by_a_fused_model(tmp_path):
     assert torch.equal(generate(model, prompt, 16, temperature=0), generate(ref, prompt, 16, temperature=0))
 
 
+@pytest.mark.parametrize("mode", ["weight", "full"])
+def test_streams_an_int8_checkpoint_bit_for_bit(tmp_path, mode):
+    """A quantized checkpoint (trickles compress quantize) streams its int8 codes and scales -- a quarter of the fp32
+    block's bytes -- and decodes exactly as the resident int8 model, with either matmul."""
+    from trickles.compress.checkpoint import load_checkpoint, quantize_checkpoint
+
+    src = _save(tmp_path)
+    path = quantize_checkpoint(src, str(tmp_path / "int8"))
+    ref, tok, _ = load_checkpoint(path, "cpu", int8=mode)
+    float_model, _, _ = load_for_inference(src, "cpu")
+    assert block_bytes(ref.layers["0"]) < 0.3 * block_bytes(float_model.layers["0"])
+    prompt = torch.tensor([tok.encode("int8")] * 2)
+    in_blocks = {id(t) for b in ref.layers.values() for t in [*b.parameters(), *b.buffers()]}
+    fixed = kv_cache_bytes(ref.cfg, 2, 30) + sum(t.numel() * t.element_size() for t in [*ref.parameters(), *ref.buffers()]
+                                                  if id(t) not in in_blocks) + 4096
+    model, _, _ = load_streaming(path, "cpu", fixed + 2 * block_bytes(ref.layers["0"]), batch=2, max_len=30, int8=mode)
+    assert len(model.placement.streamed) == N_LAYERS
+    logits = [[], []]
+    for out, m in zip(logits, (model, ref)):
+        generate(m, prompt, 12, temperature=0, logits_fn=lambda z, out=out: out.append(z.clone()) or z)
+    assert all(torch.equal(a, b) for a, b in zip(*logits)) and len(logits[0]) == 12
+
+
 def test_a_budget_too_small_says_what_would_fit(tmp_path):
     path = _save(tmp_path)
     with pytest.raises(UserError, match=r"streaming every block still needs [0-9.e-]+ GB"):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import Any
 
 import torch
 
@@ -37,15 +36,11 @@ from .quantize import GRANULARITIES, MODES, empty_quantized, quantize_model
 BITS = (8,)
 
 
-def _float_model(path: str, meta: dict[str, Any], device="cpu") -> Transformer:
+def _float_model(path: str, device="cpu") -> Transformer:
     """The whole float model of the (verified) checkpoint at ``path``, projections unfused."""
-    cfg = ModelConfig(**{**meta["model"], "fused_proj": False})
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    ckpt.load_model_state(model, PieceReader(path, "model"), path)
-    return model.eval()
+    from ..train.trainer import load_for_inference
+
+    return load_for_inference(path, device, verify=False, fused_proj=False)[0]
 
 
 def quantize_checkpoint(src: str, out: str, bits: int = 8, granularity: str = "row", qat: bool = False) -> str:
@@ -65,7 +60,7 @@ def quantize_checkpoint(src: str, out: str, bits: int = 8, granularity: str = "r
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     if meta.get("quantization"):
         raise CheckpointError(f"{path} is already quantized; give the float checkpoint it came from")
-    model = _float_model(path, meta)
+    model = _float_model(path)
     names = quantize_model(model, granularity)
     tmp = ckpt.begin_dir(out)
     try:
@@ -122,7 +117,7 @@ def float_model(path: str, device="cpu") -> Transformer:
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     if meta.get("quantization"):
         raise CheckpointError(f"{path} is quantized; give a float checkpoint")
-    return _float_model(path, meta, device)
+    return _float_model(path, device)
 
 
 __all__ = ["quantize_checkpoint", "load_checkpoint", "float_model"]

@@ -17,7 +17,6 @@ checkpoint format with other weights (int8) plugs in there.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -30,26 +29,31 @@ from ..errors import UserError
 
 def load_model(path: str, device: torch.device | str = "cpu", fused_proj: bool | None = None):
     """``(model, tokenizer, trainer_meta, checkpoint_dir)`` of a checkpoint directory, ``checkpoints`` folder or run's
-    out_dir, verified against its manifest; ``fused_proj`` overrides how the model computes its projections."""
-    from ..data import load_tokenizer
-    from ..models.config import ModelConfig
-    from ..models.transformer import Transformer
+    out_dir, float or int8 (:mod:`trickles.compress.checkpoint`, weight-only), verified against its manifest;
+    ``fused_proj`` overrides how a float model computes its projections."""
     from ..train import checkpoint as ckpt
+    from ..train.trainer import load_for_inference
+    from .checkpoint import load_checkpoint
 
     if not os.path.exists(path):
         raise UserError(f"checkpoint {path} does not exist; give a checkpoint directory or a run's out_dir")
     path = ckpt.resolve(path)
     ckpt.verify(path)
-    meta = ckpt.read_json(os.path.join(path, "trainer.json"))
-    cfg = ModelConfig(**meta["model"])
-    if fused_proj is not None:
-        cfg = dataclasses.replace(cfg, fused_proj=fused_proj)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    ckpt.load_model_state(model, ckpt.PieceReader(path, "model"), path)
-    return model.eval(), load_tokenizer(os.path.join(path, "tokenizer")), meta, path
+    if ckpt.read_json(os.path.join(path, "trainer.json")).get("quantization"):
+        model, tokenizer, meta = load_checkpoint(path, device, verify=False)
+    else:
+        model, tokenizer, meta = load_for_inference(path, device, verify=False, fused_proj=fused_proj)
+    return model, tokenizer, meta, path
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """The model's weights, each once: its parameters and an int8 layer's codes and bias (not its scales)."""
+    from ..models.transformer import count_params
+    from .quantize import Int8Linear
+
+    int8 = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+               for m in model.modules() if isinstance(m, Int8Linear))
+    return count_params(model) + int8
 
 
 def calibration_batches(meta: dict, tokenizer, split: str, count: int, batch: int | None = None):
@@ -94,8 +98,19 @@ def disk_bytes(path: str) -> int:
 
 @torch.no_grad()
 def val_loss(model, batches) -> float:
-    total = sum(float(model(x, target=y)) for x, y in batches)
+    """Mean of the model's loss over ``batches`` (moved to the model's device)."""
+    device = next(model.parameters()).device
+    model.eval()
+    total = sum(float(model(x.to(device), target=y.to(device))) for x, y in batches)
     return total / len(batches)
+
+
+def validation_loss(model: torch.nn.Module, meta: dict, tokenizer, batches: int | None = None) -> float:
+    """What :meth:`~trickles.train.trainer.Trainer.evaluate` computes at one process, for any model (float, int8,
+    fake-quantized): the mean token cross-entropy over ``train.eval_batches`` (or ``batches``) held-out batches of
+    ``train.global_batch`` sequences of the run ``meta`` (a ``trainer.json``) describes."""
+    count = batches or int(meta["config"].get("train", {}).get("eval_batches", 4)) or 4
+    return val_loss(model, calibration_batches(meta, tokenizer, "val", count))
 
 
 @torch.no_grad()
@@ -116,8 +131,6 @@ def decode_speed(model, tokens: int, vocab: int) -> float:
 
 def compress_report(paths: list[str], tokens: int = 64, batches: int | None = None) -> list[Row]:
     """The report's rows, in the order given (see the module doc)."""
-    from ..models.transformer import count_params
-
     if not paths:
         raise UserError("give at least one checkpoint to report on")
     if tokens < 1:
@@ -132,7 +145,7 @@ def compress_report(paths: list[str], tokens: int = 64, batches: int | None = No
         elif tokenizer.vocab_size != vocab:
             raise UserError(f"{p} has a tokenizer of {tokenizer.vocab_size} tokens, {paths[0]} one of {vocab}; "
                             "report checkpoints that read the same tokens")
-        rows.append(Row(p, count_params(model), disk_bytes(path), val_loss(model, data), decode_speed(model, tokens, vocab)))
+        rows.append(Row(p, parameter_count(model), disk_bytes(path), val_loss(model, data), decode_speed(model, tokens, vocab)))
         del model
     return rows
 

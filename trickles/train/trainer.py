@@ -454,16 +454,17 @@ def _gather_objects(obj: Any, topo: Topology) -> list[Any]:
     return out
 
 
-def load_for_inference(path: str, device: torch.device | str = "cpu", verify: bool = True):
+def load_for_inference(path: str, device: torch.device | str = "cpu", verify: bool = True, fused_proj: bool | None = None):
     """``(model, tokenizer, trainer_meta)`` from a checkpoint directory, run's out_dir or checkpoints folder.
 
-    ``verify=False`` skips checking the manifest (the caller just did).
+    ``verify=False`` skips checking the manifest (the caller just did); ``fused_proj`` overrides ``model.fused_proj``
+    (how the model computes its projections; the checkpoint holds the same tensors either way).
     """
     path = ckpt.resolve(path)
     if verify:
         ckpt.verify(path)
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
-    model_cfg = ModelConfig(**meta["model"])
+    model_cfg = ModelConfig(**{**meta["model"], **({} if fused_proj is None else {"fused_proj": fused_proj})})
     with torch.device("meta"):
         model = Transformer(model_cfg)
     model.to_empty(device=device)
