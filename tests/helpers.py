@@ -27,6 +27,19 @@ def tiny_config(tmp, *overrides, steps=6, corpus_bytes=120_000):
     ])
 
 
+def trained_checkpoint(tmp, steps: int, *overrides) -> str:
+    """A tiny llama (``tiny_config``) trained ``steps`` steps on one process, and the checkpoint it then writes."""
+    from trickles.topology import ParallelDims
+    from trickles.train.trainer import Trainer
+
+    trainer = Trainer(tiny_config(tmp, *overrides, steps=steps), ParallelDims().build(torch.device("cpu")), quiet=True)
+    for _ in range(steps):
+        trainer.train_step()
+    path = trainer.save_checkpoint()
+    assert path is not None
+    return path
+
+
 def loss_gap(losses: Sequence[float], reference: Sequence[float]) -> float:
     """Largest relative difference between two loss curves, step by step."""
     assert len(losses) == len(reference), (len(losses), len(reference))

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from helpers import tiny_config
+from helpers import tiny_config, trained_checkpoint
 from trickles.cli import main
 from trickles.compress.report import compress_report, load_model
 from trickles.models.transformer import count_params
@@ -22,10 +22,7 @@ TINY = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=120000", "train.
 def pruned(tmp_path_factory):
     """A tiny llama trained 8 steps, and its pruned copy (half the key/value groups, a quarter of the channels, one block)."""
     tmp = tmp_path_factory.mktemp("compress")
-    trainer = Trainer(tiny_config(tmp, steps=8), ParallelDims().build(torch.device("cpu")), quiet=True)
-    for _ in range(8):
-        trainer.train_step()
-    src = trainer.save_checkpoint()
+    src = trained_checkpoint(tmp, 8)
     out = str(tmp / "pruned")
     assert main(["compress", "prune", src, out, "--heads", "0.5", "--ffn", "0.25", "--layers", "1", "--batches", "2"]) == 0
     return tmp, src, out

@@ -13,16 +13,14 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 pytest.importorskip("fastapi", exc_type=ImportError)  # the serve extra (CI installs it: a skip there fails)
 uvicorn = pytest.importorskip("uvicorn", exc_type=ImportError)
 
-from helpers import tiny_config  # noqa: E402
+from helpers import trained_checkpoint  # noqa: E402
 from trickles.infer import Sampling, decode  # noqa: E402
 from trickles.infer.server import Batcher, Job, create_app  # noqa: E402
-from trickles.topology import ParallelDims  # noqa: E402
-from trickles.train.trainer import Trainer, load_for_inference  # noqa: E402
+from trickles.train.trainer import load_for_inference  # noqa: E402
 
 PROMPTS = ["def ", "import os\n", "class Foo(object):\n    ", "x"]
 # greedy decoding of a model trained for a few steps repeats a space; the penalty makes its text varied
@@ -32,13 +30,7 @@ TIMEOUT = 120
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("serve")
-    trainer = Trainer(tiny_config(tmp, steps=4), ParallelDims().build(torch.device("cpu")), quiet=True)
-    for _ in range(4):
-        trainer.train_step()
-    path = trainer.save_checkpoint()
-    assert path is not None
-    return path
+    return trained_checkpoint(tmp_path_factory.mktemp("serve"), 4)
 
 
 @pytest.fixture(scope="module")

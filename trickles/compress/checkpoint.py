@@ -22,7 +22,6 @@ choosing the quantized model's matmul), after checking the manifest: a damaged f
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
 
@@ -30,7 +29,7 @@ from ..errors import CheckpointError, UserError
 from ..models.config import ModelConfig
 from ..models.transformer import Transformer
 from ..train import checkpoint as ckpt
-from ..train.pieces import PieceReader, save_pieces
+from ..train.pieces import PieceReader
 from .quantize import GRANULARITIES, MODES, empty_quantized, quantize_model
 
 BITS = (8,)
@@ -52,32 +51,15 @@ def quantize_checkpoint(src: str, out: str, bits: int = 8, granularity: str = "r
         raise UserError(f"--bits {bits} is not supported; use --bits 8")
     if granularity not in GRANULARITIES:
         raise UserError(f"--granularity must be row or tensor, got {granularity!r}")
-    path = ckpt.resolve(src)
-    ckpt.verify(path)
-    out = os.path.normpath(out)
-    if os.path.lexists(out):
-        raise CheckpointError(f"{out} already exists; choose another path or delete it")
+    path, out = ckpt.source_and_target(src, out)
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     if meta.get("quantization"):
         raise CheckpointError(f"{path} is already quantized; give the float checkpoint it came from")
     model = _float_model(path)
     names = quantize_model(model, granularity)
-    tmp = ckpt.begin_dir(out)
-    try:
-        save_pieces(ckpt.model_pieces(model), os.path.join(tmp, "model-rank00000.safetensors"))
-        tok = os.path.join(path, "tokenizer")
-        if not os.path.isdir(tok):
-            raise CheckpointError(f"checkpoint {path} has no tokenizer/ directory; it is incomplete")
-        shutil.copytree(tok, os.path.join(tmp, "tokenizer"))
-        meta = {**meta, "quantization": {"bits": bits, "granularity": granularity, "scheme": "symmetric", "qat": qat,
-                                         "modules": names, "source": os.path.abspath(path)}}
-        ckpt.write_json(os.path.join(tmp, "trainer.json"), meta)
-        ckpt.write_manifest(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+    meta = {**meta, "quantization": {"bits": bits, "granularity": granularity, "scheme": "symmetric", "qat": qat,
+                                     "modules": names, "source": os.path.abspath(path)}}
+    return ckpt.write_model_dir(out, ckpt.model_pieces(model), os.path.join(path, "tokenizer"), meta)
 
 
 def load_checkpoint(path: str, device: torch.device | str = "cpu", int8: str | None = None, verify: bool = True):

@@ -31,12 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
 import torch
-from torch import nn
 
 from ..errors import UserError
 from ..models.config import ModelConfig
@@ -273,8 +271,6 @@ def prune_checkpoint(src: str, out: str, heads: float = 0.0, ffn: float = 0.0, l
     ``pruned_from``; no optimizer state (train it with ``train.init_from``). Written in ``out.tmp``, renamed when
     complete. Returns ``(out, old config, new config)``."""
     from ..train import checkpoint as ckpt
-    from ..train.checkpoint import unique_state
-    from ..train.pieces import save_pieces
     from .report import calibration_batches, load_model
 
     if score not in SCORES:
@@ -289,22 +285,13 @@ def prune_checkpoint(src: str, out: str, heads: float = 0.0, ffn: float = 0.0, l
     p = plan(measure(model, calibration_batches(meta, tokenizer, "train", batches), score), model.cfg, heads, ffn,
              layers, multiple_of)
     small = prune_model(model, p)
-    tmp = ckpt.begin_dir(out)
-    try:
-        save_pieces({k: v.detach() for k, v in unique_state(small).items()}, os.path.join(tmp, "model-rank00000.safetensors"))
-        shutil.copytree(os.path.join(path, "tokenizer"), os.path.join(tmp, "tokenizer"))
-        new = dataclasses.asdict(small.cfg)
-        new["fused_proj"] = meta["model"].get("fused_proj")  # how it computes stays the user's choice
-        config = dict(meta.get("config", {}))
-        config["model"] = dict(new)
-        trainer = {"step": 0, "consumed_samples": 0, "world_size": 1, "model": new, "config": config, "rng": [],
-                   "pruned_from": {"checkpoint": os.path.abspath(path), "score": score, "heads": heads, "ffn": ffn,
-                                   "layers": layers, "batches": batches, "kept_layers": p.layers,
-                                   "kept_groups": {str(k): v for k, v in p.groups.items()}}}
-        ckpt.write_json(os.path.join(tmp, "trainer.json"), trainer)
-        ckpt.write_manifest(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    new = dataclasses.asdict(small.cfg)
+    new["fused_proj"] = meta["model"].get("fused_proj")  # how it computes stays the user's choice
+    config = dict(meta.get("config", {}))
+    config["model"] = dict(new)
+    trainer = {"step": 0, "consumed_samples": 0, "world_size": 1, "model": new, "config": config, "rng": [],
+               "pruned_from": {"checkpoint": os.path.abspath(path), "score": score, "heads": heads, "ffn": ffn,
+                               "layers": layers, "batches": batches, "kept_layers": p.layers,
+                               "kept_groups": {str(k): v for k, v in p.groups.items()}}}
+    ckpt.write_model_dir(out, ckpt.model_pieces(small), os.path.join(path, "tokenizer"), trainer)
     return out, model.cfg, small.cfg

@@ -233,6 +233,36 @@ def begin_dir(final: str) -> str:
     return tmp
 
 
+def source_and_target(src: str, out: str) -> tuple[str, str]:
+    """For a command that reads checkpoint ``src`` and writes a new directory ``out``: the checkpoint's directory
+    (verified against its manifest) and ``out`` normalized; CheckpointError when ``out`` already exists."""
+    path = resolve(src)
+    verify(path)
+    out = os.path.normpath(out)
+    if os.path.lexists(out):
+        raise CheckpointError(f"{out} already exists; choose another path or delete it")
+    return path, out
+
+
+def write_model_dir(out: str, tensors: dict, tokenizer_dir: str, trainer: dict[str, Any]) -> str:
+    """Writes a one-process model checkpoint ``out`` atomically: ``tensors`` (a :func:`model_pieces` dict) in
+    ``model-rank00000.safetensors``, a copy of ``tokenizer_dir``, ``trainer.json`` and the manifest, all in
+    ``<out>.tmp`` renamed once complete (removed on any failure); returns ``out``."""
+    tmp = begin_dir(out)
+    try:
+        save_pieces(tensors, os.path.join(tmp, "model-rank00000.safetensors"))
+        if not os.path.isdir(tokenizer_dir):
+            raise CheckpointError(f"{os.path.dirname(tokenizer_dir)} has no tokenizer/ directory; it is incomplete")
+        shutil.copytree(tokenizer_dir, os.path.join(tmp, "tokenizer"))
+        write_json(os.path.join(tmp, "trainer.json"), trainer)
+        write_manifest(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
 def begin(directory: str, step: int) -> str:
     """Creates an empty ``step_N.tmp`` directory (removing a leftover one) and returns it."""
     return begin_dir(step_dir(directory, step))

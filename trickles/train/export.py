@@ -51,11 +51,7 @@ def export_checkpoint(src: str, out: str, fmt: str = "trickles") -> str:
     """
     if fmt not in FORMATS:
         raise UserError(f"unknown export format {fmt!r}; choose {' or '.join(FORMATS)}")
-    path = ckpt.resolve(src)
-    ckpt.verify(path)
-    out = os.path.normpath(out)
-    if os.path.lexists(out):
-        raise CheckpointError(f"{out} already exists; choose another path or delete it")
+    path, out = ckpt.source_and_target(src, out)
     source, target = os.path.realpath(path), os.path.realpath(out)
     if os.path.commonpath([source, target]) == source:
         raise CheckpointError(f"{out} lies inside the checkpoint it exports; choose a path outside {path}")
