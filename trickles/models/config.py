@@ -10,6 +10,8 @@ from ..errors import ConfigError
 from ..options import opt
 
 Flavor = Literal["llama", "gpt2"]
+#: the [model] keys that say how the model computes, not what: a run may change them against its checkpoint
+HOW_KEYS = ("kernels", "fused_loss", "loss_chunk", "fused_proj")
 
 
 @dataclass

@@ -191,13 +191,13 @@ def model_config_of(path: str, mine):
     computes (kernels, fused loss and projections), which may change between runs."""
     import dataclasses
 
-    from ..models.config import ModelConfig
+    from ..models.config import HOW_KEYS, ModelConfig
 
     root = resolve(path)  # checked against its manifest when the trainer reads its weights
     saved = read_json(os.path.join(root, "trainer.json")).get("model")
     if not saved:
         raise CheckpointError(f"{root}/trainer.json holds no model config; give a checkpoint trickles wrote")
-    how = {k: getattr(mine, k) for k in ("kernels", "fused_loss", "loss_chunk", "fused_proj")}
+    how = {k: getattr(mine, k) for k in HOW_KEYS}
     return dataclasses.replace(ModelConfig(**saved), preset=None, **how)
 
 

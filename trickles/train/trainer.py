@@ -37,7 +37,7 @@ from ..data.sources import iter_documents
 from ..errors import CheckpointError, ConfigError, TrainingStopped
 from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
-from ..models.config import ModelConfig, resolve_model
+from ..models.config import HOW_KEYS, ModelConfig, resolve_model
 from ..models.generate import generate
 from ..models.transformer import Transformer, count_params
 from ..optim import lr_at
@@ -416,8 +416,7 @@ class Trainer:
         saved = meta.get("model", {})
         mine = dataclasses.asdict(self.model_cfg)
         # how the model computes (kernels, fusion) may change between runs; what it computes may not
-        how = {"preset", "kernels", "fused_loss", "loss_chunk", "fused_proj"}
-        diff = sorted(k for k in mine if k not in how and saved.get(k) != mine[k])
+        diff = sorted(k for k in mine if k not in ("preset", *HOW_KEYS) and saved.get(k) != mine[k])
         if diff:
             detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
             raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
