@@ -1,8 +1,9 @@
 """Mutation testing for trickles: does the test suite notice a one-line bug?
 
 A mutant is one single-line change to ``trickles/comm.py``, ``trickles/parallel/*.py``, ``trickles/memory/*.py``,
-``trickles/optim/*.py``, ``trickles/kernels/*.py``, the fused projections' layout (``trickles/models/fused.py``) or the
-checkpoint pieces (``trickles/train/pieces.py``), found with ``ast``: an operator swapped (``+ -``, ``* /``, ``// *``, ``| &``, ``< <=``,
+``trickles/optim/*.py``, ``trickles/kernels/*.py``, ``trickles/infer/*.py``, ``trickles/compress/*.py``, the fused
+projections' layout (``trickles/models/fused.py``) or the checkpoint pieces (``trickles/train/pieces.py``), found with
+``ast``: an operator swapped (``+ -``, ``* /``, ``// *``, ``| &``, ``< <=``,
 ``> >=``, ``== !=``, ``is``/``in`` negated, ``and or``, ``+= -=``, ``*= /=``), an int off by one (a float doubled),
 ``True``/``False`` flipped, a ``not`` dropped, ``min``/``max`` swapped (also ``clamp(max=)``), a call statement
 removed (``x.add_(...)``, ``comm.all_reduce(t)``) or a returned value replaced by ``None``. Not mutated: docstrings,
@@ -45,7 +46,7 @@ from queue import Queue
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ["trickles/comm.py", "trickles/parallel/*.py", "trickles/memory/*.py", "trickles/optim/*.py", "trickles/kernels/*.py",
-           "trickles/models/fused.py", "trickles/train/pieces.py"]
+           "trickles/infer/*.py", "trickles/compress/*.py", "trickles/models/fused.py", "trickles/train/pieces.py"]
 EXCLUDED_FILES = {"trickles/parallel/pipeline_plot.py"}  # matplotlib drawing only
 SKIP_FUNCTIONS = {"__repr__", "__str__", "plot"}
 QUIET_CALLS = {"print", "warn", "debug", "info", "warning", "error", "exception", "write_line", "opt"}
