@@ -41,6 +41,12 @@ def zero_model_state_bytes(n_params: float, dp: int, stage: int, bytes_per_param
     return out
 
 
+try:  # a private module: where it is missing, no tensor is a fake one
+    from torch._subclasses.fake_tensor import FakeTensor as _FAKE
+except ImportError:  # pragma: no cover - depends on the torch version
+    _FAKE = ()
+
+
 def live_tensor_bytes(device: torch.device | str | None = None) -> int:
     """Bytes of every distinct tensor storage reachable from Python objects (on ``device``, if given).
 
@@ -50,7 +56,9 @@ def live_tensor_bytes(device: torch.device | str | None = None) -> int:
     seen: dict[int, int] = {}
     for obj in gc.get_objects():
         try:
-            if not issubclass(type(obj), torch.Tensor) or obj.is_meta:  # type(): no attribute lookups on foreign objects
+            # type(): no attribute lookups on foreign objects; fake tensors (torch.compile's tracing, which can leave
+            # some in its caches) report a storage size but hold no memory
+            if not issubclass(type(obj), torch.Tensor) or obj.is_meta or issubclass(type(obj), _FAKE):
                 continue
             if device is not None and obj.device != torch.device(device):
                 continue
