@@ -287,7 +287,7 @@ def _generate(args) -> int:
     device = select_device(args.device)
     texts = args.prompt or ["def "]
     rows = len(texts) * (args.beams or args.num_samples)
-    longest = max(prompt_length(args.checkpoint, t) for t in texts) if args.device_budget_gb is not None else 0
+    longest = prompt_length(args.checkpoint, texts) if args.device_budget_gb is not None else 0
     model, tokenizer, meta = _load_model(args.checkpoint, device, args.device_budget_gb, rows, longest + args.max_new_tokens,
                                          args.int8)
     prompts = [tokenizer.encode(t) or [tokenizer.eos_id] for t in texts]

@@ -32,12 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm import GroupComm
-from .quantize import QMAX, quantized_names
+from .quantize import QMAX, quantized_names, scale_of
 
 
 def _round_trip(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """``s round(v / s)`` with ``s = amax / 127`` per leading row (``amax [rows]``; zero -> scale 1)."""
-    s = torch.where(amax > 0, amax / QMAX, torch.ones_like(amax)).unsqueeze(-1)
+    s = scale_of(amax).unsqueeze(-1)
     return torch.round(v / s).clamp_(-QMAX, QMAX) * s
 
 

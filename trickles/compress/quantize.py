@@ -47,7 +47,12 @@ def scales(w: torch.Tensor, granularity: str = "row", bits: int = 8) -> torch.Te
         raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
     w = w.detach().float()
     amax = w.abs().amax(dim=1) if granularity == "row" else w.abs().amax().expand(w.shape[0])
-    return torch.where(amax > 0, amax / (2 ** (bits - 1) - 1), torch.ones_like(amax))
+    return scale_of(amax, 2 ** (bits - 1) - 1)
+
+
+def scale_of(amax: torch.Tensor, qmax: int = QMAX) -> torch.Tensor:
+    """The symmetric grid's step for each largest magnitude ``amax``: ``amax / qmax``, and 1 where ``amax`` is 0."""
+    return torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
 
 
 def quantize_weight(w: torch.Tensor, granularity: str = "row", bits: int = 8) -> tuple[torch.Tensor, torch.Tensor]:

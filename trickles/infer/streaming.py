@@ -338,9 +338,11 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
     return model, load_tokenizer(os.path.join(path, "tokenizer")), meta
 
 
-def prompt_length(path: str, prompt: str) -> int:
-    """Tokens of ``prompt`` under the tokenizer of the checkpoint at ``path`` (at least one: an empty prompt is eos)."""
-    return len(load_tokenizer(os.path.join(ckpt.resolve(path), "tokenizer")).encode(prompt)) or 1
+def prompt_length(path: str, prompts: list[str]) -> int:
+    """Tokens of the longest of ``prompts`` under the tokenizer of the checkpoint at ``path`` (the left-padded batch's
+    length; at least one: an empty prompt is eos)."""
+    tokenizer = load_tokenizer(os.path.join(ckpt.resolve(path), "tokenizer"))
+    return max(len(tokenizer.encode(p)) or 1 for p in prompts)
 
 
 def save_for_inference(model: Transformer, tokenizer, path: str) -> str:
