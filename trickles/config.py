@@ -124,7 +124,8 @@ class Config:
             if hasattr(section, "validate"):
                 section.validate()
         p = self.parallel
-        dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep)
+        dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, tp_mode=p.tp_mode,
+                                  tp_depth=p.tp_depth)
         dims.validate(world_size)
         if dims.ep > 1 and not self.model.moe_experts:
             raise ConfigError(f"parallel.ep={dims.ep} splits the experts of mixture-of-experts blocks, but model.moe_experts is 0; "
@@ -139,7 +140,10 @@ class Config:
 
             wants_cpu = self.train.device == "cpu" or (self.train.device == "auto" and not torch.cuda.is_available())
             check_kernels("triton", torch.device("cpu" if wants_cpu else "cuda"))
-        self._check_tensor_parallel(dims.tp)
+        if dims.tp > 1 and dims.tp_mode != "1d":
+            self._check_tensor_grid(dims)
+        else:
+            self._check_tensor_parallel(dims.tp)
         self._check_context_parallel(dims)
         self._check_pipeline(dims)
         self.distill.check_layout(dims, self.parallel.zero)
@@ -174,6 +178,34 @@ class Config:
                               f"must be divisible by parallel.tp ({tp}) to split the embedding and output layer")
         if self.parallel.sequence_parallel and self.data.seq_len % tp:
             raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({tp}) for sequence parallelism")
+
+    def _check_tensor_grid(self, dims: ParallelDims) -> None:
+        """2-D, 2.5-D and 3-D tensor parallelism: what the grid splits must divide, and what it does not combine with."""
+        m, p, grid = self.model, self.parallel, dims.grid
+        mode, q = grid.mode, grid.q
+        why = f"with parallel.tp_mode={mode}"
+        for bad, what in ((p.sequence_parallel, "parallel.sequence_parallel (a grid splits the activations already; "
+                                                "set it to false)"),
+                          (dims.cp > 1, "context parallelism (set parallel.cp=1 or parallel.tp_mode=1d)"),
+                          (bool(m.moe_experts), "mixture-of-experts blocks (set model.moe_experts=0 or parallel.tp_mode=1d)"),
+                          (p.zero == 3, "parallel.zero=3 (use parallel.zero 0, 1 or 2)"),
+                          (m.fused_loss is True, "model.fused_loss=true (the grid's loss is unfused; leave it unset)")):
+            if bad:
+                raise ConfigError(f"{why}: {what} is not supported")
+        feature_unit = q * q if mode == "3d" else q  # 3-D splits a linear's input features into q^2 blocks
+        vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
+        for n, what, unit in ((m.n_heads, "model.n_heads", q), (m.kv_heads, "model.n_kv_heads", q),
+                              (m.d_model, "model.d_model", feature_unit), (m.ffn_dim, "the MLP width (model.ffn_hidden)", feature_unit),
+                              (m.n_heads * m.head_dim, "model.n_heads x head size", feature_unit),
+                              (vocab_unit, "the vocabulary (model.vocab_size or model.vocab_multiple)", q)):
+            if n % unit:
+                raise ConfigError(f"{what} ({n}) must be divisible by {unit} {why} at parallel.tp={dims.tp} (q = {q}); "
+                                  f"change it or parallel.tp")
+        micro, _ = self.batch_plan(dims.dp)
+        parts = q * q if mode == "3d" else q * grid.depth
+        if micro % parts:
+            raise ConfigError(f"{why} each micro-batch's {micro} samples are split into {parts} blocks; make "
+                              f"train.micro_batch (or train.global_batch / parallel.dp) a multiple of {parts}")
 
     def _check_context_parallel(self, dims: ParallelDims) -> None:
         cp, m, p, seq = dims.cp, self.model, self.parallel, self.data.seq_len

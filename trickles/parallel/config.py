@@ -14,6 +14,8 @@ class ParallelConfig:
 
     dp: int = opt(-1, "data-parallel degree (-1: whatever the world size leaves after tp, pp and cp)")
     tp: int = opt(1, "tensor-parallel degree")
+    tp_mode: str = opt("1d", "how the tp ranks split each matrix: 1d (Megatron: columns, then rows), 2d (a q x q grid, tp = q^2), 2.5d (tp_depth stacked q x q grids, tp = q^2 d) or 3d (a q x q x q cube, tp = q^3); see docs/tensor-parallel-nd.md")
+    tp_depth: int = opt(1, "with tp_mode=2.5d: the number d of stacked q x q grids (tp = q^2 d)")
     pp: int = opt(1, "pipeline-parallel degree")
     cp: int = opt(1, "context-parallel degree: every sequence is split over this many ranks (weights replicated over them, like dp)")
     cp_mode: str = opt("ring", "with cp > 1: ring (keys and values passed around a ring, load-balanced causal chunks) or ulysses (all-to-all from sequence to head shards)")

@@ -276,8 +276,11 @@ class Engine:
     # ---- shared checkpoint pieces ----------------------------------------------------------
     def writes(self, p: torch.Tensor) -> bool:
         """Whether this rank, of the tensor-parallel ranks, writes its copy of ``p`` to checkpoints and counts it
-        in the gradient norm: what every tp rank holds alike, tp rank 0 does."""
-        return self.tp is None or self.tp.rank == 0 or not _spec(p, "replicated", default=True)
+        in the gradient norm: what every tp rank holds alike, tp rank 0 does; a block some of them hold alike (a
+        tensor-parallel grid's, :mod:`~trickles.parallel.tensor_nd`), the one its spec calls ``primary``."""
+        if self.tp is None or self.tp.rank == 0:
+            return True
+        return not _spec(p, "replicated", default=True) and _spec(p, "primary")
 
     def _first_of_group(self, p: torch.Tensor) -> bool:
         """Whether this rank is the first of the data-parallel ranks holding the same whole ``p``."""

@@ -151,8 +151,8 @@ class PipelineRunner:
 
     def _expected(self, micro: list[Batch], i: int, decoding: bool) -> tuple[int, ...]:
         b, t = micro[i][0].shape[:2]
-        if self.tp_ctx is not None and self.tp_ctx.sequence_parallel and not decoding and t % self.tp_ctx.comm.size == 0:
-            t //= self.tp_ctx.comm.size
+        if self.tp_ctx is not None:
+            return self.tp_ctx.activation_shape(b, t, self.d_model, decoding)
         return (b, t, self.d_model)
 
     def _post(self, run: list[Action], micro: list[Batch]) -> None:

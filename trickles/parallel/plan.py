@@ -6,7 +6,8 @@ The model arrives built on the meta device (no memory), as single-device code. I
 2. context parallelism makes attention span the ``cp`` ranks' parts of each sequence and looks
    positions up globally (``parallel.cp``, ``parallel.cp_mode``; :mod:`trickles.parallel.context`);
    tensor parallelism swaps its modules for column/row-parallel ones over the ``tp`` group
-   (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor_plan`);
+   (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor_plan`), or with
+   ``parallel.tp_mode`` 2d, 2.5d or 3d for a grid's (:mod:`trickles.parallel.tensor_nd_plan`);
    expert parallelism keeps this rank's experts of every mixture-of-experts block and sends their tokens
    over the ``ep`` group (``parallel.ep``; :mod:`trickles.parallel.expert`);
    pipeline parallelism prunes it to this rank's stage (``parallel.pp``; :mod:`trickles.parallel.pipeline`),
@@ -43,6 +44,7 @@ from .pipeline import keep_stage, partition_layers, tied_parameters
 from .pipeline_runner import PipelineRunner
 from .schedules import Shape
 from .tensor import init_tp_param
+from .tensor_nd_plan import apply_tensor_nd, grid_context
 from .tensor_plan import apply_tensor_parallel, tp_full_logits
 from .zero import ZeroDataParallel
 from .zero3 import Zero3DataParallel
@@ -63,7 +65,11 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
     cp_ctx = apply_context_parallel(model, cp, cfg.parallel.cp_mode) if cp.size > 1 else None
     if ep.size > 1:
         apply_expert_parallel(model, ep)
-    ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full") if tp.size > 1 else None
+    ctx = None
+    if tp.size > 1 and topo.dims.grid.mode != "1d":
+        ctx = apply_tensor_nd(model, grid_context(topo))
+    elif tp.size > 1:
+        ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full")
     pp = topo.comm("pp")
     chunks = None
     if pp.size > 1:
@@ -98,7 +104,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         else:
             engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp,
                                       overlap=cfg.memory.offload_overlap, accumulates=cfg.accumulates(topo.dims), **experts)
-    if ctx is not None:
+    if ctx is not None and topo.dims.grid.mode == "1d":
         engine.full_logits = tp_full_logits(ctx)
     if cp_ctx is not None:
         engine.shard_sequence = lambda tokens: shard_sequence(tokens, cp.size, cp.rank, cfg.parallel.cp_mode)

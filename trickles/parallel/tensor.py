@@ -54,6 +54,9 @@ class TPSpec:
     partial_grad: bool = False  # each rank holds part of the gradient of a replicated parameter: sum over tp
     replicated: bool = False  # every tp rank holds the same values (counted once in the gradient norm)
     ep_sharded: bool = False  # an expert-parallel block of experts (its gradient: over edp, then / ep)
+    # of the tp ranks holding this same block (a grid's norm weights, biases, 2.5-D weights: :mod:`.tensor_nd`), whether
+    # this one counts it in the gradient norm and writes it to checkpoints (``replicated`` blocks: tp rank 0 does)
+    primary: bool = True
 
     def block(self, local_shape) -> tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(self.offset, local_shape))
@@ -93,6 +96,13 @@ class TPContext:
         It needs a sequence that splits evenly over ``tp`` and no KV cache (decoding).
         """
         self.sp_active = self.sequence_parallel and not decoding and seq_len % self.comm.size == 0
+
+    def activation_shape(self, b: int, t: int, d: int, decoding: bool = False) -> tuple[int, int, int]:
+        """This rank's part of a ``[b, t, d]`` residual-stream activation (what pipeline stages send): the sequence
+        shard under sequence parallelism."""
+        if self.sequence_parallel and not decoding and t % self.comm.size == 0:
+            t //= self.comm.size
+        return (b, t, d)
 
     def end_forward(self) -> None:
         """Forgets the latest region entry, so no activation is held past the forward."""

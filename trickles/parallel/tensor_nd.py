@@ -51,10 +51,11 @@ class _Summa(torch.autograd.Function):
     def backward(ctx, dy):
         x_row, w_col = ctx.saved_tensors
         row, col, dep = ctx.comms
-        dx = row.reduce_scatter(dy @ w_col, dim=-1)
+        dy = dy.contiguous()
+        dx = row.reduce_scatter((dy @ w_col.to(dy.dtype)).to(x_row.dtype), dim=-1)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dw = col.reduce_scatter(dy2.t() @ x_row.reshape(-1, x_row.shape[-1]), dim=1)
-        db = col.all_reduce(dy2.sum(0)) if ctx.has_bias else None
+        dw = col.reduce_scatter((dy2.t() @ x_row.reshape(-1, x_row.shape[-1]).to(dy.dtype)).to(w_col.dtype), dim=1)
+        db = col.all_reduce(dy2.sum(0).to(w_col.dtype)) if ctx.has_bias else None
         if dep is not None:
             dep.all_reduce(dw)
             if db is not None:
@@ -82,12 +83,13 @@ class Linear2D(nn.Module):
         self.row, self.col, self.dep, self.q = row, col, dep, q
         self.in_features, self.out_features = in_features, out_features
         i, j = col.rank, row.rank  # the column group's rank is the row index, and the other way round
+        top = dep is None or dep.rank == 0  # 2.5-D: the d layers hold the same blocks; the first counts and writes them
         self.weight = nn.Parameter(torch.empty(out_features // q, in_features // q, device=device))
-        set_spec(self.weight, TPSpec((out_features, in_features), (j * out_features // q, i * in_features // q)))
+        set_spec(self.weight, TPSpec((out_features, in_features), (j * out_features // q, i * in_features // q), primary=top))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // q, device=device))
             # every row holds the same bias block: its gradient is summed along the column inside backward
-            set_spec(self.bias, TPSpec((out_features,), (j * out_features // q,), replicated=False))
+            set_spec(self.bias, TPSpec((out_features,), (j * out_features // q,), primary=top and i == 0))
         else:
             self.register_parameter("bias", None)
 
@@ -96,13 +98,9 @@ class Linear2D(nn.Module):
 
     def wire_bytes(self, tokens: int, element_bytes: int) -> dict[str, float]:
         """What one forward and one backward send per rank for ``tokens`` rows of this rank's block row (module docstring;
-        2.5-D adds the all-reduce of the weight and bias gradients over the ``d`` layers)."""
-        q, h, h2, p = self.q, self.in_features, self.out_features, element_bytes
-        gathers = (q - 1) * p * (tokens * h // q + h * h2 // (q * q))
-        bias = 2 * (q - 1) / q * p * (h2 // q) if self.bias is not None else 0.0
+        2.5-D adds the all-reduce of the weight and bias gradients over the ``d`` layers): :func:`summa_bytes`."""
         d = self.dep.size if self.dep is not None else 1
-        depth = 2 * (d - 1) / d * p * (h * h2 // (q * q) + (h2 // q if self.bias is not None else 0))
-        return {"forward": float(gathers), "backward": float(gathers + bias + depth)}
+        return summa_bytes(self.q, d, tokens, self.in_features, self.out_features, self.bias is not None, element_bytes)
 
 
 class Linear2p5D(Linear2D):
@@ -134,9 +132,10 @@ class _Cube(torch.autograd.Function):
         x_ik, w_kj = ctx.saved_tensors
         a, b, c = ctx.comms
         dp = b.all_gather(dy.contiguous(), dim=0)
-        dx = a.reduce_scatter(dp @ w_kj, dim=0)
-        dw = c.reduce_scatter(dp.t() @ x_ik, dim=1)
-        db = b.all_reduce(c.all_reduce(dy.sum(0))) if ctx.has_bias else None
+        dx = a.reduce_scatter((dp @ w_kj.to(dp.dtype)).to(x_ik.dtype), dim=0)
+        dp2 = dp.reshape(-1, dp.shape[-1])
+        dw = c.reduce_scatter((dp2.t() @ x_ik.reshape(-1, x_ik.shape[-1]).to(dp.dtype)).to(w_kj.dtype), dim=1)
+        db = b.all_reduce(c.all_reduce(dy.reshape(-1, dy.shape[-1]).sum(0).to(w_kj.dtype))) if ctx.has_bias else None
         return dx, dw, db, None, None, None
 
 
@@ -182,7 +181,8 @@ class Linear3D(nn.Module):
                                      (u * out_features // q, v * in_features // q + w * in_features // (q * q))))
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // q, device=device))
-            set_spec(self.bias, TPSpec((out_features,), (u * out_features // q,)))
+            # held alike by the q^2 ranks of one a-index: the gradient is all-reduced over b and c in backward
+            set_spec(self.bias, TPSpec((out_features,), (u * out_features // q,), primary=v == 0 and w == 0))
         else:
             self.register_parameter("bias", None)
 
@@ -190,11 +190,28 @@ class Linear3D(nn.Module):
         return _Cube.apply(x, self.weight, self.bias, self.a, self.b, self.c)
 
     def wire_bytes(self, tokens: int, element_bytes: int) -> dict[str, float]:
-        """What one forward and one backward send per rank for all ``tokens`` ``N`` of the group (class docstring)."""
-        q, h, h2, p = self.q, self.in_features, self.out_features, element_bytes
-        blocks = (q - 1) * p * (tokens * h + h * h2 + tokens * h2) // q ** 3
-        bias = 4 * (q - 1) / q * p * (h2 // q) if self.bias is not None else 0.0
-        return {"forward": float(blocks), "backward": float(blocks + bias)}
+        """What one forward and one backward send per rank for all ``tokens`` ``N`` of the group (class docstring):
+        :func:`cube_bytes`."""
+        return cube_bytes(self.q, tokens, self.in_features, self.out_features, self.bias is not None, element_bytes)
+
+
+def summa_bytes(q: int, d: int, tokens: int, h: int, h2: int, bias: bool, p: int) -> dict[str, float]:
+    """Bytes one rank sends in a 2-D (``d = 1``) or 2.5-D :class:`Linear2D` ``h -> h'`` whose block row holds ``tokens``
+    rows (``N / q`` for 2-D, ``N / (q d)`` for 2.5-D), ``p`` bytes per element: forward the two all-gathers
+    ``(q-1) p (tokens h / q + h h' / q^2)``; backward the two reduce-scatters (the same), the bias all-reduce along
+    the column ``2 (q-1)/q p h'/q`` and, for 2.5-D, the depth all-reduce ``2 (d-1)/d p (h h'/q^2 + h'/q)``."""
+    gathers = (q - 1) * p * (tokens * h // q + h * h2 // (q * q))
+    col_bias = 2 * (q - 1) / q * p * (h2 // q) if bias else 0.0
+    depth = 2 * (d - 1) / d * p * (h * h2 // (q * q) + (h2 // q if bias else 0))
+    return {"forward": float(gathers), "backward": float(gathers + col_bias + depth)}
+
+
+def cube_bytes(q: int, tokens: int, h: int, h2: int, bias: bool, p: int) -> dict[str, float]:
+    """Bytes one rank sends in a :class:`Linear3D` ``h -> h'`` over all ``tokens`` ``N`` of the cube: forward
+    ``(q-1) p (N h + h h' + N h') / q^3``; backward the same, plus ``4 (q-1)/q p h'/q`` for a bias."""
+    blocks = (q - 1) * p * (tokens * h + h * h2 + tokens * h2) // q ** 3
+    bias_bytes = 4 * (q - 1) / q * p * (h2 // q) if bias else 0.0
+    return {"forward": float(blocks), "backward": float(blocks + bias_bytes)}
 
 
 def split_2d(full: torch.Tensor, i: int, j: int, q: int) -> torch.Tensor:
@@ -203,4 +220,4 @@ def split_2d(full: torch.Tensor, i: int, j: int, q: int) -> torch.Tensor:
     return full[..., i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
 
 
-__all__ = ["Linear2D", "Linear2p5D", "Linear3D", "split_2d"]
+__all__ = ["Linear2D", "Linear2p5D", "Linear3D", "cube_bytes", "split_2d", "summa_bytes"]

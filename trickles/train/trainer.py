@@ -270,7 +270,7 @@ class Trainer:
         if not self.quiet:
             zero = f", ZeRO-{self.engine.stage}" if self.engine.stage else ""
             if self.topo.dims.tp > 1:
-                zero += f", tp={self.topo.dims.tp}" + (" with sequence parallel" if self.cfg.parallel.sequence_parallel else "")
+                zero += f", tp={self.topo.dims.tp}" + (f" ({self.topo.dims.tp_mode})" if self.topo.dims.tp_mode != "1d" else "") + (" with sequence parallel" if self.cfg.parallel.sequence_parallel else "")
             if self.topo.dims.cp > 1:
                 zero += f", cp={self.topo.dims.cp} {self.cfg.parallel.cp_mode}"
             if self.topo.dims.ep > 1:
@@ -320,7 +320,11 @@ class Trainer:
             if t.plot and self.moe_stats is not None and plot_expert_load(log.path, os.path.join(t.out_dir, "expert_load.png")) \
                     and not self.quiet:
                 print(f"[trickles] expert load: {os.path.join(t.out_dir, 'expert_load.png')}")
-        if t.sample_tokens:
+        if t.sample_tokens and self.topo.dims.tp_mode != "1d":
+            if not self.quiet:
+                print(f"[trickles] no sample: decoding with a KV cache needs parallel.tp_mode=1d (this run: "
+                      f"{self.topo.dims.tp_mode}); `trickles generate` reads the checkpoint at any layout")
+        elif t.sample_tokens:
             text = self.sample(t.sample_prompt, t.sample_tokens)  # every rank: sharded parameters need all of them
             if self.topo.is_main:
                 with open(os.path.join(t.out_dir, "sample.txt"), "w") as f:
