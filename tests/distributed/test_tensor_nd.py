@@ -1,10 +1,20 @@
 """Multi-dimensional tensor parallelism (:mod:`trickles.parallel.tensor_nd`): each layer against the dense one.
 
-2-D on a 2 x 2 grid (tp = 4): forward and backward of :class:`Linear2D` equal ``F.linear`` on the whole tensors to
-1e-6 relative (fp32), on widths that are not powers of two, and every rank sends exactly the bytes its docstring's
-formula gives (the ledger). A ``tp`` the mode cannot arrange is refused before any process group exists, naming
-the nearest valid values.
+2-D on a 2 x 2 grid (tp = 4), 2.5-D on two of them (tp = 8) and 3-D on a 2 x 2 x 2 cube (tp = 8): forward and
+backward of :class:`Linear2D`, :class:`Linear2p5D` and chained :class:`Linear3D` layers equal ``F.linear`` on the
+whole tensors to 1e-6 relative (fp32), on widths that are not powers of two, and every rank sends exactly the bytes
+its docstring's formula gives (the ledger). A ``tp`` the mode cannot arrange is refused before any process group
+exists, naming the nearest valid values.
+
+The rest of the model (:mod:`trickles.parallel.tensor_nd_model`), each rank's block against the dense layer to 1e-6
+relative, forward and every gradient: :class:`GridNorm` (RMSNorm and LayerNorm) in every mode,
+:class:`GridEmbedding` (2-D untied and tied -- the transposed block exchange --, 2.5-D, 3-D), :class:`GridPositions`
+(2-D, 3-D), :class:`GridLoss` with the output layer and ignored targets in every mode. Vocabulary 38 and width 20
+(3-D: 5 features per block) divide by the grid but are not powers of two; a width, vocabulary or micro-batch that
+does not divide is a ValueError naming the multiple.
 """
+
+import re
 
 import pytest
 import torch
@@ -157,3 +167,207 @@ def test_linear_3d_layers_chain_and_equal_the_dense_layers():
         for name, (got, want) in out.items():
             torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()), msg=name)
         assert sent == formula, (sent, formula)
+
+
+# ---- the rest of the model's layers: norms, embeddings, positions, loss ---------------------------------------
+
+GRIDS = {"2d": (4, {"tp": 4, "tp_mode": "2d"}), "2.5d": (8, {"tp": 8, "tp_mode": "2.5d", "tp_depth": 2}),
+         "3d": (8, {"tp": 8, "tp_mode": "3d"})}
+
+
+def _grid(mode):
+    from trickles.parallel.tensor_nd_plan import grid_context
+
+    topo = ParallelDims(**GRIDS[mode][1]).build(CPU)
+    return grid_context(topo), topo
+
+
+def _mine(ctx, full):
+    """This rank's block of a whole micro-batch's residual stream ``[B, T, d]``: its samples, its features."""
+    return full.chunk(ctx.parts)[ctx.block].chunk(ctx.q, dim=-1)[ctx.hidden.rank]
+
+
+def _spec_block(full, p):
+    """The block of ``full`` the parameter ``p`` holds, by its spec (global shape and offset)."""
+    assert tuple(full.shape) == p.tp_spec.global_shape, (full.shape, p.tp_spec)
+    return full[p.tp_spec.block(p.shape)]
+
+
+def _assert_all_close(results):
+    for out in results:
+        for name, (got, want) in out.items():
+            assert got.shape == want.shape, (name, got.shape, want.shape)
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * float(want.abs().max()), msg=name)
+
+
+def _norms(mode, B, T, d):
+    from trickles.parallel.tensor_nd_model import GridNorm
+
+    ctx, _ = _grid(mode)
+    g = torch.Generator().manual_seed(3)
+    x, dy = torch.randn(B, T, d, generator=g) * 2 + 0.5, torch.randn(B, T, d, generator=g)
+    w, b = 1 + 0.1 * torch.randn(d, generator=g), 0.1 * torch.randn(d, generator=g)
+    out = {}
+    for layer_norm in (False, True):
+        kind = "layer" if layer_norm else "rms"
+        norm = GridNorm(d, 1e-5, layer_norm, ctx)
+        with torch.no_grad():
+            norm.weight.copy_(_spec_block(w, norm.weight))
+            if layer_norm:
+                norm.bias.copy_(_spec_block(b, norm.bias))
+        xs = _mine(ctx, x).clone().requires_grad_()
+        y = norm(xs)
+        y.backward(_mine(ctx, dy))
+        rx, rw, rb = (t.clone().requires_grad_() for t in (x, w, b))
+        ref = F.layer_norm(rx, (d,), rw, rb, 1e-5) if layer_norm else F.rms_norm(rx, (d,), rw, 1e-5)
+        ref.backward(dy)
+        out.update({f"{kind} y": (y.detach(), _mine(ctx, ref.detach())), f"{kind} dx": (xs.grad, _mine(ctx, rx.grad)),
+                    f"{kind} dw": (norm.weight.grad, _spec_block(rw.grad, norm.weight))})
+        if layer_norm:
+            out[f"{kind} db"] = (norm.bias.grad, _spec_block(rb.grad, norm.bias))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["2d", "2.5d", "3d"])
+def test_grid_norms_equal_the_dense_norms(mode):
+    """RMSNorm and LayerNorm over features split on the hidden group, 8 samples of 3 tokens, width 20: output, input
+    gradient and the weight's (and bias's) gradient -- summed over the ranks holding the block alike -- within 1e-6
+    relative of ``F.rms_norm`` / ``F.layer_norm`` on the whole tensors."""
+    _assert_all_close(run_ranks(GRIDS[mode][0], _norms, mode, 8, 3, 20))
+
+
+def _embedding(mode, tied, B, T, V, d):
+    from trickles.parallel.tensor_nd_model import GridEmbedding
+
+    ctx, _ = _grid(mode)
+    g = torch.Generator().manual_seed(4)
+    table, dy = torch.randn(V, d, generator=g), torch.randn(B, T, d, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    ids[0, :2], ids[-1, -2:] = torch.tensor([0, V - 1]), torch.tensor([V - 1, 0])  # both ends of the vocabulary
+    emb = GridEmbedding(V, d, ctx, tied)
+    with torch.no_grad():
+        emb.weight.copy_(_spec_block(table, emb.weight))
+    y = emb(ids)
+    y.backward(_mine(ctx, dy))
+    ref_table = table.clone().requires_grad_()
+    ref = F.embedding(ids, ref_table)
+    ref.backward(dy)
+    return {"y": (y.detach(), _mine(ctx, ref.detach())), "d_table": (emb.weight.grad, _spec_block(ref_table.grad, emb.weight))}
+
+
+@pytest.mark.parametrize("mode,tied", [("2d", False), ("2d", True), ("2.5d", False), ("3d", True)],
+                         ids=["2d", "2d-tied", "2.5d", "3d"])
+def test_grid_embedding_equals_the_dense_embedding(mode, tied):
+    """8 samples of 3 tokens, vocabulary 38, width 20 (3-D: 19 rows and 5 features per block): each rank's block of
+    the looked-up residual stream and its block of the table's gradient (summed over the samples of every rank, and
+    for 2.5-D over the depth) within 1e-6 relative of the dense embedding's. Tied: the block is laid out as the output
+    layer's (transposed) and exchanged with the grid's mirror rank; 3-D is always laid out as the output layer."""
+    _assert_all_close(run_ranks(GRIDS[mode][0], _embedding, mode, tied, 8, 3, 38, 20))
+
+
+def _positions(mode, B, T, max_len, d):
+    from trickles.parallel.tensor_nd_model import GridPositions
+
+    ctx, _ = _grid(mode)
+    g = torch.Generator().manual_seed(5)
+    table, dy = torch.randn(max_len, d, generator=g), torch.randn(B, T, d, generator=g)
+    positions = torch.arange(2, 2 + T)  # not from 0: a continued sequence
+    pos = GridPositions(max_len, d, ctx)
+    with torch.no_grad():
+        pos.weight.copy_(_spec_block(table, pos.weight))
+    y = pos(positions)
+    (y.unsqueeze(0) * _mine(ctx, dy)).sum().backward()  # added to each of this rank's samples
+    ref_table = table.clone().requires_grad_()
+    ref = F.embedding(positions, ref_table)
+    (ref.unsqueeze(0) * dy).sum().backward()
+    return {"y": (y.detach(), ref.detach().chunk(ctx.q, dim=-1)[ctx.hidden.rank]),
+            "d_table": (pos.weight.grad, _spec_block(ref_table.grad, pos.weight))}
+
+
+@pytest.mark.parametrize("mode", ["2d", "3d"])
+def test_grid_positions_equal_the_dense_positions(mode):
+    """Learned positions (gpt2), 10 rows of width 20, positions 2..6 added to 8 samples: this rank's features of the
+    looked-up positions, and its block of the table's gradient summed over every rank's samples, within 1e-6
+    relative of the dense table's."""
+    _assert_all_close(run_ranks(GRIDS[mode][0], _positions, mode, 8, 5, 10, 20))
+
+
+def _loss(mode, B, T, V, d):
+    from trickles.parallel.tensor_nd_model import GridLoss
+
+    ctx, _ = _grid(mode)
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(B, T, d, generator=g), torch.randn(V, d, generator=g) * 0.5
+    target = torch.randint(0, V, (B, T), generator=g)
+    target[0, :2], target[-1, -1] = torch.tensor([0, V - 1]), V - 1
+    target[1] = -100  # a sample ignored whole: its rank's block counts fewer tokens
+    target[2, ::2] = -100
+    output = ctx.linear(d, V, False)
+    with torch.no_grad():
+        output.weight.copy_(_spec_block(w, output.weight))
+    hs = _mine(ctx, h).clone().requires_grad_()
+    loss = GridLoss(ctx)(hs, output, target)
+    loss.backward()
+    rh, rw = h.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(rh, rw).flatten(0, 1), target.flatten(), ignore_index=-100)
+    ref.backward()
+    return {"loss": (loss.detach(), ref.detach()), "dh": (hs.grad, _mine(ctx, rh.grad)),
+            "dw": (output.weight.grad, _spec_block(rw.grad, output.weight))}
+
+
+@pytest.mark.parametrize("mode", ["2d", "2.5d", "3d"])
+def test_grid_loss_equals_the_dense_cross_entropy(mode):
+    """The output layer (width 20 -> vocabulary 38) and the vocabulary-parallel cross-entropy, 8 samples of 6 tokens,
+    one sample and half of another ignored (-100): every rank's loss is the micro-batch's mean over the tokens not
+    ignored, and the hidden states' and output weight's gradients, within 1e-6 relative of ``F.cross_entropy``'s."""
+    _assert_all_close(run_ranks(GRIDS[mode][0], _loss, mode, 8, 6, 38, 20))
+
+
+def _refusals():
+    from trickles.parallel.tensor_nd_model import GridEmbedding, GridNorm, GridPositions
+
+    ctx2, _ = _grid("2d")
+    messages = []
+    for make in (lambda: GridNorm(21, 1e-5, False, ctx2), lambda: GridEmbedding(39, 20, ctx2, False),
+                 lambda: GridPositions(10, 21, ctx2), lambda: ctx2.rows(torch.zeros(3, 4)),
+                 lambda: GridPositions(10, 20, ctx2)(torch.zeros(2, 3, dtype=torch.long))):
+        try:
+            make()
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def _refusals_3d():
+    from trickles.parallel.tensor_nd_model import GridEmbedding
+
+    ctx, _ = _grid("3d")
+    messages = []
+    for make in (lambda: GridEmbedding(38, 22, ctx, True), lambda: ctx.rows(torch.zeros(6, 4))):
+        try:
+            make()
+            messages.append(None)
+        except ValueError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_grid_layers_refuse_what_does_not_split_naming_the_multiple():
+    """A width, vocabulary or micro-batch the grid cannot split is a ValueError naming the multiple to use (2-D, q = 2:
+    widths and the vocabulary in 2 blocks, 2 sample blocks; 3-D: the embedding's width in q^2 = 4 blocks, 4 sample
+    blocks); per-sample positions (left-padded decoding) are refused, naming 1-D tensor parallelism."""
+    expected = [r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
+                r"the vocabulary \(39\) into 2 blocks; make it a multiple of 2$",
+                r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
+                r"2d tensor parallelism splits each micro-batch's 3 samples into 2 blocks; make the micro-batch a multiple of 2$",
+                r"need 1-D tensor parallelism \(parallel.tp_mode=1d\)$"]
+    for messages in run_ranks(4, _refusals):
+        assert len(messages) == len(expected)
+        for got, want in zip(messages, expected):
+            assert got is not None and re.search(want, got), (got, want)
+    expected_3d = [r"the model width \(3-D: q\^2 blocks\) \(22\) into 4 blocks; make it a multiple of 4$",
+                   r"3d tensor parallelism splits each micro-batch's 6 samples into 4 blocks; make the micro-batch a multiple of 4$"]
+    for messages in run_ranks(8, _refusals_3d):
+        for got, want in zip(messages, expected_3d, strict=True):
+            assert got is not None and re.search(want, got), (got, want)
