@@ -11,8 +11,9 @@ precision, checkpoints that reshard to other layouts, and the configurations ref
   the same block alike (norms, biases, positions, 2.5-D's depth layers) hold the same values, and that exactly one of
   a stage's tp ranks (the spec's ``primary``) writes each element to checkpoints.
 * bf16 at 2-D tp=4 tracks bf16 on one process (bf16 tolerances, measured).
-* A checkpoint written at 2-D tp=4 resumes at 1-D tp=2 and on one process, continuing like an uninterrupted
-  one-process run: the data position, the losses, the final weights.
+* A checkpoint written at 2-D tp=4 resumes at 1-D tp=2 and on one process, and one written by one process resumes on
+  2.5-D and 3-D grids, continuing like an uninterrupted one-process run: the data position, the losses, the final
+  weights.
 * What a grid cannot split or does not combine with is a ConfigError at ``Config.validate`` naming what to change,
   before any process group exists.
 """
@@ -221,32 +222,36 @@ def _load_and_go_on(tmp, overrides, out, path):
     return at, [tr.train_step()["loss"] for _ in range(AFTER)], _pieces(tr.engine)
 
 
-def test_checkpoint_of_a_2d_grid_resumes_at_1d_tp_and_on_one_process(tmp_path, cache):
-    """Saved after 4 of 8 steps at 2-D tp=4 (llama), resumed at 1-D tp=2 and on one process: the data position comes
-    back, the last 4 losses are within 1e-4 relative of an uninterrupted one-process run's (its twin with a 5% lower
-    learning rate farther), and the final weights within 1e-5 of its final weights (each weight moved farther than that
-    after the checkpoint, so a resume that dropped an update would fail)."""
+def test_checkpoints_reshard_between_grids_1d_tp_and_one_process(tmp_path, cache):
+    """Saved after 4 of 8 steps at 2-D tp=4 (llama), resumed at 1-D tp=2 and on one process; the other way, one
+    process's checkpoint resumed on 2.5-D and 3-D grids of 8: the data position comes back, the last 4 losses are
+    within 1e-4 relative of the uninterrupted one-process run's (its twin with a 5% lower learning rate farther), and
+    the final weights within 1e-5 of its final weights (each weight moved farther than that after the checkpoint, so a
+    resume that lost an update, or the checkpoint's weights themselves, would fail)."""
     tmp = str(tmp_path)
     common = [cache, "model.preset=tiny"]
-    _, straight, one_at_save, one_at_end = _save_and_go_on(tmp, common, f"{tmp}/one")
+    one_path, straight, one_at_save, one_at_end = _save_and_go_on(tmp, common, f"{tmp}/one")
     at_save, at_end = _assemble([one_at_save]), _assemble([one_at_end])
     tr = _trainer(tmp, 1, [*common, SLOWER, f"train.out_dir={tmp}/slower"], steps=BEFORE + AFTER)
     slower = [tr.train_step()["loss"] for _ in range(BEFORE + AFTER)][BEFORE:]
 
     saved = run_ranks(4, _save_and_go_on, tmp, [*common, *GRIDS["2d"]], f"{tmp}/grid", timeout=300)
-    path = saved[0][0]
+    grid_path = saved[0][0]
     gaps = {"2d tp4 straight on": (max(assert_losses_track(tail, straight, 1e-4, wrong={"lr 5% lower": slower})
                                        for _, tail, _, _ in saved),
                                    assert_weights_track(_assemble([end for *_, end in saved]), at_end, at_save, 1e-5))}
-    for name, world, layout in (("1d tp2", 2, ["parallel.tp=2"]), ("one process", 1, [])):
-        args = (tmp, [*common, *layout], f"{tmp}/{name.replace(' ', '-')}", path)
+    for name, world, layout, path in (("2d tp4 -> 1d tp2", 2, ["parallel.tp=2"], grid_path),
+                                      ("2d tp4 -> one process", 1, [], grid_path),
+                                      ("one process -> 2.5d tp8", 8, list(GRIDS["2.5d"]), one_path),
+                                      ("one process -> 3d tp8", 8, list(GRIDS["3d"]), one_path)):
+        args = (tmp, [*common, *layout], f"{tmp}/{name.split()[-2]}{name.split()[-1]}", path)
         results = run_ranks(world, _load_and_go_on, *args, timeout=300) if world > 1 else [_load_and_go_on(*args)]
         worst = 0.0
         for at, tail, _ in results:
             assert at == (BEFORE, BEFORE * 8), at  # the step and the samples consumed came back
             worst = max(worst, assert_losses_track(tail, straight, 1e-4, wrong={"lr 5% lower": slower}))
         gaps[name] = worst, assert_weights_track(_assemble([pieces for *_, pieces in results]), at_end, at_save, 1e-5)
-    print(f"checkpoint of 2d tp4 (losses, weights): {gaps}")
+    print("checkpoints resharded (losses, weights):", {k: f"{a:.3g}, {b:.3g}" for k, (a, b) in gaps.items()})
 
 
 # ---- configurations refused --------------------------------------------------------------------------------------
