@@ -367,7 +367,8 @@ def test_grid_layers_refuse_what_does_not_split_naming_the_multiple():
         for got, want in zip(messages, expected):
             assert got is not None and re.search(want, got), (got, want)
     expected_3d = [r"the model width \(3-D: q\^2 blocks\) \(22\) into 4 blocks; make it a multiple of 4$",
-                   r"3d tensor parallelism splits each micro-batch's 6 samples into 4 blocks; make the micro-batch a multiple of 4$"]
+                   r"3d tensor parallelism splits each micro-batch's 6 samples into 4 blocks; "
+                   r"make the micro-batch a multiple of 4$"]
     for messages in run_ranks(8, _refusals_3d):
         for got, want in zip(messages, expected_3d, strict=True):
             assert got is not None and re.search(want, got), (got, want)

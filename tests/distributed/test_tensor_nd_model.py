@@ -164,7 +164,8 @@ def test_layout_invariance(tmp_path, cache, preset, mode, dp, pp, extra):
     within 1e-5, over 20 steps (measured gaps: ``MEASURED``)."""
     tp = TP[mode]
     same_math = [e for e in extra if e.startswith("train.")]
-    ref_losses, ref_norms, ref_weights, initial, slower, slower_norms = reference(str(tmp_path), [cache, f"model.preset={preset}", *same_math])
+    ref = reference(str(tmp_path), [cache, f"model.preset={preset}", *same_math])
+    ref_losses, ref_norms, ref_weights, initial, slower, slower_norms = ref
     overrides = [cache, f"model.preset={preset}", *GRIDS[mode], f"parallel.pp={pp}", *extra]
     results = run_ranks(dp * tp * pp, _train, str(tmp_path), overrides, timeout=300)
     losses_gap = max(assert_losses_track(losses, ref_losses, 1e-4, wrong={"lr 5% lower": slower}) for losses, _, _ in results)
@@ -175,7 +176,8 @@ def test_layout_invariance(tmp_path, cache, preset, mode, dp, pp, extra):
     for d in range(dp):  # ranks: ((stage x dp) + replica) x tp + tp rank
         replica = [results[(s * dp + d) * tp + t][2] for s in range(pp) for t in range(tp)]
         weights_gap = max(weights_gap, _weights_track(_assemble(replica, stages=pp), ref_weights, initial, 1e-5))
-    print(f"{_case_id((preset, mode, dp, pp, extra))}: losses {losses_gap:.3g} (lr 5% lower: {loss_gap(slower, ref_losses):.3g}), "
+    print(f"{_case_id((preset, mode, dp, pp, extra))}: losses {losses_gap:.3g} "
+          f"(lr 5% lower: {loss_gap(slower, ref_losses):.3g}), "
           f"grad norms {norms_gap:.3g} (lr 5% lower: {loss_gap(slower_norms, ref_norms):.3g}), weights {weights_gap:.3g}")
 
 
@@ -260,12 +262,15 @@ REFUSED = [  # (id, world, overrides, what the message must say)
     ("sequence-parallel", 4, [*GRIDS["2d"], "parallel.sequence_parallel=true"],
      r"tp_mode=2d: parallel.sequence_parallel .*set it to false\) is not supported"),
     ("context-parallel", 8, [*GRIDS["2d"], "parallel.cp=2"], r"context parallelism \(set parallel.cp=1 or parallel.tp_mode=1d\)"),
-    ("moe", 4, [*GRIDS["2d"], "model.moe_experts=4"], r"mixture-of-experts blocks \(set model.moe_experts=0 or parallel.tp_mode=1d\)"),
+    ("moe", 4, [*GRIDS["2d"], "model.moe_experts=4"],
+     r"mixture-of-experts blocks \(set model.moe_experts=0 or parallel.tp_mode=1d\)"),
     ("zero3", 8, [*GRIDS["2d"], "parallel.zero=3"], r"parallel.zero=3 \(use parallel.zero 0, 1 or 2\)"),
-    ("fused-loss", 4, [*GRIDS["2d"], "model.fused_loss=true"], r"model.fused_loss=true \(the grid's loss is unfused; leave it unset\)"),
+    ("fused-loss", 4, [*GRIDS["2d"], "model.fused_loss=true"],
+     r"model.fused_loss=true \(the grid's loss is unfused; leave it unset\)"),
     ("heads", 9, ["parallel.tp=9", "parallel.tp_mode=2d"],
      r"model.n_heads \(4\) must be divisible by 3 with parallel.tp_mode=2d at parallel.tp=9 \(q = 3\); change it or parallel.tp"),
-    ("kv-heads", 4, [*GRIDS["2d"], "model.n_kv_heads=1"], r"model.n_kv_heads \(1\) must be divisible by 2 .*change it or parallel.tp"),
+    ("kv-heads", 4, [*GRIDS["2d"], "model.n_kv_heads=1"],
+     r"model.n_kv_heads \(1\) must be divisible by 2 .*change it or parallel.tp"),
     ("width-3d", 8, [*GRIDS["3d"], "model.preset=gpt2-tiny", "model.d_model=66", "model.n_heads=2"],
      r"model.d_model \(66\) must be divisible by 4 with parallel.tp_mode=3d"),
     ("mlp-width-2.5d", 8, [*GRIDS["2.5d"], "model.ffn_hidden=129"],
@@ -278,7 +283,8 @@ REFUSED = [  # (id, world, overrides, what the message must say)
      r"each micro-batch's 2 samples are split into 4 blocks; make train.micro_batch \(or train.global_batch / "
      r"parallel.dp\) a multiple of 4"),
     ("mode", 4, ["parallel.tp=4", "parallel.tp_mode=4d"], r"parallel.tp_mode must be one of 1d, 2d, 2.5d, 3d, got '4d'"),
-    ("depth-0", 8, ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=0"], r"parallel.tp_depth must be at least 1, got 0"),
+    ("depth-0", 8, ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=0"],
+     r"parallel.tp_depth must be at least 1, got 0"),
     ("depth-not-2.5d", 4, [*GRIDS["2d"], "parallel.tp_depth=2"], r"with tp_mode=2d leave it at 1"),
     ("tp-not-square", 8, ["parallel.tp=8", "parallel.tp_mode=2d"], r"parallel.tp=8 is not q\^2 .*use parallel.tp=4 or 9$"),
 ]
