@@ -188,7 +188,6 @@ class Config:
                 (p.sequence_parallel, "parallel.sequence_parallel", "a grid splits the activations already; set it to false"),
                 (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
                 (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
-                (p.zero == 3, "parallel.zero=3", "use parallel.zero 0, 1 or 2"),
                 (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
                 (self.train.qat, "train.qat", "quantization-aware training scales whole rows; set train.qat=false or "
                                               "parallel.tp_mode=1d")):
