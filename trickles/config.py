@@ -183,15 +183,16 @@ class Config:
         """2-D, 2.5-D and 3-D tensor parallelism: what the grid splits must divide, and what it does not combine with."""
         m, p, grid = self.model, self.parallel, dims.grid
         mode, q = grid.mode, grid.q
-        why = f"with parallel.tp_mode={mode}"
-        for bad, what in ((p.sequence_parallel, "parallel.sequence_parallel (a grid splits the activations already; "
-                                                "set it to false)"),
-                          (dims.cp > 1, "context parallelism (set parallel.cp=1 or parallel.tp_mode=1d)"),
-                          (bool(m.moe_experts), "mixture-of-experts blocks (set model.moe_experts=0 or parallel.tp_mode=1d)"),
-                          (p.zero == 3, "parallel.zero=3 (use parallel.zero 0, 1 or 2)"),
-                          (m.fused_loss is True, "model.fused_loss=true (the grid's loss is unfused; leave it unset)")):
+        why = f"parallel.tp_mode={mode}"
+        for bad, what, fix in (
+                (p.sequence_parallel, "parallel.sequence_parallel", "a grid splits the activations already; set it to false"),
+                (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
+                (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
+                (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
+                (self.train.qat, "train.qat", "quantization-aware training scales whole rows; set train.qat=false or "
+                                              "parallel.tp_mode=1d")):
             if bad:
-                raise ConfigError(f"{why}: {what} is not supported")
+                raise ConfigError(f"{what} does not combine with {why}; {fix}")
         feature_unit = q * q if mode == "3d" else q  # 3-D splits a linear's input features into q^2 blocks
         vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
         for n, what, unit in ((m.n_heads, "model.n_heads", q), (m.kv_heads, "model.n_kv_heads", q),
@@ -199,12 +200,12 @@ class Config:
                               (m.n_heads * m.head_dim, "model.n_heads x head size", feature_unit),
                               (vocab_unit, "the vocabulary (model.vocab_size or model.vocab_multiple)", q)):
             if n % unit:
-                raise ConfigError(f"{what} ({n}) must be divisible by {unit} {why} at parallel.tp={dims.tp} (q = {q}); "
+                raise ConfigError(f"{what} ({n}) must be divisible by {unit} with {why} at parallel.tp={dims.tp} (q = {q}); "
                                   f"change it or parallel.tp")
         micro, _ = self.batch_plan(dims.dp)
         parts = q * q if mode == "3d" else q * grid.depth
         if micro % parts:
-            raise ConfigError(f"{why} each micro-batch's {micro} samples are split into {parts} blocks; make "
+            raise ConfigError(f"with {why} each micro-batch's {micro} samples are split into {parts} blocks; make "
                               f"train.micro_batch (or train.global_batch / parallel.dp) a multiple of {parts}")
 
     def _check_context_parallel(self, dims: ParallelDims) -> None:

@@ -21,6 +21,11 @@ the assignments of the rank's tokens, :func:`expert_rows_in_flight`) and buffers
 buckets; ZeRO-3: the root and two gathered blocks). On CUDA the measured peak is the
 allocator's ``max_memory_allocated``.
 
+Tensor parallelism: the plan of ``parallel.tp_mode`` (1-D, or a 2-D/2.5-D/3-D grid) applied to the meta model gives
+the parameters a rank holds; a grid's activations and loss transient come from
+:mod:`trickles.parallel.tensor_nd_costs`. At ``tp > 1`` the report ends with 1-D (with and without sequence
+parallelism), 2-D, 2.5-D and 3-D side by side (:func:`~trickles.memory.tp_modes.compare_tp_modes`).
+
 Mixture-of-experts models: each MoE block's activations have their own formula
 (:mod:`~trickles.memory.activations`); with expert parallelism (``parallel.ep``) a rank holds ``E / ep`` experts
 of every block (the plan's :func:`~trickles.parallel.expert.apply_expert_parallel` applied to the meta model)
@@ -43,9 +48,11 @@ from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
 from ..kernels.cross_entropy import fused_on
+from ..parallel.tensor_nd_costs import Layout, loss_transient_nd
 from .accounting import peak_allocated
-from .activations import ActivationMeter, activation_bytes, loss_transient_bytes
+from .activations import ActivationMeter, loss_transient_bytes
 from .precision import policy
+from .tp_modes import activations, compare_tp_modes, shard_meta
 
 GiB = 2**30
 
@@ -61,6 +68,7 @@ class MemoryReport:
     host_optimizer: bool = False
     notes: list[str] = field(default_factory=list)
     moe_layers: list[int] = field(default_factory=list)  # which layers are mixture-of-experts blocks
+    tp_modes: str = ""  # the tensor-parallel modes at this tp, side by side (tp_modes.compare_tp_modes)
 
     CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
 
@@ -94,6 +102,8 @@ class MemoryReport:
             lines.append(f"device of {device_gb:g} GB: peak {_fmt(peak)} is {100 * peak / cap:.0f}% of it -> {verdict}"
                          + (" (keep 10% for the allocator and the framework)" if verdict == "tight" else ""))
         lines.extend(f"note: {n}" for n in self.notes)
+        if self.tp_modes:
+            lines.extend(["", self.tp_modes])
         return "\n".join(lines)
 
     def _layer_summary(self) -> list[str]:
@@ -171,10 +181,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
 
         # (the dispatch it installs would talk over the ep group; the meta model never runs it)
         apply_expert_parallel(meta, SimpleNamespace(size=dims.ep, rank=dp_rank % dims.ep))
-    if dims.tp > 1:  # what one tensor-parallel rank holds: apply the plan to the meta model
-        from ..parallel.tensor_plan import apply_tensor_parallel
-
-        apply_tensor_parallel(meta, SimpleNamespace(size=dims.tp, rank=0), cfg.parallel.sequence_parallel)
+    shard_meta(meta, dims, cfg.parallel.sequence_parallel)  # what one tensor-parallel rank holds (1-D or a grid)
     n = count_params(meta)
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     p = torch.finfo(prec.param_dtype).bits // 8
@@ -191,12 +198,12 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     micro, _ = cfg.batch_plan(dims.dp)
     triton = runs_triton(model_cfg.kernels, device_type)
     fused = fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type)
-    act = activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, dims.tp,
-                           cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep, fused_loss=fused,
-                           fp16=cfg.memory.precision == "fp16")
+    lay = Layout.of(dims.tp_mode, dims.tp, dims.tp_depth, cfg.parallel.sequence_parallel)
+    act = activations(cfg, model_cfg, lay, dims, device_type)
     tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
     # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
-    transient = loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton)
+    transient = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
+                 else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton))
     if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
         transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
     if dims.ep > 1 and model_cfg.moe_layers:
@@ -214,7 +221,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     predicted["held"] = device_states + act["total"]
     predicted["peak"] = predicted["held"] + transient
     report = MemoryReport(predicted, list(act["per_layer"]), host_optimizer=offload, moe_layers=list(model_cfg.moe_layers))
-    tp = f", tp={dims.tp}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
+    mode = f" {lay.mode} (q={lay.q}{f', d={lay.depth}' if lay.mode == '2.5d' else ''})" if lay.grid else ""
+    tp = f", tp={dims.tp}{mode}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
     tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
                         f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}"
@@ -382,6 +390,8 @@ def report_for(cfg: Config, world_size: int, measure_steps: int = 0, quiet: bool
     model_cfg = resolve_model(cfg.model, vocab, cfg.data.seq_len)
     device_type = "cuda" if torch.cuda.is_available() and cfg.train.device != "cpu" else "cpu"
     report = predict(cfg, dims, model_cfg, device_type)
+    if dims.tp > 1 and dims.cp == 1 and not model_cfg.moe_experts:  # (grids take neither)
+        report.tp_modes = compare_tp_modes(cfg, dims, model_cfg, device_type).table()
     if measure_steps > 0:
         from ..topology import distributed_session
         from ..train.trainer import Trainer

@@ -23,7 +23,9 @@ activations in its all-reduces: a rank's bytes do not shrink as ``tp`` grows. Th
   two all-gathers), backward the same in the two reduce-scatters, plus ``2 (q-1)/q p h'/q`` for the bias. 1-D at
   the same ``tp`` moves ``2 (tp-1)/tp p N h'`` per all-reduce: a whole activation.
 
-The gathered ``X_i`` and ``A_j`` are kept for backward (``q`` times the local blocks: no second gather).
+The gathered ``X_i`` and ``A_j`` are kept for backward (``q`` times the local blocks: no second gather). The
+collectives do not wait for each other where nothing needs them: a forward's two all-gathers are in flight together,
+and in backward ``dX``'s reduce-scatter runs while ``dA`` is computed (the same for :class:`Linear3D`).
 """
 
 from __future__ import annotations
@@ -35,14 +37,22 @@ from torch import nn
 from ..comm import GroupComm
 
 
+def _gather(comm: GroupComm, t: torch.Tensor, dim: int):
+    """Starts the all-gather of ``t`` along ``dim`` over ``comm``; returns the function that waits for it and returns
+    the gathered tensor (the collective gathers whole blocks along a new leading dimension, laid side by side after)."""
+    handle = comm.all_gather(t.contiguous().unsqueeze(0), dim=0, async_op=True)
+    return lambda: torch.cat(handle.wait().unbind(0), dim=dim)
+
+
 class _Summa(torch.autograd.Function):
     """``Y_ij = X_i A_j (+ b_j)``, see the module docstring; ``weight`` is this rank's block of ``A^T``. ``dep``: the
     2.5-D depth group, whose layers hold the same weight blocks for other tokens (their gradients are summed)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, row: GroupComm, col: GroupComm, dep: GroupComm | None):
-        x_row = row.all_gather(x, dim=-1)  # [..., h]
-        w_col = col.all_gather(weight, dim=1)  # [h'/q, h]: A_j^T
+        gathering = _gather(row, x, -1)  # both gathers in flight together
+        w_col = _gather(col, weight, 1)()  # [h'/q, h]: A_j^T
+        x_row = gathering()  # [..., h]
         ctx.save_for_backward(x_row, w_col)
         ctx.comms, ctx.has_bias = (row, col, dep), bias is not None
         return F.linear(x_row, w_col, bias)
@@ -52,10 +62,13 @@ class _Summa(torch.autograd.Function):
         x_row, w_col = ctx.saved_tensors
         row, col, dep = ctx.comms
         dy = dy.contiguous()
-        dx = row.reduce_scatter((dy @ w_col.to(dy.dtype)).to(x_row.dtype), dim=-1)
+        # dX's reduce-scatter runs while dA is computed
+        dx = row.reduce_scatter((dy @ w_col.to(dy.dtype)).to(x_row.dtype), dim=x_row.dim() - 1, async_op=True)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dw = col.reduce_scatter((dy2.t() @ x_row.reshape(-1, x_row.shape[-1]).to(dy.dtype)).to(w_col.dtype), dim=1)
+        dw = col.reduce_scatter((dy2.t() @ x_row.reshape(-1, x_row.shape[-1]).to(dy.dtype)).to(w_col.dtype), dim=1,
+                                async_op=True)
         db = col.all_reduce(dy2.sum(0).to(w_col.dtype)) if ctx.has_bias else None
+        dx, dw = dx.wait(), dw.wait()
         if dep is not None:
             dep.all_reduce(dw)
             if db is not None:
@@ -120,8 +133,9 @@ class _Cube(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, a: GroupComm, b: GroupComm, c: GroupComm):
-        x_ik = a.all_gather(x, dim=0)  # [N/q, h/q]: the whole token block of this rank's line
-        w_kj = c.all_gather(weight, dim=1)  # [h'/q, h/q]
+        gathering = a.all_gather(x.contiguous(), dim=0, async_op=True)  # both gathers in flight together
+        w_kj = _gather(c, weight, 1)()  # [h'/q, h/q]
+        x_ik = gathering.wait()  # [N/q, h/q]: the whole token block of this rank's line
         ctx.save_for_backward(x_ik, w_kj)
         ctx.comms, ctx.has_bias = (a, b, c), bias is not None
         y = b.reduce_scatter(F.linear(x_ik, w_kj), dim=0)  # the partial products summed over the input blocks
@@ -132,10 +146,12 @@ class _Cube(torch.autograd.Function):
         x_ik, w_kj = ctx.saved_tensors
         a, b, c = ctx.comms
         dp = b.all_gather(dy.contiguous(), dim=0)
-        dx = a.reduce_scatter((dp @ w_kj.to(dp.dtype)).to(x_ik.dtype), dim=0)
+        dx = a.reduce_scatter((dp @ w_kj.to(dp.dtype)).to(x_ik.dtype), dim=0, async_op=True)  # in flight during dA
         dp2 = dp.reshape(-1, dp.shape[-1])
-        dw = c.reduce_scatter((dp2.t() @ x_ik.reshape(-1, x_ik.shape[-1]).to(dp.dtype)).to(w_kj.dtype), dim=1)
+        dw = c.reduce_scatter((dp2.t() @ x_ik.reshape(-1, x_ik.shape[-1]).to(dp.dtype)).to(w_kj.dtype), dim=1,
+                              async_op=True)
         db = b.all_reduce(c.all_reduce(dy.reshape(-1, dy.shape[-1]).sum(0).to(w_kj.dtype))) if ctx.has_bias else None
+        dx, dw = dx.wait(), dw.wait()
         return dx, dw, db, None, None, None
 
 

@@ -21,8 +21,9 @@ module                                      becomes
 ==========================================  ================================================================
 
 Every weight is split over the whole grid (2.5-D: replicated over the depth); norms' and biases' blocks are held
-alike by the ranks of the token groups. Mixture-of-experts blocks, context parallelism, the fused loss, KV-cache
-decoding and ZeRO-3 are not combined with a grid (the configuration refuses them).
+alike by the ranks of the token groups. Mixture-of-experts blocks, context parallelism, sequence parallelism, the
+fused loss, quantization-aware training and KV-cache decoding are not combined with a grid (the configuration
+refuses them).
 """
 
 from __future__ import annotations

@@ -1,0 +1,138 @@
+"""The costs of 2-D, 2.5-D and 3-D tensor parallelism counted, not guessed (:mod:`trickles.parallel.tensor_nd_costs`).
+
+For each grid (2-D tp=4, 2.5-D tp=8 d=2, 3-D tp=8) and each flavour (llama ``tiny``: RMSNorm, untied, no biases;
+``gpt2-tiny``: LayerNorm, biases, learned positions, tied embedding) one spawned job measures, on every rank:
+
+* the ledger's wire bytes of one transformer block run alone (forward, then backward) and of a whole training step
+  (two micro-batches and the gradient norm): equal to :func:`block_comm` and :func:`step_comm` exactly (a tied
+  2-D/2.5-D embedding's diagonal ranks swap nothing: each rank its own number);
+* the bytes autograd saves per layer and for the head (the saved-tensor hooks): equal to
+  :func:`activation_bytes_nd`; the parameters a rank holds: :func:`param_count`; and the memory report's
+  prediction equals what it measures on the running trainer.
+
+1-D's formula is held to the ledger too (with sequence parallelism, replicated key/value heads and gpt2's partial
+biases), and each grid's bytes are printed beside 1-D's at the same ``tp``.
+"""
+
+import pytest
+import torch
+
+from helpers import tiny_config
+from trickles.memory.activations import ActivationMeter
+from trickles.parallel.tensor_nd_costs import Layout, activation_bytes_nd, block_comm, comm_bytes, param_count, step_comm
+from trickles.testing import run_ranks
+from trickles.train.trainer import Trainer
+
+CPU = torch.device("cpu")
+SEQ, MICRO = 32, 4  # two micro-batches of 4 sequences per step (global batch 8)
+GRIDS = [("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)]
+CASES = [(*g, preset) for g in GRIDS for preset in ("tiny", "gpt2-tiny")]
+IDS = [f"{m}-tp{tp}-{preset}" for m, tp, _, preset in CASES]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return f"data.cache_dir={tmp_path_factory.mktemp('nd-costs-cache')}"
+
+
+def _trainer(tmp, cache, mode, tp, depth, preset, *overrides):
+    cfg = tiny_config(tmp, cache, f"model.preset={preset}", f"parallel.tp={tp}", f"parallel.tp_mode={mode}",
+                      f"parallel.tp_depth={depth}", f"data.seq_len={SEQ}", f"train.micro_batch={MICRO}", *overrides, steps=2)
+    dims = cfg.validate(tp)
+    return Trainer(cfg, dims.build(CPU), quiet=True), dims
+
+
+def _measured(tmp, cache, mode, tp, depth, preset):
+    """On every rank: the ledger of one block and of one step, the saved bytes, the parameters, the memory report."""
+    from trickles.memory.report import measure, predict
+
+    tr, dims = _trainer(tmp, cache, mode, tp, depth, preset)
+    ledger, model = tr.topo.ledger, tr.model
+    ledger.reset()
+    tr.train_step()
+    step = ledger.bytes(wire=True)
+    block, ctx = model.layers["0"], model.loss.ctx
+    x = torch.randn(ctx.activation_shape(MICRO, SEQ, tr.model_cfg.d_model), requires_grad=True)
+    ledger.reset()
+    y = block(x, model.rope(0, SEQ))
+    forward = ledger.bytes(wire=True)
+    y.backward(torch.randn_like(y))
+    backward = ledger.bytes(wire=True) - forward
+    xb, yb = tr.train_data.micro_batches(0, 8, MICRO)[0]
+    tr.engine.zero_grad()
+    with ActivationMeter(model) as meter:
+        loss = tr._loss(xb, yb)
+    loss.backward()
+    tr.engine.zero_grad()
+    params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    report = measure(tr, predict(tr.cfg, dims, tr.model_cfg), steps=1)
+    keys = ("parameters", "gradients", "optimizer", "activations", "head")
+    return {"cfg": tr.model_cfg, "rank": tr.topo.comm("tp").rank, "step": step, "block": (forward, backward),
+            "saved": dict(meter.per_layer), "params": params, "engine_params": tr.engine.memory()["parameters"],
+            "report": ({k: report.predicted[k] for k in keys}, {k: report.measured[k] for k in keys}),
+            "layers": (report.layers_predicted, report.layers_measured)}
+
+
+_RUNS: dict = {}
+
+
+def _runs(tmp_path_factory, cache, mode, tp, depth, preset):
+    """Every rank's measurements of one grid, run once for the module's tests."""
+    key = (mode, tp, depth, preset)
+    if key not in _RUNS:
+        _RUNS[key] = run_ranks(tp, _measured, str(tmp_path_factory.mktemp("nd-costs")), cache, mode, tp, depth, preset)
+    return _RUNS[key]
+
+
+@pytest.mark.parametrize("mode,tp,depth,preset", CASES, ids=IDS)
+def test_grid_sends_the_formula_bytes_per_block_and_per_step(tmp_path_factory, cache, mode, tp, depth, preset):
+    runs = _runs(tmp_path_factory, cache, mode, tp, depth, preset)
+    cfg = runs[0]["cfg"]
+    lay = Layout.of(mode, tp, depth)
+    block = block_comm(cfg, lay, MICRO, SEQ, 4)
+    for r in runs:
+        assert r["block"] == (block["forward"], block["backward"]), (r["rank"], r["block"], block)
+        assert r["step"] == step_comm(cfg, lay, MICRO, SEQ, 4, micro_batches=2, tp_rank=r["rank"]), r["rank"]
+    if cfg.tied and mode != "3d":  # the diagonal ranks keep their embedding block; the others swap it
+        assert len({r["step"] for r in runs}) == 2
+    one_d = comm_bytes(cfg, Layout.of("1d", tp), MICRO, SEQ, 4)
+    grid = comm_bytes(cfg, lay, MICRO, SEQ, 4, tp_rank=None)
+    # (1-D's bytes do not depend on the heads: at tp=8 the formula stands for a model whose heads do split)
+    print(f"\n{mode} tp={tp} {preset}: a block sends {sum(block.values()):,} B per rank (1-D: "
+          f"{sum(one_d['block'].values()):,} B, ratio {sum(block.values()) / sum(one_d['block'].values()):.2f}); "
+          f"a micro-batch {grid['total']:,} B (1-D: {one_d['total']:,} B, ratio {grid['total'] / one_d['total']:.2f})")
+
+
+@pytest.mark.parametrize("mode,tp,depth,preset", CASES, ids=IDS)
+def test_grid_memory_equals_the_formulas_and_the_report_measures_its_prediction(tmp_path_factory, cache, mode, tp, depth,
+                                                                                preset):
+    runs = _runs(tmp_path_factory, cache, mode, tp, depth, preset)
+    cfg = runs[0]["cfg"]
+    lay = Layout.of(mode, tp, depth)
+    act = activation_bytes_nd(cfg, lay, MICRO, SEQ, 4)
+    expected = {"head": act["head"], **{f"layers.{i}": act["layer"] for i in range(cfg.n_layers)}}
+    count = param_count(cfg, lay)["total"]
+    for r in runs:
+        assert r["saved"] == expected, (r["rank"], r["saved"], expected)
+        assert r["params"] == count and r["engine_params"] == 4 * count, (r["rank"], r["params"], count)
+        predicted, measured = r["report"]
+        assert predicted == measured, (r["rank"], predicted, measured)
+        assert r["layers"][0] == r["layers"][1] == [act["layer"]] * cfg.n_layers
+
+
+def _one_d_step(tmp, cache, preset, tp, sp):
+    tr, _ = _trainer(tmp, cache, "1d", tp, 1, preset, f"parallel.sequence_parallel={str(sp).lower()}")
+    tr.topo.ledger.reset()
+    tr.train_step()
+    return tr.model_cfg, tr.topo.ledger.bytes(wire=True)
+
+
+@pytest.mark.parametrize("preset,tp,sp", [("tiny", 4, False), ("gpt2-tiny", 2, True)], ids=["tiny-tp4", "gpt2-tiny-tp2-sp"])
+def test_one_d_sends_the_formula_bytes(tmp_path, cache, preset, tp, sp):
+    """Megatron's all-reduces (tp=4 replicates llama's two key/value heads: their gradients are summed once a step);
+    with sequence parallelism the reduce-scatter/all-gather pairs, the regathers and the partial gradients (norms,
+    positions, gpt2's row-parallel biases)."""
+    results = run_ranks(tp, _one_d_step, str(tmp_path), cache, preset, tp, sp)
+    cfg = results[0][0]
+    expected = step_comm(cfg, Layout.of("1d", tp, sequence_parallel=sp), MICRO, SEQ, 4, micro_batches=2)
+    assert [sent for _, sent in results] == [expected] * tp

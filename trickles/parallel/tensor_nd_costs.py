@@ -1,0 +1,327 @@
+"""What each tensor-parallel mode costs a rank: bytes sent, parameters held, activations saved -- stated once.
+
+Pure functions of a :class:`~trickles.models.config.ModelConfig`, a :class:`Layout` (the mode, ``tp``, and for a grid
+its ``q`` and depth ``d``), the micro-batch ``B``, the sequence ``T`` and ``p`` bytes per element of the compute type.
+The memory report (:mod:`trickles.memory.report`, :mod:`trickles.memory.tp_modes`) and the tests read them; the
+ledger (:class:`~trickles.comm.CommLedger`) and the saved-tensor hooks
+(:class:`~trickles.memory.activations.ActivationMeter`) are tested equal to them, byte for byte.
+
+Notation: ``N = B T`` tokens of a micro-batch; ``d`` model width, ``a``/``a_kv`` query/key-value heads of size ``h``,
+``f`` MLP width, ``V`` vocabulary, ``L`` blocks. A grid rank holds ``n`` tokens of the residual stream and ``d/q`` of
+its features (:class:`~trickles.parallel.tensor_nd_model.GridContext`): ``n = N/q`` (2-D), ``N/(q d)`` (2.5-D),
+``N/q^2`` (3-D). Collectives over ``k`` ranks of ``S`` bytes send (per rank, rounded per call as the ledger does)
+``AR = 2 (k-1)/k S``, ``AG = (k-1) S`` (``S`` the shard), ``RS = (k-1)/k S``.
+
+**Communication** (:func:`comm_bytes`), per micro-batch, forward / backward:
+
+* 1-D (Megatron): a block all-reduces its ``[N, d]`` activation twice each way, ``4 AR(p N d)``; the model adds the
+  embedding's exit (forward) and the final norm's entry (backward), and the loss's three ``[N]`` fp32 all-reduces.
+  Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather of the same volume and gathers
+  each region's input again in backward (``2 L + 1`` more ``AG(p N d / tp)``).
+* a grid's linear ``h -> h'``: :func:`~trickles.parallel.tensor_nd.summa_bytes` (2-D, 2.5-D),
+  :func:`~trickles.parallel.tensor_nd.cube_bytes` (3-D);
+* a grid's norm (:class:`~trickles.parallel.tensor_nd_model.GridNorm`): forward ``AR(4n)`` over the hidden group
+  (LayerNorm two), backward ``AR(4n)`` (LayerNorm ``AR(8n)``), and its weight's (and bias's) gradient
+  ``AR(p d/q)`` over each token group (2-D: the column; 2.5-D: column and depth; 3-D: column and row);
+* a block: two norms and its linears (q, k, v, o, gate, up, down; fused: qkv, gate_up); attention is local;
+* the model: embedding -- 2-D/2.5-D ``AG(p V d/q^2)`` over the column forward, ``RS(p V d/q)`` backward (2.5-D
+  also ``AR(p V d/q^2)`` over the depth), tied: a swap of the block with rank ``(j, i)``, ``p V d/q^2`` sent each
+  way off the diagonal; 3-D: ``AG(p V d/q^3)`` / ``RS(p V d/q^2)`` over the column and ``RS(p N d/q^2)`` /
+  ``AG(p N d/q^3)`` over the row -- learned positions (``AR(p T_max d/q)`` over each token group, backward), the
+  final norm, the output layer ``d -> V`` and the loss: three ``AR(4n)`` over the row, and two ``AR(4)`` over
+  each of the logits' token groups (the token count, the loss);
+* full recomputation runs each block's forward again in backward (:func:`comm_bytes`);
+* a step adds the gradient norm's ``AR(4)`` over ``tp`` (1-D: and one all-reduce of the gradients every rank
+  holds but computes from other data, :func:`partial_grad_count`).
+
+**Parameters** (:func:`param_count`) a rank holds: a grid splits every matrix ``q^2`` ways (3-D ``q^3``; 2.5-D
+replicates it over the depth), every vector (norms, biases) and the positions ``q`` ways; the embedding is
+``V d/q^2`` (3-D ``V d/q^3``). 1-D: matrices and the vocabulary ``tp`` ways, norms, row-parallel biases and
+positions whole, key/value projections whole when ``tp`` does not divide ``a_kv``.
+
+**Activations** (:func:`activation_bytes_nd`) a rank saves for backward per block (grids; 1-D is
+:func:`~trickles.memory.activations.activation_bytes`), with ``a_l = a/q``, ``a_kv,l = a_kv/q``, ``f_l = f/q`` and
+``W`` the block's weight elements:
+
+==========  ==================================================================  ===============================
+piece       saved                                                               bytes
+==========  ==================================================================  ===============================
+norm        input, fp32 ``1/rms`` (LayerNorm: mean and ``1/std``)                ``p n d/q + 4n`` (LN ``8n``)
+linears     each its gathered input (2-D: the row's ``[n, h]``; 3-D: the        ``p n sum(h) + p W/q``
+            token block ``[q n, h/q]``) and its gathered weight (2-D: the       (3-D ``p W/q^2``), the sum
+            column's ``[h'/q, h]``; 3-D ``[h'/q, h/q]``)                        over the linears' inputs
+attention   q, k, v after rotation, the fused kernel's output, fp32             ``p n (2 a_l h + 2 a_kv,l h)
+            log-sum-exp (llama in low precision without Triton: cos/sin cast   + 4 n a_l (+ 4 T h p)``
+            for q and k; the Triton kernel rotates in place)
+MLP         llama: gate, silu(gate), up (Triton: gate and up); gpt2: the        ``3 p n f_l`` (``2 p n f_l``)
+            pre-activation                                                      / ``p n f_l``
+==========  ==================================================================  ===============================
+
+``selective`` recomputation drops the attention core's output and log-sum-exp, ``p n a_l h + 4 n a_l`` (the
+output projection keeps a gathered copy, not the core's output); ``full`` keeps the block input, ``p n d/q``.
+The head keeps the token ids (the whole micro-batch's ``8N``: a rank's rows are a view; 3-D: its column's
+shifted ids and out-of-range mask, ``9 N/q``), gpt2's positions ``8T``, the final norm, the output layer's
+gathered input and weight (``p n d + p V d/q``, 3-D ``p V d/q^2``), the loss's fp32 probabilities ``4 n V/q``,
+target index (int64) and mask, and its fp32 token count: ``4 n V/q + 9n + 4``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.config import ModelConfig
+from ..topology import TPGrid
+from .tensor_nd import cube_bytes, summa_bytes
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor-parallel group's shape: ``mode`` (1d, 2d, 2.5d, 3d) over ``tp`` ranks; a grid's ``q`` and depth."""
+
+    mode: str = "1d"
+    tp: int = 1
+    q: int = 1
+    depth: int = 1
+    sequence_parallel: bool = False  # 1-D only
+
+    @classmethod
+    def of(cls, mode: str, tp: int, depth: int = 1, sequence_parallel: bool = False) -> "Layout":
+        """The layout of ``tp`` ranks in ``mode`` (ConfigError, naming the nearest valid ``tp``, where there is none)."""
+        if mode == "1d" or tp == 1:
+            return cls("1d", tp, 1, 1, sequence_parallel and tp > 1)
+        g = TPGrid.of(mode, tp, depth)
+        return cls(g.mode, tp, g.q, g.depth)
+
+    @property
+    def grid(self) -> bool:
+        return self.mode != "1d"
+
+    @property
+    def parts(self) -> int:
+        """Sample blocks of a micro-batch (each rank holds whole sequences of one)."""
+        return 1 if not self.grid else self.q * self.q if self.mode == "3d" else self.q * self.depth
+
+    @property
+    def token_groups(self) -> list[int]:
+        """Sizes of the groups over which a rank's feature blocks (norms, biases, positions) are held alike."""
+        return {"2d": [self.q], "2.5d": [self.q, self.depth], "3d": [self.q, self.q]}[self.mode]
+
+    def tokens(self, batch: int, seq: int) -> int:
+        """``n``: tokens of the residual stream this rank holds."""
+        return batch * seq // self.parts
+
+
+# ---- collectives, as the ledger counts them (one call each) --------------------------------
+
+def all_reduce(k: int, nbytes: float) -> int:
+    return int(round(2 * (k - 1) / k * nbytes)) if k > 1 else 0
+
+
+def all_gather(k: int, shard_bytes: float) -> int:
+    return int(round((k - 1) * shard_bytes)) if k > 1 else 0
+
+
+def reduce_scatter(k: int, nbytes: float) -> int:
+    return int(round((k - 1) / k * nbytes)) if k > 1 else 0
+
+
+def _fb(forward: float = 0, backward: float = 0) -> dict[str, int]:
+    return {"forward": int(forward), "backward": int(backward)}
+
+
+def _add(*parts: dict[str, int]) -> dict[str, int]:
+    return _fb(sum(x["forward"] for x in parts), sum(x["backward"] for x in parts))
+
+
+def _bias(cfg: ModelConfig) -> bool:
+    return cfg.flavor == "gpt2"
+
+
+def block_linears(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
+    """``(name, in, out, bias)`` of a dense block's linears, in the order they run."""
+    d, hd, b = cfg.d_model, cfg.head_dim, _bias(cfg)
+    a, kv, f = cfg.n_heads * hd, cfg.kv_heads * hd, cfg.ffn_dim
+    if cfg.fuses_projections:
+        attn = [("qkv_proj", d, a + 2 * kv, b)]
+    else:
+        attn = [("q_proj", d, a, b), ("k_proj", d, kv, b), ("v_proj", d, kv, b)]
+    if cfg.flavor == "llama":
+        mlp = [("gate_up_proj", d, 2 * f, False)] if cfg.fuses_projections else [("gate_proj", d, f, False), ("up_proj", d, f, False)]
+    else:
+        mlp = [("up_proj", d, f, b)]
+    return attn + [("o_proj", a, d, b)] + mlp + [("down_proj", f, d, b)]
+
+
+# ---- communication ---------------------------------------------------------------------------
+
+def linear_comm(lay: Layout, batch: int, seq: int, h: int, h2: int, bias: bool, p: int) -> dict[str, int]:
+    """A grid's linear ``h -> h'`` on a micro-batch: the layer's own formula (:mod:`~trickles.parallel.tensor_nd`)."""
+    if lay.mode == "3d":
+        out = cube_bytes(lay.q, batch * seq, h, h2, bias, p)
+    else:
+        out = summa_bytes(lay.q, lay.depth, batch * seq // (lay.q * lay.depth), h, h2, bias, p)
+    return _fb(out["forward"], out["backward"])
+
+
+def norm_comm(cfg: ModelConfig, lay: Layout, n: int, p: int) -> dict[str, int]:
+    """A :class:`~trickles.parallel.tensor_nd_model.GridNorm` over ``n`` tokens (module docstring)."""
+    q, ln = lay.q, cfg.flavor == "gpt2"
+    stats = all_reduce(q, 4 * n)
+    weights = sum(all_reduce(k, p * (cfg.d_model // q)) for k in lay.token_groups) * (2 if ln else 1)
+    return _fb(stats * (2 if ln else 1), all_reduce(q, (8 if ln else 4) * n) + weights)
+
+
+def block_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int) -> dict[str, int]:
+    """Bytes one rank sends in one dense block's forward and backward, for a micro-batch of ``batch x seq``."""
+    if not lay.grid:
+        act = p * batch * seq * cfg.d_model
+        if not lay.sequence_parallel:
+            return _fb(2 * all_reduce(lay.tp, act), 2 * all_reduce(lay.tp, act))
+        pair = reduce_scatter(lay.tp, act) + all_gather(lay.tp, act / lay.tp)
+        return _fb(2 * pair, 2 * pair + 2 * all_gather(lay.tp, act / lay.tp))  # backward: the regathered inputs
+    norms = norm_comm(cfg, lay, lay.tokens(batch, seq), p)
+    return _add(norms, norms, *(linear_comm(lay, batch, seq, h, h2, b, p) for _, h, h2, b in block_linears(cfg)))
+
+
+def head_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, tp_rank: int | None = None) -> dict[str, int]:
+    """Everything of a micro-batch's forward and backward besides the blocks: embedding, positions, final norm,
+    output layer and loss (module docstring). ``tp_rank``: a tied 2-D/2.5-D embedding's diagonal ranks swap
+    nothing; None: an off-diagonal rank's (the most)."""
+    d, v, n_all = cfg.d_model, cfg.vocab_size, batch * seq
+    if not lay.grid:
+        t, act = lay.tp, p * n_all * d
+        ce = _fb(3 * all_reduce(t, 4 * n_all))
+        if not lay.sequence_parallel:  # embedding exit, final norm entry
+            return _add(_fb(all_reduce(t, act), all_reduce(t, act)), ce)
+        gathered = all_gather(t, act / t)  # the final norm's entry gathers, the output layer's regathers
+        return _add(_fb(reduce_scatter(t, act) + gathered, reduce_scatter(t, act) + 2 * gathered), ce)
+    q, n = lay.q, lay.tokens(batch, seq)
+    if lay.mode == "3d":
+        table = _fb(all_gather(q, p * v * d // q ** 3), reduce_scatter(q, p * v * d // q ** 2))
+        rows = _fb(reduce_scatter(q, p * n_all * d // q ** 2), all_gather(q, p * n_all * d // q ** 3))
+        embed = _add(table, rows)
+    else:
+        embed = _fb(all_gather(q, p * v * d // q ** 2), reduce_scatter(q, p * v * d // q)
+                    + all_reduce(lay.depth, p * v * d // q ** 2))
+        if cfg.tied:
+            i, j = (None, None) if tp_rank is None else ((tp_rank // q) % q, tp_rank % q)
+            swap = 0 if i is not None and i == j else p * v * d // q ** 2
+            embed = _add(embed, _fb(swap, swap))
+    positions = _fb(0, sum(all_reduce(k, p * cfg.max_seq_len * d // q) for k in lay.token_groups)) if cfg.flavor == "gpt2" else _fb()
+    output = linear_comm(lay, batch, seq, d, v, False, p)
+    logit_groups = [q, q] if lay.mode == "3d" else lay.token_groups
+    loss = _fb(3 * all_reduce(q, 4 * n) + 2 * sum(all_reduce(k, 4) for k in logit_groups))
+    return _add(embed, positions, norm_comm(cfg, lay, n, p), output, loss)
+
+
+def comm_bytes(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, recompute: str = "none",
+               tp_rank: int | None = None) -> dict:
+    """``{"block": {"forward", "backward"}, "head": {...}, "forward", "backward", "total"}``: bytes one rank sends for
+    one micro-batch. ``recompute="full"`` runs each block's forward again in backward, up to the last tensor it
+    saves (torch's checkpoint stops there): 1-D leaves out the MLP's exit (all-reduce or reduce-scatter), and under
+    sequence parallelism the recomputed blocks keep their gathered inputs (no regathers); a grid's last linear
+    saves its gathered input, so its whole forward runs again."""
+    block, head = block_comm(cfg, lay, batch, seq, p), head_comm(cfg, lay, batch, seq, p, tp_rank)
+    again = 0
+    if recompute == "full":
+        again = block["forward"]
+        if not lay.grid:
+            act = p * batch * seq * cfg.d_model
+            again -= reduce_scatter(lay.tp, act) if lay.sequence_parallel else all_reduce(lay.tp, act)
+            if lay.sequence_parallel:
+                block = _fb(block["forward"], block["backward"] - 2 * all_gather(lay.tp, act / lay.tp))
+    L = cfg.n_layers
+    fwd, bwd = L * block["forward"] + head["forward"], L * (block["backward"] + again) + head["backward"]
+    return {"block": block, "head": head, "forward": fwd, "backward": bwd, "total": fwd + bwd}
+
+
+def partial_grad_count(cfg: ModelConfig, lay: Layout) -> int:
+    """1-D: gradient elements every tp rank holds but computes from other data, summed over ``tp`` once a step
+    (replicated key/value projections; under sequence parallelism the norms, and gpt2's positions and the biases
+    of the row-parallel layers, added to sequence shards)."""
+    if lay.grid or lay.tp == 1:
+        return 0
+    d, L, kvh = cfg.d_model, cfg.n_layers, cfg.kv_heads * cfg.head_dim
+    kv = 2 * L * (kvh * d + (kvh if _bias(cfg) else 0)) if cfg.kv_heads % lay.tp else 0
+    if not lay.sequence_parallel:
+        return kv
+    norms = (2 * L + 1) * d * (2 if cfg.flavor == "gpt2" else 1)
+    gpt2 = cfg.max_seq_len * d + 2 * L * d if cfg.flavor == "gpt2" else 0  # positions; the row-parallel biases
+    return kv + norms + gpt2
+
+
+def step_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, micro_batches: int = 1,
+              recompute: str = "none", grad_bytes: int = 4, tp_rank: int | None = None) -> int:
+    """Bytes one rank sends over its tensor-parallel groups in one training step of ``micro_batches`` micro-batches:
+    their forwards and backwards, the gradient norm's fp32 all-reduce over ``tp`` (AdamW's clipping) and, 1-D, the
+    partial gradients' all-reduce (``grad_bytes`` per element)."""
+    per_micro = comm_bytes(cfg, lay, batch, seq, p, recompute, tp_rank)["total"]
+    return micro_batches * per_micro + all_reduce(lay.tp, 4) + all_reduce(lay.tp, grad_bytes * partial_grad_count(cfg, lay))
+
+
+# ---- parameters ------------------------------------------------------------------------------
+
+def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
+    """``{"block": elements of one dense block a rank holds, "rest": embedding, positions, final norm, output,
+    "total": ...}`` (module docstring)."""
+    d, v, L = cfg.d_model, cfg.vocab_size, cfg.n_layers
+    norm = d * (2 if cfg.flavor == "gpt2" else 1)
+    positions = cfg.max_seq_len * d if cfg.flavor == "gpt2" else 0
+    if not lay.grid:
+        t = lay.tp
+        block = 2 * norm
+        for name, h, h2, b in block_linears(cfg):
+            whole = name in ("k_proj", "v_proj") and cfg.kv_heads % t != 0  # replicated key/value heads
+            row = name in ("o_proj", "down_proj")  # row-parallel: the bias is whole
+            block += h * h2 // (1 if whole else t) + (h2 // (1 if whole or row else t) if b else 0)
+        rest = norm + positions + v * d // t * (1 if cfg.tied else 2)
+    else:
+        q = lay.q
+        mat = q ** 3 if lay.mode == "3d" else q * q
+        block = 2 * norm // q + sum(h * h2 // mat + (h2 // q if b else 0) for _, h, h2, b in block_linears(cfg))
+        rest = norm // q + positions // q + v * d // mat * (1 if cfg.tied else 2)
+    return {"block": block, "rest": rest, "total": L * block + rest}
+
+
+# ---- activations ------------------------------------------------------------------------------
+
+def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4, recompute: str = "none",
+                        device_type: str = "cpu") -> dict:
+    """What a rank saves for backward for one micro-batch, in the keys of
+    :func:`~trickles.memory.activations.activation_bytes` (``layer``, ``per_layer``, ``layers``, ``head``, ``tables``,
+    ``total``); a grid's terms in the module docstring, 1-D delegates."""
+    if not lay.grid:
+        from ..memory.activations import activation_bytes
+
+        return activation_bytes(cfg, batch, seq, recompute, p, device_type, lay.tp, lay.sequence_parallel)
+    if recompute not in ("none", "selective", "full"):
+        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    from ..kernels import runs_triton
+
+    q, n, llama = lay.q, lay.tokens(batch, seq), cfg.flavor == "llama"
+    triton = runs_triton(cfg.kernels, device_type)
+    d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
+    a, kv, fl = cfg.n_heads // q, cfg.kv_heads // q, f // q
+    mat = q * q if lay.mode == "3d" else q
+    norm = p * n * d // q + (4 if llama else 8) * n
+    linears = sum(p * n * h + p * h * h2 // mat for _, h, h2, _ in block_linears(cfg))
+    core = p * n * a * hd + 4 * n * a  # the fused kernel's output and log-sum-exp
+    attention = p * n * (a * hd + 2 * kv * hd) + core + (4 * seq * hd * p if llama and p != 4 and not triton else 0)
+    mlp = (2 if triton else 3) * p * n * fl if llama else p * n * fl
+    layer = {"none": 2 * norm + linears + attention + mlp, "selective": 2 * norm + linears + attention + mlp - core,
+             "full": p * n * d // q}[recompute]
+    v, n_all = cfg.vocab_size, batch * seq
+    ids = 9 * n_all // q if lay.mode == "3d" else 8 * n_all
+    head = (ids + (0 if llama else 8 * seq) + norm + p * n * d + p * v * d // mat + 4 * n * (v // q) + 9 * n + 4)
+    per_layer = [layer] * cfg.n_layers
+    return {"layer": layer, "moe_layer": 0, "per_layer": per_layer, "layers": sum(per_layer), "head": head,
+            "tables": 0, "total": sum(per_layer) + head}
+
+
+def loss_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int) -> int:
+    """A grid's loss backward: the gradient written into the saved probabilities, one more fp32 ``[n, V/q]``."""
+    return 4 * lay.tokens(batch, seq) * (cfg.vocab_size // lay.q)
+
+
+__all__ = ["Layout", "activation_bytes_nd", "block_comm", "block_linears", "comm_bytes", "head_comm", "linear_comm",
+           "loss_transient_nd", "norm_comm", "param_count", "partial_grad_count", "step_comm"]
