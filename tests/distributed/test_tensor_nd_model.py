@@ -3,7 +3,7 @@ precision, checkpoints that reshard to other layouts, and the configurations ref
 
 * Layout invariance, fp32, 20 steps: 2-D at tp=4, 2.5-D at tp=8 (q=2, d=2) and 3-D at tp=8, each with the llama
   (``tiny``) and the gpt2 (``gpt2-tiny``: LayerNorm, biases, learned positions, tied embedding) flavour; dp=2 x 2-D
-  tp=4 (plain, and with ZeRO-1); pp=2 x 2-D tp=4 (gpt2: the grid's tied embedding on the first stage and output
+  tp=4 (plain, with ZeRO-1, with ZeRO-3); pp=2 x 2-D tp=4 (gpt2: the grid's tied embedding on the first stage and output
   layer on the last); full recomputation (2-D, gpt2). Every rank's losses within 1e-4 relative of one process's, its
   gradient norms (clipped at 1.0: the norm counts each block once) within 1e-4 too, and the weights, assembled from
   the grid's blocks, within 1e-5 -- a learning rate 5% lower, and a weight never updated, fall outside those
@@ -53,9 +53,16 @@ def _world():
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def _live(engine):
+    """``{name: parameter}`` as the engine holds them (ZeRO-3: the slots of its flat units)."""
+    if hasattr(engine, "units"):
+        return {slot.name: slot.param for unit in engine.units for slot in unit.layout.slots}
+    return unique_state(engine.model)
+
+
 def _pieces(engine):
     """``{name: (this rank's tensor, global shape, offset, whether this rank writes it to checkpoints)}``."""
-    out, specs, live = {}, engine.placements(), unique_state(engine.model)
+    out, specs, live = {}, engine.placements(), _live(engine)
     for name, t in engine.full_state().items():
         spec = specs.get(name)
         shape, offset = (spec.global_shape, spec.offset) if spec else (tuple(t.shape), (0,) * t.dim())
@@ -133,6 +140,7 @@ CASES = [
     ("gpt2-tiny", "3d", 1, 1, ()),
     ("tiny", "2d", 2, 1, ()),
     ("gpt2-tiny", "2d", 2, 1, ("parallel.zero=1",)),
+    ("tiny", "2d", 2, 1, ("parallel.zero=3",)),  # each rank's blocks sharded over the 2 replicas
     ("gpt2-tiny", "2d", 1, 2, ("train.micro_batch=2",)),  # 4 micro-batches of 2 samples: 1 per grid row
 ]
 TP = {"2d": 4, "2.5d": 8, "3d": 8}
@@ -146,6 +154,7 @@ MEASURED = """largest over the ranks, relative for losses and gradient norms, ab
     gpt2-tiny 3d tp8                     1.3e-7   7.1e-7      6.3e-7
     tiny dp2 x 2d tp4                    1.2e-7   8.5e-6      2.2e-6
     gpt2-tiny dp2 x 2d tp4 zero=1        1.9e-7   6.2e-7      4.5e-7
+    tiny dp2 x 2d tp4 zero=3             1.2e-7   7.6e-6      2.2e-6
     gpt2-tiny pp2 x 2d tp4 micro=2       1.2e-7   6.1e-7      4.8e-7
 The wrong run, a learning rate 5% lower: losses 1.6e-2 away, gradient norms 0.10 (gpt2) to 0.15 (llama); every weight
 moves at least 1.7e-2 in the 20 steps (a weight never updated: that far), but gpt2's key bias, which gets no gradient
@@ -260,13 +269,15 @@ def test_checkpoints_reshard_between_grids_1d_tp_and_one_process(tmp_path, cache
 
 REFUSED = [  # (id, world, overrides, what the message must say)
     ("sequence-parallel", 4, [*GRIDS["2d"], "parallel.sequence_parallel=true"],
-     r"tp_mode=2d: parallel.sequence_parallel .*set it to false\) is not supported"),
-    ("context-parallel", 8, [*GRIDS["2d"], "parallel.cp=2"], r"context parallelism \(set parallel.cp=1 or parallel.tp_mode=1d\)"),
+     r"^parallel.sequence_parallel does not combine with parallel.tp_mode=2d; .*set it to false$"),
+    ("context-parallel", 8, [*GRIDS["2d"], "parallel.cp=2"],
+     r"^context parallelism does not combine with parallel.tp_mode=2d; set parallel.cp=1 or parallel.tp_mode=1d$"),
     ("moe", 4, [*GRIDS["2d"], "model.moe_experts=4"],
-     r"mixture-of-experts blocks \(set model.moe_experts=0 or parallel.tp_mode=1d\)"),
-    ("zero3", 8, [*GRIDS["2d"], "parallel.zero=3"], r"parallel.zero=3 \(use parallel.zero 0, 1 or 2\)"),
-    ("fused-loss", 4, [*GRIDS["2d"], "model.fused_loss=true"],
-     r"model.fused_loss=true \(the grid's loss is unfused; leave it unset\)"),
+     r"^mixture-of-experts blocks does not combine with .*; set model.moe_experts=0 or parallel.tp_mode=1d$"),
+    ("fused-loss", 8, [*GRIDS["3d"], "model.fused_loss=true"],
+     r"^model.fused_loss=true does not combine with parallel.tp_mode=3d; .*leave model.fused_loss unset$"),
+    ("qat", 8, [*GRIDS["2.5d"], "train.qat=true"],
+     r"^train.qat does not combine with parallel.tp_mode=2.5d; .*set train.qat=false or parallel.tp_mode=1d$"),
     ("heads", 9, ["parallel.tp=9", "parallel.tp_mode=2d"],
      r"model.n_heads \(4\) must be divisible by 3 with parallel.tp_mode=2d at parallel.tp=9 \(q = 3\); change it or parallel.tp"),
     ("kv-heads", 4, [*GRIDS["2d"], "model.n_kv_heads=1"],
