@@ -16,6 +16,9 @@ Every call goes through a :class:`GroupComm` (one per parallel dimension, handed
   send / recv      ``S`` / 0
   ===============  =====================  ==========================================
 
+:func:`wire_bytes` states these formulas once (the ledger records them, the planner's time model reads them), and
+:func:`messages` the number of sequential messages each algorithm sends (its latency terms).
+
 A group of size 1 (or ``group=None``) makes every call a no-op that records nothing, so
 single-device code pays nothing. ``flight`` remembers the collective this process is inside,
 so a harness or watchdog can say which operation a hung rank is stuck in.
@@ -52,6 +55,33 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}
+
+
+#: Ring / pairwise algorithms: bytes a rank sends per byte of its input ``S`` with ``n`` ranks (all-gather: per
+#: byte of its shard), and the sequential messages (ring steps) each needs.
+_WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+         "all_gather": lambda n: float(n - 1), "all_to_all": lambda n: (n - 1) / n,
+         "broadcast": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 0.0}
+_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1,
+          "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
+OPS = tuple(_WIRE)
+
+
+def wire_bytes(op: str, nbytes: float, n: int) -> float:
+    """Bytes one rank sends for collective ``op`` over ``n`` ranks with ``nbytes`` of input (the module docstring's
+    table; all-gather: ``nbytes`` is the rank's shard; broadcast: the source's). 0 for a group of one."""
+    if op not in _WIRE:
+        raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
+    return _WIRE[op](n) * nbytes if n > 1 else 0.0
+
+
+def messages(op: str, n: int) -> int:
+    """Sequential messages (ring steps) ``op`` takes over ``n`` ranks: all-reduce ``2 (n-1)`` (reduce-scatter, then
+    all-gather), all-gather, reduce-scatter and all-to-all ``n - 1``, a send 1; 0 for a group of one. With a
+    per-message latency ``alpha`` and a bandwidth ``B`` a collective takes ``messages x alpha + wire_bytes / B``."""
+    if op not in _STEPS:
+        raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
+    return _STEPS[op](n) if n > 1 else 0
 
 
 @dataclass
@@ -215,7 +245,7 @@ class GroupComm:
             return Handle(None, "", t) if async_op else t
         n = self.size
         red, after = self._op(op, t)
-        return self._run("all_reduce", t, 2 * (n - 1) / n * _nbytes(t),
+        return self._run("all_reduce", t, wire_bytes("all_reduce", _nbytes(t), n),
                          lambda a: dist.all_reduce(t, red, group=self.group, async_op=a), async_op, t, after)
 
     def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
@@ -234,7 +264,7 @@ class GroupComm:
         n, t = self.size, t.contiguous()
         if out is None:
             out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        res = self._run("all_gather", t, (n - 1) * _nbytes(t),
+        res = self._run("all_gather", t, wire_bytes("all_gather", _nbytes(t), n),
                         lambda a: _all_gather_single(out, t, group=self.group, async_op=a), async_op, out)
         return res if dim == 0 else torch.cat(out.chunk(n, 0), dim=dim)
 
@@ -263,7 +293,7 @@ class GroupComm:
         else:  # lay the chunks out one after another so the collective can split dim 0
             inp, out_flat = torch.stack(t.chunk(n, dim=dim)).contiguous(), out.unsqueeze(0)
         red, after = self._op(op, out)
-        return self._run("reduce_scatter", t, (n - 1) / n * _nbytes(t),
+        return self._run("reduce_scatter", t, wire_bytes("reduce_scatter", _nbytes(t), n),
                          lambda a: _reduce_scatter_single(out_flat, inp, red, group=self.group, async_op=a),
                          async_op, out, after)
 
@@ -276,7 +306,7 @@ class GroupComm:
             raise ValueError(f"all_to_all on group '{self.name}': size {t.shape[scatter_dim]} of dim {scatter_dim} is not divisible by {n}")
         inp = torch.stack(t.chunk(n, dim=scatter_dim)).contiguous()
         out = torch.empty_like(inp)
-        self._run("all_to_all", t, (n - 1) / n * _nbytes(t),
+        self._run("all_to_all", t, wire_bytes("all_to_all", _nbytes(t), n),
                   lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a), False)
         return torch.cat(out.unbind(0), dim=gather_dim)
 

@@ -41,6 +41,10 @@ SECTIONS: dict[str, type] = {
     "distill": DistillConfig,
 }
 
+#: A run's TOML may also describe the machines it plans for (``[cluster]``, :mod:`trickles.planner.cluster`);
+#: the run itself does not read it.
+PLANNER_SECTION = "cluster"
+
 
 @dataclass
 class Config:
@@ -59,6 +63,8 @@ class Config:
         """Builds a config from ``{section: {key: value}}``; unknown sections and keys are errors."""
         cfg = cls()
         for section, values in tables.items():
+            if section == PLANNER_SECTION:  # the machines, read by trickles.planner.cluster.load_cluster
+                continue
             if section not in SECTIONS:
                 raise unknown_key_error(section, SECTIONS, where)
             if not isinstance(values, dict):

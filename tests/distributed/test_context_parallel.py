@@ -12,7 +12,7 @@ from helpers import tiny_config
 from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.memory.activations import ActivationMeter, activation_bytes
-from trickles.parallel.context import kv_repeats, positions, ring_attention, shard_sequence, ulysses_attention, unshard_sequence
+from trickles.parallel.context import kv_repeats, layer_bytes, positions, ring_attention, shard_sequence, ulysses_attention, unshard_sequence
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
@@ -80,15 +80,19 @@ def _kernel_run(mode, heads, kv_heads, seq, d):
 
 
 def _expected_bytes(mode, cp, b, h, h_kv, t, d, e=4):
-    """The docstring's formulas: ``{op: (calls, bytes)}`` per layer, forward and backward."""
+    """The docstring's formulas: ``{op: (calls, bytes)}`` per layer, forward and backward (the library states them once,
+    :func:`~trickles.parallel.context.layer_bytes`; spelled out here too)."""
     if mode == "ring":
         block = 2 * b * h_kv * t * d
         fwd = {"send/cp": (cp - 1, (cp - 1) * block * e)}
         bwd = {"send/cp": (2 * cp - 1, (cp - 1) * block * e + cp * block * 4)}
-        return fwd, bwd
-    f = kv_repeats(h, h_kv, cp)
-    calls, total = 4, b * t * d * e * (2 * h + 2 * f * h_kv)  # q, k, v, out; each sends (cp-1)/cp of itself
-    return {"all_to_all/cp": (calls, total)}, {"all_to_all/cp": (calls, total)}
+    else:
+        f = kv_repeats(h, h_kv, cp)
+        calls, total = 4, b * t * d * e * (2 * h + 2 * f * h_kv)  # q, k, v, out; each sends (cp-1)/cp of itself
+        fwd, bwd = {"all_to_all/cp": (calls, total)}, {"all_to_all/cp": (calls, total)}
+    lib = layer_bytes(mode, cp, b, h, h_kv, t, d, e)
+    assert lib == tuple({op.split("/")[0]: v for op, v in x.items()} for x in (fwd, bwd)) or cp == 1, (lib, fwd, bwd)
+    return fwd, bwd
 
 
 @pytest.mark.parametrize("mode,world", [("ring", 1), ("ring", 2), ("ring", 4), ("ulysses", 2), ("ulysses", 4)])

@@ -13,6 +13,7 @@ import torch
 
 from helpers import tiny_config
 from trickles.errors import ConfigError
+from trickles.parallel.expert import dispatch_wire_bytes
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
@@ -174,6 +175,7 @@ def test_expert_parallel_all_to_all_sends_the_formula_bytes(tmp_path, cache, ove
         op = ledger["all_to_all/ep"]
         assert op["calls"] == 5 * blocks  # forward: counts, rows out, rows back; backward: the two row exchanges
         assert op["wire_bytes"] == 2 * (m_out + m_in) * d * 4 + blocks * (ep - 1) * e * 8 // ep, (op, m_out, m_in)
+        assert dispatch_wire_bytes(m_out, m_in, d, 4, e, ep, blocks) == (op["calls"], op["wire_bytes"])  # the library's
         assert m_out > 0 and m_in > 0
     wire = sum(r[4]["all_to_all/ep"]["wire_bytes"] for r in results)
     assert wire == 2 * 2 * total_off * 64 * 4 + 2 * len(results[0][3]) * results[0][1] * (ep - 1) * e * 8 // ep

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from helpers import assert_losses_track, assert_weights_track, tiny_config
+from trickles.parallel.pipeline import send_bytes
 from trickles.parallel.schedules import Shape, build, compute_order, simulate
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer, load_for_inference
@@ -148,6 +149,7 @@ def _check_memory_and_messages(results, dp, tp, pp, schedule, extra):
         chunks = [c * pp + stage for c in range(v)]
         forward = sum(s < pp * v - 1 for s in chunks) * m * act
         backward = sum(s > 0 for s in chunks) * m * act
+        assert send_bytes(Shape(pp, v, m), stage, act) == (forward, backward)  # the library's statement of it
         assert sent.get("send/pp", 0) == forward and sent.get("send/pp_grad", 0) == backward, (rank, sent)
 
 

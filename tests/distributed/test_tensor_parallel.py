@@ -9,6 +9,7 @@ from torch import nn
 
 from helpers import assert_losses_track, assert_weights_track, tiny_config
 from trickles.memory.activations import ActivationMeter, activation_bytes
+from trickles.parallel.tensor import partial_grad_elements, region_wire_bytes
 from trickles.parallel.tensor import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear, TPContext,
                                       VocabParallelEmbedding, init_tp_param, vocab_parallel_cross_entropy)
 from trickles.testing import run_ranks
@@ -350,6 +351,14 @@ def test_collectives_per_step_match_megatron(tmp_path, cache, tp):
     partial = kv_partial + norms  # the gradient norm, then the partial gradients
     assert seq_par["all_reduce/tp"]["wire_bytes"] == sum(2 * ring * b for b in [tokens * 4] * 3 + [4, partial])
     assert set(seq_par) == {"reduce_scatter/tp", "all_gather/tp", "all_reduce/tp"}
+    # the library states these formulas once (the planner's time model reads them): the same numbers
+    for got, sp in ((plain, False), (seq_par, True)):
+        formula = {f"{op}/tp": v for op, v in region_wire_bytes(tokens, cfg.d_model, 4, tp, sp, L).items()}
+        partial = partial_grad_elements(cfg, tp, sp) * 4
+        calls, nbytes, wire = formula["all_reduce/tp"]
+        step = [4] + ([partial] if partial else [])  # the gradient norm and the partial gradients, once a step
+        formula["all_reduce/tp"] = (calls + len(step), nbytes + sum(step), wire + sum(round(2 * ring * b) for b in step))
+        assert {k: (v["calls"], v["bytes"], v["wire_bytes"]) for k, v in got.items()} == formula, (sp, got, formula)
 
 
 # ---- activation memory ---------------------------------------------------------------------

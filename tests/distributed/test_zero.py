@@ -8,7 +8,9 @@ import torch
 import torch.distributed as dist
 
 from helpers import assert_losses_track, assert_weights_track, tiny_config
+from trickles.comm import wire_bytes
 from trickles.memory.accounting import FP32_ADAM, live_tensor_bytes, zero_model_state_bytes
+from trickles.parallel.engine import reduction_wire_bytes
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
@@ -115,7 +117,7 @@ def _owned(buckets, dp, rank):
 
 def _wire(op, nbytes, dp):
     """Bytes one rank sends (comm.py's ring formulas, rounded per call as the ledger does)."""
-    return int(round({"all_reduce": 2 * (dp - 1) / dp, "reduce_scatter": (dp - 1) / dp, "all_gather": dp - 1}[op] * nbytes))
+    return int(round(wire_bytes(op, nbytes, dp)))
 
 
 @pytest.mark.parametrize("dp", [2, 4])
@@ -144,15 +146,20 @@ def test_memory_and_communication_match_the_formulas(tmp_path, cache, dp):
             # nothing else alive in the process (model buffers and the mesh aside): nothing else held whole
             assert live == sum(mem.values()), (stage, rank, live, mem)
 
-            loss = _wire("all_reduce", 4, dp)  # the mean loss; ZeRO >= 1 also sums the squared gradient norm
+            loss = _wire("all_reduce", 4, dp)  # the mean loss (the trainer's); the engine's own: the library's formula
+            expected = {f"{op}/dp": v for op, v in reduction_wire_bytes([_padded(k, dp) for k in flat], dp, stage).items()}
+            calls, sent = expected.get("all_reduce/dp", (0, 0))
+            expected["all_reduce/dp"] = (calls + 1, sent + loss)
+            # spelled out: stage 0 all-reduces each bucket; ZeRO reduce-scatters each and all-gathers each shard
+            # (ZeRO-3 twice: forward and backward); ZeRO >= 1 also sums the squared gradient norm
             sizes = [4 * _padded(k, dp) for k in flat]
             if stage == 0:
-                expected = {"all_reduce/dp": (len(sizes) + 1, sum(_wire("all_reduce", b, dp) for b in sizes) + loss)}
+                assert expected == {"all_reduce/dp": (len(sizes) + 1, sum(_wire("all_reduce", b, dp) for b in sizes) + loss)}
             else:
-                gathers = 2 if stage == 3 else 1  # ZeRO-3 gathers each unit for forward and again for backward
-                expected = {"reduce_scatter/dp": (len(sizes), sum(_wire("reduce_scatter", b, dp) for b in sizes)),
-                            "all_gather/dp": (gathers * len(sizes), gathers * sum(_wire("all_gather", b // dp, dp) for b in sizes)),
-                            "all_reduce/dp": (2, 2 * loss)}
+                gathers = 2 if stage == 3 else 1
+                assert expected == {"reduce_scatter/dp": (len(sizes), sum(_wire("reduce_scatter", b, dp) for b in sizes)),
+                                    "all_gather/dp": (gathers * len(sizes), gathers * sum(_wire("all_gather", b // dp, dp) for b in sizes)),
+                                    "all_reduce/dp": (2, 2 * loss)}
             assert {k: (v["calls"], v["wire_bytes"]) for k, v in ledger.items()} == expected, (stage, ledger)
             ring = 4 * padded * (dp - 1) // dp  # ZeRO's volumes: 2 (all-reduce, stages 0-2) or 3 (stage 3) x (N-1)/N x 4P
             if stage == 0:

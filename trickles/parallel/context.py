@@ -278,6 +278,27 @@ def kv_repeats(n_heads: int, kv_heads: int, cp: int) -> int:
     return f
 
 
+def layer_bytes(mode: str, cp: int, b: int, h: int, h_kv: int, t: int, d: int, e: int = 4
+                ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+    """``(forward, backward)``, each ``{op: (calls, bytes)}``: one rank's context-parallel messages in one layer (the
+    module docstring's formulas), for ``b`` rows of ``t = T / cp`` local tokens, ``h`` query and ``h_kv`` key/value
+    heads (of this tensor-parallel rank) of size ``d``, ``e`` bytes per element. ``bytes`` is what the rank's
+    tensors hold (the ledger's ``bytes``); on the wire a send moves all of it, an all-to-all ``(cp - 1) / cp``.
+
+    Ring (sends; a key/value block is ``2 b h_kv t d e``): forward ``cp - 1`` blocks; backward ``cp - 1`` blocks
+    and ``cp`` fp32 gradient blocks (``2 b h_kv t d 4``), ``2 cp - 1`` sends. Ulysses (all-to-alls): four each way
+    (q, k, v, out) holding ``b t d e (2 h + 2 f h_kv)`` together, ``f`` = :func:`kv_repeats`."""
+    if cp <= 1:
+        return {}, {}
+    if mode == "ring":
+        block = 2 * b * h_kv * t * d
+        return ({"send": (cp - 1, (cp - 1) * block * e)},
+                {"send": (2 * cp - 1, (cp - 1) * block * e + cp * block * 4)})
+    f = kv_repeats(h, h_kv, cp)
+    each = {"all_to_all": (4, b * t * d * e * (2 * h + 2 * f * h_kv))}
+    return each, dict(each)
+
+
 def ulysses_attention(q, k, v, comm: GroupComm, attend) -> torch.Tensor:
     """All-to-all attention: ``q [B, H, t, D]``, ``k, v [B, H_kv, t, D]`` in (contiguous sequence shards),
     ``attend(q, k, v)`` on whole sequences of ``H / cp`` heads, ``[B, H, t, D]`` out."""

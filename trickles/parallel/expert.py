@@ -161,3 +161,15 @@ def split_sequence(layer: MoE, comm: GroupComm, layout: str, active: Callable[[]
 def expert_modules(model: Transformer) -> list[torch.nn.Module]:
     """The ``Experts`` module of every mixture-of-experts block (ZeRO-3 shards each as a unit over ``edp``)."""
     return [block.mlp.experts for block in model.layers.values() if isinstance(block.mlp, MoE)]
+
+
+def dispatch_wire_bytes(m_out: int, m_in: int, d: int, e: int, experts: int, ep: int, blocks: int) -> tuple[int, int]:
+    """``(calls, bytes sent)`` of one rank's ``ep`` all-to-alls over ``blocks`` MoE block passes (MoE blocks x
+    micro-batches) of a step, the module docstring's formula: per block pass five all-to-alls -- forward the counts
+    (``(ep-1)/ep x E x 8`` bytes), the rows out and the outputs back, backward the two row exchanges -- carrying
+    ``2 (m_out + m_in) d e`` in all, ``m_out`` the assignments (summed over the block passes) the rank sends to
+    experts on other ranks and ``m_in`` those it receives for its own. Under a balanced load ``m_out = m_in =
+    (ep-1)/ep x m``, ``m`` the rank's kept assignments (:func:`~trickles.memory.activations.moe_assignments`)."""
+    if ep <= 1:
+        return 0, 0
+    return 5 * blocks, 2 * (m_out + m_in) * d * e + blocks * (ep - 1) * experts * 8 // ep

@@ -16,6 +16,12 @@ its copy of the weight, used only by the output projection. The two copies start
 name, same initial value), their gradients are summed over the first and last rank
 (``pp_ends`` group) before the data-parallel reduction, so they get the same update and stay
 equal, as in Megatron-LM.
+
+Messages (:func:`send_bytes`): every micro-batch's activation leaves each virtual stage but the last
+(``pp`` group) and its gradient each virtual stage but the first (``pp_grad``), one tensor of the
+stage's output shape each: ``[B, T, d]`` in the compute type, with sequence parallelism
+``[B, T / tp, d]``, on a tensor-parallel grid ``B T d / tp`` elements, under context parallelism
+``T / cp`` tokens.
 """
 
 from __future__ import annotations
@@ -103,3 +109,13 @@ def tied_parameters(model: Transformer, rank: int, pp: int) -> list[torch.nn.Par
     if pp == 1 or not model.cfg.tied or rank not in (0, pp - 1):
         return []
     return [model.embed.weight]
+
+
+def send_bytes(shape: Shape, rank: int, message_bytes: int) -> tuple[int, int]:
+    """``(activations, gradients)``: bytes pipeline rank ``rank`` sends in one step of ``shape`` (``m`` micro-batches
+    through its ``v`` chunks), ``message_bytes`` per message (module docstring): ``m x message_bytes`` for each of its
+    chunks that is not the last virtual stage (activations) and for each that is not the first (gradients)."""
+    stages = [shape.stage(rank, c) for c in range(shape.v)]
+    forward = sum(s < shape.stages - 1 for s in stages) * shape.m * message_bytes
+    backward = sum(s > 0 for s in stages) * shape.m * message_bytes
+    return forward, backward

@@ -1,0 +1,114 @@
+"""The cluster description: presets, loading, TOML round trip, bad input, the link fit, a real (tiny) calibration."""
+
+import dataclasses
+import math
+import random
+
+import pytest
+
+from trickles.comm import messages, wire_bytes
+from trickles.config import Config
+from trickles.errors import ConfigError
+from trickles.planner import PRESETS, Cluster, calibrate, fit_link, load_cluster, write_cluster
+from trickles.planner.cluster import cluster_from_dict
+from trickles.topology import cpu_cores
+
+
+def test_presets_carry_the_cited_hardware_numbers():
+    a100, h100, local = (load_cluster(n) for n in ("dgx-a100", "dgx-h100", "local"))
+    assert (a100.devices_per_node, a100.device_memory_gib, a100.peak_tflops_bf16) == (8, 80.0, 312.0)
+    assert (a100.intra_node_gbps, a100.inter_node_gbps) == (300.0, 25.0)  # NVLink 3 per direction; 200 Gb/s per GPU
+    assert (h100.peak_tflops_bf16, h100.intra_node_gbps, h100.inter_node_gbps) == (989.4, 450.0, 50.0)
+    assert local.device == "cpu" and local.devices_per_node == cpu_cores()
+    for c in (a100, h100, local):
+        c.validate()
+        assert c.peak_flops("bf16") == c.peak_tflops_bf16 * 1e12
+    assert set(PRESETS) == {"dgx-a100", "dgx-h100", "local"}
+    assert load_cluster("dgx-a100") is not load_cluster("dgx-a100")  # fresh copies: changing one changes no other
+
+
+@pytest.mark.parametrize("name,hint", [("dgx-a10", "dgx-a100"), ("dgx_h100", "dgx-h100"), ("locl", "local")])
+def test_an_unknown_preset_suggests_the_nearest(name, hint):
+    with pytest.raises(ConfigError, match=f"unknown cluster '{name}'; did you mean '{hint}'"):
+        load_cluster(name)
+
+
+def test_a_missing_file_and_bad_values_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_cluster(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="cluster.intra_node_gbps must be a positive number"):
+        cluster_from_dict({"preset": "dgx-a100", "intra_node_gbps": -1})
+    with pytest.raises(ConfigError, match="did you mean 'cluster.inter_node_gbps'"):
+        cluster_from_dict({"inter_node_gbs": 10})
+    with pytest.raises(ConfigError, match="precision:MxNxK"):
+        cluster_from_dict({"gemm_table": {"bf16:12x12": 0.5}})
+    with pytest.raises(ConfigError, match="fraction in"):
+        cluster_from_dict({"gemm_table": {"bf16:12x12x12": 1.5}})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cluster\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_cluster(bad)
+
+
+def test_toml_round_trip(tmp_path):
+    c = dataclasses.replace(load_cluster("dgx-h100"), nodes=4, name="my h100s",
+                            gemm_table={"bf16:4096x1024x4096": 0.81, "fp32:64x64x64": 0.25})
+    path = tmp_path / "cluster.toml"
+    write_cluster(c, path)
+    assert load_cluster(path) == c
+    assert "# algorithm bandwidth per device per direction" in path.read_text()  # every key documented
+
+
+def test_a_run_toml_may_carry_a_cluster_table_on_a_preset(tmp_path):
+    run = tmp_path / "run.toml"
+    run.write_text('[train]\nsteps = 3\n\n[cluster]\npreset = "dgx-a100"\nnodes = 16\ninter_node_gbps = 50.0\n')
+    c = load_cluster(run)
+    assert (c.name, c.nodes, c.devices, c.inter_node_gbps, c.intra_node_gbps) == ("dgx-a100", 16, 128, 50.0, 300.0)
+    assert Config.load(run).train.steps == 3  # the run itself ignores the table
+
+
+def test_links_gemm_table_and_sizing():
+    c = dataclasses.replace(load_cluster("dgx-a100"), gemm_table={"bf16:4096x4096x4096": 0.9, "bf16:128x128x128": 0.2})
+    assert c.link(False).bandwidth_Bps == 300e9 * 0.8 and c.link(True).bandwidth_Bps == 25e9 * 0.8
+    assert c.link(True).time(2, 20e9) == pytest.approx(2 * 5e-6 + 1.0)
+    assert c.gemm_fraction("bf16", 4096, 4096, 4096) == 0.9
+    assert c.gemm_fraction("bf16", 4096, 2048, 4096) == 0.9  # nearest calibrated shape
+    assert c.gemm_fraction("bf16", 160, 128, 100) == 0.2
+    assert c.gemm_fraction("bf16", 8, 8, 8) == c.gemm_efficiency  # nothing within a factor of 8
+    assert c.gemm_fraction("fp16", 4096, 4096, 4096) == c.gemm_efficiency  # another precision
+    assert c.sized(1024).nodes == 128 and c.sized(12).nodes == 2
+    local = load_cluster("local")
+    assert local.compute_share(local.devices_per_node) == 1.0
+    assert local.compute_share(4 * local.devices_per_node) == 0.25  # more ranks than cores share them
+
+
+@pytest.mark.parametrize("alpha,bandwidth", [(20e-6, 2e9), (2e-6, 300e9), (0.0, 1e9)])
+def test_the_link_fit_recovers_latency_and_bandwidth(alpha, bandwidth):
+    samples = [(messages(op, n), wire_bytes(op, size, n), 0.0) for op in ("all_reduce", "all_gather", "send")
+               for n in (2, 4) for size in (1e3, 1e5, 1e7)]
+    exact = [(m, w, m * alpha + w / bandwidth) for m, w, _ in samples]
+    got_alpha, got_bw = fit_link(exact)
+    assert got_alpha == pytest.approx(alpha, abs=1e-12) and got_bw == pytest.approx(bandwidth, rel=1e-9)
+    rng = random.Random(0)
+    noisy = [(m, w, t * (1 + rng.uniform(-0.03, 0.03))) for m, w, t in exact]
+    got_alpha, got_bw = fit_link(noisy)
+    assert got_bw == pytest.approx(bandwidth, rel=0.05)
+    assert got_alpha == pytest.approx(alpha, rel=0.2, abs=2e-7)
+
+
+def test_the_link_fit_never_goes_negative():
+    alpha, bw = fit_link([(1, 1e6, 1e-3), (1, 2e6, 2.2e-3)])  # a negative intercept: refit through zero
+    assert alpha == 0.0 and bw == pytest.approx(5e12 / 5.4e3)  # sum w^2 / sum w t
+    assert fit_link([(2, 0, 1e-4)]) == (5e-5, float("inf"))  # latency only
+
+
+def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_path):
+    path = tmp_path / "local.toml"
+    c = calibrate(shapes=[(32, 48, 16)], precision="fp32", ranks=2, sizes=(1024, 16384), repeats=2, reference=64,
+                  bandwidth_mib=4, path=str(path))
+    assert isinstance(c, Cluster) and c.name == "local-calibrated"
+    for value in (c.peak_tflops_fp32, c.memory_bandwidth_gbps, c.intra_node_gbps, c.intra_node_latency_us,
+                  *c.gemm_table.values()):
+        assert value > 0 and math.isfinite(value)
+    assert set(c.gemm_table) == {"fp32:32x48x16", "fp32:64x64x64"} and max(c.gemm_table.values()) == 1.0
+    assert load_cluster(path) == c

@@ -1,0 +1,202 @@
+"""The step-time model: placement on links, bytes from the library's formulas, FLOPs, bubble, sanity of the parts."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from trickles.comm import messages, wire_bytes
+from trickles.config import Config
+from trickles.errors import ConfigError
+from trickles.models.config import resolve_model
+from trickles.parallel.engine import reduction_wire_bytes
+from trickles.parallel.schedules import Shape, build, simulate
+from trickles.parallel.tensor import partial_grad_elements
+from trickles.planner import load_cluster, step_time
+from trickles.planner.compute import chunk_work, param_elements, rank_params
+from trickles.planner.cost import IN_LAYER, rank_plans
+from trickles.planner.placement import group_members, group_size, spans_nodes
+from trickles.topology import ParallelDims
+from trickles.train.flops import flops_per_token
+
+TINY = ["model.preset=tiny", "data.seq_len=32", "train.global_batch=8"]
+GPT3 = ["model.flavor=gpt2", "model.n_layers=96", "model.d_model=12288", "model.n_heads=96", "model.n_kv_heads=96",
+        "data.seq_len=2048", "model.vocab_size=51200", "train.global_batch=1536", "memory.precision=bf16",
+        "train.micro_batch=1", "parallel.zero=1", "memory.recompute=selective", "parallel.sequence_parallel=true"]
+
+
+def plan(world, *sets, cluster="local", base=TINY):
+    cfg = Config.load(None, [*base, *sets])
+    dims = cfg.validate(world)
+    mc = resolve_model(cfg.model, cfg.model.vocab_size or 320, cfg.data.seq_len)
+    c = load_cluster(cluster)
+    return cfg, dims, mc, step_time(cfg, dims, mc, c.sized(world) if c.device == "cuda" else c)
+
+
+def traffic(st, group, dimension=None):
+    return [tt for tt in st.traffic if tt.traffic.group == group and dimension in (None, tt.traffic.dimension)]
+
+
+def test_the_ring_formulas():
+    assert [wire_bytes(op, 100, 4) for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")] == \
+        [150, 75, 300, 75, 100]
+    assert [messages(op, 4) for op in ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "send")] == [6, 3, 3, 3, 1]
+    assert wire_bytes("all_reduce", 100, 1) == 0 and messages("all_reduce", 1) == 0
+
+
+def test_groups_are_the_topologys():
+    dims = ParallelDims(dp=2, tp=4, pp=2, cp=2, ep=2, tp_mode="2d")
+    for name in ("pp", "dp", "cp", "tp"):
+        groups = group_members(dims, name)
+        assert sorted(r for g in groups for r in g) == list(range(dims.world_size))  # a partition
+        for g in groups:
+            assert len(g) == getattr(dims, name) == group_size(dims, name)
+            coords = [dims.coords(r) for r in g]
+            assert all({k: v for k, v in c.items() if k not in (name, "ep")} ==
+                       {k: v for k, v in coords[0].items() if k not in (name, "ep")} for c in coords)
+            assert sorted(c[name] for c in coords) == list(range(len(g)))
+    assert all(len({dims.coords(r)["ep"] for r in g}) == 2 for g in group_members(dims, "ep"))
+    assert all(len({dims.coords(r)["ep"] for r in g}) == 1 for g in group_members(dims, "edp"))
+    assert group_members(dims, "tp_row")[:2] == [[0, 1], [2, 3]] and group_members(dims, "tp_col")[:2] == [[0, 2], [1, 3]]
+    assert group_members(dims, "tp_dep") == [] and group_members(dims, "pp_ends")[0] == [0, 16]
+
+
+def test_a_tensor_parallel_group_across_two_nodes_gets_the_inter_node_link():
+    assert not spans_nodes(ParallelDims(dp=2, tp=8), "tp", 8) and spans_nodes(ParallelDims(dp=2, tp=8), "dp", 8)
+    assert spans_nodes(ParallelDims(tp=16), "tp", 8) and not spans_nodes(ParallelDims(tp=4, dp=2), "dp", 8)
+    assert spans_nodes(ParallelDims(tp=4, dp=2, tp_mode="2d"), "tp_col", 2)  # lines q apart cross 2-rank nodes
+    assert not spans_nodes(ParallelDims(tp=4, dp=2, tp_mode="2d"), "tp_row", 2)
+    inside = plan(1024, "parallel.tp=8", "parallel.pp=16", base=GPT3, cluster="dgx-a100")[3]
+    across = plan(1024, "parallel.tp=16", "parallel.pp=8", base=GPT3, cluster="dgx-a100")[3]
+    assert {tt.link for tt in traffic(inside, "tp")} == {"intra-node"}
+    assert {tt.link for tt in traffic(across, "tp")} == {"inter-node"}
+    assert {tt.link for tt in traffic(inside, "dp")} == {"inter-node"}
+    assert across.exposed_by_group["tp"] > 5 * inside.exposed_by_group["tp"]
+    assert across.total_s > inside.total_s
+    assert any(n.startswith("tp=16 spans 2 nodes") for n in across.notes)
+    assert not any(n.startswith("tp=") for n in inside.notes)
+    assert 0.3 < inside.mfu < 0.7  # Megatron-LM reports 44-52% for this model and layout
+
+
+def test_data_parallel_bytes_are_the_engines_formula():
+    cfg, dims, mc, st = plan(4, "parallel.dp=4", "parallel.zero=1")
+    (r,) = rank_plans(cfg, dims, mc)
+    want = reduction_wire_bytes(r.buckets, 4, 1, r.micro_batches, r.g, r.p)
+    got = {tt.traffic.op: (tt.traffic.calls, tt.traffic.wire_bytes) for tt in traffic(st, "dp") if tt.traffic.op != "all_reduce"}
+    assert got == {op: v for op, v in want.items() if op != "all_reduce"}
+    assert sum(r.buckets) == param_elements(mc)
+    volume = sum(v[1] for op, v in want.items() if op != "all_reduce")  # ZeRO: 2 (n-1)/n 4P, the all-reduce's
+    assert volume == pytest.approx(2 * 3 / 4 * 4 * param_elements(mc), rel=1e-6)
+
+
+def test_tensor_parallel_bytes_are_megatrons():
+    cfg, dims, mc, st = plan(2, "parallel.tp=2")
+    L, tokens, act = mc.n_layers, 8 * 32, 8 * 32 * mc.d_model * 4
+    calls = sum(tt.traffic.calls for tt in traffic(st, "tp"))
+    assert calls == 4 * L + 2 + 3 + 1 + (1 if partial_grad_elements(mc, 2, False) else 0)
+    wire = sum(tt.traffic.wire_bytes for tt in traffic(st, "tp"))
+    partial = partial_grad_elements(mc, 2, False) * 4
+    assert wire == (4 * L + 2) * act * 2 * (1 / 2) + 3 * tokens * 4 + 4 + partial
+    assert {tt.traffic.overlap for tt in traffic(st, "tp")} == {"none"}  # on the critical path
+    assert st.exposed_by_group["tp"] == pytest.approx(st.comm_by_group["tp"])
+
+
+@pytest.mark.parametrize("schedule,p,v,m", [("gpipe", 2, 1, 4), ("1f1b", 4, 1, 8), ("1f1b", 4, 1, 3), ("interleaved", 2, 2, 4),
+                                            ("interleaved", 4, 2, 8)])
+def test_the_bubble_is_the_schedules(schedule, p, v, m):
+    sets = [f"parallel.pp={p}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}", "model.n_layers=8",
+            f"train.global_batch={m}", "train.micro_batch=1"]
+    cfg, dims, mc, st = plan(p, *sets)
+    shape = Shape(p, v, m)
+    assert st.bubble_fraction == pytest.approx(simulate(build(schedule, shape), shape, 1.0, 2.0).bubble())
+    in_layer = sum(tt.exposed_s for tt in st.traffic if tt.traffic.dimension in IN_LAYER)
+    assert st.bubble_s == pytest.approx((p - 1) / (v * m) * (st.compute_s + in_layer))
+    assert len(st.stage_s) == p and st.total_s == max(st.stage_s)
+
+
+def test_interleaving_shrinks_the_bubble_and_more_micro_batches_too():
+    one = plan(2, "parallel.pp=2", "model.n_layers=8", "train.micro_batch=2")[3]
+    inter = plan(2, "parallel.pp=2", "model.n_layers=8", "train.micro_batch=2", "parallel.schedule=interleaved",
+                 "parallel.virtual_stages=2")[3]
+    more = plan(2, "parallel.pp=2", "model.n_layers=8", "train.micro_batch=1")[3]
+    assert inter.bubble_s < one.bubble_s and more.bubble_s < one.bubble_s
+
+
+@pytest.mark.parametrize("world,sets", [
+    (1, []), (2, ["parallel.tp=2"]), (4, ["parallel.tp=4", "parallel.tp_mode=2d", "model.n_kv_heads=4"]),
+    (2, ["parallel.cp=2"]), (2, ["parallel.pp=2"]), (4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batch=2"]),
+    (2, ["model.preset=gpt2-tiny", "parallel.tp=2"]),
+    (2, ["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "model.moe_shared_experts=1"]),
+])
+def test_the_ranks_gemms_add_up_to_the_models_flops(world, sets):
+    cfg, dims, mc, _ = plan(world, *sets)
+    total = 0.0
+    for r in rank_plans(cfg, dims, mc):
+        for c, layers in enumerate(r.chunks):
+            work = chunk_work(mc, dims, r.micro, r.seq, layers, r.last and c == len(r.chunks) - 1, r.sp, r.p)
+            attention = sum(g.flops for g in work.gemms if g.name in ("scores", "weighted"))
+            total += 3 * (work.flops + attention) * r.micro_batches  # forward + backward; the causal half undone
+    ranks_per_stage = dims.dp * dims.cp * dims.tp
+    assert total * ranks_per_stage == pytest.approx(flops_per_token(mc, cfg.data.seq_len) * cfg.train.global_batch
+                                                    * cfg.data.seq_len, rel=1e-9)
+
+
+@pytest.mark.parametrize("sets", [["model.preset=tiny"], ["model.preset=gpt2-tiny"],
+                                  ["model.preset=tiny", "model.moe_experts=4", "model.moe_every=2", "model.moe_shared_experts=1"],
+                                  ["model.preset=gpt2-tiny", "model.moe_experts=2", "model.tie_embeddings=false"]])
+def test_parameter_counts_are_the_models(sets):
+    from trickles.models.transformer import Transformer, count_params
+
+    cfg = Config.load(None, [*TINY, *sets])
+    mc = resolve_model(cfg.model, 320, 32)
+    with torch.device("meta"):
+        assert param_elements(mc) == count_params(Transformer(mc))
+    dims = ParallelDims(pp=2)
+    stages = [rank_params(mc, dims, [i], i == 0, i == 1) for i in range(2)]
+    copy = mc.vocab_size * mc.d_model if mc.tied else 0  # the last stage holds the tied embedding's copy
+    assert sum(d + e for d, e in stages) == param_elements(mc) + copy
+
+
+@pytest.mark.parametrize("preset,tp,sp", [("tiny", 4, False), ("tiny", 4, True), ("tiny", 2, True), ("gpt2-tiny", 2, True)])
+def test_partial_gradients_are_the_plans(preset, tp, sp):
+    from trickles.models.transformer import Transformer
+    from trickles.parallel.tensor_plan import apply_tensor_parallel
+
+    cfg = Config.load(None, [*TINY, f"model.preset={preset}"])
+    mc = resolve_model(cfg.model, 320, 32)
+    with torch.device("meta"):
+        model = Transformer(mc)
+    apply_tensor_parallel(model, SimpleNamespace(size=tp, rank=0), sp)
+    seen, partial = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen and getattr(getattr(p, "tp_spec", None), "partial_grad", False):
+            seen.add(id(p))
+            partial += p.numel()
+    assert partial_grad_elements(mc, tp, sp) == partial
+
+
+def test_more_parallelism_computes_less_per_rank_and_recomputation_more():
+    compute = [plan(dp, f"parallel.dp={dp}")[3].compute_s for dp in (1, 2, 4, 8)]
+    assert compute == sorted(compute, reverse=True)  # (local: 8 ranks share the cores, so it stops halving)
+    a100 = [plan(w, f"parallel.tp={w}", base=GPT3[:9] + ["train.micro_batch=1"], cluster="dgx-a100")[3].compute_s for w in (1, 2, 4, 8)]
+    assert a100 == sorted(a100, reverse=True) and a100[0] / a100[-1] > 5
+    none, sel, full = (plan(1, f"memory.recompute={r}")[3] for r in ("none", "selective", "full"))
+    assert none.recompute_s == 0 < sel.recompute_s < full.recompute_s
+    assert none.compute_s < sel.compute_s < full.compute_s
+    with_prefetch = plan(2, "parallel.dp=2", "parallel.zero=3")[3]
+    without = plan(2, "parallel.dp=2", "parallel.zero=3", "parallel.prefetch=false")[3]
+    assert with_prefetch.exposed_comm_s < without.exposed_comm_s and with_prefetch.comm_s == without.comm_s
+    offload = plan(2, "parallel.dp=2", "parallel.zero=1", "memory.offload_optimizer=true", "memory.offload_overlap=false")[3]
+    assert offload.offload_s > 0 and offload.optimizer_s > 0
+
+
+def test_the_parts_add_up_and_a_layout_too_big_for_the_cluster_is_refused():
+    st = plan(2, "parallel.dp=2", "parallel.zero=2", "train.micro_batch=2", "parallel.bucket_mb=0.05")[3]
+    assert st.total_s == pytest.approx(st.compute_s + st.bubble_s + st.exposed_comm_s + st.optimizer_s + st.offload_s)
+    assert 0 < st.exposed_comm_s < st.comm_s and st.comm_s == pytest.approx(sum(st.comm_by_group.values()))
+    assert st.tokens == 8 * 32 and st.tokens_per_s == pytest.approx(st.tokens / st.total_s)
+    cfg = Config.load(None, [*TINY, "parallel.dp=16", "train.global_batch=16"])
+    dims = cfg.validate(16)
+    mc = resolve_model(cfg.model, 320, 32)
+    with pytest.raises(ConfigError, match="the layout needs 16 devices, the cluster 'dgx-a100' has 8"):
+        step_time(cfg, dims, mc, load_cluster("dgx-a100"))

@@ -1,0 +1,228 @@
+"""Measuring this machine: GEMM throughput at a model's shapes, memory bandwidth, collectives among local ranks.
+
+:func:`calibrate` starts from a cluster (the ``local`` preset by default) and replaces what it measures:
+
+* **GEMMs**: each distinct ``[M, K] x [K, N]`` of the model's forward on one rank
+  (:mod:`trickles.planner.compute`, for the run's micro-batch and layout) and a square reference, timed on the
+  run's device and precision (CPU: one thread, one core being one "device" of the ``local`` cluster). On a CPU the
+  fastest measured rate becomes the peak (nobody publishes one) and every shape's rate a fraction of it; on a GPU the
+  peak is the datasheet's (:data:`trickles.train.flops.PEAKS`) where the device is known. The fractions fill
+  ``gemm_table``.
+* **Memory bandwidth**: a large copy, ``2 x bytes / time`` (read and write).
+* **Links**: ``ranks`` processes (:func:`trickles.testing.run_ranks`, gloo over loopback) time all-reduce,
+  all-gather, reduce-scatter and a send of a few sizes; :func:`fit_link` fits
+  ``time = messages x alpha + wire_bytes / B`` (:func:`trickles.comm.messages`, :func:`trickles.comm.wire_bytes`)
+  by least squares, giving the intra-node latency and bandwidth (measured, so ``link_efficiency`` 1). One machine
+  cannot measure an inter-node link: that stays the base cluster's.
+
+:func:`calibrate` returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
+(:func:`~trickles.planner.cluster.write_cluster`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Sequence
+
+import torch
+
+from ..comm import messages, wire_bytes
+from .cluster import Cluster, load_cluster, shape_key, write_cluster
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+
+
+def fit_link(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """``(alpha seconds, B bytes/s)`` fitting ``time = messages x alpha + wire_bytes / B`` to ``samples`` of
+    ``(messages, wire_bytes, seconds)``: least squares on the two coefficients (the normal equations), each kept
+    non-negative (a negative latency is refitted as zero); ``B`` is infinite if the bytes explain nothing."""
+    if not samples:
+        raise ValueError("fit_link needs at least one (messages, wire_bytes, seconds) sample")
+    sxx = sum(m * m for m, _, _ in samples)
+    syy = sum(w * w for _, w, _ in samples)
+    sxy = sum(m * w for m, w, _ in samples)
+    sxt = sum(m * t for m, _, t in samples)
+    syt = sum(w * t for _, w, t in samples)
+    det = sxx * syy - sxy * sxy
+    alpha, inv = ((sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det) if det > 0 else (-1.0, -1.0)
+    if alpha < 0 or inv <= 0:
+        # refit with one coefficient: bytes alone (alpha = 0), else messages alone
+        inv = syt / syy if syy > 0 else 0.0
+        alpha = 0.0
+        if inv <= 0:
+            alpha, inv = (sxt / sxx if sxx > 0 else 0.0), 0.0
+    return max(alpha, 0.0), (1.0 / inv if inv > 0 else float("inf"))
+
+
+def _timeit(fn, repeats: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(max(1, repeats)):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32", device: str = "cpu",
+                  repeats: int = 3) -> dict[tuple[int, int, int], float]:
+    """``{(m, n, k): FLOP/s}`` of ``[m, k] x [k, n]`` matmuls on ``device`` in ``precision`` (CPU: one thread)."""
+    dev = torch.device(device)
+    dtype = DTYPES[precision]
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    out = {}
+    try:
+        for m, n, k in shapes:
+            a = torch.randn(m, k, device=dev).to(dtype)
+            b = torch.randn(k, n, device=dev).to(dtype)
+
+            def run():
+                a @ b
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            out[(m, n, k)] = 2.0 * m * n * k / max(_timeit(run, repeats), 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def measure_memory_bandwidth(device: str = "cpu", mib: int = 64, repeats: int = 3) -> float:
+    """Bytes/s of a ``mib`` MiB copy (read + write) on one thread (CPU) or the device."""
+    dev = torch.device(device)
+    n = mib * 2**20 // 4
+    a, b = torch.ones(n, device=dev), torch.empty(n, device=dev)
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        def run():
+            b.copy_(a)
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+        return 2 * n * 4 / max(_timeit(run, repeats), 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, int, int, float]]:
+    """On every rank of a run_ranks pool: ``(op, ranks, input bytes, seconds)`` for each collective and size (the
+    slowest rank's time: the collective is over when every rank is done)."""
+    import torch.distributed as dist
+
+    from ..comm import _all_gather_single, _reduce_scatter_single
+
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    out = []
+    for op in COLLECTIVES:
+        for size in sizes:
+            elements = max(world, size // 4 // world * world)
+            x = torch.ones(elements)
+            shard = torch.ones(elements // world)
+
+            def run():
+                if op == "all_reduce":
+                    dist.all_reduce(x)
+                elif op == "all_gather":
+                    _all_gather_single(x, shard)
+                elif op == "reduce_scatter":
+                    _reduce_scatter_single(shard, x)
+                elif rank == 0:
+                    dist.send(x, 1)
+                elif rank == 1:
+                    dist.recv(x, 0)
+            times = []
+            run()
+            for _ in range(max(1, repeats)):
+                dist.barrier()
+                t = time.perf_counter()
+                run()
+                took = torch.tensor([time.perf_counter() - t])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                times.append(float(took))
+            nbytes = (elements // world if op == "all_gather" else elements) * 4
+            out.append((op, world, nbytes, statistics.median(times)))
+    return out
+
+
+def measure_links(ranks: int = 2, sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 5
+                  ) -> list[tuple[str, int, int, float]]:
+    """Collective timings among ``ranks`` local CPU ranks over gloo (:func:`_measure_collectives`)."""
+    from ..testing import run_ranks
+
+    if ranks < 2:
+        raise ValueError("measuring links needs at least 2 ranks")
+    return run_ranks(ranks, _measure_collectives, list(sizes), repeats)[0]
+
+
+def link_samples(timings: Sequence[tuple[str, int, int, float]]) -> list[tuple[float, float, float]]:
+    """``(messages, wire bytes, seconds)`` of each timing, for :func:`fit_link`."""
+    return [(messages(op, n), wire_bytes(op, nbytes, n), t) for op, n, nbytes, t in timings]
+
+
+def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
+    """The distinct GEMM shapes of one rank's forward for ``cfg``'s micro-batch (one block of each kind and the
+    head), ``dims`` the layout (default one rank)."""
+    from ..topology import ParallelDims
+    from .compute import chunk_work
+
+    dims = dims or ParallelDims()
+    micro, _ = cfg.batch_plan(dims.dp)
+    sp = cfg.parallel.sequence_parallel and dims.tp > 1
+    p = 4 if cfg.memory.precision == "fp32" else 2
+    layers = sorted({0, *model_cfg.moe_layers[:1]})
+    work = chunk_work(model_cfg, dims, micro, cfg.data.seq_len, layers, True, sp, p)
+    return sorted({(g.m, g.n, g.k) for g in work.gemms if min(g.m, g.n, g.k) > 0})
+
+
+def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int, int, int]] | None = None,
+              precision: str | None = None, device: str = "cpu", ranks: int = 2,
+              sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, base: str | Cluster = "local",
+              path: str | None = None, reference: int = 512, bandwidth_mib: int = 64) -> Cluster:
+    """Measures this machine (module docstring) and returns ``base`` with the measured numbers (written to ``path``
+    as TOML when given).
+
+    ``cfg``/``model_cfg`` (a :class:`~trickles.config.Config` and its resolved model): the GEMM shapes and the
+    precision to time (or ``shapes`` and ``precision`` directly); ``dims``: the layout whose per-rank shapes to
+    time; ``ranks``: local processes for the links (``0``: do not measure them); ``sizes``: collective input bytes;
+    ``reference``: the square GEMM that anchors a CPU's peak."""
+    cluster = base if isinstance(base, Cluster) else load_cluster(base)
+    cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table))
+    precision = precision or (cfg.memory.precision if cfg is not None else "fp32")
+    if shapes is None:
+        shapes = model_shapes(cfg, model_cfg, dims) if cfg is not None and model_cfg is not None else []
+    timed = measure_gemms([*shapes, (reference, reference, reference)], precision, device, repeats)
+    if torch.device(device).type == "cuda":
+        from ..train.flops import peak_flops
+
+        peak = peak_flops(torch.device(device), precision) or max(timed.values())
+    else:
+        peak = max(timed.values())
+    setattr(cluster, f"peak_tflops_{precision}", peak / 1e12)
+    for (m, n, k), rate in timed.items():
+        cluster.gemm_table[shape_key(precision, m, n, k)] = round(min(1.0, rate / peak), 4)
+    ref = timed[(reference, reference, reference)]
+    cluster.gemm_efficiency = round(min(1.0, ref / peak), 4)
+    bandwidth = measure_memory_bandwidth(device, bandwidth_mib, repeats) / 1e9
+    cluster.memory_bandwidth_gbps = round(bandwidth, 3)
+    if torch.device(device).type == "cpu":
+        cluster.host_link_gbps = round(bandwidth, 3)
+        cluster.host_memory_bandwidth_gbps = round(bandwidth * cluster.devices_per_node, 3)
+    if ranks >= 2:
+        alpha, bw = fit_link(link_samples(measure_links(ranks, sizes, repeats)))
+        cluster.intra_node_latency_us = max(round(alpha * 1e6, 3), 1e-3)
+        cluster.intra_node_gbps = round(bw / 1e9, 4) if bw != float("inf") else cluster.intra_node_gbps
+        cluster.link_efficiency = 1.0
+        if cluster.device == "cpu" and cluster.nodes == 1:  # no second node to measure: keep it no faster than this
+            cluster.inter_node_gbps = min(cluster.inter_node_gbps, cluster.intra_node_gbps)
+            cluster.inter_node_latency_us = max(cluster.inter_node_latency_us, cluster.intra_node_latency_us)
+    cluster.name = f"{cluster.name}-calibrated" if not cluster.name.endswith("-calibrated") else cluster.name
+    cluster.validate()
+    if path is not None:
+        write_cluster(cluster, path)
+    return cluster

@@ -1,0 +1,219 @@
+"""What one rank computes: its GEMMs (with their shapes), its attention, its memory-bound work, its parameters.
+
+Everything is for one micro-batch of ``B`` sequences of ``T`` tokens on one rank, ``N = B T / cp`` of them local
+(context parallelism splits the sequence), forward only; backward is twice the forward's GEMM FLOPs
+(``dX`` and ``dW``, the same shapes transposed) and twice its memory-bound bytes.
+
+**GEMMs** (``[M, K] x [K, N]``, ``2 M N K`` FLOPs) of a linear ``h -> h'`` on a rank, by tensor-parallel mode:
+1-D column-parallel ``[N, h] x [h, h'/tp]``, row-parallel ``[N, h/tp] x [h/tp, h']`` (sequence parallelism
+gathers the full ``N`` first); 2-D ``[N/q, h] x [h, h'/q]``; 2.5-D ``[N/(q d), h] x [h, h'/q]``; 3-D
+``[N/q, h/q] x [h/q, h'/q]`` (:mod:`trickles.parallel.tensor_nd`) -- in every mode ``1/tp`` of the layer's
+``2 N h h'``. A block: q, k, v (or fused qkv), o; gate and up (or fused), down. A mixture-of-experts block
+replaces the MLP: the router ``[N_r, d] x [d, E]``, the rank's ``E/ep`` experts on the ``m`` assignments it
+receives (balanced: as many as it routes, :func:`~trickles.memory.activations.moe_assignments`), shared experts
+on all ``N_r`` routed tokens -- ``N_r = N`` on every tensor-parallel rank (the experts are whole there), ``N/tp``
+with sequence parallelism. The output layer ``d -> V`` on the last stage.
+
+**Attention core**: per local head ``4 (T/cp) T h_d`` FLOPs per sequence (scores and weighted sum, as
+:func:`trickles.train.flops.flops_per_token` counts them) of which a causal kernel runs half (flash attention,
+the ring's skipped blocks); as GEMMs ``[T/cp, h_d] x [h_d, T]`` and ``[T/cp, T] x [T, h_d]``.
+
+**Memory-bound work** (norms, residual adds, rotary, activation functions, dropout, softmax of the loss),
+bytes read and written in forward, ``p`` bytes per element, ``r`` the residual-stream elements the rank holds
+(``N d``; ``N d / tp`` with sequence parallelism or a grid): per block ``12 r p`` (two norms, two residual adds,
+dropouts) + rotary ``2 N (a + a_kv) h_d / tp p`` + the MLP's activation ``3 N f / tp p`` (gpt2: 2); the head
+``2 r p`` + the loss's fp32 softmax over the rank's vocabulary slice ``16 N V / tp``. An estimate: GPUs fuse some
+of it, and calibration measures only GEMMs.
+
+**Parameters** (:func:`param_elements`): a dense block ``d (a + 2 a_kv) h_d + a h_d d + (3 | 2) d f`` matrix
+elements plus norms (``2 d``, LayerNorm ``4 d``) and gpt2's biases; an MoE block the router ``d E`` and ``E``
+experts of ``(3 | 2) d f_e``; the embedding ``V d``, gpt2's positions ``T_max d``, the final norm, an untied
+output ``V d``. Tested equal to the built model's count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..models.config import ModelConfig
+from ..topology import ParallelDims
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """``count`` GEMMs ``[m, k] x [k, n]`` (``count`` may be fractional: a causal kernel's half)."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    count: float = 1.0
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.n * self.k * self.count
+
+
+@dataclass(frozen=True)
+class Work:
+    """One micro-batch's forward on one rank (of some layers): GEMMs and memory-bound bytes."""
+
+    gemms: tuple[Gemm, ...]
+    elementwise_bytes: float
+
+    @property
+    def flops(self) -> float:
+        return sum(g.flops for g in self.gemms)
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.gemms + other.gemms, self.elementwise_bytes + other.elementwise_bytes)
+
+
+NO_WORK = Work((), 0.0)
+
+
+def _gated(cfg: ModelConfig) -> bool:
+    return cfg.flavor == "llama"
+
+
+def linear_shape(dims: ParallelDims, tokens: int, h: int, h2: int, row: bool = False) -> tuple[int, int, int]:
+    """``(M, N, K)`` of a linear ``h -> h'`` over ``tokens`` on one rank (module docstring); ``row``: 1-D's
+    row-parallel linear (else column-parallel)."""
+    tp, grid = dims.tp, dims.grid
+    if tp == 1:
+        return tokens, h2, h
+    if grid.mode == "1d":
+        return (tokens, h2, h // tp) if row else (tokens, h2 // tp, h)
+    q = grid.q
+    if grid.mode == "3d":
+        return tokens // q, h2 // q, h // q
+    return tokens // (q * grid.depth), h2 // q, h
+
+
+def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: bool, sequence_parallel: bool,
+               p: int) -> Work:
+    """One block's forward for ``batch`` sequences of ``seq`` tokens on one rank (module docstring)."""
+    d, hd, tp, cp = cfg.d_model, cfg.head_dim, dims.tp, dims.cp
+    n = batch * seq // cp
+    a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    lin = lambda name, h, h2, row=False: Gemm(name, *linear_shape(dims, n, h, h2, row))  # noqa: E731
+    gemms = [lin("qkv", d, a + 2 * kv), lin("o", a, d, row=True)]
+    heads = cfg.n_heads // tp if dims.grid.mode == "1d" else cfg.n_heads // dims.grid.q
+    g = dims.grid
+    seqs = batch if g.mode == "1d" else batch // (g.q * (g.q if g.mode == "3d" else g.depth))  # a grid rank's samples
+    half = 0.5 * seqs * heads  # a causal kernel computes half of the T x T scores
+    gemms += [Gemm("scores", seq // cp, seq, hd, half), Gemm("weighted", seq // cp, hd, seq, half)]
+    mats = 3 if _gated(cfg) else 2
+    if moe:
+        from ..memory.activations import moe_assignments
+
+        routed = n // tp if sequence_parallel and tp > 1 else n
+        m = moe_assignments(cfg, batch, routed // batch, seq)
+        local = cfg.moe_experts // dims.ep
+        rows = max(1, m // local)
+        f = cfg.moe_ffn_dim
+        gemms += [Gemm("router", routed, cfg.moe_experts, d)]
+        gemms += [Gemm("expert_in", rows, f, d, local * (mats - 1)), Gemm("expert_out", rows, d, f, local)]
+        if cfg.moe_shared_experts:
+            fs = f * cfg.moe_shared_experts
+            gemms += [Gemm("shared_in", routed, fs, d, mats - 1), Gemm("shared_out", routed, d, fs)]
+        ffn_elements = m * f + routed * f * cfg.moe_shared_experts
+    else:
+        f = cfg.ffn_dim
+        gemms += [lin("mlp_in", d, (mats - 1) * f), lin("mlp_out", f, d, row=True)]
+        ffn_elements = n * f / tp
+    split = tp if (sequence_parallel or dims.grid.mode != "1d") else 1
+    r = n * d / split
+    elementwise = p * (12 * r + 2 * n * (cfg.n_heads + cfg.kv_heads) * hd / tp + (3 if _gated(cfg) else 2) * ffn_elements)
+    return Work(tuple(gemms), elementwise)
+
+
+def head_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequence_parallel: bool, p: int) -> Work:
+    """The last stage's final norm, output layer ``d -> V`` and loss, for one micro-batch's forward."""
+    n = batch * seq // dims.cp
+    split = dims.tp if (sequence_parallel or dims.grid.mode != "1d") else 1
+    vocab_split = dims.tp if dims.grid.mode == "1d" else dims.grid.q
+    out = Gemm("output", *linear_shape(dims, n, cfg.d_model, cfg.vocab_size))
+    return Work((out,), 2 * p * n * cfg.d_model / split + 16 * n * cfg.vocab_size / vocab_split)
+
+
+def chunk_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, layers: list[int], last: bool,
+               sequence_parallel: bool, p: int) -> Work:
+    """Forward work of ``layers`` (and the head if ``last``) for one micro-batch on one rank."""
+    moe = set(cfg.moe_layers)
+    cache: dict[bool, Work] = {}
+    work = NO_WORK
+    for i in layers:
+        key = i in moe
+        if key not in cache:
+            cache[key] = block_work(cfg, dims, batch, seq, key, sequence_parallel, p)
+        work = work + cache[key]
+    if last:
+        work = work + head_work(cfg, dims, batch, seq, sequence_parallel, p)
+    return work
+
+
+def attention_flops(work: Work) -> float:
+    """The attention core's share of ``work``'s FLOPs (what selective recomputation reruns)."""
+    return sum(g.flops for g in work.gemms if g.name in ("scores", "weighted"))
+
+
+# ---- parameters --------------------------------------------------------------------------------
+
+def block_params(cfg: ModelConfig, moe: bool) -> tuple[int, int, int]:
+    """``(matrix elements, vector elements, expert elements)`` of one whole block (module docstring); a dense
+    block's MLP counts as matrices, an MoE block's router as a matrix and its routed and shared experts as
+    experts."""
+    d, hd, gpt2 = cfg.d_model, cfg.head_dim, cfg.flavor == "gpt2"
+    a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    mats = 3 if _gated(cfg) else 2
+    matrices = d * (a + 2 * kv) + a * d
+    vectors = (4 if gpt2 else 2) * d + ((a + 2 * kv) + d if gpt2 else 0)
+    experts = 0
+    if moe:
+        f = cfg.moe_ffn_dim
+        matrices += d * cfg.moe_experts
+        experts = cfg.moe_experts * (mats * d * f + ((f + d) if gpt2 else 0))
+        if cfg.moe_shared_experts:
+            fs = f * cfg.moe_shared_experts
+            experts += mats * d * fs + ((fs + d) if gpt2 else 0)
+    else:
+        matrices += mats * d * cfg.ffn_dim
+        vectors += (cfg.ffn_dim + d) if gpt2 else 0
+    return matrices, vectors, experts
+
+
+def root_params(cfg: ModelConfig) -> dict[str, int]:
+    """Elements outside the blocks: ``embedding``, ``positions``, ``norm`` (final), ``output`` (0 when tied)."""
+    d = cfg.d_model
+    return {"embedding": cfg.vocab_size * d, "positions": cfg.max_seq_len * d if cfg.flavor == "gpt2" else 0,
+            "norm": 2 * d if cfg.flavor == "gpt2" else d, "output": 0 if cfg.tied else cfg.vocab_size * d}
+
+
+def param_elements(cfg: ModelConfig) -> int:
+    """Every parameter element of the whole model."""
+    moe = set(cfg.moe_layers)
+    return sum(sum(block_params(cfg, i in moe)) for i in range(cfg.n_layers)) + sum(root_params(cfg).values())
+
+
+def rank_params(cfg: ModelConfig, dims: ParallelDims, layers: list[int], first: bool, last: bool,
+                sequence_parallel: bool = False) -> tuple[int, int]:
+    """``(dense, expert)`` parameter elements a rank holds for ``layers`` (plus the embedding and positions when
+    ``first``, the final norm and output -- and a tied embedding's copy -- when ``last``): matrices split ``tp`` ways
+    (2.5-D: ``q^2``, the depth holds copies), vectors whole under 1-D (``q`` ways on a grid), experts ``ep`` ways
+    (whole on every 1-D tensor-parallel rank)."""
+    grid = dims.grid
+    mat_split = dims.tp if grid.mode != "2.5d" else grid.q * grid.q
+    vec_split = 1 if grid.mode == "1d" else grid.q
+    moe = set(cfg.moe_layers)
+    dense = experts = 0
+    for i in layers:
+        m, v, e = block_params(cfg, i in moe)
+        dense += m // mat_split + v // vec_split
+        experts += e // dims.ep
+    root = root_params(cfg)
+    if first:
+        dense += root["embedding"] // mat_split + root["positions"] // vec_split
+    if last:
+        dense += root["norm"] // vec_split + (root["output"] or (root["embedding"] if not first else 0)) // mat_split
+    return dense, experts

@@ -1,0 +1,362 @@
+"""The step-time model: how long one optimizer step of a layout takes on a cluster, part by part.
+
+:func:`step_time` evaluates every pipeline rank (a :class:`RankPlan`: its layers, micro-batches, parameters and
+buckets) and reports the slowest, since the pipeline moves at its pace. For one rank, with ``m`` micro-batches of
+``B`` sequences of ``T`` tokens per step, ``p`` / ``g`` bytes per parameter / gradient element:
+
+**Compute.** ``t_f = sum_GEMMs 2 M N K / (peak x eff(M, N, K) x share) + E / (BW_mem x share)``: every forward
+GEMM of the rank's chunks (:mod:`trickles.planner.compute`) at the fraction of the precision's dense peak the
+cluster achieves for its shape (:meth:`~trickles.planner.cluster.Cluster.gemm_fraction`), plus its memory-bound
+bytes ``E`` at the memory bandwidth; ``share`` is the fraction of a device a rank gets (CPU ranks beyond the
+cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
+(``full``) or the attention core's (``selective``): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Its FLOPs
+sum to :func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the
+ranks; the model's attention FLOPs are halved for a causal kernel).
+
+**Each collective** (:mod:`trickles.planner.traffic`: the bytes each dimension's module states, for this rank):
+``t = calls x messages(op, n) x alpha + wire_bytes / B`` on the link its group spans -- inside a node if every
+group of that kind lies in one node (ranks ``(pp, dp, cp, tp)`` outermost first,
+:mod:`trickles.planner.placement`), else across nodes (:meth:`~trickles.planner.cluster.Cluster.link`).
+
+**What is hidden.** A collective of ``k`` calls over ``P`` separate windows of compute ``w`` each (its
+:attr:`~trickles.planner.traffic.Traffic.overlap`) is exposed for ``P (t/(P k) + max(0, t/P - t/(P k) - w))``:
+one call's time is never hidden (the last bucket after backward, the first gather before forward), the rest
+only beyond the window. Windows: data-parallel bucket reductions -- one micro-batch's backward ``t_b`` (ZeRO-2/3
+reduce on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward ``t_f``; ZeRO-3's
+prefetched gathers -- half a micro-batch's compute ``(t_f + t_b) / 2`` for each of the ``2 m`` passes
+(``prefetch=false``: nothing hidden); ring attention -- the layer's attention core, forward and backward
+(``P`` = layers x micro-batches). Tensor-parallel, all-to-all and expert collectives are on the critical path
+(exposed whole). Pipeline messages (``t_msg`` each) are exposed on the fill and drain, ``2 (p - 1)`` hops
+(interleaved ``2 (p v - 1)``), plus ``m v max(0, 2 t_msg - (t_f + t_b) / v)`` when a message takes longer
+than a chunk's compute.
+
+**Bubble** (:mod:`trickles.parallel.schedules`): each rank idles ``(p - 1)`` chunk slots of the ``v m`` it
+computes, ``bubble = (p - 1) / (v m) x (compute + exposed tensor/context/expert communication)``; as a fraction
+of the step's compute ``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and interleaved alike.
+
+**Optimizer step**: memory-bound, ``n (2 k + 2 p + g) / BW_mem`` for the ``n`` elements the rank updates (all
+it holds, or ``1 / (dp cp)`` under ZeRO; experts ``1 / edp``) with ``k`` bytes of state each (the memory
+report's). **Offload**: gradients down and parameters up the host link, ``n (g + p) / BW_host``, and the step
+on the host at its memory bandwidth (shared by the node's ranks); overlapped (``memory.offload_overlap``, ZeRO-1/2,
+AdamW/SGD) the copies down hide behind backward and the step and copies up behind the next forward.
+
+``total = compute + bubble + exposed communication + optimizer + offload``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..comm import messages
+from ..config import Config
+from ..errors import ConfigError
+from ..models.config import ModelConfig
+from ..parallel.schedules import Shape
+from ..topology import ParallelDims
+from .cluster import Cluster, Link
+from .compute import Work, attention_flops, chunk_work, rank_params
+from .placement import group_size, pipeline_hop_spans_nodes, spans_nodes
+from .traffic import TERMS, Traffic
+
+IN_LAYER = ("tp", "cp", "ep")  # dimensions whose exposed communication stretches every micro-batch (and the bubble)
+
+
+@dataclass
+class RankPlan:
+    """What one pipeline rank of a layout holds and does in a step (inputs to the traffic terms and the model)."""
+
+    cfg: Config
+    dims: ParallelDims
+    model_cfg: ModelConfig
+    rank: int  # pipeline rank
+    shape: Shape
+    micro: int  # sequences per micro-batch
+    micro_batches: int  # m
+    seq: int
+    tokens: int  # B T / cp: tokens of a micro-batch on this rank
+    p: int
+    g: int
+    sp: bool
+    chunks: list[list[int]]  # the layers of each of the rank's chunks
+    first: bool  # holds the embedding
+    last: bool  # holds the final norm, output layer and loss
+    dense_params: int
+    expert_params: int
+    moe_elements: int  # expert (and router) elements of its MoE blocks
+    buckets: list[int] = field(default_factory=list)  # data-parallel bucket elements (ZeRO-3: units)
+    expert_buckets: list[int] = field(default_factory=list)
+
+    @property
+    def layers(self) -> list[int]:
+        return [i for c in self.chunks for i in c]
+
+    @property
+    def message_bytes(self) -> int:
+        """One pipeline message: the stage output ``[B, T/cp, d]``, split by ``tp`` under sequence parallelism or
+        on a grid."""
+        split = self.dims.tp if self.sp or self.dims.grid.mode != "1d" else 1
+        return self.tokens * self.model_cfg.d_model * self.p // split
+
+
+@dataclass
+class TimedTraffic:
+    """One :class:`~trickles.planner.traffic.Traffic` with its link and times."""
+
+    traffic: Traffic
+    link: str
+    time_s: float
+    exposed_s: float
+
+
+@dataclass
+class StepTime:
+    """One optimizer step of a layout, in seconds, part by part (see the module docstring)."""
+
+    total_s: float
+    compute_s: float  # forward + backward (+ recomputation) of the slowest pipeline rank, memory-bound kernels included
+    recompute_s: float  # of compute_s
+    elementwise_s: float  # of compute_s: the memory-bound kernels
+    bubble_s: float
+    bubble_fraction: float  # (p - 1) / (v m + p - 1)
+    comm_s: float  # every collective's time, as if none overlapped
+    exposed_comm_s: float  # what overlapping leaves on the critical path
+    comm_by_group: dict[str, float]  # group kind -> seconds of its collectives (serialized)
+    exposed_by_group: dict[str, float]
+    optimizer_s: float
+    offload_s: float
+    tokens: int  # per step
+    model_flops: float  # per step, the whole model (PaLM's formula), for MFU
+    devices: int
+    peak_flops: float  # one device's dense peak at the run's precision
+    stage: int = 0  # the pipeline rank these parts are of (the slowest)
+    stage_s: list[float] = field(default_factory=list)  # every pipeline rank's step time
+    traffic: list[TimedTraffic] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.total_s
+
+    @property
+    def model_flops_per_device(self) -> float:
+        """Achieved model FLOP/s per device."""
+        return self.model_flops / self.total_s / self.devices
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs utilization: achieved model FLOP/s per device over the dense peak."""
+        return self.model_flops_per_device / self.peak_flops
+
+    @property
+    def comm_share(self) -> float:
+        """Exposed communication as a fraction of the step."""
+        return self.exposed_comm_s / self.total_s
+
+
+def element_bytes(cfg: Config) -> tuple[int, int]:
+    """``(p, g)``: bytes of a parameter (the compute type) and of a gradient element."""
+    p = 4 if cfg.memory.precision == "fp32" else 2
+    return p, (4 if cfg.memory.grad_dtype == "fp32" else p)
+
+
+def _buckets(elements: int, element_bytes: int, bucket_mb: float) -> list[int]:
+    """The data-parallel engine's buckets over ``elements`` parameters of ``element_bytes`` each
+    (:class:`~trickles.parallel.flat.FlatLayout`): the first at most 1 MiB (DDP's), then ``bucket_mb`` each (0: one
+    bucket); the layout's padding and its cutting at whole parameters are left out."""
+    from ..parallel.engine import FIRST_BUCKET_BYTES
+
+    if elements <= 0:
+        return []
+    if bucket_mb <= 0:
+        return [elements]
+    cap = int(bucket_mb * 2**20)
+    first = min(elements, max(1, min(cap, FIRST_BUCKET_BYTES) // element_bytes))
+    size = max(1, cap // element_bytes)
+    rest = elements - first
+    return [first] + [size] * (rest // size) + ([rest % size] if rest % size else [])
+
+
+def rank_plans(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig) -> list[RankPlan]:
+    """One :class:`RankPlan` per pipeline rank (ranks of other dimensions do the same work)."""
+    from ..parallel.pipeline import partition_layers
+    from .compute import block_params
+
+    par = cfg.parallel
+    micro, m = cfg.batch_plan(dims.dp)
+    seq = cfg.data.seq_len
+    p, g = element_bytes(cfg)
+    sp = par.sequence_parallel and dims.tp > 1 and dims.grid.mode == "1d"
+    v = par.virtual_stages if dims.pp > 1 else 1
+    shape = Shape(dims.pp, v, m)
+    parts = partition_layers(model_cfg.n_layers, dims.pp * v, par.pipeline_layers or None)
+    moe = set(model_cfg.moe_layers)
+    plans = []
+    for r in range(dims.pp):
+        chunks = [parts[c * dims.pp + r] for c in range(v)]
+        first, last = r == 0, r == dims.pp - 1
+        layers = [i for c in chunks for i in c]
+        dense, experts = rank_params(model_cfg, dims, layers, first, last)
+        moe_elements = sum(block_params(model_cfg, True)[2] // dims.ep + model_cfg.d_model * model_cfg.moe_experts
+                           for i in layers if i in moe)
+        plan = RankPlan(cfg, dims, model_cfg, r, shape, micro, m, seq, micro * seq // dims.cp, p, g, sp, chunks, first,
+                        last, dense, experts, moe_elements)
+        own_experts = dims.ep > 1
+        if par.zero == 3:  # a unit per block (experts their own under expert parallelism) and the root
+            for i in layers:
+                d_i, e_i = rank_params(model_cfg, dims, [i], False, False)
+                plan.buckets.append(d_i + (0 if own_experts else e_i))
+                if own_experts and e_i:
+                    plan.expert_buckets.append(e_i)
+            root = rank_params(model_cfg, dims, [], first, last)[0]
+            if root:
+                plan.buckets.append(root)
+        else:
+            plan.buckets = _buckets(dense + (0 if own_experts else experts), p, par.bucket_mb)
+            plan.expert_buckets = _buckets(experts, p, par.bucket_mb) if own_experts else []
+        plans.append(plan)
+    return plans
+
+
+def _exposed(t: float, calls: int, window: float, passes: int) -> float:
+    """``P (t/(P k) + max(0, t/P - t/(P k) - w))``: the module docstring's overlap rule."""
+    if t <= 0:
+        return 0.0
+    passes = max(1, passes)
+    per = t / passes
+    one = per / max(1.0, calls / passes)
+    return passes * (one + max(0.0, per - one - window))
+
+
+def _time(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[float, float]:
+    """``(GEMM seconds, memory-bound seconds)`` of ``work`` on one rank."""
+    peak = cluster.peak_flops(precision) * share
+    gemm = sum(gm.flops / (peak * cluster.gemm_fraction(precision, gm.m, gm.n, gm.k)) for gm in work.gemms)
+    return gemm, work.elementwise_bytes / (cluster.memory_bandwidth_gbps * 1e9 * share)
+
+
+def _link(cluster: Cluster, dims: ParallelDims, group: str, per_node: int) -> Link:
+    spans = pipeline_hop_spans_nodes(dims, per_node) if group == "pp" else spans_nodes(dims, group, per_node)
+    return cluster.link(spans)
+
+
+def rank_step(plan: RankPlan, cluster: Cluster) -> StepTime:
+    """The step time of one pipeline rank (module docstring)."""
+    cfg, dims, mc = plan.cfg, plan.dims, plan.model_cfg
+    precision, share, m = cfg.memory.precision, cluster.compute_share(dims.world_size), plan.micro_batches
+    work = blocks = None
+    for c, layers in enumerate(plan.chunks):
+        is_last = plan.last and c == len(plan.chunks) - 1
+        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p)
+        b = chunk_work(mc, dims, plan.micro, plan.seq, layers, False, plan.sp, plan.p)
+        work, blocks = (w, b) if work is None else (work + w, blocks + b)
+    gemm_f, elem_f = _time(work, cluster, precision, share)
+    t_f, t_b = gemm_f + elem_f, 2 * (gemm_f + elem_f)
+    recompute = cfg.memory.recompute
+    if recompute == "full":
+        t_rc = sum(_time(blocks, cluster, precision, share))
+    elif recompute == "selective":
+        t_rc = gemm_f * attention_flops(work) / max(work.flops, 1.0)
+    else:
+        t_rc = 0.0
+    compute = m * (t_f + t_b + t_rc)
+    attention_s = 3 * gemm_f * attention_flops(work) / max(work.flops, 1.0)  # forward + backward, one micro-batch
+
+    per_node = cluster.ranks_per_node(dims.world_size)
+    windows = {"backward": t_b, "forward": t_f, "prefetch": (t_f + t_b) / 2}
+    timed = []
+    for term in TERMS:
+        for tr in term(plan):
+            link = _link(cluster, dims, tr.group, per_node)
+            n = group_size(dims, tr.group)
+            msgs = tr.calls if tr.op == "send" else tr.calls * messages(tr.op, n)
+            t = link.time(msgs, tr.wire_bytes)
+            if tr.overlap == "none":
+                exposed = t
+            elif tr.overlap == "attention":
+                exposed = _exposed(t, tr.calls, attention_s / max(1, len(plan.layers)), tr.passes)
+            elif tr.overlap == "pipeline":
+                s = plan.shape
+                hops = 2 * (s.p * s.v - 1) if cfg.parallel.schedule == "interleaved" else 2 * (s.p - 1)
+                t_msg = t / max(1, tr.calls)
+                exposed = hops * t_msg + m * s.v * max(0.0, 2 * t_msg - (t_f + t_b) / s.v)
+            else:
+                exposed = _exposed(t, tr.calls, windows[tr.overlap], tr.passes)
+            timed.append(TimedTraffic(tr, link.name, t, min(t, exposed) if tr.overlap != "pipeline" else exposed))
+    by_group: dict[str, float] = {}
+    exposed_by: dict[str, float] = {}
+    for tt in timed:
+        key = tt.traffic.group
+        by_group[key] = by_group.get(key, 0.0) + tt.time_s
+        exposed_by[key] = exposed_by.get(key, 0.0) + tt.exposed_s
+    exposed_comm = sum(tt.exposed_s for tt in timed)
+    in_layer = sum(tt.exposed_s for tt in timed if tt.traffic.dimension in IN_LAYER)
+    s = plan.shape
+    bubble = (s.p - 1) / (s.v * s.m) * (compute + in_layer) if dims.pp > 1 else 0.0
+
+    optimizer, offload = _optimizer(plan, cluster, t_f, t_b)
+    total = compute + bubble + exposed_comm + optimizer + offload
+    from ..train.flops import flops_per_token
+
+    tokens = cfg.train.global_batch * plan.seq
+    return StepTime(total, compute, m * t_rc, m * 3 * elem_f, bubble, s.bubble() if dims.pp > 1 else 0.0,
+                    sum(tt.time_s for tt in timed), exposed_comm, by_group, exposed_by, optimizer, offload, tokens,
+                    flops_per_token(mc, plan.seq) * tokens, dims.world_size, cluster.peak_flops(precision), plan.rank,
+                    traffic=timed)
+
+
+def _optimizer(plan: RankPlan, cluster: Cluster, t_f: float, t_b: float) -> tuple[float, float]:
+    """``(optimizer step, offload transfers)`` exposed seconds (module docstring)."""
+    from ..optim.settings import OptimizerSettings
+
+    cfg, dims = plan.cfg, plan.dims
+    zero, offload = cfg.parallel.zero, cfg.memory.offload_optimizer
+    replicas = dims.dp * dims.cp
+    owned = plan.dense_params / (replicas if zero else 1) + plan.expert_params / ((replicas // dims.ep) if zero else 1)
+    settings = OptimizerSettings.from_train(cfg.train)
+    p, g = plan.p, plan.g
+    k = 4 * len(settings.state_keys) + (4 if p != 4 or offload else 0) + (4 if g != 4 or offload else 0)
+    share = cluster.compute_share(dims.world_size)
+    if not offload:
+        return owned * (2 * k + 2 * p + g) / (cluster.memory_bandwidth_gbps * 1e9 * share), 0.0
+    per_node = cluster.ranks_per_node(dims.world_size)
+    host_bw = cluster.host_memory_bandwidth_gbps * 1e9 / min(per_node, max(1, dims.world_size))
+    host = owned * (2 * k + p + g) / host_bw
+    down, up = owned * g / (cluster.host_link_gbps * 1e9), owned * p / (cluster.host_link_gbps * 1e9)
+    overlapped = cfg.memory.offload_overlap and zero in (1, 2) and settings.name in ("adamw", "sgd")
+    if not overlapped:
+        return host, down + up
+    late = max(0.0, host + up - t_f)  # the step and the copies up, behind the next forward
+    return late * host / (host + up), max(0.0, down - t_b) + late * up / (host + up)
+
+
+def step_time(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: Cluster) -> StepTime:
+    """One optimizer step of ``cfg`` laid out as ``dims`` (from ``cfg.validate(world)``), ``model_cfg`` resolved
+    (vocabulary and maximum length set: :func:`trickles.models.config.resolve_model`), on ``cluster``: the slowest
+    pipeline rank's :class:`StepTime`, with every rank's total in ``stage_s``. Raises ConfigError when the layout
+    needs more GPUs than the cluster has (CPU ranks may share cores)."""
+    world = dims.world_size
+    if cluster.device == "cuda" and world > cluster.devices:
+        raise ConfigError(f"the layout needs {world} devices, the cluster {cluster.name!r} has {cluster.devices} "
+                          f"({cluster.nodes} x {cluster.devices_per_node}); use Cluster.sized({world}) or fewer ranks")
+    cluster.validate()
+    steps = [rank_step(plan, cluster) for plan in rank_plans(cfg, dims, model_cfg)]
+    worst = max(steps, key=lambda s: s.total_s)
+    worst.stage_s = [s.total_s for s in steps]
+    worst.notes = _notes(worst, dims, cluster)
+    return worst
+
+
+def _notes(st: StepTime, dims: ParallelDims, cluster: Cluster) -> list[str]:
+    """Lines for a report: groups whose collectives run across nodes in every layer, and what dominates."""
+    notes = []
+    per_node = cluster.ranks_per_node(dims.world_size)
+    for group in sorted({tt.traffic.group for tt in st.traffic if tt.traffic.dimension in IN_LAYER}):
+        if group != "pp" and spans_nodes(dims, group, per_node) and st.exposed_by_group.get(group, 0) > 0:
+            nodes = math.ceil(group_size(dims, group) / per_node)
+            notes.append(f"{group}={group_size(dims, group)} spans {nodes} nodes: its collectives in every layer run on the "
+                         f"inter-node link ({st.exposed_by_group[group]:.3g} s exposed a step)")
+    if st.bubble_s > 0.1 * st.total_s:
+        notes.append(f"pipeline bubble {st.bubble_s / st.total_s:.0%} of the step ((p-1)/(v m) = "
+                     f"{st.bubble_fraction / (1 - st.bubble_fraction):.2f} of compute)")
+    return notes
