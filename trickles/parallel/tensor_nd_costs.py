@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..comm import wire_bytes
 from ..models.config import ModelConfig
 from ..topology import TPGrid
 from .tensor_nd import cube_bytes, summa_bytes
@@ -111,18 +112,18 @@ class Layout:
         return batch * seq // self.parts
 
 
-# ---- collectives, as the ledger counts them (one call each) --------------------------------
+# ---- collectives, as the ledger counts them (one call each: :func:`trickles.comm.wire_bytes`, rounded) ----------
 
 def all_reduce(k: int, nbytes: float) -> int:
-    return int(round(2 * (k - 1) / k * nbytes)) if k > 1 else 0
+    return int(round(wire_bytes("all_reduce", nbytes, k)))
 
 
 def all_gather(k: int, shard_bytes: float) -> int:
-    return int(round((k - 1) * shard_bytes)) if k > 1 else 0
+    return int(round(wire_bytes("all_gather", shard_bytes, k)))
 
 
 def reduce_scatter(k: int, nbytes: float) -> int:
-    return int(round((k - 1) / k * nbytes)) if k > 1 else 0
+    return int(round(wire_bytes("reduce_scatter", nbytes, k)))
 
 
 def _fb(forward: float = 0, backward: float = 0) -> dict[str, int]:
