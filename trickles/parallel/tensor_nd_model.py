@@ -181,7 +181,12 @@ class _LayerNorm(torch.autograd.Function):
 
 
 class GridNorm(nn.Module):
-    """RMSNorm (``bias=False``) or LayerNorm over features split on the hidden group (module docstring)."""
+    """RMSNorm (``bias=False``) or LayerNorm over features split on the hidden group (module docstring).
+
+    Weight (and bias): block ``[d/q]`` of the features, held alike by the ranks of the token groups. Bytes per rank
+    for ``n`` rows (ring, ``k`` ranks per group, ``p`` bytes per element): forward ``2 (q-1)/q 4n`` on the hidden
+    group (LayerNorm twice: mean, then variance); backward ``2 (q-1)/q 4n`` (LayerNorm ``8n``: both sums at once)
+    plus ``2 (k-1)/k p d/q`` per token group for the weight's gradient (and the bias's)."""
 
     def __init__(self, d: int, eps: float, layer_norm: bool, ctx: GridContext, device=None):
         super().__init__()
@@ -220,7 +225,13 @@ def _swap(t: torch.Tensor, tp: GroupComm, partner: int) -> torch.Tensor:
 
 
 class GridEmbedding(nn.Module):
-    """The token embedding on a grid (module docstring); ``tied``: its weight is (or will be) the output layer's."""
+    """The token embedding on a grid (module docstring); ``tied``: its weight is (or will be) the output layer's.
+
+    Bytes per rank, ``p`` per element, ``N`` tokens of the micro-batch. 2-D/2.5-D: forward ``(q-1) p V d/q^2``
+    (the column all-gather), backward ``(q-1)/q p V d/q`` (its reduce-scatter) plus, for 2.5-D,
+    ``2 (d-1)/d p V d/q^2`` over the depth; tied, an off-diagonal rank also sends ``p V d/q^2`` each way (the
+    swap). 3-D: forward ``(q-1) p V d/q^3`` (column) + ``(q-1)/q p N d/q^2`` (the row's reduce-scatter of the
+    column's ``N/q`` tokens), backward the same two reversed."""
 
     is_embedding = True  # a lookup table: no weight decay
 
@@ -278,7 +289,11 @@ class GridPositions(nn.Module):
 
 
 class GridLoss(OutputLoss):
-    """Mean token cross-entropy from vocabulary-split logits on a grid (module docstring); unfused."""
+    """Mean token cross-entropy from vocabulary-split logits on a grid (module docstring); unfused.
+
+    Bytes per rank beyond the output layer's, for ``n`` rows of logits: forward three all-reduces of ``[n]`` fp32 over
+    the row (``3 x 2 (q-1)/q 4n``: max, sum of exponentials, target logit) and two of one fp32 over each of the
+    logits' token groups (the token count, the loss); backward none."""
 
     def __init__(self, ctx: GridContext):
         super().__init__(fused=False)
