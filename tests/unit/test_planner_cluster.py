@@ -74,8 +74,12 @@ def test_links_gemm_table_and_sizing():
     assert c.gemm_fraction("bf16", 4096, 4096, 4096) == 0.9
     assert c.gemm_fraction("bf16", 4096, 2048, 4096) == 0.9  # nearest calibrated shape
     assert c.gemm_fraction("bf16", 160, 128, 100) == 0.2
-    assert c.gemm_fraction("bf16", 8, 8, 8) == c.gemm_efficiency  # nothing within a factor of 8
-    assert c.gemm_fraction("fp16", 4096, 4096, 4096) == c.gemm_efficiency  # another precision
+    # nothing within a factor of 8, or another precision: the efficiency times the tile and wave quantization
+    assert c.gemm_fraction("fp16", 4096, 4096, 4096) == c.gemm_efficiency * (4096 * 4096) / (5 * 108 * 256 * 128)  # 512 tiles: 5 waves
+    assert c.gemm_fraction("bf16", 8, 8, 8) == c.gemm_efficiency * 64 / (108 * 256 * 128)  # one tile of 108 busy
+    assert c.quantization(108 * 256, 128) == 1.0 and c.quantization(108 * 256 + 1, 128) < 0.51  # a second wave
+    assert c.quantization(256, 128, 107.5) == 1.0  # a batch of 108 tiles fills one wave
+    assert load_cluster("local").quantization(7, 9) == 1.0 and load_cluster("local").sm_count == 0
     assert c.sized(1024).nodes == 128 and c.sized(12).nodes == 2
     local = load_cluster("local")
     assert local.compute_share(local.devices_per_node) == 1.0

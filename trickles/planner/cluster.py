@@ -3,9 +3,9 @@
 A cluster is ``nodes`` x ``devices_per_node`` devices. The time model (:mod:`trickles.planner.cost`) reads:
 
 * **compute**: the dense peak per device for each precision, times the fraction of it a GEMM of a given shape
-  achieves (``gemm_table``, filled by :func:`~trickles.planner.calibrate.calibrate`; ``gemm_efficiency``
-  where the table has no shape near), and the device memory bandwidth for memory-bound work (the optimizer step,
-  element-wise kernels);
+  achieves (``gemm_table``, filled by :func:`~trickles.planner.calibrate.calibrate`; where the table has no shape
+  near, ``gemm_efficiency`` times the GEMM's tile and wave quantization on a GPU, :meth:`Cluster.gemm_fraction`),
+  and the device memory bandwidth for memory-bound work (the optimizer step, element-wise kernels);
 * **links**: a collective among ranks of one node runs on the intra-node link, one whose ranks sit on several
   nodes on the inter-node link (its slowest hop). Each link is a *per-message latency* ``alpha`` and an
   *algorithm bandwidth per device per direction* ``B``: what one rank can send while it receives as much, which
@@ -69,6 +69,9 @@ class Cluster:
     peak_tflops_bf16: float = opt(312.0, "dense bf16 matmul peak of one device, TFLOP/s")
     peak_tflops_fp16: float = opt(312.0, "dense fp16 matmul peak of one device, TFLOP/s")
     gemm_efficiency: float = opt(0.75, "fraction of the peak a GEMM achieves where gemm_table has no shape near it")
+    sm_count: int = opt(108, "streaming multiprocessors of one GPU: a GEMM's output tiles run in waves of this many (0: no wave quantization, e.g. CPUs)")
+    gemm_tile_m: int = opt(256, "rows of the output tile one multiprocessor computes in a large GEMM (cuBLAS's largest half-precision tile)")
+    gemm_tile_n: int = opt(128, "columns of that output tile")
     gemm_table: dict = opt({}, "achieved fraction of the peak by GEMM shape: 'precision:MxNxK' = fraction (calibrate fills it)")
     memory_bandwidth_gbps: float = opt(2039.0, "device memory bandwidth, GB/s (memory-bound work: optimizer step, element-wise kernels)")
     intra_node_gbps: float = opt(300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s")
@@ -95,11 +98,17 @@ class Cluster:
             raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         return getattr(self, f"peak_tflops_{precision}") * 1e12
 
-    def gemm_fraction(self, precision: str, m: int, n: int, k: int) -> float:
-        """The fraction of the peak a ``[m, k] x [k, n]`` GEMM achieves: ``gemm_table``'s entry for the nearest
-        calibrated shape of this precision (distance: ``sum |log2|`` of the three size ratios) when it is within a
-        factor of 8 overall, else ``gemm_efficiency``."""
-        best, fraction = 3.0 + 1e-9, self.gemm_efficiency
+    def gemm_fraction(self, precision: str, m: int, n: int, k: int, count: float = 1.0) -> float:
+        """The fraction of the peak ``count`` ``[m, k] x [k, n]`` GEMMs (a batch) achieve: ``gemm_table``'s entry for
+        the nearest calibrated shape of this precision (distance: ``sum |log2|`` of the three size ratios) when it is
+        within a factor of 8 overall (measured, so quantization included); else ``gemm_efficiency`` (what a GEMM
+        filling every multiprocessor achieves) times the tile and wave quantization of a GPU (NVIDIA, *Matrix
+        Multiplication Background User's Guide*, "Dimension Quantization Effects"): the output is cut into
+        ``ceil(m / tile_m) ceil(n / tile_n)`` tiles per GEMM, one per multiprocessor at a time, so they run in
+        ``w = ceil(tiles x ceil(count) / sm_count)`` waves each as long as a full one, and the useful fraction is
+        ``m n ceil(count) / (w sm_count tile_m tile_n)``. The largest tile is assumed (the library picks smaller ones
+        where they waste less), so this bounds the loss from above. ``sm_count = 0``: no quantization."""
+        best, fraction = 3.0 + 1e-9, None
         for key, value in self.gemm_table.items():
             prec, m2, n2, k2 = parse_shape_key(key)
             if prec != precision:
@@ -107,7 +116,18 @@ class Cluster:
             dist = sum(abs(math.log2(max(a, 1) / max(b, 1))) for a, b in ((m, m2), (n, n2), (k, k2)))
             if dist < best:
                 best, fraction = dist, float(value)
-        return fraction
+        if fraction is not None:
+            return fraction
+        return self.gemm_efficiency * self.quantization(m, n, count)
+
+    def quantization(self, m: int, n: int, count: float = 1.0) -> float:
+        """The useful fraction of the waves of ``count`` GEMMs with ``[m, n]`` outputs (:meth:`gemm_fraction`)."""
+        if self.sm_count <= 0 or m <= 0 or n <= 0:
+            return 1.0
+        batch = max(1, math.ceil(count))
+        tiles = math.ceil(m / self.gemm_tile_m) * math.ceil(n / self.gemm_tile_n) * batch
+        waves = math.ceil(tiles / self.sm_count)
+        return m * n * batch / (waves * self.sm_count * self.gemm_tile_m * self.gemm_tile_n)
 
     def link(self, spans_nodes: bool) -> Link:
         """The link a group uses: across nodes if any of its ranks sit on different nodes, else inside one."""
@@ -142,6 +162,8 @@ class Cluster:
         """Raises ConfigError naming the key and what to change."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
+            if f.name == "sm_count" and isinstance(v, int) and v >= 0:
+                continue  # 0: no wave quantization
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"cluster.{f.name} must be a positive number, got {v!r}")
         if self.device not in ("cuda", "cpu"):
@@ -188,8 +210,10 @@ def _dgx_a100() -> Cluster:
       channels each, 2 x 204.8 GB/s; 2 TB of host memory (the 640 GB system; the 320 GB one has 1 TB).
     * Latencies are estimates (NCCL's per-hop cost on NVLink is a few microseconds, over InfiniBand about 5);
       calibrate on the machine to replace them.
+    * 108 streaming multiprocessors (whitepaper); 256 x 128 output tiles, cuBLAS's largest for half precision (the
+      *Matrix Multiplication Background User's Guide*, "Typical Tile Dimensions In cuBLAS").
     """
-    return Cluster(name="dgx-a100", device="cuda", nodes=1, devices_per_node=8, device_memory_gib=80.0,
+    return Cluster(name="dgx-a100", device="cuda", nodes=1, devices_per_node=8, device_memory_gib=80.0, sm_count=108,
                    peak_tflops_fp32=19.5, peak_tflops_bf16=312.0, peak_tflops_fp16=312.0, gemm_efficiency=0.75,
                    memory_bandwidth_gbps=2039.0, intra_node_gbps=300.0, intra_node_latency_us=2.0, inter_node_gbps=25.0,
                    inter_node_latency_us=5.0, link_efficiency=0.8, host_link_gbps=32.0, host_memory_gib=2048.0,
@@ -206,8 +230,9 @@ def _dgx_h100() -> Cluster:
     * PCIe Gen5 x16 to the host, 64 GB/s per direction (128 GB/s both ways); 2 Xeon Platinum 8480C with 8
       DDR5-4800 channels each, 2 x 307.2 GB/s; 2 TB of host memory.
     * Latencies: estimates, as for the A100 preset.
+    * 132 streaming multiprocessors (SXM5, Hopper whitepaper); tiles as for the A100 preset.
     """
-    return Cluster(name="dgx-h100", device="cuda", nodes=1, devices_per_node=8, device_memory_gib=80.0,
+    return Cluster(name="dgx-h100", device="cuda", nodes=1, devices_per_node=8, device_memory_gib=80.0, sm_count=132,
                    peak_tflops_fp32=66.9, peak_tflops_bf16=989.4, peak_tflops_fp16=989.4, gemm_efficiency=0.7,
                    memory_bandwidth_gbps=3350.0, intra_node_gbps=450.0, intra_node_latency_us=2.0, inter_node_gbps=50.0,
                    inter_node_latency_us=5.0, link_efficiency=0.8, host_link_gbps=64.0, host_memory_gib=2048.0,
@@ -217,7 +242,8 @@ def _dgx_h100() -> Cluster:
 def _local() -> Cluster:
     """This machine as CPU ranks talking gloo over loopback: one "device" per core this process may use, the
     machine's memory shared among them. The compute and link figures are deliberately conservative guesses for a
-    modern x86 core (0.1 TFLOP/s fp32 and bf16, half efficiency; loopback 1 GB/s at 50 microseconds per message);
+    modern x86 core (0.1 TFLOP/s fp32 and bf16, half efficiency, no wave quantization; loopback 1 GB/s at 50
+    microseconds per message);
     :func:`~trickles.planner.calibrate.calibrate` measures the real ones."""
     from ..topology import cpu_cores
 
@@ -226,7 +252,7 @@ def _local() -> Cluster:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
         memory_gib = 8.0
-    return Cluster(name="local", device="cpu", nodes=1, devices_per_node=cores, device_memory_gib=memory_gib / cores,
+    return Cluster(name="local", device="cpu", nodes=1, devices_per_node=cores, device_memory_gib=memory_gib / cores, sm_count=0,
                    peak_tflops_fp32=0.1, peak_tflops_bf16=0.1, peak_tflops_fp16=0.05, gemm_efficiency=0.5,
                    memory_bandwidth_gbps=10.0, intra_node_gbps=1.0, intra_node_latency_us=50.0, inter_node_gbps=0.1,
                    inter_node_latency_us=100.0, link_efficiency=1.0, host_link_gbps=10.0, host_memory_gib=memory_gib,

@@ -15,8 +15,18 @@ on all ``N_r`` routed tokens -- ``N_r = N`` on every tensor-parallel rank (the e
 with sequence parallelism. The output layer ``d -> V`` on the last stage.
 
 **Attention core**: per local head ``4 (T/cp) T h_d`` FLOPs per sequence (scores and weighted sum, as
-:func:`trickles.train.flops.flops_per_token` counts them) of which a causal kernel runs half (flash attention,
-the ring's skipped blocks); as GEMMs ``[T/cp, h_d] x [h_d, T]`` and ``[T/cp, T] x [T, h_d]``.
+:func:`trickles.train.flops.flops_per_token` counts them), as GEMMs ``[T/cp, h_d] x [h_d, T]`` and
+``[T/cp, T] x [T, h_d]``. How they run depends on the attention kernel (:data:`ATTENTION`):
+
+* ``flash`` (trickles: ``scaled_dot_product_attention``'s fused kernels) runs half of them under the causal mask
+  (flash attention and the ring skip the blocks above the diagonal) and never writes the ``[T/cp, T]`` scores to
+  memory;
+* ``materialized`` (an unfused attention, e.g. Megatron-LM before FlashAttention: ``baddbmm``, a fused
+  scale-mask-softmax, dropout, ``bmm``) computes all of them, the mask applied afterwards, and moves the score
+  matrix through memory: ``S = a_l (T/cp) T`` elements per sequence (``a_l`` local heads), forward
+  ``S (4 p + [dropout] (2 p + 1))`` bytes -- the scores written (``p``), the softmax reading them and writing the
+  probabilities (``2 p``), dropout reading those and writing its output and a one-byte mask (``2 p + 1``), the
+  weighted sum reading them (``p``). This is ``Work.attention_bytes``, which selective recomputation reruns.
 
 **Memory-bound work** (norms, residual adds, rotary, activation functions, dropout, softmax of the loss),
 bytes read and written in forward, ``p`` bytes per element, ``r`` the residual-stream elements the rank holds
@@ -60,16 +70,21 @@ class Work:
 
     gemms: tuple[Gemm, ...]
     elementwise_bytes: float
+    attention_bytes: float = 0.0  # of elementwise_bytes: the attention core's score matrix (materialized kernels)
 
     @property
     def flops(self) -> float:
         return sum(g.flops for g in self.gemms)
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(self.gemms + other.gemms, self.elementwise_bytes + other.elementwise_bytes)
+        return Work(self.gemms + other.gemms, self.elementwise_bytes + other.elementwise_bytes,
+                    self.attention_bytes + other.attention_bytes)
 
 
 NO_WORK = Work((), 0.0)
+
+#: Attention kernels the time model knows (module docstring): ``flash`` is what trickles runs.
+ATTENTION = ("flash", "materialized")
 
 
 def _gated(cfg: ModelConfig) -> bool:
@@ -91,8 +106,9 @@ def linear_shape(dims: ParallelDims, tokens: int, h: int, h2: int, row: bool = F
 
 
 def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: bool, sequence_parallel: bool,
-               p: int) -> Work:
-    """One block's forward for ``batch`` sequences of ``seq`` tokens on one rank (module docstring)."""
+               p: int, attention: str = "flash") -> Work:
+    """One block's forward for ``batch`` sequences of ``seq`` tokens on one rank (module docstring), its attention
+    core run by kernel ``attention`` (:data:`ATTENTION`)."""
     d, hd, tp, cp = cfg.d_model, cfg.head_dim, dims.tp, dims.cp
     n = batch * seq // cp
     a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
@@ -101,8 +117,11 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
     heads = cfg.n_heads // tp if dims.grid.mode == "1d" else cfg.n_heads // dims.grid.q
     g = dims.grid
     seqs = batch if g.mode == "1d" else batch // (g.q * (g.q if g.mode == "3d" else g.depth))  # a grid rank's samples
-    half = 0.5 * seqs * heads  # a causal kernel computes half of the T x T scores
-    gemms += [Gemm("scores", seq // cp, seq, hd, half), Gemm("weighted", seq // cp, hd, seq, half)]
+    flash = attention == "flash"
+    count = (0.5 if flash else 1.0) * seqs * heads  # a causal flash kernel computes half of the T x T scores
+    gemms += [Gemm("scores", seq // cp, seq, hd, count), Gemm("weighted", seq // cp, hd, seq, count)]
+    scores = 0.0 if flash else seqs * heads * (seq // cp) * seq
+    attention_bytes = scores * (4 * p + ((2 * p + 1) if cfg.dropout > 0 else 0))
     mats = 3 if _gated(cfg) else 2
     if moe:
         from ..memory.activations import moe_assignments
@@ -125,7 +144,7 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
     split = tp if (sequence_parallel or dims.grid.mode != "1d") else 1
     r = n * d / split
     elementwise = p * (12 * r + 2 * n * (cfg.n_heads + cfg.kv_heads) * hd / tp + (3 if _gated(cfg) else 2) * ffn_elements)
-    return Work(tuple(gemms), elementwise)
+    return Work(tuple(gemms), elementwise + attention_bytes, attention_bytes)
 
 
 def head_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequence_parallel: bool, p: int) -> Work:
@@ -138,7 +157,7 @@ def head_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequen
 
 
 def chunk_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, layers: list[int], last: bool,
-               sequence_parallel: bool, p: int) -> Work:
+               sequence_parallel: bool, p: int, attention: str = "flash") -> Work:
     """Forward work of ``layers`` (and the head if ``last``) for one micro-batch on one rank."""
     moe = set(cfg.moe_layers)
     cache: dict[bool, Work] = {}
@@ -146,7 +165,7 @@ def chunk_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, layer
     for i in layers:
         key = i in moe
         if key not in cache:
-            cache[key] = block_work(cfg, dims, batch, seq, key, sequence_parallel, p)
+            cache[key] = block_work(cfg, dims, batch, seq, key, sequence_parallel, p, attention)
         work = work + cache[key]
     if last:
         work = work + head_work(cfg, dims, batch, seq, sequence_parallel, p)

@@ -19,13 +19,16 @@ group of that kind lies in one node (ranks ``(pp, dp, cp, tp)`` outermost first,
 :mod:`trickles.planner.placement`), else across nodes (:meth:`~trickles.planner.cluster.Cluster.link`).
 
 **What is hidden.** A collective of ``k`` calls over ``P`` separate windows of compute ``w`` each (its
-:attr:`~trickles.planner.traffic.Traffic.overlap`) is exposed for ``P (t/(P k) + max(0, t/P - t/(P k) - w))``:
-one call's time is never hidden (the last bucket after backward, the first gather before forward), the rest
-only beyond the window. Windows: data-parallel bucket reductions -- one micro-batch's backward ``t_b`` (ZeRO-2/3
-reduce on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward ``t_f``; ZeRO-3's
-prefetched gathers -- half a micro-batch's compute ``(t_f + t_b) / 2`` for each of the ``2 m`` passes
-(``prefetch=false``: nothing hidden); ring attention -- the layer's attention core, forward and backward
-(``P`` = layers x micro-batches). Tensor-parallel, all-to-all and expert collectives are on the critical path
+:attr:`~trickles.planner.traffic.Traffic.overlap`) is exposed for ``P (c + max(0, t/P - c - w))`` with
+``c = t / max(P, k)``: one call's time per window is never hidden (the last bucket after backward, the first gather
+before forward), the rest only beyond the window. A group's collectives run one after another on its link, so
+those hidden behind the same compute share that window: they are pooled per group and window, ``t`` and ``c``
+summed over the pool (``P`` its largest), and the pool's exposure is split among them by time. Windows:
+data-parallel bucket reductions -- one micro-batch's backward with its recomputation ``t_b + t_rc`` (ZeRO-2/3 reduce
+on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward ``t_f``; ZeRO-3's prefetched
+gathers -- half before each forward (window ``t_f``), half before each backward (sharing ``t_b + t_rc`` with the
+reductions), ``P = m`` each (``prefetch=false``: nothing hidden); ring attention -- the layer's attention core,
+forward and backward (``P`` = layers x micro-batches). Tensor-parallel, all-to-all and expert collectives are on the critical path
 (exposed whole). Pipeline messages (``t_msg`` each) are exposed on the fill and drain, ``2 (p - 1)`` hops
 (interleaved ``2 (p v - 1)``), plus ``m v max(0, 2 t_msg - (t_f + t_b) / v)`` when a message takes longer
 than a chunk's compute.
@@ -55,7 +58,7 @@ from ..models.config import ModelConfig
 from ..parallel.schedules import Shape
 from ..topology import ParallelDims
 from .cluster import Cluster, Link
-from .compute import Work, attention_flops, chunk_work, rank_params
+from .compute import ATTENTION, Work, attention_flops, chunk_work, rank_params
 from .placement import group_size, pipeline_hop_spans_nodes, spans_nodes
 from .traffic import TERMS, Traffic
 
@@ -231,7 +234,8 @@ def _exposed(t: float, calls: int, window: float, passes: int) -> float:
 def _time(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[float, float]:
     """``(GEMM seconds, memory-bound seconds)`` of ``work`` on one rank."""
     peak = cluster.peak_flops(precision) * share
-    gemm = sum(gm.flops / (peak * cluster.gemm_fraction(precision, gm.m, gm.n, gm.k)) for gm in work.gemms)
+    gemm = sum(gm.flops / (peak * cluster.gemm_fraction(precision, gm.m, gm.n, gm.k, gm.count))
+               for gm in work.gemms)
     return gemm, work.elementwise_bytes / (cluster.memory_bandwidth_gbps * 1e9 * share)
 
 
@@ -240,15 +244,16 @@ def _link(cluster: Cluster, dims: ParallelDims, group: str, per_node: int) -> Li
     return cluster.link(spans)
 
 
-def rank_step(plan: RankPlan, cluster: Cluster) -> StepTime:
-    """The step time of one pipeline rank (module docstring)."""
+def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> StepTime:
+    """The step time of one pipeline rank (module docstring), attention run by kernel ``attention``
+    (:data:`~trickles.planner.compute.ATTENTION`)."""
     cfg, dims, mc = plan.cfg, plan.dims, plan.model_cfg
     precision, share, m = cfg.memory.precision, cluster.compute_share(dims.world_size), plan.micro_batches
     work = blocks = None
     for c, layers in enumerate(plan.chunks):
         is_last = plan.last and c == len(plan.chunks) - 1
-        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p)
-        b = chunk_work(mc, dims, plan.micro, plan.seq, layers, False, plan.sp, plan.p)
+        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention)
+        b = chunk_work(mc, dims, plan.micro, plan.seq, layers, False, plan.sp, plan.p, attention)
         work, blocks = (w, b) if work is None else (work + w, blocks + b)
     gemm_f, elem_f = _time(work, cluster, precision, share)
     t_f, t_b = gemm_f + elem_f, 2 * (gemm_f + elem_f)
@@ -256,33 +261,50 @@ def rank_step(plan: RankPlan, cluster: Cluster) -> StepTime:
     if recompute == "full":
         t_rc = sum(_time(blocks, cluster, precision, share))
     elif recompute == "selective":
-        t_rc = gemm_f * attention_flops(work) / max(work.flops, 1.0)
+        t_rc = gemm_f * attention_flops(work) / max(work.flops, 1.0) + \
+            work.attention_bytes / (cluster.memory_bandwidth_gbps * 1e9 * share)
     else:
         t_rc = 0.0
     compute = m * (t_f + t_b + t_rc)
     attention_s = 3 * gemm_f * attention_flops(work) / max(work.flops, 1.0)  # forward + backward, one micro-batch
 
     per_node = cluster.ranks_per_node(dims.world_size)
-    windows = {"backward": t_b, "forward": t_f, "prefetch": (t_f + t_b) / 2}
-    timed = []
+    windows = {"backward": t_b + t_rc, "forward": t_f}
+    timed: list[TimedTraffic] = []
+    pools: dict[tuple[str, str], list[tuple[int, float, int, float]]] = {}  # (group, window) -> (index, t, passes, c)
     for term in TERMS:
         for tr in term(plan):
             link = _link(cluster, dims, tr.group, per_node)
             n = group_size(dims, tr.group)
             msgs = tr.calls if tr.op == "send" else tr.calls * messages(tr.op, n)
             t = link.time(msgs, tr.wire_bytes)
-            if tr.overlap == "none":
-                exposed = t
-            elif tr.overlap == "attention":
-                exposed = _exposed(t, tr.calls, attention_s / max(1, len(plan.layers)), tr.passes)
+            exposed = t
+            if tr.overlap == "attention":
+                exposed = min(t, _exposed(t, tr.calls, attention_s / max(1, len(plan.layers)), tr.passes))
             elif tr.overlap == "pipeline":
                 s = plan.shape
                 hops = 2 * (s.p * s.v - 1) if cfg.parallel.schedule == "interleaved" else 2 * (s.p - 1)
                 t_msg = t / max(1, tr.calls)
                 exposed = hops * t_msg + m * s.v * max(0.0, 2 * t_msg - (t_f + t_b) / s.v)
-            else:
-                exposed = _exposed(t, tr.calls, windows[tr.overlap], tr.passes)
-            timed.append(TimedTraffic(tr, link.name, t, min(t, exposed) if tr.overlap != "pipeline" else exposed))
+            elif tr.overlap == "prefetch":  # half before each forward, half before each backward
+                for window in ("forward", "backward"):
+                    pools.setdefault((tr.group, window), []).append(
+                        (len(timed), t / 2, m, t / 2 / max(m, tr.calls / 2)))
+            elif tr.overlap in windows:
+                pools.setdefault((tr.group, tr.overlap), []).append(
+                    (len(timed), t, tr.passes, t / max(tr.passes, tr.calls)))
+            timed.append(TimedTraffic(tr, link.name, t, exposed))
+    pooled = [0.0] * len(timed)
+    for (_, window), members in pools.items():
+        total_t = sum(t for _, t, _, _ in members)
+        passes = max(pp for _, _, pp, _ in members)
+        c = min(total_t / passes, sum(c for _, _, _, c in members))
+        exposed = passes * (c + max(0.0, total_t / passes - c - windows[window]))
+        for i, t, _, _ in members:
+            pooled[i] += exposed * t / total_t if total_t > 0 else 0.0
+    for i, tt in enumerate(timed):
+        if tt.traffic.overlap in ("prefetch", *windows):
+            tt.exposed_s = min(tt.time_s, pooled[i])
     by_group: dict[str, float] = {}
     exposed_by: dict[str, float] = {}
     for tt in timed:
@@ -330,17 +352,22 @@ def _optimizer(plan: RankPlan, cluster: Cluster, t_f: float, t_b: float) -> tupl
     return late * host / (host + up), max(0.0, down - t_b) + late * up / (host + up)
 
 
-def step_time(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: Cluster) -> StepTime:
+def step_time(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: Cluster, *,
+              attention: str = "flash") -> StepTime:
     """One optimizer step of ``cfg`` laid out as ``dims`` (from ``cfg.validate(world)``), ``model_cfg`` resolved
     (vocabulary and maximum length set: :func:`trickles.models.config.resolve_model`), on ``cluster``: the slowest
-    pipeline rank's :class:`StepTime`, with every rank's total in ``stage_s``. Raises ConfigError when the layout
-    needs more GPUs than the cluster has (CPU ranks may share cores)."""
+    pipeline rank's :class:`StepTime`, with every rank's total in ``stage_s``. ``attention``: the attention kernel
+    (:data:`~trickles.planner.compute.ATTENTION`; ``flash`` is trickles', ``materialized`` models systems that write
+    the score matrix, such as published Megatron-LM runs of 2021). Raises ConfigError when the layout needs more
+    GPUs than the cluster has (CPU ranks may share cores)."""
     world = dims.world_size
     if cluster.device == "cuda" and world > cluster.devices:
         raise ConfigError(f"the layout needs {world} devices, the cluster {cluster.name!r} has {cluster.devices} "
                           f"({cluster.nodes} x {cluster.devices_per_node}); use Cluster.sized({world}) or fewer ranks")
     cluster.validate()
-    steps = [rank_step(plan, cluster) for plan in rank_plans(cfg, dims, model_cfg)]
+    if attention not in ATTENTION:
+        raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
+    steps = [rank_step(plan, cluster, attention) for plan in rank_plans(cfg, dims, model_cfg)]
     worst = max(steps, key=lambda s: s.total_s)
     worst.stage_s = [s.total_s for s in steps]
     worst.notes = _notes(worst, dims, cluster)
