@@ -183,20 +183,55 @@ def test_more_parallelism_computes_less_per_rank_and_recomputation_more():
     none, sel, full = (plan(1, f"memory.recompute={r}")[3] for r in ("none", "selective", "full"))
     assert none.recompute_s == 0 < sel.recompute_s < full.recompute_s
     assert none.compute_s < sel.compute_s < full.compute_s
-    with_prefetch = plan(2, "parallel.dp=2", "parallel.zero=3")[3]
-    without = plan(2, "parallel.dp=2", "parallel.zero=3", "parallel.prefetch=false")[3]
+    big = ["model.d_model=512", "model.n_layers=8", "data.seq_len=512"]  # compute long enough to hide gathers behind
+    with_prefetch = plan(2, "parallel.dp=2", "parallel.zero=3", *big, cluster="dgx-a100")[3]
+    without = plan(2, "parallel.dp=2", "parallel.zero=3", "parallel.prefetch=false", *big, cluster="dgx-a100")[3]
     assert with_prefetch.exposed_comm_s < without.exposed_comm_s and with_prefetch.comm_s == without.comm_s
+    on_cpu = plan(2, "parallel.dp=2", "parallel.zero=3", *big)[3]  # gloo reduces on the cores: nothing hides
+    assert on_cpu.exposed_comm_s == pytest.approx(on_cpu.comm_s)
     offload = plan(2, "parallel.dp=2", "parallel.zero=1", "memory.offload_optimizer=true", "memory.offload_overlap=false")[3]
     assert offload.offload_s > 0 and offload.optimizer_s > 0
 
 
 def test_the_parts_add_up_and_a_layout_too_big_for_the_cluster_is_refused():
-    st = plan(2, "parallel.dp=2", "parallel.zero=2", "train.micro_batch=2", "parallel.bucket_mb=0.05")[3]
+    st = plan(2, "parallel.dp=2", "parallel.zero=2", "train.micro_batch=2", "parallel.bucket_mb=0.05",
+              "model.d_model=512", "model.n_layers=8", "data.seq_len=512", cluster="dgx-a100")[3]
     assert st.total_s == pytest.approx(st.compute_s + st.bubble_s + st.exposed_comm_s + st.optimizer_s + st.offload_s)
     assert 0 < st.exposed_comm_s < st.comm_s and st.comm_s == pytest.approx(sum(st.comm_by_group.values()))
-    assert st.tokens == 8 * 32 and st.tokens_per_s == pytest.approx(st.tokens / st.total_s)
+    assert st.tokens == 8 * 512 and st.tokens_per_s == pytest.approx(st.tokens / st.total_s)
     cfg = Config.load(None, [*TINY, "parallel.dp=16", "train.global_batch=16"])
     dims = cfg.validate(16)
     mc = resolve_model(cfg.model, 320, 32)
     with pytest.raises(ConfigError, match="the layout needs 16 devices, the cluster 'dgx-a100' has 8"):
         step_time(cfg, dims, mc, load_cluster("dgx-a100"))
+
+
+def test_a_materialized_attention_computes_every_score_and_moves_the_score_matrix():
+    from trickles.planner.compute import block_work
+
+    cfg = Config.load(None, [*TINY, "model.dropout=0.1"])
+    mc = resolve_model(cfg.model, 320, 32)
+    dims = ParallelDims(tp=2)
+    flash = block_work(mc, dims, 4, 32, False, False, 4)
+    full = block_work(mc, dims, 4, 32, False, False, 4, attention="materialized")
+    att = lambda w: sum(g.flops for g in w.gemms if g.name in ("scores", "weighted"))  # noqa: E731
+    assert att(full) == 2 * att(flash) and flash.attention_bytes == 0
+    scores = 4 * (mc.n_heads // 2) * 32 * 32  # sequences x local heads x T x T
+    assert full.attention_bytes == scores * (4 * 4 + 2 * 4 + 1)  # written, softmax, dropout and its mask, read
+    assert full.elementwise_bytes == flash.elementwise_bytes + full.attention_bytes
+    sets = ["parallel.tp=2", "model.dropout=0.1", "memory.recompute=selective"]
+    cfg, dims, mc, _ = plan(2, *sets)
+    a = step_time(cfg, dims, mc, load_cluster("local"))
+    b = step_time(cfg, dims, mc, load_cluster("local"), attention="materialized")
+    assert b.recompute_s > a.recompute_s and b.compute_s > a.compute_s
+    with pytest.raises(ConfigError, match="attention must be one of flash, materialized"):
+        step_time(cfg, dims, mc, load_cluster("local"), attention="sdpa")
+
+
+def test_collectives_of_one_group_share_the_compute_they_hide_behind():
+    # ZeRO-3 over 1536 A100s: the gathers and reduce-scatters of a 175B model take longer than the compute, and
+    # together they cannot hide behind more than all of it
+    cfg, dims, mc, st = plan(1536, "parallel.zero=3", "train.micro_batch=1", "memory.recompute=full",
+                             base=[*GPT3[:9], "parallel.zero=3"], cluster="dgx-a100")
+    assert st.comm_by_group["dp"] > st.compute_s
+    assert st.exposed_by_group["dp"] >= (st.comm_by_group["dp"] - st.compute_s) * (1 - 1e-9)

@@ -4,7 +4,9 @@
 
 * **GEMMs**: each distinct ``[M, K] x [K, N]`` of the model's forward on one rank
   (:mod:`trickles.planner.compute`, for the run's micro-batch and layout) and a square reference, timed on the
-  run's device and precision (CPU: one thread, one core being one "device" of the ``local`` cluster). On a CPU the
+  run's device and precision (CPU: one thread, one core being one "device" of the ``local`` cluster, on as many
+  local ranks at once as there are cores -- what a core does while its neighbours compute too --
+  :func:`measure_on_ranks`). Each time is the median of its samples (:func:`_timeit`). On a CPU the
   fastest measured rate becomes the peak (nobody publishes one) and every shape's rate a fraction of it; on a GPU the
   peak is the datasheet's (:data:`trickles.train.flops.PEAKS`) where the device is known. The fractions fill
   ``gemm_table``.
@@ -22,6 +24,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Sequence
@@ -57,19 +60,26 @@ def fit_link(samples: Sequence[tuple[float, float, float]]) -> tuple[float, floa
     return max(alpha, 0.0), (1.0 / inv if inv > 0 else float("inf"))
 
 
-def _timeit(fn, repeats: int) -> float:
-    fn()  # warm up
+def _timeit(fn, repeats: int, min_s: float = 0.005) -> float:
+    """Seconds one call of ``fn`` takes: the median of ``repeats`` samples, each a loop of as many calls as last at
+    least ``min_s`` (so a short kernel's time is not the clock's resolution); the median rather than the fastest
+    sample, so a machine that other processes share is measured as the steps that run on it see it."""
+    t = time.perf_counter()
+    fn()  # warm up, and how many calls make a sample
+    calls = max(1, math.ceil(min_s / max(time.perf_counter() - t, 1e-9)))
     times = []
     for _ in range(max(1, repeats)):
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls)
+    return statistics.median(times)
 
 
 def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32", device: str = "cpu",
-                  repeats: int = 3) -> dict[tuple[int, int, int], float]:
-    """``{(m, n, k): FLOP/s}`` of ``[m, k] x [k, n]`` matmuls on ``device`` in ``precision`` (CPU: one thread)."""
+                  repeats: int = 3, min_s: float = 0.005) -> dict[tuple[int, int, int], float]:
+    """``{(m, n, k): FLOP/s}`` of ``[m, k] x [k, n]`` matmuls on ``device`` in ``precision`` (CPU: one thread), each
+    sample at least ``min_s`` seconds (:func:`_timeit`)."""
     dev = torch.device(device)
     dtype = DTYPES[precision]
     threads = torch.get_num_threads()
@@ -85,7 +95,7 @@ def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32
                 a @ b
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-            out[(m, n, k)] = 2.0 * m * n * k / max(_timeit(run, repeats), 1e-9)
+            out[(m, n, k)] = 2.0 * m * n * k / max(_timeit(run, repeats, min_s), 1e-9)
     finally:
         torch.set_num_threads(threads)
     return out
@@ -180,6 +190,75 @@ def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
     return sorted({(g.m, g.n, g.k) for g in work.gemms if min(g.m, g.n, g.k) > 0})
 
 
+def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32",
+                     sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, bandwidth_mib: int = 64,
+                     min_s: float = 0.05) -> dict:
+    """On every rank of a CPU (gloo) group, collectively: the GEMM rates and the memory bandwidth timed on the first
+    ``min(world, cores)`` ranks at once, one thread each -- a core's rate while every core computes, as in a
+    training step -- the other ranks waiting; each sample ``min_s`` long, so that it averages over the scheduler's
+    time slices as a step does on a machine shared with other processes; then the collectives
+    (:func:`_measure_collectives`). Returns
+    ``{"gemms": {(m, n, k): FLOP/s}, "bandwidth": bytes/s, "links": [(op, ranks, bytes, s)]}``, the rates the median
+    over the timing ranks."""
+    import torch.distributed as dist
+
+    from ..topology import cpu_cores
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    timing = rank < min(world, cpu_cores())
+    gemms, bandwidth = {}, 0.0
+    for shape in shapes:
+        dist.barrier()
+        if timing:
+            gemms.update(measure_gemms([shape], precision, "cpu", repeats, min_s))
+    dist.barrier()
+    if timing:
+        bandwidth = measure_memory_bandwidth("cpu", bandwidth_mib, repeats)
+    rates = torch.tensor([[gemms.get(tuple(sh), 0.0) for sh in shapes] + [bandwidth]], dtype=torch.float64)
+    every = [torch.zeros_like(rates) for _ in range(world)]
+    dist.all_gather(every, rates)
+    timed = torch.cat(every)[: min(world, cpu_cores())]
+    med = timed.median(dim=0).values.tolist()
+    return {"gemms": {tuple(sh): med[i] for i, sh in enumerate(shapes)}, "bandwidth": med[-1],
+            "links": _measure_collectives(list(sizes), repeats)}
+
+
+def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, bandwidth: float,
+                              links: Sequence[tuple[str, int, int, float]] = (),
+                              reference: tuple[int, int, int] | None = None, device: str = "cpu") -> Cluster:
+    """``base`` with what was measured: ``gemms`` ``{(m, n, k): FLOP/s}`` (``reference``: the shape whose rate is
+    ``gemm_efficiency``), the memory ``bandwidth`` in bytes/s and the collective timings ``links`` fitted by
+    :func:`fit_link` (module docstring)."""
+    cluster = base if isinstance(base, Cluster) else load_cluster(base)
+    cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table))
+    if torch.device(device).type == "cuda":
+        from ..train.flops import peak_flops
+
+        peak = peak_flops(torch.device(device), precision) or max(gemms.values())
+    else:
+        peak = max(gemms.values())
+    setattr(cluster, f"peak_tflops_{precision}", peak / 1e12)
+    for (m, n, k), rate in gemms.items():
+        cluster.gemm_table[shape_key(precision, m, n, k)] = round(min(1.0, rate / peak), 4)
+    ref = gemms.get(tuple(reference)) if reference is not None else None
+    cluster.gemm_efficiency = round(min(1.0, (ref or max(gemms.values())) / peak), 4)
+    cluster.memory_bandwidth_gbps = round(bandwidth / 1e9, 3)
+    if torch.device(device).type == "cpu":
+        cluster.host_link_gbps = round(bandwidth / 1e9, 3)
+        cluster.host_memory_bandwidth_gbps = round(bandwidth / 1e9 * cluster.devices_per_node, 3)
+    if links:
+        alpha, bw = fit_link(link_samples(links))
+        cluster.intra_node_latency_us = max(round(alpha * 1e6, 3), 1e-3)
+        cluster.intra_node_gbps = round(bw / 1e9, 4) if bw != float("inf") else cluster.intra_node_gbps
+        cluster.link_efficiency = 1.0
+        if cluster.device == "cpu" and cluster.nodes == 1:  # no second node to measure: keep it no faster than this
+            cluster.inter_node_gbps = min(cluster.inter_node_gbps, cluster.intra_node_gbps)
+            cluster.inter_node_latency_us = max(cluster.inter_node_latency_us, cluster.intra_node_latency_us)
+    cluster.name = f"{cluster.name}-calibrated" if not cluster.name.endswith("-calibrated") else cluster.name
+    cluster.validate()
+    return cluster
+
+
 def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int, int, int]] | None = None,
               precision: str | None = None, device: str = "cpu", ranks: int = 2,
               sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, base: str | Cluster = "local",
@@ -189,40 +268,26 @@ def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int
 
     ``cfg``/``model_cfg`` (a :class:`~trickles.config.Config` and its resolved model): the GEMM shapes and the
     precision to time (or ``shapes`` and ``precision`` directly); ``dims``: the layout whose per-rank shapes to
-    time; ``ranks``: local processes for the links (``0``: do not measure them); ``sizes``: collective input bytes;
-    ``reference``: the square GEMM that anchors a CPU's peak."""
-    cluster = base if isinstance(base, Cluster) else load_cluster(base)
-    cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table))
+    time; ``ranks``: local processes for the links (``0``: do not measure them; on a CPU they also time the GEMMs,
+    :func:`measure_on_ranks`); ``sizes``: collective input bytes; ``reference``: the square GEMM that anchors a
+    CPU's peak."""
     precision = precision or (cfg.memory.precision if cfg is not None else "fp32")
     if shapes is None:
         shapes = model_shapes(cfg, model_cfg, dims) if cfg is not None and model_cfg is not None else []
-    timed = measure_gemms([*shapes, (reference, reference, reference)], precision, device, repeats)
-    if torch.device(device).type == "cuda":
-        from ..train.flops import peak_flops
+    square = (reference, reference, reference)
+    shapes = list(dict.fromkeys([*[tuple(s) for s in shapes], square]))
+    links: list = []
+    if ranks >= 2 and torch.device(device).type == "cpu":
+        from ..testing import run_ranks
 
-        peak = peak_flops(torch.device(device), precision) or max(timed.values())
+        got = run_ranks(ranks, measure_on_ranks, shapes, precision, list(sizes), repeats, bandwidth_mib)[0]
+        gemms, bandwidth, links = got["gemms"], got["bandwidth"], got["links"]
     else:
-        peak = max(timed.values())
-    setattr(cluster, f"peak_tflops_{precision}", peak / 1e12)
-    for (m, n, k), rate in timed.items():
-        cluster.gemm_table[shape_key(precision, m, n, k)] = round(min(1.0, rate / peak), 4)
-    ref = timed[(reference, reference, reference)]
-    cluster.gemm_efficiency = round(min(1.0, ref / peak), 4)
-    bandwidth = measure_memory_bandwidth(device, bandwidth_mib, repeats) / 1e9
-    cluster.memory_bandwidth_gbps = round(bandwidth, 3)
-    if torch.device(device).type == "cpu":
-        cluster.host_link_gbps = round(bandwidth, 3)
-        cluster.host_memory_bandwidth_gbps = round(bandwidth * cluster.devices_per_node, 3)
-    if ranks >= 2:
-        alpha, bw = fit_link(link_samples(measure_links(ranks, sizes, repeats)))
-        cluster.intra_node_latency_us = max(round(alpha * 1e6, 3), 1e-3)
-        cluster.intra_node_gbps = round(bw / 1e9, 4) if bw != float("inf") else cluster.intra_node_gbps
-        cluster.link_efficiency = 1.0
-        if cluster.device == "cpu" and cluster.nodes == 1:  # no second node to measure: keep it no faster than this
-            cluster.inter_node_gbps = min(cluster.inter_node_gbps, cluster.intra_node_gbps)
-            cluster.inter_node_latency_us = max(cluster.inter_node_latency_us, cluster.intra_node_latency_us)
-    cluster.name = f"{cluster.name}-calibrated" if not cluster.name.endswith("-calibrated") else cluster.name
-    cluster.validate()
+        gemms = measure_gemms(shapes, precision, device, repeats)
+        bandwidth = measure_memory_bandwidth(device, bandwidth_mib, repeats)
+        if ranks >= 2:
+            links = measure_links(ranks, sizes, repeats)
+    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device)
     if path is not None:
         write_cluster(cluster, path)
     return cluster

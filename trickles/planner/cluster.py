@@ -78,6 +78,7 @@ class Cluster:
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
     inter_node_gbps: float = opt(25.0, "algorithm bandwidth per device per direction between nodes, GB/s")
     inter_node_latency_us: float = opt(5.0, "latency of one message between nodes, microseconds")
+    overlap_comm: bool = opt(True, "collectives run beside compute (GPUs: NCCL on its own stream and SMs); false on CPUs, where gloo's copies and reductions need the cores the compute uses, so nothing hides")
     link_efficiency: float = opt(0.8, "fraction of the link bandwidths collectives achieve (nominal figures: ~0.8; measured ones: 1.0)")
     host_link_gbps: float = opt(32.0, "host<->device bandwidth per device per direction, GB/s (offloaded optimizer)")
     host_memory_gib: float = opt(2048.0, "host memory of one node, GiB")
@@ -243,7 +244,7 @@ def _local() -> Cluster:
     """This machine as CPU ranks talking gloo over loopback: one "device" per core this process may use, the
     machine's memory shared among them. The compute and link figures are deliberately conservative guesses for a
     modern x86 core (0.1 TFLOP/s fp32 and bf16, half efficiency, no wave quantization; loopback 1 GB/s at 50
-    microseconds per message);
+    microseconds per message); collectives do not overlap compute (gloo's threads copy and reduce on the same cores);
     :func:`~trickles.planner.calibrate.calibrate` measures the real ones."""
     from ..topology import cpu_cores
 
@@ -253,6 +254,7 @@ def _local() -> Cluster:
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
         memory_gib = 8.0
     return Cluster(name="local", device="cpu", nodes=1, devices_per_node=cores, device_memory_gib=memory_gib / cores, sm_count=0,
+                   overlap_comm=False,
                    peak_tflops_fp32=0.1, peak_tflops_bf16=0.1, peak_tflops_fp16=0.05, gemm_efficiency=0.5,
                    memory_bandwidth_gbps=10.0, intra_node_gbps=1.0, intra_node_latency_us=50.0, inter_node_gbps=0.1,
                    inter_node_latency_us=100.0, link_efficiency=1.0, host_link_gbps=10.0, host_memory_gib=memory_gib,

@@ -28,7 +28,8 @@ data-parallel bucket reductions -- one micro-batch's backward with its recomputa
 on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward ``t_f``; ZeRO-3's prefetched
 gathers -- half before each forward (window ``t_f``), half before each backward (sharing ``t_b + t_rc`` with the
 reductions), ``P = m`` each (``prefetch=false``: nothing hidden); ring attention -- the layer's attention core,
-forward and backward (``P`` = layers x micro-batches). Tensor-parallel, all-to-all and expert collectives are on the critical path
+forward and backward (``P`` = layers x micro-batches). On a cluster without ``overlap_comm`` (CPU ranks: gloo
+copies and reduces on the cores the compute uses) every window is 0. Tensor-parallel, all-to-all and expert collectives are on the critical path
 (exposed whole). Pipeline messages (``t_msg`` each) are exposed on the fill and drain, ``2 (p - 1)`` hops
 (interleaved ``2 (p v - 1)``), plus ``m v max(0, 2 t_msg - (t_f + t_b) / v)`` when a message takes longer
 than a chunk's compute.
@@ -270,6 +271,9 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
 
     per_node = cluster.ranks_per_node(dims.world_size)
     windows = {"backward": t_b + t_rc, "forward": t_f}
+    if not cluster.overlap_comm:  # CPU ranks: communication takes the cores the compute needs
+        windows = {k: 0.0 for k in windows}
+        attention_s = 0.0
     timed: list[TimedTraffic] = []
     pools: dict[tuple[str, str], list[tuple[int, float, int, float]]] = {}  # (group, window) -> (index, t, passes, c)
     for term in TERMS:
@@ -286,6 +290,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
                 hops = 2 * (s.p * s.v - 1) if cfg.parallel.schedule == "interleaved" else 2 * (s.p - 1)
                 t_msg = t / max(1, tr.calls)
                 exposed = hops * t_msg + m * s.v * max(0.0, 2 * t_msg - (t_f + t_b) / s.v)
+                exposed = exposed if cluster.overlap_comm else t
             elif tr.overlap == "prefetch":  # half before each forward, half before each backward
                 for window in ("forward", "backward"):
                     pools.setdefault((tr.group, window), []).append(
