@@ -10,8 +10,8 @@ What is compared
 How
     * Calibration in the same ``N`` ranks before every timed round and after the last
       (:func:`trickles.planner.calibrate.measure_on_ranks`, what ``trickles plan --calibrate`` measures): every GEMM
-      shape the layouts run on one rank, on one thread per core at once (one core is one device of the ``local``
-      cluster), the memory bandwidth, and the collectives among the ``N`` gloo ranks (fitted per world size: ranks
+      shape the layouts run on one rank and their attention kernel (forward and backward), on one thread per core at
+      once (one core is one device of the ``local`` cluster), the memory bandwidth, and the collectives among the ``N`` gloo ranks (fitted per world size: ranks
       beyond the cores share them). Round ``k`` is predicted from the calibrations just before and after it
       (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
     * The ``N`` ranks (:func:`trickles.launch.launch`) hold every layout of that world size at once, each on its
@@ -163,9 +163,13 @@ def calibration(args, shapes) -> dict:
     """:func:`trickles.planner.calibrate.measure_on_ranks` in these ranks (GEMMs, memory bandwidth, links), as JSON."""
     from trickles.planner.calibrate import measure_on_ranks
 
-    c = measure_on_ranks(shapes, "fp32", (4096, 65536, 1 << 20), args.calib_repeats, min_s=args.calib_sample)
+    gemm_shapes, att_shapes = shapes
+    c = measure_on_ranks(gemm_shapes, "fp32", (4096, 65536, 1 << 20), args.calib_repeats, min_s=args.calib_sample,
+                         attention=att_shapes)
     torch.set_num_threads(args.threads)
-    return {"gemms": [[list(k), v] for k, v in c["gemms"].items()], "bandwidth": c["bandwidth"], "links": c["links"]}
+    return {"gemms": [[list(k), v] for k, v in c["gemms"].items()],
+            "attention": [[list(k), v] for k, v in c["attention"].items()], "bandwidth": c["bandwidth"],
+            "links": c["links"]}
 
 
 def rank_main(args, world: int, shapes, out_path: str) -> int:
@@ -224,23 +228,29 @@ def calibrated(measured: list[dict]):
     from trickles.planner.calibrate import cluster_from_measurements
 
     gemms: dict = {}
+    att: dict = {}
     for c in measured:
         for k, v in c["gemms"]:
             gemms.setdefault(tuple(k), []).append(v)
+        for k, v in c["attention"]:
+            att.setdefault(tuple(k), []).append(v)
     links = [tuple(x) for c in measured for x in c["links"]]
     bandwidth = statistics.fmean(c["bandwidth"] for c in measured)
     return cluster_from_measurements("local", "fp32", {k: statistics.fmean(v) for k, v in gemms.items()}, bandwidth,
-                                     links, REFERENCE)
+                                     links, REFERENCE, attention={k: statistics.fmean(v) for k, v in att.items()})
 
 
-def layout_shapes(world: int, layouts) -> list[tuple[int, int, int]]:
-    from trickles.planner.calibrate import model_shapes
+def layout_shapes(world: int, layouts) -> tuple[list, list]:
+    """The GEMM shapes and attention shapes every layout runs on one rank (what the calibration times)."""
+    from trickles.planner.calibrate import attention_shapes, model_shapes
 
-    shapes = {REFERENCE}
+    shapes, att = {REFERENCE}, set()
     for _, sets in layouts:
         cfg, mc = config(sets)
-        shapes.update(model_shapes(cfg, mc, cfg.validate(world)))
-    return sorted(shapes)
+        dims = cfg.validate(world)
+        shapes.update(model_shapes(cfg, mc, dims))
+        att.update(attention_shapes(cfg, mc, dims))
+    return sorted(shapes), sorted(att)
 
 
 def spearman(a: list[float], b: list[float]) -> float:

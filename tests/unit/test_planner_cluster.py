@@ -108,11 +108,19 @@ def test_the_link_fit_never_goes_negative():
 
 def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_path):
     path = tmp_path / "local.toml"
-    c = calibrate(shapes=[(32, 48, 16)], precision="fp32", ranks=2, sizes=(1024, 16384), repeats=2, reference=64,
+    from trickles.models.config import resolve_model
+    from trickles.planner.calibrate import attention_shapes
+
+    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2"])
+    mc = resolve_model(cfg.model, 320, 32)
+    c = calibrate(cfg, mc, shapes=[(32, 48, 16)], ranks=2, sizes=(1024, 16384), repeats=2, reference=64,
                   bandwidth_mib=4, path=str(path))
     assert isinstance(c, Cluster) and c.name == "local-calibrated"
     for value in (c.peak_tflops_fp32, c.memory_bandwidth_gbps, c.intra_node_gbps, c.intra_node_latency_us,
-                  *c.gemm_table.values()):
+                  *c.gemm_table.values(), *c.attention_table.values()):
         assert value > 0 and math.isfinite(value)
     assert set(c.gemm_table) == {"fp32:32x48x16", "fp32:64x64x64"} and max(c.gemm_table.values()) == 1.0
+    assert attention_shapes(cfg, mc) == [(2, mc.n_heads, 32, 32, mc.head_dim)]
+    assert set(c.attention_table) == {f"fp32:32x32x{mc.head_dim}"}  # the fused kernel, timed at the run's shape
+    assert c.attention_fraction("fp32", 32, 32, mc.head_dim) == c.attention_table[f"fp32:32x32x{mc.head_dim}"]
     assert load_cluster(path) == c

@@ -6,7 +6,10 @@
   (:mod:`trickles.planner.compute`, for the run's micro-batch and layout) and a square reference, timed on the
   run's device and precision (CPU: one thread, one core being one "device" of the ``local`` cluster, on as many
   local ranks at once as there are cores -- what a core does while its neighbours compute too --
-  :func:`measure_on_ranks`). Each time is the median of its samples (:func:`_timeit`). On a CPU the
+  :func:`measure_on_ranks`). Each time is the median of its samples (:func:`_timeit`).
+* **Attention**: the fused kernel itself (``scaled_dot_product_attention``, forward and backward) at the run's
+  per-rank shape (:func:`measure_attention`): it is no GEMM (its online softmax runs beside the products), and on a
+  CPU it reaches a fraction of the matmul rate; the fractions fill ``attention_table``. On a CPU the
   fastest measured rate becomes the peak (nobody publishes one) and every shape's rate a fraction of it; on a GPU the
   peak is the datasheet's (:data:`trickles.train.flops.PEAKS`) where the device is known. The fractions fill
   ``gemm_table``.
@@ -96,6 +99,37 @@ def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
             out[(m, n, k)] = 2.0 * m * n * k / max(_timeit(run, repeats, min_s), 1e-9)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def measure_attention(shapes: Sequence[tuple[int, int, int, int, int]], precision: str = "fp32", device: str = "cpu",
+                      repeats: int = 3, min_s: float = 0.005) -> dict[tuple[int, int, int], float]:
+    """``{(q, k, d): FLOP/s}`` of the fused attention kernel (``scaled_dot_product_attention``, what the model runs)
+    forward and backward, for each ``(sequences, heads, q, k, d)``: ``q`` query rows against ``k`` keys of head
+    size ``d``, causal when ``q == k`` (else every query sees every key, as a context-parallel block does), its rate
+    counted as the time model counts it -- ``3 x 2 x 2 q k d`` per sequence and head, halved when causal."""
+    import torch.nn.functional as F
+
+    dev = torch.device(device)
+    dtype = DTYPES[precision]
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    out = {}
+    try:
+        for b, h, q, k, d in shapes:
+            xq = torch.randn(b, h, q, d, device=dev, dtype=dtype, requires_grad=True)
+            xk, xv = (torch.randn(b, h, k, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
+            causal = q == k
+
+            def run():
+                F.scaled_dot_product_attention(xq, xk, xv, is_causal=causal).sum().backward()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            flops = 3 * 4.0 * b * h * q * k * d * (0.5 if causal else 1.0)
+            out[(q, k, d)] = flops / max(_timeit(run, repeats, min_s), 1e-9)
     finally:
         torch.set_num_threads(threads)
     return out
@@ -192,14 +226,14 @@ def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
 
 def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32",
                      sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, bandwidth_mib: int = 64,
-                     min_s: float = 0.05) -> dict:
+                     min_s: float = 0.05, attention: Sequence[tuple[int, int, int, int, int]] = ()) -> dict:
     """On every rank of a CPU (gloo) group, collectively: the GEMM rates and the memory bandwidth timed on the first
     ``min(world, cores)`` ranks at once, one thread each -- a core's rate while every core computes, as in a
     training step -- the other ranks waiting; each sample ``min_s`` long, so that it averages over the scheduler's
     time slices as a step does on a machine shared with other processes; then the collectives
     (:func:`_measure_collectives`). Returns
-    ``{"gemms": {(m, n, k): FLOP/s}, "bandwidth": bytes/s, "links": [(op, ranks, bytes, s)]}``, the rates the median
-    over the timing ranks."""
+    ``{"gemms": {(m, n, k): FLOP/s}, "attention": {(q, k, d): FLOP/s}, "bandwidth": bytes/s, "links": [(op, ranks,
+    bytes, s)]}``, the rates the median over the timing ranks; ``attention``: the shapes for :func:`measure_attention`."""
     import torch.distributed as dist
 
     from ..topology import cpu_cores
@@ -211,26 +245,37 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
         dist.barrier()
         if timing:
             gemms.update(measure_gemms([shape], precision, "cpu", repeats, min_s))
+    att = {}
+    for shape in attention:
+        dist.barrier()
+        if timing:
+            att.update(measure_attention([shape], precision, "cpu", repeats, min_s))
     dist.barrier()
     if timing:
         bandwidth = measure_memory_bandwidth("cpu", bandwidth_mib, repeats)
-    rates = torch.tensor([[gemms.get(tuple(sh), 0.0) for sh in shapes] + [bandwidth]], dtype=torch.float64)
+    keys = [tuple(sh) for sh in shapes]
+    att_keys = list(dict.fromkeys(tuple(sh[2:]) for sh in attention))
+    rates = torch.tensor([[gemms.get(k, 0.0) for k in keys] + [att.get(k, 0.0) for k in att_keys] + [bandwidth]],
+                         dtype=torch.float64)
     every = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather(every, rates)
     timed = torch.cat(every)[: min(world, cpu_cores())]
     med = timed.median(dim=0).values.tolist()
-    return {"gemms": {tuple(sh): med[i] for i, sh in enumerate(shapes)}, "bandwidth": med[-1],
+    return {"gemms": {k: med[i] for i, k in enumerate(keys)},
+            "attention": {k: med[len(keys) + i] for i, k in enumerate(att_keys)}, "bandwidth": med[-1],
             "links": _measure_collectives(list(sizes), repeats)}
 
 
 def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, bandwidth: float,
                               links: Sequence[tuple[str, int, int, float]] = (),
-                              reference: tuple[int, int, int] | None = None, device: str = "cpu") -> Cluster:
+                              reference: tuple[int, int, int] | None = None, device: str = "cpu",
+                              attention: dict | None = None) -> Cluster:
     """``base`` with what was measured: ``gemms`` ``{(m, n, k): FLOP/s}`` (``reference``: the shape whose rate is
-    ``gemm_efficiency``), the memory ``bandwidth`` in bytes/s and the collective timings ``links`` fitted by
-    :func:`fit_link` (module docstring)."""
+    ``gemm_efficiency``), ``attention`` ``{(q, k, d): FLOP/s}`` of the fused kernel, the memory ``bandwidth`` in
+    bytes/s and the collective timings ``links`` fitted by :func:`fit_link` (module docstring)."""
     cluster = base if isinstance(base, Cluster) else load_cluster(base)
-    cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table))
+    cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table),
+                                  attention_table=dict(cluster.attention_table))
     if torch.device(device).type == "cuda":
         from ..train.flops import peak_flops
 
@@ -240,6 +285,9 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
     setattr(cluster, f"peak_tflops_{precision}", peak / 1e12)
     for (m, n, k), rate in gemms.items():
         cluster.gemm_table[shape_key(precision, m, n, k)] = round(min(1.0, rate / peak), 4)
+    for (q, k, d), rate in (attention or {}).items():
+        if rate > 0:
+            cluster.attention_table[shape_key(precision, q, k, d)] = round(min(1.0, rate / peak), 4)
     ref = gemms.get(tuple(reference)) if reference is not None else None
     cluster.gemm_efficiency = round(min(1.0, (ref or max(gemms.values())) / peak), 4)
     cluster.memory_bandwidth_gbps = round(bandwidth / 1e9, 3)
@@ -259,6 +307,19 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
     return cluster
 
 
+def attention_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int, int, int]]:
+    """``(sequences, heads, q, k, d)`` of one rank's attention core for ``cfg``'s micro-batch on layout ``dims``:
+    local heads (``/ tp``), ``q = T / cp`` queries against ``k = T / cp`` keys (causal; a ring's blocks are that
+    size too)."""
+    from ..topology import ParallelDims
+
+    dims = dims or ParallelDims()
+    micro, _ = cfg.batch_plan(dims.dp)
+    t = cfg.data.seq_len // dims.cp
+    heads = max(1, model_cfg.n_heads // dims.tp)
+    return [(micro, heads, t, t, model_cfg.head_dim)]
+
+
 def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int, int, int]] | None = None,
               precision: str | None = None, device: str = "cpu", ranks: int = 2,
               sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, base: str | Cluster = "local",
@@ -276,18 +337,21 @@ def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int
         shapes = model_shapes(cfg, model_cfg, dims) if cfg is not None and model_cfg is not None else []
     square = (reference, reference, reference)
     shapes = list(dict.fromkeys([*[tuple(s) for s in shapes], square]))
+    att_shapes = attention_shapes(cfg, model_cfg, dims) if cfg is not None and model_cfg is not None else []
     links: list = []
     if ranks >= 2 and torch.device(device).type == "cpu":
         from ..testing import run_ranks
 
-        got = run_ranks(ranks, measure_on_ranks, shapes, precision, list(sizes), repeats, bandwidth_mib)[0]
-        gemms, bandwidth, links = got["gemms"], got["bandwidth"], got["links"]
+        got = run_ranks(ranks, measure_on_ranks, shapes, precision, list(sizes), repeats, bandwidth_mib, 0.05,
+                        att_shapes)[0]
+        gemms, att, bandwidth, links = got["gemms"], got["attention"], got["bandwidth"], got["links"]
     else:
         gemms = measure_gemms(shapes, precision, device, repeats)
+        att = measure_attention(att_shapes, precision, device, repeats)
         bandwidth = measure_memory_bandwidth(device, bandwidth_mib, repeats)
         if ranks >= 2:
             links = measure_links(ranks, sizes, repeats)
-    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device)
+    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device, att)
     if path is not None:
         write_cluster(cluster, path)
     return cluster

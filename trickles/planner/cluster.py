@@ -73,6 +73,7 @@ class Cluster:
     gemm_tile_m: int = opt(256, "rows of the output tile one multiprocessor computes in a large GEMM (cuBLAS's largest half-precision tile)")
     gemm_tile_n: int = opt(128, "columns of that output tile")
     gemm_table: dict = opt({}, "achieved fraction of the peak by GEMM shape: 'precision:MxNxK' = fraction (calibrate fills it)")
+    attention_table: dict = opt({}, "achieved fraction of the peak by the fused attention kernel, forward and backward: 'precision:QxKxD' (query rows, keys, head size) = fraction (calibrate fills it)")
     memory_bandwidth_gbps: float = opt(2039.0, "device memory bandwidth, GB/s (memory-bound work: optimizer step, element-wise kernels)")
     intra_node_gbps: float = opt(300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s")
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
@@ -120,6 +121,23 @@ class Cluster:
         if fraction is not None:
             return fraction
         return self.gemm_efficiency * self.quantization(m, n, count)
+
+    def attention_fraction(self, precision: str, q: int, k: int, d: int,
+                           gemm: tuple[int, int, int, float] | None = None) -> float:
+        """The fraction of the peak the attention core (``q`` query rows against ``k`` keys of head size ``d``, the
+        FLOPs a causal kernel runs) achieves: ``attention_table``'s nearest entry within a factor of 8 overall (the
+        fused kernel timed, forward and backward: its online softmax makes it no GEMM, on a CPU far from one), else
+        the GEMM's own fraction (:meth:`gemm_fraction` of ``gemm``, ``(m, n, k, count)``; default the scores'
+        ``[q, d] x [d, k]``)."""
+        best, fraction = 3.0 + 1e-9, None
+        for key, value in self.attention_table.items():
+            prec, q2, k2, d2 = parse_shape_key(key)
+            if prec != precision:
+                continue
+            dist = sum(abs(math.log2(max(a, 1) / max(b, 1))) for a, b in ((q, q2), (k, k2), (d, d2)))
+            if dist < best:
+                best, fraction = dist, float(value)
+        return fraction if fraction is not None else self.gemm_fraction(precision, *(gemm or (q, k, d, 1.0)))
 
     def quantization(self, m: int, n: int, count: float = 1.0) -> float:
         """The useful fraction of the waves of ``count`` GEMMs with ``[m, n]`` outputs (:meth:`gemm_fraction`)."""
@@ -171,12 +189,14 @@ class Cluster:
             raise ConfigError(f"cluster.device must be cuda or cpu, got {self.device!r}")
         if not 0 < self.gemm_efficiency <= 1 or not 0 < self.link_efficiency <= 1:
             raise ConfigError("cluster.gemm_efficiency and cluster.link_efficiency are fractions in (0, 1]")
-        if not isinstance(self.gemm_table, dict):
-            raise ConfigError("cluster.gemm_table must be a table of 'precision:MxNxK' = fraction")
-        for key, value in self.gemm_table.items():
-            parse_shape_key(key)
-            if not isinstance(value, (int, float)) or not 0 < value <= 1:
-                raise ConfigError(f"cluster.gemm_table[{key!r}] must be a fraction in (0, 1], got {value!r}")
+        for name in ("gemm_table", "attention_table"):
+            table = getattr(self, name)
+            if not isinstance(table, dict):
+                raise ConfigError(f"cluster.{name} must be a table of 'precision:MxNxK' = fraction")
+            for key, value in table.items():
+                parse_shape_key(key)
+                if not isinstance(value, (int, float)) or not 0 < value <= 1:
+                    raise ConfigError(f"cluster.{name}[{key!r}] must be a fraction in (0, 1], got {value!r}")
 
 
 def shape_key(precision: str, m: int, n: int, k: int) -> str:
@@ -280,6 +300,7 @@ def cluster_from_dict(table: dict[str, Any], where: str = "") -> Cluster:
     base = preset(str(table.pop("preset"))) if table.get("preset") is not None else None
     cluster = section_from_dict(Cluster, table, "cluster", base, where)
     cluster.gemm_table = dict(cluster.gemm_table)
+    cluster.attention_table = dict(cluster.attention_table)
     cluster.validate()
     return cluster
 
@@ -311,12 +332,14 @@ def cluster_toml(cluster: Cluster) -> str:
     docs = field_docs(Cluster)
     lines = ["[cluster]"]
     for f in dataclasses.fields(cluster):
-        if f.name == "gemm_table":
+        if f.name in ("gemm_table", "attention_table"):
             continue
         lines.append(f"# {docs[f.name]}")
         lines.append(f"{f.name} = {_toml(getattr(cluster, f.name))}")
     lines += ["", f"# {docs['gemm_table']}", "[cluster.gemm_table]"]
     lines += [f'"{k}" = {float(v)!r}' for k, v in sorted(cluster.gemm_table.items())]
+    lines += ["", f"# {docs['attention_table']}", "[cluster.attention_table]"]
+    lines += [f'"{k}" = {float(v)!r}' for k, v in sorted(cluster.attention_table.items())]
     return "\n".join(lines) + "\n"
 
 

@@ -6,7 +6,8 @@ buckets) and reports the slowest, since the pipeline moves at its pace. For one 
 
 **Compute.** ``t_f = sum_GEMMs 2 M N K / (peak x eff(M, N, K) x share) + E / (BW_mem x share)``: every forward
 GEMM of the rank's chunks (:mod:`trickles.planner.compute`) at the fraction of the precision's dense peak the
-cluster achieves for its shape (:meth:`~trickles.planner.cluster.Cluster.gemm_fraction`), plus its memory-bound
+cluster achieves for its shape (:meth:`~trickles.planner.cluster.Cluster.gemm_fraction`; the attention core's
+two at the fused kernel's, :meth:`~trickles.planner.cluster.Cluster.attention_fraction`), plus its memory-bound
 bytes ``E`` at the memory bandwidth; ``share`` is the fraction of a device a rank gets (CPU ranks beyond the
 cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
 (``full``) or the attention core's (``selective``): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Its FLOPs
@@ -235,8 +236,15 @@ def _exposed(t: float, calls: int, window: float, passes: int) -> float:
 def _time(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[float, float]:
     """``(GEMM seconds, memory-bound seconds)`` of ``work`` on one rank."""
     peak = cluster.peak_flops(precision) * share
-    gemm = sum(gm.flops / (peak * cluster.gemm_fraction(precision, gm.m, gm.n, gm.k, gm.count))
-               for gm in work.gemms)
+    gemm = 0.0
+    for gm in work.gemms:
+        if gm.name == "scores":  # [T/cp, h_d] x [h_d, T]
+            fraction = cluster.attention_fraction(precision, gm.m, gm.n, gm.k, (gm.m, gm.n, gm.k, gm.count))
+        elif gm.name == "weighted":  # [T/cp, T] x [T, h_d]
+            fraction = cluster.attention_fraction(precision, gm.m, gm.k, gm.n, (gm.m, gm.n, gm.k, gm.count))
+        else:
+            fraction = cluster.gemm_fraction(precision, gm.m, gm.n, gm.k, gm.count)
+        gemm += gm.flops / (peak * fraction)
     return gemm, work.elementwise_bytes / (cluster.memory_bandwidth_gbps * 1e9 * share)
 
 
