@@ -1,5 +1,6 @@
 """The step-time model: placement on links, bytes from the library's formulas, FLOPs, bubble, sanity of the parts."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -14,7 +15,7 @@ from trickles.parallel.schedules import Shape, build, simulate
 from trickles.parallel.tensor import partial_grad_elements
 from trickles.planner import load_cluster, step_time
 from trickles.planner.compute import chunk_work, param_elements, rank_params
-from trickles.planner.cost import IN_LAYER, rank_plans
+from trickles.planner.cost import IN_LAYER, rank_plans, rank_step
 from trickles.planner.placement import group_members, group_size, spans_nodes
 from trickles.topology import ParallelDims
 from trickles.train.flops import flops_per_token
@@ -106,12 +107,23 @@ def test_tensor_parallel_bytes_are_megatrons():
 def test_the_bubble_is_the_schedules(schedule, p, v, m):
     sets = [f"parallel.pp={p}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}", "model.n_layers=8",
             f"train.global_batch={m}", "train.micro_batch=1"]
-    cfg, dims, mc, st = plan(p, *sets)
+    cfg, dims, mc, st = plan(p, *sets, cluster="dgx-a100")  # a device per rank (CPU ranks beyond the cores share)
     shape = Shape(p, v, m)
     assert st.bubble_fraction == pytest.approx(simulate(build(schedule, shape), shape, 1.0, 2.0).bubble())
     in_layer = sum(tt.exposed_s for tt in st.traffic if tt.traffic.dimension in IN_LAYER)
     assert st.bubble_s == pytest.approx((p - 1) / (v * m) * (st.compute_s + in_layer))
     assert len(st.stage_s) == p and st.total_s == max(st.stage_s)
+
+
+def test_cpu_pipeline_ranks_beyond_the_cores_lend_them_when_idle():
+    cfg, dims, mc, _ = plan(4, "parallel.pp=4", "model.n_layers=8", "train.micro_batch=1")
+    local = load_cluster("local")
+    shared = step_time(cfg, dims, mc, dataclasses.replace(local, devices_per_node=2))  # 4 ranks on 2 cores
+    own = step_time(cfg, dims, mc, dataclasses.replace(local, devices_per_node=4))  # a core each
+    work = sum(s.compute_s + s.optimizer_s for s in
+               (rank_step(r, dataclasses.replace(local, devices_per_node=4)) for r in rank_plans(cfg, dims, mc)))
+    assert shared.total_s == pytest.approx(max(own.total_s, work / 2))  # the node's arithmetic over its 2 cores
+    assert shared.total_s < 2 * own.total_s  # not every stage slowed by half: the bubble's cores are lent
 
 
 def test_interleaving_shrinks_the_bubble_and_more_micro_batches_too():

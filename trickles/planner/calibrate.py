@@ -4,15 +4,15 @@
 
 * **GEMMs**: each distinct ``[M, K] x [K, N]`` of the model's forward on one rank
   (:mod:`trickles.planner.compute`, for the run's micro-batch and layout) and a square reference, timed on the
-  run's device and precision (CPU: one thread, one core being one "device" of the ``local`` cluster, on as many
-  local ranks at once as there are cores -- what a core does while its neighbours compute too --
-  :func:`measure_on_ranks`). Each time is the median of its samples (:func:`_timeit`).
+  run's device and precision (CPU: one thread, one core being one "device" of the ``local`` cluster, on every
+  local rank at once -- what a core does while all the ranks compute and take turns on it --
+  :func:`measure_on_ranks`). Each time is the median of its samples (:func:`_timeit`). On a CPU the fastest
+  measured rate becomes the peak (nobody publishes one) and every shape's rate a fraction of it; on a GPU the peak
+  is the datasheet's (:data:`trickles.train.flops.PEAKS`) where the device is known. The fractions fill
+  ``gemm_table``.
 * **Attention**: the fused kernel itself (``scaled_dot_product_attention``, forward and backward) at the run's
   per-rank shape (:func:`measure_attention`): it is no GEMM (its online softmax runs beside the products), and on a
-  CPU it reaches a fraction of the matmul rate; the fractions fill ``attention_table``. On a CPU the
-  fastest measured rate becomes the peak (nobody publishes one) and every shape's rate a fraction of it; on a GPU the
-  peak is the datasheet's (:data:`trickles.train.flops.PEAKS`) where the device is known. The fractions fill
-  ``gemm_table``.
+  CPU it reaches a fraction of the matmul rate; the fractions fill ``attention_table``.
 * **Memory bandwidth**: a large copy, ``2 x bytes / time`` (read and write).
 * **Links**: ``ranks`` processes (:func:`trickles.testing.run_ranks`, gloo over loopback) time all-reduce,
   all-gather, reduce-scatter and a send of a few sizes; :func:`fit_link` fits
@@ -227,40 +227,38 @@ def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
 def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32",
                      sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, bandwidth_mib: int = 64,
                      min_s: float = 0.05, attention: Sequence[tuple[int, int, int, int, int]] = ()) -> dict:
-    """On every rank of a CPU (gloo) group, collectively: the GEMM rates and the memory bandwidth timed on the first
-    ``min(world, cores)`` ranks at once, one thread each -- a core's rate while every core computes, as in a
-    training step -- the other ranks waiting; each sample ``min_s`` long, so that it averages over the scheduler's
+    """On every rank of a CPU (gloo) group, collectively: the GEMM and attention rates and the memory bandwidth timed
+    on every rank at once, one thread each, as in a training step; with more ranks than cores each rank gets
+    ``cores / world`` of one, so a core's rate is the rank's times ``world / cores`` -- what a core does while the
+    ranks take turns on it, context switches included (the time model divides it by the ranks again,
+    :meth:`~trickles.planner.cluster.Cluster.compute_share`); each sample ``min_s`` long, so that it averages over the scheduler's
     time slices as a step does on a machine shared with other processes; then the collectives
     (:func:`_measure_collectives`). Returns
     ``{"gemms": {(m, n, k): FLOP/s}, "attention": {(q, k, d): FLOP/s}, "bandwidth": bytes/s, "links": [(op, ranks,
-    bytes, s)]}``, the rates the median over the timing ranks; ``attention``: the shapes for :func:`measure_attention`."""
+    bytes, s)]}``, the rates the median over the ranks; ``attention``: the shapes for :func:`measure_attention`."""
     import torch.distributed as dist
 
     from ..topology import cpu_cores
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    timing = rank < min(world, cpu_cores())
+    world = dist.get_world_size()
+    per_core = max(1.0, world / cpu_cores())
     gemms, bandwidth = {}, 0.0
     for shape in shapes:
         dist.barrier()
-        if timing:
-            gemms.update(measure_gemms([shape], precision, "cpu", repeats, min_s))
+        gemms.update(measure_gemms([shape], precision, "cpu", repeats, min_s))
     att = {}
     for shape in attention:
         dist.barrier()
-        if timing:
-            att.update(measure_attention([shape], precision, "cpu", repeats, min_s))
+        att.update(measure_attention([shape], precision, "cpu", repeats, min_s))
     dist.barrier()
-    if timing:
-        bandwidth = measure_memory_bandwidth("cpu", bandwidth_mib, repeats)
+    bandwidth = measure_memory_bandwidth("cpu", bandwidth_mib, repeats)
     keys = [tuple(sh) for sh in shapes]
     att_keys = list(dict.fromkeys(tuple(sh[2:]) for sh in attention))
     rates = torch.tensor([[gemms.get(k, 0.0) for k in keys] + [att.get(k, 0.0) for k in att_keys] + [bandwidth]],
                          dtype=torch.float64)
     every = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather(every, rates)
-    timed = torch.cat(every)[: min(world, cpu_cores())]
-    med = timed.median(dim=0).values.tolist()
+    med = (torch.cat(every).median(dim=0).values * per_core).tolist()
     return {"gemms": {k: med[i] for i, k in enumerate(keys)},
             "attention": {k: med[len(keys) + i] for i, k in enumerate(att_keys)}, "bandwidth": med[-1],
             "links": _measure_collectives(list(sizes), repeats)}

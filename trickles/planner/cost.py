@@ -45,7 +45,8 @@ report's). **Offload**: gradients down and parameters up the host link, ``n (g +
 on the host at its memory bandwidth (shared by the node's ranks); overlapped (``memory.offload_overlap``, ZeRO-1/2,
 AdamW/SGD) the copies down hide behind backward and the step and copies up behind the next forward.
 
-``total = compute + bubble + exposed communication + optimizer + offload``.
+``total = compute + bubble + exposed communication + optimizer + offload``. A pipeline of CPU ranks outnumbering the
+cores is the exception (:func:`_shared_cores`): a waiting rank lends its core to a busy one.
 """
 
 from __future__ import annotations
@@ -380,11 +381,42 @@ def step_time(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: 
     cluster.validate()
     if attention not in ATTENTION:
         raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
-    steps = [rank_step(plan, cluster, attention) for plan in rank_plans(cfg, dims, model_cfg)]
-    worst = max(steps, key=lambda s: s.total_s)
-    worst.stage_s = [s.total_s for s in steps]
+    plans = rank_plans(cfg, dims, model_cfg)
+    if cluster.device == "cpu" and dims.pp > 1 and cluster.compute_share(world) < 1:
+        worst = _shared_cores(plans, cluster, attention, world)
+    else:
+        steps = [rank_step(plan, cluster, attention) for plan in plans]
+        worst = max(steps, key=lambda s: s.total_s)
+        worst.stage_s = [s.total_s for s in steps]
     worst.notes = _notes(worst, dims, cluster)
     return worst
+
+
+def _shared_cores(plans: list[RankPlan], cluster: Cluster, attention: str, world: int) -> StepTime:
+    """A pipeline of CPU ranks that outnumber the cores: the scheduler gives a waiting rank's core (the bubble, a
+    lighter stage, a message) to a busy one, so no stage runs at a fixed ``compute_share``. The step is the longer
+    of the slowest stage's own chain at a full core (its :class:`StepTime` with a core per rank) and the node's
+    arithmetic over its cores, ``(world / pp) sum_stages (compute + optimizer) / cores`` -- in the second case
+    there is no bubble and no exposed wait, other ranks' work fills them."""
+    import dataclasses
+
+    own = dataclasses.replace(cluster, devices_per_node=cluster.ranks_per_node(world))  # a core per rank
+    full = [rank_step(plan, own, attention) for plan in plans]
+    chain = max(full, key=lambda s: s.total_s)
+    replicas, cores = world // len(plans), cluster.devices_per_node * cluster.nodes
+    compute = replicas * sum(s.compute_s for s in full) / cores
+    optimizer = replicas * sum(s.optimizer_s + s.offload_s for s in full) / cores
+    if chain.total_s >= compute + optimizer:
+        chain.stage_s = [s.total_s for s in full]
+        return chain
+    pooled = dataclasses.replace(chain, total_s=compute + optimizer, compute_s=compute, optimizer_s=optimizer,
+                                 offload_s=0.0, bubble_s=0.0, exposed_comm_s=0.0,
+                                 exposed_by_group={k: 0.0 for k in chain.exposed_by_group},
+                                 traffic=[dataclasses.replace(t, exposed_s=0.0) for t in chain.traffic],
+                                 recompute_s=replicas * sum(s.recompute_s for s in full) / cores,
+                                 elementwise_s=replicas * sum(s.elementwise_s for s in full) / cores)
+    pooled.stage_s = [pooled.total_s] * len(full)
+    return pooled
 
 
 def _notes(st: StepTime, dims: ParallelDims, cluster: Cluster) -> list[str]:
