@@ -30,7 +30,7 @@ published/predicted step time (= predicted/published throughput) are 1.05, 1.07,
 1.05, 1.00 for Table 1's rows, 1.04, 1.04, 1.05 for Table 2's and 1.08 for the 1,024-GPU estimate.
 
 Table 2's ZeRO-3 rows (DeepSpeed ZeRO-3 without model parallelism) are not checked: with their gradients reduced
-in fp16, as DeepSpeed does, the model's throughput is 1.22-1.38x theirs -- it hides more of ZeRO-3's gathers behind
+in fp16, as DeepSpeed does, the model's throughput is 1.22-1.37x theirs -- it hides more of ZeRO-3's gathers behind
 compute than DeepSpeed's 2021 implementation did.
 """
 

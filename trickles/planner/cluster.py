@@ -79,7 +79,7 @@ class Cluster:
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
     inter_node_gbps: float = opt(25.0, "algorithm bandwidth per device per direction between nodes, GB/s")
     inter_node_latency_us: float = opt(5.0, "latency of one message between nodes, microseconds")
-    overlap_comm: bool = opt(True, "collectives run beside compute (GPUs: NCCL on its own stream and SMs); false on CPUs, where gloo's copies and reductions need the cores the compute uses, so nothing hides")
+    overlap_comm: bool = opt(True, "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where gloo's copies and reductions need the cores the compute uses, so nothing hides")
     link_efficiency: float = opt(0.8, "fraction of the link bandwidths collectives achieve (nominal figures: ~0.8; measured ones: 1.0)")
     host_link_gbps: float = opt(32.0, "host<->device bandwidth per device per direction, GB/s (offloaded optimizer)")
     host_memory_gib: float = opt(2048.0, "host memory of one node, GiB")
@@ -109,7 +109,7 @@ class Cluster:
         ``ceil(m / tile_m) ceil(n / tile_n)`` tiles per GEMM, one per multiprocessor at a time, so they run in
         ``w = ceil(tiles x ceil(count) / sm_count)`` waves each as long as a full one, and the useful fraction is
         ``m n ceil(count) / (w sm_count tile_m tile_n)``. The largest tile is assumed (the library picks smaller ones
-        where they waste less), so this bounds the loss from above. ``sm_count = 0``: no quantization."""
+        where they waste less), so this bounds the loss from above. ``sm_count = 0`` or a CPU: no quantization."""
         best, fraction = 3.0 + 1e-9, None
         for key, value in self.gemm_table.items():
             prec, m2, n2, k2 = parse_shape_key(key)
@@ -141,12 +141,17 @@ class Cluster:
 
     def quantization(self, m: int, n: int, count: float = 1.0) -> float:
         """The useful fraction of the waves of ``count`` GEMMs with ``[m, n]`` outputs (:meth:`gemm_fraction`)."""
-        if self.sm_count <= 0 or m <= 0 or n <= 0:
+        if self.device == "cpu" or self.sm_count <= 0 or m <= 0 or n <= 0:
             return 1.0
         batch = max(1, math.ceil(count))
         tiles = math.ceil(m / self.gemm_tile_m) * math.ceil(n / self.gemm_tile_n) * batch
         waves = math.ceil(tiles / self.sm_count)
         return m * n * batch / (waves * self.sm_count * self.gemm_tile_m * self.gemm_tile_n)
+
+    @property
+    def overlaps(self) -> bool:
+        """Whether communication can hide behind compute: ``overlap_comm`` on GPUs, never on CPU ranks."""
+        return self.overlap_comm and self.device != "cpu"
 
     def link(self, spans_nodes: bool) -> Link:
         """The link a group uses: across nodes if any of its ranks sit on different nodes, else inside one."""

@@ -280,7 +280,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
 
     per_node = cluster.ranks_per_node(dims.world_size)
     windows = {"backward": t_b + t_rc, "forward": t_f}
-    if not cluster.overlap_comm:  # CPU ranks: communication takes the cores the compute needs
+    if not cluster.overlaps:  # CPU ranks: communication takes the cores the compute needs
         windows = {k: 0.0 for k in windows}
         attention_s = 0.0
     timed: list[TimedTraffic] = []
@@ -299,7 +299,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
                 hops = 2 * (s.p * s.v - 1) if cfg.parallel.schedule == "interleaved" else 2 * (s.p - 1)
                 t_msg = t / max(1, tr.calls)
                 exposed = hops * t_msg + m * s.v * max(0.0, 2 * t_msg - (t_f + t_b) / s.v)
-                exposed = exposed if cluster.overlap_comm else t
+                exposed = exposed if cluster.overlaps else t
             elif tr.overlap == "prefetch":  # half before each forward, half before each backward
                 for window in ("forward", "backward"):
                     pools.setdefault((tr.group, window), []).append(
