@@ -10,9 +10,10 @@ What is compared
 How
     * Calibration in the same ``N`` ranks before every timed round and after the last
       (:func:`trickles.planner.calibrate.measure_on_ranks`, what ``trickles plan --calibrate`` measures): every GEMM
-      shape the layouts run on one rank and their attention kernel (forward and backward), on one thread per core at
-      once (one core is one device of the ``local`` cluster), the memory bandwidth, and the collectives among the ``N`` gloo ranks (fitted per world size: ranks
-      beyond the cores share them). Round ``k`` is predicted from the calibrations just before and after it
+      shape the layouts run on one rank and their attention kernel (forward and backward), on every rank at once and
+      scaled to a core's rate (one core is one device of the ``local`` cluster), the memory bandwidth, the
+      collectives among the ``N`` gloo ranks (fitted per world size) and, with more ranks than cores, the wait of a
+      collective between compute bursts. Round ``k`` is predicted from the calibrations just before and after it
       (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
     * The ``N`` ranks (:func:`trickles.launch.launch`) hold every layout of that world size at once, each on its
       own topology (``ParallelDims(...).build()``) with ``parallelize`` on a meta-device model, and run it as
@@ -169,7 +170,7 @@ def calibration(args, shapes) -> dict:
     torch.set_num_threads(args.threads)
     return {"gemms": [[list(k), v] for k, v in c["gemms"].items()],
             "attention": [[list(k), v] for k, v in c["attention"].items()], "bandwidth": c["bandwidth"],
-            "links": c["links"]}
+            "links": c["links"], "sync": c["sync"]}
 
 
 def rank_main(args, world: int, shapes, out_path: str) -> int:
@@ -222,10 +223,11 @@ def chosen(args, world: int) -> list[tuple[str, list[str]]]:
 REFERENCE = (512, 512, 512)
 
 
-def calibrated(measured: list[dict]):
+def calibrated(measured: list[dict], world: int):
     """The ``local`` cluster with the rates measured before and after the timed rounds, averaged, so that the
     calibration sees the machine as the steps did (:func:`trickles.planner.calibrate.cluster_from_measurements`)."""
     from trickles.planner.calibrate import cluster_from_measurements
+    from trickles.topology import cpu_cores
 
     gemms: dict = {}
     att: dict = {}
@@ -236,8 +238,10 @@ def calibrated(measured: list[dict]):
             att.setdefault(tuple(k), []).append(v)
     links = [tuple(x) for c in measured for x in c["links"]]
     bandwidth = statistics.fmean(c["bandwidth"] for c in measured)
+    sync = statistics.fmean(c["sync"] for c in measured) if world > cpu_cores() else None
     return cluster_from_measurements("local", "fp32", {k: statistics.fmean(v) for k, v in gemms.items()}, bandwidth,
-                                     links, REFERENCE, attention={k: statistics.fmean(v) for k, v in att.items()})
+                                     links, REFERENCE, attention={k: statistics.fmean(v) for k, v in att.items()},
+                                     sync=sync)
 
 
 def layout_shapes(world: int, layouts) -> tuple[list, list]:
@@ -302,11 +306,12 @@ def main(argv=None) -> int:
             with open(out) as f:
                 got = json.load(f)
         times, calib = got["times"], got["calibration"]
-        clusters = [calibrated(calib[k:k + 2]) for k in range(len(calib) - 1)]  # round k: the calibrations around it
-        cluster = calibrated(calib)
+        clusters = [calibrated(calib[k:k + 2], world) for k in range(len(calib) - 1)]  # round k: the calibrations around it
+        cluster = calibrated(calib, world)
         print(f"world {world}: {time.perf_counter() - t0:.0f} s; calibrated (all rounds): peak {cluster.peak_tflops_fp32 * 1e3:.1f} "
               f"GFLOP/s per core, memory {cluster.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node_gbps:.3f} GB/s "
-              f"+ {cluster.intra_node_latency_us:.0f} us a message", flush=True)
+              f"+ {cluster.intra_node_latency_us:.0f} us a message, {cluster.shared_core_sync_us:.0f} us a collective's wait "
+              f"for ranks sharing cores", flush=True)
         for name, sets in layouts:
             cfg, mc = config(sets)
             dims = cfg.validate(world)

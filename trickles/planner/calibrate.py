@@ -14,6 +14,8 @@
   per-rank shape (:func:`measure_attention`): it is no GEMM (its online softmax runs beside the products), and on a
   CPU it reaches a fraction of the matmul rate; the fractions fill ``attention_table``.
 * **Memory bandwidth**: a large copy, ``2 x bytes / time`` (read and write).
+* **Sharing cores**: with more ranks than cores, the extra wait a blocking collective costs between compute
+  bursts (:func:`measure_sync`: a rank reaches it only on its turn on a core) fills ``shared_core_sync_us``.
 * **Links**: ``ranks`` processes (:func:`trickles.testing.run_ranks`, gloo over loopback) time all-reduce,
   all-gather, reduce-scatter and a send of a few sizes; :func:`fit_link` fits
   ``time = messages x alpha + wire_bytes / B`` (:func:`trickles.comm.messages`, :func:`trickles.comm.wire_bytes`)
@@ -153,6 +155,55 @@ def measure_memory_bandwidth(device: str = "cpu", mib: int = 64, repeats: int = 
         torch.set_num_threads(threads)
 
 
+def measure_sync(repeats: int = 3, bursts: int = 12, burst_s: float = 0.01) -> float:
+    """On every rank of a CPU group, collectively: the extra wait one blocking collective costs when the ranks
+    compute between collectives, as a training step does, beyond the compute and the collective's own time -- with
+    more ranks than cores, a rank reaches the collective only when the scheduler gives it its turn, and its peers wait
+    for that. Each rank runs ``bursts`` compute bursts (GEMMs lasting ``burst_s`` alone on a core) once with a
+    4-byte all-reduce after each and once without (a barrier only at the end), the extra per collective
+    ``(t_with - t_without) / bursts - t_allreduce`` (its time on idle ranks), the slowest rank's, the median of
+    ``repeats`` tries, at least 0."""
+    import torch.distributed as dist
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        t = time.perf_counter()
+        for _ in range(10):
+            a @ b
+        calls = max(1, round(burst_s / max((time.perf_counter() - t) / 10, 1e-9)))
+        flag = torch.zeros(1)
+
+        def run(sync: bool) -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(bursts):
+                for _ in range(calls):
+                    a @ b
+                if sync:
+                    dist.all_reduce(flag)
+            dist.barrier()
+            took = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            return float(took)
+
+        def idle_allreduce() -> float:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(bursts):
+                dist.all_reduce(flag)
+            took = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            return float(took) / bursts
+
+        run(True)
+        extra = [(run(True) - run(False)) / bursts - idle_allreduce() for _ in range(max(1, repeats))]
+        return max(0.0, statistics.median(extra))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, int, int, float]]:
     """On every rank of a run_ranks pool: ``(op, ranks, input bytes, seconds)`` for each collective and size (the
     slowest rank's time: the collective is over when every rank is done)."""
@@ -235,7 +286,8 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     time slices as a step does on a machine shared with other processes; then the collectives
     (:func:`_measure_collectives`). Returns
     ``{"gemms": {(m, n, k): FLOP/s}, "attention": {(q, k, d): FLOP/s}, "bandwidth": bytes/s, "links": [(op, ranks,
-    bytes, s)]}``, the rates the median over the ranks; ``attention``: the shapes for :func:`measure_attention`."""
+    bytes, s)], "sync": seconds}``, the rates the median over the ranks; ``attention``: the shapes for
+    :func:`measure_attention`; ``sync``: :func:`measure_sync`."""
     import torch.distributed as dist
 
     from ..topology import cpu_cores
@@ -261,16 +313,17 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     med = (torch.cat(every).median(dim=0).values * per_core).tolist()
     return {"gemms": {k: med[i] for i, k in enumerate(keys)},
             "attention": {k: med[len(keys) + i] for i, k in enumerate(att_keys)}, "bandwidth": med[-1],
-            "links": _measure_collectives(list(sizes), repeats)}
+            "links": _measure_collectives(list(sizes), repeats), "sync": measure_sync(repeats)}
 
 
 def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, bandwidth: float,
                               links: Sequence[tuple[str, int, int, float]] = (),
                               reference: tuple[int, int, int] | None = None, device: str = "cpu",
-                              attention: dict | None = None) -> Cluster:
+                              attention: dict | None = None, sync: float | None = None) -> Cluster:
     """``base`` with what was measured: ``gemms`` ``{(m, n, k): FLOP/s}`` (``reference``: the shape whose rate is
     ``gemm_efficiency``), ``attention`` ``{(q, k, d): FLOP/s}`` of the fused kernel, the memory ``bandwidth`` in
-    bytes/s and the collective timings ``links`` fitted by :func:`fit_link` (module docstring)."""
+    bytes/s, the collective timings ``links`` fitted by :func:`fit_link` and ``sync`` seconds a blocking collective
+    waits for ranks sharing cores (:func:`measure_sync`; module docstring)."""
     cluster = base if isinstance(base, Cluster) else load_cluster(base)
     cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table),
                                   attention_table=dict(cluster.attention_table))
@@ -300,6 +353,8 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
         if cluster.device == "cpu" and cluster.nodes == 1:  # no second node to measure: keep it no faster than this
             cluster.inter_node_gbps = min(cluster.inter_node_gbps, cluster.intra_node_gbps)
             cluster.inter_node_latency_us = max(cluster.inter_node_latency_us, cluster.intra_node_latency_us)
+    if sync is not None:
+        cluster.shared_core_sync_us = round(sync * 1e6, 3)
     cluster.name = f"{cluster.name}-calibrated" if not cluster.name.endswith("-calibrated") else cluster.name
     cluster.validate()
     return cluster
@@ -330,6 +385,8 @@ def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int
     time; ``ranks``: local processes for the links (``0``: do not measure them; on a CPU they also time the GEMMs,
     :func:`measure_on_ranks`); ``sizes``: collective input bytes; ``reference``: the square GEMM that anchors a
     CPU's peak."""
+    from ..topology import cpu_cores
+
     precision = precision or (cfg.memory.precision if cfg is not None else "fp32")
     if shapes is None:
         shapes = model_shapes(cfg, model_cfg, dims) if cfg is not None and model_cfg is not None else []
@@ -343,13 +400,15 @@ def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int
         got = run_ranks(ranks, measure_on_ranks, shapes, precision, list(sizes), repeats, bandwidth_mib, 0.05,
                         att_shapes)[0]
         gemms, att, bandwidth, links = got["gemms"], got["attention"], got["bandwidth"], got["links"]
+        sync = got["sync"] if ranks > cpu_cores() else None
     else:
         gemms = measure_gemms(shapes, precision, device, repeats)
         att = measure_attention(att_shapes, precision, device, repeats)
+        sync = None
         bandwidth = measure_memory_bandwidth(device, bandwidth_mib, repeats)
         if ranks >= 2:
             links = measure_links(ranks, sizes, repeats)
-    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device, att)
+    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device, att, sync)
     if path is not None:
         write_cluster(cluster, path)
     return cluster

@@ -80,6 +80,7 @@ class Cluster:
     inter_node_gbps: float = opt(25.0, "algorithm bandwidth per device per direction between nodes, GB/s")
     inter_node_latency_us: float = opt(5.0, "latency of one message between nodes, microseconds")
     overlap_comm: bool = opt(True, "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where gloo's copies and reductions need the cores the compute uses, so nothing hides")
+    shared_core_sync_us: float = opt(0.0, "CPU ranks outnumbering the cores: extra wait of each blocking collective for peers waiting their turn on a core, microseconds (calibrate measures it)")
     link_efficiency: float = opt(0.8, "fraction of the link bandwidths collectives achieve (nominal figures: ~0.8; measured ones: 1.0)")
     host_link_gbps: float = opt(32.0, "host<->device bandwidth per device per direction, GB/s (offloaded optimizer)")
     host_memory_gib: float = opt(2048.0, "host memory of one node, GiB")
@@ -186,8 +187,8 @@ class Cluster:
         """Raises ConfigError naming the key and what to change."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name == "sm_count" and isinstance(v, int) and v >= 0:
-                continue  # 0: no wave quantization
+            if f.name in ("sm_count", "shared_core_sync_us") and isinstance(v, (int, float)) and v >= 0:
+                continue  # 0: no wave quantization, no wait
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"cluster.{f.name} must be a positive number, got {v!r}")
         if self.device not in ("cuda", "cpu"):

@@ -30,7 +30,8 @@ on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward 
 gathers -- half before each forward (window ``t_f``), half before each backward (sharing ``t_b + t_rc`` with the
 reductions), ``P = m`` each (``prefetch=false``: nothing hidden); ring attention -- the layer's attention core,
 forward and backward (``P`` = layers x micro-batches). On a cluster without ``overlap_comm`` (CPU ranks: gloo
-copies and reduces on the cores the compute uses) every window is 0. Tensor-parallel, all-to-all and expert collectives are on the critical path
+copies and reduces on the cores the compute uses) every window is 0, and where CPU ranks outnumber the cores every
+collective call also waits ``shared_core_sync_us`` for peers waiting their turn on a core. Tensor-parallel, all-to-all and expert collectives are on the critical path
 (exposed whole). Pipeline messages (``t_msg`` each) are exposed on the fill and drain, ``2 (p - 1)`` hops
 (interleaved ``2 (p v - 1)``), plus ``m v max(0, 2 t_msg - (t_f + t_b) / v)`` when a message takes longer
 than a chunk's compute.
@@ -280,6 +281,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
 
     per_node = cluster.ranks_per_node(dims.world_size)
     windows = {"backward": t_b + t_rc, "forward": t_f}
+    sync = cluster.shared_core_sync_us * 1e-6 if cluster.device == "cpu" and share < 1 else 0.0
     if not cluster.overlaps:  # CPU ranks: communication takes the cores the compute needs
         windows = {k: 0.0 for k in windows}
         attention_s = 0.0
@@ -291,6 +293,8 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
             n = group_size(dims, tr.group)
             msgs = tr.calls if tr.op == "send" else tr.calls * messages(tr.op, n)
             t = link.time(msgs, tr.wire_bytes)
+            if tr.op != "send" and n > 1:  # ranks outnumbering the cores wait for each other's turn
+                t += tr.calls * sync
             exposed = t
             if tr.overlap == "attention":
                 exposed = min(t, _exposed(t, tr.calls, attention_s / max(1, len(plan.layers)), tr.passes))
