@@ -24,9 +24,9 @@ How
       step started has finished). Same random tokens for every layout, each data-parallel rank its rows.
     * Timing: ``--warmup`` untimed rounds, then ``--steps`` rounds of one step of every layout, the order rotating;
       a barrier before each step; a step's time is the slowest rank's; the median over rounds is the layout's.
-    * Verdicts: per layout the paired ratio, the median over rounds of predicted / measured (target within 25%), Spearman's rank correlation of predicted vs
-      measured over all layouts (target >= 0.8), and per world size whether the layout predicted fastest among the
-      dense model's is within 10% of the fastest measured.
+    * Verdicts: per layout the paired ratio, the median over rounds of predicted / measured (target within 25%);
+      Spearman's rank correlation of predicted vs measured (median) over all layouts (target >= 0.8); per world size
+      whether the layout predicted fastest among the dense model's is within 10% of the fastest measured.
     * The machine's load average (``os.getloadavg``) before and after, since other processes skew CPU timings.
 
 Examples::
@@ -280,7 +280,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
-    p.add_argument("--steps", type=int, default=4, help="timed rounds (one step of every layout per round)")
+    p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of every layout per round)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--only", nargs="*", default=[], help="layouts whose name contains one of these")
     p.add_argument("--calib-repeats", type=int, default=3, help="samples of each GEMM and collective per calibration")
