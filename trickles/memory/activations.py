@@ -112,6 +112,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
     "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's),
+    "terms": a dense layer by piece -- norms, attention, MLP (each with the norm output its linears keep), dropout masks,
     "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...}``
     for one micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
 
@@ -170,6 +171,11 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
                 "full": full}[recompute]
 
     layer = block(mlp)
+    recomputed = {"none": 0, "selective": lse + core_extra, "full": None}[recompute]
+    # a dense layer by piece (each norm's output counted with the linears that keep it): sums to ``layer``
+    terms = {"block input": full} if recomputed is None else {
+        "norms": 2 * (norm - p * sn * d), "attention": p * sn * d + attention - recomputed, "mlp": p * sn * d + mlp,
+        "dropout masks": 2 * mask * sn * d}
     moe_layer = (block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type),
                        3 if cfg.moe_shared_experts else 2) if cfg.moe_experts else 0)
     vocab = _vocab(cfg)
@@ -191,7 +197,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if per_layer:
         per_layer[0] += tables + labels
     return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
-            "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels}
+            "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels, "terms": terms}
 
 
 def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,
