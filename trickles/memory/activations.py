@@ -10,7 +10,7 @@ seen the same way.
 **Predicted** (:func:`activation_bytes`) for this implementation, per layer, with ``s`` tokens
 per micro-batch (batch x sequence ``T``), hidden ``d``, query heads ``a`` and key/value heads
 ``a_kv`` of size ``h``, MLP width ``f``, ``p`` bytes per element of the compute type (fused
-attention, dropout 0):
+attention; dropout below):
 
 =================  ==========================================================  ===========================
 piece              saved for backward                                          bytes
@@ -25,6 +25,33 @@ attention          q, k, v after rotation; the fused kernel's output (which    `
 MLP                llama: gate, silu(gate), up, product; gpt2: pre-activation  ``4psf`` / ``2psf``
                    and GELU output
 =================  ==========================================================  ===========================
+
+**Dropout** (``model.dropout > 0``, training) adds, with ``q`` the bytes of one dropout mask element -- on a CPU
+``p`` (``torch.dropout`` multiplies its input by a scaled keep-mask of the input's type, which the product keeps),
+on CUDA 1 (the fused ``native_dropout`` keeps a bool mask):
+
+=================  ==========================================================  ===========================
+piece              saved for backward                                          bytes
+=================  ==========================================================  ===========================
+residual dropouts  the masks after ``o_proj`` and after the MLP (an MoE block's  ``2 q s_n d`` (``+ q s_n d``
+                   output; its shared expert's MLP one more), on the tokens the  with shared experts)
+                   norms see (``s_n = s/tp`` under sequence parallelism)
+embedding          the mask of the embedding's dropout (head; a pipeline's        ``q s_n d``
+                   first stage)
+attention, CPU     SDPA's math path replaces the fused kernel (whose CPU kernel    ``12 s a h + 12 B a T^2``
+                   takes no dropout): fp32 copies of q and k (scaled), v (k, v     in place of ``ps(ah + 2
+                   repeated to the ``a`` query heads), the fp32 probabilities,     a_kv h) + 4sa``
+                   their keep-mask and the dropped probabilities (``B`` the
+                   micro-batch's sequences); fp32 and bf16 alike (the math path
+                   upcasts low precision)
+attention, CUDA    the fused kernels run dropout from a saved seed: what they      unchanged
+                   keep without it
+=================  ==========================================================  ===========================
+
+``selective`` recomputation drops the attention core's own tensors as without dropout (the math path's
+included: the checkpoint keeps q, k, v); ``full`` keeps the block input only. Context parallelism refuses
+dropout. The CPU terms are measured to the byte (the tests); the CUDA ones follow the kernels' autograd formulas
+(not measured here: no GPU). Korthikanti et al.'s formulas set beside these: :mod:`~trickles.memory.korthikanti`.
 
 With context parallelism (``cp`` ranks) every term counts this rank's ``s = batch x T / cp`` tokens
 (``T`` in the cos/sin term becomes ``T / cp``); ring attention saves what the fused kernel saves
