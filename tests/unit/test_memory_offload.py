@@ -24,5 +24,5 @@ def test_offloaded_optimizer_state_is_host_bytes_and_out_of_the_device_peak(tmp_
     lines = rep.table().splitlines()
     assert lines[0].split()[:3] == ["category", "device", "host"]
     row = {line.split()[0]: line for line in lines if line.strip()}
-    assert row["optimizer"].split()[1:3] == ["0", "B"]  # nothing of it on the device
+    assert row["optimizer"].split()[2:4] == ["0", "B"]  # "optimizer (host)": nothing of it on the device
     assert any("offload_optimizer" in line for line in lines)

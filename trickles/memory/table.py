@@ -32,9 +32,10 @@ class MemoryReport:
         has_m = bool(self.measured)
         host = self.host_optimizer
         cols = ("device", "host") if host else ("predicted",)
-        head = f"{'category':<14}" + "".join(f"{c:>14}" for c in cols)
+        width = 18 if host else 14
+        head = f"{'category':<{width}}" + "".join(f"{c:>14}" for c in cols)
         if has_m:
-            head += "".join(f"{'measured ' + c if host else 'measured':>18}" for c in cols) + f"{'meas/pred':>11}"
+            head += "".join(f"{'measured ' + c if host else 'measured':>{width}}" for c in cols) + f"{'meas/pred':>11}"
         lines = []
         if len(self.stages) > 1:
             lines.append(f"pipeline rank {self.stage} of {len(self.stages)} (the highest peak): layers "
@@ -42,7 +43,7 @@ class MemoryReport:
         lines += [head, "-" * len(head)]
         for c in self.CATEGORIES:
             pred, meas = self.predicted.get(c), self.measured.get(c)
-            row = f"{c:<14}"
+            row = f"{c + (' (host)' if host and c == 'optimizer' else ''):<{width}}"
             values = [(pred, meas)]
             if host:  # the optimizer lives on the host; held and peak count the device, the host total beside them
                 on_host = c == "optimizer"
@@ -53,7 +54,7 @@ class MemoryReport:
             row += "".join(f"{_fmt(v):>14}" for v, _ in values)
             if has_m:
                 ratio = f"{meas / pred:.3f}" if meas is not None and pred else "-"
-                row += "".join(f"{_fmt(m):>18}" for _, m in values) + f"{ratio:>11}"
+                row += "".join(f"{_fmt(m):>{width}}" for _, m in values) + f"{ratio:>11}"
             lines.append(row)
         ids = self.stage_layers[self.stage] if self.stage_layers else list(range(len(self.layers_predicted)))
         if self.layers_predicted and not self.layers_measured:
