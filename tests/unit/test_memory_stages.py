@@ -124,3 +124,15 @@ def test_prediction_is_cached_and_unchanged_by_the_cache(tmp_path):
     assert len(meta._CACHE) == 1
     predict(cfg, dims, mc)
     assert len(meta._CACHE) == 1  # the same shape: no second build
+
+
+def test_action_lists_are_the_schedules_own():
+    """The bisecting placement of messages gives exactly the lists schedules.build makes."""
+    from trickles.memory.stages import action_lists
+    from trickles.parallel.schedules import build
+
+    for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
+        for p, m in ((2, 4), (3, 6), (4, 8), (4, 12)):
+            for early in (False, True):
+                shape = Shape(p, v, m)
+                assert [list(x) for x in action_lists(schedule, shape, early)] == build(schedule, shape, early_receives=early)

@@ -42,7 +42,10 @@ activations at their peak.
 
 from __future__ import annotations
 
-from ..parallel.schedules import Action, Shape, build, compute_order
+from bisect import bisect_left
+from functools import lru_cache
+
+from ..parallel.schedules import Action, Shape, _messages, _producer, compute_order, uniform_times
 
 
 def chunk_bytes(act: dict, embedding: int, parts: list[list[int]], shape: Shape, rank: int) -> list[tuple[int, int]]:
@@ -111,7 +114,7 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     runner holds, receive buffers, input gradients until sent, and during a backward ``backward_transient``, a
     layer's own -- on the last virtual stage the larger of the loss's and that less the head's activations, which
     the loss's backward frees before the layers' begins (module docstring)."""
-    actions = build(schedule, shape, early_receives=early_receives)[rank]
+    actions = action_lists(schedule, shape, early_receives)[rank]
     last = shape.stages - 1
     alive = peak = 0
     pending_grads = 0  # input gradients produced, not yet known to be sent
@@ -139,3 +142,32 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
                 pending_grads = msg
             peak = max(peak, alive)
     return peak
+
+
+@lru_cache(maxsize=32)
+def action_lists(schedule: str, shape: Shape, early_receives: bool) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's actions with their messages, as :func:`~trickles.parallel.schedules.build` places them (each
+    send after its compute; each receive after the last compute its rank starts before the send, on gloo no later
+    than the rank's first wait), found by bisection in each rank's start times: ``build``'s count of earlier starts
+    is quadratic in the micro-batches, and a layout search asks for thousands (the tests hold the two equal)."""
+    orders = [compute_order(schedule, shape, r) for r in range(shape.p)]
+    times = uniform_times(orders, shape)
+    out = []
+    for r, order in enumerate(orders):
+        starts = [times[(r, a)][0] for a in order]  # strictly increasing: one compute after another
+        slots: list[list[tuple[int, int, Action]]] = [[] for _ in range(len(order) + 1)]
+        first_read = next((k for k, a in enumerate(order) if _messages(a, shape, r)[0] is not None), 0)
+        for k, a in enumerate(order):
+            recv, send = _messages(a, shape, r)
+            if send:
+                slots[k + 1].append((0, k, send))
+            if recv:
+                slot = bisect_left(starts, times[_producer(a, shape, r)][1])
+                slots[min(slot, first_read) if early_receives else slot].append((1, k, recv))
+        acts: list[Action] = []
+        for k, slot in enumerate(slots):
+            if k:
+                acts.append(order[k - 1])
+            acts += [m for *_, m in sorted(slot, key=lambda x: x[:2])]
+        out.append(tuple(acts))
+    return tuple(out)
