@@ -33,6 +33,14 @@ and ZeRO shards the experts over their ``edp`` group, the ``dp x cp / ep`` ranks
 (:meth:`~trickles.topology.Topology.expert_group`), and every other weight over all ``dp x cp`` replicas.
 What a rank's experts receive depends on the routing:
 the prediction is for a balanced load.
+
+Pipeline stages (``parallel.pp > 1``, :mod:`~trickles.memory.stages`): every pipeline rank is predicted -- its
+parameters (:func:`~trickles.memory.meta.stage_parameters`), its chunks' activations times the chunk-micro-batches
+in flight at its heaviest moment of the schedule's order, the runner's outputs, inputs and message buffers and a
+backward's temporaries as transient -- in ``report.stages``; ``report.predicted`` is the stage with the highest
+peak (``report.stage``). :func:`measure` meters each stage over a whole step
+(:mod:`~trickles.memory.pipeline_meter`) and gathers them on rank 0. With ``memory.offload_optimizer`` the
+optimizer state is host memory (``predicted["host"]``): held and peak count the device.
 """
 
 from __future__ import annotations
