@@ -100,7 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="as for generate, with a KV cache for --max-batch sequences of the model's context")
     v.add_argument("--int8", choices=["weight", "full"], default=None, help="as for generate")
 
-    m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, peak")
+    m = sub.add_parser("memory", help="predict (and measure) the memory per device: parameters, gradients, optimizer, activations, "
+                                      "peak (with pipeline stages, every stage's)")
     config_args(m)
     m.add_argument("--nproc", type=int, default=None, help="number of ranks of the layout (spawned when measuring)")
     m.add_argument("--measure", type=int, default=0, metavar="STEPS", help="also run this many training steps and measure")

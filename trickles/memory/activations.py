@@ -10,7 +10,7 @@ seen the same way.
 **Predicted** (:func:`activation_bytes`) for this implementation, per layer, with ``s`` tokens
 per micro-batch (batch x sequence ``T``), hidden ``d``, query heads ``a`` and key/value heads
 ``a_kv`` of size ``h``, MLP width ``f``, ``p`` bytes per element of the compute type (fused
-attention, dropout 0):
+attention; dropout below):
 
 =================  ==========================================================  ===========================
 piece              saved for backward                                          bytes
@@ -25,6 +25,33 @@ attention          q, k, v after rotation; the fused kernel's output (which    `
 MLP                llama: gate, silu(gate), up, product; gpt2: pre-activation  ``4psf`` / ``2psf``
                    and GELU output
 =================  ==========================================================  ===========================
+
+**Dropout** (``model.dropout > 0``, training) adds, with ``q`` the bytes of one dropout mask element -- on a CPU
+``p`` (``torch.dropout`` multiplies its input by a scaled keep-mask of the input's type, which the product keeps),
+on CUDA 1 (the fused ``native_dropout`` keeps a bool mask):
+
+=================  ==========================================================  ===========================
+piece              saved for backward                                          bytes
+=================  ==========================================================  ===========================
+residual dropouts  the masks after ``o_proj`` and after the MLP (an MoE block's  ``2 q s_n d`` (``+ q s_n d``
+                   output; its shared expert's MLP one more), on the tokens the  with shared experts)
+                   norms see (``s_n = s/tp`` under sequence parallelism)
+embedding          the mask of the embedding's dropout (head; a pipeline's        ``q s_n d``
+                   first stage)
+attention, CPU     SDPA's math path replaces the fused kernel (whose CPU kernel    ``12 s a h + 12 B a T^2``
+                   takes no dropout): fp32 copies of q and k (scaled), v (k, v     in place of ``ps(ah + 2
+                   repeated to the ``a`` query heads), the fp32 probabilities,     a_kv h) + 4sa``
+                   their keep-mask and the dropped probabilities (``B`` the
+                   micro-batch's sequences); fp32 and bf16 alike (the math path
+                   upcasts low precision)
+attention, CUDA    the fused kernels run dropout from a saved seed: what they      unchanged
+                   keep without it
+=================  ==========================================================  ===========================
+
+``selective`` recomputation drops the attention core's own tensors as without dropout (the math path's
+included: the checkpoint keeps q, k, v); ``full`` keeps the block input only. Context parallelism refuses
+dropout. The CPU terms are measured to the byte (the tests); the CUDA ones follow the kernels' autograd formulas
+(not measured here: no GPU). Korthikanti et al.'s formulas set beside these: :mod:`~trickles.memory.korthikanti`.
 
 With context parallelism (``cp`` ranks) every term counts this rank's ``s = batch x T / cp`` tokens
 (``T`` in the cos/sin term becomes ``T / cp``); ring attention saves what the fused kernel saves
@@ -111,6 +138,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
                      cp_mode: str = "ring", ep: int = 1, fused_loss: bool = False, fp16: bool = False) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
+    "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's),
+    "terms": a dense layer by piece -- norms, attention, MLP (each with the norm output its linears keep), dropout masks,
     "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...}``
     for one micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
 
@@ -143,8 +172,14 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         norm = 4 * sn * d + 8 * sn + p * sn * d
     else:
         norm = 2 * p * sn * d + 2 * p * sn
-    lse = 4 * s * a
-    attention = p * s * (a * h + 2 * kv * h) + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
+    drop = cfg.dropout > 0
+    mask = (1 if device_type == "cuda" else p) if drop else 0  # bytes per element one dropout keeps (module docstring)
+    qkv = p * s * (a * h + 2 * kv * h)
+    if drop and device_type != "cuda":  # SDPA's math path: fp32 q, k, v (k, v repeated to a heads), scores' three
+        lse = 4 * 3 * s * a * h + 12 * batch * a * seq * seq - qkv  # copies; in place of what the fused kernel keeps
+    else:
+        lse = 4 * s * a
+    attention = qkv + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
     if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of the heads they select
         attention += 2 * 8 * a
     mlp = (4 if llama else 2) * p * s * f
@@ -157,12 +192,19 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
-    def block(ffn: int) -> int:
+    def block(ffn: int, drops: int = 2) -> int:  # ``drops``: the dropouts on the residual branches
+        ffn += drops * mask * sn * d
         return {"none": 2 * norm + attention + ffn, "selective": 2 * norm + attention + ffn - lse - core_extra,
                 "full": full}[recompute]
 
     layer = block(mlp)
-    moe_layer = block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type)) if cfg.moe_experts else 0
+    recomputed = {"none": 0, "selective": lse + core_extra, "full": None}[recompute]
+    # a dense layer by piece (each norm's output counted with the linears that keep it): sums to ``layer``
+    terms = {"block input": full} if recomputed is None else {
+        "norms": 2 * (norm - p * sn * d), "attention": p * sn * d + attention - recomputed, "mlp": p * sn * d + mlp,
+        "dropout masks": 2 * mask * sn * d}
+    moe_layer = (block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type),
+                       3 if cfg.moe_shared_experts else 2) if cfg.moe_experts else 0)
     vocab = _vocab(cfg)
     if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
         # gradient over all tokens, the fp32 weight gradient
@@ -171,7 +213,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         head = 18 * s + norm + 4 * s * (vocab // t) + 4
     else:  # ... and F.cross_entropy's fp32 total weight, a scalar
         head = 16 * s + norm + 4 * s * vocab + 4
-    head += 0 if llama else 8 * seq
+    embedding = (9 if t > 1 else 8) * s + (0 if llama else 8 * seq) + mask * sn * d  # ids, gpt2's positions, dropout
+    head += embedding - (9 if t > 1 else 8) * s  # (the ids are counted above)
     moe = set(cfg.moe_layers)
     per_layer = [moe_layer if i in moe else layer for i in range(cfg.n_layers)]
     layers = sum(per_layer)
@@ -181,7 +224,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if per_layer:
         per_layer[0] += tables + labels
     return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
-            "tables": tables + labels, "total": layers + head + tables + labels}
+            "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels, "terms": terms}
 
 
 def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,
