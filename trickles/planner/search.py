@@ -22,8 +22,9 @@ gradients] + k n / R^[z>=1]`` (``R = dp cp`` replicas, experts over ``edp = R / 
 bytes per element as the memory report counts them; the optimizer on the host under offload), plus the saved
 activations of its layers (:func:`trickles.memory.tp_modes.activations`) times the micro-batches in flight
 (GPipe ``m``, 1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunks), the
-head and the loss's transient on the last rank -- a lower bound of the memory report's peak (no padding, step
-counters or buffers), so a layout whose bound exceeds ``(1 - headroom)`` of device memory, or whose offloaded
+head and the loss's transient on the last rank, and the report's other transients (two gradient buckets under
+ZeRO-2, the root and two gathered blocks under ZeRO-3, ring attention's blocks, expert rows in flight) -- a lower
+bound of the memory report's peak (it leaves out the flat buffers' padding and Adam's step counters), so a layout whose bound exceeds ``(1 - headroom)`` of device memory, or whose offloaded
 optimizer exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
 :func:`~trickles.planner.cost.step_time`; only those a report needs -- the fastest ``K`` that fit and the best of
 each alternative it explains -- get the full :func:`trickles.memory.report.predict` (cached per layout), walking
@@ -284,6 +285,7 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     from ..kernels import runs_triton
     from ..kernels.cross_entropy import fused_on
     from ..memory.activations import loss_transient_bytes
+    from ..memory.report import expert_rows_in_flight, ring_blocks_in_flight
     from ..memory.tp_modes import activations
     from ..optim.settings import OptimizerSettings
     from ..parallel.pipeline import partition_layers
@@ -314,6 +316,24 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     loss = (loss_transient_nd(mc, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(mc, tokens, p, dims.tp, fused_on(mc.fused_loss, mc.kernels, device_type),
                                       runs_triton(mc.kernels, device_type)))
+    in_layer = 0  # the memory report's transients of one layer at a time: ring blocks, expert rows
+    if dims.cp > 1 and par.cp_mode == "ring":
+        in_layer += ring_blocks_in_flight(mc, tokens, p, dims.tp)
+    if dims.ep > 1 and mc.moe_layers:
+        routed = tokens // dims.tp if sp else tokens
+        in_layer += expert_rows_in_flight(mc, micro, routed // micro, cfg.data.seq_len, p)
+
+    def buffers(n: int, first: bool, last: bool) -> float:
+        """ZeRO's transients on ``n`` parameters: two gradient buckets (stage 2, and 1 without accumulation), or
+        the root and two gathered blocks (stage 3)."""
+        if sharded_grads and zero < 3:
+            bucket = par.bucket_mb * 2**20 if par.bucket_mb > 0 else n * g
+            return in_layer + 2 * min(bucket, n * g)
+        if zero == 3:
+            root = sum(rank_params(mc, dims, [], first, last))
+            return in_layer + p * (root + 2 * (n - root) / mc.n_layers)
+        return in_layer
+
     params_key = ("params", dims.tp, dims.tp_mode, dims.tp_depth, dims.ep, dims.pp, v, tuple(par.pipeline_layers))
     params = cache.get(params_key) if cache is not None else None
     if params is None:
@@ -333,11 +353,9 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
         alive = in_flight(par.schedule, dims.pp, v, m, r)
         chunk_bytes = [sum(per_layer[i] for i in c) for c in chunks]
         held = alive * (chunk_bytes[0] if v == 1 else min(chunk_bytes))
-        if last:
+        if last:  # (the first layer's entry includes what it keeps once for all, e.g. the rotary tables)
             held += act["head"] + loss
-        if first:
-            held += act["tables"]
-        stages.append(states + (0 if offload else optimizer) + held)
+        stages.append(states + (0 if offload else optimizer) + held + buffers(whole, first, last))
         host = max(host, optimizer * ranks_per_node if offload else 0.0)
     return Bound(max(stages), host, stages)
 
@@ -460,7 +478,8 @@ class Search:
         over = False
         for i, layout in enumerate(chain):
             got = self._evaluate(layout)
-            if got is None:  # (recomputation does not change what validate checks)
+            if got is None:  # (recomputation does not change what validate checks: the rest are invalid too)
+                self.counts["invalid"] += len(chain) - i - 1
                 return None, False
             over = got is False
             if got:
@@ -496,13 +515,17 @@ class Search:
         """Times ``family``'s micro-batches in ascending order until one is over the bound; returns the fastest (the
         first within the bound with ``stop_at_first``)."""
         best = None
-        for chain in family:
+        for n, chain in enumerate(family):
             cand, over = self._time_chain(chain)
             if cand is not None:
                 if stop_at_first:
                     return cand
                 best = cand if best is None or cand.sort_key() < best.sort_key() else best
-            elif over:
+            elif over:  # larger micro-batches hold more
+                skipped = [c for c in family[n + 1:] if c[0] not in self._timed]
+                for c in skipped:
+                    self._timed[c[0]] = (None, True)
+                self.counts["over_memory"] += sum(len(c) for c in skipped)
                 break
         return best
 
