@@ -462,6 +462,9 @@ def _plan(args) -> int:
     _count("--top", args.top, 1)
     for option, path in (("--json", args.json), ("--write-config", args.write_config), ("--calibrate", args.calibrate)):
         _writable(option, path)
+    if args.calibrate is None and args.cluster is None and not (args.config is not None and _has_cluster(args.config)):
+        raise UserError("give --cluster NAME|FILE (a preset: dgx-a100, dgx-h100, local; or a cluster TOML), a [cluster] "
+                        "table in the config, or --calibrate")
     cfg = Config.load(args.config, args.overrides)
     pins = pinned_keys(args.config, args.overrides)
     model_cfg = plan_model(cfg)
@@ -471,13 +474,8 @@ def _plan(args) -> int:
         device = "cuda" if cfg.train.device != "cpu" and _cuda() else "cpu"
         cluster = calibrate(cfg, model_cfg, device=device, base=args.cluster or "local", path=args.calibrate)
         print(f"[trickles] calibrated this machine: {args.calibrate}")
-    elif args.cluster is not None:
-        cluster = load_cluster(args.cluster)
-    elif args.config is not None and _has_cluster(args.config):
-        cluster = load_cluster(args.config)
     else:
-        raise UserError("give --cluster NAME|FILE (a preset: dgx-a100, dgx-h100, local; or a cluster TOML), a [cluster] "
-                        "table in the config, or --calibrate")
+        cluster = load_cluster(args.cluster or args.config)
     search = Search(cfg, model_cfg, cluster, args.devices, pins).run()
     top = search.top(args.top)
     if not top:
