@@ -111,6 +111,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
                      cp_mode: str = "ring", ep: int = 1, fused_loss: bool = False, fp16: bool = False) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
+    "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's),
     "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...}``
     for one micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
 
@@ -143,8 +144,14 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         norm = 4 * sn * d + 8 * sn + p * sn * d
     else:
         norm = 2 * p * sn * d + 2 * p * sn
-    lse = 4 * s * a
-    attention = p * s * (a * h + 2 * kv * h) + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
+    drop = cfg.dropout > 0
+    mask = (1 if device_type == "cuda" else p) if drop else 0  # bytes per element one dropout keeps (module docstring)
+    qkv = p * s * (a * h + 2 * kv * h)
+    if drop and device_type != "cuda":  # SDPA's math path: fp32 q, k, v (k, v repeated to a heads), scores' three
+        lse = 4 * 3 * s * a * h + 12 * batch * a * seq * seq - qkv  # copies; in place of what the fused kernel keeps
+    else:
+        lse = 4 * s * a
+    attention = qkv + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
     if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of the heads they select
         attention += 2 * 8 * a
     mlp = (4 if llama else 2) * p * s * f
@@ -157,12 +164,14 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
 
-    def block(ffn: int) -> int:
+    def block(ffn: int, drops: int = 2) -> int:  # ``drops``: the dropouts on the residual branches
+        ffn += drops * mask * sn * d
         return {"none": 2 * norm + attention + ffn, "selective": 2 * norm + attention + ffn - lse - core_extra,
                 "full": full}[recompute]
 
     layer = block(mlp)
-    moe_layer = block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type)) if cfg.moe_experts else 0
+    moe_layer = (block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type),
+                       3 if cfg.moe_shared_experts else 2) if cfg.moe_experts else 0)
     vocab = _vocab(cfg)
     if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
         # gradient over all tokens, the fp32 weight gradient
@@ -171,7 +180,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         head = 18 * s + norm + 4 * s * (vocab // t) + 4
     else:  # ... and F.cross_entropy's fp32 total weight, a scalar
         head = 16 * s + norm + 4 * s * vocab + 4
-    head += 0 if llama else 8 * seq
+    embedding = (9 if t > 1 else 8) * s + (0 if llama else 8 * seq) + mask * sn * d  # ids, gpt2's positions, dropout
+    head += embedding - (9 if t > 1 else 8) * s  # (the ids are counted above)
     moe = set(cfg.moe_layers)
     per_layer = [moe_layer if i in moe else layer for i in range(cfg.n_layers)]
     layers = sum(per_layer)
@@ -181,7 +191,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if per_layer:
         per_layer[0] += tables + labels
     return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
-            "tables": tables + labels, "total": layers + head + tables + labels}
+            "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels}
 
 
 def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,

@@ -37,13 +37,12 @@ the prediction is for a balanced load.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from types import SimpleNamespace
+import dataclasses
+
 
 import torch
 
 from ..config import Config
-from ..errors import ConfigError
 from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
@@ -51,139 +50,25 @@ from ..kernels.cross_entropy import fused_on
 from ..parallel.tensor_nd_costs import Layout, loss_transient_nd
 from .accounting import peak_allocated
 from .activations import ActivationMeter, loss_transient_bytes
+from .meta import rank_model, stage_parameters
 from .precision import policy
-from .tp_modes import activations, compare_tp_modes, shard_meta
+from .states import _root_params, engine_state_bytes
+from .table import GiB, MemoryReport, _fmt  # noqa: F401 (the report's public names)
+from .tp_modes import activations, compare_tp_modes
 
-GiB = 2**30
-
-
-@dataclass
-class MemoryReport:
-    """Bytes per device by category; ``measured`` is empty until :func:`measure` fills it."""
-
-    predicted: dict[str, float]
-    layers_predicted: list[int]
-    measured: dict[str, float] = field(default_factory=dict)
-    layers_measured: list[int] = field(default_factory=list)
-    host_optimizer: bool = False
-    notes: list[str] = field(default_factory=list)
-    moe_layers: list[int] = field(default_factory=list)  # which layers are mixture-of-experts blocks
-    tp_modes: str = ""  # the tensor-parallel modes at this tp, side by side (tp_modes.compare_tp_modes)
-
-    CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
-
-    def table(self, device_gb: float | None = None) -> str:
-        has_m = bool(self.measured)
-        head = f"{'category':<14}{'predicted':>14}" + (f"{'measured':>14}{'meas/pred':>11}" if has_m else "")
-        lines = [head, "-" * len(head)]
-        for c in self.CATEGORIES:
-            name = c + (" (host)" if c == "optimizer" and self.host_optimizer else "")
-            row = f"{name:<14}{_fmt(self.predicted.get(c)):>14}"
-            if has_m:
-                m = self.measured.get(c)
-                ratio = f"{m / self.predicted[c]:.3f}" if m is not None and self.predicted.get(c) else "-"
-                row += f"{_fmt(m):>14}{ratio:>11}"
-            lines.append(row)
-        if self.layers_predicted and not self.layers_measured:
-            lines.append("")
-            lines.extend(self._layer_summary())
-        elif self.layers_predicted:
-            lines.append("")
-            lines.append(f"{'per layer':<14}{'predicted':>14}" + (f"{'measured':>14}" if self.layers_measured else ""))
-            for i, pl in enumerate(self.layers_predicted):
-                ml = self.layers_measured[i] if i < len(self.layers_measured) else None
-                name = f"layer {i}" + (" (MoE)" if i in self.moe_layers else "")
-                lines.append(f"{name:<14}{_fmt(pl):>14}" + (f"{_fmt(ml):>14}" if self.layers_measured else ""))
-        if device_gb is not None:
-            peak = max(self.measured.get("peak") or 0, self.predicted["peak"])
-            cap = device_gb * 1e9
-            verdict = "fits" if peak <= 0.9 * cap else ("tight" if peak <= cap else "does NOT fit")
-            lines.append("")
-            lines.append(f"device of {device_gb:g} GB: peak {_fmt(peak)} is {100 * peak / cap:.0f}% of it -> {verdict}"
-                         + (" (keep 10% for the allocator and the framework)" if verdict == "tight" else ""))
-        lines.extend(f"note: {n}" for n in self.notes)
-        if self.tp_modes:
-            lines.extend(["", self.tp_modes])
-        return "\n".join(lines)
-
-    def _layer_summary(self) -> list[str]:
-        """One line per kind of layer (dense, mixture of experts): what each keeps; the first layer apart when it
-        keeps more (context parallel llama in fp32: the gathered rotary tables)."""
-        moe = set(self.moe_layers)
-        lines = []
-        for kind in ("dense", "mixture-of-experts"):
-            idx = [i for i in range(len(self.layers_predicted)) if (i in moe) == (kind != "dense")]
-            if not idx:
-                continue
-            label = f" {kind}" if moe else ""
-            first, rest = self.layers_predicted[idx[0]], [self.layers_predicted[i] for i in idx[1:]]
-            if all(x == first for x in rest):
-                lines.append(f"each of the {len(idx)}{label} layers: {_fmt(first)} of saved activations")
-            else:
-                lines.append(f"layer {idx[0]}: {_fmt(first)}, each of the other {len(rest)}{label}: {_fmt(rest[0])} of saved activations")
-        return lines
-
-    def plot(self, path: str) -> bool:
-        """Bar chart of predicted (and measured) bytes per category; False without matplotlib."""
-        try:
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-        except ImportError:
-            return False
-        cats = [c for c in self.CATEGORIES if self.predicted.get(c)]
-        top = max(max(self.predicted.values()), max(self.measured.values(), default=0))
-        unit, size = ("GiB", GiB) if top >= GiB else ("MiB", 2**20)
-        x = range(len(cats))
-        fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
-        w = 0.4 if self.measured else 0.8
-        ax.bar([i - (w / 2 if self.measured else 0) for i in x], [self.predicted[c] / size for c in cats], w, label="predicted")
-        if self.measured:
-            ax.bar([i + w / 2 for i in x], [(self.measured.get(c) or 0) / size for c in cats], w, label="measured")
-        ax.set_xticks(list(x))
-        ax.set_xticklabels(cats)
-        ax.set_ylabel(f"{unit} per device")
-        ax.legend()
-        ax.grid(axis="y", alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path)
-        plt.close(fig)
-        return True
-
-
-def _fmt(v) -> str:
-    if v is None:
-        return "-"
-    for unit, size in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(v) >= size:
-            return f"{v / size:,.2f} {unit}"
-    return f"{v:,.0f} B"
 
 
 def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu", dp_rank: int = 0) -> MemoryReport:
     """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved): the device of
     data-parallel rank ``dp_rank`` (ranks differ by a few bytes under ZeRO >= 1: the segments each owns; with
     context parallelism the rank in the ``dp x cp`` group, :meth:`~trickles.topology.Topology.replicas`; with
-    expert parallelism that rank's experts and its place, ``dp_rank // ep``, in its ``edp`` group)."""
-    from ..models.transformer import Transformer, count_params
+    expert parallelism that rank's experts and its place, ``dp_rank // ep``, in its ``edp`` group).
 
-    if dims.pp > 1:
-        raise ConfigError("the memory report does not model pipeline stages yet (each holds its layers and up to pp "
-                          "micro-batches' activations under 1F1B); run it with parallel.pp=1")
-
-    with torch.device("meta"):
-        meta = Transformer(model_cfg)
-    total_params = count_params(meta)
-    active_params = total_params - _idle_expert_params(meta)
-    if dims.ep > 1:  # this rank's E / ep experts of every MoE block, in the order the plan applies them
-        from ..parallel.expert import apply_expert_parallel
-
-        # (the dispatch it installs would talk over the ep group; the meta model never runs it)
-        apply_expert_parallel(meta, SimpleNamespace(size=dims.ep, rank=dp_rank % dims.ep))
-    shard_meta(meta, dims, cfg.parallel.sequence_parallel)  # what one tensor-parallel rank holds (1-D or a grid)
-    n = count_params(meta)
+    With pipeline stages (``parallel.pp > 1``) every pipeline rank is predicted (:mod:`~trickles.memory.stages`):
+    ``report.stages[r]`` holds rank ``r``'s categories and ``report.predicted`` is the stage with the highest peak."""
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
+    rm = rank_model(model_cfg, dims, cfg.parallel.sequence_parallel, dp_rank, prec.param_dtype)
+    total_params, active_params, n_rank = rm.total_params, rm.active_params, rm.numel
     p = torch.finfo(prec.param_dtype).bits // 8
     g = torch.finfo(prec.grad_dtype).bits // 8
     offload = cfg.memory.offload_optimizer
@@ -193,8 +78,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # replica r is rank r // ep of its edp group
     edp = dims.dp * dims.cp // dims.ep
     accumulates = cfg.accumulates(dims)
-    states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, dp_rank,
-                                (edp, dp_rank // dims.ep) if dims.ep > 1 else None, accumulates)
+    experts = (edp, dp_rank // dims.ep) if dims.ep > 1 else None
     micro, _ = cfg.batch_plan(dims.dp)
     triton = runs_triton(model_cfg.kernels, device_type)
     fused = fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type)
@@ -202,31 +86,95 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     act = activations(cfg, model_cfg, lay, dims, device_type)
     tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
     # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
-    transient = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
-                 else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton))
+    loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
+            else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton))
+    layer_transient = 0  # one layer's at a time
     if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
-        transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
+        layer_transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
     if dims.ep > 1 and model_cfg.moe_layers:
         routed = tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens
-        transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p)
-    if stage == 2 or (stage == 1 and not accumulates):  # bucket buffers filling and in flight
-        bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n * g
-        transient += 2 * min(bucket, n * g)
-    if stage == 3:
-        root = _root_params(meta)
-        transient += p * (root + 2 * (n - root) / model_cfg.n_layers)
-    device_states = states["parameters"] + states["gradients"] + (0 if offload else states["optimizer"])
-    predicted = {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"],
-                 "activations": sum(act["per_layer"]), "head": act["head"], "transient": transient}
-    predicted["held"] = device_states + act["total"]
-    predicted["peak"] = predicted["held"] + transient
-    report = MemoryReport(predicted, list(act["per_layer"]), host_optimizer=offload, moe_layers=list(model_cfg.moe_layers))
+        layer_transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p)
+
+    def states_of(named, key) -> dict:
+        memo = (rm.key, key, dims.dp, dims.cp, dp_rank, experts, accumulates, repr(cfg.parallel), repr(cfg.memory),
+                cfg.train.optimizer, cfg.train.weight_decay)
+        if memo not in _STATES:
+            _STATES[memo] = engine_state_bytes(named, cfg, dims.dp * dims.cp, dp_rank, experts, accumulates)
+            if len(_STATES) > 4096:
+                _STATES.pop(next(iter(_STATES)))
+        return _STATES[memo]
+
+    def categories(states: dict, activations: int, head: int, transient: int) -> dict:
+        device_states = states["parameters"] + states["gradients"] + (0 if offload else states["optimizer"])
+        out = {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"],
+               "activations": activations, "head": head, "transient": transient}
+        out["held"] = device_states + activations + head
+        out["peak"] = out["held"] + transient
+        out["host"] = states["optimizer"] if offload else 0
+        return out
+
+    notes = []
+    if dims.pp == 1:
+        states = states_of(rm.module if stage == 3 else rm.named, "all")
+        transient = loss + layer_transient
+        if stage == 2 or (stage == 1 and not accumulates):  # bucket buffers filling and in flight
+            bucket = (cfg.parallel.bucket_mb * 2**20) if cfg.parallel.bucket_mb > 0 else n_rank * g
+            transient += 2 * min(bucket, n_rank * g)
+        if stage == 3:
+            root = _root_params(rm.module)
+            transient += p * (root + 2 * (n_rank - root) / model_cfg.n_layers)
+        rows = [categories(states, sum(act["per_layer"]), act["head"], transient)]
+        layer_ids = [list(range(model_cfg.n_layers))]
+    else:
+        from ..parallel.pipeline import partition_layers
+        from ..parallel.schedules import Shape, compute_order
+        from .stages import buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight
+
+        _, m = cfg.batch_plan(dims.dp)
+        shape = Shape(dims.pp, cfg.parallel.virtual_stages, m)
+        parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
+        msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
+        saves_input = input_saved(model_cfg.flavor, p, device_type, cfg.memory.recompute)
+        mlp_backward = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp  # two gradients of the MLP's hidden activations
+        if cfg.memory.recompute != "none":  # and what recomputation brings back of the layer in its backward
+            plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),
+                                model_cfg, lay, dims, device_type)["per_layer"]
+            mlp_backward += max(a - b for a, b in zip(plain, act["per_layer"]))
+        rows, layer_ids = [], []
+        for r in range(dims.pp):
+            ids = sorted(i for c in range(shape.v) for i in parts[shape.stage(r, c)])
+            first, last = r == 0, r == dims.pp - 1
+            named = stage_parameters(rm, set(ids), first, last, model_cfg.tied)
+            states = states_of(named, (tuple(ids), first, last))
+            weights = chunk_bytes(act, embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type),
+                                  parts, shape, r)
+            lay_b, head_b, _ = peak_in_flight(compute_order(cfg.parallel.schedule, shape, r), weights)
+            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves_input, loss if last else 0,
+                                   early_receives=device_type != "cuda", backward_transient=mlp_backward)
+            rows.append(categories(states, lay_b, head_b, buffers - lay_b - head_b + layer_transient))
+            layer_ids.append(ids)
+        notes.append(f"pp={dims.pp} {cfg.parallel.schedule}" + (f" x {shape.v} chunks" if shape.v > 1 else "")
+                     + f", {m} micro-batches of {msg:,} B per message: each stage holds its layers' saved activations "
+                     "times the micro-batches in flight at its peak (the schedule's order), and the stage outputs, "
+                     "inputs and receive buffers the runner keeps (transient)")
+    top = max(range(len(rows)), key=lambda r: rows[r]["peak"])
+    per_layer = act["per_layer"]
+    report = MemoryReport(dict(rows[top]), [per_layer[i] for i in layer_ids[top]], host_optimizer=offload,
+                          moe_layers=list(model_cfg.moe_layers), stages=rows, stage_layers=layer_ids, stage=top)
+    n = n_rank if dims.pp == 1 else sum(prm.numel() for _, prm in stage_parameters(
+        rm, set(layer_ids[top]), top == 0, top == dims.pp - 1, model_cfg.tied))
     mode = f" {lay.mode} (q={lay.q}{f', d={lay.depth}' if lay.mode == '2.5d' else ''})" if lay.grid else ""
     tp = f", tp={dims.tp}{mode}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
     tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
                         f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}"
                         + (", fused loss (no [tokens, vocab] logits)" if fused else ""))
+    report.notes.extend(notes)
+    if model_cfg.dropout > 0 and lay.grid:
+        report.notes.append(f"model.dropout={model_cfg.dropout:g}: the masks of a tensor-parallel grid are not counted")
+    if offload:
+        report.notes.append("memory.offload_optimizer: the optimizer state (fp32 master weights, fp32 gradient copy, "
+                            "moments) is in host memory; held and peak count the device only")
     if model_cfg.moe_experts:
         mc = model_cfg
         note = (f"mixture of experts in {len(mc.moe_layers)} of {mc.n_layers} blocks: {mc.moe_experts} experts, top-{mc.moe_top_k}"
@@ -243,17 +191,13 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     return report
 
 
-def _idle_expert_params(model) -> int:
-    """Parameters a token does not pass through: the ``E - k`` routed experts it is not sent to, in every MoE block."""
-    from ..models.moe import MoE
+_STATES: dict = {}  # engine_state_bytes by rank model, stage and what else it reads (a layout search asks again and again)
 
-    idle = 0
-    for block in model.layers.values():
-        if isinstance(block.mlp, MoE):
-            ex = block.mlp.experts
-            per_expert = sum(prm.numel() for prm in ex.parameters()) // ex.count
-            idle += (ex.count - block.mlp.top_k) * per_expert
-    return idle
+
+def embedding_bytes(act: dict, model_cfg: ModelConfig, lay: Layout, micro: int, seq: int, device_type: str) -> int:
+    """The part of ``act["head"]`` the embedding keeps (a pipeline's first stage): the token ids (the
+    vocabulary-parallel embedding's shifted ids and out-of-range mask), gpt2's position ids, the dropout mask."""
+    return act.get("embedding", 8 * micro * seq + (0 if model_cfg.flavor == "llama" else 8 * seq))
 
 
 def expert_rows_in_flight(cfg: ModelConfig, batch: int, tokens: int, seq: int, p: int) -> int:
@@ -279,100 +223,61 @@ def ring_blocks_in_flight(cfg: ModelConfig, tokens: int, p: int, tp: int = 1) ->
     return 2 * block * p + 2 * block * 4
 
 
-def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tuple[int, int] | None = None,
-                       accumulates: bool = True) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
-
-    ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type. These are
-    the ZeRO formulas (:func:`~trickles.memory.accounting.zero_model_state_bytes`) with ``p``, ``g``
-    bytes per parameter and gradient and ``k`` of optimizer state (Adam's or LAMB's moments 8, LARS's or SGD's
-    momentum 4, plain SGD 0; fp32 master
-    weights apart from low-precision or offloaded parameters 4; an fp32 copy of low-precision or
-    offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
-    multiple of ``16 dp`` elements (:class:`~trickles.parallel.flat.FlatLayout`; under ZeRO-3 one
-    bucket per block and one for the root), and (AdamW, LAMB) a 4-byte step counter per owned parameter segment.
-    ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
-    experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it). ``accumulates``: a step
-    adds up several micro-batches' gradients (stage 1 then keeps the full gradient buffer; otherwise it holds its shard,
-    as stage 2 does).
-    """
-    from ..optim.settings import OptimizerSettings
-    from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
-    from ..parallel.flat import FlatLayout
-
-    prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
-    p = torch.finfo(prec.param_dtype).bits // 8
-    g = torch.finfo(prec.grad_dtype).bits // 8
-    offload = cfg.memory.offload_optimizer
-    settings = OptimizerSettings.from_train(cfg.train)
-    k = 4 * len(settings.state_keys) + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
-    stage = cfg.parallel.zero
-    worlds, ranks = ([dp], [dp_rank]) if experts is None else ([dp, experts[0]], [dp_rank, experts[1]])
-    if stage == 3:
-        from ..parallel.expert import expert_modules
-        from ..parallel.zero3 import _owned
-
-        names = {id(m): name for name, m in meta.named_modules()}
-        expert_units = expert_modules(meta) if experts is not None else []
-        units = [*meta.layers.values(), *expert_units, meta]
-        unit_ids = {id(m) for m in units}
-        group = [1 if any(m is e for e in expert_units) else 0 for m in units]
-        layouts = [FlatLayout(_owned(m, names[id(m)], unit_ids - {id(m)})[0], worlds[gi], None) for m, gi in zip(units, group)]
-        shard = sum(lay.shard_numel for lay in layouts)
-        params, grads = p * shard, g * shard
-        segments = [seg for lay, gi in zip(layouts, group) for seg in lay.segments(ranks[gi])]
-    else:
-        layout = FlatLayout(unique_named_parameters(meta), worlds, bucket_bytes(cfg.parallel.bucket_mb),
-                            first_bucket_bytes=FIRST_BUCKET_BYTES,
-                            group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")))
-        params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
-        sharded = stage == 2 or (stage == 1 and not accumulates)  # stage 1 reduces like stage 2 unless it accumulates
-        grads = g * (layout.shard_numel if sharded else layout.total)
-        segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
-    optimizer = k * sum(s.numel for s in segments) + (4 * len(segments) if settings.counts_steps else 0)
-    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
-
-
-def _root_params(model) -> int:
-    layer_ids = {id(p) for blk in model.layers.values() for p in blk.parameters()}
-    seen, total = set(), 0
-    for prm in model.parameters():
-        if id(prm) not in layer_ids and id(prm) not in seen:
-            seen.add(id(prm))
-            total += prm.numel()
-    return total
-
-
 def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
-    """Runs ``steps`` training steps on ``trainer`` and fills ``report.measured`` (every rank must call it)."""
+    """Runs ``steps`` training steps on ``trainer`` and fills ``report.measured`` (every rank must call it).
+
+    A pipeline stage (``trainer.pipeline``) runs at least two: one metered over the whole step
+    (:func:`~trickles.memory.pipeline_meter.meter_pipeline_step`: the activations it holds over the micro-batches in
+    flight), the last profiled for the peak; each rank measures its own stage, and rank 0 gathers every stage's
+    (``report.stages_measured``; ``report.measured``: the stage ``report.stage``)."""
     device = trainer.device
+    pipelined = trainer.pipeline is not None
+    metered = None
+    if pipelined:
+        from .pipeline_meter import meter_pipeline_step
+
+        metered = meter_pipeline_step(trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(max(1, steps) - 1):
+    for _ in range(max(1, steps) - 1 - pipelined):
         trainer.train_step()
     before = trainer.engine.memory()
     _, rise = peak_allocated(trainer.train_step, device)  # CPU: every allocation of the step, from the profiler
     states = trainer.engine.memory()
-    x, y = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
-    exclude = getattr(trainer.engine, "gathered_storages", None)
-    trainer.engine.zero_grad()
-    with ActivationMeter(trainer.model, exclude=exclude) as meter:
-        loss = trainer._loss(x, y)
-    loss.backward()  # release the graph the way training would
-    trainer.engine.finish_backward()
-    trainer.engine.zero_grad()
+    if metered is None:
+        x, y = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
+        exclude = getattr(trainer.engine, "gathered_storages", None)
+        trainer.engine.zero_grad()
+        with ActivationMeter(trainer.model, exclude=exclude) as meter:
+            loss = trainer._loss(x, y)
+        loss.backward()  # release the graph the way training would
+        trainer.engine.finish_backward()
+        trainer.engine.zero_grad()
+        per_layer = meter.per_layer
+        metered = {"activations": sum(meter.layers.values()), "head": per_layer.get("head", 0)}
+    else:
+        per_layer = metered["per_layer"]
     m = dict(states)
-    m["activations"] = sum(meter.layers.values())
-    m["head"] = meter.per_layer.get("head", 0)
-    m["held"] = m["parameters"] + m["gradients"] + (0 if report.host_optimizer else m["optimizer"]) + m["activations"] + m["head"]
+    m["activations"], m["head"] = metered["activations"], metered["head"]
+    on_device = (0 if report.host_optimizer else m["optimizer"])
+    m["held"] = m["parameters"] + m["gradients"] + on_device + m["activations"] + m["head"]
+    m["host"] = m["optimizer"] if report.host_optimizer else 0
     if device.type == "cuda":
         m["peak"] = torch.cuda.max_memory_allocated(device)
     else:  # the model states held when the last step began, and the most the step allocated above them
         m["peak"] = before["parameters"] + before["gradients"] + (0 if report.host_optimizer else before["optimizer"]) + rise
         report.notes.append("CPU: the measured peak is the model states plus the most the last step allocated above them "
                             "(the profiler's record of allocations)")
-    report.measured = m
-    report.layers_measured = [meter.per_layer.get(f"layers.{i}", 0) for i in range(trainer.model_cfg.n_layers)]
+    ids = range(trainer.model_cfg.n_layers)
+    layers = [per_layer.get(f"layers.{i}", 0) for i in ids if not pipelined or f"layers.{i}" in per_layer]
+    report.measured, report.layers_measured = m, layers
+    if pipelined:
+        from .pipeline_meter import gather_stages
+
+        got = gather_stages(trainer, m, layers)
+        if got is not None:
+            report.stages_measured = got[0]
+            report.measured, report.layers_measured = got[0][report.stage], got[1][report.stage]
     return report
 
 

@@ -1,0 +1,56 @@
+"""The memory report under pipeline stages: every stage's model states and the activations it holds over the
+micro-batches in flight, predicted against measured on the ranks, for each schedule."""
+
+import pytest
+import torch
+
+from helpers import tiny_config
+from trickles.memory.report import measure, predict
+from trickles.testing import run_ranks
+from trickles.train.trainer import Trainer
+
+CPU = torch.device("cpu")
+EXACT = ("parameters", "gradients", "optimizer", "activations", "head", "held", "host")
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """This run's tokenized-data cache, shared by the module's tests (spawned ranks get it in their overrides)."""
+    return f"data.cache_dir={tmp_path_factory.mktemp('memory-pp-cache')}"
+
+
+def _stages(tmp, cache, world, overrides):
+    cfg = tiny_config(tmp, cache, "train.micro_batch=2", "train.global_batch=8", *overrides, steps=3)
+    tr = Trainer(cfg, cfg.validate(world).build(CPU), quiet=True)
+    rep = measure(tr, predict(tr.cfg, tr.topo.dims, tr.model_cfg), steps=2)
+    if not rep.stages_measured:
+        return None
+    return rep.stages, rep.stages_measured, rep.stage, rep.layers_predicted, rep.layers_measured, tr.pipeline.peak_alive, rep.table()
+
+
+# each schedule (pp=2; interleaved with 2 chunks of 4 layers), and pp=2 x dp=2 with ZeRO-1, offload, bf16, dropout
+CASES = {
+    "gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
+    "1f1b": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
+    "interleaved": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.n_layers=4"]),
+    "gpt2-tied-bf16-dropout": (2, ["parallel.pp=2", "model.preset=gpt2-tiny", "memory.precision=bf16", "model.dropout=0.1",
+                                   "model.n_layers=3", "memory.recompute=selective"]),
+    "dp2-zero1-offload": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "memory.offload_optimizer=true",
+                              "train.global_batch=16", "memory.recompute=full"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_stage_predicted_equals_measured(tmp_path, cache, case):
+    world, overrides = CASES[case]
+    results = run_ranks(world, _stages, str(tmp_path), cache, world, overrides)
+    stages, measured, top, layers_pred, layers_meas, alive, table = results[0]
+    assert all(r is None for r in results[1:])  # rank 0 gathers every stage
+    assert len(stages) == len(measured) == 2
+    for r, (pred, meas) in enumerate(zip(stages, measured)):
+        for key in EXACT:
+            assert meas[key] == pred[key], (case, r, key, pred[key], meas[key])
+        assert abs(meas["peak"] - pred["peak"]) <= 0.05 * pred["peak"], (case, r, pred["peak"], meas["peak"])
+    assert top == max(range(2), key=lambda r: stages[r]["peak"])
+    assert layers_meas == layers_pred
+    assert f"stage 0: layers" in table and "stage 1: layers" in table

@@ -1,0 +1,141 @@
+"""Pipeline stages in the memory report: what each pipeline rank holds, and its micro-batches in flight.
+
+Notation of :mod:`trickles.parallel.schedules`: ``p`` pipeline ranks, ``v`` chunks per rank, ``m`` micro-batches;
+rank ``r``'s chunk ``c`` is virtual stage ``c p + r`` and holds the layers
+:func:`~trickles.parallel.pipeline.partition_layers` gives it (``parallel.pipeline_layers`` respected).
+
+**Model states** of rank ``r``: the ZeRO formulas on its own parameters (its chunks' layers, the embedding and
+gpt2's positions on rank 0, the final norm and output projection on rank ``p - 1``, with a tied embedding the
+last rank's copy), :func:`~trickles.memory.meta.stage_parameters`.
+
+**Activations.** One micro-batch through chunk ``c`` keeps ``A_c`` = its layers' bytes
+(:func:`~trickles.memory.activations.activation_bytes`), plus the embedding's (token ids, gpt2's position ids,
+the embedding dropout's mask) on virtual stage 0 and the head's (final norm, loss) on the last virtual stage
+(:func:`chunk_bytes`). A chunk's activations live from its forward to its backward, so the rank holds at once
+``max_t sum_{(c, i) alive at t} A_c``, read off the rank's own compute order
+(:func:`~trickles.parallel.schedules.compute_order`) by :func:`peak_in_flight`. With equal chunks that is ``A``
+times the most chunk-micro-batches alive (:func:`in_flight`), whose closed forms are
+
+* GPipe: ``m`` (every forward before the first backward);
+* 1F1B: ``min(m, p - r)`` (``p - r - 1`` warm-up forwards and the one before the first backward);
+* interleaved: ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunks (the warm-up forwards, then one forward ahead
+  of each backward) -- on rank 0 ``(v + 1) p - 1``, i.e. ``p - 1 + (v - 1) p + 1`` micro-batches' worth of
+  chunks, each ``1 / v`` of the rank's layers: about ``(1 + (p - 1) / (v p))`` x the ``p`` micro-batches of 1F1B.
+
+(:func:`in_flight_closed_form`; the tests hold it equal to the walk.)
+
+**Transient** (beyond the saved activations, :func:`buffers_peak`): the runner
+(:class:`~trickles.parallel.pipeline_runner.PipelineRunner`) keeps each live chunk's output until its backward
+(``M`` = one message, ``p_b B T d`` bytes in the compute type; :func:`message_bytes`), and the input it received where
+no operation saves the tensor itself (llama in low precision: the norm keeps an fp32 copy); every receive buffer
+exists from when it is posted -- on gloo all of a step's receives at the rank's first wait, else as
+:func:`~trickles.parallel.schedules.with_messages` places them -- the activations' until their forward saves
+them, the gradients' until their backward; an input gradient until its send; and on the last rank the loss's
+backward (:func:`~trickles.memory.activations.loss_transient_bytes`), or in any backward a layer's own: the
+MLP's backward holds two gradients of its hidden activations at once, ``2 x 4 s f / tp`` (fp32-sized; on a CPU it
+is what the first stage's measured peak has beyond the rest, within 2%: 64 KiB of fp32 llama's 1.6 MiB, 131 KiB
+of gpt2's; in bf16 the GELU's upcast arithmetic leaves about 1.4x that), and under recomputation what it brings
+back of one layer (the layer's activations without recomputation, less what it keeps). The walk over the rank's action list
+(:func:`~trickles.parallel.schedules.build`) gives the most of all these alive at once, minus the saved
+activations at their peak.
+"""
+
+from __future__ import annotations
+
+from ..parallel.schedules import Action, Shape, build, compute_order
+
+
+def chunk_bytes(act: dict, embedding: int, parts: list[list[int]], shape: Shape, rank: int) -> list[tuple[int, int]]:
+    """``[(layers, head)]`` per chunk of ``rank``: one micro-batch's saved bytes in its layers, and in the embedding
+    (first virtual stage) or head (last). ``act``: the whole model's :func:`activation_bytes`; ``embedding``: the
+    part of ``act["head"]`` the embedding keeps. Tables kept once per forward go with each chunk's first layer."""
+    out = []
+    for c in range(shape.v):
+        s = shape.stage(rank, c)
+        layers = sum(act["per_layer"][i] for i in parts[s]) + (act["tables"] if s > 0 else 0)
+        head = (embedding if s == 0 else 0) + (act["head"] - embedding if s == shape.stages - 1 else 0)
+        out.append((layers, head))
+    return out
+
+
+def peak_in_flight(order: list[Action], weights: list[tuple[int, int]] | dict) -> tuple[int, int, int]:
+    """``(layers, head, chunks)`` alive at the first moment the sum ``layers + head`` of the chunk-micro-batches whose
+    forward ran and backward did not is largest, walking ``order`` (``weights[c]``: chunk ``c``'s ``(layers, head)``;
+    or a dict by ``(chunk, micro-batch)``, measured)."""
+    alive = [0, 0, 0]
+    best = (0, 0, 0)
+    for a in order:
+        if a.kind not in ("F", "B"):
+            continue
+        sign = 1 if a.kind == "F" else -1
+        lay, head = weights[(a.chunk, a.micro)] if isinstance(weights, dict) else weights[a.chunk]
+        alive = [alive[0] + sign * lay, alive[1] + sign * head, alive[2] + sign]
+        if alive[0] + alive[1] > best[0] + best[1]:
+            best = tuple(alive)
+    return best
+
+
+def in_flight(schedule: str, shape: Shape, rank: int) -> int:
+    """The most chunk-micro-batches alive on ``rank`` (forward run, backward not), from the library's compute order."""
+    return peak_in_flight(compute_order(schedule, shape, rank), [(1, 0)] * shape.v)[2]
+
+
+def in_flight_closed_form(schedule: str, shape: Shape, rank: int) -> int:
+    """The module docstring's closed forms of :func:`in_flight`."""
+    p, v, m = shape.p, shape.v, shape.m
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(m, p - rank)
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
+
+
+def message_bytes(micro: int, seq: int, d_model: int, p: int, tp: int, split: bool, cp: int = 1) -> int:
+    """One pipeline message (an activation or its gradient): ``[micro, seq / cp, d]`` in the compute type, ``1 / tp``
+    of it when the tensor-parallel layout splits activations between the layers (sequence parallelism, a grid)."""
+    return p * micro * (seq // cp) * d_model // (tp if split else 1)
+
+
+def input_saved(flavor: str, p: int, device_type: str, recompute: str) -> bool:
+    """Whether the first operation of a chunk saves the received input tensor itself (then it is counted with the
+    activations): full recomputation's checkpoint does; RMSNorm in fp32 does (in low precision it keeps an fp32
+    copy); LayerNorm does on a CPU and in fp32 (CUDA autocast keeps an fp32 copy)."""
+    if recompute == "full" or p == 4:
+        return True
+    return flavor == "gpt2" and device_type != "cuda"
+
+
+def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int, int]], msg: int, saves_input: bool,
+                 loss_transient: int, early_receives: bool, backward_transient: int = 0) -> int:
+    """The most bytes alive at once on ``rank`` over a step -- saved activations, the stage outputs and inputs the
+    runner holds, receive buffers, input gradients until sent, and during a backward ``backward_transient``, a
+    layer's own -- on the last virtual stage the larger of the loss's and that less the head's activations, which
+    the loss's backward frees before the layers' begins (module docstring)."""
+    actions = build(schedule, shape, early_receives=early_receives)[rank]
+    last = shape.stages - 1
+    alive = peak = 0
+    pending_grads = 0  # input gradients produced, not yet known to be sent
+    for a in actions:
+        s = shape.stage(rank, a.chunk)
+        if a.kind == "RECV_F" or a.kind == "RECV_B":
+            alive += msg
+        elif a.kind == "F":
+            alive -= pending_grads
+            pending_grads = 0
+            lay, head = weights[a.chunk]
+            alive += lay + head + (msg if s < last else 0) - (msg if s > 0 and saves_input else 0)
+            peak = max(peak, alive)
+        elif a.kind == "B":
+            alive -= pending_grads
+            pending_grads = 0
+            lay, head = weights[a.chunk]
+            # the loss's backward first; the layers' after it has freed the head's activations
+            during = max(loss_transient, backward_transient - head) if s == last else backward_transient
+            peak = max(peak, alive + during + (msg if s > 0 else 0))
+            alive -= lay + head + (msg if s < last else 0) + (msg if s > 0 and not saves_input else 0)
+            alive -= msg if s < last else 0  # the received gradient, consumed
+            if s > 0:
+                alive += msg
+                pending_grads = msg
+            peak = max(peak, alive)
+    return peak

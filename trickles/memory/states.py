@@ -1,0 +1,74 @@
+"""Model states one data-parallel rank holds between steps, counted on the engine's own flat layout."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from .precision import policy
+
+
+def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tuple[int, int] | None = None,
+                       accumulates: bool = True) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
+
+    ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type, or (ZeRO 0-2) its unique
+    ``(name, parameter)`` pairs in the model's order (a pipeline stage's, :func:`~trickles.memory.meta.stage_parameters`). These are
+    the ZeRO formulas (:func:`~trickles.memory.accounting.zero_model_state_bytes`) with ``p``, ``g``
+    bytes per parameter and gradient and ``k`` of optimizer state (Adam's or LAMB's moments 8, LARS's or SGD's
+    momentum 4, plain SGD 0; fp32 master
+    weights apart from low-precision or offloaded parameters 4; an fp32 copy of low-precision or
+    offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
+    multiple of ``16 dp`` elements (:class:`~trickles.parallel.flat.FlatLayout`; under ZeRO-3 one
+    bucket per block and one for the root), and (AdamW, LAMB) a 4-byte step counter per owned parameter segment.
+    ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
+    experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it). ``accumulates``: a step
+    adds up several micro-batches' gradients (stage 1 then keeps the full gradient buffer; otherwise it holds its shard,
+    as stage 2 does).
+    """
+    from ..optim.settings import OptimizerSettings
+    from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
+    from ..parallel.flat import FlatLayout
+
+    prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
+    p = torch.finfo(prec.param_dtype).bits // 8
+    g = torch.finfo(prec.grad_dtype).bits // 8
+    offload = cfg.memory.offload_optimizer
+    settings = OptimizerSettings.from_train(cfg.train)
+    k = 4 * len(settings.state_keys) + (4 if prec.low or offload else 0) + (4 if g != 4 or offload else 0)
+    stage = cfg.parallel.zero
+    worlds, ranks = ([dp], [dp_rank]) if experts is None else ([dp, experts[0]], [dp_rank, experts[1]])
+    if stage == 3:
+        from ..parallel.expert import expert_modules
+        from ..parallel.zero3 import _owned
+
+        names = {id(m): name for name, m in meta.named_modules()}
+        expert_units = expert_modules(meta) if experts is not None else []
+        units = [*meta.layers.values(), *expert_units, meta]
+        unit_ids = {id(m) for m in units}
+        group = [1 if any(m is e for e in expert_units) else 0 for m in units]
+        layouts = [FlatLayout(_owned(m, names[id(m)], unit_ids - {id(m)})[0], worlds[gi], None) for m, gi in zip(units, group)]
+        shard = sum(lay.shard_numel for lay in layouts)
+        params, grads = p * shard, g * shard
+        segments = [seg for lay, gi in zip(layouts, group) for seg in lay.segments(ranks[gi])]
+    else:
+        named = meta if isinstance(meta, list) else unique_named_parameters(meta)
+        layout = FlatLayout(named, worlds, bucket_bytes(cfg.parallel.bucket_mb),
+                            first_bucket_bytes=FIRST_BUCKET_BYTES,
+                            group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")))
+        params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
+        sharded = stage == 2 or (stage == 1 and not accumulates)  # stage 1 reduces like stage 2 unless it accumulates
+        grads = g * (layout.shard_numel if sharded else layout.total)
+        segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
+    optimizer = k * sum(s.numel for s in segments) + (4 * len(segments) if settings.counts_steps else 0)
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+
+
+def _root_params(model) -> int:
+    layer_ids = {id(p) for blk in model.layers.values() for p in blk.parameters()}
+    seen, total = set(), 0
+    for prm in model.parameters():
+        if id(prm) not in layer_ids and id(prm) not in seen:
+            seen.add(id(prm))
+            total += prm.numel()
+    return total
