@@ -480,9 +480,9 @@ def _plan(args) -> int:
     top = search.top(args.top)
     if not top:
         raise UserError(no_fit_message(search, cfg, model_cfg))
+    lines = explain(search, top[0])
     print(summary(search))
     print(plan_table(search, top))
-    lines = explain(search, top[0])
     if lines:
         print("why not ...")
         print("\n".join(f"  {line}" for line in lines))

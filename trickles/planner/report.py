@@ -39,13 +39,14 @@ def _bytes(v: float) -> str:
 def plan_table(search: Search, rows: list[Candidate]) -> str:
     """The ranked layouts as a text table (module docstring); ``~`` marks memory the bound estimates."""
     cap = search.cluster.device_memory_bytes
-    head = (f"{'#':>3}  {'layout':<52}{'memory/device':>15}{'free':>6}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+    w = max([len("layout"), *(len(c.layout.label()) for c in rows)]) + 2
+    head = (f"{'#':>3}  {'layout':<{w}}{'memory/device':>15}{'free':>6}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
             f"{'MFU':>6}{'bubble':>8}{'comm':>6}")
     lines = [head, "-" * len(head)]
     for i, c in enumerate(rows, 1):
         st = c.time
         mem = ("~" if c.estimated else "") + _bytes(c.peak)
-        lines.append(f"{i:>3}  {c.layout.label():<52}{mem:>15}{1 - c.peak / cap:>6.0%}{st.total_s:>9.3g}"
+        lines.append(f"{i:>3}  {c.layout.label():<{w}}{mem:>15}{1 - c.peak / cap:>6.0%}{st.total_s:>9.3g}"
                      f"{st.tokens_per_s:>11,.0f}{st.model_flops_per_device / 1e12:>9.1f}{st.mfu:>6.1%}"
                      f"{st.bubble_fraction:>8.1%}{st.comm_share:>6.1%}")
     return "\n".join(lines)

@@ -28,8 +28,9 @@ bound of the memory report's peak (it leaves out the flat buffers' padding and A
 optimizer exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
 :func:`~trickles.planner.cost.step_time`; only those a report needs -- the fastest ``K`` that fit and the best of
 each alternative it explains -- get the full :func:`trickles.memory.report.predict` (cached per layout), walking
-down the ranking until one fits. A layout the memory report does not model yet (it raises ConfigError) keeps the
-bound as its estimate, marked ``estimated``.
+down the ranking until one fits. A layout the memory report does not model (it raises ConfigError), or a pipeline
+of more than :data:`PIPELINE_REPORT_LIMIT` chunk micro-batches per rank, keeps the bound as its estimate, marked
+``estimated`` (``~`` in the table).
 
 **Ranking**: by predicted step time, ties by peak memory. Nothing here creates a process group.
 """
@@ -62,6 +63,9 @@ SEARCHED = ("parallel.dp", "parallel.tp", "parallel.tp_mode", "parallel.tp_depth
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 RECOMPUTE = ("none", "selective", "full")
 DEFAULT_HEADROOM = 0.1  # of device memory kept free, as trickles memory --device-gb does
+#: Pipelines with more chunk micro-batches per rank (``v m``) keep the bound as their memory estimate: the memory
+#: report walks the schedule with its messages, which takes time growing with the square of ``v m``.
+PIPELINE_REPORT_LIMIT = 128
 
 
 @dataclass(frozen=True)
@@ -611,6 +615,8 @@ class Search:
         from ..memory.report import predict
 
         try:
+            if c.dims.pp > 1 and c.layout.virtual_stages * c.cfg.batch_plan(c.dims.dp)[1] > PIPELINE_REPORT_LIMIT:
+                raise ConfigError("the memory report's walk of this schedule would take minutes")
             c.report = predict(c.cfg, c.dims, self.model_cfg, self.device_type)
             c.peak = float(c.report.predicted["peak"])
             c.host = float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0
