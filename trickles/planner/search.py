@@ -32,6 +32,16 @@ down the ranking until one fits. A layout the memory report does not model (it r
 of more than :data:`PIPELINE_REPORT_LIMIT` chunk micro-batches per rank, keeps the bound as its estimate, marked
 ``estimated`` (``~`` in the table).
 
+**What is timed.** Two reductions hold in the time model: recomputation only adds time (``none``, ``selective``,
+``full`` in that order), so of each chain only the first layout within the bound is timed, the others held back and
+timed if the memory report refuses it; and a larger micro-batch only holds more, so a family's micro-batches stop at
+the first over the bound. GPipe has 1F1B's step time in the model and holds more micro-batches: it is searched only
+when pinned. Up to ``exhaustive_limit`` layouts every family is timed; beyond (GPT-3 on 1,024 devices has ~450,000
+layouts and a step time costs milliseconds) every degree layout ``(dp, tp, mode, pp, cp, cp_mode, ep)`` is timed
+once with its first family (:func:`seed_order`), and the fastest few, plus the fastest of each kind the report
+compares (:data:`KINDS`), are refined by coordinate descent over the options (:meth:`Search._hierarchical`): the
+summary line says which search ran.
+
 **Ranking**: by predicted step time, ties by peak memory. Nothing here creates a process group.
 """
 
@@ -39,329 +49,26 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
-import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-from ..config import SECTIONS, Config
+from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..topology import ParallelDims
+from .bound import Bound, in_flight, memory_bound
 from .cluster import Cluster
-from .cost import StepTime, element_bytes, step_time
+from .cost import StepTime, step_time
+from .layouts import (RECOMPUTE, SEARCHED, TP_MODES, Layout, check_pins, enumerate_layouts, layout_families,
+                      pinned_keys, plan_model)
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+__all__ = ["Bound", "Candidate", "KINDS", "Layout", "RECOMPUTE", "SEARCHED", "Search", "TP_MODES", "check_pins",
+           "enumerate_layouts", "in_flight", "layout_families", "memory_bound", "pinned_keys", "plan_model"]
 
-#: The keys the search varies (``section.key``), in the order a layout is written.
-SEARCHED = ("parallel.dp", "parallel.tp", "parallel.tp_mode", "parallel.tp_depth", "parallel.pp", "parallel.cp",
-            "parallel.cp_mode", "parallel.ep", "parallel.sequence_parallel", "parallel.zero", "parallel.schedule",
-            "parallel.virtual_stages", "train.micro_batch", "memory.recompute", "memory.offload_optimizer")
-TP_MODES = ("1d", "2d", "2.5d", "3d")
-RECOMPUTE = ("none", "selective", "full")
 DEFAULT_HEADROOM = 0.1  # of device memory kept free, as trickles memory --device-gb does
 #: Pipelines with more chunk micro-batches per rank (``v m``) keep the bound as their memory estimate: the memory
 #: report walks the schedule with its messages, which takes time growing with the square of ``v m``.
 PIPELINE_REPORT_LIMIT = 128
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One point of the search: the degrees and options it sets (:data:`SEARCHED`)."""
-
-    dp: int
-    tp: int
-    tp_mode: str
-    tp_depth: int
-    pp: int
-    cp: int
-    cp_mode: str
-    ep: int
-    sequence_parallel: bool
-    zero: int
-    schedule: str
-    virtual_stages: int
-    micro_batch: int
-    recompute: str
-    offload_optimizer: bool
-
-    def values(self) -> dict[str, Any]:
-        """``{"section.key": value}`` for every searched key."""
-        return {key: getattr(self, key.partition(".")[2]) for key in SEARCHED}
-
-    def apply(self, cfg: Config) -> Config:
-        """A copy of ``cfg`` with this layout's keys."""
-        par = dataclasses.replace(cfg.parallel, **{k.partition(".")[2]: v for k, v in self.values().items()
-                                                   if k.startswith("parallel.")})
-        return dataclasses.replace(cfg, parallel=par, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch),
-                                   memory=dataclasses.replace(cfg.memory, recompute=self.recompute,
-                                                              offload_optimizer=self.offload_optimizer))
-
-    def label(self) -> str:
-        """Compact, e.g. ``dp16 tp8 pp8/1f1b v1 mb1 zero1 rc=full`` (``sp``: sequence parallel; ``off``: offload)."""
-        tp = f"tp{self.tp}" + ("" if self.tp_mode == "1d" else f"/{self.tp_mode}" + (f"d{self.tp_depth}" if self.tp_mode == "2.5d" else ""))
-        parts = [f"dp{self.dp}", tp + ("+sp" if self.sequence_parallel else "")]
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}/{self.schedule} v{self.virtual_stages}")
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}/{self.cp_mode}")
-        if self.ep > 1:
-            parts.append(f"ep{self.ep}")
-        parts += [f"mb{self.micro_batch}", f"zero{self.zero}", f"rc={self.recompute}"]
-        return " ".join(parts) + (" off" if self.offload_optimizer else "")
-
-
-def pinned_keys(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> set[str]:
-    """The searched keys (:data:`SEARCHED`) the config file at ``path`` or an ``overrides`` item (``section.key=value``)
-    gives; ``parallel.dp = -1`` does not pin. ``model.preset`` and other keys are read by
-    :meth:`~trickles.config.Config.load`, not here."""
-    given: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as f:
-                tables = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError):
-            tables = {}  # Config.load reports the file's problem
-        for section, values in tables.items():
-            if section in SECTIONS and isinstance(values, dict):
-                given.update({f"{section}.{k}": v for k, v in values.items()})
-    for item in overrides:
-        key, _, value = item.partition("=")
-        given[key.strip()] = value.strip()
-    pins = {k for k in given if k in SEARCHED}
-    if "parallel.dp" in pins and str(given["parallel.dp"]).strip() == "-1":
-        pins.discard("parallel.dp")
-    return pins
-
-
-def plan_model(cfg: Config) -> ModelConfig:
-    """The run's model with its sizes resolved (vocabulary: ``model.vocab_size``, else the tokenizer's -- a local BPE's
-    configured size, without training it)."""
-    from ..models.config import resolve_model
-
-    vocab = cfg.model.vocab_size
-    if vocab is None:
-        if cfg.data.tokenizer == "bpe":
-            vocab = cfg.data.bpe_vocab_size
-        else:
-            from ..data import build_tokenizer
-
-            vocab = build_tokenizer(cfg.data).vocab_size
-    return resolve_model(cfg.model, vocab, cfg.data.seq_len)
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _tensor_layouts(cfg: Config, pins: set[str], devices: int) -> list[tuple[int, str, int]]:
-    """``(tp, tp_mode, tp_depth)`` candidates (module docstring), pinned keys fixed."""
-    par = cfg.parallel
-    modes = [par.tp_mode] if "parallel.tp_mode" in pins else list(TP_MODES)
-    out = []
-    for tp in ([par.tp] if "parallel.tp" in pins else _divisors(devices)):
-        for mode in modes:
-            if mode == "1d":
-                depths = [1]
-            elif mode == "2.5d":
-                depths = [par.tp_depth] if "parallel.tp_depth" in pins else [d for d in _divisors(tp) if d >= 2]
-            else:
-                depths = [1]
-            for depth in depths:
-                if mode != "1d" and "parallel.tp_depth" in pins and par.tp_depth != depth:
-                    continue
-                per, power = {"1d": (1, 1), "2d": (1, 2), "2.5d": (depth, 2), "3d": (1, 3)}[mode]
-                q = round((tp / per) ** (1 / power))
-                if mode != "1d" and (q < 2 or per * q ** power != tp):
-                    continue
-                out.append((tp, mode, depth))
-    return out
-
-
-def check_pins(cfg: Config, pins: set[str], devices: int) -> None:
-    """ConfigError naming the first pinned degree that cannot divide ``devices`` (before anything is enumerated)."""
-    if devices < 1:
-        raise ConfigError(f"--devices must be a positive number of devices, got {devices}")
-    product, named = 1, []
-    for key in ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp"):
-        if key in pins:
-            value = getattr(cfg.parallel, key.partition(".")[2])
-            if value < 1:
-                raise ConfigError(f"{key}={value} must be at least 1 (or parallel.dp=-1: what the others leave)")
-            product *= value
-            named.append(f"{key}={value}")
-            if devices % product:
-                what = named[0] if len(named) == 1 else " x ".join(named) + f" = {product}"
-                raise ConfigError(f"{what} does not divide --devices {devices}; change it or --devices")
-    if "parallel.dp" in pins and {"parallel.tp", "parallel.pp", "parallel.cp"} <= pins and product != devices:
-        raise ConfigError(f"{' x '.join(named)} = {product} is not --devices {devices}; change a degree or "
-                          f"set parallel.dp=-1")
-
-
-def enumerate_layouts(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig) -> Iterator[Layout]:
-    """Every layout of ``devices`` ranks the module docstring lists, pinned keys fixed (not yet validated)."""
-    for family in layout_families(cfg, pins, devices, model_cfg):
-        for chain in family:
-            yield from chain
-
-
-def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig) -> Iterator[list[list[Layout]]]:
-    """The layouts of :func:`enumerate_layouts` grouped for pruning: each family differs only in the micro-batch
-    (ascending: memory grows with it) and, for each micro-batch, the recomputation chain ``none, selective, full``
-    (time grows along it, memory shrinks; pinned: one entry)."""
-    par, n_layers = cfg.parallel, model_cfg.n_layers
-
-    def choices(key: str, values):
-        return [getattr(cfg.parallel if key.startswith("parallel.") else cfg.memory if key.startswith("memory.")
-                        else cfg.train, key.partition(".")[2])] if key in pins else list(values)
-
-    for tp, mode, depth in _tensor_layouts(cfg, pins, devices):
-        rest = devices // tp if devices % tp == 0 else 0
-        for pp in choices("parallel.pp", [d for d in _divisors(rest) if d <= n_layers] if rest else []):
-            if not rest or rest % pp:
-                continue
-            for cp in choices("parallel.cp", _divisors(rest // pp)):
-                if (rest // pp) % cp or (cp > 1 and mode != "1d"):
-                    continue
-                dp = rest // pp // cp
-                if ("parallel.dp" in pins and par.dp != dp) or cfg.train.global_batch % dp:
-                    continue
-                cp_modes = choices("parallel.cp_mode", ("ring", "ulysses")) if cp > 1 else [par.cp_mode]
-                eps = choices("parallel.ep", _divisors(dp * cp) if model_cfg.moe_experts else [1])
-                sps = choices("parallel.sequence_parallel", (False, True) if tp > 1 and mode == "1d" else (False,))
-                zeros = choices("parallel.zero", (0, 1) if pp > 1 else (0, 1, 2, 3))
-                if pp > 1:  # GPipe: 1F1B's time in the model with more micro-batches held; searched when pinned
-                    schedules = [("1f1b", 1)] + [("interleaved", v) for v in range(2, n_layers // pp + 1)
-                                                 if n_layers % (pp * v) == 0]
-                else:
-                    schedules = [(par.schedule if par.schedule != "interleaved" else "1f1b", 1)]
-                if "parallel.schedule" in pins:
-                    schedules = [(s, v) for s, v in schedules if s == par.schedule] or [(par.schedule, par.virtual_stages)]
-                if "parallel.virtual_stages" in pins:
-                    schedules = [(s, par.virtual_stages) for s in dict.fromkeys(s for s, _ in schedules)]
-                micros = choices("train.micro_batch", _divisors(cfg.train.global_batch // dp))
-                recomputes = choices("memory.recompute", RECOMPUTE)
-                for cp_mode in cp_modes:
-                    for ep in eps:
-                        for sp in sps:
-                            for zero in zeros:
-                                for off in choices("memory.offload_optimizer", (False, True) if zero else (False,)):
-                                    for schedule, v in schedules:
-                                        yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule, v,
-                                                       micro, rc, off) for rc in recomputes] for micro in micros]
-
-
-def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:
-    """Micro-batch chunks whose activations pipeline rank ``rank`` holds at once (module docstring); 1 without a
-    pipeline."""
-    if p == 1:
-        return 1
-    if schedule == "gpipe":
-        return m
-    if schedule == "1f1b":
-        return min(p - rank, m)
-    return min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
-
-
-@dataclass
-class Bound:
-    """:func:`memory_bound`'s result: bytes per device (the most-loaded pipeline rank) and host bytes per node."""
-
-    device: float
-    host: float
-    stages: list[float]
-
-
-def _activation_key(cfg: Config, dims: ParallelDims, device_type: str) -> tuple:
-    """What one micro-batch's saved activations depend on, for a layout of the search (the model is the search's)."""
-    micro, _ = cfg.batch_plan(dims.dp)
-    return (micro, cfg.memory.recompute, cfg.memory.precision, cfg.memory.grad_dtype, dims.tp, dims.tp_mode,
-            dims.tp_depth, cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep, device_type)
-
-
-def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: str, ranks_per_node: int,
-                 cache: dict | None = None) -> Bound:
-    """A lower bound of the memory report's peak per device, and the offloaded optimizer's host bytes per node
-    (module docstring)."""
-    from ..kernels import runs_triton
-    from ..kernels.cross_entropy import fused_on
-    from ..memory.activations import loss_transient_bytes
-    from ..memory.report import expert_rows_in_flight, ring_blocks_in_flight
-    from ..memory.tp_modes import activations
-    from ..optim.settings import OptimizerSettings
-    from ..parallel.pipeline import partition_layers
-    from ..parallel.tensor_nd_costs import Layout as TPLayout, loss_transient_nd
-    from .compute import rank_params
-
-    par, mem = cfg.parallel, cfg.memory
-    p, g = element_bytes(cfg)
-    offload = mem.offload_optimizer
-    settings = OptimizerSettings.from_train(cfg.train)
-    k = 4 * len(settings.state_keys) + (4 if p != 4 or offload else 0) + (4 if g != 4 or offload else 0)
-    micro, m = cfg.batch_plan(dims.dp)
-    replicas, zero = dims.dp * dims.cp, par.zero
-    edp = replicas // dims.ep
-    sharded_grads = zero >= 2 or (zero == 1 and not cfg.accumulates(dims))
-    sp = par.sequence_parallel and dims.tp > 1
-    key = _activation_key(cfg, dims, device_type)
-    act = cache.get(key) if cache is not None else None
-    if act is None:
-        act = activations(cfg, mc, TPLayout.of(dims.tp_mode, dims.tp, dims.tp_depth, par.sequence_parallel), dims, device_type)
-        if cache is not None:
-            cache[key] = act
-    per_layer = act["per_layer"]
-    v = par.virtual_stages if dims.pp > 1 else 1
-    parts = partition_layers(mc.n_layers, dims.pp * v, par.pipeline_layers or None)
-    lay = TPLayout.of(dims.tp_mode, dims.tp, dims.tp_depth, par.sequence_parallel)
-    tokens = micro * cfg.data.seq_len // dims.cp
-    loss = (loss_transient_nd(mc, lay, micro, cfg.data.seq_len) if lay.grid
-            else loss_transient_bytes(mc, tokens, p, dims.tp, fused_on(mc.fused_loss, mc.kernels, device_type),
-                                      runs_triton(mc.kernels, device_type)))
-    in_layer = 0  # the memory report's transients of one layer at a time: ring blocks, expert rows
-    if dims.cp > 1 and par.cp_mode == "ring":
-        in_layer += ring_blocks_in_flight(mc, tokens, p, dims.tp)
-    if dims.ep > 1 and mc.moe_layers:
-        routed = tokens // dims.tp if sp else tokens
-        in_layer += expert_rows_in_flight(mc, micro, routed // micro, cfg.data.seq_len, p)
-
-    def buffers(n: int, first: bool, last: bool) -> float:
-        """ZeRO's transients on ``n`` parameters: two gradient buckets (stage 2, and 1 without accumulation), or
-        the root and two gathered blocks (stage 3)."""
-        if sharded_grads and zero < 3:
-            bucket = par.bucket_mb * 2**20 if par.bucket_mb > 0 else n * g
-            return in_layer + 2 * min(bucket, n * g)
-        if zero == 3:
-            root = sum(rank_params(mc, dims, [], first, last))
-            return in_layer + p * (root + 2 * (n - root) / mc.n_layers)
-        return in_layer
-
-    params_key = ("params", dims.tp, dims.tp_mode, dims.tp_depth, dims.ep, dims.pp, v, tuple(par.pipeline_layers))
-    params = cache.get(params_key) if cache is not None else None
-    if params is None:
-        params = [rank_params(mc, dims, [i for c in range(v) for i in parts[c * dims.pp + r]], r == 0, r == dims.pp - 1)
-                  for r in range(dims.pp)]
-        if cache is not None:
-            cache[params_key] = params
-    stages, host = [], 0.0
-    for r in range(dims.pp):
-        chunks = [parts[c * dims.pp + r] for c in range(v)]
-        first, last = r == 0, r == dims.pp - 1
-        dense, experts = params[r]
-        owned = dense / replicas + experts / edp
-        whole = dense + experts
-        states = p * (owned if zero == 3 else whole) + g * (owned if sharded_grads else whole)
-        optimizer = k * (owned if zero >= 1 else whole)
-        alive = in_flight(par.schedule, dims.pp, v, m, r)
-        chunk_bytes = [sum(per_layer[i] for i in c) for c in chunks]
-        held = alive * (chunk_bytes[0] if v == 1 else min(chunk_bytes))
-        if last:  # (the first layer's entry includes what it keeps once for all, e.g. the rotary tables)
-            held += act["head"] + loss
-        stages.append(states + (0 if offload else optimizer) + held + buffers(whole, first, last))
-        host = max(host, optimizer * ranks_per_node if offload else 0.0)
-    return Bound(max(stages), host, stages)
 
 
 def degrees_of(layout: Layout) -> tuple:
