@@ -112,14 +112,15 @@ def _valid(cfg, mc, devices):
 def test_the_bound_never_exceeds_the_memory_report():
     cfg, mc, _ = setup()
     for lay in _valid(cfg, mc, 2):
-        if lay.pp > 1 or lay.micro_batch == 2:  # (one-stage layouts: the memory report's; micro-batches 1, 4 and 8)
+        if lay.micro_batch == 2 or (lay.pp > 1 and lay.recompute == "selective"):  # (fewer reports: a few seconds)
             continue
         c = lay.apply(cfg)
         dims = c.validate(2)
         bound = memory_bound(c, dims, mc, "cuda", 8)
         report = predict(c, dims, mc, "cuda")
         assert bound.device <= report.predicted["peak"], lay.label()
-        assert bound.device >= 0.8 * report.predicted["peak"], lay.label()  # and is close: it prunes
+        if lay.pp == 1:  # and close, so that it prunes (pipelines: the report adds the runner's buffers)
+            assert bound.device >= 0.8 * report.predicted["peak"], lay.label()
 
 
 def test_fits_agrees_with_the_memory_report():
