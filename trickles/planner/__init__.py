@@ -5,7 +5,9 @@
 * :mod:`~trickles.planner.calibrate` -- :func:`calibrate` measures this machine;
 * :mod:`~trickles.planner.cost` -- :func:`step_time` -> :class:`StepTime`, built from
   :mod:`~trickles.planner.compute` (what a rank computes), :mod:`~trickles.planner.traffic` (each dimension's bytes,
-  from the library's formulas) and :mod:`~trickles.planner.placement` (which link a group spans).
+  from the library's formulas) and :mod:`~trickles.planner.placement` (which link a group spans);
+* :mod:`~trickles.planner.search` -- :class:`Search`: the layouts ``trickles plan`` enumerates, prunes by memory and
+  ranks by step time; :mod:`~trickles.planner.report` -- its table, explanations, JSON and winner config.
 
 Memory prediction stays in :mod:`trickles.memory.report` (:func:`~trickles.memory.report.predict`).
 """
@@ -13,5 +15,7 @@ Memory prediction stays in :mod:`trickles.memory.report` (:func:`~trickles.memor
 from .calibrate import calibrate, fit_link
 from .cluster import PRESETS, Cluster, load_cluster, write_cluster
 from .cost import StepTime, step_time
+from .search import Candidate, Layout, Search, enumerate_layouts, memory_bound, pinned_keys, plan_model
 
-__all__ = ["PRESETS", "Cluster", "StepTime", "calibrate", "fit_link", "load_cluster", "step_time", "write_cluster"]
+__all__ = ["PRESETS", "Candidate", "Cluster", "Layout", "Search", "StepTime", "calibrate", "enumerate_layouts", "fit_link",
+           "load_cluster", "memory_bound", "pinned_keys", "plan_model", "step_time", "write_cluster"]

@@ -1,0 +1,123 @@
+"""A cheap lower bound of the memory report's peak per device, for pruning layouts before the full report.
+
+The formula is in :mod:`trickles.planner.search`'s docstring ("Pruning by memory").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import Config
+from ..models.config import ModelConfig
+from ..topology import ParallelDims
+from .cost import element_bytes
+
+
+def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:
+    """Micro-batch chunks whose activations pipeline rank ``rank`` holds at once (module docstring); 1 without a
+    pipeline."""
+    if p == 1:
+        return 1
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(p - rank, m)
+    return min(2 * (p - rank - 1) + (v - 1) * p + 1, v * m)
+
+
+@dataclass
+class Bound:
+    """:func:`memory_bound`'s result: bytes per device (the most-loaded pipeline rank) and host bytes per node."""
+
+    device: float
+    host: float
+    stages: list[float]
+
+
+def _activation_key(cfg: Config, dims: ParallelDims, device_type: str) -> tuple:
+    """What one micro-batch's saved activations depend on, for a layout of the search (the model is the search's)."""
+    micro, _ = cfg.batch_plan(dims.dp)
+    return (micro, cfg.memory.recompute, cfg.memory.precision, cfg.memory.grad_dtype, dims.tp, dims.tp_mode,
+            dims.tp_depth, cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep, device_type)
+
+
+def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: str, ranks_per_node: int,
+                 cache: dict | None = None) -> Bound:
+    """A lower bound of the memory report's peak per device, and the offloaded optimizer's host bytes per node
+    (module docstring)."""
+    from ..kernels import runs_triton
+    from ..kernels.cross_entropy import fused_on
+    from ..memory.activations import loss_transient_bytes
+    from ..memory.report import expert_rows_in_flight, ring_blocks_in_flight
+    from ..memory.tp_modes import activations
+    from ..optim.settings import OptimizerSettings
+    from ..parallel.pipeline import partition_layers
+    from ..parallel.tensor_nd_costs import Layout as TPLayout, loss_transient_nd
+    from .compute import rank_params
+
+    par, mem = cfg.parallel, cfg.memory
+    p, g = element_bytes(cfg)
+    offload = mem.offload_optimizer
+    settings = OptimizerSettings.from_train(cfg.train)
+    k = 4 * len(settings.state_keys) + (4 if p != 4 or offload else 0) + (4 if g != 4 or offload else 0)
+    micro, m = cfg.batch_plan(dims.dp)
+    replicas, zero = dims.dp * dims.cp, par.zero
+    edp = replicas // dims.ep
+    sharded_grads = zero >= 2 or (zero == 1 and not cfg.accumulates(dims))
+    sp = par.sequence_parallel and dims.tp > 1
+    key = _activation_key(cfg, dims, device_type)
+    act = cache.get(key) if cache is not None else None
+    if act is None:
+        act = activations(cfg, mc, TPLayout.of(dims.tp_mode, dims.tp, dims.tp_depth, par.sequence_parallel), dims, device_type)
+        if cache is not None:
+            cache[key] = act
+    per_layer = act["per_layer"]
+    v = par.virtual_stages if dims.pp > 1 else 1
+    parts = partition_layers(mc.n_layers, dims.pp * v, par.pipeline_layers or None)
+    lay = TPLayout.of(dims.tp_mode, dims.tp, dims.tp_depth, par.sequence_parallel)
+    tokens = micro * cfg.data.seq_len // dims.cp
+    loss = (loss_transient_nd(mc, lay, micro, cfg.data.seq_len) if lay.grid
+            else loss_transient_bytes(mc, tokens, p, dims.tp, fused_on(mc.fused_loss, mc.kernels, device_type),
+                                      runs_triton(mc.kernels, device_type)))
+    in_layer = 0  # the memory report's transients of one layer at a time: ring blocks, expert rows
+    if dims.cp > 1 and par.cp_mode == "ring":
+        in_layer += ring_blocks_in_flight(mc, tokens, p, dims.tp)
+    if dims.ep > 1 and mc.moe_layers:
+        routed = tokens // dims.tp if sp else tokens
+        in_layer += expert_rows_in_flight(mc, micro, routed // micro, cfg.data.seq_len, p)
+
+    def buffers(n: int, first: bool, last: bool) -> float:
+        """ZeRO's transients on ``n`` parameters: two gradient buckets (stage 2, and 1 without accumulation), or
+        the root and two gathered blocks (stage 3)."""
+        if sharded_grads and zero < 3:
+            bucket = par.bucket_mb * 2**20 if par.bucket_mb > 0 else n * g
+            return in_layer + 2 * min(bucket, n * g)
+        if zero == 3:
+            root = sum(rank_params(mc, dims, [], first, last))
+            return in_layer + p * (root + 2 * (n - root) / mc.n_layers)
+        return in_layer
+
+    params_key = ("params", dims.tp, dims.tp_mode, dims.tp_depth, dims.ep, dims.pp, v, tuple(par.pipeline_layers))
+    params = cache.get(params_key) if cache is not None else None
+    if params is None:
+        params = [rank_params(mc, dims, [i for c in range(v) for i in parts[c * dims.pp + r]], r == 0, r == dims.pp - 1)
+                  for r in range(dims.pp)]
+        if cache is not None:
+            cache[params_key] = params
+    stages, host = [], 0.0
+    for r in range(dims.pp):
+        chunks = [parts[c * dims.pp + r] for c in range(v)]
+        first, last = r == 0, r == dims.pp - 1
+        dense, experts = params[r]
+        owned = dense / replicas + experts / edp
+        whole = dense + experts
+        states = p * (owned if zero == 3 else whole) + g * (owned if sharded_grads else whole)
+        optimizer = k * (owned if zero >= 1 else whole)
+        alive = in_flight(par.schedule, dims.pp, v, m, r)
+        chunk_bytes = [sum(per_layer[i] for i in c) for c in chunks]
+        held = alive * (chunk_bytes[0] if v == 1 else min(chunk_bytes))
+        if last:  # (the first layer's entry includes what it keeps once for all, e.g. the rotary tables)
+            held += act["head"] + loss
+        stages.append(states + (0 if offload else optimizer) + held + buffers(whole, first, last))
+        host = max(host, optimizer * ranks_per_node if offload else 0.0)
+    return Bound(max(stages), host, stages)

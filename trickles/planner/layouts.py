@@ -1,0 +1,214 @@
+"""The layouts ``trickles plan`` searches: :class:`Layout`, the pinned keys, and the enumeration.
+
+See :mod:`trickles.planner.search` for what is enumerated and how pins fix keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from ..config import SECTIONS, Config
+from ..errors import ConfigError
+from ..models.config import ModelConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+#: The keys the search varies (``section.key``), in the order a layout is written.
+SEARCHED = ("parallel.dp", "parallel.tp", "parallel.tp_mode", "parallel.tp_depth", "parallel.pp", "parallel.cp",
+            "parallel.cp_mode", "parallel.ep", "parallel.sequence_parallel", "parallel.zero", "parallel.schedule",
+            "parallel.virtual_stages", "train.micro_batch", "memory.recompute", "memory.offload_optimizer")
+TP_MODES = ("1d", "2d", "2.5d", "3d")
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: the degrees and options it sets (:data:`SEARCHED`)."""
+
+    dp: int
+    tp: int
+    tp_mode: str
+    tp_depth: int
+    pp: int
+    cp: int
+    cp_mode: str
+    ep: int
+    sequence_parallel: bool
+    zero: int
+    schedule: str
+    virtual_stages: int
+    micro_batch: int
+    recompute: str
+    offload_optimizer: bool
+
+    def values(self) -> dict[str, Any]:
+        """``{"section.key": value}`` for every searched key."""
+        return {key: getattr(self, key.partition(".")[2]) for key in SEARCHED}
+
+    def apply(self, cfg: Config) -> Config:
+        """A copy of ``cfg`` with this layout's keys."""
+        par = dataclasses.replace(cfg.parallel, **{k.partition(".")[2]: v for k, v in self.values().items()
+                                                   if k.startswith("parallel.")})
+        return dataclasses.replace(cfg, parallel=par, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch),
+                                   memory=dataclasses.replace(cfg.memory, recompute=self.recompute,
+                                                              offload_optimizer=self.offload_optimizer))
+
+    def label(self) -> str:
+        """Compact, e.g. ``dp16 tp8 pp8/1f1b v1 mb1 zero1 rc=full`` (``sp``: sequence parallel; ``off``: offload)."""
+        tp = f"tp{self.tp}" + ("" if self.tp_mode == "1d" else f"/{self.tp_mode}" + (f"d{self.tp_depth}" if self.tp_mode == "2.5d" else ""))
+        parts = [f"dp{self.dp}", tp + ("+sp" if self.sequence_parallel else "")]
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}/{self.schedule} v{self.virtual_stages}")
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}/{self.cp_mode}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts += [f"mb{self.micro_batch}", f"zero{self.zero}", f"rc={self.recompute}"]
+        return " ".join(parts) + (" off" if self.offload_optimizer else "")
+
+
+def pinned_keys(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> set[str]:
+    """The searched keys (:data:`SEARCHED`) the config file at ``path`` or an ``overrides`` item (``section.key=value``)
+    gives; ``parallel.dp = -1`` does not pin. ``model.preset`` and other keys are read by
+    :meth:`~trickles.config.Config.load`, not here."""
+    given: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                tables = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError):
+            tables = {}  # Config.load reports the file's problem
+        for section, values in tables.items():
+            if section in SECTIONS and isinstance(values, dict):
+                given.update({f"{section}.{k}": v for k, v in values.items()})
+    for item in overrides:
+        key, _, value = item.partition("=")
+        given[key.strip()] = value.strip()
+    pins = {k for k in given if k in SEARCHED}
+    if "parallel.dp" in pins and str(given["parallel.dp"]).strip() == "-1":
+        pins.discard("parallel.dp")
+    return pins
+
+
+def plan_model(cfg: Config) -> ModelConfig:
+    """The run's model with its sizes resolved (vocabulary: ``model.vocab_size``, else the tokenizer's -- a local BPE's
+    configured size, without training it)."""
+    from ..models.config import resolve_model
+
+    vocab = cfg.model.vocab_size
+    if vocab is None:
+        if cfg.data.tokenizer == "bpe":
+            vocab = cfg.data.bpe_vocab_size
+        else:
+            from ..data import build_tokenizer
+
+            vocab = build_tokenizer(cfg.data).vocab_size
+    return resolve_model(cfg.model, vocab, cfg.data.seq_len)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _tensor_layouts(cfg: Config, pins: set[str], devices: int) -> list[tuple[int, str, int]]:
+    """``(tp, tp_mode, tp_depth)`` candidates (module docstring), pinned keys fixed."""
+    par = cfg.parallel
+    modes = [par.tp_mode] if "parallel.tp_mode" in pins else list(TP_MODES)
+    out = []
+    for tp in ([par.tp] if "parallel.tp" in pins else _divisors(devices)):
+        for mode in modes:
+            if mode == "1d":
+                depths = [1]
+            elif mode == "2.5d":
+                depths = [par.tp_depth] if "parallel.tp_depth" in pins else [d for d in _divisors(tp) if d >= 2]
+            else:
+                depths = [1]
+            for depth in depths:
+                if mode != "1d" and "parallel.tp_depth" in pins and par.tp_depth != depth:
+                    continue
+                per, power = {"1d": (1, 1), "2d": (1, 2), "2.5d": (depth, 2), "3d": (1, 3)}[mode]
+                q = round((tp / per) ** (1 / power))
+                if mode != "1d" and (q < 2 or per * q ** power != tp):
+                    continue
+                out.append((tp, mode, depth))
+    return out
+
+
+def check_pins(cfg: Config, pins: set[str], devices: int) -> None:
+    """ConfigError naming the first pinned degree that cannot divide ``devices`` (before anything is enumerated)."""
+    if devices < 1:
+        raise ConfigError(f"--devices must be a positive number of devices, got {devices}")
+    product, named = 1, []
+    for key in ("parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp"):
+        if key in pins:
+            value = getattr(cfg.parallel, key.partition(".")[2])
+            if value < 1:
+                raise ConfigError(f"{key}={value} must be at least 1 (or parallel.dp=-1: what the others leave)")
+            product *= value
+            named.append(f"{key}={value}")
+            if devices % product:
+                what = named[0] if len(named) == 1 else " x ".join(named) + f" = {product}"
+                raise ConfigError(f"{what} does not divide --devices {devices}; change it or --devices")
+    if "parallel.dp" in pins and {"parallel.tp", "parallel.pp", "parallel.cp"} <= pins and product != devices:
+        raise ConfigError(f"{' x '.join(named)} = {product} is not --devices {devices}; change a degree or "
+                          f"set parallel.dp=-1")
+
+
+def enumerate_layouts(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig) -> Iterator[Layout]:
+    """Every layout of ``devices`` ranks the module docstring lists, pinned keys fixed (not yet validated)."""
+    for family in layout_families(cfg, pins, devices, model_cfg):
+        for chain in family:
+            yield from chain
+
+
+def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig) -> Iterator[list[list[Layout]]]:
+    """The layouts of :func:`enumerate_layouts` grouped for pruning: each family differs only in the micro-batch
+    (ascending: memory grows with it) and, for each micro-batch, the recomputation chain ``none, selective, full``
+    (time grows along it, memory shrinks; pinned: one entry)."""
+    par, n_layers = cfg.parallel, model_cfg.n_layers
+
+    def choices(key: str, values):
+        return [getattr(cfg.parallel if key.startswith("parallel.") else cfg.memory if key.startswith("memory.")
+                        else cfg.train, key.partition(".")[2])] if key in pins else list(values)
+
+    for tp, mode, depth in _tensor_layouts(cfg, pins, devices):
+        rest = devices // tp if devices % tp == 0 else 0
+        for pp in choices("parallel.pp", [d for d in _divisors(rest) if d <= n_layers] if rest else []):
+            if not rest or rest % pp:
+                continue
+            for cp in choices("parallel.cp", _divisors(rest // pp)):
+                if (rest // pp) % cp or (cp > 1 and mode != "1d"):
+                    continue
+                dp = rest // pp // cp
+                if ("parallel.dp" in pins and par.dp != dp) or cfg.train.global_batch % dp:
+                    continue
+                cp_modes = choices("parallel.cp_mode", ("ring", "ulysses")) if cp > 1 else [par.cp_mode]
+                eps = choices("parallel.ep", _divisors(dp * cp) if model_cfg.moe_experts else [1])
+                sps = choices("parallel.sequence_parallel", (False, True) if tp > 1 and mode == "1d" else (False,))
+                zeros = choices("parallel.zero", (0, 1) if pp > 1 else (0, 1, 2, 3))
+                if pp > 1:  # GPipe: 1F1B's time in the model with more micro-batches held; searched when pinned
+                    schedules = [("1f1b", 1)] + [("interleaved", v) for v in range(2, n_layers // pp + 1)
+                                                 if n_layers % (pp * v) == 0]
+                else:
+                    schedules = [(par.schedule if par.schedule != "interleaved" else "1f1b", 1)]
+                if "parallel.schedule" in pins:
+                    schedules = [(s, v) for s, v in schedules if s == par.schedule] or [(par.schedule, par.virtual_stages)]
+                if "parallel.virtual_stages" in pins:
+                    schedules = [(s, par.virtual_stages) for s in dict.fromkeys(s for s, _ in schedules)]
+                micros = choices("train.micro_batch", _divisors(cfg.train.global_batch // dp))
+                recomputes = choices("memory.recompute", RECOMPUTE)
+                for cp_mode in cp_modes:
+                    for ep in eps:
+                        for sp in sps:
+                            for zero in zeros:
+                                for off in choices("memory.offload_optimizer", (False, True) if zero else (False,)):
+                                    for schedule, v in schedules:
+                                        yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule, v,
+                                                       micro, rc, off) for rc in recomputes] for micro in micros]

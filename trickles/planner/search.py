@@ -1,0 +1,393 @@
+"""The layout search behind ``trickles plan``: every valid layout of ``N`` devices, the ones that fit, fastest first.
+
+**What is enumerated** (:func:`enumerate_layouts`, a :class:`Layout` each): the degrees ``dp x tp x pp x cp = N``
+-- ``tp`` in each mode (``1d`` any divisor; ``2d`` ``q^2``; ``2.5d`` ``q^2 d`` with ``d = tp_depth >= 2``;
+``3d`` ``q^3``), ``pp <= n_layers``, ``cp`` with ``cp_mode`` ring or ulysses, ``ep`` dividing ``dp x cp``
+(mixture-of-experts models only) -- and the options: ``sequence_parallel`` (1-D ``tp > 1``), ZeRO stage 0-3,
+the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with ``virtual_stages`` ``v >= 2`` cutting the
+layers evenly, ``n_layers % (pp v) == 0``), the micro-batch (every divisor of ``global_batch / dp``),
+``memory.recompute`` (none, selective, full) and ``memory.offload_optimizer`` (ZeRO >= 1). The model, the
+precision, the global batch and every other key stay as configured.
+
+**Pinning** (:func:`pinned_keys`): a searched key given in the config file or with ``--set`` is fixed to its
+value and the search varies only the others, so a config pinning every degree and option evaluates one layout.
+``parallel.dp = -1`` (the default: "what the others leave") counts as not pinned.
+
+**Validity** is what ``trickles train`` checks: each layout is applied to the config (:meth:`Layout.apply`) and
+must pass :meth:`~trickles.config.Config.validate` at ``N`` ranks; the search never proposes what training refuses.
+
+**Pruning by memory**, cheapest first. (1) :func:`memory_bound` -- for each pipeline rank its parameters
+(:func:`~trickles.planner.compute.rank_params`) with the ZeRO formulas, ``p n / R^[z=3] + g n / R^[sharded
+gradients] + k n / R^[z>=1]`` (``R = dp cp`` replicas, experts over ``edp = R / ep``; ``k`` the optimizer's
+bytes per element as the memory report counts them; the optimizer on the host under offload), plus the saved
+activations of its layers (:func:`trickles.memory.tp_modes.activations`) times the micro-batches in flight
+(GPipe ``m``, 1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunks), the
+head and the loss's transient on the last rank, and the report's other transients (two gradient buckets under
+ZeRO-2, the root and two gathered blocks under ZeRO-3, ring attention's blocks, expert rows in flight) -- a lower
+bound of the memory report's peak (it leaves out the flat buffers' padding and Adam's step counters), so a layout whose bound exceeds ``(1 - headroom)`` of device memory, or whose offloaded
+optimizer exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
+:func:`~trickles.planner.cost.step_time`; only those a report needs -- the fastest ``K`` that fit and the best of
+each alternative it explains -- get the full :func:`trickles.memory.report.predict` (cached per layout), walking
+down the ranking until one fits. A layout the memory report does not model (it raises ConfigError), or a pipeline
+of more than :data:`PIPELINE_REPORT_LIMIT` chunk micro-batches per rank, keeps the bound as its estimate, marked
+``estimated`` (``~`` in the table).
+
+**What is timed.** Two reductions hold in the time model: recomputation only adds time (``none``, ``selective``,
+``full`` in that order), so of each chain only the first layout within the bound is timed, the others held back and
+timed if the memory report refuses it; and a larger micro-batch only holds more, so a family's micro-batches stop at
+the first over the bound. GPipe has 1F1B's step time in the model and holds more micro-batches: it is searched only
+when pinned. Up to ``exhaustive_limit`` layouts every family is timed; beyond (GPT-3 on 1,024 devices has ~450,000
+layouts and a step time costs milliseconds) every degree layout ``(dp, tp, mode, pp, cp, cp_mode, ep)`` is timed
+once with its first family (:func:`seed_order`), and the fastest few, plus the fastest of each kind the report
+compares (:data:`KINDS`), are refined by coordinate descent over the options (:meth:`Search._hierarchical`): the
+summary line says which search ran.
+
+**Ranking**: by predicted step time, ties by peak memory. Nothing here creates a process group.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..config import Config
+from ..errors import ConfigError
+from ..models.config import ModelConfig
+from ..topology import ParallelDims
+from .bound import Bound, in_flight, memory_bound
+from .cluster import Cluster
+from .cost import StepTime, step_time
+from .layouts import (RECOMPUTE, SEARCHED, TP_MODES, Layout, check_pins, enumerate_layouts, layout_families,
+                      pinned_keys, plan_model)
+
+__all__ = ["Bound", "Candidate", "KINDS", "Layout", "RECOMPUTE", "SEARCHED", "Search", "TP_MODES", "check_pins",
+           "enumerate_layouts", "in_flight", "layout_families", "memory_bound", "pinned_keys", "plan_model"]
+
+DEFAULT_HEADROOM = 0.1  # of device memory kept free, as trickles memory --device-gb does
+#: Pipelines with more chunk micro-batches per rank (``v m``) keep the bound as their memory estimate: the memory
+#: report walks the schedule with its messages, which takes time growing with the square of ``v m``.
+PIPELINE_REPORT_LIMIT = 128
+
+
+def degrees_of(layout: Layout) -> tuple:
+    """The degree layout: ``(dp, tp, tp_mode, tp_depth, pp, cp, cp_mode, ep)``."""
+    return (layout.dp, layout.tp, layout.tp_mode, layout.tp_depth, layout.pp, layout.cp, layout.cp_mode, layout.ep)
+
+
+#: The options a family fixes, in :func:`options_of`'s order, and their names.
+OPTION_AXES = (("sequence_parallel", 0), ("zero", 1), ("offload_optimizer", 2), ("schedule", 3))
+
+
+def options_of(layout: Layout) -> tuple:
+    """``(sequence_parallel, zero, offload_optimizer, (schedule, virtual_stages))``: what a family fixes beyond the
+    degrees."""
+    return (layout.sequence_parallel, layout.zero, layout.offload_optimizer, (layout.schedule, layout.virtual_stages))
+
+
+def seed_order(layout: Layout) -> tuple:
+    """The order families of one degree layout are tried as its seed: sequence parallel first, then ZeRO 1, 0, 2, 3,
+    no offload, 1F1B, fewer virtual stages."""
+    return (not layout.sequence_parallel, (1, 0, 2, 3).index(layout.zero), layout.offload_optimizer,
+            layout.schedule != "1f1b", layout.virtual_stages)
+
+
+def tp_spans_nodes(layout: Layout, search: "Search") -> bool:
+    from .placement import spans_nodes
+
+    return layout.tp > 1 and spans_nodes(ParallelDims(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep,
+                                                      layout.tp_mode, layout.tp_depth), "tp", search.per_node)
+
+
+#: Kinds of layout the report compares with the winner (the hierarchical search refines the best seed of each).
+KINDS: dict[str, Callable[[Layout, "Search"], bool]] = {
+    "tensor parallelism spanning nodes": tp_spans_nodes,
+    "no pipeline": lambda lay, s: lay.pp == 1,
+    "a pipeline": lambda lay, s: lay.pp > 1,
+    "data parallelism only": lambda lay, s: lay.tp == lay.pp == lay.cp == 1,
+    "context parallelism": lambda lay, s: lay.cp > 1,
+    "expert parallelism": lambda lay, s: lay.ep > 1,
+    **{f"{m} tensor parallelism": (lambda m: lambda lay, s: lay.tp > 1 and lay.tp_mode == m)(m) for m in TP_MODES},
+}
+
+
+@dataclass
+class Candidate:
+    """A valid layout with its bound, its step time and, once :meth:`Search.confirm` ran, its memory report."""
+
+    layout: Layout
+    cfg: Config
+    dims: ParallelDims
+    bound: Bound
+    time: StepTime | None
+    peak: float = 0.0  # bytes per device: the memory report's peak (the bound where it has none)
+    host: float = 0.0  # offloaded optimizer bytes per node
+    estimated: bool = False  # peak is the bound (the memory report does not model this layout)
+    fits: bool | None = None  # None until confirmed
+    report: Any = None
+    fallbacks: list[Layout] = field(default_factory=list)  # more recomputation: tried when this one does not fit
+
+    def sort_key(self) -> tuple[float, float]:
+        return (self.time.total_s, self.bound.device)
+
+
+class Search:
+    """The search of the module docstring for ``cfg`` (model, precision, batch as configured) on ``devices`` devices
+    of ``cluster``: :meth:`run` enumerates, prunes and ranks; :meth:`best` and :meth:`top` confirm lazily.
+
+    A family's micro-batches are tried in ascending order and stop at the first whose most recomputing layout is over
+    the bound (larger ones hold more); for each micro-batch only the first layout of the recomputation chain within
+    the bound is ranked, the rest held back as its ``fallbacks`` (slower by construction) and ranked only if the
+    memory report finds it does not fit."""
+
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, cluster: Cluster, devices: int, pins: set[str] = frozenset(),
+                 headroom: float = DEFAULT_HEADROOM, max_confirm: int = 8, exhaustive_limit: int = 5000,
+                 refine: int = 6):
+        self.cfg, self.model_cfg, self.devices, self.pins = cfg, model_cfg, devices, set(pins)
+        self.cluster = cluster.sized(devices)
+        self.headroom = headroom
+        self.capacity = (1 - headroom) * self.cluster.device_memory_bytes
+        self.host_capacity = self.cluster.host_memory_gib * 2**30
+        self.device_type = "cuda" if self.cluster.device == "cuda" else "cpu"
+        self.max_confirm = max_confirm
+        self.per_node = self.cluster.ranks_per_node(devices)
+        self.ranked: list[Candidate] = []
+        self.lightest: Candidate | None = None  # the valid layout with the smallest bound (for "does not fit")
+        self.counts = {"examined": 0, "invalid": 0, "over_memory": 0, "over_host": 0, "ranked": 0, "held_back": 0,
+                       "confirmed": 0}
+        self.errors: dict[str, int] = {}
+        self.exhaustive_limit, self.refine, self.exhaustive = exhaustive_limit, refine, True
+        self._acts: dict = {}
+        self._timed: dict = {}
+        self._degrees_ok: set = set()
+
+    def _evaluate(self, layout: Layout) -> tuple[Config, ParallelDims, Bound] | None | bool:
+        """``(cfg, dims, bound)`` within the bound; False over it; None when invalid."""
+        self.counts["examined"] += 1
+        cfg = layout.apply(self.cfg)
+        try:
+            dims = cfg.validate(self.devices)
+        except ConfigError as e:
+            self.counts["invalid"] += 1
+            self.errors[str(e)] = self.errors.get(str(e), 0) + 1
+            return None
+        bound = memory_bound(cfg, dims, self.model_cfg, self.device_type, self.per_node, self._acts)
+        if self.lightest is None or bound.device < self.lightest.bound.device:
+            self.lightest = Candidate(layout, cfg, dims, bound, None, peak=bound.device, host=bound.host, estimated=True)
+        if bound.device > self.capacity:
+            self.counts["over_memory"] += 1
+            return False
+        if bound.host > self.host_capacity:
+            self.counts["over_host"] += 1
+            return False
+        return cfg, dims, bound
+
+    def _first_within(self, chain: list[Layout]) -> tuple[Candidate | None, bool]:
+        """The candidate of the chain's first layout within the bound (the rest its fallbacks), and whether the
+        chain's last layout (the least memory) was valid and over the bound."""
+        over = False
+        for i, layout in enumerate(chain):
+            got = self._evaluate(layout)
+            if got is None:  # (recomputation does not change what validate checks: the rest are invalid too)
+                self.counts["invalid"] += len(chain) - i - 1
+                return None, False
+            over = got is False
+            if got:
+                cfg, dims, bound = got
+                self.counts["held_back"] += len(chain) - i - 1
+                return Candidate(layout, cfg, dims, bound, step_time(cfg, dims, self.model_cfg, self.cluster),
+                                 fallbacks=chain[i + 1:]), False
+        return None, over
+
+    def _check_degrees(self, layout: Layout) -> str | None:
+        """The ConfigError a degree layout gets with its most permissive options (no accumulation: every micro-batch
+        divides it; no sequence parallelism, ZeRO, offload or interleaving), or None: when this fails, every option
+        fails too."""
+        loose = dataclasses.replace(layout, sequence_parallel=False, zero=0, offload_optimizer=False, schedule="1f1b",
+                                    virtual_stages=1, micro_batch=self.cfg.train.global_batch // layout.dp)
+        try:
+            loose.apply(self.cfg).validate(self.devices)
+        except ConfigError as e:
+            return str(e)
+        return None
+
+    def _time_chain(self, chain: list[Layout]) -> tuple[Candidate | None, bool]:
+        """:meth:`_first_within`, remembered per chain (the hierarchical search revisits them)."""
+        key = chain[0]
+        if key not in self._timed:
+            cand, over = self._first_within(chain)
+            if cand is not None:
+                self.ranked.append(cand)
+            self._timed[key] = (cand, over)
+        return self._timed[key]
+
+    def _time_family(self, family: list[list[Layout]], stop_at_first: bool = False) -> Candidate | None:
+        """Times ``family``'s micro-batches in ascending order until one is over the bound; returns the fastest (the
+        first within the bound with ``stop_at_first``)."""
+        best = None
+        for n, chain in enumerate(family):
+            cand, over = self._time_chain(chain)
+            if cand is not None:
+                if stop_at_first:
+                    return cand
+                best = cand if best is None or cand.sort_key() < best.sort_key() else best
+            elif over:  # larger micro-batches hold more
+                skipped = [c for c in family[n + 1:] if c[0] not in self._timed]
+                for c in skipped:
+                    self._timed[c[0]] = (None, True)
+                self.counts["over_memory"] += sum(len(c) for c in skipped)
+                break
+        return best
+
+    def run(self) -> "Search":
+        """Enumerates and ranks: every family when the layouts number at most ``exhaustive_limit``, else the
+        hierarchical search (:meth:`_hierarchical`)."""
+        check_pins(self.cfg, self.pins, self.devices)
+        families, refused = [], set()
+        for family in layout_families(self.cfg, self.pins, self.devices, self.model_cfg):
+            key = degrees_of(family[0][0])
+            if key not in refused and key not in self._degrees_ok:
+                error = self._check_degrees(family[0][0])
+                if error:
+                    refused.add(key)
+                    self.errors[error] = self.errors.get(error, 0) + 1
+                else:
+                    self._degrees_ok.add(key)
+            if key in refused:
+                self.counts["invalid"] += sum(len(chain) for chain in family)
+            else:
+                families.append(family)
+        self.counts["layouts"] = sum(len(chain) for f in families for chain in f)
+        if self.counts["layouts"] <= self.exhaustive_limit:
+            for family in families:
+                self._time_family(family)
+        else:
+            self.exhaustive = False
+            self._hierarchical(families)
+        self.ranked.sort(key=Candidate.sort_key)
+        self.counts["ranked"] = len(self.ranked)
+        return self
+
+    def _hierarchical(self, families: list[list[list[Layout]]]) -> None:
+        """Large searches. Every degree layout (``dp, tp, mode, pp, cp, cp_mode, ep``) is seeded with its first family
+        in :func:`seed_order` whose smallest micro-batch has a layout within the bound; the ``refine`` fastest seeds, and
+        the fastest seed of each kind an explanation compares (:data:`KINDS`), are then improved one option at a time
+        (ZeRO stage, sequence parallelism, offload, schedule, micro-batch; recomputation always the least that is within
+        the bound) until no single change is faster."""
+        by_degrees: dict[tuple, list[list[list[Layout]]]] = {}
+        for family in families:
+            by_degrees.setdefault(degrees_of(family[0][0]), []).append(family)
+        seeds: dict[tuple, Candidate] = {}
+        for key, fams in by_degrees.items():
+            for family in sorted(fams, key=lambda f: seed_order(f[0][0])):
+                cand = self._time_family(family, stop_at_first=True)
+                if cand is not None:
+                    seeds[key] = cand
+                    break
+        order = sorted(seeds, key=lambda k: seeds[k].sort_key())
+        chosen = order[:self.refine]
+        for kind in KINDS.values():
+            first = next((k for k in order if kind(seeds[k].layout, self)), None)
+            if first is not None and first not in chosen:
+                chosen.append(first)
+        for key in chosen:
+            self._descend(by_degrees[key], seeds[key])
+
+    def _descend(self, families: list[list[list[Layout]]], start: Candidate) -> None:
+        """Coordinate descent over one degree layout's families and micro-batches from ``start``."""
+        index = {options_of(f[0][0]): f for f in families}
+        current = start
+        for _ in range(6):
+            opts, micro = options_of(current.layout), current.layout.micro_batch
+            tried = []
+            for name, pos in OPTION_AXES:
+                for other, family in index.items():
+                    if other[pos] != opts[pos] and all(other[i] == opts[i] for i in range(len(opts)) if i != pos):
+                        chain = next((c for c in family if c[0].micro_batch == micro), None)
+                        cand = self._time_chain(chain)[0] if chain else None
+                        tried.append(cand or self._time_family(family, stop_at_first=True))
+            tried.append(self._time_family(index[opts]))  # every micro-batch of the current family
+            best = min((c for c in tried if c is not None), key=Candidate.sort_key, default=None)
+            if best is None or best.sort_key() >= current.sort_key():
+                return
+            current = best
+
+    # ---- confirming with the memory report ---------------------------------------------------------------------
+    def confirm(self, c: Candidate, at: int | None = None) -> Candidate:
+        """Fills ``c.peak``, ``c.host`` and ``c.fits`` from :func:`trickles.memory.report.predict` (once). When it
+        does not fit, its next fallback within the bound joins the ranking (after position ``at``)."""
+        if c.fits is not None:
+            return c
+        from ..memory.report import predict
+
+        try:
+            if c.dims.pp > 1 and c.layout.virtual_stages * c.cfg.batch_plan(c.dims.dp)[1] > PIPELINE_REPORT_LIMIT:
+                raise ConfigError("the memory report's walk of this schedule would take minutes")
+            c.report = predict(c.cfg, c.dims, self.model_cfg, self.device_type)
+            c.peak = float(c.report.predicted["peak"])
+            c.host = float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0
+        except ConfigError:  # a layout the memory report does not model yet: the bound is the estimate
+            c.peak, c.host, c.estimated = c.bound.device, c.bound.host, True
+        self.counts["confirmed"] += 1
+        c.fits = c.peak <= self.capacity and c.host <= self.host_capacity
+        if not c.fits and c.fallbacks:
+            nxt, _ = self._first_within(c.fallbacks)
+            if nxt is not None:
+                lo = 0 if at is None else at + 1
+                self.ranked.insert(bisect.bisect_right(self.ranked, nxt.sort_key(), lo=lo, key=Candidate.sort_key), nxt)
+                self.counts["ranked"] += 1
+        return c
+
+    def best(self, predicate: Callable[[Candidate], bool] = lambda c: True) -> Candidate | None:
+        """The fastest candidate satisfying ``predicate`` that fits, confirming down the ranking (None after
+        ``max_confirm`` that do not fit)."""
+        misses, i = 0, 0
+        while i < len(self.ranked):
+            c = self.ranked[i]
+            if predicate(c):
+                if self.confirm(c, i).fits:
+                    return c
+                misses += 1
+                if misses >= self.max_confirm:
+                    return None
+            i += 1
+        return None
+
+    def top(self, k: int) -> list[Candidate]:
+        """The ``k`` fastest candidates that fit."""
+        out, misses, i = [], 0, 0
+        while i < len(self.ranked) and len(out) < k and misses < self.max_confirm * k:
+            c = self.ranked[i]
+            if self.confirm(c, i).fits:
+                out.append(c)
+            else:
+                misses += 1
+            i += 1
+        return out
+
+    def lightest_fit(self) -> Candidate | None:
+        """The layout with the smallest bound that the memory report confirms fits, without step times: each family's
+        smallest valid micro-batch with the most recomputation the chain allows (None when none fits)."""
+        check_pins(self.cfg, self.pins, self.devices)
+        light = []
+        for family in layout_families(self.cfg, self.pins, self.devices, self.model_cfg):
+            if self._check_degrees(family[0][0]):
+                continue
+            for chain in family:
+                got = self._evaluate(chain[-1])
+                if got is None:
+                    continue
+                if got:
+                    cfg, dims, bound = got
+                    light.append(Candidate(chain[-1], cfg, dims, bound, None))
+                break
+        light.sort(key=lambda c: c.bound.device)
+        for c in light[:self.max_confirm]:
+            if self.confirm(c).fits:
+                return c
+        return None
+
+    def confirmed(self) -> list[Candidate]:
+        """Every candidate the memory report has seen, fastest first."""
+        return [c for c in self.ranked if c.fits is not None]
