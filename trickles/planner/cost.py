@@ -52,7 +52,6 @@ cores is the exception (:func:`_shared_cores`): a waiting rank lends its core to
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from ..comm import messages
@@ -63,7 +62,7 @@ from ..parallel.schedules import Shape
 from ..topology import ParallelDims
 from .cluster import Cluster, Link
 from .compute import ATTENTION, Work, attention_flops, chunk_work, rank_params
-from .placement import group_size, pipeline_hop_spans_nodes, spans_nodes
+from .placement import group_members, group_size, pipeline_hop_spans_nodes, spans_nodes
 from .traffic import TERMS, Traffic
 
 IN_LAYER = ("tp", "cp", "ep")  # dimensions whose exposed communication stretches every micro-batch (and the bubble)
@@ -429,7 +428,7 @@ def _notes(st: StepTime, dims: ParallelDims, cluster: Cluster) -> list[str]:
     per_node = cluster.ranks_per_node(dims.world_size)
     for group in sorted({tt.traffic.group for tt in st.traffic if tt.traffic.dimension in IN_LAYER}):
         if group != "pp" and spans_nodes(dims, group, per_node) and st.exposed_by_group.get(group, 0) > 0:
-            nodes = math.ceil(group_size(dims, group) / per_node)
+            nodes = max(len({r // per_node for r in members}) for members in group_members(dims, group))
             notes.append(f"{group}={group_size(dims, group)} spans {nodes} nodes: its collectives in every layer run on the "
                          f"inter-node link ({st.exposed_by_group[group]:.3g} s exposed a step)")
     if st.bubble_s > 0.1 * st.total_s:

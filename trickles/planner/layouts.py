@@ -161,17 +161,21 @@ def check_pins(cfg: Config, pins: set[str], devices: int) -> None:
                           f"set parallel.dp=-1")
 
 
-def enumerate_layouts(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig) -> Iterator[Layout]:
-    """Every layout of ``devices`` ranks the module docstring lists, pinned keys fixed (not yet validated)."""
-    for family in layout_families(cfg, pins, devices, model_cfg):
+def enumerate_layouts(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig,
+                      offload: bool = True) -> Iterator[Layout]:
+    """Every layout of ``devices`` ranks the module docstring lists, pinned keys fixed (not yet validated);
+    ``offload``: whether the optimizer may go to host memory (not on CPU ranks, whose device memory is the host's)."""
+    for family in layout_families(cfg, pins, devices, model_cfg, offload):
         for chain in family:
             yield from chain
 
 
-def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig) -> Iterator[list[list[Layout]]]:
+def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig,
+                    offload: bool = True) -> Iterator[list[list[Layout]]]:
     """The layouts of :func:`enumerate_layouts` grouped for pruning: each family differs only in the micro-batch
     (ascending: memory grows with it) and, for each micro-batch, the recomputation chain ``none, selective, full``
-    (time grows along it, memory shrinks; pinned: one entry)."""
+    (time grows along it, memory shrinks; pinned: one entry). ``offload=False`` leaves the optimizer on the device
+    unless the key is pinned."""
     par, n_layers = cfg.parallel, model_cfg.n_layers
 
     def choices(key: str, values):
@@ -208,7 +212,7 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                     for ep in eps:
                         for sp in sps:
                             for zero in zeros:
-                                for off in choices("memory.offload_optimizer", (False, True) if zero else (False,)):
+                                for off in choices("memory.offload_optimizer", (False, True) if zero and offload else (False,)):
                                     for schedule, v in schedules:
                                         yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule, v,
                                                        micro, rc, off) for rc in recomputes] for micro in micros]

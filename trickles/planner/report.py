@@ -47,7 +47,7 @@ def plan_table(search: Search, rows: list[Candidate]) -> str:
         st = c.time
         mem = ("~" if c.estimated else "") + _bytes(c.peak)
         lines.append(f"{i:>3}  {c.layout.label():<{w}}{mem:>15}{1 - c.peak / cap:>6.0%}{st.total_s:>9.3g}"
-                     f"{st.tokens_per_s:>11,.0f}{st.model_flops_per_device / 1e12:>9.1f}{st.mfu:>6.1%}"
+                     f"{st.tokens_per_s:>11,.0f}{st.model_flops_per_device / 1e12:>9.3g}{st.mfu:>6.1%}"
                      f"{st.bubble_fraction:>8.1%}{st.comm_share:>6.1%}")
     return "\n".join(lines)
 

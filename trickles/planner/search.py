@@ -6,7 +6,8 @@
 (mixture-of-experts models only) -- and the options: ``sequence_parallel`` (1-D ``tp > 1``), ZeRO stage 0-3,
 the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with ``virtual_stages`` ``v >= 2`` cutting the
 layers evenly, ``n_layers % (pp v) == 0``), the micro-batch (every divisor of ``global_batch / dp``),
-``memory.recompute`` (none, selective, full) and ``memory.offload_optimizer`` (ZeRO >= 1). The model, the
+``memory.recompute`` (none, selective, full) and ``memory.offload_optimizer`` (ZeRO >= 1; not on a CPU cluster,
+whose device memory is the host's, unless pinned). The model, the
 precision, the global batch and every other key stay as configured.
 
 **Pinning** (:func:`pinned_keys`): a searched key given in the config file or with ``--set`` is fixed to its
@@ -28,9 +29,8 @@ bound of the memory report's peak (it leaves out the flat buffers' padding and A
 optimizer exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
 :func:`~trickles.planner.cost.step_time`; only those a report needs -- the fastest ``K`` that fit and the best of
 each alternative it explains -- get the full :func:`trickles.memory.report.predict` (cached per layout), walking
-down the ranking until one fits. A layout the memory report does not model (it raises ConfigError), or a pipeline
-of more than :data:`PIPELINE_REPORT_LIMIT` chunk micro-batches per rank, keeps the bound as its estimate, marked
-``estimated`` (``~`` in the table).
+down the ranking until one fits. A layout the memory report does not model (it raises ConfigError) keeps the bound as its
+estimate, marked ``estimated`` (``~`` in the table).
 
 **What is timed.** Two reductions hold in the time model: recomputation only adds time (``none``, ``selective``,
 ``full`` in that order), so of each chain only the first layout within the bound is timed, the others held back and
@@ -66,9 +66,6 @@ __all__ = ["Bound", "Candidate", "KINDS", "Layout", "RECOMPUTE", "SEARCHED", "Se
            "enumerate_layouts", "in_flight", "layout_families", "memory_bound", "pinned_keys", "plan_model"]
 
 DEFAULT_HEADROOM = 0.1  # of device memory kept free, as trickles memory --device-gb does
-#: Pipelines with more chunk micro-batches per rank (``v m``) keep the bound as their memory estimate: the memory
-#: report walks the schedule with its messages, which takes time growing with the square of ``v m``.
-PIPELINE_REPORT_LIMIT = 128
 
 
 def degrees_of(layout: Layout) -> tuple:
@@ -245,7 +242,7 @@ class Search:
         hierarchical search (:meth:`_hierarchical`)."""
         check_pins(self.cfg, self.pins, self.devices)
         families, refused = [], set()
-        for family in layout_families(self.cfg, self.pins, self.devices, self.model_cfg):
+        for family in layout_families(self.cfg, self.pins, self.devices, self.model_cfg, self.cluster.device != "cpu"):
             key = degrees_of(family[0][0])
             if key not in refused and key not in self._degrees_ok:
                 error = self._check_degrees(family[0][0])
@@ -322,8 +319,6 @@ class Search:
         from ..memory.report import predict
 
         try:
-            if c.dims.pp > 1 and c.layout.virtual_stages * c.cfg.batch_plan(c.dims.dp)[1] > PIPELINE_REPORT_LIMIT:
-                raise ConfigError("the memory report's walk of this schedule would take minutes")
             c.report = predict(c.cfg, c.dims, self.model_cfg, self.device_type)
             c.peak = float(c.report.predicted["peak"])
             c.host = float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0
@@ -371,7 +366,7 @@ class Search:
         smallest valid micro-batch with the most recomputation the chain allows (None when none fits)."""
         check_pins(self.cfg, self.pins, self.devices)
         light = []
-        for family in layout_families(self.cfg, self.pins, self.devices, self.model_cfg):
+        for family in layout_families(self.cfg, self.pins, self.devices, self.model_cfg, self.cluster.device != "cpu"):
             if self._check_degrees(family[0][0]):
                 continue
             for chain in family:
