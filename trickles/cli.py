@@ -135,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
                     help="a preset (dgx-a100, dgx-h100, local) or a cluster TOML file (default: the config's [cluster])")
     pl.add_argument("--devices", type=int, required=True, metavar="N", help="devices (ranks) to plan for")
     pl.add_argument("--top", type=int, default=5, metavar="K", help="layouts to list (default 5)")
-    pl.add_argument("--json", default=None, metavar="F", help="write every layout the memory report saw, and the winners, as JSON")
+    pl.add_argument("--json", default=None, metavar="F", help="write every layout timed (the memory report's peak where it ran, else the bound's) and the winners, as JSON")
     pl.add_argument("--write-config", default=None, metavar="F", help="write the winner as a config that trickles train -c F runs")
     pl.add_argument("--calibrate", nargs="?", const="cluster-calibrated.toml", default=None, metavar="F",
                     help="measure this machine first (GEMMs at the model's shapes, local collectives), write the cluster to F "

@@ -126,21 +126,25 @@ _RC = {"none": 0, "selective": 1, "full": 2}
 
 
 def layout_json(c: Candidate) -> dict[str, Any]:
-    """One layout for ``--json``."""
+    """One layout for ``--json``: ``peak_bytes`` and ``fits`` from the memory report where it ran; for a layout it
+    did not run on, the bound's peak, ``memory_estimated`` true and ``fits`` null."""
     st = c.time
+    peak, host = (c.peak, c.host) if c.fits is not None else (c.bound.device, c.bound.host)
     return {"layout": c.layout.label(), **{k: v for k, v in c.layout.values().items()},
             "step_time_s": st.total_s, "tokens_per_s": st.tokens_per_s, "model_tflops_per_device": st.model_flops_per_device / 1e12,
             "mfu": st.mfu, "bubble_fraction": st.bubble_fraction, "comm_share": st.comm_share,
-            "peak_bytes": int(c.peak), "host_bytes_per_node": int(c.host), "memory_estimated": c.estimated, "fits": bool(c.fits)}
+            "peak_bytes": int(peak), "host_bytes_per_node": int(host), "memory_estimated": c.estimated or c.fits is None,
+            "fits": None if c.fits is None else bool(c.fits)}
 
 
 def plan_json(search: Search, top: list[Candidate]) -> dict[str, Any]:
-    """The plan for ``--json``: the cluster and limits, the winners, and every layout the memory report saw."""
+    """The plan for ``--json``: the cluster and limits, the winners, and every layout timed, fastest first (those the
+    memory report saw with its peak, the others with the bound's)."""
     n = search.cluster
     return {"devices": search.devices, "cluster": dataclasses.asdict(n), "headroom": search.headroom,
             "memory_limit_bytes": int(search.capacity), "pinned": sorted(search.pins), "counts": dict(search.counts),
             "exhaustive": search.exhaustive, "top": [c.layout.label() for c in top],
-            "layouts": [layout_json(c) for c in search.confirmed()]}
+            "layouts": [layout_json(c) for c in search.ranked]}
 
 
 def winner_toml(cfg: Config, win: Candidate) -> str:
