@@ -17,10 +17,13 @@
 * **Sharing cores**: with more ranks than cores, the extra wait a blocking collective costs between compute
   bursts (:func:`measure_sync`: a rank reaches it only on its turn on a core) fills ``shared_core_sync_us``.
 * **Links**: ``ranks`` processes (:func:`trickles.testing.run_ranks`, gloo over loopback) time all-reduce,
-  all-gather, reduce-scatter and a send of a few sizes; :func:`fit_link` fits
+  all-gather, reduce-scatter, all-to-all and a send of a few sizes; :func:`fit_link` fits
   ``time = messages x alpha + wire_bytes / B`` (:func:`trickles.comm.messages`, :func:`trickles.comm.wire_bytes`)
-  by least squares, giving the intra-node latency and bandwidth (measured, so ``link_efficiency`` 1). One machine
-  cannot measure an inter-node link: that stays the base cluster's.
+  by least squares over all of them, giving the intra-node latency and bandwidth (measured, so ``link_efficiency``
+  1). A kind whose own timings that shared line misses (:func:`fit_links`: the median of ``|predicted / measured -
+  1|`` over its sizes above ``tolerance``, 15%; gloo's reduce-scatter, for one, is no plain ring) gets its own
+  line fitted to its timings alone, in ``collective_links``. One machine cannot measure an inter-node link: that
+  stays the base cluster's.
 
 :func:`calibrate` returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
 (:func:`~trickles.planner.cluster.write_cluster`).
@@ -40,7 +43,7 @@ from ..comm import messages, wire_bytes
 from .cluster import Cluster, load_cluster, shape_key, write_cluster
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 def fit_link(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -63,6 +66,43 @@ def fit_link(samples: Sequence[tuple[float, float, float]]) -> tuple[float, floa
         if inv <= 0:
             alpha, inv = (sxt / sxx if sxx > 0 else 0.0), 0.0
     return max(alpha, 0.0), (1.0 / inv if inv > 0 else float("inf"))
+
+
+def fit_links(timings: Sequence[tuple[str, int, int, float]], tolerance: float = 0.15
+              ) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
+    """``((alpha, B), {op: (alpha_op, B_op)})``: one line (:func:`fit_link`) for the kinds of collective that share
+    it, and each other kind's own line fitted to its timings alone. A kind's miss is the median over its timings
+    ``(op, ranks, input bytes, seconds)`` of ``|(messages alpha + wire / B) / seconds - 1|``; while the worst miss
+    of the sharing kinds is above ``tolerance``, the kind whose leaving makes the others' refitted line miss least
+    gets its own line (greedily, so one slow kind does not pull the shared line off the others)."""
+    ops = list(dict.fromkeys(t[0] for t in timings))
+    by_op = {op: link_samples([t for t in timings if t[0] == op]) for op in ops}
+
+    def fit(kinds):
+        return fit_link([x for op in kinds for x in by_op[op]])
+
+    def worst(kinds, line):
+        alpha, bw = line
+        return max(statistics.median([abs((m * alpha + w / bw) / t - 1) for m, w, t in by_op[op] if t > 0] or [0.0])
+                   for op in kinds)
+
+    own: dict[str, tuple[float, float]] = {}
+    sharing = list(ops)
+    line = fit(sharing)
+    while len(sharing) > 1 and worst(sharing, line) > tolerance:
+        best = None
+        for op in sharing:
+            rest = [o for o in sharing if o != op]
+            alone, rest_line = fit([op]), fit(rest)
+            if alone[1] == float("inf") or rest_line[1] == float("inf"):
+                continue
+            score = worst(rest, rest_line)
+            if best is None or score < best[0]:
+                best = (score, op, alone, rest, rest_line)
+        if best is None:
+            break
+        _, op, own[op], sharing, line = best
+    return line, own
 
 
 def _timeit(fn, repeats: int, min_s: float = 0.005) -> float:
@@ -219,6 +259,7 @@ def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, 
             elements = max(world, size // 4 // world * world)
             x = torch.ones(elements)
             shard = torch.ones(elements // world)
+            y = torch.empty_like(x)
 
             def run():
                 if op == "all_reduce":
@@ -227,6 +268,8 @@ def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, 
                     _all_gather_single(x, shard)
                 elif op == "reduce_scatter":
                     _reduce_scatter_single(shard, x)
+                elif op == "all_to_all":
+                    dist.all_to_all_single(y, x)
                 elif rank == 0:
                     dist.send(x, 1)
                 elif rank == 1:
@@ -323,10 +366,12 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
     """``base`` with what was measured: ``gemms`` ``{(m, n, k): FLOP/s}`` (``reference``: the shape whose rate is
     ``gemm_efficiency``), ``attention`` ``{(q, k, d): FLOP/s}`` of the fused kernel, the memory ``bandwidth`` in
     bytes/s, the collective timings ``links`` fitted by :func:`fit_link` and ``sync`` seconds a blocking collective
-    waits for ranks sharing cores (:func:`measure_sync`; module docstring)."""
+    waits for ranks sharing cores (:func:`measure_sync`; module docstring); ``collective_links`` from the links'
+    per-kind fits (:func:`fit_links`)."""
     cluster = base if isinstance(base, Cluster) else load_cluster(base)
     cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table),
-                                  attention_table=dict(cluster.attention_table))
+                                  attention_table=dict(cluster.attention_table),
+                                  collective_links=dict(cluster.collective_links))
     if torch.device(device).type == "cuda":
         from ..train.flops import peak_flops
 
@@ -346,9 +391,10 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
         cluster.host_link_gbps = round(bandwidth / 1e9, 3)
         cluster.host_memory_bandwidth_gbps = round(bandwidth / 1e9 * cluster.devices_per_node, 3)
     if links:
-        alpha, bw = fit_link(link_samples(links))
+        (alpha, bw), own = fit_links(links)
         cluster.intra_node_latency_us = max(round(alpha * 1e6, 3), 1e-3)
         cluster.intra_node_gbps = round(bw / 1e9, 4) if bw != float("inf") else cluster.intra_node_gbps
+        cluster.collective_links = {op: [round(a * 1e6, 3), round(b / 1e9, 4)] for op, (a, b) in sorted(own.items())}
         cluster.link_efficiency = 1.0
         if cluster.device == "cpu" and cluster.nodes == 1:  # no second node to measure: keep it no faster than this
             cluster.inter_node_gbps = min(cluster.inter_node_gbps, cluster.intra_node_gbps)
