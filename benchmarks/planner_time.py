@@ -302,9 +302,11 @@ def calib_main(args, world: int, shapes, out_path: str) -> int:
 
 
 def pre_calibration(args, world: int, shapes) -> dict:
-    """One calibration in ``world`` ranks before the timed run, for the planner's search (:func:`calib_main`)."""
+    """One calibration in ``world`` ranks before the timed run, for the planner's search (:func:`calib_main`), with
+    twice ``--calib-repeats`` samples (it alone decides the choice, where the rounds' predictions average several)."""
     from trickles.launch import launch
 
+    args = argparse.Namespace(**{**vars(args), "calib_repeats": 2 * args.calib_repeats})
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.json")
         status = launch(calib_main, (args, world, shapes, out), nproc=world)
@@ -419,6 +421,11 @@ def main(argv=None) -> int:
                          f"{paired:.2f}", f"{st.compute_s * 1e3:.0f}", f"{st.exposed_comm_s * 1e3:.0f}",
                          f"{st.bubble_s * 1e3:.0f}", f"{st.optimizer_s * 1e3:.0f}"])
         results.setdefault("clusters", {})[world] = vars(cluster)
+        if not args.no_plan:  # for comparison: the search on the calibrations of the timed rounds
+            again = planner_choice(world, cluster)
+            results["plan"][world]["after_rounds"] = {"label": again[0], "predicted_s": again[2].total_s}
+            print(f"world {world}: on the calibration of the timed rounds the planner's top choice is {again[0]!r} "
+                  f"(predicted {again[2].total_s * 1e3:.0f} ms)", flush=True)
         results.setdefault("calibration", {})[world] = got["calibration"]
     results["load_after"] = os.getloadavg()
     print()
