@@ -25,7 +25,7 @@
   line fitted to its timings alone, in ``collective_links``. One machine cannot measure an inter-node link: that
   stays the base cluster's.
 
-:func:`calibrate` returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
+The fits live in :mod:`trickles.planner.linefit`. :func:`calibrate` returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
 (:func:`~trickles.planner.cluster.write_cluster`).
 """
 
@@ -39,70 +39,11 @@ from typing import Sequence
 
 import torch
 
-from ..comm import messages, wire_bytes
 from .cluster import Cluster, load_cluster, shape_key, write_cluster
+from .linefit import fit_link, fit_links, link_samples  # noqa: F401  (fit_link, link_samples: re-exported)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
-
-
-def fit_link(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """``(alpha seconds, B bytes/s)`` fitting ``time = messages x alpha + wire_bytes / B`` to ``samples`` of
-    ``(messages, wire_bytes, seconds)``: least squares on the two coefficients (the normal equations), each kept
-    non-negative (a negative latency is refitted as zero); ``B`` is infinite if the bytes explain nothing."""
-    if not samples:
-        raise ValueError("fit_link needs at least one (messages, wire_bytes, seconds) sample")
-    sxx = sum(m * m for m, _, _ in samples)
-    syy = sum(w * w for _, w, _ in samples)
-    sxy = sum(m * w for m, w, _ in samples)
-    sxt = sum(m * t for m, _, t in samples)
-    syt = sum(w * t for _, w, t in samples)
-    det = sxx * syy - sxy * sxy
-    alpha, inv = ((sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det) if det > 0 else (-1.0, -1.0)
-    if alpha < 0 or inv <= 0:
-        # refit with one coefficient: bytes alone (alpha = 0), else messages alone
-        inv = syt / syy if syy > 0 else 0.0
-        alpha = 0.0
-        if inv <= 0:
-            alpha, inv = (sxt / sxx if sxx > 0 else 0.0), 0.0
-    return max(alpha, 0.0), (1.0 / inv if inv > 0 else float("inf"))
-
-
-def fit_links(timings: Sequence[tuple[str, int, int, float]], tolerance: float = 0.15
-              ) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
-    """``((alpha, B), {op: (alpha_op, B_op)})``: one line (:func:`fit_link`) for the kinds of collective that share
-    it, and each other kind's own line fitted to its timings alone. A kind's miss is the median over its timings
-    ``(op, ranks, input bytes, seconds)`` of ``|(messages alpha + wire / B) / seconds - 1|``; while the worst miss
-    of the sharing kinds is above ``tolerance``, the kind whose leaving makes the others' refitted line miss least
-    gets its own line (greedily, so one slow kind does not pull the shared line off the others)."""
-    ops = list(dict.fromkeys(t[0] for t in timings))
-    by_op = {op: link_samples([t for t in timings if t[0] == op]) for op in ops}
-
-    def fit(kinds):
-        return fit_link([x for op in kinds for x in by_op[op]])
-
-    def worst(kinds, line):
-        alpha, bw = line
-        return max(statistics.median([abs((m * alpha + w / bw) / t - 1) for m, w, t in by_op[op] if t > 0] or [0.0])
-                   for op in kinds)
-
-    own: dict[str, tuple[float, float]] = {}
-    sharing = list(ops)
-    line = fit(sharing)
-    while len(sharing) > 1 and worst(sharing, line) > tolerance:
-        best = None
-        for op in sharing:
-            rest = [o for o in sharing if o != op]
-            alone, rest_line = fit([op]), fit(rest)
-            if alone[1] == float("inf") or rest_line[1] == float("inf"):
-                continue
-            score = worst(rest, rest_line)
-            if best is None or score < best[0]:
-                best = (score, op, alone, rest, rest_line)
-        if best is None:
-            break
-        _, op, own[op], sharing, line = best
-    return line, own
 
 
 def _timeit(fn, repeats: int, min_s: float = 0.005) -> float:
@@ -296,11 +237,6 @@ def measure_links(ranks: int = 2, sizes: Sequence[int] = (4096, 65536, 1 << 20),
     if ranks < 2:
         raise ValueError("measuring links needs at least 2 ranks")
     return run_ranks(ranks, _measure_collectives, list(sizes), repeats)[0]
-
-
-def link_samples(timings: Sequence[tuple[str, int, int, float]]) -> list[tuple[float, float, float]]:
-    """``(messages, wire bytes, seconds)`` of each timing, for :func:`fit_link`."""
-    return [(messages(op, n), wire_bytes(op, nbytes, n), t) for op, n, nbytes, t in timings]
 
 
 def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
