@@ -25,7 +25,8 @@
   line fitted to its timings alone, in ``collective_links``. One machine cannot measure an inter-node link: that
   stays the base cluster's.
 
-The fits live in :mod:`trickles.planner.linefit`. :func:`calibrate` returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
+The fits live in :mod:`trickles.planner.linefit`. :func:`calibrate` returns the
+:class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
 (:func:`~trickles.planner.cluster.write_cluster`).
 """
 
