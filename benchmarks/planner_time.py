@@ -5,9 +5,14 @@ What is compared
     and without sequence parallelism, a 2-D grid, pipeline GPipe / 1F1B / interleaved, full and selective
     recomputation, ring and all-to-all context parallelism, expert parallelism on a mixture-of-experts variant),
     the measured time of one training step against :func:`trickles.planner.step_time` on this machine's
-    calibrated cluster.
+    calibrated cluster; and the planner's own top choice (:class:`trickles.planner.search.Search`, as
+    ``trickles plan --calibrate`` makes it) for the dense model at each world size, timed beside them.
 
 How
+    * The planner's choice: before the timed run, one calibration in ``N`` fresh ranks (:func:`calib_main`), the
+      search on that cluster over everything the benchmark's ranks can run (the host optimizer pinned off:
+      :data:`PLAN_PINS`; the model, precision and global batch as configured), and its top layout added to the
+      measured ones unless one of them is that layout (:func:`with_plan`).
     * Calibration in the same ``N`` ranks before every timed round and after the last
       (:func:`trickles.planner.calibrate.measure_on_ranks`, what ``trickles plan --calibrate`` measures): every GEMM
       shape the layouts run on one rank and their attention kernel (forward and backward), on every rank at once and
@@ -26,7 +31,8 @@ How
       a barrier before each step; a step's time is the slowest rank's; the median over rounds is the layout's.
     * Verdicts: per layout the paired ratio, the median over rounds of predicted / measured (target within 25%);
       Spearman's rank correlation of predicted vs measured (median) over all layouts (target >= 0.8); per world size
-      whether the layout predicted fastest among the dense model's is within 10% of the fastest measured.
+      whether the layout predicted fastest among the dense model's is within 10% of the fastest measured, and
+      whether the planner's top choice is (its measured step against the fastest measured dense layout).
     * The machine's load average (``os.getloadavg``) before and after, since other processes skew CPU timings.
 
 Examples::
@@ -173,7 +179,7 @@ def calibration(args, shapes) -> dict:
             "links": c["links"], "sync": c["sync"]}
 
 
-def rank_main(args, world: int, shapes, out_path: str) -> int:
+def rank_main(args, world: int, layout_list, shapes, out_path: str) -> int:
     import torch.distributed as dist
 
     from trickles.topology import cpu_cores, init_distributed, shutdown_distributed
@@ -183,7 +189,7 @@ def rank_main(args, world: int, shapes, out_path: str) -> int:
     rank = dist.get_rank()
     args.threads = max(1, cpu_cores() // world)
     torch.set_num_threads(args.threads)
-    layouts = [Layout(name, sets, world, device, args.seed) for name, sets in chosen(args, world)]
+    layouts = [Layout(name, sets, world, device, args.seed) for name, sets in layout_list]
     gen = torch.Generator().manual_seed(args.seed)
     vocab, seq, batch = layouts[0].model_cfg.vocab_size, layouts[0].cfg.data.seq_len, layouts[0].cfg.train.global_batch
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
@@ -277,6 +283,82 @@ def spearman(a: list[float], b: list[float]) -> float:
     return cov / (sum((x - ma) ** 2 for x in ra) * sum((y - mb) ** 2 for y in rb)) ** 0.5
 
 
+def calib_main(args, world: int, shapes, out_path: str) -> int:
+    """In each of ``world`` fresh ranks: one calibration (what ``trickles plan --calibrate`` measures), rank 0 writing
+    it to ``out_path`` as JSON."""
+    import torch.distributed as dist
+
+    from trickles.topology import cpu_cores, init_distributed, shutdown_distributed
+
+    init_distributed(torch.device("cpu"))
+    args.threads = max(1, cpu_cores() // world)
+    got = calibration(args, shapes)
+    if dist.get_rank() == 0:
+        with open(out_path, "w") as f:
+            json.dump(got, f)
+    dist.barrier()
+    shutdown_distributed()
+    return 0
+
+
+def pre_calibration(args, world: int, shapes) -> dict:
+    """One calibration in ``world`` ranks before the timed run, for the planner's search (:func:`calib_main`), with
+    twice ``--calib-repeats`` samples (it alone decides the choice, where the rounds' predictions average several)."""
+    from trickles.launch import launch
+
+    args = argparse.Namespace(**{**vars(args), "calib_repeats": 2 * args.calib_repeats})
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "calibration.json")
+        status = launch(calib_main, (args, world, shapes, out), nproc=world)
+        if status != 0:
+            raise SystemExit(f"world {world}: the calibration ranks failed (status {status})")
+        with open(out) as f:
+            return json.load(f)
+
+
+#: Keys the benchmark's ranks do not run (its step has no host optimizer), pinned for the planner's search.
+PLAN_PINS = ["memory.offload_optimizer=false"]
+
+
+def _layout_key(cfg, dims) -> tuple:
+    """The searched keys of a resolved layout, those a degree of 1 makes moot left out (to match the planner's)."""
+    par, tp, pp, cp = cfg.parallel, dims.tp, dims.pp, dims.cp
+    return (dims.dp, tp, par.tp_mode if tp > 1 else "", par.tp_depth if par.tp_mode == "2.5d" else 0,
+            par.sequence_parallel and tp > 1, pp, par.schedule if pp > 1 else "", par.virtual_stages if pp > 1 else 1,
+            cp, par.cp_mode if cp > 1 else "", dims.ep, par.zero, cfg.batch_plan(dims.dp)[0], cfg.memory.recompute,
+            cfg.memory.offload_optimizer)
+
+
+def planner_choice(world: int, cluster) -> tuple[str, list[str], object]:
+    """The planner's top choice for the benchmark's dense model on ``world`` ranks of ``cluster``, as ``trickles plan``
+    makes it (:class:`trickles.planner.search.Search`, keys the benchmark cannot run pinned: :data:`PLAN_PINS`):
+    ``(label, settings, step time)``."""
+    from trickles.config import Config
+    from trickles.planner.search import Search, pinned_keys, plan_model
+
+    sets = settings(PLAN_PINS)
+    cfg = Config.load(None, sets)
+    search = Search(cfg, plan_model(cfg), cluster, world, pinned_keys(None, sets)).run()
+    top = search.top(1)
+    if not top:
+        raise SystemExit(f"world {world}: the planner found no layout that fits")
+    values = top[0].layout.values()
+    chosen_sets = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+    return top[0].layout.label(), chosen_sets, top[0].time
+
+
+def with_plan(world: int, layouts: list, plan_sets: list[str], label: str) -> tuple[list, str]:
+    """``layouts`` plus the planner's choice unless one of them is that layout; and the choice's name among them."""
+    cfg, _ = config(plan_sets)
+    key = _layout_key(cfg, cfg.validate(world))
+    for name, sets in LAYOUTS[world]:
+        c, _ = config(sets)
+        if _layout_key(c, c.validate(world)) == key:
+            return (layouts if any(n == name for n, _ in layouts) else [*layouts, (name, sets)]), name
+    name = f"plan: {label}"
+    return [*layouts, (name, plan_sets)], name
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
@@ -287,6 +369,7 @@ def main(argv=None) -> int:
     p.add_argument("--calib-sample", type=float, default=0.02, help="seconds of one GEMM sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--no-plan", action="store_true", help="do not run the planner's search nor time its top choice")
     args = p.parse_args(argv)
 
     from trickles.launch import launch
@@ -297,9 +380,17 @@ def main(argv=None) -> int:
     for world in args.worlds:
         layouts = chosen(args, world)
         t0 = time.perf_counter()
+        if not args.no_plan:  # the planner's own search on this machine, calibrated first as trickles plan --calibrate
+            pre = calibrated([pre_calibration(args, world, layout_shapes(world, layouts))], world)
+            label, plan_sets, plan_st = planner_choice(world, pre)
+            layouts, plan_name = with_plan(world, layouts, plan_sets, label)
+            results.setdefault("plan", {})[world] = {"label": label, "name": plan_name, "settings": plan_sets,
+                                                     "predicted_s": plan_st.total_s, "cluster": vars(pre)}
+            print(f"world {world}: the planner's top choice {label!r} (predicted {plan_st.total_s * 1e3:.0f} ms), "
+                  f"timed as {plan_name!r}; {time.perf_counter() - t0:.0f} s", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "times.json")
-            status = launch(rank_main, (args, world, layout_shapes(world, layouts), out), nproc=world)
+            status = launch(rank_main, (args, world, layouts, layout_shapes(world, layouts), out), nproc=world)
             if status != 0:
                 print(f"world {world}: the ranks failed (status {status})", file=sys.stderr)
                 return status
@@ -330,6 +421,11 @@ def main(argv=None) -> int:
                          f"{paired:.2f}", f"{st.compute_s * 1e3:.0f}", f"{st.exposed_comm_s * 1e3:.0f}",
                          f"{st.bubble_s * 1e3:.0f}", f"{st.optimizer_s * 1e3:.0f}"])
         results.setdefault("clusters", {})[world] = vars(cluster)
+        if not args.no_plan:  # for comparison: the search on the calibrations of the timed rounds
+            again = planner_choice(world, cluster)
+            results["plan"][world]["after_rounds"] = {"label": again[0], "predicted_s": again[2].total_s}
+            print(f"world {world}: on the calibration of the timed rounds the planner's top choice is {again[0]!r} "
+                  f"(predicted {again[2].total_s * 1e3:.0f} ms)", flush=True)
         results.setdefault("calibration", {})[world] = got["calibration"]
     results["load_after"] = os.getloadavg()
     print()
@@ -349,6 +445,13 @@ def main(argv=None) -> int:
             gap = pick["measured_s"] / best["measured_s"]
             print(f"world {world}: predicted fastest {pick['name']!r} measures {gap:.3f}x the fastest ({best['name']!r}); "
                   f"target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}")
+            plan = results.get("plan", {}).get(world)
+            if plan is not None:
+                row = next(r for r in dense if r["name"] == plan["name"])
+                gap = row["measured_s"] / best["measured_s"]
+                plan["measured_s"], plan["gap"] = row["measured_s"], gap
+                print(f"world {world}: the planner's top choice {plan['label']!r} ({plan['name']!r}) measures {gap:.3f}x "
+                      f"the fastest ({best['name']!r}); target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after "
           f"{results['load_after'][0]:.2f} {results['load_after'][1]:.2f} {results['load_after'][2]:.2f} (1, 5, 15 min)")
     results.update(within=within, spearman=rho)

@@ -124,3 +124,32 @@ def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_pa
     assert set(c.attention_table) == {f"fp32:32x32x{mc.head_dim}"}  # the fused kernel, timed at the run's shape
     assert c.attention_fraction("fp32", 32, 32, mc.head_dim) == c.attention_table[f"fp32:32x32x{mc.head_dim}"]
     assert load_cluster(path) == c
+
+
+def test_a_collective_kind_the_shared_line_misses_gets_its_own_line(tmp_path):
+    from trickles.planner.calibrate import cluster_from_measurements, fit_links
+
+    line = {"all_reduce": (50e-6, 1e9), "all_gather": (50e-6, 1e9), "reduce_scatter": (200e-6, 0.4e9)}
+    timings = [(op, 4, size, messages(op, 4) * a + wire_bytes(op, size, 4) / b)
+               for op, (a, b) in line.items() for size in (4096, 65536, 1 << 20, 4 << 20)]
+    (alpha, bw), own = fit_links(timings)
+    assert set(own) == {"reduce_scatter"}  # the ring-like kinds share one line, the slow one does not
+    assert own["reduce_scatter"][0] == pytest.approx(200e-6, rel=1e-6)
+    assert own["reduce_scatter"][1] == pytest.approx(0.4e9, rel=1e-6)
+    c = cluster_from_measurements("local", "fp32", {(64, 64, 64): 1e10}, 1e10, timings, (64, 64, 64))
+    assert set(c.collective_links) == {"reduce_scatter"}
+    rs, ar = c.link(False, "reduce_scatter"), c.link(False, "all_reduce")
+    assert rs.time(3, 3 << 20) == pytest.approx(3 * 200e-6 + (3 << 20) / 0.4e9, rel=1e-3)
+    assert (ar.latency_s, ar.bandwidth_Bps) == (c.link(False).latency_s, c.link(False).bandwidth_Bps)
+    assert c.link(True, "reduce_scatter").name == "inter-node"  # measured on one node: the inter-node line stays one
+    path = tmp_path / "c.toml"
+    write_cluster(c, path)
+    assert "[cluster.collective_links]" in path.read_text() and load_cluster(path) == c
+    assert load_cluster("dgx-a100").collective_links == {}  # presets: one line per link
+
+
+def test_a_bad_collective_line_is_refused():
+    with pytest.raises(ConfigError, match="unknown collective 'all_reduse'"):
+        cluster_from_dict({"collective_links": {"all_reduse": [10.0, 1.0]}})
+    with pytest.raises(ConfigError, match=r"must be \[latency_us >= 0, GB/s > 0\]"):
+        cluster_from_dict({"collective_links": {"send": [10.0, 0.0]}})

@@ -247,3 +247,23 @@ def test_collectives_of_one_group_share_the_compute_they_hide_behind():
                              base=[*GPT3[:9], "parallel.zero=3"], cluster="dgx-a100")
     assert st.comm_by_group["dp"] > st.compute_s
     assert st.exposed_by_group["dp"] >= (st.comm_by_group["dp"] - st.compute_s) * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("world,mode", [(4, "2d"), (8, "3d")])
+def test_a_grid_reduce_scatters_in_backward_what_it_gathers_in_forward(world, mode):
+    """The grid layers' backward reduce-scatters the gradients of the blocks its forward gathered (the ledger records
+    them as reduce-scatters), so every line has as many of each; on a 2-D grid the same wire bytes."""
+    from trickles.planner.traffic import grid_traffic
+
+    cfg = Config.load(None, [*TINY, "model.n_heads=8", "model.n_kv_heads=8", f"parallel.tp={world}",
+                             f"parallel.tp_mode={mode}"])
+    dims = cfg.validate(world)
+    mc = resolve_model(cfg.model, cfg.model.vocab_size or 320, cfg.data.seq_len)
+    got = {(t.group, t.op): t for t in grid_traffic(rank_plans(cfg, dims, mc)[0])}
+    lines = {g for g, op in got if g != "tp"}
+    assert lines == ({"tp_row", "tp_col"} if mode == "2d" else {"tp_row", "tp_col", "tp_dep"})
+    for line in lines:
+        ag, rs = got[(line, "all_gather")], got[(line, "reduce_scatter")]
+        assert ag.calls == rs.calls > 0
+        if mode == "2d":
+            assert ag.wire_bytes == pytest.approx(rs.wire_bytes, rel=1e-6)

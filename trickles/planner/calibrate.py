@@ -17,12 +17,16 @@
 * **Sharing cores**: with more ranks than cores, the extra wait a blocking collective costs between compute
   bursts (:func:`measure_sync`: a rank reaches it only on its turn on a core) fills ``shared_core_sync_us``.
 * **Links**: ``ranks`` processes (:func:`trickles.testing.run_ranks`, gloo over loopback) time all-reduce,
-  all-gather, reduce-scatter and a send of a few sizes; :func:`fit_link` fits
+  all-gather, reduce-scatter, all-to-all and a send of a few sizes; :func:`fit_link` fits
   ``time = messages x alpha + wire_bytes / B`` (:func:`trickles.comm.messages`, :func:`trickles.comm.wire_bytes`)
-  by least squares, giving the intra-node latency and bandwidth (measured, so ``link_efficiency`` 1). One machine
-  cannot measure an inter-node link: that stays the base cluster's.
+  by least squares over all of them, giving the intra-node latency and bandwidth (measured, so ``link_efficiency``
+  1). A kind whose own timings that shared line misses (:func:`fit_links`: the median of ``|predicted / measured -
+  1|`` over its sizes above ``tolerance``, 15%; gloo's reduce-scatter, for one, is no plain ring) gets its own
+  line fitted to its timings alone, in ``collective_links``. One machine cannot measure an inter-node link: that
+  stays the base cluster's.
 
-:func:`calibrate` returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
+The fits live in :mod:`trickles.planner.linefit`. :func:`calibrate` returns the
+:class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
 (:func:`~trickles.planner.cluster.write_cluster`).
 """
 
@@ -36,33 +40,11 @@ from typing import Sequence
 
 import torch
 
-from ..comm import messages, wire_bytes
 from .cluster import Cluster, load_cluster, shape_key, write_cluster
+from .linefit import fit_link, fit_links, link_samples  # noqa: F401  (fit_link, link_samples: re-exported)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "send")
-
-
-def fit_link(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """``(alpha seconds, B bytes/s)`` fitting ``time = messages x alpha + wire_bytes / B`` to ``samples`` of
-    ``(messages, wire_bytes, seconds)``: least squares on the two coefficients (the normal equations), each kept
-    non-negative (a negative latency is refitted as zero); ``B`` is infinite if the bytes explain nothing."""
-    if not samples:
-        raise ValueError("fit_link needs at least one (messages, wire_bytes, seconds) sample")
-    sxx = sum(m * m for m, _, _ in samples)
-    syy = sum(w * w for _, w, _ in samples)
-    sxy = sum(m * w for m, w, _ in samples)
-    sxt = sum(m * t for m, _, t in samples)
-    syt = sum(w * t for _, w, t in samples)
-    det = sxx * syy - sxy * sxy
-    alpha, inv = ((sxt * syy - syt * sxy) / det, (syt * sxx - sxt * sxy) / det) if det > 0 else (-1.0, -1.0)
-    if alpha < 0 or inv <= 0:
-        # refit with one coefficient: bytes alone (alpha = 0), else messages alone
-        inv = syt / syy if syy > 0 else 0.0
-        alpha = 0.0
-        if inv <= 0:
-            alpha, inv = (sxt / sxx if sxx > 0 else 0.0), 0.0
-    return max(alpha, 0.0), (1.0 / inv if inv > 0 else float("inf"))
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 def _timeit(fn, repeats: int, min_s: float = 0.005) -> float:
@@ -219,6 +201,7 @@ def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, 
             elements = max(world, size // 4 // world * world)
             x = torch.ones(elements)
             shard = torch.ones(elements // world)
+            y = torch.empty_like(x)
 
             def run():
                 if op == "all_reduce":
@@ -227,6 +210,8 @@ def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, 
                     _all_gather_single(x, shard)
                 elif op == "reduce_scatter":
                     _reduce_scatter_single(shard, x)
+                elif op == "all_to_all":
+                    dist.all_to_all_single(y, x)
                 elif rank == 0:
                     dist.send(x, 1)
                 elif rank == 1:
@@ -253,11 +238,6 @@ def measure_links(ranks: int = 2, sizes: Sequence[int] = (4096, 65536, 1 << 20),
     if ranks < 2:
         raise ValueError("measuring links needs at least 2 ranks")
     return run_ranks(ranks, _measure_collectives, list(sizes), repeats)[0]
-
-
-def link_samples(timings: Sequence[tuple[str, int, int, float]]) -> list[tuple[float, float, float]]:
-    """``(messages, wire bytes, seconds)`` of each timing, for :func:`fit_link`."""
-    return [(messages(op, n), wire_bytes(op, nbytes, n), t) for op, n, nbytes, t in timings]
 
 
 def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
@@ -323,10 +303,12 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
     """``base`` with what was measured: ``gemms`` ``{(m, n, k): FLOP/s}`` (``reference``: the shape whose rate is
     ``gemm_efficiency``), ``attention`` ``{(q, k, d): FLOP/s}`` of the fused kernel, the memory ``bandwidth`` in
     bytes/s, the collective timings ``links`` fitted by :func:`fit_link` and ``sync`` seconds a blocking collective
-    waits for ranks sharing cores (:func:`measure_sync`; module docstring)."""
+    waits for ranks sharing cores (:func:`measure_sync`; module docstring); ``collective_links`` from the links'
+    per-kind fits (:func:`fit_links`)."""
     cluster = base if isinstance(base, Cluster) else load_cluster(base)
     cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table),
-                                  attention_table=dict(cluster.attention_table))
+                                  attention_table=dict(cluster.attention_table),
+                                  collective_links=dict(cluster.collective_links))
     if torch.device(device).type == "cuda":
         from ..train.flops import peak_flops
 
@@ -346,9 +328,10 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
         cluster.host_link_gbps = round(bandwidth / 1e9, 3)
         cluster.host_memory_bandwidth_gbps = round(bandwidth / 1e9 * cluster.devices_per_node, 3)
     if links:
-        alpha, bw = fit_link(link_samples(links))
+        (alpha, bw), own = fit_links(links)
         cluster.intra_node_latency_us = max(round(alpha * 1e6, 3), 1e-3)
         cluster.intra_node_gbps = round(bw / 1e9, 4) if bw != float("inf") else cluster.intra_node_gbps
+        cluster.collective_links = {op: [round(a * 1e6, 3), round(b / 1e9, 4)] for op, (a, b) in sorted(own.items())}
         cluster.link_efficiency = 1.0
         if cluster.device == "cpu" and cluster.nodes == 1:  # no second node to measure: keep it no faster than this
             cluster.inter_node_gbps = min(cluster.inter_node_gbps, cluster.intra_node_gbps)

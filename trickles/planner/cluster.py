@@ -12,7 +12,10 @@ A cluster is ``nodes`` x ``devices_per_node`` devices. The time model (:mod:`tri
   is what the ring formulas' wire bytes (:func:`trickles.comm.wire_bytes`) are divided by, so that a collective
   takes ``messages x alpha + wire_bytes / (B x link_efficiency)`` (:func:`trickles.comm.messages`). On a DGX
   node every GPU has its own NVLink ports and its own InfiniBand adapter (rail-optimized), so ``B`` across nodes
-  is one adapter's rate;
+  is one adapter's rate. Where a calibration measured the collective kinds apart and their times do not lie on one
+  line (gloo's reduce-scatter is no plain ring), ``collective_links`` holds each kind's own intra-node
+  ``(alpha, B)``, and a collective of that kind inside a node uses it (:meth:`Cluster.link` with ``op``); presets
+  and unmeasured kinds keep the one line per link;
 * **host**: the host<->device link (offloaded optimizer: gradients down, parameters up) and host memory and
   its bandwidth (the host optimizer step), per node.
 
@@ -41,6 +44,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: The collective kinds a cluster may give their own intra-node line (``Cluster.collective_links``).
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class Cluster:
     memory_bandwidth_gbps: float = opt(2039.0, "device memory bandwidth, GB/s (memory-bound work: optimizer step, element-wise kernels)")
     intra_node_gbps: float = opt(300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s")
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
+    collective_links: dict = opt({}, "intra-node line of each collective kind whose measured times differ from the shared one: op (all_reduce, all_gather, reduce_scatter, all_to_all, send) = [latency_us, GB/s] (calibrate fills it; a kind not listed uses intra_node_latency_us and intra_node_gbps)")
     inter_node_gbps: float = opt(25.0, "algorithm bandwidth per device per direction between nodes, GB/s")
     inter_node_latency_us: float = opt(5.0, "latency of one message between nodes, microseconds")
     overlap_comm: bool = opt(True, "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where gloo's copies and reductions need the cores the compute uses, so nothing hides")
@@ -154,10 +160,14 @@ class Cluster:
         """Whether communication can hide behind compute: ``overlap_comm`` on GPUs, never on CPU ranks."""
         return self.overlap_comm and self.device != "cpu"
 
-    def link(self, spans_nodes: bool) -> Link:
-        """The link a group uses: across nodes if any of its ranks sit on different nodes, else inside one."""
+    def link(self, spans_nodes: bool, op: str | None = None) -> Link:
+        """The link a group uses: across nodes if any of its ranks sit on different nodes, else inside one -- there
+        collective kind ``op``'s own line where ``collective_links`` has one."""
         if spans_nodes:
             return Link("inter-node", self.inter_node_latency_us * 1e-6, self.inter_node_gbps * 1e9 * self.link_efficiency)
+        if op in self.collective_links:
+            latency_us, gbps = self.collective_links[op]
+            return Link(f"intra-node {op}", latency_us * 1e-6, gbps * 1e9 * self.link_efficiency)
         return Link("intra-node", self.intra_node_latency_us * 1e-6, self.intra_node_gbps * 1e9 * self.link_efficiency)
 
     def host_link(self) -> Link:
@@ -195,6 +205,15 @@ class Cluster:
             raise ConfigError(f"cluster.device must be cuda or cpu, got {self.device!r}")
         if not 0 < self.gemm_efficiency <= 1 or not 0 < self.link_efficiency <= 1:
             raise ConfigError("cluster.gemm_efficiency and cluster.link_efficiency are fractions in (0, 1]")
+        if not isinstance(self.collective_links, dict):
+            raise ConfigError("cluster.collective_links must be a table of op = [latency_us, GB/s]")
+        for op, line in self.collective_links.items():
+            if op not in COLLECTIVE_KINDS:
+                raise ConfigError(f"cluster.collective_links: unknown collective {op!r}; one of {', '.join(COLLECTIVE_KINDS)}")
+            ok = isinstance(line, (list, tuple)) and len(line) == 2 and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in line)
+            if not ok or line[0] < 0 or line[1] <= 0:
+                raise ConfigError(f"cluster.collective_links[{op!r}] must be [latency_us >= 0, GB/s > 0], got {line!r}")
         for name in ("gemm_table", "attention_table"):
             table = getattr(self, name)
             if not isinstance(table, dict):
@@ -307,6 +326,8 @@ def cluster_from_dict(table: dict[str, Any], where: str = "") -> Cluster:
     cluster = section_from_dict(Cluster, table, "cluster", base, where)
     cluster.gemm_table = dict(cluster.gemm_table)
     cluster.attention_table = dict(cluster.attention_table)
+    cluster.collective_links = {k: list(v) if isinstance(v, (list, tuple)) else v
+                                for k, v in dict(cluster.collective_links).items()}
     cluster.validate()
     return cluster
 
@@ -338,7 +359,7 @@ def cluster_toml(cluster: Cluster) -> str:
     docs = field_docs(Cluster)
     lines = ["[cluster]"]
     for f in dataclasses.fields(cluster):
-        if f.name in ("gemm_table", "attention_table"):
+        if f.name in ("gemm_table", "attention_table", "collective_links"):
             continue
         lines.append(f"# {docs[f.name]}")
         lines.append(f"{f.name} = {_toml(getattr(cluster, f.name))}")
@@ -346,6 +367,8 @@ def cluster_toml(cluster: Cluster) -> str:
     lines += [f'"{k}" = {float(v)!r}' for k, v in sorted(cluster.gemm_table.items())]
     lines += ["", f"# {docs['attention_table']}", "[cluster.attention_table]"]
     lines += [f'"{k}" = {float(v)!r}' for k, v in sorted(cluster.attention_table.items())]
+    lines += ["", f"# {docs['collective_links']}", "[cluster.collective_links]"]
+    lines += [f"{k} = [{float(a)!r}, {float(b)!r}]" for k, (a, b) in sorted(cluster.collective_links.items())]
     return "\n".join(lines) + "\n"
 
 

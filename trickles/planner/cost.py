@@ -15,8 +15,9 @@ sum to :func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` p
 ranks; the model's attention FLOPs are halved for a causal kernel).
 
 **Each collective** (:mod:`trickles.planner.traffic`: the bytes each dimension's module states, for this rank):
-``t = calls x messages(op, n) x alpha + wire_bytes / B`` on the link its group spans -- inside a node if every
-group of that kind lies in one node (ranks ``(pp, dp, cp, tp)`` outermost first,
+``t = calls x messages(op, n) x alpha + wire_bytes / B`` on the link its group spans (inside a node the op's
+own ``alpha`` and ``B`` where the calibration measured that kind apart, ``Cluster.collective_links``) -- inside a
+node if every group of that kind lies in one node (ranks ``(pp, dp, cp, tp)`` outermost first,
 :mod:`trickles.planner.placement`), else across nodes (:meth:`~trickles.planner.cluster.Cluster.link`).
 
 **What is hidden.** A collective of ``k`` calls over ``P`` separate windows of compute ``w`` each (its
@@ -249,9 +250,9 @@ def _time(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[f
     return gemm, work.elementwise_bytes / (cluster.memory_bandwidth_gbps * 1e9 * share)
 
 
-def _link(cluster: Cluster, dims: ParallelDims, group: str, per_node: int) -> Link:
+def _link(cluster: Cluster, dims: ParallelDims, group: str, per_node: int, op: str | None = None) -> Link:
     spans = pipeline_hop_spans_nodes(dims, per_node) if group == "pp" else spans_nodes(dims, group, per_node)
-    return cluster.link(spans)
+    return cluster.link(spans, op)
 
 
 def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> StepTime:
@@ -288,7 +289,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     pools: dict[tuple[str, str], list[tuple[int, float, int, float]]] = {}  # (group, window) -> (index, t, passes, c)
     for term in TERMS:
         for tr in term(plan):
-            link = _link(cluster, dims, tr.group, per_node)
+            link = _link(cluster, dims, tr.group, per_node, tr.op)
             n = group_size(dims, tr.group)
             msgs = tr.calls if tr.op == "send" else tr.calls * messages(tr.op, n)
             t = link.time(msgs, tr.wire_bytes)

@@ -133,13 +133,19 @@ def grid_traffic(r: "RankPlan") -> list[Traffic]:
             calls, wire = into.setdefault((line, op), [0, 0.0])
             into[(line, op)] = [calls + times, wire + times * round(wire_bytes(op, nbytes, size[line]))]
 
+    roles = [0]  # 3-D: linears so far (the row and depth lines swap the a and b roles from one to the next)
+
     def linear(h: int, h2: int, bias: bool) -> None:
         if three:
             x, w = cube_bytes(q, n_all, h, 0, False, p)["forward"], cube_bytes(q, 0, h, h2, False, p)["forward"]
             y = cube_bytes(q, n_all, 0, h2, False, p)["forward"]
-            for line in ("tp_row", "tp_dep"):  # the a and b roles, half each
-                add(fwd, line, "all_gather", (x + y) / 2 / (q - 1)), add(bwd, line, "all_gather", (x + y) / 2 / (q - 1))
-            add(fwd, "tp_col", "all_gather", w / (q - 1)), add(bwd, "tp_col", "all_gather", w / (q - 1))
+            a, b = ("tp_row", "tp_dep") if roles[0] % 2 == 0 else ("tp_dep", "tp_row")
+            roles[0] += 1
+            # forward: X gathered on a, the partial outputs reduce-scattered on b; backward: dY gathered on b, dX
+            # reduce-scattered on a (the wire bytes x and y given as a gather's shard, a reduce-scatter's input)
+            add(fwd, a, "all_gather", x / (q - 1)), add(fwd, b, "reduce_scatter", y * q / (q - 1))
+            add(bwd, b, "all_gather", y / (q - 1)), add(bwd, a, "reduce_scatter", x * q / (q - 1))
+            add(fwd, "tp_col", "all_gather", w / (q - 1)), add(bwd, "tp_col", "reduce_scatter", w * q / (q - 1))
             if bias:
                 add(bwd, "tp_col", "all_reduce", p * h2 // q), add(bwd, "tp_row", "all_reduce", p * h2 / q / 2)
                 add(bwd, "tp_dep", "all_reduce", p * h2 / q / 2)
@@ -147,8 +153,9 @@ def grid_traffic(r: "RankPlan") -> list[Traffic]:
         rows = n_all // (q * dep)
         acts = summa_bytes(q, 1, rows, h, 0, False, p)["forward"] / (q - 1)  # the input block each rank adds
         weights = summa_bytes(q, 1, 0, h, h2, False, p)["forward"] / (q - 1)
-        add(fwd, "tp_row", "all_gather", acts), add(bwd, "tp_row", "all_gather", acts)
-        add(fwd, "tp_col", "all_gather", weights), add(bwd, "tp_col", "all_gather", weights)
+        # forward gathers the input and weight blocks; backward reduce-scatters their gradients (as many bytes)
+        add(fwd, "tp_row", "all_gather", acts), add(bwd, "tp_row", "reduce_scatter", acts * q)
+        add(fwd, "tp_col", "all_gather", weights), add(bwd, "tp_col", "reduce_scatter", weights * q)
         if bias:
             add(bwd, "tp_col", "all_reduce", p * (h2 // q))
         add(bwd, "tp_dep", "all_reduce", p * (h * h2 // (q * q) + (h2 // q if bias else 0)))
