@@ -55,7 +55,7 @@ from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
 from ..kernels.cross_entropy import fused_on
-from ..parallel.tensor_nd_costs import Layout, loss_transient_nd
+from ..parallel.tensor_nd_costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
 from .accounting import peak_allocated
 from .activations import ActivationMeter, loss_transient_bytes
 from .meta import rank_model, stage_parameters
@@ -96,6 +96,9 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
     loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton))
+    if lay.grid and dims.pp == 1:  # the peak is the larger phase: the loss, or the last block's backward (head released)
+        loss = max(loss, backward_transient_nd(model_cfg, lay, micro, cfg.data.seq_len, p, device_type)
+                   - head_released_nd(model_cfg, lay, micro, cfg.data.seq_len, p))
     layer_transient = 0  # one layer's at a time
     if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
         layer_transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
