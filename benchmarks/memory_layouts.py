@@ -83,10 +83,14 @@ def _bytes(text: str) -> float:
 def parse(output: str) -> dict[str, tuple[float, float]]:
     """``{"held": (predicted, measured), "peak": (...)}`` from the first table ``trickles memory`` prints."""
     rows: dict[str, tuple[float, float]] = {}
+    host_columns = False  # with optimizer offload: device, host, measured device, measured host
     for line in output.splitlines():
+        if "measured device" in line:
+            host_columns = True
         m = _ROW.match(line.strip())
         if m and m.group(1) not in rows:
-            rows[m.group(1)] = (_bytes(m.group(2)), _bytes(m.group(3)))
+            sizes = re.findall(_SIZE, line)
+            rows[m.group(1)] = (_bytes(sizes[0]), _bytes(sizes[2] if host_columns else sizes[1]))
     return rows
 
 
