@@ -259,8 +259,13 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
         x, y = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
         exclude = getattr(trainer.engine, "gathered_storages", None)
         trainer.engine.zero_grad()
+        moe = getattr(trainer, "moe_stats", None)
+        if moe is not None:
+            moe.reset()  # this forward's routing only
         with ActivationMeter(trainer.model, exclude=exclude) as meter:
             loss = trainer._loss(x, y)
+        if moe is not None and trainer.topo.dims.ep > 1:
+            _routing_note(trainer, report, moe, meter.per_layer)
         loss.backward()  # release the graph the way training would
         trainer.engine.finish_backward()
         trainer.engine.zero_grad()
@@ -290,6 +295,29 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
             report.stages_measured = got[0]
             report.measured, report.layers_measured = got[0][report.stage], got[1][report.stage]
     return report
+
+
+def _routing_note(trainer, report: MemoryReport, stats, per_layer: dict) -> None:
+    """Notes the rows each MoE block's experts received on this rank in the metered forward and the activations
+    predicted at that load beside the measured ones (:mod:`~trickles.memory.routing`); ``report.routing``."""
+    from .routing import at_load, routing_seen
+
+    cfg, dims, mc = trainer.cfg, trainer.topo.dims, trainer.model_cfg
+    received = routing_seen(stats, trainer.topo.comm("ep"))
+    micro, _ = cfg.batch_plan(dims.dp)
+    tokens = micro * cfg.data.seq_len // dims.cp
+    routed = (tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens) // micro
+    p = torch.finfo(policy(cfg.memory.precision, cfg.memory.grad_dtype).param_dtype).bits // 8
+    m, seen = at_load(cfg, mc, received, report.layers_predicted, micro, routed, p, dims.ep, trainer.device.type)
+    report.routing = {layer: {"received": received[layer], "balanced": m, "predicted_at_load": seen[layer],
+                              "measured": per_layer.get(f"layers.{layer}", 0)} for layer in received}
+    parts = [f"block {layer} {r['received'] / m:.2f}x ({_fmt(r['predicted_at_load'])} predicted at it, "
+             f"{_fmt(r['measured'])} measured)" for layer, r in report.routing.items()]
+    delta = sum(r["predicted_at_load"] - report.layers_predicted[layer] for layer, r in report.routing.items())
+    report.notes.append(f"routing seen (expert-parallel rank {trainer.topo.comm('ep').rank}): rows its experts received "
+                        f"over the balanced {m:,}: " + "; ".join(parts)
+                        + f"; held at the routing seen: {_fmt(report.predicted['held'] + delta)}, peak at the routing "
+                        f"seen: {_fmt(report.predicted['peak'] + delta)}")
 
 
 def report_for(cfg: Config, world_size: int, measure_steps: int = 0, quiet: bool = False) -> MemoryReport:
