@@ -96,9 +96,21 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
     loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton))
-    if lay.grid and dims.pp == 1:  # the peak is the larger phase: the loss, or the last block's backward (head released)
-        loss = max(loss, backward_transient_nd(model_cfg, lay, micro, cfg.data.seq_len, p, device_type)
+    recomputed = 0  # what recomputation brings back of a layer in its backward
+    if cfg.memory.recompute != "none":
+        plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),
+                            model_cfg, lay, dims, device_type)["per_layer"]
+        recomputed = max(a - b for a, b in zip(plain, act["per_layer"]))
+    # a block's backward: two fp32 gradients of the MLP's hidden activations, and the layer recomputation brings back
+    mlp_backward = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp + recomputed
+    # the peak is the larger phase: the loss, or the last block's backward, when the head's saved tensors are released
+    # (the embedding's stay) and the last block's are all held
+    if dims.pp == 1 and lay.grid:
+        loss = max(loss, backward_transient_nd(model_cfg, lay, micro, cfg.data.seq_len, p, device_type) + recomputed
                    - head_released_nd(model_cfg, lay, micro, cfg.data.seq_len, p))
+    elif dims.pp == 1:
+        released = act["head"] - embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type)
+        loss = max(loss, mlp_backward - released)
     layer_transient = 0  # one layer's at a time
     if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
         layer_transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
@@ -146,11 +158,6 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
         saves_input = input_saved(model_cfg.flavor, p, device_type, cfg.memory.recompute)
-        mlp_backward = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp  # two gradients of the MLP's hidden activations
-        if cfg.memory.recompute != "none":  # and what recomputation brings back of the layer in its backward
-            plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),
-                                model_cfg, lay, dims, device_type)["per_layer"]
-            mlp_backward += max(a - b for a, b in zip(plain, act["per_layer"]))
         rows, layer_ids = [], []
         for r in range(dims.pp):
             ids = sorted(i for c in range(shape.v) for i in parts[shape.stage(r, c)])
