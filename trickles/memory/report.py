@@ -12,7 +12,13 @@ allocates above them (:func:`~trickles.memory.accounting.peak_allocated`, from t
 chart PNG and an answer to "does this fit in X GB".
 
 ``held`` = model states on the device + all saved activations of one micro-batch (what is
-alive at the end of forward); predicted ``peak`` = ``held`` + transients: the fp32 gradients of
+alive at the end of forward); predicted ``peak`` = the largest phase, each phase what is held then and its
+temporaries: the loss (``held`` + the loss's transient below) or the last block's backward (``held`` less what the
+head's backward released, the head's saved tensors but the embedding's, + the block's backward temporaries: 1-D the
+MLP's two fp32 hidden gradients ``2 x 4 s f / tp``; a grid
+:func:`~trickles.parallel.tensor_nd_costs.backward_transient_nd`; with recomputation plus the layer it brings
+back), and to that phase the transients of any layer (ring blocks, expert rows) and of the engine (buckets, ZeRO-3
+blocks). The loss's transient: the fp32 gradients of
 the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
 for the vocabulary-parallel loss, which reuses its saved probabilities; with ``model.fused_loss``
 one chunk's logits instead, :func:`~trickles.memory.activations.loss_transient_bytes`), ring attention's key/value blocks
