@@ -75,7 +75,7 @@ def peak_allocated(fn, device: torch.device | str = "cpu"):
 
     On CUDA from the caching allocator's statistics (``max_memory_allocated``); on a CPU, which keeps no such
     statistic, from the profiler's record of every allocation and free (``profile_memory=True``), replayed in
-    time order.
+    time order by :func:`replay_allocations`.
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -85,6 +85,9 @@ def peak_allocated(fn, device: torch.device | str = "cpu"):
         out = fn()
         torch.cuda.synchronize(device)
         return out, torch.cuda.max_memory_allocated(device) - start
+    import json
+    import tempfile
+
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -95,13 +98,68 @@ def peak_allocated(fn, device: torch.device | str = "cpu"):
     finally:
         with _quiet_stderr():
             prof.stop()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    with tempfile.TemporaryDirectory(prefix="trickles_peak_") as tmp:  # the exported trace has each block's address
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    return out, replay_allocations(events)[0]
+
+
+def replay_allocations(events: list[dict]) -> tuple[int, float]:
+    """``(the highest level above the start, when)`` of the CPU allocations in a profiler trace (chrome format).
+
+    Every ``[memory]`` event moves the level by its bytes, in time order. One correction: a block allocated on the
+    thread that ran the step and released by a collective's worker thread (gloo's work objects keep their tensors
+    until the worker drops them, outside the profiler's view) has no recorded free. Its address shows it: it is
+    allocated again, or never freed. Such a block is counted until the collective that took it has finished
+    (the first worker-thread span ending after the block was allocated) and the step's thread has made its next
+    allocation -- the latest it can still be in use by the step, whose own references to it are gone by then
+    (else the step's thread would have freed it, on the record). Without that, the record keeps every such block
+    forever and the level drifts up by a message per collective.
+    """
+    mem = sorted((e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0),
+                 key=lambda e: e["ts"])
+    if not mem:
+        return 0, 0.0
+    counts: dict = {}
+    for e in mem:
+        counts[e["tid"]] = counts.get(e["tid"], 0) + 1
+    main = max(counts, key=counts.get)
+    spans = sorted(e["ts"] + e.get("dur", 0) for e in events if e.get("ph") == "X" and e.get("tid") != main)
+    main_allocs = [e["ts"] for e in mem if e["tid"] == main and e["args"]["Bytes"] > 0]
+    # allocations whose free is missing: the next event at their address is another allocation, or there is none
+    open_at: dict = {}
+    unmatched = []
+    for e in mem:
+        a = e["args"]
+        if a["Bytes"] > 0:
+            if a["Addr"] in open_at:
+                unmatched.append(open_at[a["Addr"]])
+            open_at[a["Addr"]] = e
+        else:
+            open_at.pop(a["Addr"], None)
+    unmatched.extend(open_at.values())
+    import bisect
+
+    timeline = [(e["ts"], 0, e["args"]["Bytes"]) for e in mem]
+    for e in unmatched:
+        if e["tid"] != main:
+            continue
+        i = bisect.bisect_right(spans, e["ts"])
+        if i == len(spans):
+            continue
+        j = bisect.bisect_right(main_allocs, spans[i])
+        if j < len(main_allocs):
+            timeline.append((main_allocs[j], 1, -e["args"]["Bytes"]))  # after that allocation (order key 1)
+    timeline.sort(key=lambda t: (t[0], t[1]))
     level = peak = 0
-    for _, nbytes in events:
+    when = timeline[0][0]
+    for ts, _, nbytes in timeline:
         level += nbytes
-        peak = max(peak, level)
-    return out, peak
+        if level > peak:
+            peak, when = level, ts
+    return peak, when
 
 
 @contextlib.contextmanager

@@ -12,7 +12,13 @@ allocates above them (:func:`~trickles.memory.accounting.peak_allocated`, from t
 chart PNG and an answer to "does this fit in X GB".
 
 ``held`` = model states on the device + all saved activations of one micro-batch (what is
-alive at the end of forward); predicted ``peak`` = ``held`` + transients: the fp32 gradients of
+alive at the end of forward); predicted ``peak`` = the largest phase, each phase what is held then and its
+temporaries: the loss (``held`` + the loss's transient below) or the last block's backward (``held`` less what the
+head's backward released, the head's saved tensors but the embedding's, + the block's backward temporaries: 1-D the
+MLP's two fp32 hidden gradients ``2 x 4 s f / tp``; a grid
+:func:`~trickles.parallel.tensor_nd_costs.backward_transient_nd`; with recomputation plus the layer it brings
+back), and to that phase the transients of any layer (ring blocks, expert rows) and of the engine (buckets, ZeRO-3
+blocks). The loss's transient: the fp32 gradients of
 the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
 for the vocabulary-parallel loss, which reuses its saved probabilities; with ``model.fused_loss``
 one chunk's logits instead, :func:`~trickles.memory.activations.loss_transient_bytes`), ring attention's key/value blocks
@@ -55,7 +61,7 @@ from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
 from ..kernels.cross_entropy import fused_on
-from ..parallel.tensor_nd_costs import Layout, loss_transient_nd
+from ..parallel.tensor_nd_costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
 from .accounting import peak_allocated
 from .activations import ActivationMeter, loss_transient_bytes
 from .meta import rank_model, stage_parameters
@@ -96,6 +102,21 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
     loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton))
+    recomputed = 0  # what recomputation brings back of a layer in its backward
+    if cfg.memory.recompute != "none":
+        plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),
+                            model_cfg, lay, dims, device_type)["per_layer"]
+        recomputed = max(a - b for a, b in zip(plain, act["per_layer"]))
+    # a block's backward: two fp32 gradients of the MLP's hidden activations, and the layer recomputation brings back
+    mlp_backward = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp + recomputed
+    # the peak is the larger phase: the loss, or the last block's backward, when the head's saved tensors are released
+    # (the embedding's stay) and the last block's are all held
+    if dims.pp == 1 and lay.grid:
+        loss = max(loss, backward_transient_nd(model_cfg, lay, micro, cfg.data.seq_len, p, device_type) + recomputed
+                   - head_released_nd(model_cfg, lay, micro, cfg.data.seq_len, p))
+    elif dims.pp == 1:
+        released = act["head"] - embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type)
+        loss = max(loss, mlp_backward - released)
     layer_transient = 0  # one layer's at a time
     if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
         layer_transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
@@ -143,11 +164,6 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
         saves_input = input_saved(model_cfg.flavor, p, device_type, cfg.memory.recompute)
-        mlp_backward = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp  # two gradients of the MLP's hidden activations
-        if cfg.memory.recompute != "none":  # and what recomputation brings back of the layer in its backward
-            plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),
-                                model_cfg, lay, dims, device_type)["per_layer"]
-            mlp_backward += max(a - b for a, b in zip(plain, act["per_layer"]))
         rows, layer_ids = [], []
         for r in range(dims.pp):
             ids = sorted(i for c in range(shape.v) for i in parts[shape.stage(r, c)])
@@ -256,8 +272,13 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
         x, y = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
         exclude = getattr(trainer.engine, "gathered_storages", None)
         trainer.engine.zero_grad()
+        moe = getattr(trainer, "moe_stats", None)
+        if moe is not None:
+            moe.reset()  # this forward's routing only
         with ActivationMeter(trainer.model, exclude=exclude) as meter:
             loss = trainer._loss(x, y)
+        if moe is not None and trainer.topo.dims.ep > 1:
+            _routing_note(trainer, report, moe, meter.per_layer)
         loss.backward()  # release the graph the way training would
         trainer.engine.finish_backward()
         trainer.engine.zero_grad()
@@ -287,6 +308,29 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
             report.stages_measured = got[0]
             report.measured, report.layers_measured = got[0][report.stage], got[1][report.stage]
     return report
+
+
+def _routing_note(trainer, report: MemoryReport, stats, per_layer: dict) -> None:
+    """Notes the rows each MoE block's experts received on this rank in the metered forward and the activations
+    predicted at that load beside the measured ones (:mod:`~trickles.memory.routing`); ``report.routing``."""
+    from .routing import at_load, routing_seen
+
+    cfg, dims, mc = trainer.cfg, trainer.topo.dims, trainer.model_cfg
+    received = routing_seen(stats, trainer.topo.comm("ep"))
+    micro, _ = cfg.batch_plan(dims.dp)
+    tokens = micro * cfg.data.seq_len // dims.cp
+    routed = (tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens) // micro
+    p = torch.finfo(policy(cfg.memory.precision, cfg.memory.grad_dtype).param_dtype).bits // 8
+    m, seen = at_load(cfg, mc, received, report.layers_predicted, micro, routed, p, dims.ep, trainer.device.type)
+    report.routing = {layer: {"received": received[layer], "balanced": m, "predicted_at_load": seen[layer],
+                              "measured": per_layer.get(f"layers.{layer}", 0)} for layer in received}
+    parts = [f"block {layer} {r['received'] / m:.2f}x ({_fmt(r['predicted_at_load'])} predicted at it, "
+             f"{_fmt(r['measured'])} measured)" for layer, r in report.routing.items()]
+    delta = sum(r["predicted_at_load"] - report.layers_predicted[layer] for layer, r in report.routing.items())
+    report.notes.append(f"routing seen (expert-parallel rank {trainer.topo.comm('ep').rank}): rows its experts received "
+                        f"over the balanced {m:,}: " + "; ".join(parts)
+                        + f"; held at the routing seen: {_fmt(report.predicted['held'] + delta)}, peak at the routing "
+                        f"seen: {_fmt(report.predicted['peak'] + delta)}")
 
 
 def report_for(cfg: Config, world_size: int, measure_steps: int = 0, quiet: bool = False) -> MemoryReport:

@@ -23,6 +23,7 @@ class MemoryReport:
     stage_layers: list[list[int]] = field(default_factory=list)  # the layers each pipeline rank holds
     stage: int = 0  # the pipeline rank ``predicted`` (and ``measured``) describe: the highest predicted peak
     stages_measured: list[dict] = field(default_factory=list)  # measured, per pipeline rank (with pp, on rank 0)
+    routing: dict = field(default_factory=dict)  # MoE with ep: block -> rows received, balanced, predicted at that load, measured
 
     CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
 

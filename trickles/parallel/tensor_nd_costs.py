@@ -324,5 +324,43 @@ def loss_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int) -> in
     return 4 * lay.tokens(batch, seq) * (cfg.vocab_size // lay.q)
 
 
-__all__ = ["Layout", "activation_bytes_nd", "block_comm", "block_linears", "comm_bytes", "head_comm", "linear_comm",
-           "loss_transient_nd", "norm_comm", "param_count", "partial_grad_count", "step_comm"]
+def head_released_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4) -> int:
+    """What the head's backward has released when the last block's backward starts: ``activation_bytes_nd``'s head
+    less the token ids (and gpt2's positions) the embedding keeps to the end of backward."""
+    n_all = batch * seq
+    ids = 9 * n_all // lay.q if lay.mode == "3d" else 8 * n_all
+    head = activation_bytes_nd(cfg, lay, batch, seq, p)["head"]
+    return head - ids - (0 if cfg.flavor == "llama" else 8 * seq)
+
+
+def backward_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4,
+                          device_type: str = "cpu") -> int:
+    """A grid's largest temporaries in a block's backward, alive together at the input gradient of the widest linear
+    (the MLP's down projection, ``h = f`` in; the first the last block's backward runs, when all the blocks' saved
+    activations are still held), for ``n`` tokens per rank and ``p`` bytes per element:
+
+    * the residual stream's gradient arriving, ``p n d / q``;
+    * 3-D: ``dY`` all-gathered over the tokens' sub-split (:class:`~trickles.parallel.tensor_nd.Linear3D`),
+      ``[q n, d/q]``: ``p n d``;
+    * the partial product ``dX = dY A^T`` before its reduce-scatter, ``P = p n h`` (2-D, 2.5-D: ``[n, h]``; 3-D:
+      ``[q n, h/q]``, the same bytes);
+    * 2-D and 2.5-D scatter along the features (the last dimension): :meth:`~trickles.comm.GroupComm.reduce_scatter`
+      lays the chunks out one after another first, one more ``P``;
+    * on a CPU, gloo's reduce-scatter works on a copy of its input, one more ``P`` (NCCL does not);
+    * the rank's chunk of the result, ``P / q``.
+
+    In all: ``p n d / q + [3-D] p n d + (1 + [2-D, 2.5-D] + [CPU]) P + P / q``. The weight gradient's product,
+    ``[d/q, h]``, comes after the input gradient's temporaries are released and is smaller for any ``n > d / q``."""
+    if not lay.grid:
+        raise ValueError("backward_transient_nd is a grid's (1-D: trickles.memory.activations)")
+    q, n, d = lay.q, lay.tokens(batch, seq), cfg.d_model
+    h = max(h_in for _, h_in, _, _ in block_linears(cfg))
+    partial = p * n * h
+    copies = 1 + (lay.mode != "3d") + (device_type != "cuda")
+    gathered = p * n * d if lay.mode == "3d" else 0
+    return p * n * d // q + gathered + copies * partial + partial // q
+
+
+__all__ = ["Layout", "activation_bytes_nd", "backward_transient_nd", "block_comm", "block_linears", "comm_bytes",
+           "head_comm", "head_released_nd", "linear_comm", "loss_transient_nd", "norm_comm", "param_count",
+           "partial_grad_count", "step_comm"]
