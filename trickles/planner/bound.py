@@ -5,6 +5,7 @@ The formula is in :mod:`trickles.planner.search`'s docstring ("Pruning by memory
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config
@@ -48,11 +49,11 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     from ..kernels import runs_triton
     from ..kernels.cross_entropy import fused_on
     from ..memory.activations import loss_transient_bytes
-    from ..memory.report import expert_rows_in_flight, ring_blocks_in_flight
+    from ..memory.report import embedding_bytes, expert_rows_in_flight, ring_blocks_in_flight
     from ..memory.tp_modes import activations
     from ..optim.settings import OptimizerSettings
     from ..parallel.pipeline import partition_layers
-    from ..parallel.tensor_nd_costs import Layout as TPLayout, loss_transient_nd
+    from ..parallel.tensor_nd_costs import Layout as TPLayout, backward_transient_nd, head_released_nd, loss_transient_nd
     from .compute import rank_params
 
     par, mem = cfg.parallel, cfg.memory
@@ -79,6 +80,24 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     loss = (loss_transient_nd(mc, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(mc, tokens, p, dims.tp, fused_on(mc.fused_loss, mc.kernels, device_type),
                                       runs_triton(mc.kernels, device_type)))
+    if dims.pp == 1:  # the report's other phase: the last block's backward, the head's saved tensors released
+        recomputed = 0
+        if mem.recompute != "none":
+            plain_cfg = dataclasses.replace(cfg, memory=dataclasses.replace(mem, recompute="none"))
+            plain_key = _activation_key(plain_cfg, dims, device_type)
+            plain = cache.get(plain_key) if cache is not None else None
+            if plain is None:
+                plain = activations(plain_cfg, mc, lay, dims, device_type)
+                if cache is not None:
+                    cache[plain_key] = plain
+            recomputed = max(a - b for a, b in zip(plain["per_layer"], per_layer))
+        if lay.grid:
+            backward = (backward_transient_nd(mc, lay, micro, cfg.data.seq_len, p, device_type) + recomputed
+                        - head_released_nd(mc, lay, micro, cfg.data.seq_len, p))
+        else:
+            backward = (2 * 4 * tokens * mc.ffn_dim // dims.tp + recomputed
+                        - (act["head"] - embedding_bytes(act, mc, lay, micro, cfg.data.seq_len, device_type)))
+        loss = max(loss, backward)
     in_layer = 0  # the memory report's transients of one layer at a time: ring blocks, expert rows
     if dims.cp > 1 and par.cp_mode == "ring":
         in_layer += ring_blocks_in_flight(mc, tokens, p, dims.tp)

@@ -23,7 +23,7 @@ gradients] + k n / R^[z>=1]`` (``R = dp cp`` replicas, experts over ``edp = R / 
 bytes per element as the memory report counts them; the optimizer on the host under offload), plus the saved
 activations of its layers (:func:`trickles.memory.tp_modes.activations`) times the micro-batches in flight
 (GPipe ``m``, 1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunks), the
-head and the loss's transient on the last rank, and the report's other transients (two gradient buckets under
+head and the larger of the loss's transient and (without a pipeline) the last block's backward on the last rank, and the report's other transients (two gradient buckets under
 ZeRO-2, the root and two gathered blocks under ZeRO-3, ring attention's blocks, expert rows in flight) -- a lower
 bound of the memory report's peak (it leaves out the flat buffers' padding and Adam's step counters), so a layout whose bound exceeds ``(1 - headroom)`` of device memory, or whose offloaded
 optimizer exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
