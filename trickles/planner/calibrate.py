@@ -32,6 +32,7 @@ The fits live in :mod:`trickles.planner.linefit`. :func:`calibrate` returns the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -63,17 +64,26 @@ def _timeit(fn, repeats: int, min_s: float = 0.005) -> float:
     return statistics.median(times)
 
 
+
+@contextlib.contextmanager
+def _one_thread(dev: torch.device):
+    """On a CPU, run the body on one thread (one core is one "device" of a CPU cluster), then restore the count."""
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
 def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32", device: str = "cpu",
                   repeats: int = 3, min_s: float = 0.005) -> dict[tuple[int, int, int], float]:
     """``{(m, n, k): FLOP/s}`` of ``[m, k] x [k, n]`` matmuls on ``device`` in ``precision`` (CPU: one thread), each
     sample at least ``min_s`` seconds (:func:`_timeit`)."""
     dev = torch.device(device)
     dtype = DTYPES[precision]
-    threads = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
     out = {}
-    try:
+    with _one_thread(dev):
         for m, n, k in shapes:
             a = torch.randn(m, k, device=dev).to(dtype)
             b = torch.randn(k, n, device=dev).to(dtype)
@@ -83,8 +93,6 @@ def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
             out[(m, n, k)] = 2.0 * m * n * k / max(_timeit(run, repeats, min_s), 1e-9)
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -98,11 +106,8 @@ def measure_attention(shapes: Sequence[tuple[int, int, int, int, int]], precisio
 
     dev = torch.device(device)
     dtype = DTYPES[precision]
-    threads = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
     out = {}
-    try:
+    with _one_thread(dev):
         for b, h, q, k, d in shapes:
             xq = torch.randn(b, h, q, d, device=dev, dtype=dtype, requires_grad=True)
             xk, xv = (torch.randn(b, h, k, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
@@ -114,8 +119,6 @@ def measure_attention(shapes: Sequence[tuple[int, int, int, int, int]], precisio
                     torch.cuda.synchronize(dev)
             flops = 3 * 4.0 * b * h * q * k * d * (0.5 if causal else 1.0)
             out[(q, k, d)] = flops / max(_timeit(run, repeats, min_s), 1e-9)
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -124,17 +127,12 @@ def measure_memory_bandwidth(device: str = "cpu", mib: int = 64, repeats: int = 
     dev = torch.device(device)
     n = mib * 2**20 // 4
     a, b = torch.ones(n, device=dev), torch.empty(n, device=dev)
-    threads = torch.get_num_threads()
-    if dev.type == "cpu":
-        torch.set_num_threads(1)
-    try:
+    with _one_thread(dev):
         def run():
             b.copy_(a)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         return 2 * n * 4 / max(_timeit(run, repeats), 1e-9)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def measure_sync(repeats: int = 3, bursts: int = 12, burst_s: float = 0.01) -> float:
