@@ -16,9 +16,10 @@ How
     * Calibration in the same ``N`` ranks before every timed round and after the last
       (:func:`trickles.planner.calibrate.measure_on_ranks`, what ``trickles plan --calibrate`` measures): every GEMM
       shape the layouts run on one rank and their attention kernel (forward and backward), on every rank at once and
-      scaled to a core's rate (one core is one device of the ``local`` cluster), the memory bandwidth, the
-      collectives among the ``N`` gloo ranks (fitted per world size) and, with more ranks than cores, the wait of a
-      collective between compute bursts. Round ``k`` is predicted from the calibrations just before and after it
+      scaled to a core's rate (one core is one device of the ``local`` cluster), the memory bandwidth, the dense
+      model's block and head forward and backward (fitted to the element-wise bandwidth and a fixed cost per pass)
+      and the block alone on one rank (the cores' contention), the collectives among the ``N`` gloo ranks (fitted
+      per world size) and the wait of a collective for late peers between compute bursts. Round ``k`` is predicted from the calibrations just before and after it
       (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
     * The ``N`` ranks (:func:`trickles.launch.launch`) hold every layout of that world size at once, each on its
       own topology (``ParallelDims(...).build()``) with ``parallelize`` on a meta-device model, and run it as
@@ -27,17 +28,21 @@ How
       the AdamW step, the mean loss all-reduced over the replicas, an MoE model's routing statistics over every
       rank; ZeRO-1/2's parameter all-gathers are waited for inside the step (the clock stops when everything the
       step started has finished). Same random tokens for every layout, each data-parallel rank its rows.
-    * Timing: ``--warmup`` untimed rounds, then ``--steps`` rounds of one step of every layout, the order rotating;
-      a barrier before each step; a step's time is the slowest rank's; the median over rounds is the layout's.
+    * Timing: ``--warmup`` untimed rounds, then ``--steps`` rounds of ``--repeat`` steps of every layout back to
+      back, the last of them timed (as training runs one layout, not one step after another layout's), the order
+      rotating; a barrier before each step; a step's time is the slowest rank's; the median over rounds is the
+      layout's.
     * Verdicts: per layout the paired ratio, the median over rounds of predicted / measured (target within 25%);
-      Spearman's rank correlation of predicted vs measured (median) over all layouts (target >= 0.8); per world size
+      Spearman's rank correlation of predicted vs measured (median) over all layouts (target >= 0.8), beside the
+      measurement's agreement with itself (the medians of the odd rounds against the even rounds': what noise leaves
+      of the measured ranking, the ceiling for any prediction); per world size
       whether the layout predicted fastest among the dense model's is within 10% of the fastest measured, and
       whether the planner's top choice is (its measured step against the fastest measured dense layout).
     * The machine's load average (``os.getloadavg``) before and after, since other processes skew CPU timings.
 
 Examples::
 
-    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout (a few minutes on 2 cores)
+    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout (about 15 minutes on 2 cores)
     python benchmarks/planner_time.py --worlds 2 --steps 3  # a quick look
     python benchmarks/planner_time.py --json out/planner_time.json
 """
@@ -170,12 +175,13 @@ def calibration(args, shapes) -> dict:
     """:func:`trickles.planner.calibrate.measure_on_ranks` in these ranks (GEMMs, memory bandwidth, links), as JSON."""
     from trickles.planner.calibrate import measure_on_ranks
 
-    gemm_shapes, att_shapes = shapes
+    gemm_shapes, att_shapes, sizes = shapes
     c = measure_on_ranks(gemm_shapes, "fp32", (4096, 65536, 1 << 20), args.calib_repeats, min_s=args.calib_sample,
-                         attention=att_shapes)
+                         attention=att_shapes, model_cfg=config([])[1], pass_sizes=sizes)
     torch.set_num_threads(args.threads)
     return {"gemms": [[list(k), v] for k, v in c["gemms"].items()],
             "attention": [[list(k), v] for k, v in c["attention"].items()], "bandwidth": c["bandwidth"],
+            "passes": [[list(k), list(v)] for k, v in c["passes"].items()], "contention": c["contention"],
             "links": c["links"], "sync": c["sync"]}
 
 
@@ -201,11 +207,12 @@ def rank_main(args, world: int, layout_list, shapes, out_path: str) -> int:
             calibrations.append(calibration(args, shapes))
         for j in range(len(names)):
             lay = by_name[names[(rnd + j) % len(names)]]
-            dist.barrier()
-            start = time.perf_counter()
-            lay.step(tokens)
-            took = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            for _ in range(args.repeat):  # back to back, as training runs one layout: the last step is timed
+                dist.barrier()
+                start = time.perf_counter()
+                lay.step(tokens)
+                took = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if rnd >= args.warmup:
                 lay.times.append(float(took))
     calibrations.append(calibration(args, shapes))
@@ -233,34 +240,41 @@ def calibrated(measured: list[dict], world: int):
     """The ``local`` cluster with the rates measured before and after the timed rounds, averaged, so that the
     calibration sees the machine as the steps did (:func:`trickles.planner.calibrate.cluster_from_measurements`)."""
     from trickles.planner.calibrate import cluster_from_measurements
-    from trickles.topology import cpu_cores
 
     gemms: dict = {}
     att: dict = {}
+    passes: dict = {}
     for c in measured:
         for k, v in c["gemms"]:
             gemms.setdefault(tuple(k), []).append(v)
         for k, v in c["attention"]:
             att.setdefault(tuple(k), []).append(v)
+        for k, v in c.get("passes", []):
+            passes.setdefault(tuple(k), []).append(v)
     links = [tuple(x) for c in measured for x in c["links"]]
     bandwidth = statistics.fmean(c["bandwidth"] for c in measured)
-    sync = statistics.fmean(c["sync"] for c in measured) if world > cpu_cores() else None
+    sync = statistics.fmean(c["sync"] for c in measured)
     return cluster_from_measurements("local", "fp32", {k: statistics.fmean(v) for k, v in gemms.items()}, bandwidth,
                                      links, REFERENCE, attention={k: statistics.fmean(v) for k, v in att.items()},
-                                     sync=sync)
+                                     sync=sync, model_cfg=config([])[1],
+                                     contention=statistics.fmean(c["contention"] for c in measured),
+                                     passes={k: tuple(map(statistics.fmean, zip(*v))) for k, v in passes.items()})
 
 
-def layout_shapes(world: int, layouts) -> tuple[list, list]:
-    """The GEMM shapes and attention shapes every layout runs on one rank (what the calibration times)."""
-    from trickles.planner.calibrate import attention_shapes, model_shapes
+def layout_shapes(world: int, layouts) -> tuple[list, list, list]:
+    """The GEMM shapes and attention shapes every layout runs on one rank, and the (sequences, tokens) of their
+    micro-batches at which the dense model's block and head are timed (what the calibration measures)."""
+    from trickles.planner.calibrate import attention_shapes, model_shapes, pass_gemm_shapes, pass_sizes
 
-    shapes, att = {REFERENCE}, set()
+    shapes, att, sizes = {REFERENCE}, set(), set()
     for _, sets in layouts:
         cfg, mc = config(sets)
         dims = cfg.validate(world)
         shapes.update(model_shapes(cfg, mc, dims))
         att.update(attention_shapes(cfg, mc, dims))
-    return sorted(shapes), sorted(att)
+        sizes.update(pass_sizes(cfg, dims))
+    shapes.update(pass_gemm_shapes(config([])[1], sorted(sizes)))
+    return sorted(shapes), sorted(att), sorted(sizes)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -362,8 +376,11 @@ def with_plan(world: int, layouts: list, plan_sets: list[str], label: str) -> tu
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
-    p.add_argument("--steps", type=int, default=5, help="timed rounds (one step of every layout per round)")
+    p.add_argument("--steps", type=int, default=8, help="timed rounds (every layout's steps once per round); fewer "
+                   "and the measured ranking itself does not repeat (the split-half agreement printed)")
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeat", type=int, default=2, help="steps of a layout back to back in a round, the last timed "
+                   "(the first after another layout finds the caches and allocator holding that one's tensors)")
     p.add_argument("--only", nargs="*", default=[], help="layouts whose name contains one of these")
     p.add_argument("--calib-repeats", type=int, default=3, help="samples of each GEMM and collective per calibration")
     p.add_argument("--calib-sample", type=float, default=0.02, help="seconds of one GEMM sample")
@@ -435,8 +452,11 @@ def main(argv=None) -> int:
     ratios = [r["paired_ratio"] for r in lay]
     within = sum(1 for x in ratios if 0.75 <= x <= 1.25)
     rho = spearman([r["predicted_s"] for r in lay], [r["measured_s"] for r in lay]) if len(lay) > 2 else float("nan")
+    halves = [[statistics.median(r["times"][k::2]) for r in lay] for k in (0, 1)]
+    split_half = spearman(*halves) if len(lay) > 2 and len(lay[0]["times"]) > 1 else float("nan")
     print(f"\nwithin 25%: {within} of {len(lay)} (worst {min(ratios):.2f} / {max(ratios):.2f});  "
-          f"Spearman rho {rho:.3f} (target >= 0.8)")
+          f"Spearman rho {rho:.3f} (target >= 0.8); the measurement against itself (odd rounds' medians vs even "
+          f"rounds'): {split_half:.3f}")
     for world in args.worlds:
         dense = [r for r in lay if r["world"] == world and not r["moe"]]
         if dense:
@@ -454,7 +474,7 @@ def main(argv=None) -> int:
                       f"the fastest ({best['name']!r}); target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}")
     print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after "
           f"{results['load_after'][0]:.2f} {results['load_after'][1]:.2f} {results['load_after'][2]:.2f} (1, 5, 15 min)")
-    results.update(within=within, spearman=rho)
+    results.update(within=within, spearman=rho, split_half=split_half)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

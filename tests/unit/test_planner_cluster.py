@@ -109,7 +109,7 @@ def test_the_link_fit_never_goes_negative():
 def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_path):
     path = tmp_path / "local.toml"
     from trickles.models.config import resolve_model
-    from trickles.planner.calibrate import attention_shapes
+    from trickles.planner.calibrate import attention_shapes, pass_gemm_shapes, pass_sizes
 
     cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2"])
     mc = resolve_model(cfg.model, 320, 32)
@@ -119,11 +119,41 @@ def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_pa
     for value in (c.peak_tflops_fp32, c.memory_bandwidth_gbps, c.intra_node_gbps, c.intra_node_latency_us,
                   *c.gemm_table.values(), *c.attention_table.values()):
         assert value > 0 and math.isfinite(value)
-    assert set(c.gemm_table) == {"fp32:32x48x16", "fp32:64x64x64"} and max(c.gemm_table.values()) == 1.0
+    passes = pass_gemm_shapes(mc, pass_sizes(cfg))  # the block's and head's, at the sizes their passes are timed
+    assert pass_sizes(cfg) == [(1, 16), (1, 32), (2, 32)]
+    assert set(c.gemm_table) == {"fp32:32x48x16", "fp32:64x64x64", *(f"fp32:{m}x{n}x{k}" for m, n, k in passes)}
+    assert max(c.gemm_table.values()) == 1.0
     assert attention_shapes(cfg, mc) == [(2, mc.n_heads, 32, 32, mc.head_dim)]
     assert set(c.attention_table) == {f"fp32:32x32x{mc.head_dim}"}  # the fused kernel, timed at the run's shape
     assert c.attention_fraction("fp32", 32, 32, mc.head_dim) == c.attention_table[f"fp32:32x32x{mc.head_dim}"]
+    assert c.elementwise_gbps > 0 and c.pass_overhead_us >= 0  # the model's own block and head, timed and fitted
     assert load_cluster(path) == c
+
+
+def test_the_pass_fit_recovers_element_wise_bandwidth_and_overhead():
+    """Block and head times made of their GEMMs on the cluster, a fixed cost and element-wise bytes at a bandwidth:
+    :func:`fit_passes` gives both back; with no fixed cost in the times, the bandwidth alone."""
+    from trickles.models.config import resolve_model
+    from trickles.planner.calibrate import fit_passes
+    from trickles.planner.compute import block_work, head_work
+    from trickles.planner.cost import work_seconds
+    from trickles.topology import ParallelDims
+
+    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=64"])
+    mc = resolve_model(cfg.model, 320, 64)
+    c = load_cluster("local")
+    for overhead in (2e-4, 0.0):
+        passes = {}
+        for b, t in ((1, 16), (1, 64), (2, 64), (4, 64)):  # a tiny pass (the fixed cost) and three of the run's
+            works = block_work(mc, ParallelDims(), b, t, False, False, 4), head_work(mc, ParallelDims(), b, t, False, 4)
+            passes[(b, t)] = tuple(3 * work_seconds(w, c, "fp32", 1.0)[0] + overhead + 3 * w.elementwise_bytes / 3e9
+                                   for w in works)
+        bw, o = fit_passes(c, mc, passes, "fp32")
+        assert bw == pytest.approx(3e9, rel=1e-6) and o == pytest.approx(overhead, abs=1e-9)
+    passes[(1, 16)] = (1.0, 1.0)  # a GPU's tiny pass is launch-bound: not fitted, no fixed cost
+    assert fit_passes(c, mc, passes, "fp32", overhead=False) == (pytest.approx(3e9, rel=1e-6), 0.0)
+    del passes[(1, 16)]  # no tiny pass: no fixed cost to pin, the bandwidth alone
+    assert fit_passes(c, mc, passes, "fp32") == (pytest.approx(3e9, rel=1e-6), 0.0)
 
 
 def test_a_collective_kind_the_shared_line_misses_gets_its_own_line(tmp_path):

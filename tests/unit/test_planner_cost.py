@@ -111,19 +111,68 @@ def test_the_bubble_is_the_schedules(schedule, p, v, m):
     shape = Shape(p, v, m)
     assert st.bubble_fraction == pytest.approx(simulate(build(schedule, shape), shape, 1.0, 2.0).bubble())
     in_layer = sum(tt.exposed_s for tt in st.traffic if tt.traffic.dimension in IN_LAYER)
-    assert st.bubble_s == pytest.approx((p - 1) / (v * m) * (st.compute_s + in_layer))
+    assert st.in_layer_s == pytest.approx(in_layer)
+    stages = [rank_step(r, load_cluster("dgx-a100").sized(p)) for r in rank_plans(cfg, dims, mc)]
+    per_micro = [(s.compute_s + s.in_layer_s) / m for s in stages]  # one micro-batch of each stage
+    assert st.bubble_s == pytest.approx((sum(per_micro) - per_micro[st.stage]) / v)  # the other stages' fill and drain
     assert len(st.stage_s) == p and st.total_s == max(st.stage_s)
+
+
+def test_the_slowest_stage_waits_for_the_lighter_ones_only():
+    """The output layer and loss make the last stage the slowest; its bubble is the lighter stages' micro-batch, less
+    than ``(p - 1) / (v m)`` of its own; with even stages (the head's work dwarfed) the two agree."""
+    sets = ["parallel.pp=2", "model.n_layers=2", "train.micro_batch=1", "model.vocab_size=32000"]
+    cfg, dims, mc, st = plan(2, *sets, cluster="dgx-a100")
+    m = cfg.batch_plan(1)[1]
+    assert st.stage == 1 and st.bubble_s < (st.compute_s + st.in_layer_s) / m
+    even = plan(2, *sets[:3], "model.n_layers=32", "model.vocab_size=320", cluster="dgx-a100")[3]
+    assert even.bubble_s == pytest.approx((even.compute_s + even.in_layer_s) / m, rel=0.05)
+
+
+def test_a_cpu_stage_computing_while_its_peers_wait_runs_at_the_lone_rate():
+    """CPU ranks with a core each: the slowest stage's compute gains ``kappa`` for the share of its time the lighter
+    stage waits, and the fill and drain run at the lone rate; ranks sharing cores (no lone core) and GPUs gain none."""
+    cfg, dims, mc, _ = plan(2, "parallel.pp=2", "model.n_layers=2", "train.micro_batch=1", "model.vocab_size=4096")
+    local = dataclasses.replace(load_cluster("local"), devices_per_node=2)
+    flat = step_time(cfg, dims, mc, local)
+    fast = step_time(cfg, dims, mc, dataclasses.replace(local, core_contention=1.5))
+    c = [rank_step(r, local).compute_s for r in rank_plans(cfg, dims, mc)]
+    busy = c[0] / c[1]  # the last stage (the head's) is the slowest; the first is busy this share of its time
+    assert fast.stage == flat.stage == 1 and busy < 1
+    assert fast.compute_s == pytest.approx(c[1] * (1 + 0.5 * busy) / 1.5)
+    assert fast.bubble_s == pytest.approx(flat.bubble_s / 1.5)
+    one = dataclasses.replace(local, devices_per_node=1, core_contention=1.5)  # 2 ranks on 1 core
+    assert step_time(cfg, dims, mc, one).total_s == step_time(cfg, dims, mc, dataclasses.replace(one, core_contention=1.0)).total_s
 
 
 def test_cpu_pipeline_ranks_beyond_the_cores_lend_them_when_idle():
     cfg, dims, mc, _ = plan(4, "parallel.pp=4", "model.n_layers=8", "train.micro_batch=1")
     local = load_cluster("local")
-    shared = step_time(cfg, dims, mc, dataclasses.replace(local, devices_per_node=2))  # 4 ranks on 2 cores
+    two = dataclasses.replace(local, devices_per_node=2)
+    shared = step_time(cfg, dims, mc, two)  # 4 ranks on 2 cores
     own = step_time(cfg, dims, mc, dataclasses.replace(local, devices_per_node=4))  # a core each
-    work = sum(s.compute_s + s.optimizer_s for s in
-               (rank_step(r, dataclasses.replace(local, devices_per_node=4)) for r in rank_plans(cfg, dims, mc)))
-    assert shared.total_s == pytest.approx(max(own.total_s, work / 2))  # the node's arithmetic over its 2 cores
+    busy = [s.total_s - s.bubble_s for s in (rank_step(r, two) for r in rank_plans(cfg, dims, mc))]
+    assert shared.total_s == pytest.approx(max(own.total_s, sum(busy) / 4))  # the node's arithmetic over its 2 cores
     assert shared.total_s < 2 * own.total_s  # not every stage slowed by half: the bubble's cores are lent
+
+
+def test_element_wise_bandwidth_and_pass_overhead_enter_as_the_docstring_says():
+    """``t_f`` gains ``E / BW_ew`` and a third of the pass overhead per block and head, backward twice that, full
+    recomputation the blocks' forward share again."""
+    base = dataclasses.replace(load_cluster("local"), devices_per_node=4)
+    cfg, dims, mc, _ = plan(1, "train.micro_batch=2")
+    m, layers = cfg.batch_plan(1)[1], mc.n_layers
+    ref = step_time(cfg, dims, mc, base)
+    slow = step_time(cfg, dims, mc, dataclasses.replace(base, elementwise_gbps=base.memory_bandwidth_gbps / 4))
+    assert slow.elementwise_s == pytest.approx(4 * ref.elementwise_s)
+    assert slow.compute_s - ref.compute_s == pytest.approx(3 * ref.elementwise_s)
+    o = 1e-3
+    over = step_time(cfg, dims, mc, dataclasses.replace(base, pass_overhead_us=o * 1e6))
+    assert over.compute_s - ref.compute_s == pytest.approx(m * (layers + 1) * o)
+    cfg_rc, *_ = plan(1, "train.micro_batch=2", "memory.recompute=full")
+    rc = step_time(cfg_rc, dims, mc, base)
+    rc_over = step_time(cfg_rc, dims, mc, dataclasses.replace(base, pass_overhead_us=o * 1e6))
+    assert rc_over.compute_s - rc.compute_s == pytest.approx(m * ((layers + 1) * o + layers * o / 3))
 
 
 def test_interleaving_shrinks_the_bubble_and_more_micro_batches_too():

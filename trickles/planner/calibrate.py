@@ -14,8 +14,19 @@
   per-rank shape (:func:`measure_attention`): it is no GEMM (its online softmax runs beside the products), and on a
   CPU it reaches a fraction of the matmul rate; the fractions fill ``attention_table``.
 * **Memory bandwidth**: a large copy, ``2 x bytes / time`` (read and write).
-* **Sharing cores**: with more ranks than cores, the extra wait a blocking collective costs between compute
-  bursts (:func:`measure_sync`: a rank reaches it only on its turn on a core) fills ``shared_core_sync_us``.
+* **Block passes**: the model's own block (a dense one) and its head (final norm, output layer, loss), forward and
+  backward, at one sequence and at the run's micro-batch (:func:`measure_passes`): what they take beyond their
+  GEMMs and attention (as the tables just measured predict them) is the element-wise work and a fixed cost per pass
+  (operator dispatch, autograd). :func:`fit_passes` fits ``rest = passes x overhead + bytes / B`` over them, with
+  ``bytes`` the element-wise bytes the time model counts (:mod:`trickles.planner.compute`): ``B`` fills
+  ``elementwise_gbps`` and the overhead ``pass_overhead_us`` -- on a CPU the kernels run several times slower than
+  a plain copy (small tensors, strided reads, fresh allocations), and a copy's bandwidth would miss that.
+* **Contention**: the largest block pass on one rank while the others wait, against its time per core while every
+  rank computes (:func:`measure_on_ranks`): how much faster a core runs alone (memory bandwidth and caches are
+  shared), ``core_contention``.
+* **Late peers**: the extra wait a blocking collective costs between compute bursts (:func:`measure_sync`: with
+  more ranks than cores a rank reaches it only on its turn on a core; with a core each, the bursts' jitter) fills
+  ``shared_core_sync_us``.
 * **Links**: ``ranks`` processes (:func:`trickles.testing.run_ranks`, gloo over loopback) time all-reduce,
   all-gather, reduce-scatter, all-to-all and a send of a few sizes; :func:`fit_link` fits
   ``time = messages x alpha + wire_bytes / B`` (:func:`trickles.comm.messages`, :func:`trickles.comm.wire_bytes`)
@@ -46,6 +57,7 @@ from .linefit import fit_link, fit_links, link_samples  # noqa: F401  (fit_link,
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+TINY_PASS = 16  # tokens of the pass that measures the fixed cost
 
 
 def _timeit(fn, repeats: int, min_s: float = 0.005) -> float:
@@ -133,6 +145,81 @@ def measure_memory_bandwidth(device: str = "cpu", mib: int = 64, repeats: int = 
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
         return 2 * n * 4 / max(_timeit(run, repeats), 1e-9)
+
+
+def _dense_block_model(model_cfg):
+    """A one-block model of ``model_cfg``'s shape with a dense MLP (the block whose passes calibrate the element-wise
+    work; an MoE block's routing adds work that depends on its balance)."""
+    from ..models.transformer import Transformer
+
+    model = Transformer(dataclasses.replace(model_cfg, n_layers=1, moe_experts=0))
+    model.init_weights(0)
+    return model
+
+
+def measure_passes(model_cfg, sizes: Sequence[tuple[int, int]], precision: str = "fp32", device: str = "cpu",
+                   repeats: int = 3, min_s: float = 0.05) -> dict[tuple[int, int], tuple[float, float]]:
+    """``{(sequences, tokens): (block seconds, head seconds)}``: one dense block of ``model_cfg`` and its head (final
+    norm, output layer and loss), each forward and backward on ``sequences x tokens`` inputs, on ``device`` in
+    ``precision`` (CPU: one thread; :func:`_timeit`)."""
+    dev = torch.device(device)
+    dtype = DTYPES[precision]
+    model = _dense_block_model(model_cfg).to(dev, dtype)
+    block, d = model.layers["0"], model_cfg.d_model
+    out = {}
+    with _one_thread(dev):
+        for b, t in sizes:
+            x = torch.randn(b, t, d, device=dev, dtype=dtype, requires_grad=True)
+            target = torch.randint(0, model_cfg.vocab_size, (b, t), device=dev)
+            rope = model.rope(0, t)
+            rope = tuple(r.to(dtype) for r in rope) if rope is not None else None
+
+            def run_block():
+                block(x, rope).sum().backward()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+
+            def run_head():
+                model.head(x, target).backward()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            out[(b, t)] = (_timeit(run_block, repeats, min_s), _timeit(run_head, repeats, min_s))
+    return out
+
+
+def fit_passes(cluster: Cluster, model_cfg, passes: dict, precision: str, overhead: bool = True) -> tuple[float, float]:
+    """``(bytes/s, seconds per pass)`` of the element-wise work and a pass's fixed cost (module docstring): for each
+    measured block and head, ``rest`` = its time less its GEMMs and attention on ``cluster`` (whose tables are
+    already filled), against the element-wise bytes ``x`` :mod:`trickles.planner.compute` counts for it (forward and
+    backward: 3x the forward's), ``rest = o + s x``. The passes of at most :data:`TINY_PASS` tokens, whose kernels
+    take next to nothing, pin the fixed cost (their mean: ``r_t = o + s x_t``) and the others the bandwidth ``1/s``
+    (their sums: ``R = n o + s X``, which the largest passes dominate, as they do a step):
+    ``s = (R - n r_t) / (X - n x_t)``. Without tiny passes, or where that gives a negative cost, or with
+    ``overhead=False`` (a GPU, whose host queues the kernels ahead of them): ``o = 0``, ``s = R / X`` over the
+    others. ``(0, 0)`` where nothing is left to fit."""
+    from ..topology import ParallelDims
+    from .compute import block_work, head_work
+    from .cost import work_seconds
+
+    dense = dataclasses.replace(model_cfg, moe_experts=0)
+    p = 4 if precision == "fp32" else 2
+    tiny, big = [], []  # (element-wise bytes of forward + backward, rest seconds)
+    for (b, t), times in passes.items():
+        works = (block_work(dense, ParallelDims(), b, t, False, False, p), head_work(dense, ParallelDims(), b, t, False, p))
+        for work, took in zip(works, times):
+            gemm, _ = work_seconds(work, cluster, precision, 1.0)
+            (tiny if b * t <= TINY_PASS else big).append((3 * work.elementwise_bytes, took - 3 * gemm))
+    n, big_x, big_y = len(big), sum(x for x, _ in big), sum(y for _, y in big)
+    if not big or big_x <= 0 or big_y <= 0:
+        return 0.0, 0.0
+    if overhead and tiny:
+        x_t, r_t = (sum(v) / len(tiny) for v in zip(*tiny))
+        if big_x > n * x_t:
+            slope = (big_y - n * r_t) / (big_x - n * x_t)
+            fixed = r_t - slope * x_t
+            if slope > 0 and fixed >= 0:
+                return 1.0 / slope, fixed
+    return big_x / big_y, 0.0
 
 
 def measure_sync(repeats: int = 3, bursts: int = 12, burst_s: float = 0.01) -> float:
@@ -255,7 +342,8 @@ def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
 
 def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32",
                      sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, bandwidth_mib: int = 64,
-                     min_s: float = 0.05, attention: Sequence[tuple[int, int, int, int, int]] = ()) -> dict:
+                     min_s: float = 0.05, attention: Sequence[tuple[int, int, int, int, int]] = (),
+                     model_cfg=None, pass_sizes: Sequence[tuple[int, int]] = ()) -> dict:
     """On every rank of a CPU (gloo) group, collectively: the GEMM and attention rates and the memory bandwidth timed
     on every rank at once, one thread each, as in a training step; with more ranks than cores each rank gets
     ``cores / world`` of one, so a core's rate is the rank's times ``world / cores`` -- what a core does while the
@@ -264,8 +352,11 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     time slices as a step does on a machine shared with other processes; then the collectives
     (:func:`_measure_collectives`). Returns
     ``{"gemms": {(m, n, k): FLOP/s}, "attention": {(q, k, d): FLOP/s}, "bandwidth": bytes/s, "links": [(op, ranks,
-    bytes, s)], "sync": seconds}``, the rates the median over the ranks; ``attention``: the shapes for
-    :func:`measure_attention`; ``sync``: :func:`measure_sync`."""
+    bytes, s)], "sync": seconds, "passes": {(sequences, tokens): (block s, head s)}}``, the rates (and the passes'
+    times, scaled alike) the median over the ranks; ``attention``: the shapes for :func:`measure_attention`;
+    ``sync``: :func:`measure_sync`; ``passes``: :func:`measure_passes` of ``model_cfg`` at ``pass_sizes``;
+    ``contention``: the largest block pass's time per core with every rank computing over its time on rank 0 alone
+    (None without passes)."""
     import torch.distributed as dist
 
     from ..topology import cpu_cores
@@ -280,29 +371,47 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     for shape in attention:
         dist.barrier()
         att.update(measure_attention([shape], precision, "cpu", repeats, min_s))
+    passes = {}
+    for size in pass_sizes if model_cfg is not None else ():
+        dist.barrier()
+        passes.update(measure_passes(model_cfg, [tuple(size)], precision, "cpu", repeats, min_s))
+    alone = torch.zeros(1, dtype=torch.float64)  # the largest block pass on rank 0 while the others wait
+    if passes:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            alone[0] = measure_passes(model_cfg, [max(passes)], precision, "cpu", repeats, min_s)[max(passes)][0]
+        dist.barrier()
+        dist.broadcast(alone, 0)
     dist.barrier()
     bandwidth = measure_memory_bandwidth("cpu", bandwidth_mib, repeats)
     keys = [tuple(sh) for sh in shapes]
     att_keys = list(dict.fromkeys(tuple(sh[2:]) for sh in attention))
-    rates = torch.tensor([[gemms.get(k, 0.0) for k in keys] + [att.get(k, 0.0) for k in att_keys] + [bandwidth]],
-                         dtype=torch.float64)
+    pass_keys = list(passes)
+    rates = torch.tensor([[gemms.get(k, 0.0) for k in keys] + [att.get(k, 0.0) for k in att_keys]
+                          + [1.0 / t for k in pass_keys for t in passes[k]] + [bandwidth]], dtype=torch.float64)
     every = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather(every, rates)
     med = (torch.cat(every).median(dim=0).values * per_core).tolist()
+    at = len(keys) + len(att_keys)
     return {"gemms": {k: med[i] for i, k in enumerate(keys)},
             "attention": {k: med[len(keys) + i] for i, k in enumerate(att_keys)}, "bandwidth": med[-1],
+            "passes": {k: (1.0 / med[at + 2 * i], 1.0 / med[at + 2 * i + 1]) for i, k in enumerate(pass_keys)},
+            "contention": (1.0 / med[at + 2 * pass_keys.index(max(passes))]) / float(alone[0]) if passes else None,
             "links": _measure_collectives(list(sizes), repeats), "sync": measure_sync(repeats)}
 
 
 def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, bandwidth: float,
                               links: Sequence[tuple[str, int, int, float]] = (),
                               reference: tuple[int, int, int] | None = None, device: str = "cpu",
-                              attention: dict | None = None, sync: float | None = None) -> Cluster:
+                              attention: dict | None = None, sync: float | None = None,
+                              passes: dict | None = None, model_cfg=None, contention: float | None = None) -> Cluster:
     """``base`` with what was measured: ``gemms`` ``{(m, n, k): FLOP/s}`` (``reference``: the shape whose rate is
     ``gemm_efficiency``), ``attention`` ``{(q, k, d): FLOP/s}`` of the fused kernel, the memory ``bandwidth`` in
     bytes/s, the collective timings ``links`` fitted by :func:`fit_link` and ``sync`` seconds a blocking collective
     waits for ranks sharing cores (:func:`measure_sync`; module docstring); ``collective_links`` from the links'
-    per-kind fits (:func:`fit_links`)."""
+    per-kind fits (:func:`fit_links`); ``passes`` (:func:`measure_passes` of ``model_cfg``) fitted to
+    ``elementwise_gbps`` and ``pass_overhead_us`` (:func:`fit_passes`); ``contention``: ``core_contention`` (at
+    least 1)."""
     cluster = base if isinstance(base, Cluster) else load_cluster(base)
     cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table),
                                   attention_table=dict(cluster.attention_table),
@@ -336,6 +445,13 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
             cluster.inter_node_latency_us = max(cluster.inter_node_latency_us, cluster.intra_node_latency_us)
     if sync is not None:
         cluster.shared_core_sync_us = round(sync * 1e6, 3)
+    if passes and model_cfg is not None:
+        bandwidth, overhead = fit_passes(cluster, model_cfg, passes, precision, torch.device(device).type == "cpu")
+        if bandwidth > 0:
+            cluster.elementwise_gbps = round(bandwidth / 1e9, 4)
+            cluster.pass_overhead_us = round(overhead * 1e6, 3)
+    if contention is not None and torch.device(device).type == "cpu":
+        cluster.core_contention = round(max(1.0, contention), 3)
     cluster.name = f"{cluster.name}-calibrated" if not cluster.name.endswith("-calibrated") else cluster.name
     cluster.validate()
     return cluster
@@ -354,6 +470,31 @@ def attention_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int, int
     return [(micro, heads, t, t, model_cfg.head_dim)]
 
 
+def pass_sizes(cfg, dims=None) -> list[tuple[int, int]]:
+    """``(sequences, tokens)`` at which :func:`measure_passes` times the block and head: one sequence and the run's
+    micro-batch on layout ``dims``, of the run's sequence length, and one sequence of :data:`TINY_PASS` tokens (its
+    kernels take next to nothing: the fixed cost)."""
+    from ..topology import ParallelDims
+
+    micro, _ = cfg.batch_plan((dims or ParallelDims()).dp)
+    seq = cfg.data.seq_len
+    return sorted({(1, min(TINY_PASS, seq)), (1, seq), (micro, seq)})
+
+
+def pass_gemm_shapes(model_cfg, sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """The GEMM shapes of the dense block and head :func:`measure_passes` times (so :func:`fit_passes` finds them in
+    the table)."""
+    from ..topology import ParallelDims
+    from .compute import block_work, head_work
+
+    dense = dataclasses.replace(model_cfg, moe_experts=0)
+    out = set()
+    for b, t in sizes:
+        for work in (block_work(dense, ParallelDims(), b, t, False, False, 4), head_work(dense, ParallelDims(), b, t, False, 4)):
+            out.update((g.m, g.n, g.k) for g in work.gemms if g.name not in ("scores", "weighted"))
+    return sorted(out)
+
+
 def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int, int, int]] | None = None,
               precision: str | None = None, device: str = "cpu", ranks: int = 2,
               sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, base: str | Cluster = "local",
@@ -366,30 +507,34 @@ def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int
     time; ``ranks``: local processes for the links (``0``: do not measure them; on a CPU they also time the GEMMs,
     :func:`measure_on_ranks`); ``sizes``: collective input bytes; ``reference``: the square GEMM that anchors a
     CPU's peak."""
-    from ..topology import cpu_cores
 
     precision = precision or (cfg.memory.precision if cfg is not None else "fp32")
     if shapes is None:
         shapes = model_shapes(cfg, model_cfg, dims) if cfg is not None and model_cfg is not None else []
     square = (reference, reference, reference)
-    shapes = list(dict.fromkeys([*[tuple(s) for s in shapes], square]))
-    att_shapes = attention_shapes(cfg, model_cfg, dims) if cfg is not None and model_cfg is not None else []
+    with_model = cfg is not None and model_cfg is not None
+    sizes_p = pass_sizes(cfg, dims) if with_model else []
+    shapes = list(dict.fromkeys([*[tuple(s) for s in shapes], *pass_gemm_shapes(model_cfg, sizes_p), square]))
+    att_shapes = attention_shapes(cfg, model_cfg, dims) if with_model else []
     links: list = []
     if ranks >= 2 and torch.device(device).type == "cpu":
         from ..testing import run_ranks
 
         got = run_ranks(ranks, measure_on_ranks, shapes, precision, list(sizes), repeats, bandwidth_mib, 0.05,
-                        att_shapes)[0]
+                        att_shapes, model_cfg, sizes_p)[0]
         gemms, att, bandwidth, links = got["gemms"], got["attention"], got["bandwidth"], got["links"]
-        sync = got["sync"] if ranks > cpu_cores() else None
+        sync = got["sync"]
+        passes, contention = got["passes"], got["contention"]
     else:
         gemms = measure_gemms(shapes, precision, device, repeats)
         att = measure_attention(att_shapes, precision, device, repeats)
-        sync = None
+        passes = measure_passes(model_cfg, sizes_p, precision, device, repeats) if with_model else {}
+        sync = contention = None
         bandwidth = measure_memory_bandwidth(device, bandwidth_mib, repeats)
         if ranks >= 2:
             links = measure_links(ranks, sizes, repeats)
-    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device, att, sync)
+    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device, att, sync, passes,
+                                        model_cfg, contention)
     if path is not None:
         write_cluster(cluster, path)
     return cluster

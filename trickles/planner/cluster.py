@@ -5,7 +5,9 @@ A cluster is ``nodes`` x ``devices_per_node`` devices. The time model (:mod:`tri
 * **compute**: the dense peak per device for each precision, times the fraction of it a GEMM of a given shape
   achieves (``gemm_table``, filled by :func:`~trickles.planner.calibrate.calibrate`; where the table has no shape
   near, ``gemm_efficiency`` times the GEMM's tile and wave quantization on a GPU, :meth:`Cluster.gemm_fraction`),
-  and the device memory bandwidth for memory-bound work (the optimizer step, element-wise kernels);
+  the device memory bandwidth for memory-bound work (the optimizer step; the element-wise kernels at
+  ``elementwise_gbps`` where a calibration fitted it to the model's own block) and a fixed cost per block pass
+  (``pass_overhead_us``: operator dispatch, which a CPU pays in line and a GPU's host hides);
 * **links**: a collective among ranks of one node runs on the intra-node link, one whose ranks sit on several
   nodes on the inter-node link (its slowest hop). Each link is a *per-message latency* ``alpha`` and an
   *algorithm bandwidth per device per direction* ``B``: what one rank can send while it receives as much, which
@@ -46,6 +48,8 @@ else:  # pragma: no cover
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: The collective kinds a cluster may give their own intra-node line (``Cluster.collective_links``).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+#: Numeric keys for which 0 is meaningful (see each field).
+ZERO_ALLOWED = ("sm_count", "shared_core_sync_us", "elementwise_gbps", "pass_overhead_us")
 
 
 @dataclass(frozen=True)
@@ -79,14 +83,17 @@ class Cluster:
     gemm_tile_n: int = opt(128, "columns of that output tile")
     gemm_table: dict = opt({}, "achieved fraction of the peak by GEMM shape: 'precision:MxNxK' = fraction (calibrate fills it)")
     attention_table: dict = opt({}, "achieved fraction of the peak by the fused attention kernel, forward and backward: 'precision:QxKxD' (query rows, keys, head size) = fraction (calibrate fills it)")
-    memory_bandwidth_gbps: float = opt(2039.0, "device memory bandwidth, GB/s (memory-bound work: optimizer step, element-wise kernels)")
+    memory_bandwidth_gbps: float = opt(2039.0, "device memory bandwidth, GB/s (memory-bound work: optimizer step; element-wise kernels unless elementwise_gbps is set)")
+    elementwise_gbps: float = opt(0.0, "bandwidth the model's element-wise work (norms, activations, rotary, softmax of the loss, autograd's copies) achieves, GB/s (calibrate fits it from the model's own block and head; 0: memory_bandwidth_gbps)")
+    pass_overhead_us: float = opt(0.0, "fixed cost of one block's forward and backward for one micro-batch beyond its kernels (operator dispatch, autograd), microseconds (calibrate fits it; GPUs: 0, the host runs ahead of the kernels)")
     intra_node_gbps: float = opt(300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s")
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
     collective_links: dict = opt({}, "intra-node line of each collective kind whose measured times differ from the shared one: op (all_reduce, all_gather, reduce_scatter, all_to_all, send) = [latency_us, GB/s] (calibrate fills it; a kind not listed uses intra_node_latency_us and intra_node_gbps)")
     inter_node_gbps: float = opt(25.0, "algorithm bandwidth per device per direction between nodes, GB/s")
     inter_node_latency_us: float = opt(5.0, "latency of one message between nodes, microseconds")
     overlap_comm: bool = opt(True, "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where gloo's copies and reductions need the cores the compute uses, so nothing hides")
-    shared_core_sync_us: float = opt(0.0, "CPU ranks outnumbering the cores: extra wait of each blocking collective for peers waiting their turn on a core, microseconds (calibrate measures it)")
+    core_contention: float = opt(1.0, "CPU ranks with a core each: how much faster a core runs the model's block alone than while every core computes (they share memory bandwidth and caches), >= 1; a pipeline stage computing while its peers wait gains it (calibrate measures it; 1: none)")
+    shared_core_sync_us: float = opt(0.0, "CPU ranks: extra wait of each blocking collective for peers arriving late (waiting their turn on a core where ranks outnumber the cores; the jitter of their compute), microseconds (calibrate measures it)")
     link_efficiency: float = opt(0.8, "fraction of the link bandwidths collectives achieve (nominal figures: ~0.8; measured ones: 1.0)")
     host_link_gbps: float = opt(32.0, "host<->device bandwidth per device per direction, GB/s (offloaded optimizer)")
     host_memory_gib: float = opt(2048.0, "host memory of one node, GiB")
@@ -170,6 +177,11 @@ class Cluster:
             return Link(f"intra-node {op}", latency_us * 1e-6, gbps * 1e9 * self.link_efficiency)
         return Link("intra-node", self.intra_node_latency_us * 1e-6, self.intra_node_gbps * 1e9 * self.link_efficiency)
 
+    @property
+    def elementwise_Bps(self) -> float:
+        """Bytes/s of the element-wise work (``elementwise_gbps``, else the memory bandwidth)."""
+        return (self.elementwise_gbps or self.memory_bandwidth_gbps) * 1e9
+
     def host_link(self) -> Link:
         return Link("host", 10e-6, self.host_link_gbps * 1e9)
 
@@ -197,8 +209,8 @@ class Cluster:
         """Raises ConfigError naming the key and what to change."""
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
-            if f.name in ("sm_count", "shared_core_sync_us") and isinstance(v, (int, float)) and v >= 0:
-                continue  # 0: no wave quantization, no wait
+            if f.name in ZERO_ALLOWED and isinstance(v, (int, float)) and v >= 0:
+                continue  # 0: no wave quantization, no wait, the memory bandwidth, no overhead
             if isinstance(v, (int, float)) and not isinstance(v, bool) and not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"cluster.{f.name} must be a positive number, got {v!r}")
         if self.device not in ("cuda", "cpu"):

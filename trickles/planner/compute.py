@@ -32,7 +32,8 @@ with sequence parallelism. The output layer ``d -> V`` on the last stage.
 bytes read and written in forward, ``p`` bytes per element, ``r`` the residual-stream elements the rank holds
 (``N d``; ``N d / tp`` with sequence parallelism or a grid): per block ``12 r p`` (two norms, two residual adds,
 dropouts) + rotary ``2 N (a + a_kv) h_d / tp p`` + the MLP's activation ``3 N f / tp p`` (gpt2: 2); the head
-``2 r p`` + the loss's fp32 softmax over the rank's vocabulary slice ``16 N V / tp``. An estimate: GPUs fuse some
+``2 r p`` + the loss over the rank's vocabulary slice, ``N V / tp`` fp32 logits passed over 4 times in forward and
+backward by one rank's fused log-softmax, 11 times by the vocabulary-parallel one (:data:`LOSS_BYTES`). An estimate: GPUs fuse some
 of it, and calibration measures only GEMMs.
 
 **Parameters** (:func:`param_elements`): a dense block ``d (a + 2 a_kv) h_d + a h_d d + (3 | 2) d f`` matrix
@@ -147,13 +148,21 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
     return Work(tuple(gemms), elementwise + attention_bytes, attention_bytes)
 
 
+#: fp32 bytes per logit the loss moves over forward and backward: one rank's fused log-softmax reads the logits and
+#: writes its output, forward and backward (4 passes); the vocabulary-parallel one (:mod:`trickles.parallel.tensor`)
+#: takes the maximum, shifts, exponentiates, sums, divides and masks in forward and scales in backward (11 passes).
+LOSS_BYTES = {"whole": 4 * 4, "split": 11 * 4}
+
+
 def head_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequence_parallel: bool, p: int) -> Work:
-    """The last stage's final norm, output layer ``d -> V`` and loss, for one micro-batch's forward."""
+    """The last stage's final norm, output layer ``d -> V`` and loss, for one micro-batch's forward (the loss's bytes
+    a third of :data:`LOSS_BYTES`, as backward counts twice the forward's)."""
     n = batch * seq // dims.cp
     split = dims.tp if (sequence_parallel or dims.grid.mode != "1d") else 1
     vocab_split = dims.tp if dims.grid.mode == "1d" else dims.grid.q
     out = Gemm("output", *linear_shape(dims, n, cfg.d_model, cfg.vocab_size))
-    return Work((out,), 2 * p * n * cfg.d_model / split + 16 * n * cfg.vocab_size / vocab_split)
+    loss = LOSS_BYTES["split" if vocab_split > 1 else "whole"] / 3
+    return Work((out,), 2 * p * n * cfg.d_model / split + loss * n * cfg.vocab_size / vocab_split)
 
 
 def chunk_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, layers: list[int], last: bool,

@@ -7,9 +7,11 @@ buckets) and reports the slowest, since the pipeline moves at its pace. For one 
 **Compute.** ``t_f = sum_GEMMs 2 M N K / (peak x eff(M, N, K) x share) + E / (BW_mem x share)``: every forward
 GEMM of the rank's chunks (:mod:`trickles.planner.compute`) at the fraction of the precision's dense peak the
 cluster achieves for its shape (:meth:`~trickles.planner.cluster.Cluster.gemm_fraction`; the attention core's
-two at the fused kernel's, :meth:`~trickles.planner.cluster.Cluster.attention_fraction`), plus its memory-bound
-bytes ``E`` at the memory bandwidth; ``share`` is the fraction of a device a rank gets (CPU ranks beyond the
-cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
+two at the fused kernel's, :meth:`~trickles.planner.cluster.Cluster.attention_fraction`), plus its element-wise
+bytes ``E`` at the bandwidth such work achieves (``Cluster.elementwise_gbps``, calibrated on the model's block;
+else the memory bandwidth), plus a third of ``o`` per pass -- ``o`` the fixed cost of one block's (or the head's)
+forward and backward for a micro-batch, ``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs); ``share`` is
+the fraction of a device a rank gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
 (``full``) or the attention core's (``selective``): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Its FLOPs
 sum to :func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the
 ranks; the model's attention FLOPs are halved for a causal kernel).
@@ -31,15 +33,19 @@ on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward 
 gathers -- half before each forward (window ``t_f``), half before each backward (sharing ``t_b + t_rc`` with the
 reductions), ``P = m`` each (``prefetch=false``: nothing hidden); ring attention -- the layer's attention core,
 forward and backward (``P`` = layers x micro-batches). On a cluster without ``overlap_comm`` (CPU ranks: gloo
-copies and reduces on the cores the compute uses) every window is 0, and where CPU ranks outnumber the cores every
-collective call also waits ``shared_core_sync_us`` for peers waiting their turn on a core. Tensor-parallel, all-to-all and expert collectives are on the critical path
+copies and reduces on the cores the compute uses) every window is 0, and every collective call also waits
+``shared_core_sync_us`` for peers arriving late (their turn on a shared core, the jitter of their compute). Tensor-parallel, all-to-all and expert collectives are on the critical path
 (exposed whole). Pipeline messages (``t_msg`` each) are exposed on the fill and drain, ``2 (p - 1)`` hops
 (interleaved ``2 (p v - 1)``), plus ``m v max(0, 2 t_msg - (t_f + t_b) / v)`` when a message takes longer
 than a chunk's compute.
 
-**Bubble** (:mod:`trickles.parallel.schedules`): each rank idles ``(p - 1)`` chunk slots of the ``v m`` it
-computes, ``bubble = (p - 1) / (v m) x (compute + exposed tensor/context/expert communication)``; as a fraction
-of the step's compute ``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and interleaved alike.
+**Bubble** (:mod:`trickles.parallel.schedules`): a rank waits while the other stages fill the pipeline for its first
+micro-batch and drain it after its last, one chunk of each other stage: ``bubble_r = sum_{s != r} u_s / v``,
+``u_s = (compute_s + exposed tensor/context/expert communication_s) / m`` one micro-batch of stage ``s``
+(:func:`_stages`). With even stages this is ``(p - 1) / (v m)`` of the rank's own, as a fraction of the step's
+compute ``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and interleaved alike; with uneven ones (the output layer and
+loss on the last stage) the slowest stage waits only for the lighter ones. CPU ranks with a core each run faster
+while their peers wait (``Cluster.core_contention``, :func:`_stages`).
 
 **Optimizer step**: memory-bound, ``n (2 k + 2 p + g) / BW_mem`` for the ``n`` elements the rank updates (all
 it holds, or ``1 / (dp cp)`` under ZeRO; experts ``1 / edp``) with ``k`` bytes of state each (the memory
@@ -136,6 +142,7 @@ class StepTime:
     model_flops: float  # per step, the whole model (PaLM's formula), for MFU
     devices: int
     peak_flops: float  # one device's dense peak at the run's precision
+    in_layer_s: float = 0.0  # of exposed_comm_s: tensor/context/expert collectives, which stretch every micro-batch
     stage: int = 0  # the pipeline rank these parts are of (the slowest)
     stage_s: list[float] = field(default_factory=list)  # every pipeline rank's step time
     traffic: list[TimedTraffic] = field(default_factory=list)
@@ -235,8 +242,9 @@ def _exposed(t: float, calls: int, window: float, passes: int) -> float:
     return passes * (one + max(0.0, per - one - window))
 
 
-def _time(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[float, float]:
-    """``(GEMM seconds, memory-bound seconds)`` of ``work`` on one rank."""
+def work_seconds(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[float, float]:
+    """``(GEMM seconds, element-wise seconds)`` of ``work``'s forward on one rank getting ``share`` of a device (the
+    module docstring's ``t_f`` without the pass overhead)."""
     peak = cluster.peak_flops(precision) * share
     gemm = 0.0
     for gm in work.gemms:
@@ -247,7 +255,7 @@ def _time(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[f
         else:
             fraction = cluster.gemm_fraction(precision, gm.m, gm.n, gm.k, gm.count)
         gemm += gm.flops / (peak * fraction)
-    return gemm, work.elementwise_bytes / (cluster.memory_bandwidth_gbps * 1e9 * share)
+    return gemm, work.elementwise_bytes / (cluster.elementwise_Bps * share)
 
 
 def _link(cluster: Cluster, dims: ParallelDims, group: str, per_node: int, op: str | None = None) -> Link:
@@ -266,14 +274,16 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
         w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention)
         b = chunk_work(mc, dims, plan.micro, plan.seq, layers, False, plan.sp, plan.p, attention)
         work, blocks = (w, b) if work is None else (work + w, blocks + b)
-    gemm_f, elem_f = _time(work, cluster, precision, share)
-    t_f, t_b = gemm_f + elem_f, 2 * (gemm_f + elem_f)
+    gemm_f, elem_f = work_seconds(work, cluster, precision, share)
+    overhead = cluster.pass_overhead_us * 1e-6 / share  # one block's (or the head's) forward + backward
+    passes = len(plan.layers) + (1 if plan.last else 0)
+    t_f, t_b = gemm_f + elem_f + passes * overhead / 3, 2 * (gemm_f + elem_f + passes * overhead / 3)
     recompute = cfg.memory.recompute
     if recompute == "full":
-        t_rc = sum(_time(blocks, cluster, precision, share))
+        t_rc = sum(work_seconds(blocks, cluster, precision, share)) + len(plan.layers) * overhead / 3
     elif recompute == "selective":
         t_rc = gemm_f * attention_flops(work) / max(work.flops, 1.0) + \
-            work.attention_bytes / (cluster.memory_bandwidth_gbps * 1e9 * share)
+            work.attention_bytes / (cluster.elementwise_Bps * share)
     else:
         t_rc = 0.0
     compute = m * (t_f + t_b + t_rc)
@@ -281,7 +291,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
 
     per_node = cluster.ranks_per_node(dims.world_size)
     windows = {"backward": t_b + t_rc, "forward": t_f}
-    sync = cluster.shared_core_sync_us * 1e-6 if cluster.device == "cpu" and share < 1 else 0.0
+    sync = cluster.shared_core_sync_us * 1e-6 if cluster.device == "cpu" else 0.0
     if not cluster.overlaps:  # CPU ranks: communication takes the cores the compute needs
         windows = {k: 0.0 for k in windows}
         attention_s = 0.0
@@ -341,8 +351,8 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     tokens = cfg.train.global_batch * plan.seq
     return StepTime(total, compute, m * t_rc, m * 3 * elem_f, bubble, s.bubble() if dims.pp > 1 else 0.0,
                     sum(tt.time_s for tt in timed), exposed_comm, by_group, exposed_by, optimizer, offload, tokens,
-                    flops_per_token(mc, plan.seq) * tokens, dims.world_size, cluster.peak_flops(precision), plan.rank,
-                    traffic=timed)
+                    flops_per_token(mc, plan.seq) * tokens, dims.world_size, cluster.peak_flops(precision), in_layer,
+                    plan.rank, traffic=timed)
 
 
 def _optimizer(plan: RankPlan, cluster: Cluster, t_f: float, t_b: float) -> tuple[float, float]:
@@ -389,36 +399,69 @@ def step_time(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: 
     if cluster.device == "cpu" and dims.pp > 1 and cluster.compute_share(world) < 1:
         worst = _shared_cores(plans, cluster, attention, world)
     else:
-        steps = [rank_step(plan, cluster, attention) for plan in plans]
+        steps = _stages(plans, cluster, attention)
         worst = max(steps, key=lambda s: s.total_s)
         worst.stage_s = [s.total_s for s in steps]
     worst.notes = _notes(worst, dims, cluster)
     return worst
 
 
+def _stages(plans: list[RankPlan], cluster: Cluster, attention: str, contention: bool = True) -> list[StepTime]:
+    """Every pipeline rank's :class:`StepTime`, each rank's bubble the other stages' share of the fill and drain
+    (module docstring): ``sum_{s != r} u_s / v``, ``u_s`` one micro-batch of stage ``s`` (its compute and exposed
+    in-layer communication over ``m``) -- ``(p - 1) / (v m)`` of its own when the stages are even.
+
+    CPU ranks with a core each (``contention``) compute at the rate calibrated with every core busy; a core running
+    while its peers wait is ``kappa = core_contention`` times faster. Stage ``r``'s compute ``c_r`` thus becomes
+    ``c_r (1 + (kappa - 1) b_r) / kappa``, ``b_r = mean_{s != r} min(1, c_s / c_r)`` the share of its time the
+    others are busy, and the fill and drain it waits for run at the lone rate, ``/ kappa``."""
+    import dataclasses
+
+    steps = [rank_step(plan, cluster, attention) for plan in plans]
+    if len(steps) < 2:
+        return steps
+    shape = plans[0].shape
+    kappa = cluster.core_contention if contention and cluster.device == "cpu" else 1.0
+    kappa = kappa if cluster.compute_share(plans[0].dims.world_size) >= 1 else 1.0
+    compute = [st.compute_s for st in steps]
+    per_micro = [(st.compute_s + st.in_layer_s) / shape.m for st in steps]
+    out = []
+    for r, st in enumerate(steps):
+        busy = sum(min(1.0, c / max(compute[r], 1e-30)) for i, c in enumerate(compute) if i != r) / (len(steps) - 1)
+        own = compute[r] * (1 + (kappa - 1) * busy) / kappa
+        bubble = (sum(per_micro) - per_micro[r]) / shape.v / kappa
+        total = st.total_s - st.bubble_s - st.compute_s + own + bubble
+        f = own / compute[r] if compute[r] > 0 else 1.0
+        out.append(dataclasses.replace(st, compute_s=own, recompute_s=st.recompute_s * f,
+                                       elementwise_s=st.elementwise_s * f, bubble_s=bubble, total_s=total))
+    return out
+
+
 def _shared_cores(plans: list[RankPlan], cluster: Cluster, attention: str, world: int) -> StepTime:
     """A pipeline of CPU ranks that outnumber the cores: the scheduler gives a waiting rank's core (the bubble, a
     lighter stage, a message) to a busy one, so no stage runs at a fixed ``compute_share``. The step is the longer
-    of the slowest stage's own chain at a full core (its :class:`StepTime` with a core per rank) and the node's
-    arithmetic over its cores, ``(world / pp) sum_stages (compute + optimizer) / cores`` -- in the second case
-    there is no bubble and no exposed wait, other ranks' work fills them."""
+    of the slowest stage's own chain at a full core (:func:`_stages` with a core per rank) and the node's arithmetic
+    over its cores: the mean over the stages of each one's step at its share of the cores without its bubble
+    (compute, exposed communication with its waits, optimizer) -- the whole node's work over its cores, with no
+    bubble, since other ranks' work fills it."""
     import dataclasses
 
     own = dataclasses.replace(cluster, devices_per_node=cluster.ranks_per_node(world))  # a core per rank
-    full = [rank_step(plan, own, attention) for plan in plans]
+    full = _stages(plans, own, attention, contention=False)  # the cores are all busy: no lone rate
     chain = max(full, key=lambda s: s.total_s)
-    replicas, cores = world // len(plans), cluster.devices_per_node * cluster.nodes
-    compute = replicas * sum(s.compute_s for s in full) / cores
-    optimizer = replicas * sum(s.optimizer_s + s.offload_s for s in full) / cores
-    if chain.total_s >= compute + optimizer:
+    shared = [rank_step(plan, cluster, attention) for plan in plans]
+    mean = lambda get: sum(get(st) for st in shared) / len(shared)  # noqa: E731
+    busy = mean(lambda st: st.total_s - st.bubble_s)
+    if chain.total_s >= busy:
         chain.stage_s = [s.total_s for s in full]
         return chain
-    pooled = dataclasses.replace(chain, total_s=compute + optimizer, compute_s=compute, optimizer_s=optimizer,
-                                 offload_s=0.0, bubble_s=0.0, exposed_comm_s=0.0,
-                                 exposed_by_group={k: 0.0 for k in chain.exposed_by_group},
-                                 traffic=[dataclasses.replace(t, exposed_s=0.0) for t in chain.traffic],
-                                 recompute_s=replicas * sum(s.recompute_s for s in full) / cores,
-                                 elementwise_s=replicas * sum(s.elementwise_s for s in full) / cores)
+    groups = {k for st in shared for k in st.exposed_by_group}
+    pooled = dataclasses.replace(max(shared, key=lambda s: s.total_s), total_s=busy, bubble_s=0.0,
+                                 compute_s=mean(lambda st: st.compute_s), optimizer_s=mean(lambda st: st.optimizer_s),
+                                 offload_s=mean(lambda st: st.offload_s), exposed_comm_s=mean(lambda st: st.exposed_comm_s),
+                                 in_layer_s=mean(lambda st: st.in_layer_s), recompute_s=mean(lambda st: st.recompute_s),
+                                 elementwise_s=mean(lambda st: st.elementwise_s),
+                                 exposed_by_group={k: mean(lambda st: st.exposed_by_group.get(k, 0.0)) for k in groups})
     pooled.stage_s = [pooled.total_s] * len(full)
     return pooled
 
