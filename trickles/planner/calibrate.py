@@ -187,6 +187,17 @@ def measure_passes(model_cfg, sizes: Sequence[tuple[int, int]], precision: str =
     return out
 
 
+def _pass_work(model_cfg, sequences: int, tokens: int, p: int):
+    """``(block, head)`` :class:`~trickles.planner.compute.Work` of the passes :func:`measure_passes` times: the dense
+    block of :func:`_dense_block_model` and the head, on one rank, ``p`` bytes an element."""
+    from ..topology import ParallelDims
+    from .compute import block_work, head_work
+
+    dense = dataclasses.replace(model_cfg, moe_experts=0)
+    return (block_work(dense, ParallelDims(), sequences, tokens, False, False, p),
+            head_work(dense, ParallelDims(), sequences, tokens, False, p))
+
+
 def fit_passes(cluster: Cluster, model_cfg, passes: dict, precision: str, overhead: bool = True) -> tuple[float, float]:
     """``(bytes/s, seconds per pass)`` of the element-wise work and a pass's fixed cost (module docstring): for each
     measured block and head, ``rest`` = its time less its GEMMs and attention on ``cluster`` (whose tables are
@@ -197,16 +208,12 @@ def fit_passes(cluster: Cluster, model_cfg, passes: dict, precision: str, overhe
     ``s = (R - n r_t) / (X - n x_t)``. Without tiny passes, or where that gives a negative cost, or with
     ``overhead=False`` (a GPU, whose host queues the kernels ahead of them): ``o = 0``, ``s = R / X`` over the
     others. ``(0, 0)`` where nothing is left to fit."""
-    from ..topology import ParallelDims
-    from .compute import block_work, head_work
     from .cost import work_seconds
 
-    dense = dataclasses.replace(model_cfg, moe_experts=0)
     p = 4 if precision == "fp32" else 2
     tiny, big = [], []  # (element-wise bytes of forward + backward, rest seconds)
     for (b, t), times in passes.items():
-        works = (block_work(dense, ParallelDims(), b, t, False, False, p), head_work(dense, ParallelDims(), b, t, False, p))
-        for work, took in zip(works, times):
+        for work, took in zip(_pass_work(model_cfg, b, t, p), times):
             gemm, _ = work_seconds(work, cluster, precision, 1.0)
             (tiny if b * t <= TINY_PASS else big).append((3 * work.elementwise_bytes, took - 3 * gemm))
     n, big_x, big_y = len(big), sum(x for x, _ in big), sum(y for _, y in big)
@@ -484,13 +491,9 @@ def pass_sizes(cfg, dims=None) -> list[tuple[int, int]]:
 def pass_gemm_shapes(model_cfg, sizes: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """The GEMM shapes of the dense block and head :func:`measure_passes` times (so :func:`fit_passes` finds them in
     the table)."""
-    from ..topology import ParallelDims
-    from .compute import block_work, head_work
-
-    dense = dataclasses.replace(model_cfg, moe_experts=0)
     out = set()
     for b, t in sizes:
-        for work in (block_work(dense, ParallelDims(), b, t, False, False, 4), head_work(dense, ParallelDims(), b, t, False, 4)):
+        for work in _pass_work(model_cfg, b, t, 4):
             out.update((g.m, g.n, g.k) for g in work.gemms if g.name not in ("scores", "weighted"))
     return sorted(out)
 
