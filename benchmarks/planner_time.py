@@ -19,8 +19,8 @@ How
       scaled to a core's rate (one core is one device of the ``local`` cluster), the memory bandwidth, the dense
       model's block and head forward and backward (fitted to the element-wise bandwidth and a fixed cost per pass)
       and the block alone on one rank (the cores' contention), the collectives among the ``N`` gloo ranks (fitted
-      per world size) and the wait of a collective for late peers between compute bursts. Round ``k`` is predicted from the calibrations just before and after it
-      (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
+      per world size) and the wait of a collective for late peers between compute bursts. Round ``k`` is predicted
+      from the calibrations just before and after it (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
     * The ``N`` ranks (:func:`trickles.launch.launch`) hold every layout of that world size at once, each on its
       own topology (``ParallelDims(...).build()``) with ``parallelize`` on a meta-device model, and run it as
       ``trickles.train.Trainer.train_step`` does: the context-parallel shard of each micro-batch, the pipeline
