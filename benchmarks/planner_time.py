@@ -18,7 +18,7 @@ How
       shape the layouts run on one rank and their attention kernel (forward and backward), on every rank at once and
       scaled to a core's rate (one core is one device of the ``local`` cluster), the memory bandwidth, the dense
       model's block and head forward and backward (fitted to the element-wise bandwidth and a fixed cost per pass)
-      and the block alone on one rank (the cores' contention), the collectives among the ``N`` gloo ranks (fitted
+      and the MoE variant's MoE block (its extra fixed cost), the block alone on one rank (the cores' contention), the collectives among the ``N`` gloo ranks (fitted
       per world size) and the wait of a collective for late peers between compute bursts. Round ``k`` is predicted
       from the calibrations just before and after it (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
     * The ``N`` ranks (:func:`trickles.launch.launch`) hold every layout of that world size at once, each on its
@@ -177,7 +177,7 @@ def calibration(args, shapes) -> dict:
 
     gemm_shapes, att_shapes, sizes = shapes
     c = measure_on_ranks(gemm_shapes, "fp32", (4096, 65536, 1 << 20), args.calib_repeats, min_s=args.calib_sample,
-                         attention=att_shapes, model_cfg=config([])[1], pass_sizes=sizes)
+                         attention=att_shapes, model_cfg=config(MOE)[1], pass_sizes=sizes)
     torch.set_num_threads(args.threads)
     return {"gemms": [[list(k), v] for k, v in c["gemms"].items()],
             "attention": [[list(k), v] for k, v in c["attention"].items()], "bandwidth": c["bandwidth"],
@@ -256,7 +256,7 @@ def calibrated(measured: list[dict], world: int):
     sync = statistics.fmean(c["sync"] for c in measured)
     return cluster_from_measurements("local", "fp32", {k: statistics.fmean(v) for k, v in gemms.items()}, bandwidth,
                                      links, REFERENCE, attention={k: statistics.fmean(v) for k, v in att.items()},
-                                     sync=sync, model_cfg=config([])[1],
+                                     sync=sync, model_cfg=config(MOE)[1],
                                      contention=statistics.fmean(c["contention"] for c in measured),
                                      passes={k: tuple(map(statistics.fmean, zip(*v))) for k, v in passes.items()})
 
@@ -273,7 +273,7 @@ def layout_shapes(world: int, layouts) -> tuple[list, list, list]:
         shapes.update(model_shapes(cfg, mc, dims))
         att.update(attention_shapes(cfg, mc, dims))
         sizes.update(pass_sizes(cfg, dims))
-    shapes.update(pass_gemm_shapes(config([])[1], sorted(sizes)))
+    shapes.update(pass_gemm_shapes(config(MOE)[1], sorted(sizes)))
     return sorted(shapes), sorted(att), sorted(sizes)
 
 

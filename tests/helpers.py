@@ -11,6 +11,10 @@ Every caller justifies its ``tol`` in a comment by the gap it measured.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import os
+import subprocess
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -102,3 +106,24 @@ def perturbed(weights: Mapping[str, torch.Tensor], name: str, value: torch.Tenso
     out = dict(weights)
     out[name] = value
     return out
+
+
+def cli_here(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    """``trickles ARGS`` run by :func:`trickles.cli.main` in this process (in ``cwd``), its exit status, stdout and
+    stderr captured as a subprocess's would be. For input the command refuses before it starts anything: a fresh
+    interpreter costs seconds of importing torch per case. The tests that check a refusal through a real process
+    (status, the one line on stderr) keep doing so in their own files."""
+    from trickles.cli import main
+
+    out, err, here = io.StringIO(), io.StringIO(), os.getcwd()
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's errors and --help
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        os.chdir(here)
+    return subprocess.CompletedProcess(["trickles", *args], code, out.getvalue(), err.getvalue())

@@ -18,6 +18,7 @@ from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer, load_for_inference
 
 STEPS = 20
+INVARIANCE_STEPS = 10  # the fp32 layout-invariance cases: a wrong gradient, shard or message shows in the first steps
 CPU = torch.device("cpu")
 # Adam eps as in the tensor-parallel tests: with tp in the layout, fp32 rounding of near-zero gradients
 # would otherwise dominate the weight comparison (see test_tensor_parallel.py); the default eps has its own case
@@ -87,25 +88,26 @@ def reference(tmp, cache, preset, layers, extra=()):
     """One process's losses and weights, computed once per run (keyed by the run's cache directory too)."""
     key = (cache, preset, layers, tuple(extra))
     if key not in _REFERENCE:
-        losses, pieces, *_ = _train(tmp, 1, 1, 1, [cache, f"model.preset={preset}", f"model.n_layers={layers}", *extra])
+        losses, pieces, *_ = _train(tmp, 1, 1, 1, [cache, f"model.preset={preset}", f"model.n_layers={layers}", *extra],
+                                    INVARIANCE_STEPS)
         _REFERENCE[key] = losses, _assemble([pieces])
     return _REFERENCE[key]
 
 
 # (preset, layers, dp, tp, pp, schedule, extra)
 # (plain pp=2 1f1b is covered by the uneven 7-layer case and by the recomputed one)
-CASES = [("tiny", 8, 1, 1, pp, s, ()) for pp in (2, 4) for s in ("gpipe", "1f1b") if (pp, s) != (2, "1f1b")] + [
-    ("tiny", 8, 1, 1, 2, "interleaved", ("parallel.virtual_stages=2",)),
+CASES = [
+    ("tiny", 8, 1, 1, 2, "gpipe", ()),
+    ("tiny", 8, 1, 1, 4, "1f1b", ()),
     ("tiny", 8, 1, 1, 4, "interleaved", ("parallel.virtual_stages=2",)),
     ("tiny", 7, 1, 1, 2, "1f1b", ()),  # uneven: [4, 3]
     ("tiny", 7, 1, 1, 3, "gpipe", ("parallel.pipeline_layers=[1, 4, 2]",)),
     ("gpt2-tiny", 8, 1, 1, 2, "1f1b", ()),  # tied embedding on the first and last stage
-    ("gpt2-tiny", 8, 1, 1, 4, "interleaved", ("parallel.virtual_stages=2",)),
     ("tiny", 8, 2, 1, 2, "1f1b", ("parallel.zero=1",)),
-    ("tiny", 8, 2, 2, 2, "1f1b", ("parallel.zero=1", "parallel.sequence_parallel=true")),
-    ("gpt2-tiny", 8, 2, 2, 2, "interleaved", ("parallel.virtual_stages=2", "train.micro_batch=1")),
     ("tiny", 8, 1, 1, 2, "1f1b", ("memory.recompute=full",)),
-    ("gpt2-tiny", 8, 1, 2, 2, "gpipe", ("memory.recompute=selective", "parallel.sequence_parallel=true")),
+    # tensor x pipeline, interleaved, with sequence parallelism and selective recomputation through the stages
+    ("gpt2-tiny", 8, 1, 2, 2, "interleaved", ("parallel.virtual_stages=2", "train.micro_batch=1",
+                                              "parallel.sequence_parallel=true", "memory.recompute=selective")),
 ]
 
 
@@ -116,10 +118,10 @@ def _case_id(c):
 
 @pytest.mark.parametrize("preset,layers,dp,tp,pp,schedule,extra", CASES, ids=[_case_id(c) for c in CASES])
 def test_layout_invariance(tmp_path, cache, preset, layers, dp, tp, pp, schedule, extra):
-    """Every rank's losses within 1e-4 relative of one process's, gathered weights within 1e-5, over 20 steps."""
+    """Every rank's losses within 1e-4 relative of one process's, gathered weights within 1e-5, over 10 steps."""
     ref_losses, ref_weights = reference(str(tmp_path), cache, preset, layers)
     overrides = [cache, f"model.preset={preset}", f"model.n_layers={layers}", f"parallel.schedule={schedule}", *extra]
-    results = run_ranks(dp * tp * pp, _train, str(tmp_path), dp, tp, pp, overrides, timeout=600)
+    results = run_ranks(dp * tp * pp, _train, str(tmp_path), dp, tp, pp, overrides, INVARIANCE_STEPS, timeout=600)
     for losses, *_ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-4)
     inner = dp * tp

@@ -29,19 +29,16 @@ LAYOUTS = {
     "dp1": (1, []),
     "pp2": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
     "pp4": (4, ["parallel.pp=4"]),
-    "tp4": (4, ["parallel.tp=4"]),
     "dp4-zero2": (4, ["parallel.zero=2"]),
     # the optimizer state and step on the host
     "dp2-zero1-offload": (2, ["parallel.zero=1", OFFLOAD]),
     "dp2-zero2-offload": (2, ["parallel.zero=2", OFFLOAD]),
     "dp2-zero3-offload": (2, ["parallel.zero=3", OFFLOAD]),
-    "dp2-tp2-zero1-offload": (4, ["parallel.tp=2", "parallel.zero=1", OFFLOAD]),
     "dp2-pp2-zero1-offload": (4, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1", OFFLOAD]),
     "dp4-zero2-offload": (4, ["parallel.zero=2", OFFLOAD]),
     # context parallel: the sequence split over ranks that hold the same weights (ZeRO shards over dp x cp)
     "cp2-zero1": (2, ["parallel.cp=2", "parallel.zero=1"]),
     "cp4-ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
-    "dp2-cp2-zero3": (4, ["parallel.cp=2", "parallel.zero=3"]),
     # mixture of experts (another model: 4 experts in every other block): the experts split over ep ranks
     "moe-ep2": (2, [*MOE, "parallel.ep=2"]),
     "moe-dp1": (1, MOE),
@@ -110,20 +107,14 @@ def sources(tmp_path_factory):
     return tmp, Sources(tmp)
 
 
-@pytest.mark.parametrize("source,target", [
+@pytest.mark.parametrize("source,target", [  # one pair per idea, each source and target kind at least once
     ("dp2-zero3", "tp2"),
     ("dp2-tp2-sp-pp2-interleaved-zero1", "dp1"),
     ("dp2-tp2-sp-pp2-interleaved-zero1", "pp4"),
-    ("dp2-tp2-sp-pp2-interleaved-zero1", "tp4"),
     ("dp2-tp2-sp-pp2-interleaved-zero1", "dp4-zero2"),
-    ("pp2", "dp2-zero3"),  # pipeline stages <-> ZeRO-3 shards, both ways
-    ("dp2-zero3", "pp2"),
-    ("dp2-tp2-zero1-offload", "dp1"),  # host-offloaded optimizer with tp, loaded without offload at another dp
-    ("dp2-pp2-zero1-offload", "dp4-zero2-offload"),  # with pp, loaded offloaded at another dp and ZeRO stage
-    ("cp2-zero1", "dp1"),  # context parallel to one process, to cp=4 (other mode), to pipeline and tensor layouts
-    ("cp2-zero1", "cp4-ulysses"),
-    ("dp2-cp2-zero3", "pp2"),
-    ("dp2-cp2-zero3", "tp2"),
+    ("dp2-zero3", "pp2"),  # ZeRO-3 shards to pipeline stages (the 3-D source above: stages to shards)
+    ("dp2-pp2-zero1-offload", "dp4-zero2-offload"),  # host-offloaded optimizer with pp, loaded offloaded at another dp and stage
+    ("cp2-zero1", "cp4-ulysses"),  # context parallel to cp=4 in the other mode
     ("moe-ep2", "moe-dp1"),  # experts by global index: from 2 expert-parallel ranks to one process and to 4
     ("moe-ep2-zero1", "moe-dp4-ep4-zero3"),
 ])
@@ -136,7 +127,7 @@ def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sourc
     for step, consumed, losses, read in run_ranks(world, _load_and_go_on, tmp, target, path, timeout=600):
         assert (step, consumed) == (BEFORE, BEFORE * 8)  # the data position came back
         assert losses == pytest.approx(straight, rel=1e-4)
-        if target in ("tp4", "pp4"):  # a quarter of the model and its Adam state, and the small replicated tensors
+        if target == "pp4":  # a quarter of the model and its Adam state, and the small replicated tensors
             assert read < 0.5 * stored, (read, stored)
         elif target == "dp1":
             assert read > 0.95 * stored, (read, stored)

@@ -131,20 +131,18 @@ def _weights_track(weights, ref, initial, tol):
 
 # (preset, mode, dp, pp, extra): world = dp x pp x tp; "train.*" extras change the math (micro-batches), and the
 # reference takes them too
+# one case per mode and idea (biases and tied embeddings: gpt2-tiny; llama: tiny), not every preset x mode
 CASES = [
     ("tiny", "2d", 1, 1, ()),
     ("gpt2-tiny", "2d", 1, 1, ("memory.recompute=full",)),
     ("tiny", "2.5d", 1, 1, ()),
-    ("gpt2-tiny", "2.5d", 1, 1, ()),
-    ("tiny", "3d", 1, 1, ()),
     ("gpt2-tiny", "3d", 1, 1, ()),
-    ("tiny", "2d", 2, 1, ()),
-    ("gpt2-tiny", "2d", 2, 1, ("parallel.zero=1",)),
     ("tiny", "2d", 2, 1, ("parallel.zero=3",)),  # each rank's blocks sharded over the 2 replicas
     ("gpt2-tiny", "2d", 1, 2, ("train.micro_batch=2",)),  # 4 micro-batches of 2 samples: 1 per grid row
 ]
 TP = {"2d": 4, "2.5d": 8, "3d": 8}
-MEASURED = """largest over the ranks, relative for losses and gradient norms, absolute for weights:
+MEASURED = """largest over the ranks, relative for losses and gradient norms, absolute for weights (measured when every
+row below was a case; the suite keeps six):
     case                                 losses   grad norms  weights
     tiny 2d tp4                          2.2e-7   1.1e-5      2.4e-6
     gpt2-tiny 2d tp4 recompute=full      1.9e-7   6.2e-7      5.8e-7

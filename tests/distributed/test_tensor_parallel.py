@@ -17,6 +17,7 @@ from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
 
 STEPS = 20
+INVARIANCE_STEPS = 10  # the fp32 layout-invariance cases: a wrong gradient, shard or message shows in the first steps
 CPU = torch.device("cpu")
 # Tensor parallelism changes the summation order inside every matmul. With Adam's default eps
 # (1e-8) a gradient element near zero turns that fp32 rounding into a larger update (measured
@@ -79,7 +80,7 @@ def reference(tmp, cache, preset, extra=()):
     """One process's losses and weights, computed once per run (keyed by the run's cache directory too)."""
     key = (cache, preset, tuple(extra))
     if key not in _REFERENCE:
-        losses, pieces = _train(tmp, 1, 1, [cache, f"model.preset={preset}", *extra])
+        losses, pieces = _train(tmp, 1, 1, [cache, f"model.preset={preset}", *extra], INVARIANCE_STEPS)
         _REFERENCE[key] = losses, _assemble([pieces])
     return _REFERENCE[key]
 
@@ -217,8 +218,8 @@ def test_replicated_key_value_heads_match_dense(world):
 
 # ---- layout invariance ---------------------------------------------------------------------
 
-CASES = [(preset, 1, tp, sp, ()) for preset in ("tiny", "gpt2-tiny") for tp in (2, 4) for sp in (False, True)] + [
-    ("tiny", 2, 2, False, ("parallel.zero=1",)),
+# each preset at tp 2 and 4, with and without sequence parallelism (not every pairing); then the compositions
+CASES = [("tiny", 1, 2, False, ()), ("tiny", 1, 4, True, ()), ("gpt2-tiny", 1, 2, True, ()), ("gpt2-tiny", 1, 4, False, ()),
     ("tiny", 2, 2, True, ("parallel.zero=1",)),
     ("gpt2-tiny", 2, 2, True, ("parallel.zero=1", "train.micro_batch=2")),
     ("tiny", 2, 2, True, ("parallel.zero=3",)),
@@ -238,7 +239,7 @@ def test_layout_invariance(tmp_path, cache, preset, dp, tp, sp, extra):
     same_math = [e for e in extra if e.startswith("train.micro_batch")]
     ref_losses, ref_weights = reference(str(tmp_path), cache, preset, same_math)
     overrides = [cache, f"model.preset={preset}", f"parallel.sequence_parallel={str(sp).lower()}", *extra]
-    results = run_ranks(dp * tp, _train, str(tmp_path), dp, tp, overrides)
+    results = run_ranks(dp * tp, _train, str(tmp_path), dp, tp, overrides, INVARIANCE_STEPS)
     for losses, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-4)
     for d in range(dp):  # each data-parallel replica's tensor-parallel ranks together hold the model

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from helpers import tiny_config
+from helpers import cli_here, tiny_config
 
 TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
         "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
@@ -75,16 +75,20 @@ def test_one_and_two_ranks_table_plot_and_json(tmp_path):
     assert os.listdir(tmp_path / "run") == ["scaling.png"]  # the training runs wrote nothing there
 
 
-@pytest.mark.parametrize("extra,needle", [
+REFUSED = [
     (["--ranks", "0", "1"], "--ranks must be at least 1, got 0"),
     (["--ranks", "2", "3", "--set", "parallel.tp=2"], "3 rank(s) cannot hold parallel.tp x pp x cp = 2 x 1 x 1 = 2 ranks per data-parallel replica"),
     (["--ranks", "1", "2", "--set", "train.stpes=3"], "unknown key 'train.stpes'; did you mean 'train.steps'?"),
     (["--ranks", "1", "2", "--set", "train.global_batch=7", "--set", "train.micro_batch=2"], "train.global_batch (7) must equal"),
     (["--ranks", "1", "--steps", "0"], "--steps must be at least 1, got 0"),
     (["--ranks", "1", "--png", "/no/such/dir/s.png"], "--png /no/such/dir/s.png: the directory /no/such/dir does not exist"),
-])
+]
+
+
+@pytest.mark.parametrize("extra,needle", REFUSED)
 def test_bad_input_is_one_line_status_two(tmp_path, extra, needle):
-    r = trickles(*bench_args(tmp_path, *extra))
+    run = trickles if (extra, needle) == REFUSED[0] else cli_here  # one case through a real process
+    r = run(*bench_args(tmp_path, *extra))
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     lines = [line for line in r.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr

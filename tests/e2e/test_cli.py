@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+from helpers import cli_here
+
 TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
         "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
 
@@ -113,7 +115,7 @@ def test_resume_auto_continues(finished_run, tmp_path):
     assert [x["step"] for x in records] == list(range(1, 9))
 
 
-LAYOUTS = {"dp2": (["parallel.zero=0"], "(dp=2)"), "dp2-zero3": (["parallel.zero=3"], "(dp=2, ZeRO-3)"),
+LAYOUTS = {"dp2-zero3": (["parallel.zero=3"], "(dp=2, ZeRO-3)"),
            "tp2-sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], "(dp=1, tp=2 with sequence parallel)")}
 
 
@@ -178,12 +180,12 @@ def _one_line_error(r, needle):
     (["--nproc", "0"], "--nproc must be at least 1, got 0"),
 ])
 def test_bad_input_is_one_line_status_two_and_leaves_nothing(tmp_path, extra, needle):
-    r = trickles(*run_args(tmp_path, *extra))
+    r = cli_here(*run_args(tmp_path, *extra))  # refused before anything starts (a real process: the tests below)
     _one_line_error(r, needle)
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("args,needle", [
+GENERATE_MEMORY_REFUSED = [
     (["generate", "{tmp}/no/such/run"], "checkpoint {tmp}/no/such/run does not exist; give a checkpoint directory or a run's out_dir"),
     (["generate", "{tmp}"], "no complete checkpoint found at {tmp}; give a step_* directory or a run's out_dir"),
     (["generate", "{tmp}", "--max-new-tokens", "-1"], "--max-new-tokens must be at least 0, got -1"),
@@ -194,9 +196,13 @@ def test_bad_input_is_one_line_status_two_and_leaves_nothing(tmp_path, extra, ne
     (["memory", "--device-gb", "0"], "--device-gb must be a positive number of GB, got 0"),
     (["memory", "--nproc", "0"], "--nproc must be at least 1, got 0"),
     (["memory", "--png", "{tmp}/no/such/dir/m.png"], "--png {tmp}/no/such/dir/m.png: the directory {tmp}/no/such/dir does not exist"),
-])
+]
+
+
+@pytest.mark.parametrize("args,needle", GENERATE_MEMORY_REFUSED)
 def test_bad_input_to_generate_and_memory_is_one_line_status_two(tmp_path, args, needle):
-    r = trickles(*[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
+    run = trickles if (args, needle) == GENERATE_MEMORY_REFUSED[0] else cli_here  # one case through a real process
+    r = run(*[a.format(tmp=tmp_path) for a in args], cwd=tmp_path)
     _one_line_error(r, needle.format(tmp=tmp_path))
     assert os.listdir(tmp_path) == []  # nothing written, here or under a default out_dir
 
@@ -224,8 +230,8 @@ def test_damaged_checkpoint_is_refused_and_auto_falls_back(finished_run, tmp_pat
     shutil.copytree(tmp / "run", run)
     newest = run / "checkpoints" / "step_000006"
     _damage(newest, how)
-    r = trickles("train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={run}", "--set", "train.steps=7",
-                 "--resume", str(newest))
+    r = cli_here("train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={run}", "--set", "train.steps=7",
+                 "--resume", str(newest))  # refused before training starts (the fallback below: a real process)
     _one_line_error(r, needle)
     r = trickles("train", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={run}", "--set", "train.steps=7",
                  "--set", "train.sample_tokens=0", "--resume", "auto", "--quiet")

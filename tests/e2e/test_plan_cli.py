@@ -8,6 +8,7 @@ import sys
 import pytest
 import torch
 
+from helpers import cli_here
 from trickles.config import Config
 from trickles.planner import load_cluster
 
@@ -70,16 +71,20 @@ def test_a_model_that_fits_nowhere_names_the_smallest_cluster(tmp_path):
     assert ok.returncode == 0, ok.stderr
 
 
-@pytest.mark.parametrize("args, message", [
+REFUSED = [
     (["--cluster", "dgx-a10", "--devices", "8"], "unknown cluster 'dgx-a10'; did you mean 'dgx-a100'?"),
     (["--cluster", "dgx-a100", "--devices", "0"], "--devices must be at least 1, got 0"),
     (["--cluster", "dgx-a100", "--devices", "8", "--set", "parallel.tp=3"], "parallel.tp=3 does not divide --devices 8"),
     (["--cluster", "nowhere/c.toml", "--devices", "8"], "cluster file nowhere/c.toml does not exist"),
     (["--devices", "8"], "give --cluster NAME|FILE"),
-])
+]
+
+
+@pytest.mark.parametrize("args, message", REFUSED)
 def test_bad_input_is_one_line_with_status_2(tmp_path, args, message):
     out = tmp_path / "plan.json"
-    r = trickles("plan", *TINY, *args, "--json", str(out))
+    run = trickles if (args, message) == REFUSED[0] else cli_here  # one case through a real process
+    r = run("plan", *TINY, *args, "--json", str(out))
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: ") and message in r.stderr, r.stderr
     assert not out.exists()

@@ -111,7 +111,7 @@ def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_pa
     from trickles.models.config import resolve_model
     from trickles.planner.calibrate import attention_shapes, pass_gemm_shapes, pass_sizes
 
-    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2"])
+    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2", "model.moe_experts=2"])
     mc = resolve_model(cfg.model, 320, 32)
     c = calibrate(cfg, mc, shapes=[(32, 48, 16)], ranks=2, sizes=(1024, 16384), repeats=2, reference=64,
                   bandwidth_mib=4, path=str(path))
@@ -127,7 +127,30 @@ def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_pa
     assert set(c.attention_table) == {f"fp32:32x32x{mc.head_dim}"}  # the fused kernel, timed at the run's shape
     assert c.attention_fraction("fp32", 32, 32, mc.head_dim) == c.attention_table[f"fp32:32x32x{mc.head_dim}"]
     assert c.elementwise_gbps > 0 and c.pass_overhead_us >= 0  # the model's own block and head, timed and fitted
+    assert c.moe_pass_overhead_us >= 0 and math.isfinite(c.moe_pass_overhead_us)  # and its MoE block
     assert load_cluster(path) == c
+
+
+@pytest.mark.parametrize("mode", ["ring", "ulysses"])
+def test_context_parallel_attention_is_calibrated_as_it_runs(mode):
+    """Ring: the rank's T/cp queries against all T keys (its blocks and merges timed through the ring itself);
+    all-to-all: whole sequences on 1/cp of the heads. The time model looks up exactly the shape calibrated."""
+    from trickles.models.config import resolve_model
+    from trickles.planner.calibrate import attention_shapes, measure_attention
+    from trickles.planner.compute import block_work
+    from trickles.topology import ParallelDims
+
+    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2", "parallel.cp=2",
+                             f"parallel.cp_mode={mode}"])
+    mc = resolve_model(cfg.model, 320, 32)
+    dims = ParallelDims(cp=2)
+    [(b, h, q, k, d)] = attention_shapes(cfg, mc, dims)
+    assert (b, h, q, k, d) == ((2, mc.n_heads, 16, 32, mc.head_dim) if mode == "ring"
+                               else (2, mc.n_heads // 2, 32, 32, mc.head_dim))
+    scores = next(g for g in block_work(mc, dims, 2, 32, False, False, 4, cp_mode=mode).gemms if g.name == "scores")
+    assert (scores.m, scores.n, scores.k, scores.count) == (q, k, d, b * h / 2)
+    rate = measure_attention([(b, h, q, k, d)], repeats=1)
+    assert list(rate) == [(q, k, d)] and 0 < rate[(q, k, d)] < math.inf
 
 
 def test_the_pass_fit_recovers_element_wise_bandwidth_and_overhead():
@@ -154,6 +177,27 @@ def test_the_pass_fit_recovers_element_wise_bandwidth_and_overhead():
     assert fit_passes(c, mc, passes, "fp32", overhead=False) == (pytest.approx(3e9, rel=1e-6), 0.0)
     del passes[(1, 16)]  # no tiny pass: no fixed cost to pin, the bandwidth alone
     assert fit_passes(c, mc, passes, "fp32") == (pytest.approx(3e9, rel=1e-6), 0.0)
+
+
+def test_an_moe_blocks_extra_fixed_cost_is_fitted_from_its_tiny_pass():
+    """An MoE block's times: its GEMMs, its element-wise bytes at the fitted bandwidth, a dense pass's fixed cost and
+    an extra one; :func:`fit_moe_pass` gives the extra back (and the dense fit is untouched by the third timing)."""
+    from trickles.models.config import resolve_model
+    from trickles.planner.calibrate import _pass_work, fit_moe_pass, fit_passes
+    from trickles.planner.cost import work_seconds
+
+    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=64", "model.moe_experts=4", "model.moe_top_k=2"])
+    mc = resolve_model(cfg.model, 320, 64)
+    c = dataclasses.replace(load_cluster("local"), elementwise_gbps=3.0, pass_overhead_us=200.0)
+    passes = {}
+    for b, t in ((1, 16), (1, 64), (2, 64)):
+        works = _pass_work(mc, b, t, 4)
+        assert len(works) == 3  # block, head, MoE block
+        passes[(b, t)] = tuple(3 * sum(work_seconds(w, c, "fp32", 1.0)) + 2e-4 + (5e-4 if i == 2 else 0.0)
+                               for i, w in enumerate(works))
+    assert fit_moe_pass(c, mc, passes, "fp32") == pytest.approx(5e-4, rel=1e-6)
+    assert fit_passes(c, mc, passes, "fp32") == (pytest.approx(3e9, rel=1e-6), pytest.approx(2e-4, rel=1e-6))
+    assert fit_moe_pass(c, mc, {k: v for k, v in passes.items() if k != (1, 16)}, "fp32") == 0.0  # nothing tiny
 
 
 def test_a_collective_kind_the_shared_line_misses_gets_its_own_line(tmp_path):

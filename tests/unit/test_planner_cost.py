@@ -173,6 +173,10 @@ def test_element_wise_bandwidth_and_pass_overhead_enter_as_the_docstring_says():
     rc = step_time(cfg_rc, dims, mc, base)
     rc_over = step_time(cfg_rc, dims, mc, dataclasses.replace(base, pass_overhead_us=o * 1e6))
     assert rc_over.compute_s - rc.compute_s == pytest.approx(m * ((layers + 1) * o + layers * o / 3))
+    cfg_moe, _, mc_moe, _ = plan(1, "train.micro_batch=2", "model.moe_experts=4", "model.moe_every=2")
+    moe = step_time(cfg_moe, dims, mc_moe, base)
+    moe_over = step_time(cfg_moe, dims, mc_moe, dataclasses.replace(base, moe_pass_overhead_us=o * 1e6))
+    assert moe_over.compute_s - moe.compute_s == pytest.approx(m * len(mc_moe.moe_layers) * o)  # its MoE blocks only
 
 
 def test_interleaving_shrinks_the_bubble_and_more_micro_batches_too():
@@ -185,7 +189,7 @@ def test_interleaving_shrinks_the_bubble_and_more_micro_batches_too():
 
 @pytest.mark.parametrize("world,sets", [
     (1, []), (2, ["parallel.tp=2"]), (4, ["parallel.tp=4", "parallel.tp_mode=2d", "model.n_kv_heads=4"]),
-    (2, ["parallel.cp=2"]), (2, ["parallel.pp=2"]), (4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batch=2"]),
+    (2, ["parallel.cp=2"]), (2, ["parallel.cp=2", "parallel.cp_mode=ulysses"]), (2, ["parallel.pp=2"]), (4, ["parallel.dp=2", "parallel.pp=2", "train.micro_batch=2"]),
     (2, ["model.preset=gpt2-tiny", "parallel.tp=2"]),
     (2, ["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "model.moe_shared_experts=1"]),
 ])
@@ -194,7 +198,8 @@ def test_the_ranks_gemms_add_up_to_the_models_flops(world, sets):
     total = 0.0
     for r in rank_plans(cfg, dims, mc):
         for c, layers in enumerate(r.chunks):
-            work = chunk_work(mc, dims, r.micro, r.seq, layers, r.last and c == len(r.chunks) - 1, r.sp, r.p)
+            work = chunk_work(mc, dims, r.micro, r.seq, layers, r.last and c == len(r.chunks) - 1, r.sp, r.p,
+                              cp_mode=cfg.parallel.cp_mode)
             attention = sum(g.flops for g in work.gemms if g.name in ("scores", "weighted"))
             total += 3 * (work.flops + attention) * r.micro_batches  # forward + backward; the causal half undone
     ranks_per_stage = dims.dp * dims.cp * dims.tp

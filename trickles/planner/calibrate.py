@@ -20,7 +20,10 @@
   (operator dispatch, autograd). :func:`fit_passes` fits ``rest = passes x overhead + bytes / B`` over them, with
   ``bytes`` the element-wise bytes the time model counts (:mod:`trickles.planner.compute`): ``B`` fills
   ``elementwise_gbps`` and the overhead ``pass_overhead_us`` -- on a CPU the kernels run several times slower than
-  a plain copy (small tensors, strided reads, fresh allocations), and a copy's bandwidth would miss that.
+  a plain copy (small tensors, strided reads, fresh allocations), and a copy's bandwidth would miss that. A
+  mixture-of-experts model's MoE block is timed too: what its tiny pass takes beyond a dense pass with its work
+  (routing, sorting, gather and scatter: many small operations) fills ``moe_pass_overhead_us``
+  (:func:`fit_moe_pass`).
 * **Contention**: the largest block pass on one rank while the others wait, against its time per core while every
   rank computes (:func:`measure_on_ranks`): how much faster a core runs alone (memory bandwidth and caches are
   shared), ``core_contention``.
@@ -108,28 +111,51 @@ def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32
     return out
 
 
+class _Loopback:
+    """Rank 0 of a ring of ``size`` ranks whose exchanges are local copies (what :func:`measure_attention` times: the
+    ring's compute, not its links): each receive gets what was sent."""
+
+    def __init__(self, size: int):
+        self.size, self.rank = size, 0
+
+    def batch_p2p(self, ops):
+        send = next(t for kind, t, _ in ops if kind == "send")
+        for kind, t, _ in ops:
+            if kind == "recv":
+                t.copy_(send)
+        return []
+
+
 def measure_attention(shapes: Sequence[tuple[int, int, int, int, int]], precision: str = "fp32", device: str = "cpu",
                       repeats: int = 3, min_s: float = 0.005) -> dict[tuple[int, int, int], float]:
-    """``{(q, k, d): FLOP/s}`` of the fused attention kernel (``scaled_dot_product_attention``, what the model runs)
-    forward and backward, for each ``(sequences, heads, q, k, d)``: ``q`` query rows against ``k`` keys of head
-    size ``d``, causal when ``q == k`` (else every query sees every key, as a context-parallel block does), its rate
-    counted as the time model counts it -- ``3 x 2 x 2 q k d`` per sequence and head, halved when causal."""
+    """``{(q, k, d): FLOP/s}`` of the attention the model runs, forward and backward, for each
+    ``(sequences, heads, q, k, d)``: ``q`` query rows against ``k`` keys of head size ``d``, causal. ``q == k``: the
+    fused kernel (``scaled_dot_product_attention``); ``q < k``: rank 0's share of ring attention over
+    ``cp = k / q`` ranks (:mod:`trickles.parallel.context`: its ``2 cp + 1`` blocks and their merges, forward and
+    backward), the ring's exchanges a local copy (:class:`_Loopback`; the links are timed apart). The rate is
+    counted as the time model counts it: ``3 x 2 x 2 q k d`` per sequence and head, halved for the causal mask."""
     import torch.nn.functional as F
+
+    from ..parallel.context import ring_attention
 
     dev = torch.device(device)
     dtype = DTYPES[precision]
     out = {}
     with _one_thread(dev):
         for b, h, q, k, d in shapes:
+            ring = q < k
             xq = torch.randn(b, h, q, d, device=dev, dtype=dtype, requires_grad=True)
-            xk, xv = (torch.randn(b, h, k, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2))
-            causal = q == k
+            xk, xv = (torch.randn(b, h, q if ring else k, d, device=dev, dtype=dtype, requires_grad=True)
+                      for _ in range(2))
 
             def run():
-                F.scaled_dot_product_attention(xq, xk, xv, is_causal=causal).sum().backward()
+                if ring:
+                    ring_attention(xq, xk, xv, _Loopback(k // q)).sum().backward()
+                else:
+                    F.scaled_dot_product_attention(xq, xk, xv, is_causal=True).sum().backward()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-            flops = 3 * 4.0 * b * h * q * k * d * (0.5 if causal else 1.0)
+            flops = 3 * 4.0 * b * h * q * k * d * 0.5
             out[(q, k, d)] = flops / max(_timeit(run, repeats, min_s), 1e-9)
     return out
 
@@ -147,25 +173,29 @@ def measure_memory_bandwidth(device: str = "cpu", mib: int = 64, repeats: int = 
         return 2 * n * 4 / max(_timeit(run, repeats), 1e-9)
 
 
-def _dense_block_model(model_cfg):
-    """A one-block model of ``model_cfg``'s shape with a dense MLP (the block whose passes calibrate the element-wise
-    work; an MoE block's routing adds work that depends on its balance)."""
+def _block_model(model_cfg, moe: bool = False):
+    """A one-block model of ``model_cfg``'s shape: a dense MLP (the block whose passes calibrate the element-wise
+    work), or with ``moe`` a mixture of experts (learned routing: a hard route needs labels)."""
     from ..models.transformer import Transformer
 
-    model = Transformer(dataclasses.replace(model_cfg, n_layers=1, moe_experts=0))
+    one = (dataclasses.replace(model_cfg, n_layers=1, moe_every=1, moe_router="learned") if moe else
+           dataclasses.replace(model_cfg, n_layers=1, moe_experts=0))
+    model = Transformer(one)
     model.init_weights(0)
     return model
 
 
 def measure_passes(model_cfg, sizes: Sequence[tuple[int, int]], precision: str = "fp32", device: str = "cpu",
                    repeats: int = 3, min_s: float = 0.05) -> dict[tuple[int, int], tuple[float, float]]:
-    """``{(sequences, tokens): (block seconds, head seconds)}``: one dense block of ``model_cfg`` and its head (final
-    norm, output layer and loss), each forward and backward on ``sequences x tokens`` inputs, on ``device`` in
+    """``{(sequences, tokens): (block seconds, head seconds[, MoE block seconds])}``: one dense block of
+    ``model_cfg`` and its head (final norm, output layer and loss) -- and, for a mixture-of-experts model, one of its
+    MoE blocks, every expert local -- each forward and backward on ``sequences x tokens`` inputs, on ``device`` in
     ``precision`` (CPU: one thread; :func:`_timeit`)."""
     dev = torch.device(device)
     dtype = DTYPES[precision]
-    model = _dense_block_model(model_cfg).to(dev, dtype)
+    model = _block_model(model_cfg).to(dev, dtype)
     block, d = model.layers["0"], model_cfg.d_model
+    moe = _block_model(model_cfg, True).to(dev, dtype).layers["0"] if model_cfg.moe_experts else None
     out = {}
     with _one_thread(dev):
         for b, t in sizes:
@@ -183,19 +213,28 @@ def measure_passes(model_cfg, sizes: Sequence[tuple[int, int]], precision: str =
                 model.head(x, target).backward()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
-            out[(b, t)] = (_timeit(run_block, repeats, min_s), _timeit(run_head, repeats, min_s))
+
+            def run_moe():
+                moe(x, rope).sum().backward()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+            runs = (run_block, run_head, run_moe) if moe is not None else (run_block, run_head)
+            out[(b, t)] = tuple(_timeit(run, repeats, min_s) for run in runs)
     return out
 
 
 def _pass_work(model_cfg, sequences: int, tokens: int, p: int):
-    """``(block, head)`` :class:`~trickles.planner.compute.Work` of the passes :func:`measure_passes` times: the dense
-    block of :func:`_dense_block_model` and the head, on one rank, ``p`` bytes an element."""
+    """``(block, head[, MoE block])`` :class:`~trickles.planner.compute.Work` of the passes :func:`measure_passes`
+    times (:func:`_block_model`), on one rank, ``p`` bytes an element."""
     from ..topology import ParallelDims
     from .compute import block_work, head_work
 
     dense = dataclasses.replace(model_cfg, moe_experts=0)
-    return (block_work(dense, ParallelDims(), sequences, tokens, False, False, p),
+    work = (block_work(dense, ParallelDims(), sequences, tokens, False, False, p),
             head_work(dense, ParallelDims(), sequences, tokens, False, p))
+    if model_cfg.moe_experts:
+        work += (block_work(model_cfg, ParallelDims(), sequences, tokens, True, False, p),)
+    return work
 
 
 def fit_passes(cluster: Cluster, model_cfg, passes: dict, precision: str, overhead: bool = True) -> tuple[float, float]:
@@ -213,7 +252,7 @@ def fit_passes(cluster: Cluster, model_cfg, passes: dict, precision: str, overhe
     p = 4 if precision == "fp32" else 2
     tiny, big = [], []  # (element-wise bytes of forward + backward, rest seconds)
     for (b, t), times in passes.items():
-        for work, took in zip(_pass_work(model_cfg, b, t, p), times):
+        for work, took in zip(_pass_work(model_cfg, b, t, p)[:2], times[:2]):
             gemm, _ = work_seconds(work, cluster, precision, 1.0)
             (tiny if b * t <= TINY_PASS else big).append((3 * work.elementwise_bytes, took - 3 * gemm))
     n, big_x, big_y = len(big), sum(x for x, _ in big), sum(y for _, y in big)
@@ -227,6 +266,23 @@ def fit_passes(cluster: Cluster, model_cfg, passes: dict, precision: str, overhe
             if slope > 0 and fixed >= 0:
                 return 1.0 / slope, fixed
     return big_x / big_y, 0.0
+
+
+def fit_moe_pass(cluster: Cluster, model_cfg, passes: dict, precision: str) -> float:
+    """Seconds an MoE block's forward and backward takes beyond what a dense block's pass would cost with its work
+    (module docstring): on the passes of at most :data:`TINY_PASS` tokens, the MoE block's time less its GEMMs and
+    attention, its element-wise bytes at ``cluster``'s fitted bandwidth and one pass's fixed cost -- the routing,
+    sorting, gather and scatter run as many small operations -- their mean, at least 0 (0 without tiny MoE passes)."""
+    from .cost import work_seconds
+
+    p = 4 if precision == "fp32" else 2
+    extra = []
+    for (b, t), times in passes.items():
+        if b * t <= TINY_PASS and len(times) > 2:
+            work = _pass_work(model_cfg, b, t, p)[2]
+            gemm, elem = work_seconds(work, cluster, precision, 1.0)
+            extra.append(times[2] - 3 * (gemm + elem) - cluster.pass_overhead_us * 1e-6)
+    return max(0.0, sum(extra) / len(extra)) if extra else 0.0
 
 
 def measure_sync(repeats: int = 3, bursts: int = 12, burst_s: float = 0.01) -> float:
@@ -343,7 +399,7 @@ def model_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int]]:
     sp = cfg.parallel.sequence_parallel and dims.tp > 1
     p = 4 if cfg.memory.precision == "fp32" else 2
     layers = sorted({0, *model_cfg.moe_layers[:1]})
-    work = chunk_work(model_cfg, dims, micro, cfg.data.seq_len, layers, True, sp, p)
+    work = chunk_work(model_cfg, dims, micro, cfg.data.seq_len, layers, True, sp, p, cp_mode=cfg.parallel.cp_mode)
     return sorted({(g.m, g.n, g.k) for g in work.gemms if min(g.m, g.n, g.k) > 0})
 
 
@@ -394,6 +450,7 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     keys = [tuple(sh) for sh in shapes]
     att_keys = list(dict.fromkeys(tuple(sh[2:]) for sh in attention))
     pass_keys = list(passes)
+    per = len(passes[pass_keys[0]]) if passes else 0  # timings per size: block, head[, MoE block]
     rates = torch.tensor([[gemms.get(k, 0.0) for k in keys] + [att.get(k, 0.0) for k in att_keys]
                           + [1.0 / t for k in pass_keys for t in passes[k]] + [bandwidth]], dtype=torch.float64)
     every = [torch.zeros_like(rates) for _ in range(world)]
@@ -402,8 +459,8 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     at = len(keys) + len(att_keys)
     return {"gemms": {k: med[i] for i, k in enumerate(keys)},
             "attention": {k: med[len(keys) + i] for i, k in enumerate(att_keys)}, "bandwidth": med[-1],
-            "passes": {k: (1.0 / med[at + 2 * i], 1.0 / med[at + 2 * i + 1]) for i, k in enumerate(pass_keys)},
-            "contention": (1.0 / med[at + 2 * pass_keys.index(max(passes))]) / float(alone[0]) if passes else None,
+            "passes": {k: tuple(1.0 / med[at + per * i + j] for j in range(per)) for i, k in enumerate(pass_keys)},
+            "contention": (1.0 / med[at + per * pass_keys.index(max(passes))]) / float(alone[0]) if passes else None,
             "links": _measure_collectives(list(sizes), repeats), "sync": measure_sync(repeats)}
 
 
@@ -417,7 +474,8 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
     bytes/s, the collective timings ``links`` fitted by :func:`fit_link` and ``sync`` seconds a blocking collective
     waits for ranks sharing cores (:func:`measure_sync`; module docstring); ``collective_links`` from the links'
     per-kind fits (:func:`fit_links`); ``passes`` (:func:`measure_passes` of ``model_cfg``) fitted to
-    ``elementwise_gbps`` and ``pass_overhead_us`` (:func:`fit_passes`); ``contention``: ``core_contention`` (at
+    ``elementwise_gbps`` and ``pass_overhead_us`` (:func:`fit_passes`; an MoE block's extra,
+    ``moe_pass_overhead_us``: :func:`fit_moe_pass`); ``contention``: ``core_contention`` (at
     least 1)."""
     cluster = base if isinstance(base, Cluster) else load_cluster(base)
     cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table),
@@ -457,6 +515,8 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
         if bandwidth > 0:
             cluster.elementwise_gbps = round(bandwidth / 1e9, 4)
             cluster.pass_overhead_us = round(overhead * 1e6, 3)
+            if torch.device(device).type == "cpu":
+                cluster.moe_pass_overhead_us = round(fit_moe_pass(cluster, model_cfg, passes, precision) * 1e6, 3)
     if contention is not None and torch.device(device).type == "cpu":
         cluster.core_contention = round(max(1.0, contention), 3)
     cluster.name = f"{cluster.name}-calibrated" if not cluster.name.endswith("-calibrated") else cluster.name
@@ -465,16 +525,21 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
 
 
 def attention_shapes(cfg, model_cfg, dims=None) -> list[tuple[int, int, int, int, int]]:
-    """``(sequences, heads, q, k, d)`` of one rank's attention core for ``cfg``'s micro-batch on layout ``dims``:
-    local heads (``/ tp``), ``q = T / cp`` queries against ``k = T / cp`` keys (causal; a ring's blocks are that
-    size too)."""
+    """``(sequences, heads, q, k, d)`` of one rank's attention core for ``cfg``'s micro-batch on layout ``dims``,
+    as :mod:`trickles.planner.compute` shapes it: local heads (``/ tp``) on ``q = k = T`` (causal); under ring
+    context parallelism ``q = T / cp`` queries against all ``k = T`` keys (the ring, :func:`measure_attention`);
+    under all-to-all (``ulysses``) whole sequences on ``1/cp`` of the heads."""
     from ..topology import ParallelDims
 
     dims = dims or ParallelDims()
     micro, _ = cfg.batch_plan(dims.dp)
-    t = cfg.data.seq_len // dims.cp
+    seq = cfg.data.seq_len
     heads = max(1, model_cfg.n_heads // dims.tp)
-    return [(micro, heads, t, t, model_cfg.head_dim)]
+    if dims.cp > 1 and cfg.parallel.cp_mode == "ring":
+        return [(micro, heads, seq // dims.cp, seq, model_cfg.head_dim)]
+    if dims.cp > 1:
+        heads = max(1, heads // dims.cp)
+    return [(micro, heads, seq, seq, model_cfg.head_dim)]
 
 
 def pass_sizes(cfg, dims=None) -> list[tuple[int, int]]:

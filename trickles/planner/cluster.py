@@ -7,7 +7,8 @@ A cluster is ``nodes`` x ``devices_per_node`` devices. The time model (:mod:`tri
   near, ``gemm_efficiency`` times the GEMM's tile and wave quantization on a GPU, :meth:`Cluster.gemm_fraction`),
   the device memory bandwidth for memory-bound work (the optimizer step; the element-wise kernels at
   ``elementwise_gbps`` where a calibration fitted it to the model's own block) and a fixed cost per block pass
-  (``pass_overhead_us``: operator dispatch, which a CPU pays in line and a GPU's host hides);
+  (``pass_overhead_us``: operator dispatch, which a CPU pays in line and a GPU's host hides; an MoE block's
+  extra, ``moe_pass_overhead_us``);
 * **links**: a collective among ranks of one node runs on the intra-node link, one whose ranks sit on several
   nodes on the inter-node link (its slowest hop). Each link is a *per-message latency* ``alpha`` and an
   *algorithm bandwidth per device per direction* ``B``: what one rank can send while it receives as much, which
@@ -49,7 +50,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 #: The collective kinds a cluster may give their own intra-node line (``Cluster.collective_links``).
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
 #: Numeric keys for which 0 is meaningful (see each field).
-ZERO_ALLOWED = ("sm_count", "shared_core_sync_us", "elementwise_gbps", "pass_overhead_us")
+ZERO_ALLOWED = ("sm_count", "shared_core_sync_us", "elementwise_gbps", "pass_overhead_us", "moe_pass_overhead_us")
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Cluster:
     memory_bandwidth_gbps: float = opt(2039.0, "device memory bandwidth, GB/s (memory-bound work: optimizer step; element-wise kernels unless elementwise_gbps is set)")
     elementwise_gbps: float = opt(0.0, "bandwidth the model's element-wise work (norms, activations, rotary, softmax of the loss, autograd's copies) achieves, GB/s (calibrate fits it from the model's own block and head; 0: memory_bandwidth_gbps)")
     pass_overhead_us: float = opt(0.0, "fixed cost of one block's forward and backward for one micro-batch beyond its kernels (operator dispatch, autograd), microseconds (calibrate fits it; GPUs: 0, the host runs ahead of the kernels)")
+    moe_pass_overhead_us: float = opt(0.0, "what a mixture-of-experts block's forward and backward costs beyond pass_overhead_us and its kernels (routing, sorting, gather and scatter as many small operations), microseconds (calibrate fits it on CPUs; 0: none)")
     intra_node_gbps: float = opt(300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s")
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
     collective_links: dict = opt({}, "intra-node line of each collective kind whose measured times differ from the shared one: op (all_reduce, all_gather, reduce_scatter, all_to_all, send) = [latency_us, GB/s] (calibrate fills it; a kind not listed uses intra_node_latency_us and intra_node_gbps)")

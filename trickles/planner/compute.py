@@ -16,7 +16,10 @@ with sequence parallelism. The output layer ``d -> V`` on the last stage.
 
 **Attention core**: per local head ``4 (T/cp) T h_d`` FLOPs per sequence (scores and weighted sum, as
 :func:`trickles.train.flops.flops_per_token` counts them), as GEMMs ``[T/cp, h_d] x [h_d, T]`` and
-``[T/cp, T] x [T, h_d]``. How they run depends on the attention kernel (:data:`ATTENTION`):
+``[T/cp, T] x [T, h_d]`` -- the ring's queries against every key (its blocks and merges timed as one by
+calibration); all-to-all context parallelism (``ulysses``) instead runs whole sequences for ``1/cp`` of the heads,
+``[T, h_d] x [h_d, T]`` and ``[T, T] x [T, h_d]`` on ``a_l / cp`` heads, the same FLOPs. How they run depends on
+the attention kernel (:data:`ATTENTION`):
 
 * ``flash`` (trickles: ``scaled_dot_product_attention``'s fused kernels) runs half of them under the causal mask
   (flash attention and the ring skip the blocks above the diagonal) and never writes the ``[T/cp, T]`` scores to
@@ -31,7 +34,9 @@ with sequence parallelism. The output layer ``d -> V`` on the last stage.
 **Memory-bound work** (norms, residual adds, rotary, activation functions, dropout, softmax of the loss),
 bytes read and written in forward, ``p`` bytes per element, ``r`` the residual-stream elements the rank holds
 (``N d``; ``N d / tp`` with sequence parallelism or a grid): per block ``12 r p`` (two norms, two residual adds,
-dropouts) + rotary ``2 N (a + a_kv) h_d / tp p`` + the MLP's activation ``3 N f / tp p`` (gpt2: 2); the head
+dropouts) + rotary ``2 N (a + a_kv) h_d / tp p`` + the MLP's activation ``3 N f / tp p`` (gpt2: 2; an MoE block's
+over its ``m`` assignments, plus their dispatch and combine ``(5 m d + 3 N_r d) p``: the rows gathered, weighted
+and added back into a zeroed output); the head
 ``2 r p`` + the loss over the rank's vocabulary slice, ``N V / tp`` fp32 logits passed over 4 times in forward and
 backward by one rank's fused log-softmax, 11 times by the vocabulary-parallel one (:data:`LOSS_BYTES`). An estimate: GPUs fuse some
 of it, and calibration measures only GEMMs.
@@ -107,9 +112,9 @@ def linear_shape(dims: ParallelDims, tokens: int, h: int, h2: int, row: bool = F
 
 
 def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: bool, sequence_parallel: bool,
-               p: int, attention: str = "flash") -> Work:
+               p: int, attention: str = "flash", cp_mode: str = "ring") -> Work:
     """One block's forward for ``batch`` sequences of ``seq`` tokens on one rank (module docstring), its attention
-    core run by kernel ``attention`` (:data:`ATTENTION`)."""
+    core run by kernel ``attention`` (:data:`ATTENTION`), context parallelism by ``cp_mode``."""
     d, hd, tp, cp = cfg.d_model, cfg.head_dim, dims.tp, dims.cp
     n = batch * seq // cp
     a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
@@ -120,7 +125,10 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
     seqs = batch if g.mode == "1d" else batch // (g.q * (g.q if g.mode == "3d" else g.depth))  # a grid rank's samples
     flash = attention == "flash"
     count = (0.5 if flash else 1.0) * seqs * heads  # a causal flash kernel computes half of the T x T scores
-    gemms += [Gemm("scores", seq // cp, seq, hd, count), Gemm("weighted", seq // cp, hd, seq, count)]
+    rows = seq // cp
+    if cp > 1 and cp_mode == "ulysses":  # whole sequences, 1/cp of the heads
+        rows, count = seq, count / cp
+    gemms += [Gemm("scores", rows, seq, hd, count), Gemm("weighted", rows, hd, seq, count)]
     scores = 0.0 if flash else seqs * heads * (seq // cp) * seq
     attention_bytes = scores * (4 * p + ((2 * p + 1) if cfg.dropout > 0 else 0))
     mats = 3 if _gated(cfg) else 2
@@ -138,13 +146,16 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
             fs = f * cfg.moe_shared_experts
             gemms += [Gemm("shared_in", routed, fs, d, mats - 1), Gemm("shared_out", routed, d, fs)]
         ffn_elements = m * f + routed * f * cfg.moe_shared_experts
+        dispatch = p * (5 * m * d + 3 * routed * d)
     else:
         f = cfg.ffn_dim
         gemms += [lin("mlp_in", d, (mats - 1) * f), lin("mlp_out", f, d, row=True)]
         ffn_elements = n * f / tp
+        dispatch = 0
     split = tp if (sequence_parallel or dims.grid.mode != "1d") else 1
     r = n * d / split
     elementwise = p * (12 * r + 2 * n * (cfg.n_heads + cfg.kv_heads) * hd / tp + (3 if _gated(cfg) else 2) * ffn_elements)
+    elementwise += dispatch
     return Work(tuple(gemms), elementwise + attention_bytes, attention_bytes)
 
 
@@ -166,7 +177,7 @@ def head_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequen
 
 
 def chunk_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, layers: list[int], last: bool,
-               sequence_parallel: bool, p: int, attention: str = "flash") -> Work:
+               sequence_parallel: bool, p: int, attention: str = "flash", cp_mode: str = "ring") -> Work:
     """Forward work of ``layers`` (and the head if ``last``) for one micro-batch on one rank."""
     moe = set(cfg.moe_layers)
     cache: dict[bool, Work] = {}
@@ -174,7 +185,7 @@ def chunk_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, layer
     for i in layers:
         key = i in moe
         if key not in cache:
-            cache[key] = block_work(cfg, dims, batch, seq, key, sequence_parallel, p, attention)
+            cache[key] = block_work(cfg, dims, batch, seq, key, sequence_parallel, p, attention, cp_mode)
         work = work + cache[key]
     if last:
         work = work + head_work(cfg, dims, batch, seq, sequence_parallel, p)

@@ -10,7 +10,8 @@ cluster achieves for its shape (:meth:`~trickles.planner.cluster.Cluster.gemm_fr
 two at the fused kernel's, :meth:`~trickles.planner.cluster.Cluster.attention_fraction`), plus its element-wise
 bytes ``E`` at the bandwidth such work achieves (``Cluster.elementwise_gbps``, calibrated on the model's block;
 else the memory bandwidth), plus a third of ``o`` per pass -- ``o`` the fixed cost of one block's (or the head's)
-forward and backward for a micro-batch, ``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs); ``share`` is
+forward and backward for a micro-batch, ``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs), an MoE block
+``o + o_moe`` (``Cluster.moe_pass_overhead_us``: its routing's many small operations); ``share`` is
 the fraction of a device a rank gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
 (``full``) or the attention core's (``selective``): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Its FLOPs
 sum to :func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the
@@ -271,16 +272,18 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     work = blocks = None
     for c, layers in enumerate(plan.chunks):
         is_last = plan.last and c == len(plan.chunks) - 1
-        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention)
-        b = chunk_work(mc, dims, plan.micro, plan.seq, layers, False, plan.sp, plan.p, attention)
+        mode = cfg.parallel.cp_mode
+        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention, mode)
+        b = chunk_work(mc, dims, plan.micro, plan.seq, layers, False, plan.sp, plan.p, attention, mode)
         work, blocks = (w, b) if work is None else (work + w, blocks + b)
     gemm_f, elem_f = work_seconds(work, cluster, precision, share)
     overhead = cluster.pass_overhead_us * 1e-6 / share  # one block's (or the head's) forward + backward
-    passes = len(plan.layers) + (1 if plan.last else 0)
-    t_f, t_b = gemm_f + elem_f + passes * overhead / 3, 2 * (gemm_f + elem_f + passes * overhead / 3)
+    moe_layers = len(set(plan.layers) & set(mc.moe_layers))
+    fixed = (len(plan.layers) + (1 if plan.last else 0)) * overhead + moe_layers * cluster.moe_pass_overhead_us * 1e-6 / share
+    t_f, t_b = gemm_f + elem_f + fixed / 3, 2 * (gemm_f + elem_f + fixed / 3)
     recompute = cfg.memory.recompute
     if recompute == "full":
-        t_rc = sum(work_seconds(blocks, cluster, precision, share)) + len(plan.layers) * overhead / 3
+        t_rc = sum(work_seconds(blocks, cluster, precision, share)) + (fixed - (overhead if plan.last else 0)) / 3
     elif recompute == "selective":
         t_rc = gemm_f * attention_flops(work) / max(work.flops, 1.0) + \
             work.attention_bytes / (cluster.elementwise_Bps * share)
