@@ -42,7 +42,7 @@ How
 
 Examples::
 
-    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout (about 15 minutes on 2 cores)
+    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout, 16 rounds (about 31 minutes on 2 cores)
     python benchmarks/planner_time.py --worlds 2 --steps 3  # a quick look
     python benchmarks/planner_time.py --json out/planner_time.json
 """
@@ -376,8 +376,9 @@ def with_plan(world: int, layouts: list, plan_sets: list[str], label: str) -> tu
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
-    p.add_argument("--steps", type=int, default=8, help="timed rounds (every layout's steps once per round); fewer "
-                   "and the measured ranking itself does not repeat (the split-half agreement printed)")
+    p.add_argument("--steps", type=int, default=16, help="timed rounds (every layout's steps once per round); at 8 the "
+                   "measured ranking agreed with itself at only 0.64-0.82 on 2 cores (the split-half agreement "
+                   "printed), at 16 at 0.92")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=2, help="steps of a layout back to back in a round, the last timed "
                    "(the first after another layout finds the caches and allocator holding that one's tensors)")
