@@ -378,7 +378,7 @@ def main(argv=None) -> int:
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
     p.add_argument("--steps", type=int, default=16, help="timed rounds (every layout's steps once per round); at 8 the "
                    "measured ranking agreed with itself at only 0.64-0.82 on 2 cores (the split-half agreement "
-                   "printed), at 16 at 0.92")
+                   "printed), at 16 at 0.67-0.92")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=2, help="steps of a layout back to back in a round, the last timed "
                    "(the first after another layout finds the caches and allocator holding that one's tensors)")
