@@ -31,22 +31,22 @@ How
     * Timing: ``--warmup`` untimed rounds, then ``--steps`` rounds of ``--repeat`` steps of every layout back to
       back, every one after the first timed (as training runs one layout, not one step after another layout's), the
       order rotating; a barrier before each step; a step's time is the slowest rank's; the median of all timed steps
-      is the layout's. This 2-core VM runs even one process's matmul loop 1.0-1.45x slower in some seconds than in
-      others, so a layout's step varies up to 1.5x from round to round while the 2-rank layouts lie within 1.3x of
-      each other: their ranking needs many steps (the 16 rounds of one timed step each of four earlier runs ranked
-      the layouts as all four pooled at only 0.83-0.96, and the same runs' predictions at 0.85-0.92).
+      is the layout's. This 2-core VM runs even one process's matmul loop up to 1.45x slower in some seconds than in
+      others, so a layout's step varies up to 1.5x from round to round while the 2-rank layouts lie a few percent
+      apart from their neighbours in the order: their ranking needs many steps (four earlier runs of one timed step
+      per round, 8 or 16 rounds, ranked the layouts as the four pooled do at only 0.83-0.96, and their predictions
+      at 0.85-0.91).
     * Verdicts: per layout the paired ratio, the median over rounds of predicted / the round's mean step (target
-      within 25%);
-      Spearman's rank correlation of predicted vs measured (median) over all layouts (target >= 0.8), beside the
-      measurement's agreement with itself (the medians of the odd rounds against the even rounds': what noise leaves
-      of the measured ranking, the ceiling for any prediction); per world size
-      whether the layout predicted fastest among the dense model's is within 10% of the fastest measured, and
+      within 25%); Spearman's rank correlation of predicted vs measured (median) over all layouts (target >= 0.8),
+      beside the measurement's agreement with itself (the medians of the odd rounds' steps against the even
+      rounds': what noise leaves of the measured ranking, the ceiling for any prediction); per world size whether
+      the layout predicted fastest among the dense model's is within 10% of the fastest measured, and
       whether the planner's top choice is (its measured step against the fastest measured dense layout).
     * The machine's load average (``os.getloadavg``) before and after, since other processes skew CPU timings.
 
 Examples::
 
-    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout, 16 rounds (about 36 minutes on 2 cores)
+    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout, 16 rounds (40-50 min on 2 cores)
     python benchmarks/planner_time.py --worlds 2 --steps 3  # a quick look
     python benchmarks/planner_time.py --json out/planner_time.json
 """
@@ -383,9 +383,9 @@ def with_plan(world: int, layouts: list, plan_sets: list[str], label: str) -> tu
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
-    p.add_argument("--steps", type=int, default=16, help="timed rounds (every layout's steps once per round); at 8 the "
-                   "measured ranking agreed with itself at only 0.64-0.82 on 2 cores (the split-half agreement "
-                   "printed), at 16 at 0.67-0.92")
+    p.add_argument("--steps", type=int, default=16, help="timed rounds (every layout's steps once per round); with one "
+                   "timed step per round the measured ranking agreed with itself at only 0.64-0.92 on 2 cores (the "
+                   "split-half agreement printed), with --repeat 3's two at 0.85-0.93")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeat", type=int, default=3, help="steps of a layout back to back in a round, every one after "
                    "the first timed (the first after another layout finds the caches and allocator holding that one's "
@@ -463,8 +463,10 @@ def main(argv=None) -> int:
     ratios = [r["paired_ratio"] for r in lay]
     within = sum(1 for x in ratios if 0.75 <= x <= 1.25)
     rho = spearman([r["predicted_s"] for r in lay], [r["measured_s"] for r in lay]) if len(lay) > 2 else float("nan")
-    halves = [[statistics.median(t for rnd in r["times"][k::2] for t in rnd) for r in lay] for k in (0, 1)]
-    split_half = spearman(*halves) if len(lay) > 2 and len(lay[0]["times"]) > 1 else float("nan")
+    split_half = float("nan")
+    if len(lay) > 2 and len(lay[0]["times"]) > 1:
+        halves = [[statistics.median(t for rnd in r["times"][k::2] for t in rnd) for r in lay] for k in (0, 1)]
+        split_half = spearman(*halves)
     print(f"\nwithin 25%: {within} of {len(lay)} (worst {min(ratios):.2f} / {max(ratios):.2f});  "
           f"Spearman rho {rho:.3f} (target >= 0.8); the measurement against itself (odd rounds' medians vs even "
           f"rounds'): {split_half:.3f}")
