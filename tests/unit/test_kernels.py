@@ -87,19 +87,31 @@ def test_layer_norm(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
-def test_rotary_rotates_queries_and_keys_in_place(dtype):
-    """Head size 10 (halves of 5), three heads; queries and keys keep their storage."""
-    q0, k0 = _leaves((2, 6, 3, 10), (2, 6, 1, 10), dtype=dtype)
+def test_rotary_rotates_queries_and_keys_into_new_tensors(dtype):
+    """Head size 10 (halves of 5), three query heads and one key head in one launch; the queries are a strided view
+    (heads of a wider projection output, as the unfused split is) and are left as they were."""
+    q0, k0 = _leaves((2, 6, 4, 10), (2, 6, 1, 10), dtype=dtype)
     cos, sin = (t.to(DEVICE) for t in rope_tables(10, 6, 10000.0))
-    q, k = q0 * 1, k0 * 1  # non-leaf tensors, as the projections' outputs are
-    where = (q.data_ptr(), k.data_ptr())
+    q, k = (q0 * 1)[:, :, 1:], k0 * 1  # non-leaf tensors, as the projections' outputs are
+    before = q.detach().clone()
     rq, rk = rotary(q, k, cos, sin, "triton")
-    assert (rq.data_ptr(), rk.data_ptr()) == where
+    assert rq.data_ptr() != q.data_ptr() and torch.equal(q.detach(), before) and rq.is_contiguous()
     out = torch.cat([rq.flatten(), rk.flatten()])
-    ref, ref_grads = _reference(lambda a, b: torch.cat([apply_rope(a, cos, sin).flatten(), apply_rope(b, cos, sin).flatten()]), [q0, k0])
+    ref, ref_grads = _reference(
+        lambda a, b: torch.cat([apply_rope(a[:, :, 1:], cos, sin).flatten(), apply_rope(b, cos, sin).flatten()]), [q0, k0])
     _close(out, ref, dtype)
     for g, r in zip(_grads(out, [q0, k0]), ref_grads):
         _close(g, r, dtype)
+
+
+def test_rotary_with_per_row_tables():
+    """Left-padded decoding hands each row its own positions: tables ``[B, T, D]`` read with their batch stride."""
+    (q, k) = _leaves((2, 5, 2, 8), (2, 5, 2, 8), dtype=torch.float32)
+    cos, sin = (t.to(DEVICE) for t in rope_tables(8, 9, 10000.0))
+    positions = torch.tensor([[0, 1, 2, 3, 4], [4, 5, 6, 7, 8]], device=DEVICE)
+    rq, rk = rotary(q, k, cos[positions], sin[positions], "triton")
+    _close(rq, apply_rope(q, cos[positions], sin[positions]), torch.float32)
+    _close(rk, apply_rope(k, cos[positions], sin[positions]), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -203,7 +215,7 @@ def test_every_target_ignored_gives_zero_loss_and_gradients():
 @pytest.mark.parametrize("flavor,experts", [("llama", 0), ("gpt2", 0), ("llama", 4)], ids=["llama", "gpt2", "llama-moe"])
 def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
     """A whole model (norms, rotary, MLP activation -- the experts' too --, fused loss, and -- the default with Triton --
-    fused q/k/v and gate/up projections, the rotary kernel rotating the split heads in place, the packed SwiGLU)
+    fused q/k/v and gate/up projections, the rotary kernel rotating the split heads, the packed SwiGLU)
     against the eager unfused one: loss and every gradient, the fused ones cut into their parts."""
     from trickles.models.fused import split_state
 
@@ -216,7 +228,7 @@ def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
     x, y = torch.randint(0, 300, (2, 12), generator=g).to(DEVICE), torch.randint(0, 300, (2, 12), generator=g).to(DEVICE)
     y[0, :3] = IGNORE_INDEX
     ref, loss = eager(x, target=y), fused(x, target=y)
-    assert loss.grad_fn is not None and "LinearCrossEntropy" in type(loss.grad_fn).__name__
+    assert "trickles_linear_cross_entropy" in type(loss.grad_fn).__name__
     _close(loss, ref, torch.float32)
     ref.backward()
     loss.backward()
@@ -229,7 +241,7 @@ def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
 
 
 def test_triton_kernels_under_full_recomputation_and_in_bf16():
-    """Recomputed blocks re-run the kernels (the rotary kernel rotates the recomputed projections in place): the
+    """Recomputed blocks re-run the kernels: the
     same loss and gradients as without recomputation, bit for bit; in bf16 (parameters and compute) the Triton
     model's loss is within bf16 rounding of the eager bf16 model's."""
     from trickles.memory.recompute import apply_recompute
@@ -273,8 +285,28 @@ def test_triton_kernels_that_cannot_run_are_refused_before_any_process_group(mon
         Config.load(None, [f"model.kernels={setting}", "train.device=cpu"]).validate(1)
     with pytest.raises(ConfigError, match="loss_chunk"):
         Config.load(None, ["model.loss_chunk=-1"]).validate(1)
-    assert kernels.runs_triton("auto", "cuda") is False  # no Triton now: auto falls back
-    assert kernels.runs_triton("torch", "cuda") is False and kernels.runs_triton("triton", "cpu") is True
+    assert kernels.runs_triton("auto", "cuda", "rotary") is False  # no Triton now: auto falls back
+    assert kernels.runs_triton("torch", "cuda", "rotary") is False and kernels.runs_triton("triton", "cpu", "rotary") is True
+
+
+def test_auto_runs_a_kernel_only_where_its_measurement_shows_it_winning(monkeypatch):
+    """``auto`` on CUDA: a kernel measured at most eager's and compile's time runs in Triton, one measured slower or not
+    measured does not; inside a compiled block only compile's time counts; never on a CPU; an unknown name is an
+    error (a typo would otherwise silently pick PyTorch)."""
+    from trickles import kernels
+
+    monkeypatch.setattr(kernels, "HAVE_TRITON", True)
+    measured = dict.fromkeys(kernels.KERNEL_NAMES)
+    measured["rms_norm"] = kernels.Measured(1.0, 1.2, 1.1, 1.3, "test")  # wins both ways
+    measured["swiglu"] = kernels.Measured(1.0, 0.9, 1.2, None, "test")  # loses to eager, beats compile
+    monkeypatch.setattr(kernels, "MEASURED", measured)
+    assert kernels.runs_triton("auto", "cuda", "rms_norm") and not kernels.runs_triton("auto", "cpu", "rms_norm")
+    assert not kernels.runs_triton("auto", "cuda", "swiglu") and not kernels.runs_triton("auto", "cuda", "rotary")
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert kernels.runs_triton("auto", "cuda", "swiglu") and not kernels.runs_triton("auto", "cuda", "rotary")
+    assert kernels.triton_allowed("auto", "cuda") and not kernels.triton_allowed("torch", "cuda")
+    with pytest.raises(KeyError, match="unknown kernel 'rmsnorm'"):
+        kernels.runs_triton("auto", "cuda", "rmsnorm")
 
 
 def test_elementwise_kernels_write_nothing_past_their_end():

@@ -25,7 +25,15 @@ compute stream wait for the copy), on CPU on a copy thread (NumPy's copy, single
 When the block ends its parameters go back to meta tensors.
 
 The streamed model computes exactly what the resident one does: the same weights, bit for bit,
-go through the same operations.
+go through the same operations. So it is built as the resident model is
+(:func:`~trickles.compress.checkpoint.load_checkpoint`): a float model computes its projections fused or apart as
+its ``model.fused_proj`` says (unset: fused where the kernels run Triton, which on a machine with CUDA holds for a
+model on the CPU as well), a quantized one apart. The fused and the separate projections do not round alike (the
+fused gate/up output hands SiLU a stride-2 view, which takes another code path than a contiguous tensor), so a
+streamed model that kept them apart would drift from a fused resident one in the last bits. A fused block's buffer
+holds the fused weights: a checkpoint written by a fused model stores them so (copied whole); from one that stores
+the parts, each part's rows are copied into their place among the interleaved groups
+(:mod:`trickles.models.fused`).
 """
 
 from __future__ import annotations
@@ -42,9 +50,10 @@ from torch import nn
 from ..data.tokenizers import load_tokenizer
 from ..errors import UserError
 from ..models.config import ModelConfig
+from ..models.fused import FusedLayout
 from ..models.transformer import Transformer
 from ..train import checkpoint as ckpt
-from ..train.pieces import DTYPES, PieceReader
+from ..train.pieces import DTYPES, PieceReader, fused_layout
 from .placement import Placement, plan_placement
 
 __all__ = ["checkpoint_key", "CheckpointTensors", "BlockStreamer", "load_streaming", "kv_cache_bytes", "block_bytes", "prompt_length", "save_for_inference", "ALIGN"]
@@ -94,18 +103,34 @@ class CheckpointTensors:
         view = self._views.get(key)
         return view if view is not None else self.reader.read(key)
 
-    def copy_into(self, key: str, dst: torch.Tensor, non_blocking: bool = False) -> None:
-        dst.copy_(self.get(key), non_blocking=non_blocking)
+    def copy_into(self, key: str, dst: torch.Tensor, layout: FusedLayout | None = None, copy=None) -> None:
+        """Tensor ``key`` into ``dst`` with ``copy(dst, src)`` (default ``dst.copy_(src)``).
+
+        ``layout``: ``key`` is a fused projection's tensor (:mod:`trickles.models.fused`). Stored whole in one file it
+        is copied as it is; otherwise each of its parts is copied into its rows of ``dst`` (a strided view: row block
+        ``i`` of every group), so the parts are read from their memory maps without assembling the fused tensor
+        in anonymous memory first.
+        """
+        copy = copy or (lambda d, s: d.copy_(s))
+        if layout is None or self.mapped(key):
+            copy(dst, self.get(key))
+            return
+        rows = dst.view(layout.groups, layout.per_group, *dst.shape[1:])
+        start = 0
+        for part, n in zip(layout.part_keys(key), layout.sizes):
+            src = self.get(part)
+            copy(rows[:, start:start + n], src.reshape(layout.groups, n, *src.shape[1:]))
+            start += n
 
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _copy_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` on the calling thread alone (NumPy's copy, bit for bit): ``Tensor.copy_`` of a large
-    tensor starts its own OpenMP team, which on a small CPU competes with the compute threads it should hide under."""
-    if src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape \
-            and src.element_size() in _BITS:
+    """``dst.copy_(src)`` on the calling thread alone (NumPy's copy, bit for bit, of any strides: a fused weight's part
+    goes to rows interleaved with the other parts'): ``Tensor.copy_`` of a large tensor starts its own OpenMP team,
+    which on a small CPU competes with the compute threads it should hide under."""
+    if src.dtype == dst.dtype and src.shape == dst.shape and src.element_size() in _BITS:
         bits = _BITS[src.element_size()]
         np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
     else:
@@ -123,7 +148,8 @@ def _state(module: nn.Module):
 
 
 class _Layout:
-    """Where each tensor of a block sits in a flat byte buffer: ``(module, attr, checkpoint key, shape, dtype, offset, bytes)``."""
+    """Where each tensor of a block sits in a flat byte buffer: ``(module, attr, checkpoint key, shape, dtype, offset,
+    bytes, fused layout)`` (the last None but for a fused projection's tensor)."""
 
     def __init__(self, block: nn.Module, prefix: str):
         self.entries = []
@@ -132,12 +158,13 @@ class _Layout:
             mod_name, _, attr = name.rpartition(".")
             mod = block.get_submodule(mod_name) if mod_name else block
             nbytes = p.numel() * p.element_size()
-            self.entries.append((mod, attr, checkpoint_key(prefix + name), tuple(p.shape), p.dtype, off, nbytes))
+            self.entries.append((mod, attr, checkpoint_key(prefix + name), tuple(p.shape), p.dtype, off, nbytes,
+                                 fused_layout(p)))
             off = _aligned(off + nbytes)
         self.nbytes = off
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + nb].view(dt).view(shape) for _, _, _, shape, dt, o, nb in self.entries]
+        return [flat[o:o + nb].view(dt).view(shape) for _, _, _, shape, dt, o, nb, _ in self.entries]
 
 
 def _slot_of(mod: nn.Module, attr: str) -> dict:
@@ -183,15 +210,15 @@ class BlockStreamer:
     def _pack_pinned(self, i: int) -> torch.Tensor:
         layout = self.layouts[i]
         flat = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True)
-        for (_, _, key, *_), view in zip(layout.entries, layout.views(flat)):
-            self.tensors.copy_into(key, view)
+        for (_, _, key, *_, fused), view in zip(layout.entries, layout.views(flat)):
+            self.tensors.copy_into(key, view, fused)
         return flat
 
     def _copy_block(self, i: int, slot: int) -> None:
         """CPU: block ``i`` into buffer ``slot``, on the copy thread."""
         layout = self.layouts[i]
-        for (_, _, key, *_), view in zip(layout.entries, layout.views(self.slots[slot])):
-            _copy_one_thread(view, self.tensors.get(key))
+        for (_, _, key, *_, fused), view in zip(layout.entries, layout.views(self.slots[slot])):
+            self.tensors.copy_into(key, view, fused, _copy_one_thread)
 
     def _fetch(self, i: int, slot: int) -> None:
         """Starts copying block ``i`` into buffer ``slot``."""
@@ -287,9 +314,10 @@ def plan_for(model: Transformer, budget_bytes: int, batch: int, max_len: int) ->
 
 @torch.no_grad()
 def _materialize(module: nn.Module, prefix: str, tensors: CheckpointTensors, device) -> None:
+    layouts = {name: fused_layout(p) for name, p in _state(module)}  # to_empty makes new parameters, untagged
     module.to_empty(device=device, recurse=True)
     for name, p in _state(module):
-        tensors.copy_into(checkpoint_key(prefix + name), p)
+        tensors.copy_into(checkpoint_key(prefix + name), p, layouts[name])
 
 
 def load_streaming(path: str, device: torch.device | str, budget_bytes: int, batch: int = 1, max_len: int | None = None,
@@ -308,10 +336,10 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
     if verify:
         ckpt.verify(path)
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
-    # blocks are copied tensor for tensor from the checkpoint, which names the parts of fused projections
-    # (trickles.models.fused): a streamed model keeps its q/k/v and gate/up projections apart
+    # projections fused or apart as the resident model has them (module docstring): a quantized model keeps them apart
+    apart = {"fused_proj": False} if meta.get("quantization") else {}
     with torch.device("meta"):
-        model = Transformer(ModelConfig(**{**meta["model"], "fused_proj": False}))
+        model = Transformer(ModelConfig(**{**meta["model"], **apart}))
         if meta.get("quantization"):
             from ..compress.quantize import empty_quantized
 

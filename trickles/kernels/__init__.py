@@ -1,24 +1,38 @@
-"""Fused kernels: each file holds the PyTorch reference, the Triton kernel and the autograd function.
+"""Fused kernels: each file holds the PyTorch reference, the Triton kernel and its custom operators.
 
 =====================  =====================================================  ==============================
 file                   what                                                   saved for backward (Triton)
 =====================  =====================================================  ==============================
 ``norms.py``           RMSNorm, LayerNorm: one pass per row forward, one      the input and per-row 1/rms
                        backward pass giving the input and weight gradients    (LayerNorm: and the mean)
-``rotary.py``          rotary embedding of queries and keys, in place         nothing (the tables are buffers)
+``rotary.py``          rotary embedding of queries and keys                   nothing (the tables are buffers)
 ``activations.py``     SwiGLU ``silu(a) * b`` and GELU (tanh), one kernel     the pre-activations
                        each way
 ``cross_entropy.py``   the output projection and cross-entropy chunk by       the input and weight gradients,
-                       chunk, never holding the ``[tokens, vocab]`` logits    computed in forward
+                       chunk, never holding the ``[tokens, vocab]`` logits;   computed in forward
+                       one kernel per chunk for its loss and gradient
 =====================  =====================================================  ==============================
 
-``model.kernels`` chooses the implementation: ``torch`` (the references: eager PyTorch, what the
-activation-memory formulas of :mod:`trickles.memory.activations` describe), ``triton`` (these kernels;
-on a CPU only under Triton's interpreter, ``TRITON_INTERPRET=1`` set before Python starts) and ``auto``
-(Triton on CUDA when it is installed, the references elsewhere). The fused cross-entropy has a chunked
-PyTorch path as well (``model.fused_loss``), so its memory saving is available on any device.
+Each kernel is a PyTorch **custom operator** (``torch.library.custom_op``, namespace ``trickles``), forward
+and backward each one op with a fake (meta) implementation that gives the outputs' shapes, and the
+autograd formula registered on the forward op (``register_autograd``: what the forward saves, and the
+backward op it calls). ``torch.compile`` therefore
+sees each kernel as one opaque node: Dynamo never traces into Triton (or its interpreter), AOTAutograd
+sees no mutation (no op writes into its inputs), and the same graph runs on CUDA and on a CPU.
+``torch.library.opcheck`` tests every registration (``tests/unit/test_kernel_ops.py``).
 
-The model picks an implementation per call from the setting and the tensor's device
+``model.kernels`` chooses the implementation: ``torch`` (the references: eager PyTorch, what the
+activation-memory formulas of :mod:`trickles.memory.activations` describe, and what Inductor fuses by
+itself inside a compiled block), ``triton`` (these kernels; on a CPU only under Triton's interpreter,
+``TRITON_INTERPRET=1`` set before Python starts) and ``auto``, which chooses **per kernel** from
+:data:`MEASURED`: a kernel runs in Triton only on CUDA, with Triton installed, and only where its last
+measurement on a GPU (``benchmarks/kernels.py``, the table in ``docs/kernels.md``) was at most the time of
+eager PyTorch and of ``torch.compile`` -- inside a compiled block at most ``torch.compile``'s, whose
+fusion it would otherwise replace. A kernel without a measurement of its current version is not picked.
+The fused cross-entropy has a chunked PyTorch path as well (``model.fused_loss``), so its memory saving is
+available on any device.
+
+The model picks an implementation per call from the setting, the kernel and the tensor's device
 (:func:`use_triton`); nothing here knows about parallelism -- the vocabulary-parallel loss passes its
 group in (:mod:`trickles.kernels.cross_entropy`).
 """
@@ -26,6 +40,7 @@ group in (:mod:`trickles.kernels.cross_entropy`).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -39,14 +54,43 @@ except ImportError:  # pragma: no cover - depends on the install
 
 Kernels = Literal["auto", "triton", "torch"]
 
+#: The kernels, by the name :data:`MEASURED` and ``benchmarks/kernels.py`` use.
+KERNEL_NAMES = ("rms_norm", "layer_norm", "rotary", "swiglu", "gelu_tanh", "cross_entropy")
+
 
 def interpreting() -> bool:
     """Whether Triton runs its interpreter (on the CPU) rather than compiling for a GPU."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-def runs_triton(kernels: str, device_type: str) -> bool:
-    """Whether the setting ``kernels`` runs the Triton kernels on a device of type ``device_type``."""
+@dataclass(frozen=True)
+class Measured:
+    """One kernel's forward + backward on a GPU, median milliseconds (``benchmarks/kernels.py --device cuda --dtype bf16
+    --shape llama-1b``), each contestant measured in the same run."""
+
+    triton_ms: float  # this kernel
+    eager_ms: float  # the PyTorch reference, eager
+    compiled_ms: float  # the reference under torch.compile
+    liger_ms: float | None  # liger-kernel's (None: it has none)
+    where: str  # the device, software and date of the run
+
+    def wins(self, compiled: bool) -> bool:
+        """Whether the kernel is at most as slow as what it replaces: eager PyTorch and ``torch.compile`` of it, or
+        inside a compiled block ``torch.compile`` alone."""
+        return self.triton_ms <= (self.compiled_ms if compiled else min(self.eager_ms, self.compiled_ms))
+
+
+#: The kernels ``auto`` may run, by name, with their last GPU measurement (None: the current version has none).
+#: The first GPU run (H200, torch 2.11, Triton 3.6) measured the kernels before they became custom operators:
+#: none was at most eager's and liger-kernel's time but the in-place rotary (0.76x eager, 1.14x liger), and each has
+#: changed since (out of place, launch settings, one kernel for a chunk's loss and gradient), so none is measured
+#: here; ``benchmarks/gpu_check.py`` prints the rows to enter.
+MEASURED: dict[str, Measured | None] = {name: None for name in KERNEL_NAMES}
+
+
+def triton_allowed(kernels: str, device_type: str) -> bool:
+    """Whether the setting ``kernels`` lets Triton kernels run on a device of type ``device_type`` at all (what
+    ``model.fused_proj`` follows when unset)."""
     if kernels == "torch":
         return False
     if kernels == "auto":
@@ -54,9 +98,21 @@ def runs_triton(kernels: str, device_type: str) -> bool:
     return True
 
 
-def use_triton(kernels: str, x: torch.Tensor) -> bool:
-    """Whether the Triton kernel runs on ``x`` under the setting ``kernels``."""
-    return runs_triton(kernels, x.device.type)
+def runs_triton(kernels: str, device_type: str, kernel: str) -> bool:
+    """Whether the setting ``kernels`` runs the Triton version of ``kernel`` (one of :data:`KERNEL_NAMES`) on a device
+    of type ``device_type``: always for ``triton``, never for ``torch``, and for ``auto`` where :data:`MEASURED` shows
+    it winning (inside a block ``torch.compile`` is tracing, against the compiled reference)."""
+    if kernel not in MEASURED:
+        raise KeyError(f"unknown kernel {kernel!r}; one of {', '.join(KERNEL_NAMES)}")
+    if kernels != "auto":
+        return triton_allowed(kernels, device_type)
+    measured = MEASURED[kernel]
+    return triton_allowed(kernels, device_type) and measured is not None and measured.wins(torch.compiler.is_compiling())
+
+
+def use_triton(kernels: str, x: torch.Tensor, kernel: str) -> bool:
+    """Whether the Triton version of ``kernel`` runs on ``x`` under the setting ``kernels``."""
+    return runs_triton(kernels, x.device.type, kernel)
 
 
 def check_kernels(kernels: str, device: torch.device) -> None:
@@ -69,6 +125,13 @@ def check_kernels(kernels: str, device: torch.device) -> None:
     if device.type != "cuda" and not interpreting():
         raise ConfigError(f"model.kernels=triton runs on a CUDA device, or on the {device.type} under Triton's interpreter "
                           f"(set TRITON_INTERPRET=1 before starting); use model.kernels=auto to run the PyTorch path here")
+
+
+def warps(block: int) -> int:
+    """Warps for a program that holds ``block`` elements of a row: 4 below 2,048, 8 below 8,192, then 16 (a thread
+    holds at most 16-32 elements, so wide rows spread over more threads rather than spill registers; liger-kernel's
+    rule too)."""
+    return 4 if block < 2048 else 8 if block < 8192 else 16
 
 
 def row_programs(rows: int, device: torch.device) -> int:

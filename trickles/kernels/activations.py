@@ -1,4 +1,4 @@
-"""MLP activations: SwiGLU and GELU (tanh), the PyTorch references, the Triton kernels, the autograd functions.
+"""MLP activations: SwiGLU and GELU (tanh), the PyTorch references, the Triton kernels, their custom operators.
 
 * SwiGLU (llama): ``h = silu(a) b`` with ``silu(a) = a sigma(a)``. Backward:
   ``da = dh b sigma(a) (1 + a (1 - sigma(a)))``, ``db = dh silu(a)``.
@@ -8,7 +8,8 @@
 One elementwise kernel each way (fp32 arithmetic, one rounding to the inputs' type); the SwiGLU kernels
 also read a fused gate/up projection's output ``[..., f, 2]`` in place (``STRIDE = 2``: ``a`` and ``b`` are
 neighbours, and their gradients are written as neighbours). The Triton SwiGLU saves only ``a`` and ``b`` (``2 p`` bytes per unit, where the eager one also keeps ``silu(a)``:
-``3 p``); GELU saves ``a`` as the eager one does.
+``3 p``); GELU saves ``a`` as the eager one does. Each is a custom operator pair (``trickles::swiglu``,
+``swiglu_packed``, ``gelu_tanh`` and their ``_backward``), the inputs saved by the registered autograd.
 """
 
 from __future__ import annotations
@@ -119,46 +120,73 @@ def gelu_backward(dh: torch.Tensor, a: torch.Tensor, da: torch.Tensor | None = N
     return da
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b):
-        a, b = a.contiguous(), b.contiguous()
-        ctx.save_for_backward(a, b)
-        return swiglu_forward(a, b)
-
-    @staticmethod
-    def backward(ctx, dh):
-        a, b = ctx.saved_tensors
-        return swiglu_backward(dh.contiguous(), a, b)
+@torch.library.custom_op("trickles::swiglu", mutates_args=())
+def swiglu_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` in Triton (``a``, ``b`` of one shape)."""
+    return swiglu_forward(a.contiguous(), b.contiguous())
 
 
-def _one_input(forward, backward, name: str) -> type:
-    """The autograd function of a kernel of one input that saves it (contiguous) for its backward."""
-
-    class _Kernel(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, a):
-            a = a.contiguous()
-            ctx.save_for_backward(a)
-            return forward(a)
-
-        @staticmethod
-        def backward(ctx, dh):
-            (a,) = ctx.saved_tensors
-            return backward(dh.contiguous(), a)
-
-    _Kernel.__name__ = _Kernel.__qualname__ = name
-    return _Kernel
+@swiglu_op.register_fake
+def _(a, b):
+    return torch.empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
 
 
-_SwiGLUPacked = _one_input(swiglu_packed_forward, swiglu_packed_backward, "_SwiGLUPacked")
-_GELU = _one_input(gelu_forward, gelu_backward, "_GELU")
+@torch.library.custom_op("trickles::swiglu_backward", mutates_args=())
+def swiglu_backward_op(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward(dh.contiguous(), a.contiguous(), b.contiguous())
+
+
+@swiglu_backward_op.register_fake
+def _(dh, a, b):
+    return torch.empty(a.shape, dtype=a.dtype, device=a.device), torch.empty(b.shape, dtype=b.dtype, device=b.device)
+
+
+@torch.library.custom_op("trickles::swiglu_packed", mutates_args=())
+def swiglu_packed_op(ab: torch.Tensor) -> torch.Tensor:
+    """``silu(a) * b`` of a packed ``ab [..., 2 f]`` (``a`` at even, ``b`` at odd positions) in Triton."""
+    return swiglu_packed_forward(ab.contiguous())
+
+
+@swiglu_packed_op.register_fake
+def _(ab):
+    return torch.empty((*ab.shape[:-1], ab.shape[-1] // 2), dtype=ab.dtype, device=ab.device)
+
+
+@torch.library.custom_op("trickles::swiglu_packed_backward", mutates_args=())
+def swiglu_packed_backward_op(dh: torch.Tensor, ab: torch.Tensor) -> torch.Tensor:
+    return swiglu_packed_backward(dh.contiguous(), ab.contiguous())
+
+
+@torch.library.custom_op("trickles::gelu_tanh", mutates_args=())
+def gelu_tanh_op(a: torch.Tensor) -> torch.Tensor:
+    """GELU (tanh approximation) in Triton."""
+    return gelu_forward(a.contiguous())
+
+
+@torch.library.custom_op("trickles::gelu_tanh_backward", mutates_args=())
+def gelu_tanh_backward_op(dh: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    return gelu_backward(dh.contiguous(), a.contiguous())
+
+
+gelu_tanh_op.register_fake(lambda a: torch.empty(a.shape, dtype=a.dtype, device=a.device))
+swiglu_packed_backward_op.register_fake(lambda dh, ab: torch.empty(ab.shape, dtype=ab.dtype, device=ab.device))
+gelu_tanh_backward_op.register_fake(lambda dh, a: torch.empty(a.shape, dtype=a.dtype, device=a.device))
+
+
+def _save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # the pre-activations (a packed gate/up output as one tensor)
+
+
+swiglu_op.register_autograd(lambda ctx, dh: swiglu_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs)
+swiglu_packed_op.register_autograd(lambda ctx, dh: swiglu_packed_backward_op(dh, *ctx.saved_tensors),
+                                   setup_context=_save_inputs)
+gelu_tanh_op.register_autograd(lambda ctx, dh: gelu_tanh_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs)
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
     """``silu(a) * b`` (the gated MLP's activation)."""
-    if use_triton(kernels, a) and a.shape == b.shape:
-        return _SwiGLU.apply(a, b)
+    if use_triton(kernels, a, "swiglu") and a.shape == b.shape:
+        return swiglu_op(a, b)
     return F.silu(a) * b
 
 
@@ -166,14 +194,14 @@ def swiglu_packed(ab: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
     """``silu(a) * b`` of a fused gate/up projection's output ``ab [..., 2 f]``, read as ``[..., f, 2]``
     (:mod:`trickles.models.fused`): ``a = ab[..., 0::2]``, ``b = ab[..., 1::2]``. The Triton kernel reads the
     pairs in place and writes their gradients into one packed buffer."""
-    if use_triton(kernels, ab):
-        return _SwiGLUPacked.apply(ab)
+    if use_triton(kernels, ab, "swiglu"):
+        return swiglu_packed_op(ab)
     a, b = ab.unflatten(-1, (-1, 2)).unbind(-1)
     return F.silu(a) * b
 
 
 def gelu_tanh(a: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
     """GELU with the tanh approximation."""
-    if use_triton(kernels, a):
-        return _GELU.apply(a)
+    if use_triton(kernels, a, "gelu_tanh"):
+        return gelu_tanh_op(a)
     return F.gelu(a, approximate="tanh")

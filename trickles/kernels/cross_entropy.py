@@ -28,10 +28,19 @@ The loss is then complete on every rank; ``dz`` and ``dW`` are this rank's vocab
 ``dh`` its partial sum, completed by the all-reduce (or reduce-scatter) the region's entry runs in
 backward -- exactly as for the unfused vocabulary-parallel loss.
 
-**Triton** (``model.kernels``): two kernels work on ``z_c`` in its own type (no fp32 copy): one reads each
-row once for its online max and sum of exponentials, the other overwrites the row with
-``(exp(z - lse) - onehot) / n``. The matmuls stay cuBLAS's, ``dW``'s chunk products in the compute type
-(rounded once per chunk before they join the fp32 sum).
+**Triton** (``model.kernels``): one kernel per chunk works on ``z_c`` in its own type (no fp32 copy): each
+program reads its row once for the online max and sum of exponentials, takes the target's logit and the
+row's loss, and reads it again to overwrite it with ``(exp(z - lse) - onehot) / n`` (liger-kernel's
+scheme). The matmuls stay cuBLAS's: ``dh``'s rows are written in place (``mm(..., out=)``), and ``dW``'s
+chunk products are made in the compute type and, on a GPU whose ``addmm`` takes ``out_dtype`` (torch >= 2.8),
+summed into the fp32 ``dW`` as they are made; elsewhere each product is rounded once to the compute type
+before it joins the sum. Vocabulary-parallel, the statistics and the gradient are two kernels with the
+all-reduces between them.
+
+**As an operator**: without a tensor-parallel group the loss is the custom operator
+``trickles::linear_cross_entropy``, which returns the loss and the three gradients (0-element tensors where
+not needed); its registered backward scales them by the incoming gradient, in place when eager. The
+vocabulary-parallel loss stays an autograd function (a communicator cannot be an operator's argument).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import HAVE_TRITON, runs_triton, use_triton
+from . import HAVE_TRITON, runs_triton, use_triton, warps
 
 IGNORE_INDEX = -100
 
@@ -80,6 +89,34 @@ if HAVE_TRITON:
             tl.store(base + cols, (g * scale).to(Z.dtype.element_ty), mask=mask)
 
 
+    @triton.jit
+    def _loss_grad(Z, IDX, SCALE, LOSS, stride, V, GRAD: tl.constexpr, BLOCK: tl.constexpr):
+        """One row of a chunk's logits, read twice and written once: the online max and sum of exponentials, the
+        row's loss ``lse - z_t`` (0 where ignored), then (``GRAD``) ``(softmax - onehot) * scale`` in place."""
+        row = tl.program_id(0)
+        base = Z + row * stride
+        idx = tl.load(IDX + row)  # the target's column, -1 where ignored
+        m = float("-inf")
+        s = 0.0
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        picked = tl.load(base + tl.maximum(idx, 0)).to(tl.float32)
+        tl.store(LOSS + row, tl.where(idx >= 0, lse - picked, 0.0))
+        if GRAD:
+            scale = tl.load(SCALE + row)
+            for start in range(0, V, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < V
+                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.exp(z - lse) - tl.where(cols == idx, 1.0, 0.0)
+                tl.store(base + cols, (g * scale).to(Z.dtype.element_ty), mask=mask)
+
+
 MIN_CHUNK = 64
 
 
@@ -96,33 +133,72 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(h.dtype, weight.dtype)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, grads):
-        n_rows, v_local = h.shape[0], weight.shape[0]
-        device = h.device
-        valid = target != IGNORE_INDEX
-        inv_n = 1.0 / valid.sum(dtype=torch.float32).clamp(min=1.0)
-        need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
-        need_b = grads and bias is not None and bias.requires_grad
-        store = torch.float32 if h.dtype == torch.float16 else h.dtype  # dh waits for the (loss-scaled) output gradient
-        dh = torch.empty(h.shape, dtype=store, device=device) if need_h else None
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
-        db = torch.zeros(v_local, dtype=torch.float32, device=device) if need_b else None
-        w = weight.to(cd)
-        b = bias.to(cd) if bias is not None else None
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for s in range(0, n_rows, chunk):
-            e = min(s + chunk, n_rows)
-            hc, tc, vc = h[s:e].to(cd), target[s:e], valid[s:e]
-            z = F.linear(hc, w, b)
-            inside = vc & (tc >= vocab_start) & (tc < vocab_start + v_local)
-            idx = (tc - vocab_start).masked_fill(~inside, 0)
-            picked = z.gather(1, idx[:, None]).squeeze(1).float().masked_fill(~inside, 0.0)
+def fp32_accumulating_mm(device_type: str) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` adds a low-precision product into an fp32 tensor on a
+    device of type ``device_type`` (CUDA, torch >= 2.8). Where such a device is present it is checked once against the
+    product computed in fp32, so a build that lacks it, or gets it wrong, takes the product-then-add path; elsewhere
+    (the memory report planning for a GPU from a CPU) the build's having the operator answers."""
+    if device_type not in _FP32_MM:
+        ok = device_type == "cuda" and hasattr(torch.ops.aten.addmm, "dtype_out")
+        if ok and torch.cuda.is_available():
+            ok = _probe_fp32_mm(torch.device("cuda"))
+        _FP32_MM[device_type] = ok
+    return _FP32_MM[device_type]
+
+
+_FP32_MM: dict[str, bool] = {}
+
+
+def _probe_fp32_mm(device: torch.device) -> bool:
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(s, generator=g).to(device, torch.bfloat16) for s in ((64, 48), (48, 32)))
+    acc = torch.ones(32, 32, device=device)
+    try:
+        torch.addmm(acc, a.t()[:32, :], b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):
+        return False
+    expected = 1.0 + a.t()[:32, :].float() @ b.float()
+    return bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3))
+
+
+def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h, need_w, need_b):
+    """The loss and (where needed) ``dh``, ``dW``, ``db`` already divided by the count of kept targets (module
+    docstring), walking ``h``'s rows ``chunk`` at a time."""
+    n_rows, v_local = h.shape[0], weight.shape[0]
+    device = h.device
+    valid = target != IGNORE_INDEX
+    inv_n = 1.0 / valid.sum(dtype=torch.float32).clamp(min=1.0)
+    inside = valid & (target >= vocab_start) & (target < vocab_start + v_local)
+    idx = (target - vocab_start).masked_fill(~inside, -1)  # the target's local column, -1 where this rank has none
+    gather_idx = idx.clamp(min=0)[:, None]
+    row_scale = valid.float() * inv_n  # each kept row's share of the mean
+    store = torch.float32 if h.dtype == torch.float16 else h.dtype  # dh waits for the (loss-scaled) output gradient
+    dh = torch.empty(h.shape, dtype=store, device=device) if need_h else None
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
+    db = torch.zeros(v_local, dtype=torch.float32, device=device) if need_b else None
+    grads = need_h or need_w or need_b
+    w = weight.to(cd)
+    b = bias.to(cd) if bias is not None else None
+    one_kernel = triton_rows and comm is None  # loss and gradient in one pass over the rows, no exchange between
+    accumulate_fp32 = need_w and cd != torch.float32 and triton_rows and fp32_accumulating_mm(device.type)
+    losses = torch.empty(n_rows, dtype=torch.float32, device=device) if one_kernel else None
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for s in range(0, n_rows, chunk):
+        e = min(s + chunk, n_rows)
+        hc = h[s:e].to(cd)
+        z = F.linear(hc, w, b)
+        zf = None
+        if one_kernel:
+            block = min(4096, triton.next_power_of_2(v_local))
+            _loss_grad[(e - s,)](z, idx[s:e], row_scale[s:e], losses[s:e], z.stride(0), v_local, GRAD=grads,
+                                 BLOCK=block, num_warps=warps(block))
+            g = z
+        else:
+            picked = z.gather(1, gather_idx[s:e]).squeeze(1).float().masked_fill(~inside[s:e], 0.0)
             if triton_rows:
-                m, se = torch.empty(e - s, dtype=torch.float32, device=device), torch.empty(e - s, dtype=torch.float32, device=device)
+                m, se = (torch.empty(e - s, dtype=torch.float32, device=device) for _ in range(2))
                 block = min(4096, triton.next_power_of_2(v_local))
-                _row_stats[(e - s,)](z, m, se, z.stride(0), v_local, BLOCK=block)
+                _row_stats[(e - s,)](z, m, se, z.stride(0), v_local, BLOCK=block, num_warps=warps(block))
             else:
                 zf = z.float()  # z itself in fp32
                 m = zf.amax(dim=1)
@@ -135,42 +211,104 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 comm.all_reduce(sums)
                 se, picked = sums[0], sums[1]
             lse = m + se.log()
-            total += ((lse - picked) * vc).sum()
-            if dh is None and dw is None and db is None:
-                z = zf = None
+            total += ((lse - picked) * valid[s:e]).sum()
+            if not grads:
                 continue
-            row_scale = vc.float() * inv_n
             if triton_rows:
                 g = z
-                _row_grad[(e - s,)](g, lse, idx.masked_fill(~inside, -1), row_scale, g.stride(0), v_local, BLOCK=block)
+                _row_grad[(e - s,)](g, lse, idx[s:e], row_scale[s:e], g.stride(0), v_local, BLOCK=block,
+                                    num_warps=warps(block))
             else:
-                zf.mul_((torch.exp(m_local - lse) * row_scale)[:, None])  # softmax / n on the kept rows
-                zf.scatter_add_(1, idx[:, None], -(inside.float() * row_scale)[:, None])
+                zf.mul_((torch.exp(m_local - lse) * row_scale[s:e])[:, None])  # softmax / n on the kept rows
+                zf.scatter_add_(1, gather_idx[s:e], -(inside[s:e].float() * row_scale[s:e])[:, None])
                 g = zf.to(cd)
-            if dh is not None:
+        if dh is not None:
+            if dh.dtype == cd:
+                torch.mm(g, w, out=dh[s:e])  # straight into the rows of dh
+            else:
                 dh[s:e] = g @ w
-            if dw is not None:
-                if cd == torch.float32:
-                    dw.addmm_(g.t(), hc)
-                elif triton_rows:  # each chunk's product in the compute type (tensor cores), added to the fp32 sum
-                    dw += g.t() @ hc
-                else:  # the fp32 gradient is at hand: an fp32 product, no rounding per chunk
-                    dw.addmm_(zf.t(), hc.float())
-            if db is not None:
-                db += g.float().sum(0)
-            z = zf = g = None  # let this chunk's logits go before the next chunk's are allocated
+        if dw is not None:
+            if cd == torch.float32:
+                dw.addmm_(g.t(), hc)
+            elif accumulate_fp32:  # the product in the compute type (tensor cores), summed into fp32 as it is made
+                torch.addmm(dw, g.t(), hc, out_dtype=torch.float32, out=dw)
+            elif triton_rows:  # each chunk's product in the compute type, added to the fp32 sum
+                dw += g.t() @ hc
+            else:  # the fp32 gradient is at hand: an fp32 product, no rounding per chunk
+                dw.addmm_(zf.t(), hc.float())
+        if db is not None:
+            db += g.float().sum(0)
+        z = zf = g = None  # let this chunk's logits go before the next chunk's are allocated
+    if one_kernel:
+        total = losses.sum()
+    return total * inv_n, dh, dw, db
+
+
+def _scaled(t: torch.Tensor | None, grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """A saved gradient times the incoming one, in the type of its input. Eagerly in place (the saved gradient is not
+    needed after, and a copy of the fp32 ``dW`` would add ``4 V d`` bytes at the start of backward); when AOTAutograd
+    traces the backward (its tensors are functional or fake subclasses, not plain tensors) out of place, since a
+    traced graph may not write into its inputs -- Inductor then plans the buffer."""
+    if t is None:
+        return None
+    if type(t) is torch.Tensor and type(grad) is torch.Tensor:
+        return t.mul_(grad.to(t.dtype)).to(dtype)
+    return (t * grad.to(t.dtype)).to(dtype)
+
+
+@torch.library.custom_op("trickles::linear_cross_entropy", mutates_args=())
+def linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                            chunk: int, compute_dtype: torch.dtype, triton_rows: bool, need_h: bool, need_w: bool,
+                            need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mean loss over ``h [N, d]``'s rows and its gradients for ``h``, ``weight`` and ``bias`` (each a 0-element
+    tensor where not needed), computed together chunk by chunk (module docstring)."""
+    loss, dh, dw, db = _chunked(h, weight, bias, target, chunk, compute_dtype, None, 0, triton_rows, need_h, need_w,
+                                need_b)
+    return loss, *(h.new_empty(0) if t is None else t for t in (dh, dw, db))  # (no two outputs may share storage)
+
+
+@linear_cross_entropy_op.register_fake
+def _(h, weight, bias, target, chunk, compute_dtype, triton_rows, need_h, need_w, need_b):
+    store = torch.float32 if h.dtype == torch.float16 else h.dtype
+    return (h.new_empty((), dtype=torch.float32), h.new_empty(h.shape if need_h else (0,), dtype=store),
+            h.new_empty(weight.shape if need_w else (0,), dtype=torch.float32),
+            h.new_empty(weight.shape[:1] if need_b else (0,), dtype=torch.float32))
+
+
+def _ce_setup(ctx, inputs, output):
+    h, weight, bias, _, _, _, _, need_h, need_w, need_b = inputs
+    ctx.needs = (need_h, need_w, need_b)
+    ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
+    ctx.save_for_backward(*output[1:])
+
+
+def _ce_backward(ctx, grad, *_):
+    saved = [t if need else None for t, need in zip(ctx.saved_tensors, ctx.needs)]
+    out_h, out_w, out_b = (_scaled(t, grad, dtype) for t, dtype in zip(saved, ctx.dtypes))
+    return out_h, out_w, out_b, None, None, None, None, None, None, None
+
+
+linear_cross_entropy_op.register_autograd(_ce_backward, setup_context=_ce_setup)
+
+
+class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
+    """The vocabulary-parallel loss: as the operator, with the two all-reduces per chunk (a communicator cannot be an
+    operator's argument, so this path stays an autograd function)."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, grads):
+        need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
+        need_b = grads and bias is not None and bias.requires_grad
+        loss, dh, dw, db = _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h,
+                                    need_w, need_b)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return total * inv_n
+        return loss
 
     @staticmethod
     def backward(ctx, grad):
-        dh, dw, db = ctx.saved_tensors
-        h_dtype, w_dtype, b_dtype = ctx.dtypes
-        out_h = None if dh is None else dh.mul_(grad.to(dh.dtype)).to(h_dtype)
-        out_w = None if dw is None else dw.mul_(grad).to(w_dtype)
-        out_b = None if db is None else db.mul_(grad).to(b_dtype)
-        return out_h, out_w, out_b, None, None, None, None, None, None, None
+        out = [_scaled(t, grad, dtype) for t, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
+        return (*out, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
@@ -188,8 +326,13 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     vocab = weight.shape[0] * (getattr(comm, "size", 1) if comm is not None else 1)
     chunk = chunk or default_chunk(h2.shape[0], vocab, h2.shape[1])
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _LinearCrossEntropy.apply(h2, weight, bias, t, chunk, _compute_dtype(h, weight), comm, vocab_start,
-                                     use_triton(kernels, h), grads)
+    cd, triton_rows = _compute_dtype(h, weight), use_triton(kernels, h, "cross_entropy")
+    if comm is not None:
+        return _VocabParallelLinearCrossEntropy.apply(h2, weight, bias, t, chunk, cd, comm, vocab_start, triton_rows,
+                                                      grads)
+    need_b = grads and bias is not None and bias.requires_grad
+    return linear_cross_entropy_op(h2, weight, bias, t, chunk, cd, triton_rows, grads and h.requires_grad,
+                                   grads and weight.requires_grad, need_b)[0]
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -198,8 +341,9 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def fused_on(fused: bool | None, kernels: str, device_type: str) -> bool:
-    """Whether the loss is fused: ``model.fused_loss`` when set, else whether ``model.kernels`` runs Triton there."""
-    return runs_triton(kernels, device_type) if fused is None else fused
+    """Whether the loss is fused: ``model.fused_loss`` when set, else whether ``model.kernels`` runs the Triton
+    cross-entropy there."""
+    return runs_triton(kernels, device_type, "cross_entropy") if fused is None else fused
 
 
 class OutputLoss(nn.Module):

@@ -1,4 +1,4 @@
-"""RMSNorm and LayerNorm: the PyTorch references, the Triton kernels and their autograd functions.
+"""RMSNorm and LayerNorm: the PyTorch references, the Triton kernels and their custom operators.
 
 Rows of ``x [..., H]`` are normalized independently, statistics in fp32.
 
@@ -15,6 +15,11 @@ the eager RMSNorm keeps an fp32 copy of ``x``, its 1/rms and the normalized row.
 few programs per streaming multiprocessor, each over every ``P``-th row, each writing its partial
 weight (and bias) gradient to one row of an fp32 ``[P, H]`` buffer that a final sum reduces.
 
+Each is a custom operator pair (``trickles::rms_norm`` / ``rms_norm_backward``, ``trickles::layer_norm`` /
+``layer_norm_backward``): the forward op returns the output and the statistics, the registered autograd saves
+the input, the weight and the statistics and calls the backward op. A row's program uses 4 warps below 2,048
+columns, 8 below 8,192, then 16 (:func:`~trickles.kernels.warps`).
+
 Under autocast the Triton LayerNorm computes and returns fp32, as autocast does for ``layer_norm``
 on CUDA; RMSNorm's output type follows its inputs as the reference's does.
 """
@@ -25,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import HAVE_TRITON, row_programs, use_triton
+from . import HAVE_TRITON, row_programs, use_triton, warps
 
 if HAVE_TRITON:
     import triton
@@ -110,55 +115,124 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-class _RMSNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, eps):
-        x2 = _rows(x)
-        rows, h = x2.shape
-        y = torch.empty((rows, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(h)
-        _rms_forward[(rows,)](x2, weight, y, rstd, x2.stride(0), h, eps, BLOCK=block)
-        ctx.save_for_backward(x2, weight, rstd)
-        ctx.shape = x.shape
-        return y.view(x.shape[:-1] + (h,))
-
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, rstd = ctx.saved_tensors
-        rows, h = x2.shape
-        dy = dy.reshape(rows, h).contiguous()
-        dx = torch.empty((rows, h), dtype=x2.dtype, device=x2.device)
-        progs = row_programs(rows, x2.device)
-        dw = torch.empty((progs, h), dtype=torch.float32, device=x2.device)
-        _rms_backward[(progs,)](dy, x2, weight, rstd, dx, dw, x2.stride(0), rows, h, BLOCK=triton.next_power_of_2(h))
-        return dx.view(ctx.shape), dw.sum(0).to(weight.dtype), None
+def _normed(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` as rows, the output buffer (the type ``w * n`` promotes to) and the per-row fp32 1/std."""
+    x2 = _rows(x)
+    y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    return x2, y, torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
 
 
-class _LayerNorm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps):
-        x2 = _rows(x)
-        rows, h = x2.shape
-        y = torch.empty((rows, h), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        _ln_forward[(rows,)](x2, weight, bias, y, mean, rstd, x2.stride(0), h, eps, BLOCK=triton.next_power_of_2(h))
-        ctx.save_for_backward(x2, weight, mean, rstd)
-        ctx.shape, ctx.bias_dtype = x.shape, bias.dtype
-        return y.view(x.shape[:-1] + (h,))
+def _fake_forward(x: torch.Tensor, weight: torch.Tensor, stats: int) -> tuple[torch.Tensor, ...]:
+    """The shapes and types a norm's forward op returns: the output and ``stats`` fp32 vectors of one value per row."""
+    rows = x.numel() // x.shape[-1]
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    return (y, *(x.new_empty(rows, dtype=torch.float32) for _ in range(stats)))
 
-    @staticmethod
-    def backward(ctx, dy):
-        x2, weight, mean, rstd = ctx.saved_tensors
-        rows, h = x2.shape
-        dy = dy.reshape(rows, h).contiguous()
-        dx = torch.empty((rows, h), dtype=x2.dtype, device=x2.device)
-        progs = row_programs(rows, x2.device)
-        dw = torch.empty((progs, h), dtype=torch.float32, device=x2.device)
-        db = torch.empty((progs, h), dtype=torch.float32, device=x2.device)
-        _ln_backward[(progs,)](dy, x2, weight, mean, rstd, dx, dw, db, x2.stride(0), rows, h, BLOCK=triton.next_power_of_2(h))
-        return dx.view(ctx.shape), dw.sum(0).to(weight.dtype), db.sum(0).to(ctx.bias_dtype), None
+
+def _weight_grad_buffers(x2: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``n`` fp32 ``[P, H]`` buffers, one row per backward program, for the partial weight (and bias) gradients."""
+    progs = row_programs(x2.shape[0], x2.device)
+    return [torch.empty((progs, x2.shape[1]), dtype=torch.float32, device=x2.device) for _ in range(n)]
+
+
+@torch.library.custom_op("trickles::rms_norm", mutates_args=())
+def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm forward in Triton: the output and the per-row fp32 ``1/rms`` (saved for backward)."""
+    x2, y, rstd = _normed(x, weight)
+    rows, h = x2.shape
+    block = triton.next_power_of_2(h)
+    _rms_forward[(rows,)](x2, weight, y, rstd, x2.stride(0), h, eps, BLOCK=block, num_warps=warps(block))
+    return y.view(x.shape), rstd
+
+
+@rms_norm_op.register_fake
+def _(x, weight, eps):
+    return _fake_forward(x, weight, 1)
+
+
+@torch.library.custom_op("trickles::rms_norm_backward", mutates_args=())
+def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm backward in Triton: the input and weight gradients."""
+    x2 = _rows(x)
+    rows, h = x2.shape
+    dy2 = dy.reshape(rows, h).contiguous()
+    dx = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    (dw,) = _weight_grad_buffers(x2, 1)
+    block = triton.next_power_of_2(h)
+    _rms_backward[(dw.shape[0],)](dy2, x2, weight, rstd, dx, dw, x2.stride(0), rows, h, BLOCK=block,
+                                  num_warps=warps(block))
+    return dx.view(x.shape), dw.sum(0).to(weight.dtype)
+
+
+@rms_norm_backward_op.register_fake
+def _(dy, x, weight, rstd):
+    return torch.empty_like(x), torch.empty_like(weight)
+
+
+def _rms_setup(ctx, inputs, output):
+    x, weight, _ = inputs
+    ctx.save_for_backward(x, weight, output[1])
+
+
+def _rms_backward_rule(ctx, dy, _drstd):
+    x, weight, rstd = ctx.saved_tensors
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd)
+    return dx, dw, None
+
+
+rms_norm_op.register_autograd(_rms_backward_rule, setup_context=_rms_setup)
+
+
+@torch.library.custom_op("trickles::layer_norm", mutates_args=())
+def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm forward in Triton: the output and the per-row fp32 mean and ``1/std`` (saved for backward)."""
+    x2, y, rstd = _normed(x, weight)
+    rows, h = x2.shape
+    mean = torch.empty_like(rstd)
+    block = triton.next_power_of_2(h)
+    _ln_forward[(rows,)](x2, weight, bias, y, mean, rstd, x2.stride(0), h, eps, BLOCK=block, num_warps=warps(block))
+    return y.view(x.shape), mean, rstd
+
+
+@layer_norm_op.register_fake
+def _(x, weight, bias, eps):
+    return _fake_forward(x, weight, 2)
+
+
+@torch.library.custom_op("trickles::layer_norm_backward", mutates_args=())
+def layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                           mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """LayerNorm backward in Triton: the input, weight and bias gradients."""
+    x2 = _rows(x)
+    rows, h = x2.shape
+    dy2 = dy.reshape(rows, h).contiguous()
+    dx = torch.empty((rows, h), dtype=x.dtype, device=x.device)
+    dw, db = _weight_grad_buffers(x2, 2)
+    block = triton.next_power_of_2(h)
+    _ln_backward[(dw.shape[0],)](dy2, x2, weight, mean, rstd, dx, dw, db, x2.stride(0), rows, h, BLOCK=block,
+                                 num_warps=warps(block))
+    return dx.view(x.shape), dw.sum(0).to(weight.dtype), db.sum(0).to(bias.dtype)
+
+
+@layer_norm_backward_op.register_fake
+def _(dy, x, weight, bias, mean, rstd):
+    return torch.empty_like(x), torch.empty_like(weight), torch.empty_like(bias)
+
+
+def _ln_setup(ctx, inputs, output):
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight, bias, output[1], output[2])
+
+
+def _ln_backward_rule(ctx, dy, _dmean, _drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = layer_norm_backward_op(dy, x, weight, bias, mean, rstd)
+    return dx, dw, db, None
+
+
+layer_norm_op.register_autograd(_ln_backward_rule, setup_context=_ln_setup)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -168,17 +242,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:
     """RMSNorm of ``x``'s last dimension (module docstring); ``kernels`` picks the implementation."""
-    if use_triton(kernels, x):
-        return _RMSNorm.apply(x, weight, eps)
+    if use_triton(kernels, x, "rms_norm"):
+        return rms_norm_op(x, weight, eps)[0]
     return rms_norm_reference(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:
     """LayerNorm of ``x``'s last dimension (module docstring); ``kernels`` picks the implementation."""
-    if use_triton(kernels, x):
+    if use_triton(kernels, x, "layer_norm"):
         if torch.is_autocast_enabled(x.device.type):  # as autocast runs layer_norm on CUDA: in fp32
             x, weight, bias = x.float(), weight.float(), bias.float()
-        return _LayerNorm.apply(x, weight, bias, eps)
+        return layer_norm_op(x, weight, bias, eps)[0]
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 

@@ -228,7 +228,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
 
 
 def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,
-                         triton: bool = False) -> int:
+                         triton: bool = False, fp32_mm: bool = False) -> int:
     """The loss's largest short-lived tensors for ``tokens`` tokens on one rank.
 
     Unfused: the fp32 gradients of the log-probabilities and of the logits, alive together in its backward
@@ -238,7 +238,9 @@ def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp
     (``4 c V/tp``); in low precision the PyTorch path adds their fp32 copy and its cast back, and the
     chunk's input in fp32 for the weight gradient's product (``(2p + 4) c V/tp + 4 c d``); the Triton kernels
     work on the logits in their own type, the chunk's weight gradient in it before it joins the fp32 sum
-    (``p c V/tp + p V d / tp``).
+    (``p c V/tp + p V d / tp``), or, where ``fp32_mm`` (a GPU whose matmul adds its low-precision product into
+    fp32 as it makes it, :func:`~trickles.kernels.cross_entropy.fp32_accumulating_mm`), straight into the sum
+    (``p c V/tp``).
     """
     from ..kernels.cross_entropy import default_chunk
 
@@ -251,7 +253,7 @@ def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp
     if p == 4:
         return 4 * c * v
     if triton:
-        return p * c * v + p * v * cfg.d_model
+        return p * c * v + (0 if fp32_mm else p * v * cfg.d_model)
     return (2 * p + 4) * c * v + 4 * c * cfg.d_model
 
 

@@ -60,7 +60,7 @@ from ..config import Config
 from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
-from ..kernels.cross_entropy import fused_on
+from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
 from ..parallel.tensor_nd_costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
 from .accounting import peak_allocated
 from .activations import ActivationMeter, loss_transient_bytes
@@ -94,14 +94,14 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     accumulates = cfg.accumulates(dims)
     experts = (edp, dp_rank // dims.ep) if dims.ep > 1 else None
     micro, _ = cfg.batch_plan(dims.dp)
-    triton = runs_triton(model_cfg.kernels, device_type)
+    triton = runs_triton(model_cfg.kernels, device_type, "cross_entropy")
     fused = fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type)
     lay = Layout.of(dims.tp_mode, dims.tp, dims.tp_depth, cfg.parallel.sequence_parallel)
     act = activations(cfg, model_cfg, lay, dims, device_type)
     tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
     # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
     loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
-            else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton))
+            else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton, fp32_accumulating_mm(device_type)))
     recomputed = 0  # what recomputation brings back of a layer in its backward
     if cfg.memory.recompute != "none":
         plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),

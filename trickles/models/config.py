@@ -35,9 +35,9 @@ class ModelConfig:
     dropout: float = opt(0.0, "dropout on embeddings, attention probabilities and residual branches")
     tie_embeddings: bool | None = opt(None, "share the input embedding with the output projection (none: true for gpt2, false for llama)")
     init_std: float = opt(0.02, "standard deviation of the normal initialization; residual output projections use init_std/sqrt(2*n_layers)")
-    kernels: Literal["auto", "triton", "torch"] = opt("auto", "auto: the Triton kernels (trickles.kernels) on CUDA when Triton is installed, eager PyTorch elsewhere; triton: always (a CPU needs TRITON_INTERPRET=1); torch: never")
-    fused_loss: bool | None = opt(None, "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits (none: when the kernels run Triton)")
-    fused_proj: bool | None = opt(None, "one matmul for queries, keys and values and one for the gate and up projections, their names kept in checkpoints (none: when the kernels run Triton, i.e. kernels=triton, or auto on a machine with CUDA)")
+    kernels: Literal["auto", "triton", "torch"] = opt("auto", "auto: per kernel, the Triton kernel (trickles.kernels) on CUDA where its last GPU measurement beat eager PyTorch and torch.compile (docs/kernels.md), eager PyTorch elsewhere; triton: always (a CPU needs TRITON_INTERPRET=1); torch: never")
+    fused_loss: bool | None = opt(None, "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits (none: when the kernels run the Triton cross-entropy)")
+    fused_proj: bool | None = opt(None, "one matmul for queries, keys and values and one for the gate and up projections, their names kept in checkpoints (none: when the kernels may run Triton, i.e. kernels=triton, or auto on a machine with CUDA)")
     loss_chunk: int = opt(0, "tokens per chunk of the fused loss (0: about as many as make a chunk's logits the size of the hidden states)")
     moe_experts: int = opt(0, "routed experts in each mixture-of-experts block (0: every block has a dense MLP)")
     moe_top_k: int = opt(2, "experts each token is routed to")
@@ -99,9 +99,9 @@ class ModelConfig:
             return self.fused_proj
         import torch
 
-        from ..kernels import runs_triton
+        from ..kernels import triton_allowed
 
-        return runs_triton(self.kernels, "cuda" if torch.cuda.is_available() else "cpu")
+        return triton_allowed(self.kernels, "cuda" if torch.cuda.is_available() else "cpu")
 
     @property
     def tied(self) -> bool:

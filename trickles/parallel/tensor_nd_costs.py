@@ -300,15 +300,15 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
     from ..kernels import runs_triton
 
     q, n, llama = lay.q, lay.tokens(batch, seq), cfg.flavor == "llama"
-    triton = runs_triton(cfg.kernels, device_type)
+    rotary, swiglu = (runs_triton(cfg.kernels, device_type, k) for k in ("rotary", "swiglu"))
     d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
     a, kv, fl = cfg.n_heads // q, cfg.kv_heads // q, f // q
     mat = q * q if lay.mode == "3d" else q
     norm = p * n * d // q + (4 if llama else 8) * n
     linears = sum(p * n * h + p * h * h2 // mat for _, h, h2, _ in block_linears(cfg))
     core = p * n * a * hd + 4 * n * a  # the fused kernel's output and log-sum-exp
-    attention = p * n * (a * hd + 2 * kv * hd) + core + (4 * seq * hd * p if llama and p != 4 and not triton else 0)
-    mlp = (2 if triton else 3) * p * n * fl if llama else p * n * fl
+    attention = p * n * (a * hd + 2 * kv * hd) + core + (4 * seq * hd * p if llama and p != 4 and not rotary else 0)
+    mlp = (2 if swiglu else 3) * p * n * fl if llama else p * n * fl
     layer = {"none": 2 * norm + linears + attention + mlp, "selective": 2 * norm + linears + attention + mlp - core,
              "full": p * n * d // q}[recompute]
     v, n_all = cfg.vocab_size, batch * seq

@@ -47,7 +47,7 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     """A lower bound of the memory report's peak per device, and the offloaded optimizer's host bytes per node
     (module docstring)."""
     from ..kernels import runs_triton
-    from ..kernels.cross_entropy import fused_on
+    from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
     from ..memory.activations import loss_transient_bytes
     from ..memory.report import embedding_bytes, expert_rows_in_flight, ring_blocks_in_flight
     from ..memory.tp_modes import activations
@@ -79,7 +79,8 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     tokens = micro * cfg.data.seq_len // dims.cp
     loss = (loss_transient_nd(mc, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(mc, tokens, p, dims.tp, fused_on(mc.fused_loss, mc.kernels, device_type),
-                                      runs_triton(mc.kernels, device_type)))
+                                      runs_triton(mc.kernels, device_type, "cross_entropy"),
+                                      fp32_accumulating_mm(device_type)))
     if dims.pp == 1:  # the report's other phase: the last block's backward, the head's saved tensors released
         recomputed = 0
         if mem.recompute != "none":

@@ -38,7 +38,7 @@ class TrainConfig:
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
     out_dir: str = opt("runs/demo", "directory for metrics, plots, samples and checkpoints")
     qat: bool = opt(False, "quantization-aware training: projections compute with int8 fake-quantized weights (per row) and inputs (per token), gradients straight through; the final checkpoint is also exported to int8 (<out_dir>/int8_step_N); see docs/compression.md")
-    compile: bool = opt(False, "compile each transformer block with torch.compile")
+    compile: bool = opt(False, "compile each transformer block, and the output projection with its loss, with torch.compile (the time it takes is printed after the second step)")
     device: str = opt("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, or cuda")
     tensorboard: bool = opt(False, "also write TensorBoard event files to <out_dir>/tb")
     plot: bool = opt(True, "draw <out_dir>/loss.png at the end (needs matplotlib)")

@@ -35,6 +35,7 @@ from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
 from ..data.sources import iter_documents
 from ..errors import CheckpointError, ConfigError, TrainingStopped
+from ..kernels.cross_entropy import OutputLoss
 from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
 from ..models.config import HOW_KEYS, ModelConfig, resolve_model
@@ -99,6 +100,9 @@ class Trainer:
         if t.compile:
             for block in self.model.layers.values():
                 block.compile()
+            loss = getattr(self.model, "loss", None)  # a pipeline's first stages have none
+            if type(loss) is OutputLoss:  # the output projection and loss (a vocabulary-parallel one communicates)
+                loss.compile()
 
         self.distill = None  # the distillation loss (distill.teacher), trickles.compress.distill
         if cfg.distill.teacher:
@@ -287,8 +291,11 @@ class Trainer:
                   f"(dp={self.topo.dims.dp}{zero}), batch {t.global_batch}x{self.cfg.data.seq_len} "
                   f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}")
         bar = tqdm(total=t.steps, initial=self.step, disable=self.quiet, desc="train", unit="step", dynamic_ncols=True)
+        compile_report = _CompileReport(t.compile and not self.quiet)
         while self.step < t.steps:
+            started = time.perf_counter()
             record = self.train_step()
+            compile_report.step_done(time.perf_counter() - started, tqdm.write)
             last = self.step == t.steps
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()
@@ -437,6 +444,25 @@ class Trainer:
         rng = meta.get("rng") or []
         if rng:
             ckpt.set_rng_state(rng[self.topo.rank % len(rng)])
+
+
+class _CompileReport:
+    """Prints, once, what ``torch.compile`` cost: the first step compiles every block (a step's clock ends with
+    its work, :meth:`Trainer.train_step` reads its loss), so the first step's time less the second's is the
+    compilation."""
+
+    def __init__(self, on: bool):
+        self.on, self.first = on, None
+
+    def step_done(self, seconds: float, write) -> None:
+        if not self.on:
+            return
+        if self.first is None:
+            self.first = seconds
+            return
+        write(f"[trickles] torch.compile: first step {self.first:.1f} s, second {seconds:.2f} s: about "
+              f"{max(0.0, self.first - seconds):.1f} s of compilation, paid once")
+        self.on = False
 
 
 def _eager():
