@@ -419,3 +419,11 @@ def test_fp16_on_cpu_prints_the_warning_once_and_trains(tmp_path):
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [s["step"] for s in steps] == [1, 2], steps
     assert all(math.isfinite(s["loss"]) and math.isfinite(s["grad_norm"]) and not s["skipped"] for s in steps), steps
+
+
+def test_kernels_page_holds_the_measured_table_auto_reads():
+    """docs/kernels.md's table of GPU measurements is what ``trickles.kernels.MEASURED`` holds, which ``auto`` reads."""
+    from trickles.kernels import measured_markdown
+
+    assert measured_markdown() in _text(ROOT / "docs" / "kernels.md"), (
+        "docs/kernels.md's measured table differs from trickles.kernels.MEASURED: paste measured_markdown()'s table")

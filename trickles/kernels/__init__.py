@@ -82,10 +82,25 @@ class Measured:
 
 #: The kernels ``auto`` may run, by name, with their last GPU measurement (None: the current version has none).
 #: The first GPU run (H200, torch 2.11, Triton 3.6) measured the kernels before they became custom operators:
-#: none was at most eager's and liger-kernel's time but the in-place rotary (0.76x eager, 1.14x liger), and each has
-#: changed since (out of place, launch settings, one kernel for a chunk's loss and gradient), so none is measured
+#: none was at most both eager's and liger-kernel's time (the in-place rotary beat eager, 0.76x, not liger, 1.14x), and
+#: each has changed since (out of place, launch settings, one kernel for a chunk's loss and gradient), so none is measured
 #: here; ``benchmarks/gpu_check.py`` prints the rows to enter.
 MEASURED: dict[str, Measured | None] = {name: None for name in KERNEL_NAMES}
+
+
+def measured_markdown() -> str:
+    """:data:`MEASURED` as the markdown table ``docs/kernels.md`` holds (a test keeps the two equal)."""
+    rows = ["| kernel | ours (Triton) ms | eager ms | torch.compile ms | liger-kernel ms | `auto` runs | measured on |",
+            "|---|---|---|---|---|---|---|"]
+    for name in KERNEL_NAMES:
+        m = MEASURED[name]
+        if m is None:
+            rows.append(f"| {name} | - | - | - | - | PyTorch (not measured) | - |")
+            continue
+        liger = "-" if m.liger_ms is None else f"{m.liger_ms:.3f}"
+        runs = "Triton" if m.wins(False) else "Triton in compiled blocks" if m.wins(True) else "PyTorch"
+        rows.append(f"| {name} | {m.triton_ms:.3f} | {m.eager_ms:.3f} | {m.compiled_ms:.3f} | {liger} | {runs} | {m.where} |")
+    return "\n".join(rows) + "\n"
 
 
 def triton_allowed(kernels: str, device_type: str) -> bool:

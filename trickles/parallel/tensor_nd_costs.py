@@ -52,7 +52,7 @@ linears     each its gathered input (2-D: the row's ``[n, h]``; 3-D: the        
             column's ``[h'/q, h]``; 3-D ``[h'/q, h/q]``)                        over the linears' inputs
 attention   q, k, v after rotation, the fused kernel's output, fp32             ``p n (2 a_l h + 2 a_kv,l h)
             log-sum-exp (llama in low precision without Triton: cos/sin cast   + 4 n a_l (+ 4 T h p)``
-            for q and k; the Triton kernel rotates in place)
+            for q and k; the Triton kernel keeps only the tables)
 MLP         llama: gate, silu(gate), up (Triton: gate and up); gpt2: the        ``3 p n f_l`` (``2 p n f_l``)
             pre-activation                                                      / ``p n f_l``
 ==========  ==================================================================  ===============================
