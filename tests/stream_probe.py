@@ -20,7 +20,7 @@ import torch
 
 from trickles.infer.streaming import kv_cache_bytes, load_streaming
 from trickles.models.generate import generate
-from trickles.train.trainer import load_for_inference
+from trickles.train.load import load_for_inference
 
 _ANON = re.compile(rb"RssAnon:\s+(\d+) kB")
 

@@ -22,9 +22,10 @@ from .launch import launch
 from .models import ModelConfig, Transformer, build_model, load_hf, save_hf
 from .topology import ParallelDims, Topology, distributed_session
 from .train.export import export_checkpoint
+from .train.load import load_for_inference
 from .train.run import run_training
 from .train.scaling import measure_scaling
-from .train.trainer import Trainer, load_for_inference
+from .train.trainer import Trainer
 
 __version__ = "0.1.0"
 

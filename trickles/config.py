@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from .compress.distill import DistillConfig
+from .compress.config import DistillConfig
 from .data.config import DataConfig
 from .errors import ConfigError
 from .memory.config import MemoryConfig

@@ -12,7 +12,8 @@ from helpers import tiny_config
 from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.memory.activations import ActivationMeter, activation_bytes
-from trickles.parallel.context import kv_repeats, layer_bytes, positions, ring_attention, shard_sequence, ulysses_attention, unshard_sequence
+from trickles.parallel.context import kv_repeats, layer_bytes, ring_attention, ulysses_attention
+from trickles.parallel.sequence import positions, shard_sequence, unshard_sequence
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
@@ -309,7 +310,7 @@ def test_a_cp_checkpoint_evaluates_and_generates_like_one_process(tmp_path, cach
     sequences, and the text each cp rank samples (every rank decodes the whole prompt with its KV cache) is what
     the loaded model samples with the same seeded generator."""
     from trickles.models.generate import generate
-    from trickles.train.trainer import load_for_inference
+    from trickles.train.load import load_for_inference
 
     (path, val_loss, text), other = run_ranks(2, _train_save_sample, str(tmp_path), cache)
     assert other[1:] == (val_loss, text)

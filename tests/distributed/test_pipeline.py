@@ -15,7 +15,8 @@ from helpers import assert_losses_track, assert_weights_track, tiny_config
 from trickles.parallel.pipeline import send_bytes
 from trickles.parallel.schedules import Shape, build, compute_order, simulate
 from trickles.testing import run_ranks
-from trickles.train.trainer import Trainer, load_for_inference
+from trickles.train.load import load_for_inference
+from trickles.train.trainer import Trainer
 
 STEPS = 20
 INVARIANCE_STEPS = 10  # the fp32 layout-invariance cases: a wrong gradient, shard or message shows in the first steps

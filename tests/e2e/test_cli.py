@@ -45,7 +45,7 @@ def reference_samples(checkpoint, prompt: str, n: int, num_samples: int = 1, see
     Sampling rather than greedy decoding: the tiny model after a few steps is nearly a unigram model whose argmax
     is a space whatever the details of its weights, the sampler or the prompt, so greedy text would pass most bugs;
     sampled draws depend on every probability. (The KV cache against the full forward: tests/unit/test_model.py.)"""
-    from trickles.train.trainer import load_for_inference
+    from trickles.train.load import load_for_inference
 
     model, tokenizer, _ = load_for_inference(str(checkpoint), "cpu")
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]

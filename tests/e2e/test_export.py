@@ -21,7 +21,8 @@ from trickles.errors import CheckpointError
 from trickles.testing import run_ranks
 from trickles.train import checkpoint as ckpt
 from trickles.train.pieces import PieceReader
-from trickles.train.trainer import Trainer, load_for_inference
+from trickles.train.load import load_for_inference
+from trickles.train.trainer import Trainer
 
 CPU = torch.device("cpu")
 BEFORE, AFTER = 3, 3  # steps before the checkpoint, steps resumed after it

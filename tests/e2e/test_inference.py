@@ -20,7 +20,7 @@ uvicorn = pytest.importorskip("uvicorn", exc_type=ImportError)
 from helpers import cli_here, trained_checkpoint  # noqa: E402
 from trickles.infer import Sampling, decode  # noqa: E402
 from trickles.infer.server import Batcher, Job, create_app  # noqa: E402
-from trickles.train.trainer import load_for_inference  # noqa: E402
+from trickles.train.load import load_for_inference  # noqa: E402
 
 PROMPTS = ["def ", "import os\n", "class Foo(object):\n    ", "x"]
 # greedy decoding of a model trained for a few steps repeats a space; the penalty makes its text varied

@@ -11,7 +11,8 @@ import torch
 
 from trickles.data import (ByteTokenizer, DataConfig, ShardedBatches, Tokenizer, build_tokenizer, check_source,
                            iter_documents, load_corpus, load_tokenizer)
-from trickles.data.sources import STDLIB_EXCLUDE, split_point, stdlib_files
+from trickles.data.corpus import split_point
+from trickles.data.sources import STDLIB_EXCLUDE, stdlib_files
 from trickles.errors import DataError
 
 TEXT = "Grüße aus Köln — 日本語のテキスト 🙂\n"

@@ -15,8 +15,9 @@ from trickles.parallel.schedules import Shape, build, simulate
 from trickles.parallel.tensor import partial_grad_elements
 from trickles.planner import load_cluster, step_time
 from trickles.planner.compute import chunk_work, param_elements, rank_params
-from trickles.planner.cost import IN_LAYER, rank_plans, rank_step
+from trickles.planner.cost import IN_LAYER, rank_step
 from trickles.planner.placement import group_members, group_size, spans_nodes
+from trickles.planner.rank_plan import rank_plans
 from trickles.topology import ParallelDims
 from trickles.train.flops import flops_per_token
 

@@ -21,7 +21,7 @@ from trickles.models.config import ModelConfig, apply_preset
 from trickles.models.generate import generate
 from trickles.models.transformer import build_model
 from trickles.train import checkpoint as ckpt
-from trickles.train.trainer import load_for_inference
+from trickles.train.load import load_for_inference
 
 N_LAYERS = 6
 

@@ -25,10 +25,12 @@ import os
 
 import torch
 
+from ..data import load_tokenizer
 from ..errors import CheckpointError, UserError
 from ..models.config import ModelConfig
 from ..models.transformer import Transformer
 from ..train import checkpoint as ckpt
+from ..train.load import load_for_inference
 from ..train.pieces import PieceReader
 from .quantize import GRANULARITIES, MODES, empty_quantized, quantize_model
 
@@ -37,8 +39,6 @@ BITS = (8,)
 
 def _float_model(path: str, device="cpu") -> Transformer:
     """The whole float model of the (verified) checkpoint at ``path``, projections unfused."""
-    from ..train.trainer import load_for_inference
-
     return load_for_inference(path, device, verify=False, fused_proj=False)[0]
 
 
@@ -66,11 +66,8 @@ def load_checkpoint(path: str, device: torch.device | str = "cpu", int8: str | N
     """``(model, tokenizer, trainer_meta)`` for inference from any checkpoint, float or quantized.
 
     ``int8``: for a quantized checkpoint, ``"weight"`` (weight-only, the default) or ``"full"`` (activations quantized
-    per token, integer matmul). A float checkpoint loads as :func:`~trickles.train.trainer.load_for_inference` does.
+    per token, integer matmul). A float checkpoint loads as :func:`~trickles.train.load.load_for_inference` does.
     """
-    from ..data import load_tokenizer
-    from ..train.trainer import load_for_inference
-
     if int8 is not None and int8 not in MODES:
         raise UserError(f"int8 must be weight or full, got {int8!r}")
     path = ckpt.resolve(path)

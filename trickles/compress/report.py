@@ -24,17 +24,18 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import Config
+from ..data import ShardedBatches, load_corpus
 from ..errors import UserError
+from ..train import checkpoint as ckpt
+from ..train.load import load_for_inference
+from .checkpoint import load_checkpoint
 
 
 def load_model(path: str, device: torch.device | str = "cpu", fused_proj: bool | None = None):
     """``(model, tokenizer, trainer_meta, checkpoint_dir)`` of a checkpoint directory, ``checkpoints`` folder or run's
     out_dir, float or int8 (:mod:`trickles.compress.checkpoint`, weight-only), verified against its manifest;
     ``fused_proj`` overrides how a float model computes its projections."""
-    from ..train import checkpoint as ckpt
-    from ..train.trainer import load_for_inference
-    from .checkpoint import load_checkpoint
-
     if not os.path.exists(path):
         raise UserError(f"checkpoint {path} does not exist; give a checkpoint directory or a run's out_dir")
     path = ckpt.resolve(path)
@@ -59,9 +60,6 @@ def parameter_count(model: torch.nn.Module) -> int:
 def calibration_batches(meta: dict, tokenizer, split: str, count: int, batch: int | None = None):
     """``count`` batches ``(inputs, targets)`` of the run's data that ``meta`` (a trainer.json) describes: the first
     training batches in the run's order (``split="train"``) or its held-out batches (``"val"``)."""
-    from ..config import Config
-    from ..data import ShardedBatches, load_corpus
-
     cfg = Config.from_dict(meta["config"])
     corpus = load_corpus(cfg.data, tokenizer, cfg.data.cache_dir)
     rows = batch or cfg.train.global_batch

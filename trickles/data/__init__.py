@@ -1,8 +1,9 @@
 """Data: tokenizers, corpus sources with a tokenized cache, and the deterministic sharded loader."""
 
 from .config import DataConfig
+from .corpus import Corpus, load_corpus
 from .loader import ShardedBatches
-from .sources import Corpus, check_source, iter_documents, load_corpus
+from .sources import check_source, iter_documents
 from .tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer, load_tokenizer, train_bpe
 
 __all__ = [

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import DataError
 from .config import DataConfig
+from .sources import iter_documents, resolve_format, source_fingerprint
 
 META_FILE = "tokenizer_meta.json"
 EOS_TEXT = "<|endoftext|>"
@@ -211,8 +212,6 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> HFTokenizer:
 
 
 def _cached_bpe(cfg: DataConfig, documents: Callable[[], Iterable[str]] | None) -> Tokenizer:
-    from .sources import iter_documents, resolve_format, source_fingerprint
-
     _tokenizers_lib()
     if resolve_format(cfg) == "tokens":
         raise DataError(f"data.tokenizer 'bpe' must be trained on text, but data.source {cfg.source!r} is a token file; "

@@ -322,7 +322,7 @@ def _materialize(module: nn.Module, prefix: str, tensors: CheckpointTensors, dev
 
 def load_streaming(path: str, device: torch.device | str, budget_bytes: int, batch: int = 1, max_len: int | None = None,
                    verify: bool = True, int8: str | None = None):
-    """``(model, tokenizer, trainer_meta)`` like :func:`~trickles.train.trainer.load_for_inference`, within ``budget_bytes``.
+    """``(model, tokenizer, trainer_meta)`` like :func:`~trickles.train.load.load_for_inference`, within ``budget_bytes``.
 
     The budget covers the weights on ``device`` and a KV cache for ``batch`` sequences of
     ``max_len`` positions (default: the model's ``max_seq_len``). Blocks that do not fit stream
@@ -375,7 +375,7 @@ def prompt_length(path: str, prompts: list[str]) -> int:
 
 def save_for_inference(model: Transformer, tokenizer, path: str) -> str:
     """Writes ``model`` (whole, one process) and ``tokenizer`` as a checkpoint directory that
-    :func:`load_streaming` and :func:`~trickles.train.trainer.load_for_inference` read; returns ``path``.
+    :func:`load_streaming` and :func:`~trickles.train.load.load_for_inference` read; returns ``path``.
 
     Only what inference needs: ``model-rank00000.safetensors``, ``trainer.json`` with the model
     config, ``tokenizer/`` and the manifest (no optimizer state).

@@ -25,6 +25,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..topology import ParallelDims
+from .tp_modes import shard_meta
 
 _CACHE: OrderedDict = OrderedDict()
 _KEEP = 16  # rank models kept (meta tensors: no memory but their Python objects)
@@ -57,7 +58,6 @@ def rank_model(model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bo
         _CACHE.move_to_end(key)
         return hit
     from ..models.transformer import Transformer, count_params
-    from .tp_modes import shard_meta
 
     with torch.device("meta"):
         meta = Transformer(model_cfg)

@@ -26,6 +26,8 @@ from ..models.config import ModelConfig
 from ..parallel.tensor_nd_costs import Layout, activation_bytes_nd, param_count, step_comm
 from ..topology import ParallelDims
 from .precision import policy
+from .states import engine_state_bytes
+from .table import _fmt
 
 #: the rows: each mode, 1-D also with sequence parallelism (which splits what a grid splits outside the matmuls)
 VARIANTS = (("1d", False), ("1d", True), ("2d", False), ("2.5d", False), ("3d", False))
@@ -111,8 +113,6 @@ class ModeTable:
         return next(r for r in self.rows if r.mode == mode and r.sequence_parallel == sequence_parallel)
 
     def table(self) -> str:
-        from .report import _fmt
-
         base = self.row("1d").comm
         head = (f"{'tp=' + str(self.tp):<8}{'layout':<14}{'weights':>13}{'model states':>14}{'activations':>13}"
                 f"{'tp comm/step':>14}{'vs 1-D':>8}")
@@ -133,7 +133,6 @@ class ModeTable:
 def compare_tp_modes(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu") -> ModeTable:
     """The four modes at ``dims.tp`` for ``cfg``'s model, batch and precision (module docstring)."""
     from ..models.transformer import Transformer
-    from .report import engine_state_bytes
 
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     p = torch.finfo(prec.param_dtype).bits // 8

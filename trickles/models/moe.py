@@ -55,6 +55,7 @@ from torch import nn
 
 from ..kernels.activations import gelu_tanh, swiglu
 from .config import ModelConfig
+from .mlp import MLP
 
 
 GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9
@@ -244,8 +245,6 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int, stats: MoEStats):
         super().__init__()
-        from .transformer import MLP
-
         self.layer_id = layer_id
         self.top_k = cfg.moe_top_k
         self.capacity_factor = cfg.moe_capacity_factor

@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.activations import gelu_tanh, swiglu, swiglu_packed
 from ..kernels.cross_entropy import OutputLoss
 from ..kernels.norms import LayerNorm, RMSNorm
 from ..kernels.rotary import apply_rope, rotary
 from . import fused
 from .config import ModelConfig
+from .mlp import MLP
 from .moe import MoE, MoEStats
 
 __all__ = ["RMSNorm", "LayerNorm", "apply_rope", "Transformer", "build_model"]
@@ -177,40 +177,6 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer_id, start, k, v)
             offset = start
         return self.resid_drop(self.o_proj(self.core(q, k, v, offset, pad_mask)))
-
-
-class MLP(nn.Module):
-    """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``.
-
-    With ``model.fused_proj`` the dense llama MLP computes gate and up in one ``gate_up_proj: d -> 2f`` (rows
-    interleaved channel by channel, :mod:`trickles.models.fused`); ``hidden`` given (a mixture-of-experts
-    block's shared experts) keeps them apart.
-    """
-
-    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
-        super().__init__()
-        bias = cfg.flavor == "gpt2"
-        self.gated = cfg.flavor == "llama"
-        self.kernels = cfg.kernels
-        self.fused = self.gated and hidden is None and cfg.fuses_projections
-        hidden = hidden or cfg.ffn_dim
-        if self.fused:
-            self.gate_up_proj = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
-        else:
-            if self.gated:
-                self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
-            self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
-        self.down_proj = nn.Linear(hidden, cfg.d_model, bias=bias)
-        self.resid_drop = nn.Dropout(cfg.dropout)
-
-    def forward(self, x):
-        if self.fused:
-            h = swiglu_packed(self.gate_up_proj(x), self.kernels)
-        elif self.gated:
-            h = swiglu(self.gate_proj(x), self.up_proj(x), self.kernels)
-        else:
-            h = gelu_tanh(self.up_proj(x), self.kernels)
-        return self.resid_drop(self.down_proj(h))
 
 
 class Block(nn.Module):

@@ -62,35 +62,10 @@ import torch
 
 from ..comm import GroupComm, all_to_all
 from ..models.transformer import Transformer
+from .expert import split_sequence
+from .sequence import positions, shard_sequence, unshard_sequence  # noqa: F401 (the last two re-exported)
 
 MODES = ("ring", "ulysses")
-
-
-def positions(seq_len: int, cp: int, rank: int, mode: str) -> torch.Tensor:
-    """Global positions rank ``rank`` of ``cp`` holds of a ``seq_len`` sequence, in its local order."""
-    if mode == "ring":
-        c = seq_len // (2 * cp)
-        j = 2 * cp - 1 - rank
-        return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange(j * c, (j + 1) * c)])
-    t = seq_len // cp
-    return torch.arange(rank * t, (rank + 1) * t)
-
-
-def shard_sequence(t: torch.Tensor, cp: int, rank: int, mode: str) -> torch.Tensor:
-    """This rank's tokens of ``t [B, T, ...]`` (inputs or targets), in the layout of ``mode``."""
-    if cp == 1:
-        return t
-    return t[:, positions(t.shape[1], cp, rank, mode)].contiguous()
-
-
-def unshard_sequence(parts: list[torch.Tensor], mode: str) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: every rank's ``[B, t, ...]`` (in rank order) -> ``[B, T, ...]``."""
-    cp = len(parts)
-    seq = parts[0].shape[1] * cp
-    out = parts[0].new_empty((parts[0].shape[0], seq, *parts[0].shape[2:]))
-    for r, p in enumerate(parts):
-        out[:, positions(seq, cp, r, mode).to(out.device)] = p
-    return out
 
 
 class CPContext:
@@ -333,7 +308,6 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
         # instance attribute shadowing the method; ``core`` (and what wraps it) calls ``self._attend``
         object.__setattr__(attn, "_attend", attend)
         if block.moe:  # per-sequence routing rules completed over the cp ranks
-            from .expert import split_sequence
             split_sequence(block.mlp, comm, mode, lambda: ctx.active)
 
     if model.pos_embed is not None:

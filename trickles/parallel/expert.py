@@ -60,7 +60,7 @@ from typing import Callable
 from ..comm import GroupComm
 from ..models.moe import MoE
 from ..models.transformer import Transformer
-from .context import positions, unshard_sequence
+from .sequence import positions, unshard_sequence
 from .tensor import TPSpec, set_spec
 
 
@@ -132,7 +132,7 @@ def split_sequence(layer: MoE, comm: GroupComm, layout: str, active: Callable[[]
     """Makes ``layer`` route this rank's ``T / n`` tokens of every sequence exactly as one process routes the
     whole sequences (module docstring: "Split sequences"). ``comm``: the ``n`` ranks sharing the sequences;
     ``layout``: which positions each holds (``"ring"``: chunks ``i`` and ``2n - 1 - i`` of ``2n``; otherwise
-    contiguous, :func:`~trickles.parallel.context.positions`); ``active()``: whether the forward now running
+    contiguous, :func:`~trickles.parallel.sequence.positions`); ``active()``: whether the forward now running
     is split (not when decoding with a KV cache)."""
     plain_keep, plain_fraction = layer.keep, layer.load_fraction
     n = comm.size

@@ -36,13 +36,14 @@ from ..models.transformer import Transformer, initial_value
 from ..optim.settings import OptimizerSettings
 from ..topology import Topology
 from ..train.pieces import global_shape
-from .context import apply_context_parallel, shard_sequence
+from .context import apply_context_parallel
 from .data import DataParallel
 from .engine import Engine, bucket_bytes
 from .expert import apply_expert_parallel, expert_modules
 from .pipeline import keep_stage, partition_layers, tied_parameters
 from .pipeline_runner import PipelineRunner
 from .schedules import Shape
+from .sequence import shard_sequence
 from .tensor import init_tp_param
 from .tensor_nd_plan import apply_tensor_nd, grid_context
 from .tensor_plan import apply_tensor_parallel, tp_full_logits

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..config import Config
 from ..models.config import ModelConfig
 from ..topology import ParallelDims
-from .cost import element_bytes
+from .rank_plan import element_bytes
 
 
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:

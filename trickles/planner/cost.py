@@ -1,6 +1,6 @@
 """The step-time model: how long one optimizer step of a layout takes on a cluster, part by part.
 
-:func:`step_time` evaluates every pipeline rank (a :class:`RankPlan`: its layers, micro-batches, parameters and
+:func:`step_time` evaluates every pipeline rank (a :class:`~trickles.planner.rank_plan.RankPlan`: its layers, micro-batches, parameters and
 buckets) and reports the slowest, since the pipeline moves at its pace. For one rank, with ``m`` micro-batches of
 ``B`` sequences of ``T`` tokens per step, ``p`` / ``g`` bytes per parameter / gradient element:
 
@@ -66,51 +66,14 @@ from ..comm import messages
 from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
-from ..parallel.schedules import Shape
 from ..topology import ParallelDims
 from .cluster import Cluster, Link
-from .compute import ATTENTION, Work, attention_flops, chunk_work, rank_params
+from .compute import ATTENTION, Work, attention_flops, chunk_work
 from .placement import group_members, group_size, pipeline_hop_spans_nodes, spans_nodes
+from .rank_plan import RankPlan, rank_plans
 from .traffic import TERMS, Traffic
 
 IN_LAYER = ("tp", "cp", "ep")  # dimensions whose exposed communication stretches every micro-batch (and the bubble)
-
-
-@dataclass
-class RankPlan:
-    """What one pipeline rank of a layout holds and does in a step (inputs to the traffic terms and the model)."""
-
-    cfg: Config
-    dims: ParallelDims
-    model_cfg: ModelConfig
-    rank: int  # pipeline rank
-    shape: Shape
-    micro: int  # sequences per micro-batch
-    micro_batches: int  # m
-    seq: int
-    tokens: int  # B T / cp: tokens of a micro-batch on this rank
-    p: int
-    g: int
-    sp: bool
-    chunks: list[list[int]]  # the layers of each of the rank's chunks
-    first: bool  # holds the embedding
-    last: bool  # holds the final norm, output layer and loss
-    dense_params: int
-    expert_params: int
-    moe_elements: int  # expert (and router) elements of its MoE blocks
-    buckets: list[int] = field(default_factory=list)  # data-parallel bucket elements (ZeRO-3: units)
-    expert_buckets: list[int] = field(default_factory=list)
-
-    @property
-    def layers(self) -> list[int]:
-        return [i for c in self.chunks for i in c]
-
-    @property
-    def message_bytes(self) -> int:
-        """One pipeline message: the stage output ``[B, T/cp, d]``, split by ``tp`` under sequence parallelism or
-        on a grid."""
-        split = self.dims.tp if self.sp or self.dims.grid.mode != "1d" else 1
-        return self.tokens * self.model_cfg.d_model * self.p // split
 
 
 @dataclass
@@ -167,70 +130,6 @@ class StepTime:
     def comm_share(self) -> float:
         """Exposed communication as a fraction of the step."""
         return self.exposed_comm_s / self.total_s
-
-
-def element_bytes(cfg: Config) -> tuple[int, int]:
-    """``(p, g)``: bytes of a parameter (the compute type) and of a gradient element."""
-    p = 4 if cfg.memory.precision == "fp32" else 2
-    return p, (4 if cfg.memory.grad_dtype == "fp32" else p)
-
-
-def _buckets(elements: int, element_bytes: int, bucket_mb: float) -> list[int]:
-    """The data-parallel engine's buckets over ``elements`` parameters of ``element_bytes`` each
-    (:class:`~trickles.parallel.flat.FlatLayout`): the first at most 1 MiB (DDP's), then ``bucket_mb`` each (0: one
-    bucket); the layout's padding and its cutting at whole parameters are left out."""
-    from ..parallel.engine import FIRST_BUCKET_BYTES
-
-    if elements <= 0:
-        return []
-    if bucket_mb <= 0:
-        return [elements]
-    cap = int(bucket_mb * 2**20)
-    first = min(elements, max(1, min(cap, FIRST_BUCKET_BYTES) // element_bytes))
-    size = max(1, cap // element_bytes)
-    rest = elements - first
-    return [first] + [size] * (rest // size) + ([rest % size] if rest % size else [])
-
-
-def rank_plans(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig) -> list[RankPlan]:
-    """One :class:`RankPlan` per pipeline rank (ranks of other dimensions do the same work)."""
-    from ..parallel.pipeline import partition_layers
-    from .compute import block_params
-
-    par = cfg.parallel
-    micro, m = cfg.batch_plan(dims.dp)
-    seq = cfg.data.seq_len
-    p, g = element_bytes(cfg)
-    sp = par.sequence_parallel and dims.tp > 1 and dims.grid.mode == "1d"
-    v = par.virtual_stages if dims.pp > 1 else 1
-    shape = Shape(dims.pp, v, m)
-    parts = partition_layers(model_cfg.n_layers, dims.pp * v, par.pipeline_layers or None)
-    moe = set(model_cfg.moe_layers)
-    plans = []
-    for r in range(dims.pp):
-        chunks = [parts[c * dims.pp + r] for c in range(v)]
-        first, last = r == 0, r == dims.pp - 1
-        layers = [i for c in chunks for i in c]
-        dense, experts = rank_params(model_cfg, dims, layers, first, last)
-        moe_elements = sum(block_params(model_cfg, True)[2] // dims.ep + model_cfg.d_model * model_cfg.moe_experts
-                           for i in layers if i in moe)
-        plan = RankPlan(cfg, dims, model_cfg, r, shape, micro, m, seq, micro * seq // dims.cp, p, g, sp, chunks, first,
-                        last, dense, experts, moe_elements)
-        own_experts = dims.ep > 1
-        if par.zero == 3:  # a unit per block (experts their own under expert parallelism) and the root
-            for i in layers:
-                d_i, e_i = rank_params(model_cfg, dims, [i], False, False)
-                plan.buckets.append(d_i + (0 if own_experts else e_i))
-                if own_experts and e_i:
-                    plan.expert_buckets.append(e_i)
-            root = rank_params(model_cfg, dims, [], first, last)[0]
-            if root:
-                plan.buckets.append(root)
-        else:
-            plan.buckets = _buckets(dense + (0 if own_experts else experts), p, par.bucket_mb)
-            plan.expert_buckets = _buckets(experts, p, par.bucket_mb) if own_experts else []
-        plans.append(plan)
-    return plans
 
 
 def _exposed(t: float, calls: int, window: float, passes: int) -> float:

@@ -28,19 +28,17 @@ expert              :func:`trickles.parallel.expert.dispatch_wire_bytes`,       
                     balanced load
 ==================  ===============================================================  ===========================
 
-A new dimension adds a function to :data:`TERMS` (taking the :class:`~trickles.planner.cost.RankPlan`) rather
+A new dimension adds a function to :data:`TERMS` (taking the :class:`~trickles.planner.rank_plan.RankPlan`) rather
 than the time model special-casing it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from ..comm import wire_bytes
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .cost import RankPlan
+from .rank_plan import RankPlan
 
 OVERLAPS = ("none", "backward", "forward", "prefetch", "attention", "pipeline")
 
@@ -60,7 +58,7 @@ class Traffic:
     passes: int = 1
 
 
-def tensor_1d(r: "RankPlan") -> list[Traffic]:
+def tensor_1d(r: RankPlan) -> list[Traffic]:
     """1-D tensor (and sequence) parallelism: the regions' collectives each micro-batch, the partial gradients' and
     the norm's all-reduces once a step."""
     from ..parallel.tensor import partial_grad_elements, region_wire_bytes
@@ -92,7 +90,7 @@ def grid_linears(cfg) -> list[tuple[int, int, bool]]:
     return attn + [(a, d, b)] + mlp + [(f, d, b)]
 
 
-def grid_traffic(r: "RankPlan") -> list[Traffic]:
+def grid_traffic(r: RankPlan) -> list[Traffic]:
     """2-D, 2.5-D and 3-D tensor parallelism, per line of the grid (``tp_row``, ``tp_col``, ``tp_dep``; a rank holds
     ``n`` tokens, ``N/q``, ``N/(q d)``, ``N/q^2``; ``AR``, ``AG``, ``RS`` as in :mod:`trickles.comm`):
 
@@ -203,7 +201,7 @@ def grid_traffic(r: "RankPlan") -> list[Traffic]:
     return out
 
 
-def data_parallel(r: "RankPlan") -> list[Traffic]:
+def data_parallel(r: RankPlan) -> list[Traffic]:
     """Gradient averaging (and ZeRO's sharding) over the replicas (``dp x cp``; the experts over ``edp``), the
     trainer's mean-loss all-reduce, and across pipeline stages the gradient norm and a tied embedding's gradient."""
     from ..parallel.engine import reduction_wire_bytes
@@ -239,7 +237,7 @@ def data_parallel(r: "RankPlan") -> list[Traffic]:
     return out
 
 
-def pipeline(r: "RankPlan") -> list[Traffic]:
+def pipeline(r: RankPlan) -> list[Traffic]:
     """Activations to the next stage and gradients to the previous one, every micro-batch."""
     from ..parallel.pipeline import send_bytes
 
@@ -250,7 +248,7 @@ def pipeline(r: "RankPlan") -> list[Traffic]:
     return [Traffic("pp", "pp", "send", calls, forward + backward, "pipeline", max(1, calls))]
 
 
-def context_parallel(r: "RankPlan") -> list[Traffic]:
+def context_parallel(r: RankPlan) -> list[Traffic]:
     """Ring or all-to-all attention in every layer the rank holds, forward and backward (full recomputation runs
     the forward's messages again)."""
     from ..parallel.context import layer_bytes
@@ -274,7 +272,7 @@ def context_parallel(r: "RankPlan") -> list[Traffic]:
     return out
 
 
-def expert_parallel(r: "RankPlan") -> list[Traffic]:
+def expert_parallel(r: RankPlan) -> list[Traffic]:
     """The dispatch and return all-to-alls of every MoE block pass, under a balanced load with every expert taking
     all it may (capacity's upper bound: what a step sends depends on the routing); and the step's routing
     statistics, all-reduced over every rank."""
@@ -296,5 +294,5 @@ def expert_parallel(r: "RankPlan") -> list[Traffic]:
 
 
 #: The per-dimension terms, in the order the report lists them.
-TERMS: list[Callable[["RankPlan"], list[Traffic]]] = [tensor_1d, grid_traffic, context_parallel, expert_parallel,
+TERMS: list[Callable[[RankPlan], list[Traffic]]] = [tensor_1d, grid_traffic, context_parallel, expert_parallel,
                                                       pipeline, data_parallel]

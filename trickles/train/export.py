@@ -13,7 +13,7 @@ its manifest, and writes
   ``[parallel]`` settings reset, rank 0's RNG state, and under ``exported_from`` the source and
   its layout), the tokenizer, and a fresh manifest. Step, consumed samples, loss scaler, model
   and the rest of the config are kept. Like any checkpoint it loads at any layout.
-* ``fmt="hf"``: the whole model through :func:`~trickles.train.trainer.load_for_inference` and
+* ``fmt="hf"``: the whole model through :func:`~trickles.train.load.load_for_inference` and
   :func:`~trickles.models.hf.save_hf` (``config.json`` + ``model.safetensors``, the tokenizer's
   eos id in the config), with the tokenizer's files beside them.
 
@@ -37,6 +37,7 @@ from ..models.transformer import Transformer
 from ..parallel.config import ParallelConfig
 from . import checkpoint as ckpt
 from .config import TrainConfig
+from .load import load_for_inference
 from .pieces import PieceReader, save_whole
 
 FORMATS = ("trickles", "hf")
@@ -114,7 +115,6 @@ def single_process_meta(meta: dict[str, Any], source: str) -> dict[str, Any]:
 def _write_hf(path: str, tmp: str) -> None:
     """The whole model of the checkpoint at ``path`` as a Hugging Face directory ``tmp``, the tokenizer's files beside it."""
     from ..models.hf import save_hf
-    from .trainer import load_for_inference
 
     model, tokenizer, _ = load_for_inference(path, verify=False)  # verified by the caller
     model.hf_token_ids = {"eos_token_id": tokenizer.eos_id}

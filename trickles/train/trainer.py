@@ -5,7 +5,7 @@ One optimizer step (``Trainer.train_step``):
 1. the step's global batch is samples ``consumed .. consumed + global_batch`` (a pure function
    of seed and position); this data-parallel rank takes its ``global_batch / dp`` rows and cuts
    them into ``accumulation`` micro-batches (with context parallelism, each cp rank keeps its
-   tokens of every sequence: :func:`trickles.parallel.context.shard_sequence`);
+   tokens of every sequence: :func:`trickles.parallel.sequence.shard_sequence`);
 2. each micro-batch runs forward (under the precision policy) and backward on
    ``loss / accumulation``, so the summed gradient is that of the mean loss;
 3. the data-parallel engine (:func:`trickles.parallel.plan.parallelize`: replicated, or ZeRO
@@ -31,8 +31,11 @@ from typing import Any
 import torch
 
 from ..comm import flight
+from ..compress.checkpoint import quantize_checkpoint
+from ..compress.distill import Distiller
+from ..compress.qat import apply_qat
 from ..config import Config
-from ..data import ShardedBatches, build_tokenizer, load_corpus, load_tokenizer
+from ..data import ShardedBatches, build_tokenizer, load_corpus
 from ..data.sources import iter_documents
 from ..errors import CheckpointError, ConfigError, TrainingStopped
 from ..kernels.cross_entropy import OutputLoss
@@ -48,6 +51,7 @@ from ..parallel.plan import parallelize
 from ..topology import Topology
 from . import checkpoint as ckpt
 from .flops import flops_per_token, matmul_params, peak_flops
+from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
 from .metrics import MetricsLog, plot_expert_load, plot_loss
 
 
@@ -94,8 +98,6 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.trace_enabled = bool(t.pipeline_trace)
         if t.qat:  # fake int8 in every projection's forward (trickles.compress.qat)
-            from ..compress.qat import apply_qat
-
             apply_qat(self.model)
         if t.compile:
             for block in self.model.layers.values():
@@ -106,8 +108,6 @@ class Trainer:
 
         self.distill = None  # the distillation loss (distill.teacher), trickles.compress.distill
         if cfg.distill.teacher:
-            from ..compress.distill import Distiller
-
             self.distill = Distiller(cfg.distill, self.model_cfg, self.device, t.seed, t.weight_decay)
 
         self.scaler = None
@@ -343,8 +343,6 @@ class Trainer:
     def export_int8(self, path: str | None) -> str | None:
         """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
         ``<out_dir>/int8_step_N``, written by rank 0 while the others wait."""
-        from ..compress.checkpoint import quantize_checkpoint
-
         out = os.path.join(self.cfg.train.out_dir, f"int8_step_{self.step:06d}")
         if self.topo.is_main and path is not None:
             if os.path.lexists(out):
@@ -481,23 +479,3 @@ def _gather_objects(obj: Any, topo: Topology) -> list[Any]:
     out: list[Any] = [None] * topo.world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def load_for_inference(path: str, device: torch.device | str = "cpu", verify: bool = True, fused_proj: bool | None = None):
-    """``(model, tokenizer, trainer_meta)`` from a checkpoint directory, run's out_dir or checkpoints folder.
-
-    ``verify=False`` skips checking the manifest (the caller just did); ``fused_proj`` overrides ``model.fused_proj``
-    (how the model computes its projections; the checkpoint holds the same tensors either way).
-    """
-    path = ckpt.resolve(path)
-    if verify:
-        ckpt.verify(path)
-    meta = ckpt.read_json(os.path.join(path, "trainer.json"))
-    model_cfg = ModelConfig(**{**meta["model"], **({} if fused_proj is None else {"fused_proj": fused_proj})})
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    model.to_empty(device=device)
-    model.reset_buffers()
-    ckpt.load_model_state(model, ckpt.PieceReader(path, "model"), path)
-    model.eval()
-    return model, load_tokenizer(os.path.join(path, "tokenizer")), meta

@@ -1,0 +1,26 @@
+"""``trickles checkpoint export``: consolidate a checkpoint written by any number of ranks, in one process, into a
+single-device checkpoint (every tensor whole, optimizer state included) or a Hugging Face directory
+(:mod:`trickles.train.export`)."""
+
+from __future__ import annotations
+
+from .common import add_command
+
+
+def add_parser(sub) -> None:
+    k = add_command(sub, "checkpoint", "work with checkpoints (export)")
+    actions = k.add_subparsers(dest="action", required=True)
+    e = add_command(actions, "export", "consolidate a checkpoint written at any layout, in one process")
+    e.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
+    e.add_argument("out", help="directory to create (must not exist)")
+    e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
+                   help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
+                        "hf: a Hugging Face directory (config.json + model.safetensors)")
+
+
+def run(args) -> int:
+    from ..train.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out, args.fmt)
+    print(f"[trickles] exported {args.checkpoint} to {out} ({args.fmt})")
+    return 0

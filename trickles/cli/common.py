@@ -1,0 +1,92 @@
+"""What the subcommands share: the parser class with the command's error style, the ``--config``/``--set`` options,
+checks of option values that fail as one-line :class:`~trickles.errors.UserError`s, and loading a checkpoint for
+inference (``generate``, ``serve``).
+
+Nothing here imports torch or the library's heavier modules at import time: ``trickles --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from ..errors import UserError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with the command's error style: one line ``error: ...`` and status 2 (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} (see {self.prog} --help)\n")
+
+
+def add_command(sub, name: str, help: str) -> argparse.ArgumentParser:
+    """A subcommand's parser, its one-line ``help`` also the description its own ``--help`` starts with."""
+    return sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".")
+
+
+def config_args(sp) -> None:
+    """``--config/-c`` and ``--set/-s``: the options of every command that builds a :class:`~trickles.config.Config`."""
+    sp.add_argument("--config", "-c", metavar="F", help="TOML config file (default: the built-in demo settings)")
+    sp.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="override one config value (repeatable), e.g. --set train.steps=100 (default: none)")
+
+
+def count(option: str, value: int | None, low: int) -> None:
+    """An integer option (None: not given) that must be at least ``low``."""
+    if value is not None and value < low:
+        raise UserError(f"{option} must be at least {low}, got {value}")
+
+
+def writable(option: str, path: str | None) -> None:
+    folder = os.path.dirname(os.path.abspath(path)) if path else None
+    if folder and not os.path.isdir(folder):
+        raise UserError(f"{option} {path}: the directory {folder} does not exist; create it or give another path")
+
+
+# ---- inference: generate and serve ---------------------------------------------------------------------------------
+
+DEVICE_HELP = "where to run: auto (CUDA when available, else CPU), cpu, cuda or cuda:N (default: auto)"
+
+
+def check_device(device: str) -> None:
+    import torch
+
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu")
+
+
+def check_checkpoint(path: str) -> None:
+    if not os.path.exists(path):
+        raise UserError(f"checkpoint {path} does not exist; give a checkpoint directory or a run's out_dir")
+
+
+def context_length(path: str) -> int:
+    """The model's context length, from a checkpoint's ``trainer.json``."""
+    from ..train import checkpoint as ckpt
+
+    return int(ckpt.read_json(os.path.join(ckpt.resolve(path), "trainer.json"))["model"]["max_seq_len"])
+
+
+def check_budget(budget_gb: float | None) -> None:
+    if budget_gb is not None and not (math.isfinite(budget_gb) and budget_gb > 0):
+        raise UserError(f"--device-budget-gb must be a positive number of GB, got {budget_gb:g}")
+
+
+def load_model(path: str, device, budget_gb: float | None, rows: int, max_len: int, int8: str | None = None):
+    """``(model, tokenizer, meta)``: the whole model on ``device`` (a quantized checkpoint with its ``int8`` matmul), or
+    with ``--device-budget-gb`` the blocks that do not fit beside a KV cache of ``rows x max_len`` streamed from the
+    checkpoint (placement printed on stderr)."""
+    from ..compress.checkpoint import load_checkpoint
+
+    if budget_gb is None:
+        return load_checkpoint(path, device, int8=int8)
+    from ..infer.streaming import load_streaming
+
+    model, tokenizer, meta = load_streaming(path, device, int(budget_gb * 1e9), rows, max_len, int8=int8)
+    print(model.placement.summary(), file=sys.stderr)
+    return model, tokenizer, meta
