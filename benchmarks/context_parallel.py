@@ -22,6 +22,11 @@ What is compared
       saved bytes show what a device would do and hold without context parallelism). It runs on every
       rank at once, so on a shared CPU it sees the same contention as the others.
 
+    At ``--world 1`` (cp=1: one process, nothing sent) the ring and the all-to-all are timed against that
+    reference row instead: what their attention blocks cost against ``F.scaled_dot_product_attention`` on
+    the same device (the ring's blocks run PyTorch's fused CPU kernel on a CPU and fp32 matmuls elsewhere,
+    ``trickles/parallel/context.py``). DeepSpeed and PyTorch's ``context_parallel`` are left out there.
+
 How
     * Same data: the whole ``q, k, v`` and upstream gradient from a fixed generator on every rank;
       every contestant takes its rank's tokens of them in its own layout (ring: ``positions(T, N, r,
@@ -66,6 +71,7 @@ Examples::
     python benchmarks/context_parallel.py                      # CPU, 2 ranks, B 1, H 8, T 2048, D 64, fp32
     python benchmarks/context_parallel.py --world 4 --steps 6
     python benchmarks/context_parallel.py --kv-heads 2 --json out/cp.json     # grouped-query attention
+    python benchmarks/context_parallel.py --world 1 --device cuda --seq 8192 --heads 16   # cp=1: ring vs SDPA
     torchrun --nproc-per-node 8 benchmarks/context_parallel.py --device cuda --seq 65536 --heads 32 --precision bf16
 """
 
@@ -222,6 +228,8 @@ class _CountAllToAll:
 def expected_sent(name: str, b: int, h: int, h_kv: int, seq: int, d: int, n: int, e: int) -> float | None:
     """Bytes one rank sends per step (forward and backward) by the formulas in the module docstring."""
     t = seq // n
+    if n == 1 and name in (RING, ULYSSES):  # one rank: the ring and the all-to-all send nothing
+        return 0.0
     if name == RING:
         block = 2 * b * h_kv * t * d
         return (n - 1) * block * e * 2 + n * block * 4
@@ -233,8 +241,8 @@ def expected_sent(name: str, b: int, h: int, h_kv: int, seq: int, d: int, n: int
 
 
 def _check_shape(b: int, h: int, h_kv: int, seq: int, n: int) -> str | None:
-    if n < 2:  # (ring_attention's backward also passes its gradient block on with one rank, which fails)
-        return "context parallelism needs --world 2 or more"
+    if n < 1:
+        return "--world must be at least 1"
     if h % h_kv:
         return f"--heads {h} is not a multiple of --kv-heads {h_kv}"
     if seq % (2 * n):
@@ -378,13 +386,16 @@ def rank_main(args) -> int:
     del q, k, v
 
     peers: dict[str, str] = {}
-    ds, why = (None, "left out (--no-deepspeed)") if args.no_deepspeed else make_deepspeed(device)
+    if world == 1:
+        ds, why = None, "--world 1 (nothing to split; ours are compared with SDPA in one process)"
+    else:
+        ds, why = (None, "left out (--no-deepspeed)") if args.no_deepspeed else make_deepspeed(device)
     if ds is not None and h_kv % world and h_kv < world:
         ds, why = None, f"needs at least --world key/value heads (H_kv {h_kv} < {world})"
     peers[DS] = f"ran (deepspeed {why})" if ds is not None else f"did not run: {why}"
 
     kw = {"cp": world, "rank": rank}
-    ring_peer = DS if ds is not None else None
+    ring_peer = REF if world == 1 else (DS if ds is not None else None)  # cp=1: the ring's own cost against SDPA
     contestants: list[Core] = [Core(REF, None, None, lambda q, k, v: flat(sdpa(*heads_first(q, k, v))), whole, dout, **kw)]
     torch_cp = None
     if args.no_torch_cp:
@@ -404,7 +415,7 @@ def rank_main(args) -> int:
             peers[TORCH_CP] = f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
     contestants.append(Core(RING, ring_peer, "ring", lambda q, k, v: flat(ring_attention(*heads_first(q, k, v), comm)),
                             whole, dout, **kw))
-    contestants.append(Core(ULYSSES, DS if ds is not None else None, "ulysses",
+    contestants.append(Core(ULYSSES, ring_peer, "ulysses",
                             lambda q, k, v: flat(ulysses_attention(*heads_first(q, k, v), comm, sdpa)), whole, dout, **kw))
     if ds is not None:
         contestants.append(Core(DS, None, "ulysses", lambda q, k, v: ds(q, k, v, 0).reshape(q.shape[0], q.shape[1], -1),

@@ -199,11 +199,16 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.measure_one:
         return measure_one(args)
+    with tempfile.TemporaryDirectory(prefix="trickles-inference-") as work:  # the checkpoints (GBs at GPU sizes) go with it
+        return compare(args, work)
+
+
+def compare(args, work: str) -> int:
+    """Builds and saves the model under ``work``, checks the contestants agree, times them and prints the table."""
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
     cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
                               n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, vocab_size=args.vocab,
                               max_seq_len=args.prompt_len + args.new_tokens + 8)
-    work = tempfile.mkdtemp(prefix="trickles-inference-")
     model = build_model(cfg, args.seed)
     n_params = count_params(model)
     model_bytes = n_params * 4

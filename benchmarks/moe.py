@@ -99,6 +99,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _ranks import Contestant, compare_times, finish, main as run_main, setup_rank, time_rounds  # noqa: E402
 from _timing import device_name, rotations, summarize, sync, table, timed  # noqa: E402
 
+from trickles.models import fused  # noqa: E402
 from trickles.models.config import ModelConfig  # noqa: E402
 from trickles.models.moe import route  # noqa: E402
 from trickles.models.transformer import build_model, rope_tables  # noqa: E402
@@ -129,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=8, help="query heads (block)")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (block)")
     p.add_argument("--precision", choices=list(DTYPES), default=None, help="timed precision (default: cpu fp32, cuda bf16)")
+    p.add_argument("--fused-proj", choices=["auto", "on", "off"], default="auto",
+                   help="our block's q/k/v as one matmul (model.fused_proj; auto: the library's default, on where the "
+                        "kernels run Triton, i.e. on CUDA); transformers' weights are loaded from the parts either way")
     p.add_argument("--steps", type=int, default=10, help="timed rounds (one step of every contestant per round)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the agreement check")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -144,11 +148,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- the models -----------------------------------------------------------------------------
 
+FUSED_PROJ = {"auto": None, "on": True, "off": False}
+
+
 def model_config(args) -> ModelConfig:
-    """One llama-flavoured MoE block: dropless top-k, auxiliary losses with weight 0."""
+    """One llama-flavoured MoE block: dropless top-k, auxiliary losses with weight 0; the kernels and fused
+    projections the library picks on this machine (``--fused-proj`` pins the latter)."""
     return ModelConfig(n_layers=1, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads, vocab_size=64,
-                       max_seq_len=args.seq, rope_theta=ROPE_THETA, norm_eps=NORM_EPS, dropout=0.0,
-                       moe_experts=args.experts, moe_top_k=args.top_k, moe_ffn_hidden=args.ffn, moe_capacity_factor=0.0,
+                       fused_proj=FUSED_PROJ[args.fused_proj], max_seq_len=args.seq, rope_theta=ROPE_THETA, norm_eps=NORM_EPS,
+                       dropout=0.0, moe_experts=args.experts, moe_top_k=args.top_k, moe_ffn_hidden=args.ffn, moe_capacity_factor=0.0,
                        moe_aux_loss=0.0, moe_z_loss=0.0)
 
 
@@ -191,11 +199,23 @@ BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": 
                **{f"attn.{p}.weight": f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
 
 
+def by_parts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A block's tensors (parameters or their gradients) by our unfused names: a fused ``attn.qkv_proj`` (CUDA's
+    default, ``model.fused_proj``) cut into ``q_proj``, ``k_proj``, ``v_proj`` by ``trickles.models.fused.split_state``,
+    the names transformers' layer has; an unfused block's tensors as they are."""
+    prefix = "layers.0."  # split_state reads a model's names
+    whole = fused.split_state(cfg, {prefix + n: t for n, t in tensors.items()})
+    return {n[len(prefix):]: t for n, t in whole.items()}
+
+
 @torch.no_grad()
-def load_hf_block(hf, ours) -> None:
+def load_hf_block(hf, ours, cfg: ModelConfig) -> None:
+    """Our block's weights into a ``MixtralDecoderLayer``: norms and projections by name (from the parts where ours
+    fuses them), the MoE by :func:`load_hf_moe`."""
     params = dict(hf.named_parameters())
+    mine = by_parts(cfg, {n: p.detach() for n, p in ours.named_parameters()})
     for name, theirs in BLOCK_NAMES.items():
-        params[theirs].copy_(ours.get_parameter(name))
+        params[theirs].copy_(mine[name])
     load_hf_moe(hf.mlp, ours.mlp)
 
 
@@ -272,11 +292,11 @@ def single_device(args) -> tuple[int, dict]:
         cos, sin = (r.to(device) for r in rope_tables(cfg.head_dim, t, ROPE_THETA))
         ours_rope = (cos, sin)
         steps.append(Step(OURS_BLOCK, "block", block, lambda x: block(x, ours_rope),
-                          lambda: {n: p.grad for n, p in block.named_parameters()}, x, dy))
+                          lambda: by_parts(cfg, {n: p.grad for n, p in block.named_parameters()}), x, dy))
         for impl in ("grouped_mm", "eager"):
             hcfg = hf_config(args, impl)
             hf = MixtralDecoderLayer(hcfg, 0).to(device).train()
-            load_hf_block(hf, block)
+            load_hf_block(hf, block, cfg)
             hf_rope = MixtralRotaryEmbedding(hcfg).to(device)(x, torch.arange(t, device=device)[None])
 
             def fn(x, hf=hf, hf_rope=hf_rope):
@@ -311,6 +331,8 @@ def single_device(args) -> tuple[int, dict]:
     print(f"  shape   B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts}, top-{args.top_k}, dropless, "
           f"{precision}"
           + ("" if args.no_block else f"; block: {args.heads} heads, {args.kv_heads} key/value heads, causal sdpa"))
+    print(f"  ours    model.kernels={cfg.kernels}, "
+          f"{'fused q/k/v projection (model.fused_proj)' if cfg.fuses_projections else 'separate q/k/v projections'}")
     print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
           f"torch {torch.__version__}")
     print(f"\nagreement check (fp32): output, input gradient, weight gradients (largest over the parameters); relative error "
@@ -358,6 +380,7 @@ def single_device(args) -> tuple[int, dict]:
     sys.stdout.flush()
     out = {"shape": {"batch": b, "seq": t, "d_model": d, "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k,
                      "heads": args.heads, "kv_heads": args.kv_heads, "precision": precision},
+           "ours": {"kernels": cfg.kernels, "fused_proj": cfg.fuses_projections},
            "device": str(device), "device_name": device_name(device), "threads": torch.get_num_threads(),
            "torch": torch.__version__, "transformers": transformers.__version__, "checks": checks, "results": results}
     return 0, out

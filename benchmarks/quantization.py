@@ -18,6 +18,11 @@ table and writes ``--out``/quantization.json.
     python benchmarks/quantization.py                          # CPU: trains the demo model 150 steps first (a few minutes)
     python benchmarks/quantization.py --checkpoint runs/demo   # an existing run
     python benchmarks/quantization.py --speed-preset llama-125m --threads 1   # decode speed of a wider model (untrained)
+    python benchmarks/quantization.py --speed-preset llama-1b --device cuda --rounds 3   # the same on a GPU
+
+On CUDA (``--device cuda``, with ``--speed-preset``) true int8 runs ``torch._int_mm`` on the GPU (one decoded token is
+one row: padded to 17, the fewest it takes there; ``trickles.compress.quantize.int_mm_path``); every step is timed
+with the device synchronized (``_timing.timed``).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def torchao_model(model):
     return m
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--checkpoint", default=None, help="a float checkpoint or run (default: train the demo model here)")
     p.add_argument("--train-steps", type=int, default=150)
@@ -81,7 +86,13 @@ def main() -> None:
     p.add_argument("--eval-batches", type=int, default=None, help="held-out batches (default: the run's train.eval_batches)")
     p.add_argument("--speed-preset", default=None, metavar="PRESET",
                    help="decode speed only, of an untrained model of this preset (e.g. llama-125m), quantized in memory")
-    args = p.parse_args()
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the models decode; cuda needs --speed-preset (the held-out loss path trains and loads on the CPU)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not args.speed_preset:
+        p.error("--device cuda measures decode speed only: add --speed-preset PRESET")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -115,28 +126,28 @@ def speed_only(args) -> None:
     from trickles.models.transformer import build_model
 
     cfg = resolve_model(apply_preset(ModelConfig(), args.speed_preset), 32000, args.prompt_tokens + args.new_tokens)
-    base = build_model(cfg, seed=0).eval()
+    base = build_model(cfg, seed=0, device=args.device).eval()
     models = {"fp32": base, "bf16": copy.deepcopy(base).to(torch.bfloat16)}
     for name, g, mode in (("int8-weight", "row", "weight"), ("int8-full", "row", "full")):
         models[name] = copy.deepcopy(base)
         quantize_model(models[name], g, mode)
-    ao = torchao_model(base)
+    ao = torchao_model(base) if args.device == "cpu" else None  # its int8 weight-only path is the CPU peer here
     if ao is not None:
         models["torchao-int8"] = ao
     report(models, {n: None for n in models}, args, f"untrained {args.speed_preset} (vocab {cfg.vocab_size})")
 
 
 def report(models, losses, args, path) -> None:
-    cpu = torch.device("cpu")
+    device = next(models["fp32"].parameters()).device
     g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, models["fp32"].cfg.vocab_size, (args.batch, args.prompt_tokens), generator=g)
+    prompt = torch.randint(0, models["fp32"].cfg.vocab_size, (args.batch, args.prompt_tokens), generator=g).to(device)
     outputs = {}
     with torch.no_grad():
         for name, m in models.items():  # warm-up, and the greedy tokens
             outputs[name] = generate(m, prompt, args.new_tokens, temperature=0.0)
         times = {n: [] for n in models}
         for _, name in rotations(list(models), args.rounds):
-            t, _ = timed(lambda: generate(models[name], prompt, args.new_tokens, temperature=0.0), cpu)
+            t, _ = timed(lambda: generate(models[name], prompt, args.new_tokens, temperature=0.0), device)
             times[name].append(t)
     tokens = args.batch * args.new_tokens
     rows, out = [], {}
@@ -148,16 +159,20 @@ def report(models, losses, args, path) -> None:
         return [f"{losses[name]:.4f}", f"{100 * (losses[name] - ref_loss) / ref_loss:+.3f}%"]
 
     ao_speed = tokens / statistics.median(times["torchao-int8"]) if "torchao-int8" in times else None
+    bf16_speed = tokens / statistics.median(times["bf16"])
     for name in models:
         speed = tokens / statistics.median(times[name])
         same = float((outputs[name] == outputs["fp32"]).float().mean())
-        rows.append([name, f"{speed:.1f}", f"{speed / ao_speed:.2f}x" if ao_speed else "-", *loss_cells(name), f"{100 * same:.0f}%"])
-        out[name] = {"tokens_per_s": speed, "times": times[name], "val_loss": losses[name], "greedy_agreement": same}
+        rows.append([name, f"{speed:.1f}", f"{speed / ao_speed:.2f}x" if ao_speed else "-", f"{speed / bf16_speed:.2f}x",
+                     *loss_cells(name), f"{100 * same:.0f}%"])
+        out[name] = {"tokens_per_s": speed, "times": times[name], "val_loss": losses[name], "greedy_agreement": same,
+                     "speed_vs_bf16": speed / bf16_speed}
     print(f"\n[bench] decode {args.new_tokens} tokens after {args.prompt_tokens}, batch {args.batch}, {args.rounds} rounds, "
-          f"{torch.get_num_threads()} threads, {device_name(cpu)}; model {path}")
-    print(table(["model", "tokens/s", "vs torchao", "val loss", "vs fp32", "greedy = fp32"], rows))
+          f"{torch.get_num_threads()} threads, {device.type}: {device_name(device)}; model {path}")
+    print(table(["model", "tokens/s", "vs torchao", "vs bf16", "val loss", "vs fp32", "greedy = fp32"], rows))
     with open(os.path.join(args.out, "quantization.json"), "w") as f:
-        json.dump({"args": vars(args), "model": path, "results": out}, f, indent=2)
+        json.dump({"args": vars(args), "model": path, "device": str(device), "device_name": device_name(device),
+                   "results": out}, f, indent=2)
 
 
 if __name__ == "__main__":

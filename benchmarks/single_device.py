@@ -17,10 +17,25 @@ How
       ``torch.optim.AdamW`` built by ``build_adamw`` for both (foreach on CPU, fused on CUDA, the
       same hyper-parameters and decay groups), ``zero_grad(set_to_none=True)``. Hugging Face
       runs with ``use_cache=False`` (no KV cache is built in training).
-    * Agreement first: the first two steps run on one fixed batch for every model and their
-      losses are compared (step 1 checks the forward, step 2 the gradients and the AdamW
-      update). The run stops if they differ by more than ``--tol`` (default 1e-4 in fp32, 1e-2
-      in bf16 or with TF32). The largest logit difference before training is printed too.
+    * Agreement first, in two parts; the run stops if either fails.
+      (1) The logits of the first sequence before training, both models in fp32 with TF32 off
+      whatever ``--precision``: ``||ours - HF|| / ||HF||`` at most ``--logits-tol`` (1e-4). Two
+      correct implementations differ here by reduction order only (0 on a CPU, where both run
+      the same kernels); each wrong model of ``--break`` by 2.1e-2 or more, so this part is what
+      stops a wrong model.
+      (2) The first two training steps on one fixed batch, in the run's precision (step 1 checks
+      the forward, step 2 the gradients and the AdamW update): ``|loss ours - loss HF|`` at most
+      ``--tol`` times HF's loss. The default is one rounding of the loss in the precision the
+      steps compute in: fp32 1e-5, TF32 matmuls (CUDA fp32) ``2^-10``, bf16 ``2^-8`` (3.9e-3;
+      bf16 keeps 8 significant bits). It lets rounding through -- Adam's first update is about
+      ``lr * sign(g)`` per weight, so every gradient element whose sign rounding flips moves
+      by ``2 lr`` and step 2 amplifies the rounding of a deep bf16 model (llama-1b on one GPU:
+      1.9e-2 of a loss near 11.8, 0.41 of the bound) -- and stops what is grossly wrong. In
+      bf16 it cannot tell a subtle error from rounding: at random initialization a wrong rotary
+      changes the loss by less than bf16 rounding does (16 layers on a CPU: 7.6e-5 against a
+      correct model's 2.7e-4; benchmarks/README.md has the table), which is why (1) runs in fp32.
+      ``--break`` damages transformers' twin on purpose (a weight transposed, a norm skipped,
+      no or wrong rotary, gate and up swapped) to show the check stopping it.
     * Timing: ``--warmup`` untimed steps, then ``--steps`` timed steps per model, alternating
       models step by step (the order rotates each round) so machine noise hits all alike. On
       CUDA the device is synchronized before and after each step. Reported: median and mean
@@ -71,11 +86,16 @@ from trickles.train.flops import flops_per_token, peak_flops  # noqa: E402
 LLAMA_PRESETS = [name for name, p in PRESETS.items() if p.get("flavor") == "llama"]
 DEFAULTS = {"cpu": {"batch": 8, "seq": 256}, "cuda": {"batch": 4, "seq": 2048}}
 OURS, HF, COMPILED = "trickles", "hf-llama", "trickles+compile"
+#: ``--tol`` by the precision the check's steps compute in: one rounding of the loss (unit roundoff ``2^-p``, ``p``
+#: significant bits: bf16 8, TF32 11); fp32 stays strict, a few orders above its own ``2^-24``
+LOSS_TOL = {"fp32": 1e-5, "tf32": 2.0 ** -10, "bf16": 2.0 ** -8}
+LOGITS_TOL = 1e-4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", default="demo", choices=LLAMA_PRESETS, help="model shape (trickles.models.PRESETS)")
+    p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
     p.add_argument("--batch", type=int, default=None, help=f"sequences per step (default: cpu {DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})")
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
@@ -91,7 +111,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="fp32 matmuls on TF32 tensor cores on CUDA (peak_flops' fp32 peak assumes it)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (both models)")
     p.add_argument("--tol", type=float, default=None,
-                   help="largest allowed loss difference in the agreement check (default: 1e-4 fp32, 1e-2 with bf16 or TF32)")
+                   help="largest allowed |loss ours - loss HF| / loss HF in the agreement check's two training steps "
+                        "(default: one rounding of the loss in the precision the steps run in: fp32 1e-5, TF32 2^-10, "
+                        "bf16 2^-8 = 3.9e-3; bf16 keeps 8 significant bits. A correct llama-1b differed by 1.9e-2 of a "
+                        "loss near 11.8, 1.6e-3, in bf16 on a GPU; what stops a wrong model is the fp32 logits check, "
+                        "--logits-tol)")
+    p.add_argument("--logits-tol", type=float, default=LOGITS_TOL,
+                   help="largest allowed ||ours - HF|| / ||HF|| of the first sequence's logits before training, both in "
+                        "fp32 with TF32 off (correct: reduction order only, 0 on a CPU; the --break models measured "
+                        "2.1e-2 and more)")
+    p.add_argument("--break", dest="break_", choices=list(BREAKS), default="none",
+                   help="damage transformers' twin on purpose, to see the agreement check stop the run")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     return p.parse_args(argv)
@@ -123,6 +153,31 @@ def load_hf_twin(ours: Transformer, device: torch.device) -> torch.nn.Module:
     if impl != "sdpa":
         raise SystemExit(f"transformers chose attention implementation {impl!r}, not 'sdpa'")
     return hf
+
+
+def _transpose_o_proj(hf) -> None:
+    w = hf.model.layers[0].self_attn.o_proj.weight
+    w.data = w.data.t().contiguous()
+
+
+def _skip_first_norm(hf) -> None:
+    hf.model.layers[0].input_layernorm.forward = lambda x: x
+
+
+def _scale_rotary(factor: float):
+    def damage(hf) -> None:
+        hf.model.rotary_emb.inv_freq.mul_(factor)
+    return damage
+
+
+def _swap_gate_up(hf) -> None:
+    mlp = hf.model.layers[0].mlp
+    mlp.gate_proj.weight.data, mlp.up_proj.weight.data = mlp.up_proj.weight.data.clone(), mlp.gate_proj.weight.data.clone()
+
+
+#: ``--break``: ways to make transformers' twin compute something else (each touches the first block or the rotary)
+BREAKS = {"none": None, "o-proj-transposed": _transpose_o_proj, "no-attn-norm": _skip_first_norm,
+          "no-rotary": _scale_rotary(0.0), "rotary-x2": _scale_rotary(2.0), "gate-up-swapped": _swap_gate_up}
 
 
 def compiled_twin(ours: Transformer) -> Transformer:
@@ -177,6 +232,64 @@ class Contestant:
         return value
 
 
+def logits_error(ours: Contestant, hf: Contestant, x: torch.Tensor, precision: str, device: torch.device) -> float:
+    """``||ours - HF|| / ||HF||`` of the logits of ``x`` without gradients, in ``precision``; fp32 with TF32 off (the
+    matmul precision restored afterwards), so that only the two implementations' reduction orders differ."""
+    before = torch.get_float32_matmul_precision()
+    if precision == "fp32":
+        torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.no_grad(), autocast(precision, device):
+            a, b = ours.logits(x).float(), hf.logits(x).float()
+            return ((a - b).norm() / b.norm()).item()
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def agreement(by_name: dict[str, Contestant], x: torch.Tensor, y: torch.Tensor, args, tol: float, steps_in: str,
+              device: torch.device) -> dict:
+    """The agreement check (module docstring), printed; its numbers and ``ok``. Two steps on the fixed batch; the
+    compiled row shares ours' parameters, so it takes ours' second step (its forward then runs on the weights ours'
+    first step made)."""
+    ours, hf = by_name[OURS], by_name[HF]
+    logit_diff = logits_error(ours, hf, x[:1], args.precision, device)
+    logit_fp32 = logits_error(ours, hf, x[:1], "fp32", device)
+    second = COMPILED if COMPILED in by_name else OURS
+    losses: dict[str, list] = {}
+    for step, order in enumerate(([OURS, HF], [second, HF])):
+        for name in order:
+            losses.setdefault(name, [None, None])[step] = by_name[name].run(x, y, record=False)
+    loss_ours, loss_hf = [losses[OURS][0], losses[second][1]], losses[HF]
+    diffs = [abs(a - b) / abs(b) for a, b in zip(loss_ours, loss_hf)]
+    logits_ok, losses_ok = logit_fp32 <= args.logits_tol, all(d <= tol for d in diffs)
+    ok = logits_ok and losses_ok
+    print(f"\nagreement check{f' (transformers twin broken on purpose: {args.break_})' if args.break_ != 'none' else ''}:")
+    print(f"  logits of the first sequence before training, ||ours - HF|| / ||HF||: fp32 {logit_fp32:.2e} "
+          f"(tolerance {args.logits_tol:g}){f', {args.precision} {logit_diff:.2e}' if args.precision != 'fp32' else ''}")
+    print(f"  step 1 loss  {OURS} {loss_ours[0]:.6f}  {HF} {loss_hf[0]:.6f}  |diff|/loss {diffs[0]:.2e}")
+    print(f"  step 2 loss  {second} {loss_ours[1]:.6f}  {HF} {loss_hf[1]:.6f}  |diff|/loss {diffs[1]:.2e}"
+          f"  (after one AdamW update; tolerance {tol:.2g}, {steps_in})")
+    print(f"  {'OK' if ok else 'MISMATCH'}")
+    if not ok:
+        what = ([f"the fp32 logits differ by more than --logits-tol {args.logits_tol:g}"] if not logits_ok else []) + \
+               ([f"the losses differ by more than --tol {tol:.2g} of the loss"] if not losses_ok else [])
+        print(f"{' and '.join(what)}: the models do not compute the same thing and timings would be meaningless",
+              file=sys.stderr)
+    return {"loss_tolerance_rel": tol, "steps_in": steps_in, "ours": loss_ours, "hf": loss_hf, "loss_rel_diff": diffs,
+            "ok": ok, "logits_rel_diff": logit_diff, "logits_fp32_rel_diff": logit_fp32,
+            "logits_tolerance": args.logits_tol, "break": args.break_}
+
+
+def write_json(path: str | None, out: dict) -> None:
+    """``out`` as JSON at ``path`` (nothing without a path)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=2, default=str)
+    print(f"wrote {path}")
+
+
 # ---- main ----------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -188,14 +301,19 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     tf32 = device.type == "cuda" and args.tf32
     torch.set_float32_matmul_precision("high" if tf32 else "highest")
-    tol = args.tol if args.tol is not None else (1e-2 if args.precision == "bf16" or tf32 else 1e-4)
+    steps_in = "bf16" if args.precision == "bf16" else ("tf32" if tf32 else "fp32")
+    tol = args.tol if args.tol is not None else LOSS_TOL[steps_in]
 
-    cfg = resolve_model(dataclasses.replace(apply_preset(ModelConfig(), args.preset), kernels=args.kernels),
+    shape = apply_preset(ModelConfig(), args.preset)
+    cfg = resolve_model(dataclasses.replace(shape, kernels=args.kernels, n_layers=args.layers or shape.n_layers),
                         tokenizer_vocab=args.vocab, seq_len=seq)
 
     torch.manual_seed(args.seed)
     ours = build_model(cfg, seed=args.seed, device=device).train()
     hf = load_hf_twin(ours, device)
+    if BREAKS[args.break_] is not None:
+        with torch.no_grad():
+            BREAKS[args.break_](hf)
     adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     opt_ours = build_adamw(ours, **adamw)
     contestants = [Contestant(OURS, ours, opt_ours, False, args.precision, device),
@@ -222,33 +340,16 @@ def main(argv=None) -> int:
     print(f"  device  {device.type}: {dev_name}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
           f"transformers {__import__('transformers').__version__}")
 
-    # Agreement check: two steps on the fixed batch. The compiled row shares ours' parameters, so
-    # it takes ours' second step (its forward then runs on the weights ours' first step made).
     names = [c.name for c in contestants]
-    with torch.no_grad(), autocast(args.precision, device):
-        a = contestants[0].logits(x[:1]).float()
-        b = contestants[1].logits(x[:1]).float()
-    logit_diff = ((a - b).abs().max() / b.abs().max()).item()
-    del a, b
-    check: dict[str, list[float]] = {}
-    first = [OURS, HF]
-    second = [COMPILED if args.compile else OURS, HF]
-    for step, order in enumerate((first, second)):
-        for name in order:
-            check.setdefault(name, [None, None])[step] = by_name[name].run(x, y, record=False)
-    loss_ours = [check[OURS][0], check[second[0]][1]]
-    loss_hf = check[HF]
-    diffs = [abs(a - b) for a, b in zip(loss_ours, loss_hf)]
-    ok = all(d <= tol for d in diffs)
-    print(f"\nagreement check (tolerance {tol:g}):")
-    print(f"  step 1 loss  {OURS} {loss_ours[0]:.6f}  {HF} {loss_hf[0]:.6f}  |diff| {diffs[0]:.2e}")
-    print(f"  step 2 loss  {second[0]} {loss_ours[1]:.6f}  {HF} {loss_hf[1]:.6f}  |diff| {diffs[1]:.2e}"
-          f"  (after one AdamW update)")
-    print(f"  logits of the first sequence before training: max |ours - HF| / max |HF| = {logit_diff:.2e}")
-    print(f"  {'OK' if ok else 'MISMATCH'}")
-    if not ok:
-        print(f"the losses differ by more than --tol {tol:g}: the models do not compute the same thing and timings "
-              "would be meaningless (if this is only kernel rounding, raise --tol)", file=sys.stderr)
+    check = agreement(by_name, x, y, args, tol, steps_in, device)
+    info = {"args": vars(args), "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "tf32": tf32,
+            "model": {k: getattr(cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size",
+                                                    "max_seq_len", "kernels")},
+            "fused_proj": cfg.fuses_projections, "params": n_params, "flops_per_token": fpt, "peak_flops": peak}
+    if not check["ok"]:
+        write_json(args.json, {**info, "check": check, "results": None})
         return 1
 
     for _, name in rotations(names, args.warmup):
@@ -290,20 +391,8 @@ def main(argv=None) -> int:
         print(f"peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB "
               "(step GiB: allocated by one step above the resident parameters and optimizer states of all rows)")
 
-    if args.json:
-        out = {"args": vars(args), "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
-               "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "transformers": __import__("transformers").__version__, "tf32": tf32,
-               "model": {k: getattr(cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size",
-                                                       "max_seq_len")},
-               "params": n_params, "flops_per_token": fpt, "peak_flops": peak,
-               "check": {"tolerance": tol, "ours": loss_ours, "hf": loss_hf, "ok": ok, "logits_rel_diff": logit_diff},
-               "results": results, "ratio_ours_hf": ratio,
-               "ratio_compiled_hf": results[COMPILED]["median"] / base if args.compile else None}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
-        print(f"wrote {args.json}")
+    write_json(args.json, {**info, "check": check, "results": results, "ratio_ours_hf": ratio,
+                           "ratio_compiled_hf": results[COMPILED]["median"] / base if args.compile else None})
     return 0
 
 

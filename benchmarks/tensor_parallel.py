@@ -38,6 +38,14 @@ What is compared
 
     Pairs: ours tp vs dtensor tp, ours tp+sp vs dtensor tp+sp.
 
+    What each runs, pinned: the peers and the single-device reference are torchtitan's model, the plain
+    PyTorch one its plan shards -- separate ``q/k/v`` and ``gate/up`` projections and eager PyTorch norms,
+    rotary and SwiGLU (``model.fused_proj=false``, ``model.kernels=torch``; a fused ``qkv_proj`` has no
+    entry in that plan, and DTensor-sharded norms cannot enter the Triton kernels). Ours runs as the
+    library configures it on the device (``--kernels``, ``--fused-proj``; on CUDA: the Triton kernels
+    and one q/k/v and one gate/up matmul, split by key/value groups and channel pairs); ``--kernels torch
+    --fused-proj off`` makes ours the peers' model, for a comparison of the parallelism alone.
+
 How
     * Every contestant lives in the same ``N`` processes at once, on the same model shape,
       batch and initial weights: peers get ``build_model(cfg, seed)`` on every rank (then
@@ -90,7 +98,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import inspect
 import os
 import statistics
 import sys
@@ -111,6 +121,7 @@ from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 4, "seq": 256}, "cuda": {"batch": 8, "seq": 1024}}
 REF = "single device"
+FUSED_PROJ = {"auto": None, "on": True, "off": False}
 OURS_TP, OURS_SP, PEER_TP, PEER_SP = "ours tp", "ours tp+sp", "dtensor tp", "dtensor tp+sp"
 
 
@@ -125,6 +136,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
     p.add_argument("--no-loss-parallel", action="store_true",
                    help="peers: replicated logits and a plain cross-entropy instead of loss_parallel()")
+    p.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
+                   help="model.kernels of ours (the peers and the reference always run eager PyTorch, torchtitan's model)")
+    p.add_argument("--fused-proj", choices=list(FUSED_PROJ), default="auto",
+                   help="ours: one q/k/v and one gate/up matmul (model.fused_proj; auto: the library's default, on where "
+                        "the kernels run Triton); the peers always have separate projections, which torchtitan's plan names")
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -233,11 +249,11 @@ def make_dtensor(model_cfg: ModelConfig, device: torch.device, optim: OptimizerS
             "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=seq_layout),
         }
-        # attn(x, rope, cache, start) and mlp(x): x enters the region as one DTensor, so the
+        # attn(x, rope, cache, start, pad_mask) and mlp(x): x enters the region as one DTensor, so the
         # column-parallel projections that read it share one backward reduction (wrapped by each
         # projection instead, q/k/v would all-reduce their input gradients separately)
-        plan["attn"] = PrepareModuleInput(input_layouts=(seq_layout, None, None, None),
-                                          desired_input_layouts=(Replicate(), None, None, None))
+        rest = (None,) * attention_arguments(block.attn)  # rope, cache, start, padding mask: not DTensors
+        plan["attn"] = PrepareModuleInput(input_layouts=(seq_layout, *rest), desired_input_layouts=(Replicate(), *rest))
         plan["mlp"] = PrepareModuleInput(input_layouts=(seq_layout,), desired_input_layouts=(Replicate(),))
         if sp:
             plan.update({"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel()})
@@ -245,6 +261,12 @@ def make_dtensor(model_cfg: ModelConfig, device: torch.device, optim: OptimizerS
             del plan["mlp.gate_proj"]
         parallelize_module(block, mesh, plan)
     return Peer(PEER_SP if sp else PEER_TP, model, optim, device, args, sp=sp, loss_parallel=lp)
+
+
+def attention_arguments(attn: torch.nn.Module) -> int:
+    """How many arguments the block passes its attention after ``x`` (``PrepareModuleInput`` wants one layout for each
+    positional input): those of ``forward`` after ``x``."""
+    return len(inspect.signature(attn.forward).parameters) - 1
 
 
 def _peer_comm_counts(c: Peer, x, y) -> dict[str, int] | None:
@@ -298,11 +320,19 @@ def _check_shape(model_cfg: ModelConfig, world: int, seq: int) -> str | None:
     return None
 
 
+def model_variants(model_cfg: ModelConfig, args) -> tuple[ModelConfig, ModelConfig]:
+    """``(ours, plain)``: ours with ``--kernels`` and ``--fused-proj``; the peers' and the reference's model pinned to
+    separate projections and eager PyTorch kernels (torchtitan's model, which its plan shards)."""
+    ours = dataclasses.replace(model_cfg, kernels=args.kernels, fused_proj=FUSED_PROJ[args.fused_proj])
+    return ours, dataclasses.replace(model_cfg, kernels="torch", fused_proj=False)
+
+
 def rank_main(args) -> int:
     device, rank, world = setup_rank(args)
     batch = args.batch or DEFAULTS[device.type]["batch"]
     seq = args.seq or DEFAULTS[device.type]["seq"]
     model_cfg = resolve_model(apply_preset(ModelConfig(), args.preset), tokenizer_vocab=args.vocab, seq_len=seq)
+    ours_cfg, plain_cfg = model_variants(model_cfg, args)
     problem = _check_shape(model_cfg, world, seq)
     if problem:
         if rank == 0:
@@ -316,10 +346,10 @@ def rank_main(args) -> int:
     mesh = init_device_mesh(device.type, (world,))
     optim = OptimizerSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
 
-    reference = make_reference(model_cfg, device, optim, args)
-    contestants: list[Contestant] = [Ours(OURS_TP, False, model_cfg, topo, args), Ours(OURS_SP, True, model_cfg, topo, args),
-                                     make_dtensor(model_cfg, device, optim, mesh, False, args),
-                                     make_dtensor(model_cfg, device, optim, mesh, True, args)]
+    reference = make_reference(plain_cfg, device, optim, args)
+    contestants: list[Contestant] = [Ours(OURS_TP, False, ours_cfg, topo, args), Ours(OURS_SP, True, ours_cfg, topo, args),
+                                     make_dtensor(plain_cfg, device, optim, mesh, False, args),
+                                     make_dtensor(plain_cfg, device, optim, mesh, True, args)]
     with torch.device("meta"):
         n_params = count_params(Transformer(model_cfg))
 
@@ -359,7 +389,7 @@ def rank_main(args) -> int:
 
     status = 0
     if rank == 0:
-        status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world)
+        status = report(args, everyone, contestants, ours_cfg, n_params, batch, seq, device, world)
     del contestants, topo, mesh
     return finish(status, device)
 
@@ -379,6 +409,9 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
           f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; peers: {lp}")
     print(f"  device  {device.type}: {dev_name}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
           f"torch {torch.__version__}, backend {dist.get_backend()}")
+    print(f"  how     ours: model.kernels={model_cfg.kernels}, "
+          f"{'fused q/k/v and gate/up projections' if model_cfg.fuses_projections else 'separate projections'}; "
+          "peers and reference: separate projections, eager PyTorch kernels (torchtitan's model)")
     if world == 1:
         print("  note    tp=1: ours is the unsplit model (parallelize applies no tensor parallelism), the peers run on a "
               "1-rank mesh; this checks the code path, it is no tensor-parallel comparison")
