@@ -11,7 +11,8 @@ for its whole completion. A batch runs to its end before the next starts (static
 Bad requests get a 4xx with ``{"error": {"message": ..., "type": "invalid_request_error"}}``: malformed JSON,
 unknown fields, values out of range (negative ``max_tokens``, ...), a prompt that leaves no room in the
 model's context. ``max_tokens`` beyond the context is shortened (``finish_reason: "length"``). With ``n > 1``,
-choice ``j`` of a seeded request uses ``seed + j``.
+choice ``j`` of a seeded request uses ``seed + j``. ``trickles serve`` logs one line per request on stderr
+(client, method, path, status, milliseconds to the response's last byte).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -161,8 +163,35 @@ def _validation_message(exc) -> str:
     return "; ".join(parts) or "invalid request"
 
 
-def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, window_s: float = 0.01, logits_fn=None):
-    """The FastAPI application serving ``model``; its :class:`Batcher` starts and stops with the app (``app.state.batcher``)."""
+class RequestLog:
+    """ASGI middleware: one line per HTTP request once its response has been sent whole (a stream's too):
+    ``[trickles] 127.0.0.1 POST /v1/completions 200 183 ms``, to ``write`` (default: stderr)."""
+
+    def __init__(self, app, write=None):
+        self.app = app
+        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), [500]
+
+        async def logged(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                client = (scope.get("client") or ("-",))[0]
+                self.write(f"[trickles] {client} {scope['method']} {scope['path']} {status[0]} "
+                           f"{(time.perf_counter() - started) * 1e3:.0f} ms")
+
+        await self.app(scope, receive, logged)
+
+
+def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, window_s: float = 0.01, logits_fn=None,
+               log_requests: bool = False):
+    """The FastAPI application serving ``model``; its :class:`Batcher` starts and stops with the app (``app.state.batcher``).
+    ``log_requests``: one line per request on stderr (:class:`RequestLog`)."""
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI, Request
@@ -182,6 +211,8 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
 
     app = FastAPI(title="trickles", lifespan=lifespan)
     app.state.batcher = batcher
+    if log_requests:
+        app.add_middleware(RequestLog)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
@@ -271,7 +302,7 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, name: str
 
     import uvicorn
 
-    app = create_app(model, tokenizer, name=name, max_batch=max_batch)
+    app = create_app(model, tokenizer, name=name, max_batch=max_batch, log_requests=True)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

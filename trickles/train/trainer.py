@@ -16,7 +16,7 @@ With pipeline stages (``parallel.pp > 1``) step 2 is the engine's
 :class:`~trickles.parallel.pipeline_runner.PipelineRunner`: the micro-batches are the pipeline's,
 and its schedule interleaves their forwards and backwards across the stages.
 
-The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows a progress bar,
+The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows its progress (a bar on a terminal, plain lines elsewhere),
 saves checkpoints and, at the end, draws the loss curve and prints a generated sample.
 """
 
@@ -53,6 +53,7 @@ from . import checkpoint as ckpt
 from .flops import flops_per_token, matmul_params, peak_flops
 from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
 from .metrics import MetricsLog, plot_expert_load, plot_loss
+from .progress import Progress
 
 
 class Trainer:
@@ -264,11 +265,6 @@ class Trainer:
     # ---- the loop ------------------------------------------------------------------------
     def fit(self) -> list[dict[str, Any]]:
         """Trains until ``train.steps``; returns the per-step metrics of this call."""
-        import threading
-
-        from tqdm import tqdm
-
-        tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: ranks leave through os._exit
         t = self.cfg.train
         log = MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard) if self.topo.is_main else None
         if not self.quiet:
@@ -289,35 +285,26 @@ class Trainer:
                            f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}, in {len(mc.moe_layers)} of {mc.n_layers} blocks)")
             print(f"[trickles] {self.model_cfg.flavor} model, {params}, {self.topo.world_size} rank(s) "
                   f"(dp={self.topo.dims.dp}{zero}), batch {t.global_batch}x{self.cfg.data.seq_len} "
-                  f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}")
-        bar = tqdm(total=t.steps, initial=self.step, disable=self.quiet, desc="train", unit="step", dynamic_ncols=True)
+                  f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}"
+                  + (f"; distilling from {self.cfg.distill.teacher} (alpha {self.cfg.distill.alpha:g})" if self.distill else ""))
+        progress = Progress(self.step, t.steps, self.quiet, "distill loss" if self.distill is not None else "loss")
         compile_report = _CompileReport(t.compile and not self.quiet)
         while self.step < t.steps:
             started = time.perf_counter()
             record = self.train_step()
-            compile_report.step_done(time.perf_counter() - started, tqdm.write)
+            compile_report.step_done(time.perf_counter() - started, progress.write)
             last = self.step == t.steps
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()
             self.history.append(record)
             if log is not None:
                 log.write(record)
-            bar.update(1)
-            post = {"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}"}
-            post["mfu" if record["mfu"] is not None else "GFLOP/s"] = (
-                f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else f"{record['flops_per_s'] / 1e9:.1f}")
-            if record.get("val_loss") is not None:
-                post["val"] = f"{record['val_loss']:.3f}"
-            if self.skipped:
-                post["skipped"] = self.skipped
-            if self.scaler:
-                post["scale"] = f"{self.scaler.scale:g}"
-            bar.set_postfix(post, refresh=False)
+            progress.step(self.step, record, self.skipped, self.scaler.scale if self.scaler else None)
             if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
                 saved = self.save_checkpoint()
                 if last and t.qat:
                     self.export_int8(saved)
-        bar.close()
+        progress.close()
         if self.pipeline is not None and t.pipeline_trace:
             self.draw_pipeline_trace(t.pipeline_trace)
         if log is not None:
