@@ -34,7 +34,7 @@ What is compared
 
 How
     * Every contestant lives in the same ``N`` processes at once, on the same model shape,
-      layer split (``trickles.parallel.pipeline.partition_layers`` over ``N`` or ``N v``
+      layer split (``trickles.parallel.pipeline.stages.partition_layers`` over ``N`` or ``N v``
       stages, for both), micro-batches and initial weights: ours is built on the meta device
       and ``parallelize`` initializes this rank's stage from the seed, the peers keep their
       stages' modules of ``build_model(cfg, seed)`` (initialization is a pure function of seed
@@ -108,8 +108,8 @@ from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_m
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
-from trickles.parallel.pipeline import partition_layers  # noqa: E402
-from trickles.parallel.schedules import SCHEDULES, Shape, check_shape  # noqa: E402
+from trickles.parallel.pipeline.stages import partition_layers  # noqa: E402
+from trickles.parallel.pipeline.schedules import SCHEDULES, Shape, check_shape  # noqa: E402
 from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "micro_batch": 1, "seq": 128, "layers": 8, "d_model": 128},

@@ -8,7 +8,7 @@ What is compared
     each ``parallel.tp_mode`` the world size admits:
 
     * ``--world 4``: ``1d`` (column/row-parallel linears, vocabulary-parallel embedding, output and loss) and ``2d``
-      (a 2 x 2 grid, SUMMA linears, :mod:`trickles.parallel.tensor_nd`);
+      (a 2 x 2 grid, SUMMA linears, :mod:`trickles.parallel.tensor.grid_linear`);
     * ``--world 8``: ``1d``, ``2.5d`` (two stacked 2 x 2 grids, ``parallel.tp_depth=2``) and ``3d`` (a 2 x 2 x 2 cube);
     * other world sizes: ``1d`` and each grid the size makes (``--modes`` picks a subset, ``--depth`` the 2.5-D ``d``).
 
@@ -83,7 +83,7 @@ from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_m
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
-from trickles.parallel.tensor_nd import Linear2D, Linear3D, cube_bytes, summa_bytes  # noqa: E402
+from trickles.parallel.tensor.grid_linear import Linear2D, Linear3D, cube_bytes, summa_bytes  # noqa: E402
 from trickles.topology import ParallelDims, TPGrid, shutdown_distributed  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "seq": 128}, "cuda": {"batch": 16, "seq": 1024}}

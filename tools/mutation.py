@@ -8,7 +8,7 @@ projections' layout (``trickles/models/fused.py``) or the checkpoint pieces (``t
 ``True``/``False`` flipped, a ``not`` dropped, ``min``/``max`` swapped (also ``clamp(max=)``), a call statement
 removed (``x.add_(...)``, ``comm.all_reduce(t)``) or a returned value replaced by ``None``. Not mutated: docstrings,
 strings, f-strings, ``raise``/``assert``, logging, annotations, defaults (arguments, ``opt(...)``), decorators,
-``__repr__``/``__str__``, drawing (``pipeline_plot.py``, ``plot``) and GPU-only code (``if``/``with`` on ``cuda``,
+``__repr__``/``__str__``, drawing (``pipeline/plot.py``, ``plot``) and GPU-only code (``if``/``with`` on ``cuda``,
 lines naming ``cuda`` or a ``_stream``, ``non_blocking=``). A seeded draw takes one mutant per line, modules round
 robin; mutants that do not compile are dropped.
 
@@ -24,7 +24,7 @@ listed as equivalent in ``mutants.toml`` run but are not scored.
 
   python3 tools/mutation.py --list --limit 48          # the mutants a run would make, and their tests
   python3 tools/mutation.py --limit 48 --seed 0 --json mutation.json [--jobs 2]
-  python3 tools/mutation.py --module trickles/parallel/zero.py --limit 5
+  python3 tools/mutation.py --module trickles/parallel/data/zero.py --limit 5
   python3 tools/mutation.py --patches /work/plausible_bugs --json bugs.json [--tests SELECTOR ...]
   python3 tools/mutation.py --rerun mutation.json --only survived --json mutation-rerun.json
 
@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ["trickles/comm.py", "trickles/parallel/*.py", "trickles/memory/*.py", "trickles/optim/*.py", "trickles/kernels/*.py",
            "trickles/infer/*.py", "trickles/compress/*.py", "trickles/models/fused.py", "trickles/train/pieces.py",
            "trickles/planner/*.py"]
-EXCLUDED_FILES = {"trickles/parallel/pipeline_plot.py"}  # matplotlib drawing only
+EXCLUDED_FILES = {"trickles/parallel/pipeline/plot.py"}  # matplotlib drawing only
 SKIP_FUNCTIONS = {"__repr__", "__str__", "plot"}
 QUIET_CALLS = {"print", "warn", "debug", "info", "warning", "error", "exception", "write_line", "opt"}
 SKIP_KEYWORDS = {"non_blocking", "pin_memory"}  # only mean something on a GPU
@@ -318,7 +318,7 @@ def run_one(m: dict, spaces: Queue, passed: dict[str, float], timeout: float | N
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--module", action="append", help="a module to mutate, e.g. trickles/parallel/zero.py (repeatable; default: all)")
+    ap.add_argument("--module", action="append", help="a module to mutate, e.g. trickles/parallel/data/zero.py (repeatable; default: all)")
     ap.add_argument("--limit", type=int, default=48, help="number of mutants")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy of the repository")

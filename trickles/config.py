@@ -235,8 +235,8 @@ class Config:
                                   f"parallel.cp ({cp}) ranks; use a cp that divides {heads} or parallel.cp_mode=ring")
 
     def _check_pipeline(self, dims: ParallelDims) -> None:
-        from .parallel.pipeline import partition_layers
-        from .parallel.schedules import Shape, check_shape
+        from .parallel.pipeline.stages import partition_layers
+        from .parallel.pipeline.schedules import Shape, check_shape
 
         p = self.parallel
         if dims.pp == 1:

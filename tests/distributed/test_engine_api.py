@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from helpers import tiny_config
 from trickles.models import build_model
-from trickles.parallel.data import average_gradients
+from trickles.parallel.data.ddp import average_gradients
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer

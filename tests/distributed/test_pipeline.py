@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from helpers import assert_losses_track, assert_weights_track, tiny_config
-from trickles.parallel.pipeline import send_bytes
-from trickles.parallel.schedules import Shape, build, compute_order, simulate
+from trickles.parallel.pipeline.stages import send_bytes
+from trickles.parallel.pipeline.schedules import Shape, build, compute_order, simulate
 from trickles.testing import run_ranks
 from trickles.train.load import load_for_inference
 from trickles.train.trainer import Trainer
@@ -229,7 +229,7 @@ def _second_half(tmp, dp, tp, pp, overrides, path):
 
 
 def _cached_decoding_gap(tmp, cache):
-    from trickles.parallel.pipeline_runner import PipelinedModel
+    from trickles.parallel.pipeline.runner import PipelinedModel
 
     tr = _trainer(tmp, 1, 1, 2, [cache, "model.preset=gpt2-tiny", "model.n_layers=4"], steps=1)
     model = PipelinedModel(tr.pipeline, tr.model, tr.model_cfg.vocab_size).eval()

@@ -1,4 +1,4 @@
-"""Multi-dimensional tensor parallelism (:mod:`trickles.parallel.tensor_nd`): each layer against the dense one.
+"""Multi-dimensional tensor parallelism (:mod:`trickles.parallel.tensor.grid_linear`): each layer against the dense one.
 
 2-D on a 2 x 2 grid (tp = 4), 2.5-D on two of them (tp = 8) and 3-D on a 2 x 2 x 2 cube (tp = 8): forward and
 backward of :class:`Linear2D`, :class:`Linear2p5D` and chained :class:`Linear3D` layers equal ``F.linear`` on the
@@ -6,7 +6,7 @@ whole tensors to 1e-6 relative (fp32), on widths that are not powers of two, and
 its docstring's formula gives (the ledger). A ``tp`` the mode cannot arrange is refused before any process group
 exists, naming the nearest valid values.
 
-The rest of the model (:mod:`trickles.parallel.tensor_nd_model`), each rank's block against the dense layer to 1e-6
+The rest of the model (:mod:`trickles.parallel.tensor.grid_model`), each rank's block against the dense layer to 1e-6
 relative, forward and every gradient: :class:`GridNorm` (RMSNorm and LayerNorm) in every mode,
 :class:`GridEmbedding` (2-D untied and tied -- the transposed block exchange --, 2.5-D, 3-D), :class:`GridPositions`
 (2-D, 3-D), :class:`GridLoss` with the output layer and ignored targets in every mode. Vocabulary 38 and width 20
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from trickles.errors import ConfigError
-from trickles.parallel.tensor_nd import Linear2D, split_2d
+from trickles.parallel.tensor.grid_linear import Linear2D, split_2d
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 
@@ -85,7 +85,7 @@ def _blocks(t: torch.Tensor, dim: int, parts: list[tuple[int, int]]) -> torch.Te
 
 def _linear_2p5d(n_tokens, h, h2):
     """2.5-D at q = 2, d = 2: layer k of the stack runs its 2-D block on token block k."""
-    from trickles.parallel.tensor_nd import Linear2p5D
+    from trickles.parallel.tensor.grid_linear import Linear2p5D
 
     topo = ParallelDims(tp=8, tp_mode="2.5d", tp_depth=2).build(CPU)
     row, col, dep = topo.comm("tp_row"), topo.comm("tp_col"), topo.comm("tp_dep")
@@ -124,7 +124,7 @@ def test_linear_2p5d_equals_the_dense_layer_and_sends_the_formula_bytes():
 
 def _linear_3d_chain(n_tokens, h, h2, h3):
     """Two 3-D layers, the second in the swapped orientation, against two dense ones."""
-    from trickles.parallel.tensor_nd import Linear3D
+    from trickles.parallel.tensor.grid_linear import Linear3D
 
     topo = ParallelDims(tp=8, tp_mode="3d").build(CPU)
     row, col, dep = topo.comm("tp_row"), topo.comm("tp_col"), topo.comm("tp_dep")
@@ -176,7 +176,7 @@ GRIDS = {"2d": (4, {"tp": 4, "tp_mode": "2d"}), "2.5d": (8, {"tp": 8, "tp_mode":
 
 
 def _grid(mode):
-    from trickles.parallel.tensor_nd_plan import grid_context
+    from trickles.parallel.tensor.grid_plan import grid_context
 
     topo = ParallelDims(**GRIDS[mode][1]).build(CPU)
     return grid_context(topo), topo
@@ -201,7 +201,7 @@ def _assert_all_close(results):
 
 
 def _norms(mode, B, T, d):
-    from trickles.parallel.tensor_nd_model import GridNorm
+    from trickles.parallel.tensor.grid_model import GridNorm
 
     ctx, _ = _grid(mode)
     g = torch.Generator().manual_seed(3)
@@ -237,7 +237,7 @@ def test_grid_norms_equal_the_dense_norms(mode):
 
 
 def _embedding(mode, tied, B, T, V, d):
-    from trickles.parallel.tensor_nd_model import GridEmbedding
+    from trickles.parallel.tensor.grid_model import GridEmbedding
 
     ctx, _ = _grid(mode)
     g = torch.Generator().manual_seed(4)
@@ -266,7 +266,7 @@ def test_grid_embedding_equals_the_dense_embedding(mode, tied):
 
 
 def _positions(mode, B, T, max_len, d):
-    from trickles.parallel.tensor_nd_model import GridPositions
+    from trickles.parallel.tensor.grid_model import GridPositions
 
     ctx, _ = _grid(mode)
     g = torch.Generator().manual_seed(5)
@@ -293,7 +293,7 @@ def test_grid_positions_equal_the_dense_positions(mode):
 
 
 def _loss(mode, B, T, V, d):
-    from trickles.parallel.tensor_nd_model import GridLoss
+    from trickles.parallel.tensor.grid_model import GridLoss
 
     ctx, _ = _grid(mode)
     g = torch.Generator().manual_seed(6)
@@ -324,7 +324,7 @@ def test_grid_loss_equals_the_dense_cross_entropy(mode):
 
 
 def _refusals():
-    from trickles.parallel.tensor_nd_model import GridEmbedding, GridNorm, GridPositions
+    from trickles.parallel.tensor.grid_model import GridEmbedding, GridNorm, GridPositions
 
     ctx2, _ = _grid("2d")
     messages = []
@@ -340,7 +340,7 @@ def _refusals():
 
 
 def _refusals_3d():
-    from trickles.parallel.tensor_nd_model import GridEmbedding
+    from trickles.parallel.tensor.grid_model import GridEmbedding
 
     ctx, _ = _grid("3d")
     messages = []

@@ -1,4 +1,4 @@
-"""The costs of 2-D, 2.5-D and 3-D tensor parallelism counted, not guessed (:mod:`trickles.parallel.tensor_nd_costs`).
+"""The costs of 2-D, 2.5-D and 3-D tensor parallelism counted, not guessed (:mod:`trickles.parallel.tensor.costs`).
 
 For each grid (2-D tp=4, 2.5-D tp=8 d=2, 3-D tp=8) and each flavour (llama ``tiny``: RMSNorm, untied, no biases;
 ``gpt2-tiny``: LayerNorm, biases, learned positions, tied embedding) one spawned job measures, on every rank:
@@ -19,7 +19,7 @@ import torch
 
 from helpers import tiny_config
 from trickles.memory.activations import ActivationMeter
-from trickles.parallel.tensor_nd_costs import Layout, activation_bytes_nd, block_comm, comm_bytes, param_count, step_comm
+from trickles.parallel.tensor.costs import Layout, activation_bytes_nd, block_comm, comm_bytes, param_count, step_comm
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 

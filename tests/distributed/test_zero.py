@@ -294,7 +294,7 @@ def test_zero2_reuses_its_bucket_buffers(tmp_path, cache):
     """ZeRO-2 with gradient accumulation (two micro-steps per step) over many small buckets: each backward allocates
     only the few bucket buffers filled or in flight at once (at most MAX_INFLIGHT + 1), however many buckets it
     reduces, and holds none between steps (the memory formulas' tests check the bytes)."""
-    from trickles.parallel.zero import MAX_INFLIGHT
+    from trickles.parallel.data.zero import MAX_INFLIGHT
 
     for counts, buckets, held in run_ranks(2, _bucket_buffers, str(tmp_path), cache):
         backwards = 2 * len(counts)

@@ -31,7 +31,7 @@ def _padded_gradient(tmp, dp):
     from trickles.models.config import resolve_model
     from trickles.models.transformer import Transformer
     from trickles.parallel.engine import FIRST_BUCKET_BYTES, bucket_bytes, unique_named_parameters
-    from trickles.parallel.flat import FlatLayout
+    from trickles.parallel.data.flat import FlatLayout
 
     cfg = tiny_config(tmp)
     model_cfg = resolve_model(cfg.model, build_tokenizer(cfg.data).vocab_size, cfg.data.seq_len)

@@ -9,7 +9,7 @@ from helpers import tiny_config
 from trickles.errors import CheckpointError, ConfigError
 from trickles.models import build_model
 from trickles.optim import Lamb, Lars, decay_flags
-from trickles.parallel.flat import FlatLayout
+from trickles.parallel.data.flat import FlatLayout
 from trickles.parallel.norms import ShardNorms
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer

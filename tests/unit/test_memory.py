@@ -200,7 +200,7 @@ def test_only_zero2_adds_two_gradient_buckets_to_the_transient_bytes(tmp_path):
     micro-batches (it then reduces as stage 2 does), only (stage 3's gathered blocks aside). Micro-batches of one
     sequence throughout, so that the loss's transient is the same in every case."""
     from trickles.memory.report import predict
-    from trickles.parallel.zero import MAX_INFLIGHT
+    from trickles.parallel.data.zero import MAX_INFLIGHT
 
     tr = _trainer(tmp_path)
     n = sum(p.numel() for p in tr.model.parameters())

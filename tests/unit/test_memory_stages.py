@@ -13,8 +13,8 @@ from trickles.memory import meta
 from trickles.memory.report import predict
 from trickles.memory.stages import in_flight, in_flight_closed_form, peak_in_flight
 from trickles.models.config import resolve_model
-from trickles.parallel.pipeline import keep_stage, partition_layers
-from trickles.parallel.schedules import Shape, compute_order
+from trickles.parallel.pipeline.stages import keep_stage, partition_layers
+from trickles.parallel.pipeline.schedules import Shape, compute_order
 from trickles.topology import ParallelDims
 
 
@@ -129,7 +129,7 @@ def test_prediction_is_cached_and_unchanged_by_the_cache(tmp_path):
 def test_action_lists_are_the_schedules_own():
     """The bisecting placement of messages gives exactly the lists schedules.build makes."""
     from trickles.memory.stages import action_lists
-    from trickles.parallel.schedules import build
+    from trickles.parallel.pipeline.schedules import build
 
     for schedule, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3)):
         for p, m in ((2, 4), (3, 6), (4, 8), (4, 12)):

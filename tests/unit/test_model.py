@@ -139,7 +139,7 @@ def test_generate_scores_each_new_token_with_the_full_sequence_logits():
 def test_pipelined_model_switches_modes_like_a_module():
     """The stand-in ``generate`` sees for a pipeline stage: eval()/train() switch the stage's layers and return it,
     as nn.Module's do."""
-    from trickles.parallel.pipeline_runner import PipelinedModel
+    from trickles.parallel.pipeline.runner import PipelinedModel
 
     stage = build_model(cfg_for("tiny"), seed=0)
     wrapped = PipelinedModel(None, stage, stage.cfg.vocab_size)

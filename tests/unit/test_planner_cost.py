@@ -11,8 +11,8 @@ from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.models.config import resolve_model
 from trickles.parallel.engine import reduction_wire_bytes
-from trickles.parallel.schedules import Shape, build, simulate
-from trickles.parallel.tensor import partial_grad_elements
+from trickles.parallel.pipeline.schedules import Shape, build, simulate
+from trickles.parallel.tensor.layers import partial_grad_elements
 from trickles.planner import load_cluster, step_time
 from trickles.planner.compute import chunk_work, param_elements, rank_params
 from trickles.planner.cost import IN_LAYER, rank_step
@@ -227,7 +227,7 @@ def test_parameter_counts_are_the_models(sets):
 @pytest.mark.parametrize("preset,tp,sp", [("tiny", 4, False), ("tiny", 4, True), ("tiny", 2, True), ("gpt2-tiny", 2, True)])
 def test_partial_gradients_are_the_plans(preset, tp, sp):
     from trickles.models.transformer import Transformer
-    from trickles.parallel.tensor_plan import apply_tensor_parallel
+    from trickles.parallel.tensor.plan import apply_tensor_parallel
 
     cfg = Config.load(None, [*TINY, f"model.preset={preset}"])
     mc = resolve_model(cfg.model, 320, 32)

@@ -8,7 +8,7 @@ gradient almost everywhere, so backward uses the **straight-through estimator**:
 (``fq(v) = v + (round-trip(v) - v).detach()``), the scales treated as constants. The int8 export of the trained
 weights (:func:`~trickles.compress.checkpoint.quantize_checkpoint`) then holds exactly the codes training saw.
 
-Under tensor parallelism (:mod:`trickles.parallel.tensor`) the scales must be those of the whole tensors:
+Under tensor parallelism (:mod:`trickles.parallel.tensor.layers`) the scales must be those of the whole tensors:
 
 * column-parallel layers (and the replicated key/value projection) hold whole rows of ``W`` and see whole tokens
   ``x``: both scales are local;
@@ -73,7 +73,7 @@ def _replicated_kv(self, x):
 
 def apply_qat(model: nn.Module) -> list[str]:
     """Makes every quantizable projection of ``model`` (single-device or tensor-parallel) fake-quantize; returns their names."""
-    from ..parallel.tensor import ColumnParallelLinear, ReplicatedKV, RowParallelLinear
+    from ..parallel.tensor.layers import ColumnParallelLinear, ReplicatedKV, RowParallelLinear
 
     forwards = {nn.Linear: _linear, ColumnParallelLinear: _column, RowParallelLinear: _row, ReplicatedKV: _replicated_kv}
     names = quantized_names(model)

@@ -11,8 +11,8 @@ and this rank's place in it, and the parameters' type; :func:`rank_model` builds
 A pipeline stage's parameters (:func:`stage_parameters`) are a filter of these by name, in the model's order --
 the layers of its chunks, the embedding (and gpt2's positions) on the first rank, the final norm and output
 projection on the last, where a tied embedding is the last rank's copy (``embed.weight``, the holder
-:func:`~trickles.parallel.pipeline.keep_stage` keeps) -- exactly the parameters, in the order, of the model
-:func:`~trickles.parallel.pipeline.keep_stage` prunes (the tests compare the two).
+:func:`~trickles.parallel.pipeline.stages.keep_stage` keeps) -- exactly the parameters, in the order, of the model
+:func:`~trickles.parallel.pipeline.stages.keep_stage` prunes (the tests compare the two).
 """
 
 from __future__ import annotations

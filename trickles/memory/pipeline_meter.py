@@ -3,7 +3,7 @@
 A pipeline rank keeps each chunk-micro-batch's saved tensors from its forward to its backward, so one
 micro-batch's forward (what :func:`~trickles.memory.report.measure` meters without pipeline stages) is not what
 it holds. :func:`meter_pipeline_step` runs one training step with every forward of the rank's
-:class:`~trickles.parallel.pipeline_runner.PipelineRunner` under its own
+:class:`~trickles.parallel.pipeline.runner.PipelineRunner` under its own
 :class:`~trickles.memory.activations.ActivationMeter` (the bytes autograd saves, per layer; ``"head"``: the
 embedding or the head), and walks the action list the runner ran: the most ``layers + head`` bytes of the
 chunk-micro-batches whose forward ran and whose backward did not is what the stage held -- the measured

@@ -16,7 +16,7 @@ alive at the end of forward); predicted ``peak`` = the largest phase, each phase
 temporaries: the loss (``held`` + the loss's transient below) or the last block's backward (``held`` less what the
 head's backward released, the head's saved tensors but the embedding's, + the block's backward temporaries: 1-D the
 MLP's two fp32 hidden gradients ``2 x 4 s f / tp``; a grid
-:func:`~trickles.parallel.tensor_nd_costs.backward_transient_nd`; with recomputation plus the layer it brings
+:func:`~trickles.parallel.tensor.costs.backward_transient_nd`; with recomputation plus the layer it brings
 back), and to that phase the transients of any layer (ring blocks, expert rows) and of the engine (buckets, ZeRO-3
 blocks). The loss's transient: the fp32 gradients of
 the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
@@ -29,7 +29,7 @@ allocator's ``max_memory_allocated``.
 
 Tensor parallelism: the plan of ``parallel.tp_mode`` (1-D, or a 2-D/2.5-D/3-D grid) applied to the meta model gives
 the parameters a rank holds; a grid's activations and loss transient come from
-:mod:`trickles.parallel.tensor_nd_costs`. At ``tp > 1`` the report ends with 1-D (with and without sequence
+:mod:`trickles.parallel.tensor.costs`. At ``tp > 1`` the report ends with 1-D (with and without sequence
 parallelism), 2-D, 2.5-D and 3-D side by side (:func:`~trickles.memory.tp_modes.compare_tp_modes`).
 
 Mixture-of-experts models: each MoE block's activations have their own formula
@@ -61,7 +61,7 @@ from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
 from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
-from ..parallel.tensor_nd_costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
+from ..parallel.tensor.costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
 from .accounting import peak_allocated
 from .activations import ActivationMeter, loss_transient_bytes
 from .meta import rank_model, stage_parameters
@@ -155,8 +155,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         rows = [categories(states, sum(act["per_layer"]), act["head"], transient)]
         layer_ids = [list(range(model_cfg.n_layers))]
     else:
-        from ..parallel.pipeline import partition_layers
-        from ..parallel.schedules import Shape, compute_order
+        from ..parallel.pipeline.stages import partition_layers
+        from ..parallel.pipeline.schedules import Shape, compute_order
         from .stages import buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight
 
         _, m = cfg.batch_plan(dims.dp)

@@ -1,8 +1,8 @@
 """Pipeline stages in the memory report: what each pipeline rank holds, and its micro-batches in flight.
 
-Notation of :mod:`trickles.parallel.schedules`: ``p`` pipeline ranks, ``v`` chunks per rank, ``m`` micro-batches;
+Notation of :mod:`trickles.parallel.pipeline.schedules`: ``p`` pipeline ranks, ``v`` chunks per rank, ``m`` micro-batches;
 rank ``r``'s chunk ``c`` is virtual stage ``c p + r`` and holds the layers
-:func:`~trickles.parallel.pipeline.partition_layers` gives it (``parallel.pipeline_layers`` respected).
+:func:`~trickles.parallel.pipeline.stages.partition_layers` gives it (``parallel.pipeline_layers`` respected).
 
 **Model states** of rank ``r``: the ZeRO formulas on its own parameters (its chunks' layers, the embedding and
 gpt2's positions on rank 0, the final norm and output projection on rank ``p - 1``, with a tied embedding the
@@ -13,7 +13,7 @@ last rank's copy), :func:`~trickles.memory.meta.stage_parameters`.
 the embedding dropout's mask) on virtual stage 0 and the head's (final norm, loss) on the last virtual stage
 (:func:`chunk_bytes`). A chunk's activations live from its forward to its backward, so the rank holds at once
 ``max_t sum_{(c, i) alive at t} A_c``, read off the rank's own compute order
-(:func:`~trickles.parallel.schedules.compute_order`) by :func:`peak_in_flight`. With equal chunks that is ``A``
+(:func:`~trickles.parallel.pipeline.schedules.compute_order`) by :func:`peak_in_flight`. With equal chunks that is ``A``
 times the most chunk-micro-batches alive (:func:`in_flight`), whose closed forms are
 
 * GPipe: ``m`` (every forward before the first backward);
@@ -25,18 +25,18 @@ times the most chunk-micro-batches alive (:func:`in_flight`), whose closed forms
 (:func:`in_flight_closed_form`; the tests hold it equal to the walk.)
 
 **Transient** (beyond the saved activations, :func:`buffers_peak`): the runner
-(:class:`~trickles.parallel.pipeline_runner.PipelineRunner`) keeps each live chunk's output until its backward
+(:class:`~trickles.parallel.pipeline.runner.PipelineRunner`) keeps each live chunk's output until its backward
 (``M`` = one message, ``p_b B T d`` bytes in the compute type; :func:`message_bytes`), and the input it received where
 no operation saves the tensor itself (llama in low precision: the norm keeps an fp32 copy); every receive buffer
 exists from when it is posted -- on gloo all of a step's receives at the rank's first wait, else as
-:func:`~trickles.parallel.schedules.with_messages` places them -- the activations' until their forward saves
+:func:`~trickles.parallel.pipeline.schedules.with_messages` places them -- the activations' until their forward saves
 them, the gradients' until their backward; an input gradient until its send; and on the last rank the loss's
 backward (:func:`~trickles.memory.activations.loss_transient_bytes`), or in any backward a layer's own: the
 MLP's backward holds two gradients of its hidden activations at once, ``2 x 4 s f / tp`` (fp32-sized; on a CPU it
 is what the first stage's measured peak has beyond the rest, within 2%: 64 KiB of fp32 llama's 1.6 MiB, 131 KiB
 of gpt2's; in bf16 the GELU's upcast arithmetic leaves about 1.4x that), and under recomputation what it brings
 back of one layer (the layer's activations without recomputation, less what it keeps). The walk over the rank's action list
-(:func:`~trickles.parallel.schedules.build`) gives the most of all these alive at once, minus the saved
+(:func:`~trickles.parallel.pipeline.schedules.build`) gives the most of all these alive at once, minus the saved
 activations at their peak.
 """
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from functools import lru_cache
 
-from ..parallel.schedules import Action, Shape, _messages, _producer, compute_order, uniform_times
+from ..parallel.pipeline.schedules import Action, Shape, _messages, _producer, compute_order, uniform_times
 
 
 def chunk_bytes(act: dict, embedding: int, parts: list[list[int]], shape: Shape, rank: int) -> list[tuple[int, int]]:
@@ -146,7 +146,7 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
 
 @lru_cache(maxsize=32)
 def action_lists(schedule: str, shape: Shape, early_receives: bool) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's actions with their messages, as :func:`~trickles.parallel.schedules.build` places them (each
+    """Every rank's actions with their messages, as :func:`~trickles.parallel.pipeline.schedules.build` places them (each
     send after its compute; each receive after the last compute its rank starts before the send, on gloo no later
     than the rank's first wait), found by bisection in each rank's start times: ``build``'s count of earlier starts
     is quadratic in the micro-batches, and a layout search asks for thousands (the tests hold the two equal)."""

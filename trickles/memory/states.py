@@ -19,7 +19,7 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     momentum 4, plain SGD 0; fp32 master
     weights apart from low-precision or offloaded parameters 4; an fp32 copy of low-precision or
     offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
-    multiple of ``16 dp`` elements (:class:`~trickles.parallel.flat.FlatLayout`; under ZeRO-3 one
+    multiple of ``16 dp`` elements (:class:`~trickles.parallel.data.flat.FlatLayout`; under ZeRO-3 one
     bucket per block and one for the root), and (AdamW, LAMB) a 4-byte step counter per owned parameter segment.
     ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
     experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it). ``accumulates``: a step
@@ -28,7 +28,7 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     """
     from ..optim.settings import OptimizerSettings
     from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
-    from ..parallel.flat import FlatLayout
+    from ..parallel.data.flat import FlatLayout
 
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     p = torch.finfo(prec.param_dtype).bits // 8
@@ -40,7 +40,7 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     worlds, ranks = ([dp], [dp_rank]) if experts is None else ([dp, experts[0]], [dp_rank, experts[1]])
     if stage == 3:
         from ..parallel.expert import expert_modules
-        from ..parallel.zero3 import _owned
+        from ..parallel.data.zero3 import _owned
 
         names = {id(m): name for name, m in meta.named_modules()}
         expert_units = expert_modules(meta) if experts is not None else []

@@ -1,11 +1,11 @@
 """What one tensor-parallel rank holds, and the four ways of splitting ``tp`` ranks side by side.
 
-:func:`shard_meta` applies the configured tensor-parallel plan (1-D: :mod:`~trickles.parallel.tensor_plan`; a grid:
-:mod:`~trickles.parallel.tensor_nd_plan`) to a model on the meta device, so the memory report counts the parameters
+:func:`shard_meta` applies the configured tensor-parallel plan (1-D: :mod:`~trickles.parallel.tensor.plan`; a grid:
+:mod:`~trickles.parallel.tensor.grid_plan`) to a model on the meta device, so the memory report counts the parameters
 one rank holds on the engine's own layout. :func:`compare_tp_modes` puts 1-D, 2-D, 2.5-D and 3-D at the run's
 ``tp`` side by side (1-D with and without sequence parallelism) -- per rank: the weights, the model states (weights, gradients, optimizer state, as the
 run's ZeRO stage and precision hold them), one micro-batch's saved activations and the bytes sent over the
-tensor-parallel groups in a training step -- all from the formulas of :mod:`trickles.parallel.tensor_nd_costs`
+tensor-parallel groups in a training step -- all from the formulas of :mod:`trickles.parallel.tensor.costs`
 (which the tests hold equal to the ledger and the saved-tensor hooks). A mode the run cannot use (``tp`` not
 ``q^2``, ``q^2 d`` or ``q^3``; a width, head count or micro-batch the grid does not divide) shows ``-`` and why,
 in the configuration's own words. 2.5-D takes the run's ``parallel.tp_depth`` when it is the configured mode, else
@@ -23,7 +23,7 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
-from ..parallel.tensor_nd_costs import Layout, activation_bytes_nd, param_count, step_comm
+from ..parallel.tensor.costs import Layout, activation_bytes_nd, param_count, step_comm
 from ..topology import ParallelDims
 from .precision import policy
 from .states import engine_state_bytes
@@ -39,12 +39,12 @@ def shard_meta(meta, dims: ParallelDims, sequence_parallel: bool = False):
     if dims.tp == 1:
         return meta
     if dims.tp_mode == "1d":
-        from ..parallel.tensor_plan import apply_tensor_parallel
+        from ..parallel.tensor.plan import apply_tensor_parallel
 
         apply_tensor_parallel(meta, SimpleNamespace(size=dims.tp, rank=0), sequence_parallel)
         return meta
-    from ..parallel.tensor_nd_model import GridContext
-    from ..parallel.tensor_nd_plan import apply_tensor_nd
+    from ..parallel.tensor.grid_model import GridContext
+    from ..parallel.tensor.grid_plan import apply_tensor_nd
 
     grid = dims.grid
 
@@ -59,7 +59,7 @@ def shard_meta(meta, dims: ParallelDims, sequence_parallel: bool = False):
 def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: ParallelDims, device_type: str = "cpu") -> dict:
     """One micro-batch's saved activations on a rank of ``lay`` (:func:`~trickles.memory.activations.activation_bytes`'s
     keys): 1-D with the run's context and expert parallelism and loss; a grid from
-    :func:`~trickles.parallel.tensor_nd_costs.activation_bytes_nd`."""
+    :func:`~trickles.parallel.tensor.costs.activation_bytes_nd`."""
     from ..kernels.cross_entropy import fused_on
     from .activations import activation_bytes
 
@@ -116,7 +116,7 @@ class ModeTable:
         base = self.row("1d").comm
         head = (f"{'tp=' + str(self.tp):<8}{'layout':<14}{'weights':>13}{'model states':>14}{'activations':>13}"
                 f"{'tp comm/step':>14}{'vs 1-D':>8}")
-        lines = [f"tensor-parallel modes at tp={self.tp}, per rank (* this run; formulas of trickles.parallel.tensor_nd_costs)",
+        lines = [f"tensor-parallel modes at tp={self.tp}, per rank (* this run; formulas of trickles.parallel.tensor.costs)",
                  head, "-" * len(head)]
         for r in self.rows:
             name = NAMES[r.mode] + ("+SP" if r.sequence_parallel else "") + ("*" if r.configured else "")

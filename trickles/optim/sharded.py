@@ -1,6 +1,6 @@
 """The optimizer over the parameter segments one data-parallel rank owns (ZeRO's sharded optimizer).
 
-Each rank updates only its :class:`~trickles.parallel.flat.Segment` s, with the optimizer
+Each rank updates only its :class:`~trickles.parallel.data.flat.Segment` s, with the optimizer
 ``train.optimizer`` names (:class:`~trickles.optim.settings.OptimizerSettings`) applied to
 per-segment tensors. AdamW and SGD are element-wise, so this is element for element the update a
 single process makes on the whole parameter; LAMB and LARS also need each weight's norms, which
@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from ..errors import CheckpointError
-from ..parallel.flat import Segment
+from ..parallel.data.flat import Segment
 from .settings import LAYERWISE, OptimizerSettings
 
 

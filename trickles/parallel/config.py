@@ -36,7 +36,7 @@ class ParallelConfig:
             raise ConfigError(f"parallel.zero must be 0, 1, 2 or 3, got {self.zero}")
         if self.bucket_mb < 0:
             raise ConfigError(f"parallel.bucket_mb must not be negative, got {self.bucket_mb}")
-        from .schedules import SCHEDULES
+        from .pipeline.schedules import SCHEDULES
 
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"parallel.schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")

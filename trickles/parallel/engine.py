@@ -13,12 +13,12 @@ optimizer step as::
     engine.step(lr)
 
 With pipeline stages the loop over micro-batches is ``engine.pipeline.forward_backward``
-(:class:`~trickles.parallel.pipeline_runner.PipelineRunner`), which wraps each backward in
+(:class:`~trickles.parallel.pipeline.runner.PipelineRunner`), which wraps each backward in
 ``micro_step``, marking a chunk's last backward of the step as ``last``.
 
-Implementations: :class:`~trickles.parallel.data.DataParallel` (ZeRO stage 0),
-:class:`~trickles.parallel.zero.ZeroDataParallel` (stages 1 and 2) and
-:class:`~trickles.parallel.zero3.Zero3DataParallel` (stage 3).
+Implementations: :class:`~trickles.parallel.data.ddp.DataParallel` (ZeRO stage 0),
+:class:`~trickles.parallel.data.zero.ZeroDataParallel` (stages 1 and 2) and
+:class:`~trickles.parallel.data.zero3.Zero3DataParallel` (stage 3).
 """
 
 from __future__ import annotations
@@ -277,7 +277,7 @@ class Engine:
     def writes(self, p: torch.Tensor) -> bool:
         """Whether this rank, of the tensor-parallel ranks, writes its copy of ``p`` to checkpoints and counts it
         in the gradient norm: what every tp rank holds alike, tp rank 0 does; a block some of them hold alike (a
-        tensor-parallel grid's, :mod:`~trickles.parallel.tensor_nd`), the one its spec calls ``primary``."""
+        tensor-parallel grid's, :mod:`~trickles.parallel.tensor.grid_linear`), the one its spec calls ``primary``."""
         if self.tp is None or self.tp.rank == 0:
             return True
         return not _spec(p, "replicated", default=True) and _spec(p, "primary")
@@ -349,12 +349,12 @@ def reduction_wire_bytes(buckets: list[int], n: int, stage: int, micro_steps: in
     ``grad_bytes`` and parameters of ``param_bytes`` per element. Per bucket of ``S = grad_bytes x elements``
     (parameters ``S'``; wire bytes as :func:`trickles.comm.wire_bytes`, rounded per call as the ledger does):
 
-    * stage 0 (:class:`~trickles.parallel.data.DataParallel`): one all-reduce, ``2 (n-1)/n S``, on the last
+    * stage 0 (:class:`~trickles.parallel.data.ddp.DataParallel`): one all-reduce, ``2 (n-1)/n S``, on the last
       micro-step;
     * stage 1: one reduce-scatter ``(n-1)/n S`` on the last micro-step, and after the optimizer step one
       all-gather of the new parameters, ``(n-1) S'/n`` -- in fp32 ZeRO's volume, the same as the all-reduce;
     * stage 2: the reduce-scatter on *every* micro-step, the all-gather once;
-    * stage 3 (:class:`~trickles.parallel.zero3.Zero3DataParallel`, a unit per bucket): on every micro-step an
+    * stage 3 (:class:`~trickles.parallel.data.zero3.Zero3DataParallel`, a unit per bucket): on every micro-step an
       all-gather for forward, another for backward and the gradient's reduce-scatter;
     * stages 1-3 also all-reduce the squared gradient norm over the owned elements (one fp32, once a step).
 

@@ -61,7 +61,7 @@ from ..comm import GroupComm
 from ..models.moe import MoE
 from ..models.transformer import Transformer
 from .sequence import positions, unshard_sequence
-from .tensor import TPSpec, set_spec
+from .tensor.layers import TPSpec, set_spec
 
 
 class _AllToAllRows(torch.autograd.Function):

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..optim.norms import pieces
 from ..train.pieces import global_shape
-from .flat import Segment
+from .data.flat import Segment
 
 
 class ShardNorms:

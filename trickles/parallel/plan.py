@@ -6,19 +6,19 @@ The model arrives built on the meta device (no memory), as single-device code. I
 2. context parallelism makes attention span the ``cp`` ranks' parts of each sequence and looks
    positions up globally (``parallel.cp``, ``parallel.cp_mode``; :mod:`trickles.parallel.context`);
    tensor parallelism swaps its modules for column/row-parallel ones over the ``tp`` group
-   (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor_plan`), or with
-   ``parallel.tp_mode`` 2d, 2.5d or 3d for a grid's (:mod:`trickles.parallel.tensor_nd_plan`);
+   (``parallel.tp``, ``parallel.sequence_parallel``; :mod:`trickles.parallel.tensor.plan`), or with
+   ``parallel.tp_mode`` 2d, 2.5d or 3d for a grid's (:mod:`trickles.parallel.tensor.grid_plan`);
    expert parallelism keeps this rank's experts of every mixture-of-experts block and sends their tokens
    over the ``ep`` group (``parallel.ep``; :mod:`trickles.parallel.expert`);
-   pipeline parallelism prunes it to this rank's stage (``parallel.pp``; :mod:`trickles.parallel.pipeline`),
-   and a :class:`~trickles.parallel.pipeline_runner.PipelineRunner` (``engine.pipeline``) drives its steps;
+   pipeline parallelism prunes it to this rank's stage (``parallel.pp``; :mod:`trickles.parallel.pipeline.stages`),
+   and a :class:`~trickles.parallel.pipeline.runner.PipelineRunner` (``engine.pipeline``) drives its steps;
 3. the data-parallel engine over the ``dp`` group (``dp x cp`` with context parallelism: the cp
    ranks hold the same weights, see :meth:`~trickles.topology.Topology.replicas`; with expert parallelism the
    experts over their ``edp`` group): for ZeRO stages 0-2 the rank allocates its
    (tensor-parallel) parameters, initializes them and casts them to the precision policy's type,
-   then :class:`~trickles.parallel.data.DataParallel` (stage 0) or
-   :class:`~trickles.parallel.zero.ZeroDataParallel` (stages 1, 2) wraps them; for stage 3 each
-   block and the root become :class:`~trickles.parallel.zero3.Zero3DataParallel` units and the
+   then :class:`~trickles.parallel.data.ddp.DataParallel` (stage 0) or
+   :class:`~trickles.parallel.data.zero.ZeroDataParallel` (stages 1, 2) wraps them; for stage 3 each
+   block and the root become :class:`~trickles.parallel.data.zero3.Zero3DataParallel` units and the
    rank computes and keeps only its shard of every parameter.
 
 Initialization is layout-independent: each parameter's full value comes from
@@ -37,18 +37,18 @@ from ..optim.settings import OptimizerSettings
 from ..topology import Topology
 from ..train.pieces import global_shape
 from .context import apply_context_parallel
-from .data import DataParallel
+from .data.ddp import DataParallel
+from .data.zero import ZeroDataParallel
+from .data.zero3 import Zero3DataParallel
 from .engine import Engine, bucket_bytes
 from .expert import apply_expert_parallel, expert_modules
-from .pipeline import keep_stage, partition_layers, tied_parameters
-from .pipeline_runner import PipelineRunner
-from .schedules import Shape
+from .pipeline.runner import PipelineRunner
+from .pipeline.schedules import Shape
+from .pipeline.stages import keep_stage, partition_layers, tied_parameters
 from .sequence import shard_sequence
-from .tensor import init_tp_param
-from .tensor_nd_plan import apply_tensor_nd, grid_context
-from .tensor_plan import apply_tensor_parallel, tp_full_logits
-from .zero import ZeroDataParallel
-from .zero3 import Zero3DataParallel
+from .tensor.grid_plan import apply_tensor_nd, grid_context
+from .tensor.layers import init_tp_param
+from .tensor.plan import apply_tensor_parallel, tp_full_logits
 
 
 def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init=None) -> Engine:

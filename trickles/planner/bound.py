@@ -52,8 +52,8 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     from ..memory.report import embedding_bytes, expert_rows_in_flight, ring_blocks_in_flight
     from ..memory.tp_modes import activations
     from ..optim.settings import OptimizerSettings
-    from ..parallel.pipeline import partition_layers
-    from ..parallel.tensor_nd_costs import Layout as TPLayout, backward_transient_nd, head_released_nd, loss_transient_nd
+    from ..parallel.pipeline.stages import partition_layers
+    from ..parallel.tensor.costs import Layout as TPLayout, backward_transient_nd, head_released_nd, loss_transient_nd
     from .compute import rank_params
 
     par, mem = cfg.parallel, cfg.memory

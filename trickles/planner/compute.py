@@ -7,7 +7,7 @@ Everything is for one micro-batch of ``B`` sequences of ``T`` tokens on one rank
 **GEMMs** (``[M, K] x [K, N]``, ``2 M N K`` FLOPs) of a linear ``h -> h'`` on a rank, by tensor-parallel mode:
 1-D column-parallel ``[N, h] x [h, h'/tp]``, row-parallel ``[N, h/tp] x [h/tp, h']`` (sequence parallelism
 gathers the full ``N`` first); 2-D ``[N/q, h] x [h, h'/q]``; 2.5-D ``[N/(q d), h] x [h, h'/q]``; 3-D
-``[N/q, h/q] x [h/q, h'/q]`` (:mod:`trickles.parallel.tensor_nd`) -- in every mode ``1/tp`` of the layer's
+``[N/q, h/q] x [h/q, h'/q]`` (:mod:`trickles.parallel.tensor.grid_linear`) -- in every mode ``1/tp`` of the layer's
 ``2 N h h'``. A block: q, k, v (or fused qkv), o; gate and up (or fused), down. A mixture-of-experts block
 replaces the MLP: the router ``[N_r, d] x [d, E]``, the rank's ``E/ep`` experts on the ``m`` assignments it
 receives (balanced: as many as it routes, :func:`~trickles.memory.activations.moe_assignments`), shared experts
@@ -160,7 +160,7 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
 
 
 #: fp32 bytes per logit the loss moves over forward and backward: one rank's fused log-softmax reads the logits and
-#: writes its output, forward and backward (4 passes); the vocabulary-parallel one (:mod:`trickles.parallel.tensor`)
+#: writes its output, forward and backward (4 passes); the vocabulary-parallel one (:mod:`trickles.parallel.tensor.layers`)
 #: takes the maximum, shifts, exponentiates, sums, divides and masks in forward and scales in backward (11 passes).
 LOSS_BYTES = {"whole": 4 * 4, "split": 11 * 4}
 

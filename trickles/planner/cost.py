@@ -40,7 +40,7 @@ copies and reduces on the cores the compute uses) every window is 0, and every c
 (interleaved ``2 (p v - 1)``), plus ``m v max(0, 2 t_msg - (t_f + t_b) / v)`` when a message takes longer
 than a chunk's compute.
 
-**Bubble** (:mod:`trickles.parallel.schedules`): a rank waits while the other stages fill the pipeline for its first
+**Bubble** (:mod:`trickles.parallel.pipeline.schedules`): a rank waits while the other stages fill the pipeline for its first
 micro-batch and drain it after its last, one chunk of each other stage: ``bubble_r = sum_{s != r} u_s / v``,
 ``u_s = (compute_s + exposed tensor/context/expert communication_s) / m`` one micro-batch of stage ``s``
 (:func:`_stages`). With even stages this is ``(p - 1) / (v m)`` of the rank's own, as a fraction of the step's

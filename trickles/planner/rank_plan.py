@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from ..models.config import ModelConfig
-from ..parallel.schedules import Shape
+from ..parallel.pipeline.schedules import Shape
 from ..topology import ParallelDims
 from .compute import block_params, rank_params
 
@@ -58,7 +58,7 @@ def element_bytes(cfg: Config) -> tuple[int, int]:
 
 def _buckets(elements: int, element_bytes: int, bucket_mb: float) -> list[int]:
     """The data-parallel engine's buckets over ``elements`` parameters of ``element_bytes`` each
-    (:class:`~trickles.parallel.flat.FlatLayout`): the first at most 1 MiB (DDP's), then ``bucket_mb`` each (0: one
+    (:class:`~trickles.parallel.data.flat.FlatLayout`): the first at most 1 MiB (DDP's), then ``bucket_mb`` each (0: one
     bucket); the layout's padding and its cutting at whole parameters are left out."""
     from ..parallel.engine import FIRST_BUCKET_BYTES
 
@@ -75,7 +75,7 @@ def _buckets(elements: int, element_bytes: int, bucket_mb: float) -> list[int]:
 
 def rank_plans(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig) -> list[RankPlan]:
     """One :class:`RankPlan` per pipeline rank (ranks of other dimensions do the same work)."""
-    from ..parallel.pipeline import partition_layers
+    from ..parallel.pipeline.stages import partition_layers
 
     par = cfg.parallel
     micro, m = cfg.batch_plan(dims.dp)

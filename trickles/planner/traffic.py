@@ -7,18 +7,20 @@ engine overlaps it with (:attr:`Traffic.overlap`, interpreted by :mod:`trickles.
 ==================  ===============================================================  ===========================
 dimension           formula (library)                                                overlap
 ==================  ===============================================================  ===========================
-tensor 1-D          :func:`trickles.parallel.tensor.region_wire_bytes` per           ``none``: on the critical
-                    micro-batch; :func:`~trickles.parallel.tensor.partial_grad_       path of every layer
-                    elements` and the norm once a step
-tensor grid         :func:`trickles.parallel.tensor_nd.summa_bytes` /                ``none``
-                    :func:`~trickles.parallel.tensor_nd.cube_bytes` per linear
-                    (:func:`grid_traffic`), split by row / column / depth line
+tensor 1-D          :func:`trickles.parallel.tensor.layers.region_wire_bytes` per    ``none``: on the critical
+                    micro-batch;                                                     path of every layer
+                    :func:`~trickles.parallel.tensor.layers.partial_grad_elements`
+                    and the norm once a step
+tensor grid         :func:`trickles.parallel.tensor.grid_linear.summa_bytes` /       ``none``
+                    :func:`~trickles.parallel.tensor.grid_linear.cube_bytes` per
+                    linear (:func:`grid_traffic`), split by row / column / depth
+                    line
 data / ZeRO         :func:`trickles.parallel.engine.reduction_wire_bytes` on the     ``backward`` (bucket
                     rank's buckets, over the replicas (experts: ``edp``)             reductions), ``forward``
                                                                                      (ZeRO-1/2 parameter
                                                                                      gathers), ``prefetch``
                                                                                      (ZeRO-3 gathers)
-pipeline            :func:`trickles.parallel.pipeline.send_bytes`; a tied            ``pipeline`` (fill and
+pipeline            :func:`trickles.parallel.pipeline.stages.send_bytes`; a tied     ``pipeline`` (fill and
                     embedding's gradient all-reduce over ``pp_ends``                 drain on the critical path)
 context             :func:`trickles.parallel.context.layer_bytes` per layer          ring: ``attention`` (the
                                                                                      next block arrives while
@@ -61,7 +63,7 @@ class Traffic:
 def tensor_1d(r: RankPlan) -> list[Traffic]:
     """1-D tensor (and sequence) parallelism: the regions' collectives each micro-batch, the partial gradients' and
     the norm's all-reduces once a step."""
-    from ..parallel.tensor import partial_grad_elements, region_wire_bytes
+    from ..parallel.tensor.layers import partial_grad_elements, region_wire_bytes
 
     d = r.dims
     if d.tp == 1 or d.grid.mode != "1d":
@@ -95,9 +97,9 @@ def grid_traffic(r: RankPlan) -> list[Traffic]:
     ``n`` tokens, ``N/q``, ``N/(q d)``, ``N/q^2``; ``AR``, ``AG``, ``RS`` as in :mod:`trickles.comm`):
 
     * every linear ``h -> h'`` (:func:`grid_linears`, the output layer): the layers' own formulas,
-      :func:`~trickles.parallel.tensor_nd.summa_bytes` -- the input's gather and its gradient's reduce-scatter
+      :func:`~trickles.parallel.tensor.grid_linear.summa_bytes` -- the input's gather and its gradient's reduce-scatter
       ``(q-1) p n h/q`` each on the row, the weight's ``(q-1) p h h'/q^2`` each and the bias's ``AR(p h'/q)`` on the
-      column, 2.5-D's weight all-reduce on the depth -- and :func:`~trickles.parallel.tensor_nd.cube_bytes` (the
+      column, 2.5-D's weight all-reduce on the depth -- and :func:`~trickles.parallel.tensor.grid_linear.cube_bytes` (the
       weight's part on the column, the activations' on the row and depth lines, which swap roles from one linear to
       the next);
     * every norm: its statistics ``AR(4n)`` forward and backward on the hidden line (LayerNorm twice forward,
@@ -109,9 +111,9 @@ def grid_traffic(r: RankPlan) -> list[Traffic]:
       over each of the logits' token lines; the gradient norm ``AR(4)`` over ``tp``. Full recomputation runs each
       block's forward again.
 
-    (The same sums as ``trickles/parallel/tensor_nd_costs.py``'s, which another branch adds, kept here split by line
+    (The same sums as ``trickles/parallel/tensor/costs.py``'s, which another branch adds, kept here split by line
     until it lands; then read them from there.)"""
-    from ..parallel.tensor_nd import cube_bytes, summa_bytes
+    from ..parallel.tensor.grid_linear import cube_bytes, summa_bytes
 
     d, mc = r.dims, r.model_cfg
     g = d.grid
@@ -239,7 +241,7 @@ def data_parallel(r: RankPlan) -> list[Traffic]:
 
 def pipeline(r: RankPlan) -> list[Traffic]:
     """Activations to the next stage and gradients to the previous one, every micro-batch."""
-    from ..parallel.pipeline import send_bytes
+    from ..parallel.pipeline.stages import send_bytes
 
     if r.dims.pp == 1:
         return []

@@ -13,7 +13,7 @@ One optimizer step (``Trainer.train_step``):
    clips them to ``grad_clip`` by global norm and runs AdamW with the scheduled learning rate.
 
 With pipeline stages (``parallel.pp > 1``) step 2 is the engine's
-:class:`~trickles.parallel.pipeline_runner.PipelineRunner`: the micro-batches are the pipeline's,
+:class:`~trickles.parallel.pipeline.runner.PipelineRunner`: the micro-batches are the pipeline's,
 and its schedule interleaves their forwards and backwards across the stages.
 
 The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows its progress (a bar on a terminal, plain lines elsewhere),
@@ -46,7 +46,7 @@ from ..models.generate import generate
 from ..models.transformer import Transformer, count_params
 from ..optim import lr_at
 from ..optim.schedule import schedule_kind
-from ..parallel.pipeline_runner import PipelinedModel
+from ..parallel.pipeline.runner import PipelinedModel
 from ..parallel.plan import parallelize
 from ..topology import Topology
 from . import checkpoint as ckpt
@@ -366,7 +366,7 @@ class Trainer:
 
     def draw_pipeline_trace(self, path: str) -> None:
         """Draws when each stage ran each forward and backward of the last step (pipeline rank 0 of the first replica)."""
-        from ..parallel.pipeline_plot import plot_pipeline
+        from ..parallel.pipeline.plot import plot_pipeline
 
         timeline = self.pipeline.gather_trace()
         if timeline is not None and self.topo.is_main:

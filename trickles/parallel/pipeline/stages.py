@@ -3,7 +3,7 @@
 The ``n_layers`` blocks are cut into ``S = pp * v`` consecutive parts (virtual stages), as even as
 possible by count -- the earlier parts taking the extra layers, e.g. 7 layers on 2 stages as
 ``[4, 3]`` -- or as ``parallel.pipeline_layers`` lists them. Part ``s`` becomes chunk ``s // pp`` of
-pipeline rank ``s % pp`` (see :mod:`trickles.parallel.schedules`). The token and position
+pipeline rank ``s % pp`` (see :mod:`trickles.parallel.pipeline.schedules`). The token and position
 embeddings go with part 0, the final norm, output projection and loss with part ``S - 1``.
 
 :func:`keep_stage` prunes the model, still on the meta device, to what one rank holds, so the
@@ -30,8 +30,8 @@ from itertools import chain
 
 import torch
 
-from ..errors import ConfigError
-from ..models.transformer import KVCache, Transformer
+from ...errors import ConfigError
+from ...models.transformer import KVCache, Transformer
 from .schedules import Shape
 
 

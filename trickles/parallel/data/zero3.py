@@ -2,7 +2,7 @@
 
 The model is cut into *units*: chosen child modules (for the transformer, each block) plus
 the root, which keeps whatever the units do not own (embeddings, final norm, output head).
-Each unit's parameters are laid out flat (:class:`~trickles.parallel.flat.FlatLayout`, one
+Each unit's parameters are laid out flat (:class:`~trickles.parallel.data.flat.FlatLayout`, one
 bucket padded to a multiple of ``N = dp``) and rank ``r`` keeps only shard ``r``: a 1-D
 ``nn.Parameter`` of ``ceil(P_unit / N)`` elements, registered on the unit as ``flat_shard``.
 The original parameters are removed from the modules; whole parameters never exist on a rank
@@ -39,12 +39,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..comm import GroupComm, Handle
-from ..optim.adamw import decay_flags
-from ..optim.settings import OptimizerSettings
-from ..optim.sharded import ShardedOptimizer
-from ..train import checkpoint as ckpt
-from .engine import Engine
+from ...comm import GroupComm, Handle
+from ...optim.adamw import decay_flags
+from ...optim.settings import OptimizerSettings
+from ...optim.sharded import ShardedOptimizer
+from ...train import checkpoint as ckpt
+from ..engine import Engine
 from .flat import FlatLayout, Slot
 
 

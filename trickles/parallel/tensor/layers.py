@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import GroupComm, copy_to_region, gather_sequence, reduce_from_region, reduce_scatter_sequence
-from ..kernels.cross_entropy import IGNORE_INDEX, OutputLoss, cross_entropy, linear_cross_entropy
+from ...comm import GroupComm, copy_to_region, gather_sequence, reduce_from_region, reduce_scatter_sequence
+from ...kernels.cross_entropy import IGNORE_INDEX, OutputLoss, cross_entropy, linear_cross_entropy
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ class TPSpec:
     partial_grad: bool = False  # each rank holds part of the gradient of a replicated parameter: sum over tp
     replicated: bool = False  # every tp rank holds the same values (counted once in the gradient norm)
     ep_sharded: bool = False  # an expert-parallel block of experts (its gradient: over edp, then / ep)
-    # of the tp ranks holding this same block (a grid's norm weights, biases, 2.5-D weights: :mod:`.tensor_nd`), whether
+    # of the tp ranks holding this same block (a grid's norm weights, biases, 2.5-D weights: :mod:`.grid_linear`), whether
     # this one counts it in the gradient norm and writes it to checkpoints (``replicated`` blocks: tp rank 0 does)
     primary: bool = True
 
@@ -74,7 +74,7 @@ def replicated_spec(shape, partial: bool) -> TPSpec:
 class TPContext:
     """What the parallel layers of one model share: the group, and whether sequence parallelism is on.
 
-    ``sp_active`` is decided per forward (by :func:`~trickles.parallel.tensor_plan.apply_tensor_parallel`'s
+    ``sp_active`` is decided per forward (by :func:`~trickles.parallel.tensor.plan.apply_tensor_parallel`'s
     root hook): sequence parallelism needs a sequence length divisible by ``tp`` and no KV cache.
     Under sequence parallelism the column-parallel layers after an all-gathered entry keep only
     this rank's sequence shard of their input for backward and all-gather it again there, once
@@ -402,7 +402,7 @@ def region_wire_bytes(tokens: int, d: int, p: int, tp: int, sequence_parallel: b
     keeps the gathered inputs, so the blocks' backward regathers go away (as many all-gathers as the rerun adds).
     (Selective recomputation reruns the attention core only: no collectives.) Per step add :func:`partial_grad_elements`' all-reduce and the gradient
     norm's (4 bytes)."""
-    from ..comm import wire_bytes
+    from ...comm import wire_bytes
 
     if tp <= 1:
         return {}

@@ -1,6 +1,6 @@
 """Multi-dimensional tensor parallelism (Colossal-AI's 2-D, Optimus): the layers.
 
-1-D tensor parallelism (:mod:`trickles.parallel.tensor`) splits each matrix over ``tp`` ranks but keeps every
+1-D tensor parallelism (:mod:`trickles.parallel.tensor.layers`) splits each matrix over ``tp`` ranks but keeps every
 activation outside the matmuls whole (or, with sequence parallelism, sequence-sharded) and moves whole
 activations in its all-reduces: a rank's bytes do not shrink as ``tp`` grows. The 2-D algorithm puts the
 ``tp = q^2`` ranks on a ``q x q`` grid (:class:`~trickles.topology.TPGrid`; rank ``(i, j)``: row ``i``, column
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import GroupComm
+from ...comm import GroupComm
 
 
 def _gather(comm: GroupComm, t: torch.Tensor, dim: int):
@@ -84,7 +84,7 @@ class Linear2D(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, device=None,
                  dep: GroupComm | None = None):
         super().__init__()
-        from .tensor import TPSpec, set_spec
+        from .layers import TPSpec, set_spec
 
         q = row.size
         if col.size != q:
@@ -180,7 +180,7 @@ class Linear3D(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, dep: GroupComm,
                  orientation: int = 0, device=None):
         super().__init__()
-        from .tensor import TPSpec, set_spec
+        from .layers import TPSpec, set_spec
 
         q = row.size
         if not (col.size == dep.size == q):

@@ -1,7 +1,7 @@
 """Applies 2-D, 2.5-D or 3-D tensor parallelism (``parallel.tp_mode``) to a :class:`~trickles.models.transformer.Transformer`.
 
-Like :mod:`trickles.parallel.tensor_plan` for 1-D, it swaps the modules of a meta-device model in place, keeping
-every parameter's name; the split of the activations is :class:`~trickles.parallel.tensor_nd_model.GridContext`'s.
+Like :mod:`trickles.parallel.tensor.plan` for 1-D, it swaps the modules of a meta-device model in place, keeping
+every parameter's name; the split of the activations is :class:`~trickles.parallel.tensor.grid_model.GridContext`'s.
 
 ==========================================  ================================================================
 module                                      becomes
@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from ..models import fused
-from ..models.transformer import Transformer
-from ..topology import Topology
-from .tensor import ForkRNG
-from .tensor_nd_model import GridContext, GridEmbedding, GridLoss, GridNorm, GridPositions
+from ...models import fused
+from ...models.transformer import Transformer
+from ...topology import Topology
+from .grid_model import GridContext, GridEmbedding, GridLoss, GridNorm, GridPositions
+from .layers import ForkRNG
 
 
 def grid_context(topo: Topology) -> GridContext:

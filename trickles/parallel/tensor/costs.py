@@ -8,7 +8,7 @@ ledger (:class:`~trickles.comm.CommLedger`) and the saved-tensor hooks
 
 Notation: ``N = B T`` tokens of a micro-batch; ``d`` model width, ``a``/``a_kv`` query/key-value heads of size ``h``,
 ``f`` MLP width, ``V`` vocabulary, ``L`` blocks. A grid rank holds ``n`` tokens of the residual stream and ``d/q`` of
-its features (:class:`~trickles.parallel.tensor_nd_model.GridContext`): ``n = N/q`` (2-D), ``N/(q d)`` (2.5-D),
+its features (:class:`~trickles.parallel.tensor.grid_model.GridContext`): ``n = N/q`` (2-D), ``N/(q d)`` (2.5-D),
 ``N/q^2`` (3-D). Collectives over ``k`` ranks of ``S`` bytes send (per rank, rounded per call as the ledger does)
 ``AR = 2 (k-1)/k S``, ``AG = (k-1) S`` (``S`` the shard), ``RS = (k-1)/k S``.
 
@@ -18,9 +18,9 @@ its features (:class:`~trickles.parallel.tensor_nd_model.GridContext`): ``n = N/
   embedding's exit (forward) and the final norm's entry (backward), and the loss's three ``[N]`` fp32 all-reduces.
   Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather of the same volume and gathers
   each region's input again in backward (``2 L + 1`` more ``AG(p N d / tp)``).
-* a grid's linear ``h -> h'``: :func:`~trickles.parallel.tensor_nd.summa_bytes` (2-D, 2.5-D),
-  :func:`~trickles.parallel.tensor_nd.cube_bytes` (3-D);
-* a grid's norm (:class:`~trickles.parallel.tensor_nd_model.GridNorm`): forward ``AR(4n)`` over the hidden group
+* a grid's linear ``h -> h'``: :func:`~trickles.parallel.tensor.grid_linear.summa_bytes` (2-D, 2.5-D),
+  :func:`~trickles.parallel.tensor.grid_linear.cube_bytes` (3-D);
+* a grid's norm (:class:`~trickles.parallel.tensor.grid_model.GridNorm`): forward ``AR(4n)`` over the hidden group
   (LayerNorm two), backward ``AR(4n)`` (LayerNorm ``AR(8n)``), and its weight's (and bias's) gradient
   ``AR(p d/q)`` over each token group (2-D: the column; 2.5-D: column and depth; 3-D: column and row);
 * a block: two norms and its linears (q, k, v, o, gate, up, down; fused: qkv, gate_up); attention is local;
@@ -69,10 +69,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..comm import wire_bytes
-from ..models.config import ModelConfig
-from ..topology import TPGrid
-from .tensor_nd import cube_bytes, summa_bytes
+from ...comm import wire_bytes
+from ...models.config import ModelConfig
+from ...topology import TPGrid
+from .grid_linear import cube_bytes, summa_bytes
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ def block_linears(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
 # ---- communication ---------------------------------------------------------------------------
 
 def linear_comm(lay: Layout, batch: int, seq: int, h: int, h2: int, bias: bool, p: int) -> dict[str, int]:
-    """A grid's linear ``h -> h'`` on a micro-batch: the layer's own formula (:mod:`~trickles.parallel.tensor_nd`)."""
+    """A grid's linear ``h -> h'`` on a micro-batch: the layer's own formula (:mod:`~trickles.parallel.tensor.grid_linear`)."""
     if lay.mode == "3d":
         out = cube_bytes(lay.q, batch * seq, h, h2, bias, p)
     else:
@@ -165,7 +165,7 @@ def linear_comm(lay: Layout, batch: int, seq: int, h: int, h2: int, bias: bool, 
 
 
 def norm_comm(cfg: ModelConfig, lay: Layout, n: int, p: int) -> dict[str, int]:
-    """A :class:`~trickles.parallel.tensor_nd_model.GridNorm` over ``n`` tokens (module docstring)."""
+    """A :class:`~trickles.parallel.tensor.grid_model.GridNorm` over ``n`` tokens (module docstring)."""
     q, ln = lay.q, cfg.flavor == "gpt2"
     stats = all_reduce(q, 4 * n)
     weights = sum(all_reduce(k, p * (cfg.d_model // q)) for k in lay.token_groups) * (2 if ln else 1)
@@ -292,12 +292,12 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
     :func:`~trickles.memory.activations.activation_bytes` (``layer``, ``per_layer``, ``layers``, ``head``, ``tables``,
     ``total``); a grid's terms in the module docstring, 1-D delegates."""
     if not lay.grid:
-        from ..memory.activations import activation_bytes
+        from ...memory.activations import activation_bytes
 
         return activation_bytes(cfg, batch, seq, recompute, p, device_type, lay.tp, lay.sequence_parallel)
     if recompute not in ("none", "selective", "full"):
         raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
-    from ..kernels import runs_triton
+    from ...kernels import runs_triton
 
     q, n, llama = lay.q, lay.tokens(batch, seq), cfg.flavor == "llama"
     rotary, swiglu = (runs_triton(cfg.kernels, device_type, k) for k in ("rotary", "swiglu"))
@@ -340,7 +340,7 @@ def backward_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p
     activations are still held), for ``n`` tokens per rank and ``p`` bytes per element:
 
     * the residual stream's gradient arriving, ``p n d / q``;
-    * 3-D: ``dY`` all-gathered over the tokens' sub-split (:class:`~trickles.parallel.tensor_nd.Linear3D`),
+    * 3-D: ``dY`` all-gathered over the tokens' sub-split (:class:`~trickles.parallel.tensor.grid_linear.Linear3D`),
       ``[q n, d/q]``: ``p n d``;
     * the partial product ``dX = dY A^T`` before its reduce-scatter, ``P = p n h`` (2-D, 2.5-D: ``[n, h]``; 3-D:
       ``[q n, h/q]``, the same bytes);

@@ -7,7 +7,7 @@ on the whole batch (the loss being a mean over equally sized slices).
 * :func:`average_gradients`, the naive form: one all-reduce per parameter after backward. It is
   the oracle the bucketed form is tested against.
 * :class:`DataParallel`, the bucketed, overlapped form. Gradients accumulate into one flat
-  buffer laid out by :class:`~trickles.parallel.flat.FlatLayout` (reverse parameter order,
+  buffer laid out by :class:`~trickles.parallel.data.flat.FlatLayout` (reverse parameter order,
   buckets of ``bucket_bytes``). Each parameter's ``.grad`` is its view of that buffer when the
   dtypes agree, so autograd accumulates micro-batches in place (else a post-accumulate-grad hook
   adds the fresh gradient into its place); on the last accumulation micro-step, a bucket whose parameters have all reported is
@@ -16,7 +16,7 @@ on the whole batch (the loss being a mean over equally sized slices).
   graphs differ (mixture-of-experts ranks skip the experts no token reached). Earlier micro-steps only
   accumulate. Per step each rank sends ``2 (dp-1)/dp * 4 * P`` bytes in fp32. With expert parallelism the
   experts' buckets are all-reduced over their ``edp`` group and the rest over all replicas (each group's
-  buckets in their own index order; :class:`~trickles.parallel.flat.FlatLayout`, "Groups").
+  buckets in their own index order; :class:`~trickles.parallel.data.flat.FlatLayout`, "Groups").
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from ..comm import GroupComm, Handle
-from ..optim.adamw import decay_flags
-from ..optim.settings import OptimizerSettings
-from ..optim.sharded import ShardedOptimizer
-from .engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
+from ...comm import GroupComm, Handle
+from ...optim.adamw import decay_flags
+from ...optim.settings import OptimizerSettings
+from ...optim.sharded import ShardedOptimizer
+from ..engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
 

@@ -1,7 +1,7 @@
 """Multi-dimensional tensor parallelism: everything of the model besides the linears.
 
 :class:`GridContext` says how the residual stream ``[B, T, d]`` of a micro-batch is split over the ``tp`` ranks
-of a grid (:class:`~trickles.topology.TPGrid`); the linears of :mod:`trickles.parallel.tensor_nd` then keep it
+of a grid (:class:`~trickles.topology.TPGrid`); the linears of :mod:`trickles.parallel.tensor.grid_linear` then keep it
 split that way, and the modules here do the rest.
 
 * **The split.** Samples (rows of the micro-batch: whole sequences, so attention stays local) over the *token*
@@ -27,9 +27,9 @@ split that way, and the modules here do the rest.
 * :class:`GridEmbedding`, by mode. 2-D/2.5-D: the table's ``[V/q, d/q]`` block ``(i, j)`` (vocabulary ``i``,
   features ``j``) is all-gathered along the column (``tp_col``) into ``[V, d/q]`` and looked up; backward
   reduce-scatters the table's gradient along the column (and all-reduces it over the depth). Tied to the output
-  layer, whose weight block at ``(i, j)`` is ``(j, i)`` (:class:`~.tensor_nd.Linear2D`), the rank first swaps
+  layer, whose weight block at ``(i, j)`` is ``(j, i)`` (:class:`~.grid_linear.Linear2D`), the rank first swaps
   its block with rank ``(j, i)`` (point to point, ``V d / q^2`` elements; the diagonal keeps its own), and swaps
-  the gradient back. 3-D: the block is the output layer's (:class:`~.tensor_nd.Linear3D`: vocabulary ``u``,
+  the gradient back. 3-D: the block is the output layer's (:class:`~.grid_linear.Linear3D`: vocabulary ``u``,
   features ``v``, their sub-block ``w``), all-gathered over the column into ``[V/q, d/q]``; the column's ``q``
   samples' ids are looked up in this vocabulary slice (zeros elsewhere) and reduce-scattered over the row: the
   sum over the vocabulary slices, each rank keeping its sub-block. Backward: all-gather of ``dY`` over the row,
@@ -39,7 +39,7 @@ split that way, and the modules here do the rest.
   each rank sums its samples' token losses and divides by the micro-batch's token count (all-reduced over the
   logits' token groups), and the all-reduce of those partial sums over the token groups (identity backward)
   gives every rank the micro-batch's mean loss. 3-D's logits hold samples ``w q + v`` (the output layer's
-  output split, :class:`~.tensor_nd.Linear3D`): the loss keeps those targets.
+  output split, :class:`~.grid_linear.Linear3D`): the loss keeps those targets.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm import GroupComm, copy_to_region, gather_sequence, reduce_from_region, reduce_scatter_sequence
-from ..kernels.cross_entropy import IGNORE_INDEX, OutputLoss
-from ..topology import TPGrid
-from .tensor import TPSpec, _VocabParallelCE, set_spec
-from .tensor_nd import Linear2D, Linear2p5D, Linear3D
+from ...comm import GroupComm, copy_to_region, gather_sequence, reduce_from_region, reduce_scatter_sequence
+from ...kernels.cross_entropy import IGNORE_INDEX, OutputLoss
+from ...topology import TPGrid
+from .grid_linear import Linear2D, Linear2p5D, Linear3D
+from .layers import TPSpec, _VocabParallelCE, set_spec
 
 
 class GridContext:

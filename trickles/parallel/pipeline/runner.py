@@ -1,6 +1,6 @@
 """Running a pipeline schedule: one rank's action list executed against its stage.
 
-:class:`PipelineRunner` walks the list :func:`~trickles.parallel.schedules.build` made for this rank:
+:class:`PipelineRunner` walks the list :func:`~trickles.parallel.pipeline.schedules.build` made for this rank:
 
 * ``F c.i``: the input is micro-batch ``i``'s tokens (virtual stage 0) or the activation received
   for it, made a leaf that requires grad; chunk ``c`` runs forward under the precision policy; the
@@ -15,7 +15,7 @@
   the outbox.
 * a run of messages: posted together without waiting, one ``batch_isend_irecv`` per group --
   activations over ``pp``, gradients over ``pp_grad``. The lists post a receive as soon as its
-  send is due (see :mod:`~trickles.parallel.schedules`; on gloo, all of them where the rank first
+  send is due (see :mod:`~trickles.parallel.pipeline.schedules`; on gloo, all of them where the rank first
   waits); it is waited for (alone, where the backend allows) just before the compute that reads
   it. Sends are released as they complete and all waited for at the end.
 
@@ -33,9 +33,9 @@ from typing import Callable
 
 import torch
 
-from ..comm import GroupComm
-from .engine import Engine
-from .pipeline import StageChunk
+from ...comm import GroupComm
+from ..engine import Engine
+from .stages import StageChunk
 from .schedules import Action, Shape, Timeline, batches, build, peer
 
 Batch = tuple  # (inputs, targets) or (inputs, targets, label ids)

@@ -1,7 +1,7 @@
 """ZeRO stages 1 and 2: optimizer state (stage 1) and gradients (stage 2) sharded over dp ranks.
 
 Layout. The parameters become views into one flat buffer laid out by
-:class:`~trickles.parallel.flat.FlatLayout`: buckets of ``bucket_bytes``, each padded to a
+:class:`~trickles.parallel.data.flat.FlatLayout`: buckets of ``bucket_bytes``, each padded to a
 multiple of ``N = dp`` and split into ``N`` equal shards; rank ``r`` owns shard ``r`` of every
 bucket. The rank's :class:`~trickles.optim.sharded.ShardedOptimizer` updates only the segments it
 owns, with the owned slices of the flat buffer as fp32 master weights.
@@ -34,7 +34,7 @@ the same volume as an all-reduce (stage 2 repeats the reduce-scatter on every mi
 
 With expert parallelism the experts' buckets are sharded over their ``edp`` group (``N_e = R / ep`` ranks)
 and every other weight's over all ``R`` replicas, as Megatron's distributed optimizer does
-(:class:`~trickles.parallel.flat.FlatLayout`, "Groups"): per rank, optimizer state ``8 (P_d / R + P_e / N_e)``
+(:class:`~trickles.parallel.data.flat.FlatLayout`, "Groups"): per rank, optimizer state ``8 (P_d / R + P_e / N_e)``
 for ``P_d`` dense and ``P_e`` expert parameters held.
 """
 
@@ -45,11 +45,11 @@ import weakref
 import torch
 from torch import nn
 
-from ..comm import GroupComm, Handle
-from ..optim.adamw import decay_flags
-from ..optim.settings import OptimizerSettings
-from ..optim.sharded import ShardedOptimizer
-from .engine import FIRST_BUCKET_BYTES, Engine, _spec, unique_named_parameters, weak_method
+from ...comm import GroupComm, Handle
+from ...optim.adamw import decay_flags
+from ...optim.settings import OptimizerSettings
+from ...optim.sharded import ShardedOptimizer
+from ..engine import FIRST_BUCKET_BYTES, Engine, _spec, unique_named_parameters, weak_method
 from .flat import FlatLayout
 
 MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finish

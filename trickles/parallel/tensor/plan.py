@@ -1,7 +1,7 @@
 """Applies 1-D tensor (and sequence) parallelism to a :class:`~trickles.models.transformer.Transformer`.
 
 The model is built on the meta device as single-device code; :func:`apply_tensor_parallel`
-swaps its modules for the layers of :mod:`trickles.parallel.tensor` in place, keeping every
+swaps its modules for the layers of :mod:`trickles.parallel.tensor.layers` in place, keeping every
 parameter's name:
 
 ==================================  =========================================================
@@ -40,11 +40,11 @@ import dataclasses
 
 import torch
 
-from ..comm import GroupComm, gather_from_region
-from ..models import fused
-from ..models.transformer import Transformer
-from .expert import split_sequence
-from .tensor import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
+from ...comm import GroupComm, gather_from_region
+from ...models import fused
+from ...models.transformer import Transformer
+from ..expert import split_sequence
+from .layers import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
                      TPContext, VocabParallelEmbedding, VocabParallelLoss, enter_after, replicated_spec, set_spec)
 
 
