@@ -155,7 +155,7 @@ def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("trickles.models.hf.save_file", broken)
+    monkeypatch.setattr("trickles.models.hf_export.save_file", broken)
     with pytest.raises(OSError, match="disk full"):
         save_hf(ok, tmp_path / "b")
     assert list(tmp_path.iterdir()) == []

@@ -2,7 +2,8 @@
 
 * :mod:`~trickles.planner.cluster` -- :class:`Cluster`, presets (``dgx-a100``, ``dgx-h100``, ``local``),
   :func:`load_cluster`, :func:`write_cluster`;
-* :mod:`~trickles.planner.calibrate` -- :func:`calibrate` measures this machine;
+* :mod:`~trickles.planner.calibrate` -- :func:`calibrate` measures this machine (timing compute in
+  :mod:`~trickles.planner.calibrate_compute`, collectives in :mod:`~trickles.planner.calibrate_comm`);
 * :mod:`~trickles.planner.cost` -- :func:`step_time` -> :class:`StepTime`, built from
   :mod:`~trickles.planner.compute` (what a rank computes), :mod:`~trickles.planner.traffic` (each dimension's bytes,
   from the library's formulas) and :mod:`~trickles.planner.placement` (which link a group spans);
