@@ -60,9 +60,8 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _row_stats(Z, M, S, stride, V, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        base = Z + row * stride
+    def _online_max_sum(base, V, BLOCK: tl.constexpr):
+        """A row's maximum and sum of exponentials relative to it, in one pass over its ``V`` columns (fp32)."""
         m = float("-inf")
         s = 0.0
         for start in range(0, V, BLOCK):
@@ -71,23 +70,29 @@ if HAVE_TRITON:
             m_new = tl.maximum(m, tl.max(z, axis=0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
-        tl.store(M + row, m)
-        tl.store(S + row, s)
+        return m, s
 
     @triton.jit
-    def _row_grad(Z, LSE, IDX, SCALE, stride, V, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        base = Z + row * stride
-        lse = tl.load(LSE + row)
-        idx = tl.load(IDX + row)  # the target's local column, -1 where this rank does not hold it
-        scale = tl.load(SCALE + row)
+    def _write_grad(base, V, lse, idx, scale, BLOCK: tl.constexpr):
+        """Overwrites a row of logits with ``(exp(z - lse) - onehot(idx)) * scale`` in their own type."""
         for start in range(0, V, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < V
             z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
             g = tl.exp(z - lse) - tl.where(cols == idx, 1.0, 0.0)
-            tl.store(base + cols, (g * scale).to(Z.dtype.element_ty), mask=mask)
+            tl.store(base + cols, (g * scale).to(base.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _row_stats(Z, M, S, stride, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        m, s = _online_max_sum(Z + row * stride, V, BLOCK)
+        tl.store(M + row, m)
+        tl.store(S + row, s)
+
+    @triton.jit
+    def _row_grad(Z, LSE, IDX, SCALE, stride, V, BLOCK: tl.constexpr):
+        row = tl.program_id(0)  # IDX: the target's local column, -1 where this rank does not hold it
+        _write_grad(Z + row * stride, V, tl.load(LSE + row), tl.load(IDX + row), tl.load(SCALE + row), BLOCK)
 
     @triton.jit
     def _loss_grad(Z, IDX, SCALE, LOSS, stride, V, GRAD: tl.constexpr, BLOCK: tl.constexpr):
@@ -96,26 +101,12 @@ if HAVE_TRITON:
         row = tl.program_id(0)
         base = Z + row * stride
         idx = tl.load(IDX + row)  # the target's column, -1 where ignored
-        m = float("-inf")
-        s = 0.0
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            z = tl.load(base + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-            m = m_new
+        m, s = _online_max_sum(base, V, BLOCK)
         lse = m + tl.log(s)
         picked = tl.load(base + tl.maximum(idx, 0)).to(tl.float32)
         tl.store(LOSS + row, tl.where(idx >= 0, lse - picked, 0.0))
         if GRAD:
-            scale = tl.load(SCALE + row)
-            for start in range(0, V, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = cols < V
-                z = tl.load(base + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.exp(z - lse) - tl.where(cols == idx, 1.0, 0.0)
-                tl.store(base + cols, (g * scale).to(Z.dtype.element_ty), mask=mask)
-
+            _write_grad(base, V, lse, idx, tl.load(SCALE + row), BLOCK)
 
 MIN_CHUNK = 64
 
