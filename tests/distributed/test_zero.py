@@ -122,7 +122,7 @@ def _owned(buckets, dp, rank):
 
 
 def _wire(op, nbytes, dp):
-    """Bytes one rank sends (comm.py's ring formulas, rounded per call as the ledger does)."""
+    """Bytes one rank sends (trickles/comm/ledger.py's ring formulas, rounded per call as the ledger does)."""
     return int(round(wire_bytes(op, nbytes, dp)))
 
 

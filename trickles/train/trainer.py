@@ -17,12 +17,13 @@ With pipeline stages (``parallel.pp > 1``) step 2 is the engine's
 and its schedule interleaves their forwards and backwards across the stages.
 
 The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows its progress (a bar on a terminal, plain lines elsewhere),
-saves checkpoints and, at the end, draws the loss curve and prints a generated sample.
+saves checkpoints and, at the end, draws the loss curve and prints a generated sample. What a checkpoint holds
+beside the engine's shards, and how a run resumes from one (position, loss scaler, RNG), is
+:mod:`trickles.train.trainer_state`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -31,17 +32,16 @@ from typing import Any
 import torch
 
 from ..comm import flight
-from ..compress.checkpoint import quantize_checkpoint
 from ..compress.distill import Distiller
 from ..compress.qat import apply_qat
 from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus
 from ..data.sources import iter_documents
-from ..errors import CheckpointError, ConfigError, TrainingStopped
+from ..errors import ConfigError, TrainingStopped
 from ..kernels.cross_entropy import OutputLoss
 from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
-from ..models.config import HOW_KEYS, ModelConfig, resolve_model
+from ..models.config import ModelConfig, resolve_model
 from ..models.generate import generate
 from ..models.transformer import Transformer, count_params
 from ..optim import lr_at
@@ -49,7 +49,7 @@ from ..optim.schedule import schedule_kind
 from ..parallel.pipeline.runner import PipelinedModel
 from ..parallel.plan import parallelize
 from ..topology import Topology
-from . import checkpoint as ckpt
+from . import trainer_state
 from .flops import flops_per_token, matmul_params, peak_flops
 from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
 from .metrics import MetricsLog, plot_expert_load, plot_loss
@@ -93,7 +93,8 @@ class Trainer:
         self.moe_stats = model.moe_stats  # what the mixture-of-experts blocks report (None without experts)
         # a mixture of experts: parameters a token passes through (the router and top-k of the experts)
         self.n_active = self.n_params - (matmul_params(self.model_cfg, active=False) - matmul_params(self.model_cfg))
-        self.engine = parallelize(model, topo, cfg, t.seed, init=self._init_source(model) if t.init_from else None)
+        init = trainer_state.init_source(t.init_from, model) if t.init_from else None  # train.init_from's weights
+        self.engine = parallelize(model, topo, cfg, t.seed, init=init)
         self.model = self.engine.model
         self.pipeline = self.engine.pipeline  # a PipelineRunner when parallel.pp > 1
         if self.pipeline is not None:
@@ -123,14 +124,6 @@ class Trainer:
         self.peak = peak_flops(self.device, cfg.memory.precision)
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
         self.history: list[dict[str, Any]] = []
-
-    def _init_source(self, model: Transformer):
-        """``train.init_from``: each parameter's full value read from the checkpoint (checked against it first)."""
-        path = ckpt.resolve(self.cfg.train.init_from)
-        ckpt.verify(path)
-        reader = ckpt.PieceReader(path, "model")
-        ckpt.check_fits(reader, ckpt.unique_state(model), path)
-        return lambda name, p: reader.read(name, ((0,) * p.dim(), ckpt.global_shape(p)), layout=ckpt.fused_layout(p))
 
     # ---- one step ------------------------------------------------------------------------
     def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None, train: bool = False) -> torch.Tensor:
@@ -330,16 +323,7 @@ class Trainer:
     def export_int8(self, path: str | None) -> str | None:
         """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
         ``<out_dir>/int8_step_N``, written by rank 0 while the others wait."""
-        out = os.path.join(self.cfg.train.out_dir, f"int8_step_{self.step:06d}")
-        if self.topo.is_main and path is not None:
-            if os.path.lexists(out):
-                print(f"[trickles] {out} exists; not exporting the int8 checkpoint again")
-            else:
-                quantize_checkpoint(path, out, qat=True)
-                if not self.quiet:
-                    print(f"[trickles] int8 checkpoint: {out}")
-        self.topo.comm("world").barrier(limit_s=math.inf)  # file work on rank 0 (see __init__)
-        return out
+        return trainer_state.export_int8(path, self.cfg.train.out_dir, self.step, self.topo, self.quiet)
 
     def sample(self, prompt: str, n_tokens: int, label: str | None = None) -> str:
         """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``); hard-routed
@@ -375,60 +359,16 @@ class Trainer:
                 print(f"[trickles] pipeline trace: {path} (bubble {100 * measured:.1f}% measured, "
                       f"{100 * predicted:.1f}% by (p-1)/(v*m+p-1))")
 
-    # ---- checkpoints ---------------------------------------------------------------------
+    # ---- checkpoints (trickles.train.trainer_state) ---------------------------------------
     def save_checkpoint(self) -> str | None:
         """Writes ``<out_dir>/checkpoints/step_N`` atomically (every rank its part); returns its path on rank 0."""
-        world = self.topo.comm("world")
-        rng = _gather_objects(ckpt.rng_state(), self.topo)
-        tmp = ckpt.step_dir(self.ckpt_dir, self.step) + ".tmp"
-        if self.topo.is_main:
-            ckpt.begin(self.ckpt_dir, self.step)
-        world.barrier()
-        self.engine.save(tmp, self.topo.rank)
-        world.barrier(limit_s=math.inf)  # waits for the slowest writer
-        final = None
-        if self.topo.is_main:
-            self.tokenizer.save(os.path.join(tmp, "tokenizer"))
-            ckpt.write_json(os.path.join(tmp, "trainer.json"), {
-                "step": self.step, "consumed_samples": self.consumed, "world_size": self.topo.world_size,
-                "layout": {"dp": self.topo.dims.dp, "tp": self.topo.dims.tp, "pp": self.topo.dims.pp, "zero": self.engine.stage,
-                           "sequence_parallel": self.cfg.parallel.sequence_parallel, "schedule": self.cfg.parallel.schedule,
-                           "virtual_stages": self.cfg.parallel.virtual_stages}, "skipped_steps": self.skipped,
-                "loss_scaler": self.scaler.state_dict() if self.scaler else None,
-                "config": self.cfg.to_dict(), "model": dataclasses.asdict(self.model_cfg), "rng": rng,
-            })
-            final = ckpt.commit(tmp, self.cfg.train.keep_checkpoints)
-        world.barrier(limit_s=math.inf)  # rank 0 checksums every file into the manifest
-        return final
+        return trainer_state.save(self.ckpt_dir, self.topo, self.engine, self.tokenizer, self.cfg, self.model_cfg, self.scaler,
+                                  step=self.step, consumed=self.consumed, skipped=self.skipped)
 
     def load_checkpoint(self, path: str, verify: bool = True) -> None:
         """Restores model, optimizer, position and RNG from ``path`` (a step_N directory, any dp layout)."""
-        if verify:
-            ckpt.verify(path)
-        meta = ckpt.read_json(os.path.join(path, "trainer.json"))
-        if meta.get("quantization"):
-            raise CheckpointError(f"{path} is an int8 checkpoint for inference; resume from the float checkpoint it came from "
-                                  f"({meta['quantization'].get('source')})")
-        saved = meta.get("model", {})
-        mine = dataclasses.asdict(self.model_cfg)
-        # how the model computes (kernels, fusion) may change between runs; what it computes may not
-        diff = sorted(k for k in mine if k not in ("preset", *HOW_KEYS) and saved.get(k) != mine[k])
-        if diff:
-            detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
-            raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
-        was = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
-        if was != self.cfg.train.optimizer:
-            raise CheckpointError(f"checkpoint {path} holds {was} state but train.optimizer = {self.cfg.train.optimizer}; "
-                                  f"set train.optimizer = {was} to resume it")
-        self.engine.load(path)
-        self.step = int(meta["step"])
-        self.consumed = int(meta["consumed_samples"])
-        self.skipped = int(meta.get("skipped_steps", 0))
-        if self.scaler and meta.get("loss_scaler"):
-            self.scaler.load_state_dict(meta["loss_scaler"])
-        rng = meta.get("rng") or []
-        if rng:
-            ckpt.set_rng_state(rng[self.topo.rank % len(rng)])
+        self.step, self.consumed, self.skipped = trainer_state.load(
+            path, self.engine, self.scaler, self.topo.rank, self.model_cfg, self.cfg.train.optimizer, verify)
 
 
 class _CompileReport:
@@ -456,13 +396,3 @@ def _eager():
 
     stance = getattr(torch.compiler, "set_stance", None)
     return stance("force_eager") if stance is not None else contextlib.nullcontext()
-
-
-def _gather_objects(obj: Any, topo: Topology) -> list[Any]:
-    if topo.world_size == 1:
-        return [obj]
-    import torch.distributed as dist
-
-    out: list[Any] = [None] * topo.world_size
-    dist.all_gather_object(out, obj)
-    return out

@@ -1,174 +1,29 @@
-"""Collectives with byte accounting, and the autograd-aware versions parallel layers use.
+"""The collectives of one process group, counted: :class:`GroupComm`, and :class:`Handle` for the asynchronous ones.
 
 Every call goes through a :class:`GroupComm` (one per parallel dimension, handed out by the
-:class:`~trickles.topology.Topology`), which records into a :class:`CommLedger`:
-
-* ``bytes``: the size of the tensor this rank contributes (the input; for all-gather the shard),
-* ``wire_bytes``: what this rank sends under the bandwidth-optimal ring / pairwise algorithms,
-  with ``n`` ranks and ``S`` bytes of input:
-
-  ===============  =====================  ==========================================
-  all-reduce       ``2 (n-1)/n * S``      reduce-scatter then all-gather
-  all-gather       ``(n-1) * S``          each shard travels to n-1 peers
-  reduce-scatter   ``(n-1)/n * S``        one chunk of S/n sent per ring step
-  all-to-all       ``(n-1)/n * S``        everything but the own chunk leaves
-  broadcast        ``S`` (source only)
-  send / recv      ``S`` / 0
-  ===============  =====================  ==========================================
-
-:func:`wire_bytes` states these formulas once (the ledger records them, the planner's time model reads them), and
-:func:`messages` the number of sequential messages each algorithm sends (its latency terms).
+:class:`~trickles.topology.Topology`), which records its bytes into a :class:`~trickles.comm.ledger.CommLedger`
+(the formulas: :mod:`trickles.comm.ledger`) and runs between ``flight.begin`` and ``flight.end``
+(:mod:`trickles.comm.recorder`) while it blocks.
 
 A group of size 1 (or ``group=None``) makes every call a no-op that records nothing, so
-single-device code pays nothing. ``flight`` remembers the collective this process is inside,
-so a harness or watchdog can say which operation a hung rank is stuck in.
-
-Autograd-aware functions (Megatron's conjugate pairs), ``x`` being the local tensor:
-
-  ===========================  ===========================  ============================
-  function                     forward                      backward
-  ===========================  ===========================  ============================
-  ``copy_to_region``           identity                     all-reduce
-  ``reduce_from_region``       all-reduce                   identity
-  ``scatter_to_region``        keep own chunk of ``dim``    all-gather along ``dim``
-  ``gather_from_region``       all-gather along ``dim``     keep own chunk of ``dim``
-  ``gather_sequence``          all-gather along ``dim``     reduce-scatter along ``dim``
-  ``reduce_scatter_sequence``  reduce-scatter along ``dim`` all-gather along ``dim``
-  ``all_to_all``               all-to-all (scatter s,       all-to-all (scatter g,
-                               gather g)                    gather s)
-  ===========================  ===========================  ============================
+single-device code pays nothing.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import defaultdict
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .ledger import CommLedger, wire_bytes
+from .recorder import flight
 
 # torch >= 2.12 renames the tensor-in/tensor-out collectives; older releases only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "mean": dist.ReduceOp.SUM}
-
-
-#: Ring / pairwise algorithms: bytes a rank sends per byte of its input ``S`` with ``n`` ranks (all-gather: per
-#: byte of its shard), and the sequential messages (ring steps) each needs.
-_WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-         "all_gather": lambda n: float(n - 1), "all_to_all": lambda n: (n - 1) / n,
-         "broadcast": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 0.0}
-_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1,
-          "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
-OPS = tuple(_WIRE)
-
-
-def wire_bytes(op: str, nbytes: float, n: int) -> float:
-    """Bytes one rank sends for collective ``op`` over ``n`` ranks with ``nbytes`` of input (the module docstring's
-    table; all-gather: ``nbytes`` is the rank's shard; broadcast: the source's). 0 for a group of one."""
-    if op not in _WIRE:
-        raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
-    return _WIRE[op](n) * nbytes if n > 1 else 0.0
-
-
-def messages(op: str, n: int) -> int:
-    """Sequential messages (ring steps) ``op`` takes over ``n`` ranks: all-reduce ``2 (n-1)`` (reduce-scatter, then
-    all-gather), all-gather, reduce-scatter and all-to-all ``n - 1``, a send 1; 0 for a group of one. With a
-    per-message latency ``alpha`` and a bandwidth ``B`` a collective takes ``messages x alpha + wire_bytes / B``."""
-    if op not in _STEPS:
-        raise ValueError(f"unknown collective {op!r}; one of {', '.join(OPS)}")
-    return _STEPS[op](n) if n > 1 else 0
-
-
-@dataclass
-class OpStats:
-    calls: int = 0
-    bytes: int = 0
-    wire_bytes: int = 0
-
-
-class CommLedger:
-    """Calls and bytes per ``(op, group name)``; read by tests, benchmarks and reports."""
-
-    def __init__(self):
-        self.stats: dict[tuple[str, str], OpStats] = defaultdict(OpStats)
-        self.enabled = True
-
-    def record(self, op: str, group: str, nbytes: int, wire_bytes: float) -> None:
-        if self.enabled:
-            s = self.stats[(op, group)]
-            s.calls += 1
-            s.bytes += int(nbytes)
-            s.wire_bytes += int(round(wire_bytes))
-
-    def reset(self) -> None:
-        self.stats.clear()
-
-    def _select(self, op: str | None, group: str | None):
-        return [s for (o, g), s in self.stats.items() if (op is None or o == op) and (group is None or g == group)]
-
-    def calls(self, op: str | None = None, group: str | None = None) -> int:
-        return sum(s.calls for s in self._select(op, group))
-
-    def bytes(self, op: str | None = None, group: str | None = None, wire: bool = False) -> int:
-        return sum(s.wire_bytes if wire else s.bytes for s in self._select(op, group))
-
-    def snapshot(self) -> dict[str, dict[str, int]]:
-        """``{"all_reduce/dp": {"calls": .., "bytes": .., "wire_bytes": ..}, ...}``"""
-        return {f"{o}/{g}": dict(calls=s.calls, bytes=s.bytes, wire_bytes=s.wire_bytes) for (o, g), s in sorted(self.stats.items())}
-
-    def table(self) -> str:
-        rows = [f"{'op/group':<28}{'calls':>8}{'bytes':>16}{'wire bytes':>16}"]
-        for k, v in self.snapshot().items():
-            rows.append(f"{k:<28}{v['calls']:>8}{v['bytes']:>16,}{v['wire_bytes']:>16,}")
-        return "\n".join(rows)
-
-
-@dataclass
-class FlightRecorder:
-    """The communication call this process is blocked in, if any (process-wide).
-
-    Every blocking collective, receive and ``Handle.wait`` runs between :meth:`begin` and
-    :meth:`end`: ``current`` names it, ``since`` is when it began (``time.monotonic``), ``step``
-    is the training step the trainer says it is in, and ``blocked_s`` sums the seconds spent
-    inside such calls -- the communication that computation did not hide. Read by the hang
-    watchdog (:mod:`trickles.watchdog`), the test harness and the scaling report.
-    """
-
-    current: str | None = None
-    since: float = 0.0
-    limit_s: float | None = None
-    seq: int = 0
-    step: int | None = None
-    blocked_s: float = 0.0
-    sink: Callable[[str | None], None] | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def begin(self, what: str, limit_s: float | None = None) -> None:
-        """Entering ``what``; ``limit_s``: how long it may take (None: the watchdog's timeout)."""
-        with self._lock:
-            self.seq += 1
-            self.current = f"{what} (call #{self.seq})"
-            self.since = time.monotonic()
-            self.limit_s = limit_s
-            if self.sink is not None:
-                self.sink(self.current)
-
-    def end(self) -> None:
-        with self._lock:
-            if self.current is not None:
-                self.blocked_s += time.monotonic() - self.since
-            self.current = None
-            self.limit_s = None
-            if self.sink is not None:
-                self.sink(None)
-
-
-flight = FlightRecorder()
 
 
 class Handle:
@@ -385,78 +240,3 @@ class GroupComm:
 
         whole = _Whole()
         return [Handle(whole, f"batch_p2p on group '{self.name}' ({len(p2p)} ops)") for _ in p2p]
-
-
-# ---- autograd-aware collectives ------------------------------------------------------------
-
-def _chunk(x: torch.Tensor, comm: GroupComm, dim: int) -> torch.Tensor:
-    if x.shape[dim] % comm.size:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by group '{comm.name}' of {comm.size} ranks")
-    return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
-
-
-class _Conjugate(torch.autograd.Function):
-    """``y = forward(x)``; in backward ``dx = backward(dy)``: one collective each way."""
-
-    @staticmethod
-    def forward(ctx, x, forward, backward):
-        ctx.backward_fn = backward
-        return forward(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.backward_fn(g.contiguous()), None, None
-
-
-def _all_reduced(comm: GroupComm) -> Callable[[torch.Tensor], torch.Tensor]:
-    return lambda t: comm.all_reduce(t.clone())
-
-
-def copy_to_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
-    """Identity forward, all-reduce backward (entry of a column-parallel region)."""
-    return x if comm.size == 1 else _Conjugate.apply(x, lambda t: t.view_as(t), _all_reduced(comm))
-
-
-def reduce_from_region(x: torch.Tensor, comm: GroupComm) -> torch.Tensor:
-    """All-reduce forward, identity backward (exit of a row-parallel region)."""
-    return x if comm.size == 1 else _Conjugate.apply(x.contiguous(), _all_reduced(comm), lambda g: g)
-
-
-def scatter_to_region(x: torch.Tensor, comm: GroupComm, dim: int = -1) -> torch.Tensor:
-    """Keep this rank's chunk of ``dim`` forward, all-gather backward."""
-    if comm.size == 1:
-        return x
-    dim %= x.dim()
-    return _Conjugate.apply(x, lambda t: _chunk(t, comm, dim), lambda g: comm.all_gather(g, dim=dim))
-
-
-def gather_from_region(x: torch.Tensor, comm: GroupComm, dim: int = -1) -> torch.Tensor:
-    """All-gather along ``dim`` forward, keep own chunk backward."""
-    if comm.size == 1:
-        return x
-    dim %= x.dim()
-    return _Conjugate.apply(x, lambda t: comm.all_gather(t, dim=dim), lambda g: _chunk(g, comm, dim))
-
-
-def gather_sequence(x: torch.Tensor, comm: GroupComm, dim: int = 1) -> torch.Tensor:
-    """All-gather along the sequence forward, reduce-scatter backward (sequence-parallel entry)."""
-    if comm.size == 1:
-        return x
-    dim %= x.dim()
-    return _Conjugate.apply(x, lambda t: comm.all_gather(t, dim=dim), lambda g: comm.reduce_scatter(g, dim=dim))
-
-
-def reduce_scatter_sequence(x: torch.Tensor, comm: GroupComm, dim: int = 1) -> torch.Tensor:
-    """Reduce-scatter along the sequence forward, all-gather backward (sequence-parallel exit)."""
-    if comm.size == 1:
-        return x
-    dim %= x.dim()
-    return _Conjugate.apply(x, lambda t: comm.reduce_scatter(t, dim=dim), lambda g: comm.all_gather(g, dim=dim))
-
-
-def all_to_all(x: torch.Tensor, comm: GroupComm, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-    """All-to-all forward, the reverse all-to-all backward."""
-    if comm.size == 1:
-        return x
-    s, g = scatter_dim % x.dim(), gather_dim % x.dim()
-    return _Conjugate.apply(x, lambda t: comm.all_to_all(t, s, g), lambda d: comm.all_to_all(d, g, s))

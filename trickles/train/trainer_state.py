@@ -1,0 +1,127 @@
+"""The trainer's checkpoints: what a run writes beside the engine's shards, and how a run gets it back.
+
+* :func:`save` writes ``<out_dir>/checkpoints/step_N`` atomically (:mod:`trickles.train.checkpoint`): every rank
+  its part of the model and optimizer (the engine), rank 0 the tokenizer and ``trainer.json`` -- the step, the
+  consumed samples (the data position: the next global batch is a pure function of it and the seed), the layout,
+  the skipped steps, the loss scaler's state, the resolved config and model, and every rank's RNG states;
+* :func:`load` resumes from one: it refuses, before anything is loaded, a checkpoint this model or optimizer
+  cannot continue (an int8 one, another model, another optimizer's state), then restores the engine at any
+  layout, the loss scaler and this rank's RNG states, and returns the position;
+* :func:`init_source` reads ``train.init_from``'s weights into a fresh run, and :func:`export_int8` turns
+  quantization-aware training's final checkpoint into an int8 one.
+
+:class:`~trickles.train.trainer.Trainer` calls them with its pieces (``save_checkpoint``, ``load_checkpoint``,
+``export_int8``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any
+
+from ..compress.checkpoint import quantize_checkpoint
+from ..config import Config
+from ..data import Tokenizer
+from ..errors import CheckpointError
+from ..memory.scaler import DynamicLossScaler
+from ..models.config import HOW_KEYS, ModelConfig
+from ..models.transformer import Transformer
+from ..parallel.engine import Engine
+from ..topology import Topology
+from . import checkpoint as ckpt
+
+
+def save(ckpt_dir: str, topo: Topology, engine: Engine, tokenizer: Tokenizer, cfg: Config, model_cfg: ModelConfig,
+         scaler: DynamicLossScaler | None, *, step: int, consumed: int, skipped: int) -> str | None:
+    """Writes ``<ckpt_dir>/step_N`` atomically (every rank its part); returns its path on rank 0."""
+    world = topo.comm("world")
+    rng = _gather_objects(ckpt.rng_state(), topo)
+    tmp = ckpt.step_dir(ckpt_dir, step) + ".tmp"
+    if topo.is_main:
+        ckpt.begin(ckpt_dir, step)
+    world.barrier()
+    engine.save(tmp, topo.rank)
+    world.barrier(limit_s=math.inf)  # waits for the slowest writer
+    final = None
+    if topo.is_main:
+        tokenizer.save(os.path.join(tmp, "tokenizer"))
+        ckpt.write_json(os.path.join(tmp, "trainer.json"), {
+            "step": step, "consumed_samples": consumed, "world_size": topo.world_size,
+            "layout": {"dp": topo.dims.dp, "tp": topo.dims.tp, "pp": topo.dims.pp, "zero": engine.stage,
+                       "sequence_parallel": cfg.parallel.sequence_parallel, "schedule": cfg.parallel.schedule,
+                       "virtual_stages": cfg.parallel.virtual_stages}, "skipped_steps": skipped,
+            "loss_scaler": scaler.state_dict() if scaler else None,
+            "config": cfg.to_dict(), "model": dataclasses.asdict(model_cfg), "rng": rng,
+        })
+        final = ckpt.commit(tmp, cfg.train.keep_checkpoints)
+    world.barrier(limit_s=math.inf)  # rank 0 checksums every file into the manifest
+    return final
+
+
+def load(path: str, engine: Engine, scaler: DynamicLossScaler | None, rank: int, model_cfg: ModelConfig, optimizer: str,
+         verify: bool = True) -> tuple[int, int, int]:
+    """Restores model and optimizer (``engine``), ``scaler`` and rank ``rank``'s RNG from ``path`` (a step_N directory,
+    any dp layout) written for ``model_cfg`` with ``optimizer``; returns ``(step, consumed samples, skipped steps)``."""
+    if verify:
+        ckpt.verify(path)
+    meta = ckpt.read_json(os.path.join(path, "trainer.json"))
+    if meta.get("quantization"):
+        raise CheckpointError(f"{path} is an int8 checkpoint for inference; resume from the float checkpoint it came from "
+                              f"({meta['quantization'].get('source')})")
+    saved = meta.get("model", {})
+    mine = dataclasses.asdict(model_cfg)
+    # how the model computes (kernels, fusion) may change between runs; what it computes may not
+    diff = sorted(k for k in mine if k not in ("preset", *HOW_KEYS) and saved.get(k) != mine[k])
+    if diff:
+        detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
+        raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
+    was = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
+    if was != optimizer:
+        raise CheckpointError(f"checkpoint {path} holds {was} state but train.optimizer = {optimizer}; "
+                              f"set train.optimizer = {was} to resume it")
+    engine.load(path)
+    step = int(meta["step"])
+    consumed = int(meta["consumed_samples"])
+    skipped = int(meta.get("skipped_steps", 0))
+    if scaler and meta.get("loss_scaler"):
+        scaler.load_state_dict(meta["loss_scaler"])
+    rng = meta.get("rng") or []
+    if rng:
+        ckpt.set_rng_state(rng[rank % len(rng)])
+    return step, consumed, skipped
+
+
+def init_source(init_from: str, model: Transformer):
+    """``train.init_from``: each parameter's full value read from the checkpoint (checked against it first)."""
+    path = ckpt.resolve(init_from)
+    ckpt.verify(path)
+    reader = ckpt.PieceReader(path, "model")
+    ckpt.check_fits(reader, ckpt.unique_state(model), path)
+    return lambda name, p: reader.read(name, ((0,) * p.dim(), ckpt.global_shape(p)), layout=ckpt.fused_layout(p))
+
+
+def export_int8(path: str | None, out_dir: str, step: int, topo: Topology, quiet: bool) -> str:
+    """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
+    ``<out_dir>/int8_step_N``, written by rank 0 while the others wait."""
+    out = os.path.join(out_dir, f"int8_step_{step:06d}")
+    if topo.is_main and path is not None:
+        if os.path.lexists(out):
+            print(f"[trickles] {out} exists; not exporting the int8 checkpoint again")
+        else:
+            quantize_checkpoint(path, out, qat=True)
+            if not quiet:
+                print(f"[trickles] int8 checkpoint: {out}")
+    topo.comm("world").barrier(limit_s=math.inf)  # file work on rank 0 (see Trainer.__init__)
+    return out
+
+
+def _gather_objects(obj: Any, topo: Topology) -> list[Any]:
+    if topo.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(out, obj)
+    return out
