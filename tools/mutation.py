@@ -1,6 +1,6 @@
 """Mutation testing for trickles: does the test suite notice a one-line bug?
 
-A mutant is one single-line change to ``trickles/comm/*.py``, ``trickles/parallel/*.py``, ``trickles/memory/*.py``,
+A mutant is one single-line change to ``trickles/comm/*.py``, ``trickles/parallel/*.py`` (its subpackages too), ``trickles/memory/*.py``,
 ``trickles/optim/*.py``, ``trickles/kernels/*.py``, ``trickles/infer/*.py``, ``trickles/compress/*.py``, the fused
 projections' layout (``trickles/models/fused.py``) or the checkpoint pieces (``trickles/train/pieces.py``), found with
 ``ast``: an operator swapped (``+ -``, ``* /``, ``// *``, ``| &``, ``< <=``,
@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from queue import Queue
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = ["trickles/comm/*.py", "trickles/parallel/*.py", "trickles/memory/*.py", "trickles/optim/*.py", "trickles/kernels/*.py",
+TARGETS = ["trickles/comm/*.py", "trickles/parallel/*.py", "trickles/parallel/*/*.py", "trickles/memory/*.py", "trickles/optim/*.py", "trickles/kernels/*.py",
            "trickles/infer/*.py", "trickles/compress/*.py", "trickles/models/fused.py", "trickles/train/pieces.py",
            "trickles/planner/*.py"]
 EXCLUDED_FILES = {"trickles/parallel/pipeline/plot.py"}  # matplotlib drawing only
