@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from _timing import device_name, rotations, summarize, sync, timed
-from trickles.topology import cpu_cores, exit_process, init_distributed, select_device
+from trickles.process import cpu_cores, exit_process, init_distributed, select_device
 
 
 def add_run_args(p) -> None:
@@ -190,7 +190,7 @@ def compare_times(everyone: list[dict], contestants, steps: int, tokens: int) ->
 
 def finish(status: int, device: torch.device) -> int:
     """Rank 0's status on every rank; then leaves the process group."""
-    from trickles.topology import shutdown_distributed
+    from trickles.process import shutdown_distributed
 
     gc.collect()
     status_t = torch.tensor([status], device=device)

@@ -103,7 +103,8 @@ from trickles.models import fused  # noqa: E402
 from trickles.models.config import ModelConfig  # noqa: E402
 from trickles.models.moe import route  # noqa: E402
 from trickles.models.transformer import build_model, rope_tables  # noqa: E402
-from trickles.topology import ParallelDims, cpu_cores, select_device  # noqa: E402
+from trickles.topology import ParallelDims, select_device  # noqa: E402
+from trickles.process import cpu_cores
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "bf16"}

@@ -192,7 +192,7 @@ def calibration(args, shapes) -> dict:
 def rank_main(args, world: int, layout_list, shapes, out_path: str) -> int:
     import torch.distributed as dist
 
-    from trickles.topology import cpu_cores, init_distributed, shutdown_distributed
+    from trickles.process import cpu_cores, init_distributed, shutdown_distributed
 
     device = torch.device("cpu")
     init_distributed(device)
@@ -309,7 +309,7 @@ def calib_main(args, world: int, shapes, out_path: str) -> int:
     it to ``out_path`` as JSON."""
     import torch.distributed as dist
 
-    from trickles.topology import cpu_cores, init_distributed, shutdown_distributed
+    from trickles.process import cpu_cores, init_distributed, shutdown_distributed
 
     init_distributed(torch.device("cpu"))
     args.threads = max(1, cpu_cores() // world)

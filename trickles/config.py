@@ -63,7 +63,7 @@ class Config:
         """Builds a config from ``{section: {key: value}}``; unknown sections and keys are errors."""
         cfg = cls()
         for section, values in tables.items():
-            if section == PLANNER_SECTION:  # the machines, read by trickles.planner.cluster.load_cluster
+            if section == PLANNER_SECTION:  # the machines, read by trickles.planner.cluster_files.load_cluster
                 continue
             if section not in SECTIONS:
                 raise unknown_key_error(section, SECTIONS, where)

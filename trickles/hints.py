@@ -88,7 +88,7 @@ def device_facts(device) -> DeviceFacts:
 
 def warn_slow_config(cfg, topo, file=None) -> list[str]:
     """Prints :func:`slow_config_hints` for this rank's device on rank 0 (first attempt only); returns the lines."""
-    from .topology import cpu_cores, restart_count
+    from .process import cpu_cores, restart_count
 
     if not topo.is_main or restart_count() > 0:
         return []

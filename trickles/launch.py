@@ -13,7 +13,7 @@ and watches them:
   ``HANG_GRACE_S`` to report where they are;
 * the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
 
-Ranks end through :func:`trickles.topology.exit_process`, so a rank that tore its group down
+Ranks end through :func:`trickles.process.exit_process`, so a rank that tore its group down
 cleanly cannot turn a green run red during interpreter teardown.
 """
 
@@ -56,7 +56,7 @@ def rank_environment(rank: int, world: int, port: int, restart: int = 0) -> dict
 
 
 def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str) -> None:
-    from .topology import exit_process
+    from .process import exit_process
 
     _die_with_parent()
     os.setpgrp()
@@ -64,7 +64,7 @@ def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str) 
     if "OMP_NUM_THREADS" not in os.environ:  # the ranks share this machine's cores (torchrun sets 1 per rank)
         import torch
 
-        from .topology import cpu_cores
+        from .process import cpu_cores
 
         torch.set_num_threads(max(1, cpu_cores() // int(env["LOCAL_WORLD_SIZE"])))
     try:

@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, port: int, conn, status, threads: int) -> Non
     import torch
 
     from .comm import flight
-    from .topology import exit_process, init_distributed, shutdown_distributed
+    from .process import exit_process, init_distributed, shutdown_distributed
 
     _die_with_parent()
     os.environ.update(rank_environment(rank, world, port))

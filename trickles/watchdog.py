@@ -69,7 +69,7 @@ class Watchdog:
         self.timeout_s, self.rank, self.where = timeout_s, rank, where
         self.store = store if store is not None else _default_store()
         self.world = world if world is not None else _default_world()
-        self.key = _KEY  # the job's store is already prefixed per attempt (trickles.topology.init_distributed)
+        self.key = _KEY  # the job's store is already prefixed per attempt (trickles.process.init_distributed)
         self.poll_s = min(1.0, timeout_s / 10)
         self._exit = exit_fn
         self._stop = threading.Event()

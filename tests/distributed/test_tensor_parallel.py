@@ -11,7 +11,8 @@ from helpers import assert_losses_track, assert_weights_track, tiny_config
 from trickles.memory.activations import ActivationMeter, activation_bytes
 from trickles.parallel.tensor.layers import partial_grad_elements, region_wire_bytes
 from trickles.parallel.tensor.layers import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear, TPContext,
-                                      VocabParallelEmbedding, init_tp_param, vocab_parallel_cross_entropy)
+                                      VocabParallelEmbedding, init_tp_param)
+from trickles.parallel.tensor.loss import vocab_parallel_cross_entropy
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer

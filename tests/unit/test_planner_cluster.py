@@ -10,8 +10,8 @@ from trickles.comm import messages, wire_bytes
 from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.planner import PRESETS, Cluster, calibrate, fit_link, load_cluster, write_cluster
-from trickles.planner.cluster import cluster_from_dict
-from trickles.topology import cpu_cores
+from trickles.planner.cluster_files import cluster_from_dict
+from trickles.process import cpu_cores
 
 
 def test_presets_carry_the_cited_hardware_numbers():

@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         code = 130
     if distributed:  # skip interpreter teardown after gloo (see DESIGN.md)
-        from ..topology import exit_process
+        from ..process import exit_process
 
         exit_process(code)
     return code

@@ -34,7 +34,7 @@ def _scaling(args) -> int:
     import json
 
     from ..config import Config
-    from ..topology import env_world_size
+    from ..process import env_world_size
     from ..train.scaling import RanksFailed, measure_scaling, plot_scaling, scaling_json, scaling_table
 
     if "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1:

@@ -4,15 +4,14 @@ single-device checkpoint (every tensor whole, optimizer state included) or a Hug
 
 from __future__ import annotations
 
-from .common import add_command
+from .common import add_command, checkpoint_in_out
 
 
 def add_parser(sub) -> None:
     k = add_command(sub, "checkpoint", "work with checkpoints (export)")
     actions = k.add_subparsers(dest="action", required=True)
     e = add_command(actions, "export", "consolidate a checkpoint written at any layout, in one process")
-    e.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
-    e.add_argument("out", help="directory to create (must not exist)")
+    checkpoint_in_out(e)
     e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
                    help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
                         "hf: a Hugging Face directory (config.json + model.safetensors)")

@@ -27,6 +27,12 @@ def add_command(sub, name: str, help: str) -> argparse.ArgumentParser:
     return sub.add_parser(name, help=help, description=help[:1].upper() + help[1:] + ".")
 
 
+def checkpoint_in_out(sp, out: str = "directory to create (must not exist)") -> None:
+    """The positional ``checkpoint`` (what to read) and ``out`` (where to write) of a command that rewrites one."""
+    sp.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
+    sp.add_argument("out", help=out)
+
+
 def config_args(sp) -> None:
     """``--config/-c`` and ``--set/-s``: the options of every command that builds a :class:`~trickles.config.Config`."""
     sp.add_argument("--config", "-c", metavar="F", help="TOML config file (default: the built-in demo settings)")

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-from .common import add_command
+from .common import add_command, checkpoint_in_out
 
 
 def add_parser(sub) -> None:
     group = add_command(sub, "compress", "make a model smaller: quantize it, prune it, compare checkpoints")
     actions = group.add_subparsers(dest="action", required=True)
     qz = add_command(actions, "quantize", "symmetric int8 weights of every projection, in a new checkpoint")
-    qz.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
-    qz.add_argument("out", help="directory to create (must not exist)")
+    checkpoint_in_out(qz)
     qz.add_argument("--bits", type=int, default=8, help="bits per weight (default: 8)")
     qz.add_argument("--granularity", choices=["row", "tensor"], default="row",
                     help="one scale per output row (default) or per matrix")
     pr = add_command(actions, "prune", "remove attention heads, MLP channels and whole blocks, least important first")
-    pr.add_argument("checkpoint", help="a checkpoint directory or a run's out_dir (its newest checkpoint)")
-    pr.add_argument("out", help="directory of the pruned checkpoint (must not exist)")
+    checkpoint_in_out(pr, "directory of the pruned checkpoint (must not exist)")
     pr.add_argument("--heads", type=float, default=0.0,
                     help="fraction of key/value head groups to remove in every block (default: 0)")
     pr.add_argument("--ffn", type=float, default=0.0, help="fraction of MLP channels to remove in every block (default: 0)")

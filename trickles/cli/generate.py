@@ -54,7 +54,7 @@ def run(args) -> int:
 
     from ..infer import Sampling, beam_search, decode
     from ..infer.streaming import prompt_length
-    from ..topology import select_device
+    from ..process import select_device
 
     count("--max-new-tokens", args.max_new_tokens, 0)
     count("--top-k", args.top_k, 0)

@@ -25,7 +25,7 @@ def run(args) -> int:
     from ..config import Config
     from ..launch import launch
     from ..memory.report import run_report
-    from ..topology import env_world_size
+    from ..process import env_world_size
 
     count("--nproc", args.nproc, 1)
     if args.measure < 0:

@@ -30,7 +30,7 @@ def run(args) -> int:
     import json
 
     from ..config import Config
-    from ..planner.cluster import load_cluster
+    from ..planner.cluster_files import load_cluster
     from ..planner.report import explain, no_fit_message, plan_json, plan_table, summary, winner_toml
     from ..planner.search import Search, pinned_keys, plan_model
 

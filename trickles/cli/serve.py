@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     import importlib.util
 
-    from ..topology import select_device
+    from ..process import select_device
 
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535 (0: any free port), got {args.port}")

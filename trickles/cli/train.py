@@ -34,7 +34,7 @@ def run(args) -> int:
     from ..config import Config
     from ..data.sources import check_source
     from ..launch import launch
-    from ..topology import env_world_size, restart_count
+    from ..process import env_world_size, restart_count
     from ..train.run import resolve_resume, run_training
 
     count("--nproc", args.nproc, 1)

@@ -14,7 +14,8 @@ Memory prediction stays in :mod:`trickles.memory.report` (:func:`~trickles.memor
 """
 
 from .calibrate import calibrate, fit_link
-from .cluster import PRESETS, Cluster, load_cluster, write_cluster
+from .cluster import Cluster
+from .cluster_files import PRESETS, load_cluster, write_cluster
 from .cost import StepTime, step_time
 from .search import Candidate, Layout, Search, enumerate_layouts, memory_bound, pinned_keys, plan_model
 

@@ -17,7 +17,7 @@ Here: :func:`measure_on_ranks` (every measurement on every local rank at once, a
 :func:`cluster_from_measurements` (the measurements into a cluster) and :func:`calibrate`; the two modules'
 functions are importable from here too. The fits live in :mod:`trickles.planner.linefit`. :func:`calibrate`
 returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writes it as TOML
-(:func:`~trickles.planner.cluster.write_cluster`).
+(:func:`~trickles.planner.cluster_files.write_cluster`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from .calibrate_comm import COLLECTIVES, _measure_collectives, measure_links, me
 from .calibrate_compute import (DTYPES, TINY_PASS, _pass_work, attention_shapes, fit_moe_pass,  # noqa: F401
                                 fit_passes, measure_attention, measure_gemms, measure_memory_bandwidth,
                                 measure_passes, model_shapes, pass_gemm_shapes, pass_sizes)
-from .cluster import Cluster, load_cluster, shape_key, write_cluster
+from .cluster import Cluster, shape_key
+from .cluster_files import load_cluster, write_cluster
 from .linefit import fit_link, fit_links, link_samples  # noqa: F401  (fit_link, link_samples: re-exported)
 
 
@@ -54,7 +55,7 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     (None without passes)."""
     import torch.distributed as dist
 
-    from ..topology import cpu_cores
+    from ..process import cpu_cores
 
     world = dist.get_world_size()
     per_core = max(1.0, world / cpu_cores())

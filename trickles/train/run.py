@@ -2,7 +2,7 @@
 
 Fault tolerance: under ``trickles train --nproc N --max-restarts K`` or ``torchrun --max-restarts=K``
 a failed rank brings all ranks down and back up; the restarted ranks see a non-zero
-:func:`~trickles.topology.restart_count` and continue from the newest complete checkpoint in ``train.out_dir``
+:func:`~trickles.process.restart_count` and continue from the newest complete checkpoint in ``train.out_dir``
 (same weights, optimizer state, data position and random states as when it was written).
 """
 
@@ -13,7 +13,8 @@ import os
 from ..config import Config
 from ..errors import UserError
 from ..hints import warn_slow_config
-from ..topology import distributed_session, env_world_size, restart_count
+from ..topology import distributed_session
+from ..process import env_world_size, restart_count
 from . import checkpoint
 from .trainer import Trainer
 
@@ -21,7 +22,7 @@ from .trainer import Trainer
 def resolve_resume(resume: str | None, out_dir: str) -> str | None:
     """``None`` | ``"auto"`` (newest complete checkpoint under out_dir, or none) | a path; verified.
 
-    A restarted job (:func:`~trickles.topology.restart_count` > 0) continues from the newest complete checkpoint in
+    A restarted job (:func:`~trickles.process.restart_count` > 0) continues from the newest complete checkpoint in
     out_dir, whatever it was started with; only when it wrote none yet does it start as before.
     """
     if restart_count() > 0:

@@ -55,7 +55,8 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError, UserError
-from ..topology import ParallelDims, cpu_cores
+from ..topology import ParallelDims
+from ..process import cpu_cores
 
 
 @dataclass
@@ -214,7 +215,8 @@ def measure_rank(cfg: Config, steps: int, warmup: int, threads: int, result_path
     import torch.distributed as dist
 
     from ..comm import flight
-    from ..topology import distributed_session, env_world_size
+    from ..topology import distributed_session
+    from ..process import env_world_size
     from .trainer import Trainer
 
     torch.set_num_threads(threads)

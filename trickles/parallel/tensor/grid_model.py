@@ -52,7 +52,8 @@ from ...comm import GroupComm, copy_to_region, gather_sequence, reduce_from_regi
 from ...kernels.cross_entropy import IGNORE_INDEX, OutputLoss
 from ...topology import TPGrid
 from .grid_linear import Linear2D, Linear2p5D, Linear3D
-from .layers import TPSpec, _VocabParallelCE, set_spec
+from .layers import TPSpec, set_spec
+from .loss import _VocabParallelCE
 
 
 class GridContext:

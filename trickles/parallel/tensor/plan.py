@@ -45,7 +45,8 @@ from ...models import fused
 from ...models.transformer import Transformer
 from ..expert import split_sequence
 from .layers import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
-                     TPContext, VocabParallelEmbedding, VocabParallelLoss, enter_after, replicated_spec, set_spec)
+                     TPContext, VocabParallelEmbedding, enter_after, replicated_spec, set_spec)
+from .loss import VocabParallelLoss
 
 
 def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel: bool, recomputed_blocks: bool = False) -> TPContext:
