@@ -34,7 +34,23 @@ def _collectives():
     for h in c.batch_p2p([("send", torch.full((3,), float(r)), (r + 1) % n), ("recv", buf, (r - 1) % n)]):
         h.wait()
     h = c.all_reduce(torch.ones(5), async_op=True)
-    return dict(x=x, m=m, mx=mx, g0=g0, g1=g1, rs=rs, rs0=rs0, a2a=a2a, b=b, buf=buf, h=h.wait(), ledger=topo.ledger.snapshot())
+    uneven = c.all_to_all_uneven(*_uneven_rows(n, r))
+    return dict(x=x, m=m, mx=mx, g0=g0, g1=g1, rs=rs, rs0=rs0, a2a=a2a, b=b, buf=buf, h=h.wait(), uneven=uneven,
+                ledger=topo.ledger.snapshot())
+
+
+def _uneven_rows(n: int, r: int):
+    """Rank ``r`` keeps one row of ``[2]`` for itself and sends ``r`` rows to the next rank (rank 0: one row in
+    all), rows valued ``10 r + destination``: ``(t, send_counts, recv_counts)`` for ``all_to_all_uneven``."""
+    def sends(src: int) -> list[int]:
+        counts = [0] * n
+        counts[src] += 1
+        counts[(src + 1) % n] += src
+        return counts
+
+    send = sends(r)
+    t = torch.cat([torch.full((k, 2), float(10 * r + dst)) for dst, k in enumerate(send)])
+    return t, send, [sends(src)[r] for src in range(n)]
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -61,7 +77,10 @@ def test_collectives_and_ledger(n):
         assert led["all_gather/dp"] == {"calls": 2, "bytes": 48, "wire_bytes": 2 * (n - 1) * 24}
         rs_bytes = 2 * 4 * n * 4 + 2 * n * 3 * 4
         assert led["reduce_scatter/dp"]["bytes"] == rs_bytes
-        assert led["all_to_all/dp"]["wire_bytes"] == round((n - 1) / n * 2 * n * 4)
+        # uneven: the rows from each source in rank order; on the wire every row but the one kept (8 bytes each)
+        recv = _uneven_rows(n, r)[2]
+        assert torch.equal(o["uneven"], torch.cat([torch.full((k, 2), float(10 * src + r)) for src, k in enumerate(recv)]))
+        assert led["all_to_all/dp"]["wire_bytes"] == round((n - 1) / n * 2 * n * 4) + 8 * r
         assert led["send/dp"] == {"calls": 1, "bytes": 12, "wire_bytes": 12}
         assert led["broadcast/dp"]["wire_bytes"] == (12 if r == 1 else 0)
 

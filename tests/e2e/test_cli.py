@@ -272,3 +272,4 @@ def test_memory_command_predicts_measures_and_draws(tmp_path):
     only = trickles("memory", "--set", "model.preset=llama-7b", "--set", "memory.precision=bf16", "--set", "data.seq_len=4096",
                     "--set", "train.global_batch=1", "--device-gb", "80")
     assert only.returncode == 0 and "does NOT fit" in only.stdout  # 7B with Adam on one 80 GB device
+    assert "each of the 32 layers: " in only.stdout and "of saved activations" in only.stdout  # predicted only: one line

@@ -90,3 +90,25 @@ def test_the_report_reads_an_int8_checkpoint_beside_its_float_source(pruned):
     assert rows[1].disk_bytes < 0.5 * rows[0].disk_bytes
     assert abs(rows[1].val_loss - rows[0].val_loss) <= 0.02 * rows[0].val_loss
     assert all(r.tokens_per_s > 0 for r in rows)
+
+
+def test_pruning_scores_on_the_runs_first_training_batches_in_order(pruned):
+    """``calibration_batches(meta, ..., "train", k)``: batch ``i`` is the run's global batch ``i`` (samples
+    ``i B .. (i+1) B``), exactly what the trainer's loader gave at step ``i``."""
+    from trickles.compress.report import calibration_batches
+    from trickles.data.corpus import load_corpus
+    from trickles.data.loader import ShardedBatches
+    from trickles.config import Config
+
+    _, src, _ = pruned
+    _, tokenizer, meta, _ = load_model(src, fused_proj=False)
+    cfg = Config.from_dict(meta["config"])
+    b = cfg.train.global_batch
+    data = ShardedBatches(load_corpus(cfg.data, tokenizer, cfg.data.cache_dir).train, cfg.data.seq_len,
+                          cfg.train.seed)
+    got = calibration_batches(meta, tokenizer, "train", 3)
+    assert len(got) == 3
+    for i, (x, y) in enumerate(got):
+        ex, ey = data.micro_batches(i * b, b, b)[0][:2]
+        assert torch.equal(x, ex) and torch.equal(y, ey)
+    assert not torch.equal(got[0][0], got[1][0])

@@ -20,6 +20,10 @@ def test_presets_carry_the_cited_hardware_numbers():
     assert (a100.intra_node_gbps, a100.inter_node_gbps) == (300.0, 25.0)  # NVLink 3 per direction; 200 Gb/s per GPU
     assert (h100.peak_tflops_bf16, h100.intra_node_gbps, h100.inter_node_gbps) == (989.4, 450.0, 50.0)
     assert local.device == "cpu" and local.devices_per_node == cpu_cores()
+    # the local preset's guesses, as its docstring states them (loopback inside a node, a slower network across)
+    assert (local.peak_tflops_fp32, local.peak_tflops_bf16, local.gemm_efficiency, local.sm_count) == (0.1, 0.1, 0.5, 0)
+    assert (local.intra_node_gbps, local.intra_node_latency_us, local.inter_node_gbps, local.inter_node_latency_us) == \
+        (1.0, 50.0, 0.1, 100.0)
     for c in (a100, h100, local):
         c.validate()
         assert c.peak_flops("bf16") == c.peak_tflops_bf16 * 1e12

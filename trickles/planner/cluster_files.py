@@ -71,8 +71,9 @@ def _local() -> Cluster:
     """This machine as CPU ranks talking gloo over loopback: one "device" per core this process may use, the
     machine's memory shared among them. The compute and link figures are deliberately conservative guesses for a
     modern x86 core (0.1 TFLOP/s fp32 and bf16, half efficiency, no wave quantization; loopback 1 GB/s at 50
-    microseconds per message); collectives do not overlap compute (gloo's threads copy and reduce on the same cores);
-    :func:`~trickles.planner.calibrate.calibrate` measures the real ones."""
+    microseconds per message; across nodes, for a CPU cluster of several, 0.1 GB/s at 100); collectives do not
+    overlap compute (gloo's threads copy and reduce on the same cores); :func:`~trickles.planner.calibrate.calibrate`
+    measures the real ones."""
     cores = cpu_cores()
     try:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -104,11 +105,11 @@ def cluster_from_dict(table: dict[str, Any], where: str = "") -> Cluster:
     table = dict(table)
     base = preset(str(table.pop("preset"))) if table.get("preset") is not None else None
     cluster = section_from_dict(Cluster, table, "cluster", base, where)
+    cluster.validate()  # before the copies below, which need the tables to be tables
     cluster.gemm_table = dict(cluster.gemm_table)
     cluster.attention_table = dict(cluster.attention_table)
     cluster.collective_links = {k: list(v) if isinstance(v, (list, tuple)) else v
                                 for k, v in dict(cluster.collective_links).items()}
-    cluster.validate()
     return cluster
 
 
