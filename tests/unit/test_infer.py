@@ -184,6 +184,15 @@ def test_one_beam_is_greedy(preset):
     assert [b.finish_reason for b in beams] == [g.finish_reason for g in greedy]
 
 
+def test_beam_search_with_no_room_returns_empty_completions():
+    """``max_new_tokens=0``: nothing is decoded, each prompt gets an empty completion ending for length, its prompt
+    length counted."""
+    m = model_for(PRESETS[0])
+    prompts = prompts_of([3, 10])
+    none = beam_search(m, prompts, 2, 0)
+    assert [(c.tokens, c.finish_reason, c.prompt_tokens) for c in none] == [([], "length", 3), ([], "length", 10)]
+
+
 # ---- against transformers ---------------------------------------------------------------------------------------
 
 transformers_cases = [(1.0, False), (0.5, True), (-1.0, False), (2.0, "never")]

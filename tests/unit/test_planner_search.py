@@ -171,6 +171,10 @@ def test_json_has_the_promised_keys_and_the_table_a_row_per_layout():
     lines = explain(s, top[0])
     assert any(line.startswith("best with ZeRO-3") for line in lines)
     assert all("x the winner's step time" in line or "none fits" in line for line in lines)
+    tp2 = next(c for c in s.ranked if c.layout.tp == 2 and c.layout.tp_mode == "1d")  # the other sequence-parallel choice
+    other = "without" if tp2.layout.sequence_parallel else "with"
+    assert any(line.startswith(f"best {other} sequence parallelism") for line in explain(s, tp2))
+    assert not any("sequence parallelism" in line for line in explain(s, next(c for c in s.ranked if c.layout.tp == 1)))
 
 
 def test_the_winner_config_loads_back_and_validates(tmp_path):
