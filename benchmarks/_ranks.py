@@ -1,4 +1,5 @@
-"""What the multi-rank benchmarks share: per-rank set-up, the entry point, the verdict and the JSON.
+"""What the multi-rank benchmarks share: per-rank set-up, the entry point, the timed rounds, the report's header,
+agreement check, timing table and verdicts, and the JSON.
 
 A benchmark runs as ``N`` ranks: under ``torchrun`` (one rank per process, its environment read),
 or spawned on this machine by :func:`trickles.launch.launch` with ``--world N``.
@@ -7,7 +8,6 @@ or spawned on this machine by :func:`trickles.launch.launch` with ``--world N``.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import statistics
 import sys
@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from _timing import device_name, rotations, summarize, sync, timed
-from trickles.process import cpu_cores, exit_process, init_distributed, select_device
+from _timing import device_name, paired, rotations, summarize, sync, table, timed
+from trickles.process import cpu_cores, exit_process, init_distributed, select_device, shutdown_distributed
 
 
 def add_run_args(p) -> None:
@@ -31,6 +31,19 @@ def add_run_args(p) -> None:
     p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference allowed in the agreement check")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
+
+
+def add_model_args(p, dimension: str, batch: str, defaults: dict, world: int = 2) -> None:
+    """The options of the benchmarks that train a model of ``trickles.models.PRESETS``: ranks, preset, vocabulary, batch
+    (``batch`` says how it is split) and sequence length (the defaults per device type from ``defaults``)."""
+    from trickles.models.config import PRESETS
+
+    p.add_argument("--world", type=int, default=world, help=f"{dimension} degree (processes); under torchrun its WORLD_SIZE")
+    p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS)")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
+    p.add_argument("--batch", type=int, default=None, help=batch)
+    p.add_argument("--seq", type=int, default=None,
+                   help=f"tokens per sequence (default: cpu {defaults['cpu']['seq']}, cuda {defaults['cuda']['seq']})")
 
 
 def token_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -142,12 +155,19 @@ def run_info(args, world: int, batch: int, seq: int, device: torch.device, n_par
             "model": {k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")}}
 
 
-def write_json(path: str | None, out: dict) -> None:
-    if path:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(out, f, indent=2, default=str)
-        print(f"wrote {path}")
+def refuse(problem: str) -> int:
+    """Stops a run that cannot go on before it starts: rank 0 says why, every rank leaves the process group; status 2."""
+    if dist.get_rank() == 0:
+        print(problem, file=sys.stderr)
+    shutdown_distributed()
+    return 2
+
+
+def entry(parse_args: Callable, rank_main: Callable) -> Callable[..., int]:
+    """A benchmark's ``main(argv=None)``: its arguments parsed, then its ``rank_main`` run by :func:`main`."""
+    def bench_main(argv: list[str] | None = None) -> int:
+        return main(parse_args(argv), rank_main)
+    return bench_main
 
 
 def main(args, rank_main: Callable) -> int:
@@ -180,20 +200,83 @@ def compare_times(everyone: list[dict], contestants, steps: int, tokens: int) ->
     for c in contestants:
         n, s, peer = c.name, stats[c.name], c.peer
         ratio = s["median"] / stats[peer]["median"] if peer else None
-        paired = statistics.median(a / b for a, b in zip(step_times[n], step_times[peer])) if peer else None
-        results[n] = {**s, "peer": peer, "ratio": ratio, "paired_ratio": paired, "tokens_per_s": tokens / s["median"],
+        pr = paired(step_times[n], step_times[peer]) if peer else None
+        results[n] = {**s, "peer": peer, "ratio": ratio, "paired_ratio": pr, "tokens_per_s": tokens / s["median"],
                       "times": step_times[n]}
         rows[n] = [n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}", f"{tokens / s['median']:,.0f}",
-                   peer or "-", f"{ratio:.3f}x" if peer else "-", f"{paired:.3f}x" if peer else "-"]
+                   peer or "-", f"{ratio:.3f}x" if peer else "-", f"{pr:.3f}x" if peer else "-"]
     return results, rows
 
 
 def finish(status: int, device: torch.device) -> int:
     """Rank 0's status on every rank; then leaves the process group."""
-    from trickles.process import shutdown_distributed
-
+    sys.stdout.flush()
     gc.collect()
     status_t = torch.tensor([status], device=device)
     dist.broadcast(status_t, 0)
     shutdown_distributed()
     return int(status_t.item())
+
+
+# ---- the report (rank 0) -------------------------------------------------------------------
+
+TIME_COLUMNS = ["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired"]
+PAIRED_NOTE = "vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round)"
+
+
+def gather(mine) -> list:
+    """Every rank's ``mine`` (any picklable object), in rank order, on every rank."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def model_line(preset: str, cfg, n_params: int) -> str:
+    """The report header's ``model`` line: the preset, its shape and its parameters."""
+    return (f"  model   {preset}: {cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}/{cfg.kv_heads} kv, "
+            f"ffn={cfg.ffn_dim}, vocab={cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)")
+
+
+def device_line(device: torch.device) -> str:
+    """The report header's ``device`` line: the machine, threads per rank, torch and the process group's backend."""
+    return (f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
+            f"torch {torch.__version__}, backend {dist.get_backend()}")
+
+
+def loss_agreement(everyone: list[dict], names, tol: float, ref: str, ref_losses: list[float] | None = None,
+                   column: str = "implementation", note: str | None = None, who: str = "the implementations disagree") -> bool:
+    """Prints the agreement table -- every rank's step 1 and step 2 loss of each of ``names`` (``r["check"][name]``)
+    against the reference's, the largest relative difference over the ranks -- then ``note``; True when every
+    difference is within ``tol``, else it says so on stderr.
+
+    The reference is the contestant ``ref`` on the same rank, or, given ``ref_losses``, the single-device model's two
+    losses (a row of their own, named ``ref``)."""
+    rows, ok = [], True
+    if ref_losses is not None:
+        rows.append([ref, f"{ref_losses[0]:.6f}", "-", f"{ref_losses[1]:.6f}", "-", ""])
+
+    def reference(r: dict) -> list[float]:
+        return ref_losses if ref_losses is not None else r["check"][ref]
+    for n in names:
+        diffs = [max(abs(r["check"][n][s] - reference(r)[s]) / abs(reference(r)[s]) for r in everyone) for s in (0, 1)]
+        means = [statistics.fmean(r["check"][n][s] for r in everyone) for s in (0, 1)]
+        good = all(d <= tol for d in diffs)
+        ok &= good
+        rows.append([n, f"{means[0]:.6f}", f"{diffs[0]:.1e}", f"{means[1]:.6f}", f"{diffs[1]:.1e}", "ok" if good else "MISMATCH"])
+    print(table([column, "step 1 loss", "max rel diff", "step 2 loss", "max rel diff", ""], rows))
+    if note:
+        print(note)
+    if not ok:
+        print(f"{who} by more than --tol {tol:g}: they do not train the same thing and the timings would be meaningless",
+              file=sys.stderr)
+    return ok
+
+
+def times_table(args, rows: list[list], columns: list[str] = TIME_COLUMNS, how: str = "", note: str = PAIRED_NOTE + ".",
+                who: str = "contestants") -> None:
+    """Prints the timing table (``rows``: :func:`compare_times`' cells, maybe more) under the line that says how the
+    rounds ran (``how`` added to it), then ``note``, what the ratios mean."""
+    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, {who} interleaved; a step's time is its "
+          f"slowest rank's{how}:")
+    print(table(columns, rows))
+    print(note)

@@ -1,13 +1,16 @@
-"""Small timing helpers shared by the benchmarks.
+"""The harness every benchmark shares: timing rounds, paired ratios, tables and JSON.
 
 Every benchmark measures trickles against a peer *in the same run*, interleaving the two step by
 step so that machine noise (other processes, frequency scaling, a warm or cold cache) falls on
 both alike. Times are wall-clock seconds from ``time.perf_counter``; on CUDA the device is
 synchronized before the clock starts and before it stops, so a step's time includes its kernels.
+What only the multi-rank benchmarks share (ranks, their verdicts and reports) is in ``_ranks.py``.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import platform
 import statistics
 import time
@@ -48,6 +51,31 @@ def rotations(names: list[str], rounds: int):
             yield r, names[(r + j) % n]
 
 
+def interleaved(names: list[str], prepare: Callable[[str], Callable[[], Any]], rounds: int, device: torch.device,
+                warmup: int = 0) -> dict[str, list[float]]:
+    """Each name's step times over ``rounds`` timed rounds after ``warmup`` untimed ones, every name once a round in
+    :func:`rotations`' order; ``prepare(name)`` runs off the clock and returns the step to time."""
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r, name in rotations(names, warmup + rounds):
+        step = prepare(name)
+        seconds, _ = timed(step, device)
+        if r >= warmup:
+            times[name].append(seconds)
+    return times
+
+
+def paired(times: list[float], peer: list[float]) -> float:
+    """The median over rounds of ``times / peer`` in the same round: steadier than the ratio of medians when the
+    machine's speed drifts."""
+    return statistics.median(a / b for a, b in zip(times, peer))
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``||a - b|| / ||b||`` in fp32, the agreement checks' measure (0 where both are zero)."""
+    a, b = a.detach().float(), b.detach().float()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
 def summarize(times: list[float]) -> dict[str, float]:
     """Median, mean, standard deviation, min and max of a list of step times (seconds)."""
     return {
@@ -80,3 +108,28 @@ def si(value: float | None, unit: str = "", digits: int = 3) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.{digits}g} {prefix}{unit}".rstrip()
     return f"{value:.{digits}g} {unit}".rstrip()
+
+
+def write_json(path: str | None, doc: dict) -> None:
+    """``doc`` as JSON at ``path``, its folder made (nothing without a path)."""
+    if not path:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2, default=str)
+    print(f"wrote {path}")
+
+
+def add_to_json(path: str, key: str, doc: dict) -> None:
+    """Adds ``{key: doc}`` to the JSON object at ``path`` (the parts of one run sharing a file), its folder made."""
+    old = {}
+    if os.path.exists(path):
+        try:
+            with open(path) as f:
+                old = json.load(f)
+        except (OSError, ValueError):
+            old = {}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**old, key: doc}, f, indent=2, default=str)
+    print(f"wrote {path} ({key})")

@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import logging
 import os
 import sys
 import warnings
@@ -89,11 +88,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import Contestant, compare_times, finish, main as run_main, setup_rank, time_rounds, write_json  # noqa: E402
-from _timing import device_name, sync, table  # noqa: E402
+from _deepspeed import CountSent, load as load_deepspeed  # noqa: E402
+from _ranks import (PAIRED_NOTE, Contestant, compare_times, device_line, entry, finish, gather, refuse, setup_rank,  # noqa: E402
+                    time_rounds, times_table)
+from _timing import device_name, rel_error, sync, table, write_json  # noqa: E402
 
 from trickles.parallel.context import kv_repeats, positions, ring_attention, ulysses_attention, unshard_sequence  # noqa: E402
-from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
+from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"seq": 2048, "precision": "fp32"}, "cuda": {"seq": 32768, "precision": "bf16"}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -180,47 +181,14 @@ def flat(o: torch.Tensor) -> torch.Tensor:
 def make_deepspeed(device: torch.device):
     """DeepSpeed-Ulysses ``DistributedAttention`` over the default group, batch first (``[B, t, H, D]``);
     ``(module, version)``, or ``(None, why)`` where it cannot be had."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
-    try:
-        import deepspeed
-        from deepspeed.sequence.layer import DistributedAttention
-    except Exception as e:  # noqa: BLE001 - any import failure means the peer is absent
-        return None, f"import failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); pip install deepspeed"
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    deepspeed, why = load_deepspeed(device)
+    if deepspeed is None:
+        return None, f"import failed ({why}); pip install deepspeed"
+    from deepspeed.sequence.layer import DistributedAttention
 
     def local(q, k, v):  # [B, T, H/N, D] -> [B, T, H/N, D]
         return sdpa(*heads_first(q, k, v)).transpose(1, 2)
     return DistributedAttention(local, dist.group.WORLD, scatter_idx=2, gather_idx=1), deepspeed.__version__
-
-
-class _CountAllToAll:
-    """Counts what ``deepspeed.comm.all_to_all_single`` sends from this rank while entered."""
-
-    def __init__(self, world: int):
-        self.world, self.bytes, self.calls = world, 0, 0
-
-    def __enter__(self):
-        import deepspeed.comm as dcomm
-
-        self.mod, self.orig = dcomm, dcomm.all_to_all_single
-
-        def counted(output, tensor, output_split_sizes=None, input_split_sizes=None, *a, **kw):
-            n = tensor.numel() * tensor.element_size()
-            if input_split_sizes:
-                rank = dist.get_rank(kw.get("group"))
-                row = n // tensor.shape[0] if tensor.shape[0] else 0
-                self.bytes += n - row * input_split_sizes[rank]
-            else:
-                self.bytes += n * (self.world - 1) // self.world
-            self.calls += 1
-            return self.orig(output, tensor, output_split_sizes, input_split_sizes, *a, **kw)
-        dcomm.all_to_all_single = counted
-        return self
-
-    def __exit__(self, *exc):
-        self.mod.all_to_all_single = self.orig
 
 
 # ---- formulas ------------------------------------------------------------------------------
@@ -302,7 +270,7 @@ def check(c: Core, ref: list[torch.Tensor], world: int) -> list[float]:
     errors = []
     for g, r in zip(got, ref):
         whole = _gather_whole(c, g.float(), world)
-        errors.append(float((whole - r).norm() / r.norm()))
+        errors.append(rel_error(whole, r))
     return errors
 
 
@@ -327,7 +295,7 @@ def measure(c: Core, topo, device: torch.device, world: int) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     topo.ledger.reset()
-    counter = _CountAllToAll(world) if c.name == DS and world > 1 else None
+    counter = CountSent(world) if c.name == DS and world > 1 else None
     with ExitStack() as stack:
         if isinstance(c, TorchCP):
             from torch.distributed.tensor.experimental import context_parallel
@@ -349,7 +317,8 @@ def measure(c: Core, topo, device: torch.device, world: int) -> dict:
         res["ops"] = {k: v for k, v in snap.items() if k.endswith("/cp")}
         res["sent"] = sum(v["wire_bytes"] for k, v in res["ops"].items() if not k.startswith("recv/"))
     elif counter is not None:
-        res["sent"], res["ops"] = counter.bytes, {"all_to_all_single": {"calls": counter.calls, "wire_bytes": counter.bytes}}
+        calls, sent = counter.ops["all_to_all_single"]
+        res["sent"], res["ops"] = sent, {"all_to_all_single": {"calls": calls, "wire_bytes": sent}}
     elif c.name == REF or world == 1:
         res["sent"] = 0
     return res
@@ -366,10 +335,7 @@ def rank_main(args) -> int:
     h_kv = args.kv_heads or h
     problem = _check_shape(b, h, h_kv, seq, world)
     if problem:
-        if rank == 0:
-            print(f"context_parallel.py: {problem}; change --world or the shape", file=sys.stderr)
-        shutdown_distributed()
-        return 2
+        return refuse(f"context_parallel.py: {problem}; change --world or the shape")
     topo = ParallelDims(dp=1, cp=world).build(device)
     comm = topo.comm("cp")
 
@@ -448,14 +414,9 @@ def rank_main(args) -> int:
 
     memory = {c.name: measure(c, topo, device, world) for c in contestants}
     time_rounds(contestants, None, None, args, device)
-    mine = {"times": {c.name: c.times for c in contestants}, "errors": errors, "memory": memory}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-
-    status = 0
-    if rank == 0:
-        shape = dict(batch=b, heads=h, kv_heads=h_kv, seq=seq, head_dim=d, precision=precision)
-        status = report(args, everyone, contestants, peers, shape, tol, device, world)
+    everyone = gather({"times": {c.name: c.times for c in contestants}, "errors": errors, "memory": memory})
+    shape = dict(batch=b, heads=h, kv_heads=h_kv, seq=seq, head_dim=d, precision=precision)
+    status = report(args, everyone, contestants, peers, shape, tol, device, world) if rank == 0 else 0
     del contestants, topo
     return finish(status, device)
 
@@ -470,8 +431,7 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
     print(f"trickles context-parallel attention (ring, all-to-all) vs DeepSpeed-Ulysses / PyTorch context_parallel, "
           f"causal attention core forward + backward, cp={world}")
     print(f"  shape   B {b}, H {h}, H_kv {h_kv}, T {seq} ({seq // world} tokens per rank), D {d}, {shape['precision']}")
-    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-          f"torch {torch.__version__}, backend {dist.get_backend()}")
+    print(device_line(device))
     for n, what in peers.items():
         print(f"  peer    {n}: {what}")
     print("  (ring-flash-attn and yunchang are not tried: they run on the flash-attn CUDA kernels only)")
@@ -495,10 +455,7 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
     expect = {n: expected_sent(n, b, h, h_kv, seq, d, world, e) for n in names}
     mib = lambda x: "-" if x is None else f"{x / 2**20:.2f}"  # noqa: E731
 
-    tokens = b * seq
-    results, _ = compare_times(everyone, contestants, args.steps, tokens)
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its "
-          "slowest rank's; memory and bytes per rank (largest over the ranks):")
+    results, _ = compare_times(everyone, contestants, args.steps, b * seq)
     header = ["implementation", "median ms", "mean ms", "stdev ms", "peer", "vs peer", "paired", "saved MiB"]
     if device.type == "cuda":
         header.append("peak MiB")
@@ -512,10 +469,10 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
             row.append(mib(mem[n]["peak"]))
         row += [mib(mem[n]["sent"]), mib(expect[n])]
         rows.append(row)
-    print(table(header, rows))
-    print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round). saved: bytes "
-          "autograd keeps for backward plus the output (o_proj's input), distinct storages; sent: wire bytes this rank sends "
-          "(ours: CommLedger; DeepSpeed: its all_to_all_single calls); formula: trickles/parallel/context.py's docstring.")
+    times_table(args, rows, header, how="; memory and bytes per rank (largest over the ranks)",
+                note=PAIRED_NOTE + ". saved: bytes autograd keeps for backward plus the output (o_proj's input), distinct "
+                "storages; sent: wire bytes this rank sends (ours: CommLedger; DeepSpeed: its all_to_all_single calls); "
+                "formula: trickles/parallel/context.py's docstring.")
     for n in (RING, ULYSSES):
         ops = everyone[0]["memory"][n]["ops"]
         if ops:
@@ -547,14 +504,12 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
                                "deepspeed": ds_version, "backend": dist.get_backend(), "peers": peers, "tol": tol,
                                "errors": errors, "memory": mem, "expected_sent": expect,
                                "ops": {n: everyone[0]["memory"][n]["ops"] for n in names}, "results": results})
-    sys.stdout.flush()
     return 0
 
 
 # ---- entry ---------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
-    return run_main(parse_args(argv), rank_main)
+main = entry(parse_args, rank_main)
 
 
 if __name__ == "__main__":

@@ -72,20 +72,20 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
-                    print_verdicts, run_info, run_step, setup_rank, time_rounds, write_json)
-from _timing import device_name, table  # noqa: E402
+from _deepspeed import load as load_deepspeed  # noqa: E402
+from _ranks import (PAIRED_NOTE, TIME_COLUMNS, add_model_args, add_run_args, Contestant, Ours as EngineContestant, compare_times, device_line, finish,  # noqa: E402
+                    entry, gather, ledger_delta, loss_agreement, model_line, print_verdicts, run_info, run_step,
+                    setup_rank, time_rounds, times_table)
+from _timing import paired, table, write_json  # noqa: E402
 
 from trickles.memory.accounting import live_tensor_bytes  # noqa: E402
-from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
+from trickles.models.config import ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
@@ -98,13 +98,8 @@ COMM_FACTOR = {0: 2, 1: 2, 2: 2, 3: 3}  # x (N-1)/N x parameter bytes sent per r
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world", type=int, default=2, help="data-parallel degree (processes); under torchrun its WORLD_SIZE")
-    p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS)")
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
-    p.add_argument("--batch", type=int, default=None,
-                   help=f"global batch in sequences, split over the ranks (default: cpu {DEFAULTS['cpu']['batch']}, "
-                        f"cuda {DEFAULTS['cuda']['batch_per_rank']} per rank)")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
+    add_model_args(p, "data-parallel", f"global batch in sequences, split over the ranks (default: cpu {DEFAULTS['cpu']['batch']}, "
+                                        f"cuda {DEFAULTS['cuda']['batch_per_rank']} per rank)", DEFAULTS)
     p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size for ours (parallel.bucket_mb) and DDP (bucket_cap_mb)")
     p.add_argument("--offload", action="store_true", help="also time stages 1-3 with the optimizer offloaded to host memory")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's ZeRO 1-3 out")
@@ -188,17 +183,8 @@ def _deepspeed(device: torch.device, args) -> str | None:
     """Why DeepSpeed is left out, or None when it imports (and has adopted the process group)."""
     if args.no_deepspeed:
         return "left out (--no-deepspeed)"
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
-    try:
-        import logging
-
-        import deepspeed
-
-        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    except Exception as e:  # noqa: BLE001 - any failure to import or start means the peer is absent
-        return f"unavailable ({type(e).__name__}: {str(e).splitlines()[0][:160]}); pip install deepspeed"
-    return None
+    deepspeed, why = load_deepspeed(device)
+    return None if deepspeed is not None else f"unavailable ({why}); pip install deepspeed"
 
 
 def _adamw(model: torch.nn.Module, optim: OptimizerSettings, device: torch.device) -> torch.optim.AdamW:
@@ -277,14 +263,9 @@ def rank_main(args) -> int:
 
     time_rounds(contestants, *data[0], args, device)
     memory = {c.name: c.memory() for c in contestants if not isinstance(c, DeepSpeedPeer)}
-    mine = {"times": {c.name: c.times for c in contestants}, "check": check, "memory": memory, "comm": comm,
-            "last_loss": {c.name: c.losses[-1] for c in contestants}, "resident": resident}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-
-    status = 0
-    if rank == 0:
-        status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world, no_ds)
+    everyone = gather({"times": {c.name: c.times for c in contestants}, "check": check, "memory": memory, "comm": comm,
+                       "last_loss": {c.name: c.losses[-1] for c in contestants}, "resident": resident})
+    status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world, no_ds) if rank == 0 else 0
     del contestants, topo
     return finish(status, device)
 
@@ -294,30 +275,15 @@ def rank_main(args) -> int:
 def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int,
            device: torch.device, world: int, no_ds: str | None) -> int:
     names = [c.name for c in contestants]
-    dev_name = device_name(device)
     print(f"trickles data parallel (ZeRO 0-3) vs torch DDP and FSDP2, one training step each, {world} ranks, same weights and data")
-    print(f"  model   {args.preset}: {model_cfg.n_layers} layers, d={model_cfg.d_model}, heads={model_cfg.n_heads}/{model_cfg.kv_heads} kv, "
-          f"ffn={model_cfg.ffn_dim}, vocab={model_cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)")
+    print(model_line(args.preset, model_cfg, n_params))
     print(f"  step    global batch {batch} x seq {seq} ({batch // world} sequences per rank), fp32, clip {args.clip}, "
           f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}, bucket {args.bucket_mb:g} MiB")
-    print(f"  device  {device.type}: {dev_name}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-          f"torch {torch.__version__}, backend {dist.get_backend()}")
+    print(device_line(device))
 
-    # agreement
-    ref = DDP
-    print(f"\nagreement check: every rank's loss vs {ref}'s on the same rank, relative tolerance {args.tol:g}")
-    rows, ok = [], True
-    for n in names:
-        diffs = [max(abs(r["check"][n][s] - r["check"][ref][s]) / abs(r["check"][ref][s]) for r in everyone) for s in (0, 1)]
-        means = [statistics.fmean(r["check"][n][s] for r in everyone) for s in (0, 1)]
-        good = all(d <= args.tol for d in diffs)
-        ok &= good
-        rows.append([n, f"{means[0]:.6f}", f"{diffs[0]:.1e}", f"{means[1]:.6f}", f"{diffs[1]:.1e}", "ok" if good else "MISMATCH"])
-    print(table(["implementation", "step 1 loss", "max rel diff", "step 2 loss", "max rel diff", ""], rows))
-    print("  (loss: mean over ranks of the rank-local loss = global-batch loss; step 2 runs after one AdamW update)")
-    if not ok:
-        print(f"the implementations disagree by more than --tol {args.tol:g}: they do not train the same thing and the "
-              "timings would be meaningless", file=sys.stderr)
+    print(f"\nagreement check: every rank's loss vs {DDP}'s on the same rank, relative tolerance {args.tol:g}")
+    if not loss_agreement(everyone, names, args.tol, DDP, note="  (loss: mean over ranks of the rank-local loss = global-batch "
+                          "loss; step 2 runs after one AdamW update)"):
         return 1
 
     # communication (ours)
@@ -337,8 +303,7 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     print("  (ratio above 1: padding of buckets/units to multiples of N x 16 elements, and the 4-byte norm all-reduce)")
 
     # timing
-    tokens = batch * seq
-    results, cells = compare_times(everyone, contestants, args.steps, tokens)
+    results, cells = compare_times(everyone, contestants, args.steps, batch * seq)
     rows = []
     for c in contestants:
         n, peer = c.name, c.peer
@@ -350,12 +315,9 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
         results[n].update(memory=mem, memory_ratio=total / peer_total if peer else None)
         rows.append([*cells[n], f"{mem['parameters'] / 2**20:.1f}", f"{mem['gradients'] / 2**20:.1f}", f"{mem['optimizer'] / 2**20:.1f}",
                      f"{total / 2**20:.1f}", f"{total / peer_total:.2f}x" if peer else "-"])
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its slowest rank's:")
-    print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired",
-                 "param MiB", "grad MiB", "optim MiB", "total MiB", "mem vs peer"], rows))
-    print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round). "
-          "Memory: bytes per rank after a step (engine.memory() for ours; live parameter, gradient and optimizer-state "
-          "tensors for the peers, FSDP2's local shards).")
+    times_table(args, rows, [*TIME_COLUMNS, "param MiB", "grad MiB", "optim MiB", "total MiB", "mem vs peer"],
+                note=PAIRED_NOTE + ". Memory: bytes per rank after a step (engine.memory() for ours; live parameter, gradient "
+                "and optimizer-state tensors for the peers, FSDP2's local shards).")
     if args.offload:
         print("+offload rows: the optimizer column is host memory (fp32 masters, moments and a gradient copy); on CUDA only "
               "the parameter and gradient columns are on the device.")
@@ -363,13 +325,11 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     print_verdicts(results, ("ours zero-0", "ours zero-3"))
     deepspeed_table(everyone, results, names, no_ds)
 
-    if args.json:
-        write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
-               "check": {n: [r["check"][n] for r in everyone] for n in names},
-               "resident": {n: [r["resident"][n] for r in everyone] for n in names},
-               "comm": {n: [r["comm"].get(n) for r in everyone] for n in names if n.startswith("ours")},
-               "results": results})
-    sys.stdout.flush()
+    write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
+                           "check": {n: [r["check"][n] for r in everyone] for n in names},
+                           "resident": {n: [r["resident"][n] for r in everyone] for n in names},
+                           "comm": {n: [r["comm"].get(n) for r in everyone] for n in names if n.startswith("ours")},
+                           "results": results})
     return 0
 
 
@@ -384,10 +344,10 @@ def deepspeed_table(everyone: list[dict], results: dict, names: list[str], no_ds
         ours, ds = f"ours zero-{stage}", f"deepspeed zero-{stage}"
         a, b = results[ours], results[ds]
         ratio = a["median"] / b["median"]
-        paired = statistics.median(x / y for x, y in zip(a["times"], b["times"]))
+        pr = paired(a["times"], b["times"])
         mem_a, mem_b = (max(r["resident"][n] for r in everyone) for n in (ours, ds))
-        results[ours].update(deepspeed_ratio=ratio, deepspeed_paired=paired, resident=mem_a, deepspeed_resident=mem_b)
-        rows.append([f"zero-{stage}", f"{a['median'] * 1e3:.1f}", f"{b['median'] * 1e3:.1f}", f"{ratio:.3f}x", f"{paired:.3f}x",
+        results[ours].update(deepspeed_ratio=ratio, deepspeed_paired=pr, resident=mem_a, deepspeed_resident=mem_b)
+        rows.append([f"zero-{stage}", f"{a['median'] * 1e3:.1f}", f"{b['median'] * 1e3:.1f}", f"{ratio:.3f}x", f"{pr:.3f}x",
                      f"{mem_a / 2**20:.1f}", f"{mem_b / 2**20:.1f}", f"{mem_a / mem_b:.2f}x"])
         verdicts.append(f"zero-{stage} {ratio:.3f}x time, {mem_a / mem_b:.3f}x memory: "
                         f"{'met' if ratio <= 1.0 and round(mem_a / 2**20, 1) <= round(mem_b / 2**20, 1) else 'NOT met'}")
@@ -399,8 +359,7 @@ def deepspeed_table(everyone: list[dict], results: dict, names: list[str], no_ds
 
 # ---- entry ---------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
-    return run_main(parse_args(argv), rank_main)
+main = entry(parse_args, rank_main)
 
 
 if __name__ == "__main__":

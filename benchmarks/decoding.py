@@ -43,7 +43,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_name, rotations, table, timed  # noqa: E402
+from _timing import device_name, interleaved, paired, table, write_json  # noqa: E402
 
 from trickles.infer import Sampling, beam_search, decode  # noqa: E402
 from trickles.models import ModelConfig, apply_preset, build_model, save_hf  # noqa: E402
@@ -107,9 +107,7 @@ def main(argv=None) -> int:
             print("a row parts from transformers' where its model clearly prefers its own token: the models do not "
                   "compute the same thing", file=sys.stderr)
             return 1
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for _, name in rotations(list(runs), args.rounds):
-            times[name].append(timed(runs[name], device)[0])
+        times = interleaved(list(runs), runs.get, args.rounds, device)
     print(f"{device_name(device)}; {args.preset} shape, vocab {args.vocab}, {args.batch} prompts of {lengths[0]}..{width} "
           f"tokens, {args.new} new tokens each, {args.beams} beams, {args.rounds} rounds")
     rows = []
@@ -117,16 +115,16 @@ def main(argv=None) -> int:
         peer = name.replace("ours", "HF")
         ratio = "-"
         if peer != name and peer in times:
-            ratio = f"{statistics.median(x / y for x, y in zip(ts, times[peer])):.2f}x"
+            ratio = f"{paired(ts, times[peer]):.2f}x"
         elif name.startswith("one by one"):
-            ratio = f"{statistics.median(x / y for x, y in zip(ts, times['greedy ours'])):.2f}x of batched"
+            ratio = f"{paired(ts, times['greedy ours']):.2f}x of batched"
         med = statistics.median(ts)
         rows.append([name, f"{med * 1000:.0f} ms", f"{args.batch * args.new / med:.0f}", ratio])
     print(table(["contestant", "median", "new tok/s", "ours/HF"], rows))
     if args.verbose:
         print({k: [round(t, 3) for t in v] for k, v in times.items()})
     if args.json:
-        write_json(args, device, lengths, agreement, times)
+        write_json(args.json, document(args, device, lengths, agreement, times))
     return 0
 
 
@@ -158,20 +156,14 @@ def classify(hf, prompt: list[int], ours: list[int], theirs: list[int], beams: b
     return "differ"
 
 
-def write_json(args, device: torch.device, lengths: list[int], agreement: dict, times: dict) -> None:
-    """Every time, the medians, new tokens/s, ours/HF (median of the per-round ratios) and the agreement, at ``args.json``."""
-    import json
-
+def document(args, device: torch.device, lengths: list[int], agreement: dict, times: dict) -> dict:
+    """The JSON: every time, the medians, new tokens/s, ours/HF (median of the per-round ratios) and the agreement."""
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratios = {k: statistics.median(x / y for x, y in zip(v, times[k.replace("ours", "HF")]))
+    ratios = {k: paired(v, times[k.replace("ours", "HF")])
               for k, v in times.items() if k.endswith("ours") and k.replace("ours", "HF") in times}
-    out = {"args": vars(args), "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
-           "prompt_lengths": lengths, "agreement": agreement, "times": times, "median_s": med,
-           "new_tokens_per_s": {k: args.batch * args.new / m for k, m in med.items()}, "ours_over_hf": ratios}
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=2)
-    print(f"wrote {args.json}")
+    return {"args": vars(args), "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
+            "prompt_lengths": lengths, "agreement": agreement, "times": times, "median_s": med,
+            "new_tokens_per_s": {k: args.batch * args.new / m for k, m in med.items()}, "ours_over_hf": ratios}
 
 
 if __name__ == "__main__":

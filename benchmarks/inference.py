@@ -49,7 +49,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_name, rotations, summarize, sync, table, timed  # noqa: E402
+from _timing import device_name, interleaved, paired, summarize, table, write_json  # noqa: E402
 
 from trickles.data.tokenizers import ByteTokenizer  # noqa: E402
 from trickles.infer.streaming import load_streaming, save_for_inference  # noqa: E402
@@ -250,24 +250,13 @@ def compare(args, work: str) -> int:
           ", ".join(f"{n} {leading_match(o, outs['ours resident'])}/{args.new_tokens}" for n, o in outs.items() if n.startswith(("HF", "acc"))))
 
     names = list(contestants)
-    for _ in range(args.warmup):
-        for name in names:
-            contestants[name](prompt, args.new_tokens)
-    times = {n: [] for n in names}
-    for _, name in rotations(names, args.rounds):
-        t, _ = timed(lambda: contestants[name](prompt, args.new_tokens), device)
-        times[name].append(t)
-    sync(device)
-
-    def paired(a, b):
-        return statistics.median(x / y for x, y in zip(times[a], times[b]))
-
+    times = interleaved(names, lambda n: lambda: contestants[n](prompt, args.new_tokens), args.rounds, device, args.warmup)
     peers = {"ours resident": "HF generate", "HF generate": None, "ours streamed": "accelerate offload", "accelerate offload": None}
     rows, results = [], {}
     for n in names:
         s = summarize(times[n])
         peer = peers[n] if peers[n] in times else None
-        ratio = f"{s['median'] / statistics.median(times[peer]):.3f}x ({paired(n, peer):.3f}x)" if peer else "-"
+        ratio = f"{s['median'] / statistics.median(times[peer]):.3f}x ({paired(times[n], times[peer]):.3f}x)" if peer else "-"
         rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{args.new_tokens / s['median']:.1f}", ratio])
         results[n] = {**s, "tokens_per_s": args.new_tokens / s["median"]}
     header = ["contestant", "median ms", "mean ms", "tokens/s", "time vs peer (paired)"]
@@ -283,12 +272,8 @@ def compare(args, work: str) -> int:
         speedup = statistics.median(times["accelerate offload"]) / statistics.median(times["ours streamed"])
         print(f"(a) ours/HF time {statistics.median(times['ours resident']) / statistics.median(times['HF generate']):.3f}x "
               f"(target <= 1.0x); (b) ours streamed tokens/s = {speedup:.2f}x accelerate's (target >= 3x)")
-    if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": str(device), "params": n_params, "budget_bytes": budget,
-                       "results": results}, f, indent=2, default=str)
-        print(f"wrote {args.json}")
+    write_json(args.json, {"args": vars(args), "device": str(device), "params": n_params, "budget_bytes": budget,
+                           "results": results})
     return 0
 
 

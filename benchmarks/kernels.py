@@ -36,7 +36,7 @@ How
       the allocator's peak; CPU: the profiler's allocation record), bytes above what was allocated at the
       start (the inputs), the gradients it produces included.
     * Timing: ``--warmup`` untimed rounds, then ``--rounds`` rounds in which every contestant runs one
-      forward + backward, the order rotating each round (``_timing.rotations``); on CUDA the device is
+      forward + backward, the order rotating each round (``_timing.interleaved``); on CUDA the device is
       synchronized before each clock starts and stops. Reported: median time, its ratio to eager's and to
       liger's (where liger ran), peak MiB and its ratio to eager's.
 
@@ -50,12 +50,12 @@ Examples::
     python benchmarks/kernels.py --only cross_entropy --json out/kernels.json
     python benchmarks/kernels.py --interpret --only rms_norm --rounds 2 --warmup 1   # Triton path, end to end
     python benchmarks/kernels.py --device cuda --dtype bf16 --shape llama-1b
+    python benchmarks/kernels.py --shape tiny --interpret --no-compile --rounds 1 --warmup 0   # a smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -64,10 +64,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_name, rotations, summarize, table, timed  # noqa: E402
+from _timing import device_name, interleaved, rotations, summarize, table, write_json  # noqa: E402
 
 KERNELS = ["rms_norm", "layer_norm", "rotary", "swiglu", "gelu_tanh", "cross_entropy"]
 SHAPES = {  # batch x seq tokens (the cross-entropy: ce_tokens); heads x head_dim = hidden for the rotary
+    "tiny": dict(batch=1, seq=16, hidden=64, ffn=128, heads=4, head_dim=16, vocab=256, ce_tokens=16, theta=1e4),  # a smoke run
     "small": dict(batch=2, seq=1024, hidden=256, ffn=704, heads=8, head_dim=32, vocab=32000, ce_tokens=1024, theta=1e4),
     "llama-1b": dict(batch=4, seq=2048, hidden=2048, ffn=8192, heads=32, head_dim=64, vocab=128256, ce_tokens=8192,
                      theta=5e5),
@@ -256,6 +257,14 @@ def agree(case: Case, tol: float) -> dict[str, float]:
     return errors
 
 
+def timed_step(case: Case, name: str):
+    """The step of contestant ``name`` to time: its gradients cleared and fresh inputs made off the clock."""
+    for t in case.leaves:
+        t.grad = None
+    inputs = case.fresh()
+    return lambda: case.step(case.contestants[name], inputs)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.interpret:
@@ -316,13 +325,7 @@ def main(argv=None) -> int:
                 t.grad = None
             inputs = case.fresh()
             peaks[c] = peak_allocated(lambda: case.step(case.contestants[c], inputs) and None, device)[1]
-        times = {c: [] for c in names}
-        for _, c in rotations(names, rounds):
-            for t in case.leaves:
-                t.grad = None
-            inputs = case.fresh()
-            seconds, _ = timed(lambda: case.step(case.contestants[c], inputs), device)
-            times[c].append(seconds)
+        times = interleaved(names, lambda c: timed_step(case, c), rounds, device)
 
         med = {c: statistics.median(times[c]) for c in names}
         ref = "eager" if args.dtype == "fp32" else f"fp32 eager (bf16 eager {errors[EAGER]:.1e})"
@@ -348,14 +351,9 @@ def main(argv=None) -> int:
 
     if interpreting():
         print(f"\n{TRITON} ran under Triton's interpreter: its times are not speeds.")
-    if args.json:
-        doc = {"args": vars(args), "device": str(device), "device_name": device_name(device), "dtype": args.dtype,
-               "shape": s, "threads": torch.get_num_threads(), "torch": torch.__version__, "liger_kernel": liger_v,
-               "triton_interpreter": interpreting(), "tolerance": tol, "results": results}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, {"args": vars(args), "device": str(device), "device_name": device_name(device), "dtype": args.dtype,
+                           "shape": s, "threads": torch.get_num_threads(), "torch": torch.__version__, "liger_kernel": liger_v,
+                           "triton_interpreter": interpreting(), "tolerance": tol, "results": results})
     return 0
 
 

@@ -84,10 +84,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import logging
 import os
-import statistics
 import sys
 
 import torch
@@ -96,20 +93,21 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import Contestant, compare_times, finish, main as run_main, setup_rank, time_rounds  # noqa: E402
-from _timing import device_name, rotations, summarize, sync, table, timed  # noqa: E402
+from _deepspeed import CountSent, load as load_deepspeed  # noqa: E402
+from _mixtral import (NORM_EPS, ROPE_THETA, by_parts, hf_block_grads, hf_config, hf_moe_grads, load_hf_block,  # noqa: E402
+                      load_hf_moe)
+from _ranks import (PAIRED_NOTE, TIME_COLUMNS, Contestant, compare_times, device_line, finish, gather, main as run_main,  # noqa: E402
+                    setup_rank, time_rounds, times_table)
+from _timing import add_to_json, device_name, interleaved, paired, rel_error, summarize, sync, table  # noqa: E402
 
-from trickles.models import fused  # noqa: E402
 from trickles.models.config import ModelConfig  # noqa: E402
 from trickles.models.moe import route  # noqa: E402
 from trickles.models.transformer import build_model, rope_tables  # noqa: E402
+from trickles.process import cpu_cores  # noqa: E402
 from trickles.topology import ParallelDims, select_device  # noqa: E402
-from trickles.process import cpu_cores
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULT_PRECISION = {"cpu": "fp32", "cuda": "bf16"}
-ROPE_THETA = 10000.0
-NORM_EPS = 1e-5
 
 OURS_LAYER, OURS_BLOCK = "ours moe layer", "ours block"
 HF_LAYER = {"grouped_mm": "hf moe (grouped_mm)", "eager": "hf moe (eager)"}
@@ -161,75 +159,6 @@ def model_config(args) -> ModelConfig:
                        moe_aux_loss=0.0, moe_z_loss=0.0)
 
 
-def hf_config(args, impl: str):
-    from transformers import MixtralConfig
-
-    return MixtralConfig(hidden_size=args.d_model, intermediate_size=args.ffn, num_local_experts=args.experts,
-                         num_experts_per_tok=args.top_k, router_jitter_noise=0.0, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, head_dim=args.d_model // args.heads, rms_norm_eps=NORM_EPS,
-                         sliding_window=None, attention_dropout=0.0, max_position_embeddings=args.seq, vocab_size=64,
-                         num_hidden_layers=1, rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-                         experts_implementation=impl, attn_implementation="sdpa")
-
-
-@torch.no_grad()
-def load_hf_moe(hf, ours) -> None:
-    """Our MoE's weights into a ``MixtralSparseMoeBlock`` (fused ``gate_up_proj [E, 2F, d]``: gate rows first)."""
-    ex = ours.experts
-    e, f, d = ex.gate_proj.weight.shape
-    got = (tuple(hf.gate.weight.shape), tuple(hf.experts.gate_up_proj.shape), tuple(hf.experts.down_proj.shape))
-    want = ((e, d), (e, 2 * f, d), (e, d, f))
-    if got != want:
-        raise SystemExit(f"moe.py: transformers' Mixtral expert layout is {got}, expected {want} "
-                         "(gate, gate_up_proj, down_proj); "
-                         "this script knows the fused layout of transformers 5")
-    hf.gate.weight.copy_(ours.router.weight)
-    hf.experts.gate_up_proj.copy_(torch.cat([ex.gate_proj.weight, ex.up_proj.weight], 1))
-    hf.experts.down_proj.copy_(ex.down_proj.weight)
-
-
-def hf_moe_grads(hf, prefix: str = "") -> dict[str, torch.Tensor]:
-    """A ``MixtralSparseMoeBlock``'s weight gradients under our parameter names."""
-    f = hf.experts.down_proj.shape[-1]
-    gu = hf.experts.gate_up_proj.grad
-    return {f"{prefix}router.weight": hf.gate.weight.grad, f"{prefix}experts.gate_proj.weight": gu[:, :f],
-            f"{prefix}experts.up_proj.weight": gu[:, f:], f"{prefix}experts.down_proj.weight": hf.experts.down_proj.grad}
-
-
-BLOCK_NAMES = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-               **{f"attn.{p}.weight": f"self_attn.{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj")}}
-
-
-def by_parts(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A block's tensors (parameters or their gradients) by our unfused names: a fused ``attn.qkv_proj`` (CUDA's
-    default, ``model.fused_proj``) cut into ``q_proj``, ``k_proj``, ``v_proj`` by ``trickles.models.fused.split_state``,
-    the names transformers' layer has; an unfused block's tensors as they are."""
-    prefix = "layers.0."  # split_state reads a model's names
-    whole = fused.split_state(cfg, {prefix + n: t for n, t in tensors.items()})
-    return {n[len(prefix):]: t for n, t in whole.items()}
-
-
-@torch.no_grad()
-def load_hf_block(hf, ours, cfg: ModelConfig) -> None:
-    """Our block's weights into a ``MixtralDecoderLayer``: norms and projections by name (from the parts where ours
-    fuses them), the MoE by :func:`load_hf_moe`."""
-    params = dict(hf.named_parameters())
-    mine = by_parts(cfg, {n: p.detach() for n, p in ours.named_parameters()})
-    for name, theirs in BLOCK_NAMES.items():
-        params[theirs].copy_(mine[name])
-    load_hf_moe(hf.mlp, ours.mlp)
-
-
-def hf_block_grads(hf) -> dict[str, torch.Tensor]:
-    params = dict(hf.named_parameters())
-    return {**{n: params[t].grad for n, t in BLOCK_NAMES.items()}, **hf_moe_grads(hf.mlp, "mlp.")}
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().float(), b.detach().float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 # ---- one device -----------------------------------------------------------------------------
 
 class LeafStep:
@@ -255,56 +184,57 @@ class LeafStep:
         return y
 
 
+def to_timed_precision(steps: list[LeafStep], dtype: torch.dtype) -> None:
+    """After the (fp32) agreement check: every step's gradients cleared, its module and data cast to ``dtype``."""
+    for s in steps:
+        s.x.grad = None
+        for p in s.module.parameters():
+            p.grad = None
+        if dtype != torch.float32:
+            s.to(dtype)
+
+
 class Step(LeafStep):
     """One implementation on one device (``kind``: layer or block); ``grads()`` its weight gradients by our names."""
 
     def __init__(self, name: str, kind: str, module: nn.Module, fn, grads, x: torch.Tensor, dy: torch.Tensor):
         self.name, self.kind, self.grads = name, kind, grads
         self._leaf(module, fn, x, dy)
-        self.times: list[float] = []
 
     step = LeafStep.run
 
 
-def single_device(args) -> tuple[int, dict]:
+def single_steps(args, cfg: ModelConfig, block, x: torch.Tensor, dy: torch.Tensor, device: torch.device) -> list[Step]:
+    """Our MoE layer and (unless ``--no-block``) our block, and transformers' with the same weights in both experts
+    implementations, each with its own leaf copy of ``x``."""
     from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding, MixtralSparseMoeBlock
-    import transformers
-
-    device = select_device(args.device)
-    precision = args.precision or DEFAULT_PRECISION[device.type]
-    dtype = DTYPES[precision]
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads or max(1, cpu_cores() // args.world))
-    else:
-        torch.set_float32_matmul_precision("highest")  # the check in true fp32
-    b, t, d = args.batch, args.seq, args.d_model
-    cfg = model_config(args)
-    block = build_model(cfg, args.seed, device).layers["0"].train()
-    g = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(b, t, d, generator=g).to(device)
-    dy = torch.randn(b, t, d, generator=g).to(device)
 
     steps = [Step(OURS_LAYER, "layer", block.mlp, block.mlp, lambda: {n: p.grad for n, p in block.mlp.named_parameters()}, x, dy)]
     for impl in ("grouped_mm", "eager"):
         hf = MixtralSparseMoeBlock(hf_config(args, impl)).to(device).train()
         load_hf_moe(hf, block.mlp)
         steps.append(Step(HF_LAYER[impl], "layer", hf, hf, lambda hf=hf: hf_moe_grads(hf), x, dy))
-    if not args.no_block:
-        cos, sin = (r.to(device) for r in rope_tables(cfg.head_dim, t, ROPE_THETA))
-        ours_rope = (cos, sin)
-        steps.append(Step(OURS_BLOCK, "block", block, lambda x: block(x, ours_rope),
-                          lambda: by_parts(cfg, {n: p.grad for n, p in block.named_parameters()}), x, dy))
-        for impl in ("grouped_mm", "eager"):
-            hcfg = hf_config(args, impl)
-            hf = MixtralDecoderLayer(hcfg, 0).to(device).train()
-            load_hf_block(hf, block, cfg)
-            hf_rope = MixtralRotaryEmbedding(hcfg).to(device)(x, torch.arange(t, device=device)[None])
+    if args.no_block:
+        return steps
+    t = x.shape[1]
+    ours_rope = tuple(r.to(device) for r in rope_tables(cfg.head_dim, t, ROPE_THETA))
+    steps.append(Step(OURS_BLOCK, "block", block, lambda x: block(x, ours_rope),
+                      lambda: by_parts(cfg, {n: p.grad for n, p in block.named_parameters()}), x, dy))
+    for impl in ("grouped_mm", "eager"):
+        hcfg = hf_config(args, impl)
+        hf = MixtralDecoderLayer(hcfg, 0).to(device).train()
+        load_hf_block(hf, block, cfg)
+        hf_rope = MixtralRotaryEmbedding(hcfg).to(device)(x, torch.arange(t, device=device)[None])
 
-            def fn(x, hf=hf, hf_rope=hf_rope):
-                return hf(x, position_embeddings=tuple(r.to(x.dtype) for r in hf_rope), attention_mask=None)
-            steps.append(Step(HF_BLOCK[impl], "block", hf, fn, lambda hf=hf: hf_block_grads(hf), x, dy))
+        def fn(x, hf=hf, hf_rope=hf_rope):
+            return hf(x, position_embeddings=tuple(r.to(x.dtype) for r in hf_rope), attention_mask=None)
+        steps.append(Step(HF_BLOCK[impl], "block", hf, fn, lambda hf=hf: hf_block_grads(hf), x, dy))
+    return steps
 
-    # agreement check, fp32: ours against each transformers implementation
+
+def check_single(steps: list[Step], tol: float) -> tuple[list[list[str]], bool]:
+    """The agreement check (fp32): ours against each transformers implementation, output, input gradient and the
+    largest relative error over the weight gradients; the table's rows and whether all are within ``tol``."""
     got = {}
     for s in steps:
         y = s.step()
@@ -315,18 +245,58 @@ def single_device(args) -> tuple[int, dict]:
             continue
         ours = OURS_LAYER if s.kind == "layer" else OURS_BLOCK
         (yo, xo, wo), (yh, xh, wh) = got[ours], got[s.name]
-        errs = [rel(yo, yh), rel(xo, xh), max(rel(wo[n], wh[n]) for n in wh)]
-        good = max(errs) <= args.tol
+        errs = [rel_error(yo, yh), rel_error(xo, xh), max(rel_error(wo[n], wh[n]) for n in wh)]
+        good = max(errs) <= tol
         ok &= good
         checks.append([f"{ours} vs {s.name}", *(f"{e:.1e}" for e in errs), "ok" if good else "MISMATCH"])
-    del got
-    for s in steps:
-        s.x.grad = None
-        for p in s.module.parameters():
-            p.grad = None
-    if dtype != torch.float32:
-        for s in steps:
-            s.to(dtype)
+    return checks, ok
+
+
+def compare_single(times: dict[str, list[float]], tokens: int) -> tuple[dict, list, list[str]]:
+    """``(results, rows, verdicts)``: ours (layer, block) against the faster transformers experts implementation,
+    ratio of medians and paired, and against the other one too."""
+    stats = {n: summarize(ts) for n, ts in times.items()}
+    results, rows, verdicts = {}, [], []
+    for kind, ours, peers in (("layer", OURS_LAYER, HF_LAYER), ("block", OURS_BLOCK, HF_BLOCK)):
+        if ours not in times:
+            continue
+        peer = min(peers.values(), key=lambda n: stats[n]["median"])  # the faster transformers implementation
+        for n in (ours, *peers.values()):
+            s = stats[n]
+            vs = {p: (s["median"] / stats[p]["median"], paired(times[n], times[p])) for p in peers.values()} if n == ours else {}
+            results[n] = {**s, "times": times[n], "peer": peer if n == ours else None,
+                          "ratio": vs[peer][0] if vs else None, "paired_ratio": vs[peer][1] if vs else None,
+                          "vs": {p: {"ratio": r, "paired": q} for p, (r, q) in vs.items()}}
+            rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}",
+                         f"{tokens / s['median']:,.0f}", peer if vs else "-", f"{vs[peer][0]:.3f}x" if vs else "-",
+                         f"{vs[peer][1]:.3f}x" if vs else "-"])
+        others = [p for p in peers.values() if p != peer]
+        r = results[ours]
+        verdicts.append(f"{kind} {ours}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
+                        f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}"
+                        + "".join(f"; vs {p} {r['vs'][p]['ratio']:.3f}x (paired {r['vs'][p]['paired']:.3f}x)" for p in others))
+    return results, rows, verdicts
+
+
+def single_device(args) -> tuple[int, dict]:
+    """The one-device part: set-up, agreement check, timed rounds and the report; ``(status, its JSON)``."""
+    import transformers
+
+    device = select_device(args.device)
+    precision = args.precision or DEFAULT_PRECISION[device.type]
+    if device.type == "cpu":
+        torch.set_num_threads(args.threads or max(1, cpu_cores() // args.world))
+    else:
+        torch.set_float32_matmul_precision("highest")  # the check in true fp32
+    b, t, d = args.batch, args.seq, args.d_model
+    cfg = model_config(args)
+    block = build_model(cfg, args.seed, device).layers["0"].train()
+    g = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(b, t, d, generator=g).to(device)
+    dy = torch.randn(b, t, d, generator=g).to(device)
+    steps = single_steps(args, cfg, block, x, dy, device)
+    checks, ok = check_single(steps, args.tol)
+    to_timed_precision(steps, DTYPES[precision])
 
     print(f"trickles MoE vs transformers {transformers.__version__} Mixtral, one device, forward + backward")
     print(f"  shape   B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts}, top-{args.top_k}, dropless, "
@@ -344,39 +314,11 @@ def single_device(args) -> tuple[int, dict]:
         return 1, {}
 
     by_name = {s.name: s for s in steps}
-    names = list(by_name)
-    for r, name in rotations(names, args.warmup + args.steps):
-        seconds, _ = timed(by_name[name].step, device)
-        if r >= args.warmup:
-            by_name[name].times.append(seconds)
-    sync(device)
-
-    stats = {s.name: summarize(s.times) for s in steps}
-    tokens = b * t
-    results, rows, verdicts = {}, [], []
-    for kind, ours, peers in (("layer", OURS_LAYER, HF_LAYER), ("block", OURS_BLOCK, HF_BLOCK)):
-        if ours not in by_name:
-            continue
-        peer = min(peers.values(), key=lambda n: stats[n]["median"])  # the faster transformers implementation
-        for n in (ours, *peers.values()):
-            s = stats[n]
-            vs = {p: (s["median"] / stats[p]["median"],
-                      statistics.median(a / c for a, c in zip(by_name[n].times, by_name[p].times)))
-                  for p in peers.values()} if n == ours else {}
-            results[n] = {**s, "times": by_name[n].times, "peer": peer if n == ours else None,
-                          "ratio": vs[peer][0] if vs else None, "paired_ratio": vs[peer][1] if vs else None,
-                          "vs": {p: {"ratio": r, "paired": q} for p, (r, q) in vs.items()}}
-            rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}",
-                         f"{tokens / s['median']:,.0f}", peer if vs else "-", f"{vs[peer][0]:.3f}x" if vs else "-",
-                         f"{vs[peer][1]:.3f}x" if vs else "-"])
-        others = [p for p in peers.values() if p != peer]
-        r = results[ours]
-        verdicts.append(f"{kind} {ours}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
-                        f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}"
-                        + "".join(f"; vs {p} {r['vs'][p]['ratio']:.3f}x (paired {r['vs'][p]['paired']:.3f}x)" for p in others))
+    times = interleaved(list(by_name), lambda n: by_name[n].step, args.steps, device, args.warmup)
+    results, rows, verdicts = compare_single(times, b * t)
     print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; peer: the faster "
           "transformers experts implementation")
-    print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired"], rows))
+    print(table(TIME_COLUMNS, rows))
     print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
     sys.stdout.flush()
     out = {"shape": {"batch": b, "seq": t, "d_model": d, "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k,
@@ -404,16 +346,12 @@ class SwiGLU(nn.Module):
 
 def make_deepspeed(args, full, world: int, rank: int, device: torch.device):
     """DeepSpeed-MoE over ``world`` ranks holding ``full``'s weights; ``(module, version)`` or ``(None, why)``."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu" if device.type == "cpu" else "cuda")
+    deepspeed, why = load_deepspeed(device)
+    if deepspeed is None:
+        return None, f"import failed ({why}); pip install deepspeed"
     try:
-        import deepspeed
         from deepspeed.moe.layer import MoE as DSMoE
-    except Exception as e:  # noqa: BLE001 - any import failure means the peer is absent
-        return None, f"import failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); pip install deepspeed"
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    try:
-        deepspeed.init_distributed(dist_backend=dist.get_backend())  # adopts the existing process group
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
         ds = DSMoE(hidden_size=args.d_model, expert=SwiGLU(args.d_model, args.ffn), num_experts=args.experts, ep_size=world,
                    k=args.top_k, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0, noisy_gate_policy=None,
                    drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False).to(device).train()
@@ -455,48 +393,88 @@ def expert_grads(c: Layer, name: str, el: int, rank: int) -> dict[str, torch.Ten
     return grads
 
 
-class _CountDeepSpeed:
-    """What ``deepspeed.comm.all_to_all_single`` and ``all_reduce`` send from this rank while entered."""
+def reference_grads(args, cfg: ModelConfig, full, x: torch.Tensor, dy: torch.Tensor, el: int, rank: int, device):
+    """The expert-parallel check's reference on this rank's tokens: transformers' Mixtral block holding all experts
+    (at top-1, where Mixtral's weight is 1 and ours and DeepSpeed's the raw probability: our layer with all experts);
+    ``(leaf x, output, this rank's experts' weight gradients summed over the ranks)``."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    def __init__(self, world: int):
-        self.world, self.ops = world, {"all_to_all_single": [0, 0], "all_reduce": [0, 0]}
+    if args.top_k > 1:
+        ref = MixtralSparseMoeBlock(hf_config(args, "eager")).to(device).train()
+        load_hf_moe(ref, full)
+    else:
+        ref = build_model(cfg, args.seed, device).layers["0"].mlp.train()
+    xr = x.detach().clone().requires_grad_()
+    yr = ref(xr)
+    yr.backward(dy)
+    grads = hf_moe_grads(ref) if args.top_k > 1 else {n: p.grad for n, p in ref.named_parameters()}
+    return xr, yr.detach(), summed_slice({n: g for n, g in grads.items() if n.startswith("experts.")}, el, rank)
 
-    def __enter__(self):
-        import deepspeed.comm as dcomm
 
-        self.mod, self.orig = dcomm, (dcomm.all_to_all_single, dcomm.all_reduce)
-        orig_a2a, orig_ar = self.orig
-        n = self.world
+def summed_slice(grads: dict[str, torch.Tensor], el: int, rank: int) -> dict[str, torch.Tensor]:
+    """Gradients of all experts from this rank's tokens, summed over the ranks (an expert's gradient under ep: every
+    rank's tokens routed to it), then this rank's ``el`` experts."""
+    out = {}
+    for n, g in grads.items():
+        g = g.clone()
+        dist.all_reduce(g)
+        out[n] = g[rank * el:(rank + 1) * el]
+    return out
 
-        def a2a(output, tensor, output_split_sizes=None, input_split_sizes=None, *a, **kw):
-            nb = tensor.numel() * tensor.element_size()
-            if input_split_sizes:
-                row = nb // tensor.shape[0] if tensor.shape[0] else 0
-                sent = nb - row * input_split_sizes[dist.get_rank(kw.get("group"))]
-            else:
-                sent = nb * (n - 1) // n
-            self.ops["all_to_all_single"][0] += 1
-            self.ops["all_to_all_single"][1] += sent
-            return orig_a2a(output, tensor, output_split_sizes, input_split_sizes, *a, **kw)
 
-        def ar(tensor, *a, **kw):
-            self.ops["all_reduce"][0] += 1
-            self.ops["all_reduce"][1] += 2 * (n - 1) * tensor.numel() * tensor.element_size() // n  # ring volume
-            return orig_ar(tensor, *a, **kw)
-        dcomm.all_to_all_single, dcomm.all_reduce = a2a, ar
-        return self
+def check_ep(contestants: list[Layer], reference, full, el: int, rank: int) -> tuple[dict[str, list[float]], str | None]:
+    """The agreement check (fp32): each contestant's output, input gradient and its experts' weight gradients against
+    :func:`reference_grads`'; ``(errors, why DeepSpeed failed or None)``."""
+    xr, yr, ref_ex = reference
+    errors: dict[str, list[float]] = {}
+    failure = None
+    for c in contestants:
+        try:
+            y = c.run()
+        except Exception as exc:  # noqa: BLE001 - a peer that fails here is dropped, with the reason
+            if c.name != DS_EP:
+                raise
+            failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        ge = expert_grads(c, c.name, el, rank)
+        if c.name == REF_EP:  # all experts, this rank's tokens only: sum over the ranks like the reference
+            ge = summed_slice({n: getattr(full.experts, n.split(".")[1]).weight.grad for n in ge}, el, rank)
+        errors[c.name] = [rel_error(y, yr), rel_error(c.x.grad, xr.grad), max(rel_error(ge[n], ref_ex[n]) for n in ref_ex)]
+    return errors, failure
 
-    def __exit__(self, *exc):
-        self.mod.all_to_all_single, self.mod.all_reduce = self.orig
 
-    @property
-    def sent(self) -> int:
-        return sum(v[1] for v in self.ops.values())
+def sent_in_one_step(contestants: list[Layer], topo, world: int, device: torch.device) -> dict[str, dict]:
+    """Bytes each contestant sends from this rank in one untimed step: ours from the ``ep`` group's ledger,
+    DeepSpeed's counted at its ``deepspeed.comm`` calls, the reference none."""
+    sent: dict[str, dict] = {}
+    for c in contestants:
+        dist.barrier()
+        if c.name == OURS_EP:
+            topo.ledger.reset()
+            c.run()
+            snap = {k: v for k, v in topo.ledger.snapshot().items() if k.endswith("/ep")}
+            sent[c.name] = {"sent": sum(v["wire_bytes"] for v in snap.values()),
+                            "ops": {k: {"calls": v["calls"], "wire_bytes": v["wire_bytes"]} for k, v in snap.items()}}
+        elif c.name == DS_EP:
+            with CountSent(world) as counter:
+                c.run()
+            sent[c.name] = {"sent": counter.sent, "ops": {k: {"calls": v[0], "wire_bytes": v[1]} for k, v in counter.ops.items()}}
+        else:
+            sent[c.name] = {"sent": 0, "ops": {}}
+    sync(device)
+    return sent
+
+
+def routing_counts(full, x: torch.Tensor, dtype: torch.dtype, top_k: int) -> list[int]:
+    """Assignments per expert of this rank's tokens, by the router's rule (for the formulas)."""
+    with torch.no_grad():
+        logits = full.router(x.to(dtype) if dtype != torch.float32 else x)
+        _, experts, _, _ = route(logits.float(), top_k, 0.0)
+        return torch.bincount(experts.flatten(), minlength=full.router.weight.shape[0]).cpu().tolist()
 
 
 def rank_main(args) -> int:
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
+    """The expert-parallel part on this rank: set-up, agreement check, bytes sent, timed rounds, report."""
     from trickles.parallel.expert import apply_expert_parallel
 
     device, rank, world = setup_rank(args)
@@ -509,12 +487,11 @@ def rank_main(args) -> int:
         return finish(2, device)
     el = e_count // world
     topo = ParallelDims(dp=world, ep=world).build(device)
-    comm = topo.comm("ep")
     cfg = model_config(args)
 
     full = build_model(cfg, args.seed, device).layers["0"].mlp.train()  # every rank: all experts (the reference row)
     model = build_model(cfg, args.seed, device)
-    apply_expert_parallel(model, comm)
+    apply_expert_parallel(model, topo.comm("ep"))
     ours = model.layers["0"].mlp.train()
     with torch.no_grad():
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -528,8 +505,7 @@ def rank_main(args) -> int:
 
     peers: dict[str, str] = {}
     ds, why = (None, "left out (--no-deepspeed)") if args.no_deepspeed else make_deepspeed(args, full, world, rank, device)
-    whys = [None] * world
-    dist.all_gather_object(whys, None if ds is not None else why)
+    whys = gather(None if ds is not None else why)
     if any(whys):
         ds, why = None, next(w for w in whys if w)
     peers[DS_EP] = f"ran ({why})" if ds is not None else f"did not run: {why}"
@@ -539,88 +515,21 @@ def rank_main(args) -> int:
     if ds is not None:
         contestants.append(Layer(DS_EP, None, ds, lambda x: ds(x)[0], x, dy))
 
-    # agreement check (fp32): against transformers' Mixtral block with all experts on this rank's tokens (at top-1,
-    # where Mixtral's weight is 1 and ours and DeepSpeed's the raw probability: our layer with all experts)
-    if args.top_k > 1:
-        ref = MixtralSparseMoeBlock(hf_config(args, "eager")).to(device).train()
-        load_hf_moe(ref, full)
-    else:
-        ref = build_model(cfg, args.seed, device).layers["0"].mlp.train()
-    xr = x.detach().clone().requires_grad_()
-    yr = ref(xr)
-    yr.backward(dy)
-    ref_grads = hf_moe_grads(ref) if args.top_k > 1 else {n: p.grad for n, p in ref.named_parameters()}
-    ref_ex = {n: ref_grads[n].clone() for n in ref_grads if n.startswith("experts.")}
-    for v in ref_ex.values():
-        dist.all_reduce(v)  # an expert's gradient under ep: every rank's tokens routed to it
-    ref_ex = {n: v[rank * el:(rank + 1) * el] for n, v in ref_ex.items()}
-    errors: dict[str, list[float]] = {}
-    failure = None
-    for c in contestants:
-        try:
-            y = c.run()
-        except Exception as exc:  # noqa: BLE001 - a peer that fails here is dropped, with the reason
-            if c.name != DS_EP:
-                raise
-            failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            continue
-        ge = expert_grads(c, c.name, el, rank)
-        if c.name == REF_EP:  # all experts, this rank's tokens only: sum over the ranks like the reference
-            ge = {n: v.clone() for n, v in ge.items()}
-            full_g = {n: getattr(full.experts, n.split(".")[1]).weight.grad.clone() for n in ge}
-            for v in full_g.values():
-                dist.all_reduce(v)
-            ge = {n: v[rank * el:(rank + 1) * el] for n, v in full_g.items()}
-        errors[c.name] = [rel(y, yr), rel(c.x.grad, xr.grad), max(rel(ge[n], ref_ex[n]) for n in ref_ex)]
-    failures = [None] * world
-    dist.all_gather_object(failures, failure)
-    failure = next((f for f in failures if f), None)
+    errors, failure = check_ep(contestants, reference_grads(args, cfg, full, x, dy, el, rank, device), full, el, rank)
+    failure = next((f for f in gather(failure) if f), None)
     if failure:
         peers[DS_EP] = f"did not run: {failure}"
         contestants = [c for c in contestants if c.name != DS_EP]
         contestants[0].peer = None
         errors.pop(DS_EP, None)
-    del ref, xr, yr, ref_grads, ref_ex
-    for c in contestants:
-        c.x.grad = None
-        for p in c.module.parameters():
-            p.grad = None
-    if dtype != torch.float32:
-        for c in contestants:
-            c.to(dtype)
+    to_timed_precision(contestants, dtype)
     gc.collect()
 
-    # bytes sent in one untimed step, and this step's routing for the formulas
-    with torch.no_grad():
-        logits = full.router(x.to(dtype) if dtype != torch.float32 else x)
-        _, experts, _, _ = route(logits.float(), args.top_k, 0.0)
-        counts = torch.bincount(experts.flatten(), minlength=e_count).cpu()
-    all_counts = [None] * world
-    dist.all_gather_object(all_counts, counts.tolist())
-    sent: dict[str, dict] = {}
-    for c in contestants:
-        dist.barrier()
-        if c.name == OURS_EP:
-            topo.ledger.reset()
-            c.run()
-            snap = {k: v for k, v in topo.ledger.snapshot().items() if k.endswith("/ep")}
-            sent[c.name] = {"sent": sum(v["wire_bytes"] for v in snap.values()),
-                            "ops": {k: {"calls": v["calls"], "wire_bytes": v["wire_bytes"]} for k, v in snap.items()}}
-        elif c.name == DS_EP:
-            with _CountDeepSpeed(world) as counter:
-                c.run()
-            sent[c.name] = {"sent": counter.sent, "ops": {k: {"calls": v[0], "wire_bytes": v[1]} for k, v in counter.ops.items()}}
-        else:
-            sent[c.name] = {"sent": 0, "ops": {}}
-    sync(device)
-
+    all_counts = gather(routing_counts(full, x, dtype, args.top_k))
+    sent = sent_in_one_step(contestants, topo, world, device)
     time_rounds(contestants, None, None, args, device)
-    mine = {"times": {c.name: c.times for c in contestants}, "errors": errors, "sent": sent}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-    status = 0
-    if rank == 0:
-        status = report_ep(args, everyone, contestants, peers, all_counts, precision, device, world)
+    everyone = gather({"times": {c.name: c.times for c in contestants}, "errors": errors, "sent": sent})
+    status = report_ep(args, everyone, contestants, peers, all_counts, precision, device, world) if rank == 0 else 0
     del contestants, topo
     return finish(status, device)
 
@@ -648,8 +557,7 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
     print(f"  shape   per rank B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts} "
           f"({args.experts // world} per rank), "
           f"top-{args.top_k}, dropless, {precision}")
-    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-          f"torch {torch.__version__}, backend {dist.get_backend()}")
+    print(device_line(device))
     for n, what in peers.items():
         print(f"  peer    {n}: {what}")
     el = args.experts // world
@@ -675,18 +583,16 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
     expect = formulas(all_counts, world, d, e)
     results, cells = compare_times(everyone, contestants, args.steps, b * t * world)
     mib = lambda x: f"{x / 2**20:.2f}"  # noqa: E731
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its "
-          "slowest rank's; tokens/s over all ranks; bytes per rank (largest over the ranks):")
     rows = []
     for n in names:
         s = max(r["sent"][n]["sent"] for r in everyone)
         rows.append([*cells[n], mib(s), mib(max(expect[n]))])
         results[n]["sent"] = [r["sent"][n] for r in everyone]
         results[n]["formula"] = expect[n]
-    print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired", "sent MiB",
-                 "formula MiB"], rows))
-    print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round); sent: wire bytes "
-          "(ours: CommLedger; DeepSpeed: its all_to_all_single and all_reduce calls); formula: the module docstring's")
+    times_table(args, rows, [*TIME_COLUMNS, "sent MiB", "formula MiB"],
+                how="; tokens/s over all ranks; bytes per rank (largest over the ranks)",
+                note=PAIRED_NOTE + "; sent: wire bytes (ours: CommLedger; DeepSpeed: its all_to_all_single and all_reduce "
+                     "calls); formula: the module docstring's")
     for n in (OURS_EP, DS_EP):
         if n in names:
             ops = everyone[0]["sent"][n]["ops"]
@@ -696,30 +602,14 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
                f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}" if r["peer"] else f"{OURS_EP}: no peer ran")
     print("\ntarget ours/peer <= 1.0x:  " + verdict)
     if args.json:
-        write_part(args.json, "ep", {"world": world, "device": str(device), "device_name": device_name(device),
+        add_to_json(args.json, "ep", {"world": world, "device": str(device), "device_name": device_name(device),
                                      "threads": torch.get_num_threads(), "torch": torch.__version__, "precision": precision,
                                      "peers": peers, "counts": all_counts, "errors": {n: everyone[0]["errors"][n] for n in names},
                                      "results": results})
-    sys.stdout.flush()
     return 0
 
 
 # ---- entry ---------------------------------------------------------------------------------
-
-def write_part(path: str, part: str, data: dict) -> None:
-    """Adds ``{part: data}`` to the JSON at ``path`` (both parts of one run share the file)."""
-    old = {}
-    if os.path.exists(path):
-        try:
-            with open(path) as f:
-                old = json.load(f)
-        except (OSError, ValueError):
-            old = {}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({**old, part: data}, f, indent=2, default=str)
-    print(f"wrote {path} ({part})")
-
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -740,7 +630,7 @@ def main(argv=None) -> int:
         if status:
             return status
         if args.json:
-            write_part(args.json, "single", {"args": vars(args), **out})
+            add_to_json(args.json, "single", {"args": vars(args), **out})
         gc.collect()
     if args.part in ("all", "ep"):
         return run_main(args, rank_main)

@@ -91,7 +91,6 @@ import argparse
 import dataclasses
 import gc
 import os
-import statistics
 import sys
 
 import torch
@@ -99,9 +98,10 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
-                    print_verdicts, run_info, run_step, setup_rank, time_rounds, token_ce, write_json)
-from _timing import device_name, table  # noqa: E402
+from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_times, device_line, finish, gather,  # noqa: E402
+                    entry, ledger_delta, loss_agreement, model_line, print_verdicts, refuse, run_info, run_step, setup_rank,
+                    time_rounds, times_table, token_ce)
+from _timing import table, write_json  # noqa: E402
 
 from trickles.errors import ConfigError  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
@@ -110,7 +110,7 @@ from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
 from trickles.parallel.pipeline.stages import partition_layers  # noqa: E402
 from trickles.parallel.pipeline.schedules import SCHEDULES, Shape, check_shape  # noqa: E402
-from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
+from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "micro_batch": 1, "seq": 128, "layers": 8, "d_model": 128},
             "cuda": {"batch": 32, "micro_batch": 4, "seq": 1024, "layers": None, "d_model": None}}  # None: the preset's
@@ -339,10 +339,7 @@ def rank_main(args) -> int:
     model_cfg = resolve_model(model_cfg, tokenizer_vocab=args.vocab, seq_len=seq)
     problem = _check_shape(model_cfg, world, batch, args.micro_batch, args)
     if problem:
-        if rank == 0:
-            print(f"pipeline_parallel.py: {problem}", file=sys.stderr)
-        shutdown_distributed()
-        return 2
+        return refuse(f"pipeline_parallel.py: {problem}")
     m = batch // args.micro_batch
     topo = ParallelDims(dp=1, pp=world).build(device)
     ledger = topo.ledger
@@ -377,15 +374,10 @@ def rank_main(args) -> int:
 
     time_rounds(contestants, *data[0], args, device)
     bubbles = traced_bubbles(contestants, *data[0], args.trace_steps if device.type == "cpu" else 0)
-    mine = {"bubbles": bubbles, "times": {c.name: c.times for c in contestants}, "check": check, "ref": ref_losses, "comm": comm,
-            "chunks": {c.name: c.chunks for c in contestants},
-            "alive": {c.name: c.pipeline.peak_alive for c in contestants if isinstance(c, Ours)}}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-
-    status = 0
-    if rank == 0:
-        status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, m, device, world)
+    everyone = gather({"bubbles": bubbles, "times": {c.name: c.times for c in contestants}, "check": check, "ref": ref_losses,
+                       "comm": comm, "chunks": {c.name: c.chunks for c in contestants},
+                       "alive": {c.name: c.pipeline.peak_alive for c in contestants if isinstance(c, Ours)}})
+    status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, m, device, world) if rank == 0 else 0
     del contestants, topo
     return finish(status, device)
 
@@ -405,12 +397,10 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     b, d = args.micro_batch, model_cfg.d_model
     print(f"trickles pipeline schedules vs torch.distributed.pipelining, one training step each, pp={world}, "
           "same stages, micro-batches, weights and data")
-    print(f"  model   {args.preset}: {model_cfg.n_layers} layers, d={d}, heads={model_cfg.n_heads}/{model_cfg.kv_heads} kv, "
-          f"ffn={model_cfg.ffn_dim}, vocab={model_cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)")
+    print(model_line(args.preset, model_cfg, n_params))
     print(f"  step    global batch {batch} x seq {seq} in m={m} micro-batches of {b}, fp32, clip {args.clip}, "
           f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; interleaved: {args.virtual} chunks per rank")
-    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-          f"torch {torch.__version__}, backend {dist.get_backend()}")
+    print(device_line(device))
     for s in args.schedules:
         same = all(e["chunks"][f"ours {s}"] == e["chunks"][f"torch {s}"] for e in everyone)
         print(f"  {s:<11} " + ";  ".join(f"rank {r}: " + ", ".join(_describe(c) for c in e["chunks"][f"torch {s}"])
@@ -422,19 +412,8 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     # agreement
     ref = everyone[0]["ref"]
     print(f"\nagreement check: every rank's loss vs the single-device model's (rank 0), relative tolerance {args.tol:g}")
-    rows, ok = [[REF, f"{ref[0]:.6f}", "-", f"{ref[1]:.6f}", "-", ""]], True
-    for n in names:
-        diffs = [max(abs(r["check"][n][s] - ref[s]) / abs(ref[s]) for r in everyone) for s in (0, 1)]
-        means = [statistics.fmean(r["check"][n][s] for r in everyone) for s in (0, 1)]
-        good = all(x <= args.tol for x in diffs)
-        ok &= good
-        rows.append([n, f"{means[0]:.6f}", f"{diffs[0]:.1e}", f"{means[1]:.6f}", f"{diffs[1]:.1e}", "ok" if good else "MISMATCH"])
-    print(table(["implementation", "step 1 loss", "max rel diff", "step 2 loss", "max rel diff", ""], rows))
-    print("  (mean loss over the micro-batches of the whole batch, on every rank; step 2 runs on a second batch after one "
-          "AdamW update)")
-    if not ok:
-        print(f"the implementations disagree by more than --tol {args.tol:g}: they do not train the same thing and the "
-              "timings would be meaningless", file=sys.stderr)
+    if not loss_agreement(everyone, names, args.tol, REF, ref_losses=ref, note="  (mean loss over the micro-batches of the "
+                          "whole batch, on every rank; step 2 runs on a second batch after one AdamW update)"):
         return 1
 
     # communication (ours)
@@ -466,12 +445,8 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
           "step's loss and the squared gradient norm, summed over the pipeline group)")
 
     # timing
-    tokens = batch * seq
-    results, cells = compare_times(everyone, contestants, args.steps, tokens)
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its slowest rank's:")
-    print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired"],
-                [cells[n] for n in names]))
-    print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round).")
+    results, cells = compare_times(everyone, contestants, args.steps, batch * seq)
+    times_table(args, [cells[n] for n in names])
 
     rows = []
     for s in args.schedules:
@@ -495,18 +470,15 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
 
     print_verdicts(results, [f"ours {s}" for s in args.schedules])
 
-    if args.json:
-        write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg), "micro_batches": m,
-                               "check": {REF: ref, **{n: [r["check"][n] for r in everyone] for n in names}},
-                               "comm": comm_results, "results": results})
-    sys.stdout.flush()
+    write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg), "micro_batches": m,
+                           "check": {REF: ref, **{n: [r["check"][n] for r in everyone] for n in names}},
+                           "comm": comm_results, "results": results})
     return 0
 
 
 # ---- entry ---------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
-    return run_main(parse_args(argv), rank_main)
+main = entry(parse_args, rank_main)
 
 
 if __name__ == "__main__":

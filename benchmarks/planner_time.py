@@ -49,6 +49,7 @@ Examples::
     python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout, 16 rounds (40-50 min on 2 cores)
     python benchmarks/planner_time.py --worlds 2 --steps 3  # a quick look
     python benchmarks/planner_time.py --json out/planner_time.json
+    python benchmarks/planner_time.py --worlds 2 --steps 1 --repeat 1 --set model.n_layers=2 --set data.seq_len=32   # a smoke run
 """
 
 from __future__ import annotations
@@ -100,15 +101,16 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
 }
 
 
-def settings(layout: list[str], steps_total: int = 100) -> list[str]:
-    return [*MODEL, *layout, f"train.steps={steps_total}", "train.warmup_steps=0"]
+def settings(layout: list[str], extra: list[str] = (), steps_total: int = 100) -> list[str]:
+    """The benchmark's model, then the layout's settings, then ``extra`` (``--set``)."""
+    return [*MODEL, *layout, *extra, f"train.steps={steps_total}", "train.warmup_steps=0"]
 
 
-def config(layout: list[str]):
+def config(layout: list[str], extra: list[str] = ()):
     from trickles.config import Config
     from trickles.models.config import resolve_model
 
-    cfg = Config.load(None, settings(layout))
+    cfg = Config.load(None, settings(layout, extra))
     return cfg, resolve_model(cfg.model, cfg.model.vocab_size, cfg.data.seq_len)
 
 
@@ -181,7 +183,7 @@ def calibration(args, shapes) -> dict:
 
     gemm_shapes, att_shapes, sizes = shapes
     c = measure_on_ranks(gemm_shapes, "fp32", (4096, 65536, 1 << 20), args.calib_repeats, min_s=args.calib_sample,
-                         attention=att_shapes, model_cfg=config(MOE)[1], pass_sizes=sizes)
+                         attention=att_shapes, model_cfg=config(MOE, args.set)[1], pass_sizes=sizes)
     torch.set_num_threads(args.threads)
     return {"gemms": [[list(k), v] for k, v in c["gemms"].items()],
             "attention": [[list(k), v] for k, v in c["attention"].items()], "bandwidth": c["bandwidth"],
@@ -234,7 +236,8 @@ def rank_main(args, world: int, layout_list, shapes, out_path: str) -> int:
 # ---- this process: calibrate, launch, predict, compare ------------------------------------------
 
 def chosen(args, world: int) -> list[tuple[str, list[str]]]:
-    out = [(n, s) for n, s in LAYOUTS[world] if not args.only or any(o in n for o in args.only)]
+    """The layouts of ``world`` ranks that ``--only`` selects, each with ``--set`` after its own settings."""
+    out = [(n, [*s, *args.set]) for n, s in LAYOUTS[world] if not args.only or any(o in n for o in args.only)]
     if not out:
         raise SystemExit(f"no layout of world {world} matches --only {args.only}")
     return out
@@ -243,7 +246,7 @@ def chosen(args, world: int) -> list[tuple[str, list[str]]]:
 REFERENCE = (512, 512, 512)
 
 
-def calibrated(measured: list[dict], world: int):
+def calibrated(measured: list[dict], world: int, extra: list[str]):
     """The ``local`` cluster with the rates measured before and after the timed rounds, averaged, so that the
     calibration sees the machine as the steps did (:func:`trickles.planner.calibrate.cluster_from_measurements`)."""
     from trickles.planner.calibrate import cluster_from_measurements
@@ -263,12 +266,12 @@ def calibrated(measured: list[dict], world: int):
     sync = statistics.fmean(c["sync"] for c in measured)
     return cluster_from_measurements("local", "fp32", {k: statistics.fmean(v) for k, v in gemms.items()}, bandwidth,
                                      links, REFERENCE, attention={k: statistics.fmean(v) for k, v in att.items()},
-                                     sync=sync, model_cfg=config(MOE)[1],
+                                     sync=sync, model_cfg=config(MOE, extra)[1],
                                      contention=statistics.fmean(c["contention"] for c in measured),
                                      passes={k: tuple(map(statistics.fmean, zip(*v))) for k, v in passes.items()})
 
 
-def layout_shapes(world: int, layouts) -> tuple[list, list, list]:
+def layout_shapes(world: int, layouts, extra: list[str]) -> tuple[list, list, list]:
     """The GEMM shapes and attention shapes every layout runs on one rank, and the (sequences, tokens) of their
     micro-batches at which the dense model's block and head are timed (what the calibration measures)."""
     from trickles.planner.calibrate import attention_shapes, model_shapes, pass_gemm_shapes, pass_sizes
@@ -280,7 +283,7 @@ def layout_shapes(world: int, layouts) -> tuple[list, list, list]:
         shapes.update(model_shapes(cfg, mc, dims))
         att.update(attention_shapes(cfg, mc, dims))
         sizes.update(pass_sizes(cfg, dims))
-    shapes.update(pass_gemm_shapes(config(MOE)[1], sorted(sizes)))
+    shapes.update(pass_gemm_shapes(config(MOE, extra)[1], sorted(sizes)))
     return sorted(shapes), sorted(att), sorted(sizes)
 
 
@@ -350,14 +353,14 @@ def _layout_key(cfg, dims) -> tuple:
             cfg.memory.offload_optimizer)
 
 
-def planner_choice(world: int, cluster) -> tuple[str, list[str], object]:
+def planner_choice(world: int, cluster, extra: list[str]) -> tuple[str, list[str], object]:
     """The planner's top choice for the benchmark's dense model on ``world`` ranks of ``cluster``, as ``trickles plan``
     makes it (:class:`trickles.planner.search.Search`, keys the benchmark cannot run pinned: :data:`PLAN_PINS`):
     ``(label, settings, step time)``."""
     from trickles.config import Config
     from trickles.planner.search import Search, pinned_keys, plan_model
 
-    sets = settings(PLAN_PINS)
+    sets = settings(PLAN_PINS, extra)
     cfg = Config.load(None, sets)
     search = Search(cfg, plan_model(cfg), cluster, world, pinned_keys(None, sets)).run()
     top = search.top(1)
@@ -368,16 +371,22 @@ def planner_choice(world: int, cluster) -> tuple[str, list[str], object]:
     return top[0].layout.label(), chosen_sets, top[0].time
 
 
-def with_plan(world: int, layouts: list, plan_sets: list[str], label: str) -> tuple[list, str]:
+def with_plan(world: int, layouts: list, plan_sets: list[str], label: str, extra: list[str]) -> tuple[list, str]:
     """``layouts`` plus the planner's choice unless one of them is that layout; and the choice's name among them."""
-    cfg, _ = config(plan_sets)
+    from trickles.errors import ConfigError
+
+    cfg, _ = config(plan_sets, extra)
     key = _layout_key(cfg, cfg.validate(world))
     for name, sets in LAYOUTS[world]:
-        c, _ = config(sets)
-        if _layout_key(c, c.validate(world)) == key:
-            return (layouts if any(n == name for n, _ in layouts) else [*layouts, (name, sets)]), name
+        c, _ = config(sets, extra)
+        try:
+            dims = c.validate(world)
+        except ConfigError:  # a layout the model of --set cannot take (e.g. fewer layers than stages): not the choice
+            continue
+        if _layout_key(c, dims) == key:
+            return (layouts if any(n == name for n, _ in layouts) else [*layouts, (name, [*sets, *extra])]), name
     name = f"plan: {label}"
-    return [*layouts, (name, plan_sets)], name
+    return [*layouts, (name, [*plan_sets, *extra])], name
 
 
 def main(argv=None) -> int:
@@ -396,6 +405,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--no-plan", action="store_true", help="do not run the planner's search nor time its top choice")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="a setting after every layout's own, e.g. a smaller model for a quick run (model.n_layers=2)")
     args = p.parse_args(argv)
 
     from trickles.launch import launch
@@ -407,24 +418,24 @@ def main(argv=None) -> int:
         layouts = chosen(args, world)
         t0 = time.perf_counter()
         if not args.no_plan:  # the planner's own search on this machine, calibrated first as trickles plan --calibrate
-            pre = calibrated([pre_calibration(args, world, layout_shapes(world, layouts))], world)
-            label, plan_sets, plan_st = planner_choice(world, pre)
-            layouts, plan_name = with_plan(world, layouts, plan_sets, label)
+            pre = calibrated([pre_calibration(args, world, layout_shapes(world, layouts, args.set))], world, args.set)
+            label, plan_sets, plan_st = planner_choice(world, pre, args.set)
+            layouts, plan_name = with_plan(world, layouts, plan_sets, label, args.set)
             results.setdefault("plan", {})[world] = {"label": label, "name": plan_name, "settings": plan_sets,
                                                      "predicted_s": plan_st.total_s, "cluster": vars(pre)}
             print(f"world {world}: the planner's top choice {label!r} (predicted {plan_st.total_s * 1e3:.0f} ms), "
                   f"timed as {plan_name!r}; {time.perf_counter() - t0:.0f} s", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "times.json")
-            status = launch(rank_main, (args, world, layouts, layout_shapes(world, layouts), out), nproc=world)
+            status = launch(rank_main, (args, world, layouts, layout_shapes(world, layouts, args.set), out), nproc=world)
             if status != 0:
                 print(f"world {world}: the ranks failed (status {status})", file=sys.stderr)
                 return status
             with open(out) as f:
                 got = json.load(f)
         times, calib = got["times"], got["calibration"]
-        clusters = [calibrated(calib[k:k + 2], world) for k in range(len(calib) - 1)]  # round k: the calibrations around it
-        cluster = calibrated(calib, world)
+        clusters = [calibrated(calib[k:k + 2], world, args.set) for k in range(len(calib) - 1)]  # round k: the ones around it
+        cluster = calibrated(calib, world, args.set)
         print(f"world {world}: {time.perf_counter() - t0:.0f} s; calibrated (all rounds): peak {cluster.peak_tflops_fp32 * 1e3:.1f} "
               f"GFLOP/s per core, memory {cluster.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node_gbps:.3f} GB/s "
               f"+ {cluster.intra_node_latency_us:.0f} us a message, {cluster.shared_core_sync_us:.0f} us a collective's wait "
@@ -450,7 +461,7 @@ def main(argv=None) -> int:
                          f"{st.bubble_s * 1e3:.0f}", f"{st.optimizer_s * 1e3:.0f}"])
         results.setdefault("clusters", {})[world] = vars(cluster)
         if not args.no_plan:  # for comparison: the search on the calibrations of the timed rounds
-            again = planner_choice(world, cluster)
+            again = planner_choice(world, cluster, args.set)
             results["plan"][world]["after_rounds"] = {"label": again[0], "predicted_s": again[2].total_s}
             print(f"world {world}: on the calibration of the timed rounds the planner's top choice is {again[0]!r} "
                   f"(predicted {again[2].total_s * 1e3:.0f} ms)", flush=True)

@@ -15,7 +15,7 @@ What is compared
 
 How
     ``--warmup`` untimed rounds, then ``--rounds`` rounds in which both contestants run one forward + backward,
-    the order alternating (``_timing.rotations``); on CUDA the device is synchronized before each clock starts
+    the order alternating (``_timing.interleaved``); on CUDA the device is synchronized before each clock starts
     and stops. Reported: median time of each and fused/separate.
 
 Examples::
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import device_name, rotations, timed  # noqa: E402
+from _timing import device_name, interleaved, rel_error  # noqa: E402
 
 from trickles.kernels.activations import swiglu, swiglu_packed  # noqa: E402
 from trickles.models import fused  # noqa: E402
@@ -113,17 +113,16 @@ def main(argv=None) -> int:
                             {"layers.0." + n: p.grad for n, p in models["fused"].named_parameters()})
     pairs = [(a, b) for a, b in zip(check["fused"][0], check["separate"][0])] + [(check["fused"][1], check["separate"][1])]
     pairs += [(got["layers.0." + n], p.grad) for n, p in sep.items() if p.grad is not None]  # (o_proj, down_proj: unused)
-    worst = max(float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30)) for a, b in pairs)
+    worst = max(rel_error(a, b) for a, b in pairs)
     if worst > tol:
         print(f"fused and separate disagree: {worst:.3g} relative > {tol:g}")
         return 1
-    times = {n: [] for n in models}
-    for r, name in rotations(list(models), args.warmup + args.rounds):
+    def prepare(name):
         for m in models.values():
             m.zero_grad(set_to_none=True)
-        seconds, _ = timed(lambda: step(name), device)
-        if r >= args.warmup:
-            times[name].append(seconds)
+        return lambda: step(name)
+
+    times = interleaved(list(models), prepare, args.rounds, device, args.warmup)
     med = {n: statistics.median(t) for n, t in times.items()}
     print(f"{device_name(device)}, {args.dtype}, {args.preset} block (d={cfg.d_model}, heads {cfg.n_heads}/{cfg.kv_heads}, "
           f"ffn {cfg.ffn_dim}), {args.tokens} tokens, kernels={args.kernels}, agreement {worst:.1e}")

@@ -12,13 +12,14 @@ One float model (``--checkpoint``, or the demo model trained here for ``--train-
 
 The held-out loss is the trainer's (``train.eval_batches`` batches of the run's held-out data); decode speed is
 greedy generation of ``--new-tokens`` tokens after a ``--prompt-tokens`` prompt with the KV cache, batch
-``--batch``, the contestants interleaved round by round (``_timing.rotations``) after one warm-up each. Prints the
+``--batch``, the contestants interleaved round by round (``_timing.interleaved``) after one warm-up each. Prints the
 table and writes ``--out``/quantization.json.
 
     python benchmarks/quantization.py                          # CPU: trains the demo model 150 steps first (a few minutes)
     python benchmarks/quantization.py --checkpoint runs/demo   # an existing run
     python benchmarks/quantization.py --speed-preset llama-125m --threads 1   # decode speed of a wider model (untrained)
     python benchmarks/quantization.py --speed-preset llama-1b --device cuda --rounds 3   # the same on a GPU
+    python benchmarks/quantization.py --train-steps 2 --set model.preset=tiny --eval-batches 1 --rounds 1   # a smoke run
 
 On CUDA (``--device cuda``, with ``--speed-preset``) true int8 runs ``torch._int_mm`` on the GPU (one decoded token is
 one row: padded to 17, the fewest it takes there; ``trickles.compress.quantize.int_mm_path``); every step is timed
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from _timing import device_name, rotations, table, timed  # noqa: E402
+from _timing import device_name, interleaved, table, write_json  # noqa: E402
 from trickles.compress import float_model, load_checkpoint, quantize_checkpoint  # noqa: E402
 from trickles.compress.report import validation_loss  # noqa: E402
 from trickles.models.generate import generate  # noqa: E402
@@ -53,7 +53,8 @@ def train_demo(args) -> str:
     from trickles.train.trainer import Trainer
 
     cfg = Config.load(None, [f"train.steps={args.train_steps}", f"data.seq_len={args.seq_len}", f"train.out_dir={args.out}/run",
-                             "train.eval_every=0", "train.sample_tokens=0", "train.plot=false", "train.warmup_steps=10"])
+                             "train.eval_every=0", "train.sample_tokens=0", "train.plot=false", "train.warmup_steps=10",
+                             *args.set])
     tr = Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=False)
     start = time.perf_counter()
     tr.fit()
@@ -77,6 +78,8 @@ def main(argv=None) -> None:
     p.add_argument("--checkpoint", default=None, help="a float checkpoint or run (default: train the demo model here)")
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--seq-len", type=int, default=128, help="sequence length of the model trained here")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra setting of the model trained here (e.g. model.preset=tiny, data.max_bytes=120000)")
     p.add_argument("--out", default="runs/bench-quant")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--prompt-tokens", type=int, default=16)
@@ -145,10 +148,8 @@ def report(models, losses, args, path) -> None:
     with torch.no_grad():
         for name, m in models.items():  # warm-up, and the greedy tokens
             outputs[name] = generate(m, prompt, args.new_tokens, temperature=0.0)
-        times = {n: [] for n in models}
-        for _, name in rotations(list(models), args.rounds):
-            t, _ = timed(lambda: generate(models[name], prompt, args.new_tokens, temperature=0.0), device)
-            times[name].append(t)
+        times = interleaved(list(models), lambda n: lambda: generate(models[n], prompt, args.new_tokens, temperature=0.0),
+                            args.rounds, device)
     tokens = args.batch * args.new_tokens
     rows, out = [], {}
     ref_loss = losses["fp32"]
@@ -170,9 +171,8 @@ def report(models, losses, args, path) -> None:
     print(f"\n[bench] decode {args.new_tokens} tokens after {args.prompt_tokens}, batch {args.batch}, {args.rounds} rounds, "
           f"{torch.get_num_threads()} threads, {device.type}: {device_name(device)}; model {path}")
     print(table(["model", "tokens/s", "vs torchao", "vs bf16", "val loss", "vs fp32", "greedy = fp32"], rows))
-    with open(os.path.join(args.out, "quantization.json"), "w") as f:
-        json.dump({"args": vars(args), "model": path, "device": str(device), "device_name": device_name(device),
-                   "results": out}, f, indent=2)
+    write_json(os.path.join(args.out, "quantization.json"), {"args": vars(args), "model": path, "device": str(device),
+                                                            "device_name": device_name(device), "results": out})
 
 
 if __name__ == "__main__":

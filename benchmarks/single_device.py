@@ -64,9 +64,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import os
-import statistics
 import sys
 import tempfile
 
@@ -74,7 +72,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _timing import device_name, rotations, si, summarize, table, timed  # noqa: E402
+from _timing import device_name, paired, rotations, si, summarize, table, timed, write_json  # noqa: E402
 
 from trickles.memory.precision import autocast  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
@@ -280,16 +278,6 @@ def agreement(by_name: dict[str, Contestant], x: torch.Tensor, y: torch.Tensor, 
             "logits_tolerance": args.logits_tol, "break": args.break_}
 
 
-def write_json(path: str | None, out: dict) -> None:
-    """``out`` as JSON at ``path`` (nothing without a path)."""
-    if not path:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(out, f, indent=2, default=str)
-    print(f"wrote {path}")
-
-
 # ---- main ----------------------------------------------------------------------------------
 
 def main(argv=None) -> int:
@@ -361,8 +349,7 @@ def main(argv=None) -> int:
     for c in contestants:
         s = summarize(c.times)
         flops = fpt * tokens_per_step / s["median"]
-        paired = statistics.median(a / b for a, b in zip(c.times, by_name[HF].times))
-        results[c.name] = {**s, "paired_ratio": paired, "tokens_per_s": tokens_per_step / s["median"], "flops_per_s": flops,
+        results[c.name] = {**s, "paired_ratio": paired(c.times, by_name[HF].times), "tokens_per_s": tokens_per_step / s["median"], "flops_per_s": flops,
                            "mfu": flops / peak if peak else None, "last_loss": c.losses[-1],
                            "step_alloc_bytes": c.step_bytes if device.type == "cuda" else None, "times": c.times}
     base = results[HF]["median"]

@@ -102,22 +102,22 @@ import dataclasses
 import gc
 import inspect
 import os
-import statistics
 import sys
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
-                    print_verdicts, run_info, run_step, setup_rank, time_rounds, token_ce, write_json)
-from _timing import device_name, table  # noqa: E402
+from _ranks import (add_model_args, add_run_args, Contestant, Ours as EngineContestant, compare_times, device_line, finish, gather,  # noqa: E402
+                    entry, ledger_delta, loss_agreement, model_line, print_verdicts, refuse, run_info, run_step, setup_rank,
+                    time_rounds, times_table, token_ce)
+from _timing import table, write_json  # noqa: E402
 
-from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
+from trickles.models.config import ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
-from trickles.topology import ParallelDims, shutdown_distributed  # noqa: E402
+from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 4, "seq": 256}, "cuda": {"batch": 8, "seq": 1024}}
 REF = "single device"
@@ -127,13 +127,8 @@ OURS_TP, OURS_SP, PEER_TP, PEER_SP = "ours tp", "ours tp+sp", "dtensor tp", "dte
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world", type=int, default=2, help="tensor-parallel degree (processes); under torchrun its WORLD_SIZE")
-    p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS)")
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
-    p.add_argument("--batch", type=int, default=None,
-                   help=f"batch in sequences, the whole of it on every rank (default: cpu {DEFAULTS['cpu']['batch']}, "
-                        f"cuda {DEFAULTS['cuda']['batch']})")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
+    add_model_args(p, "tensor-parallel", f"batch in sequences, the whole of it on every rank (default: cpu "
+                                          f"{DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})", DEFAULTS)
     p.add_argument("--no-loss-parallel", action="store_true",
                    help="peers: replicated logits and a plain cross-entropy instead of loss_parallel()")
     p.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
@@ -335,10 +330,7 @@ def rank_main(args) -> int:
     ours_cfg, plain_cfg = model_variants(model_cfg, args)
     problem = _check_shape(model_cfg, world, seq)
     if problem:
-        if rank == 0:
-            print(f"tensor_parallel.py: {problem}; change --world or the shape", file=sys.stderr)
-        shutdown_distributed()
-        return 2
+        return refuse(f"tensor_parallel.py: {problem}; change --world or the shape")
     from torch.distributed.device_mesh import init_device_mesh
 
     topo = ParallelDims(dp=1, tp=world).build(device)
@@ -383,13 +375,8 @@ def rank_main(args) -> int:
     gc.collect()
 
     time_rounds(contestants, *data[0], args, device)
-    mine = {"times": {c.name: c.times for c in contestants}, "check": check, "comm": comm, "peer_comm": peer_comm}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-
-    status = 0
-    if rank == 0:
-        status = report(args, everyone, contestants, ours_cfg, n_params, batch, seq, device, world)
+    everyone = gather({"times": {c.name: c.times for c in contestants}, "check": check, "comm": comm, "peer_comm": peer_comm})
+    status = report(args, everyone, contestants, ours_cfg, n_params, batch, seq, device, world) if rank == 0 else 0
     del contestants, topo, mesh
     return finish(status, device)
 
@@ -399,16 +386,13 @@ def rank_main(args) -> int:
 def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int,
            device: torch.device, world: int) -> int:
     names = [c.name for c in contestants]
-    dev_name = device_name(device)
     lp = "loss_parallel" if not args.no_loss_parallel else "replicated logits"
     print(f"trickles 1-D tensor parallel (+ sequence parallel) vs torch DTensor tensor parallel, one training step each, "
           f"tp={world}, same weights and data")
-    print(f"  model   {args.preset}: {model_cfg.n_layers} layers, d={model_cfg.d_model}, heads={model_cfg.n_heads}/{model_cfg.kv_heads} kv, "
-          f"ffn={model_cfg.ffn_dim}, vocab={model_cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)")
+    print(model_line(args.preset, model_cfg, n_params))
     print(f"  step    batch {batch} x seq {seq} on every rank, fp32, clip {args.clip}, "
           f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; peers: {lp}")
-    print(f"  device  {device.type}: {dev_name}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-          f"torch {torch.__version__}, backend {dist.get_backend()}")
+    print(device_line(device))
     print(f"  how     ours: model.kernels={model_cfg.kernels}, "
           f"{'fused q/k/v and gate/up projections' if model_cfg.fuses_projections else 'separate projections'}; "
           "peers and reference: separate projections, eager PyTorch kernels (torchtitan's model)")
@@ -418,18 +402,8 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
 
     # agreement
     print(f"\nagreement check: every rank's loss vs the single-device model's, relative tolerance {args.tol:g}")
-    rows, ok = [], True
-    for n in [REF, *names]:
-        diffs = [max(abs(r["check"][n][s] - r["check"][REF][s]) / abs(r["check"][REF][s]) for r in everyone) for s in (0, 1)]
-        means = [statistics.fmean(r["check"][n][s] for r in everyone) for s in (0, 1)]
-        good = all(d <= args.tol for d in diffs)
-        ok &= good
-        rows.append([n, f"{means[0]:.6f}", f"{diffs[0]:.1e}", f"{means[1]:.6f}", f"{diffs[1]:.1e}", "ok" if good else "MISMATCH"])
-    print(table(["implementation", "step 1 loss", "max rel diff", "step 2 loss", "max rel diff", ""], rows))
-    print("  (loss of the whole batch, on every rank; step 2 runs on a second batch after one AdamW update)")
-    if not ok:
-        print(f"the implementations disagree by more than --tol {args.tol:g}: they do not train the same thing and the "
-              "timings would be meaningless", file=sys.stderr)
+    if not loss_agreement(everyone, [REF, *names], args.tol, REF,
+                          note="  (loss of the whole batch, on every rank; step 2 runs on a second batch after one AdamW update)"):
         return 1
 
     # communication
@@ -462,27 +436,18 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
           "peers: collectives one rank issues per step, counted by CommDebugMode, forward and backward)")
 
     # timing
-    tokens = batch * seq
-    results, cells = compare_times(everyone, contestants, args.steps, tokens)
-    rows = [cells[c.name] for c in contestants]
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; a step's time is its slowest rank's:")
-    print(table(["implementation", "median ms", "mean ms", "stdev ms", "tokens/s", "peer", "vs peer", "paired"], rows))
-    print("vs peer: ratio of median step times; paired: median over rounds of (ours / peer in the same round).")
-
+    results, cells = compare_times(everyone, contestants, args.steps, batch * seq)
+    times_table(args, [cells[c.name] for c in contestants])
     print_verdicts(results, (OURS_TP, OURS_SP))
-
-    if args.json:
-        write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
-               "check": {n: [r["check"][n] for r in everyone] for n in [REF, *names]},
-               "comm": comm_results, "results": results})
-    sys.stdout.flush()
+    write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
+                           "check": {n: [r["check"][n] for r in everyone] for n in [REF, *names]},
+                           "comm": comm_results, "results": results})
     return 0
 
 
 # ---- entry ---------------------------------------------------------------------------------
 
-def main(argv=None) -> int:
-    return run_main(parse_args(argv), rank_main)
+main = entry(parse_args, rank_main)
 
 
 if __name__ == "__main__":

@@ -66,25 +66,23 @@ import argparse
 import dataclasses
 import gc
 import os
-import statistics
 import sys
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (add_run_args, Ours, compare_times, finish, ledger_delta, main as run_main,  # noqa: E402
-                    run_info, run_step, setup_rank, time_rounds, write_json)
-from _timing import device_name, table  # noqa: E402
+from _ranks import (add_model_args, add_run_args, Ours, compare_times, device_line, finish, gather, ledger_delta, loss_agreement,  # noqa: E402
+                    main as run_main, model_line, refuse, run_info, run_step, setup_rank, time_rounds, times_table)
+from _timing import table, write_json  # noqa: E402
 from tensor_parallel import expected_comm  # noqa: E402
 
 from trickles.errors import ConfigError  # noqa: E402
-from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
+from trickles.models.config import ModelConfig, apply_preset, resolve_model  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
 from trickles.parallel.tensor.grid_linear import Linear2D, Linear3D, cube_bytes, summa_bytes  # noqa: E402
-from trickles.topology import ParallelDims, TPGrid, shutdown_distributed  # noqa: E402
+from trickles.topology import ParallelDims, TPGrid  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "seq": 128}, "cuda": {"batch": 16, "seq": 1024}}
 REF = "single device"
@@ -93,19 +91,15 @@ MIB = 2 ** 20
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world", type=int, default=4, help="tensor-parallel degree (processes); under torchrun its WORLD_SIZE")
+    add_model_args(p, "tensor-parallel", f"micro-batch in sequences (default: cpu {DEFAULTS['cpu']['batch']}, cuda "
+                                          f"{DEFAULTS['cuda']['batch']}); a multiple of q (2-D), q d (2.5-D), q^2 (3-D)",
+                   DEFAULTS, world=4)
     p.add_argument("--modes", default=None,
                    help="comma-separated tp modes besides 1d (default: every grid --world makes: 4 -> 2d, 8 -> 2.5d,3d)")
     p.add_argument("--depth", type=int, default=None, help="2.5-D: the number d of stacked q x q grids (default: the smallest >= 2 that fits)")
-    p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS)")
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
     p.add_argument("--kv-heads", type=int, default=0,
                    help="key/value heads (0: as many as query heads, so 1-D splits them at tp=8 instead of replicating; "
                         "-1: the preset's)")
-    p.add_argument("--batch", type=int, default=None,
-                   help=f"micro-batch in sequences (default: cpu {DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']}); "
-                        "a multiple of q (2-D), q d (2.5-D), q^2 (3-D)")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
     p.add_argument("--fused-proj", action="store_true",
                    help="one q/k/v and one gate/up projection (model.fused_proj; the default on CUDA): a grid then gathers "
                         "each region's input once, not once per projection")
@@ -248,10 +242,7 @@ def rank_main(args) -> int:
     problems = [f"--batch {batch} is not a multiple of {sample_blocks(m, world, d)} ({label(m, world=world, depth=d)})"
                 for m, d in modes if batch % sample_blocks(m, world, d)]
     if problems:
-        if rank == 0:
-            print("tensor_parallel_nd.py: " + "; ".join(problems), file=sys.stderr)
-        shutdown_distributed()
-        return 2
+        return refuse("tensor_parallel_nd.py: " + "; ".join(problems))
 
     contestants: list[Mode] = []
     for mode, depth in modes:
@@ -286,17 +277,12 @@ def rank_main(args) -> int:
     check = {c.name: list(c.losses) for c in contestants}
 
     time_rounds(contestants, *data[0], args, device)
-    mine = {"times": {c.name: c.times for c in contestants}, "check": check, "comm": comm, "saved": saved,
-            "params": {c.name: c.param_bytes() for c in contestants},
-            "linears": {c.name: c.linear_formula(batch * seq) for c in contestants},
-            "linears_2x": {c.name: c.linear_formula(2 * batch * seq) for c in contestants},
-            "calls": {c.name: sum(v["calls"] for v in comm[c.name].values()) for c in contestants}}
-    everyone = [None] * world
-    dist.all_gather_object(everyone, mine)
-
-    status = 0
-    if rank == 0:
-        status = report(args, everyone, contestants, ref_losses, model_cfg, n_params, batch, seq, device, world)
+    everyone = gather({"times": {c.name: c.times for c in contestants}, "check": check, "comm": comm, "saved": saved,
+                       "params": {c.name: c.param_bytes() for c in contestants},
+                       "linears": {c.name: c.linear_formula(batch * seq) for c in contestants},
+                       "linears_2x": {c.name: c.linear_formula(2 * batch * seq) for c in contestants},
+                       "calls": {c.name: sum(v["calls"] for v in comm[c.name].values()) for c in contestants}})
+    status = report(args, everyone, contestants, ref_losses, model_cfg, n_params, batch, seq, device, world) if rank == 0 else 0
     del contestants
     return finish(status, device)
 
@@ -308,25 +294,14 @@ def report(args, everyone: list[dict], contestants: list[Mode], ref_losses: list
     names = [c.name for c in contestants]
     print(f"trickles tensor parallelism by mode, one training step each, tp={world}, same weights and data: "
           + " vs ".join(names))
-    print(f"  model   {args.preset}: {model_cfg.n_layers} layers, d={model_cfg.d_model}, heads={model_cfg.n_heads}/{model_cfg.kv_heads} kv, "
-          f"ffn={model_cfg.ffn_dim}, vocab={model_cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / MIB:.1f} MiB fp32)")
+    print(model_line(args.preset, model_cfg, n_params))
     print(f"  step    micro-batch {batch} x seq {seq} ({batch * seq} tokens) given to every rank, fp32, clip {args.clip}, "
           f"AdamW lr {args.lr}")
-    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-          f"torch {torch.__version__}, backend {dist.get_backend()}")
+    print(device_line(device))
 
     print(f"\nagreement check: every rank's loss vs the single-device model's, relative tolerance {args.tol:g}")
-    rows, ok = [[REF, f"{ref_losses[0]:.6f}", "-", f"{ref_losses[1]:.6f}", "-", ""]], True
-    for n in names:
-        diffs = [max(abs(r["check"][n][s] - ref_losses[s]) / abs(ref_losses[s]) for r in everyone) for s in (0, 1)]
-        means = [statistics.fmean(r["check"][n][s] for r in everyone) for s in (0, 1)]
-        good = all(d <= args.tol for d in diffs)
-        ok &= good
-        rows.append([n, f"{means[0]:.6f}", f"{diffs[0]:.1e}", f"{means[1]:.6f}", f"{diffs[1]:.1e}", "ok" if good else "MISMATCH"])
-    print(table(["mode", "step 1 loss", "max rel diff", "step 2 loss", "max rel diff", ""], rows))
-    if not ok:
-        print(f"the modes disagree with one process by more than --tol {args.tol:g}: they do not train the same thing and "
-              "the timings would be meaningless", file=sys.stderr)
+    if not loss_agreement(everyone, names, args.tol, REF, ref_losses=ref_losses, column="mode",
+                          who="the modes disagree with one process"):
         return 1
 
     # communication and memory
@@ -379,21 +354,19 @@ def report(args, everyone: list[dict], contestants: list[Mode], ref_losses: list
         calls = max(x["calls"][c.name] for x in everyone)
         rows.append([r[0], r[1], r[2], r[3], r[4], r[6], r[7], f"{sent[c.name] / MIB:.2f}", f"{sent[c.name] / sent[names[0]]:.3f}x",
                      str(calls)])
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, modes interleaved; a step's time is its slowest rank's:")
-    print(table(["mode", "median ms", "mean ms", "stdev ms", "tokens/s", "vs 1d", "paired", "sent MiB", "bytes vs 1d", "collectives"], rows))
-    print("vs 1d: ratio of median step times; paired: median over rounds of (mode / 1d in the same round); "
-          "bytes vs 1d: the ledger's bytes per rank and step; collectives: calls per rank and step.")
+    times_table(args, rows, ["mode", "median ms", "mean ms", "stdev ms", "tokens/s", "vs 1d", "paired", "sent MiB", "bytes vs 1d",
+                             "collectives"], who="modes",
+                note="vs 1d: ratio of median step times; paired: median over rounds of (mode / 1d in the same round); "
+                     "bytes vs 1d: the ledger's bytes per rank and step; collectives: calls per rank and step.")
     if device.type == "cpu" and world > (os.cpu_count() or 1):
         print(f"note: {world} ranks on {os.cpu_count()} cores -- every collective waits for ranks the OS has descheduled; "
               "step times here measure oversubscription and the number of collectives as much as bytes.")
 
     print()
     print_projection(args.proj_batch)
-    if args.json:
-        write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
-                               "check": {"reference": ref_losses, **{n: [r["check"][n] for r in everyone] for n in names}},
-                               "comm": comm_results, "results": results, "projection": projection(args.proj_batch)})
-    sys.stdout.flush()
+    write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
+                           "check": {"reference": ref_losses, **{n: [r["check"][n] for r in everyone] for n in names}},
+                           "comm": comm_results, "results": results, "projection": projection(args.proj_batch)})
     return 0
 
 
