@@ -34,8 +34,9 @@ def _type_name(tp: Any) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " (or none)"
+        args = typing.get_args(tp)
+        named = " or ".join(_type_name(a) for a in args if a is not type(None))
+        return named + " (or none)" if type(None) in args else named
     if origin in (list, tuple):
         (inner, *_) = typing.get_args(tp) or (Any,)
         return f"a list of {_type_name(inner)}"
