@@ -40,12 +40,14 @@ def _collectives():
 
 
 def _uneven_rows(n: int, r: int):
-    """Rank ``r`` keeps one row of ``[2]`` for itself and sends ``r`` rows to the next rank (rank 0: one row in
-    all), rows valued ``10 r + destination``: ``(t, send_counts, recv_counts)`` for ``all_to_all_uneven``."""
+    """Rank 0 sends no rows at all; rank ``r > 0`` keeps one row of ``[2]`` for itself and sends ``r - 1`` rows to the
+    next rank (rank 1: one row in all), rows valued ``10 r + destination``: ``(t, send_counts, recv_counts)`` for
+    ``all_to_all_uneven``."""
     def sends(src: int) -> list[int]:
         counts = [0] * n
-        counts[src] += 1
-        counts[(src + 1) % n] += src
+        if src > 0:
+            counts[src] += 1
+            counts[(src + 1) % n] += src - 1
         return counts
 
     send = sends(r)
@@ -80,7 +82,7 @@ def test_collectives_and_ledger(n):
         # uneven: the rows from each source in rank order; on the wire every row but the one kept (8 bytes each)
         recv = _uneven_rows(n, r)[2]
         assert torch.equal(o["uneven"], torch.cat([torch.full((k, 2), float(10 * src + r)) for src, k in enumerate(recv)]))
-        assert led["all_to_all/dp"]["wire_bytes"] == round((n - 1) / n * 2 * n * 4) + 8 * r
+        assert led["all_to_all/dp"]["wire_bytes"] == round((n - 1) / n * 2 * n * 4) + 8 * max(r - 1, 0)
         assert led["send/dp"] == {"calls": 1, "bytes": 12, "wire_bytes": 12}
         assert led["broadcast/dp"]["wire_bytes"] == (12 if r == 1 else 0)
 
