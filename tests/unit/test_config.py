@@ -85,6 +85,50 @@ BAD_VALUES = [
     (["model.max_seq_len=64", "data.seq_len=128"], 1, "data.seq_len (128) is longer than model.max_seq_len (64)"),
     (["train.lr=-1"], 1, "train.lr must be positive"),
     (["train.device=tpu"], 1, "train.device must be auto, cpu, cuda or cuda:N"),
+    # found by the refusal audit (docs/testing.md, "Refusals")
+    # [model] (trickles/models/config.py ModelConfig.validate)
+    (["model.n_layers=0"], 1, "model.n_layers must be at least 1, got 0"),
+    (["model.head_size=0"], 1, "model.head_size must be at least 1 or none"),
+    (["model.d_model=96", "model.n_heads=4", "model.n_kv_heads=4", "model.head_size=5"], 1,
+     "rotary embeddings need an even head size, but the head size is 5"),
+    (["model.dropout=1.0"], 1, "model.dropout must be in [0, 1), got 1.0"),
+    (["model.vocab_size=1"], 1, "model.vocab_size must be at least 2, got 1"),
+    (["model.moe_experts=4", "model.moe_ffn_hidden=0"], 1, "model.moe_ffn_hidden must be at least 1, got 0"),
+    (["model.moe_experts=4", "model.moe_top_k=1", "model.moe_router=hard", "model.moe_label_experts=[a:0, a:1]"], 1,
+     "model.moe_label_experts names a label twice"),
+    (["model.max_seq_len=0", "data.seq_len=1"], 1, "model.max_seq_len must be at least 1, got 0"),
+    # [train] (trickles/train/config.py TrainConfig.validate)
+    (["train.micro_batch=0"], 1, "train.micro_batch must be at least 1 or none, got 0"),
+    (["train.min_lr_ratio=1.5"], 1, "train.min_lr_ratio must be in [0, 1], got 1.5"),
+    (["train.warmup_steps=-1"], 1, "train.warmup_steps must not be negative, got -1"),
+    (["train.keep_checkpoints=0"], 1, "train.keep_checkpoints must be at least 1, got 0"),
+    (["train.eps=0"], 1, "train.eps must be positive"),
+    (["train.poly_power=0"], 1, "train.poly_power must be positive, got 0"),
+    (["train.trust_coefficient=0"], 1, "train.trust_coefficient must be positive"),
+    (["train.sample_temperature=-1"], 1, "train.sample_temperature must not be negative, got -1"),
+    # [data] (trickles/data/config.py DataConfig.validate)
+    (["data.val_fraction=1"], 1, "data.val_fraction must be in [0, 1), got 1.0"),
+    (["data.bpe_vocab_size=258"], 1, "data.bpe_vocab_size must be at least 259"),
+    (["data.max_bytes=0"], 1, "data.max_bytes must be positive or none, got 0"),
+    # [parallel] (trickles/parallel/config.py ParallelConfig.validate, trickles/topology.py)
+    (["parallel.zero=4"], 1, "parallel.zero must be 0, 1, 2 or 3, got 4"),
+    (["parallel.schedule=zigzag"], 1, "parallel.schedule must be one of"),
+    (["parallel.virtual_stages=0"], 1, "parallel.virtual_stages must be at least 1, got 0"),
+    (["parallel.tp_mode=4d"], 1, "parallel.tp_mode must be one of 1d, 2d, 2.5d, 3d, got '4d'"),
+    (["parallel.tp_mode=2.5d", "parallel.tp_depth=0"], 1, "parallel.tp_depth must be at least 1, got 0"),
+    (["parallel.tp_mode=2d", "parallel.tp=4", "parallel.tp_depth=2"], 4, "with tp_mode=2d leave it at 1"),
+    (["parallel.dp=0"], 1, "parallel.dp must be a positive integer, got 0"),
+    # combinations (trickles/config.py Config.validate and its _check_* helpers)
+    (["parallel.ep=2"], 2, "parallel.ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts is 0"),
+    (["model.moe_experts=3", "parallel.ep=2"], 2, "model.moe_experts (3) must be divisible by parallel.ep (2)"),
+    (["memory.offload_optimizer=true"], 1, "memory.offload_optimizer needs a sharded optimizer"),
+    (["parallel.zero=3", "train.compile=true"], 1, "train.compile does not work with parallel.zero=3"),
+    (["model.vocab_size=256"], 1, "model.vocab_size (256) is smaller than the byte tokenizer's 257 tokens"),
+    (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel needs parallel.tp > 1"),
+    (["parallel.tp=2", "model.ffn_hidden=129"], 2, "the MLP width (129) must be divisible by parallel.tp (2)"),
+    (["parallel.tp=2", "model.vocab_size=301"], 2, "the vocabulary (model.vocab_size = 301) must be divisible by parallel.tp (2)"),
+    (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=255"], 2,
+     "data.seq_len (255) must be divisible by parallel.tp (2) for sequence parallelism"),
 ]
 
 
