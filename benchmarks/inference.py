@@ -130,14 +130,17 @@ def rss_anon() -> int:
 def measure_one(args) -> int:
     """In a fresh process: load one contestant and generate, printing the peak RssAnon above the baseline as JSON.
 
-    The baseline is read after the imports and after building a tiny model on the meta device (its first build
-    imports the kernels' modules); a thread samples ``/proc/self/status`` every millisecond from then on.
-    Memory-mapped checkpoint pages are file-backed, not anonymous.
+    The baseline is read after the imports (TorchDynamo's too: torch imports it on first use of some meta-device
+    functions) and after building a tiny model on the meta device (its first build imports the kernels' modules); a
+    thread samples ``/proc/self/status`` every millisecond from then on. Memory-mapped checkpoint pages are
+    file-backed, not anonymous.
     """
     import threading
 
     name, ckpt_dir, hf_dir, budget = args.measure_one
     budget = int(budget)
+    import torch._dynamo  # noqa: F401  (what torch imports on first use of the meta functions loading reaches)
+
     with torch.device("meta"):
         from trickles.models.transformer import Transformer
 

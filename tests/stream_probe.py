@@ -55,8 +55,11 @@ class PeakSampler:
 
 def _warm_up() -> None:
     """Builds a tiny model on the meta device once: the first build imports the kernels' modules (Triton among them,
-    about 70 MB of anonymous memory), which belongs to the baseline, not to the model."""
+    about 70 MB of anonymous memory), which belongs to the baseline, not to the model; so do the modules torch
+    imports on first use of some meta-device functions that loading reaches (TorchDynamo, SymPy: about 20 MB)."""
     import dataclasses
+
+    import torch._dynamo  # noqa: F401
 
     from trickles.models.config import ModelConfig, apply_preset
     from trickles.models.transformer import Transformer

@@ -21,6 +21,7 @@ The documents are tokenized into the cached corpus by :mod:`trickles.data.corpus
 from __future__ import annotations
 
 import codecs
+import functools
 import glob
 import json
 import os
@@ -40,13 +41,21 @@ STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "
 
 def stdlib_files() -> tuple[str, list[str]]:
     """``(root, sorted relative paths)`` of the standard library's ``*.py`` files (see module doc)."""
+    root, found = _walk_stdlib()
+    return root, list(found)
+
+
+@functools.cache
+def _walk_stdlib() -> tuple[str, tuple[str, ...]]:
+    """The walk behind :func:`stdlib_files`, once per process: the running interpreter's library does not change
+    under it, and every trainer, data check and cache key asks (1,000 files, tens of milliseconds each time)."""
     root = sysconfig.get_paths()["stdlib"]
     found = []
     for here, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if d not in STDLIB_EXCLUDE]
         rel = os.path.relpath(here, root)
         found += [os.path.normpath(os.path.join(rel, f)) for f in files if f.endswith(".py")]
-    return root, sorted(found, key=lambda p: p.replace(os.sep, "/"))
+    return root, tuple(sorted(found, key=lambda p: p.replace(os.sep, "/")))
 
 
 def _is_glob(source: str) -> bool:

@@ -46,6 +46,13 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
     return LayerNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
 
 
+def _embedding(rows: int, dim: int) -> nn.Embedding:
+    """An embedding table left uninitialized: :meth:`Transformer.init_weights` sets every parameter. (Its own
+    ``normal_`` on the meta device, where models are built, would import TorchDynamo: about a second of every
+    ``generate``, ``serve`` or ``export`` that never compiles; training imports it anyway, with ``torch.optim``.)"""
+    return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+
+
 def rope_tables(head_dim: int, length: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin tables of shape ``[length, head_dim]`` (each frequency repeated for both halves)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -213,8 +220,8 @@ class Transformer(nn.Module):
             raise ValueError("resolve model.vocab_size and model.max_seq_len before building (trickles.config.resolve_model)")
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.flavor == "gpt2" else None
+        self.embed = _embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = _embedding(cfg.max_seq_len, cfg.d_model) if cfg.flavor == "gpt2" else None
         self.embed_drop = nn.Dropout(cfg.dropout)
         #: what the mixture-of-experts blocks report (auxiliary losses, load), None without experts
         self.moe_stats = MoEStats() if cfg.moe_experts else None
@@ -225,11 +232,12 @@ class Transformer(nn.Module):
             self.output.weight = self.embed.weight
         self.loss = OutputLoss(cfg.fused_loss, cfg.loss_chunk, cfg.kernels)
         if cfg.flavor == "llama":
-            cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        if not self.output.weight.is_meta:  # built for real (on the meta device: after to_empty, by init_weights)
+            self.reset_buffers()
         fused.tag(self, cfg)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
