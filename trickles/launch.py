@@ -13,6 +13,13 @@ and watches them:
   ``HANG_GRACE_S`` to report where they are;
 * the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
 
+Ranks are forked from a ``forkserver`` (:data:`PRELOAD`): one fresh process per launcher that imports the
+trainer and TorchDynamo once -- pure Python, no accelerator touched, no thread started, which is what
+makes forking safe with CUDA -- so ``nproc`` ranks and every restart skip seconds of imports each. A
+rank gets the launcher's environment, standard output and standard error as they are at :func:`launch`
+(as a spawned process would: the forkserver's own are those of the moment it started), then its torchrun
+variables.
+
 Ranks end through :func:`trickles.process.exit_process`, so a rank that tore its group down
 cleanly cannot turn a green run red during interpreter teardown.
 """
@@ -22,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
+from multiprocessing import reduction
 import os
 import signal
 import sys
@@ -33,6 +41,7 @@ from typing import Any, Callable
 from .errors import ONE_LINE_ERRORS, UserError
 from .watchdog import HANG_EXIT
 
+PRELOAD = ["trickles.train.run", "torch._dynamo"]  # what the forkserver imports, once
 HANG_GRACE_S = 5.0  # after a rank's watchdog fired, how long the others get to report before they are stopped
 
 USER_ERROR_TAG = "trickles-user-error: "
@@ -55,11 +64,39 @@ def rank_environment(rank: int, world: int, port: int, restart: int = 0) -> dict
     }
 
 
-def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str) -> None:
+def rank_context():
+    """The multiprocessing context ranks start from: a forkserver with :data:`PRELOAD` imported (see module doc)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+class Streams:
+    """This process's standard output and error (file descriptors 1 and 2) as a forked rank receives them: pickled
+    into the rank's arguments, each is passed to it as a file descriptor (``multiprocessing.reduction.DupFd``)."""
+
+    def __reduce__(self):
+        return _received_streams, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _received_streams(out, err) -> tuple[int, int]:
+    return out.detach(), err.detach()
+
+
+def adopt_streams(fds: tuple[int, int]) -> None:
+    """Makes the received descriptors (:class:`Streams`, unpickled) this process's standard output and error."""
+    for fd, target in zip(fds, (1, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+
+
+def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str, streams: tuple[int, int]) -> None:
     from .process import exit_process
 
+    adopt_streams(streams)
     _die_with_parent()
     os.setpgrp()
+    os.environ.clear()
     os.environ.update(env)
     if "OMP_NUM_THREADS" not in os.environ:  # the ranks share this machine's cores (torchrun sets 1 per rank)
         import torch
@@ -110,7 +147,7 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 
         raise UserError(f"--nproc must be at least 1, got {nproc}")
     if max_restarts < 0:
         raise UserError(f"--max-restarts must be at least 0, got {max_restarts}")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     store = free_store()
     status = 1
     for attempt in range(max_restarts + 1):
@@ -135,7 +172,8 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
         signal.signal(s, on_signal)
     try:
         for r in range(nproc):
-            p = ctx.Process(target=_rank_main, args=(fn, args, rank_environment(r, nproc, port, attempt), os.path.join(errors, f"rank{r}.txt")),
+            env = {**os.environ, **rank_environment(r, nproc, port, attempt)}
+            p = ctx.Process(target=_rank_main, args=(fn, args, env, os.path.join(errors, f"rank{r}.txt"), Streams()),
                             name=f"trickles-rank{r}")
             p.start()
             procs.append(p)

@@ -6,8 +6,9 @@ runs one function after another on all of them: ``pool.run(fn, *args)`` returns
 them at module level). Reusing the processes keeps a suite of multi-rank tests cheap: the
 cost of starting Python, importing torch and connecting is paid once per world size.
 
-Ranks are forked from a ``forkserver`` that has already imported the trainer and TorchDynamo
-(:data:`PRELOAD`; nothing in them touches an accelerator or starts a thread), so a pool starts in
+Ranks are forked from the launcher's ``forkserver`` (:func:`trickles.launch.rank_context`), which has
+already imported the trainer and TorchDynamo (a rank gets this process's environment and standard
+streams as they are when the pool starts), so a pool starts in
 a fraction of a second rather than seconds of imports per rank, also when a failure test makes the
 next call start a fresh pool. Each rank then freezes what it imported (``gc.freeze``): the full
 collection before every function (:func:`_release_groups`) scans only what the tests created,
@@ -33,10 +34,9 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .launch import _die_with_parent, _kill, free_store, rank_environment
+from .launch import Streams, _die_with_parent, _kill, adopt_streams, free_store, rank_context, rank_environment
 
 STATUS_BYTES = 512
-PRELOAD = ["trickles.testing", "trickles.train.trainer", "torch._dynamo"]  # what the forkserver imports once
 
 
 class RankError(RuntimeError):
@@ -47,13 +47,17 @@ class RankTimeout(RuntimeError):
     """Some rank did not finish in time; the message names it and the collective it is in."""
 
 
-def _worker(rank: int, world: int, port: int, conn, status, threads: int) -> None:
+def _worker(rank: int, world: int, port: int, conn, status, threads: int, env: dict[str, str],
+            streams: tuple[int, int]) -> None:
     import torch
 
     from .comm import flight
     from .process import exit_process, init_distributed, shutdown_distributed
 
+    adopt_streams(streams)
     _die_with_parent()
+    os.environ.clear()
+    os.environ.update(env)
     os.environ.update(rank_environment(rank, world, port))
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks over gloo, also on a machine with GPUs
     torch.set_num_threads(threads)
@@ -100,16 +104,15 @@ class RankPool:
 
     def __init__(self, world_size: int, start_timeout: float = 120.0):
         self.world_size = world_size
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx = rank_context()
         self._store = free_store()
         threads = max(1, (os.cpu_count() or 1) // world_size)
         self._status = [ctx.Array("c", STATUS_BYTES, lock=False) for _ in range(world_size)]
         self._conns, self._procs = [], []
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world_size, self._store.port, child, self._status[r], threads), daemon=True,
-                            name=f"trickles-test-rank{r}")
+            args = (r, world_size, self._store.port, child, self._status[r], threads, dict(os.environ), Streams())
+            p = ctx.Process(target=_worker, args=args, daemon=True, name=f"trickles-test-rank{r}")
             p.start()
             child.close()
             self._conns.append(parent)
