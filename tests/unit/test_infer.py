@@ -76,9 +76,10 @@ def test_same_length_batch_samples_as_generate(preset):
     m = model_for(preset)
     [p] = prompts_of([5])
     s = Sampling(max_new_tokens=10, temperature=0.9, top_k=20)
-    ours = decode(m, [p] * 3, s, generator=torch.Generator().manual_seed(4))
-    ref = generate(m, torch.tensor([p] * 3), 10, 0.9, 20, generator=torch.Generator().manual_seed(4))
-    assert [c.tokens for c in ours] == ref.tolist()
+    for rows in (3, 1):  # a batch, and one prompt alone (the command's usual case)
+        ours = decode(m, [p] * rows, s, generator=torch.Generator().manual_seed(4))
+        ref = generate(m, torch.tensor([p] * rows), 10, 0.9, 20, generator=torch.Generator().manual_seed(4))
+        assert [c.tokens for c in ours] == ref.tolist()
 
 
 def test_a_seed_gives_the_same_text_whatever_the_batch():

@@ -307,6 +307,12 @@ def test_auto_runs_a_kernel_only_where_its_measurement_shows_it_winning(monkeypa
     assert kernels.triton_allowed("auto", "cuda") and not kernels.triton_allowed("torch", "cuda")
     with pytest.raises(KeyError, match="unknown kernel 'rmsnorm'"):
         kernels.runs_triton("auto", "cuda", "rmsnorm")
+    # the table docs/kernels.md holds says the same: each contestant's time (liger-kernel's where it has one) and what
+    # auto runs
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in kernels.measured_markdown().splitlines()[2:]}
+    assert rows["rms_norm"] == "| rms_norm | 1.000 | 1.200 | 1.100 | 1.300 | Triton | test |"
+    assert rows["swiglu"] == "| swiglu | 1.000 | 0.900 | 1.200 | - | Triton in compiled blocks | test |"
+    assert rows["rotary"] == "| rotary | - | - | - | - | PyTorch (not measured) | - |"
 
 
 def test_elementwise_kernels_write_nothing_past_their_end():

@@ -11,7 +11,7 @@ import torch
 from helpers import tiny_config
 from trickles.memory import meta
 from trickles.memory.report import predict
-from trickles.memory.stages import in_flight, in_flight_closed_form, peak_in_flight
+from trickles.memory.stages import buffers_peak, in_flight, in_flight_closed_form, peak_in_flight
 from trickles.models.config import resolve_model
 from trickles.parallel.pipeline.stages import keep_stage, partition_layers
 from trickles.parallel.pipeline.schedules import Shape, compute_order
@@ -136,3 +136,13 @@ def test_action_lists_are_the_schedules_own():
             for early in (False, True):
                 shape = Shape(p, v, m)
                 assert [list(x) for x in action_lists(schedule, shape, early)] == build(schedule, shape, early_receives=early)
+
+
+def test_buffers_peak_walks_gpipe_by_hand():
+    """GPipe, 2 stages, 2 micro-batches; each chunk's forward saves 100 B of layers and 10 B of head activations,
+    a message is 4 B, the loss's backward needs 7 B more. Stage 0 peaks at its first backward: both micro-batches'
+    activations and outputs (2 x (110 + 4)) and the received gradient (4) = 232. Stage 1 peaks at its first backward
+    too: both micro-batches' activations with their received inputs (2 x (110 + 4)), the loss's 7 B and the input
+    gradient it produces (4) = 239."""
+    shape, weights = Shape(2, 1, 2), [(100, 10)]
+    assert [buffers_peak("gpipe", shape, r, weights, 4, False, 7, False) for r in range(2)] == [232, 239]

@@ -231,3 +231,47 @@ def test_a_bad_collective_line_is_refused():
         cluster_from_dict({"collective_links": {"all_reduse": [10.0, 1.0]}})
     with pytest.raises(ConfigError, match=r"must be \[latency_us >= 0, GB/s > 0\]"):
         cluster_from_dict({"collective_links": {"send": [10.0, 0.0]}})
+
+
+def _measured_with_fixed_timings():
+    """``calibrate.measure_on_ranks`` on this rank with every timing replaced by a fixed one that grows with the rank
+    (rank r: GEMMs (r+1) GFLOP/s, bandwidth 10 (r+1) GB/s, a block pass 0.1 (r+1) s and the head's 0.01 (r+1) s) and
+    2 cores under the 3 ranks."""
+    import importlib
+
+    import torch.distributed as dist
+
+    import trickles.process
+
+    module = importlib.import_module("trickles.planner.calibrate")  # the package exports a function of that name
+    r = dist.get_rank()
+    fakes = {"measure_gemms": lambda shapes, *a: {tuple(s): 1e9 * (r + 1) for s in shapes},
+             "measure_passes": lambda cfg, sizes, *a: {tuple(s): (0.1 * (r + 1), 0.01 * (r + 1)) for s in sizes},
+             "measure_memory_bandwidth": lambda *a: 1e10 * (r + 1),
+             "_measure_collectives": lambda *a: [], "measure_sync": lambda *a: 0.0}
+    saved = {name: getattr(module, name) for name in fakes}
+    cores = trickles.process.cpu_cores
+    try:
+        for name, fake in fakes.items():
+            setattr(module, name, fake)
+        trickles.process.cpu_cores = lambda: 2
+        return module.measure_on_ranks([(8, 8, 8)], model_cfg="a model", pass_sizes=[(1, 32)])
+    finally:
+        for name, fn in saved.items():
+            setattr(module, name, fn)
+        trickles.process.cpu_cores = cores
+
+
+def test_measurements_on_ranks_are_the_median_rate_per_core():
+    """Every rank gets the same result: the median over the ranks of each rate (a pass's time as its rate, 1 / s),
+    times the ranks per core (3 on 2 cores: 1.5) -- GEMMs 2 x 1.5 GFLOP/s, bandwidth 20 x 1.5 GB/s, the block pass
+    0.2 s / 1.5 and the head's 0.02 s / 1.5 -- and the contention, the block pass per core over rank 0's alone
+    (0.1 s): (0.2 / 1.5) / 0.1."""
+    from trickles.testing import run_ranks
+
+    results = run_ranks(3, _measured_with_fixed_timings)
+    assert results[0] == results[1] == results[2]
+    got = results[0]
+    assert got["gemms"] == {(8, 8, 8): pytest.approx(3e9)} and got["bandwidth"] == pytest.approx(3e10)
+    assert got["passes"] == {(1, 32): pytest.approx((0.2 / 1.5, 0.02 / 1.5))}
+    assert got["contention"] == pytest.approx(0.2 / 1.5 / 0.1) and got["attention"] == {} and got["links"] == []

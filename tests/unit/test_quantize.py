@@ -1,10 +1,12 @@
 """int8 quantization's math: the scales, the half-step bound, and the true int8 matmul against its derived bound."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from trickles.compress.qat import fake_quant_rows
+from trickles.compress.qat import apply_qat, fake_quant_rows
 from trickles.compress.quantize import (Int8Linear, dequantize, error_bound, int8_matmul, int_mm_path, quantize_tokens,
                                         quantize_weight)
 
@@ -101,3 +103,20 @@ def test_fake_quant_is_the_int8_grid_with_straight_through_gradients():
     assert torch.allclose(fq, dequantize(q, s), rtol=0, atol=1e-7)
     fq.backward(torch.arange(w.numel(), dtype=torch.float32).view_as(w))
     assert torch.equal(w.grad, torch.arange(w.numel(), dtype=torch.float32).view_as(w))
+
+
+def test_apply_qat_fake_quantizes_the_projections_quantization_replaces_and_names_them():
+    """``apply_qat`` returns the names of the projections it switched to fake quantization: those ``trickles quantize``
+    replaces (every block's attention and MLP projections and the untied output), each now computing with its
+    weight rounded to the int8 grid."""
+    from trickles.compress.quantize import quantized_names
+    from trickles.models import ModelConfig, apply_preset, build_model
+
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), vocab_size=64, max_seq_len=16)
+    model = build_model(cfg, seed=0)
+    names = apply_qat(model)
+    assert names == quantized_names(model) and "layers.1.mlp.down_proj" in names and "output" in names
+    for name in names:
+        mod = model.get_submodule(name)
+        x = torch.randn(3, mod.weight.shape[1], generator=torch.Generator().manual_seed(0))
+        assert mod.qat and not torch.equal(mod(x), F.linear(x, mod.weight))
