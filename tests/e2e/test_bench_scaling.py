@@ -3,13 +3,13 @@
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from helpers import cli_here, tiny_config
+from trickles.testing import run_command
 
 TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
         "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
@@ -18,7 +18,7 @@ COLUMNS = ["ranks", "global batch", "step time (ms)", "tokens/s", "scale factor"
 
 def trickles(*args, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return run_command([sys.executable, "-m", "trickles", *args], text=True, timeout=timeout, env=env)
 
 
 def bench_args(tmp, *extra):

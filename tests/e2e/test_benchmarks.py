@@ -7,8 +7,9 @@ by the benchmark, which goes on with the other contestants: the tests check that
 ``context_parallel`` has no sharding rule for SDPA's CPU kernel, so ``context_parallel.py`` reports it as not run here.
 ``gpu_check.py`` has its own file (``test_gpu_check.py``).
 
-The runs are subprocesses, started two at a time in the order of the tests (the machine's two cores: most of a
-tiny run is one process importing torch); each test waits for its own run. Multi-rank scripts run ``--world 2``.
+The runs are processes as ``python SCRIPT ARGS`` starts them, forked by :class:`trickles.testing.Command` (without the
+seconds of importing torch), started two at a time in the order of the tests (the machine's two cores); each test
+waits for its own run. Multi-rank scripts run ``--world 2``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import json
 import math
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from trickles.testing import Command
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
@@ -95,26 +96,23 @@ class Runs:
 
     def _start(self, name: str) -> None:
         script, args = RUNS[name]
-        out = open(self.tmp / f"{name}.out", "w+")
         cmd = [sys.executable, str(BENCH / f"{script}.py"), *(a.format(tmp=self.tmp, script=script) for a in args)]
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=self.env,
-                                start_new_session=True)  # its own process group: the ranks it spawns end with it
-        self.running[name] = (proc, out, time.monotonic(), " ".join(cmd))
+        run = Command(cmd, cwd=ROOT, env=self.env, stderr=False)  # its own process group: its ranks end with it
+        self.running[name] = (run, time.monotonic(), " ".join(cmd))
 
     def _fill(self) -> None:
         while self.waiting and len(self.running) < AT_ONCE:
             self._start(self.waiting.pop(0))
 
     def _reap(self) -> None:
-        for name, (proc, out, start, cmd) in list(self.running.items()):
+        for name, (run, start, cmd) in list(self.running.items()):
             overdue = time.monotonic() - start > TIMEOUT
-            if proc.poll() is None and not overdue:
+            if run.returncode is None and not overdue:
                 continue
-            if proc.poll() is None:
-                _stop(proc)
-            out.seek(0)
-            self.done[name] = (proc.returncode, out.read(), time.monotonic() - start, cmd, overdue)
-            out.close()
+            if run.returncode is None:
+                run.kill()
+            self.done[name] = (run.returncode, run.output(), time.monotonic() - start, cmd, overdue)
+            run.close()
             del self.running[name]
         self._fill()
 
@@ -133,18 +131,9 @@ class Runs:
         return output
 
     def close(self) -> None:
-        for proc, out, _, _ in self.running.values():
-            _stop(proc)
-            out.close()
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """Ends a run and every process it started (its process group)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait()
+        for run, _, _ in self.running.values():
+            run.kill()
+            run.close()
 
 
 @pytest.fixture(scope="module")

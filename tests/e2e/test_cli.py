@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import cli_here
+from trickles.testing import run_command
 
 TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
         "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
@@ -17,13 +18,13 @@ TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data
 
 def trickles(*args, cwd=None, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, cwd=cwd, timeout=timeout, env=env)
+    return run_command([sys.executable, "-m", "trickles", *args], text=True, cwd=cwd, timeout=timeout, env=env)
 
 
 def generated(*args) -> str:
     """stdout of ``trickles generate ARGS``, exactly (text mode would turn a sampled carriage return into a newline)."""
-    r = subprocess.run([sys.executable, "-m", "trickles", "generate", *args], capture_output=True, timeout=300,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"))
+    r = run_command([sys.executable, "-m", "trickles", "generate", *args], text=False, timeout=300,
+                    env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"))
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     return r.stdout.decode("utf-8")
 

@@ -8,7 +8,6 @@ leaves nothing behind."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -18,7 +17,7 @@ from safetensors import safe_open
 from helpers import cli_here, tiny_config
 from trickles import Config, export_checkpoint
 from trickles.errors import CheckpointError
-from trickles.testing import run_ranks
+from trickles.testing import run_command, run_ranks
 from trickles.train import checkpoint as ckpt
 from trickles.train.pieces import PieceReader
 from trickles.train.load import load_for_inference
@@ -251,7 +250,7 @@ def test_an_existing_out_is_refused(work, tmp_path):
 
 def trickles(*args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, timeout=300, env=env)
+    return run_command([sys.executable, "-m", "trickles", *args], text=True, timeout=300, env=env)
 
 
 def _one_line_error(r, needle):

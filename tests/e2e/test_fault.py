@@ -15,6 +15,7 @@ import sys
 import pytest
 import torch
 
+from trickles.testing import run_command
 from trickles.train import checkpoint as ckpt
 from trickles.train.pieces import PieceReader
 
@@ -118,7 +119,7 @@ def _check_like_uninterrupted(out, straight, job) -> None:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fault")
-    straight = subprocess.run(_command(tmp, tmp / "straight"), capture_output=True, text=True, timeout=SAFETY_S)
+    straight = run_command(_command(tmp, tmp / "straight"), text=True, timeout=SAFETY_S)
     assert straight.returncode == 0, straight.stderr
     assert "restart" not in straight.stdout + straight.stderr
     return tmp, tmp / "straight"
@@ -145,8 +146,8 @@ def test_hang_ends_the_attempt_and_max_restarts_finishes_the_run(uninterrupted, 
     tmp, straight = uninterrupted
     out = tmp_path / "hung"
     env, marker = _with_fault(tmp_path, "stall")
-    job = subprocess.run(_command(tmp, out, restarts=1, extra=["--set", f"parallel.timeout_s={HANG_TIMEOUT_S}"]),
-                         capture_output=True, text=True, timeout=SAFETY_S, env=env)
+    job = run_command(_command(tmp, out, restarts=1, extra=["--set", f"parallel.timeout_s={HANG_TIMEOUT_S}"]),
+                      text=True, timeout=SAFETY_S, env=env)
     assert job.returncode == 0, job.stderr
     assert os.path.exists(marker), "the fault never struck"
     reports = [line for line in job.stderr.splitlines() if line.startswith("[trickles] hang: ")]

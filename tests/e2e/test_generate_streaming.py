@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,11 +13,12 @@ from trickles.data.tokenizers import ByteTokenizer
 from trickles.infer.streaming import block_bytes, kv_cache_bytes, save_for_inference
 from trickles.models.config import ModelConfig, apply_preset
 from trickles.models.transformer import build_model
+from trickles.testing import run_command
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, "-m", "trickles", "generate", *args], capture_output=True, timeout=300,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"))
+    return run_command([sys.executable, "-m", "trickles", "generate", *args], text=False, timeout=300,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"))
 
 
 @pytest.fixture(scope="module")

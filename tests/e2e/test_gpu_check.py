@@ -10,15 +10,14 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 sys.path.append(BENCH)  # last: the benchmarks' module names shadow nothing of the suite's
 
 import gpu_check  # noqa: E402
+from trickles.testing import run_command  # noqa: E402
 
 KEYS = [s.key for s in gpu_check.steps()]
 
 
 def _run(out, *args):
-    import subprocess
-
-    return subprocess.run([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out", str(out), *args],
-                          capture_output=True, text=True, timeout=120)
+    return run_command([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out", str(out), *args],
+                       text=True, timeout=120)
 
 
 def _written(out):

@@ -20,6 +20,7 @@ uvicorn = pytest.importorskip("uvicorn", exc_type=ImportError)
 from helpers import cli_here, trained_checkpoint  # noqa: E402
 from trickles.infer import Sampling, decode  # noqa: E402
 from trickles.infer.server import Batcher, Job, create_app  # noqa: E402
+from trickles.testing import run_command  # noqa: E402
 from trickles.train.load import load_for_inference  # noqa: E402
 
 PROMPTS = ["def ", "import os\n", "class Foo(object):\n    ", "x"]
@@ -37,9 +38,9 @@ def checkpoint(tmp_path_factory):
 def cli_text(checkpoint):
     """What ``trickles generate`` prints for every prompt, greedily with the same penalty (one batch of 4 prompts)."""
     args = [a for p in PROMPTS for a in ("--prompt", p)]
-    r = subprocess.run([sys.executable, "-m", "trickles", "generate", checkpoint, *args, "--temperature", "0",
-                        "--repetition-penalty", "1.3", "--max-new-tokens", "24"], capture_output=True, timeout=TIMEOUT,
-                       env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    r = run_command([sys.executable, "-m", "trickles", "generate", checkpoint, *args, "--temperature", "0",
+                     "--repetition-penalty", "1.3", "--max-new-tokens", "24"], text=False, timeout=TIMEOUT,
+                    env=dict(os.environ, PYTHONIOENCODING="utf-8"))
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     out = r.stdout.decode("utf-8")
     expected = "".join(f"--- sample {i + 1} ---\n{{}}\n" for i in range(len(PROMPTS)))
@@ -226,8 +227,8 @@ def test_serve_command_starts_and_stops(checkpoint):
 ])
 def test_serve_bad_options(checkpoint, args, message):
     if args[0] == "--port":  # through a real process
-        r = subprocess.run([sys.executable, "-m", "trickles", "serve", checkpoint, *args], capture_output=True,
-                           text=True, timeout=TIMEOUT)
+        r = run_command([sys.executable, "-m", "trickles", "serve", checkpoint, *args],
+                        text=True, timeout=TIMEOUT)
     else:
         r = cli_here("serve", checkpoint, *args)
     assert r.returncode == 2 and r.stderr == f"error: {message}\n" and r.stdout == ""
@@ -236,8 +237,8 @@ def test_serve_bad_options(checkpoint, args, message):
 # ---- trickles generate: several prompts, beam search ------------------------------------------------------------
 
 def generate_cli(*args):
-    return subprocess.run([sys.executable, "-m", "trickles", "generate", *args], capture_output=True, timeout=TIMEOUT,
-                          env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    return run_command([sys.executable, "-m", "trickles", "generate", *args], text=False, timeout=TIMEOUT,
+                       env=dict(os.environ, PYTHONIOENCODING="utf-8"))
 
 
 def test_generate_beams_over_several_prompts(checkpoint):

@@ -3,8 +3,9 @@ most-loaded stage's table and every stage predicted beside measured."""
 
 import os
 import re
-import subprocess
 import sys
+
+from trickles.testing import run_command
 
 TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
         "--set", "train.global_batch=8", "--set", "train.micro_batch=2"]
@@ -12,7 +13,7 @@ TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data
 
 def _trickles(*args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, timeout=300, env=env)
+    return run_command([sys.executable, "-m", "trickles", *args], text=True, timeout=300, env=env)
 
 
 def test_memory_command_measures_every_pipeline_stage(tmp_path):

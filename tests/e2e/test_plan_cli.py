@@ -2,7 +2,6 @@
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import torch
 from helpers import cli_here
 from trickles.config import Config
 from trickles.planner import load_cluster
+from trickles.testing import run_command
 
 TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "train.global_batch=8",
         "--set", "model.vocab_size=320"]
@@ -20,8 +20,8 @@ RUN = ["--set", "data.max_bytes=120000", "--set", "train.steps=2", "--set", "tra
 
 def trickles(*args, cwd=None, timeout=300):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, cwd=cwd,
-                          timeout=timeout, env=env)
+    return run_command([sys.executable, "-m", "trickles", *args], text=True, cwd=cwd,
+                       timeout=timeout, env=env)
 
 
 def test_plan_prints_the_table_writes_json_and_a_config_that_trains(tmp_path):

@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -25,6 +24,7 @@ from trickles.compress.report import validation_loss
 from trickles.compress.quantize import dequantize, quantized_names
 from trickles.data import load_tokenizer
 from trickles.errors import CheckpointError
+from trickles.testing import run_command
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
 
@@ -107,8 +107,8 @@ def test_per_row_beats_per_tensor_and_stays_within_2_percent(trained):
 
 
 def trickles(*args):
-    return subprocess.run([sys.executable, "-m", "trickles", *args], capture_output=True, text=True, timeout=300,
-                          env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return run_command([sys.executable, "-m", "trickles", *args], text=True, timeout=300,
+                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
 
 
 def test_quantize_command_checkpoint_and_damage(trained, capsys):

@@ -21,7 +21,6 @@ import math
 import os
 import re
 import shlex
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -33,6 +32,7 @@ from trickles.cli import _parser
 from trickles.config import Config, describe_keys, key_rows, keys_markdown
 from trickles.errors import ConfigError, UserError
 from trickles.hints import DeviceFacts, device_facts, slow_config_hints, warn_slow_config
+from trickles.testing import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -412,7 +412,7 @@ def test_fp16_on_cpu_prints_the_warning_once_and_trains(tmp_path):
             "memory.loss_scale=256",  # far from overflow (gradient norms ~4), so both steps update the weights
             f"train.out_dir={out}", f"data.cache_dir={tmp_path / 'cache'}"]
     cmd = [sys.executable, "-m", "trickles", "train", "--nproc", "2", "--quiet"] + [x for s in sets for x in ("--set", s)]
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    r = run_command(cmd, cwd=ROOT, text=True, timeout=540)
     assert r.returncode == 0, r.stderr
     output = r.stdout + r.stderr
     assert output.count("warning: memory.precision=fp16") == expected, output
