@@ -31,6 +31,22 @@ def tiny_config(tmp, *overrides, steps=6, corpus_bytes=120_000):
     ])
 
 
+def short_documents(path, count: int = 5000) -> list[str]:
+    """A JSONL corpus of short documents written to ``path`` -- the non-blank lines of the standard library's
+    ``argparse``, ``typing`` and ``inspect`` sources, about 45 bytes each, so a window of 32-64 tokens packs
+    several -- and the overrides that read it."""
+    import inspect
+    import json
+    import argparse
+    import typing
+
+    lines = [line for m in (argparse, typing, inspect) for line in inspect.getsource(m).splitlines() if line.strip()]
+    with open(path, "w") as f:
+        for line in lines[:count]:
+            f.write(json.dumps({"text": line}) + "\n")
+    return [f"data.source={path}", "data.max_bytes=200000"]
+
+
 def trained_checkpoint(tmp, steps: int, *overrides) -> str:
     """A tiny llama (``tiny_config``) trained ``steps`` steps on one process, and the checkpoint it then writes."""
     from trickles.topology import ParallelDims

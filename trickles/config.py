@@ -151,6 +151,7 @@ class Config:
         else:
             self._check_tensor_parallel(dims.tp)
         self._check_context_parallel(dims)
+        self._check_documents(dims)
         self._check_pipeline(dims)
         self.distill.check_layout(dims, self.parallel.zero)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
@@ -164,6 +165,17 @@ class Config:
         if self.model.vocab_size is not None and self.data.tokenizer == "byte" and self.model.vocab_size < 257:
             raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset")
         return dims
+
+    def _check_documents(self, dims: ParallelDims) -> None:
+        """``data.document_mask``: the layouts whose attention or positions do not take document ids yet."""
+        if not self.data.document_mask:
+            return
+        for bad, what, fix in (
+                (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "use parallel.tp_mode=1d"),
+                (bool(self.distill.teacher), "distillation (distill.teacher)", "leave distill.teacher unset")):
+            if bad:
+                raise ConfigError(f"data.document_mask=true does not combine with {what} yet; {fix} or set "
+                                  f"data.document_mask=false")
 
     def _check_tensor_parallel(self, tp: int) -> None:
         m = self.model

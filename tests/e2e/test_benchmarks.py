@@ -81,6 +81,9 @@ RUNS = {
         "--rounds", "1", "--threads", "1", "--out", "{tmp}/quantization"]),
     "test_projections": ("projections", [
         "--device", "cpu", "--preset", "tiny", "--tokens", "32", "--rounds", "1", "--warmup", "0"]),
+    "test_documents": ("documents", [
+        "--device", "cpu", "--preset", "tiny", "--seq", "32", "--documents", "4", "--rounds", "1", "--warmup", "0",
+        "--json", "{tmp}/documents.json"]),
 }
 
 
@@ -373,3 +376,12 @@ def test_projections(run):
     ratio = float(re.search(r"fused/separate: ([0-9.]+)x", out).group(1))
     assert agreement <= 1e-5 and _finite(ratio)
     assert re.search(r"^  separate +[0-9.]+ ms$", out, re.M) and re.search(r"^  fused +[0-9.]+ ms$", out, re.M)
+
+
+def test_documents(run):
+    """Packed documents' masks against plain causal attention, a whole model's step; one document agrees first."""
+    out, tmp = run
+    doc = _json(tmp / "documents.json")
+    assert doc["agreement"] <= 1e-5 and doc["documents"] == 4 and _finite(doc["ratio"], doc["paired_ratio"])
+    assert [len(doc["times_s"][n]) for n in ("causal", "documents")] == [1, 1]
+    assert re.search(r"^  documents/causal: [0-9.]+x \(paired [0-9.]+x\)$", out, re.M)

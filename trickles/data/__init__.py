@@ -2,7 +2,7 @@
 
 from .config import DataConfig
 from .corpus import Corpus, load_corpus
-from .loader import ShardedBatches
+from .loader import ShardedBatches, require_boundaries
 from .sources import check_source, iter_documents
 from .tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, build_tokenizer, load_tokenizer, train_bpe
 
@@ -18,5 +18,6 @@ __all__ = [
     "iter_documents",
     "load_corpus",
     "load_tokenizer",
+    "require_boundaries",
     "train_bpe",
 ]

@@ -20,6 +20,7 @@ class DataConfig:
     bpe_vocab_size: int = opt(4096, "vocabulary size of the locally trained BPE tokenizer")
     token_dtype: Literal["uint16", "uint32"] = opt("uint16", "element type of a raw .bin token file")
     seq_len: int = opt(256, "tokens per training sequence")
+    document_mask: bool = opt(False, "attention never crosses an end-of-text token inside a sequence and positions restart at every document (docs/packed-documents.md)")
     val_fraction: float = opt(0.01, "share of the corpus (taken from its end, whole documents) held out for validation")
     max_bytes: int | None = opt(None, "read at most this many bytes of text (none: everything)")
     label_field: str | None = opt(None, "hard-routed experts: the JSONL field holding each document's label")

@@ -15,6 +15,10 @@ it reads only those rows' windows from the (memory-mapped) array. Concatenating 
 rows gives exactly the one-process batch, and resuming at ``consumed`` gives the same batch as
 running on to it. Held-out batch ``k`` is windows ``k*B .. k*B + B - 1`` (mod ``n``), unshuffled,
 sliced the same way.
+
+A micro-batch is ``(inputs, targets)``; with labels (hard-routed experts) ``(inputs, targets, labels)``; with
+``eos_id`` (``data.document_mask``) ``(inputs, targets, labels or None, documents)``, the inputs' document ids
+(:func:`trickles.models.documents.document_ids`: a document starts at each eos).
 """
 
 from __future__ import annotations
@@ -23,19 +27,34 @@ import numpy as np
 import torch
 
 from ..errors import DataError
+from ..models.documents import document_ids
+
+
+def require_boundaries(tokens: np.ndarray, eos_id: int, source: str, chunk: int = 1 << 22) -> None:
+    """Refuses ``data.document_mask`` on a token stream without end-of-text ids (a token file written without
+    boundaries): every sequence would be one document. Scans in chunks and stops at the first eos."""
+    for start in range(0, len(tokens), chunk):
+        if np.any(np.asarray(tokens[start:start + chunk]) == eos_id):
+            return
+    raise DataError(f"data.document_mask=true needs end-of-text tokens (id {eos_id}) between documents, and {source} has "
+                    f"none; write the token file with the eos id after each document, or set data.document_mask=false")
+
+
+DOCUMENTS = 3  # where a micro-batch holds its document ids (module doc)
 
 
 class ShardedBatches:
     """One data-parallel rank's view of the batches drawn from ``tokens`` (see module doc)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
-                 labels: np.ndarray | None = None):
+                 labels: np.ndarray | None = None, eos_id: int | None = None):
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size={dp_size}), got {dp_rank}")
         self.tokens, self.seq_len, self.seed = tokens, seq_len, int(seed)
         self.labels = labels  # each token's label id (hard-routed experts): batches then carry the inputs' labels
+        self.eos_id = eos_id  # packed documents (data.document_mask): batches then carry the inputs' document ids
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.n_windows = max(0, (len(tokens) - 1) // seq_len)
         self._perms: dict[int, np.ndarray] = {}
@@ -104,7 +123,9 @@ class ShardedBatches:
         rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
         out = [(rows[i:i + micro_batch, :-1].contiguous(), rows[i:i + micro_batch, 1:].contiguous())
                for i in range(0, len(rows), micro_batch)]
-        if self.labels is None:
-            return out
-        labels = torch.from_numpy(np.asarray(self.labels[index[:, :-1]], dtype=np.int64))
-        return [(x, y, labels[i:i + micro_batch]) for (x, y), i in zip(out, range(0, len(rows), micro_batch))]
+        if self.labels is not None:
+            labels = torch.from_numpy(np.asarray(self.labels[index[:, :-1]], dtype=np.int64))
+            out = [(x, y, labels[i:i + micro_batch]) for (x, y), i in zip(out, range(0, len(rows), micro_batch))]
+        if self.eos_id is not None:
+            out = [(b[0], b[1], b[2] if len(b) > 2 else None, document_ids(b[0], self.eos_id)) for b in out]
+        return out

@@ -269,7 +269,7 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     _, rise = peak_allocated(trainer.train_step, device)  # CPU: every allocation of the step, from the profiler
     states = trainer.engine.memory()
     if metered is None:
-        x, y = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
+        x, y, *_ = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
         exclude = getattr(trainer.engine, "gathered_storages", None)
         trainer.engine.zero_grad()
         moe = getattr(trainer, "moe_stats", None)

@@ -31,6 +31,7 @@ from ..kernels.norms import LayerNorm, RMSNorm
 from ..kernels.rotary import apply_rope, rotary
 from . import fused
 from .config import ModelConfig
+from .documents import DocumentMask
 from .mlp import MLP
 from .moe import MoE, MoEStats
 
@@ -129,15 +130,19 @@ class Attention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None,
-             pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+             pad_mask: torch.Tensor | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
         """Scores, softmax, dropout and the weighted sum: ``q [B, H, T, D]``, ``k, v [B, H_kv, T', D]``
         in, the heads side by side ``[B, T, H*D]`` out (ready for ``o_proj``).
 
         ``causal_offset`` is the position of the first query (None: queries and keys start
         together, plain causal mask). ``pad_mask [B, >= T']`` (True: a real token) hides left padding
-        from every query (see :func:`padded_attention_mask`).
+        from every query (see :func:`padded_attention_mask`). ``documents``: packed documents' mask (training only,
+        :mod:`trickles.models.documents`).
         """
         b, _, t_q, _ = q.shape
+        if documents is not None:
+            out = documents.attend(q, k, v, self.dropout if self.training else 0.0)
+            return out.transpose(1, 2).reshape(b, t_q, -1)
         extra = {} if pad_mask is None else {"pad_mask": pad_mask}  # (context parallelism swaps in a 4-argument _attend)
         return self._attend(q, k, v, causal_offset, **extra).transpose(1, 2).reshape(b, t_q, -1)
 
@@ -167,7 +172,8 @@ class Attention(nn.Module):
         mask = torch.arange(t_k, device=q.device)[None, :] <= qpos
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, pad_mask: torch.Tensor | None = None):
+    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, pad_mask: torch.Tensor | None = None,
+                documents: DocumentMask | None = None):
         b, t, _ = x.shape
         if self.fused:
             q, k, v = fused.split_heads(self.qkv_proj(x), self.rep, self.head_dim)
@@ -183,7 +189,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer_id, start, k, v)
             offset = start
-        return self.resid_drop(self.o_proj(self.core(q, k, v, offset, pad_mask)))
+        extra = {} if documents is None else {"documents": documents}
+        return self.resid_drop(self.o_proj(self.core(q, k, v, offset, pad_mask, **extra)))
 
 
 class Block(nn.Module):
@@ -199,10 +206,11 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, layer_id, moe_stats) if self.moe else MLP(cfg)
 
     def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, labels: torch.Tensor | None = None,
-                pad_mask: torch.Tensor | None = None):
+                pad_mask: torch.Tensor | None = None, documents: DocumentMask | None = None):
         """``labels``: the samples' label ids, for hard-routed experts (see :class:`~trickles.models.moe.MoE`);
-        ``pad_mask``: see :meth:`Attention.core`."""
-        h = x + self.attn(self.attn_norm(x), rope, cache, start, pad_mask)
+        ``pad_mask``, ``documents``: see :meth:`Attention.core`."""
+        extra = {} if documents is None else {"documents": documents}
+        h = x + self.attn(self.attn_norm(x), rope, cache, start, pad_mask, **extra)
         return h + (self.mlp(self.mlp_norm(h), labels) if self.moe else self.mlp(self.mlp_norm(h)))
 
 
@@ -242,26 +250,34 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
                 labels: torch.Tensor | None = None, target: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, pad_mask: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, pad_mask: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """``labels``: label ids per sample ``[B]`` or per token ``[B, T]``, used by hard-routed experts only.
         ``target``: next-token ids ``[B, T]`` (``-100``: ignored); given, the mean cross-entropy is returned.
 
         Left-padded batches (prompts of different lengths, :mod:`trickles.infer.decode`): ``positions [B, T]`` are
         each row's own token positions (``start..`` by default) and ``pad_mask [B, S]`` (True: a real token) covers
-        the cache slots ``0..S`` so no query attends to padding; the slots themselves still run ``start..start+T``."""
-        h = self.embed_tokens(tokens, start, positions)
-        rope = self.rope(start, tokens.shape[1]) if positions is None else self.rope(start, tokens.shape[1], positions)
+        the cache slots ``0..S`` so no query attends to padding; the slots themselves still run ``start..start+T``.
+
+        Packed documents (``data.document_mask``): ``documents [B, T]`` are the tokens' document ids; attention stays
+        within each document and positions restart at each (:mod:`trickles.models.documents`)."""
         extra = {} if pad_mask is None else {"pad_mask": pad_mask}
+        if documents is not None:
+            mask = extra["documents"] = self.document_mask(documents, tokens.device)
+            positions = mask.positions
+        h = self.embed_tokens(tokens, start, positions, documents.shape[1] if documents is not None else None)
+        rope = self.rope(start, tokens.shape[1]) if positions is None else self.rope(start, tokens.shape[1], positions)
         for block in self.layers.values():
             h = block(h, rope, cache, start, labels, **extra)
         return self.head(h, target)
 
     # The three parts of ``forward``, callable on their own (a pipeline stage runs some of them).
-    def embed_tokens(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_tokens(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
+                     bound: int | None = None) -> torch.Tensor:
         """Token (and, for gpt2, position) embeddings of ``tokens [B, T]`` at positions ``start..`` (or each row's
-        ``positions [B, T]``), after dropout."""
+        ``positions [B, T]``, below ``bound`` where the caller knows it: otherwise read, a host sync), after dropout."""
         t = tokens.shape[1]
-        last = start + t if positions is None else int(positions.max()) + 1
+        last = start + t if positions is None else (bound if bound is not None else int(positions.max()) + 1)
         if last > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {last} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
         h = self.embed(tokens)
@@ -277,6 +293,10 @@ class Transformer(nn.Module):
         if positions is not None:
             return self.rope_cos[positions], self.rope_sin[positions]
         return self.rope_cos[start:start + length], self.rope_sin[start:start + length]
+
+    def document_mask(self, documents: torch.Tensor, device: torch.device) -> DocumentMask:
+        """The attention mask and positions of packed documents ``[B, T]`` (context parallelism swaps in its own)."""
+        return DocumentMask(documents, device=device)
 
     def head(self, h: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
         """Final norm and output projection: hidden states in, logits out; with ``target``, the mean token cross-entropy."""

@@ -61,6 +61,7 @@ import math
 import torch
 
 from ..comm import GroupComm, all_to_all
+from ..models.documents import DocumentMask, document_positions
 from ..models.transformer import Transformer
 from .expert import split_sequence
 from .sequence import positions, shard_sequence, unshard_sequence  # noqa: F401 (the last two re-exported)
@@ -100,23 +101,73 @@ def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
 
 
 def _pairs(q_rank: int, kv_rank: int, cp: int, c: int):
-    """``(q slice, kv slice, causal)`` of every block of ``q_rank``'s queries against ``kv_rank``'s keys
-    that is not above the diagonal (local token offsets)."""
+    """``(q slice, kv slice, causal, a, b)`` of every block of ``q_rank``'s queries against ``kv_rank``'s keys
+    that is not above the diagonal (local token offsets; ``a``, ``b``: the two chunks' places in the sequence)."""
     for qa, a in enumerate(_chunk_ids(q_rank, cp)):
         for kb, b in enumerate(_chunk_ids(kv_rank, cp)):
             if b <= a:
-                yield slice(qa * c, (qa + 1) * c), slice(kb * c, (kb + 1) * c), b == a
+                yield slice(qa * c, (qa + 1) * c), slice(kb * c, (kb + 1) * c), b == a, a, b
+
+
+class RingDocuments:
+    """Packed documents' masks for the ring's blocks (``data.document_mask``): every rank holds the whole
+    sequence's document ids ``[B, T]`` -- on the host (:attr:`host`, where the loader made them) and on the device.
+
+    Block ``(a, b)`` of query chunk ``a`` against key chunk ``b <= a`` pairs tokens of one document only where
+    ``doc(last key of b) == doc(first query of a)`` in some row (the ids never decrease along a row); where no
+    row has such a pair the block is **skipped** (its keys and values still travel on). Where every row's two
+    chunks lie in one document the block runs unmasked, as without documents (causal on the diagonal); otherwise
+    with the mask ``doc_q == doc_k`` (and the causal triangle on the diagonal), built once per forward and reused
+    by backward. All three decisions are read from the host ids: the device is never waited for."""
+
+    def __init__(self, host: torch.Tensor, device_ids: torch.Tensor):
+        self.host, self.ids = host, device_ids
+        self._blocks: dict[tuple[int, int, int], list] = {}
+
+    def blocks(self, q_rank: int, kv_rank: int, cp: int, c: int) -> list:
+        """``(q slice, kv slice, causal, mask or None)`` of the blocks to compute (module doc)."""
+        key = (q_rank, kv_rank, c)
+        if key not in self._blocks:
+            out = []
+            for qs, ks, causal, a, b in _pairs(q_rank, kv_rank, cp, c):
+                first_q, last_q = self.host[:, a * c], self.host[:, a * c + c - 1]
+                first_k, last_k = self.host[:, b * c], self.host[:, b * c + c - 1]
+                if not causal and not bool((last_k == first_q).any()):
+                    continue  # no row pairs a query with a key of its document
+                if bool((first_k == last_q).all()):
+                    out.append((qs, ks, causal, None))  # one document throughout, in every row
+                    continue
+                dq, dk = self.ids[:, a * c:(a + 1) * c], self.ids[:, b * c:(b + 1) * c]
+                mask = dq[:, None, :, None] == dk[:, None, None, :]
+                if causal:
+                    mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
+                out.append((qs, ks, False, mask))
+            self._blocks[key] = out
+        return self._blocks[key]
+
+
+def _blocks(q_rank: int, kv_rank: int, cp: int, c: int, documents: RingDocuments | None):
+    if documents is not None:
+        return documents.blocks(q_rank, kv_rank, cp, c)
+    return [(qs, ks, causal, None) for qs, ks, causal, _, _ in _pairs(q_rank, kv_rank, cp, c)]
 
 
 def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
     return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
 
 
-def _scores(q, k, scale, causal):
+def _scores(q, k, scale, causal, mask=None):
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if causal:  # a diagonal block: query i sees keys 0..i
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    if mask is not None:  # packed documents: query i sees key j of its own document only
+        s.masked_fill_(~mask, float("-inf"))
     return s
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """``lse`` with the rows that see no key yet (``-inf``) set to 0, so that ``exp(s - lse)`` is 0 there, not NaN."""
+    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
 def _fused(q: torch.Tensor) -> bool:
@@ -125,26 +176,26 @@ def _fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
-def _block_forward(q, k, v, scale, causal):
-    """``(softmax(S) V, logsumexp(S))`` of one block, fp32."""
-    if _fused(q):
+def _block_forward(q, k, v, scale, causal, mask=None):
+    """``(softmax(S) V, logsumexp(S))`` of one block, fp32 (a row ``mask`` hides entirely: 0 and ``-inf``)."""
+    if _fused(q) and mask is None:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
         return o.float(), lse.float()
-    s = _scores(q, k, scale, causal)
+    s = _scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - lse[..., None])
+    p = torch.exp(s - _finite(lse)[..., None])
     return torch.matmul(p.to(v.dtype), v).float(), lse
 
 
-def _block_backward(q, k, v, do, out, lse, delta, scale, causal):
+def _block_backward(q, k, v, do, out, lse, delta, scale, causal, mask=None):
     """``(dq, dk, dv)`` of one block (fp32) from the final output ``out``, its ``lse`` and
     ``delta = rowsum(dO O)``: ``P = exp(S - lse)`` is this block's share of the final softmax."""
-    if _fused(q):
+    if _fused(q) and mask is None:
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             do.to(q.dtype), q, k, v, out, lse, 0.0, causal, scale=scale)
         return tuple(g.float() for g in grads)
     q, k, v, do = q.float(), k.float(), v.float(), do.float()
-    p = torch.exp(_scores(q, k, scale, causal) - lse[..., None])
+    p = torch.exp(_scores(q, k, scale, causal, mask) - lse[..., None])
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta[..., None])
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
@@ -163,7 +214,7 @@ def _wait(handles) -> None:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm: GroupComm):
+    def forward(ctx, q, k, v, comm: GroupComm, documents: RingDocuments | None):
         b, h, t, d = q.shape
         cp, rank = comm.size, comm.rank
         rep, c, scale = h // k.shape[1], t // 2, 1.0 / math.sqrt(d)
@@ -177,10 +228,11 @@ class _RingAttention(torch.autograd.Function):
                 handles = _exchange(comm, kv, nxt)
             src = (rank - step) % cp
             kk, vv = _expand(kv[0], rep), _expand(kv[1], rep)
-            for qs, ks, causal in _pairs(rank, src, cp, c):
-                o_b, lse_b = _block_forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal)
+            for qs, ks, causal, mask in _blocks(rank, src, cp, c, documents):
+                o_b, lse_b = _block_forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
-                out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - new)[..., None] + o_b * torch.exp(lse_b - new)[..., None]
+                safe = _finite(new)  # (a row no block has shown a key yet stays 0 and -inf)
+                out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - safe)[..., None] + o_b * torch.exp(lse_b - safe)[..., None]
                 lse[:, :, qs] = new
             _wait(handles)
             kv = nxt
@@ -188,7 +240,7 @@ class _RingAttention(torch.autograd.Function):
         # keeps for its backward are a view of this same tensor (saved once)
         out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm = comm
+        ctx.comm, ctx.documents = comm, documents
         return out
 
     @staticmethod
@@ -212,9 +264,9 @@ class _RingAttention(torch.autograd.Function):
             src = (rank - step) % cp
             kk, vv = _expand(kv[0], rep), _expand(kv[1], rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
-            for qs, ks, causal in _pairs(rank, src, cp, c):
+            for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents):
                 dq_b, dk_b, dv_b = _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], out[:, :, qs],
-                                                   lse[:, :, qs], delta[:, :, qs], scale, causal)
+                                                   lse[:, :, qs], delta[:, :, qs], scale, causal, mask)
                 dq[:, :, qs] += dq_b
                 part[0][:, :, ks] += dk_b
                 part[1][:, :, ks] += dv_b
@@ -231,15 +283,17 @@ class _RingAttention(torch.autograd.Function):
             _wait(handles)
             kv = nxt
         _wait(dkv_handles)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm) -> torch.Tensor:
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
+                   documents: RingDocuments | None = None) -> torch.Tensor:
     """Causal attention of this rank's ``q [B, H, t, D]`` over every rank's ``k, v [B, H_kv, t, D]``,
-    tokens in the ring layout (:func:`positions`); returns ``[B, H, t, D]``."""
+    tokens in the ring layout (:func:`positions`); returns ``[B, H, t, D]``. With ``documents``, within each
+    packed document (:class:`RingDocuments`)."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention holds two equal chunks per rank; got {q.shape[2]} local tokens")
-    return _RingAttention.apply(q, k, v, comm)
+    return _RingAttention.apply(q, k, v, comm, documents)
 
 
 # ---- all-to-all attention ----------------------------------------------------------------------
@@ -289,6 +343,30 @@ def ulysses_attention(q, k, v, comm: GroupComm, attend) -> torch.Tensor:
     return all_to_all(out, comm, scatter_dim=1, gather_dim=2).transpose(1, 2)
 
 
+# ---- packed documents ----------------------------------------------------------------------------
+
+class ContextDocumentMask:
+    """Packed documents (``data.document_mask``) on a context-parallel rank, in place of the model's
+    :class:`~trickles.models.documents.DocumentMask`: ``documents [B, T]`` are the whole sequence's ids (every rank
+    holds them; the trainer does not cut them). :attr:`positions` are this rank's tokens' positions within their
+    documents; :meth:`attend` runs the ring with :class:`RingDocuments`' block masks, or the all-to-all with the
+    whole sequence's mask on every rank after the exchange."""
+
+    def __init__(self, documents: torch.Tensor, device: torch.device, ctx: CPContext):
+        self.host, self.ctx = documents, ctx
+        self.ids = documents.to(device, non_blocking=True)
+        self.positions = document_positions(self.ids)[:, ctx.positions(device)]
+        self._ring = RingDocuments(documents, self.ids) if ctx.mode == "ring" else None
+        self._whole = DocumentMask(documents, device=device) if ctx.mode == "ulysses" else None
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+        if dropout_p:
+            raise ValueError("attention dropout does not run split over context-parallel ranks; set model.dropout=0")
+        if self._ring is not None:
+            return ring_attention(q, k, v, self.ctx.comm, self._ring)
+        return ulysses_attention(q, k, v, self.ctx.comm, self._whole.attend)
+
+
 # ---- applying it to a model --------------------------------------------------------------------
 
 def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CPContext:
@@ -311,17 +389,26 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
             split_sequence(block.mlp, comm, mode, lambda: ctx.active)
 
     if model.pos_embed is not None:
-        # before any other hook (sequence parallel then keeps its part of these positions)
-        model.pos_embed.register_forward_pre_hook(lambda module, args: (ctx.positions(args[0].device),) if ctx.active else None,
-                                                  prepend=True)
+        # before any other hook (sequence parallel then keeps its part of these positions); per-row positions
+        # (packed documents: ContextDocumentMask.positions) are this rank's already
+        model.pos_embed.register_forward_pre_hook(
+            lambda module, args: (ctx.positions(args[0].device),) if ctx.active and args[0].dim() == 1 else None,
+            prepend=True)
     rope = model.rope
 
-    def global_rope(start: int, length: int):
+    def global_rope(start: int, length: int, positions: torch.Tensor | None = None):
+        if positions is not None:  # packed documents: this rank's tokens' positions within their documents
+            return rope(start, length, positions)
         if not ctx.active or model.rope_cos is None:
             return rope(start, length)
         pos = ctx.positions(model.rope_cos.device)
         return model.rope_cos[pos], model.rope_sin[pos]
     object.__setattr__(model, "rope", global_rope)
+    document_mask = model.document_mask
+
+    def split_documents(documents: torch.Tensor, device: torch.device):
+        return ContextDocumentMask(documents, device, ctx) if ctx.active else document_mask(documents, device)
+    object.__setattr__(model, "document_mask", split_documents)
 
     def switch(module, args, kwargs):
         tokens = args[0] if args else kwargs["tokens"]

@@ -35,7 +35,8 @@ from ..comm import flight
 from ..compress.distill import Distiller
 from ..compress.qat import apply_qat
 from ..config import Config
-from ..data import ShardedBatches, build_tokenizer, load_corpus
+from ..data import ShardedBatches, build_tokenizer, load_corpus, require_boundaries
+from ..data.loader import DOCUMENTS
 from ..data.sources import iter_documents
 from ..errors import ConfigError, TrainingStopped
 from ..kernels.cross_entropy import OutputLoss
@@ -81,8 +82,12 @@ class Trainer:
         if topo.is_main:
             world.barrier(limit_s=math.inf)
         seq = cfg.data.seq_len
-        self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.train_labels)
-        self.val_data = (ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.val_labels)
+        eos = self.tokenizer.eos_id if cfg.data.document_mask else None  # packed documents: batches carry their ids
+        if eos is not None:
+            require_boundaries(self.corpus.train, eos, cfg.data.source)
+        self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size,
+                                         self.corpus.train_labels, eos)
+        self.val_data = (ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.val_labels, eos)
                          if len(self.corpus.val) > seq else None)
 
         # Model, built without memory, then allocated and wrapped by the parallel plan.
@@ -126,19 +131,22 @@ class Trainer:
         self.history: list[dict[str, Any]] = []
 
     # ---- one step ------------------------------------------------------------------------
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None, train: bool = False) -> torch.Tensor:
+    def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None,
+              documents: torch.Tensor | None = None, train: bool = False) -> torch.Tensor:
         """The micro-batch's training loss (``train``: with distillation, its loss) or cross-entropy."""
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
+        extra = {} if documents is None else {"documents": documents}  # (on the host: the mask moves what it needs)
         with autocast(self.cfg.memory.precision, self.device):
             if train and self.distill is not None:
                 return self.distill.loss(self.model, x, y, labels)
-            return self.model(x, labels=labels, target=y)
+            return self.model(x, labels=labels, target=y, **extra)
 
     def _shard(self, micro: list) -> list:
-        """With context parallelism, this rank's tokens of each micro-batch's inputs and targets."""
+        """With context parallelism, this rank's tokens of each micro-batch's inputs and targets (and label ids); the
+        document ids stay whole: every rank's attention masks need the other ranks' ids too."""
         cut = self.engine.shard_sequence
-        return [tuple(cut(t) for t in batch) for batch in micro]  # inputs, targets (and label ids)
+        return [tuple(t if t is None or i == DOCUMENTS else cut(t) for i, t in enumerate(batch)) for batch in micro]
 
     def train_step(self) -> dict[str, Any]:
         """Runs one optimizer step on the next global batch; returns its metrics."""

@@ -38,7 +38,7 @@ from ..engine import Engine
 from .stages import StageChunk
 from .schedules import Action, Shape, Timeline, batches, build, peer
 
-Batch = tuple  # (inputs, targets) or (inputs, targets, label ids)
+Batch = tuple  # (inputs, targets), (inputs, targets, label ids) or (inputs, targets, label ids or None, document ids)
 
 
 class PipelineRunner:
@@ -188,6 +188,7 @@ class PipelineRunner:
         chunk = self.chunks[a.chunk]
         x, y, *rest = micro[a.micro]
         labels = rest[0] if rest else None  # hard-routed experts: the micro-batch's label ids
+        documents = rest[1] if len(rest) > 1 else None  # packed documents: its document ids
         inp = x.to(self.device, non_blocking=True) if chunk.first else received.requires_grad_(train)
         seq_len = x.shape[1]
         for ctx in (self.cp_ctx, self.tp_ctx):
@@ -195,7 +196,8 @@ class PipelineRunner:
                 ctx.begin_forward(seq_len, decoding=self._decoding)
         target = y.to(self.device, non_blocking=True) if chunk.last and y is not None else None
         with self.autocast():
-            out = chunk(inp, seq_len, cache, start, labels, target)
+            out = chunk(inp, seq_len, cache, start, labels, target,
+                        **({} if documents is None else {"documents": documents}))  # (moved by the mask)
         if self.tp_ctx is not None:
             self.tp_ctx.end_forward()
         if chunk.last:

@@ -70,15 +70,23 @@ class StageChunk:
         self.model, self.layers, self.first, self.last = model, layers, first, last
 
     def __call__(self, inp: torch.Tensor, seq_len: int, cache: KVCache | None = None, start: int = 0,
-                 labels: torch.Tensor | None = None, target: torch.Tensor | None = None) -> torch.Tensor:
+                 labels: torch.Tensor | None = None, target: torch.Tensor | None = None,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids ``[B, T]`` (first chunk) or hidden states in; hidden states or, from the last chunk, logits
         (the mean token cross-entropy when ``target`` is given) out. ``labels``: the micro-batch's label ids
-        (hard-routed experts)."""
+        (hard-routed experts); ``documents``: its document ids (packed documents: every chunk builds the mask and
+        positions from them, as :meth:`Transformer.forward` does)."""
         m = self.model
-        h = m.embed_tokens(inp, start) if self.first else inp
-        rope = m.rope(start, seq_len)
+        extra, positions = {}, None
+        if documents is not None:
+            mask = extra["documents"] = m.document_mask(documents, inp.device)
+            positions = mask.positions
+        h = inp
+        if self.first:
+            h = m.embed_tokens(inp, start) if positions is None else m.embed_tokens(inp, start, positions, documents.shape[1])
+        rope = m.rope(start, seq_len) if positions is None else m.rope(start, seq_len, positions)
         for i in self.layers:
-            h = m.layers[str(i)](h, rope, cache, start, labels)
+            h = m.layers[str(i)](h, rope, cache, start, labels, **extra)
         return m.head(h, target) if self.last else h
 
     def __repr__(self) -> str:

@@ -136,11 +136,12 @@ def _sequence_parallel_switch(ctx: TPContext):
 
 
 def _own_positions(ctx: TPContext):
-    """Sequence parallel: look up only the positions of this rank's sequence shard."""
+    """Sequence parallel: look up only the positions of this rank's sequence shard (of ``[T]``, or of each row's
+    ``[B, T]``: packed documents' positions)."""
 
     def hook(module, args):
         if ctx.sp_active:
-            return (args[0].chunk(ctx.comm.size)[ctx.comm.rank],)
+            return (args[0].chunk(ctx.comm.size, dim=-1)[ctx.comm.rank],)
         return None
     return hook
 
