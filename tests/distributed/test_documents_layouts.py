@@ -74,6 +74,36 @@ def test_each_document_under_context_parallelism_is_as_if_alone(world, mode, pre
         assert loss_gap <= 1e-5 and grad_gap <= 1e-5, (loss_gap, grad_gap)
 
 
+def _cp_memory(mode, preset):
+    """This cp rank's saved bytes per layer and in the head for a packed micro-batch, and the memory model's."""
+    from trickles.memory.activations import ActivationMeter, activation_bytes
+
+    comm = ParallelDims(cp=torch.distributed.get_world_size()).build(CPU).comm("cp")
+    cfg = apply_preset(ModelConfig(preset=preset), preset)
+    cfg.vocab_size, cfg.max_seq_len = 256, 64
+    model = build_model(cfg, seed=3)
+    apply_context_parallel(model, comm, mode)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(1, 200, (2, 33), generator=g)
+    tokens[0, [3, 5, 14, 27]] = EOS
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    pos = positions(x.shape[1], comm.size, comm.rank, mode)
+    with ActivationMeter(model) as meter:
+        loss = model(x[:, pos].contiguous(), target=y[:, pos].contiguous(), documents=document_ids(x, EOS))
+    loss.backward()
+    want = activation_bytes(cfg, 2, 32, cp=comm.size, cp_mode=mode, documents=True)
+    return [meter.per_layer[f"layers.{i}"] for i in range(cfg.n_layers)] + [meter.per_layer["head"]], \
+        want["per_layer"] + [want["head"]]
+
+
+@pytest.mark.parametrize("mode,preset", [("ring", "tiny"), ("ulysses", "tiny"), ("ulysses", "gpt2-tiny")])
+def test_the_memory_model_counts_each_cp_ranks_document_masks(mode, preset):
+    """Per layer and in the head, to the byte: the ring keeps per-row positions and tables only, the all-to-all
+    mode also the whole sequence's mask and the repeated key/value heads of its query heads."""
+    for measured, predicted in run_ranks(2, _cp_memory, mode, preset):
+        assert measured == predicted
+
+
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     """The data settings: a corpus of short documents (tests/helpers.py) and its cache."""

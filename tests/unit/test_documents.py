@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import short_documents, tiny_config
+from helpers import cli_here, short_documents, tiny_config
 from trickles.config import Config
 from trickles.data import ShardedBatches, require_boundaries
 from trickles.errors import ConfigError, DataError
@@ -124,10 +124,19 @@ def test_a_run_with_document_masks_trains_and_differs_from_plain_causal(tmp_path
     assert all(np.isfinite(masked)) and max(abs(a - b) for a, b in zip(masked, plain)) > 1e-4
 
 
-def test_token_stream_without_boundaries_is_refused():
+def test_token_stream_without_boundaries_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"needs end-of-text tokens \(id 256\) between documents, and t.bin has none"):
         require_boundaries(np.arange(100, dtype=np.uint16) % 200, 256, "t.bin", chunk=7)
     require_boundaries(np.array([1, 2, 256, 3], dtype=np.uint16), 256, "t.bin", chunk=3)
+    # through the command, before any rank starts: a token file without the byte tokenizer's eos (256)
+    tokens = tmp_path / "t.bin"
+    (np.arange(3000) % 200).astype(np.uint16).tofile(tokens)
+    r = cli_here("train", "--set", f"data.source={tokens}", "--set", "data.document_mask=true", "--set", "model.preset=tiny",
+                 "--set", f"train.out_dir={tmp_path / 'run'}", "--nproc", "2")
+    assert r.returncode == 2 and r.stderr == (f"error: data.document_mask=true needs end-of-text tokens (id 256) between "
+                                              f"documents, and {tokens} has none; write the token file with the eos id "
+                                              f"after each document, or set data.document_mask=false\n"), r.stderr
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("sets,world,what", [
@@ -143,3 +152,28 @@ def test_distillation_with_document_masks_is_refused():
     cfg = Config.load(None, ["model.preset=tiny", "data.document_mask=true", "distill.teacher=some/run"])
     with pytest.raises(ConfigError, match=r"does not combine with distillation \(distill.teacher\) yet"):
         cfg._check_documents(ParallelDims())  # (validate first checks that the teacher exists)
+
+
+@pytest.mark.parametrize("preset,recompute,precision", [
+    ("tiny", "none", "fp32"), ("tiny", "selective", "bf16"), ("tiny", "full", "fp32"),
+    ("gpt2-tiny", "none", "bf16"), ("gpt2-tiny", "selective", "fp32"),
+])
+def test_the_memory_model_counts_what_document_masks_keep(tmp_path, preset, recompute, precision):
+    """activation_bytes(documents=True) against the bytes autograd saves in a trainer's micro-step, per layer and in
+    the head, to the byte (grouped-query heads in the llama cases: k and v repeated by the dense path)."""
+    from trickles.memory.activations import ActivationMeter, activation_bytes
+
+    cfg = tiny_config(tmp_path, *short_documents(tmp_path / "lines.jsonl"), "data.document_mask=true",
+                      f"model.preset={preset}", f"memory.recompute={recompute}", f"memory.precision={precision}",
+                      "train.micro_batch=2", "train.global_batch=2")
+    tr = Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=True)
+    x, y, _, ids = tr.train_data.micro_batches(0, 2, 2)[0]
+    assert int(ids[:, -1].max()) > 0  # some row packs more than one document
+    with ActivationMeter(tr.model) as meter:
+        loss = tr._loss(x, y, None, ids)
+    loss.backward()
+    p = 2 if precision == "bf16" else 4
+    want = activation_bytes(tr.model_cfg, 2, 32, recompute, p, documents=True)
+    assert [meter.per_layer[f"layers.{i}"] for i in range(tr.model_cfg.n_layers)] == want["per_layer"]
+    assert meter.per_layer["head"] == want["head"]
+    assert want["total"] > activation_bytes(tr.model_cfg, 2, 32, recompute, p)["total"] or recompute == "full"

@@ -32,6 +32,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..config import Config
+    from ..data.corpus import check_boundaries
     from ..data.sources import check_source
     from ..launch import launch
     from ..process import env_world_size, restart_count
@@ -50,6 +51,7 @@ def run(args) -> int:
     world = args.nproc or env_world_size()
     cfg.validate(world)
     check_source(cfg.data)
+    check_boundaries(cfg.data)
     resume = resolve_resume(args.resume, cfg.train.out_dir)
     if args.resume == "auto" and resume is None and not args.quiet:
         print(f"[trickles] no complete checkpoint in {cfg.train.out_dir}; starting from step 0")

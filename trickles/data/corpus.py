@@ -30,7 +30,8 @@ import numpy as np
 from ..errors import DataError
 from .config import DataConfig
 from .sources import Format, labelled_documents, resolve_files, resolve_format, source_fingerprint
-from .tokenizers import Tokenizer, cache_root
+from .loader import require_boundaries
+from .tokenizers import Tokenizer, build_tokenizer, cache_root
 
 _BATCH_CHARS = 8 << 20  # documents are tokenized in batches of about this much text
 _CACHE_VERSION = 1
@@ -133,6 +134,20 @@ def _open_token_file(cfg: DataConfig, path: str) -> np.ndarray:
     if not np.issubdtype(arr.dtype, np.integer):
         raise DataError(f"data.source: {path} holds {arr.dtype}, not integer token ids; save the tokens as integers")
     return arr.reshape(-1)
+
+
+def check_boundaries(cfg: DataConfig) -> None:
+    """Before any process starts: with ``data.document_mask``, each token file holds the tokenizer's end-of-text id
+    somewhere (else it was written without document boundaries). Text sources get an eos after every document;
+    a BPE still to be trained is checked by the trainer instead (:func:`~trickles.data.loader.require_boundaries`)."""
+    if not cfg.document_mask or cfg.tokenizer == "bpe":
+        return
+    files = resolve_files(cfg)
+    if resolve_format(cfg, files) != "tokens":
+        return
+    eos = build_tokenizer(cfg).eos_id
+    for f in files:
+        require_boundaries(_open_token_file(cfg, f), eos, f)
 
 
 def _check_ids(arr: np.ndarray, path: str, tokenizer: Tokenizer) -> None:

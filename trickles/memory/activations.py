@@ -62,6 +62,16 @@ both dropped by selective recomputation. llama in fp32 also keeps the rotary tab
 gathered at the rank's positions, ``8 (T/cp) h`` once per forward (``"tables"``; the meter charges
 them to the first layer that uses them).
 
+**Packed documents** (``data.document_mask``, :mod:`trickles.models.documents`; the CPU's dense path, measured to
+the byte; CUDA's flex attention is not modelled) add, with ``T`` the whole sequence and ``s`` this rank's tokens:
+the boolean mask converted to the compute type in each layer's attention core, ``p B T^2``, and k and v repeated
+to the query heads (SDPA keeps those in place of the ``a_kv`` heads), ``2 p B T (a - f a_kv) h / cp`` (``f`` as
+below; 1 without cp) -- on one process and in the all-to-all mode, whose core attends over whole sequences;
+both dropped by selective recomputation; the ring keeps no more (its block masks are not saved tensors). Per
+row positions replace shared ones: gpt2's position ids ``8s`` (for ``8T``), llama's rotary tables gathered per
+row once, ``8sh`` in fp32 (not under full recomputation), and in low precision their casts ``4psh`` per layer
+(for ``4Thp``).
+
 **Mixture-of-experts blocks** (:attr:`ModelConfig.moe_layers <trickles.models.config.ModelConfig.moe_layers>`,
 :mod:`trickles.models.moe`) keep, in place of the MLP, with ``S`` sequences of the micro-batch, ``E``
 experts, top-``k``, expert width ``F``, ``F_s = moe_shared_experts x F`` and ``m`` the assignments this
@@ -131,11 +141,13 @@ import torch
 from torch import nn
 
 from ..models.config import ModelConfig
+from ..parallel.context import kv_repeats
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "none", dtype_bytes: int = 4,
                      device_type: str = "cpu", tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
-                     cp_mode: str = "ring", ep: int = 1, fused_loss: bool = False, fp16: bool = False) -> dict:
+                     cp_mode: str = "ring", ep: int = 1, fused_loss: bool = False, fp16: bool = False,
+                     documents: bool = False) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
     "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's),
@@ -154,7 +166,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     A mixture-of-experts block (module docstring) routes the tokens its norm sees (all ``s`` under tensor
     parallelism, ``s/tp`` with sequence parallelism) and keeps ``moe_bytes`` in place of the MLP's; ``ep > 1``
     adds the expert-parallel dispatch's terms for a balanced load. ``fused_loss``: the head of the chunked
-    loss (module docstring); ``fp16``: the compute type is fp16 (the fused loss then keeps its input gradient in fp32).
+    loss (module docstring); ``fp16``: the compute type is fp16 (the fused loss then keeps its input gradient in fp32);
+    ``documents``: packed documents' masks (``data.document_mask``, module docstring).
     """
     whole_seq = seq
     seq //= cp
@@ -179,14 +192,17 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         lse = 4 * 3 * s * a * h + 12 * batch * a * seq * seq - qkv  # copies; in place of what the fused kernel keeps
     else:
         lse = 4 * s * a
-    attention = qkv + p * s * a * h + lse + (4 * seq * h * p if llama and p != 4 else 0)
+    cast_tokens = s if documents else seq  # low-precision llama: the rotary tables cast for q and k, per row with documents
+    attention = qkv + p * s * a * h + lse + (4 * cast_tokens * h * p if llama and p != 4 else 0)
     if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of the heads they select
         attention += 2 * 8 * a
     mlp = (4 if llama else 2) * p * s * f
     core_extra = 0  # all-to-all: the fused output in head shards beside o_proj's input, the repeated heads
     if ulysses:
-        from ..parallel.context import kv_repeats
         core_extra = p * s * a * h + (kv_repeats(a, kv, cp) - 1) * 2 * p * s * kv * h
+    if documents and (cp == 1 or ulysses):  # the dense path on whole sequences: the mask in the compute type, and
+        f_kv = kv_repeats(a, kv, cp) if ulysses else 1  # SDPA keeps k, v repeated to the query heads in place of theirs
+        core_extra += p * batch * whole_seq * whole_seq + 2 * p * batch * whole_seq * (a - f_kv * kv) // cp * h
     attention += core_extra
     full = p * sn * d  # the block input, on this rank's sequence shard under sequence parallelism
     if recompute not in ("none", "selective", "full"):
@@ -213,12 +229,13 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         head = 18 * s + norm + 4 * s * (vocab // t) + 4
     else:  # ... and F.cross_entropy's fp32 total weight, a scalar
         head = 16 * s + norm + 4 * s * vocab + 4
-    embedding = (9 if t > 1 else 8) * s + (0 if llama else 8 * seq) + mask * sn * d  # ids, gpt2's positions, dropout
+    positions = 8 * (s if documents else seq)  # gpt2's position ids (with documents, each row's)
+    embedding = (9 if t > 1 else 8) * s + (0 if llama else positions) + mask * sn * d  # ids, gpt2's positions, dropout
     head += embedding - (9 if t > 1 else 8) * s  # (the ids are counted above)
     moe = set(cfg.moe_layers)
     per_layer = [moe_layer if i in moe else layer for i in range(cfg.n_layers)]
     layers = sum(per_layer)
-    tables = 8 * seq * h if cp > 1 and llama and p == 4 and recompute != "full" else 0
+    tables = 8 * (s if documents else seq) * h if (cp > 1 or documents) and llama and p == 4 and recompute != "full" else 0
     # full recomputation keeps each block's inputs, hard routing's per-token label ids among them (one storage)
     labels = 8 * s if recompute == "full" and cfg.moe_experts and cfg.moe_router == "hard" else 0
     if per_layer:

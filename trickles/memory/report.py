@@ -269,14 +269,15 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     _, rise = peak_allocated(trainer.train_step, device)  # CPU: every allocation of the step, from the profiler
     states = trainer.engine.memory()
     if metered is None:
-        x, y, *_ = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
+        x, y, *rest = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
+        documents = rest[1] if len(rest) > 1 else None  # packed documents' ids
         exclude = getattr(trainer.engine, "gathered_storages", None)
         trainer.engine.zero_grad()
         moe = getattr(trainer, "moe_stats", None)
         if moe is not None:
             moe.reset()  # this forward's routing only
         with ActivationMeter(trainer.model, exclude=exclude) as meter:
-            loss = trainer._loss(x, y)
+            loss = trainer._loss(x, y, documents=documents)
         if moe is not None and trainer.topo.dims.ep > 1:
             _routing_note(trainer, report, moe, meter.per_layer)
         loss.backward()  # release the graph the way training would

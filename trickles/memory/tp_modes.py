@@ -71,7 +71,7 @@ def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: Parallel
     return activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, lay.tp,
                             lay.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep,
                             fused_loss=fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type),
-                            fp16=cfg.memory.precision == "fp16")
+                            fp16=cfg.memory.precision == "fp16", documents=cfg.data.document_mask)
 
 
 def depth_for(mode: str, tp: int, configured: Config) -> int:
