@@ -19,7 +19,11 @@ What is compared
       head-tail layout as ours) as the ring's peer where it runs (it needs the CUDA flash / efficient /
       cuDNN attention kernels: on CPU it fails, reported, and the ring is compared with DeepSpeed);
     * a reference row: one process running SDPA on the whole sequence (no peer; its step time and
-      saved bytes show what a device would do and hold without context parallelism). It runs on every
+      saved bytes show what a device would do and hold without context parallelism).
+    * with ``--documents K``, also ours ring with packed documents' masks (``data.document_mask``: ``K``
+      documents per sequence, cut at random places; :class:`trickles.parallel.context.RingDocuments` masks each
+      block pair and skips the blocks no document spans), against our ring without masks -- what the masks cost
+      or save; its agreement check is against SDPA with the same-document causal mask on the whole sequence. It runs on every
       rank at once, so on a shared CPU it sees the same contention as the others.
 
     At ``--world 1`` (cp=1: one process, nothing sent) the ring and the all-to-all are timed against that
@@ -93,13 +97,16 @@ from _ranks import (PAIRED_NOTE, Contestant, compare_times, device_line, entry, 
                     time_rounds, times_table)
 from _timing import device_name, rel_error, sync, table, write_json  # noqa: E402
 
-from trickles.parallel.context import kv_repeats, positions, ring_attention, ulysses_attention, unshard_sequence  # noqa: E402
+from trickles.models.documents import dense_mask  # noqa: E402
+from trickles.parallel.context import (RingDocuments, kv_repeats, positions, ring_attention, ulysses_attention,  # noqa: E402
+                                       unshard_sequence)
 from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"seq": 2048, "precision": "fp32"}, "cuda": {"seq": 32768, "precision": "bf16"}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
 REF, RING, ULYSSES, DS, TORCH_CP = "sdpa, 1 process", "ours ring", "ours ulysses", "deepspeed ulysses", "torch cp (ring)"
+RING_DOCS = "ours ring, documents"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -119,6 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tol", type=float, default=None, help="largest relative error allowed in the agreement check (default: fp32 1e-5, bf16 2e-2)")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's DistributedAttention out")
     p.add_argument("--no-torch-cp", action="store_true", help="do not try PyTorch's context_parallel")
+    p.add_argument("--documents", type=int, default=0, metavar="K",
+                   help="also time our ring with packed documents' masks, K documents per sequence, against the ring without")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
     return p.parse_args(argv)
@@ -196,9 +205,9 @@ def make_deepspeed(device: torch.device):
 def expected_sent(name: str, b: int, h: int, h_kv: int, seq: int, d: int, n: int, e: int) -> float | None:
     """Bytes one rank sends per step (forward and backward) by the formulas in the module docstring."""
     t = seq // n
-    if n == 1 and name in (RING, ULYSSES):  # one rank: the ring and the all-to-all send nothing
+    if n == 1 and name in (RING, RING_DOCS, ULYSSES):  # one rank: the ring and the all-to-all send nothing
         return 0.0
-    if name == RING:
+    if name in (RING, RING_DOCS):  # (masked or skipped blocks still pass their keys and values on)
         block = 2 * b * h_kv * t * d
         return (n - 1) * block * e * 2 + n * block * 4
     if name == ULYSSES:
@@ -208,11 +217,13 @@ def expected_sent(name: str, b: int, h: int, h_kv: int, seq: int, d: int, n: int
     return None
 
 
-def _check_shape(b: int, h: int, h_kv: int, seq: int, n: int) -> str | None:
+def _check_shape(b: int, h: int, h_kv: int, seq: int, n: int, documents: int = 0) -> str | None:
     if n < 1:
         return "--world must be at least 1"
     if h % h_kv:
         return f"--heads {h} is not a multiple of --kv-heads {h_kv}"
+    if documents and not 1 <= documents <= seq:
+        return f"--documents {documents} must be between 1 and --seq {seq}"
     if seq % (2 * n):
         return f"--seq {seq} must be divisible by 2 x --world = {2 * n} (the ring holds two equal chunks per rank)"
     if h % n:
@@ -312,7 +323,7 @@ def measure(c: Core, topo, device: torch.device, world: int) -> dict:
     res = {"saved": saved, "peak": None, "sent": None, "ops": None}
     if device.type == "cuda":
         res["peak"] = torch.cuda.max_memory_allocated(device) - base
-    if c.name in (RING, ULYSSES):
+    if c.name in (RING, RING_DOCS, ULYSSES):
         snap = topo.ledger.snapshot()
         res["ops"] = {k: v for k, v in snap.items() if k.endswith("/cp")}
         res["sent"] = sum(v["wire_bytes"] for k, v in res["ops"].items() if not k.startswith("recv/"))
@@ -333,7 +344,7 @@ def rank_main(args) -> int:
     dtype, tol = DTYPES[precision], args.tol if args.tol is not None else TOL[precision]
     b, h, d = args.batch, args.heads, args.head_dim
     h_kv = args.kv_heads or h
-    problem = _check_shape(b, h, h_kv, seq, world)
+    problem = _check_shape(b, h, h_kv, seq, world, args.documents)
     if problem:
         return refuse(f"context_parallel.py: {problem}; change --world or the shape")
     topo = ParallelDims(dp=1, cp=world).build(device)
@@ -347,6 +358,21 @@ def rank_main(args) -> int:
     ref_out.backward(dout.to(device))
     ref = [ref_out.detach(), *(x.grad for x in ref_in)]
     del ref_in, ref_out
+    refs = {}  # a contestant's own reference, where it computes something else
+    if args.documents:
+        cuts = torch.zeros(b, seq, dtype=torch.int32)
+        for row in range(b):
+            cuts[row, torch.randperm(seq - 1, generator=g)[:args.documents - 1] + 1] = 1
+        ids = torch.cumsum(cuts, dim=1, dtype=torch.int32)
+        ref_in = [x.detach().to(device).clone().requires_grad_() for x in (q, k, v)]  # (own leaves: ref's grads stay)
+        masked = [z.transpose(1, 2) for z in ref_in]
+        rep = h // h_kv
+        out = F.scaled_dot_product_attention(masked[0], masked[1].repeat_interleave(rep, 1), masked[2].repeat_interleave(rep, 1),
+                                             attn_mask=dense_mask(ids.to(device)))
+        out = flat(out)
+        out.backward(dout.to(device))
+        refs[RING_DOCS] = [out.detach(), *(x.grad for x in ref_in)]
+        del ref_in, masked, out
     whole = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
     dout = dout.to(device=device, dtype=dtype)
     del q, k, v
@@ -383,6 +409,10 @@ def rank_main(args) -> int:
                             whole, dout, **kw))
     contestants.append(Core(ULYSSES, ring_peer, "ulysses",
                             lambda q, k, v: flat(ulysses_attention(*heads_first(q, k, v), comm, sdpa)), whole, dout, **kw))
+    if args.documents:
+        docs = RingDocuments(ids, ids.to(device))
+        contestants.append(Core(RING_DOCS, RING, "ring", lambda q, k, v: flat(ring_attention(*heads_first(q, k, v), comm, docs)),
+                                whole, dout, **kw))
     if ds is not None:
         contestants.append(Core(DS, None, "ulysses", lambda q, k, v: ds(q, k, v, 0).reshape(q.shape[0], q.shape[1], -1),
                                 whole, dout, **kw))
@@ -390,7 +420,7 @@ def rank_main(args) -> int:
     # agreement check (PyTorch's context_parallel is tried here: where it fails it is dropped, with the reason)
     errors: dict[str, list[float]] = {}
     for c in contestants:
-        errors[c.name] = check_step(c, ref, world)
+        errors[c.name] = check_step(c, refs.get(c.name, ref), world)
     if torch_cp is not None:
         try:
             with warnings.catch_warnings():
@@ -409,7 +439,7 @@ def rank_main(args) -> int:
             peers[TORCH_CP] = "ran"
             contestants.append(torch_cp)
             next(c for c in contestants if c.name == RING).peer = TORCH_CP  # ours ring against PyTorch's ring
-    del ref
+    del ref, refs
     gc.collect()
 
     memory = {c.name: measure(c, topo, device, world) for c in contestants}
@@ -437,7 +467,8 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
     print("  (ring-flash-attn and yunchang are not tried: they run on the flash-attn CUDA kernels only)")
 
     print(f"\nagreement check: output and input gradients, every rank's tokens put back in order, vs SDPA on the whole "
-          f"sequence (fp32, one process); relative error ||a-b||/||b||, tolerance {tol:g}")
+          f"sequence (fp32, one process; '{RING_DOCS}': with the same-document causal mask); relative error "
+          f"||a-b||/||b||, tolerance {tol:g}")
     rows, ok = [], True
     errors = everyone[0]["errors"]
     for n in names:
@@ -473,7 +504,7 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
                 note=PAIRED_NOTE + ". saved: bytes autograd keeps for backward plus the output (o_proj's input), distinct "
                 "storages; sent: wire bytes this rank sends (ours: CommLedger; DeepSpeed: its all_to_all_single calls); "
                 "formula: trickles/parallel/context.py's docstring.")
-    for n in (RING, ULYSSES):
+    for n in (RING, ULYSSES, *([RING_DOCS] if RING_DOCS in names else [])):
         ops = everyone[0]["memory"][n]["ops"]
         if ops:
             print(f"  {n}: " + ", ".join(f"{k} x{v['calls']} {v['wire_bytes'] / 2**20:.2f} MiB" for k, v in ops.items()
@@ -491,6 +522,10 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
         verdicts.append(f"{n}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x), saved {mem_ratio:.3f}x: "
                         f"{'met' if met else 'NOT met'}")
     print("\ntarget ours/peer <= 1.0x at no more memory:  " + ";  ".join(verdicts))
+    if RING_DOCS in names:
+        r = results[RING_DOCS]
+        print(f"documents: {RING_DOCS}/{RING} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x), "
+              f"{args.documents} documents a sequence (a measurement: skipped blocks cost nothing, masked ones the mask)")
 
     if args.json:
         import importlib.metadata as md

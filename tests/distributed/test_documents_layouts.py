@@ -42,9 +42,22 @@ def _alone(model, x, y, ids):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _packed_on_cp(mode, preset):
+def _packed_on_cp(mode, preset, fused=True):
     """This cp rank's tokens of a packed batch through a context-parallel model: the largest gaps of the per-token
-    losses and of the gradients (summed over the cp ranks) to the documents run alone."""
+    losses and of the gradients (summed over the cp ranks) to the documents run alone. ``fused=False``: the ring's
+    blocks as fp32 matmuls, the path it takes off CPU."""
+    import trickles.parallel.context as context
+
+    real = context._fused
+    if not fused:
+        context._fused = lambda q: False
+    try:
+        return _packed_on_cp_run(mode, preset)
+    finally:
+        context._fused = real
+
+
+def _packed_on_cp_run(mode, preset):
     topo = ParallelDims(cp=torch.distributed.get_world_size()).build(CPU)
     comm = topo.comm("cp")
     cfg = apply_preset(ModelConfig(preset=preset), preset)
@@ -68,9 +81,10 @@ def _packed_on_cp(mode, preset):
     return loss_gap, grad_gap
 
 
-@pytest.mark.parametrize("world,mode,preset", [(2, "ring", "tiny"), (2, "ulysses", "gpt2-tiny"), (4, "ring", "gpt2-tiny")])
-def test_each_document_under_context_parallelism_is_as_if_alone(world, mode, preset):
-    for loss_gap, grad_gap in run_ranks(world, _packed_on_cp, mode, preset):
+@pytest.mark.parametrize("world,mode,preset,fused", [(2, "ring", "tiny", True), (2, "ring", "tiny", False),
+                                                     (2, "ulysses", "gpt2-tiny", True), (4, "ring", "gpt2-tiny", True)])
+def test_each_document_under_context_parallelism_is_as_if_alone(world, mode, preset, fused):
+    for loss_gap, grad_gap in run_ranks(world, _packed_on_cp, mode, preset, fused):
         assert loss_gap <= 1e-5 and grad_gap <= 1e-5, (loss_gap, grad_gap)
 
 

@@ -65,7 +65,7 @@ RUNS = {
         "--json", "{tmp}/kernels.json"]),
     "test_context_parallel": ("context_parallel", [
         "--world", "2", "--seq", "64", "--heads", "2", "--head-dim", "16", *ONE_ROUND, "--device", "cpu",
-        "--json", "{tmp}/context_parallel.json"]),
+        "--documents", "4", "--json", "{tmp}/context_parallel.json"]),
     "test_memory_layouts": ("memory_layouts", ["--only", "one process", "--json", "{tmp}/memory_layouts.json"]),
     "test_pipeline_parallel": ("pipeline_parallel", [
         "--world", "2", *TINY_MODEL, "--batch", "2", "--micro-batch", "1", "--layers", "4", "--d-model", "64",
@@ -296,15 +296,18 @@ def test_kernels(run):
 
 
 def test_context_parallel(run):
-    """Ring and all-to-all attention against SDPA on the whole sequence; DeepSpeed-Ulysses where installed."""
+    """Ring and all-to-all attention against SDPA on the whole sequence; DeepSpeed-Ulysses where installed; the ring
+    with packed documents' masks against SDPA with the same mask, timed against the ring without."""
     out, tmp = run
     doc = _json(tmp / "context_parallel.json")
     ds = ["deepspeed ulysses"] if _installed("deepspeed") else []
     torch_cp = ["torch cp (ring)"] if doc["peers"]["torch cp (ring)"] == "ran" else []
-    names = ["sdpa, 1 process", "ours ring", "ours ulysses", *ds, *torch_cp]
+    names = ["sdpa, 1 process", "ours ring", "ours ulysses", "ours ring, documents", *ds, *torch_cp]
     assert sorted(doc["results"]) == sorted(names)
     assert all(max(doc["errors"][n]) <= doc["tol"] for n in names)
-    for n in ("ours ring", "ours ulysses"):  # bytes sent are the formula's
+    assert doc["results"]["ours ring, documents"]["peer"] == "ours ring"
+    assert re.search(r"^documents: ours ring, documents/ours ring [0-9.]+x \(paired [0-9.]+x\), 4 documents", out, re.M)
+    for n in ("ours ring", "ours ulysses", "ours ring, documents"):  # bytes sent are the formula's
         assert doc["memory"][n]["sent"] == pytest.approx(doc["expected_sent"][n]) and doc["memory"][n]["sent"] > 0
         assert _finite(doc["results"][n]["median"], doc["memory"][n]["saved"])
     if not ds:

@@ -109,6 +109,21 @@ def _pairs(q_rank: int, kv_rank: int, cp: int, c: int):
                 yield slice(qa * c, (qa + 1) * c), slice(kb * c, (kb + 1) * c), b == a, a, b
 
 
+class BlockMask:
+    """One ring block's same-document mask ``[B, 1, c, c]`` (True: the query sees the key), with what the kernels
+    take: the additive form in the inputs' type (cached) and which query rows see any key at all."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask, self.rows = mask, mask.any(-1)  # [B, 1, c]
+        self._additive: dict[torch.dtype, torch.Tensor] = {}
+
+    def additive(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._additive:
+            zero = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._additive[dtype] = zero.masked_fill(~self.mask, float("-inf"))
+        return self._additive[dtype]
+
+
 class RingDocuments:
     """Packed documents' masks for the ring's blocks (``data.document_mask``): every rank holds the whole
     sequence's document ids ``[B, T]`` -- on the host (:attr:`host`, where the loader made them) and on the device.
@@ -118,7 +133,8 @@ class RingDocuments:
     row has such a pair the block is **skipped** (its keys and values still travel on). Where every row's two
     chunks lie in one document the block runs unmasked, as without documents (causal on the diagonal); otherwise
     with the mask ``doc_q == doc_k`` (and the causal triangle on the diagonal), built once per forward and reused
-    by backward. All three decisions are read from the host ids: the device is never waited for."""
+    by backward (:class:`BlockMask`: on a CPU the fused kernel takes it in additive form, and a query row that sees
+    no key of the block gets log-sum-exp ``-inf``, where the kernel reports 0; elsewhere the fp32 matmul blocks). All three decisions are read from the host ids: the device is never waited for."""
 
     def __init__(self, host: torch.Tensor, device_ids: torch.Tensor):
         self.host, self.ids = host, device_ids
@@ -141,7 +157,7 @@ class RingDocuments:
                 mask = dq[:, None, :, None] == dk[:, None, None, :]
                 if causal:
                     mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
-                out.append((qs, ks, False, mask))
+                out.append((qs, ks, False, BlockMask(mask)))
             self._blocks[key] = out
         return self._blocks[key]
 
@@ -156,12 +172,12 @@ def _expand(kv: torch.Tensor, rep: int) -> torch.Tensor:
     return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
 
 
-def _scores(q, k, scale, causal, mask=None):
+def _scores(q, k, scale, causal, mask: BlockMask | None = None):
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if causal:  # a diagonal block: query i sees keys 0..i
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
     if mask is not None:  # packed documents: query i sees key j of its own document only
-        s.masked_fill_(~mask, float("-inf"))
+        s.masked_fill_(~mask.mask, float("-inf"))
     return s
 
 
@@ -176,10 +192,13 @@ def _fused(q: torch.Tensor) -> bool:
     return q.device.type == "cpu"
 
 
-def _block_forward(q, k, v, scale, causal, mask=None):
+def _block_forward(q, k, v, scale, causal, mask: BlockMask | None = None):
     """``(softmax(S) V, logsumexp(S))`` of one block, fp32 (a row ``mask`` hides entirely: 0 and ``-inf``)."""
-    if _fused(q) and mask is None:
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    if _fused(q):
+        extra = {} if mask is None else {"attn_mask": mask.additive(q.dtype)}
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale, **extra)
+        if mask is not None:  # the kernel gives a row that sees no key 0 and log-sum-exp 0: make it -inf
+            lse = lse.masked_fill(~mask.rows, float("-inf"))
         return o.float(), lse.float()
     s = _scores(q, k, scale, causal, mask)
     lse = torch.logsumexp(s, dim=-1)
@@ -187,12 +206,13 @@ def _block_forward(q, k, v, scale, causal, mask=None):
     return torch.matmul(p.to(v.dtype), v).float(), lse
 
 
-def _block_backward(q, k, v, do, out, lse, delta, scale, causal, mask=None):
+def _block_backward(q, k, v, do, out, lse, delta, scale, causal, mask: BlockMask | None = None):
     """``(dq, dk, dv)`` of one block (fp32) from the final output ``out``, its ``lse`` and
     ``delta = rowsum(dO O)``: ``P = exp(S - lse)`` is this block's share of the final softmax."""
-    if _fused(q) and mask is None:
+    if _fused(q):
+        extra = {} if mask is None else {"attn_mask": mask.additive(q.dtype)}
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(q.dtype), q, k, v, out, lse, 0.0, causal, scale=scale)
+            do.to(q.dtype), q, k, v, out, lse, 0.0, causal, scale=scale, **extra)
         return tuple(g.float() for g in grads)
     q, k, v, do = q.float(), k.float(), v.float(), do.float()
     p = torch.exp(_scores(q, k, scale, causal, mask) - lse[..., None])
