@@ -260,8 +260,9 @@ def make_dtensor(model_cfg: ModelConfig, device: torch.device, optim: OptimizerS
 
 def attention_arguments(attn: torch.nn.Module) -> int:
     """How many arguments the block passes its attention after ``x`` (``PrepareModuleInput`` wants one layout for each
-    positional input): those of ``forward`` after ``x``."""
-    return len(inspect.signature(attn.forward).parameters) - 1
+    positional input): those of ``forward`` after ``x`` but ``documents`` (packed documents' mask, passed by keyword
+    and only with ``data.document_mask``)."""
+    return len([p for p in inspect.signature(attn.forward).parameters if p != "documents"]) - 1
 
 
 def _peer_comm_counts(c: Peer, x, y) -> dict[str, int] | None:

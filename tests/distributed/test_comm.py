@@ -197,7 +197,7 @@ def test_hang_is_reported_with_rank_and_collective(tmp_path):
     # The pool's timeout is the mechanism under test; the events it reports are ordered by the marker (rank 1 has
     # returned, rank 0 is inside the all-reduce), and they take well under a second, far inside the timeout.
     with pytest.raises(RankTimeout) as e:
-        run_ranks(2, _skip_collective, str(tmp_path / "rank0 entering"), timeout=10)
+        run_ranks(2, _skip_collective, str(tmp_path / "rank0 entering"), timeout=4)
     msg = str(e.value)
     assert "did not finish on 1 of 2 ranks" in msg, msg
     assert "rank 0: all_reduce on group 'dp' (2 ranks, (4,) float32)" in msg

@@ -139,6 +139,19 @@ def test_token_stream_without_boundaries_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_tokenizer_without_end_of_text_is_refused_before_any_rank(tmp_path):
+    """data.document_mask cuts documents at the tokenizer's eos: a tokenizer directory that names none stops the
+    command with one line before a rank starts (and a run directory is made)."""
+    from tokenizers import Tokenizer, models
+
+    (tmp_path / "tok").mkdir()
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "tok" / "tokenizer.json"))
+    r = cli_here("train", "--set", f"data.tokenizer={tmp_path / 'tok'}", "--set", "data.document_mask=true",
+                 "--set", "model.preset=tiny", "--set", f"train.out_dir={tmp_path / 'run'}", "--nproc", "2")
+    assert r.returncode == 2 and r.stderr.startswith("error: ") and "names no end-of-text token" in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("sets,world,what", [
     (["parallel.tp=4", "parallel.tp_mode=2d"], 4, "parallel.tp_mode=2d"),
 ])

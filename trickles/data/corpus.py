@@ -137,15 +137,16 @@ def _open_token_file(cfg: DataConfig, path: str) -> np.ndarray:
 
 
 def check_boundaries(cfg: DataConfig) -> None:
-    """Before any process starts: with ``data.document_mask``, each token file holds the tokenizer's end-of-text id
-    somewhere (else it was written without document boundaries). Text sources get an eos after every document;
-    a BPE still to be trained is checked by the trainer instead (:func:`~trickles.data.loader.require_boundaries`)."""
+    """Before any process starts: with ``data.document_mask``, the tokenizer has an end-of-text id (loading it
+    refuses one without) and each token file holds it somewhere (else it was written without document
+    boundaries). Text sources get an eos after every document; a BPE still to be trained is checked by the
+    trainer instead (:func:`~trickles.data.loader.require_boundaries`)."""
     if not cfg.document_mask or cfg.tokenizer == "bpe":
         return
+    eos = build_tokenizer(cfg).eos_id
     files = resolve_files(cfg)
     if resolve_format(cfg, files) != "tokens":
         return
-    eos = build_tokenizer(cfg).eos_id
     for f in files:
         require_boundaries(_open_token_file(cfg, f), eos, f)
 
