@@ -46,7 +46,8 @@ from queue import Queue
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGETS = ["trickles/comm/*.py", "trickles/parallel/*.py", "trickles/parallel/*/*.py", "trickles/memory/*.py", "trickles/optim/*.py", "trickles/kernels/*.py",
-           "trickles/infer/*.py", "trickles/compress/*.py", "trickles/models/fused.py", "trickles/train/pieces.py",
+           "trickles/infer/*.py", "trickles/compress/*.py", "trickles/models/fused.py", "trickles/models/documents.py",
+           "trickles/data/loader.py", "trickles/train/pieces.py",
            "trickles/planner/*.py"]
 EXCLUDED_FILES = {"trickles/parallel/pipeline/plot.py"}  # matplotlib drawing only
 SKIP_FUNCTIONS = {"__repr__", "__str__", "plot"}
