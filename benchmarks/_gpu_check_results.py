@@ -190,6 +190,15 @@ def cp_summary(ctx: Ctx, output: str) -> dict:
             "header": ["implementation", "median ms", "peer", "vs peer", "paired", "saved MiB", "peak MiB"], "rows": rows}
 
 
+def documents_summary(ctx: Ctx, output: str) -> dict:
+    doc = load(out(ctx, "documents.json"))
+    rows = [[n, ms(doc["median_s"][n])] for n in doc["median_s"]]
+    return {"headline": f"documents/causal {doc['ratio']:.3f}x (paired {doc['paired_ratio']:.3f}x), "
+                        f"{doc['documents']} documents in {doc['seq']} tokens, agreement {doc['agreement']:.1e}",
+            "numbers": {k: doc[k] for k in ("ratio", "paired_ratio", "agreement", "median_s", "documents", "seq", "batch")},
+            "header": ["attention", "median ms"], "rows": rows}
+
+
 def decoding_summary(ctx: Ctx, output: str) -> dict:
     doc = load(out(ctx, "decoding.json"))
     agree = {k: {s: v.count(s) for s in ("equal", "tie", "differ")} for k, v in doc["agreement"].items()}

@@ -58,8 +58,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from _gpu_check_results import (Ctx, cp_summary, decoding_summary, inference_summary, kernels_summary,  # this folder
-                                moe_summary, out, pytest_summary, quantization_summary, single_summary, train_summary)
+from _gpu_check_results import (Ctx, cp_summary, decoding_summary, documents_summary, inference_summary,  # this folder
+                                kernels_summary, moe_summary, out, pytest_summary, quantization_summary, single_summary,
+                                train_summary)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_STEP_S = 15  # a step is not started with less time than this left in the budget
@@ -176,6 +177,12 @@ def steps() -> list[Step]:
                 ["--device", "cuda", "--seq", "8192", "--heads", "16", "--steps", "10", "--warmup", "2"] if c.cuda else
                 ["--device", "cpu", "--seq", "256", "--steps", "1", "--warmup", "0"])),
              (25, 120), cp_summary),
+        Step("j", "packed documents' masks (flex attention) vs causal", lambda c: bench(
+            c, "documents.py", "--json", out(c, "documents.json"), *(
+                ["--device", "cuda", "--dtype", "bf16", "--preset", "llama-1b", "--batch", "1", "--seq", "4096",
+                 "--documents", "8", "--rounds", "5", "--warmup", "2"] if c.cuda else
+                ["--device", "cpu", "--preset", "tiny", "--seq", "32", "--documents", "4", "--rounds", "1", "--warmup", "0"])),
+             (40, 120), documents_summary),
         Step("f", "int8 (_int_mm) decoding vs bf16", lambda c: bench(
             c, "quantization.py", "--out", out(c, "quantization"), *(
                 ["--device", "cuda", "--speed-preset", "llama-1b", "--rounds", "3", "--new-tokens", "32"] if c.cuda else

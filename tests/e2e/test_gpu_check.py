@@ -30,7 +30,7 @@ def test_the_cpu_smoke_run_of_one_step_records_every_step(tmp_path):
     r = _run(tmp_path, "--only", "h")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc, steps, table = _written(tmp_path)
-    assert [s["key"] for s in doc["steps"]] == KEYS and len(KEYS) == 13
+    assert [s["key"] for s in doc["steps"]] == KEYS and len(KEYS) == 14
     assert doc["device"] == "cpu" and doc["environment"]["liger_kernel"]  # a version, or "absent"
     ring = steps["h"]
     assert ring["status"] == "ok" and ring["seconds"] > 0 and "context_parallel.py --world 1" in ring["command"]
