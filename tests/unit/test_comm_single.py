@@ -35,3 +35,17 @@ def test_ledger_totals_select_by_op_and_group():
     ledger.enabled = False
     ledger.record("all_reduce", "dp", 1, 1.0)
     assert ledger.calls() == 3
+
+
+class _Work:
+    def __init__(self, completed: bool):
+        self.completed = completed
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+
+def test_a_handle_is_done_when_its_work_is_or_when_it_has_none():
+    assert C.Handle(None, "").done()
+    assert C.Handle(_Work(True), "send").done()
+    assert not C.Handle(_Work(False), "send").done()
