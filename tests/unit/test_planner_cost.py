@@ -322,3 +322,11 @@ def test_a_grid_reduce_scatters_in_backward_what_it_gathers_in_forward(world, mo
         assert ag.calls == rs.calls > 0
         if mode == "2d":
             assert ag.wire_bytes == pytest.approx(rs.wire_bytes, rel=1e-6)
+
+
+def test_a_pipeline_message_is_the_stage_output_cut_by_sequence_parallelism():
+    """[B, T/cp, d] in the compute type, split over tp under sequence parallelism (whole without it)."""
+    for sp, split in (("true", 2), ("false", 1)):
+        cfg, dims, mc, _ = plan(4, "parallel.pp=2", "parallel.tp=2", f"parallel.sequence_parallel={sp}", "train.micro_batch=2")
+        for r in rank_plans(cfg, dims, mc):
+            assert r.message_bytes == 2 * cfg.data.seq_len * mc.d_model * r.p // split, (sp, r.message_bytes)
