@@ -208,3 +208,15 @@ def test_planning_creates_no_process_group():
     s.run()
     s.top(2)
     assert not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+def test_the_bound_counts_the_experts_over_their_data_parallel_group():
+    """ZeRO-1 at dp=4, ep=2: each rank keeps the optimizer state of its experts' share over the expert data-parallel
+    group (2 ranks), and of the dense weights' over all 4 replicas; the bound stays under the memory report and
+    close to it."""
+    cfg, mc, _ = setup("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64", "parallel.dp=4",
+                       "parallel.ep=2", "parallel.zero=1", "parallel.pp=1", "parallel.tp=1", "parallel.cp=1")
+    dims = cfg.validate(4)
+    bound = memory_bound(cfg, dims, mc, "cuda", 8)
+    peak = predict(cfg, dims, mc, "cuda").predicted["peak"]
+    assert 0.8 * peak <= bound.device <= peak, (bound.device, peak)
