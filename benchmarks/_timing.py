@@ -24,6 +24,15 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or platform.machine())
 
 
+def one_device(choice: str, threads: int | None = None) -> torch.device:
+    """The device of a one-process benchmark's ``--device`` (``auto``: CUDA where there is one); on a CPU,
+    ``--threads`` threads (default 1, so that the contestants' times do not depend on the core count)."""
+    device = torch.device("cuda" if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()) else "cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(threads or 1)
+    return device
+
+
 def sync(device: torch.device) -> None:
     """Waits for the device's queued work (a no-op on CPU)."""
     if device.type == "cuda":

@@ -29,7 +29,7 @@ What is compared
     At ``--world 1`` (cp=1: one process, nothing sent) the ring and the all-to-all are timed against that
     reference row instead: what their attention blocks cost against ``F.scaled_dot_product_attention`` on
     the same device (the ring's blocks run PyTorch's fused CPU kernel on a CPU and fp32 matmuls elsewhere,
-    ``trickles/parallel/context.py``). DeepSpeed and PyTorch's ``context_parallel`` are left out there.
+    ``trickles/parallel/ring.py``). DeepSpeed and PyTorch's ``context_parallel`` are left out there.
 
 How
     * Same data: the whole ``q, k, v`` and upstream gradient from a fixed generator on every rank;
@@ -47,8 +47,8 @@ How
       contestant; on CUDA also ``torch.cuda.max_memory_allocated`` during the step above what was
       allocated before it (the inputs).
     * Bytes sent per rank in the same step: ours from the topology's ``CommLedger`` (wire bytes of every
-      send and all-to-all on the ``cp`` group), next to the formula in ``trickles/parallel/context.py``'s
-      docstring; DeepSpeed's by wrapping ``deepspeed.comm.all_to_all_single`` (``(N-1)/N`` of each input,
+      send and all-to-all on the ``cp`` group), next to the formulas in ``trickles/parallel/ring.py``'s and ``context.py``'s
+      docstrings; DeepSpeed's by wrapping ``deepspeed.comm.all_to_all_single`` (``(N-1)/N`` of each input,
       what leaves the rank).
     * Timing: after ``--warmup`` untimed rounds, ``--steps`` rounds in which every contestant runs one
       step, the order rotating each round so noise falls on all of them alike. Each step starts after a
@@ -503,7 +503,7 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
     times_table(args, rows, header, how="; memory and bytes per rank (largest over the ranks)",
                 note=PAIRED_NOTE + ". saved: bytes autograd keeps for backward plus the output (o_proj's input), distinct "
                 "storages; sent: wire bytes this rank sends (ours: CommLedger; DeepSpeed: its all_to_all_single calls); "
-                "formula: trickles/parallel/context.py's docstring.")
+                "formula: trickles/parallel/ring.py's and context.py's docstrings.")
     for n in (RING, ULYSSES, *([RING_DOCS] if RING_DOCS in names else [])):
         ops = everyone[0]["memory"][n]["ops"]
         if ops:

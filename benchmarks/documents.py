@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import device_name, interleaved, paired, rel_error, write_json  # noqa: E402
+from _timing import device_name, interleaved, one_device, paired, rel_error, write_json  # noqa: E402
 
 from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
 from trickles.models.transformer import build_model  # noqa: E402
@@ -67,9 +67,7 @@ def boundaries(batch: int, seq: int, documents: int, generator: torch.Generator)
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads or 1)
+    device = one_device(args.device, args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), vocab_size=256, max_seq_len=args.seq, dropout=0.0)
     model = build_model(cfg, seed=0, device=device).to(dtype)

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import device_name, interleaved, rel_error  # noqa: E402
+from _timing import device_name, interleaved, one_device, rel_error  # noqa: E402
 
 from trickles.kernels.activations import swiglu, swiglu_packed  # noqa: E402
 from trickles.models import fused  # noqa: E402
@@ -78,9 +78,7 @@ class Projections(torch.nn.Module):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads or 1)
+    device = one_device(args.device, args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), kernels=args.kernels, vocab_size=256,
                               max_seq_len=args.tokens)

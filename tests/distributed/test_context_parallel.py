@@ -40,15 +40,15 @@ SHAPES = [  # (heads, kv heads, sequence, head dim): plain; grouped-query with a
 
 def _kernel(mode, heads, kv_heads, seq, d, fused=True):
     """``fused=False``: the ring's blocks as plain fp32 matmuls, the path it takes off CPU."""
-    import trickles.parallel.context as context
+    import trickles.parallel.ring as ring
 
-    real = context._fused
+    real = ring._fused
     if not fused:
-        context._fused = lambda q: False
+        ring._fused = lambda q: False
     try:
         return _kernel_run(mode, heads, kv_heads, seq, d)
     finally:
-        context._fused = real
+        ring._fused = real
 
 
 def _kernel_run(mode, heads, kv_heads, seq, d):

@@ -46,15 +46,15 @@ def _packed_on_cp(mode, preset, fused=True):
     """This cp rank's tokens of a packed batch through a context-parallel model: the largest gaps of the per-token
     losses and of the gradients (summed over the cp ranks) to the documents run alone. ``fused=False``: the ring's
     blocks as fp32 matmuls, the path it takes off CPU."""
-    import trickles.parallel.context as context
+    import trickles.parallel.ring as ring
 
-    real = context._fused
+    real = ring._fused
     if not fused:
-        context._fused = lambda q: False
+        ring._fused = lambda q: False
     try:
         return _packed_on_cp_run(mode, preset)
     finally:
-        context._fused = real
+        ring._fused = real
 
 
 def _packed_on_cp_run(mode, preset):
