@@ -1,7 +1,9 @@
 """Suite-wide fixtures and guards.
 
 * Multi-rank tests share spawned rank pools (``trickles.testing``); they are shut down once,
-  at the end of the session.
+  at the end of the session. Under ``pytest -n 2 --dist loadgroup`` (the README's command) every test in
+  ``tests/distributed/`` is in one ``xdist_group``: they run one after another on one worker, whose ranks use
+  both cores, while the other worker takes the one-process and end-to-end tests.
 * A run in which no test passed is a failure, whatever pytest's own exit status says (an empty
   or all-skipped run must never look green).
 * Under ``CI=true`` (set by ``.ci/run``) a skipped test is a failure: CI installs everything the
@@ -39,7 +41,14 @@ def _skip_reason(longrepr) -> str:
     return str(longrepr)
 
 
+RANKS_GROUP = "ranks"  # under --dist loadgroup, every multi-rank test runs on one worker (see docs/testing.md)
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.parent.name == "distributed":
+            item.add_marker(pytest.mark.xdist_group(RANKS_GROUP))
     gpu_tests = [item for item in items if item.get_closest_marker("needs_gpu")]
     if gpu_tests:
         import torch

@@ -27,7 +27,10 @@ After either, the pool is killed and the next :func:`pool` call starts a fresh o
 ``subprocess.run(cmd, capture_output=True)`` would, in a process forked from the same forkserver rather than
 a fresh interpreter: the module or script runs as ``__main__`` with the command's arguments, working
 directory, environment, ``sys.path`` and unpiped standard streams, and its exit status, output and error come
-back as a :class:`subprocess.CompletedProcess`. Only the seconds of importing torch are skipped. Where the
+back as a :class:`subprocess.CompletedProcess`. Only the seconds of importing torch are skipped, also by the ranks
+the command launches: its forkserver (the launcher's, :func:`trickles.launch.rank_context`) is a fork of the command's
+process taken before the command runs (:func:`_forkserver_from_here`) rather than a fresh interpreter importing the
+trainer and TorchDynamo again. Where the
 environment differs from the forkserver's in a variable read when modules are imported (``TRITON_*``,
 ``TORCH*``, ``PYTHON*`` beyond the emulated three, thread counts other than ``OMP_NUM_THREADS``...), the
 forked process replaces itself with a fresh interpreter (``os.execve``), so the result is a subprocess's.
@@ -40,9 +43,11 @@ import io
 import json
 import multiprocessing as mp
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -261,6 +266,42 @@ def _text_stream(fd: int, encoding: str, errors: str, unbuffered: bool, line_buf
                             line_buffering=line_buffering, write_through=unbuffered)
 
 
+def _forkserver_from_here() -> None:
+    """Gives this process a forkserver (the one :func:`trickles.launch.rank_context` forks ranks from) that is a fork
+    of it as it is now: the launcher's preloaded modules imported, no thread started, the command's environment and
+    path -- the state a freshly spawned forkserver reaches after seconds of imports. Its file descriptors are those
+    a spawned one gets (0-2, its socket and the "alive" pipe); it ends when every client has (multiprocessing's
+    protocol, unchanged). Called before the command runs anything."""
+    server = mp.forkserver._forkserver
+    listener = socket.socket(socket.AF_UNIX)
+    address = mp.connection.arbitrary_address("AF_UNIX")
+    listener.bind(address)
+    os.chmod(address, 0o600)
+    listener.listen()
+    alive_r, alive_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            keep = {0, 1, 2, listener.fileno(), alive_r}
+            for fd in [int(name) for name in os.listdir("/proc/self/fd")]:
+                if fd not in keep:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            mp.forkserver.main(listener.fileno(), alive_r, [])
+        except SystemExit:
+            pass
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        os._exit(code)
+    listener.close()
+    os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
 def _command_main(cmd: list[str], cwd: str, env: dict[str, str], out: str, err: str | None, path: list[str]) -> None:
     """The forked side of :func:`run_command`: output files as fds 1 and 2, a process group of its own, the
     command's directory and environment, then its module or script as ``__main__``; exits with its status."""
@@ -292,6 +333,7 @@ def _command_main(cmd: list[str], cwd: str, env: dict[str, str], out: str, err: 
     sys.stderr = sys.__stderr__ = _text_stream(2, encoding, errors or "backslashreplace", unbuffered, True)
     sys.path[:] = path
     sys.argv = [cmd[1], *cmd[2:]] if cmd[1] != "-m" else [cmd[2], *cmd[3:]]
+    _forkserver_from_here()
     try:
         if cmd[1] == "-m":
             runpy.run_module(cmd[2], run_name="__main__", alter_sys=True)

@@ -36,9 +36,10 @@ LAYOUTS = {
     "dp2-zero3-offload": (2, ["parallel.zero=3", OFFLOAD]),
     "dp2-pp2-zero1-offload": (4, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1", OFFLOAD]),
     "dp4-zero2-offload": (4, ["parallel.zero=2", OFFLOAD]),
-    # context parallel: the sequence split over ranks that hold the same weights (ZeRO shards over dp x cp)
-    "cp2-zero1": (2, ["parallel.cp=2", "parallel.zero=1"]),
-    "cp4-ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses"]),
+    # context parallel: the sequence split over ranks that hold the same weights (ZeRO shards over dp x cp); micro-batches
+    # of 4 (2 per step instead of 8: the ring's many small blocks made this pair a quarter of the file's time)
+    "cp2-zero1": (2, ["parallel.cp=2", "parallel.zero=1", "train.micro_batch=4"]),
+    "cp4-ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses", "train.micro_batch=4"]),
     # mixture of experts (another model: 4 experts in every other block): the experts split over ep ranks
     "moe-ep2": (2, [*MOE, "parallel.ep=2"]),
     "moe-dp1": (1, MOE),

@@ -48,3 +48,34 @@ def test_a_forked_command_sees_what_a_fresh_interpreter_sees(tmp_path):
     # trickles' own entry point, its one-line refusal and status
     r = run_command([sys.executable, "-m", "trickles", "train", "--set", "model.preset=nope"], timeout=60)
     assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: unknown model.preset 'nope'"), r.stderr
+
+
+RANKS_PROBE = '''\
+import json, os, sys
+from trickles.launch import launch
+
+
+def report():
+    print(json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "cwd": os.getcwd(), "path": sys.path,
+                      "argv": sys.argv, "probe": os.environ.get("TRICKLES_PROBE"), "main": sys.modules["__main__"].__name__}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(launch(report, (), 2, quiet=True))
+'''
+
+
+def test_ranks_a_forked_command_launches_see_what_a_fresh_commands_ranks_see(tmp_path):
+    """The launcher's forkserver in a forked command is a fork of the command (no second interpreter importing the
+    trainer); its ranks see the arguments, directory, path and environment that ranks of a fresh command see."""
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_PROBE)
+    env = {**os.environ, "TRICKLES_PROBE": "ranks", "PYTHONPATH": str(tmp_path / "extra")}
+    cmd = [sys.executable, str(script), "--flag"]
+    forked = run_command(cmd, cwd=tmp_path, env=env, timeout=120)
+    fresh = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert forked.returncode == fresh.returncode == 0, forked.stderr + fresh.stderr
+    seen, expected = (sorted(map(json.loads, r.stdout.splitlines()), key=lambda d: d["rank"]) for r in (forked, fresh))
+    assert [d["rank"] for d in seen] == ["0", "1"] and seen[0]["probe"] == "ranks" and seen[0]["argv"][1:] == ["--flag"]
+    assert seen == expected
