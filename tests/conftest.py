@@ -1,9 +1,9 @@
 """Suite-wide fixtures and guards.
 
 * Multi-rank tests share spawned rank pools (``trickles.testing``); they are shut down once,
-  at the end of the session. Under ``pytest -n 2 --dist loadgroup`` (the README's command) every test in
-  ``tests/distributed/`` is in one ``xdist_group``: they run one after another on one worker, whose ranks use
-  both cores, while the other worker takes the one-process and end-to-end tests.
+  at the end of the session. Under ``pytest -n 2`` (pytest-xdist; the README's command) every test in
+  ``tests/distributed/`` runs on one worker, one after another (their ranks use both cores), while the other
+  worker takes the one-process and end-to-end tests (:func:`pytest_xdist_make_scheduler`).
 * A run in which no test passed is a failure, whatever pytest's own exit status says (an empty
   or all-skipped run must never look green).
 * Under ``CI=true`` (set by ``.ci/run``) a skipped test is a failure: CI installs everything the
@@ -41,14 +41,23 @@ def _skip_reason(longrepr) -> str:
     return str(longrepr)
 
 
-RANKS_GROUP = "ranks"  # under --dist loadgroup, every multi-rank test runs on one worker (see docs/testing.md)
+RANKS_DIR = "tests/distributed/"  # under pytest -n 2, these tests run one after another on one worker
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: it is only called where xdist is installed and -n is given
+def pytest_xdist_make_scheduler(config, log):
+    """Every multi-rank test in one unit of work (one worker, in collection order: their ranks use the cores); each
+    other test a unit of its own, handed to whichever worker is free (xdist's ``load`` distribution)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RanksOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return RANKS_DIR if nodeid.startswith(RANKS_DIR) else nodeid
+
+    return RanksOnOneWorker(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.parent.name == "distributed":
-            item.add_marker(pytest.mark.xdist_group(RANKS_GROUP))
     gpu_tests = [item for item in items if item.get_closest_marker("needs_gpu")]
     if gpu_tests:
         import torch

@@ -29,6 +29,9 @@ GRIDS = [("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)]
 # every mode once, each preset (llama; gpt2's biases and tied embedding) on the 2-D grid and on one 8-rank grid
 CASES = [(*GRIDS[0], "tiny"), (*GRIDS[0], "gpt2-tiny"), (*GRIDS[1], "tiny"), (*GRIDS[2], "gpt2-tiny")]
 IDS = [f"{m}-tp{tp}-{preset}" for m, tp, _, preset in CASES]
+# the memory formulas once more under selective recomputation (the attention core not saved), on the 2-D grid
+MEMORY_CASES = [(*c, "none") for c in CASES] + [(*GRIDS[0], "tiny", "selective")]
+MEMORY_IDS = IDS + ["2d-tp4-tiny-selective"]
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +46,11 @@ def _trainer(tmp, cache, mode, tp, depth, preset, *overrides):
     return Trainer(cfg, dims.build(CPU), quiet=True), dims
 
 
-def _measured(tmp, cache, mode, tp, depth, preset):
+def _measured(tmp, cache, mode, tp, depth, preset, recompute="none"):
     """On every rank: the ledger of one block and of one step, the saved bytes, the parameters, the memory report."""
     from trickles.memory.report import measure, predict
 
-    tr, dims = _trainer(tmp, cache, mode, tp, depth, preset)
+    tr, dims = _trainer(tmp, cache, mode, tp, depth, preset, f"memory.recompute={recompute}")
     ledger, model = tr.topo.ledger, tr.model
     ledger.reset()
     tr.train_step()
@@ -77,11 +80,12 @@ def _measured(tmp, cache, mode, tp, depth, preset):
 _RUNS: dict = {}
 
 
-def _runs(tmp_path_factory, cache, mode, tp, depth, preset):
+def _runs(tmp_path_factory, cache, mode, tp, depth, preset, recompute="none"):
     """Every rank's measurements of one grid, run once for the module's tests."""
-    key = (mode, tp, depth, preset)
+    key = (mode, tp, depth, preset, recompute)
     if key not in _RUNS:
-        _RUNS[key] = run_ranks(tp, _measured, str(tmp_path_factory.mktemp("nd-costs")), cache, mode, tp, depth, preset)
+        _RUNS[key] = run_ranks(tp, _measured, str(tmp_path_factory.mktemp("nd-costs")), cache, mode, tp, depth, preset,
+                               recompute)
     return _RUNS[key]
 
 
@@ -104,13 +108,13 @@ def test_grid_sends_the_formula_bytes_per_block_and_per_step(tmp_path_factory, c
           f"a micro-batch {grid['total']:,} B (1-D: {one_d['total']:,} B, ratio {grid['total'] / one_d['total']:.2f})")
 
 
-@pytest.mark.parametrize("mode,tp,depth,preset", CASES, ids=IDS)
+@pytest.mark.parametrize("mode,tp,depth,preset,recompute", MEMORY_CASES, ids=MEMORY_IDS)
 def test_grid_memory_equals_the_formulas_and_the_report_measures_its_prediction(tmp_path_factory, cache, mode, tp, depth,
-                                                                                preset):
-    runs = _runs(tmp_path_factory, cache, mode, tp, depth, preset)
+                                                                                preset, recompute):
+    runs = _runs(tmp_path_factory, cache, mode, tp, depth, preset, recompute)
     cfg = runs[0]["cfg"]
     lay = Layout.of(mode, tp, depth)
-    act = activation_bytes_nd(cfg, lay, MICRO, SEQ, 4)
+    act = activation_bytes_nd(cfg, lay, MICRO, SEQ, 4, recompute)
     expected = {"head": act["head"], **{f"layers.{i}": act["layer"] for i in range(cfg.n_layers)}}
     count = param_count(cfg, lay)["total"]
     for r in runs:
