@@ -119,6 +119,33 @@ def test_lars_equals_the_papers_update(clip):
         assert float((b - weights[i]).abs().max()) > 1e-3, i
 
 
+@pytest.mark.parametrize("optimizer", [Lamb, Lars])
+def test_step_with_a_closure_runs_it_with_autograd_and_returns_its_loss(optimizer):
+    """``step(closure)`` as torch's optimizers take it: the closure recomputes the loss and its gradients (autograd on,
+    although the step itself runs without), the step returns that loss and updates as after a plain backward."""
+    torch.manual_seed(0)
+    x, w0 = torch.randn(8, 4), torch.randn(4, 3)
+    runs = []
+    for with_closure in (True, False):
+        w = torch.nn.Parameter(w0.clone())
+        opt = optimizer([w], lr=0.1)
+
+        def closure():
+            opt.zero_grad()
+            loss = (x @ w).square().mean()
+            loss.backward()
+            return loss
+
+        if with_closure:
+            loss = opt.step(closure)
+        else:
+            loss = closure()
+            assert opt.step() is None
+        runs.append((float(loss), w.detach().clone()))
+    (loss, w), (plain_loss, plain_w) = runs
+    assert loss == plain_loss and torch.equal(w, plain_w) and not torch.equal(w, w0)
+
+
 def test_lamb_equals_torch_optimizer_lamb():
     """torch-optimizer's Lamb is the paper's v3 (no bias correction), adapts every tensor and clamps ||w|| at 10."""
     import torch_optimizer

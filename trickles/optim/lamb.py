@@ -38,7 +38,10 @@ class Lamb(LayerwiseOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:  # as torch's optimizers do: the closure's forward and backward need autograd
+            with torch.enable_grad():
+                loss = closure()
         adapted = []  # (group, params, updates)
         for group, ps in self._with_grads():
             grads = [p.grad for p in ps]

@@ -34,7 +34,10 @@ class Lars(LayerwiseOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = closure() if closure is not None else None
+        loss = None
+        if closure is not None:  # as torch's optimizers do: the closure's forward and backward need autograd
+            with torch.enable_grad():
+                loss = closure()
         work = [(group, ps, [p.grad for p in ps]) for group, ps in self._with_grads()]
         adapted = [w for w in work if w[0]["adapt"]]
         norms = dict(zip((id(w) for w in adapted), group_norms(self.provider, [(ps, gs) for _, ps, gs in adapted])))
