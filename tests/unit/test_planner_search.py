@@ -220,3 +220,12 @@ def test_the_bound_counts_the_experts_over_their_data_parallel_group():
     bound = memory_bound(cfg, dims, mc, "cuda", 8)
     peak = predict(cfg, dims, mc, "cuda").predicted["peak"]
     assert 0.8 * peak <= bound.device <= peak, (bound.device, peak)
+
+
+def test_a_pinned_virtual_stage_count_holds_for_every_layout_and_a_free_one_varies():
+    sets = ["model.n_layers=4", "parallel.virtual_stages=2"]
+    cfg, mc, _ = setup(*sets)
+    pinned = list(enumerate_layouts(cfg, pinned_keys(None, sets), 4, mc))
+    assert pinned and {lay.virtual_stages for lay in pinned} == {2}
+    free = list(enumerate_layouts(cfg, set(), 4, mc))
+    assert {lay.virtual_stages for lay in free if lay.pp > 1} == {1, 2}  # 1F1B and interleaved over 2 chunks

@@ -120,3 +120,17 @@ def test_apply_qat_fake_quantizes_the_projections_quantization_replaces_and_name
         mod = model.get_submodule(name)
         x = torch.randn(3, mod.weight.shape[1], generator=torch.Generator().manual_seed(0))
         assert mod.qat and not torch.equal(mod(x), F.linear(x, mod.weight))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_apply_qat_unfuses_the_loss_only_where_it_fake_quantizes_the_output(tied):
+    """An untied output layer is fake-quantized, so the loss must come from its (rounded) logits: the fused loss, which
+    reads the float weight, is switched off. A tied one is the embedding, not quantized: the fused loss stays."""
+    from trickles.models import ModelConfig, apply_preset, build_model
+
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), vocab_size=64, max_seq_len=16, tie_embeddings=tied,
+                              fused_loss=True)
+    model = build_model(cfg, seed=0)
+    assert model.loss.fused
+    names = apply_qat(model)
+    assert ("output" in names) is (not tied) and model.loss.fused is tied
