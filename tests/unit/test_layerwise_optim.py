@@ -141,7 +141,7 @@ def test_step_with_a_closure_runs_it_with_autograd_and_returns_its_loss(optimize
         else:
             loss = closure()
             assert opt.step() is None
-        runs.append((float(loss), w.detach().clone()))
+        runs.append((float(loss.detach()), w.detach().clone()))
     (loss, w), (plain_loss, plain_w) = runs
     assert loss == plain_loss and torch.equal(w, plain_w) and not torch.equal(w, w0)
 
