@@ -99,7 +99,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     lay = Layout.of(dims.tp_mode, dims.tp, dims.tp_depth, cfg.parallel.sequence_parallel)
     act = activations(cfg, model_cfg, lay, dims, device_type)
     tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
-    # the loss: unfused, its backward's fp32 gradients; fused, one chunk's logits
+    # the loss: unfused, its backward's fp32 gradients (a grid: its forward's logits and their shifted copy); fused,
+    # one chunk's logits
     loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton, fp32_accumulating_mm(device_type)))
     recomputed = 0  # what recomputation brings back of a layer in its backward

@@ -320,8 +320,10 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
 
 
 def loss_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int) -> int:
-    """A grid's loss backward: the gradient written into the saved probabilities, one more fp32 ``[n, V/q]``."""
-    return 4 * lay.tokens(batch, seq) * (cfg.vocab_size // lay.q)
+    """A grid's loss beyond what it keeps (the probabilities, fp32 ``[n, V/q]``): its forward, where the fp32 logits
+    and their shifted copy are alive while the exponentials (kept as the probabilities) are written, two fp32
+    ``[n, V/q]``; its backward needs only one (the gradient), so the forward sets the loss's peak."""
+    return 2 * 4 * lay.tokens(batch, seq) * (cfg.vocab_size // lay.q)
 
 
 def head_released_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4) -> int:
