@@ -176,6 +176,17 @@ def _wait(handles) -> None:
         h.wait()
 
 
+
+def _ring_step(comm: GroupComm, kv: torch.Tensor, step: int, rep: int):
+    """Step ``step`` of the ring: the exchange of ``kv`` (the stacked keys and values held now) posted to the
+    neighbours unless it is the last step (its handles and the buffer the next block arrives in), the rank whose
+    block ``kv`` is, and its keys and values with each key/value head repeated ``rep`` times."""
+    handles, nxt = [], None
+    if step < comm.size - 1:
+        nxt = torch.empty_like(kv)
+        handles = _exchange(comm, kv, nxt)
+    return handles, nxt, (comm.rank - step) % comm.size, repeat_heads(kv[0], rep), repeat_heads(kv[1], rep)
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, comm: GroupComm, documents: RingDocuments | None):
@@ -186,12 +197,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per step
         for step in range(cp):
-            handles, nxt = [], None
-            if step < cp - 1:
-                nxt = torch.empty_like(kv)
-                handles = _exchange(comm, kv, nxt)
-            src = (rank - step) % cp
-            kk, vv = repeat_heads(kv[0], rep), repeat_heads(kv[1], rep)
+            handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             for qs, ks, causal, mask in _blocks(rank, src, cp, c, documents):
                 o_b, lse_b = _block_forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
@@ -221,12 +227,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v]).contiguous()
         dkv, dkv_handles = None, []  # the gradient block arriving with the keys and values being held
         for step in range(cp):
-            handles, nxt = [], None
-            if step < cp - 1:
-                nxt = torch.empty_like(kv)
-                handles = _exchange(comm, kv, nxt)
-            src = (rank - step) % cp
-            kk, vv = repeat_heads(kv[0], rep), repeat_heads(kv[1], rep)
+            handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
             for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents):
                 dq_b, dk_b, dv_b = _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], out[:, :, qs],
