@@ -248,7 +248,7 @@ class Config:
 
     def _check_pipeline(self, dims: ParallelDims) -> None:
         from .parallel.pipeline.stages import partition_layers
-        from .parallel.pipeline.schedules import Shape, check_shape
+        from .parallel.pipeline.schedules import SPLIT, Shape, check_shape
 
         p = self.parallel
         if dims.pp == 1:
@@ -261,9 +261,13 @@ class Config:
         if p.zero > 1:
             raise ConfigError(f"parallel.zero={p.zero} does not combine with pipeline stages (it would reduce or gather "
                               "parameters for every micro-batch); use parallel.zero=0 or 1 with parallel.pp > 1")
+        if p.schedule in SPLIT and dims.tp > 1 and p.tp_mode != "1d":
+            raise ConfigError(f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
+                              f"gradients, which the {p.tp_mode} tensor-parallel layers compute in one step; use "
+                              f"parallel.tp_mode=1d or parallel.schedule=1f1b / interleaved")
         _, micro_batches = self.batch_plan(dims.dp)
         try:
-            check_shape(p.schedule, Shape(dims.pp, p.virtual_stages, micro_batches))
+            check_shape(p.schedule, Shape.of(p.schedule, dims.pp, p.virtual_stages, micro_batches))
         except ValueError as e:
             raise ConfigError(str(e)) from None
         partition_layers(self.model.n_layers, dims.pp * p.virtual_stages, p.pipeline_layers)

@@ -165,10 +165,11 @@ def _executed(tmp, overrides, schedule, v):
                   [*overrides, "model.n_layers=8", "train.micro_batch=1", f"parallel.schedule={schedule}",
                    f"parallel.virtual_stages={v}", "train.pipeline_trace=x.png"], steps=1)
     runner, ran = tr.pipeline, []
-    post, forward, backward = runner._post, runner._forward, runner._backward
+    post, forward, backward, weight = runner._post, runner._forward, runner._backward, runner._weight
     runner._post = lambda run, micro: (ran.extend(run), post(run, micro))[1]
     runner._forward = lambda a, *args: (ran.append(a), forward(a, *args))[1]
     runner._backward = lambda a, *args: (ran.append(a), backward(a, *args))[1]
+    runner._weight = lambda a: (ran.append(a), weight(a))[1]
     tr.train_step()
     timeline = runner.gather_trace()
     rows = None if timeline is None else [[(a, s, e) for a, s, e in row] for row in timeline.spans]
@@ -315,15 +316,16 @@ def _lr_off(tmp, overrides):
     return [*overrides, f"train.lr={0.95 * tiny_config(tmp).train.lr!r}"]
 
 
-@pytest.mark.parametrize("precision,steps", [("bf16", 20), ("fp16", 8)])
-def test_low_precision_through_the_stages_tracks_one_process(tmp_path, cache, precision, steps):
+@pytest.mark.parametrize("precision,steps,schedule", [("bf16", 20, "1f1b"), ("fp16", 8, "1f1b"), ("bf16", 20, "zb-h1")])
+def test_low_precision_through_the_stages_tracks_one_process(tmp_path, cache, precision, steps, schedule):
     """Low-precision activations and gradients cross the stages; fp16 scales the loss on the last stage. The
     pipeline's losses and weights track one process at the same precision, closer than a run with a learning
-    rate 5% off and than a weight never updated. (fp16: fewer steps; this CPU emulates fp16 matmuls slowly.)"""
+    rate 5% off and than a weight never updated. (fp16: fewer steps; this CPU emulates fp16 matmuls slowly.)
+    ZB-H1: the weights' gradients computed apart from the input's (W after B) in bf16."""
     overrides = ["model.n_layers=4", f"memory.precision={precision}"]
     (one,), one_w, initial = _tracked(str(tmp_path), cache, 1, 1, overrides, steps)
     (off,), _, _ = _tracked(str(tmp_path), cache, 1, 1, _lr_off(str(tmp_path), overrides), steps)
-    losses, weights, _ = _tracked(str(tmp_path), cache, 2, 1, overrides, steps)
+    losses, weights, _ = _tracked(str(tmp_path), cache, 2, 1, [*overrides, f"parallel.schedule={schedule}"], steps)
     for rank_losses in losses:
         # the first forward computes the same numbers; later steps drift apart by rounding alone (the gradient norm
         # is summed over the stages in another order, and a low-precision weight then rounds differently now and then)

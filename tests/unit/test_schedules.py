@@ -8,7 +8,8 @@ import pytest
 from helpers import tiny_config
 from trickles.errors import ConfigError
 from trickles.parallel.pipeline.stages import partition_layers
-from trickles.parallel.pipeline.schedules import Action, Shape, Timeline, batches, build, check_shape, peak_alive, render, simulate
+from trickles.parallel.pipeline.schedules import (Action, Shape, Timeline, batches, build, check_shape, compute_order,
+                                                  peak_alive, render, simulate)
 
 SHAPES = [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)] + \
          [("1f1b", Shape(p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 4, 8)] + \
@@ -158,8 +159,15 @@ def test_partition_even_uneven_and_given():
     (["parallel.pp=2", "parallel.virtual_stages=2"], 2, "needs parallel.schedule=interleaved"),
     (["parallel.pp=3"], 2, "cannot be split"),
     (["train.pipeline_trace=out.png"], 1, "needs parallel.pp > 1"),
+    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v"], 2, "two model chunks .*virtual_stages=2 \\(got 1\\)"),
+    (["parallel.pp=2", "model.n_layers=6", "parallel.schedule=zb-v", "parallel.virtual_stages=3"], 2, "virtual_stages=2 \\(got 3\\)"),
+    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-h1", "parallel.virtual_stages=2"], 2, "or zb-v with 2"),
+    (["parallel.pp=2", "parallel.tp=4", "parallel.tp_mode=2d", "parallel.schedule=zb-h1"], 8, "use parallel.tp_mode=1d"),
+    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
+      "parallel.pipeline_layers=[1, 1, 1]"], 2, "lists 3 stages"),
 ], ids=["more-stages-than-layers", "interleaved-micro-batches", "too-many-chunks", "zero2", "layer-list", "virtual-without-pp",
-        "virtual-without-interleaved", "world", "trace-without-pp"])
+        "virtual-without-interleaved", "world", "trace-without-pp", "zb-v-one-chunk", "zb-v-odd-chunks", "zb-h1-two-chunks",
+        "zb-grid-tp", "zb-v-layer-list"])
 def test_bad_pipeline_configurations_are_refused_before_any_process_group(tmp_path, overrides, world, message):
     cfg = tiny_config(str(tmp_path), *overrides)
     with pytest.raises(ConfigError, match=message):
@@ -187,3 +195,67 @@ def test_uniform_times_names_the_ranks_of_a_deadlocked_order():
         uniform_times(orders, Shape(2, 1, 1))
     fine = uniform_times([[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]], Shape(2, 1, 1))
     assert fine[(1, Action("B", 0, 0))] == (2.0, 4.0) and fine[(0, Action("B", 0, 0))] == (4.0, 6.0)
+
+
+# ---- zero-bubble schedules ------------------------------------------------------------------
+
+ZB = [("zb-h1", Shape.of("zb-h1", p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 3, 4, 8)] + \
+     [("zb-v", Shape.of("zb-v", p, 2, m)) for p in (2, 3, 4) for m in (1, 2, 4, 7, 8)]
+
+
+@pytest.mark.parametrize("schedule,shape", ZB, ids=[f"{s}-p{sh.p}m{sh.m}" for s, sh in ZB])
+def test_zero_bubble_schedules_are_complete_ordered_bounded_and_beat_1f1b(schedule, shape):
+    """Each chunk's F, B and W of every micro-batch once, B after its F and W after its B; deadlock-free with
+    messages posted early or when due; activations (F to W) never above 1F1B's peak, ``p`` micro-batches' worth;
+    with F, B and W one slot each the bubble is the formula's where the construction applies (ZB-H1 ``m >= p``:
+    ``(p - 1) / (3 m + p - 1)``; ZB-V ``m >= 2 p - 1``: ``(p - 1) / (6 m + p - 1)``) and below 1F1B's everywhere."""
+    p, v, m = shape.p, shape.v, shape.m
+    for early in (False, True):
+        lists = build(schedule, shape, early_receives=early)
+        timeline = simulate(lists, shape)  # raises on a deadlock, a mismatched message or a local read too soon
+    every = sorted((c, i) for c in range(v) for i in range(m))
+    for r, acts in enumerate(lists):
+        for kind in "FBW":
+            assert sorted((a.chunk, a.micro) for a in acts if a.kind == kind) == every
+        where = {(a.kind, a.chunk, a.micro): k for k, a in enumerate(acts)}
+        assert all(where[("F", c, i)] < where[("B", c, i)] < where[("W", c, i)] for c, i in every)
+        assert peak_alive(acts) <= v * p
+    bubble = Fraction(timeline.bubble()).limit_denominator(10_000)
+    if schedule == "zb-h1" and m >= p:
+        assert bubble == Fraction(p - 1, 3 * m + p - 1)
+    if schedule == "zb-v" and m >= 2 * p - 1:
+        assert bubble == Fraction(p - 1, 6 * m + p - 1)
+    assert bubble < Fraction(p - 1, m + p - 1)  # 1F1B's, the same micro-batches and layers per rank
+
+
+@pytest.mark.parametrize("tf,tb,tw", [(1, 2, 1), (2, 3, 1), (1, 4, 1), (2, 5, 2)])
+def test_zb_h1_idles_p_minus_1_times_f_plus_b_less_2w(tf, tb, tw):
+    """With a whole backward ``t_b`` of which ``W`` is ``t_w <= t_b / 2``: each rank idles ``(p - 1)(t_f + t_b - 2 t_w)``
+    (1F1B: ``(p - 1)(t_f + t_b)``)."""
+    p, m = 4, 8
+    shape = Shape.of("zb-h1", p, 1, m)
+    timeline = simulate(build("zb-h1", shape), shape, float(tf), float(tb), float(tw))
+    makespan = Fraction(timeline.makespan)
+    assert makespan == m * (tf + tb) + (p - 1) * (tf + tb - 2 * tw)
+    for row in timeline.spans:
+        assert makespan - sum(Fraction(e) - Fraction(s) for _, s, e in row) == (p - 1) * (tf + tb - 2 * tw)
+
+
+def test_zb_v_places_chunks_in_a_v_and_turns_without_a_message():
+    """Rank r holds stages r and 2p - 1 - r: both ends on rank 0; the last rank hands its chunk 0's output to its
+    chunk 1 (and the gradient back) without a message, every other hop is one message."""
+    shape = Shape.of("zb-v", 4, 2, 8)
+    assert [[shape.stage(r, c) for c in range(2)] for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [shape.owner(s) for s in range(8)] == [(0, 0), (1, 0), (2, 0), (3, 0), (3, 1), (2, 1), (1, 1), (0, 1)]
+    assert shape.ends(0) == (True, True) and shape.ends(3) == (False, False)
+    lists = build("zb-v", shape)
+    sends = [sum(a.kind == "SEND_F" for a in acts) for acts in lists]
+    assert sends == [8, 16, 16, 8]  # rank 0: its chunk 1 is the last stage; rank 3: its chunk 0 output stays
+    assert not any(a.kind.startswith("RECV_F") and a.chunk == 1 for a in lists[3])
+
+
+def test_a_zero_bubble_shape_must_carry_its_placement():
+    with pytest.raises(ValueError, match="needs Shape.of"):
+        check_shape("zb-v", Shape(2, 2, 4))
+    with pytest.raises(ValueError, match="needs Shape.of"):
+        compute_order("1f1b", Shape(2, 1, 4, vee=True), 0)

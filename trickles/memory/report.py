@@ -161,14 +161,14 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         from .stages import buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight
 
         _, m = cfg.batch_plan(dims.dp)
-        shape = Shape(dims.pp, cfg.parallel.virtual_stages, m)
+        shape = Shape.of(cfg.parallel.schedule, dims.pp, cfg.parallel.virtual_stages, m)
         parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
         saves_input = input_saved(model_cfg.flavor, p, device_type, cfg.memory.recompute)
         rows, layer_ids = [], []
         for r in range(dims.pp):
             ids = sorted(i for c in range(shape.v) for i in parts[shape.stage(r, c)])
-            first, last = r == 0, r == dims.pp - 1
+            first, last = shape.ends(r)
             named = stage_parameters(rm, set(ids), first, last, model_cfg.tied)
             states = states_of(named, (tuple(ids), first, last))
             weights = chunk_bytes(act, embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type),
@@ -187,7 +187,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     report = MemoryReport(dict(rows[top]), [per_layer[i] for i in layer_ids[top]], host_optimizer=offload,
                           moe_layers=list(model_cfg.moe_layers), stages=rows, stage_layers=layer_ids, stage=top)
     n = n_rank if dims.pp == 1 else sum(prm.numel() for _, prm in stage_parameters(
-        rm, set(layer_ids[top]), top == 0, top == dims.pp - 1, model_cfg.tied))
+        rm, set(layer_ids[top]), *shape.ends(top), model_cfg.tied))
     mode = f" {lay.mode} (q={lay.q}{f', d={lay.depth}' if lay.mode == '2.5d' else ''})" if lay.grid else ""
     tp = f", tp={dims.tp}{mode}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
     tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""

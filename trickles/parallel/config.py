@@ -24,8 +24,8 @@ class ParallelConfig:
     zero: int = opt(0, "ZeRO stage over the data-parallel ranks: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters")
     bucket_mb: float = opt(25.0, "size of a gradient-reduction bucket in MiB (0: one bucket for the whole model)")
     prefetch: bool = opt(True, "ZeRO-3: start gathering the next block's parameters while the current one computes")
-    schedule: str = opt("1f1b", "with pp > 1: the pipeline schedule, gpipe, 1f1b or interleaved")
-    virtual_stages: int = opt(1, "with the interleaved schedule: model chunks per pipeline rank (the bubble shrinks by this factor)")
+    schedule: str = opt("1f1b", "with pp > 1: the pipeline schedule, gpipe, 1f1b, interleaved, or the zero-bubble zb-h1 and zb-v (each backward split into the input's and the weights' gradients; docs/pipeline-parallel.md)")
+    virtual_stages: int = opt(1, "model chunks per pipeline rank: with the interleaved schedule (the bubble shrinks by this factor), 2 with zb-v")
     pipeline_layers: list[int] = opt([], "layers of each (virtual) stage in order, e.g. [4, 3]; empty: as even as possible, earlier stages taking the extra ones")
     timeout_s: float = opt(600.0, "seconds one collective or point-to-point wait may take; then every rank reports where it is and the job exits (status 4)")
 

@@ -75,7 +75,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
     chunks = None
     if pp.size > 1:
         _, micro_batches = cfg.batch_plan(topo.dims.dp)
-        shape = Shape(pp.size, cfg.parallel.virtual_stages, micro_batches)
+        shape = Shape.of(cfg.parallel.schedule, pp.size, cfg.parallel.virtual_stages, micro_batches)
         parts = partition_layers(model.cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         chunks = keep_stage(model, pp.rank, shape, parts)
 
@@ -111,7 +111,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         engine.shard_sequence = lambda tokens: shard_sequence(tokens, cp.size, cp.rank, cfg.parallel.cp_mode)
     if chunks is not None:
         engine.stages = pp
-        tied = tied_parameters(model, pp.rank, pp.size)
+        tied = tied_parameters(model, pp.rank, shape)
         if tied:
             engine.tie_across_stages(tied, topo.comm("pp_ends"), counted=pp.rank == 0)
         engine.pipeline = PipelineRunner(engine, chunks, pp, topo.comm("pp_grad"), cfg.parallel.schedule, shape.m,

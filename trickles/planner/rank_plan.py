@@ -83,13 +83,13 @@ def rank_plans(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig) -> list[
     p, g = element_bytes(cfg)
     sp = par.sequence_parallel and dims.tp > 1 and dims.grid.mode == "1d"
     v = par.virtual_stages if dims.pp > 1 else 1
-    shape = Shape(dims.pp, v, m)
+    shape = Shape.of(par.schedule if dims.pp > 1 else "1f1b", dims.pp, v, m)
     parts = partition_layers(model_cfg.n_layers, dims.pp * v, par.pipeline_layers or None)
     moe = set(model_cfg.moe_layers)
     plans = []
     for r in range(dims.pp):
-        chunks = [parts[c * dims.pp + r] for c in range(v)]
-        first, last = r == 0, r == dims.pp - 1
+        chunks = [parts[shape.stage(r, c)] for c in range(v)]
+        first, last = shape.ends(r)
         layers = [i for c in chunks for i in c]
         dense, experts = rank_params(model_cfg, dims, layers, first, last)
         moe_elements = sum(block_params(model_cfg, True)[2] // dims.ep + model_cfg.d_model * model_cfg.moe_experts

@@ -12,7 +12,11 @@
   stage) inside the engine's ``micro_step``; it is the *last* micro-step of chunk ``c`` when no
   later backward of the step touches that chunk's parameters, which lets the data-parallel
   engine start reducing them while the rest of the schedule runs. The input's gradient goes to
-  the outbox.
+  the outbox. In the zero-bubble schedules ``B`` computes the input's gradient only
+  (:func:`~trickles.parallel.pipeline.split.backward_input`), and ``W c.i`` the weights' later, inside the
+  ``micro_step`` (:func:`~trickles.parallel.pipeline.split.backward_weight`); the pair is kept until ``W``.
+* ZB-V's turn (the next stage on the same rank): the output, or the input's gradient, is handed over
+  without a message.
 * a run of messages: posted together without waiting, one ``batch_isend_irecv`` per group --
   activations over ``pp``, gradients over ``pp_grad``. The lists post a receive as soon as its
   send is due (see :mod:`~trickles.parallel.pipeline.schedules`; on gloo, all of them where the rank first
@@ -36,7 +40,8 @@ import torch
 from ...comm import GroupComm
 from ..engine import Engine
 from .stages import StageChunk
-from .schedules import Action, Shape, Timeline, batches, build, peer
+from .schedules import SPLIT, Action, Shape, Timeline, batches, build, handoff, peer
+from .split import Deferred, backward_input, backward_weight
 
 Batch = tuple  # (inputs, targets), (inputs, targets, label ids) or (inputs, targets, label ids or None, document ids)
 
@@ -52,15 +57,16 @@ class PipelineRunner:
         self.acts, self.grads = acts, grads
         self.rank = acts.rank
         self.schedule = schedule
-        self.shape = Shape(acts.size, len(chunks), micro_batches)
+        self.shape = Shape.of(schedule, acts.size, len(chunks), micro_batches)
+        self.split = schedule in SPLIT
         self.d_model, self.act_dtype, self.device = d_model, act_dtype, device
         self.autocast, self.tp_ctx, self.cp_ctx = autocast, tp_ctx, cp_ctx
         # gloo runs every send and receive on its own: a receive may be posted long before it is read
         self.early_receives = acts.backend == "gloo" and grads.backend == "gloo"
         self.actions = build(schedule, self.shape, early_receives=self.early_receives)[self.rank]
-        self.final_backward = {}  # chunk -> its micro-batch whose backward comes last
+        self.final_backward = {}  # chunk -> its micro-batch whose backward (W where split) comes last
         for a in self.actions:
-            if a.kind == "B":
+            if a.kind == ("W" if self.split else "B"):
                 self.final_backward[a.chunk] = a.micro
         self.trace_enabled = False
         self.last_trace: list[tuple[Action, float, float]] = []
@@ -68,6 +74,8 @@ class PipelineRunner:
         self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, micro) -> (input, output)
         self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}  # posted receives
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, not yet sent
+        self._local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed to a chunk of this rank
+        self._weights: dict[tuple[int, int], Deferred] = {}  # (chunk, micro) -> what its W needs
         self._sending: list[tuple[object, torch.Tensor]] = []  # sends in flight, with their tensors
         self._decoding = False
 
@@ -87,7 +95,8 @@ class PipelineRunner:
     @torch.no_grad()
     def forward_only(self, micro: list[Batch]) -> torch.Tensor:
         """Evaluation: the mean loss over ``micro`` (every stage), no backward."""
-        actions = build(self.schedule, Shape(self.shape.p, self.shape.v, len(micro)), forward_only=True, early_receives=self.early_receives)[self.rank]
+        actions = build(self.schedule, Shape.of(self.schedule, self.shape.p, self.shape.v, len(micro)), forward_only=True,
+                        early_receives=self.early_receives)[self.rank]
         return self._reduce_loss(self._run(actions, micro, train=False)).wait()
 
     def _reduce_loss(self, local: torch.Tensor):
@@ -112,7 +121,7 @@ class PipelineRunner:
     # ---- the executor ----------------------------------------------------------------------
     def _run(self, actions: list[Action], micro: list[Batch], train: bool, loss_scale: float = 1.0,
              cache=None, start: int = 0) -> torch.Tensor:
-        self._inbox, self._outbox, self._sending = {}, {}, []
+        self._inbox, self._outbox, self._sending, self._local = {}, {}, [], {}
         self._total = torch.zeros((), device=self.device)
         self._logits = None
         alive = peak = 0
@@ -129,8 +138,11 @@ class PipelineRunner:
                 self._forward(a, received, micro, train, loss_scale, cache, start)
                 alive += train
                 peak = max(peak, alive)
-            else:
+            elif a.kind == "B":
                 self._backward(a, received)
+                alive -= not self.split
+            else:
+                self._weight(a)
                 alive -= 1
             if self.trace_enabled:
                 trace.append((a, began - t0, time.perf_counter() - t0))
@@ -177,6 +189,8 @@ class PipelineRunner:
 
     def _received(self, key: tuple[str, int, int]) -> torch.Tensor | None:
         """The activation (or gradient) a compute action reads, once it has arrived; None if it reads none."""
+        if key in self._local:
+            return self._local.pop(key)
         if key not in self._inbox:
             return None
         buf, handle = self._inbox.pop(key)
@@ -212,16 +226,32 @@ class PipelineRunner:
             if tuple(out.shape) != expected or out.dtype != self.act_dtype:
                 raise RuntimeError(f"pipeline stage {self.shape.stage(self.rank, a.chunk)} produced {tuple(out.shape)} "
                                    f"{out.dtype}, but the next stage expects {expected} {self.act_dtype}")
-            self._outbox[("F", a.chunk, a.micro)] = out.detach()
+            self._hand_over(a, out.detach())
         if train:
             self._saved[(a.chunk, a.micro)] = (None if chunk.first else inp, out)
 
+    def _hand_over(self, a: Action, t: torch.Tensor) -> None:
+        """``a``'s output to the outbox, or straight to the chunk of this rank that reads it."""
+        reader = handoff(a, self.shape, self.rank)
+        if reader is None:
+            self._outbox[(a.kind, a.chunk, a.micro)] = t
+        else:
+            self._local[(reader.kind, reader.chunk, reader.micro)] = t
+
     def _backward(self, a: Action, grad: torch.Tensor | None) -> None:
         inp, out = self._saved.pop((a.chunk, a.micro))
-        with self.engine.micro_step(last=self.final_backward[a.chunk] == a.micro):
-            torch.autograd.backward(out, grad)
+        if self.split:
+            self._weights[(a.chunk, a.micro)] = backward_input(out, grad, inp)
+        else:
+            with self.engine.micro_step(last=self.final_backward[a.chunk] == a.micro):
+                torch.autograd.backward(out, grad)
         if inp is not None:
-            self._outbox[("B", a.chunk, a.micro)] = inp.grad
+            self._hand_over(a, inp.grad)
+
+    def _weight(self, a: Action) -> None:
+        deferred = self._weights.pop((a.chunk, a.micro))
+        with self.engine.micro_step(last=self.final_backward[a.chunk] == a.micro):
+            backward_weight(deferred)
 
     # ---- decoding --------------------------------------------------------------------------
     @torch.no_grad()
@@ -230,14 +260,15 @@ class PipelineRunner:
         on every stage: the stages run forward once, the last one broadcasts."""
         self._decoding = True
         try:
-            actions = build(self.schedule, Shape(self.shape.p, self.shape.v, 1), forward_only=True, early_receives=self.early_receives)[self.rank]
+            actions = build(self.schedule, Shape.of(self.schedule, self.shape.p, self.shape.v, 1), forward_only=True,
+                            early_receives=self.early_receives)[self.rank]
             self._run(actions, [(tokens, None) if labels is None else (tokens, None, labels)], train=False, cache=cache, start=start)
             logits = self._logits
         finally:
             self._decoding = False
         if logits is None:
             logits = torch.empty((tokens.shape[0], 1, vocab_local), dtype=torch.float32, device=self.device)
-        return self.acts.broadcast(logits, src=self.shape.p - 1)
+        return self.acts.broadcast(logits, src=self.shape.owner(self.shape.stages - 1)[0])
 
     def gather_trace(self) -> Timeline | None:
         """Every stage's spans of the last traced step, on pipeline rank 0 (None elsewhere)."""

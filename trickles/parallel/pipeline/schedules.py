@@ -6,8 +6,8 @@ The model's layers are cut into ``S = p * v`` consecutive parts; part ``s`` is *
 parts 0, p, 2p, ...). Activations flow from virtual stage ``s`` to ``s + 1`` (from rank ``r`` to
 ``r + 1``, the last rank wrapping to rank 0 at a chunk boundary), gradients from ``s + 1`` to ``s``.
 
-An action is ``F c.i`` / ``B c.i`` (forward / backward of micro-batch ``i`` through chunk ``c``)
-or a message: ``SEND_F``, ``RECV_F`` (the activation leaving / entering ``F c.i``), ``SEND_B``,
+An action is ``F c.i`` / ``B c.i`` (forward / backward of micro-batch ``i`` through chunk ``c``),
+``W c.i`` (its weights' gradients, in the zero-bubble schedules) or a message: ``SEND_F``, ``RECV_F`` (the activation leaving / entering ``F c.i``), ``SEND_B``,
 ``RECV_B`` (the gradient leaving / entering ``B c.i``). The compute orders:
 
 * **GPipe**: ``F 0..m-1`` then ``B 0..m-1``; a rank holds all ``m`` micro-batches' activations.
@@ -22,6 +22,29 @@ or a message: ``SEND_F``, ``RECV_F`` (the activation leaving / entering ``F c.i`
 With forward and backward times ``t_f, t_b`` per chunk the same on every stage, each rank idles
 for ``(p - 1)(t_f + t_b)`` of a step that takes ``(v m + p - 1)(t_f + t_b)``: the *bubble*
 fraction is ``(p - 1) / (v m + p - 1)`` for all three (interleaving cuts it by ``v``).
+
+**Zero-bubble schedules** (Qi et al., ICLR 2024) split each backward into ``B c.i`` (the input's gradient,
+sent upstream at once) and ``W c.i`` (the weights' gradients, :mod:`~trickles.parallel.pipeline.split`), and move
+the ``W`` into the time a rank would otherwise wait. A chunk's activations live from its ``F`` to its ``W``.
+With ``t_w`` the ``W`` part of ``t_b`` (``B`` takes ``t_b - t_w``):
+
+* **ZB-H1** (one chunk per rank): 1F1B's forwards and ``B`` in 1F1B's order, each ``B`` followed by a ``W`` once
+  rank ``r`` holds ``r`` of them pending -- the later stages postpone their first ``W``, so the ``B`` reach the
+  first stage sooner, and the postponed ``W`` fill the drain. Every rank holds at most ``p`` micro-batches,
+  1F1B's peak (its first rank's). Idle per rank ``(p - 1)(t_f + t_b - 2 t_w)`` (for ``t_w <= t_b / 2``, ``m >= p``)
+  instead of ``(p - 1)(t_f + t_b)``: with ``B`` and ``W`` equal, a third of 1F1B's bubble,
+  ``(p - 1) / (3 m + p - 1)`` in units of ``t_f = t_b / 2``.
+* **ZB-V** (two chunks per rank in a V, :attr:`Shape.vee`): rank ``r`` holds virtual stages ``r`` and ``2p - 1 - r``,
+  so the first and the last stage are both on rank 0, and the activation turns back at rank ``p - 1`` without a
+  message. Warm-up ``2 (p - r) - 1`` forwards of chunk 0, then ``r`` pairs ``F1, F0``, then ``p - r`` triples
+  ``F1 B1 W1``; steady ``F0 B0 W0 F1 B1 W1``; drain ``r`` pairs ``B0 B1``, ``p - r`` pairs ``B0 W0``, the ``W`` left.
+  At most ``2 p`` chunk-micro-batches alive: ``p`` micro-batches' worth of a rank's layers, 1F1B's peak. With the
+  three actions equal in time the whole pipeline idles ``p - 1`` of them per rank: bubble
+  ``(p - 1) / (6 m + p - 1)`` (``m >= 2p - 1``).
+
+Where fewer micro-batches leave those constructions gaps (``m < p``, ``m < 2p - 1``) a greedy list schedule --
+``B`` first, then a forward while the rank holds fewer than the peak above, else the oldest pending ``W`` --
+is used instead when its uniform timeline is shorter (:func:`compute_order`).
 
 Messages: a compute action's send goes right after it. A receive is *posted* (non-blocking) as
 early as its send allows and *waited for* only just before the compute that reads it. "As early
@@ -48,14 +71,16 @@ and that nothing deadlocks, and returns the timeline whose bubble the formula pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-COMPUTE = ("F", "B")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+SPLIT = ("zb-h1", "zb-v")  # schedules whose backward is B then W
+COMPUTE = ("F", "B", "W")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's schedule: ``kind`` in F, B, SEND_F, RECV_F, SEND_B, RECV_B."""
+    """One step of a rank's schedule: ``kind`` in F, B, W, SEND_F, RECV_F, SEND_B, RECV_B."""
 
     kind: str
     chunk: int
@@ -71,11 +96,18 @@ class Action:
 
 @dataclass(frozen=True)
 class Shape:
-    """The pipeline's size: ``p`` ranks, ``v`` chunks per rank, ``m`` micro-batches."""
+    """The pipeline's size: ``p`` ranks, ``v`` chunks per rank, ``m`` micro-batches; ``vee``: odd chunks run
+    back from the last rank to the first (ZB-V's placement) instead of again from the first."""
 
     p: int
     v: int
     m: int
+    vee: bool = False
+
+    @classmethod
+    def of(cls, schedule: str, p: int, v: int, m: int) -> "Shape":
+        """The shape ``schedule`` runs: ZB-V places its chunks in a V."""
+        return cls(p, v, m, vee=schedule == "zb-v")
 
     @property
     def stages(self) -> int:
@@ -83,7 +115,16 @@ class Shape:
 
     def stage(self, rank: int, chunk: int) -> int:
         """The virtual stage of ``chunk`` on ``rank``."""
-        return chunk * self.p + rank
+        return chunk * self.p + (self.p - 1 - rank if self.vee and chunk % 2 else rank)
+
+    def ends(self, rank: int) -> tuple[bool, bool]:
+        """Whether ``rank`` holds the first virtual stage (the embedding) and the last (the head and the loss)."""
+        return self.owner(0)[0] == rank, self.owner(self.stages - 1)[0] == rank
+
+    def owner(self, stage: int) -> tuple[int, int]:
+        """``(rank, chunk)`` holding virtual stage ``stage``."""
+        chunk, k = divmod(stage, self.p)
+        return (self.p - 1 - k if self.vee and chunk % 2 else k), chunk
 
     def bubble(self) -> float:
         """The idle fraction of each rank with uniform stages: ``(p - 1) / (v m + p - 1)``."""
@@ -104,14 +145,22 @@ def check_shape(schedule: str, shape: Shape) -> None:
             raise ValueError(f"the interleaved schedule runs micro-batches in groups of parallel.pp ({shape.p}), but there are "
                              f"{shape.m} micro-batches per step; make train.global_batch / (parallel.dp x train.micro_batch) "
                              f"a multiple of {shape.p}")
+    elif schedule == "zb-v":
+        if shape.v != 2:
+            raise ValueError(f"parallel.schedule=zb-v places two model chunks on each pipeline rank, in a V: set "
+                             f"parallel.virtual_stages=2 (got {shape.v})")
     elif shape.v != 1:
-        raise ValueError(f"parallel.virtual_stages={shape.v} needs parallel.schedule=interleaved")
+        raise ValueError(f"parallel.virtual_stages={shape.v} needs parallel.schedule=interleaved (or zb-v with 2)")
+    if shape.vee != (schedule == "zb-v"):
+        raise ValueError(f"a {schedule} pipeline needs Shape.of({schedule!r}, ...): its chunk placement differs")
 
 
 def compute_order(schedule: str, shape: Shape, rank: int) -> list[Action]:
     """The forwards and backwards of ``rank`` in the order ``schedule`` runs them."""
     check_shape(schedule, shape)
     p, v, m = shape.p, shape.v, shape.m
+    if schedule in SPLIT:
+        return list(_zero_bubble(schedule, shape)[rank])
     if schedule == "gpipe":
         return [Action("F", 0, i) for i in range(m)] + [Action("B", 0, i) for i in range(m)]
     if schedule == "1f1b":
@@ -129,28 +178,150 @@ def compute_order(schedule: str, shape: Shape, rank: int) -> list[Action]:
     return order + bwd[len(fwd) - w:]
 
 
+@lru_cache(maxsize=64)
+def _zero_bubble(schedule: str, shape: Shape) -> tuple[tuple[Action, ...], ...]:
+    """Every rank's order: the construction of the module docstring, or the greedy list schedule where that finishes
+    sooner on the uniform timeline (``t_f = t_B = t_W``)."""
+    build_rank = _zb_h1 if schedule == "zb-h1" else _zb_v
+    made = [build_rank(shape, r) for r in range(shape.p)]
+    greedy = _greedy(shape, shape.p * shape.v)
+
+    def makespan(orders):
+        return max(end for _, end in uniform_times(orders, shape).values())
+
+    best = greedy if makespan(greedy) < makespan(made) else made
+    return tuple(tuple(o) for o in best)
+
+
+def _zb_h1(shape: Shape, rank: int) -> list[Action]:
+    p, m = shape.p, shape.m
+    w = min(p - rank - 1, m)
+    order = [Action("F", 0, i) for i in range(w)]
+    weights = 0
+    for k in range(m - w):
+        order += [Action("F", 0, w + k), Action("B", 0, k)]
+        if k >= rank:  # rank r keeps r W pending through the steady state
+            order.append(Action("W", 0, weights))
+            weights += 1
+    for k in range(m - w, m):
+        order += [Action("B", 0, k), Action("W", 0, weights)]
+        weights += 1
+    return order + [Action("W", 0, i) for i in range(weights, m)]
+
+
+def _zb_v(shape: Shape, rank: int) -> list[Action]:
+    p, m = shape.p, shape.m
+    n = max(m, 2 * p - 1)  # the pattern needs 2p - 1 micro-batches; the missing ones are dropped after
+    order: list[Action] = []
+    count = {k: [0, 0] for k in COMPUTE}
+
+    def run(kind: str, chunk: int) -> None:
+        order.append(Action(kind, chunk, count[kind][chunk]))
+        count[kind][chunk] += 1
+
+    for _ in range(2 * (p - rank) - 1):
+        run("F", 0)
+    for _ in range(rank):
+        run("F", 1), run("F", 0)
+    for _ in range(p - rank):
+        run("F", 1), run("B", 1), run("W", 1)
+    while count["F"][1] < count["F"][0] or count["F"][0] < n:
+        if count["F"][0] < n:
+            run("F", 0)
+        run("B", 0), run("W", 0), run("F", 1), run("B", 1), run("W", 1)
+    for _ in range(rank):
+        run("B", 0), run("B", 1)
+    for _ in range(p - rank):
+        run("B", 0), run("W", 0)
+    while count["W"][1] < count["B"][1]:
+        run("W", 1)
+    while count["W"][0] < count["B"][0]:
+        run("W", 0)
+    return [a for a in order if a.micro < m]
+
+
+def _greedy(shape: Shape, limit: int) -> list[list[Action]]:
+    """Every rank's order from a uniform timeline (each action 1): a free rank runs a ready ``B`` (of its latest
+    stage), else a ready forward (latest stage first) while it holds fewer than ``limit`` chunk-micro-batches
+    (forward run, ``W`` not), else its oldest pending ``W``; it waits when none is ready."""
+    p, v, m, last = shape.p, shape.v, shape.m, shape.stages - 1
+    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> end
+    clock, held = [0] * p, [0] * p
+    orders: list[list[Action]] = [[] for _ in range(p)]
+    nxt = {k: [[0] * v for _ in range(p)] for k in ("F", "B")}
+    pending: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+
+    def ready(kind: str, r: int, c: int, now: int) -> bool:
+        i, s = nxt[kind][r][c], shape.stage(r, c)
+        if kind == "F":
+            dep = None if s == 0 else ("F", s - 1, i)
+            return i < m and held[r] < limit and (dep is None or done.get(dep, now + 1) <= now)
+        dep = ("F", s, i) if s == last else ("B", s + 1, i)
+        return i < nxt["F"][r][c] and done.get(dep, now + 1) <= now
+
+    while any(len(o) < 3 * v * m for o in orders):
+        active = [r for r in range(p) if len(orders[r]) < 3 * v * m]
+        now = min(clock[r] for r in active)
+        for r in (r for r in active if clock[r] == now):
+            chunks = sorted(range(v), key=lambda c: -shape.stage(r, c))
+            pick = next(((k, c) for k in ("B", "F") for c in chunks if ready(k, r, c, now)), None)
+            if pick is None and pending[r]:
+                pick = ("W", pending[r][0][0])
+            if pick is None:
+                continue
+            kind, c = pick
+            i = pending[r].pop(0)[1] if kind == "W" else nxt[kind][r][c]
+            if kind != "W":
+                nxt[kind][r][c] += 1
+            held[r] += {"F": 1, "B": 0, "W": -1}[kind]
+            if kind == "B":
+                pending[r].append((c, i))
+            done[(kind, shape.stage(r, c), i)] = clock[r] = now + 1
+            orders[r].append(Action(kind, c, i))
+            break
+        else:  # nobody free could start: wait for the next end
+            later = [t for t in list(done.values()) + [clock[r] for r in active] if t > now]
+            if not later:
+                raise ValueError(f"the greedy zero-bubble schedule is stuck for {shape}")
+            for r in active:
+                if clock[r] == now:
+                    clock[r] = min(later)
+    return orders
+
+
 def forward_only_order(shape: Shape, rank: int) -> list[Action]:
     """Evaluation: every micro-batch forward through every chunk, no backward."""
     return [Action("F", c, i) for i in range(shape.m) for c in range(shape.v)]
 
 
+def _neighbour(a: Action, shape: Shape, rank: int, step: int) -> tuple[int, int] | None:
+    """``(rank, chunk)`` of the virtual stage ``step`` away from ``a``'s in its direction of flow (+1: downstream
+    of a forward, upstream of a backward); None past the pipeline's ends."""
+    s = shape.stage(rank, a.chunk) + (step if a.kind == "F" else -step)
+    return shape.owner(s) if 0 <= s < shape.stages else None
+
+
 def _messages(a: Action, shape: Shape, rank: int) -> tuple[Action | None, Action | None]:
-    """``(receive before, send after)`` compute action ``a`` on ``rank``."""
-    s, last = shape.stage(rank, a.chunk), shape.stages - 1
-    if a.kind == "F":
-        return (Action("RECV_F", a.chunk, a.micro) if s > 0 else None,
-                Action("SEND_F", a.chunk, a.micro) if s < last else None)
-    return (Action("RECV_B", a.chunk, a.micro) if s < last else None,
-            Action("SEND_B", a.chunk, a.micro) if s > 0 else None)
+    """``(receive before, send after)`` compute action ``a`` on ``rank``: none across the pipeline's ends, for a
+    ``W``, or to a stage on the same rank (ZB-V's turn)."""
+    if a.kind == "W":
+        return None, None
+    src, dst = _neighbour(a, shape, rank, -1), _neighbour(a, shape, rank, 1)
+    return (Action(f"RECV_{a.kind}", a.chunk, a.micro) if src is not None and src[0] != rank else None,
+            Action(f"SEND_{a.kind}", a.chunk, a.micro) if dst is not None and dst[0] != rank else None)
 
 
 def _producer(a: Action, shape: Shape, rank: int) -> tuple[int, Action] | None:
-    """``(rank, compute action)`` whose output compute action ``a`` reads; None for the pipeline's ends."""
-    s, p = shape.stage(rank, a.chunk), shape.p
-    src = s - 1 if a.kind == "F" else s + 1
-    if src < 0 or src >= shape.stages:
-        return None
-    return src % p, Action(a.kind, src // p, a.micro)
+    """``(rank, compute action)`` whose output compute action ``a`` reads; None for the pipeline's ends and a ``W``."""
+    src = None if a.kind == "W" else _neighbour(a, shape, rank, -1)
+    return None if src is None else (src[0], Action(a.kind, src[1], a.micro))
+
+
+def durations(actions, t_forward: float = 1.0, t_backward: float = 2.0, t_weight: float = 1.0) -> dict[str, float]:
+    """Each compute kind's time: ``t_backward`` is a whole backward, of which ``W`` takes ``t_weight`` where the
+    schedule splits it (``B`` the rest)."""
+    split = any(a.kind == "W" for row in actions for a in row)
+    return {"F": t_forward, "B": t_backward - t_weight if split else t_backward, "W": t_weight}
 
 
 def uniform_times(orders: list[list[Action]], shape: Shape, t_forward: float = 1.0,
@@ -158,6 +329,7 @@ def uniform_times(orders: list[list[Action]], shape: Shape, t_forward: float = 1
     """``{(rank, compute action): (start, end)}`` when every compute starts as soon as its rank is free
     and its input exists; raises ValueError when the orders wait on each other in a cycle."""
     p = shape.p
+    took = durations(orders, t_forward, t_backward)
     times: dict[tuple[int, Action], tuple[float, float]] = {}
     pos, clock = [0] * p, [0.0] * p
     while any(pos[r] < len(orders[r]) for r in range(p)):
@@ -169,7 +341,7 @@ def uniform_times(orders: list[list[Action]], shape: Shape, t_forward: float = 1
                 if src is not None and src not in times:
                     break
                 start = max(clock[r], times[src][1] if src is not None else 0.0)
-                clock[r] = start + (t_forward if a.kind == "F" else t_backward)
+                clock[r] = start + took[a.kind]
                 times[(r, a)] = (start, clock[r])
                 pos[r] += 1
                 progressed = True
@@ -219,10 +391,16 @@ def build(schedule: str, shape: Shape, forward_only: bool = False, early_receive
     return with_messages(orders, shape, early_receives)
 
 
+def handoff(a: Action, shape: Shape, rank: int) -> Action | None:
+    """The compute action of the same rank that reads compute action ``a``'s output (ZB-V's turn), else None."""
+    dst = None if a.kind == "W" else _neighbour(a, shape, rank, 1)
+    return Action(a.kind, dst[1], a.micro) if dst is not None and dst[0] == rank else None
+
+
 def peer(a: Action, shape: Shape, rank: int) -> int:
     """The rank at the other end of message ``a``."""
-    toward_next = a.kind in ("SEND_F", "RECV_B")
-    return (rank + 1) % shape.p if toward_next else (rank - 1) % shape.p
+    step = 1 if a.kind.startswith("SEND") else -1
+    return _neighbour(Action(a.kind[-1], a.chunk, a.micro), shape, rank, step)[0]
 
 
 def batches(actions: list[Action]) -> list[list[Action]]:
@@ -242,13 +420,15 @@ def render(schedules: list[list[Action]]) -> str:
 
 
 def peak_alive(actions: list[Action]) -> int:
-    """The most micro-batch chunks whose forward ran and whose backward did not yet (activations held)."""
+    """The most micro-batch chunks whose forward ran and whose backward (its ``W`` where split) did not yet
+    (activations held)."""
+    release = "W" if any(a.kind == "W" for a in actions) else "B"
     alive = peak = 0
     for a in actions:
         if a.kind == "F":
             alive += 1
             peak = max(peak, alive)
-        elif a.kind == "B":
+        elif a.kind == release:
             alive -= 1
     return peak
 
@@ -276,8 +456,9 @@ class Timeline:
         return sum(idle) / len(idle)
 
 
-def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0, t_backward: float = 2.0) -> Timeline:
-    """Replays the action lists: compute takes the given times, a message arrives when it is sent.
+def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0, t_backward: float = 2.0,
+             t_weight: float = 1.0) -> Timeline:
+    """Replays the action lists: compute takes the given times (:func:`durations`), a message arrives when it is sent.
 
     A receive is posted without waiting; the compute that reads it waits until the message is
     there. Messages between two ranks in one direction match in the order they are posted, as on
@@ -292,6 +473,8 @@ def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0
     posted: dict[tuple[int, int, str], int] = {}  # receives posted so far on a channel
     pending: list[dict[tuple[str, int, int], tuple[tuple[int, int, str], int]]] = [{} for _ in range(p)]
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
+    took = durations(schedules, t_forward, t_backward, t_weight)
+    ran: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
     while any(pos[r] < len(schedules[r]) for r in range(p)):
         progressed = False
         for r in range(p):
@@ -317,8 +500,13 @@ def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0
                             raise ValueError(f"rank {r} posted the receive for {a} in the place of {msg}")
                         del pending[r][(a.kind, a.chunk, a.micro)]
                         clock[r] = max(clock[r], at)
-                    t = t_forward if a.kind == "F" else t_backward
+                    else:
+                        src = _producer(a, shape, r) if a.kind != "W" else (r, Action("B", a.chunk, a.micro))
+                        if src is not None and src[0] == r and (src[1].kind, src[1].chunk, src[1].micro) not in ran[r]:
+                            raise ValueError(f"rank {r} runs {a} before {src[1]}, whose output it reads")
+                    t = took[a.kind]
                     spans[r].append((a, clock[r], clock[r] + t))
+                    ran[r].add((a.kind, a.chunk, a.micro))
                     clock[r] += t
                 pos[r] += 1
                 progressed = True

@@ -101,7 +101,7 @@ def keep_stage(model: Transformer, rank: int, shape: Shape, parts: list[list[int
     for key in list(model.layers.keys()):
         if int(key) not in keep:
             del model.layers[key]
-    first, last = rank == 0, rank == shape.p - 1
+    first, last = shape.ends(rank)
     if not first:
         model.pos_embed = None
         if not (last and model.cfg.tied):
@@ -109,12 +109,15 @@ def keep_stage(model: Transformer, rank: int, shape: Shape, parts: list[list[int
     if not last:
         model.norm = None
         model.output = None
-    return [StageChunk(model, owned[c], first and c == 0, last and c == shape.v - 1) for c in range(shape.v)]
+    stages = [shape.stage(rank, c) for c in range(shape.v)]
+    return [StageChunk(model, owned[c], stages[c] == 0, stages[c] == shape.stages - 1) for c in range(shape.v)]
 
 
-def tied_parameters(model: Transformer, rank: int, pp: int) -> list[torch.nn.Parameter]:
-    """The weights this rank shares with another stage: the tied embedding on the first and last rank."""
-    if pp == 1 or not model.cfg.tied or rank not in (0, pp - 1):
+def tied_parameters(model: Transformer, rank: int, shape: Shape) -> list[torch.nn.Parameter]:
+    """The weights this rank shares with another stage: the tied embedding on the first and last rank, when they
+    differ (ZB-V holds both ends on rank 0)."""
+    first, last = shape.ends(rank)
+    if shape.p == 1 or not model.cfg.tied or first == last:
         return []
     return [model.embed.weight]
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...comm import GroupComm, copy_to_region, gather_sequence, reduce_from_region, reduce_scatter_sequence
+from ..pipeline.split import phase
 
 
 @dataclass(frozen=True)
@@ -161,9 +162,12 @@ class _LinearKeepingShard(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         shard, weight = ctx.saved_tensors
-        full = ctx.regather.take(shard)
         g = g.contiguous()
-        dx = g.matmul(weight.to(g.dtype)).to(ctx.in_dtype)
+        step = phase()  # a zero-bubble schedule's B (the input's gradient) or W (the weights')
+        dx = None if step == "weight" else g.matmul(weight.to(g.dtype)).to(ctx.in_dtype)
+        if step == "input":
+            return dx, None, None, None, None
+        full = ctx.regather.take(shard)
         g2 = g.flatten(0, -2)
         dw = g2.t().matmul(full.flatten(0, -2).to(g.dtype)).to(weight.dtype)
         db = g2.sum(0).to(weight.dtype) if ctx.has_bias else None

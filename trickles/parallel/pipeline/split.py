@@ -1,0 +1,205 @@
+"""A stage's backward cut in two: ``B``, the input's gradient (on the critical path), and ``W``, the weights'
+(deferred into the schedule's idle time), as zero-bubble schedules need.
+
+For one micro-batch through one chunk, ``y = f(x; w)``: ``B`` computes ``dx`` from ``dy`` and nothing else,
+``W`` computes every ``dw`` later, from what ``B`` left behind -- without running any part of ``B`` again.
+
+**How, on the autograd graph** (no change to the model). Call ``D`` the graph's nodes that lead to the input
+``x`` (the ones ``B`` must run). Every other node of the graph hangs off some node of ``D`` through an edge
+that leaves ``D``; such a node of ``D`` is an *intermediate* (a linear's ``mm``: one edge toward ``x``, one
+toward ``w``). ``B`` runs ``torch.autograd.backward(y, dy, inputs=[x], retain_graph=True)``, which executes
+exactly ``D`` (asking each node only for the gradients toward ``x``), while a pre-hook on every intermediate
+records the gradient arriving at it. ``W`` then starts the engine again *at the intermediates*
+(``GradientEdge(node, k)`` with the recorded gradients) asking for the weights only, which runs each
+intermediate once more -- now only its edges toward the weights (``dw = dy^T x`` of each linear) -- and the
+nodes between it and the weights. Each weight's gradient arrives through ``AccumulateGrad``, so the
+data-parallel engine's post-accumulate-grad hooks fire in ``W`` exactly as in a whole backward.
+
+The intermediates are run in *groups*: those whose weight-side parts share a node (one weight used twice)
+form one group and one call; groups run in the order the whole backward would reach them (latest node
+first), so every tensor-parallel rank issues a group's collectives in the same order. A weight reached from
+two intermediates of which one lies *below* the other in ``D`` (the same weight used in two layers of one
+chunk) would have its gradient counted twice by that restart; for such a chunk ``W`` runs the whole backward
+again from the output, asking for the weights only (correct, at the price of ``B``'s work twice). A chunk that
+reads no activation (the first stage) has no ``B``: its ``W`` is its whole backward (:attr:`Deferred.whole`).
+
+**Functions that compute both gradients in one backward** (tensor-parallel linears under sequence
+parallelism) ask :func:`phase`: during ``B`` they compute the input's gradient only, during ``W`` the
+weights' only -- a plain backward (``phase() is None``) computes both. Other such functions (fused kernels)
+are correct without asking, at the price of recomputing their input's gradient in ``W``.
+
+**Memory.** ``B`` keeps the graph (``retain_graph``): the chunk's saved activations stay until its ``W``
+(each ``W`` call frees what it ran), plus the recorded gradients at the intermediates -- one ``[tokens,
+d_out]`` tensor per linear, what ``W`` multiplies by the saved input.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+_PHASE: ContextVar[str | None] = ContextVar("trickles_backward_phase", default=None)
+
+
+def phase() -> str | None:
+    """``"input"`` during a ``B``, ``"weight"`` during a ``W``, None in a whole backward."""
+    return _PHASE.get()
+
+
+@contextlib.contextmanager
+def _in_phase(name: str):
+    token = _PHASE.set(name)
+    try:
+        yield
+    finally:
+        _PHASE.reset(token)
+
+
+@dataclass
+class _Group:
+    nodes: list  # intermediates, latest first
+    params: list[torch.Tensor]
+    grads: dict = field(default_factory=dict)  # node -> the gradients recorded arriving at it
+
+
+@dataclass
+class Deferred:
+    """What ``B`` leaves for ``W``: the groups to restart from, or (``whole``) the whole backward to run."""
+
+    groups: list[_Group]
+    whole: tuple[torch.Tensor, torch.Tensor | None] | None = None  # (output, its gradient): W runs from there
+    inputs: list[torch.Tensor] | None = None  # with ``whole``: the weights W asks for (None: every leaf)
+
+
+def _children(node) -> list:
+    return [n for n, _ in node.next_functions if n is not None]
+
+
+def _graph(root) -> list:
+    """The nodes reachable from ``root``, each after every node that feeds it (inputs before consumers in backward
+    order: a node's children come before it)."""
+    order, seen, stack = [], {root}, [(root, iter(_children(root)))]
+    while stack:
+        node, it = stack[-1]
+        child = next(it, None)
+        if child is None:
+            stack.pop()
+            order.append(node)
+        elif child not in seen:
+            seen.add(child)
+            stack.append((child, iter(_children(child))))
+    return order
+
+
+def _plan(root, target) -> list[_Group] | None:
+    """The groups of intermediates below ``root`` for input node ``target``; None when a weight would be counted twice."""
+    order = _graph(root)
+    in_d = {}
+    for node in order:  # children first: a node leads to the input if it is it or a child does
+        in_d[node] = node is target or any(in_d[c] for c in _children(node))
+    parent = {}
+
+    def find(n):
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    owner: dict = {}  # node off D -> the intermediate that reached it first
+    inter = [n for n in order if in_d[n] and any(not in_d[c] for c in _children(n))]
+    for n in inter:
+        parent[n] = n
+        stack = [c for c in _children(n) if not in_d[c]]
+        while stack:
+            c = stack.pop()
+            if c in owner:
+                a, b = find(owner[c]), find(n)
+                if a is not b:
+                    parent[a] = b
+                continue
+            owner[c] = n
+            stack += _children(c)
+    members: dict = {}
+    for n in inter:
+        members.setdefault(find(n), []).append(n)
+    rank = {n: i for i, n in enumerate(order)}
+    groups = []
+    for nodes in members.values():
+        nodes.sort(key=rank.get, reverse=True)  # latest (closest to the output) first
+        if len(nodes) > 1 and _nested(nodes, in_d):
+            return None
+        params = [c.variable for c, o in owner.items() if find(o) is find(nodes[0]) and hasattr(c, "variable")]
+        groups.append(_Group(nodes, params))
+    groups.sort(key=lambda g: rank[g.nodes[0]], reverse=True)
+    return groups
+
+
+def _nested(nodes: list, in_d: dict) -> bool:
+    """Whether one of ``nodes`` lies below another inside ``D``."""
+    others = set(nodes)
+    for top in nodes:
+        seen, stack = {top}, [c for c in _children(top) if in_d[c]]
+        while stack:
+            c = stack.pop()
+            if c in others:
+                return True
+            if c not in seen:
+                seen.add(c)
+                stack += [g for g in _children(c) if in_d[g]]
+    return False
+
+
+def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None) -> Deferred:
+    """``B``: ``inp.grad`` from ``output``'s gradient ``grad`` (None: ``output`` is the loss); returns what ``W`` needs."""
+    if inp is None or output.grad_fn is None:
+        return Deferred([], whole=(output, grad))
+    groups = _plan(output.grad_fn, get_gradient_edge(inp).node)
+    if groups is None:  # a weight reached twice along the input's path: W runs from the output again
+        with _in_phase("input"):
+            torch.autograd.backward(output, grad, inputs=[inp], retain_graph=True)
+        params = [n.variable for n in _graph(output.grad_fn) if hasattr(n, "variable") and n.variable is not inp]
+        return Deferred([], whole=(output, grad), inputs=params)
+    handles = []
+    for g in groups:
+        for node in g.nodes:
+            handles.append(node.register_prehook(_recorder(g.grads, node)))
+    try:
+        with _in_phase("input"):
+            torch.autograd.backward(output, grad, inputs=[inp], retain_graph=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return Deferred(groups)
+
+
+def _recorder(store: dict, node):
+    def hook(grad_outputs):
+        store[node] = grad_outputs
+
+    return hook
+
+
+def backward_weight(deferred: Deferred) -> None:
+    """``W``: every weight's gradient accumulated into ``.grad`` (through autograd, hooks included)."""
+    if deferred.whole is not None:
+        if deferred.inputs is None:
+            torch.autograd.backward(*deferred.whole)
+        elif deferred.inputs:
+            with _in_phase("weight"):
+                torch.autograd.backward(*deferred.whole, inputs=deferred.inputs)
+        return
+    with _in_phase("weight"):
+        for g in deferred.groups:
+            edges, grads = [], []
+            for node in g.nodes:
+                for k, dy in enumerate(g.grads.get(node, ())):
+                    if dy is not None:
+                        edges.append(GradientEdge(node, k))
+                        grads.append(dy)
+            if edges and g.params:
+                torch.autograd.backward(edges, grads, inputs=g.params)
+            g.grads.clear()
