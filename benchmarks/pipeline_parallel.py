@@ -1,22 +1,25 @@
-"""Pipeline-parallel training step: trickles' GPipe, 1F1B and interleaved 1F1B schedules vs
-PyTorch's ``torch.distributed.pipelining``, same run.
+"""Pipeline-parallel training step: trickles' GPipe, 1F1B, interleaved 1F1B and zero-bubble (ZB-H1, ZB-V)
+schedules vs PyTorch's ``torch.distributed.pipelining``, same run.
 
 What is compared
     One full training step -- every micro-batch's forward, cross-entropy and backward through
     ``N`` pipeline stages (``--world``; no data or tensor parallelism), global-norm clipping
-    (1.0) over all stages, AdamW step -- for three schedules, each against its PyTorch twin:
+    (1.0) over all stages, AdamW step -- for five schedules, each against its PyTorch twin:
 
     * ours: ``trickles.parallel.plan.parallelize`` with ``parallel.pp = N``,
-      ``parallel.schedule`` = ``gpipe``, ``1f1b`` or ``interleaved`` (``parallel.virtual_stages
-      = --virtual``), ``train.global_batch`` / ``train.micro_batch`` giving ``m`` micro-batches;
+      ``parallel.schedule`` = ``gpipe``, ``1f1b``, ``interleaved`` (``parallel.virtual_stages
+      = --virtual``), ``zb-h1`` or ``zb-v`` (two chunks per rank in a V), ``train.global_batch`` /
+      ``train.micro_batch`` giving ``m`` micro-batches;
       driven exactly as ``trickles.train.Trainer.train_step`` drives it: ``engine.zero_grad()``,
       ``engine.pipeline.forward_backward(micro_batches, async_loss=True)``, ``finish_backward()``,
       ``clip_grad_norm(1.0)`` (squared norms summed over the pipeline group), ``step(lr)``, then
       the loss's sum over the stages, which ran in the background meanwhile, is waited for;
-    * peers: ``torch.distributed.pipelining`` ``ScheduleGPipe``, ``Schedule1F1B`` and
-      ``ScheduleInterleaved1F1B`` over ``PipelineStage`` modules cut from ``build_model`` with
-      the same seed: one stage per rank, or ``--virtual`` per rank for the interleaved schedule
-      (stage ``s = c N + rank``, Megatron's looping placement, as ours). A stage module runs the
+    * peers: ``torch.distributed.pipelining`` ``ScheduleGPipe``, ``Schedule1F1B``,
+      ``ScheduleInterleaved1F1B``, ``ScheduleInterleavedZeroBubble`` (one stage per rank: its ZB1P, the
+      paper's ZB-H1) and ``ScheduleZBVZeroBubble`` over ``PipelineStage`` modules cut from ``build_model``
+      with the same seed: one stage per rank, ``--virtual`` per rank for the interleaved schedule
+      (stage ``s = c N + rank``, Megatron's looping placement, as ours), or stages ``rank`` and
+      ``2N - 1 - rank`` for ZB-V (the V, as ours). A stage module runs the
       embedding (stage 0), its blocks (with the rotary tables) and the final norm + output
       (last stage); ``loss_fn`` is the token cross-entropy of the fp32 logits divided by ``m``
       with ``scale_grads=False``, so the accumulated gradient is that of the mean loss over
@@ -28,7 +31,7 @@ What is compared
       no-decay groups as ours.
 
     Pairs: ours gpipe vs torch gpipe, ours 1f1b vs torch 1f1b, ours interleaved vs torch
-    interleaved. Untied llama shapes only: with tied embeddings (the gpt2 presets, llama-1b,
+    interleaved, ours zb-h1 vs torch zb-h1, ours zb-v vs torch zb-v. Untied llama shapes only: with tied embeddings (the gpt2 presets, llama-1b,
     llama-3b) the first and last stage would need their embedding gradients summed, which the
     peer does not do, so such presets are refused.
 
@@ -60,22 +63,29 @@ How
       its trace on (``train.pipeline_trace``: the stages start their clocks after a barrier and record
       when each forward and backward ran); the measured bubble is the mean over ranks of the share of
       the step a rank was not computing, the best of those steps (a scheduler hiccup only ever adds
-      idle time), printed next to ``(N-1)/(v m + N-1)``. The two agree only as far as the stages are
+      idle time), printed next to the schedule's formula for equal stages (F, B and W one slot each:
+      ``(N-1)/(v m + N-1)`` for the first three, the zero-bubble formulas of
+      ``trickles.parallel.pipeline.schedules`` for the others) and its prediction at that step's mean
+      times of each rank's F, B and W with messages that cost nothing (``predicted_bubble``): what is
+      left between prediction and measurement is waiting on messages. The formula holds only as far as the stages are
       equal: the embedding and the output layer make the first and last stage longer (on CPU only;
       on CUDA the trace would time kernel launches, so it is left out). This comparison used to be a
       test (within +-0.1); timing belongs here, and ``tests/`` checks the schedule by order and counts.
     * CPU: ``torch.set_num_threads(cores // N)`` in every rank (``--threads`` overrides).
 
 Communication formula (bytes one rank sends per step, fp32)
-    Each of the rank's chunks ``c`` (virtual stage ``s = c N + rank``) sends, per micro-batch,
-    its output activation ``[b, T, d]`` forward unless ``s`` is the last virtual stage, and its
-    input gradient ``[b, T, d]`` backward unless ``s = 0``:
-    ``m b T d x 4 x (#chunks not last + #chunks not first)``; it receives as many bytes.
-    Without interleaving that is ``2 m b T d x 4`` on middle ranks and half of it on the two
-    end ranks. The bubble of every schedule, with equal stages, is ``(N-1) / (v m + N-1)``.
+    Each of the rank's chunks ``c`` (virtual stage ``s``) sends, per micro-batch, its output
+    activation ``[b, T, d]`` forward unless ``s`` is the last virtual stage or ``s + 1`` is on the same
+    rank (ZB-V's turn), and its input gradient ``[b, T, d]`` backward unless ``s = 0`` or ``s - 1`` is on
+    the same rank: ``m b T d x 4 x (#chunks sending forward + #chunks sending backward)``; it receives
+    as many bytes. Without interleaving that is ``2 m b T d x 4`` on middle ranks and half of it on the
+    two end ranks. The bubble with equal stages is ``(N-1) / (v m + N-1)`` for GPipe, 1F1B and
+    interleaved, ``(N-1) / (3m + N-1)`` for ZB-H1 and ``(N-1) / (6m + N-1)`` for ZB-V with F, B and W
+    equally long (``m >= N``, ``m >= 2N - 1``).
 
 Target
-    ours/peer median step time <= 1.0x for every schedule.
+    ours/peer median step time <= 1.0x for every schedule; ours zb-h1 and zb-v faster than ours 1f1b when the
+    bubble matters (e.g. m = N).
 
 Examples::
 
@@ -109,13 +119,16 @@ from trickles.models.transformer import Transformer, build_model, count_params  
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
 from trickles.parallel.pipeline.stages import partition_layers  # noqa: E402
-from trickles.parallel.pipeline.schedules import SCHEDULES, Shape, check_shape  # noqa: E402
+from trickles.parallel.pipeline.schedules import (SCHEDULES, Shape, check_shape, mean_times,  # noqa: E402
+                                                  predicted_bubble)
 from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "micro_batch": 1, "seq": 128, "layers": 8, "d_model": 128},
             "cuda": {"batch": 32, "micro_batch": 4, "seq": 1024, "layers": None, "d_model": None}}  # None: the preset's
 REF = "single device"
-PEER_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+PEER_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+                "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble"}
+MULTI = ("interleaved", "zb-h1", "zb-v")  # the peer classes that take a list of stages
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -143,16 +156,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ---- contestants ---------------------------------------------------------------------------
 
+def _chunks(schedule: str, args) -> int:
+    """Model chunks per rank: ``--virtual`` interleaved, two for ZB-V, else one."""
+    return args.virtual if schedule == "interleaved" else 2 if schedule == "zb-v" else 1
+
+
+def _shape(schedule: str, pp: int, args, m: int) -> Shape:
+    return Shape.of(schedule, pp, _chunks(schedule, args), m)
+
+
 def _parts(schedule: str, model_cfg: ModelConfig, pp: int, v: int) -> list[list[int]]:
     """The layers of every (virtual) stage, as ours cuts them."""
-    return partition_layers(model_cfg.n_layers, pp * (v if schedule == "interleaved" else 1))
+    return partition_layers(model_cfg.n_layers, pp * v)
 
 
 class Ours(EngineContestant):
     """Our pipeline engine, stepped as ``Trainer.train_step`` steps it."""
 
     def __init__(self, schedule: str, model_cfg: ModelConfig, topo, m: int, args):
-        v = args.virtual if schedule == "interleaved" else 1
+        v = _chunks(schedule, args)
         super().__init__(f"ours {schedule}", f"torch {schedule}", [
             f"parallel.pp={topo.dims.pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
             f"train.global_batch={m * args.micro_batch}", f"train.micro_batch={args.micro_batch}"], model_cfg, topo, args)
@@ -205,14 +227,16 @@ class Peer(Contestant):
 
         super().__init__(f"torch {schedule}")
         pp, rank = dist.get_world_size(), dist.get_rank()
-        v = args.virtual if schedule == "interleaved" else 1
+        shape = _shape(schedule, pp, args, m)
+        v = shape.v
         parts = _parts(schedule, model_cfg, pp, v)
         n = len(parts)
+        ids = [shape.stage(rank, c) for c in range(v)]
         model = build_model(model_cfg, seed=args.seed, device=device).train()
-        mods = [StageModule(model, parts[c * pp + rank], c * pp + rank == 0, c * pp + rank == n - 1) for c in range(v)]
+        mods = [StageModule(model, parts[s], s == 0, s == n - 1) for s in ids]
         del model  # what no stage of this rank holds is freed
         self.modules = nn.ModuleList(mods)
-        self.stages = [pipelining.PipelineStage(mod, c * pp + rank, n, device) for c, mod in enumerate(mods)]
+        self.stages = [pipelining.PipelineStage(mod, s, n, device) for s, mod in zip(ids, mods)]
         self.first = any(s.is_first for s in self.stages)
         self.last = any(s.is_last for s in self.stages)
         cls = getattr(pipelining, PEER_CLASSES[schedule])
@@ -220,13 +244,13 @@ class Peer(Contestant):
         def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             return token_ce(logits, y) / m  # the schedule sums the micro-batches' gradients: this makes them the mean's
 
-        target = self.stages[0] if schedule != "interleaved" else self.stages
+        target = self.stages if schedule in MULTI else self.stages[0]
         self.schedule = cls(target, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
         self.params = [p for p in self.modules.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(param_groups(self.modules, optim.weight_decay), lr=optim.lr, betas=optim.betas,
                                            eps=optim.eps, **adamw_kwargs(device))
         self.clip, self.device = args.clip, device
-        self.chunks = [(c * pp + rank, parts[c * pp + rank], mod.first, mod.last) for c, mod in enumerate(mods)]
+        self.chunks = [(s, parts[s], mod.first, mod.last) for s, mod in zip(ids, mods)]
 
     def step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
@@ -268,20 +292,22 @@ class Reference:
 
 # ---- communication formula -----------------------------------------------------------------
 
-def expected_p2p(schedule: str, pp: int, v: int, rank: int, m: int, b: int, seq: int, d: int) -> int:
+def expected_p2p(shape: Shape, rank: int, b: int, seq: int, d: int) -> int:
     """Bytes ``rank`` sends per step (as many as it receives): see the module docstring."""
-    v = v if schedule == "interleaved" else 1
-    stages = [c * pp + rank for c in range(v)]
-    messages = sum(s < pp * v - 1 for s in stages) + sum(s > 0 for s in stages)
-    return m * messages * b * seq * d * 4
+    stages = [shape.stage(rank, c) for c in range(shape.v)]
+    last = shape.stages - 1
+    messages = (sum(s < last and shape.owner(s + 1)[0] != rank for s in stages)
+                + sum(s > 0 and shape.owner(s - 1)[0] != rank for s in stages))
+    return shape.m * messages * b * seq * d * 4
 
 
 # ---- the bubble, timed ---------------------------------------------------------------------
 
-def traced_bubbles(contestants: list[Contestant], x, y, steps: int) -> dict[str, float | None]:
-    """``{our schedule's name: the smallest traced idle share over `steps` steps}`` on pipeline rank 0 (None elsewhere,
-    or when ``steps`` is 0): the stages' trace, as ``train.pipeline_trace`` draws it."""
-    out: dict[str, float | None] = {}
+def traced_bubbles(contestants: list[Contestant], x, y, steps: int) -> dict[str, tuple[float, float] | None]:
+    """``{our schedule's name: (measured, predicted)}`` of the traced step with the smallest idle share over ``steps``
+    steps, on pipeline rank 0 (None elsewhere, or when ``steps`` is 0): the stages' trace, as ``train.pipeline_trace``
+    draws it, and the schedule's bubble at that step's mean times of each rank's F, B and W, messages free."""
+    out: dict[str, tuple[float, float] | None] = {}
     for c in contestants:
         if not isinstance(c, Ours):
             continue
@@ -291,7 +317,8 @@ def traced_bubbles(contestants: list[Contestant], x, y, steps: int) -> dict[str,
             c.step(x, y)
             timeline = c.pipeline.gather_trace()
             if timeline is not None:
-                measured.append(timeline.bubble())
+                shape = c.pipeline.shape
+                measured.append((timeline.bubble(), predicted_bubble(c.schedule, shape, mean_times(timeline))))
         c.pipeline.trace_enabled = False
         out[c.name] = min(measured) if measured else None
     return out
@@ -315,9 +342,9 @@ def _check_shape(model_cfg: ModelConfig, world: int, batch: int, micro: int, arg
         return f"--batch {batch} is not a multiple of --micro-batch {micro}"
     m = batch // micro
     for s in args.schedules:
-        v = args.virtual if s == "interleaved" else 1
+        v = _chunks(s, args)
         try:
-            check_shape(s, Shape(world, v, m))
+            check_shape(s, _shape(s, world, args, m))
         except ValueError as e:
             return f"{s}: {e} (here: change --batch, --micro-batch or --virtual)"
         if model_cfg.n_layers < world * v:
@@ -428,7 +455,7 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
             c = e["comm"][n]
             sent = sum(c.get(f"send/{g}", {}).get("bytes", 0) for g in ("pp", "pp_grad"))
             recv = sum(c.get(f"recv/{g}", {}).get("bytes", 0) for g in ("pp", "pp_grad"))
-            per_rank.append({"sent": sent, "received": recv, "expected": expected_p2p(s, world, args.virtual, r, m, b, seq, d),
+            per_rank.append({"sent": sent, "received": recv, "expected": expected_p2p(_shape(s, world, args, m), r, b, seq, d),
                              "ops": c})
         busiest = max(range(world), key=lambda r: per_rank[r]["sent"])
         pr = per_rank[busiest]
@@ -451,20 +478,26 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
     rows = []
     for s in args.schedules:
         o, p = results[f"ours {s}"], results[f"torch {s}"]
-        v = args.virtual if s == "interleaved" else 1
+        v = _chunks(s, args)
         pr = comm_results[s]
         sent = max(x["sent"] for x in pr)
         expect = max(x["expected"] for x in pr)
         alive = max(e["alive"][f"ours {s}"] for e in everyone)
-        measured = everyone[0]["bubbles"].get(f"ours {s}")
-        o.update(p2p_sent=sent, p2p_expected=expect, bubble=Shape(world, v, m).bubble(), bubble_measured=measured, peak_alive=alive)
-        rows.append([s, f"{v}", f"{Shape(world, v, m).bubble():.3f}", "-" if measured is None else f"{measured:.3f}",
+        traced = everyone[0]["bubbles"].get(f"ours {s}")
+        measured, predicted = traced if traced else (None, None)
+        unit = predicted_bubble(s, _shape(s, world, args, m))
+        o.update(p2p_sent=sent, p2p_expected=expect, bubble=unit, bubble_predicted=predicted, bubble_measured=measured,
+                 peak_alive=alive)
+        rows.append([s, f"{v}", f"{unit:.3f}", "-" if predicted is None else f"{predicted:.3f}",
+                     "-" if measured is None else f"{measured:.3f}",
                      f"{o['median'] * 1e3:.1f}", f"{p['median'] * 1e3:.1f}",
                      f"{o['ratio']:.3f}x", f"{o['paired_ratio']:.3f}x", f"{sent / 2**20:.2f}", f"{expect / 2**20:.2f}", f"{alive}"])
     print("\nsummary per schedule:")
-    print(table(["schedule", "v", "bubble", "measured", "ours ms", "torch ms", "ours/torch", "paired", "p2p sent MiB",
-                 "formula MiB", "ours live mb"], rows))
-    print("  (bubble: (N-1)/(v m + N-1) with equal stages; measured: our trace's idle share per rank, mean over ranks, best "
+    print(table(["schedule", "v", "bubble", "predicted", "measured", "ours ms", "torch ms", "ours/torch", "paired",
+                 "p2p sent MiB", "formula MiB", "ours live mb"], rows))
+    print("  (bubble: the schedule's with equal stages and F = B = W (GPipe, 1F1B, interleaved: (N-1)/(v m + N-1)); "
+          "predicted: at the traced step's mean times of each rank's F, B and W, messages free; measured: our trace's "
+          "idle share per rank, mean over ranks, best "
           f"of {args.trace_steps} traced steps (CPU only); p2p: busiest rank, per step; live mb: the most micro-batch "
           "chunks whose activations one of our ranks held at once)")
 

@@ -141,15 +141,15 @@ def _check_samples(run, steps):
 
 
 def test_pipeline_from_the_command_line_with_its_timeline(tmp_path):
-    """``--set parallel.pp=2 --set parallel.schedule=1f1b`` trains, samples through the stages, checkpoints
-    (each stage its part), and ``--pipeline-trace`` draws the last step with its bubble."""
+    """``--set parallel.pp=2 --set parallel.schedule=zb-v`` trains, samples through the stages (the last one on rank
+    0, in ZB-V's V), checkpoints (each stage its part), and ``--pipeline-trace`` draws the last step with its bubble."""
     png = tmp_path / "pipe.png"
-    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "parallel.pp=2", "--set", "parallel.schedule=1f1b",
-                           "--set", "train.micro_batch=2", "--set", "model.n_layers=4", "--set", "train.sample_tokens=8", *SAMPLED,
-                           "--pipeline-trace", str(png), steps=3))
+    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "parallel.pp=2", "--set", "parallel.schedule=zb-v",
+                           "--set", "parallel.virtual_stages=2", "--set", "train.micro_batch=2", "--set", "model.n_layers=4",
+                           "--set", "train.sample_tokens=8", *SAMPLED, "--pipeline-trace", str(png), steps=3))
     assert r.returncode == 0, r.stderr
-    assert "2 rank(s) (dp=1, pp=2 1f1b)" in r.stdout
-    assert f"pipeline trace: {png} (bubble" in r.stdout and "by (p-1)/(v*m+p-1)" in r.stdout
+    assert "2 rank(s) (dp=1, pp=2 zb-v" in r.stdout
+    assert f"pipeline trace: {png} (bubble" in r.stdout and "predicted for these stage times" in r.stdout
     assert png.stat().st_size > 10_000
     _check_samples(tmp_path / "run", steps=3)  # sampled through the stages, and from each stage's part of the checkpoint
 

@@ -365,7 +365,7 @@ class Trainer:
             measured, predicted = plot_pipeline(timeline, self.pipeline.shape, self.cfg.parallel.schedule, path)
             if not self.quiet:
                 print(f"[trickles] pipeline trace: {path} (bubble {100 * measured:.1f}% measured, "
-                      f"{100 * predicted:.1f}% by (p-1)/(v*m+p-1))")
+                      f"{100 * predicted:.1f}% predicted for these stage times with free messages)")
 
     # ---- checkpoints (trickles.train.trainer_state) ---------------------------------------
     def save_checkpoint(self) -> str | None:

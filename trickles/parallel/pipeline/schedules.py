@@ -456,9 +456,28 @@ class Timeline:
         return sum(idle) / len(idle)
 
 
+def mean_times(timeline: Timeline) -> dict[tuple[int, str, int], float]:
+    """``{(rank, kind, chunk): mean seconds}`` of a measured step's compute actions: what :func:`simulate` replays
+    when it is given ``took`` -- the stages as they were (the embedding and the head make the end stages longer; the
+    first stage's ``B`` is empty, its ``W`` its whole backward), messages that cost nothing."""
+    took: dict[tuple[int, str, int], list[float]] = {}
+    for rank, row in enumerate(timeline.spans):
+        for a, s, e in row:
+            took.setdefault((rank, a.kind, a.chunk), []).append(e - s)
+    return {k: sum(v) / len(v) for k, v in took.items()}
+
+
+def predicted_bubble(schedule: str, shape: Shape, took: dict[tuple[int, str, int], float] | None = None) -> float:
+    """The bubble of ``schedule`` with messages that cost nothing: with ``took`` (:func:`mean_times` of a measured
+    step) for its stages as measured, else for equal stages, F, B and W one slot each -- ``(p - 1) / (v m + p - 1)``
+    for GPipe, 1F1B and interleaved, the module docstring's formulas for the zero-bubble schedules."""
+    return simulate(build(schedule, shape), shape, took=took).bubble()
+
+
 def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0, t_backward: float = 2.0,
-             t_weight: float = 1.0) -> Timeline:
-    """Replays the action lists: compute takes the given times (:func:`durations`), a message arrives when it is sent.
+             t_weight: float = 1.0, took: dict[tuple[int, str, int], float] | None = None) -> Timeline:
+    """Replays the action lists: compute takes the given times (:func:`durations`; ``took``: per rank, kind and
+    chunk instead), a message arrives when it is sent.
 
     A receive is posted without waiting; the compute that reads it waits until the message is
     there. Messages between two ranks in one direction match in the order they are posted, as on
@@ -473,7 +492,7 @@ def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0
     posted: dict[tuple[int, int, str], int] = {}  # receives posted so far on a channel
     pending: list[dict[tuple[str, int, int], tuple[tuple[int, int, str], int]]] = [{} for _ in range(p)]
     spans: list[list[tuple[Action, float, float]]] = [[] for _ in range(p)]
-    took = durations(schedules, t_forward, t_backward, t_weight)
+    each = durations(schedules, t_forward, t_backward, t_weight)
     ran: list[set[tuple[str, int, int]]] = [set() for _ in range(p)]
     while any(pos[r] < len(schedules[r]) for r in range(p)):
         progressed = False
@@ -504,7 +523,7 @@ def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0
                         src = _producer(a, shape, r) if a.kind != "W" else (r, Action("B", a.chunk, a.micro))
                         if src is not None and src[0] == r and (src[1].kind, src[1].chunk, src[1].micro) not in ran[r]:
                             raise ValueError(f"rank {r} runs {a} before {src[1]}, whose output it reads")
-                    t = took[a.kind]
+                    t = each[a.kind] if took is None else took.get((r, a.kind, a.chunk), 0.0)
                     spans[r].append((a, clock[r], clock[r] + t))
                     ran[r].add((a.kind, a.chunk, a.micro))
                     clock[r] += t

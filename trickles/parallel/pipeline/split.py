@@ -15,9 +15,15 @@ intermediate once more -- now only its edges toward the weights (``dw = dy^T x``
 nodes between it and the weights. Each weight's gradient arrives through ``AccumulateGrad``, so the
 data-parallel engine's post-accumulate-grad hooks fire in ``W`` exactly as in a whole backward.
 
-The intermediates are run in *groups*: those whose weight-side parts share a node (one weight used twice)
-form one group and one call; groups run in the order the whole backward would reach them (latest node
-first), so every tensor-parallel rank issues a group's collectives in the same order. A weight reached from
+The intermediates form *groups*: those whose weight-side parts share a node (one weight used twice) are one
+group. One restart may not hold two intermediates of which one lies below the other in ``D``: the engine would
+carry the upper one's gradient down ``D`` to the lower one, which already has its own recorded. So a restart
+holds the groups whose intermediates all sit at one *depth* (the longest path in ``D`` down to the input: two
+nodes at the same depth are never above one another) -- a layer's query, key and value projections together,
+its gate and up projections together -- in the order the whole
+backward reaches them (latest first), so every tensor-parallel rank issues their collectives in the same order.
+Each restart costs the engine a walk over the graph below it, so fewer of them is most of ``W``'s overhead on
+small stages. A weight reached from
 two intermediates of which one lies *below* the other in ``D`` (the same weight used in two layers of one
 chunk) would have its gradient counted twice by that restart; for such a chunk ``W`` runs the whole backward
 again from the output, asking for the weights only (correct, at the price of ``B``'s work twice). A chunk that
@@ -79,28 +85,33 @@ def _children(node) -> list:
     return [n for n, _ in node.next_functions if n is not None]
 
 
-def _graph(root) -> list:
-    """The nodes reachable from ``root``, each after every node that feeds it (inputs before consumers in backward
-    order: a node's children come before it)."""
-    order, seen, stack = [], {root}, [(root, iter(_children(root)))]
+def _graph(root) -> tuple[list, dict]:
+    """The nodes reachable from ``root``, each after every node that feeds it (children before their parent, as
+    backward runs them the other way), and each node's children."""
+    kids = {root: _children(root)}
+    order, stack = [], [(root, iter(kids[root]))]
     while stack:
         node, it = stack[-1]
         child = next(it, None)
         if child is None:
             stack.pop()
             order.append(node)
-        elif child not in seen:
-            seen.add(child)
-            stack.append((child, iter(_children(child))))
-    return order
+        elif child not in kids:
+            kids[child] = _children(child)
+            stack.append((child, iter(kids[child])))
+    return order, kids
 
 
 def _plan(root, target) -> list[_Group] | None:
-    """The groups of intermediates below ``root`` for input node ``target``; None when a weight would be counted twice."""
-    order = _graph(root)
-    in_d = {}
+    """The restarts below ``root`` for input node ``target``, latest first (each a group of intermediates or a level
+    of groups, merged); None when a weight would be counted twice."""
+    order, kids = _graph(root)
+    in_d, depth = {}, {}
     for node in order:  # children first: a node leads to the input if it is it or a child does
-        in_d[node] = node is target or any(in_d[c] for c in _children(node))
+        below = [depth[c] for c in kids[node] if in_d[c]]
+        in_d[node] = node is target or bool(below)
+        if in_d[node]:
+            depth[node] = 1 + max(below) if below else 0
     parent = {}
 
     def find(n):
@@ -110,10 +121,10 @@ def _plan(root, target) -> list[_Group] | None:
         return n
 
     owner: dict = {}  # node off D -> the intermediate that reached it first
-    inter = [n for n in order if in_d[n] and any(not in_d[c] for c in _children(n))]
+    inter = [n for n in order if in_d[n] and any(not in_d[c] for c in kids[n])]
     for n in inter:
         parent[n] = n
-        stack = [c for c in _children(n) if not in_d[c]]
+        stack = [c for c in kids[n] if not in_d[c]]
         while stack:
             c = stack.pop()
             if c in owner:
@@ -122,34 +133,42 @@ def _plan(root, target) -> list[_Group] | None:
                     parent[a] = b
                 continue
             owner[c] = n
-            stack += _children(c)
+            stack += kids[c]
     members: dict = {}
     for n in inter:
         members.setdefault(find(n), []).append(n)
+    params: dict = {}
+    for c, n in owner.items():
+        if hasattr(c, "variable"):
+            params.setdefault(find(n), []).append(c.variable)
     rank = {n: i for i, n in enumerate(order)}
-    groups = []
-    for nodes in members.values():
-        nodes.sort(key=rank.get, reverse=True)  # latest (closest to the output) first
-        if len(nodes) > 1 and _nested(nodes, in_d):
+    restarts: dict = {}  # a depth (or a group spanning several) -> one restart
+    for key, nodes in members.items():
+        levels = {depth[n] for n in nodes}
+        if len(levels) > 1 and _nested(nodes, in_d, kids):
             return None
-        params = [c.variable for c, o in owner.items() if find(o) is find(nodes[0]) and hasattr(c, "variable")]
-        groups.append(_Group(nodes, params))
-    groups.sort(key=lambda g: rank[g.nodes[0]], reverse=True)
-    return groups
+        r = restarts.setdefault(levels.pop() if len(levels) == 1 else key, _Group([], []))
+        r.nodes += nodes
+        r.params += params.get(key, [])
+    out = list(restarts.values())
+    for r in out:
+        r.nodes.sort(key=rank.get, reverse=True)
+    out.sort(key=lambda r: rank[r.nodes[0]], reverse=True)
+    return out
 
 
-def _nested(nodes: list, in_d: dict) -> bool:
+def _nested(nodes: list, in_d: dict, kids: dict) -> bool:
     """Whether one of ``nodes`` lies below another inside ``D``."""
     others = set(nodes)
     for top in nodes:
-        seen, stack = {top}, [c for c in _children(top) if in_d[c]]
+        seen, stack = {top}, [c for c in kids[top] if in_d[c]]
         while stack:
             c = stack.pop()
             if c in others:
                 return True
             if c not in seen:
                 seen.add(c)
-                stack += [g for g in _children(c) if in_d[g]]
+                stack += [g for g in kids[c] if in_d[g]]
     return False
 
 
@@ -161,7 +180,7 @@ def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.T
     if groups is None:  # a weight reached twice along the input's path: W runs from the output again
         with _in_phase("input"):
             torch.autograd.backward(output, grad, inputs=[inp], retain_graph=True)
-        params = [n.variable for n in _graph(output.grad_fn) if hasattr(n, "variable") and n.variable is not inp]
+        params = [n.variable for n in _graph(output.grad_fn)[0] if hasattr(n, "variable") and n.variable is not inp]
         return Deferred([], whole=(output, grad), inputs=params)
     handles = []
     for g in groups:
