@@ -261,6 +261,14 @@ class Config:
         if p.zero > 1:
             raise ConfigError(f"parallel.zero={p.zero} does not combine with pipeline stages (it would reduce or gather "
                               "parameters for every micro-batch); use parallel.zero=0 or 1 with parallel.pp > 1")
+        if p.schedule in SPLIT and self.train.compile:
+            raise ConfigError(f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
+                              f"gradients, but train.compile makes each block's backward one compiled piece that computes "
+                              f"both; use train.compile=false or parallel.schedule=1f1b / interleaved")
+        if p.schedule in SPLIT and self.memory.recompute == "full":
+            raise ConfigError(f"parallel.schedule={p.schedule} computes the weights' gradients in W, apart from B; under "
+                              f"memory.recompute=full every W would recompute its blocks again; use memory.recompute="
+                              f"selective (or none) with {p.schedule}, or parallel.schedule=1f1b / interleaved")
         if p.schedule in SPLIT and dims.tp > 1 and p.tp_mode != "1d":
             raise ConfigError(f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
                               f"gradients, which the {p.tp_mode} tensor-parallel layers compute in one step; use "

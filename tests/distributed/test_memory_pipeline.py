@@ -28,11 +28,14 @@ def _stages(tmp, cache, world, overrides):
     return rep.stages, rep.stages_measured, rep.stage, rep.layers_predicted, rep.layers_measured, tr.pipeline.peak_alive, rep.table()
 
 
-# each schedule (pp=2; interleaved with 2 chunks of 4 layers), and pp=2 x dp=2 with ZeRO-1, offload, bf16, dropout
+# each schedule (pp=2; interleaved and zb-v with 2 chunks of 4 layers), and pp=2 x dp=2 with ZeRO-1, offload, bf16, dropout;
+# zero-bubble: model states, saved activations (held from F to W) and held bytes exact, the peak a lower bound
 CASES = {
     "gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
     "1f1b": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
     "interleaved": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.n_layers=4"]),
+    "zb-h1": (2, ["parallel.pp=2", "parallel.schedule=zb-h1"]),
+    "zb-v": (2, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layers=4"]),
     "gpt2-tied-bf16-dropout": (2, ["parallel.pp=2", "model.preset=gpt2-tiny", "memory.precision=bf16", "model.dropout=0.1",
                                    "model.n_layers=3", "memory.recompute=selective"]),
     "dp2-zero1-offload": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "memory.offload_optimizer=true",
@@ -50,6 +53,9 @@ def test_every_stage_predicted_equals_measured(tmp_path, cache, case):
     for r, (pred, meas) in enumerate(zip(stages, measured)):
         for key in EXACT:
             assert meas[key] == pred[key], (case, r, key, pred[key], meas[key])
+        if case.startswith("zb-"):  # the gradients recorded for W are not predicted yet: the peak is a lower bound
+            assert meas["peak"] >= pred["peak"] and "lower bound" in table, (case, r, pred["peak"], meas["peak"])
+            continue
         assert abs(meas["peak"] - pred["peak"]) <= 0.05 * pred["peak"], (case, r, pred["peak"], meas["peak"])
     assert top == max(range(2), key=lambda r: stages[r]["peak"])
     assert layers_meas == layers_pred

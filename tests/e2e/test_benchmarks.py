@@ -324,16 +324,18 @@ def test_memory_layouts(run):
 
 
 def test_pipeline_parallel(run):
-    """GPipe, 1F1B and interleaved 1F1B against ``torch.distributed.pipelining``, the bubble traced."""
+    """GPipe, 1F1B, interleaved 1F1B, ZB-H1 and ZB-V against ``torch.distributed.pipelining``, the bubble traced
+    next to its prediction from the traced stage times."""
     out, tmp = run
     doc = _json(tmp / "pipeline_parallel.json")
-    schedules = ["gpipe", "1f1b", "interleaved"]
+    schedules = ["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
     names = [n for s in schedules for n in (f"ours {s}", f"torch {s}")]
     _timed(doc["results"], names, {f"ours {s}": f"torch {s}" for s in schedules})
     _losses_agree(doc["check"], names, doc["check"]["single device"])
     for s in schedules:
         r = doc["results"][f"ours {s}"]
         assert r["p2p_sent"] == r["p2p_expected"] > 0 and 0 <= r["bubble_measured"] < 1, (s, r)
+        assert 0 <= r["bubble_predicted"] <= r["bubble_measured"] + 0.05, (s, r)  # messages only ever add idle time
         assert all(x["sent"] == x["expected"] == x["received"] for x in doc["comm"][s])  # every rank's, the formula's
 
 

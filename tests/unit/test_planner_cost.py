@@ -119,6 +119,33 @@ def test_the_bubble_is_the_schedules(schedule, p, v, m):
     assert len(st.stage_s) == p and st.total_s == max(st.stage_s)
 
 
+@pytest.mark.parametrize("schedule,v,peer", [("zb-h1", 1, "1f1b"), ("zb-v", 2, "interleaved")])
+def test_zero_bubble_schedules_leave_z_of_the_fill_and_drain(schedule, v, peer):
+    """The same stages: the zero-bubble schedule's bubble is ``z = (t_f + t_b - 2 t_w) / (t_f + t_b)`` of its peer's
+    (1F1B, or interleaved with the same two chunks), ``t_w`` the forward time of the GEMMs with a weight; with no
+    attention core to speak of (sequence 32) ``z`` is close to the equal-times third."""
+    sets = ["parallel.pp=4", "model.n_layers=8", "train.global_batch=8", "train.micro_batch=1",
+            f"parallel.virtual_stages={v}"]
+    _, _, _, zb = plan(4, *sets, f"parallel.schedule={schedule}", cluster="dgx-a100")
+    _, _, _, other = plan(4, *sets, f"parallel.schedule={peer}", cluster="dgx-a100")
+    assert zb.bubble_s == pytest.approx(zb.bubble_scale * other.bubble_s) and zb.compute_s == pytest.approx(other.compute_s)
+    assert 0.3 < zb.bubble_scale < 0.5 and other.bubble_scale == 1.0
+    p, m = 4, 8
+    z = zb.bubble_scale
+    assert zb.bubble_fraction == pytest.approx(z * (p - 1) / (v * m + z * (p - 1)))
+
+
+def test_the_layout_search_offers_the_zero_bubble_schedules_without_full_recomputation():
+    from trickles.planner.layouts import RECOMPUTE, enumerate_layouts
+
+    cfg = Config.load(None, [*TINY, "model.n_layers=8", "parallel.pp=2"])
+    mc = resolve_model(cfg.model, 320, cfg.data.seq_len)
+    seen = {(lay.schedule, lay.virtual_stages, lay.recompute) for lay in enumerate_layouts(cfg, {"parallel.pp"}, 4, mc)}
+    assert ("zb-h1", 1, "selective") in seen and ("zb-v", 2, "none") in seen
+    assert not any(s.startswith("zb") and rc == "full" for s, _, rc in seen) and ("1f1b", 1, "full") in seen
+    assert set(RECOMPUTE) == {"none", "selective", "full"}
+
+
 def test_the_slowest_stage_waits_for_the_lighter_ones_only():
     """The output layer and loss make the last stage the slowest; its bubble is the lighter stages' micro-batch, less
     than ``(p - 1) / (v m)`` of its own; with even stages (the head's work dwarfed) the two agree."""

@@ -163,11 +163,13 @@ def test_partition_even_uneven_and_given():
     (["parallel.pp=2", "model.n_layers=6", "parallel.schedule=zb-v", "parallel.virtual_stages=3"], 2, "virtual_stages=2 \\(got 3\\)"),
     (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-h1", "parallel.virtual_stages=2"], 2, "or zb-v with 2"),
     (["parallel.pp=2", "parallel.tp=4", "parallel.tp_mode=2d", "parallel.schedule=zb-h1"], 8, "use parallel.tp_mode=1d"),
+    (["parallel.pp=2", "parallel.schedule=zb-h1", "train.compile=true"], 2, "use train.compile=false"),
+    (["parallel.pp=2", "parallel.schedule=zb-h1", "memory.recompute=full"], 2, "use memory.recompute=selective"),
     (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
       "parallel.pipeline_layers=[1, 1, 1]"], 2, "lists 3 stages"),
 ], ids=["more-stages-than-layers", "interleaved-micro-batches", "too-many-chunks", "zero2", "layer-list", "virtual-without-pp",
         "virtual-without-interleaved", "world", "trace-without-pp", "zb-v-one-chunk", "zb-v-odd-chunks", "zb-h1-two-chunks",
-        "zb-grid-tp", "zb-v-layer-list"])
+        "zb-grid-tp", "zb-compile", "zb-full-recompute", "zb-v-layer-list"])
 def test_bad_pipeline_configurations_are_refused_before_any_process_group(tmp_path, overrides, world, message):
     cfg = tiny_config(str(tmp_path), *overrides)
     with pytest.raises(ConfigError, match=message):

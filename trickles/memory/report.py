@@ -157,7 +157,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         layer_ids = [list(range(model_cfg.n_layers))]
     else:
         from ..parallel.pipeline.stages import partition_layers
-        from ..parallel.pipeline.schedules import Shape, compute_order
+        from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order
         from .stages import buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight
 
         _, m = cfg.batch_plan(dims.dp)
@@ -182,6 +182,10 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
                      + f", {m} micro-batches of {msg:,} B per message: each stage holds its layers' saved activations "
                      "times the micro-batches in flight at its peak (the schedule's order), and the stage outputs, "
                      "inputs and receive buffers the runner keeps (transient)")
+        if cfg.parallel.schedule in SPLIT:
+            notes.append(f"{cfg.parallel.schedule}: a chunk's activations are held from its F to its W (counted); the "
+                         "gradients B records for W (one per linear and norm of every chunk whose W is pending) are not "
+                         "predicted yet, so the peak is a lower bound: use --measure")
     top = max(range(len(rows)), key=lambda r: rows[r]["peak"])
     per_layer = act["per_layer"]
     report = MemoryReport(dict(rows[top]), [per_layer[i] for i in layer_ids[top]], host_optimizer=offload,

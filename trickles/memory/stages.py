@@ -45,7 +45,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from functools import lru_cache
 
-from ..parallel.pipeline.schedules import Action, Shape, _messages, _producer, compute_order, uniform_times
+from ..parallel.pipeline.schedules import SPLIT, Action, Shape, _messages, _producer, compute_order, uniform_times
 
 
 def chunk_bytes(act: dict, embedding: int, parts: list[list[int]], shape: Shape, rank: int) -> list[tuple[int, int]]:
@@ -67,8 +67,9 @@ def peak_in_flight(order: list[Action], weights: list[tuple[int, int]] | dict) -
     or a dict by ``(chunk, micro-batch)``, measured)."""
     alive = [0, 0, 0]
     best = (0, 0, 0)
+    release = "W" if any(a.kind == "W" for a in order) else "B"  # zero-bubble: a chunk's activations stay until its W
     for a in order:
-        if a.kind not in ("F", "B"):
+        if a.kind not in ("F", release):
             continue
         sign = 1 if a.kind == "F" else -1
         lay, head = weights[(a.chunk, a.micro)] if isinstance(weights, dict) else weights[a.chunk]
@@ -116,6 +117,7 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     the loss's backward frees before the layers' begins (module docstring)."""
     actions = action_lists(schedule, shape, early_receives)[rank]
     last = shape.stages - 1
+    split = schedule in SPLIT  # zero-bubble: the activations and the received input stay until W
     alive = peak = 0
     pending_grads = 0  # input gradients produced, not yet known to be sent
     for a in actions:
@@ -135,12 +137,16 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
             # the loss's backward first; the layers' after it has freed the head's activations
             during = max(loss_transient, backward_transient - head) if s == last else backward_transient
             peak = max(peak, alive + during + (msg if s > 0 else 0))
-            alive -= lay + head + (msg if s < last else 0) + (msg if s > 0 and not saves_input else 0)
+            kept = lay + head + (msg if s > 0 and not saves_input else 0)  # (until W, when split)
+            alive -= (0 if split else kept) + (msg if s < last else 0)
             alive -= msg if s < last else 0  # the received gradient, consumed
             if s > 0:
                 alive += msg
                 pending_grads = msg
             peak = max(peak, alive)
+        elif a.kind == "W":
+            lay, head = weights[a.chunk]
+            alive -= lay + head + (msg if s > 0 and not saves_input else 0)
     return peak
 
 

@@ -11,14 +11,18 @@ from dataclasses import dataclass
 from ..config import Config
 from ..models.config import ModelConfig
 from ..topology import ParallelDims
+from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order, peak_alive
 from .rank_plan import element_bytes
 
 
 def in_flight(schedule: str, p: int, v: int, m: int, rank: int) -> int:
     """Micro-batch chunks whose activations pipeline rank ``rank`` holds at once (module docstring); 1 without a
-    pipeline."""
+    pipeline. The zero-bubble schedules hold a chunk from its F to its W, read off the schedule's order (at most
+    ``p v``)."""
     if p == 1:
         return 1
+    if schedule in SPLIT:
+        return peak_alive(compute_order(schedule, Shape.of(schedule, p, v, m), rank))
     if schedule == "gpipe":
         return m
     if schedule == "1f1b":
@@ -117,17 +121,18 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
             return in_layer + p * (root + 2 * (n - root) / mc.n_layers)
         return in_layer
 
-    params_key = ("params", dims.tp, dims.tp_mode, dims.tp_depth, dims.ep, dims.pp, v, tuple(par.pipeline_layers))
+    shape = Shape.of(par.schedule if dims.pp > 1 else "1f1b", dims.pp, v, m)
+    params_key = ("params", dims.tp, dims.tp_mode, dims.tp_depth, dims.ep, dims.pp, v, shape.vee, tuple(par.pipeline_layers))
     params = cache.get(params_key) if cache is not None else None
     if params is None:
-        params = [rank_params(mc, dims, [i for c in range(v) for i in parts[c * dims.pp + r]], r == 0, r == dims.pp - 1)
+        params = [rank_params(mc, dims, [i for c in range(v) for i in parts[shape.stage(r, c)]], *shape.ends(r))
                   for r in range(dims.pp)]
         if cache is not None:
             cache[params_key] = params
     stages, host = [], 0.0
     for r in range(dims.pp):
-        chunks = [parts[c * dims.pp + r] for c in range(v)]
-        first, last = r == 0, r == dims.pp - 1
+        chunks = [parts[shape.stage(r, c)] for c in range(v)]
+        first, last = shape.ends(r)
         dense, experts = params[r]
         owned = dense / replicas + experts / edp
         whole = dense + experts

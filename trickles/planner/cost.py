@@ -13,7 +13,9 @@ else the memory bandwidth), plus a third of ``o`` per pass -- ``o`` the fixed co
 forward and backward for a micro-batch, ``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs), an MoE block
 ``o + o_moe`` (``Cluster.moe_pass_overhead_us``: its routing's many small operations); ``share`` is
 the fraction of a device a rank gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
-(``full``) or the attention core's (``selective``): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Its FLOPs
+(``full``) or the attention core's (``selective``): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Of ``t_b``, the
+weights' gradients take ``t_w`` = the forward time of the GEMMs with a weight (all but the attention core's): what
+a zero-bubble schedule's ``W`` moves into the bubble. Its FLOPs
 sum to :func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the
 ranks; the model's attention FLOPs are halved for a causal kernel).
 
@@ -45,7 +47,9 @@ micro-batch and drain it after its last, one chunk of each other stage: ``bubble
 ``u_s = (compute_s + exposed tensor/context/expert communication_s) / m`` one micro-batch of stage ``s``
 (:func:`_stages`). With even stages this is ``(p - 1) / (v m)`` of the rank's own, as a fraction of the step's
 compute ``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and interleaved alike; with uneven ones (the output layer and
-loss on the last stage) the slowest stage waits only for the lighter ones. CPU ranks with a core each run faster
+loss on the last stage) the slowest stage waits only for the lighter ones. The zero-bubble schedules fill it with
+``W`` down to ``z = (t_f + t_b - 2 t_w) / (t_f + t_b)`` of that (ZB-H1 exactly; ZB-V at most, with two chunks per
+rank: ``v = 2``); ``z = 1/3`` when ``t_w = t_f = t_b / 2``. CPU ranks with a core each run faster
 while their peers wait (``Cluster.core_contention``, :func:`_stages`).
 
 **Optimizer step**: memory-bound, ``n (2 k + 2 p + g) / BW_mem`` for the ``n`` elements the rank updates (all
@@ -66,6 +70,7 @@ from ..comm import messages
 from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
+from ..parallel.pipeline.schedules import SPLIT
 from ..topology import ParallelDims
 from .cluster import Cluster, Link
 from .compute import ATTENTION, Work, attention_flops, chunk_work
@@ -95,7 +100,7 @@ class StepTime:
     recompute_s: float  # of compute_s
     elementwise_s: float  # of compute_s: the memory-bound kernels
     bubble_s: float
-    bubble_fraction: float  # (p - 1) / (v m + p - 1)
+    bubble_fraction: float  # (p - 1) z / (v m + (p - 1) z), z = 1 but for the zero-bubble schedules
     comm_s: float  # every collective's time, as if none overlapped
     exposed_comm_s: float  # what overlapping leaves on the critical path
     comm_by_group: dict[str, float]  # group kind -> seconds of its collectives (serialized)
@@ -111,6 +116,7 @@ class StepTime:
     stage_s: list[float] = field(default_factory=list)  # every pipeline rank's step time
     traffic: list[TimedTraffic] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    bubble_scale: float = 1.0  # z: the share of the fill and drain a zero-bubble schedule leaves idle
 
     @property
     def tokens_per_s(self) -> float:
@@ -190,6 +196,8 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
         t_rc = 0.0
     compute = m * (t_f + t_b + t_rc)
     attention_s = 3 * gemm_f * attention_flops(work) / max(work.flops, 1.0)  # forward + backward, one micro-batch
+    t_w = gemm_f * (1 - attention_flops(work) / max(work.flops, 1.0))  # the GEMMs with a weight, once
+    z = (t_f + t_b - 2 * t_w) / (t_f + t_b) if cfg.parallel.schedule in SPLIT and dims.pp > 1 else 1.0
 
     per_node = cluster.ranks_per_node(dims.world_size)
     windows = {"backward": t_b + t_rc, "forward": t_f}
@@ -213,6 +221,8 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
             elif tr.overlap == "pipeline":
                 s = plan.shape
                 hops = 2 * (s.p * s.v - 1) if cfg.parallel.schedule == "interleaved" else 2 * (s.p - 1)
+                if s.vee:  # ZB-V: both chunks' hops, less the turn on the last rank
+                    hops = 2 * (s.p * s.v - 2)
                 t_msg = t / max(1, tr.calls)
                 exposed = hops * t_msg + m * s.v * max(0.0, 2 * t_msg - (t_f + t_b) / s.v)
                 exposed = exposed if cluster.overlaps else t
@@ -244,17 +254,18 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     exposed_comm = sum(tt.exposed_s for tt in timed)
     in_layer = sum(tt.exposed_s for tt in timed if tt.traffic.dimension in IN_LAYER)
     s = plan.shape
-    bubble = (s.p - 1) / (s.v * s.m) * (compute + in_layer) if dims.pp > 1 else 0.0
+    bubble = z * (s.p - 1) / (s.v * s.m) * (compute + in_layer) if dims.pp > 1 else 0.0
 
     optimizer, offload = _optimizer(plan, cluster, t_f, t_b)
     total = compute + bubble + exposed_comm + optimizer + offload
     from ..train.flops import flops_per_token
 
     tokens = cfg.train.global_batch * plan.seq
-    return StepTime(total, compute, m * t_rc, m * 3 * elem_f, bubble, s.bubble() if dims.pp > 1 else 0.0,
+    fraction = z * (s.p - 1) / (s.v * s.m + z * (s.p - 1)) if dims.pp > 1 else 0.0
+    return StepTime(total, compute, m * t_rc, m * 3 * elem_f, bubble, fraction,
                     sum(tt.time_s for tt in timed), exposed_comm, by_group, exposed_by, optimizer, offload, tokens,
                     flops_per_token(mc, plan.seq) * tokens, dims.world_size, cluster.peak_flops(precision), in_layer,
-                    plan.rank, traffic=timed)
+                    plan.rank, traffic=timed, bubble_scale=z)
 
 
 def _optimizer(plan: RankPlan, cluster: Cluster, t_f: float, t_b: float) -> tuple[float, float]:
@@ -331,7 +342,7 @@ def _stages(plans: list[RankPlan], cluster: Cluster, attention: str, contention:
     for r, st in enumerate(steps):
         busy = sum(min(1.0, c / max(compute[r], 1e-30)) for i, c in enumerate(compute) if i != r) / (len(steps) - 1)
         own = compute[r] * (1 + (kappa - 1) * busy) / kappa
-        bubble = (sum(per_micro) - per_micro[r]) / shape.v / kappa
+        bubble = st.bubble_scale * (sum(per_micro) - per_micro[r]) / shape.v / kappa
         total = st.total_s - st.bubble_s - st.compute_s + own + bubble
         f = own / compute[r] if compute[r] > 0 else 1.0
         out.append(dataclasses.replace(st, compute_s=own, recompute_s=st.recompute_s * f,

@@ -14,6 +14,7 @@ from typing import Any, Iterator
 from ..config import SECTIONS, Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
+from ..parallel.pipeline.schedules import SPLIT
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -198,8 +199,9 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                 sps = choices("parallel.sequence_parallel", (False, True) if tp > 1 and mode == "1d" else (False,))
                 zeros = choices("parallel.zero", (0, 1) if pp > 1 else (0, 1, 2, 3))
                 if pp > 1:  # GPipe: 1F1B's time in the model with more micro-batches held; searched when pinned
-                    schedules = [("1f1b", 1)] + [("interleaved", v) for v in range(2, n_layers // pp + 1)
-                                                 if n_layers % (pp * v) == 0]
+                    schedules = [("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in range(2, n_layers // pp + 1)
+                                                               if n_layers % (pp * v) == 0]
+                    schedules += [("zb-v", 2)] if n_layers >= 2 * pp else []
                 else:
                     schedules = [(par.schedule if par.schedule != "interleaved" else "1f1b", 1)]
                 if "parallel.schedule" in pins:
@@ -214,5 +216,9 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                             for zero in zeros:
                                 for off in choices("memory.offload_optimizer", (False, True) if zero and offload else (False,)):
                                     for schedule, v in schedules:
+                                        if schedule in SPLIT and tp > 1 and mode != "1d":
+                                            continue  # the grid's layers compute both gradients in one step (refused)
+                                        # zero-bubble: W would recompute fully recomputed blocks (refused)
+                                        rcs = [rc for rc in recomputes if schedule not in SPLIT or rc != "full"]
                                         yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule, v,
-                                                       micro, rc, off) for rc in recomputes] for micro in micros]
+                                                       micro, rc, off) for rc in rcs] for micro in micros]

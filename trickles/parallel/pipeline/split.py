@@ -34,6 +34,10 @@ parallelism) ask :func:`phase`: during ``B`` they compute the input's gradient o
 weights' only -- a plain backward (``phase() is None``) computes both. Other such functions (fused kernels)
 are correct without asking, at the price of recomputing their input's gradient in ``W``.
 
+**Recomputation.** Selective recomputation redoes the attention core in ``B`` only (``W`` reads no tensor of it).
+Full recomputation would redo a block's forward in every ``W`` restart that reads one of its saved inputs (each
+restart is a graph task of its own), so the configuration refuses it with the zero-bubble schedules.
+
 **Memory.** ``B`` keeps the graph (``retain_graph``): the chunk's saved activations stay until its ``W``
 (each ``W`` call frees what it ran), plus the recorded gradients at the intermediates -- one ``[tokens,
 d_out]`` tensor per linear, what ``W`` multiplies by the saved input.
