@@ -345,7 +345,10 @@ class ActivationMeter:
             if self.exclude is None or ptr not in self.exclude():
                 self._seen.add(ptr)
                 self.per_layer[self._current] = self.per_layer.get(self._current, 0) + st.nbytes()
-        return t
+        # an alias without the autograd history: a saved output returned as itself would reference its own node
+        # (node -> saved variable -> tensor -> node), a cycle the garbage collector cannot see, freed only when a
+        # backward without retain_graph releases the node -- never, for nodes a split backward leaves behind
+        return t.detach()
 
     def _enter_layer(self, name):
         def hook(module, args):
