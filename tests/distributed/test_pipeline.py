@@ -316,6 +316,9 @@ def _lr_off(tmp, overrides):
     return [*overrides, f"train.lr={0.95 * tiny_config(tmp).train.lr!r}"]
 
 
+_ONE_PROCESS = {}
+
+
 @pytest.mark.parametrize("precision,steps,schedule", [("bf16", 20, "1f1b"), ("fp16", 8, "1f1b"), ("bf16", 20, "zb-h1")])
 def test_low_precision_through_the_stages_tracks_one_process(tmp_path, cache, precision, steps, schedule):
     """Low-precision activations and gradients cross the stages; fp16 scales the loss on the last stage. The
@@ -323,8 +326,11 @@ def test_low_precision_through_the_stages_tracks_one_process(tmp_path, cache, pr
     rate 5% off and than a weight never updated. (fp16: fewer steps; this CPU emulates fp16 matmuls slowly.)
     ZB-H1: the weights' gradients computed apart from the input's (W after B) in bf16."""
     overrides = ["model.n_layers=4", f"memory.precision={precision}"]
-    (one,), one_w, initial = _tracked(str(tmp_path), cache, 1, 1, overrides, steps)
-    (off,), _, _ = _tracked(str(tmp_path), cache, 1, 1, _lr_off(str(tmp_path), overrides), steps)
+    key = (cache, precision, steps)  # one process's runs serve every schedule at this precision
+    if key not in _ONE_PROCESS:
+        _ONE_PROCESS[key] = (_tracked(str(tmp_path), cache, 1, 1, overrides, steps),
+                             _tracked(str(tmp_path), cache, 1, 1, _lr_off(str(tmp_path), overrides), steps)[0])
+    ((one,), one_w, initial), (off,) = _ONE_PROCESS[key]
     losses, weights, _ = _tracked(str(tmp_path), cache, 2, 1, [*overrides, f"parallel.schedule={schedule}"], steps)
     for rank_losses in losses:
         # the first forward computes the same numbers; later steps drift apart by rounding alone (the gradient norm
