@@ -3,6 +3,7 @@ B touching no weight, W reaching the weights through autograd (their hooks fire)
 cut (a weight used twice along the input's path, a chunk without an input) still exact."""
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -96,16 +97,21 @@ class _Phased(torch.autograd.Function):
     def backward(ctx, g):
         x, w = ctx.saved_tensors
         step = phase()
-        _Phased.calls.append(step)
+        seen = []  # as a CUDA device thread of the autograd engine would see it
+        helper = threading.Thread(target=lambda: seen.append(phase()))
+        helper.start()
+        helper.join()
+        _Phased.calls.append((step, seen[0]))
         return (None if step == "weight" else g * w), (None if step == "input" else (g * x).sum(0))
 
 
 def test_functions_computing_both_gradients_are_told_the_phase():
-    """B runs such a function as ``input``, W as ``weight``; a plain backward as neither."""
+    """B runs such a function as ``input``, W as ``weight`` -- seen from any thread, as the engine's device threads
+    run the nodes on CUDA; a plain backward as neither."""
     w = nn.Parameter(torch.full((3,), 2.0))
     x = torch.randn(5, 3, requires_grad=True)
     _Phased.calls = []
     deferred = backward_input(_Phased.apply(x, w).sum(), None, x)
     backward_weight(deferred)
-    assert _Phased.calls == ["input", "weight"] and phase() is None
+    assert _Phased.calls == [("input", "input"), ("weight", "weight")] and phase() is None
     assert torch.equal(x.grad, torch.full((5, 3), 2.0)) and torch.allclose(w.grad, x.detach().sum(0))

@@ -46,27 +46,29 @@ d_out]`` tensor per linear, what ``W`` multiplies by the saved input.
 from __future__ import annotations
 
 import contextlib
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-_PHASE: ContextVar[str | None] = ContextVar("trickles_backward_phase", default=None)
+# Which part of a split backward is running. A plain module variable, not a context variable: on CUDA the autograd
+# engine runs the nodes on its own device thread, which sees no context variable the caller set; ``B`` and ``W``
+# block the calling thread until the engine is done, so the value holds exactly while they run.
+_PHASE: list[str | None] = [None]
 
 
 def phase() -> str | None:
     """``"input"`` during a ``B``, ``"weight"`` during a ``W``, None in a whole backward."""
-    return _PHASE.get()
+    return _PHASE[0]
 
 
 @contextlib.contextmanager
 def _in_phase(name: str):
-    token = _PHASE.set(name)
+    before, _PHASE[0] = _PHASE[0], name
     try:
         yield
     finally:
-        _PHASE.reset(token)
+        _PHASE[0] = before
 
 
 @dataclass
