@@ -146,6 +146,23 @@ def test_the_layout_search_offers_the_zero_bubble_schedules_without_full_recompu
     assert set(RECOMPUTE) == {"none", "selective", "full"}
 
 
+def test_the_layout_search_tries_end_stages_lighter_by_the_embedding_and_the_head():
+    """Llama 3's split: the embedding and the output layer each counted as a layer of the end stages."""
+    from trickles.planner.layouts import enumerate_layouts, lighter_ends
+
+    assert lighter_ends(126, 16) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B over 16 stages
+    assert lighter_ends(126, 32) == (3,) + (4,) * 30 + (3,)  # two chunks a rank (zb-v: both ends on rank 0)
+    assert lighter_ends(8, 2) == () and lighter_ends(2, 2) == ()  # the even split already; an end without a layer
+    cfg = Config.load(None, [*TINY, "model.n_layers=8", "parallel.pp=4"])
+    mc = resolve_model(cfg.model, 320, cfg.data.seq_len)
+    splits = {(lay.schedule, lay.pipeline_layers) for lay in enumerate_layouts(cfg, {"parallel.pp"}, 4, mc)}
+    assert ("1f1b", ()) in splits and ("1f1b", (2, 3, 2, 1)) in splits
+    lay = next(lay for lay in enumerate_layouts(cfg, {"parallel.pp"}, 4, mc) if lay.pipeline_layers == (2, 3, 2, 1))
+    assert "pp4/" in lay.label() and "[2,3,2,1]" in lay.label()
+    applied = lay.apply(cfg)
+    assert applied.parallel.pipeline_layers == [2, 3, 2, 1] and applied.validate(4).pp == 4
+
+
 def test_the_slowest_stage_waits_for_the_lighter_ones_only():
     """The output layer and loss make the last stage the slowest; its bubble is the lighter stages' micro-batch, less
     than ``(p - 1) / (v m)`` of its own; with even stages (the head's work dwarfed) the two agree."""

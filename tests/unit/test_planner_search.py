@@ -49,8 +49,8 @@ def test_enumeration_keeps_pinned_keys_and_varies_the_rest():
 def test_a_config_pinning_everything_evaluates_one_layout():
     sets = ["parallel.dp=2", "parallel.tp=2", "parallel.tp_mode=1d", "parallel.tp_depth=1", "parallel.pp=1", "parallel.cp=1",
             "parallel.cp_mode=ring", "parallel.ep=1", "parallel.sequence_parallel=true", "parallel.zero=1",
-            "parallel.schedule=1f1b", "parallel.virtual_stages=1", "train.micro_batch=2", "memory.recompute=selective",
-            "memory.offload_optimizer=false"]
+            "parallel.schedule=1f1b", "parallel.virtual_stages=1", "parallel.pipeline_layers=[]", "train.micro_batch=2",
+            "memory.recompute=selective", "memory.offload_optimizer=false"]
     assert pinned_keys(None, sets) == set(SEARCHED)
     cfg, mc, s = setup(*sets)
     s.run()

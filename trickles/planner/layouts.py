@@ -24,7 +24,8 @@ else:  # pragma: no cover
 #: The keys the search varies (``section.key``), in the order a layout is written.
 SEARCHED = ("parallel.dp", "parallel.tp", "parallel.tp_mode", "parallel.tp_depth", "parallel.pp", "parallel.cp",
             "parallel.cp_mode", "parallel.ep", "parallel.sequence_parallel", "parallel.zero", "parallel.schedule",
-            "parallel.virtual_stages", "train.micro_batch", "memory.recompute", "memory.offload_optimizer")
+            "parallel.virtual_stages", "parallel.pipeline_layers", "train.micro_batch", "memory.recompute",
+            "memory.offload_optimizer")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 RECOMPUTE = ("none", "selective", "full")
 
@@ -48,10 +49,11 @@ class Layout:
     micro_batch: int
     recompute: str
     offload_optimizer: bool
+    pipeline_layers: tuple[int, ...] = ()  # layers per (virtual) stage; empty: as even as possible
 
     def values(self) -> dict[str, Any]:
-        """``{"section.key": value}`` for every searched key."""
-        return {key: getattr(self, key.partition(".")[2]) for key in SEARCHED}
+        """``{"section.key": value}`` for every searched key (the layer split as the config's list)."""
+        return {key: list(v) if isinstance(v := getattr(self, key.partition(".")[2]), tuple) else v for key in SEARCHED}
 
     def apply(self, cfg: Config) -> Config:
         """A copy of ``cfg`` with this layout's keys."""
@@ -66,13 +68,41 @@ class Layout:
         tp = f"tp{self.tp}" + ("" if self.tp_mode == "1d" else f"/{self.tp_mode}" + (f"d{self.tp_depth}" if self.tp_mode == "2.5d" else ""))
         parts = [f"dp{self.dp}", tp + ("+sp" if self.sequence_parallel else "")]
         if self.pp > 1:
-            parts.append(f"pp{self.pp}/{self.schedule} v{self.virtual_stages}")
+            parts.append(f"pp{self.pp}/{self.schedule} v{self.virtual_stages}"
+                         + (f" [{_runs(self.pipeline_layers)}]" if self.pipeline_layers else ""))
         if self.cp > 1:
             parts.append(f"cp{self.cp}/{self.cp_mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
         parts += [f"mb{self.micro_batch}", f"zero{self.zero}", f"rc={self.recompute}"]
         return " ".join(parts) + (" off" if self.offload_optimizer else "")
+
+
+def _runs(sizes: tuple[int, ...]) -> str:
+    """``7,8x14,7`` for ``(7, 8, ..., 8, 7)``."""
+    out: list[str] = []
+    for n in sizes:
+        if out and out[-1].split("x")[0] == str(n):
+            head, _, count = out[-1].partition("x")
+            out[-1] = f"{head}x{int(count or 1) + 1}"
+        else:
+            out.append(str(n))
+    return ",".join(out)
+
+
+def lighter_ends(n_layers: int, parts: int) -> tuple[int, ...]:
+    """Layers per stage with the embedding and the output layer (and loss) each counted as one layer of the first and
+    last stage (Llama 3's "one layer less on the first and last stage"): ``n_layers + 2`` cut as evenly as possible,
+    then one off each end; empty where that is the even split already or leaves an end without a layer."""
+    if parts < 2:
+        return ()
+    base, extra = divmod(n_layers + 2, parts)
+    sizes = [base + (1 if s < extra else 0) for s in range(parts)]
+    sizes[0] -= 1
+    sizes[-1] -= 1
+    even_base, even_extra = divmod(n_layers, parts)
+    even = [even_base + (1 if s < even_extra else 0) for s in range(parts)]
+    return () if min(sizes) < 1 or sizes == even else tuple(sizes)
 
 
 def pinned_keys(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = ()) -> set[str]:
@@ -220,5 +250,11 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                                             continue  # the grid's layers compute both gradients in one step (refused)
                                         # zero-bubble: W would recompute fully recomputed blocks (refused)
                                         rcs = [rc for rc in recomputes if schedule not in SPLIT or rc != "full"]
-                                        yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule, v,
-                                                       micro, rc, off) for rc in rcs] for micro in micros]
+                                        if "parallel.pipeline_layers" in pins:
+                                            splits = [tuple(par.pipeline_layers)]
+                                        else:  # even, and the ends lighter by the embedding's and the head's layer
+                                            splits = [()] + ([lighter_ends(n_layers, pp * v)]
+                                                             if pp > 1 and lighter_ends(n_layers, pp * v) else [])
+                                        for split in splits:
+                                            yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule,
+                                                           v, micro, rc, off, split) for rc in rcs] for micro in micros]

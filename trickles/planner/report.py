@@ -109,6 +109,11 @@ def explain(search: Search, win: Candidate) -> list[str]:
     checks.append((f"best {'without' if lay.offload_optimizer else 'with'} the optimizer offloaded",
                    lambda c: c.layout.offload_optimizer != lay.offload_optimizer))
     checks.append(("best with a larger micro-batch", lambda c: c.layout.micro_batch > lay.micro_batch))
+    if lay.pp > 1:
+        checks.append((f"best with another pipeline schedule than {lay.schedule}",
+                       lambda c: c.layout.pp > 1 and c.layout.schedule != lay.schedule))
+        checks.append((f"best with {'an even' if lay.pipeline_layers else 'an uneven'} layer split",
+                       lambda c: c.layout.pp > 1 and bool(c.layout.pipeline_layers) != bool(lay.pipeline_layers)))
     found: dict[Any, list[str]] = {}  # alternative layout (or None) -> what it is the best of
     for what, pred in checks:
         if not any(pred(c) for c in search.ranked):
