@@ -199,6 +199,16 @@ def documents_summary(ctx: Ctx, output: str) -> dict:
             "header": ["attention", "median ms"], "rows": rows}
 
 
+def split_summary(ctx: Ctx, output: str) -> dict:
+    doc = load(out(ctx, "split.json"))
+    rows = [[n, ms(doc["median_s"][n])] for n in doc["median_s"]] + [["split: B", ms(doc["b_s"])], ["split: W", ms(doc["w_s"])]]
+    return {"headline": f"split/whole {doc['ratio']:.3f}x (paired {doc['paired_ratio']:.3f}x), {doc['layers']} layers of "
+                        f"{doc['preset']}, {doc['restarts']} W restarts, agreement {doc['agreement']:.1e}",
+            "numbers": {k: doc[k] for k in ("ratio", "paired_ratio", "agreement", "median_s", "b_s", "w_s", "restarts",
+                                            "layers", "seq", "batch")},
+            "header": ["backward", "median ms"], "rows": rows}
+
+
 def decoding_summary(ctx: Ctx, output: str) -> dict:
     doc = load(out(ctx, "decoding.json"))
     agree = {k: {s: v.count(s) for s in ("equal", "tie", "differ")} for k, v in doc["agreement"].items()}

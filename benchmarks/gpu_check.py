@@ -17,7 +17,10 @@ What runs, in order (``--list`` prints the commands)
     f  ``quantization.py --speed-preset llama-1b --device cuda``: int8 decoding (``torch._int_mm``) against bf16;
     g  ``moe.py --part single --device cuda``: the MoE layer and block in bf16 against transformers' Mixtral;
     h  ``context_parallel.py --world 1 --device cuda``: ring (and all-to-all) attention at cp=1 against SDPA;
-    i  ``decoding.py --device cuda``: batched greedy and beam decoding against transformers' ``generate``.
+    i  ``decoding.py --device cuda``: batched greedy and beam decoding against transformers' ``generate``;
+    j  ``documents.py``: packed documents' masks (flex attention) against plain causal attention;
+    k  ``split_backward.py --preset llama-1b --dtype bf16``: a pipeline chunk's backward split into B and W (the
+       zero-bubble schedules) against its whole backward -- what the split costs on a GPU.
 
 How
     * One process tree: each step is a child process in its own process group, with a timeout; a step that fails or
@@ -60,7 +63,7 @@ from typing import Callable
 
 from _gpu_check_results import (Ctx, cp_summary, decoding_summary, documents_summary, inference_summary,  # this folder
                                 kernels_summary, moe_summary, out, pytest_summary, quantization_summary, single_summary,
-                                train_summary)
+                                split_summary, train_summary)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_STEP_S = 15  # a step is not started with less time than this left in the budget
@@ -183,6 +186,12 @@ def steps() -> list[Step]:
                  "--documents", "8", "--rounds", "5", "--warmup", "2"] if c.cuda else
                 ["--device", "cpu", "--preset", "tiny", "--seq", "32", "--documents", "4", "--rounds", "1", "--warmup", "0"])),
              (40, 120), documents_summary),
+        Step("k", "zero-bubble B + W vs a whole backward", lambda c: bench(
+            c, "split_backward.py", "--json", out(c, "split.json"), *(
+                ["--device", "cuda", "--dtype", "bf16", "--preset", "llama-1b", "--layers", "4", "--batch", "2",
+                 "--seq", "2048", "--rounds", "5", "--warmup", "2"] if c.cuda else
+                ["--device", "cpu", "--preset", "tiny", "--layers", "1", "--seq", "32", "--rounds", "1", "--warmup", "0"])),
+             (30, 120), split_summary),
         Step("f", "int8 (_int_mm) decoding vs bf16", lambda c: bench(
             c, "quantization.py", "--out", out(c, "quantization"), *(
                 ["--device", "cuda", "--speed-preset", "llama-1b", "--rounds", "3", "--new-tokens", "32"] if c.cuda else
