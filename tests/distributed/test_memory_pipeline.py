@@ -60,3 +60,6 @@ def test_every_stage_predicted_equals_measured(tmp_path, cache, case):
     assert top == max(range(2), key=lambda r: stages[r]["peak"])
     assert layers_meas == layers_pred
     assert f"stage 0: layers" in table and "stage 1: layers" in table
+    if case == "zb-v":  # the V: the embedding and the head both on rank 0
+        assert "stage 0: layers 0, 3 + embedding + head: model states" in table
+        assert "stage 1: layers 1-2: model states" in table

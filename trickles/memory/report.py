@@ -189,7 +189,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     top = max(range(len(rows)), key=lambda r: rows[r]["peak"])
     per_layer = act["per_layer"]
     report = MemoryReport(dict(rows[top]), [per_layer[i] for i in layer_ids[top]], host_optimizer=offload,
-                          moe_layers=list(model_cfg.moe_layers), stages=rows, stage_layers=layer_ids, stage=top)
+                          moe_layers=list(model_cfg.moe_layers), stages=rows, stage_layers=layer_ids, stage=top,
+                          stage_ends=[shape.ends(r) for r in range(dims.pp)] if dims.pp > 1 else [])
     n = n_rank if dims.pp == 1 else sum(prm.numel() for _, prm in stage_parameters(
         rm, set(layer_ids[top]), *shape.ends(top), model_cfg.tied))
     mode = f" {lay.mode} (q={lay.q}{f', d={lay.depth}' if lay.mode == '2.5d' else ''})" if lay.grid else ""

@@ -21,11 +21,17 @@ class MemoryReport:
     tp_modes: str = ""  # the tensor-parallel modes at this tp, side by side (tp_modes.compare_tp_modes)
     stages: list[dict] = field(default_factory=list)  # pipeline rank r's categories (predicted's keys); one without pp
     stage_layers: list[list[int]] = field(default_factory=list)  # the layers each pipeline rank holds
+    stage_ends: list[tuple[bool, bool]] = field(default_factory=list)  # whether it holds the embedding, the head
     stage: int = 0  # the pipeline rank ``predicted`` (and ``measured``) describe: the highest predicted peak
     stages_measured: list[dict] = field(default_factory=list)  # measured, per pipeline rank (with pp, on rank 0)
     routing: dict = field(default_factory=dict)  # MoE with ep: block -> rows received, balanced, predicted at that load, measured
 
     CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
+
+    def _ends(self, r: int) -> str:
+        """`` + embedding`` / `` + head`` for pipeline rank ``r`` (ZB-V holds both on rank 0)."""
+        first, last = self.stage_ends[r] if self.stage_ends else (r == 0, r == len(self.stages) - 1)
+        return (" + embedding" if first else "") + (" + head" if last else "")
 
     def table(self, device_gb: float | None = None) -> str:
         """The categories, predicted (and measured) -- with the optimizer offloaded, device and host columns apart;
@@ -40,7 +46,7 @@ class MemoryReport:
         lines = []
         if len(self.stages) > 1:
             lines.append(f"pipeline rank {self.stage} of {len(self.stages)} (the highest peak): layers "
-                         f"{_span(self.stage_layers[self.stage])}{_ends(self.stage, len(self.stages))}")
+                         f"{_span(self.stage_layers[self.stage])}{self._ends(self.stage)}")
         lines += [head, "-" * len(head)]
         for c in self.CATEGORIES:
             pred, meas = self.predicted.get(c), self.measured.get(c)
@@ -95,7 +101,7 @@ class MemoryReport:
             def both(key, row=row, meas=meas):
                 return _fmt(row[key]) + (f" ({_fmt(meas[key])} measured)" if key in meas else "")
 
-            out.append(f"stage {r}: layers {_span(self.stage_layers[r])}{_ends(r, len(self.stages))}: model states "
+            out.append(f"stage {r}: layers {_span(self.stage_layers[r])}{self._ends(r)}: model states "
                        f"{_fmt(states)}, activations {both('activations')} + head {both('head')}, "
                        f"held {both('held')}, peak {both('peak')}")
         return out
@@ -159,6 +165,4 @@ def _span(ids: list[int]) -> str:
     return "-" if not ids else f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ", ".join(map(str, ids))
 
 
-def _ends(r: int, pp: int) -> str:
-    return (" + embedding" if r == 0 else "") + (" + head" if r == pp - 1 else "")
 
