@@ -233,7 +233,7 @@ def data_parallel(r: RankPlan) -> list[Traffic]:
     if d.pp > 1:
         # the gradient norm's sum over the stages, and the last stage's loss shared with the others
         out.append(Traffic("pp", "pp", "all_reduce", 2, 2 * wire_bytes("all_reduce", 4, d.pp)))
-        if r.model_cfg.tied and (r.first or r.last):
+        if r.model_cfg.tied and r.first != r.last:  # (ZB-V holds both ends on one rank: one copy, nothing to sum)
             tied = r.model_cfg.vocab_size * r.model_cfg.d_model // d.tp * r.g
             out.append(Traffic("pp", "pp_ends", "all_reduce", 1, wire_bytes("all_reduce", tied, 2)))
     return out

@@ -125,8 +125,10 @@ def tied_parameters(model: Transformer, rank: int, shape: Shape) -> list[torch.n
 def send_bytes(shape: Shape, rank: int, message_bytes: int) -> tuple[int, int]:
     """``(activations, gradients)``: bytes pipeline rank ``rank`` sends in one step of ``shape`` (``m`` micro-batches
     through its ``v`` chunks), ``message_bytes`` per message (module docstring): ``m x message_bytes`` for each of its
-    chunks that is not the last virtual stage (activations) and for each that is not the first (gradients)."""
+    chunks that is not the last virtual stage (activations) and for each that is not the first (gradients) -- but
+    none to a stage of the same rank (ZB-V's turn on the last rank)."""
     stages = [shape.stage(rank, c) for c in range(shape.v)]
-    forward = sum(s < shape.stages - 1 for s in stages) * shape.m * message_bytes
-    backward = sum(s > 0 for s in stages) * shape.m * message_bytes
+    away = lambda s: shape.owner(s)[0] != rank  # noqa: E731
+    forward = sum(s < shape.stages - 1 and away(s + 1) for s in stages) * shape.m * message_bytes
+    backward = sum(s > 0 and away(s - 1) for s in stages) * shape.m * message_bytes
     return forward, backward
