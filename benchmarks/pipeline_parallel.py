@@ -119,8 +119,8 @@ from trickles.models.transformer import Transformer, build_model, count_params  
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
 from trickles.parallel.pipeline.stages import partition_layers  # noqa: E402
-from trickles.parallel.pipeline.schedules import (SCHEDULES, Shape, check_shape, mean_times,  # noqa: E402
-                                                  predicted_bubble)
+from trickles.parallel.pipeline.schedules import SCHEDULES, Shape, check_shape  # noqa: E402
+from trickles.parallel.pipeline.timeline import mean_times, predicted_bubble  # noqa: E402
 from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"batch": 8, "micro_batch": 1, "seq": 128, "layers": 8, "d_model": 128},

@@ -13,7 +13,8 @@ import torch
 
 from helpers import assert_losses_track, assert_weights_track, tiny_config
 from trickles.parallel.pipeline.stages import send_bytes
-from trickles.parallel.pipeline.schedules import Shape, build, compute_order, simulate
+from trickles.parallel.pipeline.schedules import Shape, build, compute_order
+from trickles.parallel.pipeline.timeline import simulate
 from trickles.testing import run_ranks
 from trickles.train.load import load_for_inference
 from trickles.train.trainer import Trainer

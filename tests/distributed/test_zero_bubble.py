@@ -10,7 +10,8 @@ from fractions import Fraction
 import pytest
 
 from test_pipeline import INVARIANCE_STEPS, _assemble, _executed, _train, cache, reference  # noqa: F401 (fixture)
-from trickles.parallel.pipeline.schedules import Shape, build, compute_order, simulate
+from trickles.parallel.pipeline.schedules import Shape, build, compute_order
+from trickles.parallel.pipeline.timeline import simulate
 from trickles.testing import run_ranks
 
 # (preset, layers, tp, pp, schedule, extra); micro-batches of 2: four per step. With parallel.cp=2 the ``tp`` slot

@@ -11,7 +11,8 @@ from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.models.config import resolve_model
 from trickles.parallel.engine import reduction_wire_bytes
-from trickles.parallel.pipeline.schedules import Shape, build, simulate
+from trickles.parallel.pipeline.schedules import Shape, build
+from trickles.parallel.pipeline.timeline import simulate
 from trickles.parallel.tensor.layers import partial_grad_elements
 from trickles.planner import load_cluster, step_time
 from trickles.planner.compute import chunk_work, param_elements, rank_params

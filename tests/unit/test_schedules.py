@@ -8,8 +8,9 @@ import pytest
 from helpers import tiny_config
 from trickles.errors import ConfigError
 from trickles.parallel.pipeline.stages import partition_layers
-from trickles.parallel.pipeline.schedules import (Action, Shape, Timeline, batches, build, check_shape, compute_order,
-                                                  peak_alive, render, simulate)
+from trickles.parallel.pipeline.schedules import (Action, Shape, batches, build, check_shape, compute_order, peak_alive,
+                                                  render)
+from trickles.parallel.pipeline.timeline import Timeline, simulate
 
 SHAPES = [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)] + \
          [("1f1b", Shape(p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 4, 8)] + \

@@ -9,7 +9,8 @@ its stages at this step's mean times of each rank's forwards, backwards and ``W`
 
 from __future__ import annotations
 
-from .schedules import Shape, Timeline, mean_times, predicted_bubble
+from .schedules import Shape
+from .timeline import Timeline, mean_times, predicted_bubble
 
 
 def plot_pipeline(timeline: Timeline, shape: Shape, schedule: str, path: str) -> tuple[float, float]:

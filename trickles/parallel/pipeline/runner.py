@@ -40,8 +40,9 @@ import torch
 from ...comm import GroupComm
 from ..engine import Engine
 from .stages import StageChunk
-from .schedules import SPLIT, Action, Shape, Timeline, batches, build, handoff, peer
+from .schedules import SPLIT, Action, Shape, batches, build, handoff, peer
 from .split import Deferred, backward_input, backward_weight
+from .timeline import Timeline
 
 Batch = tuple  # (inputs, targets), (inputs, targets, label ids) or (inputs, targets, label ids or None, document ids)
 
