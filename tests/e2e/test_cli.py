@@ -120,16 +120,34 @@ LAYOUTS = {"dp2-zero3": (["parallel.zero=3"], "(dp=2, ZeRO-3)"),
            "tp2-sp": (["parallel.tp=2", "parallel.sequence_parallel=true"], "(dp=1, tp=2 with sequence parallel)")}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_local_launcher_two_ranks(tmp_path, layout):
+def _two_ranks(tmp_path, layout):
     settings, banner = LAYOUTS[layout]
-    sets = [a for s in settings for a in ("--set", s)]
-    r = trickles(*run_args(tmp_path, "--nproc", "2", "--set", "train.sample_tokens=8", *SAMPLED, *sets, steps=3))
+    extra = ["--set", "train.sample_tokens=8", *SAMPLED, *(a for s in settings for a in ("--set", s))]
+    r = trickles(*run_args(tmp_path, "--nproc", "2", *extra, steps=3))
     assert r.returncode == 0, r.stderr
     assert f"2 rank(s) {banner}" in r.stdout
     assert "leaked" not in r.stderr and "Traceback" not in r.stderr
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 3
     _check_samples(tmp_path / "run", steps=3)  # also from sharded (ZeRO-3, tp) checkpoints
+    return extra
+
+
+def test_local_launcher_two_ranks(tmp_path):
+    _two_ranks(tmp_path, "tp2-sp")
+
+
+def test_same_job_under_torchrun(tmp_path):
+    """The local launcher's job (dp2, ZeRO-3: sampled from sharded weights) and the same arguments under torchrun
+    give the same losses and the same sample."""
+    extra = _two_ranks(tmp_path / "local", "dp2-zero3")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trickles",
+           *run_args(tmp_path, *extra, "--quiet", steps=3)]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    assert r.returncode == 0, r.stderr
+    a, b = ([json.loads(x)["loss"] for x in (d / "run" / "metrics.jsonl").read_text().splitlines()]
+            for d in (tmp_path, tmp_path / "local"))
+    assert a == b  # the launcher and torchrun run the identical job
+    assert (tmp_path / "run" / "sample.txt").read_bytes() == (tmp_path / "local" / "run" / "sample.txt").read_bytes()
 
 
 def _check_samples(run, steps):
@@ -245,19 +263,6 @@ def test_fresh_run_into_a_used_out_dir_is_refused(finished_run):
     tmp, _ = finished_run
     r = trickles(*run_args(tmp))
     _one_line_error(r, "already holds checkpoints (newest: step 6); continue with --resume auto")
-
-
-def test_same_job_under_torchrun(tmp_path):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "trickles",
-           *run_args(tmp_path, "--quiet", "--set", "train.sample_tokens=0", steps=3)]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 0, r.stderr
-    ours = trickles(*run_args(tmp_path / "local", "--nproc", "2", "--quiet", "--set", "train.sample_tokens=0", steps=3))
-    assert ours.returncode == 0, ours.stderr
-    a = [json.loads(x)["loss"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(x)["loss"] for x in (tmp_path / "local" / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert a == b  # the launcher and torchrun run the identical job
 
 
 def test_memory_command_predicts_measures_and_draws(tmp_path):
