@@ -1,5 +1,6 @@
-"""train.compile=true compiles the blocks and trains to the same losses as eager execution; its greedy sample is the
-eager trainer's, token for token."""
+"""train.compile=true: a compiled trainer decodes with its blocks run eagerly and gives the eager trainer's samples; with
+the Triton kernels the compiled blocks train to the eager losses (without them, on two ZeRO-1 ranks:
+tests/distributed/test_layouts_misc.py)."""
 
 import torch
 
@@ -7,28 +8,25 @@ from helpers import tiny_config
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
 
-# micro-batches of 4 x 32: the shapes tests/distributed/test_layouts_misc.py compiles too (the graph cache is shared)
 COMMON = ["train.micro_batch=4", "train.sample_temperature=0", "train.sample_top_k=0"]
 
 
+def _trainer(tmp, *overrides):
+    return Trainer(tiny_config(tmp, *COMMON, *overrides, steps=3), ParallelDims().build(torch.device("cpu")), quiet=True)
+
+
 def _trained(tmp, *overrides):
-    trainer = Trainer(tiny_config(tmp, *COMMON, *overrides, steps=3), ParallelDims().build(torch.device("cpu")), quiet=True)
+    trainer = _trainer(tmp, *overrides)
     return [trainer.train_step()["loss"] for _ in range(3)], trainer
 
 
-def test_compiled_blocks_match_eager(tmp_path):
-    eager_losses, eager = _trained(tmp_path)
-    compiled_losses, compiled = _trained(tmp_path, "train.compile=true")
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.layers.values())
-    # measured: equal bit for bit (losses and weights) on CPU; the contract is fp32 layout invariance, 1e-4 and 1e-5
-    for a, b in zip(compiled_losses, eager_losses):
-        assert abs(a - b) <= 1e-4 * abs(b), (compiled_losses, eager_losses)
-    for (n, p), q in zip(compiled.model.named_parameters(), eager.model.parameters()):
-        assert (p - q).abs().max() <= 1e-5, n
-    # decoding: the compiled trainer runs its blocks eagerly (no recompilation for each length) and produces the eager
-    # trainer's tokens exactly, greedily (after 3 steps that is mostly spaces) and sampled with the run's seed
+def test_a_compiled_trainer_samples_with_eager_blocks_and_the_eager_tokens(tmp_path):
+    """Decoding runs the compiled trainer's blocks eagerly (no compilation for each length: Dynamo captures no graph)
+    and produces the eager trainer's tokens exactly, greedily and sampled with the run's seed."""
     from torch._dynamo.utils import counters
 
+    eager, compiled = _trainer(tmp_path), _trainer(tmp_path, "train.compile=true")
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in compiled.model.layers.values())
     prompt = "def "
     graphs = counters["stats"]["unique_graphs"]
     greedy = compiled.sample(prompt, 16)
