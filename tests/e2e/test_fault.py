@@ -127,6 +127,8 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.parametrize("launcher", ["trickles", "torchrun"])
 def test_killed_rank_restarts_and_finishes_like_an_uninterrupted_run(uninterrupted, tmp_path, launcher):
+    """Under our launcher or torchrun (``--max-restarts``): every step's loss and the final weights those of the
+    uninterrupted run, which our launcher ran -- so torchrun also runs the identical job."""
     tmp, straight = uninterrupted
     out = tmp_path / "killed"
     env, marker = _with_fault(tmp_path, "kill")

@@ -11,7 +11,7 @@ from torch import nn
 
 from trickles.memory.recompute import apply_recompute
 from trickles.models.config import ModelConfig, apply_preset
-from trickles.models.transformer import Transformer
+from trickles.models.transformer import build_model
 from trickles.parallel.pipeline.split import backward_input, backward_weight, phase
 from trickles.parallel.pipeline.stages import StageChunk
 
@@ -43,7 +43,7 @@ def test_b_then_w_is_the_whole_backward_exactly(preset, recompute):
     from W equal the whole backward bit for bit; B leaves every weight's .grad alone; W fires each weight's hook."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(apply_preset(ModelConfig(), preset), vocab_size=64, max_seq_len=16)
-    model = Transformer(cfg)
+    model = build_model(cfg, 0)  # (Transformer(cfg) leaves some tables uninitialized: init_weights fills them)
     apply_recompute(model, recompute)
     chunk = StageChunk(model, list(range(cfg.n_layers)), False, True)
     x = torch.randn(2, 16, cfg.d_model, requires_grad=True)
