@@ -93,6 +93,7 @@ LAYOUTS = [  # (id, model, degrees, overrides)
     ("llama-tp2-sp", "llama", {"tp": 2}, ["parallel.sequence_parallel=true"]),
     ("llama-pp2-1f1b", "llama", {"pp": 2}, ["train.micro_batch=2"]),
     ("gpt2-tp2", "gpt2", {"tp": 2}, []),
+    ("llama-2d-tp4", "llama", {"tp": 4}, ["parallel.tp_mode=2d"]),  # the grid's fused projections (tensor/grid_plan.py)
 ]
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from trickles import comm as C
+from trickles.comm.recorder import FlightRecorder
 
 
 @pytest.mark.parametrize("fn", [
@@ -49,3 +50,19 @@ def test_a_handle_is_done_when_its_work_is_or_when_it_has_none():
     assert C.Handle(None, "").done()
     assert C.Handle(_Work(True), "send").done()
     assert not C.Handle(_Work(False), "send").done()
+
+
+def test_the_flight_recorder_tells_its_sink_each_call_and_its_end():
+    """The rank pool's status line (the sink) names the call a rank is inside and is cleared when it returns; the
+    time spent inside adds up; without a sink nothing is called."""
+    seen: list = []
+    recorder = FlightRecorder(sink=seen.append)
+    recorder.begin("all_reduce on group 'dp'", limit_s=5.0)
+    assert recorder.current == "all_reduce on group 'dp' (call #1)" and recorder.limit_s == 5.0
+    recorder.end()
+    assert seen == ["all_reduce on group 'dp' (call #1)", None]
+    assert recorder.current is None and recorder.limit_s is None and recorder.blocked_s >= 0.0
+    quiet = FlightRecorder()
+    quiet.begin("barrier")
+    quiet.end()  # no sink: no call
+    assert quiet.seq == 1 and quiet.current is None

@@ -10,6 +10,8 @@ import torch.nn.functional as F
 from helpers import tiny_config
 from trickles.models import build_model
 from trickles.optim import decay_flags
+from trickles.optim.settings import OptimizerSettings
+from trickles.optim.sharded import ShardedOptimizer
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
@@ -187,3 +189,11 @@ def test_build_adamw_decays_exactly_the_decay_flags_parameters(tmp_path):
     by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in opt.param_groups}
     assert by_decay == {0.1: {id(named[n]) for n, d in flags.items() if d}, 0.0: {id(named[n]) for n, d in flags.items() if not d}}
     assert all(g["lr"] == 1e-3 and g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 for g in opt.param_groups)
+
+
+def test_a_rank_that_owns_no_segment_steps_and_holds_no_optimizer_state():
+    """ZeRO can leave a rank without any segment of a group (more ranks than a small bucket's elements): its sharded
+    optimizer builds no torch optimizer, steps as a no-op and counts no state bytes."""
+    opt = ShardedOptimizer([], lambda s: None, lambda s: None, {}, OptimizerSettings(1e-3, (0.9, 0.95), 1e-8, 0.1))
+    opt.step(1e-3)
+    assert opt.optimizer is None and opt.state_bytes() == 0

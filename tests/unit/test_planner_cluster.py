@@ -5,11 +5,13 @@ import math
 import random
 
 import pytest
+import torch
 
 from trickles.comm import messages, wire_bytes
 from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.planner import PRESETS, Cluster, calibrate, fit_link, load_cluster, write_cluster
+from trickles.planner.calibrate_compute import _Loopback
 from trickles.planner.cluster_files import cluster_from_dict
 from trickles.process import cpu_cores
 
@@ -132,6 +134,9 @@ def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_pa
     assert c.attention_fraction("fp32", 32, 32, mc.head_dim) == c.attention_table[f"fp32:32x32x{mc.head_dim}"]
     assert c.elementwise_gbps > 0 and c.pass_overhead_us >= 0  # the model's own block and head, timed and fitted
     assert c.moe_pass_overhead_us >= 0 and math.isfinite(c.moe_pass_overhead_us)  # and its MoE block
+    base = load_cluster("local")  # one node measured: the link to another node is kept no faster than this one's
+    assert c.inter_node_gbps == min(base.inter_node_gbps, c.intra_node_gbps)
+    assert c.inter_node_latency_us == max(base.inter_node_latency_us, c.intra_node_latency_us)
     assert load_cluster(path) == c
 
 
@@ -275,3 +280,11 @@ def test_measurements_on_ranks_are_the_median_rate_per_core():
     assert got["gemms"] == {(8, 8, 8): pytest.approx(3e9)} and got["bandwidth"] == pytest.approx(3e10)
     assert got["passes"] == {(1, 32): pytest.approx((0.2 / 1.5, 0.02 / 1.5))}
     assert got["contention"] == pytest.approx(0.2 / 1.5 / 0.1) and got["attention"] == {} and got["links"] == []
+
+
+def test_the_attention_calibrations_loopback_ring_receives_what_it_sends():
+    """The ring attention timed for calibration exchanges through a loopback: each receive gets the block sent in the
+    same batch (so the timed blocks hold real values, not whatever the receive buffers held)."""
+    sent, got, other = torch.randn(4, 3), torch.full((4, 3), float("nan")), torch.full((4, 3), float("nan"))
+    assert _Loopback(4).batch_p2p([("recv", got, 3), ("send", sent, 1), ("recv", other, 3)]) == []
+    assert torch.equal(got, sent) and torch.equal(other, sent)

@@ -92,6 +92,16 @@ def test_data_parallel_bytes_are_the_engines_formula():
     assert volume == pytest.approx(2 * 3 / 4 * 4 * param_elements(mc), rel=1e-6)
 
 
+def test_zero3_units_hold_each_ranks_own_parameters_with_experts_apart():
+    """ZeRO-3 under expert parallelism: a gather unit per block of its dense weights, the root's, and the experts'
+    units of their own (gathered over the experts' data-parallel group) -- together exactly the rank's parameters."""
+    cfg, dims, mc, _ = plan(4, "parallel.dp=4", "parallel.ep=2", "parallel.zero=3", "model.moe_experts=4",
+                            "model.moe_every=1")
+    (r,) = rank_plans(cfg, dims, mc)
+    assert len(r.buckets) == mc.n_layers + 1 and len(r.expert_buckets) == mc.n_layers
+    assert sum(r.buckets) == r.dense_params and sum(r.expert_buckets) == r.expert_params > 0
+
+
 def test_tensor_parallel_bytes_are_megatrons():
     cfg, dims, mc, st = plan(2, "parallel.tp=2")
     L, tokens, act = mc.n_layers, 8 * 32, 8 * 32 * mc.d_model * 4

@@ -11,14 +11,18 @@ import json
 import pytest
 
 
-@pytest.fixture(scope="module")
-def app():
+def _app(log_requests: bool = False):
     from trickles.data import ByteTokenizer
     from trickles.infer.server import create_app
     from trickles.models import ModelConfig, build_model
 
     cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=260, max_seq_len=8)
-    return create_app(build_model(cfg, seed=0).eval(), ByteTokenizer(), name="tiny")
+    return create_app(build_model(cfg, seed=0).eval(), ByteTokenizer(), name="tiny", log_requests=log_requests)
+
+
+@pytest.fixture(scope="module")
+def app():
+    return _app()
 
 
 def _post(app, body) -> tuple[int, dict]:
@@ -57,3 +61,13 @@ def test_bad_requests_are_refused_with_a_400_naming_the_field(app, body, words):
     status, reply = _post(app, body)
     assert status == 400 and reply["error"]["type"] == "invalid_request_error", (status, reply)
     assert words in reply["error"]["message"], reply
+
+
+def test_the_server_logs_one_line_per_request_when_asked(capsys):
+    """``trickles serve`` logs each request (``log_requests``): one line on stderr with the client, method, path,
+    status and time, refused requests too; an application made without it logs nothing."""
+    assert _post(_app(log_requests=True), {"prompt": []})[0] == 400
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[trickles] 127.0.0.1 POST /v1/completions 400 "), lines
+    assert _post(_app(), {"prompt": []})[0] == 400
+    assert capsys.readouterr().err == ""
