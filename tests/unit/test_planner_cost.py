@@ -263,6 +263,16 @@ def test_the_ranks_gemms_add_up_to_the_models_flops(world, sets):
                                                     * cfg.data.seq_len, rel=1e-9)
 
 
+def test_an_expert_parallel_rank_runs_the_gemms_of_its_own_experts():
+    """ep=2 over 4 experts: each rank's expert GEMMs are its 2 experts', each on its share of the assignments."""
+    cfg, dims, mc, _ = plan(2, "parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "model.moe_every=1")
+    r = rank_plans(cfg, dims, mc)[0]
+    work = chunk_work(mc, dims, r.micro, r.seq, [mc.moe_layers[0]], False, r.sp, r.p)
+    gemm = {g.name: g for g in work.gemms}
+    assert gemm["expert_out"].count == 2 and gemm["expert_in"].count == 2 * 2  # llama: gate and up, then down
+    assert gemm["router"].n == 4 and gemm["expert_out"].m == gemm["expert_in"].m > 1
+
+
 @pytest.mark.parametrize("sets", [["model.preset=tiny"], ["model.preset=gpt2-tiny"],
                                   ["model.preset=tiny", "model.moe_experts=4", "model.moe_every=2", "model.moe_shared_experts=1"],
                                   ["model.preset=gpt2-tiny", "model.moe_experts=2", "model.tie_embeddings=false"]])
