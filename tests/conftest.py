@@ -3,8 +3,7 @@
 * Multi-rank tests share spawned rank pools (``trickles.testing``); they are shut down once,
   at the end of the session. Under ``pytest -n 2`` (pytest-xdist; the README's command) every test in
   ``tests/distributed/`` runs on one worker, one after another (their ranks use both cores), while the other
-  worker takes the one-process and end-to-end tests; two files of two-rank tests go to whichever worker is free
-  (:func:`pytest_xdist_make_scheduler`).
+  worker takes the one-process and end-to-end tests (:func:`pytest_xdist_make_scheduler`).
 * A run in which no test passed is a failure, whatever pytest's own exit status says (an empty
   or all-skipped run must never look green).
 * Under ``CI=true`` (set by ``.ci/run``) a skipped test is a failure: CI installs everything the
@@ -43,23 +42,16 @@ def _skip_reason(longrepr) -> str:
 
 
 RANKS_DIR = "tests/distributed/"  # under pytest -n 2, these tests run one after another on one worker
-# ... but for these files of two-rank tests, each a unit of its own for whichever worker is free, as the end-to-end
-# tests' two-rank jobs are: the ranks' worker otherwise ran about 80 s longer than the other (docs/testing.md)
-TWO_RANK_FILES = ("tests/distributed/test_layouts_misc.py", "tests/distributed/test_precision.py")
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: it is only called where xdist is installed and -n is given
 def pytest_xdist_make_scheduler(config, log):
-    """Every multi-rank test in one unit of work (one worker, in collection order: their ranks use the cores) but
-    those of :data:`TWO_RANK_FILES`, a unit per file; each other test a unit of its own, handed to whichever worker
-    is free (xdist's ``load`` distribution)."""
+    """Every multi-rank test in one unit of work (one worker, in collection order: their ranks use the cores); each
+    other test a unit of its own, handed to whichever worker is free (xdist's ``load`` distribution)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class RanksOnOneWorker(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            if path in TWO_RANK_FILES:
-                return path
             return RANKS_DIR if nodeid.startswith(RANKS_DIR) else nodeid
 
     return RanksOnOneWorker(config, log)
