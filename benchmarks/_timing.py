@@ -9,6 +9,7 @@ What only the multi-rank benchmarks share (ranks, their verdicts and reports) is
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -17,6 +18,23 @@ import time
 from typing import Any, Callable
 
 import torch
+
+
+def model_options(p: argparse.ArgumentParser, seq: int, presets) -> None:
+    """The model options of a one-device benchmark: device, dtype, preset, batch and sequence length (default ``seq``)."""
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    p.add_argument("--preset", default="demo", choices=sorted(presets))
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=seq)
+
+
+def timing_options(p: argparse.ArgumentParser) -> None:
+    """Rounds, warm-up, CPU threads and the JSON output, as the one-device benchmarks take them."""
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: 1 on a CPU)")
+    p.add_argument("--json", default=None, help="write the results here")
 
 
 def device_name(device: torch.device) -> str:

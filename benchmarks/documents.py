@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import device_name, interleaved, one_device, paired, rel_error, write_json  # noqa: E402
+from _timing import device_name, interleaved, model_options, one_device, paired, rel_error, timing_options, write_json  # noqa: E402
 
 from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
 from trickles.models.transformer import build_model  # noqa: E402
@@ -43,16 +43,9 @@ from trickles.models.transformer import build_model  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=512)
+    model_options(p, 512, PRESETS)
     p.add_argument("--documents", type=int, default=8, help="documents per sequence")
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: 1 on a CPU)")
-    p.add_argument("--json", default=None, help="write the results here")
+    timing_options(p)
     return p.parse_args(argv)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import device_name, interleaved, one_device, paired, rel_error, write_json  # noqa: E402
+from _timing import device_name, interleaved, model_options, one_device, paired, rel_error, sync, timing_options, write_json  # noqa: E402
 
 from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
 from trickles.models.transformer import build_model  # noqa: E402
@@ -46,22 +46,10 @@ from trickles.parallel.pipeline.stages import StageChunk  # noqa: E402
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    model_options(p, 256, PRESETS)
     p.add_argument("--layers", type=int, default=4, help="blocks in the chunk")
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: 1 on a CPU)")
-    p.add_argument("--json", default=None, help="write the results here")
+    timing_options(p)
     return p.parse_args(argv)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv=None) -> int:
@@ -86,13 +74,13 @@ def main(argv=None) -> int:
         if name == "whole":
             torch.autograd.backward(out, dy)
         else:
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             deferred = backward_input(out, dy, inp)
-            _sync(device)
+            sync(device)
             t1 = time.perf_counter()
             backward_weight(deferred)
-            _sync(device)
+            sync(device)
             parts["B"].append(t1 - t0)
             parts["W"].append(time.perf_counter() - t1)
             restarts.append(len(deferred.groups))
