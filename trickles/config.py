@@ -258,9 +258,14 @@ class Config:
                 raise ConfigError("parallel.schedule=interleaved, parallel.virtual_stages and parallel.pipeline_layers "
                                   "need parallel.pp > 1")
             return
-        if p.zero > 1:
-            raise ConfigError(f"parallel.zero={p.zero} does not combine with pipeline stages (it would reduce or gather "
-                              "parameters for every micro-batch); use parallel.zero=0 or 1 with parallel.pp > 1")
+        if p.zero == 3 and p.schedule in SPLIT:
+            raise ConfigError(f"parallel.zero=3 gathers a block's weights around its backward, but parallel.schedule="
+                              f"{p.schedule} computes the weights' gradients later, apart from it; use parallel.zero=2 (or "
+                              f"0, 1) with {p.schedule}, or parallel.schedule=1f1b / interleaved / gpipe with parallel.zero=3")
+        if p.zero == 3 and self.model.tied:
+            raise ConfigError("parallel.zero=3 with parallel.pp > 1 cannot shard an embedding tied across pipeline stages "
+                              "(the first and last stage each hold a copy); set model.tie_embeddings=false, or use parallel.zero=2 "
+                              "(or 0, 1) with this pipeline")
         if p.schedule in SPLIT and self.train.compile:
             raise ConfigError(f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
                               f"gradients, but train.compile makes each block's backward one compiled piece that computes "

@@ -28,7 +28,8 @@ def _stages(tmp, cache, world, overrides):
     return rep.stages, rep.stages_measured, rep.stage, rep.layers_predicted, rep.layers_measured, tr.pipeline.peak_alive, rep.table()
 
 
-# each schedule (pp=2; interleaved and zb-v with 2 chunks of 4 layers), and pp=2 x dp=2 with ZeRO-1, offload, bf16, dropout;
+# each schedule (pp=2; interleaved and zb-v with 2 chunks of 4 layers), and pp=2 x dp=2 with ZeRO-1, offload, bf16, dropout,
+# and with ZeRO-2 and ZeRO-3;
 # zero-bubble: model states, saved activations (held from F to W) and held bytes exact, the peak a lower bound
 CASES = {
     "gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
@@ -40,6 +41,10 @@ CASES = {
                                    "model.n_layers=3", "memory.recompute=selective"]),
     "dp2-zero1-offload": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "memory.offload_optimizer=true",
                               "train.global_batch=16", "memory.recompute=full"]),
+    # ZeRO-2: the shard held, the step's full gradient buffer transient; ZeRO-3: shards held, the units gathered and the
+    # reductions in flight estimated (the peak within 10%: "estimated" in the table)
+    "dp2-zero2": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=2", "train.global_batch=16"]),
+    "dp2-zero3": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "train.global_batch=16", "model.n_layers=4"]),
 }
 
 
@@ -55,6 +60,9 @@ def test_every_stage_predicted_equals_measured(tmp_path, cache, case):
             assert meas[key] == pred[key], (case, r, key, pred[key], meas[key])
         if case.startswith("zb-"):  # the gradients recorded for W are not predicted yet: the peak is a lower bound
             assert meas["peak"] >= pred["peak"] and "lower bound" in table, (case, r, pred["peak"], meas["peak"])
+            continue
+        if case.endswith("zero3"):
+            assert abs(meas["peak"] - pred["peak"]) <= 0.10 * pred["peak"] and "estimated" in table, (r, pred["peak"], meas["peak"])
             continue
         assert abs(meas["peak"] - pred["peak"]) <= 0.05 * pred["peak"], (case, r, pred["peak"], meas["peak"])
     assert top == max(range(2), key=lambda r: stages[r]["peak"])

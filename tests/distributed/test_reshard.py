@@ -1,5 +1,5 @@
 """Checkpoints reshard across layouts: saved at one (dp, ZeRO stage, tp with sequence parallel, pp with virtual
-stages, cp, ep, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
+stages, pp under ZeRO-3, cp, ep, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
 weights, Adam moments and the data position all come back -- and a rank reads only the slices it needs. With the
 optimizer offloaded, a resume at the same layout is exact at ZeRO-2 and ZeRO-3 (ZeRO-1 keeps the optimizer state as
 ZeRO-2 does; its offloaded checkpoint reshards in the dp2-pp2-zero1-offload case)."""
@@ -30,6 +30,8 @@ LAYOUTS = {
     "dp1": (1, []),
     "pp2": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
     "pp4": (4, ["parallel.pp=4"]),
+    "pp2-zero3": (2, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=3"]),  # each stage's blocks and ends units
+    "dp2-zero1": (2, ["parallel.zero=1"]),
     "dp4-zero2": (4, ["parallel.zero=2"]),
     # the optimizer state and step on the host
     "dp2-zero2-offload": (2, ["parallel.zero=2", OFFLOAD]),
@@ -118,6 +120,10 @@ def sources(tmp_path_factory):
     ("cp2-zero1", "cp4-ulysses"),  # context parallel to cp=4 in the other mode
     ("moe-ep2", "moe-dp1"),  # experts by global index: from 2 expert-parallel ranks to one process and to 4
     ("moe-ep2-zero1", "moe-dp4-ep4-zero3"),
+    # pipeline stages under ZeRO-3: to data-parallel ZeRO-1, to tensor parallel, and back from a dp x tp x pp layout
+    ("pp2-zero3", "dp2-zero1"),
+    ("pp2-zero3", "tp2"),
+    ("dp2-tp2-sp-pp2-interleaved-zero1", "pp2-zero3"),
 ])
 def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sources, source, target):
     tmp, found = sources

@@ -154,7 +154,8 @@ def test_partition_even_uneven_and_given():
      2, "groups of parallel.pp \\(2\\), but there are 1 micro-batches"),
     (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=interleaved", "parallel.virtual_stages=4", "train.micro_batch=2"], 2,
      "smaller than the number of pipeline stages"),
-    (["parallel.pp=2", "parallel.zero=2"], 2, "parallel.zero=2 does not combine with pipeline stages"),
+    (["parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"], 2, "use parallel.zero=2 \\(or 0, 1\\) with zb-h1"),
+    (["parallel.pp=2", "parallel.zero=3", "model.preset=gpt2-tiny"], 2, "embedding tied across pipeline stages.*model.tie_embeddings=false"),
     (["parallel.pp=2", "parallel.pipeline_layers=[1, 2]"], 2, "adding up to model.n_layers"),
     (["parallel.virtual_stages=2"], 1, "need parallel.pp > 1"),
     (["parallel.pp=2", "parallel.virtual_stages=2"], 2, "needs parallel.schedule=interleaved"),
@@ -168,7 +169,7 @@ def test_partition_even_uneven_and_given():
     (["parallel.pp=2", "parallel.schedule=zb-h1", "memory.recompute=full"], 2, "use memory.recompute=selective"),
     (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
       "parallel.pipeline_layers=[1, 1, 1]"], 2, "lists 3 stages"),
-], ids=["more-stages-than-layers", "interleaved-micro-batches", "too-many-chunks", "zero2", "layer-list", "virtual-without-pp",
+], ids=["more-stages-than-layers", "interleaved-micro-batches", "too-many-chunks", "zero3-zb", "zero3-tied", "layer-list", "virtual-without-pp",
         "virtual-without-interleaved", "world", "trace-without-pp", "zb-v-one-chunk", "zb-v-odd-chunks", "zb-h1-two-chunks",
         "zb-grid-tp", "zb-compile", "zb-full-recompute", "zb-v-layer-list"])
 def test_bad_pipeline_configurations_are_refused_before_any_process_group(tmp_path, overrides, world, message):

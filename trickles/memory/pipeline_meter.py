@@ -25,9 +25,10 @@ def meter_pipeline_step(trainer) -> dict:
     runner = trainer.pipeline
     saved: dict[tuple[int, int], dict[str, int]] = {}
     forward = runner._forward
+    exclude = getattr(trainer.engine, "gathered_storages", None)  # ZeRO-3's gathered weights are model state
 
     def metered(a, *args, **kwargs):
-        with ActivationMeter(trainer.model) as meter:
+        with ActivationMeter(trainer.model, exclude=exclude) as meter:
             forward(a, *args, **kwargs)
         saved[(a.chunk, a.micro)] = dict(meter.per_layer)
 

@@ -125,11 +125,12 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         routed = tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens
         layer_transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p)
 
-    def states_of(named, key) -> dict:
+    def states_of(named, key, keep: set[str] | None = None) -> dict:
         memo = (rm.key, key, dims.dp, dims.cp, dp_rank, experts, accumulates, repr(cfg.parallel), repr(cfg.memory),
                 cfg.train.optimizer, cfg.train.weight_decay)
         if memo not in _STATES:
-            _STATES[memo] = engine_state_bytes(named, cfg, dims.dp * dims.cp, dp_rank, experts, accumulates)
+            _STATES[memo] = engine_state_bytes(named, cfg, dims.dp * dims.cp, dp_rank, experts, accumulates, keep,
+                                               pipelined=dims.pp > 1)
             if len(_STATES) > 4096:
                 _STATES.pop(next(iter(_STATES)))
         return _STATES[memo]
@@ -158,7 +159,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     else:
         from ..parallel.pipeline.stages import partition_layers
         from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order
-        from .stages import buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight
+        from .stages import buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight, zero3_gathered
 
         _, m = cfg.batch_plan(dims.dp)
         shape = Shape.of(cfg.parallel.schedule, dims.pp, cfg.parallel.virtual_stages, m)
@@ -170,18 +171,40 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
             ids = sorted(i for c in range(shape.v) for i in parts[shape.stage(r, c)])
             first, last = shape.ends(r)
             named = stage_parameters(rm, set(ids), first, last, model_cfg.tied)
-            states = states_of(named, (tuple(ids), first, last))
+            if stage == 3:  # the units of the stage's blocks and its root (the embedding or the head)
+                states = states_of(rm.module, (tuple(ids), first, last), keep={n for n, _ in named})
+            else:
+                states = states_of(named, (tuple(ids), first, last))
             weights = chunk_bytes(act, embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type),
                                   parts, shape, r)
             lay_b, head_b, _ = peak_in_flight(compute_order(cfg.parallel.schedule, shape, r), weights)
+            gathered = None
+            if stage == 3:  # the root around the first or last chunk, the running and the prefetched block
+                block = {}
+                for n, prm in named:
+                    if n.startswith("layers."):
+                        i = int(n.split(".")[1])
+                        block[i] = block.get(i, 0) + prm.numel()
+                root = sum(prm.numel() for n, prm in named if not n.startswith("layers."))
+                chunks = []
+                for c in range(shape.v):
+                    s_ = shape.stage(r, c)
+                    ends = s_ in (0, shape.stages - 1)
+                    chunks.append((root if ends else 0, s_ == shape.stages - 1, len(parts[s_]), max(block[i] for i in parts[s_]),
+                                   act["per_layer"][parts[s_][-1]]))
+                gathered = zero3_gathered(chunks, p, g, dims.dp * dims.cp, clones=device_type != "cuda")
             buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves_input, loss if last else 0,
-                                   early_receives=device_type != "cuda", backward_transient=mlp_backward)
-            rows.append(categories(states, lay_b, head_b, buffers - lay_b - head_b + layer_transient))
+                                   early_receives=device_type != "cuda", backward_transient=mlp_backward, gathered=gathered)
+            transient = buffers - lay_b - head_b + layer_transient + states["step_gradients"]
+            rows.append(categories(states, lay_b, head_b, transient))
             layer_ids.append(ids)
         notes.append(f"pp={dims.pp} {cfg.parallel.schedule}" + (f" x {shape.v} chunks" if shape.v > 1 else "")
                      + f", {m} micro-batches of {msg:,} B per message: each stage holds its layers' saved activations "
                      "times the micro-batches in flight at its peak (the schedule's order), and the stage outputs, "
                      "inputs and receive buffers the runner keeps (transient)")
+        if stage == 3:
+            notes.append("ZeRO-3 under pipeline stages: the units gathered and the reductions in flight while a stage runs "
+                         "are estimated (trickles.memory.stages.zero3_gathered), so the peak is an estimate: use --measure")
         if cfg.parallel.schedule in SPLIT:
             notes.append(f"{cfg.parallel.schedule}: a chunk's activations are held from its F to its W (counted); the "
                          "gradients B records for W (one per linear and norm of every chunk whose W is pending) are not "

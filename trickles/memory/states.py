@@ -9,11 +9,12 @@ from .precision import policy
 
 
 def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tuple[int, int] | None = None,
-                       accumulates: bool = True) -> dict[str, int]:
+                       accumulates: bool = True, keep: set[str] | None = None, pipelined: bool = False) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
 
     ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type, or (ZeRO 0-2) its unique
-    ``(name, parameter)`` pairs in the model's order (a pipeline stage's, :func:`~trickles.memory.meta.stage_parameters`). These are
+    ``(name, parameter)`` pairs in the model's order (a pipeline stage's, :func:`~trickles.memory.meta.stage_parameters`);
+    under ZeRO-3 a pipeline stage's are the model's parameters named in ``keep``. These are
     the ZeRO formulas (:func:`~trickles.memory.accounting.zero_model_state_bytes`) with ``p``, ``g``
     bytes per parameter and gradient and ``k`` of optimizer state (Adam's or LAMB's moments 8, LARS's or SGD's
     momentum 4, plain SGD 0; fp32 master
@@ -24,7 +25,9 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
     experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it). ``accumulates``: a step
     adds up several micro-batches' gradients (stage 1 then keeps the full gradient buffer; otherwise it holds its shard,
-    as stage 2 does).
+    as stage 2 does). ``pipelined``: the model is a pipeline stage, where stage 2 accumulates the step's gradients in a
+    full buffer that exists during the step only (:mod:`~trickles.parallel.data.zero`): its bytes are
+    ``"step_gradients"`` (0 otherwise).
     """
     from ..optim.settings import OptimizerSettings
     from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
@@ -46,8 +49,15 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
         expert_units = expert_modules(meta) if experts is not None else []
         units = [*meta.layers.values(), *expert_units, meta]
         unit_ids = {id(m) for m in units}
-        group = [1 if any(m is e for e in expert_units) else 0 for m in units]
-        layouts = [FlatLayout(_owned(m, names[id(m)], unit_ids - {id(m)})[0], worlds[gi], None) for m, gi in zip(units, group)]
+        layouts, group = [], []
+        for m in units:
+            named = _owned(m, names[id(m)], unit_ids - {id(m)})[0]
+            if keep is not None:  # a pipeline stage: its blocks' units, and the root with what the stage holds of it
+                named = [(n, prm) for n, prm in named if n in keep]
+                if not named and m is not meta:
+                    continue
+            group.append(1 if any(m is e for e in expert_units) else 0)
+            layouts.append(FlatLayout(named, worlds[group[-1]], None))
         shard = sum(lay.shard_numel for lay in layouts)
         params, grads = p * shard, g * shard
         segments = [seg for lay, gi in zip(layouts, group) for seg in lay.segments(ranks[gi])]
@@ -61,7 +71,8 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
         grads = g * (layout.shard_numel if sharded else layout.total)
         segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
     optimizer = k * sum(s.numel for s in segments) + (4 * len(segments) if settings.counts_steps else 0)
-    return {"parameters": params, "gradients": grads, "optimizer": optimizer}
+    step = g * layout.total if stage == 2 and pipelined else 0
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer, "step_gradients": step}
 
 
 def _root_params(model) -> int:

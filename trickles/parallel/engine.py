@@ -85,7 +85,13 @@ class Engine:
         Their buckets are reduced once backward is over (:meth:`finish_backward`), not during it.
         """
         self._tied, self._tied_comm, self._tied_counted = list(params), comm, counted
-        self._deferred = {id(p) for p in params}
+        self.reduce_after_backward(params)
+
+    def reduce_after_backward(self, params: list[nn.Parameter]) -> None:
+        """The buckets holding ``params`` are reduced once backward is over (:meth:`finish_backward`), not as soon
+        as a chunk's last backward has reached them: another chunk of this pipeline rank (ZB-V's two ends with a tied
+        embedding) still adds to their gradients."""
+        self._deferred |= {id(p) for p in params}
 
     # ---- gradients as views of a flat buffer ------------------------------------------------
     def _bind_grads(self, views: dict[int, torch.Tensor]) -> None:
@@ -128,6 +134,11 @@ class Engine:
 
     def _begin_micro_step(self, last: bool) -> None:
         pass
+
+    def run_chunk(self, chunk, call):
+        """Runs a pipeline chunk's forward, ``call()``, and returns its output; an engine that must prepare the
+        parameters the chunk reads outside its blocks (the embedding, the head) wraps it."""
+        return call()
 
     def _end_micro_step(self, last: bool) -> None:
         pass
@@ -195,7 +206,7 @@ class Engine:
         """
         pairs = self.owned_param_grads()
         device = pairs[0][1].device if pairs else next(self.model.parameters()).device
-        skip = set() if self._tied_counted else self._deferred
+        skip = set() if self._tied_counted else {id(p) for p in self._tied}
         counted = [g for p, g in pairs if id(p) not in skip and self.counts(p)]  # each part of the model once
         sq = torch.zeros((), device=device, dtype=torch.float32)
         if counted:
@@ -342,7 +353,7 @@ def bucket_bytes(mb: float) -> int | None:
 
 
 def reduction_wire_bytes(buckets: list[int], n: int, stage: int, micro_steps: int = 1, grad_bytes: int = 4,
-                         param_bytes: int = 4) -> dict[str, tuple[int, int]]:
+                         param_bytes: int = 4, pipelined: bool = False) -> dict[str, tuple[int, int]]:
     """``{op: (calls, bytes sent)}`` of one rank's data-parallel reductions in one optimizer step: the engine's
     collectives over the ``n`` ranks averaging these gradients, for ``buckets`` (each bucket's elements; the flat
     layout pads each to a multiple of ``16 n``), ``micro_steps`` backward passes per step, gradients of
@@ -353,7 +364,8 @@ def reduction_wire_bytes(buckets: list[int], n: int, stage: int, micro_steps: in
       micro-step;
     * stage 1: one reduce-scatter ``(n-1)/n S`` on the last micro-step, and after the optimizer step one
       all-gather of the new parameters, ``(n-1) S'/n`` -- in fp32 ZeRO's volume, the same as the all-reduce;
-    * stage 2: the reduce-scatter on *every* micro-step, the all-gather once;
+    * stage 2: the reduce-scatter on *every* micro-step, the all-gather once -- but once a step, as stage 1, on a
+      pipeline stage (``pipelined``: its full gradient buffer during the step, :mod:`~trickles.parallel.data.zero`);
     * stage 3 (:class:`~trickles.parallel.data.zero3.Zero3DataParallel`, a unit per bucket): on every micro-step an
       all-gather for forward, another for backward and the gradient's reduce-scatter;
     * stages 1-3 also all-reduce the squared gradient norm over the owned elements (one fp32, once a step).
@@ -370,7 +382,7 @@ def reduction_wire_bytes(buckets: list[int], n: int, stage: int, micro_steps: in
 
     if stage == 0:
         return {"all_reduce": (k, sent("all_reduce", grad_bytes))}
-    scatters = micro_steps if stage >= 2 else 1
+    scatters = micro_steps if stage == 3 or (stage == 2 and not pipelined) else 1
     gathers = 2 * micro_steps if stage == 3 else 1
     return {"reduce_scatter": (scatters * k, scatters * sent("reduce_scatter", grad_bytes)),
             "all_gather": (gathers * k, gathers * sent("all_gather", param_bytes)),

@@ -44,7 +44,7 @@ from .engine import Engine, bucket_bytes
 from .expert import apply_expert_parallel, expert_modules
 from .pipeline.runner import PipelineRunner
 from .pipeline.schedules import Shape
-from .pipeline.stages import keep_stage, partition_layers, tied_parameters
+from .pipeline.stages import keep_stage, partition_layers, reused_parameters, tied_parameters
 from .sequence import shard_sequence
 from .tensor.grid_plan import apply_tensor_nd, grid_context
 from .tensor.layers import init_tp_param
@@ -104,7 +104,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
             engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp, **experts)
         else:
             engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp,
-                                      overlap=cfg.memory.offload_overlap, accumulates=cfg.accumulates(topo.dims), **experts)
+                                      overlap=cfg.memory.offload_overlap, accumulates=cfg.accumulates(topo.dims),
+                                      pipelined=chunks is not None, **experts)
     if ctx is not None and topo.dims.grid.mode == "1d":
         engine.full_logits = tp_full_logits(ctx)
     if cp_ctx is not None:
@@ -114,6 +115,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         tied = tied_parameters(model, pp.rank, shape)
         if tied:
             engine.tie_across_stages(tied, topo.comm("pp_ends"), counted=pp.rank == 0)
+        engine.reduce_after_backward(reused_parameters(model, pp.rank, shape))
         engine.pipeline = PipelineRunner(engine, chunks, pp, topo.comm("pp_grad"), cfg.parallel.schedule, shape.m,
                                          model.cfg.d_model, prec.param_dtype, topo.device,
                                          lambda: autocast(cfg.memory.precision, topo.device), ctx, cp_ctx)

@@ -112,7 +112,9 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
 
     def buffers(n: int, first: bool, last: bool) -> float:
         """ZeRO's transients on ``n`` parameters: two gradient buckets (stage 2, and 1 without accumulation), or
-        the root and two gathered blocks (stage 3)."""
+        the root and two gathered blocks (stage 3); stage 2 on a pipeline stage: the step's whole gradient buffer."""
+        if zero == 2 and dims.pp > 1:
+            return in_layer + n * g
         if sharded_grads and zero < 3:
             bucket = par.bucket_mb * 2**20 if par.bucket_mb > 0 else n * g
             return in_layer + 2 * min(bucket, n * g)

@@ -227,7 +227,7 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                 cp_modes = choices("parallel.cp_mode", ("ring", "ulysses")) if cp > 1 else [par.cp_mode]
                 eps = choices("parallel.ep", _divisors(dp * cp) if model_cfg.moe_experts else [1])
                 sps = choices("parallel.sequence_parallel", (False, True) if tp > 1 and mode == "1d" else (False,))
-                zeros = choices("parallel.zero", (0, 1) if pp > 1 else (0, 1, 2, 3))
+                zeros = choices("parallel.zero", (0, 1, 2) if pp > 1 and model_cfg.tied else (0, 1, 2, 3))
                 if pp > 1:  # GPipe: 1F1B's time in the model with more micro-batches held; searched when pinned
                     schedules = [("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in range(2, n_layers // pp + 1)
                                                                if n_layers % (pp * v) == 0]
@@ -248,6 +248,8 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                                     for schedule, v in schedules:
                                         if schedule in SPLIT and tp > 1 and mode != "1d":
                                             continue  # the grid's layers compute both gradients in one step (refused)
+                                        if schedule in SPLIT and zero == 3:
+                                            continue  # ZeRO-3 gathers a block around its whole backward (refused)
                                         # zero-bubble: W would recompute fully recomputed blocks (refused)
                                         rcs = [rc for rc in recomputes if schedule not in SPLIT or rc != "full"]
                                         if "parallel.pipeline_layers" in pins:

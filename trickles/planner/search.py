@@ -24,7 +24,7 @@ bytes per element as the memory report counts them; the optimizer on the host un
 activations of its layers (:func:`trickles.memory.tp_modes.activations`) times the micro-batches in flight
 (GPipe ``m``, 1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunks), the
 head and the larger of the loss's transient and (without a pipeline) the last block's backward on the last rank, and the report's other transients (two gradient buckets under
-ZeRO-2, the root and two gathered blocks under ZeRO-3, ring attention's blocks, expert rows in flight) -- a lower
+ZeRO-2 -- on a pipeline stage its whole gradient buffer during the step --, the root and two gathered blocks under ZeRO-3, ring attention's blocks, expert rows in flight) -- a lower
 bound of the memory report's peak (it leaves out the flat buffers' padding and Adam's step counters), so a layout whose bound exceeds ``(1 - headroom)`` of device memory, or whose offloaded
 optimizer exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
 :func:`~trickles.planner.cost.step_time`; only those a report needs -- the fastest ``K`` that fit and the best of

@@ -218,8 +218,9 @@ def data_parallel(r: RankPlan) -> list[Traffic]:
     for group, n, buckets in groups:
         if n <= 1 or not buckets:
             continue
-        steps = m if stage >= 2 else 1
-        for op, (calls, wire) in reduction_wire_bytes(buckets, n, stage, m, r.g, r.p).items():
+        pipelined = d.pp > 1
+        steps = m if stage == 3 or (stage == 2 and not pipelined) else 1
+        for op, (calls, wire) in reduction_wire_bytes(buckets, n, stage, m, r.g, r.p, pipelined).items():
             if op == "all_reduce" and stage > 0:
                 out.append(Traffic("dp", group, op, calls, wire))
             elif op == "all_gather" and stage == 3:  # forward and backward gathers, each prefetched behind a block

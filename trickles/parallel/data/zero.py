@@ -21,6 +21,13 @@ One optimizer step, per bucket:
   (accumulating across micro-steps) and handed to the next bucket as soon as the reduction is
   done (a backward allocates only as many as are filled or in flight at once, and releases them
   when it ends);
+* **stage 2 under pipeline stages** (``pipelined``) -- a stage runs the backwards of all ``m`` micro-batches of
+  the step interleaved with forwards, and reducing on every one would send ``m`` times stage 2's bytes. It
+  reduces once per step instead, as stage 1 does: the gradients accumulate, full size, in a flat buffer that
+  exists only during the step -- allocated by :meth:`zero_grad`, reduce-scattered bucket by bucket on each
+  chunk's last backward (mean) straight into the persistent shard, and freed once every reduction is done. Its
+  peak is stage 1's (the buffer lives through the step's backwards); between steps, and in the optimizer step,
+  it holds the shard only;
 * then every rank clips with the global norm (one all-reduce of ``sum g^2`` over owned
   elements), updates its segments, and the buckets are all-gathered so every rank holds the
   new parameters; the gathers run in the background until the next forward reaches the
@@ -28,7 +35,7 @@ One optimizer step, per bucket:
 
 Bytes per rank (fp32 parameters, Adam, ``P`` parameters): parameters ``4P``; gradients ``4P``
 (stage 1 accumulating) or ``4P/N`` plus at most two buckets in flight (stage 2, and stage 1 without
-accumulation); optimizer ``8P/N``.
+accumulation), or ``4P/N`` held and ``4P`` more during the step (stage 2 pipelined); optimizer ``8P/N``.
 Communication per step: reduce-scatter ``(N-1)/N * 4P`` plus all-gather ``(N-1)/N * 4P`` --
 the same volume as an all-reduce (stage 2 repeats the reduce-scatter on every micro-step).
 
@@ -60,7 +67,8 @@ class ZeroDataParallel(Engine):
 
     def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: OptimizerSettings, bucket_bytes: int | None,
                  offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None,
-                 ep: GroupComm | None = None, edp: GroupComm | None = None, overlap: bool = True, accumulates: bool = True):
+                 ep: GroupComm | None = None, edp: GroupComm | None = None, overlap: bool = True, accumulates: bool = True,
+                 pipelined: bool = False):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         super().__init__(model, comm, tp, ep, edp)
@@ -68,6 +76,9 @@ class ZeroDataParallel(Engine):
         # stage 1 keeps a full gradient buffer only when it accumulates micro-batches: otherwise each bucket is
         # reduce-scattered into the rank's shard as stage 2 does (DeepSpeed's stage 1 frees what it does not own too)
         self.full_grads = stage == 1 and accumulates
+        # stage 2 under pipeline stages: a full buffer during the step only, reduced once into the shard
+        self.transient = stage == 2 and pipelined
+        self.full_grads = self.full_grads or self.transient
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         p0 = self.params[0]
@@ -83,7 +94,11 @@ class ZeroDataParallel(Engine):
             self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=p0.device)
             self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
             grad_of = lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]]  # noqa: E731
-        else:
+        if self.transient:
+            self._grad_bytes = self.grad_buffer.untyped_storage().nbytes()
+            self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
+            grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
+        elif not self.full_grads:
             self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
             self._buffers: dict[int, torch.Tensor] = {}
             self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
@@ -144,9 +159,14 @@ class ZeroDataParallel(Engine):
         bucket = self.layout.buckets[b]
         comm = self.groups[bucket.group]
         if self.full_grads:
-            lo, hi = bucket.rank_range(comm.rank)
+            if self.transient:  # straight into the shard, which accumulates nothing else
+                lo, hi = self.layout.shard_range(bucket)
+                out = self.shard_grads[lo:hi]
+            else:
+                lo, hi = bucket.rank_range(comm.rank)
+                out = self.grad_buffer[lo:hi]
             self._handles.append((b, comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
-                                                              out=self.grad_buffer[lo:hi])))
+                                                         out=out)))
             self._copy_reduced()
             return
         self._retire(done_only=True)
@@ -196,6 +216,10 @@ class ZeroDataParallel(Engine):
                 h.wait()
             self._copy_reduced()
             self._handles = []
+            if self.transient:  # every bucket is in the shard: the full buffer goes until the next step
+                for p in self.params:
+                    p.grad = None
+                self.grad_buffer.untyped_storage().resize_(0)
         else:
             self._retire(done_only=False)
             self._free = {"bucket": [], "shard": []}  # nothing bucket-sized is held between micro-steps
@@ -324,6 +348,9 @@ class ZeroDataParallel(Engine):
             model.register_forward_pre_hook(_param_wait_hook(self, rest))
 
     def zero_grad(self) -> None:
+        if self.transient:
+            self.grad_buffer.untyped_storage().resize_(self._grad_bytes)
+            self.shard_grads.zero_()
         if self.full_grads:
             self.grad_buffer.zero_()
             self._bind_grads(self._main)
@@ -335,10 +362,16 @@ class ZeroDataParallel(Engine):
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        grads = self.grad_buffer if self.full_grads else self.shard_grads
-        transient = sum(t.numel() * t.element_size() for t in self._buffers.values()) if not self.full_grads else 0
+        if self.full_grads and not self.transient:
+            grads = self.grad_buffer.numel() * self.grad_buffer.element_size()
+        else:
+            grads = self.shard_grads.numel() * self.shard_grads.element_size()
+        if self.transient:
+            grads += self.grad_buffer.untyped_storage().nbytes()
+        elif not self.full_grads:
+            grads += sum(t.numel() * t.element_size() for t in self._buffers.values())
         return {"parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
-                "gradients": grads.numel() * grads.element_size() + transient,
+                "gradients": grads,
                 "optimizer": self.optimizer.state_bytes()}
 
     def full_state(self) -> dict[str, torch.Tensor]:

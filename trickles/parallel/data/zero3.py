@@ -46,6 +46,7 @@ from ...optim.sharded import ShardedOptimizer
 from ...train import checkpoint as ckpt
 from ..engine import Engine
 from .flat import FlatLayout, Slot
+from .zero import MAX_INFLIGHT
 
 
 class _Unit:
@@ -64,8 +65,8 @@ class _Unit:
         self.full.untyped_storage().resize_(0)
         self.handle: Handle | None = None
         self.gathered = False
-        self.live_graphs = 0
         self.index = -1  # position in forward order
+        self.chunk = None  # the pipeline chunk that runs it (prefetches stay within one)
 
     # ---- the gathered buffer -------------------------------------------------------------
     def gather(self, async_op: bool) -> None:
@@ -112,7 +113,6 @@ class _GatherUnit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, unit, engine):
         unit.gather(async_op=False)
-        unit.live_graphs += 1
         ctx.unit, ctx.engine = weakref.ref(unit), weakref.ref(engine)  # the graph may outlive them
         return unit.full.view_as(unit.full)
 
@@ -121,10 +121,8 @@ class _GatherUnit(torch.autograd.Function):
         unit, engine = ctx.unit(), ctx.engine()
         if unit is None or engine is None:
             return None, None, None
+        unit.free()  # (the reduction needs only the gradient; another graph of the unit gathers it again first)
         engine._reduce_unit(unit, grad)
-        unit.live_graphs -= 1
-        if unit.live_graphs == 0:
-            unit.free()
         return None, None, None
 
 
@@ -161,6 +159,7 @@ class Zero3DataParallel(Engine):
             self.units.append(unit)
         _materialize_buffers(model, device)
         self.order: list[_Unit] = []
+        self._chunk = None  # the pipeline chunk running now (run_chunk)
         self._inflight: list[tuple[_Unit, torch.Tensor, torch.Tensor, Handle]] = []
         segments, params, grads = [], {}, {}
         for unit in self.units:
@@ -174,57 +173,85 @@ class Zero3DataParallel(Engine):
 
     # ---- hooks ---------------------------------------------------------------------------
     def _make_pre_forward(self, unit: _Unit):
-        def hook(module, args):
-            if unit.index < 0:
-                unit.index = len(self.order)
-                self.order.append(unit)
-            if torch.is_grad_enabled():
-                full = _GatherUnit.apply(unit.shard, unit, self)
-            else:
-                unit.gather(async_op=False)
-                full = unit.full
-            unit.install(full)
-            if self.prefetch and unit.index + 1 < len(self.order):
-                self.order[unit.index + 1].gather(async_op=True)
-        return hook
+        return lambda module, args: self._before(unit)
 
     def _make_post_forward(self, unit: _Unit):
-        engine = weakref.ref(self)
+        return lambda module, args, output: self._after(unit, output)
 
-        def hook(module, args, output):
-            graph = torch.is_grad_enabled()
-            unit.free()
-            if graph:
-                outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if torch.is_tensor(t) and t.requires_grad]
-                if outs:
-                    fired = []
+    def _before(self, unit: _Unit) -> None:
+        """Gathers ``unit`` (through autograd where a graph is recorded), installs its weights, prefetches the next."""
+        if unit.index < 0:
+            unit.index, unit.chunk = len(self.order), self._chunk
+            self.order.append(unit)
+        if torch.is_grad_enabled():
+            full = _GatherUnit.apply(unit.shard, unit, self)
+        else:
+            unit.gather(async_op=False)
+            full = unit.full
+        unit.install(full)
+        self._prefetch(unit, +1)
 
-                    def pre_backward(grad):
-                        e = engine()
-                        if not fired and e is not None:
-                            fired.append(True)
-                            unit.gather(async_op=False)
-                            if e.prefetch and unit.index > 0:
-                                e.order[unit.index - 1].gather(async_op=True)
-                        return grad
-                    for t in outs:
-                        t.register_hook(pre_backward)
-            return output
-        return hook
+    def _prefetch(self, unit: _Unit, step: int) -> None:
+        """Starts gathering the unit after ``unit`` in forward order (``step`` -1: before it, for backward), if the same
+        pipeline chunk runs it: another chunk's turn comes after other work, which the gathered buffer would outlive."""
+        i = unit.index + step
+        if self.prefetch and 0 <= i < len(self.order) and self.order[i].chunk is unit.chunk:
+            self.order[i].gather(async_op=True)
+
+    def _after(self, unit: _Unit, output):
+        """Frees ``unit``'s buffer; where a graph was recorded, its backward gathers it again first."""
+        graph = torch.is_grad_enabled()
+        unit.free()
+        if graph:
+            outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if torch.is_tensor(t) and t.requires_grad]
+            if outs:
+                engine, fired = weakref.ref(self), []
+
+                def pre_backward(grad):
+                    e = engine()
+                    if not fired and e is not None:
+                        fired.append(True)
+                        unit.gather(async_op=False)
+                        e._prefetch(unit, -1)
+                    return grad
+                for t in outs:
+                    t.register_hook(pre_backward)
+        return output
+
+    def run_chunk(self, chunk, call):
+        """A pipeline chunk with the embedding or the head runs inside the root unit's gather, as the whole model's
+        forward does (a chunk calls the blocks, whose own hooks gather them, but not the root's forward)."""
+        self._chunk = chunk
+        try:
+            if not (chunk.first or chunk.last):
+                return call()
+            root = self.units[-1]
+            self._before(root)
+            return self._after(root, call())
+        finally:
+            self._chunk = None
 
     def _reduce_unit(self, unit: _Unit, grad: torch.Tensor) -> None:
         self._retire(done_only=True)
+        while len(self._inflight) >= MAX_INFLIGHT:  # a unit's gradient stays only while its reduction runs
+            self._retire_oldest()
         grad = grad.to(unit.grad_shard.dtype).contiguous()  # reduced in the gradient type
         out = torch.empty(unit.layout.shard_numel, dtype=grad.dtype, device=grad.device)
         self._inflight.append((unit, grad, out, unit.comm.reduce_scatter(grad, op="mean", async_op=True, out=out)))
 
     def _retire(self, done_only: bool) -> None:
         while self._inflight and (not done_only or self._inflight[0][3].done()):
-            unit, _, out, handle = self._inflight.pop(0)
-            handle.wait()
-            unit.grad_shard.add_(out)
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        unit, _, out, handle = self._inflight.pop(0)
+        handle.wait()
+        unit.grad_shard.add_(out)
 
     # ---- engine --------------------------------------------------------------------------
+    def _end_micro_step(self, last: bool) -> None:
+        self._retire(done_only=False)  # a micro-batch's reductions end with its backward: none is held past it
+
     def _finish_reduction(self) -> None:
         self._retire(done_only=False)
 
@@ -279,7 +306,8 @@ class Zero3DataParallel(Engine):
 
     def load(self, directory: str) -> None:
         reader = ckpt.PieceReader(directory, "model")
-        ckpt.check_fits(reader, {s.name: s.param for u in self.units for s in u.layout.slots}, directory)
+        ckpt.check_fits(reader, {s.name: s.param for u in self.units for s in u.layout.slots}, directory,
+                        part=self.pipeline is not None)
         with torch.no_grad():
             for unit in self.units:
                 for seg in unit.segments:

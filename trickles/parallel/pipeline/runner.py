@@ -211,8 +211,8 @@ class PipelineRunner:
                 ctx.begin_forward(seq_len, decoding=self._decoding)
         target = y.to(self.device, non_blocking=True) if chunk.last and y is not None else None
         with self.autocast():
-            out = chunk(inp, seq_len, cache, start, labels, target,
-                        **({} if documents is None else {"documents": documents}))  # (moved by the mask)
+            out = self.engine.run_chunk(chunk, lambda: chunk(inp, seq_len, cache, start, labels, target, **(
+                {} if documents is None else {"documents": documents})))  # (moved by the mask)
         if self.tp_ctx is not None:
             self.tp_ctx.end_forward()
         if chunk.last:

@@ -122,6 +122,13 @@ def tied_parameters(model: Transformer, rank: int, shape: Shape) -> list[torch.n
     return [model.embed.weight]
 
 
+def reused_parameters(model: Transformer, rank: int, shape: Shape) -> list[torch.nn.Parameter]:
+    """The weights two chunks of this rank both use: the tied embedding where the rank holds the first and the last
+    stage (ZB-V's rank 0), whose gradient is complete only after both chunks' last backward."""
+    first, last = shape.ends(rank)
+    return [model.embed.weight] if model.cfg.tied and first and last and shape.stages > 1 else []
+
+
 def send_bytes(shape: Shape, rank: int, message_bytes: int) -> tuple[int, int]:
     """``(activations, gradients)``: bytes pipeline rank ``rank`` sends in one step of ``shape`` (``m`` micro-batches
     through its ``v`` chunks), ``message_bytes`` per message (module docstring): ``m x message_bytes`` for each of its
