@@ -425,3 +425,29 @@ def test_sequence_parallel_stage_keeps_no_region_entry_past_its_forward(tmp_path
     """Each stage's forward under sequence parallelism forgets its last region entry (the gathered activation it
     kept for a column-parallel layer's backward) once the forward is over, as the whole model's forward does."""
     assert run_ranks(4, _entries_after_a_step, str(tmp_path), cache) == [True] * 4
+
+
+def _outputs_alive_at_each_backward(tmp, cache):
+    """Per backward of pipeline rank 0 (1F1B, 4 micro-batches): which of its earlier forwards' outputs still exist."""
+    tr = _trainer(tmp, 1, 1, 2, [cache, "train.global_batch=8"], steps=1)
+    runner, storages, alive = tr.pipeline, {}, []
+    hand, backward = runner._hand_over, runner._backward
+
+    def handing(a, t):
+        storages[a.micro] = t.untyped_storage()._weak_ref()
+        return hand(a, t)
+
+    def backwards(a, grad):
+        alive.append(sorted(i for i, ref in storages.items() if not torch.UntypedStorage._expired(ref)))
+        return backward(a, grad)
+
+    runner._hand_over, runner._backward = handing, backwards
+    tr.train_step()
+    return alive
+
+
+def test_a_stage_output_is_freed_once_sent(tmp_path, cache):
+    """The first stage keeps its outputs only until their sends are seen through (its backward starts from the
+    output's place in the graph): at each of its backwards none of the outputs it sent is still alive."""
+    first, _ = run_ranks(2, _outputs_alive_at_each_backward, str(tmp_path), cache)
+    assert first == [[], [], [], []]

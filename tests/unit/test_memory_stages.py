@@ -141,8 +141,9 @@ def test_action_lists_are_the_schedules_own():
 def test_buffers_peak_walks_gpipe_by_hand():
     """GPipe, 2 stages, 2 micro-batches; each chunk's forward saves 100 B of layers and 10 B of head activations,
     a message is 4 B, the loss's backward needs 7 B more. Stage 0 peaks at its first backward: both micro-batches'
-    activations and outputs (2 x (110 + 4)) and the received gradient (4) = 232. Stage 1 peaks at its first backward
+    activations (2 x 110; each output is gone by the next computation, its send seen through) and the received
+    gradient (4) = 224 -- as at its second forward (2 x 110 and that forward's output). Stage 1 peaks at its first backward
     too: both micro-batches' activations with their received inputs (2 x (110 + 4)), the loss's 7 B and the input
     gradient it produces (4) = 239."""
     shape, weights = Shape(2, 1, 2), [(100, 10)]
-    assert [buffers_peak("gpipe", shape, r, weights, 4, False, 7, False) for r in range(2)] == [232, 239]
+    assert [buffers_peak("gpipe", shape, r, weights, 4, False, 7, False) for r in range(2)] == [224, 239]

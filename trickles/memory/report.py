@@ -159,7 +159,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     else:
         from ..parallel.pipeline.stages import partition_layers
         from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order
-        from .stages import buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight, zero3_gathered
+        from .stages import (buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight, recorded_bytes,
+                             zero3_gathered)
 
         _, m = cfg.batch_plan(dims.dp)
         shape = Shape.of(cfg.parallel.schedule, dims.pp, cfg.parallel.virtual_stages, m)
@@ -193,8 +194,14 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
                     chunks.append((root if ends else 0, s_ == shape.stages - 1, len(parts[s_]), max(block[i] for i in parts[s_]),
                                    act["per_layer"][parts[s_][-1]]))
                 gathered = zero3_gathered(chunks, p, g, dims.dp * dims.cp, clones=device_type != "cuda")
+            recorded = None
+            if cfg.parallel.schedule in SPLIT:  # what each chunk's B keeps for its W
+                recorded = [recorded_bytes(model_cfg, len(parts[shape.stage(r, c)]), tokens, p, dims.tp,
+                                           lay.sequence_parallel, shape.stage(r, c) == shape.stages - 1, fused)
+                            for c in range(shape.v)]
             buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves_input, loss if last else 0,
-                                   early_receives=device_type != "cuda", backward_transient=mlp_backward, gathered=gathered)
+                                   early_receives=device_type != "cuda", backward_transient=mlp_backward, gathered=gathered,
+                                   recorded=recorded)
             transient = buffers - lay_b - head_b + layer_transient + states["step_gradients"]
             rows.append(categories(states, lay_b, head_b, transient))
             layer_ids.append(ids)
@@ -206,9 +213,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
             notes.append("ZeRO-3 under pipeline stages: the units gathered and the reductions in flight while a stage runs "
                          "are estimated (trickles.memory.stages.zero3_gathered), so the peak is an estimate: use --measure")
         if cfg.parallel.schedule in SPLIT:
-            notes.append(f"{cfg.parallel.schedule}: a chunk's activations are held from its F to its W (counted); the "
-                         "gradients B records for W (one per linear and norm of every chunk whose W is pending) are not "
-                         "predicted yet, so the peak is a lower bound: use --measure")
+            notes.append(f"{cfg.parallel.schedule}: a chunk's activations are held from its F to its W, and so are the "
+                         "gradients B records for W (one per linear and norm, trickles.memory.stages.recorded_bytes)")
     top = max(range(len(rows)), key=lambda r: rows[r]["peak"])
     per_layer = act["per_layer"]
     report = MemoryReport(dict(rows[top]), [per_layer[i] for i in layer_ids[top]], host_optimizer=offload,

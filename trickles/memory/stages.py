@@ -25,8 +25,11 @@ times the most chunk-micro-batches alive (:func:`in_flight`), whose closed forms
 (:func:`in_flight_closed_form`; the tests hold it equal to the walk.)
 
 **Transient** (beyond the saved activations, :func:`buffers_peak`): the runner
-(:class:`~trickles.parallel.pipeline.runner.PipelineRunner`) keeps each live chunk's output until its backward
-(``M`` = one message, ``p_b B T d`` bytes in the compute type; :func:`message_bytes`), and the input it received where
+(:class:`~trickles.parallel.pipeline.runner.PipelineRunner`) keeps a chunk's output until its send is seen through
+(``M`` = one message, ``p_b B T d`` bytes in the compute type; :func:`message_bytes`) -- its backward starts from the
+output's place in the graph, not the tensor; on gloo, which reports a send done only once waited for, until the rank
+next waits for a message, else until its next computation -- or, handed to a chunk of the same rank (ZB-V's turn), as
+that chunk's input; and the input it received where
 no operation saves the tensor itself (llama in low precision: the norm keeps an fp32 copy); every receive buffer
 exists from when it is posted -- on gloo all of a step's receives at the rank's first wait, else as
 :func:`~trickles.parallel.pipeline.schedules.with_messages` places them -- the activations' until their forward saves
@@ -45,7 +48,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from functools import lru_cache
 
-from ..parallel.pipeline.schedules import SPLIT, Action, Shape, _messages, _producer, compute_order, uniform_times
+from ..parallel.pipeline.schedules import SPLIT, Action, Shape, _messages, _producer, compute_order, handoff, uniform_times
 
 
 def chunk_bytes(act: dict, embedding: int, parts: list[list[int]], shape: Shape, rank: int) -> list[tuple[int, int]]:
@@ -111,19 +114,24 @@ def input_saved(flavor: str, p: int, device_type: str, recompute: str) -> bool:
 
 def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int, int]], msg: int, saves_input: bool,
                  loss_transient: int, early_receives: bool, backward_transient: int = 0,
-                 gathered: list[tuple[int, int]] | None = None) -> int:
+                 gathered: list[tuple[int, int]] | None = None, recorded: list[int] | None = None) -> int:
     """The most bytes alive at once on ``rank`` over a step -- saved activations, the stage outputs and inputs the
     runner holds, receive buffers, input gradients until sent, and during a backward ``backward_transient``, a
     layer's own -- on the last virtual stage the larger of the loss's and that less the head's activations, which
     the loss's backward frees before the layers' begins (module docstring). ``gathered``: per chunk, what ZeRO-3
-    holds beyond the shards during its forward and during its backward (:func:`zero3_gathered`)."""
+    holds beyond the shards during its forward and during its backward (:func:`zero3_gathered`). ``recorded``: per
+    chunk, what a zero-bubble ``B`` records for its ``W`` (:func:`recorded_bytes`), held from the one to the other."""
     actions = action_lists(schedule, shape, early_receives)[rank]
     last = shape.stages - 1
     split = schedule in SPLIT  # zero-bubble: the activations and the received input stay until W
     alive = peak = 0
     pending_grads = 0  # input gradients produced, not yet known to be sent
+    outputs = 0  # stage outputs sent, until the runner has seen their sends through
     for a in actions:
         s = shape.stage(rank, a.chunk)
+        if a.is_compute and (not early_receives or _messages(a, shape, rank)[0] is not None):
+            alive -= outputs  # gloo: waited for before the next wait for a message; else done by then
+            outputs = 0
         if a.kind == "RECV_F" or a.kind == "RECV_B":
             alive += msg
         elif a.kind == "F":
@@ -132,6 +140,8 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
             lay, head = weights[a.chunk]
             alive += lay + head + (msg if s < last else 0) - (msg if s > 0 and saves_input else 0)
             peak = max(peak, alive + (gathered[a.chunk][0] if gathered else 0))
+            if s < last and handoff(a, shape, rank) is None:  # sent: gone once the send is seen through
+                outputs += msg
         elif a.kind == "B":
             alive -= pending_grads
             pending_grads = 0
@@ -145,16 +155,39 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
                              reduce - released - freed)
             peak = max(peak, alive + during + (msg if s > 0 else 0))
             kept = lay + head + (msg if s > 0 and not saves_input else 0)  # (until W, when split)
-            alive -= (0 if split else kept) + (msg if s < last else 0)
+            alive -= 0 if split else kept
             alive -= msg if s < last else 0  # the received gradient, consumed
             if s > 0:
                 alive += msg
                 pending_grads = msg
+            alive += recorded[a.chunk] if split and recorded else 0
             peak = max(peak, alive)
         elif a.kind == "W":
             lay, head = weights[a.chunk]
-            alive -= lay + head + (msg if s > 0 and not saves_input else 0)
+            alive -= lay + head + (msg if s > 0 and not saves_input else 0) + (recorded[a.chunk] if recorded else 0)
     return peak
+
+
+def recorded_bytes(mc, layers: int, tokens: int, p: int, tp: int = 1, sp: bool = False, head: bool = False,
+                   fused_loss: bool = False) -> int:
+    """Bytes a zero-bubble ``B`` records for ``W`` in one micro-batch through a chunk of ``layers`` blocks
+    (:mod:`~trickles.parallel.pipeline.split`): the gradient arriving at every node with an edge toward a weight, kept
+    until ``W`` multiplies it by the saved input -- per block the outputs of the query, key and value projections and of
+    the gate and up (llama) or first MLP (gpt2) projection, sharded over ``tp`` (column-parallel), of the attention's
+    and the MLP's output projections (row-parallel: whole before their reduction), and of the two norms (sharded over
+    ``tp`` under sequence parallelism): ``tokens (q + 2 kv + 2f [gpt2: f]) / tp + 2 tokens d + 2 tokens' d``
+    elements of ``p`` bytes; with ``head`` (the last stage) the output projection's ``tokens V / tp`` unless the loss
+    is fused (its own function computes both gradients from the loss's).
+    """
+    d, f = mc.d_model, mc.ffn_dim
+    q, kv = mc.n_heads * mc.head_dim, mc.kv_heads * mc.head_dim
+    column = q + 2 * kv + (2 * f if mc.flavor == "llama" else f)
+    norm_tokens = tokens // tp if sp and tp > 1 else tokens
+    per_block = tokens * column // tp + 2 * tokens * d + 2 * norm_tokens * d
+    out = p * layers * per_block
+    if head and not fused_loss:
+        out += p * tokens * mc.vocab_size // tp
+    return out
 
 
 def zero3_gathered(chunks: list[tuple[int, bool, int, int, int]], p: int, g: int, dp: int,

@@ -112,15 +112,16 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
 
     def buffers(n: int, first: bool, last: bool) -> float:
         """ZeRO's transients on ``n`` parameters: two gradient buckets (stage 2, and 1 without accumulation), or
-        the root and two gathered blocks (stage 3); stage 2 on a pipeline stage: the step's whole gradient buffer."""
+        the root and two gathered blocks (stage 3; on a pipeline stage the root); stage 2 on a pipeline stage: the
+        step's whole gradient buffer."""
         if zero == 2 and dims.pp > 1:
             return in_layer + n * g
         if sharded_grads and zero < 3:
             bucket = par.bucket_mb * 2**20 if par.bucket_mb > 0 else n * g
             return in_layer + 2 * min(bucket, n * g)
-        if zero == 3:
+        if zero == 3:  # (a pipeline stage's loss phase holds the root alone: memory.stages.zero3_gathered)
             root = sum(rank_params(mc, dims, [], first, last))
-            return in_layer + p * (root + 2 * (n - root) / mc.n_layers)
+            return in_layer + p * (root + (2 * (n - root) / mc.n_layers if dims.pp == 1 else 0))
         return in_layer
 
     shape = Shape.of(par.schedule if dims.pp > 1 else "1f1b", dims.pp, v, m)

@@ -31,8 +31,8 @@ node if every group of that kind lies in one node (ranks ``(pp, dp, cp, tp)`` ou
 before forward), the rest only beyond the window. A group's collectives run one after another on its link, so
 those hidden behind the same compute share that window: they are pooled per group and window, ``t`` and ``c``
 summed over the pool (``P`` its largest), and the pool's exposure is split among them by time. Windows:
-data-parallel bucket reductions -- one micro-batch's backward with its recomputation ``t_b + t_rc`` (ZeRO-2/3 reduce
-on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward ``t_f``; ZeRO-3's prefetched
+data-parallel bucket reductions -- one micro-batch's backward with its recomputation ``t_b + t_rc`` (ZeRO-3, and
+ZeRO-2 without pipeline stages, reduce on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward ``t_f``; ZeRO-3's prefetched
 gathers -- half before each forward (window ``t_f``), half before each backward (sharing ``t_b + t_rc`` with the
 reductions), ``P = m`` each (``prefetch=false``: nothing hidden); ring attention -- the layer's attention core,
 forward and backward (``P`` = layers x micro-batches). On a cluster without ``overlap_comm`` (CPU ranks: gloo

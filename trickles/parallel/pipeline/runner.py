@@ -36,6 +36,7 @@ import time
 from typing import Callable
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ...comm import GroupComm
 from ..engine import Engine
@@ -133,7 +134,10 @@ class PipelineRunner:
             if not a.is_compute:
                 self._post(run, micro)
                 continue
-            received = self._received((a.kind, a.chunk, a.micro))  # waiting for it is idle time, not compute
+            key = (a.kind, a.chunk, a.micro)
+            if self.early_receives and key in self._inbox:  # about to wait: the sends posted so far are done first
+                self._finish_sends()
+            received = self._received(key)  # waiting for it is idle time, not compute
             began = time.perf_counter()
             if a.kind == "F":
                 self._forward(a, received, micro, train, loss_scale, cache, start)
@@ -148,14 +152,23 @@ class PipelineRunner:
             if self.trace_enabled:
                 trace.append((a, began - t0, time.perf_counter() - t0))
             self._sending = [(h, keep) for h, keep in self._sending if not h.done()]
-        for h, _ in self._sending:
-            h.wait()
-        self._sending = []
+        self._finish_sends()
         if train:
             self.peak_alive = peak
         if self.trace_enabled and train:
             self.last_trace = trace
         return self._total / len(micro)  # this stage's mean loss: zero but on the last stage
+
+    def _finish_sends(self) -> None:
+        """Waits for the sends in flight and drops their tensors (a stage's outputs among them).
+
+        gloo reports a send complete only once it is waited for, so there the runner waits for its sends just before
+        it waits for a message: by then its own receives are posted, and a peer posts all of its own before its
+        first wait, which no computation before it can hold up -- so the send completes once the peer gets there
+        (on NCCL :meth:`_run` drops each send as it reports done)."""
+        for h, _ in self._sending:
+            h.wait()
+        self._sending = []
 
     def _trace_start(self) -> float:
         if self.trace_enabled:
@@ -228,8 +241,8 @@ class PipelineRunner:
                 raise RuntimeError(f"pipeline stage {self.shape.stage(self.rank, a.chunk)} produced {tuple(out.shape)} "
                                    f"{out.dtype}, but the next stage expects {expected} {self.act_dtype}")
             self._hand_over(a, out.detach())
-        if train:
-            self._saved[(a.chunk, a.micro)] = (None if chunk.first else inp, out)
+        if train:  # a stage's output is kept as its place in the graph only: its storage goes once it is sent
+            self._saved[(a.chunk, a.micro)] = (None if chunk.first else inp, out if chunk.last else _edge(out))
 
     def _hand_over(self, a: Action, t: torch.Tensor) -> None:
         """``a``'s output to the outbox, or straight to the chunk of this rank that reads it."""
@@ -281,6 +294,12 @@ class PipelineRunner:
             dist.all_gather_object(out, rows[0], group=self.acts.group)
             rows = out
         return Timeline(rows) if self.rank == 0 else None
+
+
+def _edge(out: torch.Tensor):
+    """``out``'s place in the autograd graph (what its backward starts from), without its storage (Megatron's
+    ``deallocate_output_tensor``; the stage's saved tensors are the graph's own)."""
+    return get_gradient_edge(out) if out.grad_fn is not None else out
 
 
 class PipelinedModel:

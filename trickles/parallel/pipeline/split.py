@@ -178,15 +178,17 @@ def _nested(nodes: list, in_d: dict, kids: dict) -> bool:
     return False
 
 
-def backward_input(output: torch.Tensor, grad: torch.Tensor | None, inp: torch.Tensor | None) -> Deferred:
-    """``B``: ``inp.grad`` from ``output``'s gradient ``grad`` (None: ``output`` is the loss); returns what ``W`` needs."""
-    if inp is None or output.grad_fn is None:
+def backward_input(output: torch.Tensor | GradientEdge, grad: torch.Tensor | None, inp: torch.Tensor | None) -> Deferred:
+    """``B``: ``inp.grad`` from ``output``'s gradient ``grad`` (None: ``output`` is the loss; ``output`` may be its
+    :class:`GradientEdge`); returns what ``W`` needs."""
+    root = output.node if isinstance(output, GradientEdge) else output.grad_fn  # (a stage's output: its edge)
+    if inp is None or root is None:
         return Deferred([], whole=(output, grad))
-    groups = _plan(output.grad_fn, get_gradient_edge(inp).node)
+    groups = _plan(root, get_gradient_edge(inp).node)
     if groups is None:  # a weight reached twice along the input's path: W runs from the output again
         with _in_phase("input"):
             torch.autograd.backward(output, grad, inputs=[inp], retain_graph=True)
-        params = [n.variable for n in _graph(output.grad_fn)[0] if hasattr(n, "variable") and n.variable is not inp]
+        params = [n.variable for n in _graph(root)[0] if hasattr(n, "variable") and n.variable is not inp]
         return Deferred([], whole=(output, grad), inputs=params)
     handles = []
     for g in groups:
