@@ -229,3 +229,21 @@ def test_a_pinned_virtual_stage_count_holds_for_every_layout_and_a_free_one_vari
     assert pinned and {lay.virtual_stages for lay in pinned} == {2}
     free = list(enumerate_layouts(cfg, set(), 4, mc))
     assert {lay.virtual_stages for lay in free if lay.pp > 1} == {1, 2}  # 1F1B and interleaved over 2 chunks
+
+
+def test_pipelines_are_searched_with_zero_2_and_3_and_uneven_interleaved_chunks():
+    """Under pipeline stages the search tries ZeRO-2 and -3 (not ZeRO-3 with the zero-bubble schedules, which the
+    configuration refuses) and interleaving with chunks the layers do not divide evenly (7 layers over 2 x 2 chunks)."""
+    cfg, mc, _ = setup("model.n_layers=7", "parallel.pp=2", "parallel.tp=1", "parallel.cp=1")
+    piped = [lay for lay in enumerate_layouts(cfg, {"parallel.pp", "parallel.tp", "parallel.cp"}, 4, mc)]
+    assert {lay.zero for lay in piped} == {0, 1, 2, 3}
+    assert not any(lay.zero == 3 and lay.schedule in ("zb-h1", "zb-v") for lay in piped)
+    assert {lay.virtual_stages for lay in piped if lay.schedule == "interleaved"} == {2, 3}  # 7 % 4, 7 % 6 != 0
+    valid = set()
+    for lay in piped:
+        try:
+            lay.apply(cfg).validate(4)
+        except ConfigError:  # (e.g. too few micro-batches for interleaving: the search counts these invalid)
+            continue
+        valid.add((lay.schedule, lay.virtual_stages, lay.zero))
+    assert {("interleaved", 3, 3), ("1f1b", 1, 2), ("zb-v", 2, 2)} <= valid

@@ -229,8 +229,9 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                 sps = choices("parallel.sequence_parallel", (False, True) if tp > 1 and mode == "1d" else (False,))
                 zeros = choices("parallel.zero", (0, 1, 2) if pp > 1 and model_cfg.tied else (0, 1, 2, 3))
                 if pp > 1:  # GPipe: 1F1B's time in the model with more micro-batches held; searched when pinned
-                    schedules = [("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in range(2, n_layers // pp + 1)
-                                                               if n_layers % (pp * v) == 0]
+                    # interleaved: every v that leaves each chunk a layer (uneven counts split as partition_layers or
+                    # lighter_ends does, below)
+                    schedules = [("1f1b", 1), ("zb-h1", 1)] + [("interleaved", v) for v in range(2, n_layers // pp + 1)]
                     schedules += [("zb-v", 2)] if n_layers >= 2 * pp else []
                 else:
                     schedules = [(par.schedule if par.schedule != "interleaved" else "1f1b", 1)]

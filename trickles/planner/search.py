@@ -4,8 +4,8 @@
 -- ``tp`` in each mode (``1d`` any divisor; ``2d`` ``q^2``; ``2.5d`` ``q^2 d`` with ``d = tp_depth >= 2``;
 ``3d`` ``q^3``), ``pp <= n_layers``, ``cp`` with ``cp_mode`` ring or ulysses, ``ep`` dividing ``dp x cp``
 (mixture-of-experts models only) -- and the options: ``sequence_parallel`` (1-D ``tp > 1``), ZeRO stage 0-3,
-the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with ``virtual_stages`` ``v >= 2`` cutting the
-layers evenly, ``n_layers % (pp v) == 0``), the micro-batch (every divisor of ``global_batch / dp``),
+the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with ``virtual_stages`` ``v >= 2`` and at least one
+layer a chunk, the chunks as even as the layers allow or with lighter ends), the micro-batch (every divisor of ``global_batch / dp``),
 ``memory.recompute`` (none, selective, full) and ``memory.offload_optimizer`` (ZeRO >= 1; not on a CPU cluster,
 whose device memory is the host's, unless pinned). The model, the
 precision, the global batch and every other key stay as configured.
