@@ -30,5 +30,12 @@ class TrainingStopped(Exception):
     exit_code = 3
 
 
+class SavesFailed(TrainingStopped):
+    """Checkpoint saves failed ``train.max_failed_saves`` times in a row; the run stopped rather than train on
+    unprotected (its last complete checkpoint is intact)."""
+
+    exit_code = 1
+
+
 #: Exceptions reported as one line (``error: ...``) with their ``exit_code``.
 ONE_LINE_ERRORS = (UserError, TrainingStopped)

@@ -84,6 +84,8 @@ RUNS = {
     "test_documents": ("documents", [
         "--device", "cpu", "--preset", "tiny", "--seq", "32", "--documents", "4", "--rounds", "1", "--warmup", "0",
         "--json", "{tmp}/documents.json"]),
+    "test_checkpoint_stall": ("checkpoint_stall", [
+        "--layers", "2", "--d-model", "64", "--rounds", "1", "--steps-between", "1", "--json", "{tmp}/checkpoint_stall.json"]),
 }
 
 
@@ -390,3 +392,13 @@ def test_documents(run):
     assert doc["agreement"] <= 1e-5 and doc["documents"] == 4 and _finite(doc["ratio"], doc["paired_ratio"])
     assert [len(doc["times_s"][n]) for n in ("causal", "documents")] == [1, 1]
     assert re.search(r"^  documents/causal: [0-9.]+x \(paired [0-9.]+x\)$", out, re.M)
+
+
+def test_checkpoint_stall(run):
+    """Our asynchronous save, our synchronous one and DCP's async_save of the same state, each timed once, with the
+    host copy alone beside them."""
+    out, tmp = run
+    doc = _json(tmp / "checkpoint_stall.json")
+    assert [len(doc["blocked_s"][n]) for n in ("ours-async", "ours-sync", "dcp-async")] == [1, 1, 1]
+    assert doc["bytes"] > 0 and _finite(doc["copy"], *doc["median"].values(), doc["verdict"]["sync_over_async"])
+    assert re.search(r"^ours-async blocks [0-9.]+x the host copy; ours-sync blocks [0-9.]+x as long", out, re.M)

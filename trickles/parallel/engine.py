@@ -262,16 +262,29 @@ class Engine:
         raise NotImplementedError
 
     def save(self, directory: str, rank: int) -> None:
-        """Writes this rank's part of the model and optimizer state into ``directory``.
+        """Writes this rank's part of the model and optimizer state into ``directory`` (:meth:`checkpoint_files`)."""
+        from ..train.checkpoint import save_pieces
+
+        for name, tensors in self.checkpoint_files(rank).items():
+            save_pieces(tensors, f"{directory}/{name}")
+
+    def checkpoint_files(self, rank: int) -> dict[str, dict]:
+        """``{file name: {key: (tensor, piece description)}}``: what this rank writes into a checkpoint (the tensors
+        themselves, not copies).
 
         Parameters are replicated over the data-parallel ranks (ZeRO 0-2): the first rank of each
         parameter's group writes it. Optimizer state is written by every rank when it is sharded
         (ZeRO >= 1), else by the first one too.
         """
+        out = {f"model-rank{rank:05d}.safetensors": self._model_tensors(),
+               f"optimizer-rank{rank:05d}.safetensors": self.optimizer.state_tensors(
+                   lambda p: self.writes(p) and (self.stage >= 1 or self._first_of_group(p)))}
+        return {name: tensors for name, tensors in out.items() if tensors}
+
+    def _model_tensors(self) -> dict:
         from ..train.checkpoint import model_pieces
 
-        self._save_model(directory, rank, model_pieces(self.model, lambda p: self.writes(p) and self._first_of_group(p)))
-        self._save_optimizer(directory, rank)
+        return model_pieces(self.model, lambda p: self.writes(p) and self._first_of_group(p))
 
     def load(self, directory: str) -> None:
         """Restores model and optimizer state from a checkpoint directory (any data-parallel layout)."""
@@ -296,19 +309,6 @@ class Engine:
     def _first_of_group(self, p: torch.Tensor) -> bool:
         """Whether this rank is the first of the data-parallel ranks holding the same whole ``p``."""
         return self.groups[self.group_of(p)].rank == 0
-
-    def _save_model(self, directory: str, rank: int, tensors: dict) -> None:
-        from ..train.checkpoint import save_pieces
-
-        if tensors:
-            save_pieces(tensors, f"{directory}/model-rank{rank:05d}.safetensors")
-
-    def _save_optimizer(self, directory: str, rank: int) -> None:
-        from ..train.checkpoint import save_pieces
-
-        tensors = self.optimizer.state_tensors(lambda p: self.writes(p) and (self.stage >= 1 or self._first_of_group(p)))
-        if tensors:
-            save_pieces(tensors, f"{directory}/optimizer-rank{rank:05d}.safetensors")
 
     def _load_optimizer(self, directory: str) -> None:
         from ..train.checkpoint import PieceReader

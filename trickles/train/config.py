@@ -36,6 +36,8 @@ class TrainConfig:
     init_from: str = opt("", "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one), with its model shape, a fresh optimizer and step 0 (empty: initialize from seed)")
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
+    async_checkpoint: bool = opt(True, "write checkpoints in the background: each rank copies its part to host memory and training goes on while a thread writes it (one save in flight; the final save is waited for); false: every rank waits for the write")
+    max_failed_saves: int = opt(3, "stop (exit status 1) after this many checkpoint saves failed in a row; a failed save is logged, leaves no directory and is retried at the next checkpoint step")
     out_dir: str = opt("runs/demo", "directory for metrics, plots, samples and checkpoints")
     qat: bool = opt(False, "quantization-aware training: projections compute with int8 fake-quantized weights (per row) and inputs (per token), gradients straight through; the final checkpoint is also exported to int8 (<out_dir>/int8_step_N); see docs/compression.md")
     compile: bool = opt(False, "compile each transformer block, and the output projection with its loss, with torch.compile (the time it takes is printed after the second step)")
@@ -63,6 +65,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{key} must not be negative, got {getattr(self, key)}")
         if self.max_nonfinite_steps < 1:
             raise ConfigError(f"train.max_nonfinite_steps must be at least 1, got {self.max_nonfinite_steps}")
+        if self.max_failed_saves < 1:
+            raise ConfigError(f"train.max_failed_saves must be at least 1, got {self.max_failed_saves}")
         if self.keep_checkpoints < 1:
             raise ConfigError(f"train.keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.grad_clip < 0 or self.weight_decay < 0 or self.eps <= 0:

@@ -55,6 +55,7 @@ from .flops import flops_per_token, matmul_params, peak_flops
 from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
 from .metrics import MetricsLog, plot_expert_load, plot_loss
 from .progress import Progress
+from .saver import Saver, probe_writable
 
 
 class Trainer:
@@ -128,6 +129,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(self.model_cfg, seq)
         self.peak = peak_flops(self.device, cfg.memory.precision)
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
+        probe_writable(self.ckpt_dir, self.topo.rank)  # a read-only or missing filesystem: now, not at the first save
+        self.saver = Saver(self.topo, t.async_checkpoint, t.max_failed_saves, cfg.parallel.timeout_s,
+                           say=lambda line: None if self.quiet else print(line, flush=True))
         self.history: list[dict[str, Any]] = []
 
     # ---- one step ------------------------------------------------------------------------
@@ -290,21 +294,14 @@ class Trainer:
                   + (f"; distilling from {self.cfg.distill.teacher} (alpha {self.cfg.distill.alpha:g})" if self.distill else ""))
         progress = Progress(self.step, t.steps, self.quiet, "distill loss" if self.distill is not None else "loss")
         compile_report = _CompileReport(t.compile and not self.quiet)
-        while self.step < t.steps:
-            started = time.perf_counter()
-            record = self.train_step()
-            compile_report.step_done(time.perf_counter() - started, progress.write)
-            last = self.step == t.steps
-            if t.eval_every and (self.step % t.eval_every == 0 or last):
-                record["val_loss"] = self.evaluate()
-            self.history.append(record)
-            if log is not None:
-                log.write(record)
-            progress.step(self.step, record, self.skipped, self.scaler.scale if self.scaler else None)
-            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                saved = self.save_checkpoint()
-                if last and t.qat:
-                    self.export_int8(saved)
+        self.saver.record = log.write if log is not None else None
+        if not self.quiet:
+            self.saver.say = progress.write
+        try:
+            self._loop(log, progress, compile_report)
+        except BaseException:
+            self.saver.abandon()  # this rank's write finishes; the other ranks may be gone
+            raise
         progress.close()
         if self.pipeline is not None and t.pipeline_trace:
             self.draw_pipeline_trace(t.pipeline_trace)
@@ -327,6 +324,26 @@ class Trainer:
             if not self.quiet:
                 print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
         return self.history
+
+    def _loop(self, log, progress, compile_report) -> None:
+        """Steps until ``train.steps``: metrics, evaluation and checkpoints as configured."""
+        t = self.cfg.train
+        while self.step < t.steps:
+            started = time.perf_counter()
+            record = self.train_step()
+            compile_report.step_done(time.perf_counter() - started, progress.write)
+            last = self.step == t.steps
+            if t.eval_every and (self.step % t.eval_every == 0 or last):
+                record["val_loss"] = self.evaluate()
+            self.history.append(record)
+            if log is not None:
+                log.write(record)
+            progress.step(self.step, record, self.skipped, self.scaler.scale if self.scaler else None)
+            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
+                saved = self.save_checkpoint(wait=last or not t.async_checkpoint)  # (the final save is waited for)
+                if last and t.qat:
+                    self.export_int8(saved)
+        self.saver.settle()  # a save still in flight (none when the last step saved)
 
     def export_int8(self, path: str | None) -> str | None:
         """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
@@ -368,10 +385,16 @@ class Trainer:
                       f"{100 * predicted:.1f}% predicted for these stage times with free messages)")
 
     # ---- checkpoints (trickles.train.trainer_state) ---------------------------------------
-    def save_checkpoint(self) -> str | None:
-        """Writes ``<out_dir>/checkpoints/step_N`` atomically (every rank its part); returns its path on rank 0."""
-        return trainer_state.save(self.ckpt_dir, self.topo, self.engine, self.tokenizer, self.cfg, self.model_cfg, self.scaler,
-                                  step=self.step, consumed=self.consumed, skipped=self.skipped)
+    def save_checkpoint(self, wait: bool = True) -> str | None:
+        """Writes ``<out_dir>/checkpoints/step_N`` atomically (every rank its part; :mod:`trickles.train.saver`);
+        returns its path on rank 0 once written. ``wait=False``: the write goes on in the background (where
+        ``train.async_checkpoint`` allows) and None is returned. A failed save is logged and counted, not raised, until
+        ``train.max_failed_saves`` fail in a row."""
+        def take(tmp: str):
+            return trainer_state.snapshot(tmp, self.topo, self.engine, self.tokenizer, self.cfg, self.model_cfg,
+                                          self.scaler, step=self.step, consumed=self.consumed, skipped=self.skipped,
+                                          device=self.device)
+        return self.saver.save(take, self.ckpt_dir, self.step, wait)
 
     def load_checkpoint(self, path: str, verify: bool = True) -> None:
         """Restores model, optimizer, position and RNG from ``path`` (a step_N directory, any dp layout)."""

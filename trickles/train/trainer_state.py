@@ -1,9 +1,10 @@
 """The trainer's checkpoints: what a run writes beside the engine's shards, and how a run gets it back.
 
-* :func:`save` writes ``<out_dir>/checkpoints/step_N`` atomically (:mod:`trickles.train.checkpoint`): every rank
-  its part of the model and optimizer (the engine), rank 0 the tokenizer and ``trainer.json`` -- the step, the
-  consumed samples (the data position: the next global batch is a pure function of it and the seed), the layout,
-  the skipped steps, the loss scaler's state, the resolved config and model, and every rank's RNG states;
+* :func:`snapshot` takes what ``<out_dir>/checkpoints/step_N`` holds, for :class:`~trickles.train.saver.Saver` to
+  write atomically (:mod:`trickles.train.checkpoint`) in the background: every rank its part of the model and
+  optimizer (the engine's, copied to the host), rank 0 the tokenizer and ``trainer.json`` -- the step, the consumed
+  samples (the data position: the next global batch is a pure function of it and the seed), the layout, the skipped
+  steps, the loss scaler's state, the resolved config and model, and every rank's RNG states;
 * :func:`load` resumes from one: it refuses, before anything is loaded, a checkpoint this model or optimizer
   cannot continue (an int8 one, another model, another optimizer's state), then restores the engine at any
   layout, the loss scaler and this rank's RNG states, and returns the position;
@@ -31,33 +32,28 @@ from ..models.transformer import Transformer
 from ..parallel.engine import Engine
 from ..topology import Topology
 from . import checkpoint as ckpt
+from .saver import Snapshot, host_copy
 
 
-def save(ckpt_dir: str, topo: Topology, engine: Engine, tokenizer: Tokenizer, cfg: Config, model_cfg: ModelConfig,
-         scaler: DynamicLossScaler | None, *, step: int, consumed: int, skipped: int) -> str | None:
-    """Writes ``<ckpt_dir>/step_N`` atomically (every rank its part); returns its path on rank 0."""
-    world = topo.comm("world")
+def snapshot(tmp: str, topo: Topology, engine: Engine, tokenizer: Tokenizer, cfg: Config, model_cfg: ModelConfig,
+             scaler: DynamicLossScaler | None, *, step: int, consumed: int, skipped: int, device) -> Snapshot:
+    """This rank's part of the checkpoint of step ``step`` (written into ``tmp`` by :class:`~trickles.train.saver.Saver`):
+    its model and optimizer pieces copied to the host and, on rank 0, ``trainer.json``. Every rank calls it (the RNG
+    states are gathered)."""
     rng = _gather_objects(ckpt.rng_state(), topo)
-    tmp = ckpt.step_dir(ckpt_dir, step) + ".tmp"
+    files, nbytes = host_copy(engine.checkpoint_files(topo.rank), device)
+    snap = Snapshot(step, tmp, files, keep=cfg.train.keep_checkpoints, host_bytes=nbytes)
     if topo.is_main:
-        ckpt.begin(ckpt_dir, step)
-    world.barrier()
-    engine.save(tmp, topo.rank)
-    world.barrier(limit_s=math.inf)  # waits for the slowest writer
-    final = None
-    if topo.is_main:
-        tokenizer.save(os.path.join(tmp, "tokenizer"))
-        ckpt.write_json(os.path.join(tmp, "trainer.json"), {
+        snap.tokenizer = tokenizer
+        snap.meta = {
             "step": step, "consumed_samples": consumed, "world_size": topo.world_size,
             "layout": {"dp": topo.dims.dp, "tp": topo.dims.tp, "pp": topo.dims.pp, "zero": engine.stage,
                        "sequence_parallel": cfg.parallel.sequence_parallel, "schedule": cfg.parallel.schedule,
                        "virtual_stages": cfg.parallel.virtual_stages}, "skipped_steps": skipped,
             "loss_scaler": scaler.state_dict() if scaler else None,
             "config": cfg.to_dict(), "model": dataclasses.asdict(model_cfg), "rng": rng,
-        })
-        final = ckpt.commit(tmp, cfg.train.keep_checkpoints)
-    world.barrier(limit_s=math.inf)  # rank 0 checksums every file into the manifest
-    return final
+        }
+    return snap
 
 
 def load(path: str, engine: Engine, scaler: DynamicLossScaler | None, rank: int, model_cfg: ModelConfig, optimizer: str,

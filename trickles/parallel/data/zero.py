@@ -378,9 +378,9 @@ class ZeroDataParallel(Engine):
         self.wait_for_parameters()
         return super().full_state()
 
-    def save(self, directory: str, rank: int) -> None:
+    def checkpoint_files(self, rank: int) -> dict[str, dict]:
         self.wait_for_parameters()
-        super().save(directory, rank)
+        return super().checkpoint_files(rank)
 
     def load(self, directory: str) -> None:
         self.wait_for_parameters()

@@ -293,7 +293,7 @@ class Zero3DataParallel(Engine):
     def placements(self) -> dict[str, object]:
         return {slot.name: getattr(slot.param, "tp_spec", None) for u in self.units for slot in u.layout.slots}
 
-    def save(self, directory: str, rank: int) -> None:
+    def _model_tensors(self) -> dict:
         tensors = {}
         for unit in self.units:
             for seg in unit.segments:
@@ -301,8 +301,7 @@ class Zero3DataParallel(Engine):
                     continue
                 piece = unit.shard.detach()[seg.shard_offset:seg.shard_offset + seg.numel]
                 tensors[seg.name] = (piece, ckpt.describe(seg.slot.param, seg.param_range))
-        self._save_model(directory, rank, tensors)
-        self._save_optimizer(directory, rank)
+        return tensors
 
     def load(self, directory: str) -> None:
         reader = ckpt.PieceReader(directory, "model")
