@@ -114,7 +114,8 @@ class ParallelDims:
             if world_size % rest:
                 raise ConfigError(
                     f"{world_size} processes cannot be split into parallel.tp x pp x cp = {tp} x {pp} x {cp} = {rest}; "
-                    f"launch a multiple of {rest} processes or change parallel.tp/pp/cp")
+                    f"launch a multiple of {rest} processes, change parallel.tp/pp/cp, or set parallel.elastic=true to "
+                    f"train on a layout the planner chooses for {world_size}")
             dp = world_size // rest
         TPGrid.of(tp_mode, tp, tp_depth)
         return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, tp_mode=tp_mode, tp_depth=tp_depth)
@@ -139,7 +140,8 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.dp x tp x pp x cp = {self.dp} x {self.tp} x {self.pp} x {self.cp} = {self.world_size}, "
                 f"but there are {world_size} processes; launch {self.world_size} processes (--nproc {self.world_size}) "
-                f"or change the degrees (parallel.dp=-1 fills the rest)")
+                f"or change the degrees (parallel.dp=-1 fills the rest), or set parallel.elastic=true to train on a layout "
+                f"the planner chooses for {world_size}")
         if (self.dp * self.cp) % self.ep:
             divisors = [d for d in range(1, self.dp * self.cp + 1) if (self.dp * self.cp) % d == 0]
             raise ConfigError(

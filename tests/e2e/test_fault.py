@@ -83,11 +83,12 @@ def _command(tmp, out, launcher="trickles", restarts=2, extra=()):
     return [sys.executable, "-m", "trickles", "train", "--nproc", str(RANKS), "--max-restarts", str(restarts), "--quiet", *settings]
 
 
-def _with_fault(tmp_path, action: str) -> tuple[dict, str]:
-    """The environment of a job whose rank 1 does ``action`` ("kill" or "stall") once; and the marker's path."""
+def _with_fault(tmp_path, action: str, after: int = AFTER) -> tuple[dict, str]:
+    """The environment of a job whose rank 1 does ``action`` ("kill" or "stall") once, before step ``after`` + 1; and
+    the marker's path."""
     folder, marker = tmp_path / "fault", str(tmp_path / "fault struck")
     folder.mkdir()
-    (folder / "sitecustomize.py").write_text(FAULT.format(rank=1, after=AFTER, action=action, marker=marker, stall_s=SAFETY_S))
+    (folder / "sitecustomize.py").write_text(FAULT.format(rank=1, after=after, action=action, marker=marker, stall_s=SAFETY_S))
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1"), marker
 

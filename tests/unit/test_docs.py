@@ -32,6 +32,7 @@ from trickles.cli import _parser
 from trickles.config import Config, describe_keys, key_rows, keys_markdown
 from trickles.errors import ConfigError, UserError
 from trickles.hints import DeviceFacts, device_facts, slow_config_hints, warn_slow_config
+from trickles.planner.elastic import layout_for_world
 from trickles.testing import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -136,8 +137,9 @@ def _check_invocation(argv: list[str], torchrun_world: int | None):
                 from trickles.train.scaling import plan
 
                 plan(cfg, args.ranks or [1, 2], args.steps, args.warmup)
-            elif args.command != "config":
-                cfg.validate(args.nproc or torchrun_world or 1)
+            elif args.command != "config":  # (parallel.elastic: on the layout the command would choose)
+                world = args.nproc or torchrun_world or 1
+                layout_for_world(cfg, world)[0].validate(world)
         except UserError as e:
             pytest.fail(f"the documented command trickles {shlex.join(argv)} is refused: {e}")
     return args, cfg

@@ -35,6 +35,7 @@ def run(args) -> int:
     from ..data.corpus import check_boundaries
     from ..data.sources import check_source
     from ..launch import launch
+    from ..planner.elastic import layout_for_world
     from ..process import env_world_size, restart_count
     from ..train.run import resolve_resume, run_training
 
@@ -49,7 +50,7 @@ def run(args) -> int:
     if args.nproc is not None and under_torchrun:
         raise UserError("--nproc starts local ranks itself; under torchrun leave it out (torchrun's --nproc-per-node decides)")
     world = args.nproc or env_world_size()
-    cfg.validate(world)
+    layout_for_world(cfg, world)[0].validate(world)  # (parallel.elastic: the layout every rank will choose)
     check_source(cfg.data)
     check_boundaries(cfg.data)
     resume = resolve_resume(args.resume, cfg.train.out_dir)

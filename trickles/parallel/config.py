@@ -27,6 +27,7 @@ class ParallelConfig:
     schedule: str = opt("1f1b", "with pp > 1: the pipeline schedule, gpipe, 1f1b, interleaved, or the zero-bubble zb-h1 and zb-v (each backward split into the input's and the weights' gradients; docs/pipeline-parallel.md)")
     virtual_stages: int = opt(1, "model chunks per pipeline rank: with the interleaved schedule (the bubble shrinks by this factor), 2 with zb-v")
     pipeline_layers: list[int] = opt([], "layers of each (virtual) stage in order, e.g. [4, 3]; empty: as even as possible, earlier stages taking the extra ones")
+    elastic: bool = opt(False, "a run (or restart) on a number of processes the degrees do not fit trains on the planner's fastest layout for it instead of stopping: same model, global batch and data order; the checkpoint reshards on load (docs/checkpoints.md)")
     timeout_s: float = opt(600.0, "seconds one collective or point-to-point wait may take; then every rank reports where it is and the job exits (status 4)")
 
     def validate(self) -> None:

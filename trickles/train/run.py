@@ -3,7 +3,9 @@
 Fault tolerance: under ``trickles train --nproc N --max-restarts K`` or ``torchrun --max-restarts=K``
 a failed rank brings all ranks down and back up; the restarted ranks see a non-zero
 :func:`~trickles.process.restart_count` and continue from the newest complete checkpoint in ``train.out_dir``
-(same weights, optimizer state, data position and random states as when it was written).
+(same weights, optimizer state, data position and random states as when it was written). With
+``parallel.elastic`` a world the configured degrees do not fit trains on the planner's layout for it
+(:mod:`trickles.planner.elastic`), resharding the checkpoint on load.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 from ..config import Config
 from ..errors import UserError
 from ..hints import warn_slow_config
+from ..planner.elastic import layout_for_world
 from ..topology import distributed_session
 from ..process import env_world_size, restart_count
 from . import checkpoint
@@ -52,11 +55,14 @@ def run_training(cfg: Config, resume: str | None = None, quiet: bool = False, ve
     ``verified``), resolved at restart count ``resolved_at``: a job restarted since then
     resolves it again, to the newest complete checkpoint. Returns this rank's per-step metrics.
     """
+    cfg, relayout = layout_for_world(cfg, env_world_size())  # parallel.elastic: a world the degrees do not fit
     dims = cfg.validate(env_world_size())
     if restart_count() != resolved_at:  # the launcher brought the job back up after a failure
         resume, verified = resolve_resume(resume, cfg.train.out_dir), True
     with distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
         warn_slow_config(cfg, topo)  # valid but slow on this device (fp16 on a CPU, ...): one line each, rank 0
+        if relayout and topo.is_main and not quiet:
+            print(relayout, flush=True)
         trainer = Trainer(cfg, topo, quiet=quiet)
         if resume:
             if restart_count() > 0 and topo.is_main:

@@ -264,14 +264,19 @@ def _injected_fault(step: int, rank: int) -> None:
 
 
 def probe_writable(directory: str, rank: int) -> None:
-    """Creates ``directory`` and writes and removes a file in it; CheckpointError naming it when that fails (a
-    read-only or missing filesystem is found at the start, not at the first checkpoint)."""
-    path = os.path.join(directory, f".probe-rank{rank:05d}")
+    """Writes and removes a file in ``directory``, or in its deepest existing ancestor (which the first save creates it
+    under); CheckpointError naming the place when that fails -- a read-only or missing filesystem is found at the
+    start, not at the first checkpoint. Nothing is left behind."""
+    existing = os.path.abspath(directory)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    path = os.path.join(existing, f".trickles-probe-rank{rank:05d}")
     try:
-        os.makedirs(directory, exist_ok=True)
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(20, "not a directory", existing)
         with open(path, "w") as f:
             f.write("probe")
         os.remove(path)
     except OSError as e:
-        raise CheckpointError(f"cannot write checkpoints to {directory} ({e.strerror or e}); set train.out_dir to a "
-                              f"writable directory") from None
+        raise CheckpointError(f"cannot write checkpoints to {directory} ({existing}: {e.strerror or e}); set "
+                              f"train.out_dir to a writable directory") from None
