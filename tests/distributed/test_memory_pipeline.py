@@ -10,7 +10,7 @@ from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
 CPU = torch.device("cpu")
-EXACT = ("parameters", "gradients", "optimizer", "activations", "head", "held", "host")
+EXACT = ("parameters", "gradients", "optimizer", "activations", "head", "held", "host", "checkpoint_host")
 
 
 @pytest.fixture(scope="module")

@@ -142,6 +142,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         out["held"] = device_states + activations + head
         out["peak"] = out["held"] + transient
         out["host"] = states["optimizer"] if offload else 0
+        out["checkpoint_host"] = states["checkpoint"] if cfg.train.async_checkpoint else 0
         return out
 
     notes = []
@@ -229,6 +230,9 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
                         f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}"
                         + (", fused loss (no [tokens, vocab] logits)" if fused else ""))
     report.notes.extend(notes)
+    if cfg.train.async_checkpoint:
+        report.notes.append(f"train.async_checkpoint: a save in flight holds {_fmt(report.predicted['checkpoint_host'])} of "
+                            "host copies on this rank (the tensors it writes), beside the device memory above")
     if model_cfg.dropout > 0 and lay.grid:
         report.notes.append(f"model.dropout={model_cfg.dropout:g}: the masks of a tensor-parallel grid are not counted")
     if offload:
@@ -327,6 +331,11 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     on_device = (0 if report.host_optimizer else m["optimizer"])
     m["held"] = m["parameters"] + m["gradients"] + on_device + m["activations"] + m["head"]
     m["host"] = m["optimizer"] if report.host_optimizer else 0
+    if trainer.cfg.train.async_checkpoint:  # what a save would copy to the host: the rank's checkpoint tensors
+        files = trainer.engine.checkpoint_files(trainer.topo.rank)
+        m["checkpoint_host"] = sum(t.numel() * t.element_size() for f in files.values() for t, _ in f.values())
+    else:
+        m["checkpoint_host"] = 0
     if device.type == "cuda":
         m["peak"] = torch.cuda.max_memory_allocated(device)
     else:  # the model states held when the last step began, and the most the step allocated above them

@@ -27,7 +27,8 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     adds up several micro-batches' gradients (stage 1 then keeps the full gradient buffer; otherwise it holds its shard,
     as stage 2 does). ``pipelined``: the model is a pipeline stage, where stage 2 accumulates the step's gradients in a
     full buffer that exists during the step only (:mod:`~trickles.parallel.data.zero`): its bytes are
-    ``"step_gradients"`` (0 otherwise).
+    ``"step_gradients"`` (0 otherwise). ``"checkpoint"``: the bytes the rank writes into a checkpoint, which an
+    asynchronous save holds on the host while it writes (:mod:`~trickles.train.saver`).
     """
     from ..optim.settings import OptimizerSettings
     from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
@@ -72,7 +73,19 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
         segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
     optimizer = k * sum(s.numel for s in segments) + (4 * len(segments) if settings.counts_steps else 0)
     step = g * layout.total if stage == 2 and pipelined else 0
-    return {"parameters": params, "gradients": grads, "optimizer": optimizer, "step_gradients": step}
+    # what the rank writes into a checkpoint (an asynchronous save's host copy, Engine.checkpoint_files): its shards
+    # under ZeRO-3, else the parameters if it is the first rank of their group; the optimizer state of what it owns
+    # (all of it on the first rank without ZeRO) -- moments, a 4-byte step per segment, fp32 masters in low precision
+    owned = sum(s.numel for s in segments)
+    if stage == 3:
+        written = owned
+    else:
+        written = sum(s.numel for s in layout.slots if ranks[layout.buckets[s.bucket].group] == 0)
+        if stage == 0 and dp_rank != 0:
+            owned, segments = 0, []
+    state = 4 * len(settings.state_keys) * owned + (4 * len(segments) if settings.counts_steps else 0) + (4 * owned if prec.low else 0)
+    return {"parameters": params, "gradients": grads, "optimizer": optimizer, "step_gradients": step,
+            "checkpoint": p * written + state}
 
 
 def _root_params(model) -> int:

@@ -48,7 +48,8 @@ def _activation_key(cfg: Config, dims: ParallelDims, device_type: str) -> tuple:
 
 def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: str, ranks_per_node: int,
                  cache: dict | None = None) -> Bound:
-    """A lower bound of the memory report's peak per device, and the offloaded optimizer's host bytes per node
+    """A lower bound of the memory report's peak per device, and the host bytes per node (the offloaded optimizer, an
+    asynchronous save's copies)
     (module docstring)."""
     from ..kernels import runs_triton
     from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
@@ -147,5 +148,7 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
         if last:  # (the first layer's entry includes what it keeps once for all, e.g. the rotary tables)
             held += act["head"] + loss
         stages.append(states + (0 if offload else optimizer) + held + buffers(whole, first, last))
-        host = max(host, optimizer * ranks_per_node if offload else 0.0)
+        # the host copies of an asynchronous save: at least the optimizer state each rank writes (its moments)
+        save = 4 * len(settings.state_keys) * (owned if zero >= 1 else whole) if cfg.train.async_checkpoint else 0.0
+        host = max(host, (optimizer if offload else 0.0) * ranks_per_node + save * ranks_per_node)
     return Bound(max(stages), host, stages)

@@ -321,7 +321,8 @@ class Search:
         try:
             c.report = predict(c.cfg, c.dims, self.model_cfg, self.device_type)
             c.peak = float(c.report.predicted["peak"])
-            c.host = float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0
+            c.host = (float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0) \
+                + float(c.report.predicted.get("checkpoint_host", 0)) * self.per_node  # an asynchronous save's copies
         except ConfigError:  # a layout the memory report does not model yet: the bound is the estimate
             c.peak, c.host, c.estimated = c.bound.device, c.bound.host, True
         self.counts["confirmed"] += 1
