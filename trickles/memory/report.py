@@ -180,26 +180,11 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
             weights = chunk_bytes(act, embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type),
                                   parts, shape, r)
             lay_b, head_b, _ = peak_in_flight(compute_order(cfg.parallel.schedule, shape, r), weights)
-            gathered = None
-            if stage == 3:  # the root around the first or last chunk, the running and the prefetched block
-                block = {}
-                for n, prm in named:
-                    if n.startswith("layers."):
-                        i = int(n.split(".")[1])
-                        block[i] = block.get(i, 0) + prm.numel()
-                root = sum(prm.numel() for n, prm in named if not n.startswith("layers."))
-                chunks = []
-                for c in range(shape.v):
-                    s_ = shape.stage(r, c)
-                    ends = s_ in (0, shape.stages - 1)
-                    chunks.append((root if ends else 0, s_ == shape.stages - 1, len(parts[s_]), max(block[i] for i in parts[s_]),
-                                   act["per_layer"][parts[s_][-1]]))
-                gathered = zero3_gathered(chunks, p, g, dims.dp * dims.cp, clones=device_type != "cuda")
-            recorded = None
-            if cfg.parallel.schedule in SPLIT:  # what each chunk's B keeps for its W
-                recorded = [recorded_bytes(model_cfg, len(parts[shape.stage(r, c)]), tokens, p, dims.tp,
-                                           lay.sequence_parallel, shape.stage(r, c) == shape.stages - 1, fused)
-                            for c in range(shape.v)]
+            gathered = zero3_gathered(named, parts, shape, r, act["per_layer"], p, g, dims.dp * dims.cp,
+                                      clones=device_type != "cuda") if stage == 3 else None
+            recorded = [recorded_bytes(model_cfg, len(parts[shape.stage(r, c)]), tokens, p, dims.tp, lay.sequence_parallel,
+                                       shape.stage(r, c) == shape.stages - 1, fused)  # what each chunk's B keeps for W
+                        for c in range(shape.v)] if cfg.parallel.schedule in SPLIT else None
             buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves_input, loss if last else 0,
                                    early_receives=device_type != "cuda", backward_transient=mlp_backward, gathered=gathered,
                                    recorded=recorded)
@@ -331,11 +316,8 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     on_device = (0 if report.host_optimizer else m["optimizer"])
     m["held"] = m["parameters"] + m["gradients"] + on_device + m["activations"] + m["head"]
     m["host"] = m["optimizer"] if report.host_optimizer else 0
-    if trainer.cfg.train.async_checkpoint:  # what a save would copy to the host: the rank's checkpoint tensors
-        files = trainer.engine.checkpoint_files(trainer.topo.rank)
-        m["checkpoint_host"] = sum(t.numel() * t.element_size() for f in files.values() for t, _ in f.values())
-    else:
-        m["checkpoint_host"] = 0
+    m["checkpoint_host"] = sum(t.numel() * t.element_size() for f in trainer.engine.checkpoint_files(trainer.topo.rank).values()
+                               for t, _ in f.values()) if trainer.cfg.train.async_checkpoint else 0  # a save's host copy
     if device.type == "cuda":
         m["peak"] = torch.cuda.max_memory_allocated(device)
     else:  # the model states held when the last step began, and the most the step allocated above them

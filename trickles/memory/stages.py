@@ -190,12 +190,13 @@ def recorded_bytes(mc, layers: int, tokens: int, p: int, tp: int = 1, sp: bool =
     return out
 
 
-def zero3_gathered(chunks: list[tuple[int, bool, int, int, int]], p: int, g: int, dp: int,
-                   clones: bool) -> list[tuple[int, int, int, int, int]]:
-    """What ZeRO-3 holds beyond its shards while a chunk runs, per chunk of ``(root, last, blocks, block, saved)``: the
+def zero3_gathered(named: list, parts: list[list[int]], shape: Shape, rank: int, per_layer: list[int], p: int, g: int,
+                   dp: int, clones: bool) -> list[tuple[int, int, int, int, int]]:
+    """What ZeRO-3 holds beyond its shards while each chunk of ``rank`` runs -- ``named``: the rank's parameters,
+    ``per_layer``: each layer's saved activation bytes -- from each chunk's ``(root, last, blocks, block, saved)``: the
     elements of the root it reads (the embedding or the head, or 0), whether it ends with the head, its block count,
-    its largest block's elements, and what its top block saves for backward (bytes). Returns ``[(forward, loss,
-    begins, reduce, released)]``:
+    its largest block's elements, and what its top block saves for backward. Returns ``[(forward, loss, begins, reduce,
+    released)]``:
 
     * ``forward``: the root and the running block gathered, the next block prefetched (``p`` bytes an element);
     * ``loss`` (the last stage): the root gathered while the loss's backward runs;
@@ -210,9 +211,19 @@ def zero3_gathered(chunks: list[tuple[int, bool, int, int, int]], p: int, g: int
     This is an estimate, not a count: on CPU ranks the measured peak of the tests' stages lies within 7% of it (gloo
     also keeps receive copies of gathers in flight, which it leaves out).
     """
+    sizes: dict[int, int] = {}  # each block's elements
+    for n, prm in named:
+        if n.startswith("layers."):
+            i = int(n.split(".")[1])
+            sizes[i] = sizes.get(i, 0) + prm.numel()
+    root_all = sum(prm.numel() for n, prm in named if not n.startswith("layers."))
     out = []
-    for root, last, blocks, block, saved in chunks:
-        gathered = p * (root + min(2, blocks) * block)
+    for c in range(shape.v):
+        s = shape.stage(rank, c)
+        last, layers = s == shape.stages - 1, parts[s]
+        root = root_all if s in (0, shape.stages - 1) else 0
+        block, saved = max(sizes[i] for i in layers), per_layer[layers[-1]]
+        gathered = p * (root + min(2, len(layers)) * block)
         begins = gathered + (g * root if last else 0) + g * block
         reduce = max(begins + g * block, begins - p * block + g * block * (1 + clones) + g * block // dp)
         out.append((gathered, p * root if last else 0, begins, reduce, saved))

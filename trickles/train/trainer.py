@@ -54,7 +54,7 @@ from . import trainer_state
 from .flops import flops_per_token, matmul_params, peak_flops
 from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
 from .metrics import MetricsLog, plot_expert_load, plot_loss
-from .progress import Progress
+from .progress import CompileReport, Progress, run_line
 from .saver import Saver, probe_writable
 
 
@@ -273,27 +273,9 @@ class Trainer:
         t = self.cfg.train
         log = MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard) if self.topo.is_main else None
         if not self.quiet:
-            zero = f", ZeRO-{self.engine.stage}" if self.engine.stage else ""
-            if self.topo.dims.tp > 1:
-                zero += f", tp={self.topo.dims.tp}" + (f" ({self.topo.dims.tp_mode})" if self.topo.dims.tp_mode != "1d" else "") + (" with sequence parallel" if self.cfg.parallel.sequence_parallel else "")
-            if self.topo.dims.cp > 1:
-                zero += f", cp={self.topo.dims.cp} {self.cfg.parallel.cp_mode}"
-            if self.topo.dims.ep > 1:
-                zero += f", ep={self.topo.dims.ep}"
-            if self.pipeline is not None:
-                p = self.pipeline.shape
-                zero += f", pp={p.p} {self.cfg.parallel.schedule}" + (f" x {p.v} chunks" if p.v > 1 else "")
-            params = f"{self.n_params / 1e6:.2f}M parameters"
-            if self.model_cfg.moe_experts:
-                mc = self.model_cfg
-                params += (f" ({self.n_active / 1e6:.2f}M active: {mc.moe_experts} experts, top-{mc.moe_top_k}"
-                           f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}, in {len(mc.moe_layers)} of {mc.n_layers} blocks)")
-            print(f"[trickles] {self.model_cfg.flavor} model, {params}, {self.topo.world_size} rank(s) "
-                  f"(dp={self.topo.dims.dp}{zero}), batch {t.global_batch}x{self.cfg.data.seq_len} "
-                  f"(micro {self.micro_batch} x {self.accumulation} accumulation), device {self.device}; data: {self.corpus.describe()}"
-                  + (f"; distilling from {self.cfg.distill.teacher} (alpha {self.cfg.distill.alpha:g})" if self.distill else ""))
+            print(run_line(self))
         progress = Progress(self.step, t.steps, self.quiet, "distill loss" if self.distill is not None else "loss")
-        compile_report = _CompileReport(t.compile and not self.quiet)
+        compile_report = CompileReport(t.compile and not self.quiet)
         self.saver.record = log.write if log is not None else None
         if not self.quiet:
             self.saver.say = progress.write
@@ -400,25 +382,6 @@ class Trainer:
         """Restores model, optimizer, position and RNG from ``path`` (a step_N directory, any dp layout)."""
         self.step, self.consumed, self.skipped = trainer_state.load(
             path, self.engine, self.scaler, self.topo.rank, self.model_cfg, self.cfg.train.optimizer, verify)
-
-
-class _CompileReport:
-    """Prints, once, what ``torch.compile`` cost: the first step compiles every block (a step's clock ends with
-    its work, :meth:`Trainer.train_step` reads its loss), so the first step's time less the second's is the
-    compilation."""
-
-    def __init__(self, on: bool):
-        self.on, self.first = on, None
-
-    def step_done(self, seconds: float, write) -> None:
-        if not self.on:
-            return
-        if self.first is None:
-            self.first = seconds
-            return
-        write(f"[trickles] torch.compile: first step {self.first:.1f} s, second {seconds:.2f} s: about "
-              f"{max(0.0, self.first - seconds):.1f} s of compilation, paid once")
-        self.on = False
 
 
 def _eager():

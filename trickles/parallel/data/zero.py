@@ -362,17 +362,11 @@ class ZeroDataParallel(Engine):
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        if self.full_grads and not self.transient:
-            grads = self.grad_buffer.numel() * self.grad_buffer.element_size()
-        else:
-            grads = self.shard_grads.numel() * self.shard_grads.element_size()
-        if self.transient:
-            grads += self.grad_buffer.untyped_storage().nbytes()
-        elif not self.full_grads:
-            grads += sum(t.numel() * t.element_size() for t in self._buffers.values())
-        return {"parameters": self.param_buffer.numel() * self.param_buffer.element_size(),
-                "gradients": grads,
-                "optimizer": self.optimizer.state_bytes()}
+        if self.full_grads:  # the full buffer (stage 2 pipelined: only while the step has it; then the shard too)
+            grads = self.grad_buffer.untyped_storage().nbytes() + (_nbytes(self.shard_grads) if self.transient else 0)
+        else:  # the shard and the bucket buffers filling
+            grads = _nbytes(self.shard_grads) + sum(_nbytes(t) for t in self._buffers.values())
+        return {"parameters": _nbytes(self.param_buffer), "gradients": grads, "optimizer": self.optimizer.state_bytes()}
 
     def full_state(self) -> dict[str, torch.Tensor]:
         self.wait_for_parameters()
@@ -396,6 +390,10 @@ def _param_wait_hook(engine: ZeroDataParallel, buckets: list[int]):
         if e is not None and (e._param_handles or e._gathers_due):
             e.wait_for_parameters(buckets)
     return hook
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _partial(p: torch.Tensor) -> bool:
