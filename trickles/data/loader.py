@@ -121,7 +121,10 @@ class ShardedBatches:
     def _gather(self, windows: np.ndarray, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         index = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
         rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
-        out = [(rows[i:i + micro_batch, :-1].contiguous(), rows[i:i + micro_batch, 1:].contiguous())
+        # each micro-batch in storage of its own (of one row, .contiguous() would keep a view of the whole batch, which
+        # the embedding's backward then holds)
+        out = [(rows[i:i + micro_batch, :-1].clone(memory_format=torch.contiguous_format),
+                rows[i:i + micro_batch, 1:].clone(memory_format=torch.contiguous_format))
                for i in range(0, len(rows), micro_batch)]
         if self.labels is not None:
             labels = torch.from_numpy(np.asarray(self.labels[index[:, :-1]], dtype=np.int64))
