@@ -37,5 +37,11 @@ class SavesFailed(TrainingStopped):
     exit_code = 1
 
 
+class Terminated(TrainingStopped):
+    """The run was asked to stop (SIGTERM) and stopped after a step, its checkpoint saved."""
+
+    exit_code = 143  # 128 + SIGTERM, as a process the signal ended
+
+
 #: Exceptions reported as one line (``error: ...``) with their ``exit_code``.
 ONE_LINE_ERRORS = (UserError, TrainingStopped)

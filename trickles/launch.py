@@ -11,6 +11,8 @@ and watches them:
   :class:`TrainingStopped`, its one-line message and its exit code, 2 or 3); when its hang
   watchdog stopped it (status 4, :mod:`trickles.watchdog`), the others first get
   ``HANG_GRACE_S`` to report where they are;
+* the launcher gets SIGTERM -> it passes it on: every rank finishes its step, saves a checkpoint and exits
+  (:class:`~trickles.train.trainer.Trainer`), within ``TERM_GRACE_S``; status 143;
 * the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
 
 Ranks are forked from a ``forkserver`` (:data:`PRELOAD`): one fresh process per launcher that imports the
@@ -43,6 +45,7 @@ from .watchdog import HANG_EXIT
 
 PRELOAD = ["trickles.train.run", "torch._dynamo"]  # what the forkserver imports, once
 HANG_GRACE_S = 5.0  # after a rank's watchdog fired, how long the others get to report before they are stopped
+TERM_GRACE_S = 120.0  # after SIGTERM, how long the ranks get to finish their step and save before they are killed
 
 USER_ERROR_TAG = "trickles-user-error: "
 
@@ -119,6 +122,25 @@ def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str, 
     exit_process(code if isinstance(code, int) else 0)  # a function's return value is not a status
 
 
+class _Terminated(Exception):
+    """The launcher got SIGTERM and passed it on to its ranks."""
+
+
+def _terminate(procs: list, grace_s: float) -> None:
+    """SIGTERM to every rank still running, which finishes its step, saves a checkpoint and exits; those still
+    running after ``grace_s`` are killed."""
+    for p in procs:
+        if p.exitcode is None:
+            try:
+                os.kill(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    _kill(procs)
+
+
 def _kill(procs: list) -> None:
     for p in procs:
         if p.exitcode is None:
@@ -152,7 +174,7 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 
     status = 1
     for attempt in range(max_restarts + 1):
         status = _attempt(ctx, fn, args, nproc, store.port, attempt, quiet)
-        if status in (0, 2, 3, 130) or attempt == max_restarts:
+        if status in (0, 2, 3, 130, 143) or attempt == max_restarts:
             break
         print(f"[trickles] restarting all {nproc} ranks (attempt {attempt + 2} of {max_restarts + 1})", file=sys.stderr)
     del store
@@ -165,6 +187,9 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def on_signal(signum, frame):
+        if signum == signal.SIGTERM:  # an orderly stop: every rank saves its checkpoint and exits (Trainer)
+            _terminate(procs, TERM_GRACE_S)
+            raise _Terminated
         _kill(procs)
         raise KeyboardInterrupt
 
@@ -188,6 +213,9 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
                     _kill(procs)
                     return _report(r, p.exitcode, errors, quiet)
         return 0
+    except _Terminated:
+        print("[trickles] SIGTERM: the ranks saved a checkpoint and stopped", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         _kill(procs)
         print("[trickles] interrupted; all ranks stopped", file=sys.stderr)

@@ -133,3 +133,28 @@ def test_a_leftover_partial_save_is_removed_and_never_resumed(tmp_path):
     assert ckpt.find_latest(d) is None
     tr.fit()
     assert sorted(os.listdir(d)) == ["step_000002"]
+
+
+def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
+    """SIGTERM to the launcher reaches both ranks; they agree on a step, save its checkpoint (waited for) and exit
+    143; the checkpoint is the newest step logged, complete."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "trickles", "train", "--nproc", "2", "--set", "model.preset=tiny", "--set", "data.seq_len=32",
+           "--set", "data.max_bytes=120000", "--set", f"data.cache_dir={tmp_path}/cache", "--set", "train.steps=100000",
+           "--set", "train.global_batch=8", "--set", "train.eval_every=0", "--set", "train.sample_tokens=0",
+           "--set", "train.plot=false", "--set", f"train.out_dir={out}"]
+    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    job.send_signal(signal.SIGTERM)
+    stdout, stderr = job.communicate(timeout=180)
+    assert job.returncode == 143, (job.returncode, stderr[-2000:])
+    assert "the ranks saved a checkpoint and stopped" in stderr, stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    saved = ckpt.list_checkpoints(str(out / "checkpoints"))
+    assert len(saved) == 1 and saved[0][0] == steps[-1] >= 3 and ckpt.is_complete(saved[0][1])

@@ -105,6 +105,11 @@ class Saver:
         self._cleaned = False
 
     @property
+    def pending_step(self) -> int | None:
+        """The step of the save in flight, None when none is."""
+        return self._flight.snapshot.step if self._flight is not None else None
+
+    @property
     def host_bytes(self) -> int:
         """Bytes of host copies held by the save in flight (0 when none is)."""
         return self._flight.snapshot.host_bytes if self._flight is not None else 0

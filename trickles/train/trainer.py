@@ -38,7 +38,7 @@ from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, require_boundaries
 from ..data.loader import DOCUMENTS
 from ..data.sources import iter_documents
-from ..errors import ConfigError, TrainingStopped
+from ..errors import ConfigError, Terminated, TrainingStopped
 from ..kernels.cross_entropy import OutputLoss
 from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
@@ -133,6 +133,7 @@ class Trainer:
         self.saver = Saver(self.topo, t.async_checkpoint, t.max_failed_saves, cfg.parallel.timeout_s,
                            say=lambda line: None if self.quiet else print(line, flush=True))
         self.history: list[dict[str, Any]] = []
+        self.stop_requested = None  # () -> bool: this process was asked to stop (run_training's SIGTERM handler)
 
     # ---- one step ------------------------------------------------------------------------
     def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None,
@@ -325,7 +326,20 @@ class Trainer:
                 saved = self.save_checkpoint(wait=last or not t.async_checkpoint)  # (the final save is waited for)
                 if last and t.qat:
                     self.export_int8(saved)
+            if not last and self._stopping():  # SIGTERM on any rank: every rank saves this step and stops
+                if self.saver.pending_step != self.step:
+                    self.save_checkpoint()
+                self.saver.settle()
+                raise Terminated(f"SIGTERM: stopped after step {self.step} with its checkpoint saved; continue with "
+                                 f"--resume auto")
         self.saver.settle()  # a save still in flight (none when the last step saved)
+
+    def _stopping(self) -> bool:
+        """Whether any rank was asked to stop (one all-reduce a step, only where a handler is installed)."""
+        if self.stop_requested is None:
+            return False
+        flag = torch.tensor([1.0 if self.stop_requested() else 0.0], device=self.device)
+        return self.topo.comm("world").all_reduce(flag, op="max").item() > 0
 
     def export_int8(self, path: str | None) -> str | None:
         """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
