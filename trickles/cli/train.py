@@ -50,7 +50,10 @@ def run(args) -> int:
     if args.nproc is not None and under_torchrun:
         raise UserError("--nproc starts local ranks itself; under torchrun leave it out (torchrun's --nproc-per-node decides)")
     world = args.nproc or env_world_size()
-    layout_for_world(cfg, world)[0].validate(world)  # (parallel.elastic: the layout every rank will choose)
+    cfg, relayout = layout_for_world(cfg, world)  # parallel.elastic: planned once here, the ranks get the layout
+    cfg.validate(world)
+    if relayout and not args.quiet and int(os.environ.get("RANK", "0")) == 0:
+        print(relayout, flush=True)
     check_source(cfg.data)
     check_boundaries(cfg.data)
     resume = resolve_resume(args.resume, cfg.train.out_dir)

@@ -99,8 +99,6 @@ class Saver:
         self.say, self.record = say, record
         self.failed_in_a_row = 0
         self.failures: list[tuple[int, str]] = []  # (step, reason) of every failed save, on rank 0 with every reason
-        self.last_saved: str | None = None  # rank 0: the newest committed checkpoint
-        self.blocked_s = 0.0  # training-thread time spent in saves: snapshots and waits for the previous save
         self._flight: _Flight | None = None
         self._cleaned = False
 
@@ -147,12 +145,9 @@ class Saver:
             flight.thread = threading.Thread(target=self._write, args=(flight,), name=f"checkpoint-step-{step}",
                                              daemon=True)
             flight.thread.start()
-            self.blocked_s += time.perf_counter() - began
             return None
         self._write(flight)
-        final = self.settle()
-        self.blocked_s += time.perf_counter() - began
-        return final
+        return self.settle()
 
     def settle(self) -> str | None:
         """Waits for the save in flight (if any) and settles its outcome on every rank (a collective); raises
@@ -169,8 +164,7 @@ class Saver:
         step = flight.snapshot.step
         if failed.item() == 0:
             self.failed_in_a_row = 0
-            self.last_saved = flight.final[0] if flight.final else None
-            return self.last_saved
+            return flight.final[0] if flight.final else None
         self.failed_in_a_row += 1
         reason = flight.error[0] if flight.error else "another rank's part failed"
         self.failures.append((step, reason))

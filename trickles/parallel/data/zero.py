@@ -74,11 +74,10 @@ class ZeroDataParallel(Engine):
         super().__init__(model, comm, tp, ep, edp)
         self.stage = stage
         # stage 1 keeps a full gradient buffer only when it accumulates micro-batches: otherwise each bucket is
-        # reduce-scattered into the rank's shard as stage 2 does (DeepSpeed's stage 1 frees what it does not own too)
-        self.full_grads = stage == 1 and accumulates
-        # stage 2 under pipeline stages: a full buffer during the step only, reduced once into the shard
+        # reduce-scattered into the rank's shard as stage 2 does (DeepSpeed's stage 1 frees what it does not own too);
+        # stage 2 under pipeline stages has one during the step only (transient), reduced once into the shard
         self.transient = stage == 2 and pipelined
-        self.full_grads = self.full_grads or self.transient
+        self.full_grads = (stage == 1 and accumulates) or self.transient
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         p0 = self.params[0]
@@ -92,20 +91,19 @@ class ZeroDataParallel(Engine):
         self.segments = self.layout.segments(self.group_ranks)
         if self.full_grads:
             self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=p0.device)
-            self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
-            grad_of = lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]]  # noqa: E731
-        if self.transient:
             self._grad_bytes = self.grad_buffer.untyped_storage().nbytes()
+            self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
+        if self.full_grads and not self.transient:  # the optimizer reads the reduced slices in place
+            grad_of = lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]]  # noqa: E731
+        else:
             self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
             grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
-        elif not self.full_grads:
-            self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
+        if not self.full_grads:
             self._buffers: dict[int, torch.Tensor] = {}
             self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
             self._largest = {"bucket": max(b.size for b in self.layout.buckets), "shard": max(b.shard_size for b in self.layout.buckets)}
             self._free: dict[str, list[torch.Tensor]] = {"bucket": [], "shard": []}
             self.buffers_allocated = 0  # bucket-sized buffers allocated since construction (reused within a backward)
-            grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
         # the overlapped offload's units: the buckets in the order the next forward needs them (the last holds the first layers)
         order = list(reversed(range(len(self.layout.buckets))))
         self._unit_of = {b: u for u, b in enumerate(order)}
