@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 
-from trickles.infer.server import RequestLog
+from trickles.infer.http import RequestLog
 from trickles.train.progress import Progress
 
 

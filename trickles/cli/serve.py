@@ -1,4 +1,5 @@
-"""``trickles serve``: OpenAI-style completions over HTTP (:mod:`trickles.infer.server`)."""
+"""``trickles serve``: OpenAI's completions and chat completions over HTTP, continuously batched
+(:mod:`trickles.infer.server`, :mod:`trickles.infer.engine`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,28 @@ from .common import DEVICE_HELP, add_command, check_budget, check_checkpoint, ch
 
 
 def add_parser(sub) -> None:
-    v = add_command(sub, "serve", "serve a checkpoint over HTTP: OpenAI-style POST /v1/completions, GET /health")
+    v = add_command(sub, "serve", "serve a checkpoint over HTTP: OpenAI's /v1/completions and /v1/chat/completions, "
+                                  "/v1/models, /health, /metrics")
     v.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
     v.add_argument("--host", default="127.0.0.1", metavar="H",
                    help="address to listen on (default: 127.0.0.1, this machine only)")
     v.add_argument("--port", type=int, default=8000, metavar="P", help="port; 0: any free port, printed at start (default: 8000)")
     v.add_argument("--max-batch", type=int, default=32, metavar="N", help="most sequences decoded together (default: 32)")
+    v.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
+                   help="memory of the paged KV cache pool (default: room for --max-batch sequences of the model's "
+                        "context, on a GPU at most 80%% of the memory free after loading)")
+    v.add_argument("--block-size", type=int, default=16, metavar="P", help="positions per KV cache block (default: 16)")
+    v.add_argument("--prefill-chunk", type=int, default=256, metavar="T",
+                   help="most prompt tokens prefilled per iteration; longer prompts are prefilled in pieces between "
+                        "decode steps (default: 256)")
+    v.add_argument("--batching", choices=["continuous", "static"], default="continuous",
+                   help="continuous: requests join and leave the running batch at every step (default); static: a "
+                        "batch runs to its end before the next starts (for comparison)")
+    v.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+                        "TRICKLES_API_KEY environment variable; unset: no key)")
+    v.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="B",
+                   help="refuse request bodies larger than this with 413 (default: 1048576)")
     v.add_argument("--device", default="auto", help=DEVICE_HELP)
     v.add_argument("--device-budget-gb", type=float, default=None, metavar="GB",
                    help="as for generate, with a KV cache for --max-batch sequences of the model's context "
@@ -31,15 +48,25 @@ def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in 0..65535 (0: any free port), got {args.port}")
     count("--max-batch", args.max_batch, 1)
+    count("--block-size", args.block_size, 1)
+    count("--prefill-chunk", args.prefill_chunk, 1)
+    count("--max-body-bytes", args.max_body_bytes, 1)
+    if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
+        raise UserError(f"--kv-cache-gb must be a number of gigabytes > 0, got {args.kv_cache_gb:g}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("TRICKLES_API_KEY") or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key must not be empty; leave it out to serve without a key")
     check_device(args.device)
     check_budget(args.device_budget_gb)
     check_checkpoint(args.checkpoint)
-    missing = [m for m in ("fastapi", "uvicorn") if importlib.util.find_spec(m) is None]
+    missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"trickles serve needs {' and '.join(missing)}: pip install 'trickles[serve]'")
+    from ..infer.engine import EngineConfig
     from ..infer.server import serve
 
-    model, tokenizer, _ = load_model(args.checkpoint, select_device(args.device), args.device_budget_gb, args.max_batch,
+    device = select_device(args.device)
+    model, tokenizer, _ = load_model(args.checkpoint, device, args.device_budget_gb, args.max_batch,
                                      context_length(args.checkpoint), args.int8)
     if model.cfg.moe_experts and model.cfg.moe_router == "hard":
         raise UserError("this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
@@ -47,12 +74,34 @@ def run(args) -> int:
     name = os.path.basename(os.path.normpath(args.checkpoint))
 
     def ready(host, port):
-        print(f"[trickles] serving {args.checkpoint} on http://{host}:{port} (POST /v1/completions, GET /health)", flush=True)
+        print(f"[trickles] serving {args.checkpoint} on http://{host}:{port} (POST /v1/completions, "
+              f"/v1/chat/completions; GET /v1/models, /health, /metrics)", flush=True)
     try:
-        serve(model, tokenizer, args.host, args.port, name=name, max_batch=args.max_batch, on_ready=ready)
+        serve(model, tokenizer, args.host, args.port, name=name, max_batch=args.max_batch, on_ready=ready,
+              batching=args.batching, api_key=api_key, max_body_bytes=args.max_body_bytes,
+              engine_config=EngineConfig(max_batch=args.max_batch, block_size=args.block_size,
+                                         prefill_chunk=args.prefill_chunk,
+                                         kv_cache_bytes=kv_pool_bytes(model, device, args)))
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --host or --port") from None
     except KeyboardInterrupt:  # uvicorn has shut down cleanly, then re-raised the signal: the normal way to stop
         pass
     print("[trickles] server stopped", flush=True)
     return 0
+
+
+def kv_pool_bytes(model, device, args) -> int:
+    """Bytes of the KV pool: ``--kv-cache-gb``, else room for ``--max-batch`` full contexts (on a GPU, at most 80% of
+    the memory free after loading the model)."""
+    import torch
+
+    from ..infer.paged import block_bytes
+
+    if args.kv_cache_gb is not None:
+        return int(args.kv_cache_gb * 1e9)
+    blocks = args.max_batch * -(-model.cfg.max_seq_len // args.block_size)
+    dense = blocks * block_bytes(model, args.block_size)
+    if torch.device(device).type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return min(dense, int(0.8 * free))
+    return dense

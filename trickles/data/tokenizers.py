@@ -46,6 +46,7 @@ class Tokenizer:
     name: str
     vocab_size: int
     eos_id: int
+    chat_template: str | None = None  #: a Jinja chat template (Hugging Face's), when the tokenizer came with one
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no special tokens added)."""
@@ -110,7 +111,7 @@ class HFTokenizer(Tokenizer):
     only change how the text right at a cut is split.
     """
 
-    def __init__(self, tk: Any, eos_token: str, kind: str, name: str):
+    def __init__(self, tk: Any, eos_token: str, kind: str, name: str, chat_template: str | None = None):
         eos_id = tk.token_to_id(eos_token)
         if eos_id is None:
             raise DataError(f"tokenizer {name!r} has no token {eos_token!r} for end-of-text; add it or name another eos_token")
@@ -119,6 +120,7 @@ class HFTokenizer(Tokenizer):
         vocab = tk.get_vocab(with_added_tokens=True)
         self.vocab_size = max(tk.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         self._identity: str | None = None
+        self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         return list(self.tk.encode(text, add_special_tokens=False).ids)
@@ -144,8 +146,10 @@ class HFTokenizer(Tokenizer):
     def save(self, directory: str | os.PathLike) -> None:
         os.makedirs(directory, exist_ok=True)
         _write_text(os.path.join(directory, "tokenizer.json"), self.tk.to_str())
-        _write_json(os.path.join(directory, "tokenizer_config.json"),
-                    {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token})
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        _write_json(os.path.join(directory, "tokenizer_config.json"), config)
         _write_json(os.path.join(directory, META_FILE),
                     {"kind": self.kind, "name": self.name, "eos_token": self.eos_token, "eos_id": self.eos_id})
 
@@ -252,7 +256,26 @@ def load_hf_tokenizer(path: str | os.PathLike, key: str = "tokenizer") -> HFToke
     if eos is None:
         raise DataError(f"{key}: the tokenizer in {path} names no end-of-text token; set eos_token in "
                         f"{os.path.join(directory, 'tokenizer_config.json')}")
-    return HFTokenizer(tk, eos, "hf", f"hf:{os.path.basename(os.path.normpath(directory)) or directory}")
+    return HFTokenizer(tk, eos, "hf", f"hf:{os.path.basename(os.path.normpath(directory)) or directory}",
+                       _find_chat_template(directory))
+
+
+def _find_chat_template(directory: str) -> str | None:
+    """The chat template of a Hugging Face tokenizer directory: ``chat_template.jinja``, else ``chat_template`` in
+    ``tokenizer_config.json`` (a string, or a list of named templates: the one named ``default``, else the first)."""
+    jinja = os.path.join(directory, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    try:
+        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default", next(iter(named.values()), None))
+    return template if isinstance(template, str) else None
 
 
 def _find_eos(directory: str, tk: Any) -> str | None:
@@ -299,7 +322,8 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         if not os.path.isfile(file):
             raise DataError(f"{directory} has no tokenizer.json; save the tokenizer again")
         lib = _tokenizers_lib()
-        return HFTokenizer(lib.Tokenizer.from_file(file), meta["eos_token"], kind, meta.get("name", kind))
+        return HFTokenizer(lib.Tokenizer.from_file(file), meta["eos_token"], kind, meta.get("name", kind),
+                           _find_chat_template(directory))
     raise DataError(f"{meta_path} names an unknown tokenizer kind {kind!r}; expected 'byte', 'bpe' or 'hf'")
 
 

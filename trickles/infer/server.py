@@ -1,308 +1,325 @@
-"""An HTTP server with OpenAI-style completions: ``POST /v1/completions`` and ``GET /health`` (FastAPI + uvicorn).
+"""An HTTP server with OpenAI's API (FastAPI + uvicorn) over the continuous-batching engine.
 
-Requests from many clients are decoded together. Each request becomes a :class:`Job` (one row per prompt and
-per choice ``n``) on a queue; one worker thread (:class:`Batcher`) owns the model: it takes the first waiting
-job, gathers whatever else arrives within ``window_s`` (up to ``max_batch`` rows), and decodes all their rows
-in one left-padded batch (:func:`trickles.infer.decode.decode`, each row with its own sampling settings, seed
-and stopping). Text goes back to each request's event loop as it becomes final, so ``stream: true`` answers
-with server-sent events (``data: {chunk}`` per piece, ``data: [DONE]`` at the end) and a plain request waits
-for its whole completion. A batch runs to its end before the next starts (static batching).
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (messages rendered by :mod:`.chat`), ``GET
+/v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, :mod:`.metrics`). Each prompt becomes a request of
+:class:`~trickles.infer.engine.Engine`, which owns the model in one worker thread and schedules per iteration;
+``batching="static"`` puts the static batcher of :mod:`.static` in its place (for comparison). Text goes back to
+the request's event loop as it becomes final, so ``stream: true`` answers with server-sent events (``data:
+{chunk}`` per piece, ``data: [DONE]`` at the end) and a plain request waits for its whole answer. A client that
+goes away (a stream closed, or a plain request's connection dropped) cancels its sequences, which free their
+KV blocks at the engine's next iteration.
 
-Bad requests get a 4xx with ``{"error": {"message": ..., "type": "invalid_request_error"}}``: malformed JSON,
-unknown fields, values out of range (negative ``max_tokens``, ...), a prompt that leaves no room in the
-model's context. ``max_tokens`` beyond the context is shortened (``finish_reason: "length"``). With ``n > 1``,
-choice ``j`` of a seeded request uses ``seed + j``. ``trickles serve`` logs one line per request on stderr
-(client, method, path, status, milliseconds to the response's last byte).
+Refusals, each a JSON error ``{"error": {"message", "type"}}``, the server alive after each: 400 for malformed JSON,
+unknown fields, values out of range, a prompt that leaves no room in the context or needs more KV blocks than
+the pool has, empty ``messages`` or an unknown role; 401 without the API key (:class:`~.http.ApiKey`); 413 for a
+body over the limit (:class:`~.http.BodyLimit`); 503 with ``Retry-After`` when ``max_waiting`` sequences already
+wait; 500 when decoding fails. With ``n > 1`` choice ``j`` of a seeded request uses ``seed + j``; a list of
+prompts answers choice ``i * n + j`` for prompt ``i``'s ``j``-th.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
-import queue
 import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import asynccontextmanager
 
-from .decode import Completion, Sampling, decode
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
-__all__ = ["Job", "Batcher", "create_app", "serve"]
+from .chat import render_chat
+from .decode import Sampling
+from .engine import Engine, EngineConfig, Event
+from .http import ApiKey, BodyLimit, RequestLog, error_body, validation_message
+from .metrics import CONTENT_TYPE_LATEST, ServingMetrics
+from .protocol import ChatRequest, CompletionRequest, chat_body, completion_body, usage
+from .static import Batcher, Job
+
+__all__ = ["create_app", "serve", "StaticBackend", "MAX_BODY_BYTES"]
+
+MAX_BODY_BYTES = 1 << 20  #: default limit of a request body (a prompt of the longest context fits many times)
 
 
-@dataclass
-class Job:
-    """One request's rows. ``emit(row, text, finish_reason)`` and ``finish(completions or exception)`` are called
-    from the worker thread."""
+class StaticBackend:
+    """The static :class:`~.static.Batcher` behind the engine's ``submit`` (no cancellation: a batch runs out)."""
 
-    prompts: list[list[int]]
-    settings: list[Sampling]
-    emit: Callable[[int, str, str | None], None] = lambda row, text, reason: None
-    finish: Callable[[object], None] = lambda result: None
+    def __init__(self, model, tokenizer, max_batch: int, window_s: float, logits_fn=None, metrics=None):
+        self.batcher = Batcher(model, tokenizer, max_batch, window_s, logits_fn)
+        self.metrics = metrics
 
+    @property
+    def backlog(self) -> int:
+        """Jobs waiting for a batch."""
+        return self.batcher.queue.qsize()
 
-class Batcher:
-    """The worker thread that owns the model and decodes waiting jobs together (see the module's notes)."""
+    def submit(self, prompt, sampling: Sampling, n: int = 1, *, on_event, on_finish) -> Job:
+        settings = [Sampling(**{**sampling.__dict__, "seed": None if sampling.seed is None else sampling.seed + j})
+                    for j in range(n)]
 
-    def __init__(self, model, tokenizer, max_batch: int = 32, window_s: float = 0.01, logits_fn=None):
-        self.model, self.tokenizer, self.logits_fn = model, tokenizer, logits_fn
-        self.max_batch, self.window_s = max_batch, window_s
-        self.queue: queue.Queue[Job | None] = queue.Queue()
-        self.batches: list[int] = []  #: jobs per batch run so far
-        self._thread: threading.Thread | None = None
-        self._carry: Job | None = None
+        def finish(result):
+            if self.metrics is not None:
+                self.metrics.on_request("error" if isinstance(result, BaseException) else "ok")
+                if not isinstance(result, BaseException):
+                    self.metrics.on_tokens(sum(c.prompt_tokens for c in result), sum(len(c.tokens) for c in result))
+            on_finish(result)
 
-    def submit(self, job: Job) -> None:
-        self.queue.put(job)
+        job = Job([list(prompt)] * n, settings, emit=lambda row, text, reason: on_event(Event(row, None, text, reason)),
+                  finish=finish)
+        self.batcher.submit(job)
+        return job
+
+    def cancel(self, handle) -> None:
+        """A static batch cannot drop a row; the request's output is ignored."""
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="trickles-batcher", daemon=True)
-        self._thread.start()
+        self.batcher.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Finishes the batch in progress, fails jobs still waiting, and ends the thread."""
-        self.queue.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+    def stop(self) -> None:
+        self.batcher.stop()
 
-    def _next_batch(self) -> list[Job] | None:
-        first = self._carry or self.queue.get()
-        self._carry = None
-        if first is None:
-            return None
-        jobs, rows = [first], len(first.prompts)
-        deadline = time.monotonic() + self.window_s
-        while rows < self.max_batch:
-            try:
-                job = self.queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if job is None or rows + len(job.prompts) > self.max_batch:
-                self._carry = job  # the next batch starts with it (or stops)
-                if job is None:
-                    self.queue.put(None)
-                    self._carry = None
-                break
-            jobs.append(job)
-            rows += len(job.prompts)
-        return jobs
 
-    def _loop(self) -> None:
-        while True:
-            jobs = self._next_batch()
-            if jobs is None:
-                break
-            self.run(jobs)
-        while True:  # refuse what is still waiting
-            try:
-                job = self.queue.get_nowait()
-            except queue.Empty:
+class Mailbox:
+    """Hands items from the engine's thread to queues of one event loop, waking the loop once per burst rather than
+    once per item (an iteration of the engine posts a token to every running sequence)."""
+
+    _boxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+        box = cls._boxes.get(loop)
+        if box is None:
+            box = cls._boxes[loop] = cls(loop)
+        return box
+
+    def __call__(self, queue: asyncio.Queue, item) -> None:
+        with self.lock:
+            self.items.append((queue, item))
+            if self.scheduled:
                 return
-            if job is not None:
-                job.finish(RuntimeError("the server is shutting down"))
+            self.scheduled = True
+        self.loop.call_soon_threadsafe(self._deliver)
 
-    def run(self, jobs: list[Job]) -> None:
-        """Decodes the rows of ``jobs`` in one batch (in the calling thread)."""
-        self.batches.append(len(jobs))
-        owner = [(j, r) for j in jobs for r in range(len(j.prompts))]
-        try:
-            out = decode(self.model, [p for j in jobs for p in j.prompts], [s for j in jobs for s in j.settings],
-                         eos_id=self.tokenizer.eos_id, tokenizer=self.tokenizer, logits_fn=self.logits_fn,
-                         on_text=lambda row, text, reason: owner[row][0].emit(owner[row][1], text, reason))
-        except Exception as e:  # noqa: BLE001 -- reported to every request of the batch, the server goes on
-            for j in jobs:
-                j.finish(e)
-            return
-        start = 0
-        for j in jobs:
-            j.finish(out[start:start + len(j.prompts)])
-            start += len(j.prompts)
-
-
-def _request_model():
-    from pydantic import BaseModel, ConfigDict, Field
-
-    class CompletionRequest(BaseModel):
-        """The body of ``POST /v1/completions`` (OpenAI's fields that apply; any other field is refused)."""
-
-        model_config = ConfigDict(extra="forbid")
-        prompt: str | list[str]
-        model: str | None = None
-        max_tokens: int = Field(16, ge=0)
-        temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
-        top_p: float = Field(1.0, gt=0, le=1)
-        top_k: int = Field(0, ge=0)
-        repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
-        stop: str | list[str] | None = None
-        seed: int | None = None
-        n: int = Field(1, ge=1, le=16)
-        stream: bool = False
-
-    return CompletionRequest
-
-
-def _error(status: int, message: str, kind: str = "invalid_request_error"):
-    from fastapi.responses import JSONResponse
-
-    return JSONResponse(status_code=status, content={"error": {"message": message, "type": kind}})
-
-
-def _validation_message(exc) -> str:
-    parts = []
-    for e in exc.errors():
-        loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        if e.get("type") == "json_invalid":
-            parts.append(f"the body is not valid JSON ({e.get('ctx', {}).get('error', e.get('msg'))})")
-        elif e.get("type") == "extra_forbidden":
-            parts.append(f"unknown field {loc!r}")
-        else:
-            parts.append(f"{loc}: {e.get('msg')}" if loc else str(e.get("msg")))
-    return "; ".join(parts) or "invalid request"
-
-
-class RequestLog:
-    """ASGI middleware: one line per HTTP request once its response has been sent whole (a stream's too):
-    ``[trickles] 127.0.0.1 POST /v1/completions 200 183 ms``, to ``write`` (default: stderr)."""
-
-    def __init__(self, app, write=None):
-        self.app = app
-        self.write = write or (lambda line: print(line, file=sys.stderr, flush=True))
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        started, status = time.perf_counter(), [500]
-
-        async def logged(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-            if message["type"] == "http.response.body" and not message.get("more_body", False):
-                client = (scope.get("client") or ("-",))[0]
-                self.write(f"[trickles] {client} {scope['method']} {scope['path']} {status[0]} "
-                           f"{(time.perf_counter() - started) * 1e3:.0f} ms")
-
-        await self.app(scope, receive, logged)
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items, self.scheduled = self.items, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
 
 
 def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, window_s: float = 0.01, logits_fn=None,
-               log_requests: bool = False):
-    """The FastAPI application serving ``model``; its :class:`Batcher` starts and stops with the app (``app.state.batcher``).
-    ``log_requests``: one line per request on stderr (:class:`RequestLog`)."""
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import StreamingResponse
-    from starlette.exceptions import HTTPException
-
-    CompletionRequest = _request_model()
-    batcher = Batcher(model, tokenizer, max_batch, window_s, logits_fn)
+               log_requests: bool = False, *, batching: str = "continuous", engine_config: EngineConfig | None = None,
+               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = 1024):
+    """The FastAPI application serving ``model``. Its scheduler (``app.state.engine``: an :class:`Engine`, or a
+    :class:`StaticBackend` with ``batching="static"``, which uses ``window_s``) starts and stops with the app;
+    ``app.state.metrics`` are its Prometheus metrics. ``log_requests``: one line per request on stderr."""
+    if batching not in ("continuous", "static"):
+        raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
+    metrics = ServingMetrics()
+    if batching == "static":
+        backend = StaticBackend(model, tokenizer, max_batch, window_s, logits_fn, metrics)
+    else:
+        config = engine_config or EngineConfig(max_batch=max_batch)
+        backend = Engine(model, tokenizer, config, logits_fn=logits_fn, metrics=metrics)
+        metrics.watch(backend)
     context = model.cfg.max_seq_len
 
     @asynccontextmanager
     async def lifespan(app):
-        batcher.start()
+        backend.start()
         yield
-        await asyncio.get_running_loop().run_in_executor(None, batcher.stop)
+        await asyncio.get_running_loop().run_in_executor(None, backend.stop)
 
     app = FastAPI(title="trickles", lifespan=lifespan)
-    app.state.batcher = batcher
+    app.state.engine, app.state.metrics = backend, metrics
+    app.add_middleware(BodyLimit, limit=max_body_bytes)  # added last = outermost: log, then key, then size
+    if api_key:
+        app.add_middleware(ApiKey, key=api_key)
     if log_requests:
         app.add_middleware(RequestLog)
 
+    def error(status: int, message: str, kind: str = "invalid_request_error", headers=None):
+        return JSONResponse(status_code=status, content=error_body(message, kind), headers=headers)
+
     @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        return _error(400, _validation_message(exc))
+    async def invalid(request: HTTPRequest, exc: RequestValidationError):
+        return error(400, validation_message(exc))
 
     @app.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException):
-        return _error(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "invalid_request_error")
+    async def http_error(request: HTTPRequest, exc: HTTPException):
+        return error(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "invalid_request_error")
 
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": name, "context": context}
 
-    async def completions(req):
-        prompts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
-        if not prompts:
-            return _error(400, "prompt: give a string or a non-empty list of strings")
-        stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-        if any(not s for s in stop):
-            return _error(400, "stop: stop strings must not be empty")
-        ids = []
-        for i, p in enumerate(prompts):
-            tokens = tokenizer.encode(p) or [tokenizer.eos_id]
-            if len(tokens) >= context:
-                which = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
-                return _error(400, f"{which} is {len(tokens)} tokens; this model's context is {context} tokens, "
-                                   f"so a prompt may have at most {context - 1}")
-            ids.append(tokens)
-        rows, settings = [], []
-        for p in ids:
-            for j in range(req.n):
-                rows.append(p)
-                settings.append(Sampling(max_new_tokens=req.max_tokens, temperature=req.temperature, top_k=req.top_k,
-                                         top_p=req.top_p, repetition_penalty=req.repetition_penalty, stop=stop,
-                                         seed=None if req.seed is None else req.seed + j))
-        loop = asyncio.get_running_loop()
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "trickles", "max_model_len": context}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    def encode(text: str, which: str) -> list[int] | JSONResponse:
+        tokens = tokenizer.encode(text) or [tokenizer.eos_id]
+        if len(tokens) >= context:
+            return error(400, f"{which} is {len(tokens)} tokens; this model's context is {context} tokens, "
+                              f"so a prompt may have at most {context - 1}")
+        return tokens
+
+    async def run(http: HTTPRequest, prompts: list[list[int]], sampling: Sampling, n: int, stream: bool, head: dict,
+                  chunk: Callable, body: Callable, include_usage: bool = False):
+        if backend.backlog + n * len(prompts) > max_waiting:
+            metrics.on_request("rejected")
+            return error(503, f"the server is at capacity ({backend.backlog} waiting); retry shortly",
+                         "server_error", headers={"Retry-After": "1"})
+        post = Mailbox.of(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(rows, settings,
-                  emit=lambda row, text, reason: loop.call_soon_threadsafe(events.put_nowait, ("text", row, text, reason)),
-                  finish=lambda result: loop.call_soon_threadsafe(events.put_nowait, ("done", result, None, None)))
-        batcher.submit(job)
+        handles = []
+        try:
+            for i, p in enumerate(prompts):
+                handles.append(backend.submit(p, sampling, n, on_event=lambda ev, i=i: post(events, ("event", i, ev)),
+                                              on_finish=lambda r, i=i: post(events, ("done", i, r))))
+        except ValueError as e:
+            for h in handles:
+                backend.cancel(h)
+            metrics.on_request("rejected")
+            return error(400, str(e))
+
+        def cancel_all():
+            for h in handles:
+                backend.cancel(h)
+
+        if stream:
+            return StreamingResponse(_stream(events, len(prompts), n, head, chunk, include_usage, cancel_all),
+                                     media_type="text/event-stream")
+        results: dict[int, object] = {}
+        checked = time.monotonic()
+        while len(results) < len(prompts):
+            try:
+                kind, i, x = await asyncio.wait_for(events.get(), timeout=0.25)
+                if kind == "done":
+                    results[i] = x
+            except asyncio.TimeoutError:
+                pass
+            if time.monotonic() - checked >= 0.25:  # every quarter second, events or not
+                checked = time.monotonic()
+                if await http.is_disconnected():
+                    cancel_all()
+                    return Response(status_code=499)
+        failed = [r for r in results.values() if isinstance(r, BaseException)]
+        if failed:
+            return error(500, f"decoding failed: {failed[0]}", "server_error")
+        return body(head, [c for i in range(len(prompts)) for c in results[i]])
+
+    async def completions(req: CompletionRequest, http: HTTPRequest):
+        texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
+        if not texts:
+            return error(400, "prompt: give a string or a non-empty list of strings")
+        prompts = []
+        for i, t in enumerate(texts):
+            tokens = encode(t, "prompt" if len(texts) == 1 else f"prompt[{i}]")
+            if isinstance(tokens, JSONResponse):
+                return tokens
+            prompts.append(tokens)
         head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
                 "model": req.model or name}
-        if req.stream:
-            return StreamingResponse(_stream(events, head), media_type="text/event-stream")
-        while True:
-            kind, result, _, _ = await events.get()
-            if kind == "done":
-                break
-        if isinstance(result, BaseException):
-            return _error(500, f"decoding failed: {result}", "server_error")
-        return _response(head, result)
 
-    completions.__annotations__["req"] = CompletionRequest  # a class made here: FastAPI needs it, not its name
+        def chunk(k, ev, first):
+            return {**head, "choices": [{"text": ev.text, "index": k, "logprobs": None, "finish_reason": ev.finish_reason}]}
+
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(http, prompts, req.sampling(16), req.n, req.stream, head, chunk, completion_body, include)
+
+    async def chat(req: ChatRequest, http: HTTPRequest):
+        try:
+            text = render_chat([{"role": m.role, "content": m.text()} for m in req.messages], tokenizer)
+        except ValueError as e:
+            return error(400, f"messages: {e}")
+        tokens = encode(text, "the conversation")
+        if isinstance(tokens, JSONResponse):
+            return tokens
+        sampling = req.sampling(context)
+        if req.max_completion_tokens is not None:
+            sampling.max_new_tokens = req.max_completion_tokens
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": req.model or name}
+
+        def chunk(k, ev, first):
+            delta = ({"role": "assistant", "content": ev.text} if first else {"content": ev.text}) if ev.text or first else {}
+            return {**head, "choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": ev.finish_reason}]}
+
+        def body(h, results):
+            return chat_body({**h, "object": "chat.completion"}, results)
+
+        include = bool(req.stream_options and req.stream_options.include_usage)
+        return await run(http, [tokens], sampling, req.n, req.stream, head, chunk, body, include)
+
     app.post("/v1/completions")(completions)
+    app.post("/v1/chat/completions")(chat)
     return app
 
 
-def _response(head: dict, result: list[Completion]) -> dict:
-    completion = sum(len(c.tokens) for c in result)
-    prompt = sum(c.prompt_tokens for c in result)
-    return {**head, "choices": [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
-                                for i, c in enumerate(result)],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}}
-
-
-async def _stream(events: asyncio.Queue, head: dict):
-    def chunk(row, text, reason):
-        body = {**head, "choices": [{"text": text, "index": row, "logprobs": None, "finish_reason": reason}]}
-        return f"data: {json.dumps(body)}\n\n"
-
-    while True:
-        kind, a, b, c = await events.get()
-        if kind == "done":
-            if isinstance(a, BaseException):
-                yield f"data: {json.dumps({'error': {'message': f'decoding failed: {a}', 'type': 'server_error'}})}\n\n"
-            break
-        yield chunk(a, b, c)
-    yield "data: [DONE]\n\n"
+async def _stream(events: asyncio.Queue, prompts: int, n: int, head: dict, chunk: Callable, include_usage: bool,
+                  cancel: Callable[[], None]):
+    """Server-sent events of one request; closing the stream early cancels what is still decoding."""
+    done, started, results, failed = 0, set(), [], False
+    try:
+        while done < prompts and not failed:
+            out = []
+            kind, i, x = await events.get()
+            while True:  # everything already queued goes out in one write
+                if kind == "done":
+                    done += 1
+                    if isinstance(x, BaseException):
+                        out.append(f"data: {json.dumps(error_body(f'decoding failed: {x}', 'server_error'))}\n\n")
+                        failed = True
+                        break
+                    results.extend(x)
+                else:
+                    ev: Event = x
+                    k = i * n + ev.row
+                    if ev.text or ev.finish_reason is not None or k not in started:
+                        out.append(f"data: {json.dumps(chunk(k, ev, k not in started))}\n\n")
+                        started.add(k)
+                if events.empty():
+                    break
+                kind, i, x = events.get_nowait()
+            if out:
+                yield "".join(out)
+        if include_usage and done == prompts and not failed:
+            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(results)})}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if done < prompts:
+            cancel()
 
 
 def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, name: str = "trickles", max_batch: int = 32,
-          on_ready: Callable[[str, int], None] | None = None) -> None:
+          on_ready: Callable[[str, int], None] | None = None, **app_options) -> None:
     """Serves ``model`` until interrupted. The socket is bound here (``port=0``: a free port), and ``on_ready(host,
-    port)`` is told the address before uvicorn starts accepting connections."""
+    port)`` is told the address before uvicorn starts accepting connections. ``app_options`` go to
+    :func:`create_app`; without ``api_key`` on an address other than loopback, one warning line goes to stderr."""
     import socket
 
     import uvicorn
 
-    app = create_app(model, tokenizer, name=name, max_batch=max_batch, log_requests=True)
+    if not app_options.get("api_key") and not _loopback(host):
+        print(f"[trickles] warning: listening on {host} without --api-key: anyone who can reach this address may "
+              "use the model", file=sys.stderr, flush=True)
+    app = create_app(model, tokenizer, name=name, max_batch=max_batch, log_requests=True, **app_options)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -312,3 +329,12 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, name: str
         on_ready(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -136,7 +136,8 @@ class Attention(nn.Module):
 
         ``causal_offset`` is the position of the first query (None: queries and keys start
         together, plain causal mask). ``pad_mask [B, >= T']`` (True: a real token) hides left padding
-        from every query (see :func:`padded_attention_mask`). ``documents``: packed documents' mask (training only,
+        from every query (see :func:`padded_attention_mask`); a 4-D ``pad_mask [B, 1, T, T']`` is the whole mask
+        (True: may attend), as a paged KV cache builds it (:mod:`trickles.infer.paged`). ``documents``: packed documents' mask (training only,
         :mod:`trickles.models.documents`).
         """
         b, _, t_q, _ = q.shape
@@ -151,10 +152,15 @@ class Attention(nn.Module):
         rep = q.shape[1] // k.shape[1]
         t_q = q.shape[2]
         if pad_mask is not None:
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            mask = padded_attention_mask(pad_mask, causal_offset or 0, t_q, k.shape[2])
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            mask = pad_mask if pad_mask.dim() == 4 else padded_attention_mask(pad_mask, causal_offset or 0, t_q, k.shape[2])
+            if rep == 1:
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+            # The ``rep`` query heads of a key/value head become ``rep * T`` query rows of it (each row attends on its
+            # own, so this is exact): no ``rep``-fold copy of the keys and values.
+            b, h = q.shape[:2]
+            grouped = q.reshape(b, h // rep, rep * t_q, q.shape[-1])
+            out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=mask.repeat(1, 1, rep, 1), dropout_p=p)
+            return out.view(b, h, t_q, -1)
         if _SDPA_GQA and (causal_offset is None or t_q == 1):
             # No mask: SDPA shares each key/value head among its ``rep`` query heads itself, so
             # neither k/v copies nor their reduction in backward are materialized.
@@ -258,6 +264,7 @@ class Transformer(nn.Module):
         Left-padded batches (prompts of different lengths, :mod:`trickles.infer.decode`): ``positions [B, T]`` are
         each row's own token positions (``start..`` by default) and ``pad_mask [B, S]`` (True: a real token) covers
         the cache slots ``0..S`` so no query attends to padding; the slots themselves still run ``start..start+T``.
+        A 4-D ``pad_mask [B, 1, T, S]`` is the attention mask itself (a paged cache's: :mod:`trickles.infer.paged`).
 
         Packed documents (``data.document_mask``): ``documents [B, T]`` are the tokens' document ids; attention stays
         within each document and positions restart at each (:mod:`trickles.models.documents`)."""

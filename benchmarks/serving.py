@@ -1,0 +1,361 @@
+"""Serving under load: trickles' continuous batching vs its static batcher vs ``transformers``' continuous batching.
+
+The workload is fixed by the seed: ``--requests`` prompts of random printable bytes whose lengths cycle through
+``--prompt-lens`` and whose ``max_tokens`` cycle through ``--output-lens`` (greedy decoding, the same model and
+weights for everyone; ours is exported with ``save_hf`` for transformers). Arrivals: ``--concurrency C`` clients,
+each sending its next request as soon as its previous one is answered (closed loop, the default), or ``--rate R``
+requests a second in a Poisson process. A contestant's clock runs from the first request sent to the last answer
+received (after ``--warmup`` untimed requests), bounded by ``--time-limit`` (a request not answered by then counts as lost and fails the run).
+
+Contestants:
+
+* ``continuous``: ``trickles serve``'s application (:mod:`trickles.infer.server`) under uvicorn on loopback, in a
+  child process (so that the load generator's threads do not share its interpreter lock), the clients streaming (server-sent events; a choice's first chunk is sent with its first token);
+* ``static``: the same server with ``batching="static"`` (a batch runs to its end before the next starts);
+* ``engine``: our :class:`~trickles.infer.engine.Engine` called in this process (no HTTP), next to
+* ``transformers``: ``transformers``' continuous-batching manager (``init_continuous_batching``, the machinery of
+  ``generate_batch``), requests added and results read in this process, streamed for the first token.
+
+Reported per contestant: generated tokens/s, time to first token and end-to-end latency (p50, p99), requests sent
+and answered. Agreement first: every request's greedy text must be the same from our three contestants;
+transformers' rows are compared and the count of equal ones printed. Targets (CPU, 16 clients): continuous >= 2x
+static's tokens/s with at most half its p99 time to first token, and engine >= 1.0x transformers'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import http.client
+import json
+import multiprocessing
+import os
+import random
+import socket
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import device_name, one_device, table, write_json  # noqa: E402
+
+from trickles.data import ByteTokenizer  # noqa: E402
+from trickles.infer import Sampling  # noqa: E402
+from trickles.infer.engine import Engine, EngineConfig  # noqa: E402
+from trickles.models import ModelConfig, apply_preset, build_model, save_hf  # noqa: E402
+
+TOK = ByteTokenizer()
+CONTESTANTS = ("continuous", "static", "engine", "transformers")
+
+
+def workload(args) -> list[tuple[str, int]]:
+    """``(prompt text, max_tokens)`` per request."""
+    rng = random.Random(args.seed)
+    plens, olens = [int(x) for x in args.prompt_lens.split(",")], [int(x) for x in args.output_lens.split(",")]
+    return [("".join(chr(rng.randrange(32, 127)) for _ in range(plens[i % len(plens)])), olens[i % len(olens)])
+            for i in range(args.requests)]
+
+
+def arrivals(args, n: int) -> list[float] | None:
+    """Send times (seconds from the start) of a Poisson process at ``--rate``, or None (closed loop)."""
+    if not args.rate:
+        return None
+    rng, t, out = random.Random(args.seed + 1), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(args.rate)
+    return out
+
+
+def drive(args, requests, send) -> dict:
+    """Runs ``send(i) -> (first_token_s, text, tokens)`` (times from the request's own start) under the arrival
+    pattern; the contestant's record."""
+    n, times = len(requests), arrivals(args, len(requests))
+    for i in range(min(args.warmup, n)):  # untimed: first-call costs (transformers' manager warms up for seconds)
+        send(i)
+    out: dict[int, tuple] = {}
+    lock, next_i = threading.Lock(), [0]
+    start = time.perf_counter()
+
+    def one(i):
+        sent = time.perf_counter()
+        try:
+            first, text, tokens = send(i)
+            out[i] = (first, time.perf_counter() - sent, text, tokens)
+        except Exception as e:  # noqa: BLE001 -- a failed request is reported, not raised in a thread
+            out[i] = (None, None, f"error: {e}", 0)
+
+    def client():
+        while True:
+            with lock:
+                i = next_i[0]
+                next_i[0] += 1
+            if i >= n:
+                return
+            one(i)
+
+    def timed_one(i):
+        time.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
+        one(i)
+
+    threads = ([threading.Thread(target=client) for _ in range(args.concurrency)] if times is None
+               else [threading.Thread(target=timed_one, args=(i,)) for i in range(n)])
+    for t in threads:
+        t.daemon = True
+        t.start()
+    for t in threads:
+        t.join(max(0.0, args.time_limit - (time.perf_counter() - start)))
+    wall = time.perf_counter() - start
+    return record(out, n, wall)
+
+
+def record(out: dict, n: int, wall: float) -> dict:
+    ok = {i: v for i, v in out.items() if v[0] is not None}
+    ttft = sorted(v[0] for v in ok.values())
+    lat = sorted(v[1] for v in ok.values())
+    tokens = sum(v[3] for v in ok.values())
+
+    def pct(xs, q):
+        return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+    return {"sent": n, "answered": len(ok), "errors": [v[2] for v in out.values() if v[0] is None][:3],
+            "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "ttft_p50": pct(ttft, 0.5),
+            "ttft_p99": pct(ttft, 0.99), "latency_p50": pct(lat, 0.5), "latency_p99": pct(lat, 0.99),
+            "texts": {i: v[2] for i, v in ok.items()}}
+
+
+def serve_http(app):
+    """``(port, stop)``: ``app`` under uvicorn on a free loopback port in a child process (forked: it shares the model's
+    weights), so that the clients' threads here do not share the server's interpreter lock."""
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+
+    def run():
+        import uvicorn
+
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        child.send(sock.getsockname()[1])
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+
+    proc = ctx.Process(target=run, daemon=True)
+    proc.start()
+    port = parent.recv()
+    for _ in range(600):  # until it answers
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                break
+        except OSError:
+            time.sleep(0.05)
+
+    def stop():
+        proc.terminate()  # uvicorn shuts down on SIGTERM: the app's engine or batcher stops with it
+        proc.join(60)
+
+    return port, stop
+
+
+def http_send(port, requests):
+    def send(i):
+        prompt, max_tokens = requests[i]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        started = time.perf_counter()
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+        first, text, tokens = None, [], 0
+        for line in r:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices", []):
+                if first is None:  # a choice's first chunk comes with its first token (its text may be held back)
+                    first = time.perf_counter() - started
+                text.append(c["text"])
+        conn.close()
+        return first if first is not None else time.perf_counter() - started, "".join(text), tokens
+    return send
+
+
+def run_ours(args, model, requests, batching: str) -> dict:
+    from trickles.infer.server import create_app
+
+    app = create_app(model, TOK, name="bench", max_batch=args.max_batch, batching=batching,
+                     engine_config=EngineConfig(max_batch=args.max_batch, block_size=args.block_size))
+    port, stop = serve_http(app)  # uvicorn runs the app's lifespan: its engine or batcher starts and stops with it
+    try:
+        return drive(args, requests, http_send(port, requests))
+    finally:
+        stop()
+
+
+def run_engine(args, model, requests) -> dict:
+    engine = Engine(model, TOK, EngineConfig(max_batch=args.max_batch, block_size=args.block_size))
+    engine.start()
+
+    def send(i):
+        prompt, max_tokens = requests[i]
+        started, first, toks = time.perf_counter(), None, []
+        for ev in engine.submit(TOK.encode(prompt), Sampling(max_new_tokens=max_tokens, temperature=0)).events(600):
+            if ev.token is not None:
+                toks.append(ev.token)
+                if first is None:
+                    first = time.perf_counter() - started
+        return first if first is not None else time.perf_counter() - started, TOK.decode(toks), len(toks)
+
+    try:
+        return drive(args, requests, send)
+    finally:
+        engine.stop()
+
+
+def run_transformers(args, hf, requests) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(m for _, m in requests), eos_token_id=TOK.eos_id,
+                              pad_token_id=0)
+    manager = hf.init_continuous_batching(generation_config=config)
+    manager.start()
+    waiters: dict[str, tuple[threading.Event, list]] = {}
+    lock = threading.Lock()
+
+    def reader():
+        while manager.is_running() or waiters:
+            result = manager.get_result(timeout=0.05)
+            if result is None:
+                continue
+            with lock:
+                ev, box = waiters.get(result.request_id, (None, None))
+            if ev is None:
+                continue
+            if box[0] is None and result.generated_tokens:
+                box[0] = time.perf_counter()
+            if result.is_finished():
+                box[1] = result
+                ev.set()
+
+    threading.Thread(target=reader, daemon=True).start()
+
+    def send(i):
+        prompt, max_tokens = requests[i]
+        ev, box = threading.Event(), [None, None]
+        rid = f"r{i}"
+        with lock:
+            waiters[rid] = (ev, box)
+        started = time.perf_counter()
+        manager.add_request(TOK.encode(prompt), request_id=rid, max_new_tokens=max_tokens, streaming=True)
+        ev.wait(600)
+        with lock:
+            del waiters[rid]
+        result = box[1]
+        if result is None or result.error:
+            raise RuntimeError(f"transformers: {None if result is None else result.error}")
+        toks = [t for t in result.generated_tokens if t != TOK.eos_id]
+        return (box[0] or time.perf_counter()) - started, TOK.decode(toks), len(toks)
+
+    try:
+        return drive(args, requests, send)
+    finally:
+        manager.stop(block=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--preset", default="demo")
+    p.add_argument("--layers", type=int, default=None, help="override the preset's layers")
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (default 16)")
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals at this many requests/s instead")
+    p.add_argument("--prompt-lens", default="32,128,16,64")
+    p.add_argument("--output-lens", default="16,256,32,8,128,64")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--time-limit", type=float, default=600.0, help="seconds a contestant may take")
+    p.add_argument("--warmup", type=int, default=1, help="requests sent one by one, untimed, before the clock starts")
+    p.add_argument("--only", nargs="*", default=list(CONTESTANTS), choices=CONTESTANTS)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on a CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    device = one_device(args.device, args.threads)
+    requests = workload(args)
+    context = max(len(t) for t, _ in requests) + max(m for _, m in requests) + 1
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), vocab_size=260, max_seq_len=context)
+    if args.layers:
+        cfg = dataclasses.replace(cfg, n_layers=args.layers)
+    model = build_model(cfg, seed=0).to(device).eval()
+    print(f"serving benchmark: {args.requests} requests, prompts {args.prompt_lens} bytes, outputs {args.output_lens} "
+          f"tokens, {'rate %g/s' % args.rate if args.rate else '%d clients' % args.concurrency}, "
+          f"{cfg.n_layers} layers d={cfg.d_model}, {device_name(device)}")
+    results = {}
+    for name in args.only:
+        if name == "transformers":
+            try:
+                import transformers
+            except ImportError:
+                print("transformers: not installed, not run")
+                continue
+            with tempfile.TemporaryDirectory() as d:
+                save_hf(model, d)
+                hf = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa").to(device).eval()
+            results[name] = run_transformers(args, hf, requests)
+        elif name == "engine":
+            results[name] = run_engine(args, model, requests)
+        else:
+            results[name] = run_ours(args, model, requests, name)
+        r = results[name]
+        print(f"  {name}: {r['answered']}/{r['sent']} answered in {r['wall_s']:.1f} s", flush=True)
+    return report(args, results, device)
+
+
+def report(args, results, device) -> int:
+    lost = {k: r["errors"] or r["sent"] - r["answered"] for k, r in results.items() if r["answered"] < r["sent"]}
+    if lost:
+        print(f"requests lost or failed: {lost}")
+        return 1
+    ours = [k for k in ("continuous", "static", "engine") if k in results]
+    base = results[ours[0]]["texts"] if ours else {}
+    for k in ours[1:]:
+        differ = [i for i, t in base.items() if results[k]["texts"][i] != t]
+        if differ:
+            print(f"disagreement: {k} answers requests {differ[:5]} differently from {ours[0]}")
+            return 1
+    agreement = {}
+    if "transformers" in results and ours:
+        agreement["transformers_equal_rows"] = sum(results["transformers"]["texts"][i] == t for i, t in base.items())
+        print(f"agreement: our contestants give every request the same text; transformers equal on "
+              f"{agreement['transformers_equal_rows']}/{len(base)} requests")
+    rows = [[k, f"{r['tokens_per_s']:.0f}", f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
+             f"{r['latency_p50'] * 1e3:.0f}", f"{r['latency_p99'] * 1e3:.0f}", f"{r['answered']}/{r['sent']}"]
+            for k, r in results.items()]
+    print(table(["contestant", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "answered"],
+                rows))
+    ratios = {}
+    if {"continuous", "static"} <= set(results):
+        c, s = results["continuous"], results["static"]
+        ratios["continuous_over_static_tokens_per_s"] = c["tokens_per_s"] / s["tokens_per_s"]
+        ratios["continuous_over_static_ttft_p99"] = c["ttft_p99"] / s["ttft_p99"]
+    if {"engine", "transformers"} <= set(results):
+        ratios["engine_over_transformers_tokens_per_s"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+    if {"continuous", "transformers"} <= set(results):
+        ratios["continuous_over_transformers_tokens_per_s"] = results["continuous"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x")
+    write_json(args.json, {"args": vars(args), "device": device_name(device), "agreement": agreement, "ratios": ratios,
+                           "results": {k: {x: y for x, y in r.items() if x != "texts"} for k, r in results.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

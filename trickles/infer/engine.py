@@ -1,0 +1,464 @@
+"""Continuous batching: one scheduler owns the model and advances every running sequence each iteration.
+
+**A request** is a prompt (token ids), its :class:`~trickles.infer.decode.Sampling` and ``n`` choices; each choice
+is a :class:`Sequence` with its own generator (choice ``j`` of a seeded request uses ``seed + j``), text tracker
+(stop strings) and block table in the paged cache (:mod:`trickles.infer.paged`). Sequences wait in arrival order.
+
+**One iteration** (:meth:`Engine.step`):
+
+1. cancelled sequences leave and free their blocks;
+2. waiting sequences are admitted in order while fewer than ``max_batch`` run and the pool has blocks for their
+   tokens with one block to spare for every running sequence (so the running ones can grow);
+3. **prefill**: sequences with more than one token not yet in the cache feed up to ``prefill_chunk`` of them in
+   total, oldest first, in one model call (a long prompt is thus spread over several iterations and decoding of
+   the others is never stalled for more than one chunk); a sequence whose prompt is then all cached draws its
+   first token;
+4. **decode**: every sequence with exactly one token to feed (its last) feeds it in one model call and draws
+   the next. A sequence that needs a new block when none is free preempts the sequence admitted last (its
+   blocks are freed and it waits at the front of the queue; when admitted again it prefills its prompt and the
+   tokens drawn so far, and goes on drawing from where its generator stands: vLLM's recompute preemption);
+5. sequences that stop (end-of-text token, a stop string, their budget) leave and free their blocks.
+
+Tokens are drawn per row exactly as :func:`trickles.infer.decode.decode` draws them for a row of its own
+(repetition penalty, then greedy or :func:`~trickles.models.generate.sample_next` with the row's generator), so a
+request's tokens do not depend on what it ran with, up to float rounding of batched matmuls.
+
+**Budgets.** A prompt is cut from the left to leave room for a token in the context; ``max_new_tokens`` is
+shortened to what the context and the whole pool leave (``finish_reason: "length"``). A prompt that does not fit
+in the pool at all is refused at :meth:`Engine.submit` (:class:`PoolTooSmall`); nothing can run out of memory
+mid-batch, since the sequence admitted first can always take the blocks of the ones after it.
+
+**Timestamps.** Every sequence records the iteration (``engine.steps``) and ``time.perf_counter()`` at which it
+arrived, was admitted, drew its first token and finished: scheduling is tested from these, not from wall clocks.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from ..models.generate import sample_next
+from .decode import Completion, Sampling, TextTracker, apply_repetition_penalty
+from .paged import BlockPool, PagedCall, block_bytes
+
+__all__ = ["Engine", "EngineConfig", "Event", "Request", "Sequence", "PoolTooSmall", "Cancelled"]
+
+
+class PoolTooSmall(ValueError):
+    """A prompt needs more KV blocks than the whole pool holds."""
+
+
+class Cancelled(RuntimeError):
+    """The request was cancelled (its client went away) before it finished."""
+
+
+@dataclass
+class EngineConfig:
+    """How the engine schedules and how large its KV pool is."""
+
+    max_batch: int = 32  #: most sequences running (admitted) at once
+    block_size: int = 16  #: positions per KV block
+    num_blocks: int = 0  #: blocks in the pool (0: from kv_cache_bytes, or enough for max_batch full contexts)
+    kv_cache_bytes: int = 0  #: bytes of the pool when num_blocks is 0 (0: see num_blocks)
+    prefill_chunk: int = 256  #: most prompt tokens prefilled in one iteration (long prompts are chunked)
+
+
+@dataclass
+class Event:
+    """One piece of a request's output: ``token`` drawn for choice ``row`` (None on its last event), the ``text``
+    that became final with it, and ``finish_reason`` on the choice's last event."""
+
+    row: int
+    token: int | None
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice of a request: its tokens, cache blocks, sampling state and timestamps."""
+
+    request: "Request"
+    row: int
+    prompt: list[int]
+    settings: Sampling
+    budget: int  #: new tokens it may draw
+    generator: torch.Generator | None
+    text: TextTracker
+    tokens: list[int] = field(default_factory=list)  #: prompt + drawn tokens (the end-of-text token never added)
+    cached: int = 0  #: tokens whose keys and values are in the pool
+    table: list[int] = field(default_factory=list)  #: block ids in position order
+    seen: torch.Tensor | None = None  #: repetition penalty: token ids in the row so far
+    finish_reason: str | None = None
+    arrived_step: int = 0
+    admitted_step: int | None = None
+    first_token_step: int | None = None
+    finished_step: int | None = None
+    arrived_at: float = 0.0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt):]
+
+    @property
+    def pending(self) -> int:
+        """Tokens to feed before the next draw."""
+        return len(self.tokens) - self.cached
+
+
+class Request:
+    """What :meth:`Engine.submit` returns: ``n`` sequences of one prompt; :meth:`events` iterates over the output
+    (a thread running the engine must feed it: :meth:`Engine.start`), :meth:`cancel` stops it."""
+
+    def __init__(self, engine: "Engine", rid: int, on_event: Callable[[Event], None] | None,
+                 on_finish: Callable[[object], None] | None):
+        self.engine, self.id = engine, rid
+        self.sequences: list[Sequence] = []
+        self._on_event, self._on_finish = on_event, on_finish
+        self._queue: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+        self.cancelled = False
+        self.result: list[Completion] | BaseException | None = None
+
+    def _emit(self, event: Event) -> None:
+        if self._on_event is not None:
+            self._on_event(event)
+            return
+        with self._ready:
+            self._queue.append(event)
+            self._ready.notify_all()
+
+    def _done(self, result) -> None:
+        self.result = result
+        if self._on_finish is not None:
+            self._on_finish(result)
+        with self._ready:
+            self._ready.notify_all()
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+    def cancel(self) -> None:
+        self.engine.cancel(self)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """The request's events as they come (blocks); raises what failed the request."""
+        while True:
+            with self._ready:
+                while not self._queue and self.result is None:
+                    if not self._ready.wait(timeout):
+                        raise TimeoutError(f"request {self.id}: no output within {timeout} s")
+                event = self._queue.popleft() if self._queue else None
+            if event is not None:
+                yield event
+            elif isinstance(self.result, BaseException):
+                raise self.result
+            else:
+                return
+
+
+class Engine:
+    """The continuous-batching scheduler over ``model`` (see the module's notes). Drive it with :meth:`step` /
+    :meth:`run_until_idle` in the calling thread, or :meth:`start` a worker thread (what the server does).
+
+    ``metrics``: an object with ``on_request(outcome)``, ``on_tokens(prompt, generated)``, ``on_first_token(s)``,
+    ``on_inter_token(s)`` (:class:`trickles.infer.metrics.ServingMetrics`), or None.
+    """
+
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, logits_fn=None, metrics=None):
+        self.model, self.tokenizer, self.logits_fn, self.metrics = model, tokenizer, logits_fn, metrics
+        self.config = cfg = config or EngineConfig()
+        if cfg.max_batch < 1 or cfg.prefill_chunk < 1:
+            raise ValueError(f"max_batch and prefill_chunk must be at least 1, got {cfg.max_batch}, {cfg.prefill_chunk}")
+        self.context = model.cfg.max_seq_len
+        blocks = cfg.num_blocks
+        if not blocks and cfg.kv_cache_bytes:
+            blocks = cfg.kv_cache_bytes // block_bytes(model, cfg.block_size)
+            if blocks < 1:
+                raise ValueError(f"a KV pool of {cfg.kv_cache_bytes} bytes holds no block of {cfg.block_size} positions "
+                                 f"({block_bytes(model, cfg.block_size)} bytes each): give it more memory")
+        if not blocks:
+            blocks = cfg.max_batch * -(-self.context // cfg.block_size)
+        self.pool = BlockPool(model, blocks, cfg.block_size)
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.steps = 0
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._cancels: list[Request] = []
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    # ---- requests ---------------------------------------------------------------------------
+    def submit(self, prompt: Seq[int], sampling: Sampling, n: int = 1, *, on_event=None, on_finish=None) -> Request:
+        """Queues ``n`` choices of ``prompt``; ``on_event(Event)`` and ``on_finish(completions or exception)`` are
+        called from the thread that steps the engine. Raises ValueError (:class:`PoolTooSmall` included) for what
+        can never run."""
+        sampling.validate()
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        prompt = list(prompt)[-max(1, self.context - 1):]
+        if not prompt:
+            raise ValueError("a prompt needs at least one token")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        if len(prompt) + 1 > capacity:
+            raise PoolTooSmall(f"the prompt is {len(prompt)} tokens; the KV pool holds {capacity} positions "
+                               f"({self.pool.num_blocks} blocks of {self.pool.block_size}): give the server more KV cache memory")
+        budget = max(0, min(sampling.max_new_tokens, self.context - len(prompt), capacity - len(prompt)))
+        request = Request(self, next(self._ids), on_event, on_finish)
+        device = self.pool.device
+        for j in range(n):
+            gen = None
+            if sampling.temperature > 0:
+                gen = torch.Generator(device=device)
+                gen.manual_seed(sampling.seed + j) if sampling.seed is not None else gen.seed()
+            settings = sampling if sampling.seed is None else Sampling(**{**sampling.__dict__, "seed": sampling.seed + j})
+            request.sequences.append(Sequence(request, j, prompt, settings, budget, gen, TextTracker(self.tokenizer, sampling.stop),
+                                              tokens=list(prompt), arrived_at=time.perf_counter()))
+        with self._lock:
+            for s in request.sequences:
+                s.arrived_step = self.steps
+            self._inbox.extend(request.sequences)
+            self._lock.notify_all()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        """Stops ``request`` at the next iteration: its sequences leave, their blocks are freed, it fails with
+        :class:`Cancelled`."""
+        with self._lock:
+            request.cancelled = True
+            self._cancels.append(request)
+            self._lock.notify_all()
+
+    @property
+    def backlog(self) -> int:
+        """Sequences submitted and not yet admitted."""
+        return len(self.waiting) + len(self._inbox)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.running or self.waiting or self._inbox)
+
+    # ---- the worker thread ------------------------------------------------------------------
+    def start(self) -> None:
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="trickles-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Ends the worker thread; requests not finished fail with a RuntimeError."""
+        with self._lock:
+            self._stopping = True
+            self._lock.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        self._fail_all(RuntimeError("the server is shutting down"))
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while self.idle and not self._cancels and not self._stopping:
+                    self._lock.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as e:  # noqa: BLE001 -- a fault of the engine itself: what it held fails, it goes on
+                self._fail_all(e)
+
+    def run_until_idle(self, max_steps: int | None = None) -> None:
+        """Steps in this thread until nothing runs or waits."""
+        for _ in itertools.count() if max_steps is None else range(max_steps):
+            if self.idle and not self._cancels:
+                return
+            self.step()
+
+    def generate(self, prompt: Seq[int], sampling: Sampling, n: int = 1) -> Iterator[Event]:
+        """Submits one request and yields its events, stepping the engine in this thread when no worker runs."""
+        request = self.submit(prompt, sampling, n)
+        if self._thread is not None:
+            yield from request.events()
+            return
+        while True:
+            while request._queue:
+                yield request._queue.popleft()
+            if request.finished:
+                if isinstance(request.result, BaseException):
+                    raise request.result
+                return
+            self.step()
+
+    # ---- one iteration ------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """One iteration: cancellations, admission, a prefill chunk, one decode step (see the module's notes)."""
+        with self._lock:
+            for s in self._inbox:
+                if s.budget == 0:
+                    self._finish(s, "length")
+                else:
+                    self.waiting.append(s)
+            self._inbox.clear()
+            cancels, self._cancels = self._cancels, []
+        for request in cancels:
+            self._drop(request, Cancelled(f"request {request.id} was cancelled"), "cancelled")
+        self._admit()
+        if self.model.training:  # (switching modes walks every module: only when needed)
+            self.model.eval()
+        prefill = self._prefill_rows()
+        if prefill:
+            self._call(prefill)
+        decode = self._reserve([s for s in self.running if s.pending == 1])
+        if decode:
+            self._call([(s, 1) for s in decode])
+        self.steps += 1
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.config.max_batch:
+            s = self.waiting[0]
+            need = self.pool.blocks_for(len(s.tokens)) - len(s.table)
+            if self.pool.free - need < len(self.running) and self.running:
+                return  # keep one block per running sequence so they can grow
+            if not self.pool.grow(s.table, len(s.tokens)):
+                return
+            self.waiting.popleft()
+            if s.admitted_step is None:
+                s.admitted_step = self.steps
+            self.running.append(s)
+
+    def _prefill_rows(self) -> list[tuple[Sequence, int]]:
+        rows, left = [], self.config.prefill_chunk
+        for s in self.running:
+            if s.pending > 1 and left > 0:
+                take = min(s.pending, left)
+                rows.append((s, take))
+                left -= take
+        return rows
+
+    def _reserve(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Blocks for one more position of each of ``seqs`` (oldest first), preempting the newest sequences when the
+        pool is out of blocks; the sequences that still run."""
+        for s in list(seqs):
+            if s not in self.running:
+                continue
+            while not self.pool.grow(s.table, s.cached + 1):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is s:
+                    break
+        return [s for s in seqs if s in self.running]
+
+    def _preempt(self, s: Sequence) -> None:
+        self.running.remove(s)
+        self.pool.release(s.table)
+        s.cached = 0
+        s.preemptions += 1
+        self.waiting.appendleft(s)
+
+    def _call(self, rows: list[tuple[Sequence, int]]) -> None:
+        seqs = [s for s, _ in rows]
+        call = PagedCall(self.pool, [s.table for s in seqs], [s.cached for s in seqs], [n for _, n in rows])
+        t = call.width
+        tokens = torch.tensor([[0] * (t - n) + s.tokens[s.cached:s.cached + n] for s, n in rows], device=self.pool.device)
+        try:
+            out = self.model(tokens, cache=call, start=call.start, positions=call.positions, pad_mask=call.pad_mask)
+            logits = (self.logits_fn or (lambda z: z))(out[:, -1:])[:, -1]
+        except Exception as e:  # noqa: BLE001 -- reported to the requests of this call, the engine goes on
+            for request in {s.request for s in seqs}:
+                self._drop(request, e, "error")
+            return
+        for s, n in rows:
+            s.cached += n
+        ready = [i for i, s in enumerate(seqs) if s.pending == 0]
+        if ready:
+            self._draw([seqs[i] for i in ready], logits[ready] if len(ready) < len(seqs) else logits)
+
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """The next token of each of ``seqs`` from its logits row, as :func:`~trickles.infer.decode.decode` draws it."""
+        device = logits.device
+        for i, s in enumerate(seqs):
+            if s.settings.repetition_penalty != 1:
+                if s.seen is None:
+                    s.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
+                    s.seen[torch.tensor(s.tokens, device=device)] = True
+                logits[i] = apply_repetition_penalty(logits[i:i + 1], s.seen[None], logits.new_tensor(
+                    [s.settings.repetition_penalty]))[0]
+        nxt = logits.argmax(dim=-1)
+        for i, s in enumerate(seqs):
+            if s.settings.temperature > 0:
+                nxt[i] = sample_next(logits[i:i + 1], s.settings.temperature, s.settings.top_k, s.settings.top_p,
+                                     s.generator)[0]
+        now = time.perf_counter()
+        for s, tok in zip(seqs, nxt.tolist()):
+            if s.seen is not None:
+                s.seen[tok] = True
+            self._accept(s, tok, now)
+
+    def _accept(self, s: Sequence, tok: int, now: float) -> None:
+        if s.first_token_at is None:
+            s.first_token_at, s.first_token_step = now, self.steps
+            if self.metrics is not None:
+                self.metrics.on_first_token(now - s.arrived_at)
+        elif self.metrics is not None:
+            self.metrics.on_inter_token(now - s.last_token_at)
+        s.last_token_at = now
+        eos = self.tokenizer.eos_id if self.tokenizer is not None else None
+        if eos is not None and tok == eos:
+            return self._finish(s, "stop")
+        s.tokens.append(tok)
+        if s.text.update(s.generated):
+            return self._finish(s, "stop", tok)
+        if len(s.generated) >= s.budget:
+            return self._finish(s, "length", tok)
+        s.request._emit(Event(s.row, tok, s.text.delta(final=False)))
+
+    def _finish(self, s: Sequence, reason: str, tok: int | None = None) -> None:
+        s.finish_reason, s.finished_step, s.finished_at = reason, self.steps, time.perf_counter()
+        if s in self.running:
+            self.running.remove(s)
+        self.pool.release(s.table)
+        if tok is not None:
+            s.request._emit(Event(s.row, tok, ""))
+        s.request._emit(Event(s.row, None, s.text.delta(final=True), reason))
+        request = s.request
+        if all(q.finish_reason is not None for q in request.sequences) and not request.finished:
+            done = [Completion(q.generated, q.text.text, q.finish_reason, len(q.prompt)) for q in request.sequences]
+            if self.metrics is not None:
+                self.metrics.on_tokens(sum(c.prompt_tokens for c in done), sum(len(c.tokens) for c in done))
+                self.metrics.on_request("ok")
+            request._done(done)
+
+    def _drop(self, request: Request, error: BaseException, outcome: str) -> None:
+        """Ends every sequence of ``request`` now (cancelled or failed), freeing their blocks."""
+        for s in request.sequences:
+            if s in self.running:
+                self.running.remove(s)
+            if s in self.waiting:
+                self.waiting.remove(s)
+            self.pool.release(s.table)
+            if s.finish_reason is None:
+                s.finish_reason, s.finished_step, s.finished_at = outcome, self.steps, time.perf_counter()
+        if not request.finished:
+            if self.metrics is not None:
+                self.metrics.on_request(outcome)
+            request._done(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            pending = {s.request for s in (*self.running, *self.waiting, *self._inbox)}
+            self._inbox.clear()
+        for request in pending:
+            self._drop(request, error, "error")

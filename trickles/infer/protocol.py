@@ -1,0 +1,119 @@
+"""The OpenAI request bodies the server takes and the answers it gives (``/v1/completions``, ``/v1/chat/completions``).
+
+Requests carry OpenAI's fields that apply, plus ``top_k`` and ``repetition_penalty`` (as vLLM takes them); any
+other field is refused by name, so a typo never silently changes decoding. Answers are OpenAI's shapes: a
+completion's choices carry ``text``, a chat completion's ``message`` (``delta`` when streamed, the first chunk of
+each choice carrying ``role``), ``usage`` counts prompt and generated tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .chat import ROLES
+from .decode import Completion, Sampling
+
+__all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "completion_body", "chat_body", "usage"]
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Sampled(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stream_options: _StreamOptions | None = None  #: ``include_usage``: a last chunk with the usage, no choices
+    user: str | None = None  #: accepted and ignored (OpenAI's end-user id)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, v):
+        if v is not None and any(not s for s in ([v] if isinstance(v, str) else v)):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    def sampling(self, default_tokens: int) -> Sampling:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        tokens = self.max_tokens if self.max_tokens is not None else default_tokens
+        return Sampling(max_new_tokens=tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                        repetition_penalty=self.repetition_penalty, stop=stop, seed=self.seed)
+
+
+class CompletionRequest(_Sampled):
+    """The body of ``POST /v1/completions`` (``max_tokens`` defaults to 16, as OpenAI's)."""
+
+    prompt: str | list[str]
+
+
+class _TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message: a role and its text (a string, or a list of text parts)."""
+
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str | list[_TextPart] | None = None
+    name: str | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v):
+        if v not in ROLES:
+            raise ValueError(f"unknown role {v!r}; use one of {', '.join(ROLES)}")
+        return v
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatRequest(_Sampled):
+    """The body of ``POST /v1/chat/completions`` (``max_completion_tokens`` is OpenAI's newer ``max_tokens``;
+    without either, the reply may fill the context)."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = Field(None, ge=0)
+
+    @field_validator("messages")
+    @classmethod
+    def _some_messages(cls, v):
+        if not v:
+            raise ValueError("give at least one message")
+        return v
+
+
+def usage(results: list[Completion]) -> dict:
+    prompt = sum(c.prompt_tokens for c in results)
+    completion = sum(len(c.tokens) for c in results)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def completion_body(head: dict, results: list[Completion]) -> dict:
+    return {**head, "choices": [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+                                for i, c in enumerate(results)], "usage": usage(results)}
+
+
+def chat_body(head: dict, results: list[Completion]) -> dict:
+    return {**head, "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+                                 "finish_reason": c.finish_reason} for i, c in enumerate(results)],
+            "usage": usage(results)}
