@@ -37,7 +37,6 @@ import tempfile
 import threading
 import time
 
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_name, one_device, table, write_json  # noqa: E402

@@ -1,4 +1,4 @@
-"""Batched decoding (trickles.infer) through a tensor-parallel model (the vocabulary shards gathered by the engine's
+"""Batched decoding (trickles.infer) and the serving engine through a tensor-parallel model (the vocabulary shards gathered by the engine's
 ``full_logits``) and through a mixture-of-experts model with its experts split over two ranks (every token sent to
 its experts' rank and back): prompts of different lengths, left-padded, decode as one process does."""
 
@@ -9,6 +9,7 @@ import torch
 
 from helpers import tiny_config
 from trickles.infer import PaddedBatch, Sampling, beam_search, decode
+from trickles.infer.engine import Engine, EngineConfig
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
@@ -43,8 +44,14 @@ def _decode(tmp, dims, cache, extra=()):
     greedy = decode(model, PROMPTS, Sampling(max_new_tokens=10, temperature=0), logits_fn=full)
     sampled = decode(model, PROMPTS, Sampling(max_new_tokens=10, temperature=1.0, seed=3), logits_fn=full)
     beams = beam_search(model, PROMPTS, 3, 8, logits_fn=full)
+    # the serving engine: every rank submits the same requests between the same iterations, so all schedule alike
+    engine = Engine(model, None, EngineConfig(max_batch=2, block_size=4, num_blocks=8, prefill_chunk=6), logits_fn=full)
+    served = [engine.submit(p, Sampling(max_new_tokens=10, temperature=t, seed=3)) for p in PROMPTS for t in (0.0, 1.0)]
+    engine.run_until_idle()
+    served = [r.result[0].tokens for r in served]
+    assert served[::2] == [c.tokens for c in greedy] and served[1::2] == [c.tokens for c in sampled]
     return ([x.clone() for x in logits], [c.tokens for c in greedy], [c.tokens for c in sampled],
-            [c.tokens for c in beams])
+            [c.tokens for c in beams], served)
 
 
 @pytest.mark.parametrize("dims,extra", [({"tp": 2}, []), ({"dp": 2, "ep": 2}, MOE)], ids=["tp2", "moe-ep2"])

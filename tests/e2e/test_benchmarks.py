@@ -84,6 +84,9 @@ RUNS = {
     "test_documents": ("documents", [
         "--device", "cpu", "--preset", "tiny", "--seq", "32", "--documents", "4", "--rounds", "1", "--warmup", "0",
         "--json", "{tmp}/documents.json"]),
+    "test_serving": ("serving", [
+        "--preset", "tiny", "--requests", "6", "--concurrency", "3", "--prompt-lens", "8,20", "--output-lens", "4,12,2",
+        "--max-batch", "4", "--block-size", "4", "--json", "{tmp}/serving.json"]),
     "test_checkpoint_stall": ("checkpoint_stall", [
         "--layers", "2", "--d-model", "64", "--rounds", "1", "--steps-between", "1", "--json", "{tmp}/checkpoint_stall.json"]),
 }
@@ -402,3 +405,14 @@ def test_checkpoint_stall(run):
     assert [len(doc["blocked_s"][n]) for n in ("ours-async", "ours-sync", "dcp-async")] == [1, 1, 1]
     assert doc["bytes"] > 0 and _finite(doc["copy"], *doc["median"].values(), doc["verdict"]["sync_over_async"])
     assert re.search(r"^ours-async blocks [0-9.]+x the host copy; ours-sync blocks [0-9.]+x as long", out, re.M)
+
+
+def test_serving(run):
+    """Continuous batching (HTTP), the static batcher (HTTP), the engine and transformers' continuous batching under
+    3 clients: every request answered, our texts agreeing, the ratios computed."""
+    out, tmp = run
+    doc = _json(tmp / "serving.json")
+    assert set(doc["results"]) == {"continuous", "static", "engine", "transformers"}
+    assert all(r["sent"] == r["answered"] == 6 and r["tokens"] > 0 for r in doc["results"].values())
+    assert "agreement: our contestants give every request the same text" in out
+    assert _finite(*doc["ratios"].values()) and len(doc["ratios"]) == 4

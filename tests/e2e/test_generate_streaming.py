@@ -1,4 +1,5 @@
-"""``trickles generate --device-budget-gb``: the same text as the resident model, and one-line errors for bad budgets."""
+"""``trickles generate --device-budget-gb``: the same text as the resident model, and one-line errors for bad budgets;
+the serving engine on streamed and int8 models."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import sys
 import pytest
 
 from helpers import cli_here
+from trickles.compress.quantize import quantize_model
 from trickles.data.tokenizers import ByteTokenizer
-from trickles.infer.streaming import block_bytes, kv_cache_bytes, save_for_inference
+from trickles.infer import Sampling, decode
+from trickles.infer.engine import Engine, EngineConfig
+from trickles.infer.streaming import block_bytes, kv_cache_bytes, load_streaming, save_for_inference
 from trickles.models.config import ModelConfig, apply_preset
 from trickles.models.transformer import build_model
 from trickles.testing import run_command
+from trickles.train.load import load_for_inference
 
 
 def _run(*args):
@@ -58,3 +63,23 @@ def test_bad_budget_is_one_line_exit_2(checkpoint, value, needle):
     err = r.stderr.decode() if isinstance(r.stderr, bytes) else r.stderr
     assert r.returncode == 2 and not r.stdout
     assert err.startswith("error: ") and err.count("\n") == 1 and needle in err, err
+
+
+@pytest.mark.parametrize("int8", [None, "full"], ids=["fp32", "int8-full"])
+def test_the_serving_engine_runs_streamed_and_int8_models(checkpoint, int8):
+    """``trickles serve --device-budget-gb`` (every block streamed) and ``--int8`` run on the continuous-batching
+    engine: three requests of different lengths decoded together give the tokens each gets alone from the same model
+    (and, streamed, the resident model's tokens)."""
+    path, least = checkpoint
+    resident, tok, _ = load_for_inference(path, "cpu")
+    if int8:
+        quantize_model(resident, mode=int8)
+    models = [resident] if int8 else [resident, load_streaming(path, "cpu", least, batch=2, max_len=64)[0]]
+    prompts = [tok.encode(t) for t in ("def f(", "import os\n", "x")]
+    alone = [decode(resident, [p], Sampling(max_new_tokens=12, temperature=0), eos_id=tok.eos_id)[0].tokens for p in prompts]
+    for model in models:
+        engine = Engine(model, tok, EngineConfig(max_batch=3, block_size=8))
+        requests = [engine.submit(p, Sampling(max_new_tokens=12, temperature=0)) for p in prompts]
+        engine.run_until_idle()
+        assert [r.result[0].tokens for r in requests] == alone
+        assert engine.pool.used == 0

@@ -224,6 +224,13 @@ def test_serve_command_starts_and_stops(checkpoint):
 @pytest.mark.parametrize("args, message", [
     (["--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000"),
     (["--max-batch", "0"], "--max-batch must be at least 1, got 0"),
+    (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+    (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
+    (["--kv-cache-gb", "0"], "--kv-cache-gb must be a number of gigabytes > 0, got 0"),
+    (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1, got 0"),
+    (["--api-key", " "], "--api-key must not be empty; leave it out to serve without a key"),
+    (["--kv-cache-gb", "0.0000001"], "a KV pool of 100 bytes holds no block of 16 positions (8192 bytes each): "
+                                     "raise --kv-cache-gb to at least 0.000008192"),
 ])
 def test_serve_bad_options(checkpoint, args, message):
     if args[0] == "--port":  # through a real process
@@ -269,3 +276,19 @@ def test_generate_beams_over_several_prompts(checkpoint):
 def test_generate_bad_options(tmp_path, args, message):
     r = cli_here("generate", tmp_path, *args)  # refused before anything starts (a real process: the serve test below)
     assert r.returncode == 2 and r.stderr == f"error: {message}\n" and r.stdout == ""
+
+
+def test_serving_beyond_loopback_without_a_key_warns_once(checkpoint, capsys, monkeypatch):
+    """``serve`` on an address other than loopback without an API key prints one warning line; with a key, or on
+    loopback, none (uvicorn is not started here: its ``run`` is replaced)."""
+    from trickles.infer.server import serve
+
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
+    model, tokenizer, _ = load_for_inference(checkpoint, "cpu")
+    serve(model, tokenizer, host="0.0.0.0", port=0)
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["[trickles] warning: listening on 0.0.0.0 without --api-key: anyone who can reach this address may "
+                   "use the model"]
+    serve(model, tokenizer, host="0.0.0.0", port=0, api_key="k")
+    serve(model, tokenizer, host="127.0.0.1", port=0)
+    assert capsys.readouterr().err == ""

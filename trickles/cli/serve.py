@@ -63,6 +63,7 @@ def run(args) -> int:
     if missing:
         raise UserError(f"trickles serve needs {' and '.join(missing)}: pip install 'trickles[serve]'")
     from ..infer.engine import EngineConfig
+    from ..infer.paged import block_bytes
     from ..infer.server import serve
 
     device = select_device(args.device)
@@ -72,6 +73,11 @@ def run(args) -> int:
         raise UserError("this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
                         "field yet: use trickles generate --label L")
     name = os.path.basename(os.path.normpath(args.checkpoint))
+    per_block = block_bytes(model, args.block_size)
+    pool = kv_pool_bytes(model, device, args, per_block)
+    if pool < per_block:
+        raise UserError(f"a KV pool of {pool} bytes holds no block of {args.block_size} positions ({per_block} bytes "
+                        f"each): raise --kv-cache-gb to at least {per_block / 1e9:.9f}")
 
     def ready(host, port):
         print(f"[trickles] serving {args.checkpoint} on http://{host}:{port} (POST /v1/completions, "
@@ -81,7 +87,7 @@ def run(args) -> int:
               batching=args.batching, api_key=api_key, max_body_bytes=args.max_body_bytes,
               engine_config=EngineConfig(max_batch=args.max_batch, block_size=args.block_size,
                                          prefill_chunk=args.prefill_chunk,
-                                         kv_cache_bytes=kv_pool_bytes(model, device, args)))
+                                         kv_cache_bytes=pool))
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --host or --port") from None
     except KeyboardInterrupt:  # uvicorn has shut down cleanly, then re-raised the signal: the normal way to stop
@@ -90,17 +96,15 @@ def run(args) -> int:
     return 0
 
 
-def kv_pool_bytes(model, device, args) -> int:
+def kv_pool_bytes(model, device, args, per_block: int) -> int:
     """Bytes of the KV pool: ``--kv-cache-gb``, else room for ``--max-batch`` full contexts (on a GPU, at most 80% of
-    the memory free after loading the model)."""
+    the memory free after loading the model); ``per_block``: bytes of one block of every layer."""
     import torch
-
-    from ..infer.paged import block_bytes
 
     if args.kv_cache_gb is not None:
         return int(args.kv_cache_gb * 1e9)
     blocks = args.max_batch * -(-model.cfg.max_seq_len // args.block_size)
-    dense = blocks * block_bytes(model, args.block_size)
+    dense = blocks * per_block
     if torch.device(device).type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return min(dense, int(0.8 * free))
