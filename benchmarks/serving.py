@@ -223,7 +223,23 @@ def run_transformers(args, hf, requests) -> dict:
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(m for _, m in requests), eos_token_id=TOK.eos_id,
                               pad_token_id=0)
-    manager = hf.init_continuous_batching(generation_config=config)
+    # its cache sized as ours (--max-batch full contexts in blocks of --block-size) and its batch as ours; left to
+    # size itself from the memory it finds, it spends seconds of CPU on zeroing its tensors
+    context = hf.config.max_position_embeddings
+    sizes = dict(num_blocks=args.max_batch * -(-context // args.block_size), max_batch_tokens=512 + args.max_batch)
+    try:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    except ImportError:  # transformers before 5.2x: the sizes are generation settings
+        ContinuousBatchingConfig = None
+    if ContinuousBatchingConfig is not None:
+        manager = hf.init_continuous_batching(
+            generation_config=config,
+            continuous_batching_config=ContinuousBatchingConfig(page_size=args.block_size, block_size=args.block_size,
+                                                                **sizes))
+    else:
+        for k, v in {**sizes, "block_size": args.block_size}.items():
+            setattr(config, k, v)
+        manager = hf.init_continuous_batching(generation_config=config)
     manager.start()
     waiters: dict[str, tuple[threading.Event, list]] = {}
     lock = threading.Lock()
@@ -277,7 +293,7 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (default 16)")
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals at this many requests/s instead")
     p.add_argument("--prompt-lens", default="32,128,16,64")
-    p.add_argument("--output-lens", default="16,256,32,8,128,64")
+    p.add_argument("--output-lens", default="16,512,32,8,128,64")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds a contestant may take")

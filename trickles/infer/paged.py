@@ -13,8 +13,8 @@ holds NaN (a masked score times a NaN value would still be NaN).
 tokens, each with its own position (``c_b ..``; a padding query sits at a cached position and its output is
 discarded). In each layer :meth:`PagedCall.update` writes the real new keys and values into their pool slots (one
 ``index_copy_``) and gathers every row's blocks, whole, into the ``[B, H_kv, S, D]`` layout SDPA takes (one
-``index_select`` of ``P * H_kv * D``-element rows; ``S = P * max_b blocks_b``, slot ``s`` of row ``b`` holding its
-position ``s``). The attention mask ``[B, 1, T, S]`` lets the query at position ``q`` see slots ``s <= q``: causal,
+``index_select`` of ``P * H_kv * D``-element rows, then one copy into head-major order; ``S = P * max_b blocks_b``,
+slot ``s`` of row ``b`` holding its position ``s``). The attention mask ``[B, 1, T, S]`` lets the query at position ``q`` see slots ``s <= q``: causal,
 and never a slot past the row's end. The kernel sees a dense batch, the cache stays paged; the gather moves
 ``2 B S H_kv D`` elements per layer, what attention reads anyway, in block-sized pieces.
 """
@@ -63,6 +63,7 @@ class BlockPool:
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.device = device
         self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self._workspaces: dict[str, torch.Tensor] = {}
 
     @property
     def free(self) -> int:
@@ -89,6 +90,14 @@ class BlockPool:
         """Returns every block of ``table`` to the pool and empties it."""
         self._free.extend(reversed(table))
         table.clear()
+
+    def workspace(self, name: str, numel: int) -> torch.Tensor:
+        """A flat scratch tensor of at least ``numel`` elements kept between calls (a model call reuses the same two
+        per layer: fresh multi-megabyte buffers every layer cost page faults that double a CPU decode step)."""
+        ws = self._workspaces.get(name)
+        if ws is None or ws.numel() < numel:
+            ws = self._workspaces[name] = torch.empty(numel, dtype=self.k[next(iter(self.k))].dtype, device=self.device)
+        return ws[:numel]
 
     def bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
@@ -122,10 +131,15 @@ class PagedCall:
         """Writes the real new ``k, v [B, H_kv, T, D]`` into the pool; every row's keys and values ``[B, H_kv, S, D]``."""
         out = []
         p = self.pool.block_size
-        for new, pool in ((k, self.pool.k[layer]), (v, self.pool.v[layer])):
+        for name, new, pool in (("k", k, self.pool.k[layer]), ("v", v, self.pool.v[layer])):
             heads, dim = new.shape[1], new.shape[3]
             flat = new.transpose(1, 2).reshape(self.batch * self.width, heads, dim)
             pool.index_copy_(0, self.write, flat.index_select(0, self.src).to(pool.dtype))
-            blocks = pool.view(-1, p * heads * dim).index_select(0, self.read)
-            out.append(blocks.view(self.batch, self.slots, heads, dim).transpose(1, 2))
+            size = self.batch * self.slots * heads * dim
+            blocks = self.pool.workspace(name + "-blocks", size).view(-1, p * heads * dim)
+            torch.index_select(pool.view(-1, p * heads * dim), 0, self.read, out=blocks)
+            # then head-major (SDPA on a CPU is about twice as slow on the strided view as this copy costs); the same
+            # two buffers serve every layer, which is done with its keys before the next layer asks
+            dense = self.pool.workspace(name, size).view(self.batch, heads, self.slots, dim)
+            out.append(dense.copy_(blocks.view(self.batch, self.slots, heads, dim).transpose(1, 2)))
         return out[0], out[1]

@@ -101,6 +101,7 @@ class Saver:
         self.failures: list[tuple[int, str]] = []  # (step, reason) of every failed save, on rank 0 with every reason
         self._flight: _Flight | None = None
         self._cleaned = False
+        self._giving_up = threading.Event()  # set by abandon(): rank 0's writer stops waiting for the others
 
     @property
     def pending_step(self) -> int | None:
@@ -180,7 +181,10 @@ class Saver:
         return None
 
     def abandon(self) -> None:
-        """On the way out after an error: waits for this rank's write, without meeting the other ranks."""
+        """On the way out after an error: waits for this rank's write, without meeting the other ranks (rank 0's
+        writer stops waiting for their markers at once: a rank that died will never write one, and a launcher
+        restarting the job must not wait for this process)."""
+        self._giving_up.set()
         flight, self._flight = self._flight, None
         if flight is not None and flight.thread is not None:
             flight.thread.join(timeout=self.timeout_s if math.isfinite(self.timeout_s) else None)
@@ -204,7 +208,7 @@ class Saver:
             if not flight.error:
                 snap.tokenizer.save(os.path.join(snap.tmp, "tokenizer"))
                 ckpt.write_json(os.path.join(snap.tmp, "trainer.json"), snap.meta)
-                other = _wait_for_markers(snap.tmp, world, self.timeout_s)
+                other = _wait_for_markers(snap.tmp, world, self.timeout_s, self._giving_up)
                 if other:
                     flight.error.append(other)
             if not flight.error:
@@ -232,8 +236,9 @@ def _mark(tmp: str, kind: str, rank: int, text: str = "") -> None:
             continue  # (the directory gone: rank 0 failed first and removed it)
 
 
-def _wait_for_markers(tmp: str, world: int, timeout_s: float) -> str | None:
-    """Rank 0: waits until every rank has marked its part done or failed; the first failure's reason, else None."""
+def _wait_for_markers(tmp: str, world: int, timeout_s: float, give_up: threading.Event) -> str | None:
+    """Rank 0: waits until every rank has marked its part done or failed (or ``give_up`` is set); the first
+    failure's reason, else None."""
     deadline = time.monotonic() + timeout_s
     pending = set(range(world))
     while pending:
@@ -246,7 +251,8 @@ def _wait_for_markers(tmp: str, world: int, timeout_s: float) -> str | None:
         if pending:
             if time.monotonic() > deadline:
                 return f"ranks {sorted(pending)} did not finish writing within {timeout_s:.0f} s"
-            time.sleep(POLL_S)
+            if give_up.wait(POLL_S):
+                return f"the run stopped before ranks {sorted(pending)} finished writing"
     return None
 
 
