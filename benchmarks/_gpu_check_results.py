@@ -218,3 +218,12 @@ def decoding_summary(ctx: Ctx, output: str) -> dict:
                         + "; rows " + ", ".join(f"{k} {v['equal']} equal {v['tie']} tie" for k, v in agree.items()),
             "numbers": {"ours_over_hf": doc["ours_over_hf"], "new_tokens_per_s": doc["new_tokens_per_s"], "agreement": agree},
             "header": ["contestant", "median ms", "new tokens/s", "ours/HF"], "rows": rows}
+
+
+def serving_summary(ctx: Ctx, output: str) -> dict:
+    doc = load(out(ctx, "serving.json"))
+    rows = [[n, f"{r['tokens_per_s']:.0f}", ms(r["ttft_p50"]), ms(r["ttft_p99"]), ms(r["latency_p99"]),
+             f"{r['answered']}/{r['sent']}"] for n, r in doc["results"].items()]
+    return {"headline": ", ".join(f"{k} {v:.2f}x" for k, v in doc["ratios"].items()),
+            "numbers": {"ratios": doc["ratios"], "results": doc["results"]},
+            "header": ["contestant", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "latency p99 ms", "answered"], "rows": rows}

@@ -18,6 +18,8 @@ What runs, in order (``--list`` prints the commands)
     g  ``moe.py --part single --device cuda``: the MoE layer and block in bf16 against transformers' Mixtral;
     h  ``context_parallel.py --world 1 --device cuda``: ring (and all-to-all) attention at cp=1 against SDPA;
     i  ``decoding.py --device cuda``: batched greedy and beam decoding against transformers' ``generate``;
+    l  ``serving.py --device cuda``: continuous batching (HTTP and in process) against the static batcher and
+       transformers' continuous batching, 16 clients;
     j  ``documents.py``: packed documents' masks (flex attention) against plain causal attention;
     k  ``split_backward.py --preset llama-1b --dtype bf16``: a pipeline chunk's backward split into B and W (the
        zero-bubble schedules) against its whole backward -- what the split costs on a GPU.
@@ -61,7 +63,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from _gpu_check_results import (Ctx, cp_summary, decoding_summary, documents_summary, inference_summary,  # this folder
+from _gpu_check_results import (Ctx, cp_summary, decoding_summary, documents_summary, inference_summary, serving_summary,  # this folder
                                 kernels_summary, moe_summary, out, pytest_summary, quantization_summary, single_summary,
                                 split_summary, train_summary)
 
@@ -175,6 +177,13 @@ def steps() -> list[Step]:
                 if c.cuda else ["--device", "cpu", "--preset", "tiny", "--vocab", "256", "--batch", "2", "--new", "4",
                                 "--rounds", "1"])),
              (40, 120), decoding_summary),
+        Step("l", "serving: continuous vs static vs transformers", lambda c: bench(
+            c, "serving.py", "--json", out(c, "serving.json"), *(
+                ["--device", "cuda", "--preset", "llama-125m", "--requests", "64", "--output-lens", "16,256,32,8,128,64",
+                 "--time-limit", "100"] if c.cuda else
+                ["--device", "cpu", "--preset", "tiny", "--requests", "6", "--concurrency", "3", "--prompt-lens", "8,20",
+                 "--output-lens", "4,12,2", "--max-batch", "4", "--block-size", "4"])),
+             (60, 120), serving_summary),
         Step("h", "ring attention at cp=1 vs SDPA", lambda c: bench(
             c, "context_parallel.py", "--world", "1", "--json", out(c, "cp.json"), *(
                 ["--device", "cuda", "--seq", "8192", "--heads", "16", "--steps", "10", "--warmup", "2"] if c.cuda else

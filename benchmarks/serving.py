@@ -10,7 +10,8 @@ received (after ``--warmup`` untimed requests), bounded by ``--time-limit`` (a r
 Contestants:
 
 * ``continuous``: ``trickles serve``'s application (:mod:`trickles.infer.server`) under uvicorn on loopback, in a
-  child process (so that the load generator's threads do not share its interpreter lock), the clients streaming (server-sent events; a choice's first chunk is sent with its first token);
+  child process (so that the load generator's threads do not share its interpreter lock; on CUDA, which a forked
+  process cannot use, in a thread), the clients streaming (server-sent events; a choice's first chunk is sent with its first token);
 * ``static``: the same server with ``batching="static"`` (a batch runs to its end before the next starts);
 * ``engine``: our :class:`~trickles.infer.engine.Engine` called in this process (no HTTP), next to
 * ``transformers``: ``transformers``' continuous-batching manager (``init_continuous_batching``, the machinery of
@@ -126,9 +127,12 @@ def record(out: dict, n: int, wall: float) -> dict:
             "texts": {i: v[2] for i, v in ok.items()}}
 
 
-def serve_http(app):
+def serve_http(app, device):
     """``(port, stop)``: ``app`` under uvicorn on a free loopback port in a child process (forked: it shares the model's
-    weights), so that the clients' threads here do not share the server's interpreter lock."""
+    weights), so that the clients' threads here do not share the server's interpreter lock; on CUDA, which a forked
+    process cannot use, in a thread of this process."""
+    if device.type == "cuda":
+        return serve_in_thread(app)
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
 
@@ -159,6 +163,26 @@ def serve_http(app):
     return port, stop
 
 
+def serve_in_thread(app):
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not srv.started:
+        if not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.02)
+
+    def stop():
+        srv.should_exit = True
+        thread.join(60)
+
+    return sock.getsockname()[1], stop
+
+
 def http_send(port, requests):
     def send(i):
         prompt, max_tokens = requests[i]
@@ -186,12 +210,12 @@ def http_send(port, requests):
     return send
 
 
-def run_ours(args, model, requests, batching: str) -> dict:
+def run_ours(args, model, requests, batching: str, device) -> dict:
     from trickles.infer.server import create_app
 
     app = create_app(model, TOK, name="bench", max_batch=args.max_batch, batching=batching,
                      engine_config=EngineConfig(max_batch=args.max_batch, block_size=args.block_size))
-    port, stop = serve_http(app)  # uvicorn runs the app's lifespan: its engine or batcher starts and stops with it
+    port, stop = serve_http(app, device)  # uvicorn runs the app's lifespan: its engine or batcher starts and stops with it
     try:
         return drive(args, requests, http_send(port, requests))
     finally:
@@ -328,7 +352,7 @@ def main(argv=None) -> int:
         elif name == "engine":
             results[name] = run_engine(args, model, requests)
         else:
-            results[name] = run_ours(args, model, requests, name)
+            results[name] = run_ours(args, model, requests, name, device)
         r = results[name]
         print(f"  {name}: {r['answered']}/{r['sent']} answered in {r['wall_s']:.1f} s", flush=True)
     return report(args, results, device)

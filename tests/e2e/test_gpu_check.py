@@ -30,7 +30,7 @@ def test_the_cpu_smoke_run_of_one_step_records_every_step(tmp_path):
     r = _run(tmp_path, "--only", "k")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     doc, steps, table = _written(tmp_path)
-    assert [s["key"] for s in doc["steps"]] == KEYS and len(KEYS) == 15
+    assert [s["key"] for s in doc["steps"]] == KEYS and len(KEYS) == 16
     assert doc["device"] == "cpu" and doc["environment"]["liger_kernel"]  # a version, or "absent"
     split = steps["k"]  # the zero-bubble split: exact, and its W restarts counted
     assert split["status"] == "ok" and split["seconds"] > 0 and "split_backward.py --json" in split["command"]
