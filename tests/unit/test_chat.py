@@ -56,5 +56,15 @@ def test_a_tokenizer_chat_template_is_read_kept_and_rendered(tmp_path, config, j
         render_chat([{"role": "tool", "content": "x"}], again)
 
 
+def test_templates_render_as_transformers_renders_them():
+    """Jinja's ``trim_blocks`` and ``lstrip_blocks``, as ``apply_chat_template`` sets them: a template written over
+    several indented lines renders without their line breaks and indentation."""
+    template = ("{% for m in messages %}\n    {% if m.role == 'user' %}\n<u>{{ m.content }}\n    {% endif %}\n"
+                "{% endfor %}\n{% if add_generation_prompt %}<a>{% endif %}")
+    tok = ByteTokenizer()
+    tok.chat_template = template
+    assert render_chat(MESSAGES[1:2], tok) == "<u>hi\n<a>"
+
+
 def test_a_tokenizer_without_a_template_has_none(tmp_path):
     assert load_hf_tokenizer(_hf_dir(tmp_path / "hf", {})).chat_template is None

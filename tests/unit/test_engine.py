@@ -5,6 +5,7 @@ wall clocks), and every KV block back in the pool after requests that finish, ar
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -54,7 +55,8 @@ def test_32_requests_arriving_at_random_equal_each_request_alone(flavor):
         alone = decode(model, [prompt] * n, seeds, eos_id=TOK.eos_id, tokenizer=TOK)
         assert [c.tokens for c in request.result] == [c.tokens for c in alone], (prompt, sampling)
         assert [c.finish_reason for c in request.result] == [c.finish_reason for c in alone]
-    assert sum(s.preemptions for *_, r in requests for s in r.sequences) > 0
+    preempted = [s for *_, r in requests for s in r.sequences if s.preemptions]
+    assert preempted and all(s.admitted_step <= s.first_token_step for s in preempted)  # the first admission kept
     assert engine.pool.used == 0 and not engine.running and not engine.waiting
 
 
@@ -92,7 +94,8 @@ def test_a_short_request_finishes_before_a_long_one_and_a_late_one_starts_at_onc
     (lq,), (sq,) = long.sequences, short.sequences
     assert lq.finish_reason == "length" and sq.finish_reason == "length"
     assert sq.finished_step < lq.finished_step
-    assert sq.arrived_step == 5 and sq.first_token_step == 5 < lq.finished_step
+    assert sq.arrived_step == sq.admitted_step == 5 and sq.first_token_step == 5 < lq.finished_step
+    assert lq.admitted_step == 0
     assert len(sq.generated) == 3 and len(lq.generated) == 40
 
 
@@ -160,9 +163,20 @@ def test_events_stream_tokens_and_text_and_the_worker_thread_serves(model):
     tokens = [e.token for e in events if e.token is not None]
     assert len(tokens) == 6 and events[-1].finish_reason == "length"
     assert "".join(e.text for e in events) == TOK.decode(tokens)
+    step = engine.step
+
+    def slow_step():  # 60 iterations of at least 5 ms: the request is surely running when its first event is read
+        time.sleep(0.005)
+        step()
+
+    engine.step = slow_step
     engine.start()
-    threaded = list(engine.submit([65, 66], Sampling(max_new_tokens=6, temperature=0)).events(timeout=60))
-    assert [e.token for e in threaded if e.token is not None] == tokens
+    request = engine.submit([65, 66], Sampling(max_new_tokens=60, temperature=0))
+    stream = request.events(timeout=60)
+    first = next(stream)
+    assert not request.finished  # woken by the event, not by the end of the request
+    threaded = [first, *stream]
+    assert [e.token for e in threaded if e.token is not None][:6] == tokens
     engine.stop()
     left = engine.submit([1], Sampling(max_new_tokens=4))
     engine.stop()
