@@ -45,6 +45,7 @@ from _timing import device_name, one_device, table, write_json  # noqa: E402
 from trickles.data import ByteTokenizer  # noqa: E402
 from trickles.infer import Sampling  # noqa: E402
 from trickles.infer.engine import Engine, EngineConfig  # noqa: E402
+from trickles.infer.server import BackgroundServer  # noqa: E402
 from trickles.models import ModelConfig, apply_preset, build_model, save_hf  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -132,7 +133,8 @@ def serve_http(app, device):
     weights), so that the clients' threads here do not share the server's interpreter lock; on CUDA, which a forked
     process cannot use, in a thread of this process."""
     if device.type == "cuda":
-        return serve_in_thread(app)
+        background = BackgroundServer(app)
+        return background.port, background.stop
     ctx = multiprocessing.get_context("fork")
     parent, child = ctx.Pipe()
 
@@ -161,26 +163,6 @@ def serve_http(app, device):
         proc.join(60)
 
     return port, stop
-
-
-def serve_in_thread(app):
-    import uvicorn
-
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not srv.started:
-        if not thread.is_alive():
-            raise RuntimeError("the server did not start")
-        time.sleep(0.02)
-
-    def stop():
-        srv.should_exit = True
-        thread.join(60)
-
-    return sock.getsockname()[1], stop
 
 
 def http_send(port, requests):

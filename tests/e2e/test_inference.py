@@ -4,7 +4,6 @@ streamed and plain answers equal to trickles generate's greedy text, bad request
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +18,7 @@ uvicorn = pytest.importorskip("uvicorn", exc_type=ImportError)
 
 from helpers import cli_here, trained_checkpoint  # noqa: E402
 from trickles.infer import Sampling, decode  # noqa: E402
-from trickles.infer.server import create_app  # noqa: E402
+from trickles.infer.server import BackgroundServer, create_app  # noqa: E402
 from trickles.infer.static import Batcher, Job  # noqa: E402
 from trickles.testing import run_command  # noqa: E402
 from trickles.train.load import load_for_inference  # noqa: E402
@@ -56,20 +55,9 @@ def cli_text(checkpoint):
 def server(checkpoint):
     model, tokenizer, _ = load_for_inference(checkpoint, "cpu")
     app = create_app(model, tokenizer, name="tiny", max_batch=8, window_s=0.05)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(600):
-        if srv.started or not thread.is_alive():
-            break
-        thread.join(0.05)
-    assert srv.started, "the server did not start"
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}", app, model.cfg.max_seq_len
-    srv.should_exit = True
-    thread.join(TIMEOUT)
-    assert not thread.is_alive(), "the server did not shut down"
+    background = BackgroundServer(app)
+    yield f"http://127.0.0.1:{background.port}", app, model.cfg.max_seq_len
+    background.stop()
     assert app.state.engine._thread is None  # the engine's worker stopped with it
 
 

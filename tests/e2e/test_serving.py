@@ -7,20 +7,19 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import threading
 import time
 
 import pytest
 
 pytest.importorskip("fastapi", exc_type=ImportError)  # the serve extra (CI installs it: a skip there fails)
-uvicorn = pytest.importorskip("uvicorn", exc_type=ImportError)
+pytest.importorskip("uvicorn", exc_type=ImportError)
 openai = pytest.importorskip("openai", exc_type=ImportError)
 
 from trickles.data import ByteTokenizer  # noqa: E402
 from trickles.infer import Sampling, decode  # noqa: E402
 from trickles.infer.chat import plain_template  # noqa: E402
 from trickles.infer.engine import EngineConfig  # noqa: E402
-from trickles.infer.server import create_app  # noqa: E402
+from trickles.infer.server import BackgroundServer, create_app  # noqa: E402
 from trickles.models import ModelConfig, build_model  # noqa: E402
 
 KEY = "test-key-123"
@@ -33,20 +32,9 @@ def server():
     model = build_model(cfg, seed=0).eval()
     app = create_app(model, TOK, name="tiny", api_key=KEY, max_waiting=64,
                      engine_config=EngineConfig(max_batch=8, block_size=4, num_blocks=24, prefill_chunk=32))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    for _ in range(600):
-        if srv.started or not thread.is_alive():
-            break
-        thread.join(0.05)
-    assert srv.started, "the server did not start"
-    yield sock.getsockname()[1], app, model
-    srv.should_exit = True
-    thread.join(60)
-    assert not thread.is_alive(), "the server did not shut down"
+    background = BackgroundServer(app)
+    yield background.port, app, model
+    background.stop()
 
 
 @pytest.fixture(scope="module")

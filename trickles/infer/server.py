@@ -43,7 +43,7 @@ from .metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from .protocol import ChatRequest, CompletionRequest, chat_body, completion_body, usage
 from .static import Batcher, Job
 
-__all__ = ["create_app", "serve", "StaticBackend", "MAX_BODY_BYTES"]
+__all__ = ["create_app", "serve", "BackgroundServer", "StaticBackend", "MAX_BODY_BYTES"]
 
 MAX_BODY_BYTES = 1 << 20  #: default limit of a request body (a prompt of the longest context fits many times)
 
@@ -329,6 +329,34 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, name: str
         on_ready(host, port)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
+
+
+class BackgroundServer:
+    """An application served by uvicorn in a thread of this process (tests, benchmarks, notebooks): ``port``, and
+    ``stop()``, which shuts it down (the app's engine with it) and waits for the thread."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
+        import socket
+
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock.bind((host, port))
+        self.port, self.timeout_s = sock.getsockname()[1], timeout_s
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server on {host}:{self.port} did not start")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout_s)
+        if self.thread.is_alive():
+            raise RuntimeError(f"the server on port {self.port} did not shut down within {self.timeout_s:g} s")
 
 
 def _loopback(host: str) -> bool:
