@@ -62,24 +62,24 @@ def test_32_requests_arriving_at_random_equal_each_request_alone(flavor):
 
 def test_a_paged_call_reads_what_a_dense_cache_holds(model):
     """Rows with different cached lengths in scattered blocks: the new keys land in their rows' blocks, every row's
-    blocks are gathered whole (slot = position), and the mask lets each query see exactly its row's positions up to
-    its own."""
+    positions are gathered in order (slot = position) into one head-major buffer, and the mask lets each query see
+    exactly its row's positions up to its own."""
     pool = BlockPool(model, num_blocks=8, block_size=2)
     layer = next(iter(pool.k))
-    heads, dim = pool.k[layer].shape[1:]
-    pool.k[layer].copy_(torch.arange(pool.k[layer].shape[0], dtype=torch.float32)[:, None, None].expand_as(pool.k[layer]))
+    heads, slots, dim = pool.k[layer].shape
+    pool.k[layer].copy_(torch.arange(slots, dtype=torch.float32)[None, :, None].expand_as(pool.k[layer]))
     call = PagedCall(pool, [[5, 2], [7], [1, 6, 3]], cached=[2, 0, 4], new=[1, 2, 1])
     k = torch.full((3, heads, 2, dim), -1.0)
     keys, _ = call.update(layer, 0, k, torch.zeros_like(k))
-    assert (call.width, call.slots) == (2, 6)
+    assert (call.width, call.slots) == (2, 5) and keys.shape == (3, heads, 5, dim)
+    assert keys.stride(0) < keys.stride(1)  # stored head-major: the model's attention takes it without a copy
     assert call.positions.tolist() == [[1, 2], [0, 1], [3, 4]]  # a padding query sits at a cached position
-    assert keys[:, 0, :, 0].tolist() == [[10, 11, -1, 5, 0, 1],  # blocks 5, 2 (its position 2 written), padding
-                                         [-1, -1, 0, 1, 0, 1],  # block 7, both positions new
-                                         [2, 3, 12, 13, -1, 7]]  # blocks 1, 6, 3 (position 4 written)
-    assert call.pad_mask.shape == (3, 1, 2, 6)
-    assert call.pad_mask[:, 0, 1].tolist() == [[True] * 3 + [False] * 3, [True] * 2 + [False] * 4,
-                                               [True] * 5 + [False]]
-    assert pool.k[layer][[4, 14, 15, 6], 0, 0].tolist() == [-1.0] * 4  # written in place
+    assert keys[:, 0, :, 0].tolist() == [[10, 11, -1, 5, 0],  # blocks 5, 2 (its position 2 written), then masked
+                                         [-1, -1, 0, 1, 0],  # block 7, both positions new
+                                         [2, 3, 12, 13, -1]]  # blocks 1, 6, 3 (position 4 written)
+    assert call.pad_mask.shape == (3, 1, 2, 5)
+    assert call.pad_mask[:, 0, 1].tolist() == [[True] * 3 + [False] * 2, [True] * 2 + [False] * 3, [True] * 5]
+    assert pool.k[layer][0, [4, 14, 15, 6], 0].tolist() == [-1.0] * 4  # written in place
 
 
 def test_a_short_request_finishes_before_a_long_one_and_a_late_one_starts_at_once(model):

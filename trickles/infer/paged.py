@@ -1,8 +1,8 @@
 """A paged key/value cache: fixed-size blocks from one preallocated pool, a block table per sequence.
 
-**The pool.** Per layer, keys and values are one tensor each, ``[N * P, H_kv, D]``: ``N`` blocks of ``P`` positions
-(``block_size``). Position ``p`` of a sequence whose block table is ``[b_0, b_1, ...]`` lives in pool slot
-``b_{p // P} * P + p % P``. A sequence holds ``ceil(L / P)`` blocks for its ``L`` cached positions, so memory
+**The pool.** Per layer, keys and values are one tensor each, ``[H_kv, N * P, D]`` (head-major): ``N`` blocks of
+``P`` positions (``block_size``). Position ``p`` of a sequence whose block table is ``[b_0, b_1, ...]`` lives in pool
+slot ``b_{p // P} * P + p % P``. A sequence holds ``ceil(L / P)`` blocks for its ``L`` cached positions, so memory
 follows the tokens actually held (at most ``P - 1`` positions wasted per sequence), and a finished sequence's
 blocks go straight back to the free list. Bytes: ``2 * n_layers * N * P * H_kv * D * element_size``
 (:func:`block_bytes` is one block of every layer). The pool starts zeroed, so a slot read but masked out never
@@ -12,11 +12,13 @@ holds NaN (a masked score times a NaN value would still be NaN).
 ``n_b`` new tokens (a prefill chunk, or one token when decoding), ``T = max n_b``, right-aligned in the ``[B, T]``
 tokens, each with its own position (``c_b ..``; a padding query sits at a cached position and its output is
 discarded). In each layer :meth:`PagedCall.update` writes the real new keys and values into their pool slots (one
-``index_copy_``) and gathers every row's blocks, whole, into the ``[B, H_kv, S, D]`` layout SDPA takes (one
-``index_select`` of ``P * H_kv * D``-element rows, then one copy into head-major order; ``S = P * max_b blocks_b``,
-slot ``s`` of row ``b`` holding its position ``s``). The attention mask ``[B, 1, T, S]`` lets the query at position ``q`` see slots ``s <= q``: causal,
-and never a slot past the row's end. The kernel sees a dense batch, the cache stays paged; the gather moves
-``2 B S H_kv D`` elements per layer, what attention reads anyway, in block-sized pieces.
+``index_copy_``) and gathers every row's positions ``0 .. S - 1`` (``S = max_b L_b``, slot ``s`` holding position
+``s``) into one reused ``[H_kv, B, S, D]`` buffer (one ``index_select`` per layer), handed to the model as its
+``[B, H_kv, S, D]`` view: the model's attention sees the heads lead and runs SDPA in that order, so no copy of the
+keys is made (on a CPU, SDPA on keys strided the other way is about twice as slow, and a copy per layer into fresh
+memory costs page faults). The attention mask ``[B, 1, T, S]`` lets the query at position ``q`` see slots
+``s <= q``: causal, and never a slot past its row's end. The kernel sees a dense batch, the cache stays paged; the
+gather moves ``2 B S H_kv D`` elements per layer, what attention reads anyway.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class BlockPool:
         layers, heads, dim, dtype, where = kv_layout(model)
         device = device or where
         self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks * block_size, heads, dim)
+        shape = (heads, num_blocks * block_size, dim)  # head-major: a row's gathered keys are contiguous per head
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.device = device
@@ -93,7 +95,7 @@ class BlockPool:
 
     def workspace(self, name: str, numel: int) -> torch.Tensor:
         """A flat scratch tensor of at least ``numel`` elements kept between calls (a model call reuses the same two
-        per layer: fresh multi-megabyte buffers every layer cost page faults that double a CPU decode step)."""
+        for every layer: fresh multi-megabyte buffers every layer cost page faults that double a CPU decode step)."""
         ws = self._workspaces.get(name)
         if ws is None or ws.numel() < numel:
             ws = self._workspaces[name] = torch.empty(numel, dtype=self.k[next(iter(self.k))].dtype, device=self.device)
@@ -113,33 +115,32 @@ class PagedCall:
         dev, p = pool.device, pool.block_size
         b, t = len(tables), max(new)
         blocks = max(len(tb) for tb in tables)
-        self.width, self.slots, self.start, self.batch = t, blocks * p, 0, b
+        s = max(c + n for c, n in zip(cached, new))
+        self.width, self.slots, self.start, self.batch = t, s, 0, b
         table = torch.tensor([list(tb) + [0] * (blocks - len(tb)) for tb in tables], device=dev)  # [B, blocks]
-        self.read = table.flatten()
+        slot = torch.arange(s, device=dev)[None, :].expand(b, s)
+        self.read = (table.gather(1, slot // p) * p + slot % p).flatten()  # [B * S] pool slots (past a row's end: masked)
         c = torch.tensor(list(cached), device=dev)[:, None]
         q = torch.arange(t, device=dev)[None, :]
         qpos = c + q - (t - torch.tensor(list(new), device=dev)[:, None])  # positions of the fed tokens
         real = qpos >= c
         self.positions = qpos.clamp(min=0)
-        self.pad_mask = (torch.arange(self.slots, device=dev)[None, None, :] <= self.positions[:, :, None])[:, None]
+        self.pad_mask = (torch.arange(s, device=dev)[None, None, :] <= self.positions[:, :, None])[:, None]
         rows = torch.arange(b, device=dev)[:, None].expand(b, t)
         self.src = (rows * t + q)[real]  # [N] flat (row, query) of the real new tokens
         wpos = qpos[real]
         self.write = table[rows[real], wpos // p] * p + wpos % p
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes the real new ``k, v [B, H_kv, T, D]`` into the pool; every row's keys and values ``[B, H_kv, S, D]``."""
+        """Writes the real new ``k, v [B, H_kv, T, D]`` into the pool; every row's keys and values ``[B, H_kv, S, D]``,
+        stored head-major (a view of one ``[H_kv, B, S, D]`` buffer, which the model's attention uses as it is)."""
         out = []
-        p = self.pool.block_size
         for name, new, pool in (("k", k, self.pool.k[layer]), ("v", v, self.pool.v[layer])):
             heads, dim = new.shape[1], new.shape[3]
-            flat = new.transpose(1, 2).reshape(self.batch * self.width, heads, dim)
-            pool.index_copy_(0, self.write, flat.index_select(0, self.src).to(pool.dtype))
-            size = self.batch * self.slots * heads * dim
-            blocks = self.pool.workspace(name + "-blocks", size).view(-1, p * heads * dim)
-            torch.index_select(pool.view(-1, p * heads * dim), 0, self.read, out=blocks)
-            # then head-major (SDPA on a CPU is about twice as slow on the strided view as this copy costs); the same
-            # two buffers serve every layer, which is done with its keys before the next layer asks
-            dense = self.pool.workspace(name, size).view(self.batch, heads, self.slots, dim)
-            out.append(dense.copy_(blocks.view(self.batch, self.slots, heads, dim).transpose(1, 2)))
+            flat = new.transpose(0, 1).reshape(heads, self.batch * self.width, dim)
+            pool.index_copy_(1, self.write, flat.index_select(1, self.src).to(pool.dtype))
+            # one buffer per name serves every layer, which is done with its keys before the next layer asks
+            gathered = self.pool.workspace(name, heads * self.batch * self.slots * dim).view(heads, -1, dim)
+            torch.index_select(pool, 1, self.read, out=gathered)
+            out.append(gathered.view(heads, self.batch, self.slots, dim).transpose(0, 1))
         return out[0], out[1]

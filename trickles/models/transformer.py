@@ -32,6 +32,7 @@ from ..kernels.rotary import apply_rope, rotary
 from . import fused
 from .config import ModelConfig
 from .documents import DocumentMask
+from .masks import attend_head_major, padded_attention_mask
 from .mlp import MLP
 from .moe import MoE, MoEStats
 
@@ -137,7 +138,8 @@ class Attention(nn.Module):
         ``causal_offset`` is the position of the first query (None: queries and keys start
         together, plain causal mask). ``pad_mask [B, >= T']`` (True: a real token) hides left padding
         from every query (see :func:`padded_attention_mask`); a 4-D ``pad_mask [B, 1, T, T']`` is the whole mask
-        (True: may attend), as a paged KV cache builds it (:mod:`trickles.infer.paged`). ``documents``: packed documents' mask (training only,
+        (True: may attend), as a paged KV cache builds it (:mod:`trickles.infer.paged`), whose keys come stored
+        head-major (``k.stride(0) < k.stride(1)``) and are attended in that order. ``documents``: packed documents' mask (training only,
         :mod:`trickles.models.documents`).
         """
         b, _, t_q, _ = q.shape
@@ -153,6 +155,8 @@ class Attention(nn.Module):
         t_q = q.shape[2]
         if pad_mask is not None:
             mask = pad_mask if pad_mask.dim() == 4 else padded_attention_mask(pad_mask, causal_offset or 0, t_q, k.shape[2])
+            if k.stride(0) < k.stride(1):  # keys stored head-major (a paged cache's gather): attend in that order
+                return attend_head_major(q, k, v, mask, p)
             if rep == 1:
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
             # The ``rep`` query heads of a key/value head become ``rep * T`` query rows of it (each row attends on its
@@ -346,16 +350,6 @@ class Transformer(nn.Module):
         else:
             kv_heads = attn.k_proj.out_features // self.cfg.head_dim
         return KVCache(self.cfg.n_layers, batch, kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
-
-
-def padded_attention_mask(pad_mask: torch.Tensor, start: int, t_q: int, t_k: int) -> torch.Tensor:
-    """``[B, 1, t_q, t_k]`` boolean attention mask for queries at cache slots ``start..start+t_q`` of a left-padded
-    batch: causal over slots, and no real query sees a padding slot (``pad_mask [B, >= t_k]``, True: real).
-    A padding query sees itself only, so its (unused) row stays finite and never turns later layers' keys into NaN."""
-    slots = torch.arange(t_k, device=pad_mask.device)
-    qslots = torch.arange(start, start + t_q, device=pad_mask.device)[:, None]
-    causal = slots[None, :] <= qslots
-    return (causal & pad_mask[:, None, None, :t_k]) | (slots[None, :] == qslots)
 
 
 def param_seed(seed: int, name: str) -> int:
