@@ -17,7 +17,9 @@ Contestants:
 * ``transformers``: ``transformers``' continuous-batching manager (``init_continuous_batching``, the machinery of
   ``generate_batch``), requests added and results read in this process, streamed for the first token.
 
-Reported per contestant: generated tokens/s, time to first token and end-to-end latency (p50, p99), requests sent
+With ``--rounds R`` every contestant runs R times, each round starting one contestant further on; the table holds the
+median of each number, and each ratio is the median of the rounds' own ratios. Reported per contestant: generated
+tokens/s, time to first token and end-to-end latency (p50, p99), requests sent
 and answered. Agreement first: every request's greedy text must be the same from our three contestants;
 transformers' rows are compared and the count of equal ones printed. Targets (CPU, 16 clients): continuous >= 2x
 static's tokens/s with at most half its p99 time to first token, and engine >= 1.0x transformers'.
@@ -33,6 +35,7 @@ import multiprocessing
 import os
 import random
 import socket
+import statistics
 import sys
 import tempfile
 import threading
@@ -240,7 +243,7 @@ def run_transformers(args, hf, requests) -> dict:
     if ContinuousBatchingConfig is not None:
         manager = hf.init_continuous_batching(
             generation_config=config,
-            continuous_batching_config=ContinuousBatchingConfig(page_size=args.block_size, block_size=args.block_size,
+            continuous_batching_config=ContinuousBatchingConfig(page_size=args.block_size,
                                                                 **sizes))
     else:
         for k, v in {**sizes, "block_size": args.block_size}.items():
@@ -307,6 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", nargs="*", default=list(CONTESTANTS), choices=CONTESTANTS)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on a CPU)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="runs of every contestant, in rotated order (default 1)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = one_device(args.device, args.threads)
@@ -319,62 +323,88 @@ def main(argv=None) -> int:
     print(f"serving benchmark: {args.requests} requests, prompts {args.prompt_lens} bytes, outputs {args.output_lens} "
           f"tokens, {'rate %g/s' % args.rate if args.rate else '%d clients' % args.concurrency}, "
           f"{cfg.n_layers} layers d={cfg.d_model}, {device_name(device)}")
-    results = {}
-    for name in args.only:
-        if name == "transformers":
-            try:
-                import transformers
-            except ImportError:
-                print("transformers: not installed, not run")
-                continue
+    hf = None
+    names = list(args.only)
+    if "transformers" in names:
+        try:
+            import transformers
+        except ImportError:
+            print("transformers: not installed, not run")
+            names.remove("transformers")
+        else:
             with tempfile.TemporaryDirectory() as d:
                 save_hf(model, d)
                 hf = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa").to(device).eval()
-            results[name] = run_transformers(args, hf, requests)
-        elif name == "engine":
-            results[name] = run_engine(args, model, requests)
-        else:
-            results[name] = run_ours(args, model, requests, name, device)
-        r = results[name]
-        print(f"  {name}: {r['answered']}/{r['sent']} answered in {r['wall_s']:.1f} s", flush=True)
-    return report(args, results, device)
+    rounds = []
+    for r, _ in enumerate(range(args.rounds)):
+        results = {}
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts one contestant further on
+            if name == "transformers":
+                results[name] = run_transformers(args, hf, requests)
+            elif name == "engine":
+                results[name] = run_engine(args, model, requests)
+            else:
+                results[name] = run_ours(args, model, requests, name, device)
+            x = results[name]
+            print(f"  round {r + 1}, {name}: {x['answered']}/{x['sent']} answered in {x['wall_s']:.1f} s", flush=True)
+        rounds.append({k: results[k] for k in names})
+    return report(args, rounds, device)
 
 
-def report(args, results, device) -> int:
+def check(results: dict) -> str | None:
+    """What is wrong with one round (a request lost, our contestants disagreeing), else None."""
     lost = {k: r["errors"] or r["sent"] - r["answered"] for k, r in results.items() if r["answered"] < r["sent"]}
     if lost:
-        print(f"requests lost or failed: {lost}")
-        return 1
+        return f"requests lost or failed: {lost}"
     ours = [k for k in ("continuous", "static", "engine") if k in results]
-    base = results[ours[0]]["texts"] if ours else {}
     for k in ours[1:]:
-        differ = [i for i, t in base.items() if results[k]["texts"][i] != t]
+        differ = [i for i, t in results[ours[0]]["texts"].items() if results[k]["texts"][i] != t]
         if differ:
-            print(f"disagreement: {k} answers requests {differ[:5]} differently from {ours[0]}")
+            return f"disagreement: {k} answers requests {differ[:5]} differently from {ours[0]}"
+    return None
+
+
+RATIOS = {  # name -> (numerator, denominator, metric)
+    "continuous_over_static_tokens_per_s": ("continuous", "static", "tokens_per_s"),
+    "continuous_over_static_ttft_p99": ("continuous", "static", "ttft_p99"),
+    "engine_over_transformers_tokens_per_s": ("engine", "transformers", "tokens_per_s"),
+    "continuous_over_transformers_tokens_per_s": ("continuous", "transformers", "tokens_per_s"),
+}
+
+
+def report(args, rounds: list[dict], device) -> int:
+    """Every round checked; per contestant the median of each number over the rounds; each ratio the median of the
+    rounds' own ratios (paired: a noisy round falls on both sides of it)."""
+    for r, results in enumerate(rounds):
+        problem = check(results)
+        if problem:
+            print(f"round {r + 1}: {problem}")
             return 1
+    first = rounds[0]
+    ours = [k for k in ("continuous", "static", "engine") if k in first]
     agreement = {}
-    if "transformers" in results and ours:
-        agreement["transformers_equal_rows"] = sum(results["transformers"]["texts"][i] == t for i, t in base.items())
+    if "transformers" in first and ours:
+        base = first[ours[0]]["texts"]
+        agreement["transformers_equal_rows"] = sum(first["transformers"]["texts"][i] == t for i, t in base.items())
         print(f"agreement: our contestants give every request the same text; transformers equal on "
               f"{agreement['transformers_equal_rows']}/{len(base)} requests")
-    rows = [[k, f"{r['tokens_per_s']:.0f}", f"{r['ttft_p50'] * 1e3:.0f}", f"{r['ttft_p99'] * 1e3:.0f}",
-             f"{r['latency_p50'] * 1e3:.0f}", f"{r['latency_p99'] * 1e3:.0f}", f"{r['answered']}/{r['sent']}"]
-            for k, r in results.items()]
+    keys = ("tokens_per_s", "ttft_p50", "ttft_p99", "latency_p50", "latency_p99", "wall_s", "tokens")
+    med = {k: {x: statistics.median(r[k][x] for r in rounds) for x in keys} for k in first}
+    rows = [[k, f"{m['tokens_per_s']:.0f}", f"{m['ttft_p50'] * 1e3:.0f}", f"{m['ttft_p99'] * 1e3:.0f}",
+             f"{m['latency_p50'] * 1e3:.0f}", f"{m['latency_p99'] * 1e3:.0f}",
+             f"{sum(r[k]['answered'] for r in rounds)}/{sum(r[k]['sent'] for r in rounds)}"] for k, m in med.items()]
+    print(f"medians over {len(rounds)} round(s):")
     print(table(["contestant", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "answered"],
                 rows))
-    ratios = {}
-    if {"continuous", "static"} <= set(results):
-        c, s = results["continuous"], results["static"]
-        ratios["continuous_over_static_tokens_per_s"] = c["tokens_per_s"] / s["tokens_per_s"]
-        ratios["continuous_over_static_ttft_p99"] = c["ttft_p99"] / s["ttft_p99"]
-    if {"engine", "transformers"} <= set(results):
-        ratios["engine_over_transformers_tokens_per_s"] = results["engine"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
-    if {"continuous", "transformers"} <= set(results):
-        ratios["continuous_over_transformers_tokens_per_s"] = results["continuous"]["tokens_per_s"] / results["transformers"]["tokens_per_s"]
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
+    ratios, per_round = {}, {}
+    for name, (a, b, metric) in RATIOS.items():
+        if a in first and b in first:
+            per_round[name] = [r[a][metric] / r[b][metric] for r in rounds]
+            ratios[name] = statistics.median(per_round[name])
+            print(f"{name}: {ratios[name]:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in per_round[name])})")
     write_json(args.json, {"args": vars(args), "device": device_name(device), "agreement": agreement, "ratios": ratios,
-                           "results": {k: {x: y for x, y in r.items() if x != "texts"} for k, r in results.items()}})
+                           "ratios_per_round": per_round, "medians": med,
+                           "results": {k: {x: y for x, y in r.items() if x != "texts"} for k, r in first.items()}})
     return 0
 
 
