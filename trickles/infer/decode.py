@@ -29,6 +29,7 @@ what it was batched with.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +67,19 @@ class Sampling:
             raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {self.repetition_penalty:g}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+
+    def for_choice(self, j: int) -> "Sampling":
+        """The settings of choice ``j`` of ``n``: a seeded request's choice ``j`` draws with ``seed + j``."""
+        return self if self.seed is None or j == 0 else dataclasses.replace(self, seed=self.seed + j)
+
+    def generator(self, device) -> torch.Generator:
+        """A generator of its own on ``device``, seeded with ``seed`` (a random seed when None)."""
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(self.seed)
+        return g
 
 
 @dataclass
@@ -191,18 +205,6 @@ class TextTracker:
         return out
 
 
-def _generators(settings: Sequence[Sampling], device) -> list[torch.Generator]:
-    gens = []
-    for s in settings:
-        g = torch.Generator(device=device)
-        if s.seed is None:
-            g.seed()
-        else:
-            g.manual_seed(s.seed)
-        gens.append(g)
-    return gens
-
-
 @torch.no_grad()
 def decode(model, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling], *, eos_id: int | None = None,
            tokenizer=None, generator: torch.Generator | None = None, logits_fn=None, labels: torch.Tensor | None = None,
@@ -265,7 +267,7 @@ def _run(model, prompts, settings, budgets, rows, reasons, texts, finish, eos_id
         for i, p in enumerate(prompts):
             seen[i, torch.tensor(p, device=device)] = True
     uniform = len({(s.temperature, s.top_k, s.top_p) for s in settings}) == 1
-    gens = None if generator is not None else _generators(settings, device)
+    gens = None if generator is not None else [s.generator(device) for s in settings]
     for _ in range(max(budgets)):
         if seen is not None:
             logits = apply_repetition_penalty(logits, seen, penalty)

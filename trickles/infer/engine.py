@@ -64,7 +64,8 @@ class EngineConfig:
 
 class Engine:
     """The continuous-batching scheduler over ``model`` (see the module's notes). Drive it with :meth:`step` /
-    :meth:`run_until_idle` in the calling thread, or :meth:`start` a worker thread (what the server does).
+    :meth:`run_until_idle` in the calling thread, or :meth:`start` a worker thread (what the server does). It owns
+    the model while it runs: the first iteration puts it in eval mode, and it stays there.
 
     ``metrics``: an object with ``on_request(outcome)``, ``on_tokens(prompt, generated)``, ``on_first_token(s)``,
     ``on_inter_token(s)`` (:class:`trickles.infer.metrics.ServingMetrics`), or None.
@@ -114,11 +115,8 @@ class Engine:
         request = Request(self, next(self._ids), on_event, on_finish)
         device = self.pool.device
         for j in range(n):
-            gen = None
-            if sampling.temperature > 0:
-                gen = torch.Generator(device=device)
-                gen.manual_seed(sampling.seed + j) if sampling.seed is not None else gen.seed()
-            settings = sampling if sampling.seed is None else Sampling(**{**sampling.__dict__, "seed": sampling.seed + j})
+            settings = sampling.for_choice(j)
+            gen = settings.generator(device) if settings.temperature > 0 else None
             request.sequences.append(Sequence(request, j, prompt, settings, budget, gen, TextTracker(self.tokenizer, sampling.stop),
                                               tokens=list(prompt), arrived_at=time.perf_counter()))
         with self._lock:

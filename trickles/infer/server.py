@@ -61,8 +61,7 @@ class StaticBackend:
         return self.batcher.queue.qsize()
 
     def submit(self, prompt, sampling: Sampling, n: int = 1, *, on_event, on_finish) -> Job:
-        settings = [Sampling(**{**sampling.__dict__, "seed": None if sampling.seed is None else sampling.seed + j})
-                    for j in range(n)]
+        settings = [sampling.for_choice(j) for j in range(n)]
 
         def finish(result):
             if self.metrics is not None:
