@@ -1,4 +1,4 @@
-"""No import circles between the files of ``trickles/``.
+"""No import circles between the files of ``trickles/``, and no file of it past 400 lines without saying why.
 
 Every ``trickles/**/*.py`` is parsed with :mod:`ast` and each of its imports -- at the top of the file, inside a
 function or under ``if TYPE_CHECKING:`` (an import moved out of the way still makes the circle, it only delays or
@@ -11,6 +11,9 @@ hides it) -- is resolved to the one file inside ``trickles/`` it names:
 
 The file-level graph's strongly connected components of more than one file, and files that import themselves, are
 the circles; the test fails listing each with its files and the imports that close it.
+
+A file over :data:`MAX_LINES` lines holds more than one idea unless its module docstring gives the reason, in a
+line starting ``Long because`` (none does today).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "trickles"
+MAX_LINES = 400
 
 
 def _modules(root: Path) -> dict[str, Path]:
@@ -158,3 +162,23 @@ def test_resolution_covers_every_import_form(tmp_path):
 def test_no_import_circles_inside_trickles():
     found = cycles()
     assert not found, "import circles between files of trickles/ (break each at its cause):\n" + "\n".join(found)
+
+
+def too_long(root: Path = PACKAGE, limit: int = MAX_LINES) -> list[str]:
+    """``path: N lines`` for each file under ``root`` longer than ``limit`` whose docstring gives no reason."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        n = text.count("\n")
+        if n > limit and not any(line.startswith("Long because") for line in doc.splitlines()):
+            found.append(f"{path.relative_to(root.parent)}: {n} lines")
+    return found
+
+
+def test_no_file_over_400_lines_without_a_reason(tmp_path):
+    (tmp_path / "long.py").write_text('"""A module."""\n' + "x = 1\n" * 5)
+    (tmp_path / "said.py").write_text('"""A module.\n\nLong because one table.\n"""\n' + "x = 1\n" * 5)
+    assert too_long(tmp_path, limit=4) == [f"{tmp_path.name}/long.py: 6 lines"]
+    found = too_long()
+    assert not found, "files of trickles/ past 400 lines (split them by idea, or say why in the docstring):\n" + "\n".join(found)

@@ -70,7 +70,7 @@ def test_receives_are_posted_once_their_send_is_due_and_before_their_reader(sche
     """In the uniform timeline each receive is posted after its send (a global order a real run can follow, so a
     posted receive never waits on its own rank), at the first point its rank reaches after that send, which is
     often several computes before the compute that reads it (Megatron's pairing posts it one compute ahead)."""
-    from trickles.parallel.pipeline.schedules import _producer, uniform_times
+    from trickles.parallel.pipeline.actions import _producer, uniform_times
 
     lists = build(schedule, shape)
     times = uniform_times([[a for a in acts if a.is_compute] for acts in lists], shape)
@@ -192,7 +192,7 @@ def test_an_empty_timeline_has_no_bubble():
 
 def test_uniform_times_names_the_ranks_of_a_deadlocked_order():
     """Rank 0 starts with a backward that needs rank 1's, rank 1 with a forward that needs rank 0's: neither can go."""
-    from trickles.parallel.pipeline.schedules import uniform_times
+    from trickles.parallel.pipeline.actions import uniform_times
 
     orders = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]]
     with pytest.raises(ValueError, match=r"^the schedule deadlocks: rank 0 at B0\.0, rank 1 at F0\.0$"):

@@ -48,7 +48,8 @@ from __future__ import annotations
 from bisect import bisect_left
 from functools import lru_cache
 
-from ..parallel.pipeline.schedules import SPLIT, Action, Shape, _messages, _producer, compute_order, handoff, uniform_times
+from ..parallel.pipeline.actions import Action, Shape, _messages, _producer, uniform_times
+from ..parallel.pipeline.schedules import SPLIT, compute_order, handoff
 
 
 def chunk_bytes(act: dict, embedding: int, parts: list[list[int]], shape: Shape, rank: int) -> list[tuple[int, int]]:

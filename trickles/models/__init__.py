@@ -1,7 +1,8 @@
 """Single-device models and their Hugging Face import/export."""
 
 from .config import PRESETS, ModelConfig, apply_preset
-from .transformer import KVCache, Transformer, build_model, count_params, initial_value
+from .kv_cache import KVCache
+from .transformer import Transformer, build_model, count_params, initial_value
 
 __all__ = ["PRESETS", "ModelConfig", "apply_preset", "KVCache", "Transformer", "build_model", "count_params",
            "initial_value", "load_hf", "save_hf"]

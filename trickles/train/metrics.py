@@ -1,4 +1,5 @@
-"""Where training numbers go: ``metrics.jsonl``, optional TensorBoard, and the loss-curve PNG."""
+"""Where training numbers go: ``metrics.jsonl``, optional TensorBoard, the loss-curve PNG, and the step's
+mixture-of-experts figures gathered over the ranks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,29 @@ import os
 from typing import Any
 
 import numpy as np
+import torch
+
+from ..topology import Topology
+
+
+
+def moe_metrics(moe, model_cfg, topo: Topology, sequence_parallel: bool, device) -> dict[str, Any]:
+    """A step's mixture-of-experts figures over every rank (``moe``: the step's :class:`~trickles.models.moe.MoEStats`):
+    the mean load-balancing and z-losses (unweighted), the fraction of assignments dropped over capacity, and per
+    MoE layer the assignments each expert took (summed over the step's micro-batches and the replicas)."""
+    layers, e = model_cfg.moe_layers, model_cfg.moe_experts
+    load = torch.zeros(len(layers), e, dtype=torch.float64)
+    for i, layer in enumerate(layers):
+        if layer in moe.load:
+            load[i] = moe.load[layer].double()
+    flat = torch.cat([torch.tensor([moe.aux, moe.z, moe.forwards, moe.assigned, moe.dropped], dtype=torch.float64),
+                      load.flatten()]).to(device)
+    # tensor-parallel ranks see the same tokens, unless sequence parallelism gave each its shard
+    flat = topo.comm("world").all_reduce(flat) / (1 if sequence_parallel else topo.dims.tp)
+    aux, z, forwards, assigned, dropped = flat[:5].tolist()
+    load = flat[5:].view(len(layers), e).round().long().tolist()
+    return {"moe_aux_loss": aux / max(forwards, 1), "moe_z_loss": z / max(forwards, 1),
+            "moe_dropped": dropped / max(assigned, 1), "moe_load": {str(layer): row for layer, row in zip(layers, load)}}
 
 
 class MetricsLog:

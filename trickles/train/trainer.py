@@ -53,7 +53,7 @@ from ..topology import Topology
 from . import trainer_state
 from .flops import flops_per_token, matmul_params, peak_flops
 from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
-from .metrics import MetricsLog, plot_expert_load, plot_loss
+from .metrics import MetricsLog, moe_metrics, plot_expert_load, plot_loss
 from .progress import CompileReport, Progress, run_line
 from .saver import Saver, probe_writable
 
@@ -209,28 +209,8 @@ class Trainer:
         if self.scaler:
             record["loss_scale"] = scale
         if moe is not None:
-            record.update(self._moe_metrics(moe))
+            record.update(moe_metrics(moe, self.model_cfg, self.topo, self.cfg.parallel.sequence_parallel, self.device))
         return record
-
-    def _moe_metrics(self, moe) -> dict[str, Any]:
-        """The step's mixture-of-experts figures over every rank: the mean load-balancing and z-losses
-        (unweighted), the fraction of assignments dropped over capacity, and per MoE layer the
-        assignments each expert took (summed over the step's micro-batches and the replicas)."""
-        layers = self.model_cfg.moe_layers
-        e = self.model_cfg.moe_experts
-        load = torch.zeros(len(layers), e, dtype=torch.float64)
-        for i, layer in enumerate(layers):
-            if layer in moe.load:
-                load[i] = moe.load[layer].double()
-        flat = torch.cat([torch.tensor([moe.aux, moe.z, moe.forwards, moe.assigned, moe.dropped], dtype=torch.float64),
-                          load.flatten()]).to(self.device)
-        world = self.topo.comm("world")
-        # tensor-parallel ranks see the same tokens, unless sequence parallelism gave each its shard
-        flat = world.all_reduce(flat) / (1 if self.cfg.parallel.sequence_parallel else self.topo.dims.tp)
-        aux, z, forwards, assigned, dropped = flat[:5].tolist()
-        load = flat[5:].view(len(layers), e).round().long().tolist()
-        return {"moe_aux_loss": aux / max(forwards, 1), "moe_z_loss": z / max(forwards, 1),
-                "moe_dropped": dropped / max(assigned, 1), "moe_load": {str(layer): row for layer, row in zip(layers, load)}}
 
     def _guard(self, loss: float, finite_grads: bool) -> None:
         """Stops training when the loss or gradients stay non-finite; skipped steps changed nothing.

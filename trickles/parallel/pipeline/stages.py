@@ -31,7 +31,8 @@ from itertools import chain
 import torch
 
 from ...errors import ConfigError
-from ...models.transformer import KVCache, Transformer
+from ...models.kv_cache import KVCache
+from ...models.transformer import Transformer
 from .schedules import Shape
 
 

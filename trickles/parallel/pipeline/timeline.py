@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .schedules import Action, Shape, _messages, _producer, build, durations, peer
+from .actions import Action, Shape, _messages, _producer, durations
+from .schedules import build, peer
 
 
 @dataclass
