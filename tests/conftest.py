@@ -31,6 +31,11 @@ if "TRITON_INTERPRET" not in os.environ:  # Triton kernels run in Triton's inter
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on a machine whose cores the other one's ranks are using:
+    import torch  # one intra-op thread each for the tests that run in the worker itself (ranks set their own)
+
+    torch.set_num_threads(1)
+
 IN_CI = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 HARDWARE_MARKERS = ("needs_gpu",)  # skips CI tolerates: hardware the CI machine does not have
 
