@@ -414,7 +414,7 @@ def test_sequence_parallel_shrinks_activations_as_megatron_predicts(tmp_path, ca
 def _norm_bytes(cfg, tokens):
     """What a layer's two norms keep for backward over ``tokens`` positions (fp32)."""
     d = cfg.d_model
-    one = 4 * tokens * d + 4 * tokens + 8 * tokens * d if cfg.flavor == "llama" else 8 * tokens * d + 8 * tokens
+    one = 8 * tokens * d + 4 * tokens if cfg.flavor == "llama" else 8 * tokens * d + 8 * tokens  # llama: input, 1/rms, output
     return 2 * one
 
 

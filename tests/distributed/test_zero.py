@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import assert_losses_track, assert_weights_track, tiny_config
+from helpers import assert_losses_track, assert_updates_track, assert_weights_track, tiny_config
 from trickles.comm import wire_bytes
 from trickles.memory.accounting import FP32_ADAM, live_tensor_bytes, zero_model_state_bytes
 from trickles.parallel.engine import reduction_wire_bytes
@@ -264,10 +264,13 @@ _MEMORY_CASES = [(3, "full", "fp32"), (3, "selective", "bf16"), (2, "full", "bf1
 # Tolerances against the same precision and recomputation on one process, over 16 steps (measured gaps):
 # fp32 as in the layout-invariance tests (losses 1.7e-7, weights 2.2e-6). bf16/fp16: the gradients are reduced in
 # another order, so now and then a low-precision weight rounds to its neighbour -- losses within 1.0e-4 (bf16) and
-# 6e-6 (fp16), against 1.5e-2 for a learning rate 5% lower; weights within 4.7e-3 (bf16, embed.weight; the norms,
-# near 1.0, are within one bf16 ulp there, 2^-7 = 7.8e-3) and 3.3e-3 (fp16), while every weight moves at least
-# 1.95e-2 from its initial value (so a weight never updated lies 2x farther out than the tolerance).
+# 6e-6 (fp16), against 1.5e-2 for a learning rate 5% lower; weights within 7.8e-3 (bf16: the norms, near 1.0, one bf16
+# ulp, 2^-7) and 3.3e-3 (fp16), while every weight moves at least 1.95e-2 from its initial value (so a weight never
+# updated lies 2x farther out than the tolerance). In low precision the embedding is compared by its update instead
+# (``assert_updates_track``): a few elements of rare tokens' rows, whose gradients are near zero, take Adam steps of
+# opposite sign a learning rate apart (bf16: 1.04e-2 at most) while the tensor tracks (1.8% of its update in norm).
 _TRACK = {"fp32": (1e-4, 1e-5), "bf16": (2e-3, 1e-2), "fp16": (2e-3, 1e-2)}  # (losses, relative; weights, absolute)
+_EMBED_UPDATE = 0.05  # low precision: the embedding's distance to the reference, as a share of the reference's update
 
 
 @pytest.mark.parametrize("stage,recompute,precision", _MEMORY_CASES, ids=[f"zero{s}-{r}-{p}" for s, r, p in _MEMORY_CASES])
@@ -278,7 +281,10 @@ def test_zero_composes_with_recompute_and_precision(tmp_path, cache, stage, reco
     loss_tol, weight_tol = _TRACK[precision]
     for losses, weights in run_ranks(2, _train, str(tmp_path), 2, [f"parallel.zero={stage}", *common], steps=16):
         assert_losses_track(losses, ref_losses, loss_tol, wrong={"lr 5% lower": slower})
-        assert_weights_track(weights, ref_weights, initial, weight_tol)
+        apart = {"embed.weight"} if precision != "fp32" else set()
+        assert_weights_track(*({n: d[n] for n in d if n not in apart} for d in (weights, ref_weights, initial)), weight_tol)
+        if apart:
+            assert_updates_track(*({n: d[n] for n in apart} for d in (weights, ref_weights, initial)), _EMBED_UPDATE)
 
 
 def _bucket_buffers(tmp, cache):

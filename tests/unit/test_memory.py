@@ -122,7 +122,7 @@ def test_moe_capacity_prediction_bounds_the_kept_rows(tmp_path):
     kept = int(tr.moe_stats.load[1].sum())
     assert kept <= 2 * 4 * 8 < 2 * 2 * 32  # capacity binds: at most E C per sequence
     assert meter.per_layer["layers.1"] <= predicted["moe_layer"]
-    mlp = 4 * 4 * 2 * 32 * cfg.ffn_dim  # the dense MLP the block replaces
+    mlp = 3 * 4 * 2 * 32 * cfg.ffn_dim  # the dense MLP the block replaces (gate, up, product)
     exact = predicted["layer"] - mlp + moe_bytes(cfg, 2, 32, 32, assignments=kept)
     assert meter.per_layer["layers.1"] == exact
     assert predicted["moe_layer"] == predicted["layer"] - mlp + moe_bytes(cfg, 2, 32, 32, assignments=2 * 4 * 8)

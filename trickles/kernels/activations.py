@@ -7,8 +7,9 @@
 
 One elementwise kernel each way (fp32 arithmetic, one rounding to the inputs' type); the SwiGLU kernels
 also read a fused gate/up projection's output ``[..., f, 2]`` in place (``STRIDE = 2``: ``a`` and ``b`` are
-neighbours, and their gradients are written as neighbours). The Triton SwiGLU saves only ``a`` and ``b`` (``2 p`` bytes per unit, where the eager one also keeps ``silu(a)``:
-``3 p``); GELU saves ``a`` as the eager one does. Each is a custom operator pair (``trickles::swiglu``,
+neighbours, and their gradients are written as neighbours). The Triton SwiGLU saves only ``a`` and ``b`` (``2 p`` bytes
+per unit), and so does the PyTorch one (:class:`SwiGLUFunction`, recomputing ``silu(a)`` in backward; autograd's own
+``F.silu(a) * b`` would also keep ``silu(a)``: ``3 p``); GELU saves ``a`` as the eager one does. Each is a custom operator pair (``trickles::swiglu``,
 ``swiglu_packed``, ``gelu_tanh`` and their ``_backward``), the inputs saved by the registered autograd.
 """
 
@@ -183,11 +184,30 @@ swiglu_packed_op.register_autograd(lambda ctx, dh: swiglu_packed_backward_op(dh,
 gelu_tanh_op.register_autograd(lambda ctx, dh: gelu_tanh_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs)
 
 
+class SwiGLUFunction(torch.autograd.Function):
+    """``silu(a) * b`` in PyTorch operations saving only ``a`` and ``b``: the backward runs autograd's own kernels
+    (``da = silu_backward(dh b, a)``, ``db = dh silu(a)`` with ``silu(a)`` recomputed), so the gradients are those of
+    ``F.silu(a) * b`` bit for bit. Beside ``dh`` it allocates only the two gradients (``db`` in place of the
+    recomputed ``silu(a)``, ``da`` in place of ``dh b``), as autograd's backward of ``F.silu(a) * b`` does."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        a, b = ctx.saved_tensors
+        db = F.silu(a).mul_(dh)
+        da = dh * b
+        return torch.ops.aten.silu_backward.grad_input(da, a, grad_input=da), db
+
+
 def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
     """``silu(a) * b`` (the gated MLP's activation)."""
-    if use_triton(kernels, a, "swiglu") and a.shape == b.shape:
-        return swiglu_op(a, b)
-    return F.silu(a) * b
+    if a.shape != b.shape:
+        return F.silu(a) * b
+    return swiglu_op(a, b) if use_triton(kernels, a, "swiglu") else SwiGLUFunction.apply(a, b)
 
 
 def swiglu_packed(ab: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
@@ -196,8 +216,7 @@ def swiglu_packed(ab: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
     pairs in place and writes their gradients into one packed buffer."""
     if use_triton(kernels, ab, "swiglu"):
         return swiglu_packed_op(ab)
-    a, b = ab.unflatten(-1, (-1, 2)).unbind(-1)
-    return F.silu(a) * b
+    return SwiGLUFunction.apply(*ab.unflatten(-1, (-1, 2)).unbind(-1))
 
 
 def gelu_tanh(a: torch.Tensor, kernels: str = "torch") -> torch.Tensor:

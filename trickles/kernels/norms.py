@@ -10,8 +10,10 @@ Rows of ``x [..., H]`` are normalized independently, statistics in fp32.
   ``db = sum_rows dy``.
 
 The Triton forward runs one program per row (the whole row in one block) and saves only ``x`` and
-the per-row fp32 statistics (``r``; LayerNorm also ``mu``): ``p H + 4`` bytes per row (``+ 4``), where
-the eager RMSNorm keeps an fp32 copy of ``x``, its 1/rms and the normalized row. The backward runs a
+the per-row fp32 statistics (``r``; LayerNorm also ``mu``): ``p H + 4`` bytes per row (``+ 4``). The PyTorch
+RMSNorm (:class:`RMSNormFunction`, ``kernels=torch``) saves the same and recomputes ``n`` in backward from the
+formulas above; written with autograd's own operations (:func:`rms_norm_reference`, what ``benchmarks/kernels.py``
+times as eager) it would keep an fp32 copy of ``x``, ``r`` and ``n``: twice the bytes at bf16. The backward runs a
 few programs per streaming multiprocessor, each over every ``P``-th row, each writing its partial
 weight (and bias) gradient to one row of an fp32 ``[P, H]`` buffer that a final sum reduces.
 
@@ -240,11 +242,35 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
 
 
+class RMSNormFunction(torch.autograd.Function):
+    """RMSNorm in PyTorch operations that saves what the Triton kernel saves -- ``x``, the weight and the fp32
+    ``r`` -- and computes the gradients from the module docstring's formulas; the forward is
+    :func:`rms_norm_reference`'s, operation for operation."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).type_as(x)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        n = x.float() * rstd
+        dw = None
+        if ctx.needs_input_grad[1]:  # as autograd reduces ``dy * n`` (n rounded to x's type) over the rows
+            dw = (dy * n.type_as(x)).reshape(-1, dy.shape[-1]).sum(0).to(weight.dtype)
+        g = (dy * weight).float()
+        dot = (g * n).mean(-1, keepdim=True)
+        return n.mul_(-dot).add_(g).mul_(rstd).type_as(x), dw, None  # r (g - n mean(g n)), in n's storage
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:
     """RMSNorm of ``x``'s last dimension (module docstring); ``kernels`` picks the implementation."""
     if use_triton(kernels, x, "rms_norm"):
         return rms_norm_op(x, weight, eps)[0]
-    return rms_norm_reference(x, weight, eps)
+    return RMSNormFunction.apply(x, weight, eps)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:

@@ -15,15 +15,15 @@ attention; dropout below):
 =================  ==========================================================  ===========================
 piece              saved for backward                                          bytes
 =================  ==========================================================  ===========================
-RMSNorm (llama)    fp32 input, fp32 1/rms, x_hat, the output the next linear   ``4sd + 4s + 2psd``
-                   keeps
+RMSNorm (llama)    input, fp32 1/rms, the output the next linear keeps         ``2psd + 4s``
+                   (``n`` recomputed in backward, :mod:`trickles.kernels.norms`)
 LayerNorm (gpt2)   input, mean and 1/std, output (CPU autocast keeps p; CUDA   ``2psd + 2ps``
                    autocast upcasts: ``4sd + 8s + psd``)
 attention          q, k, v after rotation; the fused kernel's output (which    ``ps(ah + 2 a_kv h) + psah
                    ``o_proj`` keeps as its input) and fp32 log-sum-exp;          + 4sa (+ 4Thp)``
                    llama in low precision: cos/sin cast for q and k
-MLP                llama: gate, silu(gate), up, product; gpt2: pre-activation  ``4psf`` / ``2psf``
-                   and GELU output
+MLP                llama: gate, up, product (silu recomputed in backward);     ``3psf`` / ``2psf``
+                   gpt2: pre-activation and GELU output
 =================  ==========================================================  ===========================
 
 **Dropout** (``model.dropout > 0``, training) adds, with ``q`` the bytes of one dropout mask element -- on a CPU
@@ -86,7 +86,7 @@ routing            fp32 probabilities; top-k indices (int64); ``k > 1``: the   `
                    top probabilities and their sum (renormalization); the      + sk + 16m``
                    keep mask (bool); the sort order and the token of each
                    kept assignment (int64)
-experts            the gathered input rows; each expert's MLP on its rows      ``pmd + 4pmF`` / ``+ 2pmF``
+experts            the gathered input rows; each expert's MLP on its rows      ``pmd + 3pmF`` / ``+ 2pmF``
                    (llama / gpt2, like the dense MLP); llama in fp32 on CPU   (``+ 4E``)
                    with ``d``, ``F`` multiples of 4 (``grouped_mm``): the
                    int32 offsets of the ``E`` groups
@@ -94,13 +94,13 @@ combine            the expert outputs and the weights (compute type) of the    `
                    weighting; the weighted rows ``index_add`` keeps
 auxiliary losses   the load fractions; the fp32 logits and log-sum-exp of      ``4SE + 4sE + 4s``
                    the z-loss
-shared experts     a dense MLP of ``F_s`` units on all ``s`` tokens (it keeps  ``4psF_s`` / ``2psF_s``
+shared experts     a dense MLP of ``F_s`` units on all ``s`` tokens (it keeps  ``3psF_s`` / ``2psF_s``
                    the norm's output; without it, in low precision nothing
                    does: ``- psd``)
 hard routing       the mask of the label's experts (bool)                      ``sE``
 =================  ==========================================================  ===========================
 
-Together, with ``c_f`` = 4 (llama) or 2 (gpt2) and ``[x]_{cond}`` a term present only when ``cond`` holds, an
+Together, with ``c_f`` = 3 (llama) or 2 (gpt2) and ``[x]_{cond}`` a term present only when ``cond`` holds, an
 MoE layer keeps ``2 norms + attention + moe`` with
 
 ``moe = [4sd + 4Ed]_{p<4} + 4sE + 8sk + [4sk + 4s]_{k>1} + sk + 16m + 3pmd + pm + c_f pmF + 4SE + 4sE + 4s
@@ -180,7 +180,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     llama = cfg.flavor == "llama"
     sn = s // t if sequence_parallel and t > 1 else s  # tokens a norm works on
     if llama:
-        norm = 4 * sn * d + 4 * sn + 2 * p * sn * d
+        norm = 2 * p * sn * d + 4 * sn
     elif device_type == "cuda" and p != 4:
         norm = 4 * sn * d + 8 * sn + p * sn * d
     else:
@@ -196,7 +196,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     attention = qkv + p * s * a * h + lse + (4 * cast_tokens * h * p if llama and p != 4 else 0)
     if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of the heads they select
         attention += 2 * 8 * a
-    mlp = (4 if llama else 2) * p * s * f
+    mlp = (3 if llama else 2) * p * s * f
     core_extra = 0  # all-to-all: the fused output in head shards beside o_proj's input, the repeated heads
     if ulysses:
         core_extra = p * s * a * h + (kv_repeats(a, kv, cp) - 1) * 2 * p * s * kv * h
@@ -307,7 +307,7 @@ def moe_bytes(cfg: ModelConfig, batch: int, tokens: int, seq: int, dtype_bytes: 
     routing = 4 * s * e + 8 * s * k + (4 * s * k + 4 * s if k > 1 else 0) + s * k + 16 * m
     if cfg.moe_router == "hard":
         routing += s * e
-    mlp_factor = 4 if cfg.flavor == "llama" else 2
+    mlp_factor = 3 if cfg.flavor == "llama" else 2
     experts = p * m_in * d + mlp_factor * p * m_in * f  # the rows the experts run on
     if cfg.flavor == "llama" and p == 4 and device_type == "cpu" and d % 4 == 0 and f % 4 == 0:  # grouped_mm's offsets
         experts += 4 * (e // ep)

@@ -121,7 +121,9 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     layer's own -- on the last virtual stage the larger of the loss's and that less the head's activations, which
     the loss's backward frees before the layers' begins (module docstring). ``gathered``: per chunk, what ZeRO-3
     holds beyond the shards during its forward and during its backward (:func:`zero3_gathered`). ``recorded``: per
-    chunk, what a zero-bubble ``B`` records for its ``W`` (:func:`recorded_bytes`), held from the one to the other."""
+    chunk, what a zero-bubble ``B`` records for its ``W`` (:func:`recorded_bytes`), held from the one to the other --
+    except on the first virtual stage, which reads no activation: there ``B`` does nothing and ``W`` runs the whole
+    backward (its transient then), the received gradient held until it."""
     actions = action_lists(schedule, shape, early_receives)[rank]
     last = shape.stages - 1
     split = schedule in SPLIT  # zero-bubble: the activations and the received input stay until W
@@ -146,6 +148,8 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
         elif a.kind == "B":
             alive -= pending_grads
             pending_grads = 0
+            if split and s == 0:  # the first stage reads no activation: its B does nothing (the received gradient
+                continue  # waits), its W is the whole backward (trickles.parallel.pipeline.split)
             lay, head = weights[a.chunk]
             # the loss's backward first; the layers' after it has freed the head's activations
             during = max(loss_transient, backward_transient - head) if s == last else backward_transient
@@ -165,6 +169,10 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
             peak = max(peak, alive)
         elif a.kind == "W":
             lay, head = weights[a.chunk]
+            if s == 0:
+                peak = max(peak, alive + backward_transient)
+                alive -= lay + head + (msg if s < last else 0)
+                continue
             alive -= lay + head + (msg if s > 0 and not saves_input else 0) + (recorded[a.chunk] if recorded else 0)
     return peak
 

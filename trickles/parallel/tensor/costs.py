@@ -53,8 +53,8 @@ linears     each its gathered input (2-D: the row's ``[n, h]``; 3-D: the        
 attention   q, k, v after rotation, the fused kernel's output, fp32             ``p n (2 a_l h + 2 a_kv,l h)
             log-sum-exp (llama in low precision without Triton: cos/sin cast   + 4 n a_l (+ 4 T h p)``
             for q and k; the Triton kernel keeps only the tables)
-MLP         llama: gate, silu(gate), up (Triton: gate and up); gpt2: the        ``3 p n f_l`` (``2 p n f_l``)
-            pre-activation                                                      / ``p n f_l``
+MLP         llama: gate and up (silu recomputed in backward); gpt2: the         ``2 p n f_l`` / ``p n f_l``
+            pre-activation
 ==========  ==================================================================  ===============================
 
 ``selective`` recomputation drops the attention core's output and log-sum-exp, ``p n a_l h + 4 n a_l`` (the
@@ -300,7 +300,7 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
     from ...kernels import runs_triton
 
     q, n, llama = lay.q, lay.tokens(batch, seq), cfg.flavor == "llama"
-    rotary, swiglu = (runs_triton(cfg.kernels, device_type, k) for k in ("rotary", "swiglu"))
+    rotary = runs_triton(cfg.kernels, device_type, "rotary")
     d, hd, f = cfg.d_model, cfg.head_dim, cfg.ffn_dim
     a, kv, fl = cfg.n_heads // q, cfg.kv_heads // q, f // q
     mat = q * q if lay.mode == "3d" else q
@@ -308,7 +308,7 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
     linears = sum(p * n * h + p * h * h2 // mat for _, h, h2, _ in block_linears(cfg))
     core = p * n * a * hd + 4 * n * a  # the fused kernel's output and log-sum-exp
     attention = p * n * (a * hd + 2 * kv * hd) + core + (4 * seq * hd * p if llama and p != 4 and not rotary else 0)
-    mlp = (2 if swiglu else 3) * p * n * fl if llama else p * n * fl
+    mlp = (2 if llama else 1) * p * n * fl
     layer = {"none": 2 * norm + linears + attention + mlp, "selective": 2 * norm + linears + attention + mlp - core,
              "full": p * n * d // q}[recompute]
     v, n_all = cfg.vocab_size, batch * seq
