@@ -335,3 +335,37 @@ def test_elementwise_kernels_write_nothing_past_their_end():
         assert torch.equal(buf[n:], outs[5][n:])
     torch.testing.assert_close(outs[0][:n], F.silu(a) * b)
     torch.testing.assert_close(outs[3][:n], F.gelu(a, approximate="tanh"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pytorch_rms_norm_and_swiglu_save_what_the_kernels_save_and_give_autograds_gradients(dtype):
+    """``kernels=torch``: RMSNorm keeps its input, weight and fp32 ``1/rms`` only (autograd's own operations would
+    keep an fp32 copy and the normalized row too), SwiGLU its two inputs only (not ``silu(a)``); the outputs are
+    autograd's bit for bit, SwiGLU's gradients too, RMSNorm's within rounding of its fp32 arithmetic."""
+
+    def saved(fn, *args):
+        kept = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+            out = fn(*args)
+        return out, {(t.data_ptr(), t.dtype, tuple(t.shape)) for t in kept}
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 5, 48, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.1 * torch.randn(48, generator=g)).to(dtype).requires_grad_()
+    y, kept = saved(rms_norm, x, w, 1e-5)
+    assert type(y.grad_fn).__name__ == "RMSNormFunctionBackward" and len(kept) == 3
+    assert {(dt, shape) for _, dt, shape in kept} == {(dtype, (2, 5, 48)), (dtype, (48,)), (torch.float32, (2, 5, 1))}
+    dy = torch.randn(y.shape, generator=g).to(dtype)
+    ref = rms_norm_reference(x, w, 1e-5)
+    assert torch.equal(y, ref)
+    for a, b in zip(torch.autograd.grad(y, (x, w), dy), torch.autograd.grad(ref, (x, w), dy)):
+        _close(a, b, dtype)
+    a, b = (torch.randn(4, 40, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    h, kept = saved(swiglu, a, b)
+    assert type(h.grad_fn).__name__ == "SwiGLUFunctionBackward"
+    assert kept == {(t.data_ptr(), dtype, (4, 40)) for t in (a, b)}
+    dh = torch.randn(h.shape, generator=g).to(dtype)
+    eager = F.silu(a) * b
+    assert torch.equal(h, eager)
+    for u, v in zip(torch.autograd.grad(h, (a, b), dh), torch.autograd.grad(eager, (a, b), dh)):
+        assert torch.equal(u, v)
