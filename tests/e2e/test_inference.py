@@ -183,6 +183,18 @@ def test_batcher_decodes_waiting_jobs_together(checkpoint):
         assert results[i][0].text == alone.text
 
 
+def test_a_stopping_batcher_refuses_the_jobs_still_waiting():
+    """Jobs queued behind the stop are finished with an error ("shutting down"), not left waiting forever."""
+    batcher = Batcher(None, None, max_batch=8, window_s=0.0)
+    batcher.queue.put(None)  # what stop() sends, here ahead of two jobs
+    results = []
+    for _ in range(2):
+        batcher.submit(Job([[1, 2]], [Sampling(max_new_tokens=2)], finish=results.append))
+    batcher.start()
+    batcher.stop()
+    assert len(results) == 2 and all(isinstance(r, RuntimeError) and "shutting down" in str(r) for r in results)
+
+
 def test_serve_command_starts_and_stops(checkpoint):
     """``trickles serve CKPT --port 0`` prints its address, answers /health, and exits cleanly on SIGINT."""
     proc = subprocess.Popen([sys.executable, "-m", "trickles", "serve", checkpoint, "--port", "0"], stdout=subprocess.PIPE,

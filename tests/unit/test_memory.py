@@ -243,3 +243,37 @@ def test_report_sizes_switch_unit_at_each_power_of_1024():
 
     assert [_fmt(v) for v in (None, 1023, 1024, 2**20 - 1, 2**20, 2**30, -2**20)] == [
         "-", "1,023 B", "1.00 KiB", "1,024.00 KiB", "1.00 MiB", "1.00 GiB", "-1.00 MiB"]
+
+
+def test_profiling_silences_stderr_and_gives_the_same_stderr_back(tmp_path):
+    """While the profiler starts and stops, file descriptor 2 points at the null device; afterwards at the very file
+    it pointed at before (not at some other open descriptor)."""
+    import os
+
+    from trickles.memory.accounting import _quiet_stderr
+
+    before = os.fstat(2)
+    spare = open(tmp_path / "other", "w")  # another open descriptor beside 0-2
+    try:
+        with _quiet_stderr():
+            assert os.path.samestat(os.fstat(2), os.stat(os.devnull))
+        after = os.fstat(2)
+    finally:
+        spare.close()
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_a_rank_model_holds_its_share_of_the_experts(ep):
+    """Expert parallelism over ``ep`` ranks: the meta model a rank's memory is counted on holds ``E / ep`` experts of
+    each MoE block (at ep = 2 as at 4), and the rest of the model whole."""
+    from trickles.memory.meta import rank_model
+    from trickles.models.config import ModelConfig, apply_preset
+
+    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), moe_experts=4, moe_every=2, vocab_size=256, max_seq_len=32)
+    whole = dict(rank_model(cfg, ParallelDims(), False, 0, torch.float32).named)
+    part = dict(rank_model(cfg, ParallelDims(dp=ep, ep=ep), False, 0, torch.float32).named)
+    assert whole.keys() == part.keys() and any(".experts." in n for n in whole)
+    for name, p in whole.items():
+        experts = ".experts." in name
+        assert part[name].shape == ((p.shape[0] // ep, *p.shape[1:]) if experts else p.shape), name
