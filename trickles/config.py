@@ -153,6 +153,7 @@ class Config:
         self._check_context_parallel(dims)
         self._check_documents(dims)
         self._check_pipeline(dims)
+        self._check_elementwise_recompute(dims)
         self.distill.check_layout(dims, self.parallel.zero)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
@@ -165,6 +166,18 @@ class Config:
         if self.model.vocab_size is not None and self.data.tokenizer == "byte" and self.model.vocab_size < 257:
             raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset")
         return dims
+
+    def _check_elementwise_recompute(self, dims: ParallelDims) -> None:
+        """``memory.recompute=elementwise``: what its recipes cover (:mod:`trickles.memory.recompute`)."""
+        if self.memory.recompute != "elementwise":
+            return
+        for bad, what, fix in (
+                (bool(self.model.moe_experts), "mixture-of-experts blocks (model.moe_experts)", "set model.moe_experts=0"),
+                (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "use parallel.tp_mode=1d"),
+                (self.train.compile, "train.compile (its partitioner chooses what to recompute)", "set train.compile=false")):
+            if bad:
+                raise ConfigError(f"memory.recompute=elementwise does not combine with {what}; {fix} or use "
+                                  f"memory.recompute=selective (or none, full)")
 
     def _check_documents(self, dims: ParallelDims) -> None:
         """``data.document_mask``: the layouts whose attention or positions do not take document ids yet."""

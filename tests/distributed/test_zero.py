@@ -260,7 +260,7 @@ def test_checkpoint_records_global_shapes_and_loads_at_another_layout(tmp_path, 
         assert torch.allclose(w, final[n], atol=1e-5, rtol=0), n
 
 
-_MEMORY_CASES = [(3, "full", "fp32"), (3, "selective", "bf16"), (2, "full", "bf16"), (1, "selective", "fp16")]
+_MEMORY_CASES = [(3, "full", "fp32"), (3, "elementwise", "bf16"), (2, "full", "bf16"), (1, "selective", "fp16")]
 # Tolerances against the same precision and recomputation on one process, over 16 steps (measured gaps):
 # fp32 as in the layout-invariance tests (losses 1.7e-7, weights 2.2e-6). bf16/fp16: the gradients are reduced in
 # another order, so now and then a low-precision weight rounds to its neighbour -- losses within 1.0e-4 (bf16) and

@@ -123,6 +123,13 @@ BAD_VALUES = [
     (["model.moe_experts=3", "parallel.ep=2"], 2, "model.moe_experts (3) must be divisible by parallel.ep (2)"),
     (["memory.offload_optimizer=true"], 1, "memory.offload_optimizer needs a sharded optimizer"),
     (["parallel.zero=3", "train.compile=true"], 1, "train.compile does not work with parallel.zero=3"),
+    # elementwise recomputation's recipes cover dense blocks' norms and activations on 1-D layouts, in eager mode
+    (["memory.recompute=elementwise", "model.moe_experts=4"], 1,
+     "memory.recompute=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set model.moe_experts=0"),
+    (["memory.recompute=elementwise", "parallel.tp=4", "parallel.tp_mode=2d"], 4,
+     "memory.recompute=elementwise does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d"),
+    (["memory.recompute=elementwise", "train.compile=true"], 1,
+     "memory.recompute=elementwise does not combine with train.compile (its partitioner chooses what to recompute)"),
     (["model.vocab_size=256"], 1, "model.vocab_size (256) is smaller than the byte tokenizer's 257 tokens"),
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel needs parallel.tp > 1"),
     (["parallel.tp=2", "model.ffn_hidden=129"], 2, "the MLP width (129) must be divisible by parallel.tp (2)"),

@@ -41,11 +41,11 @@ def _trainer(tmp, *overrides, steps=3):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_recompute_gives_identical_losses_and_weights(tmp_path, flavor, precision):
     results = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "elementwise", "selective", "full"):
         tr = _trainer(tmp_path, f"model.preset={flavor}", "model.dropout=0.1", f"memory.precision={precision}", f"memory.recompute={mode}")
         losses = [tr.train_step()["loss"] for _ in range(3)]
         results[mode] = losses, tr.engine.full_state(), tr.evaluate()  # evaluation: no graph, nothing recomputed
-    for mode in ("selective", "full"):
+    for mode in ("elementwise", "selective", "full"):
         assert results[mode][0] == results["none"][0], mode  # bit for bit, dropout included
         assert results[mode][2] == results["none"][2] is not None, mode
         for name, w in results[mode][1].items():
@@ -61,7 +61,7 @@ _ACTIVATION_CASES = [("tiny", "fp32", 32, 2), ("tiny", "bf16", 64, 4), ("gpt2-ti
 def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, seq, batch):
     """The formula counts every byte autograd saves: equal per layer and for the head, in each recompute mode."""
     measured = {}
-    for mode in ("none", "selective", "full"):
+    for mode in ("none", "elementwise", "selective", "full"):
         tr = _trainer(tmp_path, f"model.preset={flavor}", f"memory.precision={precision}", f"memory.recompute={mode}",
                       f"data.seq_len={seq}", f"train.micro_batch={batch}", f"train.global_batch={batch}")
         x, y = tr.train_data.micro_batches(0, batch, batch)[0]
@@ -76,6 +76,7 @@ def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, 
             assert meter.per_layer[name] == predicted["layer"], (mode, name, meter.per_layer[name] - predicted["layer"])
         assert meter.per_layer["head"] == predicted["head"], (mode, meter.per_layer["head"] - predicted["head"])
         measured[mode] = meter.per_layer["layers.0"]
+    assert measured["full"] < measured["elementwise"] < measured["none"]
     assert measured["full"] < measured["selective"] < measured["none"]
 
 

@@ -154,7 +154,7 @@ def test_the_layout_search_offers_the_zero_bubble_schedules_without_full_recompu
     seen = {(lay.schedule, lay.virtual_stages, lay.recompute) for lay in enumerate_layouts(cfg, {"parallel.pp"}, 4, mc)}
     assert ("zb-h1", 1, "selective") in seen and ("zb-v", 2, "none") in seen
     assert not any(s.startswith("zb") and rc == "full" for s, _, rc in seen) and ("1f1b", 1, "full") in seen
-    assert set(RECOMPUTE) == {"none", "selective", "full"}
+    assert set(RECOMPUTE) == {"none", "elementwise", "selective", "full"}
 
 
 def test_the_layout_search_tries_end_stages_lighter_by_the_embedding_and_the_head():

@@ -41,7 +41,8 @@ def test_enumeration_keeps_pinned_keys_and_varies_the_rest():
     assert {lay.sequence_parallel for lay in layouts} == {False, True}
     assert {lay.micro_batch for lay in layouts} >= {1, 2, 4}
     free = list(enumerate_layouts(cfg, set(), 4, mc))
-    assert {lay.tp_mode for lay in free} == {"1d", "2d"} and {lay.recompute for lay in free} == {"none", "selective", "full"}
+    assert {lay.tp_mode for lay in free} == {"1d", "2d"} and {lay.recompute for lay in free} == {"none", "elementwise", "selective", "full"}
+    assert not any(lay.recompute == "elementwise" and lay.tp_mode != "1d" for lay in free)  # refused on grids
     assert {lay.offload_optimizer for lay in free} == {False, True} and {lay.cp_mode for lay in free if lay.cp > 1} == {"ring", "ulysses"}
     assert not any(lay.offload_optimizer and lay.zero == 0 for lay in free)
 
@@ -148,7 +149,7 @@ def test_a_layout_the_memory_report_refuses_gives_way_to_more_recomputation():
     before = len(s.ranked)
     s.confirm(c, s.ranked.index(c))
     assert c.fits is False and len(s.ranked) == before + 1
-    more = next(d for d in s.ranked if d.layout == dataclasses.replace(c.layout, recompute="selective"))
+    more = next(d for d in s.ranked if d.layout == dataclasses.replace(c.layout, recompute="elementwise"))
     assert s.ranked.index(more) > s.ranked.index(c) and more.time.total_s >= c.time.total_s
     assert more.fallbacks == c.fallbacks[1:]
 

@@ -118,7 +118,9 @@ so with dropless routing the ``ep`` ranks' MoE layers sum to ``ep`` times the pr
 dense one (``selective``: the attention core; ``full``: the block input, and with hard routing the first
 block also keeps the per-token label ids, ``8s``, counted with ``"tables"``).
 
-A layer holds two norms, the attention and the MLP. ``selective`` recomputation of the
+A layer holds two norms, the attention and the MLP. ``elementwise`` recomputation (:mod:`trickles.memory.recompute`)
+drops each norm's output, ``p s_n d`` (gpt2's on CUDA in low precision excepted: its linears keep autocast's cast of
+the fp32 output), and the activation's product, ``psf``. ``selective`` recomputation of the
 attention core drops what the core keeps beyond its inputs -- with a fused kernel only the
 log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabilities);
 ``full`` keeps only the block input, ``psd``. The head keeps token ids and targets (``16s``),
@@ -152,7 +154,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
     "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's),
     "terms": a dense layer by piece -- norms, attention, MLP (each with the norm output its linears keep), dropout masks,
-    "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...}``
+    "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...,
+    "rebuilt": the largest output elementwise recomputation rebuilds in a backward, alive while a linear uses it}``
     for one micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
 
     With tensor parallelism ``tp > 1`` the heads and the MLP width are split (``a/tp``, ``f/tp``;
@@ -205,19 +208,28 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         core_extra += p * batch * whole_seq * whole_seq + 2 * p * batch * whole_seq * (a - f_kv * kv) // cp * h
     attention += core_extra
     full = p * sn * d  # the block input, on this rank's sequence shard under sequence parallelism
-    if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+    if recompute not in ("none", "elementwise", "selective", "full"):
+        raise ValueError(f"recompute must be none, elementwise, selective or full, got {recompute!r}")
+    elementwise = recompute == "elementwise"
+    if elementwise and cfg.moe_experts:
+        raise ValueError("elementwise recomputation covers dense blocks only (the configuration refuses experts with it)")
+    # elementwise: the linears after a norm keep a recipe in place of its output -- except gpt2's on CUDA in low
+    # precision, whose linears keep autocast's cast of the fp32 output, not the output -- and the down projection
+    # one in place of the activation's
+    out_dropped = p * sn * d if elementwise and not (not llama and device_type == "cuda" and p != 4) else 0
+    act_dropped = p * s * f if elementwise else 0
 
     def block(ffn: int, drops: int = 2) -> int:  # ``drops``: the dropouts on the residual branches
         ffn += drops * mask * sn * d
         return {"none": 2 * norm + attention + ffn, "selective": 2 * norm + attention + ffn - lse - core_extra,
-                "full": full}[recompute]
+                "elementwise": 2 * norm + attention + ffn - 2 * out_dropped - act_dropped, "full": full}[recompute]
 
     layer = block(mlp)
-    recomputed = {"none": 0, "selective": lse + core_extra, "full": None}[recompute]
+    recomputed = {"none": 0, "elementwise": 0, "selective": lse + core_extra, "full": None}[recompute]
+    kept = p * sn * d - out_dropped  # each norm's output, as its linears keep it
     # a dense layer by piece (each norm's output counted with the linears that keep it): sums to ``layer``
     terms = {"block input": full} if recomputed is None else {
-        "norms": 2 * (norm - p * sn * d), "attention": p * sn * d + attention - recomputed, "mlp": p * sn * d + mlp,
+        "norms": 2 * (norm - p * sn * d), "attention": kept + attention - recomputed, "mlp": kept + mlp - act_dropped,
         "dropout masks": 2 * mask * sn * d}
     moe_layer = (block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type),
                        3 if cfg.moe_shared_experts else 2) if cfg.moe_experts else 0)
@@ -241,7 +253,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if per_layer:
         per_layer[0] += tables + labels
     return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
-            "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels, "terms": terms}
+            "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels, "terms": terms,
+            "rebuilt": max(out_dropped, act_dropped)}
 
 
 def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,

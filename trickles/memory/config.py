@@ -15,7 +15,7 @@ class MemoryConfig:
 
     precision: Literal["fp32", "bf16", "fp16"] = opt("fp32", "parameters and compute in this type; bf16/fp16 keep fp32 master weights in the optimizer (sharded under ZeRO)")
     grad_dtype: Literal["fp32", "param"] = opt("fp32", "type of the gradient buffers that accumulate and are reduced: fp32, or the parameters' type (half the bytes)")
-    recompute: Literal["none", "selective", "full"] = opt("none", "activation recomputation: full recomputes each block in backward from its input; selective only the attention core")
+    recompute: Literal["none", "elementwise", "selective", "full"] = opt("none", "activation recomputation: full recomputes each block in backward from its input; selective only the attention core; elementwise only the norms' outputs and the MLP activation's, from what their own backward keeps (no matmul runs again; dense blocks, 1-D tensor parallelism, no train.compile)")
     offload_optimizer: bool = opt(False, "keep the optimizer state and step in host memory (needs parallel.zero >= 1)")
     offload_overlap: bool = opt(True, "ZeRO-1/2 with offload and AdamW or SGD: gradients leave for the host during backward, and the host step runs bucket by bucket on a thread while the next forward starts (false: the step waits for every copy)")
     loss_scale: float = opt(65536.0, "fp16: initial dynamic loss scale")

@@ -103,8 +103,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # one chunk's logits
     loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton, fp32_accumulating_mm(device_type)))
-    recomputed = 0  # what recomputation brings back of a layer in its backward
-    if cfg.memory.recompute != "none":
+    recomputed = act.get("rebuilt", 0)  # what recomputation brings back of a layer in its backward (elementwise: one output)
+    if cfg.memory.recompute not in ("none", "elementwise"):
         plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),
                             model_cfg, lay, dims, device_type)["per_layer"]
         recomputed = max(a - b for a, b in zip(plain, act["per_layer"]))

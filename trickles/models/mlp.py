@@ -9,6 +9,22 @@ from ..kernels.activations import gelu_tanh, swiglu, swiglu_packed
 from .config import ModelConfig
 
 
+class Activation(nn.Module):
+    """The MLP's nonlinearity as a module of its own (no parameters): ``swiglu(gate, up)``, ``swiglu_packed(gate_up)``
+    or ``gelu_tanh(up)``, so that recomputation (:mod:`trickles.memory.recompute`) can find its output and rerun it."""
+
+    def __init__(self, kind: str, kernels: str):
+        super().__init__()
+        self.kind, self.kernels = kind, kernels
+
+    def forward(self, *pre):
+        if self.kind == "swiglu_packed":
+            return swiglu_packed(*pre, self.kernels)
+        if self.kind == "swiglu":
+            return swiglu(*pre, self.kernels)
+        return gelu_tanh(*pre, self.kernels)
+
+
 class MLP(nn.Module):
     """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``.
 
@@ -21,7 +37,6 @@ class MLP(nn.Module):
         super().__init__()
         bias = cfg.flavor == "gpt2"
         self.gated = cfg.flavor == "llama"
-        self.kernels = cfg.kernels
         self.fused = self.gated and hidden is None and cfg.fuses_projections
         hidden = hidden or cfg.ffn_dim
         if self.fused:
@@ -32,12 +47,13 @@ class MLP(nn.Module):
             self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, cfg.d_model, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
+        self.act = Activation("swiglu_packed" if self.fused else "swiglu" if self.gated else "gelu_tanh", cfg.kernels)
 
     def forward(self, x):
         if self.fused:
-            h = swiglu_packed(self.gate_up_proj(x), self.kernels)
+            h = self.act(self.gate_up_proj(x))
         elif self.gated:
-            h = swiglu(self.gate_proj(x), self.up_proj(x), self.kernels)
+            h = self.act(self.gate_proj(x), self.up_proj(x))
         else:
-            h = gelu_tanh(self.up_proj(x), self.kernels)
+            h = self.act(self.up_proj(x))
         return self.resid_drop(self.down_proj(h))

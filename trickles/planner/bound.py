@@ -87,8 +87,8 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
                                       runs_triton(mc.kernels, device_type, "cross_entropy"),
                                       fp32_accumulating_mm(device_type)))
     if dims.pp == 1:  # the report's other phase: the last block's backward, the head's saved tensors released
-        recomputed = 0
-        if mem.recompute != "none":
+        recomputed = act.get("rebuilt", 0)  # elementwise: one output at a time
+        if mem.recompute not in ("none", "elementwise"):
             plain_cfg = dataclasses.replace(cfg, memory=dataclasses.replace(mem, recompute="none"))
             plain_key = _activation_key(plain_cfg, dims, device_type)
             plain = cache.get(plain_key) if cache is not None else None

@@ -159,6 +159,19 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
     return Work(tuple(gemms), elementwise + attention_bytes, attention_bytes)
 
 
+def rebuilt_bytes(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequence_parallel: bool, p: int) -> float:
+    """The bytes one dense block's elementwise recomputation (:mod:`trickles.memory.recompute`) moves in one
+    backward: each linear that reads a norm's output reruns the norm (reads ``x``, writes ``n``: ``2 r p``), the
+    down projection reruns the activation (``3 N f / tp p``, gpt2 2) -- ``r`` as in :func:`block_work`; the linears
+    reading the attention norm are q, k and v (one fused qkv), the MLP norm's gate and up (one fused, gpt2's up)."""
+    n = batch * seq // dims.cp
+    split = dims.tp if sequence_parallel and dims.tp > 1 else 1
+    r = n * cfg.d_model / split
+    fused = cfg.fuses_projections
+    readers = (1 if fused else 3) + (1 if fused or not _gated(cfg) else 2)
+    return p * (2 * r * readers + (3 if _gated(cfg) else 2) * n * cfg.ffn_dim / dims.tp)
+
+
 #: fp32 bytes per logit the loss moves over forward and backward: one rank's fused log-softmax reads the logits and
 #: writes its output, forward and backward (4 passes); the vocabulary-parallel one (:mod:`trickles.parallel.tensor.layers`)
 #: takes the maximum, shifts, exponentiates, sums, divides and masks in forward and scales in backward (11 passes).

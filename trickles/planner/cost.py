@@ -13,7 +13,8 @@ else the memory bandwidth), plus a third of ``o`` per pass -- ``o`` the fixed co
 forward and backward for a micro-batch, ``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs), an MoE block
 ``o + o_moe`` (``Cluster.moe_pass_overhead_us``: its routing's many small operations); ``share`` is
 the fraction of a device a rank gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
-(``full``) or the attention core's (``selective``): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Of ``t_b``, the
+(``full``), the attention core's (``selective``) or the norms' and activations' passes each rebuilt output costs,
+twice under a split backward (``elementwise``, :func:`~trickles.planner.compute.rebuilt_bytes`): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Of ``t_b``, the
 weights' gradients take ``t_w`` = the forward time of the GEMMs with a weight (all but the attention core's): what
 a zero-bubble schedule's ``W`` moves into the bubble. Its FLOPs
 sum to :func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the
@@ -73,7 +74,7 @@ from ..models.config import ModelConfig
 from ..parallel.pipeline.schedules import SPLIT
 from ..topology import ParallelDims
 from .cluster import Cluster, Link
-from .compute import ATTENTION, Work, attention_flops, chunk_work
+from .compute import ATTENTION, Work, attention_flops, chunk_work, rebuilt_bytes
 from .placement import group_members, group_size, pipeline_hop_spans_nodes, spans_nodes
 from .rank_plan import RankPlan, rank_plans
 from .traffic import TERMS, Traffic
@@ -189,6 +190,10 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     recompute = cfg.memory.recompute
     if recompute == "full":
         t_rc = sum(work_seconds(blocks, cluster, precision, share)) + (fixed - (overhead if plan.last else 0)) / 3
+    elif recompute == "elementwise":  # each backward's reads of a rebuilt output; a split backward reads in B and W
+        reads = 2 if cfg.parallel.schedule in SPLIT and dims.pp > 1 else 1
+        rebuilt = rebuilt_bytes(mc, dims, plan.micro, plan.seq, plan.sp, plan.p) * len(plan.layers) * reads
+        t_rc = rebuilt / (cluster.elementwise_Bps * share)
     elif recompute == "selective":
         t_rc = gemm_f * attention_flops(work) / max(work.flops, 1.0) + \
             work.attention_bytes / (cluster.elementwise_Bps * share)

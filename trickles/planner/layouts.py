@@ -27,7 +27,9 @@ SEARCHED = ("parallel.dp", "parallel.tp", "parallel.tp_mode", "parallel.tp_depth
             "parallel.virtual_stages", "parallel.pipeline_layers", "train.micro_batch", "memory.recompute",
             "memory.offload_optimizer")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
-RECOMPUTE = ("none", "selective", "full")
+#: in the order of the time they add (elementwise reruns no matmul; with fused attention it also keeps less than
+#: selective, so a layout over the bound with it is over with selective too)
+RECOMPUTE = ("none", "elementwise", "selective", "full")
 
 
 @dataclass(frozen=True)
@@ -204,7 +206,7 @@ def enumerate_layouts(cfg: Config, pins: set[str], devices: int, model_cfg: Mode
 def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig,
                     offload: bool = True) -> Iterator[list[list[Layout]]]:
     """The layouts of :func:`enumerate_layouts` grouped for pruning: each family differs only in the micro-batch
-    (ascending: memory grows with it) and, for each micro-batch, the recomputation chain ``none, selective, full``
+    (ascending: memory grows with it) and, for each micro-batch, the recomputation chain ``none, elementwise, selective, full``
     (time grows along it, memory shrinks; pinned: one entry). ``offload=False`` leaves the optimizer on the device
     unless the key is pinned."""
     par, n_layers = cfg.parallel, model_cfg.n_layers
@@ -253,6 +255,9 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                                             continue  # ZeRO-3 gathers a block around its whole backward (refused)
                                         # zero-bubble: W would recompute fully recomputed blocks (refused)
                                         rcs = [rc for rc in recomputes if schedule not in SPLIT or rc != "full"]
+                                        if "memory.recompute" not in pins and (model_cfg.moe_experts or mode != "1d"
+                                                                                or cfg.train.compile):
+                                            rcs = [rc for rc in rcs if rc != "elementwise"]  # refused (dense 1-D only)
                                         if "parallel.pipeline_layers" in pins:
                                             splits = [tuple(par.pipeline_layers)]
                                         else:  # even, and the ends lighter by the embedding's and the head's layer

@@ -127,7 +127,7 @@ def explain(search: Search, win: Candidate) -> list[str]:
     return lines
 
 
-_RC = {"none": 0, "selective": 1, "full": 2}
+_RC = {"none": 0, "elementwise": 1, "selective": 2, "full": 3}
 
 
 def layout_json(c: Candidate) -> dict[str, Any]:

@@ -6,7 +6,8 @@
 (mixture-of-experts models only) -- and the options: ``sequence_parallel`` (1-D ``tp > 1``), ZeRO stage 0-3,
 the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with ``virtual_stages`` ``v >= 2`` and at least one
 layer a chunk, the chunks as even as the layers allow or with lighter ends), the micro-batch (every divisor of ``global_batch / dp``),
-``memory.recompute`` (none, selective, full) and ``memory.offload_optimizer`` (ZeRO >= 1; not on a CPU cluster,
+``memory.recompute`` (none, elementwise, selective, full; elementwise not for mixture-of-experts models, grids or
+``train.compile``, which refuse it) and ``memory.offload_optimizer`` (ZeRO >= 1; not on a CPU cluster,
 whose device memory is the host's, unless pinned). The model, the
 precision, the global batch and every other key stay as configured.
 
@@ -32,8 +33,8 @@ each alternative it explains -- get the full :func:`trickles.memory.report.predi
 down the ranking until one fits. A layout the memory report does not model (it raises ConfigError) keeps the bound as its
 estimate, marked ``estimated`` (``~`` in the table).
 
-**What is timed.** Two reductions hold in the time model: recomputation only adds time (``none``, ``selective``,
-``full`` in that order), so of each chain only the first layout within the bound is timed, the others held back and
+**What is timed.** Two reductions hold in the time model: recomputation only adds time (``none``, ``elementwise``,
+``selective``, ``full`` in that order), so of each chain only the first layout within the bound is timed, the others held back and
 timed if the memory report refuses it; and a larger micro-batch only holds more, so a family's micro-batches stop at
 the first over the bound. GPipe has 1F1B's step time in the model and holds more micro-batches: it is searched only
 when pinned. Up to ``exhaustive_limit`` layouts every family is timed; beyond (GPT-3 on 1,024 devices has ~450,000
