@@ -248,3 +248,15 @@ def test_pipelines_are_searched_with_zero_2_and_3_and_uneven_interleaved_chunks(
             continue
         valid.add((lay.schedule, lay.virtual_stages, lay.zero))
     assert {("interleaved", 3, 3), ("1f1b", 1, 2), ("zb-v", 2, 2)} <= valid
+
+
+def test_no_fit_is_claimed_while_a_ranked_layout_fits():
+    """The bound leaves transients out, so the fastest layouts within it may all be over the report: the walk for the
+    top layouts goes on past ``max_confirm`` misses until one fits (then stops after that many more)."""
+    cfg, mc, s = setup("parallel.pp=1", "parallel.cp=1", "memory.recompute=none", devices=2, max_confirm=1)
+    s.run()
+    peaks = [predict(c.cfg, c.dims, mc, "cuda").predicted["peak"] for c in s.ranked]
+    j = next(j for j in range(2, len(peaks)) if peaks[j] < min(peaks[:j]))  # lighter than every faster layout
+    s.capacity = peaks[j]
+    top = s.top(1)
+    assert top and top[0] is s.ranked[j] and all(c.fits is False for c in s.ranked[:j])

@@ -352,9 +352,12 @@ class Search:
         return None
 
     def top(self, k: int) -> list[Candidate]:
-        """The ``k`` fastest candidates that fit."""
+        """The ``k`` fastest candidates that fit: after the first, at most ``max_confirm x k`` that do not are
+        confirmed; before it the walk goes on down the ranking (the bound leaves out transients -- a zero-bubble
+        stage's gradients recorded for ``W`` -- so many layouts within it may be over the report, and "fits no
+        layout" must mean none does)."""
         out, misses, i = [], 0, 0
-        while i < len(self.ranked) and len(out) < k and misses < self.max_confirm * k:
+        while i < len(self.ranked) and len(out) < k and (not out or misses < self.max_confirm * k):
             c = self.ranked[i]
             if self.confirm(c, i).fits:
                 out.append(c)
