@@ -38,7 +38,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_name, interleaved, one_device, rel_error  # noqa: E402
 
-from trickles.kernels.activations import swiglu, swiglu_packed  # noqa: E402
 from trickles.models import fused  # noqa: E402
 from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
 from trickles.models.transformer import MLP, Attention, initial_value  # noqa: E402
@@ -72,7 +71,7 @@ class Projections(torch.nn.Module):
             b, t, _ = x.shape
             q, k, v = (p(x).view(b, t, -1, a.head_dim) for p in (a.q_proj, a.k_proj, a.v_proj))
         m = self.mlp
-        h = swiglu_packed(m.gate_up_proj(x), m.kernels) if m.fused else swiglu(m.gate_proj(x), m.up_proj(x), m.kernels)
+        h = m.act(m.gate_up_proj(x)) if m.fused else m.act(m.gate_proj(x), m.up_proj(x))
         return q.sum(2) + k.sum(2) + v.sum(2), h
 
 

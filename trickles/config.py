@@ -153,7 +153,7 @@ class Config:
         self._check_context_parallel(dims)
         self._check_documents(dims)
         self._check_pipeline(dims)
-        self._check_elementwise_recompute(dims)
+        self.memory.check_layout(dims, bool(self.model.moe_experts), self.train.compile)
         self.distill.check_layout(dims, self.parallel.zero)
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
@@ -166,18 +166,6 @@ class Config:
         if self.model.vocab_size is not None and self.data.tokenizer == "byte" and self.model.vocab_size < 257:
             raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset")
         return dims
-
-    def _check_elementwise_recompute(self, dims: ParallelDims) -> None:
-        """``memory.recompute=elementwise``: what its recipes cover (:mod:`trickles.memory.recompute`)."""
-        if self.memory.recompute != "elementwise":
-            return
-        for bad, what, fix in (
-                (bool(self.model.moe_experts), "mixture-of-experts blocks (model.moe_experts)", "set model.moe_experts=0"),
-                (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "use parallel.tp_mode=1d"),
-                (self.train.compile, "train.compile (its partitioner chooses what to recompute)", "set train.compile=false")):
-            if bad:
-                raise ConfigError(f"memory.recompute=elementwise does not combine with {what}; {fix} or use "
-                                  f"memory.recompute=selective (or none, full)")
 
     def _check_documents(self, dims: ParallelDims) -> None:
         """``data.document_mask``: the layouts whose attention or positions do not take document ids yet."""
@@ -258,6 +246,20 @@ class Config:
             if heads % cp:
                 raise ConfigError(f"parallel.cp_mode=ulysses splits each tensor-parallel rank's {heads} query heads over "
                                   f"parallel.cp ({cp}) ranks; use a cp that divides {heads} or parallel.cp_mode=ring")
+
+    def recompute_modes(self, dims: ParallelDims) -> dict[int, str]:
+        """Each layer's recomputation on the layout ``dims`` (``memory.recompute_num_layers`` counts the layers of
+        each pipeline rank, in the order the rank runs its chunks)."""
+        from .parallel.pipeline.stages import partition_layers
+        from .parallel.pipeline.schedules import Shape
+
+        n = self.model.n_layers
+        if dims.pp == 1 or not self.memory.recompute_num_layers:
+            return self.memory.layer_modes([list(range(n))])
+        p = self.parallel
+        shape = Shape.of(p.schedule, dims.pp, p.virtual_stages, 1)
+        parts = partition_layers(n, shape.stages, p.pipeline_layers)
+        return self.memory.layer_modes([[i for c in range(shape.v) for i in parts[shape.stage(r, c)]] for r in range(dims.pp)])
 
     def _check_pipeline(self, dims: ParallelDims) -> None:
         from .parallel.pipeline.stages import partition_layers

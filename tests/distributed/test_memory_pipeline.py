@@ -35,7 +35,10 @@ def _stages(tmp, cache, world, overrides):
 CASES = {
     "gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe"]),
     "1f1b": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
-    "interleaved": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.n_layers=4"]),
+    # each rank's first layer recomputed whole, its second elementwise (memory.recompute_num_layers)
+    "interleaved-full:1+elementwise": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
+                                           "model.n_layers=4", "memory.recompute=full", "memory.recompute_num_layers=1",
+                                           "memory.recompute_rest=elementwise"]),
     "zb-h1-elementwise": (2, ["parallel.pp=2", "parallel.schedule=zb-h1", "memory.recompute=elementwise"]),
     "zb-v": (2, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layers=4"]),
     "gpt2-tied-bf16-dropout": (2, ["parallel.pp=2", "model.preset=gpt2-tiny", "memory.precision=bf16", "model.dropout=0.1",

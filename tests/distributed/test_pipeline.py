@@ -107,9 +107,11 @@ CASES = [
     ("gpt2-tiny", 8, 1, 1, 2, "1f1b", ()),  # tied embedding on the first and last stage
     ("tiny", 8, 2, 1, 2, "1f1b", ("parallel.zero=1",)),
     ("tiny", 8, 1, 1, 2, "1f1b", ("memory.recompute=full",)),
-    # tensor x pipeline, interleaved, with sequence parallelism and selective recomputation through the stages
+    # tensor x pipeline, interleaved, with sequence parallelism; each rank's first two layers recomputed whole (their
+    # linears keep the gathered input), the other two selectively (memory.recompute_num_layers)
     ("gpt2-tiny", 8, 1, 2, 2, "interleaved", ("parallel.virtual_stages=2", "train.micro_batch=1",
-                                              "parallel.sequence_parallel=true", "memory.recompute=selective")),
+                                              "parallel.sequence_parallel=true", "memory.recompute=full",
+                                              "memory.recompute_num_layers=2", "memory.recompute_rest=selective")),
 ]
 
 

@@ -26,7 +26,11 @@ LAYOUTS = {
     "pp2-interleaved": ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch=1",
                         "model.n_layers=4"],
     "dp2-ep2": ["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "model.moe_capacity_factor=1.0"],
-    "cp2-ring-full": ["parallel.cp=2", "memory.recompute=full"],
+    # the first layer recomputed whole (its ring exchanges again), the second not
+    "cp2-ring-full:1": ["parallel.cp=2", "memory.recompute=full", "memory.recompute_num_layers=1"],
+    # the recomputed block's entries keep their gathered inputs, the other's regather in backward
+    "tp2-sp-full:1+elementwise": ["parallel.tp=2", "parallel.sequence_parallel=true", "memory.recompute=full",
+                                  "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise"],
     # the V: both ends (and the tied embedding's one copy) on rank 0, the turn on rank 1 sends nothing
     "pp2-zb-v-gpt2": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "train.micro_batch=1",
                       "model.n_layers=4", "model.preset=gpt2-tiny"],

@@ -130,6 +130,16 @@ BAD_VALUES = [
      "memory.recompute=elementwise does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d"),
     (["memory.recompute=elementwise", "train.compile=true"], 1,
      "memory.recompute=elementwise does not combine with train.compile (its partitioner chooses what to recompute)"),
+    # a partial full recomputation (memory.recompute_num_layers)
+    (["memory.recompute=full", "memory.recompute_num_layers=-1"], 1, "memory.recompute_num_layers must not be negative, got -1"),
+    (["memory.recompute_num_layers=1"], 1,
+     "memory.recompute_num_layers counts the layers memory.recompute=full recomputes whole, but memory.recompute is none"),
+    (["memory.recompute_rest=selective"], 1, "memory.recompute_rest applies to the layers memory.recompute_num_layers leaves out"),
+    (["memory.recompute=full", "memory.recompute_num_layers=1", "parallel.tp=4", "parallel.tp_mode=2d"], 4,
+     "memory.recompute_num_layers does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d"),
+    (["memory.recompute=full", "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise", "model.moe_experts=4"], 1,
+     "memory.recompute_rest=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set "
+     "model.moe_experts=0 or use memory.recompute_rest=selective (or none)"),
     (["model.vocab_size=256"], 1, "model.vocab_size (256) is smaller than the byte tokenizer's 257 tokens"),
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel needs parallel.tp > 1"),
     (["parallel.tp=2", "model.ffn_hidden=129"], 2, "the MLP width (129) must be divisible by parallel.tp (2)"),

@@ -278,3 +278,31 @@ def test_a_rank_model_holds_its_share_of_the_experts(ep):
     for name, p in whole.items():
         experts = ".experts." in name
         assert part[name].shape == ((p.shape[0] // ep, *p.shape[1:]) if experts else p.shape), name
+
+
+def test_partial_full_recomputation_keeps_each_layer_as_its_mode(tmp_path):
+    """memory.recompute_num_layers=1 of 2 layers: layer 0 keeps its input only (full), layer 1 what elementwise
+    keeps, as the report predicts per layer; losses, weights and evaluation bit for bit those without recomputation."""
+    from trickles.memory.tp_modes import activations
+    from trickles.parallel.tensor.costs import Layout
+
+    partial = ["memory.recompute=full", "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise"]
+    tr = _trainer(tmp_path, "model.dropout=0.1", *partial)
+    x, y = tr.train_data.micro_batches(0, tr.cfg.train.global_batch, tr.micro_batch)[0]
+    with ActivationMeter(tr.model) as meter:
+        loss = tr._loss(x, y)
+    loss.backward()
+    tr.engine.zero_grad()
+    dims = tr.topo.dims
+    predicted = activations(tr.cfg, tr.model_cfg, Layout.of("1d", 1), dims)
+    each = {m: activation_bytes(tr.model_cfg, tr.micro_batch, tr.cfg.data.seq_len, m) for m in ("full", "elementwise")}
+    assert [meter.per_layer["layers.0"], meter.per_layer["layers.1"]] == predicted["per_layer"] == \
+        [each["full"]["per_layer"][0], each["elementwise"]["per_layer"][1]]
+    assert meter.per_layer["head"] == predicted["head"]
+    results = {}
+    for name, extra in (("none", []), ("partial", partial)):
+        t = _trainer(tmp_path, "model.dropout=0.1", *extra)
+        results[name] = [t.train_step()["loss"] for _ in range(3)], t.engine.full_state(), t.evaluate()
+    assert results["partial"][0] == results["none"][0] and results["partial"][2] == results["none"][2]
+    for n, w in results["partial"][1].items():
+        assert torch.equal(w, results["none"][1][n]), n

@@ -51,7 +51,8 @@ def test_a_config_pinning_everything_evaluates_one_layout():
     sets = ["parallel.dp=2", "parallel.tp=2", "parallel.tp_mode=1d", "parallel.tp_depth=1", "parallel.pp=1", "parallel.cp=1",
             "parallel.cp_mode=ring", "parallel.ep=1", "parallel.sequence_parallel=true", "parallel.zero=1",
             "parallel.schedule=1f1b", "parallel.virtual_stages=1", "parallel.pipeline_layers=[]", "train.micro_batch=2",
-            "memory.recompute=selective", "memory.offload_optimizer=false"]
+            "memory.recompute=selective", "memory.recompute_num_layers=0", "memory.recompute_rest=none",
+            "memory.offload_optimizer=false"]
     assert pinned_keys(None, sets) == set(SEARCHED)
     cfg, mc, s = setup(*sets)
     s.run()
@@ -89,7 +90,8 @@ def test_every_valid_layout_within_the_bound_is_ranked_and_the_ranking_is_by_tim
     assert valid == len(ranked) + len(held) and s.counts["invalid"] + valid == s.counts["layouts"]
     # a layout held back needs more recomputation than the one ranked in its place: the same layout with less
     for c in s.ranked:
-        assert all(dataclasses.replace(f, recompute=c.layout.recompute) == c.layout for f in c.fallbacks)
+        keep = ("recompute", "recompute_num_layers", "recompute_rest")
+        assert all(dataclasses.replace(f, **{k: getattr(c.layout, k) for k in keep}) == c.layout for f in c.fallbacks)
 
 
 def _small_device(cfg, mc, devices, fraction):

@@ -167,9 +167,9 @@ def test_memory_formulas_refuse_an_unknown_zero_stage_or_recompute_mode(model):
 
     with _raises(ValueError, "ZeRO stage must be 0-3, got 4"):
         zero_model_state_bytes(1000, 2, stage=4)
-    with _raises(ValueError, "recompute must be none, selective or full, got 'some'"):
+    with _raises(ValueError, "recompute must be none, elementwise, selective or full, got 'some'"):
         activation_bytes(model.cfg, 1, 8, recompute="some")
-    with _raises(ValueError, "recompute must be none, selective or full, got 'some'"):
+    with _raises(ValueError, "recompute must be none, selective or full on a tensor-parallel grid, got 'some'"):
         activation_bytes_nd(model.cfg, SimpleNamespace(grid=True), 1, 8, recompute="some")  # a 2-D/3-D layout
     with _raises(ValueError, "recompute mode must be one of"):
         apply_recompute(model, "some")

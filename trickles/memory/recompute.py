@@ -130,14 +130,18 @@ def _elementwise(block) -> None:
     block.forward = run
 
 
-def apply_recompute(model, mode: str) -> None:
+def apply_recompute(model, mode: str | dict[int, str]) -> None:
     """Wraps ``model``'s blocks (full), attention cores (selective) or norms and activations (elementwise) for
-    recomputation, in place."""
-    if mode not in MODES:
-        raise ValueError(f"recompute mode must be one of {MODES}, got {mode!r}")
-    if mode == "none":
-        return
-    for block in model.layers.values():
+    recomputation, in place: every block as ``mode``, or each layer as ``mode[layer]`` (a partial full
+    recomputation, :meth:`~trickles.config.Config.recompute_modes`)."""
+    modes = mode if isinstance(mode, dict) else {int(name): mode for name in model.layers}
+    for m in set(modes.values()):
+        if m not in MODES:
+            raise ValueError(f"recompute mode must be one of {MODES}, got {m!r}")
+    for name, block in model.layers.items():
+        mode = modes[int(name)]
+        if mode == "none":
+            continue
         if mode == "elementwise":
             _elementwise(block)
         elif mode == "full":

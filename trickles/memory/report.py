@@ -105,7 +105,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
             else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton, fp32_accumulating_mm(device_type)))
     recomputed = act.get("rebuilt", 0)  # what recomputation brings back of a layer in its backward (elementwise: one output)
     if cfg.memory.recompute not in ("none", "elementwise"):
-        plain = activations(dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, recompute="none")),
+        plain = activations(dataclasses.replace(cfg, memory=cfg.memory.uniform("none")),
                             model_cfg, lay, dims, device_type)["per_layer"]
         recomputed = max(a - b for a, b in zip(plain, act["per_layer"]))
     # a block's backward: two fp32 gradients of the MLP's hidden activations, and the layer recomputation brings back
@@ -212,7 +212,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     tp = f", tp={dims.tp}{mode}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
     tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
     report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
-                        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.recompute}"
+                        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.describe()}"
                         + (", fused loss (no [tokens, vocab] logits)" if fused else ""))
     report.notes.extend(notes)
     if cfg.train.async_checkpoint:

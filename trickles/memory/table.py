@@ -119,6 +119,10 @@ class MemoryReport:
             first, rest = self.layers_predicted[idx[0]], [self.layers_predicted[i] for i in idx[1:]]
             if all(x == first for x in rest):
                 lines.append(f"each of the {len(idx)}{label} layers: {_fmt(first)} of saved activations")
+            elif len(set(rest)) > 1:  # layers recomputed in different ways (memory.recompute_num_layers)
+                sizes = [self.layers_predicted[i] for i in idx]
+                counts = ", ".join(f"{sizes.count(b)} x {_fmt(b)}" for b in sorted(set(sizes)))
+                lines.append(f"the {len(idx)}{label} layers' saved activations: {counts}")
             else:
                 lines.append(f"layer {idx[0]}: {_fmt(first)}, each of the other {len(rest)}{label}: {_fmt(rest[0])} of saved activations")
         return lines

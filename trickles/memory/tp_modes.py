@@ -68,10 +68,24 @@ def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: Parallel
     micro, _ = cfg.batch_plan(dims.dp)
     if lay.grid:
         return activation_bytes_nd(model_cfg, lay, micro, cfg.data.seq_len, p, cfg.memory.recompute, device_type)
-    return activation_bytes(model_cfg, micro, cfg.data.seq_len, cfg.memory.recompute, p, device_type, lay.tp,
-                            lay.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep,
-                            fused_loss=fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type),
-                            fp16=cfg.memory.precision == "fp16", documents=cfg.data.document_mask)
+
+    def one(mode: str) -> dict:
+        return activation_bytes(model_cfg, micro, cfg.data.seq_len, mode, p, device_type, lay.tp, lay.sequence_parallel,
+                                dims.cp, cfg.parallel.cp_mode, dims.ep,
+                                fused_loss=fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type),
+                                fp16=cfg.memory.precision == "fp16", documents=cfg.data.document_mask)
+
+    if not cfg.memory.recompute_num_layers:
+        return one(cfg.memory.recompute)
+    # a partial full recomputation: each layer as its mode keeps it (the head and the tables alike in every mode,
+    # but for what the first layer keeps once for all)
+    modes = cfg.recompute_modes(dims)
+    each = {m: one(m) for m in set(modes.values())}
+    rest = each.get(cfg.memory.recompute_rest, each["full"])
+    per_layer = [each[modes[i]]["per_layer"][i] for i in range(model_cfg.n_layers)]
+    first = each[modes[0]]
+    return dict(rest, per_layer=per_layer, layers=sum(per_layer) - first["tables"], tables=first["tables"],
+                total=sum(per_layer) + rest["head"], rebuilt=max(a["rebuilt"] for a in each.values()))
 
 
 def depth_for(mode: str, tp: int, configured: Config) -> int:
@@ -161,9 +175,10 @@ def compare_tp_modes(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, de
         states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, 0, None, cfg.accumulates(dims))
         row.states = states["parameters"] + states["gradients"] + (0 if cfg.memory.offload_optimizer else states["optimizer"])
         row.activations = activations(cfg, model_cfg, lay, dims, device_type)["total"]
-        row.comm = step_comm(model_cfg, lay, micro, seq, p, accumulation, recompute, g)
+        whole = sum(m == "full" for m in cfg.recompute_modes(dims).values())
+        row.comm = step_comm(model_cfg, lay, micro, seq, p, accumulation, recompute, g, whole=whole)
     out.notes.append(f"micro-batch {micro} x {seq} tokens, {accumulation} per step, {cfg.memory.precision}, recompute "
-                     f"{recompute}; activations: one micro-batch's, all layers and the head")
+                     f"{cfg.memory.describe()}; activations: one micro-batch's, all layers and the head")
     out.notes.append("tp comm: what one rank sends over its tensor-parallel groups (ring algorithms) in the forward and "
                      "backward of every micro-batch, and the gradient norm")
     return out

@@ -62,7 +62,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
     optim = OptimizerSettings.from_train(cfg.train)
     offload = cfg.memory.offload_optimizer
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
-    apply_recompute(model, cfg.memory.recompute)
+    modes = cfg.recompute_modes(topo.dims)
+    apply_recompute(model, modes)
     cp_ctx = apply_context_parallel(model, cp, cfg.parallel.cp_mode) if cp.size > 1 else None
     if ep.size > 1:
         apply_expert_parallel(model, ep)
@@ -70,7 +71,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
     if tp.size > 1 and topo.dims.grid.mode != "1d":
         ctx = apply_tensor_nd(model, grid_context(topo))
     elif tp.size > 1:
-        ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel, recomputed_blocks=cfg.memory.recompute == "full")
+        ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel,
+                                    recomputed_blocks={i for i, m in modes.items() if m == "full"})
     pp = topo.comm("pp")
     chunks = None
     if pp.size > 1:

@@ -42,8 +42,11 @@ class Bound:
 def _activation_key(cfg: Config, dims: ParallelDims, device_type: str) -> tuple:
     """What one micro-batch's saved activations depend on, for a layout of the search (the model is the search's)."""
     micro, _ = cfg.batch_plan(dims.dp)
-    return (micro, cfg.memory.recompute, cfg.memory.precision, cfg.memory.grad_dtype, dims.tp, dims.tp_mode,
-            dims.tp_depth, cfg.parallel.sequence_parallel, dims.cp, cfg.parallel.cp_mode, dims.ep, device_type)
+    mem, par = cfg.memory, cfg.parallel
+    partial = (mem.recompute_num_layers, mem.recompute_rest, dims.pp, par.schedule, par.virtual_stages,
+               tuple(par.pipeline_layers)) if mem.recompute_num_layers else ()  # which layers are recomputed whole
+    return (micro, mem.recompute, mem.precision, mem.grad_dtype, dims.tp, dims.tp_mode, dims.tp_depth,
+            par.sequence_parallel, dims.cp, par.cp_mode, dims.ep, device_type, partial)
 
 
 def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: str, ranks_per_node: int,
@@ -89,7 +92,7 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     if dims.pp == 1:  # the report's other phase: the last block's backward, the head's saved tensors released
         recomputed = act.get("rebuilt", 0)  # elementwise: one output at a time
         if mem.recompute not in ("none", "elementwise"):
-            plain_cfg = dataclasses.replace(cfg, memory=dataclasses.replace(mem, recompute="none"))
+            plain_cfg = dataclasses.replace(cfg, memory=mem.uniform("none"))
             plain_key = _activation_key(plain_cfg, dims, device_type)
             plain = cache.get(plain_key) if cache is not None else None
             if plain is None:

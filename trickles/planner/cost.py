@@ -175,30 +175,30 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     (:data:`~trickles.planner.compute.ATTENTION`)."""
     cfg, dims, mc = plan.cfg, plan.dims, plan.model_cfg
     precision, share, m = cfg.memory.precision, cluster.compute_share(dims.world_size), plan.micro_batches
-    work = blocks = None
+    modes = cfg.recompute_modes(dims)
+    whole = [i for i in plan.layers if modes[i] == "full"]  # the layers recomputed whole
+    work = None
     for c, layers in enumerate(plan.chunks):
         is_last = plan.last and c == len(plan.chunks) - 1
-        mode = cfg.parallel.cp_mode
-        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention, mode)
-        b = chunk_work(mc, dims, plan.micro, plan.seq, layers, False, plan.sp, plan.p, attention, mode)
-        work, blocks = (w, b) if work is None else (work + w, blocks + b)
+        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention, cfg.parallel.cp_mode)
+        work = w if work is None else work + w
+    blocks = chunk_work(mc, dims, plan.micro, plan.seq, whole, False, plan.sp, plan.p, attention, cfg.parallel.cp_mode)
     gemm_f, elem_f = work_seconds(work, cluster, precision, share)
     overhead = cluster.pass_overhead_us * 1e-6 / share  # one block's (or the head's) forward + backward
     moe_layers = len(set(plan.layers) & set(mc.moe_layers))
     fixed = (len(plan.layers) + (1 if plan.last else 0)) * overhead + moe_layers * cluster.moe_pass_overhead_us * 1e-6 / share
     t_f, t_b = gemm_f + elem_f + fixed / 3, 2 * (gemm_f + elem_f + fixed / 3)
-    recompute = cfg.memory.recompute
-    if recompute == "full":
-        t_rc = sum(work_seconds(blocks, cluster, precision, share)) + (fixed - (overhead if plan.last else 0)) / 3
-    elif recompute == "elementwise":  # each backward's reads of a rebuilt output; a split backward reads in B and W
-        reads = 2 if cfg.parallel.schedule in SPLIT and dims.pp > 1 else 1
-        rebuilt = rebuilt_bytes(mc, dims, plan.micro, plan.seq, plan.sp, plan.p) * len(plan.layers) * reads
-        t_rc = rebuilt / (cluster.elementwise_Bps * share)
-    elif recompute == "selective":
-        t_rc = gemm_f * attention_flops(work) / max(work.flops, 1.0) + \
-            work.attention_bytes / (cluster.elementwise_Bps * share)
-    else:
-        t_rc = 0.0
+    # each layer's recomputation (memory.recompute_num_layers: the first ones whole, the rest otherwise): blocks' work
+    # and passes; the rebuilt outputs' reads (a split backward reads in B and W); the attention cores' share
+    count = {mode: sum(1 for i in plan.layers if modes[i] == mode) for mode in ("elementwise", "selective")}
+    moe_whole = len(set(whole) & set(mc.moe_layers))
+    t_rc = (sum(work_seconds(blocks, cluster, precision, share)) + (len(whole) * overhead + moe_whole *
+            cluster.moe_pass_overhead_us * 1e-6 / share) / 3) if whole else 0.0
+    reads = 2 if cfg.parallel.schedule in SPLIT and dims.pp > 1 else 1
+    t_rc += rebuilt_bytes(mc, dims, plan.micro, plan.seq, plan.sp, plan.p) * count["elementwise"] * reads / (
+        cluster.elementwise_Bps * share)
+    t_rc += (gemm_f * attention_flops(work) / max(work.flops, 1.0) + work.attention_bytes / (
+        cluster.elementwise_Bps * share)) * count["selective"] / max(len(plan.layers), 1)
     compute = m * (t_f + t_b + t_rc)
     attention_s = 3 * gemm_f * attention_flops(work) / max(work.flops, 1.0)  # forward + backward, one micro-batch
     t_w = gemm_f * (1 - attention_flops(work) / max(work.flops, 1.0))  # the GEMMs with a weight, once

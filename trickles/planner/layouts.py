@@ -25,6 +25,7 @@ else:  # pragma: no cover
 SEARCHED = ("parallel.dp", "parallel.tp", "parallel.tp_mode", "parallel.tp_depth", "parallel.pp", "parallel.cp",
             "parallel.cp_mode", "parallel.ep", "parallel.sequence_parallel", "parallel.zero", "parallel.schedule",
             "parallel.virtual_stages", "parallel.pipeline_layers", "train.micro_batch", "memory.recompute",
+            "memory.recompute_num_layers", "memory.recompute_rest",
             "memory.offload_optimizer")
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 #: in the order of the time they add (elementwise reruns no matmul; with fused attention it also keeps less than
@@ -52,6 +53,8 @@ class Layout:
     recompute: str
     offload_optimizer: bool
     pipeline_layers: tuple[int, ...] = ()  # layers per (virtual) stage; empty: as even as possible
+    recompute_num_layers: int = 0  # recompute=full: the first ones of each rank recomputed whole (0: all)
+    recompute_rest: str = "none"  # ... and the others so
 
     def values(self) -> dict[str, Any]:
         """``{"section.key": value}`` for every searched key (the layer split as the config's list)."""
@@ -63,6 +66,8 @@ class Layout:
                                                    if k.startswith("parallel.")})
         return dataclasses.replace(cfg, parallel=par, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch),
                                    memory=dataclasses.replace(cfg.memory, recompute=self.recompute,
+                                                              recompute_num_layers=self.recompute_num_layers,
+                                                              recompute_rest=self.recompute_rest,
                                                               offload_optimizer=self.offload_optimizer))
 
     def label(self) -> str:
@@ -76,7 +81,8 @@ class Layout:
             parts.append(f"cp{self.cp}/{self.cp_mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        parts += [f"mb{self.micro_batch}", f"zero{self.zero}", f"rc={self.recompute}"]
+        rc = self.recompute + (f":{self.recompute_num_layers}+{self.recompute_rest}" if self.recompute_num_layers else "")
+        parts += [f"mb{self.micro_batch}", f"zero{self.zero}", f"rc={rc}"]
         return " ".join(parts) + (" off" if self.offload_optimizer else "")
 
 
@@ -90,6 +96,26 @@ def _runs(sizes: tuple[int, ...]) -> str:
         else:
             out.append(str(n))
     return ",".join(out)
+
+
+def _partial_full(cfg: Config, pins: set[str], model_cfg: ModelConfig, n_layers: int, pp: int, mode: str,
+                  rcs: list[str]) -> list[tuple[str, int, str]]:
+    """The partial full recomputations the chain tries between selective and full: a quarter, half and three
+    quarters of each rank's layers recomputed whole, the others elementwise where it is valid (else not at all);
+    pinned ``memory.recompute_num_layers``/``recompute_rest`` as given. None on grids (refused), without full, or with
+    ``memory.recompute`` pinned and the count not (a pinned ``full`` means every layer)."""
+    if "full" not in rcs or mode != "1d" or ("memory.recompute" in pins and "memory.recompute_num_layers" not in pins):
+        return []
+    if "memory.recompute_num_layers" in pins:
+        counts = [cfg.memory.recompute_num_layers] if cfg.memory.recompute_num_layers else []
+    else:
+        per_rank = -(-n_layers // pp)
+        counts = sorted({k for k in (per_rank // 4, per_rank // 2, 3 * per_rank // 4) if 0 < k < per_rank})
+    if "memory.recompute_rest" in pins:
+        rest = cfg.memory.recompute_rest
+    else:
+        rest = "none" if model_cfg.moe_experts or cfg.train.compile else "elementwise"
+    return [("full", k, rest) for k in counts]
 
 
 def lighter_ends(n_layers: int, parts: int) -> tuple[int, ...]:
@@ -263,6 +289,14 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                                         else:  # even, and the ends lighter by the embedding's and the head's layer
                                             splits = [()] + ([lighter_ends(n_layers, pp * v)]
                                                              if pp > 1 and lighter_ends(n_layers, pp * v) else [])
+                                        chain = [(rc, 0, "none") for rc in rcs if rc != "full"] + \
+                                            _partial_full(cfg, pins, model_cfg, n_layers, pp, mode, rcs) + \
+                                            [("full", 0, "none")] * ("full" in rcs)
+                                        if "memory.recompute_num_layers" in pins and cfg.memory.recompute_num_layers:
+                                            chain = [c for c in chain if c[1]]  # (pinned partial: only it is valid)
+                                        if not chain:
+                                            continue
                                         for split in splits:
                                             yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule,
-                                                           v, micro, rc, off, split) for rc in rcs] for micro in micros]
+                                                           v, micro, rc, off, split, n, rest) for rc, n, rest in chain]
+                                                   for micro in micros]

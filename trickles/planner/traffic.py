@@ -70,8 +70,9 @@ def tensor_1d(r: RankPlan) -> list[Traffic]:
         return []
     mc, m = r.model_cfg, r.micro_batches
     moe = sum(1 for i in r.layers if i in set(mc.moe_layers))
+    modes = r.cfg.recompute_modes(d)
     per = region_wire_bytes(r.tokens, mc.d_model, r.p, d.tp, r.sp, len(r.layers) - moe, moe, r.first, r.last,
-                            r.cfg.memory.recompute)
+                            r.cfg.memory.recompute, sum(1 for i in r.layers if modes[i] == "full"))
     out = [Traffic("tp", "tp", op, calls * m, wire * m) for op, (calls, _, wire) in per.items()]
     partial = partial_grad_elements(mc, d.tp, r.sp, len(r.layers), r.first, r.last, r.moe_elements if r.sp else 0)
     for nbytes in ([4] + ([partial * r.g] if partial else [])):
@@ -264,12 +265,13 @@ def context_parallel(r: RankPlan) -> list[Traffic]:
     kv = mc.kv_heads // tp if mc.kv_heads % tp == 0 else heads
     mode = r.cfg.parallel.cp_mode
     fwd, bwd = layer_bytes(mode, d.cp, r.micro, heads, kv, r.tokens // r.micro, mc.head_dim, r.p)
-    reruns = 2 if r.cfg.memory.recompute == "full" else 1
+    modes = r.cfg.recompute_modes(d)
     passes = len(r.layers) * r.micro_batches
+    reruns = sum(1 for i in r.layers if modes[i] == "full") * r.micro_batches  # layers whose forward runs again
     out = []
     for op in fwd:
-        calls = passes * (reruns * fwd[op][0] + bwd[op][0])
-        held = passes * (reruns * fwd[op][1] + bwd[op][1])
+        calls = passes * (fwd[op][0] + bwd[op][0]) + reruns * fwd[op][0]
+        held = passes * (fwd[op][1] + bwd[op][1]) + reruns * fwd[op][1]
         wire = held if op == "send" else wire_bytes(op, held, d.cp)
         out.append(Traffic("cp", "cp", op, calls, wire, "attention" if mode == "ring" else "none", passes))
     return out

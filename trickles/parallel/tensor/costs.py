@@ -216,23 +216,28 @@ def head_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, tp_ra
 
 
 def comm_bytes(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, recompute: str = "none",
-               tp_rank: int | None = None) -> dict:
+               tp_rank: int | None = None, whole: int | None = None) -> dict:
     """``{"block": {"forward", "backward"}, "head": {...}, "forward", "backward", "total"}``: bytes one rank sends for
     one micro-batch. ``recompute="full"`` runs each block's forward again in backward, up to the last tensor it
     saves (torch's checkpoint stops there): 1-D leaves out the MLP's exit (all-reduce or reduce-scatter), and under
     sequence parallelism the recomputed blocks keep their gathered inputs (no regathers); a grid's last linear
-    saves its gathered input, so its whole forward runs again."""
+    saves its gathered input, so its whole forward runs again. ``whole``: how many blocks are recomputed so
+    (``memory.recompute_num_layers``; default all under ``full``); ``"block"`` is then a block not recomputed."""
     block, head = block_comm(cfg, lay, batch, seq, p), head_comm(cfg, lay, batch, seq, p, tp_rank)
-    again = 0
-    if recompute == "full":
+    L = cfg.n_layers
+    whole = (L if recompute == "full" else 0) if whole is None else whole
+    again = 0  # what a block recomputed whole sends beyond a plain one
+    if whole:
         again = block["forward"]
         if not lay.grid:
             act = p * batch * seq * cfg.d_model
             again -= reduce_scatter(lay.tp, act) if lay.sequence_parallel else all_reduce(lay.tp, act)
             if lay.sequence_parallel:
-                block = _fb(block["forward"], block["backward"] - 2 * all_gather(lay.tp, act / lay.tp))
-    L = cfg.n_layers
-    fwd, bwd = L * block["forward"] + head["forward"], L * (block["backward"] + again) + head["backward"]
+                again -= 2 * all_gather(lay.tp, act / lay.tp)  # its entries keep their gathered inputs: no regathers
+                if whole == L:
+                    block = _fb(block["forward"], block["backward"] - 2 * all_gather(lay.tp, act / lay.tp))
+                    again += 2 * all_gather(lay.tp, act / lay.tp)
+    fwd, bwd = L * block["forward"] + head["forward"], L * block["backward"] + whole * again + head["backward"]
     return {"block": block, "head": head, "forward": fwd, "backward": bwd, "total": fwd + bwd}
 
 
@@ -252,11 +257,11 @@ def partial_grad_count(cfg: ModelConfig, lay: Layout) -> int:
 
 
 def step_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, micro_batches: int = 1,
-              recompute: str = "none", grad_bytes: int = 4, tp_rank: int | None = None) -> int:
+              recompute: str = "none", grad_bytes: int = 4, tp_rank: int | None = None, whole: int | None = None) -> int:
     """Bytes one rank sends over its tensor-parallel groups in one training step of ``micro_batches`` micro-batches:
     their forwards and backwards, the gradient norm's fp32 all-reduce over ``tp`` (AdamW's clipping) and, 1-D, the
     partial gradients' all-reduce (``grad_bytes`` per element)."""
-    per_micro = comm_bytes(cfg, lay, batch, seq, p, recompute, tp_rank)["total"]
+    per_micro = comm_bytes(cfg, lay, batch, seq, p, recompute, tp_rank, whole)["total"]
     return micro_batches * per_micro + all_reduce(lay.tp, 4) + all_reduce(lay.tp, grad_bytes * partial_grad_count(cfg, lay))
 
 
@@ -296,7 +301,7 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
 
         return activation_bytes(cfg, batch, seq, recompute, p, device_type, lay.tp, lay.sequence_parallel)
     if recompute not in ("none", "selective", "full"):
-        raise ValueError(f"recompute must be none, selective or full, got {recompute!r}")
+        raise ValueError(f"recompute must be none, selective or full on a tensor-parallel grid, got {recompute!r}")
     from ...kernels import runs_triton
 
     q, n, llama = lay.q, lay.tokens(batch, seq), cfg.flavor == "llama"

@@ -316,7 +316,7 @@ def init_tp_param(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 def region_wire_bytes(tokens: int, d: int, p: int, tp: int, sequence_parallel: bool, dense_layers: int,
                       moe_layers: int = 0, embedding: bool = True, head: bool = True,
-                      recompute: str = "none") -> dict[str, tuple[int, int, int]]:
+                      recompute: str = "none", whole: int | None = None) -> dict[str, tuple[int, int, int]]:
     """``{op: (calls, bytes, wire bytes)}`` one rank's tensor-parallel collectives take for one micro-batch of
     ``tokens`` (of the whole sequence, ``B T``, or ``B T / cp``), model width ``d``, ``p`` bytes per element.
 
@@ -335,7 +335,8 @@ def region_wire_bytes(tokens: int, d: int, p: int, tp: int, sequence_parallel: b
     checkpoint stops there), so its collectives but the last region's exit: plain one all-reduce per block (the
     attention's exit); sequence parallel the entries' all-gathers and the attention's reduce-scatter, and the rerun
     keeps the gathered inputs, so the blocks' backward regathers go away (as many all-gathers as the rerun adds).
-    (Selective recomputation reruns the attention core only: no collectives.) Per step add :func:`partial_grad_elements`' all-reduce and the gradient
+    ``whole``: how many of the blocks are recomputed so (``memory.recompute_num_layers``; default all under
+    ``full``). (Selective and elementwise recomputation rerun no collective.) Per step add :func:`partial_grad_elements`' all-reduce and the gradient
     norm's (4 bytes)."""
     from ...comm import wire_bytes
 
@@ -345,6 +346,7 @@ def region_wire_bytes(tokens: int, d: int, p: int, tp: int, sequence_parallel: b
     regions = 2 * dense_layers + moe_layers
     n = 2 * regions + int(embedding) + int(head)
     rerun = dense_layers + moe_layers if recompute == "full" else 0  # exits run again: all but each block's last
+    rerun = rerun if whole is None else whole
 
     def entry(op: str, calls: int, size: int) -> tuple[int, int, int]:
         return calls, calls * size, calls * int(round(wire_bytes(op, size, tp)))

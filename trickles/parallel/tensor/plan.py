@@ -49,16 +49,16 @@ from .layers import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLin
 from .loss import VocabParallelLoss
 
 
-def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel: bool, recomputed_blocks: bool = False) -> TPContext:
+def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel: bool,
+                          recomputed_blocks: frozenset[int] | set[int] = frozenset()) -> TPContext:
     """Swaps ``model``'s modules for tensor-parallel ones over ``comm`` (in place); returns the shared context.
 
-    ``recomputed_blocks``: the blocks are recomputed whole in backward, so their column-parallel
+    ``recomputed_blocks``: the layers whose blocks are recomputed whole in backward, so their column-parallel
     layers keep the gathered input rather than all-gathering it once more (see :class:`TPContext`).
     """
     cfg = model.cfg
     tp = comm.size
     ctx = TPContext(comm, sequence_parallel)
-    rg = not recomputed_blocks
     dev = torch.device("meta")
     bias = cfg.flavor == "gpt2"
     sp = sequence_parallel
@@ -74,8 +74,9 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
         model.pos_embed.register_forward_pre_hook(_own_positions(ctx))
     if sp:
         model.embed_drop = ForkRNG(model.embed_drop, ctx, cfg.dropout)
-    for block in model.layers.values():
+    for name, block in model.layers.items():
         attn, mlp = block.attn, block.mlp
+        rg = int(name) not in recomputed_blocks
         block.attn_norm = norm(block.attn_norm)
         if block.moe:  # experts whole on every tp rank, outside any region (see the table above)
             for p in [*block.mlp_norm.parameters(), *mlp.parameters()]:
