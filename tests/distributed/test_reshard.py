@@ -1,6 +1,7 @@
 """Checkpoints reshard across layouts: saved at one (dp, ZeRO stage, tp with sequence parallel, pp with virtual
 stages, pp under ZeRO-3, cp, ep, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
-weights, Adam moments and the data position all come back -- and a rank reads only the slices it needs. With the
+weights, Adam moments and the data position all come back: the losses within 1e-4 of the straight run's and its
+final weights within 1e-5 -- and a rank reads only the slices it needs. With the
 optimizer offloaded, a resume at the same layout is exact at ZeRO-2 and ZeRO-3 (ZeRO-1 keeps the optimizer state as
 ZeRO-2 does; its offloaded checkpoint reshards in the dp2-pp2-zero1-offload case)."""
 
@@ -57,12 +58,13 @@ def _trainer(tmp, layout, out):
 
 
 def _save_and_go_on(tmp, layout):
-    """BEFORE steps, a checkpoint, then AFTER more steps at the same layout."""
+    """BEFORE steps, a checkpoint, then AFTER more steps at the same layout and a checkpoint of where they end."""
     tr = _trainer(tmp, layout, f"{tmp}/{layout}")
     for _ in range(BEFORE):
         tr.train_step()
     path = tr.save_checkpoint()
-    return path, [tr.train_step()["loss"] for _ in range(AFTER)]
+    losses = [tr.train_step()["loss"] for _ in range(AFTER)]
+    return path, losses, tr.save_checkpoint()
 
 
 def _load_and_go_on(tmp, layout, path):
@@ -82,14 +84,22 @@ def _load_and_go_on(tmp, layout, path):
         tr.load_checkpoint(path)
     finally:
         pieces._piece_region = region
-    return tr.step, tr.consumed, [tr.train_step()["loss"] for _ in range(AFTER)], sum(read)
+    step, consumed, losses = tr.step, tr.consumed, [tr.train_step()["loss"] for _ in range(AFTER)]
+    return step, consumed, losses, sum(read), tr.save_checkpoint()
+
+
+def _weights(path):
+    """A checkpoint's whole model, as one process loads it."""
+    from trickles.train.load import load_for_inference
+
+    return load_for_inference(path)[0].state_dict()
 
 
 def _source(tmp, layout):
     world, _ = LAYOUTS[layout]
-    (path, straight), *rest = run_ranks(world, _save_and_go_on, tmp, layout, timeout=600)
+    (path, straight, end), *rest = run_ranks(world, _save_and_go_on, tmp, layout, timeout=600)
     assert all(r[1] == straight for r in rest)
-    return path, straight
+    return path, straight, _weights(end)
 
 
 class Sources:
@@ -127,17 +137,23 @@ def sources(tmp_path_factory):
 ])
 def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sources, source, target):
     tmp, found = sources
-    path, straight = found[source]
+    path, straight, weights = found[source]
     assert sorted(n for n in os.listdir(path) if n.startswith("model-")) and os.path.exists(os.path.join(path, "manifest.json"))
     world, _ = LAYOUTS[target]
     stored = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
-    for step, consumed, losses, read in run_ranks(world, _load_and_go_on, tmp, target, path, timeout=600):
+    results = run_ranks(world, _load_and_go_on, tmp, target, path, timeout=600)
+    for step, consumed, losses, read, _ in results:
         assert (step, consumed) == (BEFORE, BEFORE * 8)  # the data position came back
         assert losses == pytest.approx(straight, rel=1e-4)
         if target == "pp4":  # a quarter of the model and its Adam state, and the small replicated tensors
             assert read < 0.5 * stored, (read, stored)
         elif target == "dp1":
             assert read > 0.95 * stored, (read, stored)
+    # where the AFTER steps end, the whole model as one process loads it: within 1e-5 of the straight run's
+    resumed = _weights(results[0][4])
+    assert resumed.keys() == weights.keys()
+    for name, w in resumed.items():
+        assert torch.allclose(w, weights[name], atol=1e-5, rtol=0), (name, (w - weights[name]).abs().max())
 
 
 def _offload_round_trip(tmp, layout):
