@@ -51,7 +51,6 @@ optimizer state is host memory (``predicted["host"]``): held and peak count the 
 
 from __future__ import annotations
 
-import dataclasses
 
 
 import torch
@@ -68,7 +67,7 @@ from .meta import rank_model, stage_parameters
 from .precision import policy
 from .states import _root_params, engine_state_bytes
 from .table import GiB, MemoryReport, _fmt  # noqa: F401 (the report's public names)
-from .tp_modes import activations, compare_tp_modes
+from .tp_modes import activations, brought_back, compare_tp_modes, recomputed_in_backward, without_recompute
 
 
 
@@ -103,13 +102,12 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # one chunk's logits
     loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
             else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton, fp32_accumulating_mm(device_type)))
-    recomputed = act.get("rebuilt", 0)  # what recomputation brings back of a layer in its backward (elementwise: one output)
-    if cfg.memory.recompute not in ("none", "elementwise"):
-        plain = activations(dataclasses.replace(cfg, memory=cfg.memory.uniform("none")),
-                            model_cfg, lay, dims, device_type)["per_layer"]
-        recomputed = max(a - b for a, b in zip(plain, act["per_layer"]))
+    modes = cfg.recompute_modes(dims)  # per layer, what its recomputation brings back in its backward
+    brought = brought_back(modes, act, without_recompute(cfg, model_cfg, lay, dims, device_type, modes))
+    recomputed = recomputed_in_backward(brought, act["per_layer"], list(range(model_cfg.n_layers)))
     # a block's backward: two fp32 gradients of the MLP's hidden activations, and the layer recomputation brings back
-    mlp_backward = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp + recomputed
+    hidden_grads = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp
+    mlp_backward = hidden_grads + recomputed
     # the peak is the larger phase: the loss, or the last block's backward, when the head's saved tensors are released
     # (the embedding's stay) and the last block's are all held
     if dims.pp == 1 and lay.grid:
@@ -167,7 +165,6 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         shape = Shape.of(cfg.parallel.schedule, dims.pp, cfg.parallel.virtual_stages, m)
         parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
-        saves_input = input_saved(model_cfg.flavor, p, device_type, cfg.memory.recompute)
         rows, layer_ids = [], []
         for r in range(dims.pp):
             ids = sorted(i for c in range(shape.v) for i in parts[shape.stage(r, c)])
@@ -185,8 +182,11 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
             recorded = [recorded_bytes(model_cfg, len(parts[shape.stage(r, c)]), tokens, p, dims.tp, lay.sequence_parallel,
                                        shape.stage(r, c) == shape.stages - 1, fused)  # what each chunk's B keeps for W
                         for c in range(shape.v)] if cfg.parallel.schedule in SPLIT else None
-            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves_input, loss if last else 0,
-                                   early_receives=device_type != "cuda", backward_transient=mlp_backward, gathered=gathered,
+            chunks = [parts[shape.stage(r, c)] for c in range(shape.v)]  # each chunk's first op saves the input?
+            saves = [bool(ch) and input_saved(model_cfg.flavor, p, device_type, modes[ch[0]]) for ch in chunks]
+            during = [hidden_grads + recomputed_in_backward(brought, act["per_layer"], ch) for ch in chunks]
+            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves, loss if last else 0,
+                                   early_receives=device_type != "cuda", backward_transient=during, gathered=gathered,
                                    recorded=recorded)
             transient = buffers - lay_b - head_b + layer_transient + states["step_gradients"]
             rows.append(categories(states, lay_b, head_b, transient))

@@ -113,8 +113,9 @@ def input_saved(flavor: str, p: int, device_type: str, recompute: str) -> bool:
     return flavor == "gpt2" and device_type != "cuda"
 
 
-def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int, int]], msg: int, saves_input: bool,
-                 loss_transient: int, early_receives: bool, backward_transient: int = 0,
+def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int, int]], msg: int,
+                 saves_input: bool | list[bool], loss_transient: int, early_receives: bool,
+                 backward_transient: int | list[int] = 0,
                  gathered: list[tuple[int, int]] | None = None, recorded: list[int] | None = None) -> int:
     """The most bytes alive at once on ``rank`` over a step -- saved activations, the stage outputs and inputs the
     runner holds, receive buffers, input gradients until sent, and during a backward ``backward_transient``, a
@@ -123,7 +124,11 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     holds beyond the shards during its forward and during its backward (:func:`zero3_gathered`). ``recorded``: per
     chunk, what a zero-bubble ``B`` records for its ``W`` (:func:`recorded_bytes`), held from the one to the other --
     except on the first virtual stage, which reads no activation: there ``B`` does nothing and ``W`` runs the whole
-    backward (its transient then), the received gradient held until it."""
+    backward (its transient then), the received gradient held until it. ``saves_input`` and ``backward_transient``
+    may be given per chunk (layers recomputed in different ways: ``memory.recompute_num_layers``)."""
+    per_chunk = [(saves_input[c] if isinstance(saves_input, list) else saves_input,
+                  backward_transient[c] if isinstance(backward_transient, list) else backward_transient)
+                 for c in range(shape.v)]
     actions = action_lists(schedule, shape, early_receives)[rank]
     last = shape.stages - 1
     split = schedule in SPLIT  # zero-bubble: the activations and the received input stay until W
@@ -132,6 +137,7 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     outputs = 0  # stage outputs sent, until the runner has seen their sends through
     for a in actions:
         s = shape.stage(rank, a.chunk)
+        saves_input, backward_transient = per_chunk[a.chunk]
         if a.is_compute and (not early_receives or _messages(a, shape, rank)[0] is not None):
             alive -= outputs  # gloo: waited for before the next wait for a message; else done by then
             outputs = 0

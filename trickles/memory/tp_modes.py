@@ -88,6 +88,30 @@ def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: Parallel
                 total=sum(per_layer) + rest["head"], rebuilt=max(a["rebuilt"] for a in each.values()))
 
 
+def brought_back(modes: dict[int, str], act: dict, plain: list[int] | None) -> list[int]:
+    """Per layer, what its recomputation (``modes``, :meth:`~trickles.config.Config.recompute_modes`) brings back at
+    once in its backward: a whole layer's or attention core's saved tensors (``full``, ``selective``: ``plain``, what
+    it keeps without recomputation, less what it keeps with, ``act``), one rebuilt output (``elementwise``:
+    ``act["rebuilt"]``), nothing (``none``). ``plain`` may be None where no layer is ``full`` or ``selective``."""
+    return [0 if modes[i] == "none" else act.get("rebuilt", 0) if modes[i] == "elementwise" else plain[i] - act["per_layer"][i]
+            for i in range(len(act["per_layer"]))]
+
+
+def without_recompute(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: ParallelDims, device_type: str,
+                      modes: dict[int, str]) -> list[int] | None:
+    """Each layer's activations without recomputation, where a layer of ``modes`` needs them (:func:`brought_back`)."""
+    if not any(m in ("full", "selective") for m in modes.values()):
+        return None
+    return activations(dataclasses.replace(cfg, memory=cfg.memory.uniform("none")), model_cfg, lay, dims,
+                       device_type)["per_layer"]
+
+
+def recomputed_in_backward(brought: list[int], per_layer: list[int], layers: list[int]) -> int:
+    """The most recomputation holds beyond the saved activations while a chunk of ``layers`` (in forward order) runs
+    its backward: layer ``j`` brings back ``brought[j]`` once the layers after it have released theirs."""
+    return max((brought[j] - sum(per_layer[k] for k in layers[n + 1:]) for n, j in enumerate(layers)), default=0)
+
+
 def depth_for(mode: str, tp: int, configured: Config) -> int:
     """The 2.5-D depth to compare at ``tp`` (module docstring); 1 for the other modes."""
     if mode != "2.5d":

@@ -58,7 +58,7 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
     from ..memory.activations import loss_transient_bytes
     from ..memory.report import embedding_bytes, expert_rows_in_flight, ring_blocks_in_flight
-    from ..memory.tp_modes import activations
+    from ..memory.tp_modes import activations, brought_back, recomputed_in_backward
     from ..optim.settings import OptimizerSettings
     from ..parallel.pipeline.stages import partition_layers
     from ..parallel.tensor.costs import Layout as TPLayout, backward_transient_nd, head_released_nd, loss_transient_nd
@@ -90,8 +90,8 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
                                       runs_triton(mc.kernels, device_type, "cross_entropy"),
                                       fp32_accumulating_mm(device_type)))
     if dims.pp == 1:  # the report's other phase: the last block's backward, the head's saved tensors released
-        recomputed = act.get("rebuilt", 0)  # elementwise: one output at a time
-        if mem.recompute not in ("none", "elementwise"):
+        modes, plain = cfg.recompute_modes(dims), None  # what each layer's recomputation brings back, as the report
+        if any(m in ("full", "selective") for m in modes.values()):
             plain_cfg = dataclasses.replace(cfg, memory=mem.uniform("none"))
             plain_key = _activation_key(plain_cfg, dims, device_type)
             plain = cache.get(plain_key) if cache is not None else None
@@ -99,7 +99,8 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
                 plain = activations(plain_cfg, mc, lay, dims, device_type)
                 if cache is not None:
                     cache[plain_key] = plain
-            recomputed = max(a - b for a, b in zip(plain["per_layer"], per_layer))
+            plain = plain["per_layer"]
+        recomputed = recomputed_in_backward(brought_back(modes, act, plain), per_layer, list(range(mc.n_layers)))
         if lay.grid:
             backward = (backward_transient_nd(mc, lay, micro, cfg.data.seq_len, p, device_type) + recomputed
                         - head_released_nd(mc, lay, micro, cfg.data.seq_len, p))
