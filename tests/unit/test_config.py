@@ -123,6 +123,7 @@ BAD_VALUES = [
     (["model.moe_experts=3", "parallel.ep=2"], 2, "model.moe_experts (3) must be divisible by parallel.ep (2)"),
     (["memory.offload_optimizer=true"], 1, "memory.offload_optimizer needs a sharded optimizer"),
     (["parallel.zero=3", "train.compile=true"], 1, "train.compile does not work with parallel.zero=3"),
+    (["memory.loss_scale=0", "memory.loss_scale_min=0"], 1, "memory.loss_scale and memory.loss_scale_min must be positive"),
     # elementwise recomputation's recipes cover dense blocks' norms and activations on 1-D layouts, in eager mode
     (["memory.recompute=elementwise", "model.moe_experts=4"], 1,
      "memory.recompute=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set model.moe_experts=0"),
@@ -208,3 +209,16 @@ def test_every_example_has_the_layout_its_comment_states(path):
     dims = cfg.validate(world)
     assert {k: getattr(dims, k) for k in degrees} == degrees and dims.cp == dims.ep == 1
     assert cfg.batch_plan(dims.dp) == plan
+
+
+def test_elementwise_and_partial_recomputation_validate_on_1d_tensor_parallelism():
+    """The grids' refusals leave 1-D tensor parallelism (with sequence parallelism) alone; each pipeline rank counts its
+    own first layers, in the order it runs its chunks."""
+    for sets in (["memory.recompute=elementwise"], ["memory.recompute=full", "memory.recompute_num_layers=1",
+                                                    "memory.recompute_rest=elementwise"]):
+        Config.load(None, [*sets, "parallel.tp=2", "parallel.sequence_parallel=true"]).validate(2)
+    cfg = Config.load(None, ["memory.recompute=full", "memory.recompute_num_layers=1", "model.n_layers=4", "parallel.pp=2",
+                             "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.global_batch=4",
+                             "train.micro_batch=1"])
+    # rank 0 runs layers 0 and 2 (virtual stages 0 and 2), rank 1 layers 1 and 3
+    assert cfg.recompute_modes(cfg.validate(2)) == {0: "full", 1: "full", 2: "none", 3: "none"}

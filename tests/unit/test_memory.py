@@ -288,6 +288,8 @@ def test_partial_full_recomputation_keeps_each_layer_as_its_mode(tmp_path):
 
     partial = ["memory.recompute=full", "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise"]
     tr = _trainer(tmp_path, "model.dropout=0.1", *partial)
+    assert tr.cfg.memory.describe() == "full for the first layer of each rank, elementwise for the rest"
+    assert tr.cfg.memory.uniform("none").layer_modes([[0, 1]]) == {0: "none", 1: "none"}  # what "without" counts
     x, y = tr.train_data.micro_batches(0, tr.cfg.train.global_batch, tr.micro_batch)[0]
     with ActivationMeter(tr.model) as meter:
         loss = tr._loss(x, y)

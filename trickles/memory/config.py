@@ -56,7 +56,9 @@ class MemoryConfig:
         the rest``."""
         if not self.recompute_num_layers:
             return self.recompute
-        return f"full for the first {self.recompute_num_layers} layers of each rank, {self.recompute_rest} for the rest"
+        n = self.recompute_num_layers
+        first = "the first layer" if n == 1 else f"the first {n} layers"
+        return f"full for {first} of each rank, {self.recompute_rest} for the rest"
 
     def uniform(self, mode: str) -> "MemoryConfig":
         """This section with every layer recomputed as ``mode``."""
