@@ -123,7 +123,8 @@ BAD_VALUES = [
     (["model.moe_experts=3", "parallel.ep=2"], 2, "model.moe_experts (3) must be divisible by parallel.ep (2)"),
     (["memory.offload_optimizer=true"], 1, "memory.offload_optimizer needs a sharded optimizer"),
     (["parallel.zero=3", "train.compile=true"], 1, "train.compile does not work with parallel.zero=3"),
-    (["memory.loss_scale=0", "memory.loss_scale_min=0"], 1, "memory.loss_scale and memory.loss_scale_min must be positive"),
+    (["memory.loss_scale=0"], 1, "memory.loss_scale and memory.loss_scale_min must be positive"),
+    (["memory.loss_scale_min=0"], 1, "memory.loss_scale and memory.loss_scale_min must be positive"),
     # elementwise recomputation's recipes cover dense blocks' norms and activations on 1-D layouts, in eager mode
     (["memory.recompute=elementwise", "model.moe_experts=4"], 1,
      "memory.recompute=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set model.moe_experts=0"),

@@ -73,7 +73,7 @@ class MemoryConfig:
         if self.recompute_rest != "none" and not self.recompute_num_layers:
             raise ConfigError("memory.recompute_rest applies to the layers memory.recompute_num_layers leaves out; set "
                               "memory.recompute_num_layers > 0 (with memory.recompute=full) or memory.recompute_rest=none")
-        if self.loss_scale <= 0 or self.loss_scale_min <= 0 or self.loss_scale < self.loss_scale_min:
+        if self.loss_scale_min <= 0 or self.loss_scale < self.loss_scale_min:  # (so loss_scale > 0 too)
             raise ConfigError("memory.loss_scale and memory.loss_scale_min must be positive, with loss_scale >= loss_scale_min")
         if self.loss_scale_growth_interval < 1 or self.loss_scale_hysteresis < 1:
             raise ConfigError("memory.loss_scale_growth_interval and memory.loss_scale_hysteresis must be at least 1")
