@@ -259,7 +259,7 @@ class Config:
         p = self.parallel
         shape = Shape.of(p.schedule, dims.pp, p.virtual_stages, 1)
         parts = partition_layers(n, shape.stages, p.pipeline_layers)
-        return self.memory.layer_modes([[i for c in range(shape.v) for i in parts[shape.stage(r, c)]] for r in range(dims.pp)])
+        return self.memory.layer_modes([[i for c in shape.chunks(parts, r) for i in c] for r in range(dims.pp)])
 
     def _check_pipeline(self, dims: ParallelDims) -> None:
         from .parallel.pipeline.stages import partition_layers

@@ -167,7 +167,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
         rows, layer_ids = [], []
         for r in range(dims.pp):
-            ids = sorted(i for c in range(shape.v) for i in parts[shape.stage(r, c)])
+            chunks = shape.chunks(parts, r)
+            ids = sorted(i for c in chunks for i in c)
             first, last = shape.ends(r)
             named = stage_parameters(rm, set(ids), first, last, model_cfg.tied)
             if stage == 3:  # the units of the stage's blocks and its root (the embedding or the head)
@@ -179,10 +180,9 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
             lay_b, head_b, _ = peak_in_flight(compute_order(cfg.parallel.schedule, shape, r), weights)
             gathered = zero3_gathered(named, parts, shape, r, act["per_layer"], p, g, dims.dp * dims.cp,
                                       clones=device_type != "cuda") if stage == 3 else None
-            recorded = [recorded_bytes(model_cfg, len(parts[shape.stage(r, c)]), tokens, p, dims.tp, lay.sequence_parallel,
+            recorded = [recorded_bytes(model_cfg, len(chunks[c]), tokens, p, dims.tp, lay.sequence_parallel,
                                        shape.stage(r, c) == shape.stages - 1, fused)  # what each chunk's B keeps for W
                         for c in range(shape.v)] if cfg.parallel.schedule in SPLIT else None
-            chunks = [parts[shape.stage(r, c)] for c in range(shape.v)]  # each chunk's first op saves the input?
             saves = [bool(ch) and input_saved(model_cfg.flavor, p, device_type, modes[ch[0]]) for ch in chunks]
             during = [hidden_grads + recomputed_in_backward(brought, act["per_layer"], ch) for ch in chunks]
             buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves, loss if last else 0,

@@ -177,6 +177,7 @@ def compare_tp_modes(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, de
     g = torch.finfo(prec.grad_dtype).bits // 8
     micro, accumulation = cfg.batch_plan(dims.dp)
     seq, recompute = cfg.data.seq_len, cfg.memory.recompute
+    whole = sum(m == "full" for m in cfg.recompute_modes(dims).values())  # blocks recomputed whole
     out = ModeTable(dims.tp)
     for mode, sp in VARIANTS:
         row = ModeRow(mode, sp, configured=mode == dims.tp_mode and sp == cfg.parallel.sequence_parallel)
@@ -199,7 +200,6 @@ def compare_tp_modes(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, de
         states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, 0, None, cfg.accumulates(dims))
         row.states = states["parameters"] + states["gradients"] + (0 if cfg.memory.offload_optimizer else states["optimizer"])
         row.activations = activations(cfg, model_cfg, lay, dims, device_type)["total"]
-        whole = sum(m == "full" for m in cfg.recompute_modes(dims).values())
         row.comm = step_comm(model_cfg, lay, micro, seq, p, accumulation, recompute, g, whole=whole)
     out.notes.append(f"micro-batch {micro} x {seq} tokens, {accumulation} per step, {cfg.memory.precision}, recompute "
                      f"{cfg.memory.describe()}; activations: one micro-batch's, all layers and the head")

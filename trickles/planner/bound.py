@@ -133,13 +133,13 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     params_key = ("params", dims.tp, dims.tp_mode, dims.tp_depth, dims.ep, dims.pp, v, shape.vee, tuple(par.pipeline_layers))
     params = cache.get(params_key) if cache is not None else None
     if params is None:
-        params = [rank_params(mc, dims, [i for c in range(v) for i in parts[shape.stage(r, c)]], *shape.ends(r))
+        params = [rank_params(mc, dims, [i for c in shape.chunks(parts, r) for i in c], *shape.ends(r))
                   for r in range(dims.pp)]
         if cache is not None:
             cache[params_key] = params
     stages, host = [], 0.0
     for r in range(dims.pp):
-        chunks = [parts[shape.stage(r, c)] for c in range(v)]
+        chunks = shape.chunks(parts, r)
         first, last = shape.ends(r)
         dense, experts = params[r]
         owned = dense / replicas + experts / edp

@@ -175,7 +175,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     (:data:`~trickles.planner.compute.ATTENTION`)."""
     cfg, dims, mc = plan.cfg, plan.dims, plan.model_cfg
     precision, share, m = cfg.memory.precision, cluster.compute_share(dims.world_size), plan.micro_batches
-    modes = cfg.recompute_modes(dims)
+    modes = plan.recompute
     whole = [i for i in plan.layers if modes[i] == "full"]  # the layers recomputed whole
     work = None
     for c, layers in enumerate(plan.chunks):

@@ -43,6 +43,11 @@ class RankPlan:
         return [i for c in self.chunks for i in c]
 
     @property
+    def recompute(self) -> dict[int, str]:
+        """Each of its layers' recomputation (``memory.recompute_num_layers`` counts this rank's layers)."""
+        return self.cfg.memory.layer_modes([self.layers])
+
+    @property
     def message_bytes(self) -> int:
         """One pipeline message: the stage output ``[B, T/cp, d]``, split by ``tp`` under sequence parallelism or
         on a grid."""
@@ -88,7 +93,7 @@ def rank_plans(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig) -> list[
     moe = set(model_cfg.moe_layers)
     plans = []
     for r in range(dims.pp):
-        chunks = [parts[shape.stage(r, c)] for c in range(v)]
+        chunks = shape.chunks(parts, r)
         first, last = shape.ends(r)
         layers = [i for c in chunks for i in c]
         dense, experts = rank_params(model_cfg, dims, layers, first, last)

@@ -70,7 +70,7 @@ def tensor_1d(r: RankPlan) -> list[Traffic]:
         return []
     mc, m = r.model_cfg, r.micro_batches
     moe = sum(1 for i in r.layers if i in set(mc.moe_layers))
-    modes = r.cfg.recompute_modes(d)
+    modes = r.recompute
     per = region_wire_bytes(r.tokens, mc.d_model, r.p, d.tp, r.sp, len(r.layers) - moe, moe, r.first, r.last,
                             r.cfg.memory.recompute, sum(1 for i in r.layers if modes[i] == "full"))
     out = [Traffic("tp", "tp", op, calls * m, wire * m) for op, (calls, _, wire) in per.items()]
@@ -265,7 +265,7 @@ def context_parallel(r: RankPlan) -> list[Traffic]:
     kv = mc.kv_heads // tp if mc.kv_heads % tp == 0 else heads
     mode = r.cfg.parallel.cp_mode
     fwd, bwd = layer_bytes(mode, d.cp, r.micro, heads, kv, r.tokens // r.micro, mc.head_dim, r.p)
-    modes = r.cfg.recompute_modes(d)
+    modes = r.recompute
     passes = len(r.layers) * r.micro_batches
     reruns = sum(1 for i in r.layers if modes[i] == "full") * r.micro_batches  # layers whose forward runs again
     out = []

@@ -51,6 +51,10 @@ class Shape:
         """The virtual stage of ``chunk`` on ``rank``."""
         return chunk * self.p + (self.p - 1 - rank if self.vee and chunk % 2 else rank)
 
+    def chunks(self, parts: list[list[int]], rank: int) -> list[list[int]]:
+        """The layers of each of ``rank``'s chunks, in the order it runs them (``parts``: each virtual stage's)."""
+        return [parts[self.stage(rank, c)] for c in range(self.v)]
+
     def ends(self, rank: int) -> tuple[bool, bool]:
         """Whether ``rank`` holds the first virtual stage (the embedding) and the last (the head and the loss)."""
         return self.owner(0)[0] == rank, self.owner(self.stages - 1)[0] == rank
