@@ -54,6 +54,11 @@ CASES = {
     "dp2-zero3": (4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "train.global_batch=16", "model.n_layers=4"]),
 }
 
+# the peak: within 0.3% (a few hundred bytes of ~2 MiB: what the step allocates beside the counted tensors) where every
+# transient is counted; where full recomputation reruns a chunk, where gpt2's bf16 LayerNorm and GELU upcast, and where
+# the offloaded optimizer's step runs, the transients are the formulas' estimates (measured: 0.6%, 2.5%, 1.1%)
+PEAK = {"interleaved-full:1+elementwise": 0.03, "gpt2-tied-bf16-dropout": 0.03, "dp2-zero1-offload": 0.03}
+
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_every_stage_predicted_equals_measured(tmp_path, cache, case):
@@ -67,9 +72,9 @@ def test_every_stage_predicted_equals_measured(tmp_path, cache, case):
         for key in EXACT:
             assert meas[key] == pred[key], (case, r, key, pred[key], meas[key])
         if case.endswith("zero3"):
-            assert abs(meas["peak"] - pred["peak"]) <= 0.10 * pred["peak"] and "estimated" in table, (r, pred["peak"], meas["peak"])
+            assert abs(meas["peak"] - pred["peak"]) <= 0.04 * pred["peak"] and "estimated" in table, (r, pred["peak"], meas["peak"])
             continue
-        assert abs(meas["peak"] - pred["peak"]) <= 0.05 * pred["peak"], (case, r, pred["peak"], meas["peak"])
+        assert abs(meas["peak"] - pred["peak"]) <= PEAK.get(case, 0.003) * pred["peak"], (case, r, pred["peak"], meas["peak"])
     assert top == max(range(pp), key=lambda r: stages[r]["peak"])
     assert layers_meas == layers_pred
     assert f"stage 0: layers" in table and "stage 1: layers" in table

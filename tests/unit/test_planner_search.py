@@ -262,3 +262,5 @@ def test_no_fit_is_claimed_while_a_ranked_layout_fits():
     s.capacity = peaks[j]
     top = s.top(1)
     assert top and top[0] is s.ranked[j] and all(c.fits is False for c in s.ranked[:j])
+    # and so for the "why not" lines' best of a kind: past max_confirm misses, the first that fits
+    assert s.best() is s.ranked[j]

@@ -152,7 +152,8 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
                      documents: bool = False) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
-    "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's),
+    "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's), "loss":
+    the part the loss's own nodes keep (unfused: what a zero-bubble B frees on the last stage),
     "terms": a dense layer by piece -- norms, attention, MLP (each with the norm output its linears keep), dropout masks,
     "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...,
     "rebuilt": the largest output elementwise recomputation rebuilds in a backward, alive while a linear uses it}``
@@ -237,10 +238,10 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
         # gradient over all tokens, the fp32 weight gradient
         head = (9 if t > 1 else 8) * s + norm - p * sn * d + (4 if fp16 else p) * s * d + 4 * (vocab // t) * d
-    elif t > 1:  # embedding: shifted ids and the out-of-range mask; loss: ids and mask too, and the count of targets
-        head = 18 * s + norm + 4 * s * (vocab // t) + 4
-    else:  # ... and F.cross_entropy's fp32 total weight, a scalar
-        head = 16 * s + norm + 4 * s * vocab + 4
+        loss = 0  # (its own function computes the output projection's gradients)
+    else:  # the loss's own: its ids (tp: and mask), the fp32 log-softmax (tp: probabilities), the target count
+        loss = (9 if t > 1 else 8) * s + 4 * s * (vocab // t) + 4  # (or F.cross_entropy's fp32 total weight)
+        head = (9 if t > 1 else 8) * s + norm + loss  # the embedding's ids (tp: shifted, and the out-of-range mask)
     positions = 8 * (s if documents else seq)  # gpt2's position ids (with documents, each row's)
     embedding = (9 if t > 1 else 8) * s + (0 if llama else positions) + mask * sn * d  # ids, gpt2's positions, dropout
     head += embedding - (9 if t > 1 else 8) * s  # (the ids are counted above)
@@ -254,7 +255,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         per_layer[0] += tables + labels
     return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
             "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels, "terms": terms,
-            "rebuilt": max(out_dropped, act_dropped)}
+            "rebuilt": max(out_dropped, act_dropped), "loss": loss}
 
 
 def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,

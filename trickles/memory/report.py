@@ -14,11 +14,11 @@ chart PNG and an answer to "does this fit in X GB".
 ``held`` = model states on the device + all saved activations of one micro-batch (what is
 alive at the end of forward); predicted ``peak`` = the largest phase, each phase what is held then and its
 temporaries: the loss (``held`` + the loss's transient below) or the last block's backward (``held`` less what the
-head's backward released, the head's saved tensors but the embedding's, + the block's backward temporaries: 1-D the
-MLP's two fp32 hidden gradients ``2 x 4 s f / tp``; a grid
-:func:`~trickles.parallel.tensor.costs.backward_transient_nd`; with recomputation plus the layer it brings
-back), and to that phase the transients of any layer (ring blocks, expert rows) and of the engine (buckets, ZeRO-3
-blocks). The loss's transient: the fp32 gradients of
+head's backward released, the head's saved tensors but the embedding's, + the block's backward temporaries: 1-D
+:func:`~trickles.memory.transients.block_backward_bytes`; a grid
+:func:`~trickles.parallel.tensor.costs.backward_transient_nd`; with recomputation plus the layer it brings back),
+and to that phase the transients of any layer (ring blocks, expert rows) and of the engine (buckets, ZeRO-3 blocks).
+The loss's transient: the fp32 gradients of
 the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
 for the vocabulary-parallel loss, which reuses its saved probabilities; with ``model.fused_loss``
 one chunk's logits instead, :func:`~trickles.memory.activations.loss_transient_bytes`), ring attention's key/value blocks
@@ -60,14 +60,20 @@ from ..models.config import ModelConfig, resolve_model
 from ..topology import ParallelDims
 from ..kernels import runs_triton
 from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
+from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order
+from ..parallel.pipeline.stages import partition_layers
 from ..parallel.tensor.costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
 from .accounting import peak_allocated
-from .activations import ActivationMeter, loss_transient_bytes
+from .activations import ActivationMeter, loss_transient_bytes, moe_assignments
 from .meta import rank_model, stage_parameters
+from .pipeline_meter import gather_stages, meter_pipeline_step
 from .precision import policy
+from .stages import (buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight, recorded_bytes,
+                     zero3_gathered)
 from .states import _root_params, engine_state_bytes
 from .table import GiB, MemoryReport, _fmt  # noqa: F401 (the report's public names)
 from .tp_modes import activations, brought_back, compare_tp_modes, recomputed_in_backward, without_recompute
+from .transients import block_backward_bytes, head_backward_bytes, norm_backward_bytes
 
 
 
@@ -105,9 +111,8 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     modes = cfg.recompute_modes(dims)  # per layer, what its recomputation brings back in its backward
     brought = brought_back(modes, act, without_recompute(cfg, model_cfg, lay, dims, device_type, modes))
     recomputed = recomputed_in_backward(brought, act["per_layer"], list(range(model_cfg.n_layers)))
-    # a block's backward: two fp32 gradients of the MLP's hidden activations, and the layer recomputation brings back
-    hidden_grads = 2 * 4 * tokens * model_cfg.ffn_dim // dims.tp
-    mlp_backward = hidden_grads + recomputed
+    # a block's backward (trickles.memory.transients), and what the layer recomputation brings back
+    mlp_backward = block_backward_bytes(model_cfg, tokens, g, dims.tp) + recomputed
     # the peak is the larger phase: the loss, or the last block's backward, when the head's saved tensors are released
     # (the embedding's stay) and the last block's are all held
     if dims.pp == 1 and lay.grid:
@@ -156,16 +161,14 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         rows = [categories(states, sum(act["per_layer"]), act["head"], transient)]
         layer_ids = [list(range(model_cfg.n_layers))]
     else:
-        from ..parallel.pipeline.stages import partition_layers
-        from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order
-        from .stages import (buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight, recorded_bytes,
-                             zero3_gathered)
-
         _, m = cfg.batch_plan(dims.dp)
         shape = Shape.of(cfg.parallel.schedule, dims.pp, cfg.parallel.virtual_stages, m)
         parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
-        rows, layer_ids = [], []
+        rows, layer_ids, split = [], [], cfg.parallel.schedule in SPLIT  # (a B leaves the weights' gradients to W)
+        head = 0 if split else head_backward_bytes(model_cfg, tokens, p, g, dims.tp, fused)
+        norm_end = norm_backward_bytes(tokens // dims.tp if lay.sequence_parallel else tokens, model_cfg.d_model, p)
+        batch = 16 * micro * m * cfg.data.seq_len  # the step's token ids and labels (int64), on every stage
         for r in range(dims.pp):
             chunks = shape.chunks(parts, r)
             ids = sorted(i for c in chunks for i in c)
@@ -182,13 +185,14 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
                                       clones=device_type != "cuda") if stage == 3 else None
             recorded = [recorded_bytes(model_cfg, len(chunks[c]), tokens, p, dims.tp, lay.sequence_parallel,
                                        shape.stage(r, c) == shape.stages - 1, fused)  # what each chunk's B keeps for W
-                        for c in range(shape.v)] if cfg.parallel.schedule in SPLIT else None
+                        for c in range(shape.v)] if split else None
             saves = [bool(ch) and input_saved(model_cfg.flavor, p, device_type, modes[ch[0]]) for ch in chunks]
-            during = [hidden_grads + recomputed_in_backward(brought, act["per_layer"], ch) for ch in chunks]
-            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves, loss if last else 0,
+            during = [block_backward_bytes(model_cfg, tokens, g, dims.tp, whole=not split)
+                      + recomputed_in_backward(brought, act["per_layer"], ch) for ch in chunks]
+            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves, max(loss, head) if last else 0,
                                    early_receives=device_type != "cuda", backward_transient=during, gathered=gathered,
-                                   recorded=recorded)
-            transient = buffers - lay_b - head_b + layer_transient + states["step_gradients"]
+                                   recorded=recorded, split_end=norm_end, loss_saved=act["loss"])
+            transient = buffers - lay_b - head_b + layer_transient + states["step_gradients"] + batch
             rows.append(categories(states, lay_b, head_b, transient))
             layer_ids.append(ids)
         notes.append(f"pp={dims.pp} {cfg.parallel.schedule}" + (f" x {shape.v} chunks" if shape.v > 1 else "")
@@ -198,7 +202,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         if stage == 3:
             notes.append("ZeRO-3 under pipeline stages: the units gathered and the reductions in flight while a stage runs "
                          "are estimated (trickles.memory.stages.zero3_gathered), so the peak is an estimate: use --measure")
-        if cfg.parallel.schedule in SPLIT:
+        if split:
             notes.append(f"{cfg.parallel.schedule}: a chunk's activations are held from its F to its W, and so are the "
                          "gradients B records for W (one per linear and norm, trickles.memory.stages.recorded_bytes)")
     top = max(range(len(rows)), key=lambda r: rows[r]["peak"])
@@ -256,8 +260,6 @@ def expert_rows_in_flight(cfg: ModelConfig, batch: int, tokens: int, seq: int, p
     referenced by the dispatch) and the outputs being sent back (those that arrive are saved). Backward, each
     all-to-all holds the gradient rows sent and those received: ``2 p m d`` in every case
     (:func:`~trickles.parallel.expert.expert_dispatch`)."""
-    from .activations import moe_assignments
-
     return 2 * p * moe_assignments(cfg, batch, tokens, seq) * cfg.d_model
 
 
@@ -282,8 +284,6 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     pipelined = trainer.pipeline is not None
     metered = None
     if pipelined:
-        from .pipeline_meter import meter_pipeline_step
-
         metered = meter_pipeline_step(trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -328,8 +328,6 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     layers = [per_layer.get(f"layers.{i}", 0) for i in ids if not pipelined or f"layers.{i}" in per_layer]
     report.measured, report.layers_measured = m, layers
     if pipelined:
-        from .pipeline_meter import gather_stages
-
         got = gather_stages(trainer, m, layers)
         if got is not None:
             report.stages_measured = got[0]

@@ -33,12 +33,15 @@ that chunk's input; and the input it received where
 no operation saves the tensor itself (llama in low precision: the norm keeps an fp32 copy); every receive buffer
 exists from when it is posted -- on gloo all of a step's receives at the rank's first wait, else as
 :func:`~trickles.parallel.pipeline.schedules.with_messages` places them -- the activations' until their forward saves
-them, the gradients' until their backward; an input gradient until its send; and on the last rank the loss's
-backward (:func:`~trickles.memory.activations.loss_transient_bytes`), or in any backward a layer's own: the
-MLP's backward holds two gradients of its hidden activations at once, ``2 x 4 s f / tp`` (fp32-sized; on a CPU it
-is what the first stage's measured peak has beyond the rest, within 2%: 64 KiB of fp32 llama's 1.6 MiB, 131 KiB
-of gpt2's; in bf16 the GELU's upcast arithmetic leaves about 1.4x that), and under recomputation what it brings
-back of one layer (the layer's activations without recomputation, less what it keeps). The walk over the rank's action list
+them, the gradients' until their backward; an input gradient until its send (under a split backward with the
+input saved, until ``W``: it sits on the input, which the graph keeps); the step's token ids and labels; and on
+the last rank the loss's backward (:func:`~trickles.memory.activations.loss_transient_bytes`; unfused, in a whole
+backward, the output projection's, :func:`~trickles.memory.transients.head_backward_bytes`, when larger), or in any
+backward a layer's own (:func:`~trickles.memory.transients.block_backward_bytes`: the top block's, which reads the
+received gradient itself), and under recomputation what it brings back of one layer (the layer's activations
+without recomputation, less what it keeps); on the last rank the final norm's input gradient runs beside it. A
+split ``B`` ends in its first norm's backward with every gradient for ``W`` recorded (:func:`buffers_peak`). On a CPU
+the walk meets the measured peak within 0.1% where these are all the transients (the tests' stages). The walk over the rank's action list
 (:func:`~trickles.parallel.pipeline.schedules.build`) gives the most of all these alive at once, minus the saved
 activations at their peak.
 """
@@ -116,7 +119,8 @@ def input_saved(flavor: str, p: int, device_type: str, recompute: str) -> bool:
 def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int, int]], msg: int,
                  saves_input: bool | list[bool], loss_transient: int, early_receives: bool,
                  backward_transient: int | list[int] = 0,
-                 gathered: list[tuple[int, int]] | None = None, recorded: list[int] | None = None) -> int:
+                 gathered: list[tuple[int, int]] | None = None, recorded: list[int] | None = None,
+                 split_end: int = 0, loss_saved: int = 0) -> int:
     """The most bytes alive at once on ``rank`` over a step -- saved activations, the stage outputs and inputs the
     runner holds, receive buffers, input gradients until sent, and during a backward ``backward_transient``, a
     layer's own -- on the last virtual stage the larger of the loss's and that less the head's activations, which
@@ -124,8 +128,11 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     holds beyond the shards during its forward and during its backward (:func:`zero3_gathered`). ``recorded``: per
     chunk, what a zero-bubble ``B`` records for its ``W`` (:func:`recorded_bytes`), held from the one to the other --
     except on the first virtual stage, which reads no activation: there ``B`` does nothing and ``W`` runs the whole
-    backward (its transient then), the received gradient held until it. ``saves_input`` and ``backward_transient``
-    may be given per chunk (layers recomputed in different ways: ``memory.recompute_num_layers``)."""
+    backward (its transient then), the received gradient held until it. A ``B`` elsewhere peaks as it ends, in the
+    chunk's first norm's backward: every gradient for ``W`` recorded by then (the received one among them: the last
+    block's output projection reads it as it came), the input gradient it makes, and ``split_end``, that backward's
+    own (:func:`~trickles.memory.transients.norm_backward_bytes`). ``saves_input`` and ``backward_transient`` may be given per chunk (layers
+    recomputed in different ways: ``memory.recompute_num_layers``)."""
     per_chunk = [(saves_input[c] if isinstance(saves_input, list) else saves_input,
                   backward_transient[c] if isinstance(backward_transient, list) else backward_transient)
                  for c in range(shape.v)]
@@ -141,6 +148,8 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
         if a.is_compute and (not early_receives or _messages(a, shape, rank)[0] is not None):
             alive -= outputs  # gloo: waited for before the next wait for a message; else done by then
             outputs = 0
+        import os
+        if os.environ.get("DBG") and a.is_compute: print("DBG", rank, a, alive, flush=True)
         if a.kind == "RECV_F" or a.kind == "RECV_B":
             alive += msg
         elif a.kind == "F":
@@ -157,21 +166,28 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
             if split and s == 0:  # the first stage reads no activation: its B does nothing (the received gradient
                 continue  # waits), its W is the whole backward (trickles.parallel.pipeline.split)
             lay, head = weights[a.chunk]
-            # the loss's backward first; the layers' after it has freed the head's activations
-            during = max(loss_transient, backward_transient - head) if s == last else backward_transient
+            # the loss's backward first; the layers' after it has freed the head's activations, with the final norm's
+            # input gradient running down the residual stream beside theirs (elsewhere the top block's backward, the
+            # heaviest, reads the received gradient itself there)
+            flowing = msg if s == last and s > 0 else 0
+            during = (max(loss_transient, backward_transient - head + flowing) if s == last
+                      else backward_transient + flowing)
             if gathered:  # ZeRO-3: the loss's backward with the root gathered, a block's with its units, its reduction
                 _, loss_root, begins, reduce, released = gathered[a.chunk]
                 freed = head if s == last else 0
-                during = max(loss_transient + loss_root if s == last else 0, backward_transient - freed + begins,
-                             reduce - released - freed)
-            peak = max(peak, alive + during + (msg if s > 0 else 0))
+                during = max(loss_transient + loss_root if s == last else 0, backward_transient - freed + begins + flowing,
+                             reduce - released - freed + flowing)
+            peak = max(peak, alive + during)
+            if split and recorded:
+                peak = max(peak, alive + recorded[a.chunk] - (msg if s < last else 0) + msg + split_end)
             kept = lay + head + (msg if s > 0 and not saves_input else 0)  # (until W, when split)
             alive -= 0 if split else kept
             alive -= msg if s < last else 0  # the received gradient, consumed
-            if s > 0:
-                alive += msg
-                pending_grads = msg
+            if s > 0:  # the input gradient: sent, or handed to this rank's chunk below
+                alive += msg  # (split, with the input saved: on the input, which its graph keeps until W)
+                pending_grads = 0 if handoff(a, shape, rank) is not None or (split and saves_input) else msg
             alive += recorded[a.chunk] if split and recorded else 0
+            alive -= loss_saved if split and s == last else 0  # nothing holds the loss's nodes above the head's W
             peak = max(peak, alive)
         elif a.kind == "W":
             lay, head = weights[a.chunk]
@@ -179,7 +195,10 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
                 peak = max(peak, alive + backward_transient)
                 alive -= lay + head + (msg if s < last else 0)
                 continue
-            alive -= lay + head + (msg if s > 0 and not saves_input else 0) + (recorded[a.chunk] if recorded else 0)
+            alive -= lay + head - (loss_saved if s == last else 0) + (msg if s > 0 and not saves_input else 0)
+            alive -= recorded[a.chunk] if recorded else 0
+            if s > 0 and saves_input and handoff(Action("B", a.chunk, a.micro), shape, rank) is None:
+                outputs += msg  # the input gradient, off the input now: gone once its send is seen through
     return peak
 
 
@@ -191,8 +210,8 @@ def recorded_bytes(mc, layers: int, tokens: int, p: int, tp: int = 1, sp: bool =
     the gate and up (llama) or first MLP (gpt2) projection, sharded over ``tp`` (column-parallel), of the attention's
     and the MLP's output projections (row-parallel: whole before their reduction), and of the two norms (sharded over
     ``tp`` under sequence parallelism): ``tokens (q + 2 kv + 2f [gpt2: f]) / tp + 2 tokens d + 2 tokens' d``
-    elements of ``p`` bytes; with ``head`` (the last stage) the output projection's ``tokens V / tp`` unless the loss
-    is fused (its own function computes both gradients from the loss's).
+    elements of ``p`` bytes; with ``head`` (the last stage) the final norm's ``tokens' d`` and the output projection's
+    ``tokens V / tp`` unless the loss is fused (its own function computes both gradients from the loss's).
     """
     d, f = mc.d_model, mc.ffn_dim
     q, kv = mc.n_heads * mc.head_dim, mc.kv_heads * mc.head_dim
@@ -200,8 +219,8 @@ def recorded_bytes(mc, layers: int, tokens: int, p: int, tp: int = 1, sp: bool =
     norm_tokens = tokens // tp if sp and tp > 1 else tokens
     per_block = tokens * column // tp + 2 * tokens * d + 2 * norm_tokens * d
     out = p * layers * per_block
-    if head and not fused_loss:
-        out += p * tokens * mc.vocab_size // tp
+    if head:
+        out += p * norm_tokens * d + (0 if fused_loss else p * tokens * mc.vocab_size // tp)
     return out
 
 

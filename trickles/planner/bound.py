@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from ..config import Config
 from ..models.config import ModelConfig
+from ..memory.transients import block_backward_bytes
 from ..topology import ParallelDims
 from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order, peak_alive
 from .rank_plan import element_bytes
@@ -105,7 +106,7 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
             backward = (backward_transient_nd(mc, lay, micro, cfg.data.seq_len, p, device_type) + recomputed
                         - head_released_nd(mc, lay, micro, cfg.data.seq_len, p))
         else:
-            backward = (2 * 4 * tokens * mc.ffn_dim // dims.tp + recomputed
+            backward = (block_backward_bytes(mc, tokens, g, dims.tp) + recomputed
                         - (act["head"] - embedding_bytes(act, mc, lay, micro, cfg.data.seq_len, device_type)))
         loss = max(loss, backward)
     in_layer = 0  # the memory report's transients of one layer at a time: ring blocks, expert rows
@@ -149,8 +150,9 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
         alive = in_flight(par.schedule, dims.pp, v, m, r)
         chunk_bytes = [sum(per_layer[i] for i in c) for c in chunks]
         held = alive * (chunk_bytes[0] if v == 1 else min(chunk_bytes))
-        if last:  # (the first layer's entry includes what it keeps once for all, e.g. the rotary tables)
-            held += act["head"] + loss
+        if last:  # (the first layer's entry includes what it keeps once for all, e.g. the rotary tables; the
+            # embedding's part of the head is the first stage's)
+            held += act["head"] - (0 if first else embedding_bytes(act, mc, lay, micro, cfg.data.seq_len, device_type)) + loss
         stages.append(states + (0 if offload else optimizer) + held + buffers(whole, first, last))
         # the host copies of an asynchronous save: at least the optimizer state each rank writes (its moments)
         save = 4 * len(settings.state_keys) * (owned if zero >= 1 else whole) if cfg.train.async_checkpoint else 0.0

@@ -337,18 +337,11 @@ class Search:
         return c
 
     def best(self, predicate: Callable[[Candidate], bool] = lambda c: True) -> Candidate | None:
-        """The fastest candidate satisfying ``predicate`` that fits, confirming down the ranking (None after
-        ``max_confirm`` that do not fit)."""
-        misses, i = 0, 0
-        while i < len(self.ranked):
-            c = self.ranked[i]
-            if predicate(c):
-                if self.confirm(c, i).fits:
-                    return c
-                misses += 1
-                if misses >= self.max_confirm:
-                    return None
-            i += 1
+        """The fastest candidate satisfying ``predicate`` that fits, confirming down the ranking (None when none
+        does: as in :meth:`top`, "none fits" must mean none does)."""
+        for i, c in enumerate(self.ranked):
+            if predicate(c) and self.confirm(c, i).fits:
+                return c
         return None
 
     def top(self, k: int) -> list[Candidate]:

@@ -295,7 +295,7 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
                         device_type: str = "cpu") -> dict:
     """What a rank saves for backward for one micro-batch, in the keys of
     :func:`~trickles.memory.activations.activation_bytes` (``layer``, ``per_layer``, ``layers``, ``head``, ``tables``,
-    ``total``); a grid's terms in the module docstring, 1-D delegates."""
+    ``total``, ``loss``: the part of the head the loss's own nodes save); a grid's terms in the module docstring, 1-D delegates."""
     if not lay.grid:
         from ...memory.activations import activation_bytes
 
@@ -318,10 +318,11 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
              "full": p * n * d // q}[recompute]
     v, n_all = cfg.vocab_size, batch * seq
     ids = 9 * n_all // q if lay.mode == "3d" else 8 * n_all
-    head = (ids + (0 if llama else 8 * seq) + norm + p * n * d + p * v * d // mat + 4 * n * (v // q) + 9 * n + 4)
+    loss = 4 * n * (v // q) + 9 * n + 4  # the loss's own: its probabilities, ids and mask, the target count
+    head = ids + (0 if llama else 8 * seq) + norm + p * n * d + p * v * d // mat + loss
     per_layer = [layer] * cfg.n_layers
     return {"layer": layer, "moe_layer": 0, "per_layer": per_layer, "layers": sum(per_layer), "head": head,
-            "tables": 0, "total": sum(per_layer) + head}
+            "tables": 0, "total": sum(per_layer) + head, "loss": loss}
 
 
 def loss_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int) -> int:
