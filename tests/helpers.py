@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from trickles.config import Config
+from trickles.parallel.ring_blocks import CudaEfficient
 
 
 def tiny_config(tmp, *overrides, steps=6, corpus_bytes=120_000):
@@ -143,3 +144,42 @@ def cli_here(*args: str, cwd=None) -> subprocess.CompletedProcess:
     finally:
         os.chdir(here)
     return subprocess.CompletedProcess(["trickles", *args], code, out.getvalue(), err.getvalue())
+
+
+def efficient_attention_stand_in():
+    """:class:`~trickles.parallel.ring_blocks.CudaEfficient` over CPU stand-ins for PyTorch's memory-efficient attention
+    kernels that keep their contract -- and check the ring keeps its side: the bias in the inputs' type, its rows
+    16-element aligned; the log-sum-exp returned padded to 32 rows (NaN past the rows), taken back padded and
+    contiguous; a row that sees no key returned as NaN; grads of q, k and v only -- so the ring's glue around the CUDA
+    kernel runs on a CPU (the kernel itself: ``tests/unit/test_ring_blocks.py``, on CUDA)."""
+    def scores(q, k, bias, causal, scale):
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+        if bias is not None:
+            assert bias.dtype == q.dtype and bias.stride(-1) == 1 and bias.stride(-2) % 16 == 0, bias.stride()
+            assert tuple(bias.shape) == (*q.shape[:3], k.shape[2]), bias.shape
+            s = s + bias.float()
+        return s
+
+    def forward(q, k, v, bias, compute_lse, dropout_p, causal, *, scale):
+        assert compute_lse and dropout_p == 0.0
+        s = scores(q, k, bias, causal, scale)
+        lse = torch.logsumexp(s, -1)
+        out = torch.exp(s - lse[..., None]) @ v.float()  # NaN in a row that sees no key
+        padded = torch.full((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), float("nan"))
+        padded[..., :lse.shape[-1]] = lse
+        return out.to(q.dtype), padded, torch.empty(()), torch.empty(())
+
+    def backward(do, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask, causal, *, scale):
+        m = q.shape[2]
+        assert lse.is_contiguous() and lse.shape[-1] % 32 == 0 and lse.shape[-1] >= m and dropout_p == 0.0
+        assert do.dtype == out.dtype == q.dtype and list(grad_input_mask) == [True, True, True, False]
+        p = torch.exp(scores(q, k, bias, causal, scale) - lse[..., :m, None])
+        do32 = do.float()
+        delta = (do32 * out.float()).sum(-1)
+        ds = p * (do32 @ v.float().transpose(-1, -2) - delta[..., None])
+        return (((ds @ k.float()) * scale).to(q.dtype), ((ds.transpose(-1, -2) @ q.float()) * scale).to(k.dtype),
+                (p.transpose(-1, -2) @ do32).to(v.dtype), None)
+
+    return CudaEfficient(forward, backward)

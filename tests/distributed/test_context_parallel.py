@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import tiny_config
+from helpers import efficient_attention_stand_in, tiny_config
 from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.memory.activations import ActivationMeter, activation_bytes
 from trickles.parallel.context import kv_repeats, layer_bytes, ring_attention, ulysses_attention
+from trickles.parallel.ring_blocks import Matmul
 from trickles.parallel.sequence import positions, shard_sequence, unshard_sequence
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
@@ -38,17 +39,19 @@ SHAPES = [  # (heads, kv heads, sequence, head dim): plain; grouped-query with a
 ]
 
 
-def _kernel(mode, heads, kv_heads, seq, d, fused=True):
-    """``fused=False``: the ring's blocks as plain fp32 matmuls, the path it takes off CPU."""
+def _kernel(mode, heads, kv_heads, seq, d, blocks=None):
+    """``blocks``: the ring's block kernel in place of the device's -- ``"matmul"`` (fp32 matmuls, the fallback) or
+    ``"cuda"`` (the glue around CUDA's memory-efficient kernel, over stand-ins that keep its contract)."""
     import trickles.parallel.ring as ring
 
-    real = ring._fused
-    if not fused:
-        ring._fused = lambda q: False
+    real = ring.kernel_for
+    if blocks is not None:
+        kernel = Matmul if blocks == "matmul" else efficient_attention_stand_in()
+        ring.kernel_for = lambda q: kernel
     try:
         return _kernel_run(mode, heads, kv_heads, seq, d)
     finally:
-        ring._fused = real
+        ring.kernel_for = real
 
 
 def _kernel_run(mode, heads, kv_heads, seq, d):
@@ -118,11 +121,13 @@ def test_attention_equals_sdpa_on_the_whole_sequence_and_sends_the_formula_bytes
                     assert got["recv/cp"]["bytes"] == got["send/cp"]["bytes"]
 
 
-def test_ring_matmul_blocks_equal_sdpa_too():
-    """The ring's block kernel off CPU (fp32 matmuls, softmax by its log-sum-exp, the backward by hand) forced on CPU:
-    the same 1e-6 against SDPA on the whole sequence."""
+@pytest.mark.parametrize("blocks", ["matmul", "cuda"])
+def test_ring_blocks_of_other_devices_equal_sdpa_too(blocks):
+    """The ring's other block kernels forced on CPU -- the fp32 matmuls (softmax by its log-sum-exp, the backward by
+    hand), and the glue around CUDA's memory-efficient kernel (over stand-ins keeping its contract: aligned bias,
+    padded log-sum-exp) -- the same 1e-6 against SDPA on the whole sequence."""
     for heads, kv_heads, seq, d in SHAPES:
-        for errors, *_ in run_ranks(2, _kernel, "ring", heads, kv_heads, seq, d, False):
+        for errors, *_ in run_ranks(2, _kernel, "ring", heads, kv_heads, seq, d, blocks):
             assert max(errors) < 1e-6, (heads, kv_heads, seq, d, errors)
 
 

@@ -10,11 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_losses_track, short_documents, tiny_config
+from helpers import assert_losses_track, efficient_attention_stand_in, short_documents, tiny_config
 from trickles.models.config import ModelConfig, apply_preset
 from trickles.models.documents import document_ids
 from trickles.models.transformer import build_model
 from trickles.parallel.context import apply_context_parallel
+from trickles.parallel.ring_blocks import Matmul
 from trickles.parallel.sequence import positions
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
@@ -42,19 +43,21 @@ def _alone(model, x, y, ids):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _packed_on_cp(mode, preset, fused=True):
+def _packed_on_cp(mode, preset, blocks=None):
     """This cp rank's tokens of a packed batch through a context-parallel model: the largest gaps of the per-token
-    losses and of the gradients (summed over the cp ranks) to the documents run alone. ``fused=False``: the ring's
-    blocks as fp32 matmuls, the path it takes off CPU."""
+    losses and of the gradients (summed over the cp ranks) to the documents run alone. ``blocks``: the ring's block
+    kernel in place of the device's -- ``"matmul"`` (fp32 matmuls, the fallback) or ``"cuda"`` (the glue around
+    CUDA's memory-efficient kernel with the masks as its bias, over stand-ins that keep its contract)."""
     import trickles.parallel.ring as ring
 
-    real = ring._fused
-    if not fused:
-        ring._fused = lambda q: False
+    real = ring.kernel_for
+    if blocks is not None:
+        kernel = Matmul if blocks == "matmul" else efficient_attention_stand_in()
+        ring.kernel_for = lambda q: kernel
     try:
         return _packed_on_cp_run(mode, preset)
     finally:
-        ring._fused = real
+        ring.kernel_for = real
 
 
 def _packed_on_cp_run(mode, preset):
@@ -81,10 +84,11 @@ def _packed_on_cp_run(mode, preset):
     return loss_gap, grad_gap
 
 
-@pytest.mark.parametrize("world,mode,preset,fused", [(2, "ring", "tiny", True), (2, "ring", "tiny", False),
-                                                     (2, "ulysses", "gpt2-tiny", True), (4, "ring", "gpt2-tiny", True)])
-def test_each_document_under_context_parallelism_is_as_if_alone(world, mode, preset, fused):
-    for loss_gap, grad_gap in run_ranks(world, _packed_on_cp, mode, preset, fused):
+@pytest.mark.parametrize("world,mode,preset,blocks", [(2, "ring", "tiny", None), (2, "ring", "tiny", "matmul"),
+                                                      (2, "ring", "tiny", "cuda"), (2, "ulysses", "gpt2-tiny", None),
+                                                      (4, "ring", "gpt2-tiny", None)])
+def test_each_document_under_context_parallelism_is_as_if_alone(world, mode, preset, blocks):
+    for loss_gap, grad_gap in run_ranks(world, _packed_on_cp, mode, preset, blocks):
         assert loss_gap <= 1e-5 and grad_gap <= 1e-5, (loss_gap, grad_gap)
 
 

@@ -22,7 +22,9 @@ Backward runs the ring again with the saved output ``O`` and ``lse``: per block
 ``dK += dS^T Q / sqrt(D)``. The keys and values travel as in forward (``cp - 1`` sends); their
 gradients (fp32) travel with them, each rank adding its part, and after ``cp`` sends are back with
 their owner. Grouped-query attention sends only the ``H_kv`` key/value heads (each rank repeats them to
-its query heads locally and sums the repeats' gradients).
+its query heads locally and sums the repeats' gradients). Each block runs the device's fused kernel that returns
+the log-sum-exp (flash attention on a CPU, memory-efficient attention on CUDA), else fp32 matmuls
+(:mod:`~trickles.parallel.ring_blocks`).
 
 Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes
 per element: a key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward
@@ -37,6 +39,7 @@ import math
 import torch
 
 from ..comm import GroupComm
+from .ring_blocks import BlockMask, finite, kernel_for
 
 
 def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
@@ -52,21 +55,6 @@ def _pairs(q_rank: int, kv_rank: int, cp: int, c: int):
                 yield slice(qa * c, (qa + 1) * c), slice(kb * c, (kb + 1) * c), b == a, a, b
 
 
-class BlockMask:
-    """One ring block's same-document mask ``[B, 1, c, c]`` (True: the query sees the key), with what the kernels
-    take: the additive form in the inputs' type (cached) and which query rows see any key at all."""
-
-    def __init__(self, mask: torch.Tensor):
-        self.mask, self.rows = mask, mask.any(-1)  # [B, 1, c]
-        self._additive: dict[torch.dtype, torch.Tensor] = {}
-
-    def additive(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._additive:
-            zero = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._additive[dtype] = zero.masked_fill(~self.mask, float("-inf"))
-        return self._additive[dtype]
-
-
 class RingDocuments:
     """Packed documents' masks for the ring's blocks (``data.document_mask``): every rank holds the whole
     sequence's document ids ``[B, T]`` -- on the host (:attr:`host`, where the loader made them) and on the device.
@@ -76,8 +64,9 @@ class RingDocuments:
     row has such a pair the block is **skipped** (its keys and values still travel on). Where every row's two
     chunks lie in one document the block runs unmasked, as without documents (causal on the diagonal); otherwise
     with the mask ``doc_q == doc_k`` (and the causal triangle on the diagonal), built once per forward and reused
-    by backward (:class:`BlockMask`: on a CPU the fused kernel takes it in additive form, and a query row that sees
-    no key of the block gets log-sum-exp ``-inf``, where the kernel reports 0; elsewhere the fp32 matmul blocks). All three decisions are read from the host ids: the device is never waited for."""
+    by backward (:class:`~trickles.parallel.ring_blocks.BlockMask`, which each block kernel takes in its own form,
+    :mod:`~trickles.parallel.ring_blocks`). All three decisions are read from the host ids: the device is never
+    waited for."""
 
     def __init__(self, host: torch.Tensor, device_ids: torch.Tensor):
         self.host, self.ids = host, device_ids
@@ -116,55 +105,6 @@ def repeat_heads(kv: torch.Tensor, rep: int) -> torch.Tensor:
     return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
 
 
-def _scores(q, k, scale, causal, mask: BlockMask | None = None):
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if causal:  # a diagonal block: query i sees keys 0..i
-        s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
-    if mask is not None:  # packed documents: query i sees key j of its own document only
-        s.masked_fill_(~mask.mask, float("-inf"))
-    return s
-
-
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """``lse`` with the rows that see no key yet (``-inf``) set to 0, so that ``exp(s - lse)`` is 0 there, not NaN."""
-    return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-
-
-def _fused(q: torch.Tensor) -> bool:
-    """Whether a block runs PyTorch's fused CPU attention kernel (it returns the log-sum-exp and takes the final
-    output and log-sum-exp in backward); elsewhere the blocks are plain matmuls in fp32."""
-    return q.device.type == "cpu"
-
-
-def _block_forward(q, k, v, scale, causal, mask: BlockMask | None = None):
-    """``(softmax(S) V, logsumexp(S))`` of one block, fp32 (a row ``mask`` hides entirely: 0 and ``-inf``)."""
-    if _fused(q):
-        extra = {} if mask is None else {"attn_mask": mask.additive(q.dtype)}
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale, **extra)
-        if mask is not None:  # the kernel gives a row that sees no key 0 and log-sum-exp 0: make it -inf
-            lse = lse.masked_fill(~mask.rows, float("-inf"))
-        return o.float(), lse.float()
-    s = _scores(q, k, scale, causal, mask)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse)[..., None])
-    return torch.matmul(p.to(v.dtype), v).float(), lse
-
-
-def _block_backward(q, k, v, do, out, lse, delta, scale, causal, mask: BlockMask | None = None):
-    """``(dq, dk, dv)`` of one block (fp32) from the final output ``out``, its ``lse`` and
-    ``delta = rowsum(dO O)``: ``P = exp(S - lse)`` is this block's share of the final softmax."""
-    if _fused(q):
-        extra = {} if mask is None else {"attn_mask": mask.additive(q.dtype)}
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(q.dtype), q, k, v, out, lse, 0.0, causal, scale=scale, **extra)
-        return tuple(g.float() for g in grads)
-    q, k, v, do = q.float(), k.float(), v.float(), do.float()
-    p = torch.exp(_scores(q, k, scale, causal, mask) - lse[..., None])
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta[..., None])
-    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
-
-
 def _exchange(comm: GroupComm, send: torch.Tensor, recv: torch.Tensor):
     """Starts sending ``send`` to the next rank and receiving into ``recv`` from the previous one."""
     nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
@@ -196,12 +136,13 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per step
+        kernel = kernel_for(q)
         for step in range(cp):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             for qs, ks, causal, mask in _blocks(rank, src, cp, c, documents):
-                o_b, lse_b = _block_forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
+                o_b, lse_b = kernel.forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
-                safe = _finite(new)  # (a row no block has shown a key yet stays 0 and -inf)
+                safe = finite(new)  # (a row no block has shown a key yet stays 0 and -inf)
                 out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - safe)[..., None] + o_b * torch.exp(lse_b - safe)[..., None]
                 lse[:, :, qs] = new
             _wait(handles)
@@ -226,11 +167,12 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv, dkv_handles = None, []  # the gradient block arriving with the keys and values being held
+        kernel = kernel_for(q)
         for step in range(cp):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
             for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents):
-                dq_b, dk_b, dv_b = _block_backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], out[:, :, qs],
+                dq_b, dk_b, dv_b = kernel.backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], out[:, :, qs],
                                                    lse[:, :, qs], delta[:, :, qs], scale, causal, mask)
                 dq[:, :, qs] += dq_b
                 part[0][:, :, ks] += dk_b
