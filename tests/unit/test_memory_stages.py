@@ -11,7 +11,7 @@ import torch
 from helpers import tiny_config
 from trickles.memory import meta
 from trickles.memory.report import predict
-from trickles.memory.stages import buffers_peak, in_flight, in_flight_closed_form, peak_in_flight
+from trickles.memory.stages import buffers_peak, in_flight, in_flight_closed_form, message_bytes, peak_in_flight
 from trickles.models.config import resolve_model
 from trickles.parallel.pipeline.stages import keep_stage, partition_layers
 from trickles.parallel.pipeline.schedules import Shape, compute_order
@@ -162,3 +162,11 @@ def test_buffers_peak_walks_zb_h1_by_hand():
     peaks = [buffers_peak("zb-h1", shape, r, weights, 4, True, 7, False, backward_transient=5, recorded=[30],
                           split_end=3, loss_saved=6) for r in range(2)]
     assert peaks == [229, 285]
+
+
+def test_a_message_is_one_micro_batch_of_this_ranks_tokens():
+    """``p B (T / cp) d`` bytes, divided over tensor-parallel ranks only where the activations are split along the
+    sequence: 4 x 2 x (64 / 2) x 16 = 4,096 B at cp=2; 2,048 B split over tp=2; tp alone does not divide it."""
+    assert message_bytes(2, 64, 16, 4, 2, True, cp=2) == 2048
+    assert message_bytes(2, 64, 16, 4, 2, False, cp=2) == 4096
+    assert message_bytes(2, 64, 16, 2, 1, False) == 4096
