@@ -17,8 +17,8 @@ is given; the fused kernels compute it themselves).
   here: the bias's rows start at multiples of 16 elements (it is built 16-aligned and sliced, as SDPA pads it), its
   ``lse`` comes back padded to a multiple of 32 rows (sliced) and goes into backward padded so again (zeros past
   the rows), dropout is 0 so the random seed and offset it takes are never read, and a row that sees no key may
-  come back as anything (set to ``0`` and ``-inf``). A block whose head dimension the kernel does not take (not a
-  multiple of 8, or over 256) runs :class:`Matmul`.
+  come back as anything (set to ``0`` and ``-inf``). A block the kernel does not take (a head dimension not a
+  multiple of 8 or over 256, a type other than fp32, fp16 and bf16) runs :class:`Matmul`.
 * :class:`Matmul` (anywhere): the formulas as fp32 matmuls, ``[c, c]`` scores materialized; the reference the
   fused kernels are tested against, and the fallback.
 """
@@ -137,7 +137,7 @@ def kernel_for(q: torch.Tensor):
     """The kernel a block of ``q [B, H, c, D]`` runs (module docstring)."""
     if q.device.type == "cpu":
         return CpuFlash
-    d = q.shape[-1]
-    if q.device.type == "cuda" and d % 8 == 0 and d <= 256:
+    d, types = q.shape[-1], (torch.float32, torch.float16, torch.bfloat16)
+    if q.device.type == "cuda" and q.dtype in types and d % 8 == 0 and d <= 256:
         return CudaEfficient()
     return Matmul
