@@ -126,6 +126,30 @@ def test_the_bound_never_exceeds_the_memory_report():
             assert bound.device >= 0.8 * report.predicted["peak"], lay.label()
 
 
+def test_the_bound_follows_an_uneven_layer_split():
+    """Each stage's bound counts its own layers: moving layers from the first stage to the second moves bytes with
+    them, and every stage stays under the report's."""
+    cfg, mc, _ = setup("model.n_layers=4", "parallel.pp=2")
+    stages = {}
+    for split in ("[1, 3]", "[3, 1]"):
+        c = Config.load(None, [*TINY, "model.n_layers=4", "parallel.pp=2", f"parallel.pipeline_layers={split}"])
+        dims = c.validate(2)
+        bound, report = memory_bound(c, dims, mc, "cuda", 8), predict(c, dims, mc, "cuda")
+        assert all(b <= r["peak"] for b, r in zip(bound.stages, report.stages)), (split, bound.stages)
+        stages[split] = bound.stages
+    assert stages["[1, 3]"][0] < stages["[3, 1]"][0] and stages["[1, 3]"][1] > stages["[3, 1]"][1], stages
+
+
+def test_the_lightest_fit_is_its_family_with_the_most_recomputation():
+    """The layout named for "the smallest cluster that fits" is the one whose bound and report were computed: the
+    end of its recomputation chain, full recomputation of every layer."""
+    cfg, mc, s = setup(devices=2)
+    c = s.lightest_fit()
+    assert c is not None and c.fits
+    assert (c.layout.recompute, c.layout.recompute_num_layers) == (c.cfg.memory.recompute,
+                                                                   c.cfg.memory.recompute_num_layers) == ("full", 0)
+
+
 def test_fits_agrees_with_the_memory_report():
     cfg, mc, _ = setup("parallel.pp=1", "parallel.cp=1")
     cluster = _small_device(cfg, mc, 2, 0.4)
