@@ -40,10 +40,10 @@ backward, the output projection's, :func:`~trickles.memory.transients.head_backw
 backward a layer's own (:func:`~trickles.memory.transients.block_backward_bytes`: the top block's, which reads the
 received gradient itself), and under recomputation what it brings back of one layer (the layer's activations
 without recomputation, less what it keeps); on the last rank the final norm's input gradient runs beside it. A
-split ``B`` ends in its first norm's backward with every gradient for ``W`` recorded (:func:`buffers_peak`). On a CPU
-the walk meets the measured peak within 0.1% where these are all the transients (the tests' stages). The walk over the rank's action list
-(:func:`~trickles.parallel.pipeline.schedules.build`) gives the most of all these alive at once, minus the saved
-activations at their peak.
+split ``B`` ends in its first norm's backward with every gradient for ``W`` recorded (:func:`buffers_peak`). The walk
+over the rank's action list (:func:`~trickles.parallel.pipeline.schedules.build`) gives the most of all these alive
+at once, minus the saved activations at their peak; on a CPU it meets the measured peak within 0.1% where these are
+all the transients (the tests' stages).
 """
 
 from __future__ import annotations
@@ -131,7 +131,8 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     backward (its transient then), the received gradient held until it. A ``B`` elsewhere peaks as it ends, in the
     chunk's first norm's backward: every gradient for ``W`` recorded by then (the received one among them: the last
     block's output projection reads it as it came), the input gradient it makes, and ``split_end``, that backward's
-    own (:func:`~trickles.memory.transients.norm_backward_bytes`). ``saves_input`` and ``backward_transient`` may be given per chunk (layers
+    own (:func:`~trickles.memory.transients.norm_backward_bytes`); ``loss_saved``: what the loss's own nodes save, freed
+    as the last stage's ``B`` ends. ``saves_input`` and ``backward_transient`` may be given per chunk (layers
     recomputed in different ways: ``memory.recompute_num_layers``)."""
     per_chunk = [(saves_input[c] if isinstance(saves_input, list) else saves_input,
                   backward_transient[c] if isinstance(backward_transient, list) else backward_transient)
@@ -148,8 +149,6 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
         if a.is_compute and (not early_receives or _messages(a, shape, rank)[0] is not None):
             alive -= outputs  # gloo: waited for before the next wait for a message; else done by then
             outputs = 0
-        import os
-        if os.environ.get("DBG") and a.is_compute: print("DBG", rank, a, alive, flush=True)
         if a.kind == "RECV_F" or a.kind == "RECV_B":
             alive += msg
         elif a.kind == "F":
@@ -178,8 +177,9 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
                 during = max(loss_transient + loss_root if s == last else 0, backward_transient - freed + begins + flowing,
                              reduce - released - freed + flowing)
             peak = max(peak, alive + during)
-            if split and recorded:
-                peak = max(peak, alive + recorded[a.chunk] - (msg if s < last else 0) + msg + split_end)
+            if split and recorded:  # B's end: what it recorded (the received gradient among it, already alive but
+                # on the last stage), the input gradient it makes, its first norm's backward
+                peak = max(peak, alive + recorded[a.chunk] + (msg if s == last else 0) + split_end)
             kept = lay + head + (msg if s > 0 and not saves_input else 0)  # (until W, when split)
             alive -= 0 if split else kept
             alive -= msg if s < last else 0  # the received gradient, consumed
