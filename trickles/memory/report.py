@@ -166,7 +166,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
         rows, layer_ids, split = [], [], cfg.parallel.schedule in SPLIT  # (a B leaves the weights' gradients to W)
-        head = 0 if split else head_backward_bytes(model_cfg, tokens, p, g, dims.tp, fused)
+        head_bwd = 0 if split else head_backward_bytes(model_cfg, tokens, p, g, dims.tp, fused)
         norm_end = norm_backward_bytes(tokens // dims.tp if lay.sequence_parallel else tokens, model_cfg.d_model, p)
         batch = 16 * micro * m * cfg.data.seq_len  # the step's token ids and labels (int64), on every stage
         for r in range(dims.pp):
@@ -189,7 +189,7 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
             saves = [bool(ch) and input_saved(model_cfg.flavor, p, device_type, modes[ch[0]]) for ch in chunks]
             during = [block_backward_bytes(model_cfg, tokens, g, dims.tp, whole=not split)
                       + recomputed_in_backward(brought, act["per_layer"], ch) for ch in chunks]
-            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves, max(loss, head) if last else 0,
+            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves, max(loss, head_bwd) if last else 0,
                                    early_receives=device_type != "cuda", backward_transient=during, gathered=gathered,
                                    recorded=recorded, split_end=norm_end, loss_saved=act["loss"])
             transient = buffers - lay_b - head_b + layer_transient + states["step_gradients"] + batch
