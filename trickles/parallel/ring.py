@@ -162,18 +162,19 @@ class _RingAttention(torch.autograd.Function):
         cp, rank = comm.size, comm.rank
         h_kv = k.shape[1]
         rep, c, scale = h // h_kv, t // 2, 1.0 / math.sqrt(d)
-        do = dout.float()
-        delta = (do * out.float()).sum(-1)
+        kernel = kernel_for(q)
+        # rowsum(dO O), for the fp32 blocks (the fused kernels make their own)
+        delta = (dout.float() * out.float()).sum(-1) if kernel.takes_delta else None
         dq = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv, dkv_handles = None, []  # the gradient block arriving with the keys and values being held
-        kernel = kernel_for(q)
         for step in range(cp):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
             for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents):
-                dq_b, dk_b, dv_b = kernel.backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], do[:, :, qs], out[:, :, qs],
-                                                   lse[:, :, qs], delta[:, :, qs], scale, causal, mask)
+                dq_b, dk_b, dv_b = kernel.backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], out[:, :, qs],
+                                                   lse[:, :, qs], None if delta is None else delta[:, :, qs], scale,
+                                                   causal, mask)
                 dq[:, :, qs] += dq_b
                 part[0][:, :, ks] += dk_b
                 part[1][:, :, ks] += dv_b

@@ -7,7 +7,8 @@ per query row (fp32), ``S_b = Q K_b^T / sqrt(D)``, causal on a diagonal block, `
 ring's merge ignores it. Backward, from the final output ``O``, its ``lse`` and ``dO`` (the block's share of the
 final softmax is ``P = exp(S_b - lse)``): ``dV = P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``,
 ``dQ = dS K / sqrt(D)``, ``dK = dS^T Q / sqrt(D)``, returned in fp32 for the ring to sum (``delta = rowsum(dO O)``
-is given; the fused kernels compute it themselves).
+is given to a kernel whose ``takes_delta`` says so; the fused kernels compute it themselves). ``dO`` comes in the
+output's type.
 
 * :class:`CpuFlash` (a CPU): PyTorch's fused flash kernel for CPUs, ``_scaled_dot_product_flash_attention_for_cpu``
   and its backward; it takes the mask in additive form and reports a row that sees no key with ``lse`` 0, made
@@ -65,6 +66,8 @@ def _scores(q, k, scale, causal, mask: BlockMask | None = None):
 class Matmul:
     """The block's formulas as fp32 matmuls (module docstring)."""
 
+    takes_delta = True
+
     @staticmethod
     def forward(q, k, v, scale, causal, mask: BlockMask | None = None):
         s = _scores(q, k, scale, causal, mask)
@@ -83,6 +86,8 @@ class Matmul:
 
 class CpuFlash:
     """PyTorch's fused flash attention for CPUs (module docstring)."""
+
+    takes_delta = False
 
     @staticmethod
     def forward(q, k, v, scale, causal, mask: BlockMask | None = None):
@@ -105,6 +110,7 @@ class CudaEfficient:
     ``backward_op``: the kernels (PyTorch's by default; the tests give stand-ins that keep the same contract)."""
 
     ALIGN_BIAS, ALIGN_LSE = 16, 32
+    takes_delta = False
 
     def __init__(self, forward_op=None, backward_op=None):
         self.forward_op = forward_op or torch.ops.aten._scaled_dot_product_efficient_attention.default
@@ -128,7 +134,7 @@ class CudaEfficient:
         padded = torch.zeros((b, h, -(-rows // self.ALIGN_LSE) * self.ALIGN_LSE), dtype=torch.float32, device=lse.device)
         padded[..., :rows] = lse
         unused = torch.zeros((), dtype=torch.int64, device=q.device)  # the seed and offset of dropout 0
-        grads = self.backward_op(do.to(q.dtype), q, k, v, self._bias(q, mask), out, padded, unused, unused, 0.0,
+        grads = self.backward_op(do.to(q.dtype).contiguous(), q, k, v, self._bias(q, mask), out, padded, unused, unused, 0.0,
                                  [True, True, True, False], causal, scale=scale)
         return tuple(g.float() for g in grads[:3])
 
