@@ -37,7 +37,7 @@ class CountSent:
     def __init__(self, world: int):
         self.world, self.ops = world, {"all_to_all_single": [0, 0], "all_reduce": [0, 0]}
 
-    def __enter__(self) -> "CountSent":
+    def __enter__(self) -> CountSent:
         import deepspeed.comm as dcomm
 
         self.mod, self.orig = dcomm, (dcomm.all_to_all_single, dcomm.all_reduce)
@@ -57,6 +57,7 @@ class CountSent:
         def ar(tensor, *a, **kw):
             self._count("all_reduce", 2 * (n - 1) * tensor.numel() * tensor.element_size() // n)
             return orig_ar(tensor, *a, **kw)
+
         dcomm.all_to_all_single, dcomm.all_reduce = a2a, ar
         return self
 

@@ -13,8 +13,8 @@ import os
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass
@@ -33,6 +33,7 @@ def out(ctx: Ctx, name: str) -> str:
 
 # ---- readers --------------------------------------------------------------------------------------------------------
 
+
 def load(path: str) -> dict:
     with open(path) as f:
         return json.load(f)
@@ -48,14 +49,20 @@ def ms(seconds) -> str:
 
 def pytest_summary(ctx: Ctx, output: str) -> dict:
     """Counts from pytest's last line (run, or collected), and the names of the failed tests."""
-    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", output)}
+    counts = {
+        k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", output)
+    }
     collected = re.search(r"(\d+)(?:/\d+)? tests? collected", output)
     if collected:
         counts["collected"] = int(collected.group(1))
     failed = re.findall(r"^FAILED (\S+)", output, re.M)[:10]
     headline = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no summary line"
-    return {"headline": headline + (" (collected only: no CUDA)" if not ctx.cuda else ""), "numbers": {**counts, "failed_tests": failed},
-            "header": ["failed test"], "rows": [[f] for f in failed]}
+    return {
+        "headline": headline + (" (collected only: no CUDA)" if not ctx.cuda else ""),
+        "numbers": {**counts, "failed_tests": failed},
+        "header": ["failed test"],
+        "rows": [[f] for f in failed],
+    }
 
 
 def kernels_summary(ctx: Ctx, output: str) -> dict:
@@ -69,9 +76,19 @@ def kernels_summary(ctx: Ctx, output: str) -> dict:
         med = {n: v["median"] for n, v in c.items()}
         peak = {n: v["peak_bytes"] / 2**20 for n, v in c.items()}
         m = med.get(mine)
-        rows.append([kernel, mine or "-", ms(m), ratio(m, med.get("eager")), ratio(m, med.get("compile")),
-                     ratio(m, med.get("liger")), f"{peak[mine]:.0f}" if mine else "-", f"{peak['eager']:.0f}",
-                     f"{peak['liger']:.0f}" if "liger" in peak else "-"])
+        rows.append(
+            [
+                kernel,
+                mine or "-",
+                ms(m),
+                ratio(m, med.get("eager")),
+                ratio(m, med.get("compile")),
+                ratio(m, med.get("liger")),
+                f"{peak[mine]:.0f}" if mine else "-",
+                f"{peak['eager']:.0f}",
+                f"{peak['liger']:.0f}" if "liger" in peak else "-",
+            ]
+        )
         if mine:
             heads.append(f"{kernel} {ratio(m, med.get('eager'))}")
         if mine and kernel == "cross_entropy":
@@ -79,12 +96,26 @@ def kernels_summary(ctx: Ctx, output: str) -> dict:
     liger = doc.get("liger_kernel", "-")
     measured = measured_rows(doc) if ctx.cuda else ""
     if measured:
-        print(f"rows for trickles.kernels.MEASURED (what model.kernels=auto reads; docs/kernels.md shows them):\n{measured}")
-    return {"headline": f"ours/eager: {', '.join(heads) or '-'}{loss}; "
-                        + (f"liger-kernel {liger}" if liger != "-" else "liger did not run"),
-            "numbers": {**doc["results"], "MEASURED rows": measured},
-            "header": ["kernel", "ours", "ours ms", "/ eager", "/ compile", "/ liger", "ours peak MiB", "eager peak MiB",
-                       "liger peak MiB"], "rows": rows}
+        print(
+            f"rows for trickles.kernels.MEASURED (what model.kernels=auto reads; docs/kernels.md shows them):\n{measured}"
+        )
+    return {
+        "headline": f"ours/eager: {', '.join(heads) or '-'}{loss}; "
+        + (f"liger-kernel {liger}" if liger != "-" else "liger did not run"),
+        "numbers": {**doc["results"], "MEASURED rows": measured},
+        "header": [
+            "kernel",
+            "ours",
+            "ours ms",
+            "/ eager",
+            "/ compile",
+            "/ liger",
+            "ours peak MiB",
+            "eager peak MiB",
+            "liger peak MiB",
+        ],
+        "rows": rows,
+    }
 
 
 def measured_rows(doc: dict) -> str:
@@ -94,16 +125,20 @@ def measured_rows(doc: dict) -> str:
 
     import triton
 
-    where = (f"{doc['device_name']}, torch {doc['torch'].split('+')[0]}, Triton {triton.__version__}, "
-             f"{datetime.date.today().isoformat()}")
+    where = (
+        f"{doc['device_name']}, torch {doc['torch'].split('+')[0]}, Triton {triton.__version__}, "
+        f"{datetime.date.today().isoformat()}"
+    )
     lines = []
     for kernel, r in doc["results"].items():
         med = {n: v["median"] * 1e3 for n, v in r["contestants"].items()}
         if not {"ours-triton", "eager", "compile"} <= med.keys():
             continue
         liger = f"{med['liger']:.4f}" if "liger" in med else "None"
-        lines.append(f'    "{kernel}": Measured({med["ours-triton"]:.4f}, {med["eager"]:.4f}, {med["compile"]:.4f}, '
-                     f'{liger}, "{where}"),')
+        lines.append(
+            f'    "{kernel}": Measured({med["ours-triton"]:.4f}, {med["eager"]:.4f}, {med["compile"]:.4f}, '
+            f'{liger}, "{where}"),'
+        )
     return "\n".join(lines)
 
 
@@ -112,24 +147,50 @@ def single_summary(name: str) -> Callable[[Ctx, str], dict]:
         doc = load(out(ctx, name))
         check = doc["check"]
         if not doc.get("results"):
-            return {"headline": f"agreement check failed: fp32 logits {check['logits_fp32_rel_diff']:.1e}, "
-                                f"loss {max(check['loss_rel_diff']):.1e}", "numbers": check, "header": [], "rows": []}
+            return {
+                "headline": f"agreement check failed: fp32 logits {check['logits_fp32_rel_diff']:.1e}, "
+                f"loss {max(check['loss_rel_diff']):.1e}",
+                "numbers": check,
+                "header": [],
+                "rows": [],
+            }
         res = doc["results"]
-        rows = [[n, ms(r["median"]), f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.1%}" if r.get("mfu") else "-",
-                 ratio(r["median"], res["hf-llama"]["median"]), f"{r['paired_ratio']:.3f}x",
-                 f"{r['step_alloc_bytes'] / 2**30:.1f}" if r.get("step_alloc_bytes") else "-"] for n, r in res.items()]
-        heads = [f"{n} {ratio(r['median'], res['hf-llama']['median'])} HF" + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
-                 for n, r in res.items() if n != "hf-llama"]
-        return {"headline": "; ".join(heads) + f" (agreement: fp32 logits {check['logits_fp32_rel_diff']:.1e}, "
-                                                f"loss {max(check['loss_rel_diff']):.1e})",
-                "numbers": {"check": check, "results": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()}},
-                "header": ["model", "median ms", "tokens/s", "MFU", "vs HF", "paired", "step GiB"], "rows": rows}
+        rows = [
+            [
+                n,
+                ms(r["median"]),
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['mfu']:.1%}" if r.get("mfu") else "-",
+                ratio(r["median"], res["hf-llama"]["median"]),
+                f"{r['paired_ratio']:.3f}x",
+                f"{r['step_alloc_bytes'] / 2**30:.1f}" if r.get("step_alloc_bytes") else "-",
+            ]
+            for n, r in res.items()
+        ]
+        heads = [
+            f"{n} {ratio(r['median'], res['hf-llama']['median'])} HF"
+            + (f", MFU {r['mfu']:.1%}" if r.get("mfu") else "")
+            for n, r in res.items()
+            if n != "hf-llama"
+        ]
+        return {
+            "headline": "; ".join(heads) + f" (agreement: fp32 logits {check['logits_fp32_rel_diff']:.1e}, "
+            f"loss {max(check['loss_rel_diff']):.1e})",
+            "numbers": {
+                "check": check,
+                "results": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()},
+            },
+            "header": ["model", "median ms", "tokens/s", "MFU", "vs HF", "paired", "step GiB"],
+            "rows": rows,
+        }
+
     return summary
 
 
 def train_summary(name: str) -> Callable[[Ctx, str], dict]:
     """tokens/s, MFU and step time from the run's ``metrics.jsonl``: step 1 (which compiles) apart, the median of the
     others."""
+
     def summary(ctx: Ctx, output: str) -> dict:
         with open(os.path.join(out(ctx, name), "metrics.jsonl")) as f:
             records = [json.loads(line) for line in f if line.strip()]
@@ -138,13 +199,30 @@ def train_summary(name: str) -> Callable[[Ctx, str], dict]:
         mfus = [r["mfu"] for r in later if r.get("mfu") is not None]
         mfu = statistics.median(mfus) if mfus else None
         step = statistics.median(r["step_time"] for r in later)
-        rows = [[r["step"], f"{r['loss']:.4f}", f"{r['step_time'] * 1e3:.0f}", f"{r['tokens_per_s']:,.0f}",
-                 f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-"] for r in records]
-        return {"headline": f"{tps:,.0f} tokens/s, MFU {f'{mfu:.1%}' if mfu is not None else '-'}, {step * 1e3:.0f} ms a step "
-                            f"(median of steps 2-{len(records)}); step 1 {records[0]['step_time']:.1f} s",
-                "numbers": {"tokens_per_s": tps, "mfu": mfu, "step_time": step, "first_step_time": records[0]["step_time"],
-                            "steps": len(records)},
-                "header": ["step", "loss", "ms", "tokens/s", "MFU"], "rows": rows}
+        rows = [
+            [
+                r["step"],
+                f"{r['loss']:.4f}",
+                f"{r['step_time'] * 1e3:.0f}",
+                f"{r['tokens_per_s']:,.0f}",
+                f"{r['mfu']:.1%}" if r.get("mfu") is not None else "-",
+            ]
+            for r in records
+        ]
+        return {
+            "headline": f"{tps:,.0f} tokens/s, MFU {f'{mfu:.1%}' if mfu is not None else '-'}, {step * 1e3:.0f} ms a step "
+            f"(median of steps 2-{len(records)}); step 1 {records[0]['step_time']:.1f} s",
+            "numbers": {
+                "tokens_per_s": tps,
+                "mfu": mfu,
+                "step_time": step,
+                "first_step_time": records[0]["step_time"],
+                "steps": len(records),
+            },
+            "header": ["step", "loss", "ms", "tokens/s", "MFU"],
+            "rows": rows,
+        }
+
     return summary
 
 
@@ -153,77 +231,156 @@ def inference_summary(ctx: Ctx, output: str) -> dict:
     tps = {n: r["tokens_per_s"] for n, r in res.items()}
     acc = tps.get("accelerate offload")
     peer = (re.search(r"\(b\) peer: (.*)", output) or [None, "-"])[1]
-    head = (f"resident {ratio(tps['ours resident'], tps['HF generate'])} HF's tokens/s; streamed "
-            + (f"{ratio(tps['ours streamed'], acc)} accelerate's" if acc else f"alone ({peer.split(chr(59))[0]})"))
-    return {"headline": head, "numbers": tps, "header": ["contestant", "median ms", "tokens/s"],
-            "rows": [[n, ms(r["median"]), f"{r['tokens_per_s']:.1f}"] for n, r in res.items()]}
+    head = f"resident {ratio(tps['ours resident'], tps['HF generate'])} HF's tokens/s; streamed " + (
+        f"{ratio(tps['ours streamed'], acc)} accelerate's" if acc else f"alone ({peer.split(chr(59))[0]})"
+    )
+    return {
+        "headline": head,
+        "numbers": tps,
+        "header": ["contestant", "median ms", "tokens/s"],
+        "rows": [[n, ms(r["median"]), f"{r['tokens_per_s']:.1f}"] for n, r in res.items()],
+    }
 
 
 def quantization_summary(ctx: Ctx, output: str) -> dict:
     res = load(os.path.join(out(ctx, "quantization"), "quantization.json"))["results"]
-    return {"headline": ", ".join(f"{n} {r['speed_vs_bf16']:.2f}x" for n, r in res.items() if n.startswith("int8")) + " bf16's tokens/s",
-            "numbers": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()},
-            "header": ["model", "tokens/s", "vs bf16", "greedy = fp32"],
-            "rows": [[n, f"{r['tokens_per_s']:.1f}", f"{r['speed_vs_bf16']:.2f}x", f"{r['greedy_agreement']:.0%}"] for n, r in res.items()]}
+    return {
+        "headline": ", ".join(f"{n} {r['speed_vs_bf16']:.2f}x" for n, r in res.items() if n.startswith("int8"))
+        + " bf16's tokens/s",
+        "numbers": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()},
+        "header": ["model", "tokens/s", "vs bf16", "greedy = fp32"],
+        "rows": [
+            [n, f"{r['tokens_per_s']:.1f}", f"{r['speed_vs_bf16']:.2f}x", f"{r['greedy_agreement']:.0%}"]
+            for n, r in res.items()
+        ],
+    }
 
 
 def compared_rows(res: dict) -> list[list]:
-    return [[n, ms(r["median"]), r.get("peer") or "-", f"{r['ratio']:.3f}x" if r.get("ratio") else "-",
-             f"{r['paired_ratio']:.3f}x" if r.get("paired_ratio") else "-"] for n, r in res.items()]
+    return [
+        [
+            n,
+            ms(r["median"]),
+            r.get("peer") or "-",
+            f"{r['ratio']:.3f}x" if r.get("ratio") else "-",
+            f"{r['paired_ratio']:.3f}x" if r.get("paired_ratio") else "-",
+        ]
+        for n, r in res.items()
+    ]
 
 
 def moe_summary(ctx: Ctx, output: str) -> dict:
     res = load(out(ctx, "moe.json"))["single"]["results"]
     ours = [n for n, r in res.items() if r.get("peer")]
-    return {"headline": "; ".join(f"{n}/{res[n]['peer']} {res[n]['ratio']:.3f}x" for n in ours),
-            "numbers": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()},
-            "header": ["implementation", "median ms", "peer", "vs peer", "paired"], "rows": compared_rows(res)}
+    return {
+        "headline": "; ".join(f"{n}/{res[n]['peer']} {res[n]['ratio']:.3f}x" for n in ours),
+        "numbers": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()},
+        "header": ["implementation", "median ms", "peer", "vs peer", "paired"],
+        "rows": compared_rows(res),
+    }
 
 
 def cp_summary(ctx: Ctx, output: str) -> dict:
     doc = load(out(ctx, "cp.json"))
     res, mem = doc["results"], doc["memory"]
-    rows = [row + [f"{mem[n]['saved'] / 2**20:.0f}", f"{mem[n]['peak'] / 2**20:.0f}" if mem[n].get("peak") else "-"]
-            for n, row in zip(res, compared_rows(res))]
-    return {"headline": "; ".join(f"{n}/{r['peer']} {r['ratio']:.3f}x" for n, r in res.items() if r.get("peer")),
-            "numbers": {"results": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()}, "memory": mem},
-            "header": ["implementation", "median ms", "peer", "vs peer", "paired", "saved MiB", "peak MiB"], "rows": rows}
+    rows = [
+        row + [f"{mem[n]['saved'] / 2**20:.0f}", f"{mem[n]['peak'] / 2**20:.0f}" if mem[n].get("peak") else "-"]
+        for n, row in zip(res, compared_rows(res))
+    ]
+    return {
+        "headline": "; ".join(f"{n}/{r['peer']} {r['ratio']:.3f}x" for n, r in res.items() if r.get("peer")),
+        "numbers": {
+            "results": {n: {k: v for k, v in r.items() if k != "times"} for n, r in res.items()},
+            "memory": mem,
+        },
+        "header": ["implementation", "median ms", "peer", "vs peer", "paired", "saved MiB", "peak MiB"],
+        "rows": rows,
+    }
 
 
 def documents_summary(ctx: Ctx, output: str) -> dict:
     doc = load(out(ctx, "documents.json"))
     rows = [[n, ms(doc["median_s"][n])] for n in doc["median_s"]]
-    return {"headline": f"documents/causal {doc['ratio']:.3f}x (paired {doc['paired_ratio']:.3f}x), "
-                        f"{doc['documents']} documents in {doc['seq']} tokens, agreement {doc['agreement']:.1e}",
-            "numbers": {k: doc[k] for k in ("ratio", "paired_ratio", "agreement", "median_s", "documents", "seq", "batch")},
-            "header": ["attention", "median ms"], "rows": rows}
+    return {
+        "headline": f"documents/causal {doc['ratio']:.3f}x (paired {doc['paired_ratio']:.3f}x), "
+        f"{doc['documents']} documents in {doc['seq']} tokens, agreement {doc['agreement']:.1e}",
+        "numbers": {k: doc[k] for k in ("ratio", "paired_ratio", "agreement", "median_s", "documents", "seq", "batch")},
+        "header": ["attention", "median ms"],
+        "rows": rows,
+    }
 
 
 def split_summary(ctx: Ctx, output: str) -> dict:
     doc = load(out(ctx, "split.json"))
-    rows = [[n, ms(doc["median_s"][n])] for n in doc["median_s"]] + [["split: B", ms(doc["b_s"])], ["split: W", ms(doc["w_s"])]]
-    return {"headline": f"split/whole {doc['ratio']:.3f}x (paired {doc['paired_ratio']:.3f}x), {doc['layers']} layers of "
-                        f"{doc['preset']}, {doc['restarts']} W restarts, agreement {doc['agreement']:.1e}",
-            "numbers": {k: doc[k] for k in ("ratio", "paired_ratio", "agreement", "median_s", "b_s", "w_s", "restarts",
-                                            "layers", "seq", "batch")},
-            "header": ["backward", "median ms"], "rows": rows}
+    rows = [[n, ms(doc["median_s"][n])] for n in doc["median_s"]] + [
+        ["split: B", ms(doc["b_s"])],
+        ["split: W", ms(doc["w_s"])],
+    ]
+    return {
+        "headline": f"split/whole {doc['ratio']:.3f}x (paired {doc['paired_ratio']:.3f}x), {doc['layers']} layers of "
+        f"{doc['preset']}, {doc['restarts']} W restarts, agreement {doc['agreement']:.1e}",
+        "numbers": {
+            k: doc[k]
+            for k in (
+                "ratio",
+                "paired_ratio",
+                "agreement",
+                "median_s",
+                "b_s",
+                "w_s",
+                "restarts",
+                "layers",
+                "seq",
+                "batch",
+            )
+        },
+        "header": ["backward", "median ms"],
+        "rows": rows,
+    }
 
 
 def decoding_summary(ctx: Ctx, output: str) -> dict:
     doc = load(out(ctx, "decoding.json"))
     agree = {k: {s: v.count(s) for s in ("equal", "tie", "differ")} for k, v in doc["agreement"].items()}
-    rows = [[n, ms(doc["median_s"][n]), f"{doc['new_tokens_per_s'][n]:.0f}",
-             f"{doc['ours_over_hf'][n]:.3f}x" if n in doc["ours_over_hf"] else "-"] for n in doc["median_s"]]
-    return {"headline": ", ".join(f"{n}/HF {v:.3f}x" for n, v in doc["ours_over_hf"].items())
-                        + "; rows " + ", ".join(f"{k} {v['equal']} equal {v['tie']} tie" for k, v in agree.items()),
-            "numbers": {"ours_over_hf": doc["ours_over_hf"], "new_tokens_per_s": doc["new_tokens_per_s"], "agreement": agree},
-            "header": ["contestant", "median ms", "new tokens/s", "ours/HF"], "rows": rows}
+    rows = [
+        [
+            n,
+            ms(doc["median_s"][n]),
+            f"{doc['new_tokens_per_s'][n]:.0f}",
+            f"{doc['ours_over_hf'][n]:.3f}x" if n in doc["ours_over_hf"] else "-",
+        ]
+        for n in doc["median_s"]
+    ]
+    return {
+        "headline": ", ".join(f"{n}/HF {v:.3f}x" for n, v in doc["ours_over_hf"].items())
+        + "; rows "
+        + ", ".join(f"{k} {v['equal']} equal {v['tie']} tie" for k, v in agree.items()),
+        "numbers": {
+            "ours_over_hf": doc["ours_over_hf"],
+            "new_tokens_per_s": doc["new_tokens_per_s"],
+            "agreement": agree,
+        },
+        "header": ["contestant", "median ms", "new tokens/s", "ours/HF"],
+        "rows": rows,
+    }
 
 
 def serving_summary(ctx: Ctx, output: str) -> dict:
     doc = load(out(ctx, "serving.json"))
-    rows = [[n, f"{r['tokens_per_s']:.0f}", ms(r["ttft_p50"]), ms(r["ttft_p99"]), ms(r["latency_p99"]),
-             f"{r['answered']}/{r['sent']}"] for n, r in doc["results"].items()]
-    return {"headline": ", ".join(f"{k} {v:.2f}x" for k, v in doc["ratios"].items()),
-            "numbers": {"ratios": doc["ratios"], "results": doc["results"]},
-            "header": ["contestant", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "latency p99 ms", "answered"], "rows": rows}
+    rows = [
+        [
+            n,
+            f"{r['tokens_per_s']:.0f}",
+            ms(r["ttft_p50"]),
+            ms(r["ttft_p99"]),
+            ms(r["latency_p99"]),
+            f"{r['answered']}/{r['sent']}",
+        ]
+        for n, r in doc["results"].items()
+    ]
+    return {
+        "headline": ", ".join(f"{k} {v:.2f}x" for k, v in doc["ratios"].items()),
+        "numbers": {"ratios": doc["ratios"], "results": doc["results"]},
+        "header": ["contestant", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "latency p99 ms", "answered"],
+        "rows": rows,
+    }

@@ -11,12 +11,12 @@ import gc
 import os
 import statistics
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-
 from _timing import device_name, paired, rotations, summarize, sync, table, timed
+
 from trickles.process import cpu_cores, exit_process, init_distributed, select_device, shutdown_distributed
 
 
@@ -25,10 +25,14 @@ def add_run_args(p) -> None:
     p.add_argument("--steps", type=int, default=20, help="timed rounds (one step of every contestant per round)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the two agreement-check steps")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)"
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (constant, every contestant)")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clipping (every contestant)")
-    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference allowed in the agreement check")
+    p.add_argument(
+        "--tol", type=float, default=1e-4, help="largest relative loss difference allowed in the agreement check"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
 
@@ -38,12 +42,23 @@ def add_model_args(p, dimension: str, batch: str, defaults: dict, world: int = 2
     (``batch`` says how it is split) and sequence length (the defaults per device type from ``defaults``)."""
     from trickles.models.config import PRESETS
 
-    p.add_argument("--world", type=int, default=world, help=f"{dimension} degree (processes); under torchrun its WORLD_SIZE")
+    p.add_argument(
+        "--world", type=int, default=world, help=f"{dimension} degree (processes); under torchrun its WORLD_SIZE"
+    )
     p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS)")
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=4096,
+        help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)",
+    )
     p.add_argument("--batch", type=int, default=None, help=batch)
-    p.add_argument("--seq", type=int, default=None,
-                   help=f"tokens per sequence (default: cpu {defaults['cpu']['seq']}, cuda {defaults['cuda']['seq']})")
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default: cpu {defaults['cpu']['seq']}, cuda {defaults['cuda']['seq']})",
+    )
 
 
 def token_ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -77,8 +92,17 @@ class Ours(Contestant):
 
         super().__init__(name)
         self.peer, self.topo = peer, topo
-        cfg = Config.load(None, [*settings, f"train.lr={args.lr}", "train.weight_decay=0.1", "train.beta1=0.9",
-                                 "train.beta2=0.95", "train.eps=1e-8"])
+        cfg = Config.load(
+            None,
+            [
+                *settings,
+                f"train.lr={args.lr}",
+                "train.weight_decay=0.1",
+                "train.beta1=0.9",
+                "train.beta2=0.95",
+                "train.eps=1e-8",
+            ],
+        )
         with torch.device("meta"):
             model = Transformer(model_cfg)
         self.engine = parallelize(model, topo, cfg, args.seed)
@@ -135,7 +159,9 @@ def setup_rank(args) -> tuple[torch.device, int, int]:
         torch.set_float32_matmul_precision("highest")  # fp32 matmuls, so the agreement check means fp32
     if not init_distributed(device):  # a single process: the peers (DDP, FSDP2, DTensor) still want a group
         extra = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1, **extra)
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1, **extra
+        )
     return device, dist.get_rank(), dist.get_world_size()
 
 
@@ -144,15 +170,28 @@ def print_verdicts(results: dict, names) -> None:
     verdicts = []
     for n in names:
         r, peer = results[n]["ratio"], results[n]["peer"]
-        verdicts.append(f"{n}/{peer} {r:.3f}x (paired {results[n]['paired_ratio']:.3f}x): {'met' if r <= 1.0 else 'NOT met'}")
+        verdicts.append(
+            f"{n}/{peer} {r:.3f}x (paired {results[n]['paired_ratio']:.3f}x): {'met' if r <= 1.0 else 'NOT met'}"
+        )
     print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
 
 
 def run_info(args, world: int, batch: int, seq: int, device: torch.device, n_params: int, model_cfg) -> dict:
     """What every multi-rank benchmark's JSON starts with: the settings, the machine and the model."""
-    return {"args": vars(args), "world": world, "batch": batch, "seq": seq, "device": str(device), "device_name": device_name(device),
-            "threads": torch.get_num_threads(), "torch": torch.__version__, "params": n_params,
-            "model": {k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")}}
+    return {
+        "args": vars(args),
+        "world": world,
+        "batch": batch,
+        "seq": seq,
+        "device": str(device),
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "params": n_params,
+        "model": {
+            k: getattr(model_cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size")
+        },
+    }
 
 
 def refuse(problem: str) -> int:
@@ -165,8 +204,10 @@ def refuse(problem: str) -> int:
 
 def entry(parse_args: Callable, rank_main: Callable) -> Callable[..., int]:
     """A benchmark's ``main(argv=None)``: its arguments parsed, then its ``rank_main`` run by :func:`main`."""
+
     def bench_main(argv: list[str] | None = None) -> int:
         return main(parse_args(argv), rank_main)
+
     return bench_main
 
 
@@ -178,8 +219,10 @@ def main(args, rank_main: Callable) -> int:
         raise SystemExit("--world must be at least 1")
     want_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if want_cuda and torch.cuda.device_count() < args.world:
-        raise SystemExit(f"--world {args.world} on CUDA needs one GPU per rank, this machine has {torch.cuda.device_count()}; "
-                         "lower --world or use --device cpu")
+        raise SystemExit(
+            f"--world {args.world} on CUDA needs one GPU per rank, this machine has {torch.cuda.device_count()}; "
+            "lower --world or use --device cpu"
+        )
     from trickles.launch import launch
 
     sys.stdout.flush()
@@ -201,10 +244,24 @@ def compare_times(everyone: list[dict], contestants, steps: int, tokens: int) ->
         n, s, peer = c.name, stats[c.name], c.peer
         ratio = s["median"] / stats[peer]["median"] if peer else None
         pr = paired(step_times[n], step_times[peer]) if peer else None
-        results[n] = {**s, "peer": peer, "ratio": ratio, "paired_ratio": pr, "tokens_per_s": tokens / s["median"],
-                      "times": step_times[n]}
-        rows[n] = [n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}", f"{tokens / s['median']:,.0f}",
-                   peer or "-", f"{ratio:.3f}x" if peer else "-", f"{pr:.3f}x" if peer else "-"]
+        results[n] = {
+            **s,
+            "peer": peer,
+            "ratio": ratio,
+            "paired_ratio": pr,
+            "tokens_per_s": tokens / s["median"],
+            "times": step_times[n],
+        }
+        rows[n] = [
+            n,
+            f"{s['median'] * 1e3:.1f}",
+            f"{s['mean'] * 1e3:.1f}",
+            f"{s['stdev'] * 1e3:.1f}",
+            f"{tokens / s['median']:,.0f}",
+            peer or "-",
+            f"{ratio:.3f}x" if peer else "-",
+            f"{pr:.3f}x" if peer else "-",
+        ]
     return results, rows
 
 
@@ -233,18 +290,30 @@ def gather(mine) -> list:
 
 def model_line(preset: str, cfg, n_params: int) -> str:
     """The report header's ``model`` line: the preset, its shape and its parameters."""
-    return (f"  model   {preset}: {cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}/{cfg.kv_heads} kv, "
-            f"ffn={cfg.ffn_dim}, vocab={cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)")
+    return (
+        f"  model   {preset}: {cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}/{cfg.kv_heads} kv, "
+        f"ffn={cfg.ffn_dim}, vocab={cfg.vocab_size}, {n_params / 1e6:.2f}M params ({4 * n_params / 2**20:.1f} MiB fp32)"
+    )
 
 
 def device_line(device: torch.device) -> str:
     """The report header's ``device`` line: the machine, threads per rank, torch and the process group's backend."""
-    return (f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-            f"torch {torch.__version__}, backend {dist.get_backend()}")
+    return (
+        f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
+        f"torch {torch.__version__}, backend {dist.get_backend()}"
+    )
 
 
-def loss_agreement(everyone: list[dict], names, tol: float, ref: str, ref_losses: list[float] | None = None,
-                   column: str = "implementation", note: str | None = None, who: str = "the implementations disagree") -> bool:
+def loss_agreement(
+    everyone: list[dict],
+    names,
+    tol: float,
+    ref: str,
+    ref_losses: list[float] | None = None,
+    column: str = "implementation",
+    note: str | None = None,
+    who: str = "the implementations disagree",
+) -> bool:
     """Prints the agreement table -- every rank's step 1 and step 2 loss of each of ``names`` (``r["check"][name]``)
     against the reference's, the largest relative difference over the ranks -- then ``note``; True when every
     difference is within ``tol``, else it says so on stderr.
@@ -257,26 +326,46 @@ def loss_agreement(everyone: list[dict], names, tol: float, ref: str, ref_losses
 
     def reference(r: dict) -> list[float]:
         return ref_losses if ref_losses is not None else r["check"][ref]
+
     for n in names:
         diffs = [max(abs(r["check"][n][s] - reference(r)[s]) / abs(reference(r)[s]) for r in everyone) for s in (0, 1)]
         means = [statistics.fmean(r["check"][n][s] for r in everyone) for s in (0, 1)]
         good = all(d <= tol for d in diffs)
         ok &= good
-        rows.append([n, f"{means[0]:.6f}", f"{diffs[0]:.1e}", f"{means[1]:.6f}", f"{diffs[1]:.1e}", "ok" if good else "MISMATCH"])
+        rows.append(
+            [
+                n,
+                f"{means[0]:.6f}",
+                f"{diffs[0]:.1e}",
+                f"{means[1]:.6f}",
+                f"{diffs[1]:.1e}",
+                "ok" if good else "MISMATCH",
+            ]
+        )
     print(table([column, "step 1 loss", "max rel diff", "step 2 loss", "max rel diff", ""], rows))
     if note:
         print(note)
     if not ok:
-        print(f"{who} by more than --tol {tol:g}: they do not train the same thing and the timings would be meaningless",
-              file=sys.stderr)
+        print(
+            f"{who} by more than --tol {tol:g}: they do not train the same thing and the timings would be meaningless",
+            file=sys.stderr,
+        )
     return ok
 
 
-def times_table(args, rows: list[list], columns: list[str] = TIME_COLUMNS, how: str = "", note: str = PAIRED_NOTE + ".",
-                who: str = "contestants") -> None:
+def times_table(
+    args,
+    rows: list[list],
+    columns: list[str] = TIME_COLUMNS,
+    how: str = "",
+    note: str = PAIRED_NOTE + ".",
+    who: str = "contestants",
+) -> None:
     """Prints the timing table (``rows``: :func:`compare_times`' cells, maybe more) under the line that says how the
     rounds ran (``how`` added to it), then ``note``, what the ratios mean."""
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, {who} interleaved; a step's time is its "
-          f"slowest rank's{how}:")
+    print(
+        f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, {who} interleaved; a step's time is its "
+        f"slowest rank's{how}:"
+    )
     print(table(columns, rows))
     print(note)

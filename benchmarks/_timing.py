@@ -15,7 +15,8 @@ import os
 import platform
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,8 +79,9 @@ def rotations(names: list[str], rounds: int):
             yield r, names[(r + j) % n]
 
 
-def interleaved(names: list[str], prepare: Callable[[str], Callable[[], Any]], rounds: int, device: torch.device,
-                warmup: int = 0) -> dict[str, list[float]]:
+def interleaved(
+    names: list[str], prepare: Callable[[str], Callable[[], Any]], rounds: int, device: torch.device, warmup: int = 0
+) -> dict[str, list[float]]:
     """Each name's step times over ``rounds`` timed rounds after ``warmup`` untimed ones, every name once a round in
     :func:`rotations`' order; ``prepare(name)`` runs off the clock and returns the step to time."""
     times: dict[str, list[float]] = {n: [] for n in names}

@@ -36,8 +36,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_name, one_device, rotations, table, write_json  # noqa: E402
 
@@ -62,12 +60,27 @@ def main(argv=None) -> dict:
 
     device = one_device("cpu", threads=2)
     root = Path(args.dir or tempfile.mkdtemp(prefix="trickles_stall_"))
-    cfg = Config.load(None, [
-        "model.preset=tiny", f"model.n_layers={args.layers}", f"model.d_model={args.d_model}",
-        f"model.n_heads={max(1, args.d_model // 64)}", f"model.n_kv_heads={max(1, args.d_model // 64)}",
-        f"model.ffn_hidden={4 * args.d_model}", "data.seq_len=32", "data.max_bytes=120000",
-        f"data.cache_dir={root}/cache", "train.global_batch=2", "train.steps=1000000", "train.eval_every=0",
-        "train.sample_tokens=0", "train.plot=false", f"train.out_dir={root}/run", "train.keep_checkpoints=1"])
+    cfg = Config.load(
+        None,
+        [
+            "model.preset=tiny",
+            f"model.n_layers={args.layers}",
+            f"model.d_model={args.d_model}",
+            f"model.n_heads={max(1, args.d_model // 64)}",
+            f"model.n_kv_heads={max(1, args.d_model // 64)}",
+            f"model.ffn_hidden={4 * args.d_model}",
+            "data.seq_len=32",
+            "data.max_bytes=120000",
+            f"data.cache_dir={root}/cache",
+            "train.global_batch=2",
+            "train.steps=1000000",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            "train.plot=false",
+            f"train.out_dir={root}/run",
+            "train.keep_checkpoints=1",
+        ],
+    )
     tr = Trainer(cfg, ParallelDims().build(device), quiet=True)
     tr.train_step()
     files = tr.engine.checkpoint_files(0)
@@ -81,7 +94,9 @@ def main(argv=None) -> dict:
         """The training thread's blocked seconds of one save by ``name`` (the steps between are not counted); the
         save call's own share is appended to ``calls``."""
         if name == "dcp-async":
-            state = {f"{f}/{k}": t for f, tensors in tr.engine.checkpoint_files(0).items() for k, (t, _) in tensors.items()}
+            state = {
+                f"{f}/{k}": t for f, tensors in tr.engine.checkpoint_files(0).items() for k, (t, _) in tensors.items()
+            }
             target = root / "dcp"
             shutil.rmtree(target, ignore_errors=True)
             t0 = time.perf_counter()
@@ -112,20 +127,36 @@ def main(argv=None) -> dict:
         copies.append(time.perf_counter() - t0)
     med = {n: statistics.median(v) for n, v in blocked.items()}
     copy = statistics.median(copies)
-    print(f"checkpoint stall on {device_name(device)}: {args.layers} x {args.d_model}, {nbytes / 2**20:.0f} MiB of "
-          f"tensors a save, {args.rounds} rounds, {args.steps_between} steps between")
+    print(
+        f"checkpoint stall on {device_name(device)}: {args.layers} x {args.d_model}, {nbytes / 2**20:.0f} MiB of "
+        f"tensors a save, {args.rounds} rounds, {args.steps_between} steps between"
+    )
     call = {n: statistics.median(v) for n, v in calls.items()}
-    rows = [[n, f"{med[n] * 1e3:.1f} ms", f"{call[n] * 1e3:.1f} ms", f"{med[n] / med['ours-async']:.2f}x"] for n in NAMES]
+    rows = [
+        [n, f"{med[n] * 1e3:.1f} ms", f"{call[n] * 1e3:.1f} ms", f"{med[n] / med['ours-async']:.2f}x"] for n in NAMES
+    ]
     rows.append(["host copy alone", f"{copy * 1e3:.1f} ms", "", f"{copy / med['ours-async']:.2f}x"])
     print(table(["contestant", "blocked (median)", "in the save call", "vs ours-async"], rows))
-    verdict = {"async_within_copy": med["ours-async"] <= 1.5 * copy,
-               "sync_over_async": med["ours-sync"] / med["ours-async"],
-               "dcp_over_async": med["dcp-async"] / med["ours-async"]}
-    print(f"ours-async blocks {med['ours-async'] / copy:.2f}x the host copy; ours-sync blocks "
-          f"{verdict['sync_over_async']:.1f}x as long (target >= 5x); DCP's async save {verdict['dcp_over_async']:.2f}x "
-          f"(target >= 1)")
-    doc = {"bytes": nbytes, "blocked_s": blocked, "call_s": calls, "copy_s": copies, "median": med, "copy": copy, "verdict": verdict,
-           "args": vars(args)}
+    verdict = {
+        "async_within_copy": med["ours-async"] <= 1.5 * copy,
+        "sync_over_async": med["ours-sync"] / med["ours-async"],
+        "dcp_over_async": med["dcp-async"] / med["ours-async"],
+    }
+    print(
+        f"ours-async blocks {med['ours-async'] / copy:.2f}x the host copy; ours-sync blocks "
+        f"{verdict['sync_over_async']:.1f}x as long (target >= 5x); DCP's async save {verdict['dcp_over_async']:.2f}x "
+        f"(target >= 1)"
+    )
+    doc = {
+        "bytes": nbytes,
+        "blocked_s": blocked,
+        "call_s": calls,
+        "copy_s": copies,
+        "median": med,
+        "copy": copy,
+        "verdict": verdict,
+        "args": vars(args),
+    }
     write_json(args.json, doc)
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)

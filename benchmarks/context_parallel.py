@@ -92,48 +92,103 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _deepspeed import CountSent, load as load_deepspeed  # noqa: E402
-from _ranks import (PAIRED_NOTE, Contestant, compare_times, device_line, entry, finish, gather, refuse, setup_rank,  # noqa: E402
-                    time_rounds, times_table)
+from _deepspeed import CountSent  # noqa: E402
+from _deepspeed import load as load_deepspeed
+from _ranks import (
+    PAIRED_NOTE,
+    Contestant,
+    compare_times,
+    device_line,
+    entry,
+    finish,
+    gather,
+    refuse,
+    setup_rank,  # noqa: E402
+    time_rounds,
+    times_table,
+)
 from _timing import device_name, rel_error, sync, table, write_json  # noqa: E402
 
 from trickles.models.documents import dense_mask  # noqa: E402
-from trickles.parallel.context import (RingDocuments, kv_repeats, positions, ring_attention, ulysses_attention,  # noqa: E402
-                                       unshard_sequence)
+from trickles.parallel.context import (
+    RingDocuments,
+    kv_repeats,
+    positions,
+    ring_attention,
+    ulysses_attention,  # noqa: E402
+    unshard_sequence,
+)
 from trickles.topology import ParallelDims  # noqa: E402
 
 DEFAULTS = {"cpu": {"seq": 2048, "precision": "fp32"}, "cuda": {"seq": 32768, "precision": "bf16"}}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 TOL = {"fp32": 1e-5, "bf16": 2e-2}
-REF, RING, ULYSSES, DS, TORCH_CP = "sdpa, 1 process", "ours ring", "ours ulysses", "deepspeed ulysses", "torch cp (ring)"
+REF, RING, ULYSSES, DS, TORCH_CP = (
+    "sdpa, 1 process",
+    "ours ring",
+    "ours ulysses",
+    "deepspeed ulysses",
+    "torch cp (ring)",
+)
 RING_DOCS = "ours ring, documents"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world", type=int, default=2, help="context-parallel degree (processes); under torchrun its WORLD_SIZE")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--world", type=int, default=2, help="context-parallel degree (processes); under torchrun its WORLD_SIZE"
+    )
     p.add_argument("--batch", type=int, default=1, help="sequences")
     p.add_argument("--heads", type=int, default=8, help="query heads H")
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads H_kv (default: --heads; fewer: grouped-query attention)")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence T (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
+    p.add_argument(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="key/value heads H_kv (default: --heads; fewer: grouped-query attention)",
+    )
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help=f"tokens per sequence T (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})",
+    )
     p.add_argument("--head-dim", type=int, default=64, help="head dimension D")
-    p.add_argument("--precision", choices=list(DTYPES), default=None,
-                   help=f"dtype of q, k, v (default: cpu {DEFAULTS['cpu']['precision']}, cuda {DEFAULTS['cuda']['precision']})")
+    p.add_argument(
+        "--precision",
+        choices=list(DTYPES),
+        default=None,
+        help=f"dtype of q, k, v (default: cpu {DEFAULTS['cpu']['precision']}, cuda {DEFAULTS['cuda']['precision']})",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed rounds (one step of every contestant per round)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds after the agreement check and the memory step")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)")
-    p.add_argument("--tol", type=float, default=None, help="largest relative error allowed in the agreement check (default: fp32 1e-5, bf16 2e-2)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads per rank on CPU (default: cores // world)"
+    )
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="largest relative error allowed in the agreement check (default: fp32 1e-5, bf16 2e-2)",
+    )
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed's DistributedAttention out")
     p.add_argument("--no-torch-cp", action="store_true", help="do not try PyTorch's context_parallel")
-    p.add_argument("--documents", type=int, default=0, metavar="K",
-                   help="also time our ring with packed documents' masks, K documents per sequence, against the ring without")
+    p.add_argument(
+        "--documents",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also time our ring with packed documents' masks, K documents per sequence, against the ring without",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
     return p.parse_args(argv)
 
 
 # ---- contestants ---------------------------------------------------------------------------
+
 
 class Core(Contestant):
     """One attention core on this rank: its local ``q, k, v`` (leaves ``[B, t, H(_kv), D]``, in the layout
@@ -197,10 +252,12 @@ def make_deepspeed(device: torch.device):
 
     def local(q, k, v):  # [B, T, H/N, D] -> [B, T, H/N, D]
         return sdpa(*heads_first(q, k, v)).transpose(1, 2)
+
     return DistributedAttention(local, dist.group.WORLD, scatter_idx=2, gather_idx=1), deepspeed.__version__
 
 
 # ---- formulas ------------------------------------------------------------------------------
+
 
 def expected_sent(name: str, b: int, h: int, h_kv: int, seq: int, d: int, n: int, e: int) -> float | None:
     """Bytes one rank sends per step (forward and backward) by the formulas in the module docstring."""
@@ -237,6 +294,7 @@ def _check_shape(b: int, h: int, h_kv: int, seq: int, n: int, documents: int = 0
 
 # ---- measurements --------------------------------------------------------------------------
 
+
 class SavedBytes:
     """Bytes of the distinct storages autograd saves for backward while entered: the count of
     ``trickles.memory.activations.ActivationMeter`` (a ``saved_tensors_hooks`` pack hook, each storage once),
@@ -253,7 +311,7 @@ class SavedBytes:
             self.total += st.nbytes()
         return t
 
-    def __enter__(self) -> "SavedBytes":
+    def __enter__(self) -> SavedBytes:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
         self._hooks.__enter__()
         return self
@@ -337,6 +395,7 @@ def measure(c: Core, topo, device: torch.device, world: int) -> dict:
 
 # ---- one rank ------------------------------------------------------------------------------
 
+
 def rank_main(args) -> int:
     device, rank, world = setup_rank(args)
     seq = args.seq or DEFAULTS[device.type]["seq"]
@@ -362,13 +421,17 @@ def rank_main(args) -> int:
     if args.documents:
         cuts = torch.zeros(b, seq, dtype=torch.int32)
         for row in range(b):
-            cuts[row, torch.randperm(seq - 1, generator=g)[:args.documents - 1] + 1] = 1
+            cuts[row, torch.randperm(seq - 1, generator=g)[: args.documents - 1] + 1] = 1
         ids = torch.cumsum(cuts, dim=1, dtype=torch.int32)
         ref_in = [x.detach().to(device).clone().requires_grad_() for x in (q, k, v)]  # (own leaves: ref's grads stay)
         masked = [z.transpose(1, 2) for z in ref_in]
         rep = h // h_kv
-        out = F.scaled_dot_product_attention(masked[0], masked[1].repeat_interleave(rep, 1), masked[2].repeat_interleave(rep, 1),
-                                             attn_mask=dense_mask(ids.to(device)))
+        out = F.scaled_dot_product_attention(
+            masked[0],
+            masked[1].repeat_interleave(rep, 1),
+            masked[2].repeat_interleave(rep, 1),
+            attn_mask=dense_mask(ids.to(device)),
+        )
         out = flat(out)
         out.backward(dout.to(device))
         refs[RING_DOCS] = [out.detach(), *(x.grad for x in ref_in)]
@@ -388,7 +451,9 @@ def rank_main(args) -> int:
 
     kw = {"cp": world, "rank": rank}
     ring_peer = REF if world == 1 else (DS if ds is not None else None)  # cp=1: the ring's own cost against SDPA
-    contestants: list[Core] = [Core(REF, None, None, lambda q, k, v: flat(sdpa(*heads_first(q, k, v))), whole, dout, **kw)]
+    contestants: list[Core] = [
+        Core(REF, None, None, lambda q, k, v: flat(sdpa(*heads_first(q, k, v))), whole, dout, **kw)
+    ]
     torch_cp = None
     if args.no_torch_cp:
         peers[TORCH_CP] = "did not run: left out (--no-torch-cp)"
@@ -400,22 +465,70 @@ def rank_main(args) -> int:
             from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
 
             mesh = init_device_mesh(device.type, (world,))
-            torch_cp = TorchCP(TORCH_CP, None, "ring", lambda q, k, v: flat(F.scaled_dot_product_attention(
-                *heads_first(q, k, v), is_causal=True, **({"enable_gqa": True} if h != h_kv else {}))),
-                whole, dout, mesh=mesh, seq=seq, **kw)
+            torch_cp = TorchCP(
+                TORCH_CP,
+                None,
+                "ring",
+                lambda q, k, v: flat(
+                    F.scaled_dot_product_attention(
+                        *heads_first(q, k, v), is_causal=True, **({"enable_gqa": True} if h != h_kv else {})
+                    )
+                ),
+                whole,
+                dout,
+                mesh=mesh,
+                seq=seq,
+                **kw,
+            )
         except Exception as e:  # noqa: BLE001
             peers[TORCH_CP] = f"did not run: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
-    contestants.append(Core(RING, ring_peer, "ring", lambda q, k, v: flat(ring_attention(*heads_first(q, k, v), comm)),
-                            whole, dout, **kw))
-    contestants.append(Core(ULYSSES, ring_peer, "ulysses",
-                            lambda q, k, v: flat(ulysses_attention(*heads_first(q, k, v), comm, sdpa)), whole, dout, **kw))
+    contestants.append(
+        Core(
+            RING,
+            ring_peer,
+            "ring",
+            lambda q, k, v: flat(ring_attention(*heads_first(q, k, v), comm)),
+            whole,
+            dout,
+            **kw,
+        )
+    )
+    contestants.append(
+        Core(
+            ULYSSES,
+            ring_peer,
+            "ulysses",
+            lambda q, k, v: flat(ulysses_attention(*heads_first(q, k, v), comm, sdpa)),
+            whole,
+            dout,
+            **kw,
+        )
+    )
     if args.documents:
         docs = RingDocuments(ids, ids.to(device))
-        contestants.append(Core(RING_DOCS, RING, "ring", lambda q, k, v: flat(ring_attention(*heads_first(q, k, v), comm, docs)),
-                                whole, dout, **kw))
+        contestants.append(
+            Core(
+                RING_DOCS,
+                RING,
+                "ring",
+                lambda q, k, v: flat(ring_attention(*heads_first(q, k, v), comm, docs)),
+                whole,
+                dout,
+                **kw,
+            )
+        )
     if ds is not None:
-        contestants.append(Core(DS, None, "ulysses", lambda q, k, v: ds(q, k, v, 0).reshape(q.shape[0], q.shape[1], -1),
-                                whole, dout, **kw))
+        contestants.append(
+            Core(
+                DS,
+                None,
+                "ulysses",
+                lambda q, k, v: ds(q, k, v, 0).reshape(q.shape[0], q.shape[1], -1),
+                whole,
+                dout,
+                **kw,
+            )
+        )
 
     # agreement check (PyTorch's context_parallel is tried here: where it fails it is dropped, with the reason)
     errors: dict[str, list[float]] = {}
@@ -453,22 +566,35 @@ def rank_main(args) -> int:
 
 # ---- report (rank 0) -----------------------------------------------------------------------
 
-def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str, str], shape: dict, tol: float,
-           device: torch.device, world: int) -> int:
+
+def report(
+    args,
+    everyone: list[dict],
+    contestants: list[Core],
+    peers: dict[str, str],
+    shape: dict,
+    tol: float,
+    device: torch.device,
+    world: int,
+) -> int:
     b, h, h_kv, seq, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq", "head_dim"))
     e = DTYPES[shape["precision"]].itemsize
     names = [c.name for c in contestants]
-    print(f"trickles context-parallel attention (ring, all-to-all) vs DeepSpeed-Ulysses / PyTorch context_parallel, "
-          f"causal attention core forward + backward, cp={world}")
+    print(
+        f"trickles context-parallel attention (ring, all-to-all) vs DeepSpeed-Ulysses / PyTorch context_parallel, "
+        f"causal attention core forward + backward, cp={world}"
+    )
     print(f"  shape   B {b}, H {h}, H_kv {h_kv}, T {seq} ({seq // world} tokens per rank), D {d}, {shape['precision']}")
     print(device_line(device))
     for n, what in peers.items():
         print(f"  peer    {n}: {what}")
     print("  (ring-flash-attn and yunchang are not tried: they run on the flash-attn CUDA kernels only)")
 
-    print(f"\nagreement check: output and input gradients, every rank's tokens put back in order, vs SDPA on the whole "
-          f"sequence (fp32, one process; '{RING_DOCS}': with the same-document causal mask); relative error "
-          f"||a-b||/||b||, tolerance {tol:g}")
+    print(
+        f"\nagreement check: output and input gradients, every rank's tokens put back in order, vs SDPA on the whole "
+        f"sequence (fp32, one process; '{RING_DOCS}': with the same-document causal mask); relative error "
+        f"||a-b||/||b||, tolerance {tol:g}"
+    )
     rows, ok = [], True
     errors = everyone[0]["errors"]
     for n in names:
@@ -477,12 +603,20 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
         rows.append([n, *(f"{x:.1e}" for x in errors[n]), "ok" if good else "MISMATCH"])
     print(table(["implementation", "out", "dq", "dk", "dv", ""], rows))
     if not ok:
-        print(f"an implementation disagrees with SDPA by more than --tol {tol:g}: the timings would be meaningless", file=sys.stderr)
+        print(
+            f"an implementation disagrees with SDPA by more than --tol {tol:g}: the timings would be meaningless",
+            file=sys.stderr,
+        )
         return 1
 
     # memory and bytes (largest over the ranks)
-    mem = {n: {f: max((r["memory"][n][f] for r in everyone if r["memory"][n][f] is not None), default=None)
-               for f in ("saved", "peak", "sent")} for n in names}
+    mem = {
+        n: {
+            f: max((r["memory"][n][f] for r in everyone if r["memory"][n][f] is not None), default=None)
+            for f in ("saved", "peak", "sent")
+        }
+        for n in names
+    }
     expect = {n: expected_sent(n, b, h, h_kv, seq, d, world, e) for n in names}
     mib = lambda x: "-" if x is None else f"{x / 2**20:.2f}"  # noqa: E731
 
@@ -494,21 +628,40 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
     rows = []
     for c in contestants:
         n, r = c.name, results[c.name]
-        row = [n, f"{r['median'] * 1e3:.1f}", f"{r['mean'] * 1e3:.1f}", f"{r['stdev'] * 1e3:.1f}", r["peer"] or "-",
-               f"{r['ratio']:.3f}x" if r["peer"] else "-", f"{r['paired_ratio']:.3f}x" if r["peer"] else "-", mib(mem[n]["saved"])]
+        row = [
+            n,
+            f"{r['median'] * 1e3:.1f}",
+            f"{r['mean'] * 1e3:.1f}",
+            f"{r['stdev'] * 1e3:.1f}",
+            r["peer"] or "-",
+            f"{r['ratio']:.3f}x" if r["peer"] else "-",
+            f"{r['paired_ratio']:.3f}x" if r["peer"] else "-",
+            mib(mem[n]["saved"]),
+        ]
         if device.type == "cuda":
             row.append(mib(mem[n]["peak"]))
         row += [mib(mem[n]["sent"]), mib(expect[n])]
         rows.append(row)
-    times_table(args, rows, header, how="; memory and bytes per rank (largest over the ranks)",
-                note=PAIRED_NOTE + ". saved: bytes autograd keeps for backward plus the output (o_proj's input), distinct "
-                "storages; sent: wire bytes this rank sends (ours: CommLedger; DeepSpeed: its all_to_all_single calls); "
-                "formula: trickles/parallel/ring.py's and context.py's docstrings.")
+    times_table(
+        args,
+        rows,
+        header,
+        how="; memory and bytes per rank (largest over the ranks)",
+        note=PAIRED_NOTE + ". saved: bytes autograd keeps for backward plus the output (o_proj's input), distinct "
+        "storages; sent: wire bytes this rank sends (ours: CommLedger; DeepSpeed: its all_to_all_single calls); "
+        "formula: trickles/parallel/ring.py's and context.py's docstrings.",
+    )
     for n in (RING, ULYSSES, *([RING_DOCS] if RING_DOCS in names else [])):
         ops = everyone[0]["memory"][n]["ops"]
         if ops:
-            print(f"  {n}: " + ", ".join(f"{k} x{v['calls']} {v['wire_bytes'] / 2**20:.2f} MiB" for k, v in ops.items()
-                                         if not k.startswith("recv/")))
+            print(
+                f"  {n}: "
+                + ", ".join(
+                    f"{k} x{v['calls']} {v['wire_bytes'] / 2**20:.2f} MiB"
+                    for k, v in ops.items()
+                    if not k.startswith("recv/")
+                )
+            )
 
     verdicts = []
     for n in (RING, ULYSSES):
@@ -519,13 +672,17 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
         peer = r["peer"]
         mem_ratio = mem[n]["saved"] / mem[peer]["saved"]
         met = r["ratio"] <= 1.0 and mem_ratio <= 1.0
-        verdicts.append(f"{n}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x), saved {mem_ratio:.3f}x: "
-                        f"{'met' if met else 'NOT met'}")
+        verdicts.append(
+            f"{n}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x), saved {mem_ratio:.3f}x: "
+            f"{'met' if met else 'NOT met'}"
+        )
     print("\ntarget ours/peer <= 1.0x at no more memory:  " + ";  ".join(verdicts))
     if RING_DOCS in names:
         r = results[RING_DOCS]
-        print(f"documents: {RING_DOCS}/{RING} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x), "
-              f"{args.documents} documents a sequence (a measurement: skipped blocks cost nothing, masked ones the mask)")
+        print(
+            f"documents: {RING_DOCS}/{RING} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x), "
+            f"{args.documents} documents a sequence (a measurement: skipped blocks cost nothing, masked ones the mask)"
+        )
 
     if args.json:
         import importlib.metadata as md
@@ -534,11 +691,27 @@ def report(args, everyone: list[dict], contestants: list[Core], peers: dict[str,
             ds_version = md.version("deepspeed")
         except md.PackageNotFoundError:
             ds_version = None
-        write_json(args.json, {"args": vars(args), "world": world, "shape": shape, "device": str(device),
-                               "device_name": device_name(device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-                               "deepspeed": ds_version, "backend": dist.get_backend(), "peers": peers, "tol": tol,
-                               "errors": errors, "memory": mem, "expected_sent": expect,
-                               "ops": {n: everyone[0]["memory"][n]["ops"] for n in names}, "results": results})
+        write_json(
+            args.json,
+            {
+                "args": vars(args),
+                "world": world,
+                "shape": shape,
+                "device": str(device),
+                "device_name": device_name(device),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "deepspeed": ds_version,
+                "backend": dist.get_backend(),
+                "peers": peers,
+                "tol": tol,
+                "errors": errors,
+                "memory": mem,
+                "expected_sent": expect,
+                "ops": {n: everyone[0]["memory"][n]["ops"] for n in names},
+                "results": results,
+            },
+        )
     return 0
 
 

@@ -58,9 +58,13 @@ def main(argv=None) -> int:
     p.add_argument("--beams", type=int, default=4)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--tie-tol", type=float, default=1e-3,
-                   help="log-probability gap (nats, under transformers' model) below which a row that parts from "
-                        "transformers' is a tie, not a disagreement")
+    p.add_argument(
+        "--tie-tol",
+        type=float,
+        default=1e-3,
+        help="log-probability gap (nats, under transformers' model) below which a row that parts from "
+        "transformers' is a tie, not a disagreement",
+    )
     p.add_argument("--verbose", action="store_true", help="print every time")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     args = p.parse_args(argv)
@@ -69,7 +73,9 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     torch.set_float32_matmul_precision("highest")  # fp32 is fp32 on CUDA too: ties are judged at fp32 rounding
     torch.manual_seed(0)
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), vocab_size=args.vocab, max_seq_len=64 + args.new + 1)
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), args.preset), vocab_size=args.vocab, max_seq_len=64 + args.new + 1
+    )
     ours = build_model(cfg, seed=0, device=device).eval()
     with torch.no_grad():  # away from the initialization: peaked distributions, varied tokens
         for q in ours.parameters():
@@ -82,10 +88,18 @@ def main(argv=None) -> int:
     prompts = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in lengths]
     width = max(lengths)
     ids = torch.tensor([[0] * (width - len(q)) + q for q in prompts], device=device)
-    mask = (torch.arange(width, device=device)[None] >= torch.tensor([width - n for n in lengths], device=device)[:, None]).long()
+    mask = (
+        torch.arange(width, device=device)[None] >= torch.tensor([width - n for n in lengths], device=device)[:, None]
+    ).long()
     greedy = Sampling(max_new_tokens=args.new, temperature=0)
-    hf_kw = dict(attention_mask=mask, do_sample=False, max_new_tokens=args.new, min_new_tokens=args.new,
-                 pad_token_id=0, eos_token_id=None)
+    hf_kw = dict(
+        attention_mask=mask,
+        do_sample=False,
+        max_new_tokens=args.new,
+        min_new_tokens=args.new,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
 
     runs = {
         "greedy ours": lambda: decode(ours, prompts, greedy),
@@ -98,18 +112,35 @@ def main(argv=None) -> int:
         a, b = runs["greedy ours"](), runs["greedy HF"]()
         c, e = runs["beams ours"](), runs["beams HF"]()
         agreement = {
-            "greedy": [classify(hf, q, x.tokens, y, False, args.tie_tol, device) for q, x, y in zip(prompts, a, b[:, width:].tolist())],
-            "beams": [classify(hf, q, x.tokens, y, True, args.tie_tol, device) for q, x, y in zip(prompts, c, e[:, width:].tolist())]}
-        print("agreement with transformers, rows: " + "; ".join(
-            f"{k} {v.count('equal')}/{len(v)} equal token for token, {v.count('tie')} parted at a tie "
-            f"(within {args.tie_tol:g} nats), {v.count('differ')} differ" for k, v in agreement.items()))
+            "greedy": [
+                classify(hf, q, x.tokens, y, False, args.tie_tol, device)
+                for q, x, y in zip(prompts, a, b[:, width:].tolist())
+            ],
+            "beams": [
+                classify(hf, q, x.tokens, y, True, args.tie_tol, device)
+                for q, x, y in zip(prompts, c, e[:, width:].tolist())
+            ],
+        }
+        print(
+            "agreement with transformers, rows: "
+            + "; ".join(
+                f"{k} {v.count('equal')}/{len(v)} equal token for token, {v.count('tie')} parted at a tie "
+                f"(within {args.tie_tol:g} nats), {v.count('differ')} differ"
+                for k, v in agreement.items()
+            )
+        )
         if any("differ" in v for v in agreement.values()):
-            print("a row parts from transformers' where its model clearly prefers its own token: the models do not "
-                  "compute the same thing", file=sys.stderr)
+            print(
+                "a row parts from transformers' where its model clearly prefers its own token: the models do not "
+                "compute the same thing",
+                file=sys.stderr,
+            )
             return 1
         times = interleaved(list(runs), runs.get, args.rounds, device)
-    print(f"{device_name(device)}; {args.preset} shape, vocab {args.vocab}, {args.batch} prompts of {lengths[0]}..{width} "
-          f"tokens, {args.new} new tokens each, {args.beams} beams, {args.rounds} rounds")
+    print(
+        f"{device_name(device)}; {args.preset} shape, vocab {args.vocab}, {args.batch} prompts of {lengths[0]}..{width} "
+        f"tokens, {args.new} new tokens each, {args.beams} beams, {args.rounds} rounds"
+    )
     rows = []
     for name, ts in times.items():
         peer = name.replace("ours", "HF")
@@ -132,7 +163,7 @@ def reference_logprobs(hf, prompt: list[int], tokens: list[int], device: torch.d
     """``[len(tokens), V]``: transformers' fp32 log-probabilities of the next token at each of ``tokens``' positions
     after ``prompt`` (one forward, no padding)."""
     ids = torch.tensor([prompt + tokens], device=device)
-    logits = hf(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
+    logits = hf(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1 : -1].float()
     return logits.log_softmax(-1)
 
 
@@ -141,8 +172,9 @@ def sequence_score(logprobs: torch.Tensor, tokens: list[int]) -> float:
     return float(logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None]).sum())
 
 
-def classify(hf, prompt: list[int], ours: list[int], theirs: list[int], beams: bool, tol: float,
-             device: torch.device) -> str:
+def classify(
+    hf, prompt: list[int], ours: list[int], theirs: list[int], beams: bool, tol: float, device: torch.device
+) -> str:
     """``equal``, ``tie`` or ``differ`` (module docstring): where the rows part, how much transformers' model prefers its
     token to ours; for beams also how the two whole sequences score under it."""
     if ours == theirs:
@@ -159,11 +191,23 @@ def classify(hf, prompt: list[int], ours: list[int], theirs: list[int], beams: b
 def document(args, device: torch.device, lengths: list[int], agreement: dict, times: dict) -> dict:
     """The JSON: every time, the medians, new tokens/s, ours/HF (median of the per-round ratios) and the agreement."""
     med = {k: statistics.median(v) for k, v in times.items()}
-    ratios = {k: paired(v, times[k.replace("ours", "HF")])
-              for k, v in times.items() if k.endswith("ours") and k.replace("ours", "HF") in times}
-    return {"args": vars(args), "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
-            "prompt_lengths": lengths, "agreement": agreement, "times": times, "median_s": med,
-            "new_tokens_per_s": {k: args.batch * args.new / m for k, m in med.items()}, "ours_over_hf": ratios}
+    ratios = {
+        k: paired(v, times[k.replace("ours", "HF")])
+        for k, v in times.items()
+        if k.endswith("ours") and k.replace("ours", "HF") in times
+    }
+    return {
+        "args": vars(args),
+        "device": str(device),
+        "device_name": device_name(device),
+        "torch": torch.__version__,
+        "prompt_lengths": lengths,
+        "agreement": agreement,
+        "times": times,
+        "median_s": med,
+        "new_tokens_per_s": {k: args.batch * args.new / m for k, m in med.items()},
+        "ours_over_hf": ratios,
+    }
 
 
 if __name__ == "__main__":

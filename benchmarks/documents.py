@@ -42,7 +42,9 @@ from trickles.models.transformer import build_model  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     model_options(p, 512, PRESETS)
     p.add_argument("--documents", type=int, default=8, help="documents per sequence")
     timing_options(p)
@@ -53,7 +55,7 @@ def boundaries(batch: int, seq: int, documents: int, generator: torch.Generator)
     """``[batch, seq]`` document ids with ``documents`` documents per row, cut at random distinct places."""
     ids = torch.zeros(batch, seq, dtype=torch.int32)
     for r in range(batch):
-        cuts = torch.randperm(seq - 1, generator=generator)[:documents - 1] + 1
+        cuts = torch.randperm(seq - 1, generator=generator)[: documents - 1] + 1
         ids[r, cuts] = 1
     return torch.cumsum(ids, dim=1, dtype=torch.int32)
 
@@ -62,7 +64,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = one_device(args.device, args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), vocab_size=256, max_seq_len=args.seq, dropout=0.0)
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), args.preset), vocab_size=256, max_seq_len=args.seq, dropout=0.0
+    )
     model = build_model(cfg, seed=0, device=device).to(dtype)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=g).to(device)
@@ -86,14 +90,29 @@ def main(argv=None) -> int:
     times = interleaved(list(ids), lambda name: lambda: step(name, ids[name]), args.rounds, device, args.warmup)
     med = {n: statistics.median(t) for n, t in times.items()}
     ratio, pair = med["documents"] / med["causal"], paired(times["documents"], times["causal"])
-    print(f"{device_name(device)}, {args.dtype}, {args.preset} (d={cfg.d_model}, {cfg.n_layers} layers), "
-          f"{args.batch} x {args.seq} tokens, {args.documents} documents a sequence, agreement {worst:.1e}")
+    print(
+        f"{device_name(device)}, {args.dtype}, {args.preset} (d={cfg.d_model}, {cfg.n_layers} layers), "
+        f"{args.batch} x {args.seq} tokens, {args.documents} documents a sequence, agreement {worst:.1e}"
+    )
     for n in ids:
         print(f"  {n:9s} {1e3 * med[n]:9.2f} ms")
     print(f"  documents/causal: {ratio:.3f}x (paired {pair:.3f}x)")
-    write_json(args.json, {"device": device_name(device), "dtype": args.dtype, "preset": args.preset, "batch": args.batch,
-                           "seq": args.seq, "documents": args.documents, "agreement": worst, "ratio": ratio,
-                           "paired_ratio": pair, "median_s": med, "times_s": times})
+    write_json(
+        args.json,
+        {
+            "device": device_name(device),
+            "dtype": args.dtype,
+            "preset": args.preset,
+            "batch": args.batch,
+            "seq": args.seq,
+            "documents": args.documents,
+            "agreement": worst,
+            "ratio": ratio,
+            "paired_ratio": pair,
+            "median_s": med,
+            "times_s": times,
+        },
+    )
     return 0
 
 

@@ -60,12 +60,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from _gpu_check_results import (Ctx, cp_summary, decoding_summary, documents_summary, inference_summary, serving_summary,  # this folder
-                                kernels_summary, moe_summary, out, pytest_summary, quantization_summary, single_summary,
-                                split_summary, train_summary)
+from _gpu_check_results import (
+    Ctx,
+    cp_summary,
+    decoding_summary,
+    documents_summary,
+    inference_summary,
+    kernels_summary,
+    moe_summary,
+    out,
+    pytest_summary,
+    quantization_summary,
+    serving_summary,  # this folder
+    single_summary,
+    split_summary,
+    train_summary,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_STEP_S = 15  # a step is not started with less time than this left in the budget
@@ -88,6 +101,7 @@ class Step:
 
 # ---- commands ---------------------------------------------------------------------------------------------------------
 
+
 def bench(ctx: Ctx, script: str, *args: str) -> list[str]:
     return [ctx.python, os.path.join("benchmarks", script), *args]
 
@@ -109,124 +123,592 @@ def needs_gpu_files() -> list[str]:
 
 def pytest_argv(ctx: Ctx, files: list[str], *extra: str) -> list[str]:
     """pytest on ``files``; on a CPU only collected (the kernel tests would run in Triton's interpreter for minutes)."""
-    return [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *files] + ([] if ctx.cuda else ["--collect-only"])
+    return [ctx.python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra, *files] + (
+        [] if ctx.cuda else ["--collect-only"]
+    )
 
 
 def train_argv(ctx: Ctx, name: str, compile_: bool) -> list[str]:
     """``python -m trickles train`` of llama-1b in bf16 (CPU: the tiny preset), ``train.compile`` as given."""
-    shape = (["model.preset=llama-1b", "data.seq_len=2048", "train.micro_batch=4", "train.global_batch=4", "train.steps=5",
-              "data.max_bytes=2000000"] if ctx.cuda else
-             ["model.preset=tiny", "data.seq_len=32", "train.micro_batch=4", "train.global_batch=4", "train.steps=3",
-              "data.max_bytes=120000"])
+    shape = (
+        [
+            "model.preset=llama-1b",
+            "data.seq_len=2048",
+            "train.micro_batch=4",
+            "train.global_batch=4",
+            "train.steps=5",
+            "data.max_bytes=2000000",
+        ]
+        if ctx.cuda
+        else [
+            "model.preset=tiny",
+            "data.seq_len=32",
+            "train.micro_batch=4",
+            "train.global_batch=4",
+            "train.steps=3",
+            "data.max_bytes=120000",
+        ]
+    )
     sets = [*shape, "memory.precision=bf16", f"train.compile={str(compile_).lower()}", *quiet_run(ctx, name)]
     return [ctx.python, "-m", "trickles", "train", *(a for s in sets for a in ("--set", s))]
 
 
 def quiet_run(ctx: Ctx, name: str) -> list[str]:
     """A run's scratch directory, and no evaluation, sample or plot (what a few timed steps do not need)."""
-    return [f"train.out_dir={os.path.join(ctx.work, name)}", f"data.cache_dir={os.path.join(ctx.work, 'data-cache')}",
-            "train.eval_every=0", "train.sample_tokens=0", "train.plot=false"]
+    return [
+        f"train.out_dir={os.path.join(ctx.work, name)}",
+        f"data.cache_dir={os.path.join(ctx.work, 'data-cache')}",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        "train.plot=false",
+    ]
 
 
 def example_argv(ctx: Ctx) -> list[str]:
     """``examples/llama_125m_gpu.toml`` as shipped, three steps, a bounded slice of its corpus and a scratch
     ``out_dir``; on a CPU the tiny preset at batch 4 x 32 and uncompiled (the file's compiled 125M model takes minutes
     a step there)."""
-    sets = ["train.steps=3", f"train.out_dir={os.path.join(ctx.work, 'example')}",
-            f"data.cache_dir={os.path.join(ctx.work, 'data-cache')}"]
-    sets += (["data.max_bytes=20000000"] if ctx.cuda else
-             ["data.max_bytes=120000", "model.preset=tiny", "data.seq_len=32", "train.global_batch=4", "train.micro_batch=2",
-              "train.compile=false", "train.sample_tokens=0", "train.plot=false"])
-    return [ctx.python, "-m", "trickles", "train", "-c", "examples/llama_125m_gpu.toml", *(a for s in sets for a in ("--set", s))]
+    sets = [
+        "train.steps=3",
+        f"train.out_dir={os.path.join(ctx.work, 'example')}",
+        f"data.cache_dir={os.path.join(ctx.work, 'data-cache')}",
+    ]
+    sets += (
+        ["data.max_bytes=20000000"]
+        if ctx.cuda
+        else [
+            "data.max_bytes=120000",
+            "model.preset=tiny",
+            "data.seq_len=32",
+            "train.global_batch=4",
+            "train.micro_batch=2",
+            "train.compile=false",
+            "train.sample_tokens=0",
+            "train.plot=false",
+        ]
+    )
+    return [
+        ctx.python,
+        "-m",
+        "trickles",
+        "train",
+        "-c",
+        "examples/llama_125m_gpu.toml",
+        *(a for s in sets for a in ("--set", s)),
+    ]
 
 
 # ---- the steps --------------------------------------------------------------------------------------------------------
+
 
 def steps() -> list[Step]:
     """Every check with its command on a GPU and on a CPU and its timeouts (GPU, CPU), in the order they run: the
     tests, the kernels and the single-device step first, the command-line runs (the longest) last."""
     return [
         Step("a1", "kernel tests", lambda c: pytest_argv(c, kernel_test_files()), (75, 120), pytest_summary),
-        Step("a2", "needs_gpu tests", lambda c: pytest_argv(c, needs_gpu_files(), "-m", "needs_gpu"), (45, 120), pytest_summary),
-        Step("b", "kernels: ours vs eager, compile, liger", lambda c: bench(
-            c, "kernels.py", "--json", out(c, "kernels.json"), *(
-                ["--device", "cuda", "--dtype", "bf16", "--shape", "llama-1b", "--rounds", "10", "--warmup", "2"] if c.cuda else
-                ["--device", "cpu", "--shape", "small", "--rounds", "1", "--warmup", "0", "--no-compile", "--ce-tokens", "64"])),
-             (75, 120), kernels_summary),
-        Step("c1", "single device bf16: eager + compiled, kernels auto", lambda c: bench(
-            c, "single_device.py", "--precision", "bf16", "--compile", "--json", out(c, "single-auto.json"), *(
-                ["--device", "cuda", "--preset", "llama-1b", "--batch", "4", "--seq", "2048", "--steps", "5", "--warmup", "2"] if c.cuda else
-                ["--device", "cpu", "--preset", "tiny", "--vocab", "256", "--batch", "2", "--seq", "32", "--steps", "2",
-                 "--warmup", "1"])),
-             (100, 240), single_summary("single-auto.json")),
-        Step("c2", "single device bf16: eager, kernels torch", lambda c: bench(
-            c, "single_device.py", "--precision", "bf16", "--kernels", "torch", "--json", out(c, "single-torch.json"), *(
-                ["--device", "cuda", "--preset", "llama-1b", "--batch", "4", "--seq", "2048", "--steps", "5", "--warmup", "1"] if c.cuda else
-                ["--device", "cpu", "--preset", "tiny", "--vocab", "256", "--batch", "2", "--seq", "32", "--steps", "2",
-                 "--warmup", "0"])),
-             (40, 120), single_summary("single-torch.json")),
-        Step("g", "MoE layer and block vs Mixtral", lambda c: bench(
-            c, "moe.py", "--part", "single", "--json", out(c, "moe.json"), *(
-                ["--device", "cuda", "--batch", "8", "--seq", "4096", "--d-model", "1024", "--ffn", "2816", "--steps", "10"]
-                if c.cuda else ["--device", "cpu", "--batch", "1", "--seq", "64", "--d-model", "64", "--ffn", "128",
-                                "--experts", "4", "--heads", "4", "--kv-heads", "2", "--steps", "1", "--warmup", "0"])),
-             (40, 120), moe_summary),
-        Step("i", "batched greedy and beam decoding vs transformers", lambda c: bench(
-            c, "decoding.py", "--json", out(c, "decoding.json"), *(
-                ["--device", "cuda", "--preset", "llama-125m", "--vocab", "32000", "--batch", "8", "--new", "64", "--rounds", "3"]
-                if c.cuda else ["--device", "cpu", "--preset", "tiny", "--vocab", "256", "--batch", "2", "--new", "4",
-                                "--rounds", "1"])),
-             (40, 120), decoding_summary),
-        Step("l", "serving: continuous vs static vs transformers", lambda c: bench(
-            c, "serving.py", "--json", out(c, "serving.json"), *(
-                ["--device", "cuda", "--preset", "llama-125m", "--requests", "64", "--output-lens", "16,256,32,8,128,64",
-                 "--time-limit", "100"] if c.cuda else
-                ["--device", "cpu", "--preset", "tiny", "--requests", "6", "--concurrency", "3", "--prompt-lens", "8,20",
-                 "--output-lens", "4,12,2", "--max-batch", "4", "--block-size", "4"])),
-             (60, 120), serving_summary),
-        Step("h", "ring attention at cp=1 vs SDPA", lambda c: bench(
-            c, "context_parallel.py", "--world", "1", "--json", out(c, "cp.json"), *(
-                ["--device", "cuda", "--seq", "8192", "--heads", "16", "--steps", "10", "--warmup", "2"] if c.cuda else
-                ["--device", "cpu", "--seq", "256", "--steps", "1", "--warmup", "0"])),
-             (25, 120), cp_summary),
-        Step("j", "packed documents' masks (flex attention) vs causal", lambda c: bench(
-            c, "documents.py", "--json", out(c, "documents.json"), *(
-                ["--device", "cuda", "--dtype", "bf16", "--preset", "llama-1b", "--batch", "1", "--seq", "4096",
-                 "--documents", "8", "--rounds", "5", "--warmup", "2"] if c.cuda else
-                ["--device", "cpu", "--preset", "tiny", "--seq", "32", "--documents", "4", "--rounds", "1", "--warmup", "0"])),
-             (40, 120), documents_summary),
-        Step("k", "zero-bubble B + W vs a whole backward", lambda c: bench(
-            c, "split_backward.py", "--json", out(c, "split.json"), *(
-                ["--device", "cuda", "--dtype", "bf16", "--preset", "llama-1b", "--layers", "4", "--batch", "2",
-                 "--seq", "2048", "--rounds", "5", "--warmup", "2"] if c.cuda else
-                ["--device", "cpu", "--preset", "tiny", "--layers", "1", "--seq", "32", "--rounds", "1", "--warmup", "0"])),
-             (30, 120), split_summary),
-        Step("f", "int8 (_int_mm) decoding vs bf16", lambda c: bench(
-            c, "quantization.py", "--out", out(c, "quantization"), *(
-                ["--device", "cuda", "--speed-preset", "llama-1b", "--rounds", "3", "--new-tokens", "32"] if c.cuda else
-                ["--device", "cpu", "--speed-preset", "tiny", "--rounds", "1", "--new-tokens", "4", "--prompt-tokens", "8"])),
-             (45, 120), quantization_summary),
-        Step("e", "layer streaming vs accelerate, resident vs HF", lambda c: bench(
-            c, "inference.py", "--json", out(c, "inference.json"), *(
-                ["--device", "cuda", "--layers", "24", "--d-model", "1024", "--ffn", "4096", "--vocab", "32000", "--rounds", "3"]
-                if c.cuda else ["--device", "cpu", "--layers", "8", "--d-model", "128", "--heads", "4", "--kv-heads", "4",
-                                "--ffn", "512", "--vocab", "256", "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1",
-                                "--warmup", "0"])),  # blocks large against the embeddings: half the model can stream
-             (60, 120), inference_summary),
-        Step("d1", "trickles train bf16, compiled", lambda c: train_argv(c, "train-compiled", True), (80, 240),
-             train_summary("train-compiled"), "train-compiled"),
-        Step("d2", "trickles train bf16, eager", lambda c: train_argv(c, "train-eager", False), (40, 120),
-             train_summary("train-eager"), "train-eager"),
-        Step("d3", "trickles train -c examples/llama_125m_gpu.toml", example_argv, (45, 120), train_summary("example"),
-             "example"),
+        Step(
+            "a2",
+            "needs_gpu tests",
+            lambda c: pytest_argv(c, needs_gpu_files(), "-m", "needs_gpu"),
+            (45, 120),
+            pytest_summary,
+        ),
+        Step(
+            "b",
+            "kernels: ours vs eager, compile, liger",
+            lambda c: bench(
+                c,
+                "kernels.py",
+                "--json",
+                out(c, "kernels.json"),
+                *(
+                    ["--device", "cuda", "--dtype", "bf16", "--shape", "llama-1b", "--rounds", "10", "--warmup", "2"]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--shape",
+                        "small",
+                        "--rounds",
+                        "1",
+                        "--warmup",
+                        "0",
+                        "--no-compile",
+                        "--ce-tokens",
+                        "64",
+                    ]
+                ),
+            ),
+            (75, 120),
+            kernels_summary,
+        ),
+        Step(
+            "c1",
+            "single device bf16: eager + compiled, kernels auto",
+            lambda c: bench(
+                c,
+                "single_device.py",
+                "--precision",
+                "bf16",
+                "--compile",
+                "--json",
+                out(c, "single-auto.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--preset",
+                        "llama-1b",
+                        "--batch",
+                        "4",
+                        "--seq",
+                        "2048",
+                        "--steps",
+                        "5",
+                        "--warmup",
+                        "2",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--preset",
+                        "tiny",
+                        "--vocab",
+                        "256",
+                        "--batch",
+                        "2",
+                        "--seq",
+                        "32",
+                        "--steps",
+                        "2",
+                        "--warmup",
+                        "1",
+                    ]
+                ),
+            ),
+            (100, 240),
+            single_summary("single-auto.json"),
+        ),
+        Step(
+            "c2",
+            "single device bf16: eager, kernels torch",
+            lambda c: bench(
+                c,
+                "single_device.py",
+                "--precision",
+                "bf16",
+                "--kernels",
+                "torch",
+                "--json",
+                out(c, "single-torch.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--preset",
+                        "llama-1b",
+                        "--batch",
+                        "4",
+                        "--seq",
+                        "2048",
+                        "--steps",
+                        "5",
+                        "--warmup",
+                        "1",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--preset",
+                        "tiny",
+                        "--vocab",
+                        "256",
+                        "--batch",
+                        "2",
+                        "--seq",
+                        "32",
+                        "--steps",
+                        "2",
+                        "--warmup",
+                        "0",
+                    ]
+                ),
+            ),
+            (40, 120),
+            single_summary("single-torch.json"),
+        ),
+        Step(
+            "g",
+            "MoE layer and block vs Mixtral",
+            lambda c: bench(
+                c,
+                "moe.py",
+                "--part",
+                "single",
+                "--json",
+                out(c, "moe.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--batch",
+                        "8",
+                        "--seq",
+                        "4096",
+                        "--d-model",
+                        "1024",
+                        "--ffn",
+                        "2816",
+                        "--steps",
+                        "10",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--batch",
+                        "1",
+                        "--seq",
+                        "64",
+                        "--d-model",
+                        "64",
+                        "--ffn",
+                        "128",
+                        "--experts",
+                        "4",
+                        "--heads",
+                        "4",
+                        "--kv-heads",
+                        "2",
+                        "--steps",
+                        "1",
+                        "--warmup",
+                        "0",
+                    ]
+                ),
+            ),
+            (40, 120),
+            moe_summary,
+        ),
+        Step(
+            "i",
+            "batched greedy and beam decoding vs transformers",
+            lambda c: bench(
+                c,
+                "decoding.py",
+                "--json",
+                out(c, "decoding.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--preset",
+                        "llama-125m",
+                        "--vocab",
+                        "32000",
+                        "--batch",
+                        "8",
+                        "--new",
+                        "64",
+                        "--rounds",
+                        "3",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--preset",
+                        "tiny",
+                        "--vocab",
+                        "256",
+                        "--batch",
+                        "2",
+                        "--new",
+                        "4",
+                        "--rounds",
+                        "1",
+                    ]
+                ),
+            ),
+            (40, 120),
+            decoding_summary,
+        ),
+        Step(
+            "l",
+            "serving: continuous vs static vs transformers",
+            lambda c: bench(
+                c,
+                "serving.py",
+                "--json",
+                out(c, "serving.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--preset",
+                        "llama-125m",
+                        "--requests",
+                        "64",
+                        "--output-lens",
+                        "16,256,32,8,128,64",
+                        "--time-limit",
+                        "100",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--preset",
+                        "tiny",
+                        "--requests",
+                        "6",
+                        "--concurrency",
+                        "3",
+                        "--prompt-lens",
+                        "8,20",
+                        "--output-lens",
+                        "4,12,2",
+                        "--max-batch",
+                        "4",
+                        "--block-size",
+                        "4",
+                    ]
+                ),
+            ),
+            (60, 120),
+            serving_summary,
+        ),
+        Step(
+            "h",
+            "ring attention at cp=1 vs SDPA",
+            lambda c: bench(
+                c,
+                "context_parallel.py",
+                "--world",
+                "1",
+                "--json",
+                out(c, "cp.json"),
+                *(
+                    ["--device", "cuda", "--seq", "8192", "--heads", "16", "--steps", "10", "--warmup", "2"]
+                    if c.cuda
+                    else ["--device", "cpu", "--seq", "256", "--steps", "1", "--warmup", "0"]
+                ),
+            ),
+            (25, 120),
+            cp_summary,
+        ),
+        Step(
+            "j",
+            "packed documents' masks (flex attention) vs causal",
+            lambda c: bench(
+                c,
+                "documents.py",
+                "--json",
+                out(c, "documents.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--dtype",
+                        "bf16",
+                        "--preset",
+                        "llama-1b",
+                        "--batch",
+                        "1",
+                        "--seq",
+                        "4096",
+                        "--documents",
+                        "8",
+                        "--rounds",
+                        "5",
+                        "--warmup",
+                        "2",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--preset",
+                        "tiny",
+                        "--seq",
+                        "32",
+                        "--documents",
+                        "4",
+                        "--rounds",
+                        "1",
+                        "--warmup",
+                        "0",
+                    ]
+                ),
+            ),
+            (40, 120),
+            documents_summary,
+        ),
+        Step(
+            "k",
+            "zero-bubble B + W vs a whole backward",
+            lambda c: bench(
+                c,
+                "split_backward.py",
+                "--json",
+                out(c, "split.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--dtype",
+                        "bf16",
+                        "--preset",
+                        "llama-1b",
+                        "--layers",
+                        "4",
+                        "--batch",
+                        "2",
+                        "--seq",
+                        "2048",
+                        "--rounds",
+                        "5",
+                        "--warmup",
+                        "2",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--preset",
+                        "tiny",
+                        "--layers",
+                        "1",
+                        "--seq",
+                        "32",
+                        "--rounds",
+                        "1",
+                        "--warmup",
+                        "0",
+                    ]
+                ),
+            ),
+            (30, 120),
+            split_summary,
+        ),
+        Step(
+            "f",
+            "int8 (_int_mm) decoding vs bf16",
+            lambda c: bench(
+                c,
+                "quantization.py",
+                "--out",
+                out(c, "quantization"),
+                *(
+                    ["--device", "cuda", "--speed-preset", "llama-1b", "--rounds", "3", "--new-tokens", "32"]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--speed-preset",
+                        "tiny",
+                        "--rounds",
+                        "1",
+                        "--new-tokens",
+                        "4",
+                        "--prompt-tokens",
+                        "8",
+                    ]
+                ),
+            ),
+            (45, 120),
+            quantization_summary,
+        ),
+        Step(
+            "e",
+            "layer streaming vs accelerate, resident vs HF",
+            lambda c: bench(
+                c,
+                "inference.py",
+                "--json",
+                out(c, "inference.json"),
+                *(
+                    [
+                        "--device",
+                        "cuda",
+                        "--layers",
+                        "24",
+                        "--d-model",
+                        "1024",
+                        "--ffn",
+                        "4096",
+                        "--vocab",
+                        "32000",
+                        "--rounds",
+                        "3",
+                    ]
+                    if c.cuda
+                    else [
+                        "--device",
+                        "cpu",
+                        "--layers",
+                        "8",
+                        "--d-model",
+                        "128",
+                        "--heads",
+                        "4",
+                        "--kv-heads",
+                        "4",
+                        "--ffn",
+                        "512",
+                        "--vocab",
+                        "256",
+                        "--prompt-len",
+                        "8",
+                        "--new-tokens",
+                        "4",
+                        "--rounds",
+                        "1",
+                        "--warmup",
+                        "0",
+                    ]
+                ),
+            ),  # blocks large against the embeddings: half the model can stream
+            (60, 120),
+            inference_summary,
+        ),
+        Step(
+            "d1",
+            "trickles train bf16, compiled",
+            lambda c: train_argv(c, "train-compiled", True),
+            (80, 240),
+            train_summary("train-compiled"),
+            "train-compiled",
+        ),
+        Step(
+            "d2",
+            "trickles train bf16, eager",
+            lambda c: train_argv(c, "train-eager", False),
+            (40, 120),
+            train_summary("train-eager"),
+            "train-eager",
+        ),
+        Step(
+            "d3",
+            "trickles train -c examples/llama_125m_gpu.toml",
+            example_argv,
+            (45, 120),
+            train_summary("example"),
+            "example",
+        ),
     ]
 
 
 # ---- running ----------------------------------------------------------------------------------------------------------
 
+
 def child_env() -> dict:
     """The children's environment: this checkout importable, output unbuffered, no attempt to reach the Hub."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env = dict(
+        os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false"
+    )
     env["PYTHONPATH"] = os.pathsep.join([ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
@@ -237,7 +719,9 @@ def run_bounded(argv: list[str], timeout: float, output_path: str) -> tuple[int 
     outlives the group (a compile worker in a session of its own) cannot keep this waiting."""
     start = time.monotonic()
     with open(output_path, "w") as sink:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=child_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=child_env(), stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -270,23 +754,39 @@ def run_step(step: Step, ctx: Ctx, timeout: float, log) -> dict:
     """Runs one step and returns its record (status, seconds, summary, output tail); never raises."""
     argv = step.argv(ctx)
     rc, seconds, output = run_bounded(argv, timeout, os.path.join(ctx.work, f"{step.key}.out"))
-    log.write(f"\n===== {step.key}: {step.title}\n$ {shlex.join(argv)}\n{output}\n===== {step.key}: "
-              f"{'timeout' if rc is None else f'exit {rc}'} after {seconds:.1f} s\n")
+    log.write(
+        f"\n===== {step.key}: {step.title}\n$ {shlex.join(argv)}\n{output}\n===== {step.key}: "
+        f"{'timeout' if rc is None else f'exit {rc}'} after {seconds:.1f} s\n"
+    )
     log.flush()
-    record = {"command": shlex.join(argv), "timeout_s": timeout, "seconds": round(seconds, 1), "output_tail": output[-TAIL_CHARS:]}
+    record = {
+        "command": shlex.join(argv),
+        "timeout_s": timeout,
+        "seconds": round(seconds, 1),
+        "output_tail": output[-TAIL_CHARS:],
+    }
     record["status"] = "ok" if rc == 0 else (f"timeout ({timeout:.0f} s)" if rc is None else f"failed (exit {rc})")
     try:
         record.update(step.summary(ctx, output))
     except Exception as e:  # noqa: BLE001 - a step without its numbers is still recorded, with why
-        record.update({"headline": f"no numbers: {type(e).__name__}: {str(e)[:160]}", "numbers": {}, "header": [], "rows": []})
+        record.update(
+            {"headline": f"no numbers: {type(e).__name__}: {str(e)[:160]}", "numbers": {}, "header": [], "rows": []}
+        )
     if step.scratch:  # a training run's checkpoint (llama-1b: about 15 GB) is not kept for the next step
         shutil.rmtree(os.path.join(ctx.work, step.scratch), ignore_errors=True)
     return record
 
 
 def skipped(step: Step, ctx: Ctx, why: str) -> dict:
-    return {"command": shlex.join(step.argv(ctx)), "status": f"skipped: {why}", "seconds": 0.0, "headline": "",
-            "numbers": {}, "header": [], "rows": []}
+    return {
+        "command": shlex.join(step.argv(ctx)),
+        "status": f"skipped: {why}",
+        "seconds": 0.0,
+        "headline": "",
+        "numbers": {},
+        "header": [],
+        "rows": [],
+    }
 
 
 def run_all(plan: list[Step], ctx: Ctx, args, log) -> None:
@@ -309,11 +809,13 @@ def run_all(plan: list[Step], ctx: Ctx, args, log) -> None:
 
 # ---- the environment and the report -----------------------------------------------------------------------------------
 
+
 def version(package: str, module: str | None = None) -> str:
     """The installed version of ``package``, ``absent`` where it is not installed; with ``module``, only if that module
     imports (else why not)."""
     from importlib import import_module
-    from importlib.metadata import PackageNotFoundError, version as dist_version
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
 
     try:
         if module:
@@ -331,18 +833,27 @@ def version(package: str, module: str | None = None) -> str:
 def environment(cuda: bool) -> dict:
     import torch
 
-    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "torch": torch.__version__,
-            "cuda": torch.version.cuda, "triton": version("triton"), "transformers": version("transformers"),
-            "accelerate": version("accelerate"), "liger_kernel": version("liger-kernel", "liger_kernel"),
-            "python": sys.version.split()[0], "commit": commit(),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+    return {
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "triton": version("triton"),
+        "transformers": version("transformers"),
+        "accelerate": version("accelerate"),
+        "liger_kernel": version("liger-kernel", "liger_kernel"),
+        "python": sys.version.split()[0],
+        "commit": commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
 
 
 def commit() -> str:
     """The checkout's commit, marked when files differ from it; ``unknown`` without git or a repository (a copied
     working tree)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30)
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=30
+        )
         dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -353,22 +864,33 @@ def commit() -> str:
 
 def md_table(header: list[str], rows: list[list]) -> list[str]:
     cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")  # noqa: E731
-    return ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)] + \
-           ["| " + " | ".join(map(cell, r)) + " |" for r in rows]
+    return ["| " + " | ".join(map(cell, header)) + " |", "|" + "---|" * len(header)] + [
+        "| " + " | ".join(map(cell, r)) + " |" for r in rows
+    ]
 
 
 def markdown(plan: list[Step], env: dict, elapsed: float, cuda: bool) -> str:
     """The summary table, then each step's detail table."""
-    lines = [f"# gpu_check: {env['device']}, {env['date']}", "",
-             f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, transformers {env['transformers']}, "
-             f"accelerate {env['accelerate']}, liger-kernel {env['liger_kernel']}; commit {env['commit']}; "
-             f"{elapsed:.0f} s in all{'' if cuda else ' (CPU smoke run: tiny shapes, not speeds)'}", ""]
-    lines += md_table(["step", "what", "status", "s", "result"],
-                      [[s.key, s.title, s.result["status"], f"{s.result.get('seconds', 0):.0f}", s.result.get("headline", "")]
-                       for s in plan])
+    lines = [
+        f"# gpu_check: {env['device']}, {env['date']}",
+        "",
+        f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, transformers {env['transformers']}, "
+        f"accelerate {env['accelerate']}, liger-kernel {env['liger_kernel']}; commit {env['commit']}; "
+        f"{elapsed:.0f} s in all{'' if cuda else ' (CPU smoke run: tiny shapes, not speeds)'}",
+        "",
+    ]
+    lines += md_table(
+        ["step", "what", "status", "s", "result"],
+        [
+            [s.key, s.title, s.result["status"], f"{s.result.get('seconds', 0):.0f}", s.result.get("headline", "")]
+            for s in plan
+        ],
+    )
     for s in plan:
         if s.result.get("rows"):
-            lines += ["", f"## {s.key}: {s.title}", "", f"`{s.result['command']}`", ""] + md_table(s.result["header"], s.result["rows"])
+            lines += ["", f"## {s.key}: {s.title}", "", f"`{s.result['command']}`", ""] + md_table(
+                s.result["header"], s.result["rows"]
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -380,16 +902,32 @@ def scratch_parent(cuda: bool) -> str | None:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
-                   help="cuda: the checks at their GPU sizes; cpu: the same pipeline at tiny shapes (tests collected only)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--device",
+        choices=["auto", "cuda", "cpu"],
+        default="auto",
+        help="cuda: the checks at their GPU sizes; cpu: the same pipeline at tiny shapes (tests collected only)",
+    )
     p.add_argument("--out", default="gpu_check", help="directory for gpu_check.json, gpu_check.md and gpu_check.log")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds for all steps together (default: 440 on CUDA, under 8 minutes with the start-up and "
-                        "the ending of a step out of time; 900 on a CPU)")
-    p.add_argument("--only", type=lambda s: [k.strip() for k in s.split(",") if k.strip()], default=None,
-                   help="comma-separated step keys to run (a1,a2,b,c1,c2,d1,d2,d3,e,f,g,h,i); the others are recorded as skipped")
-    p.add_argument("--dry-run", action="store_true", help="write the plan (commands, timeouts) without running anything")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds for all steps together (default: 440 on CUDA, under 8 minutes with the start-up and "
+        "the ending of a step out of time; 900 on a CPU)",
+    )
+    p.add_argument(
+        "--only",
+        type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
+        default=None,
+        help="comma-separated step keys to run (a1,a2,b,c1,c2,d1,d2,d3,e,f,g,h,i); the others are recorded as skipped",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="write the plan (commands, timeouts) without running anything"
+    )
     p.add_argument("--list", action="store_true", help="print every step's command and exit")
     return p.parse_args(argv)
 
@@ -404,7 +942,9 @@ def main(argv=None) -> int:
     plan = steps()
     unknown = sorted(set(args.only or []) - {s.key for s in plan})
     if unknown:
-        raise SystemExit(f"--only: unknown step(s) {', '.join(unknown)}; the steps are {', '.join(s.key for s in plan)}")
+        raise SystemExit(
+            f"--only: unknown step(s) {', '.join(unknown)}; the steps are {', '.join(s.key for s in plan)}"
+        )
     if args.budget is None:
         args.budget = 440.0 if cuda else 900.0
     work = tempfile.mkdtemp(prefix="gpu-check-", dir=scratch_parent(cuda))
@@ -416,8 +956,11 @@ def main(argv=None) -> int:
         return 0
     os.makedirs(args.out, exist_ok=True)
     env = environment(cuda and torch.cuda.is_available())
-    print(f"[gpu_check] {env['device']}: torch {env['torch']}, liger-kernel {env['liger_kernel']}; budget {args.budget:g} s; "
-          f"scratch {work}", flush=True)
+    print(
+        f"[gpu_check] {env['device']}: torch {env['torch']}, liger-kernel {env['liger_kernel']}; budget {args.budget:g} s; "
+        f"scratch {work}",
+        flush=True,
+    )
     start = time.monotonic()
     try:
         with open(os.path.join(args.out, "gpu_check.log"), "w") as log:
@@ -425,8 +968,14 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     elapsed = time.monotonic() - start
-    doc = {"device": "cuda" if cuda else "cpu", "dry_run": args.dry_run, "budget_s": args.budget, "elapsed_s": round(elapsed, 1),
-           "environment": env, "steps": [{"key": s.key, "title": s.title, **s.result} for s in plan]}
+    doc = {
+        "device": "cuda" if cuda else "cpu",
+        "dry_run": args.dry_run,
+        "budget_s": args.budget,
+        "elapsed_s": round(elapsed, 1),
+        "environment": env,
+        "steps": [{"key": s.key, "title": s.title, **s.result} for s in plan],
+    }
     with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
         json.dump(doc, f, indent=2, default=str)
     text = markdown(plan, env, elapsed, cuda)
@@ -434,8 +983,11 @@ def main(argv=None) -> int:
         f.write(text)
     print("\n" + text)
     print(f"[gpu_check] wrote {os.path.join(args.out, 'gpu_check.json')}, gpu_check.md and gpu_check.log")
-    return 0 if all(s.result["status"] in ("ok", "planned") or s.result["status"].startswith("skipped")
-                    for s in plan) else 1
+    return (
+        0
+        if all(s.result["status"] in ("ok", "planned") or s.result["status"].startswith("skipped") for s in plan)
+        else 1
+    )
 
 
 if __name__ == "__main__":

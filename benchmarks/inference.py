@@ -61,7 +61,9 @@ from trickles.train.trainer import load_for_inference  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--heads", type=int, default=8)
@@ -72,13 +74,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--rounds", type=int, default=5, help="timed generations per contestant")
     p.add_argument("--warmup", type=int, default=1, help="untimed generations per contestant after the agreement check")
-    p.add_argument("--budget-fraction", type=float, default=0.5, help="(b): the device budget as a fraction of the model's bytes")
+    p.add_argument(
+        "--budget-fraction", type=float, default=0.5, help="(b): the device budget as a fraction of the model's bytes"
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--no-accelerate", action="store_true", help="leave accelerate's offloading out of (b)")
-    p.add_argument("--memory", action="store_true",
-                   help="CPU: also measure each contestant's peak anonymous memory (RssAnon) in a fresh process")
-    p.add_argument("--measure-one", nargs=4, default=None, metavar=("NAME", "CKPT", "HF", "BUDGET"), help=argparse.SUPPRESS)
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="CPU: also measure each contestant's peak anonymous memory (RssAnon) in a fresh process",
+    )
+    p.add_argument(
+        "--measure-one", nargs=4, default=None, metavar=("NAME", "CKPT", "HF", "BUDGET"), help=argparse.SUPPRESS
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     return p.parse_args(argv)
@@ -94,9 +103,10 @@ class HFGenerate:
 
     def __call__(self, prompt: torch.Tensor, n: int) -> torch.Tensor:
         with torch.no_grad():
-            out = self.model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                      attention_mask=torch.ones_like(prompt))
-        return out[:, prompt.shape[1]:]
+            out = self.model.generate(
+                prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, attention_mask=torch.ones_like(prompt)
+            )
+        return out[:, prompt.shape[1] :]
 
 
 def ours(model):
@@ -112,14 +122,24 @@ def load_accelerate(hf_dir: str, budget: int, device: torch.device, offload_dir:
     from transformers import AutoModelForCausalLM
 
     max_memory = {0: budget, "cpu": 64 << 30} if device.type == "cuda" else {"cpu": budget}
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, device_map="auto", max_memory=max_memory,
-                                                 offload_folder=offload_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        hf_dir,
+        device_map="auto",
+        max_memory=max_memory,
+        offload_folder=offload_dir,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+    )
     dmap = getattr(model, "hf_device_map", {})
     # what it loads at every forward: the modules placed off the execution device
-    offloaded = [m for m, where in dmap.items() if where in ("disk", "cpu") and not (device.type == "cpu" and where == "cpu")]
+    offloaded = [
+        m for m, where in dmap.items() if where in ("disk", "cpu") and not (device.type == "cpu" and where == "cpu")
+    ]
     moved = sum(p.numel() * 4 for m in offloaded for p in model.get_submodule(m).parameters(recurse=True))
-    return model, (f"accelerate {accelerate.__version__}: device_map={dmap}; loads {moved / 1e6:.1f} MB of offloaded "
-                   f"weights ({', '.join(offloaded)}) at every forward")
+    return model, (
+        f"accelerate {accelerate.__version__}: device_map={dmap}; loads {moved / 1e6:.1f} MB of offloaded "
+        f"weights ({', '.join(offloaded)}) at every forward"
+    )
 
 
 def rss_anon() -> int:
@@ -166,7 +186,9 @@ def measure_one(args) -> int:
     else:
         from transformers import AutoModelForCausalLM
 
-        fn = HFGenerate(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").eval())
+        fn = HFGenerate(
+            AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+        )
     prompt = torch.randint(0, args.vocab, (1, args.prompt_len), generator=torch.Generator().manual_seed(args.seed + 1))
     fn(prompt, args.new_tokens)
     stop.set()
@@ -180,9 +202,11 @@ def measure_memory(args, names, ckpt_dir, hf_dir, budget) -> dict[str, int]:
 
     out = {}
     for name in names:
-        argv = [sys.executable, os.path.abspath(__file__), "--measure-one", name, ckpt_dir, hf_dir, str(budget)] + \
-            [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-             if k in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "prompt_len", "new_tokens", "seed")]
+        argv = [sys.executable, os.path.abspath(__file__), "--measure-one", name, ckpt_dir, hf_dir, str(budget)] + [
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(args).items()
+            if k in ("layers", "d_model", "heads", "kv_heads", "ffn", "vocab", "prompt_len", "new_tokens", "seed")
+        ]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
         if r.returncode != 0:
             print(f"memory of {name}: the measuring process failed: {r.stderr.strip().splitlines()[-1:]}")
@@ -202,16 +226,27 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     if args.measure_one:
         return measure_one(args)
-    with tempfile.TemporaryDirectory(prefix="trickles-inference-") as work:  # the checkpoints (GBs at GPU sizes) go with it
+    with tempfile.TemporaryDirectory(
+        prefix="trickles-inference-"
+    ) as work:  # the checkpoints (GBs at GPU sizes) go with it
         return compare(args, work)
 
 
 def compare(args, work: str) -> int:
     """Builds and saves the model under ``work``, checks the contestants agree, times them and prints the table."""
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu")
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=args.layers, d_model=args.d_model, n_heads=args.heads,
-                              n_kv_heads=args.kv_heads, ffn_hidden=args.ffn, vocab_size=args.vocab,
-                              max_seq_len=args.prompt_len + args.new_tokens + 8)
+    device = torch.device(
+        "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    )
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), "tiny"),
+        n_layers=args.layers,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        ffn_hidden=args.ffn,
+        vocab_size=args.vocab,
+        max_seq_len=args.prompt_len + args.new_tokens + 8,
+    )
     model = build_model(cfg, args.seed)
     n_params = count_params(model)
     model_bytes = n_params * 4
@@ -219,9 +254,11 @@ def compare(args, work: str) -> int:
     hf_dir = str(save_hf(model, os.path.join(work, "hf")))
     del model
     budget = int(model_bytes * args.budget_fraction)
-    print(f"device {device_name(device)} ({device.type}), threads {torch.get_num_threads()}; llama {args.layers} x {args.d_model}, "
-          f"ffn {args.ffn}, vocab {args.vocab}: {n_params / 1e6:.1f}M parameters, {model_bytes / 1e6:.1f} MB fp32; "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, batch 1")
+    print(
+        f"device {device_name(device)} ({device.type}), threads {torch.get_num_threads()}; llama {args.layers} x {args.d_model}, "
+        f"ffn {args.ffn}, vocab {args.vocab}: {n_params / 1e6:.1f}M parameters, {model_bytes / 1e6:.1f} MB fp32; "
+        f"prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, batch 1"
+    )
 
     from transformers import AutoModelForCausalLM
 
@@ -233,8 +270,10 @@ def compare(args, work: str) -> int:
     streamed, _, _ = load_streaming(ckpt_dir, device, budget, batch=1, max_len=cfg.max_seq_len)
     st = streamed.streamer
     per_token = sum(st.layouts[i].nbytes for i in st.order) if st is not None else 0
-    print(f"(b) budget {budget / 1e6:.1f} MB = {args.budget_fraction:g} x the model; ours: {streamed.placement.summary()}; "
-          f"copies {per_token / 1e6:.1f} MB of streamed blocks at every forward")
+    print(
+        f"(b) budget {budget / 1e6:.1f} MB = {args.budget_fraction:g} x the model; ours: {streamed.placement.summary()}; "
+        f"copies {per_token / 1e6:.1f} MB of streamed blocks at every forward"
+    )
     contestants["ours streamed"] = ours(streamed)
     note = "accelerate left out (--no-accelerate)"
     if not args.no_accelerate:
@@ -249,18 +288,37 @@ def compare(args, work: str) -> int:
     if not torch.equal(outs["ours streamed"], outs["ours resident"]):
         print("the streamed model's tokens differ from the resident model's: stopping", file=sys.stderr)
         return 1
-    print(f"agreement: ours streamed == ours resident ({args.new_tokens} tokens, exact); leading tokens equal to ours: " +
-          ", ".join(f"{n} {leading_match(o, outs['ours resident'])}/{args.new_tokens}" for n, o in outs.items() if n.startswith(("HF", "acc"))))
+    print(
+        f"agreement: ours streamed == ours resident ({args.new_tokens} tokens, exact); leading tokens equal to ours: "
+        + ", ".join(
+            f"{n} {leading_match(o, outs['ours resident'])}/{args.new_tokens}"
+            for n, o in outs.items()
+            if n.startswith(("HF", "acc"))
+        )
+    )
 
     names = list(contestants)
-    times = interleaved(names, lambda n: lambda: contestants[n](prompt, args.new_tokens), args.rounds, device, args.warmup)
-    peers = {"ours resident": "HF generate", "HF generate": None, "ours streamed": "accelerate offload", "accelerate offload": None}
+    times = interleaved(
+        names, lambda n: lambda: contestants[n](prompt, args.new_tokens), args.rounds, device, args.warmup
+    )
+    peers = {
+        "ours resident": "HF generate",
+        "HF generate": None,
+        "ours streamed": "accelerate offload",
+        "accelerate offload": None,
+    }
     rows, results = [], {}
     for n in names:
         s = summarize(times[n])
         peer = peers[n] if peers[n] in times else None
-        ratio = f"{s['median'] / statistics.median(times[peer]):.3f}x ({paired(times[n], times[peer]):.3f}x)" if peer else "-"
-        rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{args.new_tokens / s['median']:.1f}", ratio])
+        ratio = (
+            f"{s['median'] / statistics.median(times[peer]):.3f}x ({paired(times[n], times[peer]):.3f}x)"
+            if peer
+            else "-"
+        )
+        rows.append(
+            [n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{args.new_tokens / s['median']:.1f}", ratio]
+        )
         results[n] = {**s, "tokens_per_s": args.new_tokens / s["median"]}
     header = ["contestant", "median ms", "mean ms", "tokens/s", "time vs peer (paired)"]
     if args.memory and device.type == "cpu":
@@ -273,10 +331,14 @@ def compare(args, work: str) -> int:
     print(table(header, rows))
     if "accelerate offload" in times:
         speedup = statistics.median(times["accelerate offload"]) / statistics.median(times["ours streamed"])
-        print(f"(a) ours/HF time {statistics.median(times['ours resident']) / statistics.median(times['HF generate']):.3f}x "
-              f"(target <= 1.0x); (b) ours streamed tokens/s = {speedup:.2f}x accelerate's (target >= 3x)")
-    write_json(args.json, {"args": vars(args), "device": str(device), "params": n_params, "budget_bytes": budget,
-                           "results": results})
+        print(
+            f"(a) ours/HF time {statistics.median(times['ours resident']) / statistics.median(times['HF generate']):.3f}x "
+            f"(target <= 1.0x); (b) ours streamed tokens/s = {speedup:.2f}x accelerate's (target >= 3x)"
+        )
+    write_json(
+        args.json,
+        {"args": vars(args), "device": str(device), "params": n_params, "budget_bytes": budget, "results": results},
+    )
     return 0
 
 

@@ -68,28 +68,39 @@ from _timing import device_name, interleaved, rotations, summarize, table, write
 
 KERNELS = ["rms_norm", "layer_norm", "rotary", "swiglu", "gelu_tanh", "cross_entropy"]
 SHAPES = {  # batch x seq tokens (the cross-entropy: ce_tokens); heads x head_dim = hidden for the rotary
-    "tiny": dict(batch=1, seq=16, hidden=64, ffn=128, heads=4, head_dim=16, vocab=256, ce_tokens=16, theta=1e4),  # a smoke run
+    "tiny": dict(
+        batch=1, seq=16, hidden=64, ffn=128, heads=4, head_dim=16, vocab=256, ce_tokens=16, theta=1e4
+    ),  # a smoke run
     "small": dict(batch=2, seq=1024, hidden=256, ffn=704, heads=8, head_dim=32, vocab=32000, ce_tokens=1024, theta=1e4),
-    "llama-1b": dict(batch=4, seq=2048, hidden=2048, ffn=8192, heads=32, head_dim=64, vocab=128256, ce_tokens=8192,
-                     theta=5e5),
+    "llama-1b": dict(
+        batch=4, seq=2048, hidden=2048, ffn=8192, heads=32, head_dim=64, vocab=128256, ce_tokens=8192, theta=5e5
+    ),
 }
 EAGER, COMPILE, TRITON, LIGER, CHUNKED = "eager", "compile", "ours-triton", "liger", "ours-chunked"
 TOL = {"fp32": 1e-4, "bf16": 2e-2}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="inputs, weights and gradients")
     p.add_argument("--shape", default="small", choices=list(SHAPES))
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 20; cross_entropy on a CPU 5)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed rounds after the check (default: 2; cross_entropy on a CPU 1)")
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed rounds after the check (default: 2; cross_entropy on a CPU 1)"
+    )
     p.add_argument("--only", default=None, choices=KERNELS, help="run one kernel")
     p.add_argument("--ce-tokens", type=int, default=None, help="tokens of the cross-entropy (default: the shape's)")
     p.add_argument("--chunk", type=int, default=0, help="tokens per chunk of ours' cross-entropy (0: default_chunk)")
-    p.add_argument("--interpret", action="store_true", help="on a CPU: run ours-triton under TRITON_INTERPRET=1 (not a speed)")
+    p.add_argument(
+        "--interpret", action="store_true", help="on a CPU: run ours-triton under TRITON_INTERPRET=1 (not a speed)"
+    )
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: 1 on a CPU, see the README)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: 1 on a CPU, see the README)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write every number as JSON to PATH")
     return p.parse_args(argv)
@@ -114,8 +125,10 @@ class Case:
         made before a step's clock starts, as a model hands a kernel the previous layer's output: ours and liger
         may overwrite them (rotary in place; liger's SwiGLU, RMSNorm and rope backward reuse their buffers)."""
         args, grads = args or self.args, grads or self.grads
-        return (tuple(a.clone() if i < self.acts else a for i, a in enumerate(args)),
-                grads and [g.clone() for g in grads])
+        return (
+            tuple(a.clone() if i < self.acts else a for i, a in enumerate(args)),
+            grads and [g.clone() for g in grads],
+        )
 
     def step(self, fn, inputs=None, leaves=None):
         """One forward + backward of ``fn``; returns the outputs (detached) and the leaves' gradients."""
@@ -141,13 +154,22 @@ def load_liger(device: torch.device):
     if device.type != "cuda":
         return "liger-kernel needs CUDA (its Triton kernels are not run on a CPU here)"
     try:
-        from liger_kernel.ops import (LigerLayerNormFunction, LigerRMSNormFunction, LigerRopeFunction,
-                                      LigerSiLUMulFunction)
+        from liger_kernel.ops import (
+            LigerLayerNormFunction,
+            LigerRMSNormFunction,
+            LigerRopeFunction,
+            LigerSiLUMulFunction,
+        )
         from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
     except Exception as e:  # noqa: BLE001 - any import failure means: skip it
         return f"liger-kernel does not import: {type(e).__name__}: {e}"
-    return dict(rms=LigerRMSNormFunction, ln=LigerLayerNormFunction, rope=LigerRopeFunction, swiglu=LigerSiLUMulFunction,
-                flce=LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32))
+    return dict(
+        rms=LigerRMSNormFunction,
+        ln=LigerLayerNormFunction,
+        rope=LigerRopeFunction,
+        swiglu=LigerSiLUMulFunction,
+        flce=LigerFusedLinearCrossEntropyLoss(accum_dtype=torch.float32),
+    )
 
 
 def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, chunk: int = 0) -> Case:
@@ -174,20 +196,30 @@ def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, 
     elif name == "layer_norm":
         x, w, b = rand(n, s["hidden"]), rand(s["hidden"], scale=0.1), rand(s["hidden"], scale=0.1)
         w.data += 1
-        case = Case(name, (x, w, b), [rand(n, s["hidden"], grad=False)], 1, lambda x, w, b: layer_norm(x, w, b, eps, "torch"))
+        case = Case(
+            name, (x, w, b), [rand(n, s["hidden"], grad=False)], 1, lambda x, w, b: layer_norm(x, w, b, eps, "torch")
+        )
         ours = lambda x, w, b: layer_norm(x, w, b, eps, "triton")
         peer = lig.get("ln") and (lambda x, w, b: lig["ln"].apply(x, w, b, eps))
     elif name == "rotary":
         shape = (s["batch"], s["seq"], s["heads"], s["head_dim"])
-        cos, sin = (t.to(device) for t in rope_tables(s["head_dim"], s["seq"], s["theta"]))  # fp32 buffers, as in the model
+        cos, sin = (
+            t.to(device) for t in rope_tables(s["head_dim"], s["seq"], s["theta"])
+        )  # fp32 buffers, as in the model
         q, k = rand(*shape), rand(*shape)
-        case = Case(name, (q, k, cos, sin), [rand(*shape, grad=False), rand(*shape, grad=False)], 2,
-                    lambda q, k, c, si: rotary(q, k, c, si, "torch"))
+        case = Case(
+            name,
+            (q, k, cos, sin),
+            [rand(*shape, grad=False), rand(*shape, grad=False)],
+            2,
+            lambda q, k, c, si: rotary(q, k, c, si, "torch"),
+        )
         ours = lambda q, k, c, si: rotary(q, k, c, si, "triton")
 
         def peer(q, k, c, si):  # [B, T, H, D] storage seen as liger's [B, H, T, D]; rotated in place
             qr, kr = lig["rope"].apply(q.transpose(1, 2), k.transpose(1, 2), c, si)
             return qr.transpose(1, 2), kr.transpose(1, 2)
+
         peer = lig.get("rope") and peer
     elif name == "swiglu":
         a, b = rand(n, s["ffn"]), rand(n, s["ffn"])
@@ -210,6 +242,7 @@ def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, 
         peer = lig.get("flce") and (lambda h, w, y: lig["flce"](w, h, y))
         case.contestants[CHUNKED] = lambda h, w, y: linear_cross_entropy(h, w, y, chunk=chunk, kernels="torch")
         from trickles.kernels.cross_entropy import default_chunk
+
         note = f"ours: chunks of {chunk or default_chunk(n, s['vocab'], s['hidden'])} tokens of {n}"
     case.note = note
     if triton_ok:
@@ -272,7 +305,11 @@ def main(argv=None) -> int:
     from trickles.kernels import HAVE_TRITON, interpreting
     from trickles.memory.accounting import peak_allocated
 
-    name = "cuda" if args.device == "auto" and torch.cuda.is_available() else ("cpu" if args.device == "auto" else args.device)
+    name = (
+        "cuda"
+        if args.device == "auto" and torch.cuda.is_available()
+        else ("cpu" if args.device == "auto" else args.device)
+    )
     if name == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device is available")
     device = torch.device(name)
@@ -285,25 +322,33 @@ def main(argv=None) -> int:
     tol, s = TOL[args.dtype], dict(SHAPES[args.shape])
     s["ce_tokens"] = args.ce_tokens or s["ce_tokens"]
     triton_ok = HAVE_TRITON and (device.type == "cuda" or interpreting())
-    triton_why = ("Triton is not installed" if not HAVE_TRITON else
-                  "needs CUDA, or --interpret on a CPU (Triton's interpreter)")
+    triton_why = (
+        "Triton is not installed" if not HAVE_TRITON else "needs CUDA, or --interpret on a CPU (Triton's interpreter)"
+    )
     liger = load_liger(device)
     triton_label = TRITON + (" (interpreter)" if device.type != "cuda" else "")
 
     print("fused kernels, forward + backward: eager PyTorch vs torch.compile, ours (Triton / chunked) and liger-kernel")
-    print(f"  shape   {args.shape}: tokens {s['batch']} x {s['seq']}, hidden {s['hidden']}, ffn {s['ffn']}, "
-          f"heads {s['heads']} x {s['head_dim']}; cross-entropy {s['ce_tokens']} tokens, vocab {s['vocab']}; {args.dtype}")
+    print(
+        f"  shape   {args.shape}: tokens {s['batch']} x {s['seq']}, hidden {s['hidden']}, ffn {s['ffn']}, "
+        f"heads {s['heads']} x {s['head_dim']}; cross-entropy {s['ce_tokens']} tokens, vocab {s['vocab']}; {args.dtype}"
+    )
     liger_v = "-"
     if isinstance(liger, dict):
         from importlib.metadata import version
+
         liger_v = version("liger-kernel")
-    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
-          f"triton {__import__('triton').__version__ if HAVE_TRITON else '-'}, liger-kernel {liger_v}")
+    print(
+        f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
+        f"triton {__import__('triton').__version__ if HAVE_TRITON else '-'}, liger-kernel {liger_v}"
+    )
     if not triton_ok:
         print(f"  {TRITON}: skipped, {triton_why}")
     elif interpreting():
-        print(f"  {TRITON}: Triton's INTERPRETER on the CPU (TRITON_INTERPRET=1): checks the path end to end; "
-              "its times and ratios are NOT speeds")
+        print(
+            f"  {TRITON}: Triton's INTERPRETER on the CPU (TRITON_INTERPRET=1): checks the path end to end; "
+            "its times and ratios are NOT speeds"
+        )
     if isinstance(liger, str):
         print(f"  {LIGER}: skipped, {liger}")
 
@@ -333,27 +378,61 @@ def main(argv=None) -> int:
         for c in names:
             label = triton_label if c == TRITON else c
             vs_liger = f"{med[c] / med[LIGER]:.3f}x" if LIGER in med else "-"
-            rows.append([label, f"{med[c] * 1e3:.2f}", f"{med[c] / med[EAGER]:.3f}x", vs_liger,
-                         f"{peaks[c] / 2**20:.1f}", f"{peaks[c] / max(peaks[EAGER], 1):.3f}x"])
-            out[c] = {**summarize(times[c]), "ratio_eager": med[c] / med[EAGER],
-                      "ratio_liger": med[c] / med[LIGER] if LIGER in med else None,
-                      "peak_bytes": peaks[c], "peak_ratio_eager": peaks[c] / max(peaks[EAGER], 1),
-                      "max_rel_err": errors.get(c, 0.0), "times": times[c]}
-        print(f"\n{kernel}{' (' + case.note + ')' if case.note else ''}: {rounds} rounds after {warmup} warm-up, "
-              f"agreement with {ref} within {max((v for c, v in errors.items() if c != EAGER), default=0.0):.1e} (tolerance {tol:g})")
+            rows.append(
+                [
+                    label,
+                    f"{med[c] * 1e3:.2f}",
+                    f"{med[c] / med[EAGER]:.3f}x",
+                    vs_liger,
+                    f"{peaks[c] / 2**20:.1f}",
+                    f"{peaks[c] / max(peaks[EAGER], 1):.3f}x",
+                ]
+            )
+            out[c] = {
+                **summarize(times[c]),
+                "ratio_eager": med[c] / med[EAGER],
+                "ratio_liger": med[c] / med[LIGER] if LIGER in med else None,
+                "peak_bytes": peaks[c],
+                "peak_ratio_eager": peaks[c] / max(peaks[EAGER], 1),
+                "max_rel_err": errors.get(c, 0.0),
+                "times": times[c],
+            }
+        print(
+            f"\n{kernel}{' (' + case.note + ')' if case.note else ''}: {rounds} rounds after {warmup} warm-up, "
+            f"agreement with {ref} within {max((v for c, v in errors.items() if c != EAGER), default=0.0):.1e} (tolerance {tol:g})"
+        )
         print(table(["contestant", "median ms", "vs eager", "vs liger", "peak MiB", "peak vs eager"], rows))
         for c, why in case.skipped.items():
             if c != LIGER or not isinstance(liger, str):
                 print(f"  {c}: skipped, {why}")
         for line in case.notes:
             print(f"  {line}")
-        results[kernel] = {"contestants": out, "skipped": case.skipped, "note": case.note, "rounds": rounds, "warmup": warmup}
+        results[kernel] = {
+            "contestants": out,
+            "skipped": case.skipped,
+            "note": case.note,
+            "rounds": rounds,
+            "warmup": warmup,
+        }
 
     if interpreting():
         print(f"\n{TRITON} ran under Triton's interpreter: its times are not speeds.")
-    write_json(args.json, {"args": vars(args), "device": str(device), "device_name": device_name(device), "dtype": args.dtype,
-                           "shape": s, "threads": torch.get_num_threads(), "torch": torch.__version__, "liger_kernel": liger_v,
-                           "triton_interpreter": interpreting(), "tolerance": tol, "results": results})
+    write_json(
+        args.json,
+        {
+            "args": vars(args),
+            "device": str(device),
+            "device_name": device_name(device),
+            "dtype": args.dtype,
+            "shape": s,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "liger_kernel": liger_v,
+            "triton_interpreter": interpreting(),
+            "tolerance": tol,
+            "results": results,
+        },
+    )
     return 0
 
 

@@ -38,20 +38,42 @@ from trickles.train.trainer import Trainer  # noqa: E402
 def run(name: str, optimizer: str, batch: int, lr: float, args) -> dict:
     steps = args.sequences // batch
     every = max(1, args.eval_sequences // batch)
-    cfg = Config.load(None, [
-        f"train.optimizer={optimizer}", f"train.global_batch={batch}", f"train.lr={lr}", f"train.steps={steps}",
-        f"train.warmup_steps={max(1, round(args.warmup * steps))}", f"train.eval_every={every}",
-        f"train.eval_batches={max(1, args.held_out // batch)}", "train.sample_tokens=0", "train.plot=false",
-        f"train.out_dir={args.out}/{name}", f"train.checkpoint_every={10 ** 9}", *args.set,
-    ])
+    cfg = Config.load(
+        None,
+        [
+            f"train.optimizer={optimizer}",
+            f"train.global_batch={batch}",
+            f"train.lr={lr}",
+            f"train.steps={steps}",
+            f"train.warmup_steps={max(1, round(args.warmup * steps))}",
+            f"train.eval_every={every}",
+            f"train.eval_batches={max(1, args.held_out // batch)}",
+            "train.sample_tokens=0",
+            "train.plot=false",
+            f"train.out_dir={args.out}/{name}",
+            f"train.checkpoint_every={10**9}",
+            *args.set,
+        ],
+    )
     t0 = time.perf_counter()
     tr = Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=True)
     history = tr.fit()
     curve = [(r["step"] * batch * cfg.data.seq_len, r["val_loss"]) for r in history if r.get("val_loss") is not None]
-    out = {"name": name, "optimizer": optimizer, "batch": batch, "lr": lr, "steps": steps, "curve": curve,
-           "final_val": curve[-1][1], "seconds": time.perf_counter() - t0}
-    print(f"{name:<22} batch {batch:>4}  lr {lr:<9.4g} steps {steps:>5}  final held-out loss {out['final_val']:.4f}  "
-          f"({out['seconds']:.0f} s)", flush=True)
+    out = {
+        "name": name,
+        "optimizer": optimizer,
+        "batch": batch,
+        "lr": lr,
+        "steps": steps,
+        "curve": curve,
+        "final_val": curve[-1][1],
+        "seconds": time.perf_counter() - t0,
+    }
+    print(
+        f"{name:<22} batch {batch:>4}  lr {lr:<9.4g} steps {steps:>5}  final held-out loss {out['final_val']:.4f}  "
+        f"({out['seconds']:.0f} s)",
+        flush=True,
+    )
     return out
 
 
@@ -70,10 +92,12 @@ def main() -> None:
     ap.add_argument("--out", default="runs/large_batch")
     args = ap.parse_args()
     big, root = args.batch * args.scale, math.sqrt(args.scale)
-    plan = [("adamw-b%d" % args.batch, "adamw", args.batch, args.lr),
-            ("lamb-b%d" % args.batch, "lamb", args.batch, args.lamb_lr),
-            ("adamw-b%d-sqrt" % big, "adamw", big, args.lr * root),
-            ("lamb-b%d-sqrt" % big, "lamb", big, args.lamb_lr * root)]
+    plan = [
+        ("adamw-b%d" % args.batch, "adamw", args.batch, args.lr),
+        ("lamb-b%d" % args.batch, "lamb", args.batch, args.lamb_lr),
+        ("adamw-b%d-sqrt" % big, "adamw", big, args.lr * root),
+        ("lamb-b%d-sqrt" % big, "lamb", big, args.lamb_lr * root),
+    ]
     results = [run(*p, args) for p in plan if args.only is None or p[0] in args.only]
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "large_batch.json"), "w") as f:

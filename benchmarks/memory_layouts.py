@@ -58,21 +58,35 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "tp2 sequence parallel dropout": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.dropout=0.1"]),
     "pp2 gpipe": (2, ["parallel.pp=2", "parallel.schedule=gpipe", "train.micro_batch=2"]),
     "pp2 1f1b": (2, ["parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=2"]),
-    "pp2 interleaved v2": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
-                               "train.micro_batch=2"]),
-    "pp2 1f1b dropout recompute full": (2, ["parallel.pp=2", "train.micro_batch=2", "model.dropout=0.1",
-                                            "memory.recompute=full"]),
-    "pp2 interleaved v2 recompute full:1 + elementwise": (2, ["parallel.pp=2", "parallel.schedule=interleaved",
-                                                              "parallel.virtual_stages=2", "train.micro_batch=2",
-                                                              "memory.recompute=full", "memory.recompute_num_layers=1",
-                                                              "memory.recompute_rest=elementwise"]),
+    "pp2 interleaved v2": (
+        2,
+        ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch=2"],
+    ),
+    "pp2 1f1b dropout recompute full": (
+        2,
+        ["parallel.pp=2", "train.micro_batch=2", "model.dropout=0.1", "memory.recompute=full"],
+    ),
+    "pp2 interleaved v2 recompute full:1 + elementwise": (
+        2,
+        [
+            "parallel.pp=2",
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2",
+            "train.micro_batch=2",
+            "memory.recompute=full",
+            "memory.recompute_num_layers=1",
+            "memory.recompute_rest=elementwise",
+        ],
+    ),
     "cp2 ring": (2, ["parallel.cp=2", "parallel.cp_mode=ring"]),
     "cp2 ulysses": (2, ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
     "moe ep2 zero1": (2, [*MOE, "parallel.ep=2", "parallel.zero=1"]),
     "tp4 2d": (4, ["parallel.tp=4", "parallel.tp_mode=2d"]),
     "dp2 pp2 zero1 1f1b": (4, ["parallel.pp=2", "parallel.zero=1", "train.micro_batch=2"]),
-    "pp2 tp2 sequence parallel": (4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
-                                      "train.micro_batch=2"]),
+    "pp2 tp2 sequence parallel": (
+        4,
+        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "train.micro_batch=2"],
+    ),
     "tp8 2.5d": (8, ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2", "train.global_batch=16"]),
     "tp8 3d": (8, ["parallel.tp=8", "parallel.tp_mode=3d", "train.global_batch=16"]),
 }
@@ -119,7 +133,10 @@ def run_layout(name: str, ranks: int, overrides: list[str], steps: int, workdir:
     for key in ("held", "peak"):  # expert parallelism: the prediction at the routing the run saw (memory/routing.py)
         m = re.search(rf"{key} at the routing seen: {_SIZE}", proc.stdout)
         if m:
-            out[f"{key}_at_routing"] = {"predicted": _bytes(m.group(1)), "ratio": out[key]["measured"] / _bytes(m.group(1))}
+            out[f"{key}_at_routing"] = {
+                "predicted": _bytes(m.group(1)),
+                "ratio": out[key]["measured"] / _bytes(m.group(1)),
+            }
     return out
 
 
@@ -143,13 +160,19 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             bad = any(abs(r[k]["ratio"] - 1) > args.tol for k in ("held", "peak"))
             failed += bad
-            print(f"{name:<34}{ranks:>6}{r['held']['predicted'] / 2**20:>10.2f} Mi{r['held']['ratio']:>11.3f}"
-                  f"{r['peak']['predicted'] / 2**20:>10.2f} Mi{r['peak']['ratio']:>11.3f}{r['seconds']:>7.0f}"
-                  + ("  <- outside the tolerance" if bad else ""), flush=True)
+            print(
+                f"{name:<34}{ranks:>6}{r['held']['predicted'] / 2**20:>10.2f} Mi{r['held']['ratio']:>11.3f}"
+                f"{r['peak']['predicted'] / 2**20:>10.2f} Mi{r['peak']['ratio']:>11.3f}{r['seconds']:>7.0f}"
+                + ("  <- outside the tolerance" if bad else ""),
+                flush=True,
+            )
         if "held_at_routing" in r:
-            print(f"{'  at the routing seen':<40}{r['held_at_routing']['predicted'] / 2**20:>10.2f} Mi"
-                  f"{r['held_at_routing']['ratio']:>11.3f}{r['peak_at_routing']['predicted'] / 2**20:>10.2f} Mi"
-                  f"{r['peak_at_routing']['ratio']:>11.3f}", flush=True)
+            print(
+                f"{'  at the routing seen':<40}{r['held_at_routing']['predicted'] / 2**20:>10.2f} Mi"
+                f"{r['held_at_routing']['ratio']:>11.3f}{r['peak_at_routing']['predicted'] / 2**20:>10.2f} Mi"
+                f"{r['peak_at_routing']['ratio']:>11.3f}",
+                flush=True,
+            )
     print(f"\n{len(results) - failed} of {len(results)} layouts within {args.tol:.0%} (held and peak)")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

@@ -93,11 +93,31 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _deepspeed import CountSent, load as load_deepspeed  # noqa: E402
-from _mixtral import (NORM_EPS, ROPE_THETA, by_parts, hf_block_grads, hf_config, hf_moe_grads, load_hf_block,  # noqa: E402
-                      load_hf_moe)
-from _ranks import (PAIRED_NOTE, TIME_COLUMNS, Contestant, compare_times, device_line, finish, gather, main as run_main,  # noqa: E402
-                    setup_rank, time_rounds, times_table)
+from _deepspeed import CountSent  # noqa: E402
+from _deepspeed import load as load_deepspeed
+from _mixtral import (
+    NORM_EPS,
+    ROPE_THETA,
+    by_parts,
+    hf_block_grads,
+    hf_config,
+    hf_moe_grads,
+    load_hf_block,  # noqa: E402
+    load_hf_moe,
+)
+from _ranks import (
+    PAIRED_NOTE,
+    TIME_COLUMNS,
+    Contestant,
+    compare_times,
+    device_line,
+    finish,
+    gather,
+    setup_rank,
+    time_rounds,
+    times_table,
+)
+from _ranks import main as run_main  # noqa: E402
 from _timing import add_to_json, device_name, interleaved, paired, rel_error, summarize, sync, table  # noqa: E402
 
 from trickles.models.config import ModelConfig  # noqa: E402
@@ -116,10 +136,18 @@ OURS_EP, DS_EP, REF_EP = "ours ep", "deepspeed-moe ep", "ours, all experts (no e
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--part", choices=["all", "single", "ep"], default="all",
-                   help="single: one device vs transformers; ep: expert parallel vs DeepSpeed-MoE on --world ranks; all: both")
-    p.add_argument("--world", type=int, default=2, help="expert-parallel ranks (ep = dp = world); under torchrun its WORLD_SIZE")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--part",
+        choices=["all", "single", "ep"],
+        default="all",
+        help="single: one device vs transformers; ep: expert parallel vs DeepSpeed-MoE on --world ranks; all: both",
+    )
+    p.add_argument(
+        "--world", type=int, default=2, help="expert-parallel ranks (ep = dp = world); under torchrun its WORLD_SIZE"
+    )
     p.add_argument("--batch", type=int, default=2, help="sequences (per rank in the ep part)")
     p.add_argument("--seq", type=int, default=1024, help="tokens per sequence T")
     p.add_argument("--d-model", type=int, default=256, help="model width d")
@@ -128,16 +156,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=2, help="experts per token")
     p.add_argument("--heads", type=int, default=8, help="query heads (block)")
     p.add_argument("--kv-heads", type=int, default=4, help="key/value heads (block)")
-    p.add_argument("--precision", choices=list(DTYPES), default=None, help="timed precision (default: cpu fp32, cuda bf16)")
-    p.add_argument("--fused-proj", choices=["auto", "on", "off"], default="auto",
-                   help="our block's q/k/v as one matmul (model.fused_proj; auto: the library's default, on where the "
-                        "kernels run Triton, i.e. on CUDA); transformers' weights are loaded from the parts either way")
+    p.add_argument(
+        "--precision", choices=list(DTYPES), default=None, help="timed precision (default: cpu fp32, cuda bf16)"
+    )
+    p.add_argument(
+        "--fused-proj",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="our block's q/k/v as one matmul (model.fused_proj; auto: the library's default, on where the "
+        "kernels run Triton, i.e. on CUDA); transformers' weights are loaded from the parts either way",
+    )
     p.add_argument("--steps", type=int, default=10, help="timed rounds (one step of every contestant per round)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the agreement check")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch.set_num_threads on CPU, both parts (default: cores // --world, what one rank of the ep part gets)")
-    p.add_argument("--tol", type=float, default=1e-5, help="largest relative error allowed in the (fp32) agreement check")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch.set_num_threads on CPU, both parts (default: cores // --world, what one rank of the ep part gets)",
+    )
+    p.add_argument(
+        "--tol", type=float, default=1e-5, help="largest relative error allowed in the (fp32) agreement check"
+    )
     p.add_argument("--no-block", action="store_true", help="leave the whole-block comparison out")
     p.add_argument("--no-deepspeed", action="store_true", help="leave DeepSpeed-MoE out of the ep part")
     p.add_argument("--seed", type=int, default=0)
@@ -153,13 +193,28 @@ FUSED_PROJ = {"auto": None, "on": True, "off": False}
 def model_config(args) -> ModelConfig:
     """One llama-flavoured MoE block: dropless top-k, auxiliary losses with weight 0; the kernels and fused
     projections the library picks on this machine (``--fused-proj`` pins the latter)."""
-    return ModelConfig(n_layers=1, d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads, vocab_size=64,
-                       fused_proj=FUSED_PROJ[args.fused_proj], max_seq_len=args.seq, rope_theta=ROPE_THETA, norm_eps=NORM_EPS,
-                       dropout=0.0, moe_experts=args.experts, moe_top_k=args.top_k, moe_ffn_hidden=args.ffn, moe_capacity_factor=0.0,
-                       moe_aux_loss=0.0, moe_z_loss=0.0)
+    return ModelConfig(
+        n_layers=1,
+        d_model=args.d_model,
+        n_heads=args.heads,
+        n_kv_heads=args.kv_heads,
+        vocab_size=64,
+        fused_proj=FUSED_PROJ[args.fused_proj],
+        max_seq_len=args.seq,
+        rope_theta=ROPE_THETA,
+        norm_eps=NORM_EPS,
+        dropout=0.0,
+        moe_experts=args.experts,
+        moe_top_k=args.top_k,
+        moe_ffn_hidden=args.ffn,
+        moe_capacity_factor=0.0,
+        moe_aux_loss=0.0,
+        moe_z_loss=0.0,
+    )
 
 
 # ---- one device -----------------------------------------------------------------------------
+
 
 class LeafStep:
     """Forward and backward of ``fn`` over its own leaf ``self.x``, from the fixed upstream gradient ``self.dy``."""
@@ -207,9 +262,23 @@ class Step(LeafStep):
 def single_steps(args, cfg: ModelConfig, block, x: torch.Tensor, dy: torch.Tensor, device: torch.device) -> list[Step]:
     """Our MoE layer and (unless ``--no-block``) our block, and transformers' with the same weights in both experts
     implementations, each with its own leaf copy of ``x``."""
-    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding, MixtralSparseMoeBlock
+    from transformers.models.mixtral.modeling_mixtral import (
+        MixtralDecoderLayer,
+        MixtralRotaryEmbedding,
+        MixtralSparseMoeBlock,
+    )
 
-    steps = [Step(OURS_LAYER, "layer", block.mlp, block.mlp, lambda: {n: p.grad for n, p in block.mlp.named_parameters()}, x, dy)]
+    steps = [
+        Step(
+            OURS_LAYER,
+            "layer",
+            block.mlp,
+            block.mlp,
+            lambda: {n: p.grad for n, p in block.mlp.named_parameters()},
+            x,
+            dy,
+        )
+    ]
     for impl in ("grouped_mm", "eager"):
         hf = MixtralSparseMoeBlock(hf_config(args, impl)).to(device).train()
         load_hf_moe(hf, block.mlp)
@@ -218,8 +287,17 @@ def single_steps(args, cfg: ModelConfig, block, x: torch.Tensor, dy: torch.Tenso
         return steps
     t = x.shape[1]
     ours_rope = tuple(r.to(device) for r in rope_tables(cfg.head_dim, t, ROPE_THETA))
-    steps.append(Step(OURS_BLOCK, "block", block, lambda x: block(x, ours_rope),
-                      lambda: by_parts(cfg, {n: p.grad for n, p in block.named_parameters()}), x, dy))
+    steps.append(
+        Step(
+            OURS_BLOCK,
+            "block",
+            block,
+            lambda x: block(x, ours_rope),
+            lambda: by_parts(cfg, {n: p.grad for n, p in block.named_parameters()}),
+            x,
+            dy,
+        )
+    )
     for impl in ("grouped_mm", "eager"):
         hcfg = hf_config(args, impl)
         hf = MixtralDecoderLayer(hcfg, 0).to(device).train()
@@ -228,6 +306,7 @@ def single_steps(args, cfg: ModelConfig, block, x: torch.Tensor, dy: torch.Tenso
 
         def fn(x, hf=hf, hf_rope=hf_rope):
             return hf(x, position_embeddings=tuple(r.to(x.dtype) for r in hf_rope), attention_mask=None)
+
         steps.append(Step(HF_BLOCK[impl], "block", hf, fn, lambda hf=hf: hf_block_grads(hf), x, dy))
     return steps
 
@@ -263,18 +342,38 @@ def compare_single(times: dict[str, list[float]], tokens: int) -> tuple[dict, li
         peer = min(peers.values(), key=lambda n: stats[n]["median"])  # the faster transformers implementation
         for n in (ours, *peers.values()):
             s = stats[n]
-            vs = {p: (s["median"] / stats[p]["median"], paired(times[n], times[p])) for p in peers.values()} if n == ours else {}
-            results[n] = {**s, "times": times[n], "peer": peer if n == ours else None,
-                          "ratio": vs[peer][0] if vs else None, "paired_ratio": vs[peer][1] if vs else None,
-                          "vs": {p: {"ratio": r, "paired": q} for p, (r, q) in vs.items()}}
-            rows.append([n, f"{s['median'] * 1e3:.1f}", f"{s['mean'] * 1e3:.1f}", f"{s['stdev'] * 1e3:.1f}",
-                         f"{tokens / s['median']:,.0f}", peer if vs else "-", f"{vs[peer][0]:.3f}x" if vs else "-",
-                         f"{vs[peer][1]:.3f}x" if vs else "-"])
+            vs = (
+                {p: (s["median"] / stats[p]["median"], paired(times[n], times[p])) for p in peers.values()}
+                if n == ours
+                else {}
+            )
+            results[n] = {
+                **s,
+                "times": times[n],
+                "peer": peer if n == ours else None,
+                "ratio": vs[peer][0] if vs else None,
+                "paired_ratio": vs[peer][1] if vs else None,
+                "vs": {p: {"ratio": r, "paired": q} for p, (r, q) in vs.items()},
+            }
+            rows.append(
+                [
+                    n,
+                    f"{s['median'] * 1e3:.1f}",
+                    f"{s['mean'] * 1e3:.1f}",
+                    f"{s['stdev'] * 1e3:.1f}",
+                    f"{tokens / s['median']:,.0f}",
+                    peer if vs else "-",
+                    f"{vs[peer][0]:.3f}x" if vs else "-",
+                    f"{vs[peer][1]:.3f}x" if vs else "-",
+                ]
+            )
         others = [p for p in peers.values() if p != peer]
         r = results[ours]
-        verdicts.append(f"{kind} {ours}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
-                        f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}"
-                        + "".join(f"; vs {p} {r['vs'][p]['ratio']:.3f}x (paired {r['vs'][p]['paired']:.3f}x)" for p in others))
+        verdicts.append(
+            f"{kind} {ours}/{peer} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
+            f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}"
+            + "".join(f"; vs {p} {r['vs'][p]['ratio']:.3f}x (paired {r['vs'][p]['paired']:.3f}x)" for p in others)
+        )
     return results, rows, verdicts
 
 
@@ -299,37 +398,67 @@ def single_device(args) -> tuple[int, dict]:
     to_timed_precision(steps, DTYPES[precision])
 
     print(f"trickles MoE vs transformers {transformers.__version__} Mixtral, one device, forward + backward")
-    print(f"  shape   B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts}, top-{args.top_k}, dropless, "
-          f"{precision}"
-          + ("" if args.no_block else f"; block: {args.heads} heads, {args.kv_heads} key/value heads, causal sdpa"))
-    print(f"  ours    model.kernels={cfg.kernels}, "
-          f"{'fused q/k/v projection (model.fused_proj)' if cfg.fuses_projections else 'separate q/k/v projections'}")
-    print(f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
-          f"torch {torch.__version__}")
-    print(f"\nagreement check (fp32): output, input gradient, weight gradients (largest over the parameters); relative error "
-          f"||a-b||/||b||, tolerance {args.tol:g}")
+    print(
+        f"  shape   B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts}, top-{args.top_k}, dropless, "
+        f"{precision}"
+        + ("" if args.no_block else f"; block: {args.heads} heads, {args.kv_heads} key/value heads, causal sdpa")
+    )
+    print(
+        f"  ours    model.kernels={cfg.kernels}, "
+        f"{'fused q/k/v projection (model.fused_proj)' if cfg.fuses_projections else 'separate q/k/v projections'}"
+    )
+    print(
+        f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads, {os.cpu_count()} cores; "
+        f"torch {torch.__version__}"
+    )
+    print(
+        f"\nagreement check (fp32): output, input gradient, weight gradients (largest over the parameters); relative error "
+        f"||a-b||/||b||, tolerance {args.tol:g}"
+    )
     print(table(["pair", "out", "dx", "dW", ""], checks))
     if not ok:
-        print(f"an implementation disagrees by more than --tol {args.tol:g}: the timings would be meaningless", file=sys.stderr)
+        print(
+            f"an implementation disagrees by more than --tol {args.tol:g}: the timings would be meaningless",
+            file=sys.stderr,
+        )
         return 1, {}
 
     by_name = {s.name: s for s in steps}
     times = interleaved(list(by_name), lambda n: by_name[n].step, args.steps, device, args.warmup)
     results, rows, verdicts = compare_single(times, b * t)
-    print(f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; peer: the faster "
-          "transformers experts implementation")
+    print(
+        f"\n{args.steps} timed rounds after {args.warmup} warm-up rounds, contestants interleaved; peer: the faster "
+        "transformers experts implementation"
+    )
     print(table(TIME_COLUMNS, rows))
     print("\ntarget ours/peer <= 1.0x:  " + ";  ".join(verdicts))
     sys.stdout.flush()
-    out = {"shape": {"batch": b, "seq": t, "d_model": d, "ffn": args.ffn, "experts": args.experts, "top_k": args.top_k,
-                     "heads": args.heads, "kv_heads": args.kv_heads, "precision": precision},
-           "ours": {"kernels": cfg.kernels, "fused_proj": cfg.fuses_projections},
-           "device": str(device), "device_name": device_name(device), "threads": torch.get_num_threads(),
-           "torch": torch.__version__, "transformers": transformers.__version__, "checks": checks, "results": results}
+    out = {
+        "shape": {
+            "batch": b,
+            "seq": t,
+            "d_model": d,
+            "ffn": args.ffn,
+            "experts": args.experts,
+            "top_k": args.top_k,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "precision": precision,
+        },
+        "ours": {"kernels": cfg.kernels, "fused_proj": cfg.fuses_projections},
+        "device": str(device),
+        "device_name": device_name(device),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "checks": checks,
+        "results": results,
+    }
     return 0, out
 
 
 # ---- expert parallel ------------------------------------------------------------------------
+
 
 class SwiGLU(nn.Module):
     """DeepSpeed's expert: ``down(silu(gate x) * up x)``, the MLP of each of our experts."""
@@ -352,9 +481,24 @@ def make_deepspeed(args, full, world: int, rank: int, device: torch.device):
     try:
         from deepspeed.moe.layer import MoE as DSMoE
 
-        ds = DSMoE(hidden_size=args.d_model, expert=SwiGLU(args.d_model, args.ffn), num_experts=args.experts, ep_size=world,
-                   k=args.top_k, capacity_factor=1.0, eval_capacity_factor=1.0, min_capacity=0, noisy_gate_policy=None,
-                   drop_tokens=False, use_rts=False, top2_2nd_expert_sampling=False).to(device).train()
+        ds = (
+            DSMoE(
+                hidden_size=args.d_model,
+                expert=SwiGLU(args.d_model, args.ffn),
+                num_experts=args.experts,
+                ep_size=world,
+                k=args.top_k,
+                capacity_factor=1.0,
+                eval_capacity_factor=1.0,
+                min_capacity=0,
+                noisy_gate_policy=None,
+                drop_tokens=False,
+                use_rts=False,
+                top2_2nd_expert_sampling=False,
+            )
+            .to(device)
+            .train()
+        )
         ds.set_deepspeed_parallelism()
         el = args.experts // world
         with torch.no_grad():
@@ -385,11 +529,15 @@ def expert_grads(c: Layer, name: str, el: int, rank: int) -> dict[str, torch.Ten
     """This rank's experts' weight gradients ``[E_l, ...]`` under our names, whatever the implementation."""
     if name == DS_EP:
         exs = c.module.deepspeed_moe.experts.deepspeed_experts
-        return {f"experts.{n}.weight": torch.stack([getattr(ex, n).weight.grad for ex in exs])
-                for n in ("gate_proj", "up_proj", "down_proj")}
-    grads = {f"experts.{n}.weight": getattr(c.module.experts, n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")}
+        return {
+            f"experts.{n}.weight": torch.stack([getattr(ex, n).weight.grad for ex in exs])
+            for n in ("gate_proj", "up_proj", "down_proj")
+        }
+    grads = {
+        f"experts.{n}.weight": getattr(c.module.experts, n).weight.grad for n in ("gate_proj", "up_proj", "down_proj")
+    }
     if name == REF_EP:  # all experts: the slice this rank holds under ep (the sum over ranks is taken by the caller)
-        return {n: g[rank * el:(rank + 1) * el] for n, g in grads.items()}
+        return {n: g[rank * el : (rank + 1) * el] for n, g in grads.items()}
     return grads
 
 
@@ -418,11 +566,13 @@ def summed_slice(grads: dict[str, torch.Tensor], el: int, rank: int) -> dict[str
     for n, g in grads.items():
         g = g.clone()
         dist.all_reduce(g)
-        out[n] = g[rank * el:(rank + 1) * el]
+        out[n] = g[rank * el : (rank + 1) * el]
     return out
 
 
-def check_ep(contestants: list[Layer], reference, full, el: int, rank: int) -> tuple[dict[str, list[float]], str | None]:
+def check_ep(
+    contestants: list[Layer], reference, full, el: int, rank: int
+) -> tuple[dict[str, list[float]], str | None]:
     """The agreement check (fp32): each contestant's output, input gradient and its experts' weight gradients against
     :func:`reference_grads`'; ``(errors, why DeepSpeed failed or None)``."""
     xr, yr, ref_ex = reference
@@ -439,7 +589,11 @@ def check_ep(contestants: list[Layer], reference, full, el: int, rank: int) -> t
         ge = expert_grads(c, c.name, el, rank)
         if c.name == REF_EP:  # all experts, this rank's tokens only: sum over the ranks like the reference
             ge = summed_slice({n: getattr(full.experts, n.split(".")[1]).weight.grad for n in ge}, el, rank)
-        errors[c.name] = [rel_error(y, yr), rel_error(c.x.grad, xr.grad), max(rel_error(ge[n], ref_ex[n]) for n in ref_ex)]
+        errors[c.name] = [
+            rel_error(y, yr),
+            rel_error(c.x.grad, xr.grad),
+            max(rel_error(ge[n], ref_ex[n]) for n in ref_ex),
+        ]
     return errors, failure
 
 
@@ -453,12 +607,17 @@ def sent_in_one_step(contestants: list[Layer], topo, world: int, device: torch.d
             topo.ledger.reset()
             c.run()
             snap = {k: v for k, v in topo.ledger.snapshot().items() if k.endswith("/ep")}
-            sent[c.name] = {"sent": sum(v["wire_bytes"] for v in snap.values()),
-                            "ops": {k: {"calls": v["calls"], "wire_bytes": v["wire_bytes"]} for k, v in snap.items()}}
+            sent[c.name] = {
+                "sent": sum(v["wire_bytes"] for v in snap.values()),
+                "ops": {k: {"calls": v["calls"], "wire_bytes": v["wire_bytes"]} for k, v in snap.items()},
+            }
         elif c.name == DS_EP:
             with CountSent(world) as counter:
                 c.run()
-            sent[c.name] = {"sent": counter.sent, "ops": {k: {"calls": v[0], "wire_bytes": v[1]} for k, v in counter.ops.items()}}
+            sent[c.name] = {
+                "sent": counter.sent,
+                "ops": {k: {"calls": v[0], "wire_bytes": v[1]} for k, v in counter.ops.items()},
+            }
         else:
             sent[c.name] = {"sent": 0, "ops": {}}
     sync(device)
@@ -483,7 +642,9 @@ def rank_main(args) -> int:
     b, t, d, e_count = args.batch, args.seq, args.d_model, args.experts
     if world < 2 or e_count % world:
         if rank == 0:
-            print(f"moe.py: the ep part needs --world >= 2 dividing --experts ({e_count}), got {world}", file=sys.stderr)
+            print(
+                f"moe.py: the ep part needs --world >= 2 dividing --experts ({e_count}), got {world}", file=sys.stderr
+            )
         return finish(2, device)
     el = e_count // world
     topo = ParallelDims(dp=world, ep=world).build(device)
@@ -495,23 +656,27 @@ def rank_main(args) -> int:
     ours = model.layers["0"].mlp.train()
     with torch.no_grad():
         for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(ours.experts, name).weight.copy_(getattr(full.experts, name).weight[rank * el:(rank + 1) * el])
+            getattr(ours.experts, name).weight.copy_(getattr(full.experts, name).weight[rank * el : (rank + 1) * el])
 
     g = torch.Generator().manual_seed(args.seed)
     x_all = torch.randn(world * b, t, d, generator=g)
     dy_all = torch.randn(world * b, t, d, generator=g)
-    x, dy = (z[rank * b:(rank + 1) * b].to(device) for z in (x_all, dy_all))
+    x, dy = (z[rank * b : (rank + 1) * b].to(device) for z in (x_all, dy_all))
     del x_all, dy_all
 
     peers: dict[str, str] = {}
-    ds, why = (None, "left out (--no-deepspeed)") if args.no_deepspeed else make_deepspeed(args, full, world, rank, device)
+    ds, why = (
+        (None, "left out (--no-deepspeed)") if args.no_deepspeed else make_deepspeed(args, full, world, rank, device)
+    )
     whys = gather(None if ds is not None else why)
     if any(whys):
         ds, why = None, next(w for w in whys if w)
     peers[DS_EP] = f"ran ({why})" if ds is not None else f"did not run: {why}"
 
-    contestants: list[Layer] = [Layer(OURS_EP, DS_EP if ds is not None else None, ours, ours, x, dy),
-                                Layer(REF_EP, None, full, full, x, dy)]
+    contestants: list[Layer] = [
+        Layer(OURS_EP, DS_EP if ds is not None else None, ours, ours, x, dy),
+        Layer(REF_EP, None, full, full, x, dy),
+    ]
     if ds is not None:
         contestants.append(Layer(DS_EP, None, ds, lambda x: ds(x)[0], x, dy))
 
@@ -554,21 +719,30 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
     e = DTYPES[precision].itemsize
     names = [c.name for c in contestants]
     print(f"\ntrickles expert parallelism vs DeepSpeed-MoE, one MoE layer forward + backward, ep={world} (dp={world})")
-    print(f"  shape   per rank B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts} "
-          f"({args.experts // world} per rank), "
-          f"top-{args.top_k}, dropless, {precision}")
+    print(
+        f"  shape   per rank B {b}, T {t} ({b * t} tokens), d {d}, F {args.ffn}, E {args.experts} "
+        f"({args.experts // world} per rank), "
+        f"top-{args.top_k}, dropless, {precision}"
+    )
     print(device_line(device))
     for n, what in peers.items():
         print(f"  peer    {n}: {what}")
     el = args.experts // world
-    loads = [sum(sum(c[r * el:(r + 1) * el]) for c in all_counts) for r in range(world)]
-    print(f"  routing assignments per rank's experts (all ranks' tokens): {loads}; largest expert load on a rank "
-          f"{max(max(c) for c in all_counts)} (mean {b * t * args.top_k // args.experts})")
+    loads = [sum(sum(c[r * el : (r + 1) * el]) for c in all_counts) for r in range(world)]
+    print(
+        f"  routing assignments per rank's experts (all ranks' tokens): {loads}; largest expert load on a rank "
+        f"{max(max(c) for c in all_counts)} (mean {b * t * args.top_k // args.experts})"
+    )
 
-    what = ("transformers' MixtralSparseMoeBlock (eager)" if args.top_k > 1
-            else "our single-device layer (Mixtral's top-1 weight is 1)")
-    print(f"\nagreement check (fp32): output, input gradient, this rank's expert weight gradients (summed over the ranks) vs "
-          f"{what} with all experts on this rank's tokens; largest over the ranks, tolerance {args.tol:g}")
+    what = (
+        "transformers' MixtralSparseMoeBlock (eager)"
+        if args.top_k > 1
+        else "our single-device layer (Mixtral's top-1 weight is 1)"
+    )
+    print(
+        f"\nagreement check (fp32): output, input gradient, this rank's expert weight gradients (summed over the ranks) vs "
+        f"{what} with all experts on this rank's tokens; largest over the ranks, tolerance {args.tol:g}"
+    )
     rows, ok = [], True
     for n in names:
         errs = [max(r["errors"][n][i] for r in everyone) for i in range(3)]
@@ -577,7 +751,10 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
         rows.append([n, *(f"{x:.1e}" for x in errs), "ok" if good else "MISMATCH"])
     print(table(["implementation", "out", "dx", "dW experts", ""], rows))
     if not ok:
-        print(f"an implementation disagrees by more than --tol {args.tol:g}: the timings would be meaningless", file=sys.stderr)
+        print(
+            f"an implementation disagrees by more than --tol {args.tol:g}: the timings would be meaningless",
+            file=sys.stderr,
+        )
         return 1
 
     expect = formulas(all_counts, world, d, e)
@@ -589,40 +766,69 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
         rows.append([*cells[n], mib(s), mib(max(expect[n]))])
         results[n]["sent"] = [r["sent"][n] for r in everyone]
         results[n]["formula"] = expect[n]
-    times_table(args, rows, [*TIME_COLUMNS, "sent MiB", "formula MiB"],
-                how="; tokens/s over all ranks; bytes per rank (largest over the ranks)",
-                note=PAIRED_NOTE + "; sent: wire bytes (ours: CommLedger; DeepSpeed: its all_to_all_single and all_reduce "
-                     "calls); formula: the module docstring's")
+    times_table(
+        args,
+        rows,
+        [*TIME_COLUMNS, "sent MiB", "formula MiB"],
+        how="; tokens/s over all ranks; bytes per rank (largest over the ranks)",
+        note=PAIRED_NOTE + "; sent: wire bytes (ours: CommLedger; DeepSpeed: its all_to_all_single and all_reduce "
+        "calls); formula: the module docstring's",
+    )
     for n in (OURS_EP, DS_EP):
         if n in names:
             ops = everyone[0]["sent"][n]["ops"]
-            print(f"  {n} (rank 0): " + ", ".join(f"{k} x{v['calls']} {v['wire_bytes'] / 2**20:.2f} MiB" for k, v in ops.items()))
+            print(
+                f"  {n} (rank 0): "
+                + ", ".join(f"{k} x{v['calls']} {v['wire_bytes'] / 2**20:.2f} MiB" for k, v in ops.items())
+            )
     r = results[OURS_EP]
-    verdict = (f"{OURS_EP}/{r['peer']} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
-               f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}" if r["peer"] else f"{OURS_EP}: no peer ran")
+    verdict = (
+        f"{OURS_EP}/{r['peer']} {r['ratio']:.3f}x (paired {r['paired_ratio']:.3f}x): "
+        f"{'met' if r['ratio'] <= 1.0 else 'NOT met'}"
+        if r["peer"]
+        else f"{OURS_EP}: no peer ran"
+    )
     print("\ntarget ours/peer <= 1.0x:  " + verdict)
     if args.json:
-        add_to_json(args.json, "ep", {"world": world, "device": str(device), "device_name": device_name(device),
-                                     "threads": torch.get_num_threads(), "torch": torch.__version__, "precision": precision,
-                                     "peers": peers, "counts": all_counts, "errors": {n: everyone[0]["errors"][n] for n in names},
-                                     "results": results})
+        add_to_json(
+            args.json,
+            "ep",
+            {
+                "world": world,
+                "device": str(device),
+                "device_name": device_name(device),
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "precision": precision,
+                "peers": peers,
+                "counts": all_counts,
+                "errors": {n: everyone[0]["errors"][n] for n in names},
+                "results": results,
+            },
+        )
     return 0
 
 
 # ---- entry ---------------------------------------------------------------------------------
 
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if launched and args.part == "single":
-        print("moe.py: --part single runs in one process; run it without torchrun (under torchrun only the ep part runs)",
-              file=sys.stderr)
+        print(
+            "moe.py: --part single runs in one process; run it without torchrun (under torchrun only the ep part runs)",
+            file=sys.stderr,
+        )
         return 2
     if args.json and os.path.exists(args.json) and not launched:
         os.remove(args.json)
     if args.part in ("all", "single") and not launched and args.top_k == 1:
-        print("moe.py: no one-device comparison at --top-k 1: Mixtral renormalizes the top-k weights even for k = 1 "
-              "(weight 1), ours keeps the raw probability there, as Switch does (DeepSpeed's top-1 gate too)", file=sys.stderr)
+        print(
+            "moe.py: no one-device comparison at --top-k 1: Mixtral renormalizes the top-k weights even for k = 1 "
+            "(weight 1), ours keeps the raw probability there, as Switch does (DeepSpeed's top-1 gate too)",
+            file=sys.stderr,
+        )
         if args.part == "single":
             return 2
     elif args.part in ("all", "single") and not launched:

@@ -108,9 +108,27 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (add_run_args, Contestant, Ours as EngineContestant, compare_times, device_line, finish, gather,  # noqa: E402
-                    entry, ledger_delta, loss_agreement, model_line, print_verdicts, refuse, run_info, run_step, setup_rank,
-                    time_rounds, times_table, token_ce)
+from _ranks import (
+    Contestant,
+    add_run_args,
+    compare_times,
+    device_line,
+    entry,
+    finish,
+    gather,  # noqa: E402
+    ledger_delta,
+    loss_agreement,
+    model_line,
+    print_verdicts,
+    refuse,
+    run_info,
+    run_step,
+    setup_rank,
+    time_rounds,
+    times_table,
+    token_ce,
+)
+from _ranks import Ours as EngineContestant
 from _timing import table, write_json  # noqa: E402
 
 from trickles.errors import ConfigError  # noqa: E402
@@ -118,43 +136,94 @@ from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_m
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402
-from trickles.parallel.pipeline.stages import partition_layers  # noqa: E402
 from trickles.parallel.pipeline.schedules import SCHEDULES, Shape, check_shape  # noqa: E402
+from trickles.parallel.pipeline.stages import partition_layers  # noqa: E402
 from trickles.parallel.pipeline.timeline import mean_times, predicted_bubble  # noqa: E402
 from trickles.topology import ParallelDims  # noqa: E402
 
-DEFAULTS = {"cpu": {"batch": 8, "micro_batch": 1, "seq": 128, "layers": 8, "d_model": 128},
-            "cuda": {"batch": 32, "micro_batch": 4, "seq": 1024, "layers": None, "d_model": None}}  # None: the preset's
+DEFAULTS = {
+    "cpu": {"batch": 8, "micro_batch": 1, "seq": 128, "layers": 8, "d_model": 128},
+    "cuda": {"batch": 32, "micro_batch": 4, "seq": 1024, "layers": None, "d_model": None},
+}  # None: the preset's
 REF = "single device"
-PEER_CLASSES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-                "zb-h1": "ScheduleInterleavedZeroBubble", "zb-v": "ScheduleZBVZeroBubble"}
+PEER_CLASSES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb-h1": "ScheduleInterleavedZeroBubble",
+    "zb-v": "ScheduleZBVZeroBubble",
+}
 MULTI = ("interleaved", "zb-h1", "zb-v")  # the peer classes that take a list of stages
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--world", type=int, default=2, help="pipeline-parallel degree (processes); under torchrun its WORLD_SIZE")
-    p.add_argument("--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS; llama flavour)")
-    p.add_argument("--layers", type=int, default=None,
-                   help=f"model.n_layers instead of the preset's (default: cpu {DEFAULTS['cpu']['layers']}, cuda the preset's)")
-    p.add_argument("--d-model", type=int, default=None,
-                   help=f"model.d_model instead of the preset's, heads kept (default: cpu {DEFAULTS['cpu']['d_model']}, cuda the preset's)")
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
-    p.add_argument("--batch", type=int, default=None,
-                   help=f"global batch in sequences (default: cpu {DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})")
-    p.add_argument("--micro-batch", type=int, default=None,
-                   help=f"sequences per micro-batch, m = batch / micro-batch (default: cpu {DEFAULTS['cpu']['micro_batch']}, "
-                        f"cuda {DEFAULTS['cuda']['micro_batch']})")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
-    p.add_argument("--virtual", type=int, default=2, help="model chunks per rank of the interleaved schedules (parallel.virtual_stages)")
-    p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES), help="which schedules to time")
-    p.add_argument("--trace-steps", type=int, default=3,
-                   help="traced steps per schedule after the timed rounds; the measured bubble is the best of them (0: none)")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--world", type=int, default=2, help="pipeline-parallel degree (processes); under torchrun its WORLD_SIZE"
+    )
+    p.add_argument(
+        "--preset", default="demo", choices=list(PRESETS), help="model shape (trickles.models.PRESETS; llama flavour)"
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help=f"model.n_layers instead of the preset's (default: cpu {DEFAULTS['cpu']['layers']}, cuda the preset's)",
+    )
+    p.add_argument(
+        "--d-model",
+        type=int,
+        default=None,
+        help=f"model.d_model instead of the preset's, heads kept (default: cpu {DEFAULTS['cpu']['d_model']}, cuda the preset's)",
+    )
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=4096,
+        help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"global batch in sequences (default: cpu {DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})",
+    )
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=None,
+        help=f"sequences per micro-batch, m = batch / micro-batch (default: cpu {DEFAULTS['cpu']['micro_batch']}, "
+        f"cuda {DEFAULTS['cuda']['micro_batch']})",
+    )
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})",
+    )
+    p.add_argument(
+        "--virtual",
+        type=int,
+        default=2,
+        help="model chunks per rank of the interleaved schedules (parallel.virtual_stages)",
+    )
+    p.add_argument(
+        "--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES), help="which schedules to time"
+    )
+    p.add_argument(
+        "--trace-steps",
+        type=int,
+        default=3,
+        help="traced steps per schedule after the timed rounds; the measured bubble is the best of them (0: none)",
+    )
     add_run_args(p)
     return p.parse_args(argv)
 
 
 # ---- contestants ---------------------------------------------------------------------------
+
 
 def _chunks(schedule: str, args) -> int:
     """Model chunks per rank: ``--virtual`` interleaved, two for ZB-V, else one."""
@@ -175,14 +244,27 @@ class Ours(EngineContestant):
 
     def __init__(self, schedule: str, model_cfg: ModelConfig, topo, m: int, args):
         v = _chunks(schedule, args)
-        super().__init__(f"ours {schedule}", f"torch {schedule}", [
-            f"parallel.pp={topo.dims.pp}", f"parallel.schedule={schedule}", f"parallel.virtual_stages={v}",
-            f"train.global_batch={m * args.micro_batch}", f"train.micro_batch={args.micro_batch}"], model_cfg, topo, args)
+        super().__init__(
+            f"ours {schedule}",
+            f"torch {schedule}",
+            [
+                f"parallel.pp={topo.dims.pp}",
+                f"parallel.schedule={schedule}",
+                f"parallel.virtual_stages={v}",
+                f"train.global_batch={m * args.micro_batch}",
+                f"train.micro_batch={args.micro_batch}",
+            ],
+            model_cfg,
+            topo,
+            args,
+        )
         self.schedule, self.m = schedule, m
         self.pipeline = self.engine.pipeline
         shape = self.pipeline.shape
-        self.chunks = [(shape.stage(self.pipeline.rank, c), list(ch.layers), ch.first, ch.last)
-                       for c, ch in enumerate(self.pipeline.chunks)]
+        self.chunks = [
+            (shape.stage(self.pipeline.rank, c), list(ch.layers), ch.first, ch.last)
+            for c, ch in enumerate(self.pipeline.chunks)
+        ]
 
     def step(self, x, y):
         e = self.engine
@@ -222,7 +304,9 @@ class StageModule(nn.Module):
 class Peer(Contestant):
     """``torch.distributed.pipelining``: this rank's stage(s), the schedule, the pipeline clip and AdamW."""
 
-    def __init__(self, schedule: str, model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, m: int, args):
+    def __init__(
+        self, schedule: str, model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, m: int, args
+    ):
         from torch.distributed import pipelining
 
         super().__init__(f"torch {schedule}")
@@ -247,16 +331,22 @@ class Peer(Contestant):
         target = self.stages if schedule in MULTI else self.stages[0]
         self.schedule = cls(target, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
         self.params = [p for p in self.modules.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(param_groups(self.modules, optim.weight_decay), lr=optim.lr, betas=optim.betas,
-                                           eps=optim.eps, **adamw_kwargs(device))
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.modules, optim.weight_decay),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            **adamw_kwargs(device),
+        )
         self.clip, self.device = args.clip, device
         self.chunks = [(s, parts[s], mod.first, mod.last) for s, mod in zip(ids, mods)]
 
     def step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        self.schedule.step(*((x,) if self.first else ()), target=y if self.last else None, losses=losses,
-                           return_outputs=False)
+        self.schedule.step(
+            *((x,) if self.first else ()), target=y if self.last else None, losses=losses, return_outputs=False
+        )
         # torchtitan's pipeline clip: the squared norm of this rank's gradients summed over the stages;
         # the same all-reduce carries the step's loss (the last stage's sum of loss / m) to every rank
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -274,8 +364,13 @@ class Reference:
 
     def __init__(self, model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, m: int, args):
         self.model = build_model(model_cfg, seed=args.seed, device=device).train()
-        self.optimizer = torch.optim.AdamW(param_groups(self.model, optim.weight_decay), lr=optim.lr, betas=optim.betas,
-                                           eps=optim.eps, **adamw_kwargs(device))
+        self.optimizer = torch.optim.AdamW(
+            param_groups(self.model, optim.weight_decay),
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            **adamw_kwargs(device),
+        )
         self.m, self.clip = m, args.clip
 
     def step(self, x, y) -> float:
@@ -292,16 +387,19 @@ class Reference:
 
 # ---- communication formula -----------------------------------------------------------------
 
+
 def expected_p2p(shape: Shape, rank: int, b: int, seq: int, d: int) -> int:
     """Bytes ``rank`` sends per step (as many as it receives): see the module docstring."""
     stages = [shape.stage(rank, c) for c in range(shape.v)]
     last = shape.stages - 1
-    messages = (sum(s < last and shape.owner(s + 1)[0] != rank for s in stages)
-                + sum(s > 0 and shape.owner(s - 1)[0] != rank for s in stages))
+    messages = sum(s < last and shape.owner(s + 1)[0] != rank for s in stages) + sum(
+        s > 0 and shape.owner(s - 1)[0] != rank for s in stages
+    )
     return shape.m * messages * b * seq * d * 4
 
 
 # ---- the bubble, timed ---------------------------------------------------------------------
+
 
 def traced_bubbles(contestants: list[Contestant], x, y, steps: int) -> dict[str, tuple[float, float] | None]:
     """``{our schedule's name: (measured, predicted)}`` of the traced step with the smallest idle share over ``steps``
@@ -326,6 +424,7 @@ def traced_bubbles(contestants: list[Contestant], x, y, steps: int) -> dict[str,
 
 # ---- one rank ------------------------------------------------------------------------------
 
+
 def _check_shape(model_cfg: ModelConfig, world: int, batch: int, micro: int, args) -> str | None:
     """Why these settings cannot run (None: they can)."""
     if world < 2:
@@ -335,9 +434,11 @@ def _check_shape(model_cfg: ModelConfig, world: int, batch: int, micro: int, arg
     except ConfigError as e:
         return f"{e} (here: --d-model, --layers or --preset)"
     if model_cfg.flavor != "llama" or model_cfg.tied:
-        return (f"preset {args.preset} is not an untied llama shape; with tied input and output embeddings the "
-                "torch.distributed.pipelining peer would need their gradients summed over the first and last stage, so this "
-                "benchmark takes untied llama shapes only (e.g. demo, tiny, llama-125m, llama-350m, llama-7b)")
+        return (
+            f"preset {args.preset} is not an untied llama shape; with tied input and output embeddings the "
+            "torch.distributed.pipelining peer would need their gradients summed over the first and last stage, so this "
+            "benchmark takes untied llama shapes only (e.g. demo, tiny, llama-125m, llama-350m, llama-7b)"
+        )
     if batch % micro:
         return f"--batch {batch} is not a multiple of --micro-batch {micro}"
     m = batch // micro
@@ -401,15 +502,24 @@ def rank_main(args) -> int:
 
     time_rounds(contestants, *data[0], args, device)
     bubbles = traced_bubbles(contestants, *data[0], args.trace_steps if device.type == "cpu" else 0)
-    everyone = gather({"bubbles": bubbles, "times": {c.name: c.times for c in contestants}, "check": check, "ref": ref_losses,
-                       "comm": comm, "chunks": {c.name: c.chunks for c in contestants},
-                       "alive": {c.name: c.pipeline.peak_alive for c in contestants if isinstance(c, Ours)}})
+    everyone = gather(
+        {
+            "bubbles": bubbles,
+            "times": {c.name: c.times for c in contestants},
+            "check": check,
+            "ref": ref_losses,
+            "comm": comm,
+            "chunks": {c.name: c.chunks for c in contestants},
+            "alive": {c.name: c.pipeline.peak_alive for c in contestants if isinstance(c, Ours)},
+        }
+    )
     status = report(args, everyone, contestants, model_cfg, n_params, batch, seq, m, device, world) if rank == 0 else 0
     del contestants, topo
     return finish(status, device)
 
 
 # ---- report (rank 0) -----------------------------------------------------------------------
+
 
 def _describe(chunk) -> str:
     """``stage 2 = embedding + layers 0-3 + head`` from ``(stage, layers, first, last)``."""
@@ -418,35 +528,68 @@ def _describe(chunk) -> str:
     return f"stage {stage} = " + ("embedding + " if first else "") + span + (" + head" if last else "")
 
 
-def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int, m: int,
-           device: torch.device, world: int) -> int:
+def report(
+    args,
+    everyone: list[dict],
+    contestants: list[Contestant],
+    model_cfg,
+    n_params: int,
+    batch: int,
+    seq: int,
+    m: int,
+    device: torch.device,
+    world: int,
+) -> int:
     names = [c.name for c in contestants]
     b, d = args.micro_batch, model_cfg.d_model
-    print(f"trickles pipeline schedules vs torch.distributed.pipelining, one training step each, pp={world}, "
-          "same stages, micro-batches, weights and data")
+    print(
+        f"trickles pipeline schedules vs torch.distributed.pipelining, one training step each, pp={world}, "
+        "same stages, micro-batches, weights and data"
+    )
     print(model_line(args.preset, model_cfg, n_params))
-    print(f"  step    global batch {batch} x seq {seq} in m={m} micro-batches of {b}, fp32, clip {args.clip}, "
-          f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; interleaved: {args.virtual} chunks per rank")
+    print(
+        f"  step    global batch {batch} x seq {seq} in m={m} micro-batches of {b}, fp32, clip {args.clip}, "
+        f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; interleaved: {args.virtual} chunks per rank"
+    )
     print(device_line(device))
     for s in args.schedules:
         same = all(e["chunks"][f"ours {s}"] == e["chunks"][f"torch {s}"] for e in everyone)
-        print(f"  {s:<11} " + ";  ".join(f"rank {r}: " + ", ".join(_describe(c) for c in e["chunks"][f"torch {s}"])
-                                         for r, e in enumerate(everyone)) + ("" if same else "  (ours DIFFERS)"))
+        print(
+            f"  {s:<11} "
+            + ";  ".join(
+                f"rank {r}: " + ", ".join(_describe(c) for c in e["chunks"][f"torch {s}"])
+                for r, e in enumerate(everyone)
+            )
+            + ("" if same else "  (ours DIFFERS)")
+        )
         if not same:
-            print(f"the stages of ours {s} and torch {s} differ: " + str([e["chunks"] for e in everyone]), file=sys.stderr)
+            print(
+                f"the stages of ours {s} and torch {s} differ: " + str([e["chunks"] for e in everyone]), file=sys.stderr
+            )
             return 1
 
     # agreement
     ref = everyone[0]["ref"]
-    print(f"\nagreement check: every rank's loss vs the single-device model's (rank 0), relative tolerance {args.tol:g}")
-    if not loss_agreement(everyone, names, args.tol, REF, ref_losses=ref, note="  (mean loss over the micro-batches of the "
-                          "whole batch, on every rank; step 2 runs on a second batch after one AdamW update)"):
+    print(
+        f"\nagreement check: every rank's loss vs the single-device model's (rank 0), relative tolerance {args.tol:g}"
+    )
+    if not loss_agreement(
+        everyone,
+        names,
+        args.tol,
+        REF,
+        ref_losses=ref,
+        note="  (mean loss over the micro-batches of the "
+        "whole batch, on every rank; step 2 runs on a second batch after one AdamW update)",
+    ):
         return 1
 
     # communication (ours)
     act = b * seq * d * 4
-    print(f"\npoint-to-point bytes per step (our CommLedger; activation or gradient of one micro-batch b T d x 4 = "
-          f"{act / 2**20:.3f} MiB), busiest rank, vs m b T d x 4 x (chunks not last + chunks not first):")
+    print(
+        f"\npoint-to-point bytes per step (our CommLedger; activation or gradient of one micro-batch b T d x 4 = "
+        f"{act / 2**20:.3f} MiB), busiest rank, vs m b T d x 4 x (chunks not last + chunks not first):"
+    )
     rows, comm_results = [], {}
     for s in args.schedules:
         n = f"ours {s}"
@@ -455,21 +598,56 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
             c = e["comm"][n]
             sent = sum(c.get(f"send/{g}", {}).get("bytes", 0) for g in ("pp", "pp_grad"))
             recv = sum(c.get(f"recv/{g}", {}).get("bytes", 0) for g in ("pp", "pp_grad"))
-            per_rank.append({"sent": sent, "received": recv, "expected": expected_p2p(_shape(s, world, args, m), r, b, seq, d),
-                             "ops": c})
+            per_rank.append(
+                {
+                    "sent": sent,
+                    "received": recv,
+                    "expected": expected_p2p(_shape(s, world, args, m), r, b, seq, d),
+                    "ops": c,
+                }
+            )
         busiest = max(range(world), key=lambda r: per_rank[r]["sent"])
         pr = per_rank[busiest]
         exact = all(x["sent"] == x["expected"] == x["received"] for x in per_rank)
         other = everyone[busiest]["comm"][n]
-        small = ", ".join(f"{k} x{v['calls']}" for k, v in sorted(other.items()) if not k.startswith(("send/", "recv/")))
+        small = ", ".join(
+            f"{k} x{v['calls']}" for k, v in sorted(other.items()) if not k.startswith(("send/", "recv/"))
+        )
         msgs = sum(v["calls"] for k, v in other.items() if k.startswith("send/"))
-        rows.append([s, f"{busiest}", f"{pr['sent'] / 2**20:.2f}", f"{pr['received'] / 2**20:.2f}", f"{pr['expected'] / 2**20:.2f}",
-                     f"{pr['sent'] / pr['expected']:.4f}", "yes" if exact else "NO", f"{msgs}", small])
+        rows.append(
+            [
+                s,
+                f"{busiest}",
+                f"{pr['sent'] / 2**20:.2f}",
+                f"{pr['received'] / 2**20:.2f}",
+                f"{pr['expected'] / 2**20:.2f}",
+                f"{pr['sent'] / pr['expected']:.4f}",
+                "yes" if exact else "NO",
+                f"{msgs}",
+                small,
+            ]
+        )
         comm_results[s] = per_rank
-    print(table(["schedule", "rank", "sent MiB", "received MiB", "formula MiB", "sent/formula", "all ranks exact",
-                 "sends", "other collectives"], rows))
-    print("  (sends: tensors sent, each posted in a batch_isend_irecv with the run of messages around it; other: the "
-          "step's loss and the squared gradient norm, summed over the pipeline group)")
+    print(
+        table(
+            [
+                "schedule",
+                "rank",
+                "sent MiB",
+                "received MiB",
+                "formula MiB",
+                "sent/formula",
+                "all ranks exact",
+                "sends",
+                "other collectives",
+            ],
+            rows,
+        )
+    )
+    print(
+        "  (sends: tensors sent, each posted in a batch_isend_irecv with the run of messages around it; other: the "
+        "step's loss and the squared gradient norm, summed over the pipeline group)"
+    )
 
     # timing
     results, cells = compare_times(everyone, contestants, args.steps, batch * seq)
@@ -486,26 +664,70 @@ def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg,
         traced = everyone[0]["bubbles"].get(f"ours {s}")
         measured, predicted = traced if traced else (None, None)
         unit = predicted_bubble(s, _shape(s, world, args, m))
-        o.update(p2p_sent=sent, p2p_expected=expect, bubble=unit, bubble_predicted=predicted, bubble_measured=measured,
-                 peak_alive=alive)
-        rows.append([s, f"{v}", f"{unit:.3f}", "-" if predicted is None else f"{predicted:.3f}",
-                     "-" if measured is None else f"{measured:.3f}",
-                     f"{o['median'] * 1e3:.1f}", f"{p['median'] * 1e3:.1f}",
-                     f"{o['ratio']:.3f}x", f"{o['paired_ratio']:.3f}x", f"{sent / 2**20:.2f}", f"{expect / 2**20:.2f}", f"{alive}"])
+        o.update(
+            p2p_sent=sent,
+            p2p_expected=expect,
+            bubble=unit,
+            bubble_predicted=predicted,
+            bubble_measured=measured,
+            peak_alive=alive,
+        )
+        rows.append(
+            [
+                s,
+                f"{v}",
+                f"{unit:.3f}",
+                "-" if predicted is None else f"{predicted:.3f}",
+                "-" if measured is None else f"{measured:.3f}",
+                f"{o['median'] * 1e3:.1f}",
+                f"{p['median'] * 1e3:.1f}",
+                f"{o['ratio']:.3f}x",
+                f"{o['paired_ratio']:.3f}x",
+                f"{sent / 2**20:.2f}",
+                f"{expect / 2**20:.2f}",
+                f"{alive}",
+            ]
+        )
     print("\nsummary per schedule:")
-    print(table(["schedule", "v", "bubble", "predicted", "measured", "ours ms", "torch ms", "ours/torch", "paired",
-                 "p2p sent MiB", "formula MiB", "ours live mb"], rows))
-    print("  (bubble: the schedule's with equal stages and F = B = W (GPipe, 1F1B, interleaved: (N-1)/(v m + N-1)); "
-          "predicted: at the traced step's mean times of each rank's F, B and W, messages free; measured: our trace's "
-          "idle share per rank, mean over ranks, best "
-          f"of {args.trace_steps} traced steps (CPU only); p2p: busiest rank, per step; live mb: the most micro-batch "
-          "chunks whose activations one of our ranks held at once)")
+    print(
+        table(
+            [
+                "schedule",
+                "v",
+                "bubble",
+                "predicted",
+                "measured",
+                "ours ms",
+                "torch ms",
+                "ours/torch",
+                "paired",
+                "p2p sent MiB",
+                "formula MiB",
+                "ours live mb",
+            ],
+            rows,
+        )
+    )
+    print(
+        "  (bubble: the schedule's with equal stages and F = B = W (GPipe, 1F1B, interleaved: (N-1)/(v m + N-1)); "
+        "predicted: at the traced step's mean times of each rank's F, B and W, messages free; measured: our trace's "
+        "idle share per rank, mean over ranks, best "
+        f"of {args.trace_steps} traced steps (CPU only); p2p: busiest rank, per step; live mb: the most micro-batch "
+        "chunks whose activations one of our ranks held at once)"
+    )
 
     print_verdicts(results, [f"ours {s}" for s in args.schedules])
 
-    write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg), "micro_batches": m,
-                           "check": {REF: ref, **{n: [r["check"][n] for r in everyone] for n in names}},
-                           "comm": comm_results, "results": results})
+    write_json(
+        args.json,
+        {
+            **run_info(args, world, batch, seq, device, n_params, model_cfg),
+            "micro_batches": m,
+            "check": {REF: ref, **{n: [r["check"][n] for r in everyone] for n in names}},
+            "comm": comm_results,
+            "results": results,
+        },
+    )
     return 0
 
 

@@ -65,17 +65,26 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _timing import table  # noqa: E402
 
-MODEL = ["model.flavor=llama", "model.n_layers=4", "model.d_model=256", "model.n_heads=8", "model.n_kv_heads=4",
-         "model.vocab_size=4096", "data.seq_len=256", "train.global_batch=8", "train.lr=1e-3"]
+MODEL = [
+    "model.flavor=llama",
+    "model.n_layers=4",
+    "model.d_model=256",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "model.vocab_size=4096",
+    "data.seq_len=256",
+    "train.global_batch=8",
+    "train.lr=1e-3",
+]
 MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=384"]
 PP = ["train.micro_batch=2"]
 
 #: world size -> (name, settings) of each layout
 LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
-    2: [("dp", ["parallel.dp=2"]),
+    2: [
+        ("dp", ["parallel.dp=2"]),
         ("dp zero1", ["parallel.dp=2", "parallel.zero=1"]),
         ("dp zero2 m2", ["parallel.dp=2", "parallel.zero=2", "train.micro_batch=2"]),
         ("dp zero3", ["parallel.dp=2", "parallel.zero=3"]),
@@ -88,8 +97,10 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         ("pp interleaved", ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", *PP]),
         ("cp ring", ["parallel.cp=2"]),
         ("cp ulysses", ["parallel.cp=2", "parallel.cp_mode=ulysses"]),
-        ("moe ep", [*MOE, "parallel.dp=2", "parallel.ep=2"])],
-    4: [("dp zero1", ["parallel.dp=4", "parallel.zero=1"]),
+        ("moe ep", [*MOE, "parallel.dp=2", "parallel.ep=2"]),
+    ],
+    4: [
+        ("dp zero1", ["parallel.dp=4", "parallel.zero=1"]),
         ("dp zero3", ["parallel.dp=4", "parallel.zero=3"]),
         ("tp+sp", ["parallel.tp=4", "parallel.sequence_parallel=true"]),
         ("tp 2d", ["parallel.tp=4", "parallel.tp_mode=2d"]),
@@ -97,7 +108,8 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         ("dp2 pp2 1f1b", ["parallel.dp=2", "parallel.pp=2", "train.micro_batch=1"]),
         ("pp4 1f1b", ["parallel.pp=4", *PP]),
         ("dp2 cp2 ring", ["parallel.dp=2", "parallel.cp=2"]),
-        ("moe ep4", [*MOE, "parallel.dp=4", "parallel.ep=4"])],
+        ("moe ep4", [*MOE, "parallel.dp=4", "parallel.ep=4"]),
+    ],
 }
 
 
@@ -115,6 +127,7 @@ def config(layout: list[str], extra: list[str] = ()):
 
 
 # ---- the ranks -----------------------------------------------------------------------------
+
 
 class Layout:
     """One layout on this rank: its topology, engine and the Trainer's step."""
@@ -141,10 +154,10 @@ class Layout:
         context-parallel shard)."""
         dp = self.topo.comm("dp")
         rows = tokens.shape[0] // dp.size
-        mine = tokens[dp.rank * rows:(dp.rank + 1) * rows]
+        mine = tokens[dp.rank * rows : (dp.rank + 1) * rows]
         out = []
         for i in range(0, rows, self.micro):
-            x, y = mine[i:i + self.micro, :-1], mine[i:i + self.micro, 1:]
+            x, y = mine[i : i + self.micro, :-1], mine[i : i + self.micro, 1:]
             out.append((self.engine.shard_sequence(x), self.engine.shard_sequence(y)))
         return out
 
@@ -182,13 +195,26 @@ def calibration(args, shapes) -> dict:
     from trickles.planner.calibrate import measure_on_ranks
 
     gemm_shapes, att_shapes, sizes = shapes
-    c = measure_on_ranks(gemm_shapes, "fp32", (4096, 65536, 1 << 20), args.calib_repeats, min_s=args.calib_sample,
-                         attention=att_shapes, model_cfg=config(MOE, args.set)[1], pass_sizes=sizes)
+    c = measure_on_ranks(
+        gemm_shapes,
+        "fp32",
+        (4096, 65536, 1 << 20),
+        args.calib_repeats,
+        min_s=args.calib_sample,
+        attention=att_shapes,
+        model_cfg=config(MOE, args.set)[1],
+        pass_sizes=sizes,
+    )
     torch.set_num_threads(args.threads)
-    return {"gemms": [[list(k), v] for k, v in c["gemms"].items()],
-            "attention": [[list(k), v] for k, v in c["attention"].items()], "bandwidth": c["bandwidth"],
-            "passes": [[list(k), list(v)] for k, v in c["passes"].items()], "contention": c["contention"],
-            "links": c["links"], "sync": c["sync"]}
+    return {
+        "gemms": [[list(k), v] for k, v in c["gemms"].items()],
+        "attention": [[list(k), v] for k, v in c["attention"].items()],
+        "bandwidth": c["bandwidth"],
+        "passes": [[list(k), list(v)] for k, v in c["passes"].items()],
+        "contention": c["contention"],
+        "links": c["links"],
+        "sync": c["sync"],
+    }
 
 
 def rank_main(args, world: int, layout_list, shapes, out_path: str) -> int:
@@ -235,6 +261,7 @@ def rank_main(args, world: int, layout_list, shapes, out_path: str) -> int:
 
 # ---- this process: calibrate, launch, predict, compare ------------------------------------------
 
+
 def chosen(args, world: int) -> list[tuple[str, list[str]]]:
     """The layouts of ``world`` ranks that ``--only`` selects, each with ``--set`` after its own settings."""
     out = [(n, [*s, *args.set]) for n, s in LAYOUTS[world] if not args.only or any(o in n for o in args.only)]
@@ -264,11 +291,19 @@ def calibrated(measured: list[dict], world: int, extra: list[str]):
     links = [tuple(x) for c in measured for x in c["links"]]
     bandwidth = statistics.fmean(c["bandwidth"] for c in measured)
     sync = statistics.fmean(c["sync"] for c in measured)
-    return cluster_from_measurements("local", "fp32", {k: statistics.fmean(v) for k, v in gemms.items()}, bandwidth,
-                                     links, REFERENCE, attention={k: statistics.fmean(v) for k, v in att.items()},
-                                     sync=sync, model_cfg=config(MOE, extra)[1],
-                                     contention=statistics.fmean(c["contention"] for c in measured),
-                                     passes={k: tuple(map(statistics.fmean, zip(*v))) for k, v in passes.items()})
+    return cluster_from_measurements(
+        "local",
+        "fp32",
+        {k: statistics.fmean(v) for k, v in gemms.items()},
+        bandwidth,
+        links,
+        REFERENCE,
+        attention={k: statistics.fmean(v) for k, v in att.items()},
+        sync=sync,
+        model_cfg=config(MOE, extra)[1],
+        contention=statistics.fmean(c["contention"] for c in measured),
+        passes={k: tuple(map(statistics.fmean, zip(*v))) for k, v in passes.items()},
+    )
 
 
 def layout_shapes(world: int, layouts, extra: list[str]) -> tuple[list, list, list]:
@@ -289,6 +324,7 @@ def layout_shapes(world: int, layouts, extra: list[str]) -> tuple[list, list, li
 
 def spearman(a: list[float], b: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
+
     def ranks(x):
         order = sorted(range(len(x)), key=lambda i: x[i])
         r = [0.0] * len(x)
@@ -301,6 +337,7 @@ def spearman(a: list[float], b: list[float]) -> float:
                 r[order[k]] = (i + j) / 2
             i = j + 1
         return r
+
     ra, rb = ranks(a), ranks(b)
     ma, mb = statistics.fmean(ra), statistics.fmean(rb)
     cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb))
@@ -347,10 +384,23 @@ PLAN_PINS = ["memory.offload_optimizer=false"]
 def _layout_key(cfg, dims) -> tuple:
     """The searched keys of a resolved layout, those a degree of 1 makes moot left out (to match the planner's)."""
     par, tp, pp, cp = cfg.parallel, dims.tp, dims.pp, dims.cp
-    return (dims.dp, tp, par.tp_mode if tp > 1 else "", par.tp_depth if par.tp_mode == "2.5d" else 0,
-            par.sequence_parallel and tp > 1, pp, par.schedule if pp > 1 else "", par.virtual_stages if pp > 1 else 1,
-            cp, par.cp_mode if cp > 1 else "", dims.ep, par.zero, cfg.batch_plan(dims.dp)[0], cfg.memory.recompute,
-            cfg.memory.offload_optimizer)
+    return (
+        dims.dp,
+        tp,
+        par.tp_mode if tp > 1 else "",
+        par.tp_depth if par.tp_mode == "2.5d" else 0,
+        par.sequence_parallel and tp > 1,
+        pp,
+        par.schedule if pp > 1 else "",
+        par.virtual_stages if pp > 1 else 1,
+        cp,
+        par.cp_mode if cp > 1 else "",
+        dims.ep,
+        par.zero,
+        cfg.batch_plan(dims.dp)[0],
+        cfg.memory.recompute,
+        cfg.memory.offload_optimizer,
+    )
 
 
 def planner_choice(world: int, cluster, extra: list[str]) -> tuple[str, list[str], object]:
@@ -392,21 +442,36 @@ def with_plan(world: int, layouts: list, plan_sets: list[str], label: str, extra
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS))
-    p.add_argument("--steps", type=int, default=16, help="timed rounds (every layout's steps once per round); with one "
-                   "timed step per round the measured ranking agreed with itself at only 0.64-0.92 on 2 cores (the "
-                   "split-half agreement printed), with --repeat 3's two at 0.85-0.93")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=16,
+        help="timed rounds (every layout's steps once per round); with one "
+        "timed step per round the measured ranking agreed with itself at only 0.64-0.92 on 2 cores (the "
+        "split-half agreement printed), with --repeat 3's two at 0.85-0.93",
+    )
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeat", type=int, default=3, help="steps of a layout back to back in a round, every one after "
-                   "the first timed (the first after another layout finds the caches and allocator holding that one's "
-                   "tensors)")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="steps of a layout back to back in a round, every one after "
+        "the first timed (the first after another layout finds the caches and allocator holding that one's "
+        "tensors)",
+    )
     p.add_argument("--only", nargs="*", default=[], help="layouts whose name contains one of these")
     p.add_argument("--calib-repeats", type=int, default=3, help="samples of each GEMM and collective per calibration")
     p.add_argument("--calib-sample", type=float, default=0.02, help="seconds of one GEMM sample")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.add_argument("--no-plan", action="store_true", help="do not run the planner's search nor time its top choice")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="a setting after every layout's own, e.g. a smaller model for a quick run (model.n_layers=2)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a setting after every layout's own, e.g. a smaller model for a quick run (model.n_layers=2)",
+    )
     args = p.parse_args(argv)
 
     from trickles.launch import launch
@@ -421,25 +486,40 @@ def main(argv=None) -> int:
             pre = calibrated([pre_calibration(args, world, layout_shapes(world, layouts, args.set))], world, args.set)
             label, plan_sets, plan_st = planner_choice(world, pre, args.set)
             layouts, plan_name = with_plan(world, layouts, plan_sets, label, args.set)
-            results.setdefault("plan", {})[world] = {"label": label, "name": plan_name, "settings": plan_sets,
-                                                     "predicted_s": plan_st.total_s, "cluster": vars(pre)}
-            print(f"world {world}: the planner's top choice {label!r} (predicted {plan_st.total_s * 1e3:.0f} ms), "
-                  f"timed as {plan_name!r}; {time.perf_counter() - t0:.0f} s", flush=True)
+            results.setdefault("plan", {})[world] = {
+                "label": label,
+                "name": plan_name,
+                "settings": plan_sets,
+                "predicted_s": plan_st.total_s,
+                "cluster": vars(pre),
+            }
+            print(
+                f"world {world}: the planner's top choice {label!r} (predicted {plan_st.total_s * 1e3:.0f} ms), "
+                f"timed as {plan_name!r}; {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "times.json")
-            status = launch(rank_main, (args, world, layouts, layout_shapes(world, layouts, args.set), out), nproc=world)
+            status = launch(
+                rank_main, (args, world, layouts, layout_shapes(world, layouts, args.set), out), nproc=world
+            )
             if status != 0:
                 print(f"world {world}: the ranks failed (status {status})", file=sys.stderr)
                 return status
             with open(out) as f:
                 got = json.load(f)
         times, calib = got["times"], got["calibration"]
-        clusters = [calibrated(calib[k:k + 2], world, args.set) for k in range(len(calib) - 1)]  # round k: the ones around it
+        clusters = [
+            calibrated(calib[k : k + 2], world, args.set) for k in range(len(calib) - 1)
+        ]  # round k: the ones around it
         cluster = calibrated(calib, world, args.set)
-        print(f"world {world}: {time.perf_counter() - t0:.0f} s; calibrated (all rounds): peak {cluster.peak_tflops_fp32 * 1e3:.1f} "
-              f"GFLOP/s per core, memory {cluster.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node_gbps:.3f} GB/s "
-              f"+ {cluster.intra_node_latency_us:.0f} us a message, {cluster.shared_core_sync_us:.0f} us a collective's wait "
-              f"for ranks sharing cores", flush=True)
+        print(
+            f"world {world}: {time.perf_counter() - t0:.0f} s; calibrated (all rounds): peak {cluster.peak_tflops_fp32 * 1e3:.1f} "
+            f"GFLOP/s per core, memory {cluster.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node_gbps:.3f} GB/s "
+            f"+ {cluster.intra_node_latency_us:.0f} us a message, {cluster.shared_core_sync_us:.0f} us a collective's wait "
+            f"for ranks sharing cores",
+            flush=True,
+        )
         for name, sets in layouts:
             cfg, mc = config(sets)
             dims = cfg.validate(world)
@@ -450,26 +530,66 @@ def main(argv=None) -> int:
             measured = statistics.median(samples)
             predicted = statistics.median(s.total_s for s in per_round)
             paired = statistics.median(s.total_s / statistics.fmean(r) for s, r in zip(per_round, rounds))
-            results["layouts"].append({"world": world, "name": name, "settings": sets, "measured_s": measured,
-                                       "times": rounds, "predicted_s": predicted, "paired_ratio": paired,
-                                       "predicted": [s.total_s for s in per_round], "compute_s": st.compute_s,
-                                       "exposed_comm_s": st.exposed_comm_s, "bubble_s": st.bubble_s,
-                                       "optimizer_s": st.optimizer_s, "moe": bool(mc.moe_experts)})
-            rows.append([f"{world}: {name}", f"{measured * 1e3:.0f}", f"{min(samples) * 1e3:.0f}",
-                         f"{predicted * 1e3:.0f}", f"{predicted / measured:.2f}",
-                         f"{paired:.2f}", f"{st.compute_s * 1e3:.0f}", f"{st.exposed_comm_s * 1e3:.0f}",
-                         f"{st.bubble_s * 1e3:.0f}", f"{st.optimizer_s * 1e3:.0f}"])
+            results["layouts"].append(
+                {
+                    "world": world,
+                    "name": name,
+                    "settings": sets,
+                    "measured_s": measured,
+                    "times": rounds,
+                    "predicted_s": predicted,
+                    "paired_ratio": paired,
+                    "predicted": [s.total_s for s in per_round],
+                    "compute_s": st.compute_s,
+                    "exposed_comm_s": st.exposed_comm_s,
+                    "bubble_s": st.bubble_s,
+                    "optimizer_s": st.optimizer_s,
+                    "moe": bool(mc.moe_experts),
+                }
+            )
+            rows.append(
+                [
+                    f"{world}: {name}",
+                    f"{measured * 1e3:.0f}",
+                    f"{min(samples) * 1e3:.0f}",
+                    f"{predicted * 1e3:.0f}",
+                    f"{predicted / measured:.2f}",
+                    f"{paired:.2f}",
+                    f"{st.compute_s * 1e3:.0f}",
+                    f"{st.exposed_comm_s * 1e3:.0f}",
+                    f"{st.bubble_s * 1e3:.0f}",
+                    f"{st.optimizer_s * 1e3:.0f}",
+                ]
+            )
         results.setdefault("clusters", {})[world] = vars(cluster)
         if not args.no_plan:  # for comparison: the search on the calibrations of the timed rounds
             again = planner_choice(world, cluster, args.set)
             results["plan"][world]["after_rounds"] = {"label": again[0], "predicted_s": again[2].total_s}
-            print(f"world {world}: on the calibration of the timed rounds the planner's top choice is {again[0]!r} "
-                  f"(predicted {again[2].total_s * 1e3:.0f} ms)", flush=True)
+            print(
+                f"world {world}: on the calibration of the timed rounds the planner's top choice is {again[0]!r} "
+                f"(predicted {again[2].total_s * 1e3:.0f} ms)",
+                flush=True,
+            )
         results.setdefault("calibration", {})[world] = got["calibration"]
     results["load_after"] = os.getloadavg()
     print()
-    print(table(["layout", "measured ms", "min ms", "predicted ms", "pred/meas", "paired", "compute", "exposed comm",
-                 "bubble", "optimizer"], rows))
+    print(
+        table(
+            [
+                "layout",
+                "measured ms",
+                "min ms",
+                "predicted ms",
+                "pred/meas",
+                "paired",
+                "compute",
+                "exposed comm",
+                "bubble",
+                "optimizer",
+            ],
+            rows,
+        )
+    )
     lay = results["layouts"]
     ratios = [r["paired_ratio"] for r in lay]
     within = sum(1 for x in ratios if 0.75 <= x <= 1.25)
@@ -478,26 +598,34 @@ def main(argv=None) -> int:
     if len(lay) > 2 and len(lay[0]["times"]) > 1:
         halves = [[statistics.median(t for rnd in r["times"][k::2] for t in rnd) for r in lay] for k in (0, 1)]
         split_half = spearman(*halves)
-    print(f"\nwithin 25%: {within} of {len(lay)} (worst {min(ratios):.2f} / {max(ratios):.2f});  "
-          f"Spearman rho {rho:.3f} (target >= 0.8); the measurement against itself (odd rounds' medians vs even "
-          f"rounds'): {split_half:.3f}")
+    print(
+        f"\nwithin 25%: {within} of {len(lay)} (worst {min(ratios):.2f} / {max(ratios):.2f});  "
+        f"Spearman rho {rho:.3f} (target >= 0.8); the measurement against itself (odd rounds' medians vs even "
+        f"rounds'): {split_half:.3f}"
+    )
     for world in args.worlds:
         dense = [r for r in lay if r["world"] == world and not r["moe"]]
         if dense:
             pick = min(dense, key=lambda r: r["predicted_s"])
             best = min(dense, key=lambda r: r["measured_s"])
             gap = pick["measured_s"] / best["measured_s"]
-            print(f"world {world}: predicted fastest {pick['name']!r} measures {gap:.3f}x the fastest ({best['name']!r}); "
-                  f"target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}")
+            print(
+                f"world {world}: predicted fastest {pick['name']!r} measures {gap:.3f}x the fastest ({best['name']!r}); "
+                f"target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}"
+            )
             plan = results.get("plan", {}).get(world)
             if plan is not None:
                 row = next(r for r in dense if r["name"] == plan["name"])
                 gap = row["measured_s"] / best["measured_s"]
                 plan["measured_s"], plan["gap"] = row["measured_s"], gap
-                print(f"world {world}: the planner's top choice {plan['label']!r} ({plan['name']!r}) measures {gap:.3f}x "
-                      f"the fastest ({best['name']!r}); target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}")
-    print(f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after "
-          f"{results['load_after'][0]:.2f} {results['load_after'][1]:.2f} {results['load_after'][2]:.2f} (1, 5, 15 min)")
+                print(
+                    f"world {world}: the planner's top choice {plan['label']!r} ({plan['name']!r}) measures {gap:.3f}x "
+                    f"the fastest ({best['name']!r}); target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}"
+                )
+    print(
+        f"load average before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, after "
+        f"{results['load_after'][0]:.2f} {results['load_after'][1]:.2f} {results['load_after'][2]:.2f} (1, 5, 15 min)"
+    )
     results.update(within=within, spearman=rho, split_half=split_half)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

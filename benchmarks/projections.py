@@ -44,7 +44,9 @@ from trickles.models.transformer import MLP, Attention, initial_value  # noqa: E
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--preset", default="demo", choices=[k for k, v in PRESETS.items() if v["flavor"] == "llama"])
@@ -79,8 +81,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = one_device(args.device, args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), kernels=args.kernels, vocab_size=256,
-                              max_seq_len=args.tokens)
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), args.preset), kernels=args.kernels, vocab_size=256, max_seq_len=args.tokens
+    )
     models = {}
     for name, on in (("separate", False), ("fused", True)):
         c = dataclasses.replace(cfg, fused_proj=on)
@@ -106,14 +109,21 @@ def main(argv=None) -> int:
     check = {name: step(name) for name in models}
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     sep = dict(models["separate"].named_parameters())
-    got = fused.split_state(dataclasses.replace(cfg, fused_proj=True),
-                            {"layers.0." + n: p.grad for n, p in models["fused"].named_parameters()})
-    pairs = [(a, b) for a, b in zip(check["fused"][0], check["separate"][0])] + [(check["fused"][1], check["separate"][1])]
-    pairs += [(got["layers.0." + n], p.grad) for n, p in sep.items() if p.grad is not None]  # (o_proj, down_proj: unused)
+    got = fused.split_state(
+        dataclasses.replace(cfg, fused_proj=True),
+        {"layers.0." + n: p.grad for n, p in models["fused"].named_parameters()},
+    )
+    pairs = [(a, b) for a, b in zip(check["fused"][0], check["separate"][0])] + [
+        (check["fused"][1], check["separate"][1])
+    ]
+    pairs += [
+        (got["layers.0." + n], p.grad) for n, p in sep.items() if p.grad is not None
+    ]  # (o_proj, down_proj: unused)
     worst = max(rel_error(a, b) for a, b in pairs)
     if worst > tol:
         print(f"fused and separate disagree: {worst:.3g} relative > {tol:g}")
         return 1
+
     def prepare(name):
         for m in models.values():
             m.zero_grad(set_to_none=True)
@@ -121,8 +131,10 @@ def main(argv=None) -> int:
 
     times = interleaved(list(models), prepare, args.rounds, device, args.warmup)
     med = {n: statistics.median(t) for n, t in times.items()}
-    print(f"{device_name(device)}, {args.dtype}, {args.preset} block (d={cfg.d_model}, heads {cfg.n_heads}/{cfg.kv_heads}, "
-          f"ffn {cfg.ffn_dim}), {args.tokens} tokens, kernels={args.kernels}, agreement {worst:.1e}")
+    print(
+        f"{device_name(device)}, {args.dtype}, {args.preset} block (d={cfg.d_model}, heads {cfg.n_heads}/{cfg.kv_heads}, "
+        f"ffn {cfg.ffn_dim}), {args.tokens} tokens, kernels={args.kernels}, agreement {worst:.1e}"
+    )
     for n in models:
         print(f"  {n:9s} {1e3 * med[n]:8.3f} ms")
     print(f"  fused/separate: {med['fused'] / med['separate']:.3f}x")

@@ -39,8 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _timing import device_name, interleaved, table, write_json  # noqa: E402
+
 from trickles.compress import float_model, load_checkpoint, quantize_checkpoint  # noqa: E402
 from trickles.compress.report import validation_loss  # noqa: E402
 from trickles.models.generate import generate  # noqa: E402
@@ -52,9 +52,19 @@ def train_demo(args) -> str:
     from trickles.topology import ParallelDims
     from trickles.train.trainer import Trainer
 
-    cfg = Config.load(None, [f"train.steps={args.train_steps}", f"data.seq_len={args.seq_len}", f"train.out_dir={args.out}/run",
-                             "train.eval_every=0", "train.sample_tokens=0", "train.plot=false", "train.warmup_steps=10",
-                             *args.set])
+    cfg = Config.load(
+        None,
+        [
+            f"train.steps={args.train_steps}",
+            f"data.seq_len={args.seq_len}",
+            f"train.out_dir={args.out}/run",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            "train.plot=false",
+            "train.warmup_steps=10",
+            *args.set,
+        ],
+    )
     tr = Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=False)
     start = time.perf_counter()
     tr.fit()
@@ -78,19 +88,36 @@ def main(argv=None) -> None:
     p.add_argument("--checkpoint", default=None, help="a float checkpoint or run (default: train the demo model here)")
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--seq-len", type=int, default=128, help="sequence length of the model trained here")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="extra setting of the model trained here (e.g. model.preset=tiny, data.max_bytes=120000)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="extra setting of the model trained here (e.g. model.preset=tiny, data.max_bytes=120000)",
+    )
     p.add_argument("--out", default="runs/bench-quant")
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--prompt-tokens", type=int, default=16)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's; 1 is steadier on a shared machine)")
-    p.add_argument("--eval-batches", type=int, default=None, help="held-out batches (default: the run's train.eval_batches)")
-    p.add_argument("--speed-preset", default=None, metavar="PRESET",
-                   help="decode speed only, of an untrained model of this preset (e.g. llama-125m), quantized in memory")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where the models decode; cuda needs --speed-preset (the held-out loss path trains and loads on the CPU)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's; 1 is steadier on a shared machine)"
+    )
+    p.add_argument(
+        "--eval-batches", type=int, default=None, help="held-out batches (default: the run's train.eval_batches)"
+    )
+    p.add_argument(
+        "--speed-preset",
+        default=None,
+        metavar="PRESET",
+        help="decode speed only, of an untrained model of this preset (e.g. llama-125m), quantized in memory",
+    )
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="where the models decode; cuda needs --speed-preset (the held-out loss path trains and loads on the CPU)",
+    )
     args = p.parse_args(argv)
     if args.device == "cuda" and not args.speed_preset:
         p.error("--device cuda measures decode speed only: add --speed-preset PRESET")
@@ -148,8 +175,12 @@ def report(models, losses, args, path) -> None:
     with torch.no_grad():
         for name, m in models.items():  # warm-up, and the greedy tokens
             outputs[name] = generate(m, prompt, args.new_tokens, temperature=0.0)
-        times = interleaved(list(models), lambda n: lambda: generate(models[n], prompt, args.new_tokens, temperature=0.0),
-                            args.rounds, device)
+        times = interleaved(
+            list(models),
+            lambda n: lambda: generate(models[n], prompt, args.new_tokens, temperature=0.0),
+            args.rounds,
+            device,
+        )
     tokens = args.batch * args.new_tokens
     rows, out = [], {}
     ref_loss = losses["fp32"]
@@ -164,15 +195,32 @@ def report(models, losses, args, path) -> None:
     for name in models:
         speed = tokens / statistics.median(times[name])
         same = float((outputs[name] == outputs["fp32"]).float().mean())
-        rows.append([name, f"{speed:.1f}", f"{speed / ao_speed:.2f}x" if ao_speed else "-", f"{speed / bf16_speed:.2f}x",
-                     *loss_cells(name), f"{100 * same:.0f}%"])
-        out[name] = {"tokens_per_s": speed, "times": times[name], "val_loss": losses[name], "greedy_agreement": same,
-                     "speed_vs_bf16": speed / bf16_speed}
-    print(f"\n[bench] decode {args.new_tokens} tokens after {args.prompt_tokens}, batch {args.batch}, {args.rounds} rounds, "
-          f"{torch.get_num_threads()} threads, {device.type}: {device_name(device)}; model {path}")
+        rows.append(
+            [
+                name,
+                f"{speed:.1f}",
+                f"{speed / ao_speed:.2f}x" if ao_speed else "-",
+                f"{speed / bf16_speed:.2f}x",
+                *loss_cells(name),
+                f"{100 * same:.0f}%",
+            ]
+        )
+        out[name] = {
+            "tokens_per_s": speed,
+            "times": times[name],
+            "val_loss": losses[name],
+            "greedy_agreement": same,
+            "speed_vs_bf16": speed / bf16_speed,
+        }
+    print(
+        f"\n[bench] decode {args.new_tokens} tokens after {args.prompt_tokens}, batch {args.batch}, {args.rounds} rounds, "
+        f"{torch.get_num_threads()} threads, {device.type}: {device_name(device)}; model {path}"
+    )
     print(table(["model", "tokens/s", "vs torchao", "vs bf16", "val loss", "vs fp32", "greedy = fp32"], rows))
-    write_json(os.path.join(args.out, "quantization.json"), {"args": vars(args), "model": path, "device": str(device),
-                                                            "device_name": device_name(device), "results": out})
+    write_json(
+        os.path.join(args.out, "quantization.json"),
+        {"args": vars(args), "model": path, "device": str(device), "device_name": device_name(device), "results": out},
+    )
 
 
 if __name__ == "__main__":

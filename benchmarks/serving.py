@@ -41,7 +41,6 @@ import tempfile
 import threading
 import time
 
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_name, one_device, table, write_json  # noqa: E402
 
@@ -59,8 +58,10 @@ def workload(args) -> list[tuple[str, int]]:
     """``(prompt text, max_tokens)`` per request."""
     rng = random.Random(args.seed)
     plens, olens = [int(x) for x in args.prompt_lens.split(",")], [int(x) for x in args.output_lens.split(",")]
-    return [("".join(chr(rng.randrange(32, 127)) for _ in range(plens[i % len(plens)])), olens[i % len(olens)])
-            for i in range(args.requests)]
+    return [
+        ("".join(chr(rng.randrange(32, 127)) for _ in range(plens[i % len(plens)])), olens[i % len(olens)])
+        for i in range(args.requests)
+    ]
 
 
 def arrivals(args, n: int) -> list[float] | None:
@@ -105,8 +106,11 @@ def drive(args, requests, send) -> dict:
         time.sleep(max(0.0, times[i] - (time.perf_counter() - start)))
         one(i)
 
-    threads = ([threading.Thread(target=client) for _ in range(args.concurrency)] if times is None
-               else [threading.Thread(target=timed_one, args=(i,)) for i in range(n)])
+    threads = (
+        [threading.Thread(target=client) for _ in range(args.concurrency)]
+        if times is None
+        else [threading.Thread(target=timed_one, args=(i,)) for i in range(n)]
+    )
     for t in threads:
         t.daemon = True
         t.start()
@@ -125,10 +129,19 @@ def record(out: dict, n: int, wall: float) -> dict:
     def pct(xs, q):
         return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
-    return {"sent": n, "answered": len(ok), "errors": [v[2] for v in out.values() if v[0] is None][:3],
-            "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "ttft_p50": pct(ttft, 0.5),
-            "ttft_p99": pct(ttft, 0.99), "latency_p50": pct(lat, 0.5), "latency_p99": pct(lat, 0.99),
-            "texts": {i: v[2] for i, v in ok.items()}}
+    return {
+        "sent": n,
+        "answered": len(ok),
+        "errors": [v[2] for v in out.values() if v[0] is None][:3],
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50": pct(ttft, 0.5),
+        "ttft_p99": pct(ttft, 0.99),
+        "latency_p50": pct(lat, 0.5),
+        "latency_p99": pct(lat, 0.99),
+        "texts": {i: v[2] for i, v in ok.items()},
+    }
 
 
 def serve_http(app, device):
@@ -172,8 +185,13 @@ def http_send(port, requests):
     def send(i):
         prompt, max_tokens = requests[i]
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
+        body = {
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         started = time.perf_counter()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
@@ -192,15 +210,24 @@ def http_send(port, requests):
                 text.append(c["text"])
         conn.close()
         return first if first is not None else time.perf_counter() - started, "".join(text), tokens
+
     return send
 
 
 def run_ours(args, model, requests, batching: str, device) -> dict:
     from trickles.infer.server import create_app
 
-    app = create_app(model, TOK, name="bench", max_batch=args.max_batch, batching=batching,
-                     engine_config=EngineConfig(max_batch=args.max_batch, block_size=args.block_size))
-    port, stop = serve_http(app, device)  # uvicorn runs the app's lifespan: its engine or batcher starts and stops with it
+    app = create_app(
+        model,
+        TOK,
+        name="bench",
+        max_batch=args.max_batch,
+        batching=batching,
+        engine_config=EngineConfig(max_batch=args.max_batch, block_size=args.block_size),
+    )
+    port, stop = serve_http(
+        app, device
+    )  # uvicorn runs the app's lifespan: its engine or batcher starts and stops with it
     try:
         return drive(args, requests, http_send(port, requests))
     finally:
@@ -230,8 +257,9 @@ def run_engine(args, model, requests) -> dict:
 def run_transformers(args, hf, requests) -> dict:
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(m for _, m in requests), eos_token_id=TOK.eos_id,
-                              pad_token_id=0)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(m for _, m in requests), eos_token_id=TOK.eos_id, pad_token_id=0
+    )
     # its cache sized as ours (--max-batch full contexts in blocks of --block-size) and its batch as ours; left to
     # size itself from the memory it finds, it spends seconds of CPU on zeroing its tensors
     context = hf.config.max_position_embeddings
@@ -243,8 +271,8 @@ def run_transformers(args, hf, requests) -> dict:
     if ContinuousBatchingConfig is not None:
         manager = hf.init_continuous_batching(
             generation_config=config,
-            continuous_batching_config=ContinuousBatchingConfig(page_size=args.block_size,
-                                                                **sizes))
+            continuous_batching_config=ContinuousBatchingConfig(page_size=args.block_size, **sizes),
+        )
     else:
         for k, v in {**sizes, "block_size": args.block_size}.items():
             setattr(config, k, v)
@@ -320,9 +348,11 @@ def main(argv=None) -> int:
     if args.layers:
         cfg = dataclasses.replace(cfg, n_layers=args.layers)
     model = build_model(cfg, seed=0).to(device).eval()
-    print(f"serving benchmark: {args.requests} requests, prompts {args.prompt_lens} bytes, outputs {args.output_lens} "
-          f"tokens, {'rate %g/s' % args.rate if args.rate else '%d clients' % args.concurrency}, "
-          f"{cfg.n_layers} layers d={cfg.d_model}, {device_name(device)}")
+    print(
+        f"serving benchmark: {args.requests} requests, prompts {args.prompt_lens} bytes, outputs {args.output_lens} "
+        f"tokens, {'rate %g/s' % args.rate if args.rate else '%d clients' % args.concurrency}, "
+        f"{cfg.n_layers} layers d={cfg.d_model}, {device_name(device)}"
+    )
     hf = None
     names = list(args.only)
     if "transformers" in names:
@@ -338,7 +368,7 @@ def main(argv=None) -> int:
     rounds = []
     for r, _ in enumerate(range(args.rounds)):
         results = {}
-        for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts one contestant further on
+        for name in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one contestant further on
             if name == "transformers":
                 results[name] = run_transformers(args, hf, requests)
             elif name == "engine":
@@ -386,25 +416,49 @@ def report(args, rounds: list[dict], device) -> int:
     if "transformers" in first and ours:
         base = first[ours[0]]["texts"]
         agreement["transformers_equal_rows"] = sum(first["transformers"]["texts"][i] == t for i, t in base.items())
-        print(f"agreement: our contestants give every request the same text; transformers equal on "
-              f"{agreement['transformers_equal_rows']}/{len(base)} requests")
+        print(
+            f"agreement: our contestants give every request the same text; transformers equal on "
+            f"{agreement['transformers_equal_rows']}/{len(base)} requests"
+        )
     keys = ("tokens_per_s", "ttft_p50", "ttft_p99", "latency_p50", "latency_p99", "wall_s", "tokens")
     med = {k: {x: statistics.median(r[k][x] for r in rounds) for x in keys} for k in first}
-    rows = [[k, f"{m['tokens_per_s']:.0f}", f"{m['ttft_p50'] * 1e3:.0f}", f"{m['ttft_p99'] * 1e3:.0f}",
-             f"{m['latency_p50'] * 1e3:.0f}", f"{m['latency_p99'] * 1e3:.0f}",
-             f"{sum(r[k]['answered'] for r in rounds)}/{sum(r[k]['sent'] for r in rounds)}"] for k, m in med.items()]
+    rows = [
+        [
+            k,
+            f"{m['tokens_per_s']:.0f}",
+            f"{m['ttft_p50'] * 1e3:.0f}",
+            f"{m['ttft_p99'] * 1e3:.0f}",
+            f"{m['latency_p50'] * 1e3:.0f}",
+            f"{m['latency_p99'] * 1e3:.0f}",
+            f"{sum(r[k]['answered'] for r in rounds)}/{sum(r[k]['sent'] for r in rounds)}",
+        ]
+        for k, m in med.items()
+    ]
     print(f"medians over {len(rounds)} round(s):")
-    print(table(["contestant", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "answered"],
-                rows))
+    print(
+        table(
+            ["contestant", "tokens/s", "TTFT p50 ms", "TTFT p99 ms", "latency p50 ms", "latency p99 ms", "answered"],
+            rows,
+        )
+    )
     ratios, per_round = {}, {}
     for name, (a, b, metric) in RATIOS.items():
         if a in first and b in first:
             per_round[name] = [r[a][metric] / r[b][metric] for r in rounds]
             ratios[name] = statistics.median(per_round[name])
             print(f"{name}: {ratios[name]:.2f}x (rounds: {', '.join(f'{x:.2f}' for x in per_round[name])})")
-    write_json(args.json, {"args": vars(args), "device": device_name(device), "agreement": agreement, "ratios": ratios,
-                           "ratios_per_round": per_round, "medians": med,
-                           "results": {k: {x: y for x, y in r.items() if x != "texts"} for k, r in first.items()}})
+    write_json(
+        args.json,
+        {
+            "args": vars(args),
+            "device": device_name(device),
+            "agreement": agreement,
+            "ratios": ratios,
+            "ratios_per_round": per_round,
+            "medians": med,
+            "results": {k: {x: y for x, y in r.items() if x != "texts"} for k, r in first.items()},
+        },
+    )
     return 0
 
 

@@ -86,40 +86,80 @@ DEFAULTS = {"cpu": {"batch": 8, "seq": 256}, "cuda": {"batch": 4, "seq": 2048}}
 OURS, HF, COMPILED = "trickles", "hf-llama", "trickles+compile"
 #: ``--tol`` by the precision the check's steps compute in: one rounding of the loss (unit roundoff ``2^-p``, ``p``
 #: significant bits: bf16 8, TF32 11); fp32 stays strict, a few orders above its own ``2^-24``
-LOSS_TOL = {"fp32": 1e-5, "tf32": 2.0 ** -10, "bf16": 2.0 ** -8}
+LOSS_TOL = {"fp32": 1e-5, "tf32": 2.0**-10, "bf16": 2.0**-8}
 LOGITS_TOL = 1e-4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--preset", default="demo", choices=LLAMA_PRESETS, help="model shape (trickles.models.PRESETS)")
     p.add_argument("--layers", type=int, default=None, help="blocks (default: the preset's)")
-    p.add_argument("--vocab", type=int, default=4096, help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)")
-    p.add_argument("--batch", type=int, default=None, help=f"sequences per step (default: cpu {DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})")
-    p.add_argument("--seq", type=int, default=None, help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})")
+    p.add_argument(
+        "--vocab",
+        type=int,
+        default=4096,
+        help="vocabulary size for presets that leave it to the tokenizer (demo, tiny)",
+    )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help=f"sequences per step (default: cpu {DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})",
+    )
+    p.add_argument(
+        "--seq",
+        type=int,
+        default=None,
+        help=f"tokens per sequence (default: cpu {DEFAULTS['cpu']['seq']}, cuda {DEFAULTS['cuda']['seq']})",
+    )
     p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"], help="bf16: autocast with fp32 parameters")
     p.add_argument("--steps", type=int, default=30, help="timed steps per model")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per model after the two agreement-check steps")
-    p.add_argument("--compile", action="store_true", help="also time our model with each block compiled (block.compile())")
-    p.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
-                   help="model.kernels for ours (auto: the Triton kernels and the fused loss on CUDA, eager PyTorch elsewhere)")
+    p.add_argument(
+        "--compile", action="store_true", help="also time our model with each block compiled (block.compile())"
+    )
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="model.kernels for ours (auto: the Triton kernels and the fused loss on CUDA, eager PyTorch elsewhere)",
+    )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True,
-                   help="fp32 matmuls on TF32 tensor cores on CUDA (peak_flops' fp32 peak assumes it)")
+    p.add_argument(
+        "--tf32",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="fp32 matmuls on TF32 tensor cores on CUDA (peak_flops' fp32 peak assumes it)",
+    )
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (both models)")
-    p.add_argument("--tol", type=float, default=None,
-                   help="largest allowed |loss ours - loss HF| / loss HF in the agreement check's two training steps "
-                        "(default: one rounding of the loss in the precision the steps run in: fp32 1e-5, TF32 2^-10, "
-                        "bf16 2^-8 = 3.9e-3; bf16 keeps 8 significant bits. A correct llama-1b differed by 1.9e-2 of a "
-                        "loss near 11.8, 1.6e-3, in bf16 on a GPU; what stops a wrong model is the fp32 logits check, "
-                        "--logits-tol)")
-    p.add_argument("--logits-tol", type=float, default=LOGITS_TOL,
-                   help="largest allowed ||ours - HF|| / ||HF|| of the first sequence's logits before training, both in "
-                        "fp32 with TF32 off (correct: reduction order only, 0 on a CPU; the --break models measured "
-                        "2.1e-2 and more)")
-    p.add_argument("--break", dest="break_", choices=list(BREAKS), default="none",
-                   help="damage transformers' twin on purpose, to see the agreement check stop the run")
+    p.add_argument(
+        "--tol",
+        type=float,
+        default=None,
+        help="largest allowed |loss ours - loss HF| / loss HF in the agreement check's two training steps "
+        "(default: one rounding of the loss in the precision the steps run in: fp32 1e-5, TF32 2^-10, "
+        "bf16 2^-8 = 3.9e-3; bf16 keeps 8 significant bits. A correct llama-1b differed by 1.9e-2 of a "
+        "loss near 11.8, 1.6e-3, in bf16 on a GPU; what stops a wrong model is the fp32 logits check, "
+        "--logits-tol)",
+    )
+    p.add_argument(
+        "--logits-tol",
+        type=float,
+        default=LOGITS_TOL,
+        help="largest allowed ||ours - HF|| / ||HF|| of the first sequence's logits before training, both in "
+        "fp32 with TF32 off (correct: reduction order only, 0 on a CPU; the --break models measured "
+        "2.1e-2 and more)",
+    )
+    p.add_argument(
+        "--break",
+        dest="break_",
+        choices=list(BREAKS),
+        default="none",
+        help="damage transformers' twin on purpose, to see the agreement check stop the run",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH")
     return p.parse_args(argv)
@@ -134,6 +174,7 @@ def pick_device(name: str) -> torch.device:
 
 
 # ---- models --------------------------------------------------------------------------------
+
 
 def load_hf_twin(ours: Transformer, device: torch.device) -> torch.nn.Module:
     """``LlamaForCausalLM`` (sdpa attention) holding exactly ``ours``' weights, fp32, on ``device``."""
@@ -165,17 +206,27 @@ def _skip_first_norm(hf) -> None:
 def _scale_rotary(factor: float):
     def damage(hf) -> None:
         hf.model.rotary_emb.inv_freq.mul_(factor)
+
     return damage
 
 
 def _swap_gate_up(hf) -> None:
     mlp = hf.model.layers[0].mlp
-    mlp.gate_proj.weight.data, mlp.up_proj.weight.data = mlp.up_proj.weight.data.clone(), mlp.gate_proj.weight.data.clone()
+    mlp.gate_proj.weight.data, mlp.up_proj.weight.data = (
+        mlp.up_proj.weight.data.clone(),
+        mlp.gate_proj.weight.data.clone(),
+    )
 
 
 #: ``--break``: ways to make transformers' twin compute something else (each touches the first block or the rotary)
-BREAKS = {"none": None, "o-proj-transposed": _transpose_o_proj, "no-attn-norm": _skip_first_norm,
-          "no-rotary": _scale_rotary(0.0), "rotary-x2": _scale_rotary(2.0), "gate-up-swapped": _swap_gate_up}
+BREAKS = {
+    "none": None,
+    "o-proj-transposed": _transpose_o_proj,
+    "no-attn-norm": _skip_first_norm,
+    "no-rotary": _scale_rotary(0.0),
+    "rotary-x2": _scale_rotary(2.0),
+    "gate-up-swapped": _swap_gate_up,
+}
 
 
 def compiled_twin(ours: Transformer) -> Transformer:
@@ -190,8 +241,15 @@ def compiled_twin(ours: Transformer) -> Transformer:
 class Contestant:
     """One model, its optimizer and its training step."""
 
-    def __init__(self, name: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, hf: bool,
-                 precision: str, device: torch.device):
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        hf: bool,
+        precision: str,
+        device: torch.device,
+    ):
         self.name, self.model, self.optimizer, self.hf = name, model, optimizer, hf
         self.precision, self.device = precision, device
         self.times: list[float] = []
@@ -244,8 +302,15 @@ def logits_error(ours: Contestant, hf: Contestant, x: torch.Tensor, precision: s
         torch.set_float32_matmul_precision(before)
 
 
-def agreement(by_name: dict[str, Contestant], x: torch.Tensor, y: torch.Tensor, args, tol: float, steps_in: str,
-              device: torch.device) -> dict:
+def agreement(
+    by_name: dict[str, Contestant],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    args,
+    tol: float,
+    steps_in: str,
+    device: torch.device,
+) -> dict:
     """The agreement check (module docstring), printed; its numbers and ``ok``. Two steps on the fixed batch; the
     compiled row shares ours' parameters, so it takes ours' second step (its forward then runs on the weights ours'
     first step made)."""
@@ -261,24 +326,43 @@ def agreement(by_name: dict[str, Contestant], x: torch.Tensor, y: torch.Tensor, 
     diffs = [abs(a - b) / abs(b) for a, b in zip(loss_ours, loss_hf)]
     logits_ok, losses_ok = logit_fp32 <= args.logits_tol, all(d <= tol for d in diffs)
     ok = logits_ok and losses_ok
-    print(f"\nagreement check{f' (transformers twin broken on purpose: {args.break_})' if args.break_ != 'none' else ''}:")
-    print(f"  logits of the first sequence before training, ||ours - HF|| / ||HF||: fp32 {logit_fp32:.2e} "
-          f"(tolerance {args.logits_tol:g}){f', {args.precision} {logit_diff:.2e}' if args.precision != 'fp32' else ''}")
+    print(
+        f"\nagreement check{f' (transformers twin broken on purpose: {args.break_})' if args.break_ != 'none' else ''}:"
+    )
+    print(
+        f"  logits of the first sequence before training, ||ours - HF|| / ||HF||: fp32 {logit_fp32:.2e} "
+        f"(tolerance {args.logits_tol:g}){f', {args.precision} {logit_diff:.2e}' if args.precision != 'fp32' else ''}"
+    )
     print(f"  step 1 loss  {OURS} {loss_ours[0]:.6f}  {HF} {loss_hf[0]:.6f}  |diff|/loss {diffs[0]:.2e}")
-    print(f"  step 2 loss  {second} {loss_ours[1]:.6f}  {HF} {loss_hf[1]:.6f}  |diff|/loss {diffs[1]:.2e}"
-          f"  (after one AdamW update; tolerance {tol:.2g}, {steps_in})")
+    print(
+        f"  step 2 loss  {second} {loss_ours[1]:.6f}  {HF} {loss_hf[1]:.6f}  |diff|/loss {diffs[1]:.2e}"
+        f"  (after one AdamW update; tolerance {tol:.2g}, {steps_in})"
+    )
     print(f"  {'OK' if ok else 'MISMATCH'}")
     if not ok:
-        what = ([f"the fp32 logits differ by more than --logits-tol {args.logits_tol:g}"] if not logits_ok else []) + \
-               ([f"the losses differ by more than --tol {tol:.2g} of the loss"] if not losses_ok else [])
-        print(f"{' and '.join(what)}: the models do not compute the same thing and timings would be meaningless",
-              file=sys.stderr)
-    return {"loss_tolerance_rel": tol, "steps_in": steps_in, "ours": loss_ours, "hf": loss_hf, "loss_rel_diff": diffs,
-            "ok": ok, "logits_rel_diff": logit_diff, "logits_fp32_rel_diff": logit_fp32,
-            "logits_tolerance": args.logits_tol, "break": args.break_}
+        what = ([f"the fp32 logits differ by more than --logits-tol {args.logits_tol:g}"] if not logits_ok else []) + (
+            [f"the losses differ by more than --tol {tol:.2g} of the loss"] if not losses_ok else []
+        )
+        print(
+            f"{' and '.join(what)}: the models do not compute the same thing and timings would be meaningless",
+            file=sys.stderr,
+        )
+    return {
+        "loss_tolerance_rel": tol,
+        "steps_in": steps_in,
+        "ours": loss_ours,
+        "hf": loss_hf,
+        "loss_rel_diff": diffs,
+        "ok": ok,
+        "logits_rel_diff": logit_diff,
+        "logits_fp32_rel_diff": logit_fp32,
+        "logits_tolerance": args.logits_tol,
+        "break": args.break_,
+    }
 
 
 # ---- main ----------------------------------------------------------------------------------
+
 
 def main(argv=None) -> int:
     args = parse_args(argv)
@@ -293,8 +377,11 @@ def main(argv=None) -> int:
     tol = args.tol if args.tol is not None else LOSS_TOL[steps_in]
 
     shape = apply_preset(ModelConfig(), args.preset)
-    cfg = resolve_model(dataclasses.replace(shape, kernels=args.kernels, n_layers=args.layers or shape.n_layers),
-                        tokenizer_vocab=args.vocab, seq_len=seq)
+    cfg = resolve_model(
+        dataclasses.replace(shape, kernels=args.kernels, n_layers=args.layers or shape.n_layers),
+        tokenizer_vocab=args.vocab,
+        seq_len=seq,
+    )
 
     torch.manual_seed(args.seed)
     ours = build_model(cfg, seed=args.seed, device=device).train()
@@ -304,8 +391,10 @@ def main(argv=None) -> int:
             BREAKS[args.break_](hf)
     adamw = dict(lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     opt_ours = build_adamw(ours, **adamw)
-    contestants = [Contestant(OURS, ours, opt_ours, False, args.precision, device),
-                   Contestant(HF, hf, build_adamw(hf, **adamw), True, args.precision, device)]
+    contestants = [
+        Contestant(OURS, ours, opt_ours, False, args.precision, device),
+        Contestant(HF, hf, build_adamw(hf, **adamw), True, args.precision, device),
+    ]
     if args.compile:
         contestants.append(Contestant(COMPILED, compiled_twin(ours), opt_ours, False, args.precision, device))
     by_name = {c.name: c for c in contestants}
@@ -320,22 +409,41 @@ def main(argv=None) -> int:
     dev_name = device_name(device)
     n_params = count_params(ours)
     print("trickles vs transformers.LlamaForCausalLM (sdpa), one training step each, same weights")
-    print(f"  model   {args.preset}: {cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}/{cfg.kv_heads} kv, "
-          f"ffn={cfg.ffn_dim}, vocab={cfg.vocab_size}, {n_params / 1e6:.1f}M params")
-    print(f"  step    batch {batch} x seq {seq} = {tokens_per_step} tokens, {args.precision}"
-          f"{' (TF32 matmuls)' if tf32 else ''}, AdamW {'fused' if device.type == 'cuda' else 'foreach'}, "
-          f"{fpt * tokens_per_step / 1e9:.1f} GFLOP/step")
-    print(f"  device  {device.type}: {dev_name}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
-          f"transformers {__import__('transformers').__version__}")
+    print(
+        f"  model   {args.preset}: {cfg.n_layers} layers, d={cfg.d_model}, heads={cfg.n_heads}/{cfg.kv_heads} kv, "
+        f"ffn={cfg.ffn_dim}, vocab={cfg.vocab_size}, {n_params / 1e6:.1f}M params"
+    )
+    print(
+        f"  step    batch {batch} x seq {seq} = {tokens_per_step} tokens, {args.precision}"
+        f"{' (TF32 matmuls)' if tf32 else ''}, AdamW {'fused' if device.type == 'cuda' else 'foreach'}, "
+        f"{fpt * tokens_per_step / 1e9:.1f} GFLOP/step"
+    )
+    print(
+        f"  device  {device.type}: {dev_name}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
+        f"transformers {__import__('transformers').__version__}"
+    )
 
     names = [c.name for c in contestants]
     check = agreement(by_name, x, y, args, tol, steps_in, device)
-    info = {"args": vars(args), "batch": batch, "seq": seq, "device": str(device), "device_name": dev_name,
-            "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": __import__("transformers").__version__, "tf32": tf32,
-            "model": {k: getattr(cfg, k) for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size",
-                                                    "max_seq_len", "kernels")},
-            "fused_proj": cfg.fuses_projections, "params": n_params, "flops_per_token": fpt, "peak_flops": peak}
+    info = {
+        "args": vars(args),
+        "batch": batch,
+        "seq": seq,
+        "device": str(device),
+        "device_name": dev_name,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "tf32": tf32,
+        "model": {
+            k: getattr(cfg, k)
+            for k in ("n_layers", "d_model", "n_heads", "kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "kernels")
+        },
+        "fused_proj": cfg.fuses_projections,
+        "params": n_params,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+    }
     if not check["ok"]:
         write_json(args.json, {**info, "check": check, "results": None})
         return 1
@@ -349,9 +457,16 @@ def main(argv=None) -> int:
     for c in contestants:
         s = summarize(c.times)
         flops = fpt * tokens_per_step / s["median"]
-        results[c.name] = {**s, "paired_ratio": paired(c.times, by_name[HF].times), "tokens_per_s": tokens_per_step / s["median"], "flops_per_s": flops,
-                           "mfu": flops / peak if peak else None, "last_loss": c.losses[-1],
-                           "step_alloc_bytes": c.step_bytes if device.type == "cuda" else None, "times": c.times}
+        results[c.name] = {
+            **s,
+            "paired_ratio": paired(c.times, by_name[HF].times),
+            "tokens_per_s": tokens_per_step / s["median"],
+            "flops_per_s": flops,
+            "mfu": flops / peak if peak else None,
+            "last_loss": c.losses[-1],
+            "step_alloc_bytes": c.step_bytes if device.type == "cuda" else None,
+            "times": c.times,
+        }
     base = results[HF]["median"]
     header = ["model", "median ms", "mean ms", "stdev ms", "tokens/s", "FLOP/s", "MFU", "vs HF", "paired"]
     if device.type == "cuda":
@@ -359,27 +474,51 @@ def main(argv=None) -> int:
     rows = []
     for c in contestants:
         r = results[c.name]
-        row = [c.name, f"{r['median'] * 1e3:.1f}", f"{r['mean'] * 1e3:.1f}", f"{r['stdev'] * 1e3:.1f}",
-               f"{r['tokens_per_s']:,.0f}", si(r["flops_per_s"]), f"{r['mfu']:.1%}" if r["mfu"] else "-",
-               f"{r['median'] / base:.3f}x", f"{r['paired_ratio']:.3f}x"]
+        row = [
+            c.name,
+            f"{r['median'] * 1e3:.1f}",
+            f"{r['mean'] * 1e3:.1f}",
+            f"{r['stdev'] * 1e3:.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            si(r["flops_per_s"]),
+            f"{r['mfu']:.1%}" if r["mfu"] else "-",
+            f"{r['median'] / base:.3f}x",
+            f"{r['paired_ratio']:.3f}x",
+        ]
         if device.type == "cuda":
             row.insert(-2, f"{r['step_alloc_bytes'] / 2**30:.2f}")
         rows.append(row)
     print(f"\n{args.steps} timed steps per model after {args.warmup} warm-up steps, interleaved:")
     print(table(header, rows))
-    print("vs HF: ratio of median step times; paired: median over rounds of (this step time / HF's step time "
-          "in the same round), the steadier of the two on a noisy machine")
+    print(
+        "vs HF: ratio of median step times; paired: median over rounds of (this step time / HF's step time "
+        "in the same round), the steadier of the two on a noisy machine"
+    )
     ratio = results[OURS]["median"] / base
-    print(f"\nours/HF median step time: {ratio:.3f}x (paired {results[OURS]['paired_ratio']:.3f}x), "
-          f"target <= 1.0x: {'met' if ratio <= 1.0 else 'NOT met'}")
+    print(
+        f"\nours/HF median step time: {ratio:.3f}x (paired {results[OURS]['paired_ratio']:.3f}x), "
+        f"target <= 1.0x: {'met' if ratio <= 1.0 else 'NOT met'}"
+    )
     if args.compile:
-        print(f"ours+compile/HF: {results[COMPILED]['median'] / base:.3f}x (paired {results[COMPILED]['paired_ratio']:.3f}x)")
+        print(
+            f"ours+compile/HF: {results[COMPILED]['median'] / base:.3f}x (paired {results[COMPILED]['paired_ratio']:.3f}x)"
+        )
     if device.type == "cuda":
-        print(f"peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB "
-              "(step GiB: allocated by one step above the resident parameters and optimizer states of all rows)")
+        print(
+            f"peak allocated {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB "
+            "(step GiB: allocated by one step above the resident parameters and optimizer states of all rows)"
+        )
 
-    write_json(args.json, {**info, "check": check, "results": results, "ratio_ours_hf": ratio,
-                           "ratio_compiled_hf": results[COMPILED]["median"] / base if args.compile else None})
+    write_json(
+        args.json,
+        {
+            **info,
+            "check": check,
+            "results": results,
+            "ratio_ours_hf": ratio,
+            "ratio_compiled_hf": results[COMPILED]["median"] / base if args.compile else None,
+        },
+    )
     return 0
 
 

@@ -36,7 +36,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _timing import device_name, interleaved, model_options, one_device, paired, rel_error, sync, timing_options, write_json  # noqa: E402
+from _timing import (
+    device_name,
+    interleaved,
+    model_options,
+    one_device,
+    paired,
+    rel_error,
+    sync,
+    timing_options,
+    write_json,
+)  # noqa: E402
 
 from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
 from trickles.models.transformer import build_model  # noqa: E402
@@ -45,7 +55,9 @@ from trickles.parallel.pipeline.stages import StageChunk  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     model_options(p, 256, PRESETS)
     p.add_argument("--layers", type=int, default=4, help="blocks in the chunk")
     timing_options(p)
@@ -56,8 +68,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     device = one_device(args.device, args.threads)
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), args.preset), vocab_size=256, max_seq_len=args.seq, dropout=0.0,
-                              n_layers=args.layers + 2)
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), args.preset),
+        vocab_size=256,
+        max_seq_len=args.seq,
+        dropout=0.0,
+        n_layers=args.layers + 2,
+    )
     model = build_model(cfg, seed=0, device=device).to(dtype)
     chunk = StageChunk(model, list(range(1, args.layers + 1)), False, False)  # a middle stage's layers
     params = [p for i in chunk.layers for p in model.layers[str(i)].parameters()]
@@ -95,18 +112,35 @@ def main(argv=None) -> int:
     parts = {"B": [], "W": []}
     times = interleaved(["whole", "split"], lambda name: lambda: run(name), args.rounds, device, args.warmup)
     med = {n: statistics.median(t) for n, t in times.items()}
-    b, w = statistics.median(parts["B"][-args.rounds:]), statistics.median(parts["W"][-args.rounds:])
+    b, w = statistics.median(parts["B"][-args.rounds :]), statistics.median(parts["W"][-args.rounds :])
     ratio, pair = med["split"] / med["whole"], paired(times["split"], times["whole"])
-    print(f"{device_name(device)}, {args.dtype}, {args.preset} blocks (d={cfg.d_model}), {args.layers} layers, "
-          f"{args.batch} x {args.seq} tokens, agreement {worst:.1e}, W restarts {restarts[-1]}")
+    print(
+        f"{device_name(device)}, {args.dtype}, {args.preset} blocks (d={cfg.d_model}), {args.layers} layers, "
+        f"{args.batch} x {args.seq} tokens, agreement {worst:.1e}, W restarts {restarts[-1]}"
+    )
     for n in ("whole", "split"):
         print(f"  {n:6s} forward + backward {1e3 * med[n]:9.2f} ms")
     print(f"  split: B {1e3 * b:.2f} ms, W {1e3 * w:.2f} ms")
     print(f"  split/whole: {ratio:.3f}x (paired {pair:.3f}x)")
-    write_json(args.json, {"device": device_name(device), "dtype": args.dtype, "preset": args.preset,
-                           "layers": args.layers, "batch": args.batch, "seq": args.seq, "agreement": worst,
-                           "ratio": ratio, "paired_ratio": pair, "median_s": med, "b_s": b, "w_s": w,
-                           "restarts": restarts[-1], "times_s": times})
+    write_json(
+        args.json,
+        {
+            "device": device_name(device),
+            "dtype": args.dtype,
+            "preset": args.preset,
+            "layers": args.layers,
+            "batch": args.batch,
+            "seq": args.seq,
+            "agreement": worst,
+            "ratio": ratio,
+            "paired_ratio": pair,
+            "median_s": med,
+            "b_s": b,
+            "w_s": w,
+            "restarts": restarts[-1],
+            "times_s": times,
+        },
+    )
     return 0
 
 

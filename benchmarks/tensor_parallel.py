@@ -108,9 +108,28 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _ranks import (add_model_args, add_run_args, Contestant, Ours as EngineContestant, compare_times, device_line, finish, gather,  # noqa: E402
-                    entry, ledger_delta, loss_agreement, model_line, print_verdicts, refuse, run_info, run_step, setup_rank,
-                    time_rounds, times_table, token_ce)
+from _ranks import (
+    Contestant,
+    add_model_args,
+    add_run_args,
+    compare_times,
+    device_line,
+    entry,
+    finish,
+    gather,  # noqa: E402
+    ledger_delta,
+    loss_agreement,
+    model_line,
+    print_verdicts,
+    refuse,
+    run_info,
+    run_step,
+    setup_rank,
+    time_rounds,
+    times_table,
+    token_ce,
+)
+from _ranks import Ours as EngineContestant
 from _timing import table, write_json  # noqa: E402
 
 from trickles.models.config import ModelConfig, apply_preset, resolve_model  # noqa: E402
@@ -126,34 +145,67 @@ OURS_TP, OURS_SP, PEER_TP, PEER_SP = "ours tp", "ours tp+sp", "dtensor tp", "dte
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_model_args(p, "tensor-parallel", f"batch in sequences, the whole of it on every rank (default: cpu "
-                                          f"{DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})", DEFAULTS)
-    p.add_argument("--no-loss-parallel", action="store_true",
-                   help="peers: replicated logits and a plain cross-entropy instead of loss_parallel()")
-    p.add_argument("--kernels", choices=["auto", "triton", "torch"], default="auto",
-                   help="model.kernels of ours (the peers and the reference always run eager PyTorch, torchtitan's model)")
-    p.add_argument("--fused-proj", choices=list(FUSED_PROJ), default="auto",
-                   help="ours: one q/k/v and one gate/up matmul (model.fused_proj; auto: the library's default, on where "
-                        "the kernels run Triton); the peers always have separate projections, which torchtitan's plan names")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    add_model_args(
+        p,
+        "tensor-parallel",
+        f"batch in sequences, the whole of it on every rank (default: cpu "
+        f"{DEFAULTS['cpu']['batch']}, cuda {DEFAULTS['cuda']['batch']})",
+        DEFAULTS,
+    )
+    p.add_argument(
+        "--no-loss-parallel",
+        action="store_true",
+        help="peers: replicated logits and a plain cross-entropy instead of loss_parallel()",
+    )
+    p.add_argument(
+        "--kernels",
+        choices=["auto", "triton", "torch"],
+        default="auto",
+        help="model.kernels of ours (the peers and the reference always run eager PyTorch, torchtitan's model)",
+    )
+    p.add_argument(
+        "--fused-proj",
+        choices=list(FUSED_PROJ),
+        default="auto",
+        help="ours: one q/k/v and one gate/up matmul (model.fused_proj; auto: the library's default, on where "
+        "the kernels run Triton); the peers always have separate projections, which torchtitan's plan names",
+    )
     add_run_args(p)
     return p.parse_args(argv)
 
 
 # ---- contestants ---------------------------------------------------------------------------
 
+
 class Ours(EngineContestant):
     def __init__(self, name: str, sp: bool, model_cfg: ModelConfig, topo, args):
-        super().__init__(name, PEER_SP if sp else PEER_TP, [
-            f"parallel.tp={topo.dims.tp}", f"parallel.sequence_parallel={'true' if sp else 'false'}"], model_cfg, topo, args)
+        super().__init__(
+            name,
+            PEER_SP if sp else PEER_TP,
+            [f"parallel.tp={topo.dims.tp}", f"parallel.sequence_parallel={'true' if sp else 'false'}"],
+            model_cfg,
+            topo,
+            args,
+        )
         self.sp = sp
 
 
 class Peer(Contestant):
     """The single-device reference (plain parameters) or a DTensor tensor-parallel model."""
 
-    def __init__(self, name: str, model: torch.nn.Module, optim: OptimizerSettings, device: torch.device, args,
-                 sp: bool = False, loss_parallel: bool = False):
+    def __init__(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        optim: OptimizerSettings,
+        device: torch.device,
+        args,
+        sp: bool = False,
+        loss_parallel: bool = False,
+    ):
         super().__init__(name)
         from torch.distributed.tensor import DTensor
 
@@ -163,15 +215,21 @@ class Peer(Contestant):
         self.plain = [p for p in self.params if not isinstance(p, DTensor)]
         groups = []  # foreach / fused kernels take DTensors or plain tensors, not both in one list
         for g in param_groups(model, optim.weight_decay):
-            for part in ([p for p in g["params"] if isinstance(p, DTensor)], [p for p in g["params"] if not isinstance(p, DTensor)]):
+            for part in (
+                [p for p in g["params"] if isinstance(p, DTensor)],
+                [p for p in g["params"] if not isinstance(p, DTensor)],
+            ):
                 if part:
                     groups.append({**g, "params": part})
-        self.optimizer = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, **adamw_kwargs(device))
+        self.optimizer = torch.optim.AdamW(
+            groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, **adamw_kwargs(device)
+        )
 
     def step(self, x, y):
         self.optimizer.zero_grad(set_to_none=True)
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
+
             ctx = loss_parallel()
         else:
             ctx = contextlib.nullcontext()
@@ -218,30 +276,41 @@ def make_reference(model_cfg: ModelConfig, device: torch.device, optim: Optimize
 def make_dtensor(model_cfg: ModelConfig, device: torch.device, optim: OptimizerSettings, mesh, sp: bool, args) -> Peer:
     """torchtitan's llama tensor-parallel plan (``parallelize_llama``'s ``apply_tp``) on our module names."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        PrepareModuleOutput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     lp = not args.no_loss_parallel
     model = build_model(model_cfg, seed=args.seed, device=device).train()
     seq_layout = Shard(1) if sp else Replicate()  # the residual stream between the matmul regions
     root_plan = {
         "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_layout),
-        "output": ColwiseParallel(input_layouts=seq_layout, output_layouts=Shard(-1) if lp else Replicate(),
-                                  use_local_output=not lp),
+        "output": ColwiseParallel(
+            input_layouts=seq_layout, output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp
+        ),
     }
     if sp:
         root_plan["norm"] = SequenceParallel()
         if model.pos_embed is not None:  # gpt2: learned positions added to this rank's sequence shard
-            root_plan["pos_embed"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0),
-                                                         use_local_output=True)
+            root_plan["pos_embed"] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(0), use_local_output=True
+            )
     parallelize_module(model, mesh, root_plan)
     if model_cfg.tied:  # the embedding's rows and the output's are split alike (Shard(0)): tie them again
         model.output.weight = model.embed.weight
     for block in model.layers.values():
         plan = {
-            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel(),
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
             "attn.o_proj": RowwiseParallel(output_layouts=seq_layout),
-            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(),
+            "mlp.up_proj": ColwiseParallel(),
             "mlp.down_proj": RowwiseParallel(output_layouts=seq_layout),
         }
         # attn(x, rope, cache, start, pad_mask) and mlp(x): x enters the region as one DTensor, so the
@@ -283,12 +352,12 @@ def _peer_comm_counts(c: Peer, x, y) -> dict[str, int] | None:
 
 # ---- communication formulas ----------------------------------------------------------------
 
+
 def expected_comm(model_cfg: ModelConfig, batch: int, seq: int, n: int, sp: bool) -> list[tuple[str, float]]:
     """``(component, wire bytes per rank and step)`` of our tensor-parallel step (see the module docstring)."""
     d, L = model_cfg.d_model, model_cfg.n_layers
     S, f = batch * seq * d * 4, (n - 1) / n
-    rows = [("blocks (Megatron: 4L all-reduce = 8L f S)", 8 * L * f * S),
-            ("embedding + final norm entry", 4 * f * S)]
+    rows = [("blocks (Megatron: 4L all-reduce = 8L f S)", 8 * L * f * S), ("embedding + final norm entry", 4 * f * S)]
     if sp:
         rows.append(("SP re-gather in backward ((2L+1) all-gather)", (2 * L + 1) * f * S))
     rows.append(("vocab-parallel loss (3 all-reduce of B T fp32)", 3 * 2 * f * batch * seq * 4))
@@ -296,7 +365,9 @@ def expected_comm(model_cfg: ModelConfig, batch: int, seq: int, n: int, sp: bool
     if sp:
         partial += (2 * L + 1) * d  # norm weights (RMSNorm: no bias)
         if model_cfg.flavor == "gpt2":
-            partial += (2 * L + 1) * d + 2 * L * d + d * (model_cfg.max_seq_len or 0)  # LayerNorm biases, row biases, positions
+            partial += (
+                (2 * L + 1) * d + 2 * L * d + d * (model_cfg.max_seq_len or 0)
+            )  # LayerNorm biases, row biases, positions
     if model_cfg.kv_heads % n:
         partial += 2 * L * model_cfg.kv_heads * model_cfg.head_dim * d  # ReplicatedKV weights
     if partial:
@@ -307,10 +378,16 @@ def expected_comm(model_cfg: ModelConfig, batch: int, seq: int, n: int, sp: bool
 
 # ---- one rank ------------------------------------------------------------------------------
 
+
 def _check_shape(model_cfg: ModelConfig, world: int, seq: int) -> str | None:
     """Why this shape cannot be split ``world`` ways by both implementations (None: it can)."""
-    for what, n in (("model.n_heads", model_cfg.n_heads), ("model.n_kv_heads", model_cfg.kv_heads),
-                    ("model.ffn_hidden", model_cfg.ffn_dim), ("vocabulary size", model_cfg.vocab_size), ("--seq", seq)):
+    for what, n in (
+        ("model.n_heads", model_cfg.n_heads),
+        ("model.n_kv_heads", model_cfg.kv_heads),
+        ("model.ffn_hidden", model_cfg.ffn_dim),
+        ("vocabulary size", model_cfg.vocab_size),
+        ("--seq", seq),
+    ):
         if n % world:
             return f"{what} ({n}) is not divisible by --world {world} (DTensor's column-wise split needs it; so does sequence parallel for --seq)"
     return None
@@ -340,9 +417,12 @@ def rank_main(args) -> int:
     optim = OptimizerSettings(args.lr, (0.9, 0.95), 1e-8, 0.1)
 
     reference = make_reference(plain_cfg, device, optim, args)
-    contestants: list[Contestant] = [Ours(OURS_TP, False, ours_cfg, topo, args), Ours(OURS_SP, True, ours_cfg, topo, args),
-                                     make_dtensor(plain_cfg, device, optim, mesh, False, args),
-                                     make_dtensor(plain_cfg, device, optim, mesh, True, args)]
+    contestants: list[Contestant] = [
+        Ours(OURS_TP, False, ours_cfg, topo, args),
+        Ours(OURS_SP, True, ours_cfg, topo, args),
+        make_dtensor(plain_cfg, device, optim, mesh, False, args),
+        make_dtensor(plain_cfg, device, optim, mesh, True, args),
+    ]
     with torch.device("meta"):
         n_params = count_params(Transformer(model_cfg))
 
@@ -376,7 +456,9 @@ def rank_main(args) -> int:
     gc.collect()
 
     time_rounds(contestants, *data[0], args, device)
-    everyone = gather({"times": {c.name: c.times for c in contestants}, "check": check, "comm": comm, "peer_comm": peer_comm})
+    everyone = gather(
+        {"times": {c.name: c.times for c in contestants}, "check": check, "comm": comm, "peer_comm": peer_comm}
+    )
     status = report(args, everyone, contestants, ours_cfg, n_params, batch, seq, device, world) if rank == 0 else 0
     del contestants, topo, mesh
     return finish(status, device)
@@ -384,65 +466,123 @@ def rank_main(args) -> int:
 
 # ---- report (rank 0) -----------------------------------------------------------------------
 
-def report(args, everyone: list[dict], contestants: list[Contestant], model_cfg, n_params: int, batch: int, seq: int,
-           device: torch.device, world: int) -> int:
+
+def report(
+    args,
+    everyone: list[dict],
+    contestants: list[Contestant],
+    model_cfg,
+    n_params: int,
+    batch: int,
+    seq: int,
+    device: torch.device,
+    world: int,
+) -> int:
     names = [c.name for c in contestants]
     lp = "loss_parallel" if not args.no_loss_parallel else "replicated logits"
-    print(f"trickles 1-D tensor parallel (+ sequence parallel) vs torch DTensor tensor parallel, one training step each, "
-          f"tp={world}, same weights and data")
+    print(
+        f"trickles 1-D tensor parallel (+ sequence parallel) vs torch DTensor tensor parallel, one training step each, "
+        f"tp={world}, same weights and data"
+    )
     print(model_line(args.preset, model_cfg, n_params))
-    print(f"  step    batch {batch} x seq {seq} on every rank, fp32, clip {args.clip}, "
-          f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; peers: {lp}")
+    print(
+        f"  step    batch {batch} x seq {seq} on every rank, fp32, clip {args.clip}, "
+        f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; peers: {lp}"
+    )
     print(device_line(device))
-    print(f"  how     ours: model.kernels={model_cfg.kernels}, "
-          f"{'fused q/k/v and gate/up projections' if model_cfg.fuses_projections else 'separate projections'}; "
-          "peers and reference: separate projections, eager PyTorch kernels (torchtitan's model)")
+    print(
+        f"  how     ours: model.kernels={model_cfg.kernels}, "
+        f"{'fused q/k/v and gate/up projections' if model_cfg.fuses_projections else 'separate projections'}; "
+        "peers and reference: separate projections, eager PyTorch kernels (torchtitan's model)"
+    )
     if world == 1:
-        print("  note    tp=1: ours is the unsplit model (parallelize applies no tensor parallelism), the peers run on a "
-              "1-rank mesh; this checks the code path, it is no tensor-parallel comparison")
+        print(
+            "  note    tp=1: ours is the unsplit model (parallelize applies no tensor parallelism), the peers run on a "
+            "1-rank mesh; this checks the code path, it is no tensor-parallel comparison"
+        )
 
     # agreement
     print(f"\nagreement check: every rank's loss vs the single-device model's, relative tolerance {args.tol:g}")
-    if not loss_agreement(everyone, [REF, *names], args.tol, REF,
-                          note="  (loss of the whole batch, on every rank; step 2 runs on a second batch after one AdamW update)"):
+    if not loss_agreement(
+        everyone,
+        [REF, *names],
+        args.tol,
+        REF,
+        note="  (loss of the whole batch, on every rank; step 2 runs on a second batch after one AdamW update)",
+    ):
         return 1
 
     # communication
     d, L, f = model_cfg.d_model, model_cfg.n_layers, (world - 1) / world
     S = batch * seq * d * 4
     megatron = 8 * L * f * S
-    print(f"\nbytes sent per rank and step (our CommLedger, wire bytes, tp group; S = B T d x 4 bytes = {S / 2**20:.2f} MiB, "
-          f"f = (N-1)/N = {f:.3f}):")
+    print(
+        f"\nbytes sent per rank and step (our CommLedger, wire bytes, tp group; S = B T d x 4 bytes = {S / 2**20:.2f} MiB, "
+        f"f = (N-1)/N = {f:.3f}):"
+    )
     rows, comm_results = [], {}
     for c in contestants:
         if isinstance(c, Ours):
             comm = everyone[0]["comm"][c.name]
-            sent = max(sum(v["wire_bytes"] for k, v in r["comm"][c.name].items() if k.endswith("/tp")) for r in everyone)
+            sent = max(
+                sum(v["wire_bytes"] for k, v in r["comm"][c.name].items() if k.endswith("/tp")) for r in everyone
+            )
             parts = expected_comm(model_cfg, batch, seq, world, c.sp)
             expect = sum(b for _, b in parts)
             ops = ", ".join(f"{k.split('/')[0]} x{v['calls']}" for k, v in sorted(comm.items()) if k.endswith("/tp"))
-            rows.append([c.name, f"{sent / 2**20:.2f}", f"{megatron / 2**20:.2f}", f"{expect / 2**20:.2f}",
-                         f"{sent / expect:.4f}" if expect else "-", ops])
-            comm_results[c.name] = {"sent": sent, "megatron_blocks": megatron, "expected": expect, "parts": parts, "ops": comm}
+            rows.append(
+                [
+                    c.name,
+                    f"{sent / 2**20:.2f}",
+                    f"{megatron / 2**20:.2f}",
+                    f"{expect / 2**20:.2f}",
+                    f"{sent / expect:.4f}" if expect else "-",
+                    ops,
+                ]
+            )
+            comm_results[c.name] = {
+                "sent": sent,
+                "megatron_blocks": megatron,
+                "expected": expect,
+                "parts": parts,
+                "ops": comm,
+            }
         else:
             counted = everyone[0]["peer_comm"].get(c.name)
-            ops = ", ".join(f"{k} x{v}" for k, v in sorted(counted["counts"].items())) if counted else "(CommDebugMode unavailable)"
+            ops = (
+                ", ".join(f"{k} x{v}" for k, v in sorted(counted["counts"].items()))
+                if counted
+                else "(CommDebugMode unavailable)"
+            )
             rows.append([c.name, "-", f"{megatron / 2**20:.2f}", "-", "-", ops])
             comm_results[c.name] = counted
-    print(table(["implementation", "sent MiB", "Megatron blocks MiB", "ours expected MiB", "sent/expected", "collectives"], rows))
+    print(
+        table(
+            ["implementation", "sent MiB", "Megatron blocks MiB", "ours expected MiB", "sent/expected", "collectives"],
+            rows,
+        )
+    )
     for c in contestants:
         if isinstance(c, Ours):
             print(f"  {c.name}: " + "; ".join(f"{what} {b / 2**20:.2f}" for what, b in comm_results[c.name]["parts"]))
-    print("  (Megatron blocks: 4 all-reduces of S per block, or with SP the all-gathers and reduce-scatters of the same total; "
-          "peers: collectives one rank issues per step, counted by CommDebugMode, forward and backward)")
+    print(
+        "  (Megatron blocks: 4 all-reduces of S per block, or with SP the all-gathers and reduce-scatters of the same total; "
+        "peers: collectives one rank issues per step, counted by CommDebugMode, forward and backward)"
+    )
 
     # timing
     results, cells = compare_times(everyone, contestants, args.steps, batch * seq)
     times_table(args, [cells[c.name] for c in contestants])
     print_verdicts(results, (OURS_TP, OURS_SP))
-    write_json(args.json, {**run_info(args, world, batch, seq, device, n_params, model_cfg),
-                           "check": {n: [r["check"][n] for r in everyone] for n in [REF, *names]},
-                           "comm": comm_results, "results": results})
+    write_json(
+        args.json,
+        {
+            **run_info(args, world, batch, seq, device, n_params, model_cfg),
+            "check": {n: [r["check"][n] for r in everyone] for n in [REF, *names]},
+            "comm": comm_results,
+            "results": results,
+        },
+    )
     return 0
 
 

@@ -75,11 +75,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item, call):
     rep = yield
-    if IN_CI and rep.skipped and not hasattr(rep, "wasxfail") \
-            and not any(item.get_closest_marker(m) for m in HARDWARE_MARKERS):
+    if (
+        IN_CI
+        and rep.skipped
+        and not hasattr(rep, "wasxfail")
+        and not any(item.get_closest_marker(m) for m in HARDWARE_MARKERS)
+    ):
         rep.outcome = "failed"
-        rep.longrepr = (f"skipped under CI=true ({_skip_reason(rep.longrepr)}): CI installs everything this test needs, "
-                        f"so the skip hides a failure; fix the cause, or mark the test needs_gpu if it needs hardware")
+        rep.longrepr = (
+            f"skipped under CI=true ({_skip_reason(rep.longrepr)}): CI installs everything this test needs, "
+            f"so the skip hides a failure; fix the cause, or mark the test needs_gpu if it needs hardware"
+        )
     return rep
 
 
@@ -88,8 +94,10 @@ def pytest_make_collect_report(collector):
     rep = yield
     if IN_CI and rep.skipped:
         rep.outcome = "failed"
-        rep.longrepr = (f"{collector.nodeid} skipped at collection under CI=true ({_skip_reason(rep.longrepr)}); "
-                        f"CI installs everything the suite needs, so the skip hides a failure")
+        rep.longrepr = (
+            f"{collector.nodeid} skipped at collection under CI=true ({_skip_reason(rep.longrepr)}); "
+            f"CI installs everything the suite needs, so the skip hides a failure"
+        )
     return rep
 
 

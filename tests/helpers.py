@@ -25,20 +25,33 @@ from trickles.parallel.ring_blocks import CudaEfficient
 
 def tiny_config(tmp, *overrides, steps=6, corpus_bytes=120_000):
     """A 2-layer llama on a slice of the standard library, writing under ``tmp``."""
-    return Config.load(None, [
-        "model.preset=tiny", "data.seq_len=32", f"data.max_bytes={corpus_bytes}", f"data.cache_dir={tmp}/cache",
-        f"train.steps={steps}", "train.global_batch=8", "train.warmup_steps=2", "train.eval_every=0",
-        "train.sample_tokens=0", "train.plot=false", f"train.out_dir={tmp}/run", "train.lr=3e-3", *overrides,
-    ])
+    return Config.load(
+        None,
+        [
+            "model.preset=tiny",
+            "data.seq_len=32",
+            f"data.max_bytes={corpus_bytes}",
+            f"data.cache_dir={tmp}/cache",
+            f"train.steps={steps}",
+            "train.global_batch=8",
+            "train.warmup_steps=2",
+            "train.eval_every=0",
+            "train.sample_tokens=0",
+            "train.plot=false",
+            f"train.out_dir={tmp}/run",
+            "train.lr=3e-3",
+            *overrides,
+        ],
+    )
 
 
 def short_documents(path, count: int = 5000) -> list[str]:
     """A JSONL corpus of short documents written to ``path`` -- the non-blank lines of the standard library's
     ``argparse``, ``typing`` and ``inspect`` sources, about 45 bytes each, so a window of 32-64 tokens packs
     several -- and the overrides that read it."""
+    import argparse
     import inspect
     import json
-    import argparse
     import typing
 
     lines = [line for m in (argparse, typing, inspect) for line in inspect.getsource(m).splitlines() if line.strip()]
@@ -85,8 +98,12 @@ def assert_losses_track(losses, reference, tol: float, wrong: Mapping[str, Seque
     return gap
 
 
-def assert_weights_track(weights: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
-                         initial: Mapping[str, torch.Tensor], tol: float) -> float:
+def assert_weights_track(
+    weights: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    initial: Mapping[str, torch.Tensor],
+    tol: float,
+) -> float:
     """Every weight within ``tol`` (absolute) of the reference's, and every weight moved farther than ``tol`` from
     where it started -- so a weight that was never updated (left at ``initial``) fails. Returns the largest gap."""
     assert weights.keys() == reference.keys() == initial.keys(), (sorted(weights), sorted(reference), sorted(initial))
@@ -95,13 +112,19 @@ def assert_weights_track(weights: Mapping[str, torch.Tensor], reference: Mapping
         gap = weight_gap(w, reference[name])
         moved = weight_gap(initial[name], reference[name])
         assert gap <= tol, f"{name} differs from the reference by {gap:.3g}, more than the tolerance {tol:.3g}"
-        assert moved > tol, f"the tolerance {tol:.3g} would pass {name} never being updated (it moved {moved:.3g} in all)"
+        assert moved > tol, (
+            f"the tolerance {tol:.3g} would pass {name} never being updated (it moved {moved:.3g} in all)"
+        )
         worst = max(worst, gap)
     return worst
 
 
-def assert_updates_track(weights: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
-                         initial: Mapping[str, torch.Tensor], tol: float) -> float:
+def assert_updates_track(
+    weights: Mapping[str, torch.Tensor],
+    reference: Mapping[str, torch.Tensor],
+    initial: Mapping[str, torch.Tensor],
+    tol: float,
+) -> float:
     """Every weight's distance to the reference within ``tol`` of the reference's own update, in norm:
     ``||w - ref|| <= tol ||ref - initial||`` -- a weight never updated scores 1. For low-precision runs where a few
     elements with near-zero gradients take Adam steps of opposite sign (a full learning rate apart) although the
@@ -113,7 +136,9 @@ def assert_updates_track(weights: Mapping[str, torch.Tensor], reference: Mapping
         ref = reference[name].float()
         update = float((ref - initial[name].float()).norm())
         ratio = float((w.float() - ref).norm()) / update if update else float("inf")
-        assert ratio <= tol, f"{name} is {ratio:.3g} of its update away from the reference, more than the tolerance {tol:.3g}"
+        assert ratio <= tol, (
+            f"{name} is {ratio:.3g} of its update away from the reference, more than the tolerance {tol:.3g}"
+        )
         worst = max(worst, ratio)
     return worst
 
@@ -152,6 +177,7 @@ def efficient_attention_stand_in():
     16-element aligned; the log-sum-exp returned padded to 32 rows (NaN past the rows), taken back padded and
     contiguous; a row that sees no key returned as NaN; grads of q, k and v only -- so the ring's glue around the CUDA
     kernel runs on a CPU (the kernel itself: ``tests/unit/test_ring_blocks.py``, on CUDA)."""
+
     def scores(q, k, bias, causal, scale):
         s = (q.float() @ k.float().transpose(-1, -2)) * scale
         if causal:
@@ -168,7 +194,7 @@ def efficient_attention_stand_in():
         lse = torch.logsumexp(s, -1)
         out = torch.exp(s - lse[..., None]) @ v.float()  # NaN in a row that sees no key
         padded = torch.full((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), float("nan"))
-        padded[..., :lse.shape[-1]] = lse
+        padded[..., : lse.shape[-1]] = lse
         return out.to(q.dtype), padded, torch.empty(()), torch.empty(())
 
     def backward(do, q, k, v, bias, out, lse, seed, offset, dropout_p, grad_input_mask, causal, *, scale):
@@ -179,7 +205,11 @@ def efficient_attention_stand_in():
         do32 = do.float()
         delta = (do32 * out.float()).sum(-1)
         ds = p * (do32 @ v.float().transpose(-1, -2) - delta[..., None])
-        return (((ds @ k.float()) * scale).to(q.dtype), ((ds.transpose(-1, -2) @ q.float()) * scale).to(k.dtype),
-                (p.transpose(-1, -2) @ do32).to(v.dtype), None)
+        return (
+            ((ds @ k.float()) * scale).to(q.dtype),
+            ((ds.transpose(-1, -2) @ q.float()) * scale).to(k.dtype),
+            (p.transpose(-1, -2) @ do32).to(v.dtype),
+            None,
+        )
 
     return CudaEfficient(forward, backward)

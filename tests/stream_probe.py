@@ -85,9 +85,18 @@ def main() -> None:
             block.register_forward_hook(sampler.sample)
         out = generate(model, torch.tensor([prompt_ids]), new_tokens, temperature=0)
     model_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    print(json.dumps({"baseline": baseline, "peak": sampler.peak, "kv": kv_cache_bytes(model.cfg, 1, max_len),
-                      "model": model_bytes, "ids": out[0].tolist(),
-                      "streamed": list(getattr(model, "placement", None).streamed) if budget != "resident" else []}))
+    print(
+        json.dumps(
+            {
+                "baseline": baseline,
+                "peak": sampler.peak,
+                "kv": kv_cache_bytes(model.cfg, 1, max_len),
+                "model": model_bytes,
+                "ids": out[0].tolist(),
+                "streamed": list(getattr(model, "placement", None).streamed) if budget != "resident" else [],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -39,16 +39,41 @@ selector is a path (file or directory), ``file::test`` (all its cases) or a node
 
 from __future__ import annotations
 
-import argparse, ast, glob, json, os, random, re, shutil, signal, subprocess, sys, tempfile, time, tomllib  # noqa: E401
+import argparse  # noqa: E401
+import ast
+import glob
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from queue import Queue
 
+import tomllib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = ["trickles/comm/*.py", "trickles/parallel/*.py", "trickles/parallel/*/*.py", "trickles/memory/*.py", "trickles/optim/*.py", "trickles/kernels/*.py",
-           "trickles/infer/*.py", "trickles/compress/*.py", "trickles/models/fused.py", "trickles/models/documents.py",
-           "trickles/data/loader.py", "trickles/train/pieces.py",
-           "trickles/planner/*.py"]
+TARGETS = [
+    "trickles/comm/*.py",
+    "trickles/parallel/*.py",
+    "trickles/parallel/*/*.py",
+    "trickles/memory/*.py",
+    "trickles/optim/*.py",
+    "trickles/kernels/*.py",
+    "trickles/infer/*.py",
+    "trickles/compress/*.py",
+    "trickles/models/fused.py",
+    "trickles/models/documents.py",
+    "trickles/data/loader.py",
+    "trickles/train/pieces.py",
+    "trickles/planner/*.py",
+]
 EXCLUDED_FILES = {"trickles/parallel/pipeline/plot.py"}  # matplotlib drawing only
 SKIP_FUNCTIONS = {"__repr__", "__str__", "plot"}
 QUIET_CALLS = {"print", "warn", "debug", "info", "warning", "error", "exception", "write_line", "opt"}
@@ -65,10 +90,27 @@ def mapped(module: str) -> list[str]:
 
 
 # --- finding mutation sites -----------------------------------------------------------------------------------
-BIN = {ast.Add: ("+", "-"), ast.Sub: ("-", "+"), ast.Mult: ("*", "/"), ast.Div: ("/", "*"), ast.FloorDiv: ("//", "*"),
-       ast.BitOr: ("|", "&"), ast.BitAnd: ("&", "|")}
-CMP = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"), ast.Eq: ("==", "!="),
-       ast.NotEq: ("!=", "=="), ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is"), ast.In: ("in", "not in"), ast.NotIn: ("not in", "in")}
+BIN = {
+    ast.Add: ("+", "-"),
+    ast.Sub: ("-", "+"),
+    ast.Mult: ("*", "/"),
+    ast.Div: ("/", "*"),
+    ast.FloorDiv: ("//", "*"),
+    ast.BitOr: ("|", "&"),
+    ast.BitAnd: ("&", "|"),
+}
+CMP = {
+    ast.Lt: ("<", "<="),
+    ast.LtE: ("<=", "<"),
+    ast.Gt: (">", ">="),
+    ast.GtE: (">=", ">"),
+    ast.Eq: ("==", "!="),
+    ast.NotEq: ("!=", "=="),
+    ast.Is: ("is", "is not"),
+    ast.IsNot: ("is not", "is"),
+    ast.In: ("in", "not in"),
+    ast.NotIn: ("not in", "in"),
+}
 
 
 def _token(line: bytes, lo: int, hi: int, token: str):
@@ -88,15 +130,22 @@ def _skipped(tree: ast.AST, text: str) -> set[int]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             kids += [a.annotation for a in node.args.args + node.args.kwonlyargs + node.args.posonlyargs]
             kids += [node.returns, *node.args.defaults, *node.args.kw_defaults]
-        elif isinstance(node, (ast.If, ast.IfExp, ast.With)) and "cuda" in ast.unparse(getattr(node, "test", None) or node.items[0]):
+        elif isinstance(node, (ast.If, ast.IfExp, ast.With)) and "cuda" in ast.unparse(
+            getattr(node, "test", None) or node.items[0]
+        ):
             kids += [getattr(node, "test", None), *(node.body if isinstance(node.body, list) else [node.body])]
         elif isinstance(node, ast.stmt) and re.search(r"cuda|_stream\b", src[node.lineno - 1]):
             kids.append(node)
         if isinstance(node, ast.AnnAssign):
             kids.append(node.annotation)
-        elif isinstance(node, (ast.Raise, ast.JoinedStr, ast.Assert)) or (isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)):
+        elif isinstance(node, (ast.Raise, ast.JoinedStr, ast.Assert)) or (
+            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+        ):
             kids.append(node)
-        elif isinstance(node, ast.Call) and (getattr(node.func, "id", None) or getattr(node.func, "attr", "")) in QUIET_CALLS:
+        elif (
+            isinstance(node, ast.Call)
+            and (getattr(node.func, "id", None) or getattr(node.func, "attr", "")) in QUIET_CALLS
+        ):
             kids.append(node)
         elif isinstance(node, ast.keyword) and node.arg in SKIP_KEYWORDS:
             kids.append(node)
@@ -122,7 +171,10 @@ def find_sites(rel: str, text: str) -> list[dict]:
         if id(node) in skip:
             continue
         if isinstance(node, ast.BinOp) and type(node.op) in BIN:
-            if not any(isinstance(getattr(s, "value", None), str) or isinstance(s, ast.JoinedStr) for s in (node.left, node.right)):
+            if not any(
+                isinstance(getattr(s, "value", None), str) or isinstance(s, ast.JoinedStr)
+                for s in (node.left, node.right)
+            ):
                 between(node.left, node.right, *BIN[type(node.op)])
         elif isinstance(node, ast.AugAssign) and type(node.op) in BIN and BIN[type(node.op)][1] in "+-*/":
             between(node.target, node.value, *(t + "=" for t in BIN[type(node.op)]))
@@ -134,11 +186,17 @@ def find_sites(rel: str, text: str) -> list[dict]:
                 between(a, b, *(("and", "or") if isinstance(node.op, ast.And) else ("or", "and")))
         elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and node.lineno == node.operand.lineno:
             add(node.lineno, (node.col_offset, node.operand.col_offset), "", "drop not")
-        elif isinstance(node, ast.Constant) and node.lineno == node.end_lineno and type(node.value) in (bool, int, float):
+        elif (
+            isinstance(node, ast.Constant) and node.lineno == node.end_lineno and type(node.value) in (bool, int, float)
+        ):
             v = node.value
             new = str(not v) if isinstance(v, bool) else str(v + 1) if isinstance(v, int) else repr(v * 2 if v else 1.0)
-            add(node.lineno, (node.col_offset, node.end_col_offset), new,
-                f"{lines[node.lineno - 1][node.col_offset:node.end_col_offset].decode()} -> {new}")
+            add(
+                node.lineno,
+                (node.col_offset, node.end_col_offset),
+                new,
+                f"{lines[node.lineno - 1][node.col_offset : node.end_col_offset].decode()} -> {new}",
+            )
         elif isinstance(node, ast.Call):
             swap = {"min": "max", "max": "min"}
             if isinstance(node.func, ast.Name) and node.func.id in swap:
@@ -149,8 +207,12 @@ def find_sites(rel: str, text: str) -> list[dict]:
                     add(kw.lineno, (kw.col_offset, kw.col_offset + 3), swap[kw.arg], f"{kw.arg}= -> {swap[kw.arg]}=")
         elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and node.lineno == node.end_lineno:
             add(node.lineno, (node.col_offset, node.end_col_offset), "pass", "remove call")
-        elif isinstance(node, ast.Return) and node.value is not None and node.lineno == node.end_lineno \
-                and not (isinstance(node.value, ast.Constant) and node.value.value is None):
+        elif (
+            isinstance(node, ast.Return)
+            and node.value is not None
+            and node.lineno == node.end_lineno
+            and not (isinstance(node.value, ast.Constant) and node.value.value is None)
+        ):
             add(node.lineno, (node.value.col_offset, node.value.end_col_offset), "None", "return None")
     return out
 
@@ -158,7 +220,7 @@ def find_sites(rel: str, text: str) -> list[dict]:
 def mutate(text: str, m: dict) -> str:
     lines = text.splitlines(keepends=True)
     b = lines[m["line"] - 1].encode()
-    lines[m["line"] - 1] = (b[:m["col"]] + m["new"].encode() + b[m["end"]:]).decode()
+    lines[m["line"] - 1] = (b[: m["col"]] + m["new"].encode() + b[m["end"] :]).decode()
     return "".join(lines)
 
 
@@ -180,7 +242,7 @@ def choose(modules: list[str], limit: int, seed: int) -> list[dict]:
     rng.shuffle(queues)
     out = []
     while any(queues) and len(out) < limit:
-        out += [q.pop(0) for q in queues if q][:limit - len(out)]
+        out += [q.pop(0) for q in queues if q][: limit - len(out)]
     return out
 
 
@@ -208,7 +270,9 @@ def tests_for(files: list[str]) -> list[str]:
         if os.path.exists(init) and re.search(rf"^from \.{os.path.basename(mod)} import", open(init).read(), re.M):
             names.append(re.escape(f"from {pkg.replace('/', '.')} import"))
         units = sorted(glob.glob(os.path.join(ROOT, "tests/unit/test_*.py")))
-        sel += mapped(f) + [os.path.relpath(t, ROOT) for t in units if re.search(rf"({'|'.join(names)})\b", open(t).read())]
+        sel += mapped(f) + [
+            os.path.relpath(t, ROOT) for t in units if re.search(rf"({'|'.join(names)})\b", open(t).read())
+        ]
     return list(dict.fromkeys(sel))
 
 
@@ -224,26 +288,45 @@ class Workspace:
 
     def __init__(self, base: str, i: int):
         self.dir, self.basetemp = os.path.join(base, f"repo{i}"), os.path.join(base, f"pytest{i}")
-        shutil.copytree(ROOT, self.dir, ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "runs", "*.egg-info", ".venv"))
+        shutil.copytree(
+            ROOT,
+            self.dir,
+            ignore=shutil.ignore_patterns(".git", "__pycache__", ".pytest_cache", "runs", "*.egg-info", ".venv"),
+        )
         self.env = {k: v for k, v in os.environ.items() if k != "CI"}  # a skip is not a kill
-        self.env.update(PYTHONPATH=self.dir + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1")
-        got = subprocess.run([sys.executable, "-c", "import trickles; print(trickles.__file__)"], cwd=self.dir, env=self.env,
-                             capture_output=True, text=True).stdout.strip()
+        self.env.update(
+            PYTHONPATH=self.dir + os.pathsep + os.environ.get("PYTHONPATH", ""), PYTHONDONTWRITEBYTECODE="1"
+        )
+        got = subprocess.run(
+            [sys.executable, "-c", "import trickles; print(trickles.__file__)"],
+            cwd=self.dir,
+            env=self.env,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         if not got.startswith(self.dir + os.sep):
             raise SystemExit(f"mutation: the copy does not import its own trickles ({got!r})")
 
     def pytest(self, args: list[str], timeout: float) -> tuple[int | None, str, float]:
         """``(status or None on timeout, output, seconds)``; on timeout the whole process tree is killed."""
         t0 = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={self.basetemp}", *args],
-                             cwd=self.dir, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={self.basetemp}", *args],
+            cwd=self.dir,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         try:
             out = p.communicate(timeout=timeout)[0]
         except subprocess.TimeoutExpired:  # launched ranks sit in process groups of their own: walk the tree
             kids: dict[int, list[int]] = {}
             for stat in glob.glob("/proc/[0-9]*/stat"):
                 try:
-                    kids.setdefault(int(open(stat).read().rsplit(")", 1)[1].split()[1]), []).append(int(stat.split("/")[2]))
+                    kids.setdefault(int(open(stat).read().rsplit(")", 1)[1].split()[1]), []).append(
+                        int(stat.split("/")[2])
+                    )
                 except (OSError, IndexError, ValueError):
                     pass
             todo = [p.pid]
@@ -266,7 +349,10 @@ def baseline(ws: Workspace, selections: list[list[str]]) -> tuple[dict[str, floa
     ids = [ln.strip() for ln in out.splitlines() if "::" in ln and not ln.startswith(("ERROR", "FAILED"))]
     warns = [f"collection: {ln}" for ln in out.splitlines() if ln.startswith("ERROR")]
     warns += [f"no test matches {s}" for s in wanted if not any(matches(i, s) for i in ids)]
-    run, xml = [i for i in ids if any(matches(i, s) for s in wanted)], os.path.join(os.path.dirname(ws.dir), "baseline.xml")
+    run, xml = (
+        [i for i in ids if any(matches(i, s) for s in wanted)],
+        os.path.join(os.path.dirname(ws.dir), "baseline.xml"),
+    )
     secs = ws.pytest(["-q", f"--junitxml={xml}", *run], 7200)[2] if run else 0.0
     print(f"baseline: {len(run)} tests in {secs:.0f} s", flush=True)
     by_key, passed = {(i.split("::")[0][:-3].replace("/", "."), i.split("::", 1)[1]): i for i in run}, {}
@@ -284,15 +370,17 @@ def run_one(m: dict, spaces: Queue, passed: dict[str, float], timeout: float | N
     ws = spaces.get()
     ids = [i for i in passed if any(matches(i, s) for s in m["tests"])]
     m.update(status="error", by="no passing test to run", seconds=0.0)
-    saved = {f: open(os.path.join(ws.dir, f)).read() if os.path.exists(os.path.join(ws.dir, f)) else None
-             for f in m.get("touched", [m["file"]])}
+    saved = {
+        f: open(os.path.join(ws.dir, f)).read() if os.path.exists(os.path.join(ws.dir, f)) else None
+        for f in m.get("touched", [m["file"]])
+    }
     try:
         if "patch" in m:
             cmd = ["patch", "-p1", "--forward", "--batch", "--no-backup-if-mismatch", "-s", "-i", m["patch"]]
             r = subprocess.run([*cmd, "--dry-run"], cwd=ws.dir, capture_output=True, text=True)
             if r.returncode or subprocess.run(cmd, cwd=ws.dir, capture_output=True).returncode:
                 ids, m["by"] = [], "does not apply: " + ((r.stdout + r.stderr).strip().splitlines() or ["?"])[0]
-        elif (saved[m["file"]].splitlines()[m["line"] - 1:m["line"]] or [""])[0].strip() != m["text"]:
+        elif (saved[m["file"]].splitlines()[m["line"] - 1 : m["line"]] or [""])[0].strip() != m["text"]:
             ids, m["by"] = [], "the mutated line is not in the source (changed since the mutant was drawn)"
         else:
             with open(os.path.join(ws.dir, m["file"]), "w") as fh:
@@ -300,8 +388,17 @@ def run_one(m: dict, spaces: Queue, passed: dict[str, float], timeout: float | N
         if ids:
             rc, out, secs = ws.pytest(["-x", "-q", *ids], timeout or 3 * sum(passed[i] for i in ids) + 90)
             failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", out, re.M)
-            m.update(status="timeout" if rc is None else "survived" if rc == 0 else "killed" if rc in (1, 2) and failed else "error",
-                     by=failed[0] if rc and failed else "" if rc in (None, 0) else f"pytest status {rc}", seconds=round(secs, 1))
+            m.update(
+                status="timeout"
+                if rc is None
+                else "survived"
+                if rc == 0
+                else "killed"
+                if rc in (1, 2) and failed
+                else "error",
+                by=failed[0] if rc and failed else "" if rc in (None, 0) else f"pytest status {rc}",
+                seconds=round(secs, 1),
+            )
     finally:
         for f, text in saved.items():
             if text is not None:
@@ -312,14 +409,22 @@ def run_one(m: dict, spaces: Queue, passed: dict[str, float], timeout: float | N
         spaces.put(ws)
     m["equivalent"] = equivalent(m) if "line" in m else None
     where = f"{m['file']}:{m['line']}" if "line" in m else m["file"]
-    print(f"{m['status']:<9} {where:<40} {m['what'][:60]:<16} {m.get('text', '')[:70]}  ({m['seconds']:.0f} s)"
-          + (f"\n          by {m['by']}" if m["by"] else "") + (f"  [equivalent: {m['equivalent']}]" if m["equivalent"] else ""), flush=True)
+    print(
+        f"{m['status']:<9} {where:<40} {m['what'][:60]:<16} {m.get('text', '')[:70]}  ({m['seconds']:.0f} s)"
+        + (f"\n          by {m['by']}" if m["by"] else "")
+        + (f"  [equivalent: {m['equivalent']}]" if m["equivalent"] else ""),
+        flush=True,
+    )
     return m
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--module", action="append", help="a module to mutate, e.g. trickles/parallel/data/zero.py (repeatable; default: all)")
+    ap.add_argument(
+        "--module",
+        action="append",
+        help="a module to mutate, e.g. trickles/parallel/data/zero.py (repeatable; default: all)",
+    )
     ap.add_argument("--limit", type=int, default=48, help="number of mutants")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="mutants run at once, each in its own copy of the repository")
@@ -329,8 +434,12 @@ def main() -> None:
     ap.add_argument("--patches", help="a directory of patches (plausible bugs) to run instead of mutants")
     ap.add_argument("--tests", nargs="+", help="run these test selectors instead of the mapped ones")
     ap.add_argument("--rerun", metavar="JSON", help="run the mutants of an earlier run's --json output again")
-    ap.add_argument("--only", nargs="+", choices=["killed", "timeout", "survived", "error"],
-                    help="with --rerun: only the mutants that ended so; the others keep their recorded outcome")
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        choices=["killed", "timeout", "survived", "error"],
+        help="with --rerun: only the mutants that ended so; the others keep their recorded outcome",
+    )
     args = ap.parse_args()
     carried: dict[int, dict] = {}
     if args.only and not args.rerun:
@@ -349,22 +458,41 @@ def main() -> None:
         print(f"rerun of {args.rerun}: {len(jobs)} mutants to run, {len(carried)} outcomes carried over", flush=True)
     elif args.patches:
         jobs = []
-        for path in sorted(glob.glob(os.path.join(args.patches, "*.patch")) + glob.glob(os.path.join(args.patches, "*.diff"))):
+        for path in sorted(
+            glob.glob(os.path.join(args.patches, "*.patch")) + glob.glob(os.path.join(args.patches, "*.diff"))
+        ):
             text = open(path).read()
             named, bug = re.search(r"^# tests?:(.*)$", text, re.M), re.search(r"^# bug:(.*)$", text, re.M)
             touched = re.findall(r"^\+\+\+ b/(\S+)", text, re.M)
-            jobs.append({"file": os.path.basename(path), "patch": os.path.abspath(path), "touched": touched, "what": bug.group(1).strip() if bug else "",
-                         "tests": args.tests or (named.group(1).split() if named else tests_for(touched))})
+            jobs.append(
+                {
+                    "file": os.path.basename(path),
+                    "patch": os.path.abspath(path),
+                    "touched": touched,
+                    "what": bug.group(1).strip() if bug else "",
+                    "tests": args.tests or (named.group(1).split() if named else tests_for(touched)),
+                }
+            )
     else:
         files = sorted({f for t in TARGETS for f in glob.glob(t, root_dir=ROOT)} - EXCLUDED_FILES)
         if set(args.module or []) - set(files):
             raise SystemExit(f"mutation: --module must be one of: {' '.join(files)}")
-        jobs = [m | {"tests": args.tests or tests_for([m["file"]])} for m in choose(args.module or files, args.limit, args.seed)]
+        jobs = [
+            m | {"tests": args.tests or tests_for([m["file"]])}
+            for m in choose(args.module or files, args.limit, args.seed)
+        ]
     if args.list:
         for m in jobs:
             eq = equivalent(m) if "line" in m else None
-            print((f"{m['file']}:{m['line']}  {m['what']:<14} {m['text']}" if "line" in m else f"{m['file']}: {m['what']}")
-                  + (f"  [equivalent: {eq}]" if eq else "") + f"\n    tests: {' '.join(m['tests'])}")
+            print(
+                (
+                    f"{m['file']}:{m['line']}  {m['what']:<14} {m['text']}"
+                    if "line" in m
+                    else f"{m['file']}: {m['what']}"
+                )
+                + (f"  [equivalent: {eq}]" if eq else "")
+                + f"\n    tests: {' '.join(m['tests'])}"
+            )
         return print(f"{len(jobs)} {'patches' if args.patches else 'mutants'}")
     base, spaces = tempfile.mkdtemp(prefix="trickles-mutation-"), Queue()
     try:
@@ -379,15 +507,29 @@ def main() -> None:
         shutil.rmtree(base, ignore_errors=True)
     scored = [r for r in results if not r["equivalent"] and r["status"] != "error"]
     caught = sum(r["status"] in ("killed", "timeout") for r in scored)
-    score = {"scored": len(scored), **{k: sum(r["status"] == k for r in scored) for k in ("killed", "timeout", "survived")},
-             "equivalent": sum(bool(r["equivalent"]) for r in results), "error": sum(r["status"] == "error" for r in results),
-             "score": round(caught / len(scored), 4) if scored else None}
+    score = {
+        "scored": len(scored),
+        **{k: sum(r["status"] == k for r in scored) for k in ("killed", "timeout", "survived")},
+        "equivalent": sum(bool(r["equivalent"]) for r in results),
+        "error": sum(r["status"] == "error" for r in results),
+        "score": round(caught / len(scored), 4) if scored else None,
+    }
     print("\n" + " ".join(f"{k}={v}" for k, v in score.items()))
-    print("".join(f"  {r['status']}: {r['file']}:{r.get('line', '')} {r['what']}  {r.get('text', '')}  {r['by']}\n"
-                  for r in results if r["status"] in ("survived", "timeout", "error")), end="")
+    print(
+        "".join(
+            f"  {r['status']}: {r['file']}:{r.get('line', '')} {r['what']}  {r.get('text', '')}  {r['by']}\n"
+            for r in results
+            if r["status"] in ("survived", "timeout", "error")
+        ),
+        end="",
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"score": score, "warnings": warns, "results": results, "seed": args.seed, "limit": args.limit}, fh, indent=1)
+            json.dump(
+                {"score": score, "warnings": warns, "results": results, "seed": args.seed, "limit": args.limit},
+                fh,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -15,21 +15,55 @@ import subprocess
 import sys
 import time
 
-BASE = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=120000", "train.steps=12", "train.global_batch=8",
-        "train.micro_batch=1", "train.warmup_steps=2", "train.lr=3e-3", "train.eval_every=0", "train.sample_tokens=0",
-        "train.plot=false", "train.checkpoint_every=0"]
+BASE = [
+    "model.preset=tiny",
+    "data.seq_len=32",
+    "data.max_bytes=120000",
+    "train.steps=12",
+    "train.global_batch=8",
+    "train.micro_batch=1",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "train.plot=false",
+    "train.checkpoint_every=0",
+]
 CASES = [  # name, ranks, overrides, the one-process reference's overrides
     ("pp2 zb-h1", 2, ["parallel.pp=2", "parallel.schedule=zb-h1"], []),
-    ("pp4 zb-v, 8 layers", 4, ["parallel.pp=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layers=8"],
-     ["model.n_layers=8"]),
-    ("pp2 zb-h1 tp2+sp", 4, ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.schedule=zb-h1"], []),
+    (
+        "pp4 zb-v, 8 layers",
+        4,
+        ["parallel.pp=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layers=8"],
+        ["model.n_layers=8"],
+    ),
+    (
+        "pp2 zb-h1 tp2+sp",
+        4,
+        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.schedule=zb-h1"],
+        [],
+    ),
     ("dp2 x pp2 ZeRO-2", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=2"], []),
     ("pp2 ZeRO-3", 2, ["parallel.pp=2", "parallel.zero=3"], []),
     ("dp2 x pp2 ZeRO-3", 4, ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3"], []),
-    ("pp2 zb-v cp2, 4 layers", 4, ["parallel.pp=2", "parallel.cp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
-                                   "model.n_layers=4"], ["model.n_layers=4"]),
-    ("pp4 uneven [1,3,3,1]", 4, ["parallel.pp=4", "model.n_layers=8", "parallel.pipeline_layers=[1, 3, 3, 1]"], ["model.n_layers=8"]),
-    ("pp2 zb-h1 bf16", 2, ["parallel.pp=2", "parallel.schedule=zb-h1", "memory.precision=bf16"], ["memory.precision=bf16"]),
+    (
+        "pp2 zb-v cp2, 4 layers",
+        4,
+        ["parallel.pp=2", "parallel.cp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layers=4"],
+        ["model.n_layers=4"],
+    ),
+    (
+        "pp4 uneven [1,3,3,1]",
+        4,
+        ["parallel.pp=4", "model.n_layers=8", "parallel.pipeline_layers=[1, 3, 3, 1]"],
+        ["model.n_layers=8"],
+    ),
+    (
+        "pp2 zb-h1 bf16",
+        2,
+        ["parallel.pp=2", "parallel.schedule=zb-h1", "memory.precision=bf16"],
+        ["memory.precision=bf16"],
+    ),
 ]
 
 
@@ -58,8 +92,11 @@ def main() -> None:
         start = time.perf_counter()
         losses = train(os.path.join(out, f"case-{i}"), ranks, overrides, cache)
         gap = max(abs(a - b) / abs(b) for a, b in zip(losses, ref, strict=True))
-        print(f"{name:26s} {ranks} ranks  {len(losses)} steps  largest relative loss gap {gap:.2e}"
-              f"  ({time.perf_counter() - start:.0f} s)", flush=True)
+        print(
+            f"{name:26s} {ranks} ranks  {len(losses)} steps  largest relative loss gap {gap:.2e}"
+            f"  ({time.perf_counter() - start:.0f} s)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -28,38 +28,63 @@ import subprocess
 import sys
 import tempfile
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
 from .launch import _die_with_parent, _kill, rank_context
 
 EMULATED_ENV = ("PYTHONUNBUFFERED", "PYTHONIOENCODING", "PYTHONPATH", "OMP_NUM_THREADS")
 #: variables read once, by prefix -> the module that reads them when imported (None: the interpreter at start-up); a
 #: difference matters only where that module is already imported in the forked process
-IMPORT_TIME_ENV = {"PYTHON": None, "LD_": None, "TORCH": "torch", "PYTORCH_": "torch", "OMP_": "torch", "MKL_": "torch",
-                   "KMP_": "torch", "TRITON_": "triton", "HF_": "huggingface_hub", "TRANSFORMERS_": "transformers"}
+IMPORT_TIME_ENV = {
+    "PYTHON": None,
+    "LD_": None,
+    "TORCH": "torch",
+    "PYTORCH_": "torch",
+    "OMP_": "torch",
+    "MKL_": "torch",
+    "KMP_": "torch",
+    "TRITON_": "triton",
+    "HF_": "huggingface_hub",
+    "TRANSFORMERS_": "transformers",
+}
 SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR",)  # Inductor's import sets it (for its compile workers) where it is unset
 
 
 def _needs_fresh_interpreter(env: dict[str, str], inherited: dict[str, str]) -> bool:
     """Whether ``env`` differs from the forked process's inherited environment in a variable that an imported
     module (or the interpreter's start-up) has read already, and :func:`_command_main` does not apply by hand."""
-    def read_already(key: str) -> bool:
-        return any(key.startswith(prefix) and (module is None or module in sys.modules)
-                   for prefix, module in IMPORT_TIME_ENV.items())
 
-    keys = {k for k in (*env, *inherited) if read_already(k) and k not in EMULATED_ENV
-            and not (k in SET_BY_IMPORTS and k not in env)}
+    def read_already(key: str) -> bool:
+        return any(
+            key.startswith(prefix) and (module is None or module in sys.modules)
+            for prefix, module in IMPORT_TIME_ENV.items()
+        )
+
+    keys = {
+        k
+        for k in (*env, *inherited)
+        if read_already(k) and k not in EMULATED_ENV and not (k in SET_BY_IMPORTS and k not in env)
+    }
     if "OMP_NUM_THREADS" in inherited and "OMP_NUM_THREADS" not in env:
         return True  # torch's default thread count is what a fresh interpreter would pick
-    if any(os.path.exists(os.path.join(d, f"{m}.py")) for d in env.get("PYTHONPATH", "").split(os.pathsep) if d
-           for m in ("sitecustomize", "usercustomize")):
+    if any(
+        os.path.exists(os.path.join(d, f"{m}.py"))
+        for d in env.get("PYTHONPATH", "").split(os.pathsep)
+        if d
+        for m in ("sitecustomize", "usercustomize")
+    ):
         return True  # imported at start-up
     return any(env.get(k) != inherited.get(k) for k in keys)
 
 
 def _text_stream(fd: int, encoding: str, errors: str, unbuffered: bool, line_buffering: bool):
-    return io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding=encoding, errors=errors,
-                            line_buffering=line_buffering, write_through=unbuffered)
+    return io.TextIOWrapper(
+        io.FileIO(fd, "w", closefd=False),
+        encoding=encoding,
+        errors=errors,
+        line_buffering=line_buffering,
+        write_through=unbuffered,
+    )
 
 
 def _forkserver_from_here() -> None:
@@ -153,8 +178,14 @@ def _command_main(cmd: list[str], cwd: str, env: dict[str, str], out: str, err: 
 
 def _fresh_path(cmd: Sequence[str], cwd: str, env: dict[str, str]) -> list[str]:
     """``sys.path`` as a fresh ``python`` started with ``cmd`` in ``cwd`` under ``env`` would have it."""
-    probe = subprocess.run([cmd[0], "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
-                           capture_output=True, text=True, cwd=cwd, env=env, check=True)
+    probe = subprocess.run(
+        [cmd[0], "-c", "import json, sys; print(json.dumps(sys.path[1:]))"],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+        check=True,
+    )
     first = cwd if cmd[1] == "-m" else os.path.dirname(os.path.realpath(os.path.join(cwd, cmd[1])))
     return [first, *json.loads(probe.stdout)]
 
@@ -175,8 +206,11 @@ class Command:
         for name in filter(None, (self._out, self._err)):
             open(name, "wb").close()
         ctx = rank_context()
-        self._proc = ctx.Process(target=_command_main, name="trickles-command",
-                                 args=(cmd, cwd, env, self._out, self._err, _fresh_path(cmd, cwd, env)))
+        self._proc = ctx.Process(
+            target=_command_main,
+            name="trickles-command",
+            args=(cmd, cwd, env, self._out, self._err, _fresh_path(cmd, cwd, env)),
+        )
         self._proc.start()
 
     @property
@@ -214,8 +248,9 @@ class Command:
         os.rmdir(self._dir)
 
 
-def run_command(cmd: Sequence[str], *, cwd=None, env: dict[str, str] | None = None, timeout: float = 300.0,
-                text: bool = True) -> subprocess.CompletedProcess:
+def run_command(
+    cmd: Sequence[str], *, cwd=None, env: dict[str, str] | None = None, timeout: float = 300.0, text: bool = True
+) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd, capture_output=True, cwd=cwd, env=env, timeout=timeout, text=text)`` for
     ``cmd = [sys.executable, "-m", MODULE, ...]`` or ``[sys.executable, SCRIPT, ...]``, forked rather than a fresh
     interpreter (module doc)."""

@@ -14,8 +14,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from .compress.config import DistillConfig
 from .data.config import DataConfig
@@ -59,7 +60,7 @@ class Config:
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
-    def from_dict(cls, tables: dict[str, Any], where: str = "") -> "Config":
+    def from_dict(cls, tables: dict[str, Any], where: str = "") -> Config:
         """Builds a config from ``{section: {key: value}}``; unknown sections and keys are errors."""
         cfg = cls()
         for section, values in tables.items():
@@ -77,7 +78,7 @@ class Config:
         return cfg
 
     @classmethod
-    def load(cls, path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> "Config":
+    def load(cls, path: str | os.PathLike | None = None, overrides: Iterable[str] = ()) -> Config:
         """Reads ``path`` (TOML; None: the defaults, which are the demo) and applies ``overrides``."""
         tables: dict[str, dict[str, Any]] = {}
         where = ""
@@ -87,7 +88,9 @@ class Config:
                 with open(path, "rb") as f:
                     tables = tomllib.load(f)
             except FileNotFoundError:
-                raise ConfigError(f"config file {path} does not exist; give the path of a TOML file (see examples/)") from None
+                raise ConfigError(
+                    f"config file {path} does not exist; give the path of a TOML file (see examples/)"
+                ) from None
             except tomllib.TOMLDecodeError as e:
                 raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
         for item in overrides:
@@ -130,19 +133,24 @@ class Config:
             if hasattr(section, "validate"):
                 section.validate()
         p = self.parallel
-        dims = ParallelDims.infer(world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, tp_mode=p.tp_mode,
-                                  tp_depth=p.tp_depth)
+        dims = ParallelDims.infer(
+            world_size, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, tp_mode=p.tp_mode, tp_depth=p.tp_depth
+        )
         dims.validate(world_size)
         if dims.ep > 1 and not self.model.moe_experts:
-            raise ConfigError(f"parallel.ep={dims.ep} splits the experts of mixture-of-experts blocks, but model.moe_experts is 0; "
-                              "set model.moe_experts or parallel.ep=1")
+            raise ConfigError(
+                f"parallel.ep={dims.ep} splits the experts of mixture-of-experts blocks, but model.moe_experts is 0; "
+                "set model.moe_experts or parallel.ep=1"
+            )
         if dims.ep > 1 and self.model.moe_experts % dims.ep:
-            raise ConfigError(f"model.moe_experts ({self.model.moe_experts}) must be divisible by parallel.ep ({dims.ep}); "
-                              f"change one of them")
+            raise ConfigError(
+                f"model.moe_experts ({self.model.moe_experts}) must be divisible by parallel.ep ({dims.ep}); "
+                f"change one of them"
+            )
         if self.model.kernels == "triton":
-            from .kernels import check_kernels
-
             import torch
+
+            from .kernels import check_kernels
 
             wants_cpu = self.train.device == "cpu" or (self.train.device == "auto" and not torch.cuda.is_available())
             check_kernels("triton", torch.device("cpu" if wants_cpu else "cuda"))
@@ -158,13 +166,19 @@ class Config:
         if self.memory.offload_optimizer and self.parallel.zero == 0:
             raise ConfigError("memory.offload_optimizer needs a sharded optimizer; set parallel.zero to 1, 2 or 3")
         if self.parallel.zero == 3 and self.train.compile:
-            raise ConfigError("train.compile does not work with parallel.zero=3 yet (its gather hooks run around each block); "
-                              "use parallel.zero=2 or train.compile=false")
+            raise ConfigError(
+                "train.compile does not work with parallel.zero=3 yet (its gather hooks run around each block); "
+                "use parallel.zero=2 or train.compile=false"
+            )
         self.batch_plan(dims.dp)
         if self.model.max_seq_len is not None and self.model.max_seq_len < self.data.seq_len:
-            raise ConfigError(f"data.seq_len ({self.data.seq_len}) is longer than model.max_seq_len ({self.model.max_seq_len}); shorten data.seq_len or raise model.max_seq_len")
+            raise ConfigError(
+                f"data.seq_len ({self.data.seq_len}) is longer than model.max_seq_len ({self.model.max_seq_len}); shorten data.seq_len or raise model.max_seq_len"
+            )
         if self.model.vocab_size is not None and self.data.tokenizer == "byte" and self.model.vocab_size < 257:
-            raise ConfigError(f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset")
+            raise ConfigError(
+                f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset"
+            )
         return dims
 
     def _check_documents(self, dims: ParallelDims) -> None:
@@ -172,31 +186,45 @@ class Config:
         if not self.data.document_mask:
             return
         for bad, what, fix in (
-                (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "use parallel.tp_mode=1d"),
-                (bool(self.distill.teacher), "distillation (distill.teacher)", "leave distill.teacher unset")):
+            (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "use parallel.tp_mode=1d"),
+            (bool(self.distill.teacher), "distillation (distill.teacher)", "leave distill.teacher unset"),
+        ):
             if bad:
-                raise ConfigError(f"data.document_mask=true does not combine with {what} yet; {fix} or set "
-                                  f"data.document_mask=false")
+                raise ConfigError(
+                    f"data.document_mask=true does not combine with {what} yet; {fix} or set data.document_mask=false"
+                )
 
     def _check_tensor_parallel(self, tp: int) -> None:
         m = self.model
         if self.parallel.sequence_parallel and tp == 1:
-            raise ConfigError("parallel.sequence_parallel needs parallel.tp > 1 (it splits the sequence over the tensor-parallel ranks)")
+            raise ConfigError(
+                "parallel.sequence_parallel needs parallel.tp > 1 (it splits the sequence over the tensor-parallel ranks)"
+            )
         if tp == 1:
             return
         if m.n_heads % tp:
-            raise ConfigError(f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp}): each rank takes whole heads")
+            raise ConfigError(
+                f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp}): each rank takes whole heads"
+            )
         if m.ffn_dim % tp:
-            raise ConfigError(f"the MLP width ({m.ffn_dim}) must be divisible by parallel.tp ({tp}); set model.ffn_hidden")
+            raise ConfigError(
+                f"the MLP width ({m.ffn_dim}) must be divisible by parallel.tp ({tp}); set model.ffn_hidden"
+            )
         if m.fuses_projections and m.kv_heads % tp:
-            raise ConfigError(f"fused q/k/v projections split whole key/value heads over parallel.tp ({tp}), but model.n_kv_heads "
-                              f"is {m.kv_heads}; set model.fused_proj=false or make n_kv_heads a multiple of parallel.tp")
+            raise ConfigError(
+                f"fused q/k/v projections split whole key/value heads over parallel.tp ({tp}), but model.n_kv_heads "
+                f"is {m.kv_heads}; set model.fused_proj=false or make n_kv_heads a multiple of parallel.tp"
+            )
         vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
         if vocab_unit % tp:
-            raise ConfigError(f"the vocabulary ({'model.vocab_size' if m.vocab_size else 'model.vocab_multiple'} = {vocab_unit}) "
-                              f"must be divisible by parallel.tp ({tp}) to split the embedding and output layer")
+            raise ConfigError(
+                f"the vocabulary ({'model.vocab_size' if m.vocab_size else 'model.vocab_multiple'} = {vocab_unit}) "
+                f"must be divisible by parallel.tp ({tp}) to split the embedding and output layer"
+            )
         if self.parallel.sequence_parallel and self.data.seq_len % tp:
-            raise ConfigError(f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({tp}) for sequence parallelism")
+            raise ConfigError(
+                f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({tp}) for sequence parallelism"
+            )
 
     def _check_tensor_grid(self, dims: ParallelDims) -> None:
         """2-D, 2.5-D and 3-D tensor parallelism: what the grid splits must divide, and what it does not combine with."""
@@ -204,28 +232,44 @@ class Config:
         mode, q = grid.mode, grid.q
         why = f"parallel.tp_mode={mode}"
         for bad, what, fix in (
-                (p.sequence_parallel, "parallel.sequence_parallel", "a grid splits the activations already; set it to false"),
-                (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
-                (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
-                (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
-                (self.train.qat, "train.qat", "quantization-aware training scales whole rows; set train.qat=false or "
-                                              "parallel.tp_mode=1d")):
+            (
+                p.sequence_parallel,
+                "parallel.sequence_parallel",
+                "a grid splits the activations already; set it to false",
+            ),
+            (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
+            (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
+            (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
+            (
+                self.train.qat,
+                "train.qat",
+                "quantization-aware training scales whole rows; set train.qat=false or parallel.tp_mode=1d",
+            ),
+        ):
             if bad:
                 raise ConfigError(f"{what} does not combine with {why}; {fix}")
         feature_unit = q * q if mode == "3d" else q  # 3-D splits a linear's input features into q^2 blocks
         vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
-        for n, what, unit in ((m.n_heads, "model.n_heads", q), (m.kv_heads, "model.n_kv_heads", q),
-                              (m.d_model, "model.d_model", feature_unit), (m.ffn_dim, "the MLP width (model.ffn_hidden)", feature_unit),
-                              (m.n_heads * m.head_dim, "model.n_heads x head size", feature_unit),
-                              (vocab_unit, "the vocabulary (model.vocab_size or model.vocab_multiple)", q)):
+        for n, what, unit in (
+            (m.n_heads, "model.n_heads", q),
+            (m.kv_heads, "model.n_kv_heads", q),
+            (m.d_model, "model.d_model", feature_unit),
+            (m.ffn_dim, "the MLP width (model.ffn_hidden)", feature_unit),
+            (m.n_heads * m.head_dim, "model.n_heads x head size", feature_unit),
+            (vocab_unit, "the vocabulary (model.vocab_size or model.vocab_multiple)", q),
+        ):
             if n % unit:
-                raise ConfigError(f"{what} ({n}) must be divisible by {unit} with {why} at parallel.tp={dims.tp} (q = {q}); "
-                                  f"change it or parallel.tp")
+                raise ConfigError(
+                    f"{what} ({n}) must be divisible by {unit} with {why} at parallel.tp={dims.tp} (q = {q}); "
+                    f"change it or parallel.tp"
+                )
         micro, _ = self.batch_plan(dims.dp)
         parts = q * q if mode == "3d" else q * grid.depth
         if micro % parts:
-            raise ConfigError(f"with {why} each micro-batch's {micro} samples are split into {parts} blocks; make "
-                              f"train.micro_batch (or train.global_batch / parallel.dp) a multiple of {parts}")
+            raise ConfigError(
+                f"with {why} each micro-batch's {micro} samples are split into {parts} blocks; make "
+                f"train.micro_batch (or train.global_batch / parallel.dp) a multiple of {parts}"
+            )
 
     def _check_context_parallel(self, dims: ParallelDims) -> None:
         cp, m, p, seq = dims.cp, self.model, self.parallel, self.data.seq_len
@@ -233,25 +277,37 @@ class Config:
             return
         unit = 2 * cp if p.cp_mode == "ring" else cp
         if seq % unit:
-            what = f"2 x parallel.cp = {unit} (ring attention cuts it into 2 chunks per rank)" if p.cp_mode == "ring" else f"parallel.cp ({cp})"
-            raise ConfigError(f"data.seq_len ({seq}) must be divisible by {what}; set data.seq_len to a multiple of {unit}")
+            what = (
+                f"2 x parallel.cp = {unit} (ring attention cuts it into 2 chunks per rank)"
+                if p.cp_mode == "ring"
+                else f"parallel.cp ({cp})"
+            )
+            raise ConfigError(
+                f"data.seq_len ({seq}) must be divisible by {what}; set data.seq_len to a multiple of {unit}"
+            )
         if p.sequence_parallel and (seq // cp) % dims.tp:
-            raise ConfigError(f"each context-parallel rank's {seq // cp} tokens must divide by parallel.tp ({dims.tp}) for "
-                              f"sequence parallelism; set data.seq_len to a multiple of {cp * dims.tp * (2 if p.cp_mode == 'ring' else 1)}")
+            raise ConfigError(
+                f"each context-parallel rank's {seq // cp} tokens must divide by parallel.tp ({dims.tp}) for "
+                f"sequence parallelism; set data.seq_len to a multiple of {cp * dims.tp * (2 if p.cp_mode == 'ring' else 1)}"
+            )
         if m.dropout > 0:
-            raise ConfigError(f"model.dropout ({m.dropout}) must be 0 with parallel.cp > 1 (attention split over ranks has no "
-                              "attention dropout); set model.dropout=0")
+            raise ConfigError(
+                f"model.dropout ({m.dropout}) must be 0 with parallel.cp > 1 (attention split over ranks has no "
+                "attention dropout); set model.dropout=0"
+            )
         if p.cp_mode == "ulysses":
             heads = m.n_heads // dims.tp
             if heads % cp:
-                raise ConfigError(f"parallel.cp_mode=ulysses splits each tensor-parallel rank's {heads} query heads over "
-                                  f"parallel.cp ({cp}) ranks; use a cp that divides {heads} or parallel.cp_mode=ring")
+                raise ConfigError(
+                    f"parallel.cp_mode=ulysses splits each tensor-parallel rank's {heads} query heads over "
+                    f"parallel.cp ({cp}) ranks; use a cp that divides {heads} or parallel.cp_mode=ring"
+                )
 
     def recompute_modes(self, dims: ParallelDims) -> dict[int, str]:
         """Each layer's recomputation on the layout ``dims`` (``memory.recompute_num_layers`` counts the layers of
         each pipeline rank, in the order the rank runs its chunks)."""
-        from .parallel.pipeline.stages import partition_layers
         from .parallel.pipeline.schedules import Shape
+        from .parallel.pipeline.stages import partition_layers
 
         n = self.model.n_layers
         if dims.pp == 1 or not self.memory.recompute_num_layers:
@@ -262,37 +318,51 @@ class Config:
         return self.memory.layer_modes([[i for c in shape.chunks(parts, r) for i in c] for r in range(dims.pp)])
 
     def _check_pipeline(self, dims: ParallelDims) -> None:
-        from .parallel.pipeline.stages import partition_layers
         from .parallel.pipeline.schedules import SPLIT, Shape, check_shape
+        from .parallel.pipeline.stages import partition_layers
 
         p = self.parallel
         if dims.pp == 1:
             if self.train.pipeline_trace:
-                raise ConfigError("train.pipeline_trace (--pipeline-trace) draws pipeline stages; it needs parallel.pp > 1")
+                raise ConfigError(
+                    "train.pipeline_trace (--pipeline-trace) draws pipeline stages; it needs parallel.pp > 1"
+                )
             if p.virtual_stages != 1 or p.pipeline_layers or p.schedule == "interleaved":
-                raise ConfigError("parallel.schedule=interleaved, parallel.virtual_stages and parallel.pipeline_layers "
-                                  "need parallel.pp > 1")
+                raise ConfigError(
+                    "parallel.schedule=interleaved, parallel.virtual_stages and parallel.pipeline_layers "
+                    "need parallel.pp > 1"
+                )
             return
         if p.zero == 3 and p.schedule in SPLIT:
-            raise ConfigError(f"parallel.zero=3 gathers a block's weights around its backward, but parallel.schedule="
-                              f"{p.schedule} computes the weights' gradients later, apart from it; use parallel.zero=2 (or "
-                              f"0, 1) with {p.schedule}, or parallel.schedule=1f1b / interleaved / gpipe with parallel.zero=3")
+            raise ConfigError(
+                f"parallel.zero=3 gathers a block's weights around its backward, but parallel.schedule="
+                f"{p.schedule} computes the weights' gradients later, apart from it; use parallel.zero=2 (or "
+                f"0, 1) with {p.schedule}, or parallel.schedule=1f1b / interleaved / gpipe with parallel.zero=3"
+            )
         if p.zero == 3 and self.model.tied:
-            raise ConfigError("parallel.zero=3 with parallel.pp > 1 cannot shard an embedding tied across pipeline stages "
-                              "(the first and last stage each hold a copy); set model.tie_embeddings=false, or use parallel.zero=2 "
-                              "(or 0, 1) with this pipeline")
+            raise ConfigError(
+                "parallel.zero=3 with parallel.pp > 1 cannot shard an embedding tied across pipeline stages "
+                "(the first and last stage each hold a copy); set model.tie_embeddings=false, or use parallel.zero=2 "
+                "(or 0, 1) with this pipeline"
+            )
         if p.schedule in SPLIT and self.train.compile:
-            raise ConfigError(f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
-                              f"gradients, but train.compile makes each block's backward one compiled piece that computes "
-                              f"both; use train.compile=false or parallel.schedule=1f1b / interleaved")
+            raise ConfigError(
+                f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
+                f"gradients, but train.compile makes each block's backward one compiled piece that computes "
+                f"both; use train.compile=false or parallel.schedule=1f1b / interleaved"
+            )
         if p.schedule in SPLIT and self.memory.recompute == "full":
-            raise ConfigError(f"parallel.schedule={p.schedule} computes the weights' gradients in W, apart from B; under "
-                              f"memory.recompute=full every W would recompute its blocks again; use memory.recompute="
-                              f"selective (or none) with {p.schedule}, or parallel.schedule=1f1b / interleaved")
+            raise ConfigError(
+                f"parallel.schedule={p.schedule} computes the weights' gradients in W, apart from B; under "
+                f"memory.recompute=full every W would recompute its blocks again; use memory.recompute="
+                f"selective (or none) with {p.schedule}, or parallel.schedule=1f1b / interleaved"
+            )
         if p.schedule in SPLIT and dims.tp > 1 and p.tp_mode != "1d":
-            raise ConfigError(f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
-                              f"gradients, which the {p.tp_mode} tensor-parallel layers compute in one step; use "
-                              f"parallel.tp_mode=1d or parallel.schedule=1f1b / interleaved")
+            raise ConfigError(
+                f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
+                f"gradients, which the {p.tp_mode} tensor-parallel layers compute in one step; use "
+                f"parallel.tp_mode=1d or parallel.schedule=1f1b / interleaved"
+            )
         _, micro_batches = self.batch_plan(dims.dp)
         try:
             check_shape(p.schedule, Shape.of(p.schedule, dims.pp, p.virtual_stages, micro_batches))
@@ -304,14 +374,18 @@ class Config:
         """``(micro_batch, accumulation)`` with ``global_batch = micro_batch * accumulation * dp``."""
         t = self.train
         if t.global_batch % dp:
-            raise ConfigError(f"train.global_batch ({t.global_batch}) must be divisible by parallel.dp ({dp}); "
-                              f"set train.global_batch to a multiple of {dp}")
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must be divisible by parallel.dp ({dp}); "
+                f"set train.global_batch to a multiple of {dp}"
+            )
         micro = t.micro_batch or t.global_batch // dp
         per_rank = t.global_batch // dp
         if per_rank % micro:
             need = micro * dp
-            raise ConfigError(f"train.global_batch ({t.global_batch}) must equal train.micro_batch ({micro}) x accumulation x "
-                              f"parallel.dp ({dp}); set train.global_batch to a multiple of {need} or change train.micro_batch")
+            raise ConfigError(
+                f"train.global_batch ({t.global_batch}) must equal train.micro_batch ({micro}) x accumulation x "
+                f"parallel.dp ({dp}); set train.global_batch to a multiple of {need} or change train.micro_batch"
+            )
         return micro, per_rank // micro
 
     def accumulates(self, dims: ParallelDims) -> bool:
@@ -370,17 +444,22 @@ def keys_markdown() -> str:
         if name != section:
             first_line = (SECTIONS[name].__doc__ or "").strip().splitlines()[0]
             first_line = re.sub(r":\w+:`", "`", first_line.replace("``", "`"))
-            out += ["", f"### [{name}]", "", first_line, "",
-                    "| key | type | default | meaning |", "|---|---|---|---|"]
+            out += ["", f"### [{name}]", "", first_line, "", "| key | type | default | meaning |", "|---|---|---|---|"]
             section = name
         value = "none" if default is None else _toml_value(default)
         out.append(f"| `{name}.{key}` | `{cell(tp)}` | `{cell(value)}` | {cell(doc)} |")
-    out += ["", "### Model presets (`model.preset`)", "",
-            "| preset | flavor | layers | d_model | heads | kv heads | MLP width | vocabulary | tied |",
-            "|---|---|---|---|---|---|---|---|---|"]
+    out += [
+        "",
+        "### Model presets (`model.preset`)",
+        "",
+        "| preset | flavor | layers | d_model | heads | kv heads | MLP width | vocabulary | tied |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for preset in PRESETS:
         m = apply_preset(ModelConfig(), preset)
         vocab = m.vocab_size if m.vocab_size is not None else "the tokenizer's"
-        out.append(f"| `{preset}` | {m.flavor} | {m.n_layers} | {m.d_model} | {m.n_heads} | {m.kv_heads} | "
-                   f"{m.ffn_dim} | {vocab} | {'yes' if m.tied else 'no'} |")
+        out.append(
+            f"| `{preset}` | {m.flavor} | {m.n_layers} | {m.d_model} | {m.n_heads} | {m.kv_heads} | "
+            f"{m.ffn_dim} | {vocab} | {'yes' if m.tied else 'no'} |"
+        )
     return "\n".join(out[1:]) + "\n"

@@ -31,10 +31,10 @@ FP16_CPU_SLOWDOWN = 18
 class DeviceFacts:
     """What matters about a device for the hints: its kind and which low-precision matmuls it has natively."""
 
-    kind: str                  # "cpu" or "cuda"
+    kind: str  # "cpu" or "cuda"
     name: str = ""
-    fp16_matmul: bool = True   # native fp16 matrix multiplies (CPU: AVX512-FP16 / AMX-FP16; CUDA: always)
-    bf16_matmul: bool = True   # native bf16 matrix multiplies (CPU: AVX512-BF16 / AMX-BF16; CUDA: capability >= 8.0)
+    fp16_matmul: bool = True  # native fp16 matrix multiplies (CPU: AVX512-FP16 / AMX-FP16; CUDA: always)
+    bf16_matmul: bool = True  # native bf16 matrix multiplies (CPU: AVX512-BF16 / AMX-BF16; CUDA: capability >= 8.0)
 
 
 def slow_config_hints(cfg, device: DeviceFacts, local_ranks: int, cores: int) -> list[str]:
@@ -47,16 +47,22 @@ def slow_config_hints(cfg, device: DeviceFacts, local_ranks: int, cores: int) ->
     precision = cfg.memory.precision
     if device.kind == "cpu" and precision == "fp16" and not device.fp16_matmul:
         instead = "bf16 or fp32" if device.bf16_matmul else "fp32"
-        hints.append(f"warning: memory.precision=fp16 on this CPU runs ~{FP16_CPU_SLOWDOWN}x slower than fp32 "
-                     f"(no fp16 matmul instructions, so they are emulated); use memory.precision={instead} on CPU")
+        hints.append(
+            f"warning: memory.precision=fp16 on this CPU runs ~{FP16_CPU_SLOWDOWN}x slower than fp32 "
+            f"(no fp16 matmul instructions, so they are emulated); use memory.precision={instead} on CPU"
+        )
     if device.kind == "cuda" and precision == "bf16" and not device.bf16_matmul:
         name = f" ({device.name})" if device.name else ""
-        hints.append(f"warning: memory.precision=bf16 on a GPU without native bf16{name} is emulated and slow; "
-                     "use memory.precision=fp16 (with loss scaling) on this GPU, or a GPU of compute capability 8.0 or later")
+        hints.append(
+            f"warning: memory.precision=bf16 on a GPU without native bf16{name} is emulated and slow; "
+            "use memory.precision=fp16 (with loss scaling) on this GPU, or a GPU of compute capability 8.0 or later"
+        )
     if local_ranks > cores:
-        hints.append(f"warning: {local_ranks} ranks on this machine share {cores} CPU core{'s' if cores != 1 else ''}, "
-                     f"so they take turns and every collective waits for the one not running; "
-                     f"start at most {cores} rank{'s' if cores != 1 else ''} per machine (--nproc / --nproc-per-node)")
+        hints.append(
+            f"warning: {local_ranks} ranks on this machine share {cores} CPU core{'s' if cores != 1 else ''}, "
+            f"so they take turns and every collective waits for the one not running; "
+            f"start at most {cores} rank{'s' if cores != 1 else ''} per machine (--nproc / --nproc-per-node)"
+        )
     return hints
 
 
@@ -78,12 +84,17 @@ def device_facts(device) -> DeviceFacts:
     device = torch.device(device)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
-        return DeviceFacts("cuda", torch.cuda.get_device_name(device), fp16_matmul=True, bf16_matmul=(major, minor) >= (8, 0))
+        return DeviceFacts(
+            "cuda", torch.cuda.get_device_name(device), fp16_matmul=True, bf16_matmul=(major, minor) >= (8, 0)
+        )
     flags = _cpu_flags()
     if not flags:  # not Linux, or no flags to read: claim nothing we cannot see
         return DeviceFacts(device.type)
-    return DeviceFacts(device.type, fp16_matmul=bool(flags & {"avx512_fp16", "amx_fp16"}),
-                       bf16_matmul=bool(flags & {"avx512_bf16", "amx_bf16"}))
+    return DeviceFacts(
+        device.type,
+        fp16_matmul=bool(flags & {"avx512_fp16", "amx_fp16"}),
+        bf16_matmul=bool(flags & {"avx512_bf16", "amx_bf16"}),
+    )
 
 
 def warn_slow_config(cfg, topo, file=None) -> list[str]:

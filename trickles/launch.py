@@ -31,14 +31,15 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import multiprocessing.connection
-from multiprocessing import reduction
 import os
 import signal
 import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from multiprocessing import reduction
+from typing import Any
 
 from .errors import ONE_LINE_ERRORS, UserError
 from .watchdog import HANG_EXIT
@@ -61,9 +62,15 @@ def _die_with_parent() -> None:
 def rank_environment(rank: int, world: int, port: int, restart: int = 0) -> dict[str, str]:
     """The torchrun-style environment of one local rank."""
     return {
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world),
-        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TRICKLES_AGENT_STORE": "1", "TRICKLES_RESTART": str(restart),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "GROUP_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "TRICKLES_AGENT_STORE": "1",
+        "TRICKLES_RESTART": str(restart),
     }
 
 
@@ -198,8 +205,11 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
     try:
         for r in range(nproc):
             env = {**os.environ, **rank_environment(r, nproc, port, attempt)}
-            p = ctx.Process(target=_rank_main, args=(fn, args, env, os.path.join(errors, f"rank{r}.txt"), Streams()),
-                            name=f"trickles-rank{r}")
+            p = ctx.Process(
+                target=_rank_main,
+                args=(fn, args, env, os.path.join(errors, f"rank{r}.txt"), Streams()),
+                name=f"trickles-rank{r}",
+            )
             p.start()
             procs.append(p)
         alive = {p.sentinel: (r, p) for r, p in enumerate(procs)}
@@ -240,13 +250,16 @@ def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
     path = os.path.join(errors, f"rank{rank}.txt")
     text = open(path).read() if os.path.exists(path) else ""
     if text.startswith(USER_ERROR_TAG):
-        code, _, message = text[len(USER_ERROR_TAG):].partition(" ")
+        code, _, message = text[len(USER_ERROR_TAG) :].partition(" ")
         print(f"error: {message}", file=sys.stderr)
         return int(code)
     if exitcode == HANG_EXIT:
         # every rank exits with the hang status once all have reported: whichever is seen first is not the one that found it
-        print(f"[trickles] a communication call was stuck past parallel.timeout_s (rank {rank} ended with the hang status); "
-              "the ranks' reports are above; stopped the others", file=sys.stderr)
+        print(
+            f"[trickles] a communication call was stuck past parallel.timeout_s (rank {rank} ended with the hang status); "
+            "the ranks' reports are above; stopped the others",
+            file=sys.stderr,
+        )
         return exitcode
     if exitcode < 0:
         what = f"was killed by {signal.Signals(-exitcode).name}"
@@ -257,4 +270,3 @@ def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
         if text:
             print(f"[trickles] traceback of rank {rank}:\n{text}", file=sys.stderr, end="")
     return exitcode if exitcode > 0 else 1
-

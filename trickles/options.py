@@ -66,7 +66,9 @@ def coerce(value: Any, tp: Any, key: str) -> Any:
         if value in choices:
             return value
         hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
-        raise ConfigError(f"{key} must be {_type_name(tp)}, got {value!r}" + (f"; did you mean {hint[0]!r}?" if hint else ""))
+        raise ConfigError(
+            f"{key} must be {_type_name(tp)}, got {value!r}" + (f"; did you mean {hint[0]!r}?" if hint else "")
+        )
     if origin in (list, tuple):
         (inner, *_) = typing.get_args(tp) or (Any,)
         if isinstance(value, str):

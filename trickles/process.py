@@ -31,15 +31,19 @@ def select_device(preference: str = "auto") -> torch.device:
     if preference == "cpu" or (preference == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ConfigError("train.device asks for CUDA, but torch.cuda.is_available() is false; use train.device=auto or cpu")
+        raise ConfigError(
+            "train.device asks for CUDA, but torch.cuda.is_available() is false; use train.device=auto or cpu"
+        )
     if preference.startswith("cuda:"):
         return torch.device(preference)
     count = torch.cuda.device_count()
     if local_world > count:
         if preference == "auto":
             return torch.device("cpu")
-        raise ConfigError(f"{local_world} ranks on this machine but {count} GPU(s) visible; launch at most {count} "
-                          f"processes per machine or use train.device=cpu")
+        raise ConfigError(
+            f"{local_world} ranks on this machine but {count} GPU(s) visible; launch at most {count} "
+            f"processes per machine or use train.device=cpu"
+        )
     return torch.device("cuda", local)
 
 
@@ -97,11 +101,24 @@ def init_distributed(device: torch.device, timeout_s: float | None = None) -> bo
     if device.type == "cuda":
         torch.cuda.set_device(device)
         kwargs["device_id"] = device
-    hosted = os.environ.get("TRICKLES_AGENT_STORE") == "1" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=not hosted and rank == 0,
-                          timeout=kwargs.get("timeout", datetime.timedelta(seconds=300)))
-    dist.init_process_group(backend_for(device), store=dist.PrefixStore(f"attempt{restart_count()}", store), rank=rank,
-                            world_size=world, **kwargs)
+    hosted = (
+        os.environ.get("TRICKLES_AGENT_STORE") == "1"
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    )
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not hosted and rank == 0,
+        timeout=kwargs.get("timeout", datetime.timedelta(seconds=300)),
+    )
+    dist.init_process_group(
+        backend_for(device),
+        store=dist.PrefixStore(f"attempt{restart_count()}", store),
+        rank=rank,
+        world_size=world,
+        **kwargs,
+    )
     return True
 
 

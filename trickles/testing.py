@@ -35,7 +35,8 @@ import multiprocessing.connection
 import os
 import time
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .commands import Command, run_command
 from .launch import Streams, _die_with_parent, _kill, adopt_streams, free_store, rank_context, rank_environment
@@ -51,8 +52,9 @@ class RankTimeout(RuntimeError):
     """Some rank did not finish in time; the message names it and the collective it is in."""
 
 
-def _worker(rank: int, world: int, port: int, conn, status, threads: int, env: dict[str, str],
-            streams: tuple[int, int]) -> None:
+def _worker(
+    rank: int, world: int, port: int, conn, status, threads: int, env: dict[str, str], streams: tuple[int, int]
+) -> None:
     import torch
 
     from .comm import flight
@@ -151,7 +153,9 @@ class RankPool:
                 if obj in sentinels:
                     r = sentinels.pop(obj)
                     if any(rr == r for rr in pending.values()) and not self._conns[r].poll():
-                        error = error or RankError(f"rank {r} died (exit code {self._procs[r].exitcode}) while running {what}")
+                        error = error or RankError(
+                            f"rank {r} died (exit code {self._procs[r].exitcode}) while running {what}"
+                        )
                         pending = {c: rr for c, rr in pending.items() if rr != r}
                     continue
                 r = pending.pop(obj)
@@ -174,7 +178,10 @@ class RankPool:
                 where = self._status[r].value.decode(errors="replace") or "not inside a collective"
                 lines.append(f"rank {r}: {where}")
             self.shutdown(force=True)
-            raise RankTimeout(f"{what} did not finish on {len(pending)} of {self.world_size} ranks within {timeout:.0f} s:\n  " + "\n  ".join(lines))
+            raise RankTimeout(
+                f"{what} did not finish on {len(pending)} of {self.world_size} ranks within {timeout:.0f} s:\n  "
+                + "\n  ".join(lines)
+            )
         return [results[r] for r in range(self.world_size)]
 
     def shutdown(self, force: bool = False) -> None:

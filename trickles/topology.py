@@ -48,24 +48,28 @@ class TPGrid:
     depth: int = 1
 
     @classmethod
-    def of(cls, mode: str, tp: int, depth: int = 1) -> "TPGrid":
+    def of(cls, mode: str, tp: int, depth: int = 1) -> TPGrid:
         """The grid of ``tp`` ranks in ``mode``; ConfigError naming the nearest valid ``tp`` when there is none."""
         if mode not in TP_MODES:
             raise ConfigError(f"parallel.tp_mode must be one of {', '.join(TP_MODES)}, got {mode!r}")
         if depth < 1:
             raise ConfigError(f"parallel.tp_depth must be at least 1, got {depth}")
         if mode != "2.5d" and depth != 1:
-            raise ConfigError(f"parallel.tp_depth is the d of 2.5-D tensor parallelism; with tp_mode={mode} leave it at 1")
+            raise ConfigError(
+                f"parallel.tp_depth is the d of 2.5-D tensor parallelism; with tp_mode={mode} leave it at 1"
+            )
         if mode == "1d":
             return cls()
         power, per = {"2d": (2, 1), "2.5d": (2, depth), "3d": (3, 1)}[mode]
         q = round((tp / per) ** (1 / power))
-        if q < 2 or per * q ** power != tp:
-            valid = [per * n ** power for n in range(2, 64)]
+        if q < 2 or per * q**power != tp:
+            valid = [per * n**power for n in range(2, 64)]
             near = sorted(valid, key=lambda v: (abs(v - tp), v))[:2]
             shape = {"2d": "q^2", "2.5d": f"q^2 x {depth} (tp_depth)", "3d": "q^3"}[mode]
-            raise ConfigError(f"parallel.tp={tp} is not {shape} for q >= 2, as tp_mode={mode} needs; "
-                              f"use parallel.tp={' or '.join(map(str, sorted(near)))}")
+            raise ConfigError(
+                f"parallel.tp={tp} is not {shape} for q >= 2, as tp_mode={mode} needs; "
+                f"use parallel.tp={' or '.join(map(str, sorted(near)))}"
+            )
         return cls(mode, q, q if mode == "3d" else per)
 
     @property
@@ -103,8 +107,17 @@ class ParallelDims:
     tp_depth: int = 1  # the d of 2.5-D tensor parallelism
 
     @classmethod
-    def infer(cls, world_size: int, dp: int = -1, tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
-              tp_mode: str = "1d", tp_depth: int = 1) -> "ParallelDims":
+    def infer(
+        cls,
+        world_size: int,
+        dp: int = -1,
+        tp: int = 1,
+        pp: int = 1,
+        cp: int = 1,
+        ep: int = 1,
+        tp_mode: str = "1d",
+        tp_depth: int = 1,
+    ) -> ParallelDims:
         """Fills ``dp=-1`` with what the world size leaves after tp, pp and cp."""
         for name, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)):
             if v < 1:
@@ -115,7 +128,8 @@ class ParallelDims:
                 raise ConfigError(
                     f"{world_size} processes cannot be split into parallel.tp x pp x cp = {tp} x {pp} x {cp} = {rest}; "
                     f"launch a multiple of {rest} processes, change parallel.tp/pp/cp, or set parallel.elastic=true to "
-                    f"train on a layout the planner chooses for {world_size}")
+                    f"train on a layout the planner chooses for {world_size}"
+                )
             dp = world_size // rest
         TPGrid.of(tp_mode, tp, tp_depth)
         return cls(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, tp_mode=tp_mode, tp_depth=tp_depth)
@@ -141,12 +155,14 @@ class ParallelDims:
                 f"parallel.dp x tp x pp x cp = {self.dp} x {self.tp} x {self.pp} x {self.cp} = {self.world_size}, "
                 f"but there are {world_size} processes; launch {self.world_size} processes (--nproc {self.world_size}) "
                 f"or change the degrees (parallel.dp=-1 fills the rest), or set parallel.elastic=true to train on a layout "
-                f"the planner chooses for {world_size}")
+                f"the planner chooses for {world_size}"
+            )
         if (self.dp * self.cp) % self.ep:
             divisors = [d for d in range(1, self.dp * self.cp + 1) if (self.dp * self.cp) % d == 0]
             raise ConfigError(
                 f"parallel.ep ({self.ep}) must divide parallel.dp x parallel.cp ({self.dp * self.cp}), the ranks experts are "
-                f"spread over; set parallel.ep to one of {divisors}")
+                f"spread over; set parallel.ep to one of {divisors}"
+            )
         self.grid  # noqa: B018  (raises for a tp the mode cannot arrange)
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -159,7 +175,7 @@ class ParallelDims:
         out["ep"] = (out["dp"] * self.cp + out["cp"]) % self.ep
         return {k: out[k] for k in (*MESH_DIMS, "ep")}
 
-    def build(self, device: torch.device | None = None) -> "Topology":
+    def build(self, device: torch.device | None = None) -> Topology:
         """Creates the mesh and groups (the default process group must exist unless world size is 1)."""
         device = device or select_device()
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -218,7 +234,11 @@ class ParallelDims:
         """For every (pp, tp) coordinate, the dp x cp ranks sharing it (they hold the same weights)."""
         for pp_i in range(self.pp):
             for tp_i in range(self.tp):
-                yield [((pp_i * self.dp + d) * self.cp + c) * self.tp + tp_i for d in range(self.dp) for c in range(self.cp)]
+                yield [
+                    ((pp_i * self.dp + d) * self.cp + c) * self.tp + tp_i
+                    for d in range(self.dp)
+                    for c in range(self.cp)
+                ]
 
     def _data_group(self, rank: int):
         """``dp_cp``: the dp x cp ranks of one (pp, tp) coordinate, which average gradients together
@@ -239,12 +259,11 @@ class ParallelDims:
         mine = None
         for members in self._replica_members():
             for start in range(0, len(members), self.ep):
-                block = members[start:start + self.ep]
+                block = members[start : start + self.ep]
                 g = dist.new_group(block)
                 if rank in block:
                     mine = g
         return mine
-
 
     def _expert_data_group(self, rank: int):
         """``edp``: the ranks holding the same experts -- the same position in each ``ep`` block of a
@@ -254,7 +273,7 @@ class ParallelDims:
         mine = None
         for members in self._replica_members():
             for j in range(self.ep):
-                block = members[j::self.ep]
+                block = members[j :: self.ep]
                 g = dist.new_group(block)
                 if rank in block:
                     mine = g
@@ -272,8 +291,10 @@ class Topology:
         self.rank = dist.get_rank() if mesh is not None else 0
         self.world_size = dims.world_size
         self.coords = dims.coords(self.rank)
-        self._comms = {name: GroupComm(name, groups.get(name), self.ledger)
-                       for name in (*MESH_DIMS, "ep", "edp", "pp_grad", "pp_ends", "dp_cp", *GRID_AXES)}
+        self._comms = {
+            name: GroupComm(name, groups.get(name), self.ledger)
+            for name in (*MESH_DIMS, "ep", "edp", "pp_grad", "pp_ends", "dp_cp", *GRID_AXES)
+        }
         self._comms["world"] = GroupComm("world", dist.group.WORLD if mesh is not None else None, self.ledger)
 
     def comm(self, name: str) -> GroupComm:
@@ -307,7 +328,9 @@ class Topology:
 
 
 @contextmanager
-def distributed_session(dims: ParallelDims | None = None, device: str | torch.device = "auto", timeout_s: float | None = None):
+def distributed_session(
+    dims: ParallelDims | None = None, device: str | torch.device = "auto", timeout_s: float | None = None
+):
     """Initializes the process group from the environment, yields a :class:`Topology`, tears down cleanly.
 
     ``timeout_s``: with several ranks, a :class:`~trickles.watchdog.Watchdog` ends the job (every

@@ -63,7 +63,9 @@ def _default_store():
 class Watchdog:
     """Watches this rank's communication calls (see the module docstring); ``start()`` / ``stop()``."""
 
-    def __init__(self, timeout_s: float, rank: int, where: str = "", store=None, exit_fn=os._exit, world: int | None = None):
+    def __init__(
+        self, timeout_s: float, rank: int, where: str = "", store=None, exit_fn=os._exit, world: int | None = None
+    ):
         if timeout_s <= 0:
             raise ValueError(f"the communication timeout must be positive, got {timeout_s}")
         self.timeout_s, self.rank, self.where = timeout_s, rank, where
@@ -75,7 +77,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="trickles-watchdog", daemon=True)
 
-    def start(self) -> "Watchdog":
+    def start(self) -> Watchdog:
         self._thread.start()
         return self
 

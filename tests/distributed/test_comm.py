@@ -35,14 +35,28 @@ def _collectives():
         h.wait()
     h = c.all_reduce(torch.ones(5), async_op=True)
     uneven = c.all_to_all_uneven(*_uneven_rows(n, r))
-    return dict(x=x, m=m, mx=mx, g0=g0, g1=g1, rs=rs, rs0=rs0, a2a=a2a, b=b, buf=buf, h=h.wait(), uneven=uneven,
-                ledger=topo.ledger.snapshot())
+    return dict(
+        x=x,
+        m=m,
+        mx=mx,
+        g0=g0,
+        g1=g1,
+        rs=rs,
+        rs0=rs0,
+        a2a=a2a,
+        b=b,
+        buf=buf,
+        h=h.wait(),
+        uneven=uneven,
+        ledger=topo.ledger.snapshot(),
+    )
 
 
 def _uneven_rows(n: int, r: int):
     """Rank 0 sends no rows at all; rank ``r > 0`` keeps one row of ``[2]`` for itself and sends ``r - 1`` rows to the
     next rank (rank 1: one row in all), rows valued ``10 r + destination``: ``(t, send_counts, recv_counts)`` for
     ``all_to_all_uneven``."""
+
     def sends(src: int) -> list[int]:
         counts = [0] * n
         if src > 0:
@@ -75,13 +89,17 @@ def test_collectives_and_ledger(n):
         led = o["ledger"]
         # all-reduce: 3 sync (24 + 16 + 4 bytes) + 1 async (20 bytes); ring volume 2(n-1)/n
         assert led["all_reduce/dp"]["calls"] == 4 and led["all_reduce/dp"]["bytes"] == 24 + 16 + 4 + 20
-        assert led["all_reduce/dp"]["wire_bytes"] == round(2 * (n - 1) / n * 24) + round(2 * (n - 1) / n * 16) + round(2 * (n - 1) / n * 4) + round(2 * (n - 1) / n * 20)
+        assert led["all_reduce/dp"]["wire_bytes"] == round(2 * (n - 1) / n * 24) + round(2 * (n - 1) / n * 16) + round(
+            2 * (n - 1) / n * 4
+        ) + round(2 * (n - 1) / n * 20)
         assert led["all_gather/dp"] == {"calls": 2, "bytes": 48, "wire_bytes": 2 * (n - 1) * 24}
         rs_bytes = 2 * 4 * n * 4 + 2 * n * 3 * 4
         assert led["reduce_scatter/dp"]["bytes"] == rs_bytes
         # uneven: the rows from each source in rank order; on the wire every row but the one kept (8 bytes each)
         recv = _uneven_rows(n, r)[2]
-        assert torch.equal(o["uneven"], torch.cat([torch.full((k, 2), float(10 * src + r)) for src, k in enumerate(recv)]))
+        assert torch.equal(
+            o["uneven"], torch.cat([torch.full((k, 2), float(10 * src + r)) for src, k in enumerate(recv)])
+        )
         assert led["all_to_all/dp"]["wire_bytes"] == round((n - 1) / n * 2 * n * 4) + 8 * max(r - 1, 0)
         assert led["send/dp"] == {"calls": 1, "bytes": 12, "wire_bytes": 12}
         assert led["broadcast/dp"]["wire_bytes"] == (12 if r == 1 else 0)
@@ -145,7 +163,7 @@ def test_autograd_collectives_match_dense_math():
         # rank r receives chunk r of dim 1 from every rank k (scaled by k+1), stacked along dim 0
         assert torch.allclose(y, torch.cat([(full * (k + 1)).chunk(n, 1)[r] for k in range(n)], dim=0))
         # rows 2r..2r+2 of every rank's output came from this rank, one column chunk per peer
-        assert torch.allclose(g, torch.cat([wa[2 * r:2 * r + 2]] * n, dim=1))
+        assert torch.allclose(g, torch.cat([wa[2 * r : 2 * r + 2]] * n, dim=1))
 
 
 def _mesh_groups():

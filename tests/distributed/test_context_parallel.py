@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import efficient_attention_stand_in, tiny_config
+
 from trickles.config import Config
 from trickles.errors import ConfigError
 from trickles.memory.activations import ActivationMeter, activation_bytes
@@ -33,7 +33,7 @@ def cache(tmp_path_factory):
 # ---- the kernels against SDPA on the whole sequence -----------------------------------------
 
 SHAPES = [  # (heads, kv heads, sequence, head dim): plain; grouped-query with an odd head dim and one-token chunks
-    (4, 4, 16, 8),           # (sequence 2 cp: every ring chunk a single token); grouped-query, odd dims, 3 rows a chunk
+    (4, 4, 16, 8),  # (sequence 2 cp: every ring chunk a single token); grouped-query, odd dims, 3 rows a chunk
     (8, 2, None, 7),
     (4, 2, 24, 5),
 ]
@@ -71,8 +71,13 @@ def _kernel_run(mode, heads, kv_heads, seq, d):
     if mode == "ring":
         out = ring_attention(*mine, comm)
     else:
-        out = ulysses_attention(*mine, comm, lambda q_, k_, v_: F.scaled_dot_product_attention(
-            q_, k_, v_, is_causal=True, enable_gqa=q_.shape[1] != k_.shape[1]))
+        out = ulysses_attention(
+            *mine,
+            comm,
+            lambda q_, k_, v_: F.scaled_dot_product_attention(
+                q_, k_, v_, is_causal=True, enable_gqa=q_.shape[1] != k_.shape[1]
+            ),
+        )
     forward = topo.ledger.snapshot()
     topo.ledger.reset()
     out.backward(dout[:, :, pos])
@@ -80,6 +85,7 @@ def _kernel_run(mode, heads, kv_heads, seq, d):
 
     def rel(a, b_):  # relative in the 2-norm over the whole tensor
         return float((a.detach() - b_).norm() / b_.norm())
+
     errors = [rel(out, ref[:, :, pos])] + [rel(m.grad, w.grad[:, :, pos]) for m, w in zip(mine, whole)]
     return errors, forward, backward, (b, heads, kv_heads, seq // cp, d)
 
@@ -142,10 +148,13 @@ def test_chunk_layout_balances_the_causal_work():
             assert torch.equal(unshard_sequence(parts, mode), x)
         work = [int((positions(seq, cp, r, "ring") + 1).sum()) for r in range(cp)]
         assert len(set(work)) == 1, work
-        assert positions(seq, cp, 0, "ring").tolist()[:4] == [0, 1, 2, 3] and positions(seq, cp, 0, "ring")[-1] == seq - 1
+        assert (
+            positions(seq, cp, 0, "ring").tolist()[:4] == [0, 1, 2, 3] and positions(seq, cp, 0, "ring")[-1] == seq - 1
+        )
 
 
 # ---- layout invariance ----------------------------------------------------------------------
+
 
 def _pieces(engine):
     out, specs = {}, engine.placements()
@@ -157,7 +166,9 @@ def _pieces(engine):
 
 
 def _train(tmp, dims, overrides, steps=STEPS):
-    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", EPS, *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides, steps=steps)
+    cfg = tiny_config(
+        tmp, "parallel.bucket_mb=0.05", EPS, *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides, steps=steps
+    )
     tr = Trainer(cfg, cfg.validate(math.prod(dims.values())).build(CPU), quiet=True)
     losses = [tr.train_step()["loss"] for _ in range(steps)]
     return losses, _pieces(tr.engine)
@@ -175,16 +186,24 @@ def _reference(tmp, cache, overrides, steps=STEPS):
 
 
 LAYOUTS = [  # (id, degrees, overrides): each mode on both presets at cp=2, at cp=4 on one; then the compositions
-    *[(f"{preset}-cp2-{mode}", {"cp": 2}, [f"model.preset={preset}", f"parallel.cp_mode={mode}"])
-      for mode in ("ring", "ulysses") for preset in ("tiny", "gpt2-tiny")],
-    *[(f"gpt2-tiny-cp4-{mode}", {"cp": 4}, ["model.preset=gpt2-tiny", f"parallel.cp_mode={mode}"])
-      for mode in ("ring", "ulysses")],
+    *[
+        (f"{preset}-cp2-{mode}", {"cp": 2}, [f"model.preset={preset}", f"parallel.cp_mode={mode}"])
+        for mode in ("ring", "ulysses")
+        for preset in ("tiny", "gpt2-tiny")
+    ],
+    *[
+        (f"gpt2-tiny-cp4-{mode}", {"cp": 4}, ["model.preset=gpt2-tiny", f"parallel.cp_mode={mode}"])
+        for mode in ("ring", "ulysses")
+    ],
     ("dp2-cp2-zero1", {"dp": 2, "cp": 2}, ["parallel.zero=1"]),
     ("dp2-cp2-zero3-ulysses", {"dp": 2, "cp": 2}, ["parallel.zero=3", "parallel.cp_mode=ulysses"]),
     ("tp2-cp2", {"tp": 2, "cp": 2}, []),
     ("tp2-sp-cp2-ulysses", {"tp": 2, "cp": 2}, ["parallel.sequence_parallel=true", "parallel.cp_mode=ulysses"]),
-    ("pp2-cp2-interleaved", {"pp": 2, "cp": 2}, ["train.micro_batch=2", "model.n_layers=4", "parallel.schedule=interleaved",
-                                                 "parallel.virtual_stages=2"]),
+    (
+        "pp2-cp2-interleaved",
+        {"pp": 2, "cp": 2},
+        ["train.micro_batch=2", "model.n_layers=4", "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+    ),
     ("cp2-full-recompute", {"cp": 2}, ["memory.recompute=full"]),
     ("cp2-ulysses-selective-recompute", {"cp": 2}, ["memory.recompute=selective", "parallel.cp_mode=ulysses"]),
 ]
@@ -209,6 +228,7 @@ def test_layout_invariance(tmp_path, cache, dims, overrides):
 
 
 # ---- communication counted over a training step ---------------------------------------------
+
 
 def _step_ledger(tmp, cache, mode):
     cfg = tiny_config(tmp, cache, "parallel.cp=2", f"parallel.cp_mode={mode}", steps=2)
@@ -235,6 +255,7 @@ def test_a_training_step_sends_the_formula_bytes_per_layer(tmp_path, cache, mode
 
 # ---- activation memory ----------------------------------------------------------------------
 
+
 def _activations(tmp, cache, cp, seq, overrides):
     cfg = tiny_config(tmp, cache, f"parallel.cp={cp}", f"data.seq_len={seq}", "train.global_batch=2", *overrides)
     tr = Trainer(cfg, cfg.validate(cp).build(CPU), quiet=True)
@@ -245,8 +266,15 @@ def _activations(tmp, cache, cp, seq, overrides):
     return meter.per_layer, tr.model_cfg
 
 
-@pytest.mark.parametrize("preset,mode,recompute", [("tiny", "ring", "none"), ("gpt2-tiny", "ulysses", "none"),
-                                                   ("tiny", "ulysses", "selective"), ("gpt2-tiny", "ring", "full")])
+@pytest.mark.parametrize(
+    "preset,mode,recompute",
+    [
+        ("tiny", "ring", "none"),
+        ("gpt2-tiny", "ulysses", "none"),
+        ("tiny", "ulysses", "selective"),
+        ("gpt2-tiny", "ring", "full"),
+    ],
+)
 def test_activation_memory_per_device_is_the_formula_at_each_cp(tmp_path, cache, preset, mode, recompute):
     """Measured == predicted, per layer and head, at cp = 1, 2, 4 for the same global batch and sequence (the
     bytes fall with cp as the formula says); and with the per-device batch fixed, a sequence cp times longer
@@ -265,7 +293,10 @@ def test_activation_memory_per_device_is_the_formula_at_each_cp(tmp_path, cache,
     assert totals[2, 128] == totals[4, 256]  # the sequence grows with cp: flat per device
     # ... and at cp = 1 less only by what splitting adds (llama in fp32: the gathered rotary tables; all-to-all
     # without recomputation: the core's head-sharded output and repeated key/value heads)
-    split_only = activation_bytes(cfg, 2, 128, recompute, cp=2, cp_mode=mode)["total"] - activation_bytes(cfg, 2, 64, recompute)["total"]
+    split_only = (
+        activation_bytes(cfg, 2, 128, recompute, cp=2, cp_mode=mode)["total"]
+        - activation_bytes(cfg, 2, 64, recompute)["total"]
+    )
     assert totals[2, 128] - totals[1, 64] == split_only < 0.06 * totals[1, 64]
     # tensor parallelism without sequence parallelism, the sequence growing with tp: the norms, the residual
     # stream and the loss see every token, so the bytes per device grow (the formula is checked against
@@ -276,13 +307,17 @@ def test_activation_memory_per_device_is_the_formula_at_each_cp(tmp_path, cache,
 
 # ---- refused before any process group -------------------------------------------------------
 
-@pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.cp=2", "data.seq_len=30"], 2, "data.seq_len (30) must be divisible by 2 x parallel.cp = 4"),
-    (["parallel.cp=4", "data.seq_len=36", "parallel.cp_mode=ulysses"], 4, "must divide by parallel.tp"),
-    (["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.tp=2"], 8, "query heads over parallel.cp (4)"),
-    (["parallel.cp=2", "model.dropout=0.1"], 2, "model.dropout (0.1) must be 0"),
-    (["parallel.cp=2", "parallel.cp_mode=zigzag"], 2, "parallel.cp_mode must be ring or ulysses"),
-])
+
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.cp=2", "data.seq_len=30"], 2, "data.seq_len (30) must be divisible by 2 x parallel.cp = 4"),
+        (["parallel.cp=4", "data.seq_len=36", "parallel.cp_mode=ulysses"], 4, "must divide by parallel.tp"),
+        (["parallel.cp=4", "parallel.cp_mode=ulysses", "parallel.tp=2"], 8, "query heads over parallel.cp (4)"),
+        (["parallel.cp=2", "model.dropout=0.1"], 2, "model.dropout (0.1) must be 0"),
+        (["parallel.cp=2", "parallel.cp_mode=zigzag"], 2, "parallel.cp_mode must be ring or ulysses"),
+    ],
+)
 def test_bad_context_parallel_layouts_are_refused_by_the_config(tmp_path, overrides, world, message):
     if "data.seq_len=36" in overrides:  # ulysses needs only cp | seq, sequence parallel then needs tp | seq/cp
         overrides = [*overrides, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1"]
@@ -299,9 +334,18 @@ def test_the_default_config_still_validates_with_cp(tmp_path):
 
 # ---- checkpoints, evaluation and generation ---------------------------------------------------
 
+
 def _train_save_sample(tmp, cache):
-    cfg = tiny_config(tmp, cache, "parallel.cp=2", "parallel.zero=1", "train.sample_temperature=0.8", "train.sample_top_k=0",
-                      "train.eval_batches=2", steps=4)
+    cfg = tiny_config(
+        tmp,
+        cache,
+        "parallel.cp=2",
+        "parallel.zero=1",
+        "train.sample_temperature=0.8",
+        "train.sample_top_k=0",
+        "train.eval_batches=2",
+        steps=4,
+    )
     tr = Trainer(cfg, cfg.validate(2).build(CPU), quiet=True)
     for _ in range(4):
         tr.train_step()
@@ -334,6 +378,7 @@ def test_a_cp_checkpoint_evaluates_and_generates_like_one_process(tmp_path, cach
 
 # ---- the memory report ------------------------------------------------------------------------
 
+
 def _report(tmp, cache, overrides):
     from trickles.memory.report import measure, predict
 
@@ -341,12 +386,21 @@ def _report(tmp, cache, overrides):
     tr = Trainer(cfg, cfg.validate(4).build(CPU), quiet=True)
     rep = predict(tr.cfg, tr.topo.dims, tr.model_cfg, dp_rank=tr.replicas.rank)
     measure(tr, rep, steps=2)
-    return {k: (rep.predicted[k], rep.measured[k]) for k in ("parameters", "gradients", "optimizer", "activations", "head", "held")}, \
-        rep.layers_predicted, rep.layers_measured
+    return (
+        {
+            k: (rep.predicted[k], rep.measured[k])
+            for k in ("parameters", "gradients", "optimizer", "activations", "head", "held")
+        },
+        rep.layers_predicted,
+        rep.layers_measured,
+    )
 
 
-@pytest.mark.parametrize("overrides", [["parallel.zero=3"], ["parallel.zero=1", "parallel.cp_mode=ulysses", "memory.precision=bf16"]],
-                         ids=["ring-zero3", "ulysses-zero1-bf16"])
+@pytest.mark.parametrize(
+    "overrides",
+    [["parallel.zero=3"], ["parallel.zero=1", "parallel.cp_mode=ulysses", "memory.precision=bf16"]],
+    ids=["ring-zero3", "ulysses-zero1-bf16"],
+)
 def test_memory_report_predicts_each_cp_rank(tmp_path, cache, overrides):
     """dp2 x cp2: the report's states (ZeRO sharded over the 4 ranks of dp x cp, padding included), activations per
     layer and head equal what each rank measures, exactly."""
@@ -358,8 +412,11 @@ def test_memory_report_predicts_each_cp_rank(tmp_path, cache, overrides):
 
 # ---- low precision ------------------------------------------------------------------------------
 
+
 def _train_from_start(tmp, dims, overrides):
-    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides, steps=STEPS)
+    cfg = tiny_config(
+        tmp, "parallel.bucket_mb=0.05", *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides, steps=STEPS
+    )
     tr = Trainer(cfg, cfg.validate(math.prod(dims.values())).build(CPU), quiet=True)
     start = {n: t.detach().float().clone() for n, t in tr.engine.full_state().items()}
     losses = [tr.train_step()["loss"] for _ in range(STEPS)]

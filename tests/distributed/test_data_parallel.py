@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from helpers import tiny_config
+
 from trickles.memory.precision import DTYPES, autocast
 from trickles.models import build_model
 from trickles.parallel.data.ddp import average_gradients
@@ -17,7 +17,11 @@ STEPS = 6
 
 
 def _trainer(tmp, dp, *overrides):
-    return Trainer(tiny_config(tmp, "parallel.bucket_mb=0.05", *overrides, steps=STEPS), ParallelDims(dp=dp).build(torch.device("cpu")), quiet=True)
+    return Trainer(
+        tiny_config(tmp, "parallel.bucket_mb=0.05", *overrides, steps=STEPS),
+        ParallelDims(dp=dp).build(torch.device("cpu")),
+        quiet=True,
+    )
 
 
 def _bucketed_vs_naive(tmp):
@@ -32,7 +36,9 @@ def _bucketed_vs_naive(tmp):
     plain = build_model(tr.model_cfg, tr.cfg.train.seed)  # same weights, no hooks
     F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
     average_gradients(plain.parameters(), tr.dp)
-    return max((bucketed[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()), len(tr.engine.layout.buckets)
+    return max((bucketed[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()), len(
+        tr.engine.layout.buckets
+    )
 
 
 def test_bucketed_matches_naive_oracle(tmp_path):
@@ -66,7 +72,12 @@ def test_no_reduction_until_last_micro_step_and_overlap(tmp_path):
 
 def _losses(tmp, dp, overrides):
     tr = _trainer(tmp, dp, *overrides)
-    return [tr.train_step()["loss"] for _ in range(STEPS)], tr.engine.full_state(), tr.topo.ledger.snapshot(), tr.engine.layout.total if dp > 1 else None
+    return (
+        [tr.train_step()["loss"] for _ in range(STEPS)],
+        tr.engine.full_state(),
+        tr.topo.ledger.snapshot(),
+        tr.engine.layout.total if dp > 1 else None,
+    )
 
 
 @pytest.mark.parametrize("dp,overrides", [(2, []), (2, ["train.micro_batch=2"]), (4, [])])
@@ -87,7 +98,9 @@ def _accumulation_in_place(tmp, stage, precision):
     """Three micro-steps: fp32 gradients of fp32 parameters accumulate in place in their view of the flat buffer
     (no fresh tensor is added per micro-batch); low-precision parameters keep fp32 gradients through the hook. (A
     configured accumulation: without one, ZeRO-1 keeps no whole gradient buffer.)"""
-    tr = _trainer(tmp, dist.get_world_size(), f"parallel.zero={stage}", f"memory.precision={precision}", "train.micro_batch=2")
+    tr = _trainer(
+        tmp, dist.get_world_size(), f"parallel.zero={stage}", f"memory.precision={precision}", "train.micro_batch=2"
+    )
     engine, batches = tr.engine, tr.train_data.micro_batches(0, 8, 2)[:3]
     main = engine.main_grads if stage == 0 else engine._main
     engine.zero_grad()
@@ -104,7 +117,9 @@ def _accumulation_in_place(tmp, stage, precision):
     # per parameter: |accumulated - fp32 gradient| / |fp32 gradient| (norms over the tensor)
     rel = {n: ((got[n] - p.grad).norm() / p.grad.norm()).item() for n, p in plain.named_parameters()}
     exact = None
-    if precision != "fp32":  # the oracle of the hook: the same low-precision model, each micro-batch's gradient summed in fp32
+    if (
+        precision != "fp32"
+    ):  # the oracle of the hook: the same low-precision model, each micro-batch's gradient summed in fp32
         low = build_model(tr.model_cfg, tr.cfg.train.seed).to(DTYPES[precision])
         oracle = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in low.named_parameters()}
         for x, y in batches:

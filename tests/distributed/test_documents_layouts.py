@@ -9,8 +9,8 @@ refuse them for now: tests/unit/test_documents.py):
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import assert_losses_track, efficient_attention_stand_in, short_documents, tiny_config
+
 from trickles.models.config import ModelConfig, apply_preset
 from trickles.models.documents import document_ids
 from trickles.models.transformer import build_model
@@ -37,7 +37,7 @@ def _alone(model, x, y, ids):
     for r in range(x.shape[0]):
         cuts = [0] + [i for i in range(1, x.shape[1]) if ids[r, i] != ids[r, i - 1]] + [x.shape[1]]
         for a, b in zip(cuts[:-1], cuts[1:]):
-            loss = F.cross_entropy(model(x[r:r + 1, a:b])[0], y[r, a:b], reduction="none")
+            loss = F.cross_entropy(model(x[r : r + 1, a:b])[0], y[r, a:b], reduction="none")
             loss.sum().backward()
             out[r, a:b] = loss.detach()
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -84,9 +84,16 @@ def _packed_on_cp_run(mode, preset):
     return loss_gap, grad_gap
 
 
-@pytest.mark.parametrize("world,mode,preset,blocks", [(2, "ring", "tiny", None), (2, "ring", "tiny", "matmul"),
-                                                      (2, "ring", "tiny", "cuda"), (2, "ulysses", "gpt2-tiny", None),
-                                                      (4, "ring", "gpt2-tiny", None)])
+@pytest.mark.parametrize(
+    "world,mode,preset,blocks",
+    [
+        (2, "ring", "tiny", None),
+        (2, "ring", "tiny", "matmul"),
+        (2, "ring", "tiny", "cuda"),
+        (2, "ulysses", "gpt2-tiny", None),
+        (4, "ring", "gpt2-tiny", None),
+    ],
+)
 def test_each_document_under_context_parallelism_is_as_if_alone(world, mode, preset, blocks):
     for loss_gap, grad_gap in run_ranks(world, _packed_on_cp, mode, preset, blocks):
         assert loss_gap <= 1e-5 and grad_gap <= 1e-5, (loss_gap, grad_gap)
@@ -110,8 +117,9 @@ def _cp_memory(mode, preset):
         loss = model(x[:, pos].contiguous(), target=y[:, pos].contiguous(), documents=document_ids(x, EOS))
     loss.backward()
     want = activation_bytes(cfg, 2, 32, cp=comm.size, cp_mode=mode, documents=True)
-    return [meter.per_layer[f"layers.{i}"] for i in range(cfg.n_layers)] + [meter.per_layer["head"]], \
-        want["per_layer"] + [want["head"]]
+    return [meter.per_layer[f"layers.{i}"] for i in range(cfg.n_layers)] + [meter.per_layer["head"]], want[
+        "per_layer"
+    ] + [want["head"]]
 
 
 @pytest.mark.parametrize("mode,preset", [("ring", "tiny"), ("ulysses", "tiny"), ("ulysses", "gpt2-tiny")])
@@ -141,22 +149,33 @@ _REFERENCE = {}
 def _reference(tmp, cache, extra):
     key = (cache, tuple(extra))
     if key not in _REFERENCE:
-        _REFERENCE[key] = (_losses(tmp / "masked", cache, ["data.document_mask=true", *extra]),
-                           _losses(tmp / "plain", cache, extra))
+        _REFERENCE[key] = (
+            _losses(tmp / "masked", cache, ["data.document_mask=true", *extra]),
+            _losses(tmp / "plain", cache, extra),
+        )
     return _REFERENCE[key]
 
 
-@pytest.mark.parametrize("layout,extra", [
-    (["parallel.dp=2", "parallel.zero=3"], []),
-    (["parallel.tp=2", "parallel.sequence_parallel=true"], ["model.preset=gpt2-tiny"]),  # learned positions, cut by sp
-    (["parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=2"], []),
-    (["parallel.ep=2", "parallel.dp=2", "parallel.zero=1"], MOE),
-    (["parallel.cp=2", "parallel.cp_mode=ring"], []),
-    (["parallel.cp=2", "parallel.cp_mode=ulysses"], []),
-    (["parallel.dp=2", "parallel.cp=2", "parallel.cp_mode=ring"], []),
-], ids=["dp2-zero3", "tp2-sp", "pp2-1f1b", "moe-ep2", "cp2-ring", "cp2-all-to-all", "dp2-cp2-ring"])
+@pytest.mark.parametrize(
+    "layout,extra",
+    [
+        (["parallel.dp=2", "parallel.zero=3"], []),
+        (
+            ["parallel.tp=2", "parallel.sequence_parallel=true"],
+            ["model.preset=gpt2-tiny"],
+        ),  # learned positions, cut by sp
+        (["parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=2"], []),
+        (["parallel.ep=2", "parallel.dp=2", "parallel.zero=1"], MOE),
+        (["parallel.cp=2", "parallel.cp_mode=ring"], []),
+        (["parallel.cp=2", "parallel.cp_mode=ulysses"], []),
+        (["parallel.dp=2", "parallel.cp=2", "parallel.cp_mode=ring"], []),
+    ],
+    ids=["dp2-zero3", "tp2-sp", "pp2-1f1b", "moe-ep2", "cp2-ring", "cp2-all-to-all", "dp2-cp2-ring"],
+)
 def test_layout_invariance_with_document_masks(tmp_path, cache, layout, extra):
     masked, plain = _reference(tmp_path, cache, extra)
     world = 4 if "parallel.dp=2" in layout and "parallel.cp=2" in layout else 2
-    for losses in run_ranks(world, _losses, tmp_path / "layout", cache, ["data.document_mask=true", *extra, *layout], world):
+    for losses in run_ranks(
+        world, _losses, tmp_path / "layout", cache, ["data.document_mask=true", *extra, *layout], world
+    ):
         assert_losses_track(losses, masked, 1e-4, wrong={"no document mask": plain})

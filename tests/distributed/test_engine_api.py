@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from helpers import tiny_config
+
 from trickles.models import build_model
 from trickles.parallel.data.ddp import average_gradients
 from trickles.testing import run_ranks
@@ -36,8 +36,10 @@ def _diff_from_averaged(tr, plain, x, y, stage) -> float:
         return max((got[n] - p.grad).abs().max().item() for n, p in plain.named_parameters())
     # ZeRO: each rank holds the reduced gradient of its segments
     ref = dict(plain.named_parameters())
-    return max((g - ref[s.slot.name].grad.flatten()[s.param_range[0]:s.param_range[1]]).abs().max().item()
-               for s, g in zip(tr.engine.segments, tr.engine.optimizer.grads))
+    return max(
+        (g - ref[s.slot.name].grad.flatten()[s.param_range[0] : s.param_range[1]]).abs().max().item()
+        for s, g in zip(tr.engine.segments, tr.engine.optimizer.grads)
+    )
 
 
 def _backward_after_the_model_dropped_its_grads(tmp, stage):
@@ -91,7 +93,11 @@ def _plain_backward_after_a_training_step(tmp, stage):
     got = {n: tr.engine.accumulated_grad(p).clone() for n, p in tr.engine.named}
     F.cross_entropy(plain(x).flatten(0, 1), y.flatten()).backward()
     average_gradients(plain.parameters(), tr.dp)
-    return max((got[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()), during, len(tr.engine.layout.buckets)
+    return (
+        max((got[n] - p.grad).abs().max().item() for n, p in plain.named_parameters()),
+        during,
+        len(tr.engine.layout.buckets),
+    )
 
 
 def test_a_plain_backward_after_a_training_step_is_reduced_during_backward(tmp_path):
@@ -115,6 +121,7 @@ def _first_parameter_waits(tmp):
     def record(buckets):
         waits.append(sorted(buckets))
         return real(buckets)
+
     engine.wait_for_parameters = record
     x, _ = tr.train_data.micro_batches(8, 8, 4)[0]
     with torch.no_grad():
@@ -127,7 +134,9 @@ def _first_parameter_waits(tmp):
 def test_zero1_forward_waits_for_each_pieces_parameters_as_it_starts(tmp_path):
     for waits, embed, buckets in run_ranks(2, _first_parameter_waits, str(tmp_path)):
         assert buckets > 2 and waits[0] == embed  # the embedding's buckets only, then block by block
-        assert {b for w in waits for b in w} == set(range(buckets))  # every bucket waited for (shared ones by both pieces)
+        assert {b for w in waits for b in w} == set(
+            range(buckets)
+        )  # every bucket waited for (shared ones by both pieces)
 
 
 def _reductions_before_the_embedding_gradient(tmp):

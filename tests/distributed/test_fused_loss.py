@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import assert_losses_track, assert_weights_track, tiny_config
+
 from trickles.models.fused import fuse_state
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
@@ -35,8 +35,10 @@ def _train(tmp, dims, overrides, steps=STEPS):
 
     def state():
         specs = tr.engine.placements()
-        return {n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
-                for n, t in tr.engine.full_state().items()}
+        return {
+            n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
+            for n, t in tr.engine.full_state().items()
+        }
 
     start = state()
     fused = tr.model.loss.is_fused(torch.empty(0)) if tr.model.loss is not None else None
@@ -52,8 +54,10 @@ def _reference(tmp, cache, extra=(), steps=STEPS):
     key = (cache, tuple(extra), steps)
     if key not in _REFERENCE:
         common = [cache, *extra]
-        _REFERENCE[key] = (run_ranks(1, _train, tmp, {}, common, steps)[0],
-                           run_ranks(1, _train, tmp, {}, [*common, "train.lr=2.85e-3"], steps)[0][0])
+        _REFERENCE[key] = (
+            run_ranks(1, _train, tmp, {}, common, steps)[0],
+            run_ranks(1, _train, tmp, {}, [*common, "train.lr=2.85e-3"], steps)[0][0],
+        )
     return _REFERENCE[key]
 
 
@@ -81,7 +85,9 @@ LAYOUTS = [  # (id, degrees, overrides)
 def test_fused_loss_layout_invariance(tmp_path, cache, dims, overrides):
     """6 steps, fp32: losses within 1e-4 relative and every weight within 1e-5 of the eager one-process run."""
     reference, slower = _reference(str(tmp_path), cache)
-    for run in run_ranks(math.prod(dims.values()) if dims else 1, _train, str(tmp_path), dims, [cache, *FUSED, *overrides]):
+    for run in run_ranks(
+        math.prod(dims.values()) if dims else 1, _train, str(tmp_path), dims, [cache, *FUSED, *overrides]
+    ):
         _check(run, reference, slower)
 
 
@@ -94,8 +100,14 @@ def test_triton_kernels_under_tensor_parallelism(tmp_path, cache, preset):
     slice gets a gradient in every step (the byte tokenizer's upper rows never occur as inputs)."""
     short = [f"model.preset={preset}", "data.seq_len=8", "train.global_batch=2", "model.tie_embeddings=true"]
     reference, slower = _reference(str(tmp_path), cache, short, steps=2)
-    runs = run_ranks(2, _train, str(tmp_path), {"tp": 2}, [cache, *short, "model.kernels=triton",
-                                                           "parallel.sequence_parallel=true"], 2)
+    runs = run_ranks(
+        2,
+        _train,
+        str(tmp_path),
+        {"tp": 2},
+        [cache, *short, "model.kernels=triton", "parallel.sequence_parallel=true"],
+        2,
+    )
     for run in runs:
         _check(run, reference, slower)
 
@@ -106,8 +118,14 @@ def _peaks(tmp, cache, vocab, fused):
     from trickles.memory.activations import ActivationMeter
     from trickles.memory.report import predict
 
-    cfg = tiny_config(tmp, cache, f"model.vocab_size={vocab}", f"model.fused_loss={str(fused).lower()}", "model.loss_chunk=32",
-                      "train.micro_batch=8")
+    cfg = tiny_config(
+        tmp,
+        cache,
+        f"model.vocab_size={vocab}",
+        f"model.fused_loss={str(fused).lower()}",
+        "model.loss_chunk=32",
+        "train.micro_batch=8",
+    )
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     cfg.parallel.tp = world
     cfg.parallel.sequence_parallel = world > 1
@@ -127,8 +145,8 @@ def test_fused_loss_saves_the_logits_bytes_the_report_predicts(tmp_path, cache, 
     """A training step's peak with and without the fused loss (CPU: every allocation tracked by the profiler): the
     saving equals the report's predicted one within 10% (measured: 0.01%); the head keeps exactly the formula's
     bytes, one process and tp=2 with sequence parallelism."""
-    (plain, plain_head, plain_rep), = run_ranks(1, _peaks, str(tmp_path), cache, vocab, False)
-    (fused, fused_head, fused_rep), = run_ranks(1, _peaks, str(tmp_path), cache, vocab, True)
+    ((plain, plain_head, plain_rep),) = run_ranks(1, _peaks, str(tmp_path), cache, vocab, False)
+    ((fused, fused_head, fused_rep),) = run_ranks(1, _peaks, str(tmp_path), cache, vocab, True)
     predicted = plain_rep.predicted["peak"] - fused_rep.predicted["peak"]
     s, v = 8 * 32, vocab
     assert predicted > 8 * s * v  # most of the unfused loss's 12 sV bytes of logits and their gradients

@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import assert_losses_track, assert_weights_track, tiny_config
+
 from trickles.models import fused
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
@@ -41,8 +41,10 @@ def _train(tmp, dims, overrides, steps=STEPS, save_at=None, resume=None):
 
     def state():
         specs = tr.engine.placements()
-        return {n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
-                for n, t in tr.engine.full_state().items()}
+        return {
+            n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
+            for n, t in tr.engine.full_state().items()
+        }
 
     start = state()
     losses, path = [], None
@@ -61,8 +63,10 @@ def _reference(tmp, cache, extra=()):
     key = (cache, tuple(extra))
     if key not in _REFERENCE:
         common = [cache, "model.fused_proj=false", *extra]
-        _REFERENCE[key] = (run_ranks(1, _train, tmp, {}, common)[0],
-                           run_ranks(1, _train, tmp, {}, [*common, "train.lr=2.85e-3"])[0][0])
+        _REFERENCE[key] = (
+            run_ranks(1, _train, tmp, {}, common)[0],
+            run_ranks(1, _train, tmp, {}, [*common, "train.lr=2.85e-3"])[0][0],
+        )
     return _REFERENCE[key]
 
 
@@ -83,8 +87,9 @@ def _check(run, reference, slower, cfg):
     # every rank's initial block is the unfused model's (the parts' own initial values fused)
     for n in names:
         assert torch.equal(start[n][0], initial[n][cut[n]]), n
-    return assert_weights_track({n: weights[n][0] for n in names}, {n: final[n][cut[n]] for n in names},
-                                {n: start[n][0] for n in names}, 1e-5)
+    return assert_weights_track(
+        {n: weights[n][0] for n in names}, {n: final[n][cut[n]] for n in names}, {n: start[n][0] for n in names}, 1e-5
+    )
 
 
 LAYOUTS = [  # (id, model, degrees, overrides)
@@ -102,15 +107,24 @@ def test_fused_projections_track_the_unfused_model(tmp_path, cache, model, dims,
     """12 steps, fp32: losses within 1e-4 relative and every weight within 1e-5 of the unfused one-process run."""
     reference, slower = _reference(str(tmp_path), cache, MODELS[model])
     cfg = tiny_config(str(tmp_path), *MODELS[model], *FUSED).model
-    for run in run_ranks(math.prod(dims.values()) if dims else 1, _train, str(tmp_path), dims,
-                         [cache, *MODELS[model], *FUSED, *overrides]):
+    for run in run_ranks(
+        math.prod(dims.values()) if dims else 1,
+        _train,
+        str(tmp_path),
+        dims,
+        [cache, *MODELS[model], *FUSED, *overrides],
+    ):
         _check(run, reference, slower, cfg)
 
 
-@pytest.mark.parametrize("first,then", [
-    (({"dp": 2}, ["parallel.zero=2", "model.fused_proj=true"]), ({}, ["model.fused_proj=false"])),
-    (({}, ["model.fused_proj=false"]), ({"tp": 2}, ["model.fused_proj=true"])),
-], ids=["fused-zero2-to-unfused", "unfused-to-fused-tp2"])
+@pytest.mark.parametrize(
+    "first,then",
+    [
+        (({"dp": 2}, ["parallel.zero=2", "model.fused_proj=true"]), ({}, ["model.fused_proj=false"])),
+        (({}, ["model.fused_proj=false"]), ({"tp": 2}, ["model.fused_proj=true"])),
+    ],
+    ids=["fused-zero2-to-unfused", "unfused-to-fused-tp2"],
+)
 def test_checkpoints_keep_the_parts_names_and_resume_across_fusion(tmp_path, cache, first, then):
     """6 steps written by one kind of model at one layout, 6 more by the other kind at another: the 12 losses and the
     final weights equal the uninterrupted unfused run's (moments and step counters travel through the part names)."""
@@ -128,7 +142,7 @@ def test_checkpoints_keep_the_parts_names_and_resume_across_fusion(tmp_path, cac
     dims2, overrides2 = then
     world2 = math.prod(dims2.values()) if dims2 else 1
     second = run_ranks(world2, _train, str(tmp_path), dims2, [cache, *overrides2], STEPS, None, path)
-    losses = runs[0][0][:STEPS // 2] + second[0][0]
+    losses = runs[0][0][: STEPS // 2] + second[0][0]
     assert_losses_track(losses, reference[0], 1e-4, wrong={"lr 5% lower": slower})
     unfused = {n: w[0] for n, w in reference[1].items()}
     final = fused.fuse_state(tiny_config(str(tmp_path), *overrides2).model, unfused)

@@ -79,8 +79,14 @@ def _pipeline_skips_a_send(tmp: str) -> int:
     from trickles.train.run import run_training
 
     signal.alarm(SAFETY_S)
-    cfg = tiny_config(tmp, "parallel.pp=2", "parallel.schedule=1f1b", "train.micro_batch=2",
-                      f"parallel.timeout_s={PIPE_TIMEOUT}", steps=3)
+    cfg = tiny_config(
+        tmp,
+        "parallel.pp=2",
+        "parallel.schedule=1f1b",
+        "train.micro_batch=2",
+        f"parallel.timeout_s={PIPE_TIMEOUT}",
+        steps=3,
+    )
     if os.environ["RANK"] == "0":
         post = PipelineRunner._post
 

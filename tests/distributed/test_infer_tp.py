@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.infer import PaddedBatch, Sampling, beam_search, decode
 from trickles.infer.engine import Engine, EngineConfig
 from trickles.testing import run_ranks
@@ -50,8 +50,13 @@ def _decode(tmp, dims, cache, extra=()):
     engine.run_until_idle()
     served = [r.result[0].tokens for r in served]
     assert served[::2] == [c.tokens for c in greedy] and served[1::2] == [c.tokens for c in sampled]
-    return ([x.clone() for x in logits], [c.tokens for c in greedy], [c.tokens for c in sampled],
-            [c.tokens for c in beams], served)
+    return (
+        [x.clone() for x in logits],
+        [c.tokens for c in greedy],
+        [c.tokens for c in sampled],
+        [c.tokens for c in beams],
+        served,
+    )
 
 
 @pytest.mark.parametrize("dims,extra", [({"tp": 2}, []), ({"dp": 2, "ep": 2}, MOE)], ids=["tp2", "moe-ep2"])

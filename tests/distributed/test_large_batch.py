@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import assert_losses_track, assert_weights_track, tiny_config
+
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
@@ -35,14 +35,17 @@ def _train(tmp, dims, overrides, steps=STEPS, save_after=None, resume=None):
     """Losses, the final weights (each with the offset of its block in the global tensor), the weights before the
     first step, and whether a ZeRO segment cut an adapted weight. ``save_after``: checkpoint after that many steps
     and stop (its path is returned too); ``resume``: start from that checkpoint."""
-    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", EPS, *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides,
-                      steps=steps)
+    cfg = tiny_config(
+        tmp, "parallel.bucket_mb=0.05", EPS, *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides, steps=steps
+    )
     tr = Trainer(cfg, cfg.validate(_world(dims)).build(CPU), quiet=True)
 
     def state():
         specs = tr.engine.placements()
-        return {n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
-                for n, t in tr.engine.full_state().items()}
+        return {
+            n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
+            for n, t in tr.engine.full_state().items()
+        }
 
     if resume:
         tr.load_checkpoint(resume)
@@ -63,7 +66,10 @@ def _reference(tmp, cache, optimizer, extra=()):
     key = (cache, optimizer, tuple(extra))
     if key not in _REFERENCE:
         common = [cache, *OPTIMIZERS[optimizer], *extra]
-        _REFERENCE[key] = (run_ranks(1, _train, tmp, {}, common)[0], run_ranks(1, _train, tmp, {}, [*common, SLOWER[optimizer]])[0][0])
+        _REFERENCE[key] = (
+            run_ranks(1, _train, tmp, {}, common)[0],
+            run_ranks(1, _train, tmp, {}, [*common, SLOWER[optimizer]])[0][0],
+        )
     return _REFERENCE[key]
 
 
@@ -100,21 +106,29 @@ def test_layout_invariance(tmp_path, cache, dims, optimizer, overrides):
     for run in run_ranks(_world(dims), _train, str(tmp_path), dims, [cache, *OPTIMIZERS[optimizer], *overrides]):
         _check(run, reference, slower)
         if "parallel.zero=3" in overrides or "parallel.zero=2" in overrides:
-            assert run[3], "no ZeRO shard boundary fell inside an adapted weight: the case proves nothing about cut norms"
+            assert run[3], (
+                "no ZeRO shard boundary fell inside an adapted weight: the case proves nothing about cut norms"
+            )
 
 
 def test_experts_are_units_of_their_own_under_expert_parallelism_and_zero(tmp_path, cache):
     """dp4 x ep2 with ZeRO-2: each rank holds two of the four experts, and ZeRO cuts their stacked weights across the
     edp pair, one expert's rows on two ranks; every expert's norm still comes out whole."""
     reference, slower = _reference(str(tmp_path), cache, "lamb", MOE)
-    for run in run_ranks(4, _train, str(tmp_path), {"dp": 4, "ep": 2}, [cache, *OPTIMIZERS["lamb"], *MOE, "parallel.zero=2"]):
+    for run in run_ranks(
+        4, _train, str(tmp_path), {"dp": 4, "ep": 2}, [cache, *OPTIMIZERS["lamb"], *MOE, "parallel.zero=2"]
+    ):
         _check(run, reference, slower)
 
 
-@pytest.mark.parametrize("optimizer,first,second", [
-    ("lars", ({"dp": 2}, ["parallel.zero=3"]), ({"tp": 2}, ["parallel.sequence_parallel=true"])),
-    ("lamb", ({"tp": 2}, ["parallel.zero=1"]), ({}, [])),
-], ids=["lars-dp2-zero3-to-tp2-sp", "lamb-tp2-zero1-to-one-process"])
+@pytest.mark.parametrize(
+    "optimizer,first,second",
+    [
+        ("lars", ({"dp": 2}, ["parallel.zero=3"]), ({"tp": 2}, ["parallel.sequence_parallel=true"])),
+        ("lamb", ({"tp": 2}, ["parallel.zero=1"]), ({}, [])),
+    ],
+    ids=["lars-dp2-zero3-to-tp2-sp", "lamb-tp2-zero1-to-one-process"],
+)
 def test_checkpoint_resumes_at_another_layout(tmp_path, cache, optimizer, first, second):
     """Five steps at one layout, a checkpoint, five more at another: the same run as ten steps on one process."""
     reference, slower = _reference(str(tmp_path), cache, optimizer)
@@ -124,7 +138,9 @@ def test_checkpoint_resumes_at_another_layout(tmp_path, cache, optimizer, first,
     path = head[0][4]
     dims, extra = second
     opts[-1] = f"train.out_dir={tmp_path}/second"
-    for losses, weights, start, cut, _ in run_ranks(_world(dims), _train, str(tmp_path), dims, [*opts, *extra], resume=path):
+    for losses, weights, start, cut, _ in run_ranks(
+        _world(dims), _train, str(tmp_path), dims, [*opts, *extra], resume=path
+    ):
         assert_losses_track(head[0][0] + losses, reference[0], 1e-4, wrong={"lr 5% lower": slower})
         ref = {n: _block(reference[1][n][0], t, off) for n, (t, off) in weights.items()}
         for n, (t, _) in weights.items():

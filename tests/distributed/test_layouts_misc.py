@@ -4,9 +4,9 @@ with ZeRO-1 at dp=2, and ``train.compile=true`` at dp=2 with ZeRO-1, each agains
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import assert_losses_track, assert_weights_track, tiny_config
 from torch._dynamo.utils import counters
 
-from helpers import assert_losses_track, assert_weights_track, tiny_config
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
@@ -80,8 +80,9 @@ def test_bf16_param_grads_zero1_dp2_track_one_process(tmp_path, cache):
     process (replicated engine, bf16 gradients). Compared: losses, and the fp32 master weights' updates."""
     ref_losses, ref_parts, initial, shapes = _run(str(tmp_path / "ref"), cache, BF16_PARAM_GRADS, dp=1, masters=True)
     ref = _assemble([ref_parts], shapes)
-    slow_losses, slow_parts, _, _ = _run(str(tmp_path / "slow"), cache, [*BF16_PARAM_GRADS, f"train.lr={3e-3 * 0.95}"],
-                                         dp=1, masters=True)
+    slow_losses, slow_parts, _, _ = _run(
+        str(tmp_path / "slow"), cache, [*BF16_PARAM_GRADS, f"train.lr={3e-3 * 0.95}"], dp=1, masters=True
+    )
     slow = _assemble([slow_parts], shapes)
     results = run_ranks(2, _run, str(tmp_path / "dp2"), cache, [*BF16_PARAM_GRADS, "parallel.zero=1"], masters=True)
     for losses, _, _, _ in results:
@@ -105,6 +106,7 @@ def test_bf16_param_grads_zero1_dp2_track_one_process(tmp_path, cache):
 
 # ---- train.compile=true under data parallelism ---------------------------------------------------------
 
+
 def test_compiled_zero1_dp2_matches_eager_one_process(tmp_path, cache):
     """Compiled blocks on two ZeRO-1 ranks (their parameter gathers wait in pre-forward hooks the compiled blocks call
     out of graph) against eager execution on one process with the same micro-batch shape (4 x 32, accumulated twice).
@@ -112,7 +114,9 @@ def test_compiled_zero1_dp2_matches_eager_one_process(tmp_path, cache):
     tests/e2e/test_compile.py, with the Triton kernels.)"""
     ref_losses, ref_weights, initial, _ = _run(str(tmp_path / "ref"), cache, ["train.micro_batch=4"], dp=1)
     slow, _, _, _ = _run(str(tmp_path / "slow"), cache, ["train.micro_batch=4", f"train.lr={3e-3 * 0.95}"], dp=1)
-    for losses, weights, _, _ in run_ranks(2, _run, str(tmp_path / "dp2"), cache, ["train.compile=true", "parallel.zero=1"]):
+    for losses, weights, _, _ in run_ranks(
+        2, _run, str(tmp_path / "dp2"), cache, ["train.compile=true", "parallel.zero=1"]
+    ):
         # measured: losses equal, weights 1.9e-6 apart (lr 5% low: 9.6e-3 in loss; the least any weight moves: 1.4e-2)
         assert_losses_track(losses, ref_losses, 1e-4, wrong={"train.lr 5% low": slow})
         assert_weights_track(weights, ref_weights, initial, 1e-5)

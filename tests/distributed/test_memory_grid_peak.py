@@ -7,10 +7,9 @@ prediction's transient (peak - held) is held to the measured one, which the CPU 
 (:func:`~trickles.memory.accounting.replay_allocations`).
 """
 
-import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.memory.accounting import replay_allocations
 from trickles.memory.report import measure, predict
 from trickles.parallel.tensor.costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
@@ -21,8 +20,16 @@ CPU = torch.device("cpu")
 
 
 def _peak(tmp, overrides):
-    cfg = tiny_config(tmp, "model.d_model=64", "model.n_heads=4", "model.ffn_hidden=256", "train.global_batch=16",
-                      "data.seq_len=64", *overrides, steps=3)
+    cfg = tiny_config(
+        tmp,
+        "model.d_model=64",
+        "model.n_heads=4",
+        "model.ffn_hidden=256",
+        "train.global_batch=16",
+        "data.seq_len=64",
+        *overrides,
+        steps=3,
+    )
     tr = Trainer(cfg, cfg.validate(4).build(CPU), quiet=True)
     rep = measure(tr, predict(tr.cfg, tr.topo.dims, tr.model_cfg), steps=2)
     return rep.predicted, rep.measured, tr.model_cfg
@@ -45,8 +52,12 @@ def test_with_a_large_vocabulary_the_grid_peak_is_the_loss(tmp_path):
     """A vocabulary 16x the tokenizer's and a narrow MLP: the loss's fp32 ``[n, V/q]`` tensors outgrow the last block's
     backward, and the prediction's transient is the loss's (:func:`loss_transient_nd`: the logits and their shifted
     copy while the probabilities are written)."""
-    results = run_ranks(4, _peak, str(tmp_path), ["parallel.tp=4", "parallel.tp_mode=2d", "model.vocab_size=4096",
-                                                  "model.ffn_hidden=64"])
+    results = run_ranks(
+        4,
+        _peak,
+        str(tmp_path),
+        ["parallel.tp=4", "parallel.tp_mode=2d", "model.vocab_size=4096", "model.ffn_hidden=64"],
+    )
     for pred, meas, model_cfg in results:
         lay = Layout.of("2d", 4)
         loss = loss_transient_nd(model_cfg, lay, 16, 64)
@@ -59,15 +70,28 @@ def test_with_a_large_vocabulary_the_grid_peak_is_the_loss(tmp_path):
 
 
 def _event(ts, nbytes, addr, tid=1):
-    return {"name": "[memory]", "ph": "i", "ts": ts, "tid": tid, "args": {"Bytes": nbytes, "Addr": addr, "Device Type": 0}}
+    return {
+        "name": "[memory]",
+        "ph": "i",
+        "ts": ts,
+        "tid": tid,
+        "args": {"Bytes": nbytes, "Addr": addr, "Device Type": 0},
+    }
 
 
 def test_replay_releases_blocks_a_collective_worker_freed():
     # block A (100 B) goes to a collective (worker thread 2, span 2-4) and its free is never recorded; the step then
     # allocates B (50 B) at 5 and C (70 B) at 6, reusing A's address
-    events = [_event(1, 100, 0xA), {"name": "gloo:all_gather", "ph": "X", "ts": 2, "dur": 2, "tid": 2},
-              _event(2.5, 30, 0xD, tid=2), _event(3.5, -30, 0xD, tid=2), _event(5, 50, 0xB), _event(6, 70, 0xA),
-              _event(7, -50, 0xB), _event(8, -70, 0xA)]
+    events = [
+        _event(1, 100, 0xA),
+        {"name": "gloo:all_gather", "ph": "X", "ts": 2, "dur": 2, "tid": 2},
+        _event(2.5, 30, 0xD, tid=2),
+        _event(3.5, -30, 0xD, tid=2),
+        _event(5, 50, 0xB),
+        _event(6, 70, 0xA),
+        _event(7, -50, 0xB),
+        _event(8, -70, 0xA),
+    ]
     peak, when = replay_allocations(events)
     assert (peak, when) == (150, 5)  # A and B together at 5 (A released after B's allocation), never A + B + C
     # without a worker's span the free is not explained: the block stays counted until its address is reused

@@ -2,8 +2,8 @@
 ones block by block (:mod:`trickles.memory.routing`), whatever the imbalance."""
 
 import torch
-
 from helpers import tiny_config
+
 from trickles.memory.report import measure, predict
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer

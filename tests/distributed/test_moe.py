@@ -10,8 +10,8 @@ import re
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.errors import ConfigError
 from trickles.parallel.expert import dispatch_wire_bytes
 from trickles.testing import run_ranks
@@ -21,8 +21,13 @@ STEPS = 20
 INVARIANCE_STEPS = 6  # the fp32 layout-invariance cases: a wrong gradient, shard or message shows in the first steps
 CPU = torch.device("cpu")
 EPS = "train.eps=1e-6"  # as in the other layout tests: fp32 rounding of near-zero gradients would dominate
-MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64", "model.moe_aux_loss=0.05",
-       "model.moe_z_loss=0.01"]
+MOE = [
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden=64",
+    "model.moe_aux_loss=0.05",
+    "model.moe_z_loss=0.01",
+]
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +37,15 @@ def cache(tmp_path_factory):
 
 def _train(tmp, dims, overrides, steps=STEPS, run=True):
     """Losses, MoE metrics and the final weights of ``steps`` steps (``run=False``: the weights before them)."""
-    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", EPS, *MOE, *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides,
-                      steps=steps)
+    cfg = tiny_config(
+        tmp,
+        "parallel.bucket_mb=0.05",
+        EPS,
+        *MOE,
+        *(f"parallel.{k}={v}" for k, v in dims.items()),
+        *overrides,
+        steps=steps,
+    )
     tr = Trainer(cfg, cfg.validate(_world(dims)).build(CPU), quiet=True)
     records = [tr.train_step() for _ in range(steps if run else 0)]
     specs = tr.engine.placements()
@@ -41,7 +53,11 @@ def _train(tmp, dims, overrides, steps=STEPS, run=True):
     for name, t in tr.engine.full_state().items():  # each tensor with the offset of its block in the global one
         spec = specs.get(name)
         state[name] = (t.detach().float().clone(), spec.offset if spec else (0,) * t.dim())
-    return [r["loss"] for r in records], [(r["moe_aux_loss"], r["moe_z_loss"], r["moe_dropped"], r["moe_load"]) for r in records], state
+    return (
+        [r["loss"] for r in records],
+        [(r["moe_aux_loss"], r["moe_z_loss"], r["moe_dropped"], r["moe_load"]) for r in records],
+        state,
+    )
 
 
 _REFERENCE = {}
@@ -59,16 +75,31 @@ LAYOUTS = [  # (id, degrees, overrides): one case per idea (capacity, shared exp
     ("pp2-1f1b-capacity", {"pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
     ("dp2-full-recompute-every2", {"dp": 2}, ["memory.recompute=full", "model.n_layers=4", "model.moe_every=2"]),
     ("ep2-capacity", {"dp": 2, "ep": 2}, ["model.moe_capacity_factor=1.0"]),
-    ("ep4-dropless-gpt2-zero2-accum", {"dp": 4, "ep": 4}, ["model.preset=gpt2-tiny", "parallel.zero=2", "train.micro_batch=1"]),
+    (
+        "ep4-dropless-gpt2-zero2-accum",
+        {"dp": 4, "ep": 4},
+        ["model.preset=gpt2-tiny", "parallel.zero=2", "train.micro_batch=1"],
+    ),
     ("dp4-ep2-zero1", {"dp": 4, "ep": 2}, ["parallel.zero=1", "model.moe_capacity_factor=1.0"]),
     ("dp4-ep2-zero3-shared", {"dp": 4, "ep": 2}, ["parallel.zero=3", "model.moe_shared_experts=1"]),
-    ("dp2-ep2-pp2-zb-h1", {"dp": 2, "ep": 2, "pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0",
-                                                        "parallel.schedule=zb-h1"]),
+    (
+        "dp2-ep2-pp2-zb-h1",
+        {"dp": 2, "ep": 2, "pp": 2},
+        ["train.micro_batch=2", "model.moe_capacity_factor=1.0", "parallel.schedule=zb-h1"],
+    ),
     ("tp2-ep2-capacity", {"dp": 2, "ep": 2, "tp": 2}, ["model.moe_capacity_factor=1.0"]),
     ("tp2-zero1-gpt2", {"tp": 2}, ["parallel.zero=1", "model.preset=gpt2-tiny"]),
     ("cp2-ring-capacity", {"cp": 2}, ["model.moe_capacity_factor=1.0"]),
-    ("cp2-ulysses-ep2-zero1", {"cp": 2, "ep": 2}, ["parallel.cp_mode=ulysses", "parallel.zero=1", "model.moe_shared_experts=1"]),
-    ("tp2-sp-ep2-cp2", {"tp": 2, "cp": 2, "ep": 2}, ["parallel.sequence_parallel=true", "model.moe_capacity_factor=1.0"]),
+    (
+        "cp2-ulysses-ep2-zero1",
+        {"cp": 2, "ep": 2},
+        ["parallel.cp_mode=ulysses", "parallel.zero=1", "model.moe_shared_experts=1"],
+    ),
+    (
+        "tp2-sp-ep2-cp2",
+        {"tp": 2, "cp": 2, "ep": 2},
+        ["parallel.sequence_parallel=true", "model.moe_capacity_factor=1.0"],
+    ),
 ]
 
 
@@ -85,7 +116,9 @@ def test_layout_invariance(tmp_path, cache, dims, overrides):
     ref_losses, ref_moe, ref_w = _reference(str(tmp_path), cache, same_math, INVARIANCE_STEPS)
     ref_w = {n: t for n, (t, _) in ref_w.items()}
     held = set()
-    for losses, moe, weights in run_ranks(_world(dims), _train, str(tmp_path), dims, [cache, *overrides], INVARIANCE_STEPS):
+    for losses, moe, weights in run_ranks(
+        _world(dims), _train, str(tmp_path), dims, [cache, *overrides], INVARIANCE_STEPS
+    ):
         assert losses == pytest.approx(ref_losses, rel=1e-4)
         for (aux, z, dropped, load), (r_aux, r_z, r_dropped, r_load) in zip(moe, ref_moe):
             assert load == r_load and dropped == r_dropped
@@ -122,19 +155,32 @@ def test_bf16_expert_parallel_tracks_one_process_in_bf16(tmp_path, cache):
     tmp = str(tmp_path)
     ref_losses, _, ref_w = run_ranks(1, _train, tmp, {}, common, LOW_STEPS)[0]
     _, _, start = run_ranks(1, _train, tmp, {}, common, LOW_STEPS, run=False)[0]
-    slower, _, _ = run_ranks(1, _train, tmp, {}, [*common, f"train.lr={0.95 * tiny_config(tmp).train.lr!r}"], LOW_STEPS)[0]
+    slower, _, _ = run_ranks(
+        1, _train, tmp, {}, [*common, f"train.lr={0.95 * tiny_config(tmp).train.lr!r}"], LOW_STEPS
+    )[0]
     for losses, _, weights in run_ranks(2, _train, tmp, {"dp": 2, "ep": 2}, [*common, "parallel.zero=1"], LOW_STEPS):
         assert_losses_track(losses, ref_losses, LOW_TOL["loss"], wrong={"lr 5% lower": slower})
         region = {n: tuple(slice(o, o + k) for o, k in zip(off, w.shape)) for n, (w, off) in weights.items()}
-        assert_updates_track({n: w for n, (w, _) in weights.items()}, {n: ref_w[n][0][region[n]] for n in weights},
-                             {n: start[n][0][region[n]] for n in weights}, LOW_TOL["update"])
+        assert_updates_track(
+            {n: w for n, (w, _) in weights.items()},
+            {n: ref_w[n][0][region[n]] for n in weights},
+            {n: start[n][0][region[n]] for n in weights},
+            LOW_TOL["update"],
+        )
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.ep=3"], 3, "model.moe_experts (4) must be divisible by parallel.ep (3)"),
-    (["parallel.ep=2", "model.moe_experts=0"], 2, "parallel.ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts is 0"),
-    (["parallel.ep=4"], 2, "parallel.ep (4) must divide parallel.dp x parallel.cp (2)"),
-])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.ep=3"], 3, "model.moe_experts (4) must be divisible by parallel.ep (3)"),
+        (
+            ["parallel.ep=2", "model.moe_experts=0"],
+            2,
+            "parallel.ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts is 0",
+        ),
+        (["parallel.ep=4"], 2, "parallel.ep (4) must divide parallel.dp x parallel.cp (2)"),
+    ],
+)
 def test_bad_moe_layouts_are_refused_by_the_config(tmp_path, overrides, world, message):
     cfg = tiny_config(str(tmp_path), *MOE, *overrides)
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -142,6 +188,7 @@ def test_bad_moe_layouts_are_refused_by_the_config(tmp_path, overrides, world, m
 
 
 # ---- expert parallelism: bytes ----------------------------------------------------------------------------------
+
 
 def _ep_step(tmp, cache, overrides):
     cfg = tiny_config(tmp, cache, *MOE, "parallel.ep=2", "parallel.dp=2", *overrides, steps=2)
@@ -153,7 +200,9 @@ def _ep_step(tmp, cache, overrides):
     return tr.topo.comm("ep").rank, tr.accumulation, tr.model_cfg.d_model, load, tr.topo.ledger.snapshot()
 
 
-@pytest.mark.parametrize("overrides", [["model.moe_capacity_factor=1.0"], ["train.micro_batch=2"]], ids=["capacity", "accumulation"])
+@pytest.mark.parametrize(
+    "overrides", [["model.moe_capacity_factor=1.0"], ["train.micro_batch=2"]], ids=["capacity", "accumulation"]
+)
 def test_expert_parallel_all_to_all_sends_the_formula_bytes(tmp_path, cache, overrides):
     """One step at ep=2: the ``ep`` group's all-to-alls carry, per MoE block and micro-batch, the rows this rank
     sends to the other rank's experts (``m_out``) and those it returns (``m_in``), forward and backward:
@@ -166,8 +215,14 @@ def test_expert_parallel_all_to_all_sends_the_formula_bytes(tmp_path, cache, ove
     total_off = 0
     for rank, accumulation, d, load, ledger in results:
         m_out = sum(c for row in load.values() for x, c in enumerate(row) if x not in mine[rank])
-        m_in = sum(c for other, _, _, other_load, _ in results if other != rank
-                   for row in other_load.values() for x, c in enumerate(row) if x in mine[rank])
+        m_in = sum(
+            c
+            for other, _, _, other_load, _ in results
+            if other != rank
+            for row in other_load.values()
+            for x, c in enumerate(row)
+            if x in mine[rank]
+        )
         total_off += m_out
         blocks = len(load) * accumulation
         op = ledger["all_to_all/ep"]
@@ -180,7 +235,9 @@ def test_expert_parallel_all_to_all_sends_the_formula_bytes(tmp_path, cache, ove
 
 
 def _zero1_reductions(tmp, cache):
-    cfg = tiny_config(tmp, cache, *MOE, "parallel.ep=2", "parallel.dp=4", "parallel.zero=1", "parallel.bucket_mb=0.05", steps=2)
+    cfg = tiny_config(
+        tmp, cache, *MOE, "parallel.ep=2", "parallel.dp=4", "parallel.zero=1", "parallel.bucket_mb=0.05", steps=2
+    )
     tr = Trainer(cfg, cfg.validate(4).build(CPU), quiet=True)
     tr.train_step()
     tr.topo.ledger.reset()
@@ -204,17 +261,30 @@ def test_zero_reduces_and_shards_experts_over_edp_and_the_rest_over_all_replicas
         for g, (group, n) in enumerate((("dp", 4), ("edp", 2))):
             assert all(size % (16 * n) == 0 for size in buckets[g])
             assert 0 <= sum(buckets[g]) - held[g] < 16 * n * len(buckets[g])  # the padding: less than a unit per bucket
-            assert ledger[f"reduce_scatter/{group}"] == {"calls": len(buckets[g]), "bytes": 4 * sum(buckets[g]),
-                                                         "wire_bytes": 4 * sum(buckets[g]) * (n - 1) // n}
+            assert ledger[f"reduce_scatter/{group}"] == {
+                "calls": len(buckets[g]),
+                "bytes": 4 * sum(buckets[g]),
+                "wire_bytes": 4 * sum(buckets[g]) * (n - 1) // n,
+            }
             assert ledger[f"all_gather/{group}"]["bytes"] == 4 * sum(buckets[g]) // n  # each rank's shard
-        assert ledger["all_reduce/dp"] == {"calls": 2, "bytes": 8, "wire_bytes": 2 * 2 * 4 * 3 // 4}  # the norm, the loss
+        assert ledger["all_reduce/dp"] == {
+            "calls": 2,
+            "bytes": 8,
+            "wire_bytes": 2 * 2 * 4 * 3 // 4,
+        }  # the norm, the loss
         assert not any(k.startswith(("all_reduce/ep", "all_reduce/edp")) for k in ledger)
 
 
 # ---- hard (label-routed) experts ---------------------------------------------------------------------------------
 
-HARD = ["model.moe_router=hard", "model.moe_top_k=1", "model.moe_label_experts=json:0,wsgiref:1",
-        "data.label_field=package", "data.max_bytes=none", "data.val_fraction=0.2"]
+HARD = [
+    "model.moe_router=hard",
+    "model.moe_top_k=1",
+    "model.moe_label_experts=json:0,wsgiref:1",
+    "data.label_field=package",
+    "data.max_bytes=none",
+    "data.val_fraction=0.2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -229,9 +299,12 @@ def two_labels(tmp_path_factory):
     root = sysconfig.get_paths()["stdlib"]
     docs = {}
     for package in ("json", "wsgiref"):
-        text = "".join(open(os.path.join(root, package, f)).read() for f in sorted(os.listdir(os.path.join(root, package)))
-                       if f.endswith(".py"))
-        docs[package] = [text[i:i + 3000] for i in range(0, len(text), 3000)]
+        text = "".join(
+            open(os.path.join(root, package, f)).read()
+            for f in sorted(os.listdir(os.path.join(root, package)))
+            if f.endswith(".py")
+        )
+        docs[package] = [text[i : i + 3000] for i in range(0, len(text), 3000)]
     tail_first = itertools.zip_longest(*(reversed([(p, d) for d in v]) for p, v in docs.items()))
     order = [doc for pair in tail_first for doc in pair if doc is not None][::-1]
     path = tmp_path_factory.mktemp("labels") / "two.jsonl"
@@ -241,8 +314,11 @@ def two_labels(tmp_path_factory):
     return f"data.source={path}"
 
 
-@pytest.mark.parametrize("dims,extra", [({"dp": 2, "ep": 2}, ["parallel.zero=1"]), ({"tp": 2}, ["parallel.sequence_parallel=true"])],
-                         ids=["dp2-ep2-zero1", "tp2-sp"])
+@pytest.mark.parametrize(
+    "dims,extra",
+    [({"dp": 2, "ep": 2}, ["parallel.zero=1"]), ({"tp": 2}, ["parallel.sequence_parallel=true"])],
+    ids=["dp2-ep2-zero1", "tp2-sp"],
+)
 def test_hard_routing_layout_invariance(tmp_path, cache, two_labels, dims, extra):
     """Label-routed experts at dp2 x ep2 with ZeRO-1, and under sequence parallelism (each rank's share of the
     per-token labels), track one process like the learned router (losses 1e-4, weights 1e-5, the same load)."""
@@ -285,7 +361,9 @@ def _label_experiment(tmp, cache, source, steps):
                 tr.moe_stats.reset()
                 logits = tr.model(x, labels=torch.full((len(x),), by))
                 losses[own, by] = float(F.cross_entropy(logits.flatten(0, 1), y.flatten()))
-                routed_only[own, by] = {layer: [i for i, c in enumerate(row.tolist()) if c] for layer, row in tr.moe_stats.load.items()}
+                routed_only[own, by] = {
+                    layer: [i for i, c in enumerate(row.tolist()) if c] for layer, row in tr.moe_stats.load.items()
+                }
             assert len(x) >= 2, (own, len(x))
     return losses, routed_only
 

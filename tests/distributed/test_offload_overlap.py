@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.optim.offload import OverlappedHostStep
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
@@ -26,8 +26,16 @@ def cache(tmp_path_factory):
 
 
 def _run(tmp, cache, stage, overlap, delay=0.0, steps=3):
-    cfg = tiny_config(tmp, cache, f"parallel.zero={stage}", "parallel.bucket_mb=0.02", "memory.offload_optimizer=true",
-                      f"memory.offload_overlap={str(overlap).lower()}", "train.micro_batch=2", steps=steps)
+    cfg = tiny_config(
+        tmp,
+        cache,
+        f"parallel.zero={stage}",
+        "parallel.bucket_mb=0.02",
+        "memory.offload_optimizer=true",
+        f"memory.offload_overlap={str(overlap).lower()}",
+        "train.micro_batch=2",
+        steps=steps,
+    )
     tr = Trainer(cfg, ParallelDims(dp=2).build(torch.device("cpu")), quiet=True)
     engine, events = tr.engine, []
     host = engine.optimizer.overlapped
@@ -38,18 +46,28 @@ def _run(tmp, cache, stage, overlap, delay=0.0, steps=3):
         def step_unit(u):
             time.sleep(delay)
             slow(u)
+
         host._step_unit = step_unit
     if overlap:
         engine.set_trace(events)
         for name, block in tr.model.layers.items():
             block.register_forward_pre_hook(lambda m, a, name=name: events.append(("forward", int(name))))
-    needs = {int(name): sorted({engine._unit_of[engine._slot_of[id(p)].bucket] for p in block.parameters()})
-             for name, block in tr.model.layers.items()}
+    needs = {
+        int(name): sorted({engine._unit_of[engine._slot_of[id(p)].bucket] for p in block.parameters()})
+        for name, block in tr.model.layers.items()
+    }
     losses, marks = [], []
     for _ in range(steps):
         marks.append(len(events))
         losses.append(tr.train_step()["loss"])
-    return losses, {k: v.clone() for k, v in engine.full_state().items()}, events, marks, needs, len(engine.layout.buckets)
+    return (
+        losses,
+        {k: v.clone() for k, v in engine.full_state().items()},
+        events,
+        marks,
+        needs,
+        len(engine.layout.buckets),
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -58,7 +76,7 @@ def test_offload_overlap_order_of_events(tmp_path, cache, stage):
         assert buckets >= 6
         units = range(buckets)
         for s in range(1, len(marks)):  # step s's backward, then its host step under step s + 1's forward
-            step = events[marks[s]:marks[s + 1] if s + 1 < len(marks) else len(events)]
+            step = events[marks[s] : marks[s + 1] if s + 1 < len(marks) else len(events)]
             where = {e: i for i, e in reversed(list(enumerate(step)))}  # first occurrence of each event
             end = where[("backward_done", None)]  # autograd's backward of the last micro-batch returned
             assert end < where[("backward_end", None)]
@@ -67,11 +85,13 @@ def test_offload_overlap_order_of_events(tmp_path, cache, stage):
             for u in early:  # ... each right after its bucket's reduction completed
                 assert any(step[i][0] == "reduced" for i in range(where[("grads_to_host", u)])), u
             back = where[("step_returned", None)]
-            after = events[marks[s] + back:]  # the host step of step s, and step s + 1 (or the end of the run)
+            after = events[marks[s] + back :]  # the host step of step s, and step s + 1 (or the end of the run)
             order = {e: i for i, e in reversed(list(enumerate(after)))}
             steps_at = [order[("host_step", u)] for u in units]
             assert steps_at == sorted(steps_at), "the host steps buckets in forward order"
-            first_forward = min(order[("forward", k)] for k in needs if ("forward", k) in order) if s + 1 < len(marks) else None
+            first_forward = (
+                min(order[("forward", k)] for k in needs if ("forward", k) in order) if s + 1 < len(marks) else None
+            )
             if first_forward is None:
                 continue
             assert first_forward < max(steps_at), "the next forward started only after the whole host step"
@@ -79,7 +99,12 @@ def test_offload_overlap_order_of_events(tmp_path, cache, stage):
                 f = order[("forward", k)]
                 for u in mine:  # a block runs once its own buckets are updated, copied back and gathered (unit u is
                     # bucket buckets - 1 - u: the last bucket holds the first layers)
-                    assert order[("host_step", u)] < order[("params_to_device", u)] < order[("gather", buckets - 1 - u)] < f
+                    assert (
+                        order[("host_step", u)]
+                        < order[("params_to_device", u)]
+                        < order[("gather", buckets - 1 - u)]
+                        < f
+                    )
                 later = [u for u in units if u > max(mine)]
                 if k == min(needs) and later:  # the first block ran while later buckets were still being updated
                     assert f < max(order[("host_step", u)] for u in later)
@@ -96,8 +121,17 @@ def test_offload_overlap_gives_the_waiting_steps_weights(tmp_path, cache, stage)
 
 
 def _tp_run(tmp, cache, overlap):
-    cfg = tiny_config(tmp, cache, "parallel.zero=1", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.bucket_mb=0.02",
-                      "memory.offload_optimizer=true", f"memory.offload_overlap={str(overlap).lower()}", steps=3)
+    cfg = tiny_config(
+        tmp,
+        cache,
+        "parallel.zero=1",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "parallel.bucket_mb=0.02",
+        "memory.offload_optimizer=true",
+        f"memory.offload_overlap={str(overlap).lower()}",
+        steps=3,
+    )
     tr = Trainer(cfg, cfg.validate(4).build(torch.device("cpu")), quiet=True)
     early = tr.engine._early_copies
     losses = [tr.train_step()["loss"] for _ in range(3)]
@@ -122,8 +156,15 @@ def test_an_error_in_the_host_step_surfaces_on_the_main_thread():
     for m, g in zip(masters, host):
         m.grad = g
     opt = torch.optim.AdamW([{"params": masters}], lr=0.1)
-    step = OverlappedHostStep(opt, [[0], [1]], [x.data for x in p], [torch.full((4,), 0.5), torch.full((3,), 0.5)],
-                              masters, host, torch.device("cpu"))
+    step = OverlappedHostStep(
+        opt,
+        [[0], [1]],
+        [x.data for x in p],
+        [torch.full((4,), 0.5), torch.full((3,), 0.5)],
+        masters,
+        host,
+        torch.device("cpu"),
+    )
     step.launch(0.1)
     step.wait()
     assert torch.equal(p[0].data, masters[0]) and not torch.equal(masters[0], torch.ones(4))  # stepped and copied back
@@ -133,6 +174,7 @@ def test_an_error_in_the_host_step_surfaces_on_the_main_thread():
         if u == 1:
             raise RuntimeError("host step failed")
         broken(u)
+
     step._step_unit = fail
     step.launch(0.1)
     with pytest.raises(RuntimeError, match="host step failed"):
@@ -142,8 +184,16 @@ def test_an_error_in_the_host_step_surfaces_on_the_main_thread():
 
 
 def _one_device(tmp, cache, overlap, device):
-    cfg = tiny_config(tmp, cache, "parallel.zero=1", "parallel.bucket_mb=0.02", "memory.offload_optimizer=true",
-                      f"memory.offload_overlap={str(overlap).lower()}", f"train.device={device}", steps=3)
+    cfg = tiny_config(
+        tmp,
+        cache,
+        "parallel.zero=1",
+        "parallel.bucket_mb=0.02",
+        "memory.offload_optimizer=true",
+        f"memory.offload_overlap={str(overlap).lower()}",
+        f"train.device={device}",
+        steps=3,
+    )
     tr = Trainer(cfg, ParallelDims(dp=1).build(torch.device(device)), quiet=True)
     losses = [tr.train_step()["loss"] for _ in range(3)]
     return losses, {k: v.detach().cpu().clone() for k, v in tr.engine.full_state().items()}
@@ -152,6 +202,6 @@ def _one_device(tmp, cache, overlap, device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.needs_gpu)])
 def test_offload_overlap_on_one_device(tmp_path, cache, device):
     """One rank (on CUDA: pinned host memory, side streams and events): the overlapped step equals the waiting one."""
-    (l0, w0), = run_ranks(1, _one_device, str(tmp_path), cache, False, device)
-    (l1, w1), = run_ranks(1, _one_device, str(tmp_path), cache, True, device)
+    ((l0, w0),) = run_ranks(1, _one_device, str(tmp_path), cache, False, device)
+    ((l1, w1),) = run_ranks(1, _one_device, str(tmp_path), cache, True, device)
     assert l0 == l1 and all(torch.equal(w0[k], w1[k]) for k in w0)

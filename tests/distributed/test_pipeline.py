@@ -10,10 +10,10 @@ from fractions import Fraction
 
 import pytest
 import torch
-
 from helpers import assert_losses_track, assert_weights_track, tiny_config
-from trickles.parallel.pipeline.stages import send_bytes
+
 from trickles.parallel.pipeline.schedules import Shape, build, compute_order
+from trickles.parallel.pipeline.stages import send_bytes
 from trickles.parallel.pipeline.timeline import simulate
 from trickles.testing import run_ranks
 from trickles.train.load import load_for_inference
@@ -90,8 +90,9 @@ def reference(tmp, cache, preset, layers, extra=()):
     """One process's losses and weights, computed once per run (keyed by the run's cache directory too)."""
     key = (cache, preset, layers, tuple(extra))
     if key not in _REFERENCE:
-        losses, pieces, *_ = _train(tmp, 1, 1, 1, [cache, f"model.preset={preset}", f"model.n_layers={layers}", *extra],
-                                    INVARIANCE_STEPS)
+        losses, pieces, *_ = _train(
+            tmp, 1, 1, 1, [cache, f"model.preset={preset}", f"model.n_layers={layers}", *extra], INVARIANCE_STEPS
+        )
         _REFERENCE[key] = losses, _assemble([pieces])
     return _REFERENCE[key]
 
@@ -109,15 +110,30 @@ CASES = [
     ("tiny", 8, 1, 1, 2, "1f1b", ("memory.recompute=full",)),
     # tensor x pipeline, interleaved, with sequence parallelism; each rank's first two layers recomputed whole (their
     # linears keep the gathered input), the other two selectively (memory.recompute_num_layers)
-    ("gpt2-tiny", 8, 1, 2, 2, "interleaved", ("parallel.virtual_stages=2", "train.micro_batch=1",
-                                              "parallel.sequence_parallel=true", "memory.recompute=full",
-                                              "memory.recompute_num_layers=2", "memory.recompute_rest=selective")),
+    (
+        "gpt2-tiny",
+        8,
+        1,
+        2,
+        2,
+        "interleaved",
+        (
+            "parallel.virtual_stages=2",
+            "train.micro_batch=1",
+            "parallel.sequence_parallel=true",
+            "memory.recompute=full",
+            "memory.recompute_num_layers=2",
+            "memory.recompute_rest=selective",
+        ),
+    ),
 ]
 
 
 def _case_id(c):
     preset, layers, dp, tp, pp, schedule, extra = c
-    return f"{preset}-L{layers}-dp{dp}-tp{tp}-pp{pp}-{schedule}" + "".join(f"-{e.split('.')[-1].split('=')[0]}" for e in extra)
+    return f"{preset}-L{layers}-dp{dp}-tp{tp}-pp{pp}-{schedule}" + "".join(
+        f"-{e.split('.')[-1].split('=')[0]}" for e in extra
+    )
 
 
 @pytest.mark.parametrize("preset,layers,dp,tp,pp,schedule,extra", CASES, ids=[_case_id(c) for c in CASES])
@@ -161,12 +177,25 @@ def _check_memory_and_messages(results, dp, tp, pp, schedule, extra):
 
 # ---- the schedule as executed, and its bubble ---------------------------------------------
 
+
 def _executed(tmp, overrides, schedule, v):
     """One traced step: the actions this rank's executor ran (messages as posted, computes as run), in order; the
     compute actions its trace recorded; the schedule's lists; the gathered trace's rows (pipeline rank 0)."""
-    tr = _trainer(tmp, 1, 1, torch.distributed.get_world_size(),
-                  [*overrides, "model.n_layers=8", "train.micro_batch=1", f"parallel.schedule={schedule}",
-                   f"parallel.virtual_stages={v}", "train.pipeline_trace=x.png"], steps=1)
+    tr = _trainer(
+        tmp,
+        1,
+        1,
+        torch.distributed.get_world_size(),
+        [
+            *overrides,
+            "model.n_layers=8",
+            "train.micro_batch=1",
+            f"parallel.schedule={schedule}",
+            f"parallel.virtual_stages={v}",
+            "train.pipeline_trace=x.png",
+        ],
+        steps=1,
+    )
     runner, ran = tr.pipeline, []
     post, forward, backward, weight = runner._post, runner._forward, runner._backward, runner._weight
     runner._post = lambda run, micro: (ran.extend(run), post(run, micro))[1]
@@ -218,6 +247,7 @@ def test_each_rank_runs_its_schedule_in_order_and_its_timeline_has_the_formula_b
 
 # ---- checkpoints, evaluation, sampling -----------------------------------------------------
 
+
 def _first_half(tmp, dp, tp, pp, overrides):
     tr = _trainer(tmp, dp, tp, pp, [*overrides, f"train.out_dir={tmp}/a", "train.eval_batches=2"], steps=8)
     losses = [tr.train_step()["loss"] for _ in range(4)]
@@ -239,9 +269,9 @@ def _cached_decoding_gap(tmp, cache):
     model = PipelinedModel(tr.pipeline, tr.model, tr.model_cfg.vocab_size).eval()
     tokens = tr.train_data.micro_batches(0, 1, 1)[0][0][:, :8]
     with torch.no_grad():
-        whole = [model(tokens[:, :i + 1])[:, -1] for i in range(8)]  # each prefix through the stages, no cache
+        whole = [model(tokens[:, : i + 1])[:, -1] for i in range(8)]  # each prefix through the stages, no cache
         kv = model.new_cache(1, 8)
-        cached = [model(tokens[:, i:i + 1], cache=kv, start=i)[:, -1] for i in range(8)]  # one token at a time
+        cached = [model(tokens[:, i : i + 1], cache=kv, start=i)[:, -1] for i in range(8)]  # one token at a time
     return max(float((a - b).abs().max()) for a, b in zip(whole, cached))
 
 
@@ -260,17 +290,29 @@ def test_checkpoint_each_stage_saves_its_part_and_loads_at_another_layout(tmp_pa
     path, straight, val, sample = first[0]
     assert all(f[1] == straight and f[2] == val and f[3] == sample for f in first)
     names = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
-    assert names == ["model-rank00000.safetensors", "model-rank00001.safetensors",
-                     "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"]
+    assert names == [
+        "model-rank00000.safetensors",
+        "model-rank00001.safetensors",
+        "optimizer-rank00000.safetensors",
+        "optimizer-rank00001.safetensors",
+    ]
     for tail in run_ranks(2, _second_half, str(tmp_path), 1, 1, 2, common, path):
         assert tail == straight[4:]
-    (one_path, one_straight, one_val, one_sample), = run_ranks(1, _first_half, str(tmp_path / "one"), 1, 1, 1, common)
+    ((one_path, one_straight, one_val, one_sample),) = run_ranks(1, _first_half, str(tmp_path / "one"), 1, 1, 1, common)
     assert one_straight == pytest.approx(straight, rel=1e-5) and one_val == pytest.approx(val, rel=1e-5)
     assert one_sample == sample
     (tail,) = run_ranks(1, _second_half, str(tmp_path), 1, 1, 1, common, path)
     assert tail == pytest.approx(straight[4:], rel=1e-4)
-    for tail in run_ranks(4, _second_half, str(tmp_path), 1, 1, 4, [*common, "parallel.schedule=interleaved",
-                                                                    "parallel.virtual_stages=2"], path):
+    for tail in run_ranks(
+        4,
+        _second_half,
+        str(tmp_path),
+        1,
+        1,
+        4,
+        [*common, "parallel.schedule=interleaved", "parallel.virtual_stages=2"],
+        path,
+    ):
         assert tail == pytest.approx(straight[4:], rel=1e-4)
     model, _, meta = load_for_inference(path)
     assert meta["layout"]["pp"] == 2 and len(model.layers) == 8
@@ -279,11 +321,18 @@ def test_checkpoint_each_stage_saves_its_part_and_loads_at_another_layout(tmp_pa
 
 # ---- one call per step ---------------------------------------------------------------------
 
+
 def _api_step(tmp, cache):
     from trickles.optim import lr_at
 
     # a tied embedding: its gradient is summed over the first and last stage by the step's finish_backward
-    overrides = [cache, "model.n_layers=4", "parallel.schedule=1f1b", "train.grad_clip=0.5", "model.tie_embeddings=true"]
+    overrides = [
+        cache,
+        "model.n_layers=4",
+        "parallel.schedule=1f1b",
+        "train.grad_clip=0.5",
+        "model.tie_embeddings=true",
+    ]
     by_trainer = _trainer(tmp, 1, 1, 2, overrides, steps=4)
     by_api = _trainer(tmp, 1, 1, 2, overrides, steps=4)
     t = by_api.cfg.train
@@ -306,6 +355,7 @@ def test_pipeline_train_step_is_one_call_per_step(tmp_path, cache):
 
 
 # ---- low precision and the default eps: the same precision on one process, tolerances that reject a wrong run ----
+
 
 def _tracked(tmp, cache, pp, tp, overrides, steps):
     """Every rank's losses, the replica's whole weights after ``steps`` and before the first (a helper for the
@@ -331,8 +381,10 @@ def test_low_precision_through_the_stages_tracks_one_process(tmp_path, cache, pr
     overrides = ["model.n_layers=4", f"memory.precision={precision}"]
     key = (cache, precision, steps)  # one process's runs serve every schedule at this precision
     if key not in _ONE_PROCESS:
-        _ONE_PROCESS[key] = (_tracked(str(tmp_path), cache, 1, 1, overrides, steps),
-                             _tracked(str(tmp_path), cache, 1, 1, _lr_off(str(tmp_path), overrides), steps)[0])
+        _ONE_PROCESS[key] = (
+            _tracked(str(tmp_path), cache, 1, 1, overrides, steps),
+            _tracked(str(tmp_path), cache, 1, 1, _lr_off(str(tmp_path), overrides), steps)[0],
+        )
     ((one,), one_w, initial), (off,) = _ONE_PROCESS[key]
     losses, weights, _ = _tracked(str(tmp_path), cache, 2, 1, [*overrides, f"parallel.schedule={schedule}"], steps)
     for rank_losses in losses:
@@ -356,8 +408,20 @@ LOW_WEIGHT_TOL = {"bf16": 1e-2, "fp16": 2e-3}
 def _overflow(tmp, cache):
     """fp16 through 2 stages; at step 3 an inf enters the gradients on stage 0 only (behind layer 0, so
     stage 1's own gradients stay finite). Returns what the skipped step did and how the scale went on."""
-    tr = _trainer(tmp, 1, 1, 2, [cache, "memory.precision=fp16", "memory.loss_scale_hysteresis=1",
-                                 "memory.loss_scale_growth_interval=3", "memory.loss_scale=1024"], steps=6)
+    tr = _trainer(
+        tmp,
+        1,
+        1,
+        2,
+        [
+            cache,
+            "memory.precision=fp16",
+            "memory.loss_scale_hysteresis=1",
+            "memory.loss_scale_growth_interval=3",
+            "memory.loss_scale=1024",
+        ],
+        steps=6,
+    )
     for _ in range(2):
         tr.train_step()
     weights = {k: v.clone() for k, v in tr.engine.full_state().items()}
@@ -365,8 +429,10 @@ def _overflow(tmp, cache):
     scale, local = tr.scaler.scale, {}
     handle = None
     if tr.pipeline.rank == 0:
+
         def poison(module, args, out):
             out.register_hook(lambda g: torch.full_like(g, float("inf")))
+
         handle = tr.model.layers["0"].register_forward_hook(poison)
     grads_of = tr.engine.clip_grad_norm
 
@@ -379,12 +445,22 @@ def _overflow(tmp, cache):
     del tr.engine.clip_grad_norm
     if handle is not None:
         handle.remove()
-    untouched = (all(torch.equal(weights[k], v) for k, v in tr.engine.full_state().items())
-                 and all(torch.equal(state[k], v[0]) for k, v in tr.engine.optimizer.state_tensors().items()))
+    untouched = all(torch.equal(weights[k], v) for k, v in tr.engine.full_state().items()) and all(
+        torch.equal(state[k], v[0]) for k, v in tr.engine.optimizer.state_tensors().items()
+    )
     backed_off = tr.scaler.scale
     good = [tr.train_step() for _ in range(3)]
-    return (local["finite"], bad["skipped"], tr.skipped, untouched, scale, backed_off, tr.scaler.scale,
-            [g["skipped"] for g in good], [g["loss_scale"] for g in good])
+    return (
+        local["finite"],
+        bad["skipped"],
+        tr.skipped,
+        untouched,
+        scale,
+        backed_off,
+        tr.scaler.scale,
+        [g["skipped"] for g in good],
+        [g["loss_scale"] for g in good],
+    )
 
 
 def test_fp16_overflow_on_one_stage_skips_the_step_on_every_stage(tmp_path, cache):
@@ -405,7 +481,11 @@ def test_default_eps_through_stages_and_tensor_parallel_tracks_one_process(tmp_p
     """Adam's default eps (1e-8; the other cases use 1e-6): pp=2 x tp=2 tracks one process with the same eps."""
     from trickles.train.config import TrainConfig
 
-    overrides = ["model.n_layers=4", "parallel.schedule=1f1b", f"train.eps={TrainConfig().eps!r}"]  # back to the default
+    overrides = [
+        "model.n_layers=4",
+        "parallel.schedule=1f1b",
+        f"train.eps={TrainConfig().eps!r}",
+    ]  # back to the default
     (one,), one_w, initial = _tracked(str(tmp_path), cache, 1, 1, overrides, STEPS)
     (off,), _, _ = _tracked(str(tmp_path), cache, 1, 1, _lr_off(str(tmp_path), overrides), STEPS)
     losses, weights, _ = _tracked(str(tmp_path), cache, 2, 2, overrides, STEPS)

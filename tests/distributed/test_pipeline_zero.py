@@ -8,8 +8,8 @@ tests/distributed/test_reshard.py, the refused combinations in tests/unit/test_s
 
 import pytest
 import torch
-
 from test_pipeline import INVARIANCE_STEPS, _assemble, _pieces, _trainer, cache, reference  # noqa: F401 (fixture)
+
 from trickles.testing import run_ranks
 
 # (preset, layers, dp, pp, schedule, zero, extra)
@@ -47,8 +47,14 @@ def test_pipeline_with_zero_trains_like_one_process(tmp_path, cache, preset, lay
     """Losses within 1e-4 relative of one process's, gathered weights within 1e-5, over 6 steps; the step's
     data-parallel collectives counted."""
     ref_losses, ref_weights = reference(str(tmp_path), cache, preset, layers)
-    overrides = [cache, f"model.preset={preset}", f"model.n_layers={layers}", f"parallel.schedule={schedule}",
-                 f"parallel.zero={zero}", *extra]
+    overrides = [
+        cache,
+        f"model.preset={preset}",
+        f"model.n_layers={layers}",
+        f"parallel.schedule={schedule}",
+        f"parallel.zero={zero}",
+        *extra,
+    ]
     results = run_ranks(dp * pp, _run, str(tmp_path), dp, pp, overrides, INVARIANCE_STEPS, timeout=600)
     for losses, *_ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-4)

@@ -2,8 +2,8 @@
 against :func:`trickles.planner.cost.step_time`'s traffic (which reads the formulas each dimension's module states)."""
 
 import pytest
-
 from helpers import tiny_config
+
 from trickles.planner import load_cluster, step_time
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
@@ -22,17 +22,33 @@ LAYOUTS = {
     "tp4-2d-full": ["parallel.tp=4", "parallel.tp_mode=2d", "model.n_kv_heads=4", "memory.recompute=full"],
     "tp2-full": ["parallel.tp=2", "memory.recompute=full"],
     "dp2-zero2-accum": ["parallel.dp=2", "parallel.zero=2", "train.micro_batch=2"],
-    "pp2-interleaved": ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch=1",
-                        "model.n_layers=4"],
+    "pp2-interleaved": [
+        "parallel.pp=2",
+        "parallel.schedule=interleaved",
+        "parallel.virtual_stages=2",
+        "train.micro_batch=1",
+        "model.n_layers=4",
+    ],
     "dp2-ep2": ["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "model.moe_capacity_factor=1.0"],
     # the first layer recomputed whole (its ring exchanges again), the second not
     "cp2-ring-full:1": ["parallel.cp=2", "memory.recompute=full", "memory.recompute_num_layers=1"],
     # the recomputed block's entries keep their gathered inputs (no regathers), the other's regather in backward
-    "tp2-sp-full:1+elementwise": ["parallel.tp=2", "parallel.sequence_parallel=true", "memory.recompute=full",
-                                  "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise"],
+    "tp2-sp-full:1+elementwise": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "memory.recompute=full",
+        "memory.recompute_num_layers=1",
+        "memory.recompute_rest=elementwise",
+    ],
     # the V: both ends (and the tied embedding's one copy) on rank 0, the turn on rank 1 sends nothing
-    "pp2-zb-v-gpt2": ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "train.micro_batch=1",
-                      "model.n_layers=4", "model.preset=gpt2-tiny"],
+    "pp2-zb-v-gpt2": [
+        "parallel.pp=2",
+        "parallel.schedule=zb-v",
+        "parallel.virtual_stages=2",
+        "train.micro_batch=1",
+        "model.n_layers=4",
+        "model.preset=gpt2-tiny",
+    ],
 }
 
 

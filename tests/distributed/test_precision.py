@@ -6,8 +6,8 @@ import gc
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers import assert_losses_track, tiny_config
+
 from trickles.errors import TrainingStopped
 from trickles.launch import launch
 from trickles.memory.accounting import live_tensor_bytes
@@ -41,13 +41,16 @@ def _inf(g):
 
 def _poison(tr, steps):
     """On the (1-based) optimizer ``steps``, the gradient flowing back from the final norm is inf."""
+
     def hook(module, args, out):
         if tr.step + 1 in steps:
             out.register_hook(_inf)
+
     return tr.model.norm.register_forward_hook(hook)
 
 
 # ---- fp16 overflow: skipped on every rank, under every layout ---------------------------------------
+
 
 def _inf_output(module, args, out):
     out.register_hook(_inf)
@@ -66,8 +69,16 @@ def _overflow_in_embedding(tr):
 
 
 def _inject_inf(tmp, cache, stage, tp):
-    tr = _trainer(tmp, cache, "memory.precision=fp16", f"parallel.zero={stage}", "memory.loss_scale_hysteresis=1",
-                  "memory.loss_scale_growth_interval=3", "memory.loss_scale=1024", tp=tp)
+    tr = _trainer(
+        tmp,
+        cache,
+        "memory.precision=fp16",
+        f"parallel.zero={stage}",
+        "memory.loss_scale_hysteresis=1",
+        "memory.loss_scale_growth_interval=3",
+        "memory.loss_scale=1024",
+        tp=tp,
+    )
     for _ in range(2):
         tr.train_step()
     before_w, before_opt = _snapshot(tr)
@@ -77,15 +88,29 @@ def _inject_inf(tmp, cache, stage, tp):
     if handle is not None:
         handle.remove()
     after_w, after_opt = _snapshot(tr)
-    untouched = all(torch.equal(before_w[k], after_w[k]) for k in before_w) and all(torch.equal(before_opt[k], after_opt[k]) for k in before_opt)
+    untouched = all(torch.equal(before_w[k], after_w[k]) for k in before_w) and all(
+        torch.equal(before_opt[k], after_opt[k]) for k in before_opt
+    )
     backed_off = tr.scaler.scale
     good = [tr.train_step() for _ in range(3)]
-    return bad["skipped"], bad["skipped_total"], untouched, scale, backed_off, tr.scaler.scale, [g["skipped"] for g in good]
+    return (
+        bad["skipped"],
+        bad["skipped_total"],
+        untouched,
+        scale,
+        backed_off,
+        tr.scaler.scale,
+        [g["skipped"] for g in good],
+    )
 
 
-@pytest.mark.parametrize("stage,tp", [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2)], ids=["zero0", "zero1", "zero2", "zero3", "tp2"])
+@pytest.mark.parametrize(
+    "stage,tp", [(0, 1), (1, 1), (2, 1), (3, 1), (0, 2)], ids=["zero0", "zero1", "zero2", "zero3", "tp2"]
+)
 def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, cache, stage, tp):
-    for skipped, total, untouched, scale, backed_off, grown, later in run_ranks(2, _inject_inf, str(tmp_path), cache, stage, tp):
+    for skipped, total, untouched, scale, backed_off, grown, later in run_ranks(
+        2, _inject_inf, str(tmp_path), cache, stage, tp
+    ):
         assert skipped and total == 1
         assert untouched, "weights and optimizer state must not change on a skipped step"
         assert backed_off == scale / 2
@@ -95,8 +120,12 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path, cache,
 # ---- fp16: the loss scale survives a checkpoint ------------------------------------------------------
 
 BAD_STEPS = {1, 2, 5}  # steps whose gradients overflow (injected), in the straight run and the resumed one alike
-SCALER = ["memory.precision=fp16", "memory.loss_scale=1024", "memory.loss_scale_hysteresis=2",
-          "memory.loss_scale_growth_interval=3"]
+SCALER = [
+    "memory.precision=fp16",
+    "memory.loss_scale=1024",
+    "memory.loss_scale_hysteresis=2",
+    "memory.loss_scale_growth_interval=3",
+]
 
 
 def _fp16_steps(tr, until):
@@ -157,6 +186,7 @@ def test_low_precision_tracks_fp32(tmp_path, cache, precision, tol):
 
 # ---- the non-finite guard ----------------------------------------------------------------------------
 
+
 def test_nonfinite_loss_stops_training_without_touching_the_weights(tmp_path, cache):
     tr = _trainer(str(tmp_path), cache, "train.max_nonfinite_steps=3", dp=1)
     tr.train_step()
@@ -164,7 +194,10 @@ def test_nonfinite_loss_stops_training_without_touching_the_weights(tmp_path, ca
     tr.model.norm.register_forward_hook(lambda m, a, out: out * float("nan"))
     tr.train_step()
     tr.train_step()
-    with pytest.raises(TrainingStopped, match=r"not finite for 3 consecutive steps \(2-4, last loss nan\).*nothing was saved after step 1"):
+    with pytest.raises(
+        TrainingStopped,
+        match=r"not finite for 3 consecutive steps \(2-4, last loss nan\).*nothing was saved after step 1",
+    ):
         tr.train_step()
     assert tr.skipped == 3
     assert all(torch.equal(v, good[k]) for k, v in tr.engine.full_state().items())
@@ -203,16 +236,29 @@ PADDED = ["model.d_model=72", "parallel.bucket_mb=0.05"]
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_memory_report_measures_the_live_tensors(tmp_path, cache, stage):
-    for states, live, pairs in run_ranks(2, _report_states, str(tmp_path), cache, stage, ["memory.precision=bf16", *PADDED]):
+    for states, live, pairs in run_ranks(
+        2, _report_states, str(tmp_path), cache, stage, ["memory.precision=bf16", *PADDED]
+    ):
         assert abs(states - live) <= 1024, (stage, states, live)  # a few scalars aside, the states are all that lives
         for key, (pred, meas) in pairs.items():
             assert meas == pred, (stage, key, pred, meas)  # exact: padding and 4-byte step counters included
 
 
 def _expert_parallel_report(tmp, cache, stage):
-    cfg = tiny_config(tmp, f"data.cache_dir={cache}", "parallel.dp=2", "parallel.ep=2", f"parallel.zero={stage}", *PADDED,
-                      "model.moe_experts=4", "model.moe_top_k=2", "model.moe_every=2", "model.moe_ffn_hidden=64",
-                      "train.global_batch=4", steps=3)
+    cfg = tiny_config(
+        tmp,
+        f"data.cache_dir={cache}",
+        "parallel.dp=2",
+        "parallel.ep=2",
+        f"parallel.zero={stage}",
+        *PADDED,
+        "model.moe_experts=4",
+        "model.moe_top_k=2",
+        "model.moe_every=2",
+        "model.moe_ffn_hidden=64",
+        "train.global_batch=4",
+        steps=3,
+    )
     tr = Trainer(cfg, cfg.validate(2).build(torch.device("cpu")), quiet=True)
     rep = predict(tr.cfg, tr.topo.dims, tr.model_cfg, dp_rank=tr.replicas.rank)
     measure(tr, rep, steps=1)

@@ -13,8 +13,8 @@ import math
 
 import pytest
 import torch
-
 from helpers import assert_losses_track, assert_updates_track, tiny_config
+
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
@@ -31,12 +31,16 @@ def cache(tmp_path_factory):
 def _train(tmp, dims, overrides):
     cfg = tiny_config(tmp, *QAT, *(f"parallel.{k}={v}" for k, v in dims.items()), *overrides, steps=STEPS)
     tr = Trainer(cfg, cfg.validate(math.prod(dims.values()) if dims else 1).build(CPU), quiet=True)
-    assert all(getattr(tr.model.get_submodule(n), "qat", False) for n in ("layers.0.attn.o_proj", "layers.1.mlp.down_proj"))
+    assert all(
+        getattr(tr.model.get_submodule(n), "qat", False) for n in ("layers.0.attn.o_proj", "layers.1.mlp.down_proj")
+    )
 
     def state():
         specs = tr.engine.placements()
-        return {n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
-                for n, t in tr.engine.full_state().items()}
+        return {
+            n: (t.detach().float().clone(), specs[n].offset if specs.get(n) else (0,) * t.dim())
+            for n, t in tr.engine.full_state().items()
+        }
 
     start = state()
     losses = [tr.train_step()["loss"] for _ in range(STEPS)]
@@ -48,19 +52,27 @@ _REFERENCE = {}
 
 def _reference(tmp, cache):
     if cache not in _REFERENCE:
-        _REFERENCE[cache] = (run_ranks(1, _train, tmp, {}, [cache])[0], run_ranks(1, _train, tmp, {}, [cache, "train.lr=2.85e-3"])[0][0])
+        _REFERENCE[cache] = (
+            run_ranks(1, _train, tmp, {}, [cache])[0],
+            run_ranks(1, _train, tmp, {}, [cache, "train.lr=2.85e-3"])[0][0],
+        )
     return _REFERENCE[cache]
 
 
-@pytest.mark.parametrize("dims,overrides", [({"dp": 2}, []), ({"tp": 2}, ["parallel.sequence_parallel=true"])],
-                         ids=["dp2", "tp2-sp"])
+@pytest.mark.parametrize(
+    "dims,overrides", [({"dp": 2}, []), ({"tp": 2}, ["parallel.sequence_parallel=true"])], ids=["dp2", "tp2-sp"]
+)
 def test_qat_layouts_track_one_process(tmp_path, cache, dims, overrides):
     (ref_losses, ref_weights, _), slower = _reference(str(tmp_path), cache)
     for losses, weights, start in run_ranks(math.prod(dims.values()), _train, str(tmp_path), dims, [cache, *overrides]):
         assert_losses_track(losses, ref_losses, 1e-4, wrong={"lr 5% lower": slower})
         cut = {n: tuple(slice(o, o + k) for o, k in zip(off, w.shape)) for n, (w, off) in weights.items()}
-        worst = assert_updates_track({n: w for n, (w, _) in weights.items()}, {n: ref_weights[n][0][cut[n]] for n in weights},
-                                     {n: w for n, (w, _) in start.items()}, 0.05)
+        worst = assert_updates_track(
+            {n: w for n, (w, _) in weights.items()},
+            {n: ref_weights[n][0][cut[n]] for n in weights},
+            {n: w for n, (w, _) in start.items()},
+            0.05,
+        )
         print(f"{dims}: worst weight {worst:.3g} of its update away")
 
 
@@ -81,8 +93,10 @@ def _row_parallel_scales():
     out = {}
     for name, t in (("w", w), ("x", x)):
         whole = fake_quant_rows(t)[:, cols]
-        out[name] = (float((fake_quant_rows(t[:, cols].clone(), comm) - whole).abs().max()),
-                     float((fake_quant_rows(t[:, cols].clone()) - whole).abs().max()))
+        out[name] = (
+            float((fake_quant_rows(t[:, cols].clone(), comm) - whole).abs().max()),
+            float((fake_quant_rows(t[:, cols].clone()) - whole).abs().max()),
+        )
     return out
 
 

@@ -9,8 +9,8 @@ import os
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
@@ -26,12 +26,24 @@ MOE = ["model.moe_experts=4", "model.moe_every=2", "model.moe_ffn_hidden=32", "m
 LAYOUTS = {
     "dp2-zero3": (2, ["parallel.zero=3"]),
     "tp2": (2, ["parallel.tp=2"]),
-    "dp2-tp2-sp-pp2-interleaved-zero1": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
-                                             "parallel.schedule=interleaved", "parallel.virtual_stages=2", "parallel.zero=1"]),
+    "dp2-tp2-sp-pp2-interleaved-zero1": (
+        8,
+        [
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.sequence_parallel=true",
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2",
+            "parallel.zero=1",
+        ],
+    ),
     "dp1": (1, []),
     "pp2": (2, ["parallel.pp=2", "parallel.schedule=1f1b"]),
     "pp4": (4, ["parallel.pp=4"]),
-    "pp2-zero3": (2, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=3"]),  # each stage's blocks and ends units
+    "pp2-zero3": (
+        2,
+        ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=3"],
+    ),  # each stage's blocks and ends units
     "dp2-zero1": (2, ["parallel.zero=1"]),
     "dp4-zero2": (4, ["parallel.zero=2"]),
     # the optimizer state and step on the host
@@ -46,8 +58,14 @@ LAYOUTS = {
     # mixture of experts (another model: 4 experts in every other block): the experts split over ep ranks
     "moe-ep2": (2, [*MOE, "parallel.ep=2"]),
     "moe-dp1": (1, MOE),
-    "moe-ep2-zero1": (2, [*MOE, "parallel.ep=2", "parallel.zero=1"]),  # ZeRO: dense state over both ranks, experts apart
-    "moe-dp4-ep4-zero3": (4, [*MOE, "parallel.ep=4", "parallel.zero=3"]),  # each block's experts a ZeRO-3 unit of their own
+    "moe-ep2-zero1": (
+        2,
+        [*MOE, "parallel.ep=2", "parallel.zero=1"],
+    ),  # ZeRO: dense state over both ranks, experts apart
+    "moe-dp4-ep4-zero3": (
+        4,
+        [*MOE, "parallel.ep=4", "parallel.zero=3"],
+    ),  # each block's experts a ZeRO-3 unit of their own
 }
 
 
@@ -120,25 +138,33 @@ def sources(tmp_path_factory):
     return tmp, Sources(tmp)
 
 
-@pytest.mark.parametrize("source,target", [  # one pair per idea, each source and target kind at least once
-    ("dp2-zero3", "tp2"),
-    ("dp2-tp2-sp-pp2-interleaved-zero1", "dp1"),
-    ("dp2-tp2-sp-pp2-interleaved-zero1", "pp4"),
-    ("dp2-tp2-sp-pp2-interleaved-zero1", "dp4-zero2"),
-    ("dp2-zero3", "pp2"),  # ZeRO-3 shards to pipeline stages (the 3-D source above: stages to shards)
-    ("dp2-pp2-zero1-offload", "dp4-zero2-offload"),  # host-offloaded optimizer with pp, loaded offloaded at another dp and stage
-    ("cp2-zero1", "cp4-ulysses"),  # context parallel to cp=4 in the other mode
-    ("moe-ep2", "moe-dp1"),  # experts by global index: from 2 expert-parallel ranks to one process and to 4
-    ("moe-ep2-zero1", "moe-dp4-ep4-zero3"),
-    # pipeline stages under ZeRO-3: to data-parallel ZeRO-1, to tensor parallel, and back from a dp x tp x pp layout
-    ("pp2-zero3", "dp2-zero1"),
-    ("pp2-zero3", "tp2"),
-    ("dp2-tp2-sp-pp2-interleaved-zero1", "pp2-zero3"),
-])
+@pytest.mark.parametrize(
+    "source,target",
+    [  # one pair per idea, each source and target kind at least once
+        ("dp2-zero3", "tp2"),
+        ("dp2-tp2-sp-pp2-interleaved-zero1", "dp1"),
+        ("dp2-tp2-sp-pp2-interleaved-zero1", "pp4"),
+        ("dp2-tp2-sp-pp2-interleaved-zero1", "dp4-zero2"),
+        ("dp2-zero3", "pp2"),  # ZeRO-3 shards to pipeline stages (the 3-D source above: stages to shards)
+        (
+            "dp2-pp2-zero1-offload",
+            "dp4-zero2-offload",
+        ),  # host-offloaded optimizer with pp, loaded offloaded at another dp and stage
+        ("cp2-zero1", "cp4-ulysses"),  # context parallel to cp=4 in the other mode
+        ("moe-ep2", "moe-dp1"),  # experts by global index: from 2 expert-parallel ranks to one process and to 4
+        ("moe-ep2-zero1", "moe-dp4-ep4-zero3"),
+        # pipeline stages under ZeRO-3: to data-parallel ZeRO-1, to tensor parallel, and back from a dp x tp x pp layout
+        ("pp2-zero3", "dp2-zero1"),
+        ("pp2-zero3", "tp2"),
+        ("dp2-tp2-sp-pp2-interleaved-zero1", "pp2-zero3"),
+    ],
+)
 def test_checkpoint_loads_at_another_layout_and_training_goes_on_unchanged(sources, source, target):
     tmp, found = sources
     path, straight, weights = found[source]
-    assert sorted(n for n in os.listdir(path) if n.startswith("model-")) and os.path.exists(os.path.join(path, "manifest.json"))
+    assert sorted(n for n in os.listdir(path) if n.startswith("model-")) and os.path.exists(
+        os.path.join(path, "manifest.json")
+    )
     world, _ = LAYOUTS[target]
     stored = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path) if n.endswith(".safetensors"))
     results = run_ranks(world, _load_and_go_on, tmp, target, path, timeout=600)
@@ -192,7 +218,8 @@ def test_offloaded_optimizer_resumes_exactly_at_the_same_layout(sources, stage):
     is the one saved, bit for bit, and the three steps after it are the ones the saving run took."""
     tmp, _ = sources
     for (weights, state), (weights_back, state_back), straight, resumed in run_ranks(
-            2, _offload_round_trip, tmp, f"dp2-zero{stage}-offload"):
+        2, _offload_round_trip, tmp, f"dp2-zero{stage}-offload"
+    ):
         assert weights.keys() == weights_back.keys() and state.keys() == state_back.keys()
         assert all(torch.equal(weights[k], weights_back[k]) for k in weights)
         assert all(torch.equal(state[k], state_back[k]) for k in state)

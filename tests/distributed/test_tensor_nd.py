@@ -52,8 +52,11 @@ def _linear_2d(n_tokens, h, h2, bias):
     ref_b = b.clone().requires_grad_() if bias else None
     ref = F.linear(ref_x, ref_w, ref_b)
     ref.backward(dy)
-    out = {"y": (y.detach(), split_2d(ref.detach(), i, j, 2)), "dx": (xs.grad, split_2d(ref_x.grad, i, j, 2)),
-           "dw": (layer.weight.grad, split_2d(ref_w.grad, j, i, 2))}
+    out = {
+        "y": (y.detach(), split_2d(ref.detach(), i, j, 2)),
+        "dx": (xs.grad, split_2d(ref_x.grad, i, j, 2)),
+        "dw": (layer.weight.grad, split_2d(ref_w.grad, j, i, 2)),
+    }
     if bias:
         out["db"] = (layer.bias.grad, ref_b.grad.chunk(2)[j])
     return out, (forward_bytes, backward_bytes), layer.wire_bytes(n_tokens // 2, 4)
@@ -69,8 +72,10 @@ def test_linear_2d_equals_the_dense_layer_and_sends_the_formula_bytes(bias):
         assert measured == (formula["forward"], formula["backward"]), (measured, formula)
 
 
-@pytest.mark.parametrize("mode,tp,depth,nearest", [("2d", 6, 1, "4 or 9"), ("2.5d", 12, 2, "8 or 18"), ("3d", 9, 1, "8 or 27"),
-                                                 ("2d", 1, 1, "4 or 9")])
+@pytest.mark.parametrize(
+    "mode,tp,depth,nearest",
+    [("2d", 6, 1, "4 or 9"), ("2.5d", 12, 2, "8 or 18"), ("3d", 9, 1, "8 or 27"), ("2d", 1, 1, "4 or 9")],
+)
 def test_a_tp_the_grid_cannot_hold_is_refused_with_the_nearest_values(mode, tp, depth, nearest):
     with pytest.raises(ConfigError, match=f"use parallel.tp={nearest}$"):
         ParallelDims.infer(tp * 2, tp=tp, tp_mode=mode, tp_depth=depth)
@@ -106,9 +111,12 @@ def _linear_2p5d(n_tokens, h, h2):
     rx, rw, rb = (t.clone().requires_grad_() for t in (x, w, b))
     F.linear(rx, rw, rb).backward(dy)
     ref_y = F.linear(x, w, b)
-    out = {"y": (y.detach(), _blocks(ref_y, 0, rows).chunk(2, dim=1)[j]),
-           "dx": (xs.grad, _blocks(rx.grad, 0, rows).chunk(2, dim=1)[j]),
-           "dw": (layer.weight.grad, split_2d(rw.grad, j, i, 2)), "db": (layer.bias.grad, rb.grad.chunk(2)[j])}
+    out = {
+        "y": (y.detach(), _blocks(ref_y, 0, rows).chunk(2, dim=1)[j]),
+        "dx": (xs.grad, _blocks(rx.grad, 0, rows).chunk(2, dim=1)[j]),
+        "dw": (layer.weight.grad, split_2d(rw.grad, j, i, 2)),
+        "db": (layer.bias.grad, rb.grad.chunk(2)[j]),
+    }
     formula = layer.wire_bytes(n_tokens // 4, 4)
     return out, sent, formula["forward"] + formula["backward"]
 
@@ -150,11 +158,14 @@ def _linear_3d_chain(n_tokens, h, h2, h3):
     rx, rw1, rb1, rw2, rb2 = (t.clone().requires_grad_() for t in (x, w1, b1, w2, b2))
     ref = F.linear(F.linear(rx, rw1, rb1), rw2, rb2)
     ref.backward(dy)
-    out = {"y": (y.detach(), _blocks(ref.detach(), 0, out_rows).chunk(2, dim=1)[k]),
-           "dx": (xs.grad, _blocks(rx.grad, 0, [(i, 2), (j, 2)]).chunk(2, dim=1)[k]),
-           "dw1": (first.weight.grad, _blocks(rw1.grad.chunk(2, dim=0)[j], 1, [(k, 2), (i, 2)])),
-           "dw2": (second.weight.grad, _blocks(rw2.grad.chunk(2, dim=0)[k], 1, [(j, 2), (i, 2)])),
-           "db1": (first.bias.grad, rb1.grad.chunk(2)[j]), "db2": (second.bias.grad, rb2.grad.chunk(2)[k])}
+    out = {
+        "y": (y.detach(), _blocks(ref.detach(), 0, out_rows).chunk(2, dim=1)[k]),
+        "dx": (xs.grad, _blocks(rx.grad, 0, [(i, 2), (j, 2)]).chunk(2, dim=1)[k]),
+        "dw1": (first.weight.grad, _blocks(rw1.grad.chunk(2, dim=0)[j], 1, [(k, 2), (i, 2)])),
+        "dw2": (second.weight.grad, _blocks(rw2.grad.chunk(2, dim=0)[k], 1, [(j, 2), (i, 2)])),
+        "db1": (first.bias.grad, rb1.grad.chunk(2)[j]),
+        "db2": (second.bias.grad, rb2.grad.chunk(2)[k]),
+    }
     formula = sum(sum(layer.wire_bytes(n_tokens, 4).values()) for layer in (first, second))
     return out, sent, formula
 
@@ -171,8 +182,11 @@ def test_linear_3d_layers_chain_and_equal_the_dense_layers():
 
 # ---- the rest of the model's layers: norms, embeddings, positions, loss ---------------------------------------
 
-GRIDS = {"2d": (4, {"tp": 4, "tp_mode": "2d"}), "2.5d": (8, {"tp": 8, "tp_mode": "2.5d", "tp_depth": 2}),
-         "3d": (8, {"tp": 8, "tp_mode": "3d"})}
+GRIDS = {
+    "2d": (4, {"tp": 4, "tp_mode": "2d"}),
+    "2.5d": (8, {"tp": 8, "tp_mode": "2.5d", "tp_depth": 2}),
+    "3d": (8, {"tp": 8, "tp_mode": "3d"}),
+}
 
 
 def _grid(mode):
@@ -221,8 +235,13 @@ def _norms(mode, B, T, d):
         rx, rw, rb = (t.clone().requires_grad_() for t in (x, w, b))
         ref = F.layer_norm(rx, (d,), rw, rb, 1e-5) if layer_norm else F.rms_norm(rx, (d,), rw, 1e-5)
         ref.backward(dy)
-        out.update({f"{kind} y": (y.detach(), _mine(ctx, ref.detach())), f"{kind} dx": (xs.grad, _mine(ctx, rx.grad)),
-                    f"{kind} dw": (norm.weight.grad, _spec_block(rw.grad, norm.weight))})
+        out.update(
+            {
+                f"{kind} y": (y.detach(), _mine(ctx, ref.detach())),
+                f"{kind} dx": (xs.grad, _mine(ctx, rx.grad)),
+                f"{kind} dw": (norm.weight.grad, _spec_block(rw.grad, norm.weight)),
+            }
+        )
         if layer_norm:
             out[f"{kind} db"] = (norm.bias.grad, _spec_block(rb.grad, norm.bias))
     return out
@@ -252,11 +271,15 @@ def _embedding(mode, tied, B, T, V, d):
     ref_table = table.clone().requires_grad_()
     ref = F.embedding(ids, ref_table)
     ref.backward(dy)
-    return {"y": (y.detach(), _mine(ctx, ref.detach())), "d_table": (emb.weight.grad, _spec_block(ref_table.grad, emb.weight))}
+    return {
+        "y": (y.detach(), _mine(ctx, ref.detach())),
+        "d_table": (emb.weight.grad, _spec_block(ref_table.grad, emb.weight)),
+    }
 
 
-@pytest.mark.parametrize("mode,tied", [("2d", False), ("2d", True), ("2.5d", False), ("3d", True)],
-                         ids=["2d", "2d-tied", "2.5d", "3d"])
+@pytest.mark.parametrize(
+    "mode,tied", [("2d", False), ("2d", True), ("2.5d", False), ("3d", True)], ids=["2d", "2d-tied", "2.5d", "3d"]
+)
 def test_grid_embedding_equals_the_dense_embedding(mode, tied):
     """8 samples of 3 tokens, vocabulary 38, width 20 (3-D: 19 rows and 5 features per block): each rank's block of
     the looked-up residual stream and its block of the table's gradient (summed over the samples of every rank, and
@@ -280,8 +303,10 @@ def _positions(mode, B, T, max_len, d):
     ref_table = table.clone().requires_grad_()
     ref = F.embedding(positions, ref_table)
     (ref.unsqueeze(0) * dy).sum().backward()
-    return {"y": (y.detach(), ref.detach().chunk(ctx.q, dim=-1)[ctx.hidden.rank]),
-            "d_table": (pos.weight.grad, _spec_block(ref_table.grad, pos.weight))}
+    return {
+        "y": (y.detach(), ref.detach().chunk(ctx.q, dim=-1)[ctx.hidden.rank]),
+        "d_table": (pos.weight.grad, _spec_block(ref_table.grad, pos.weight)),
+    }
 
 
 @pytest.mark.parametrize("mode", ["2d", "3d"])
@@ -311,8 +336,11 @@ def _loss(mode, B, T, V, d):
     rh, rw = h.clone().requires_grad_(), w.clone().requires_grad_()
     ref = F.cross_entropy(F.linear(rh, rw).flatten(0, 1), target.flatten(), ignore_index=-100)
     ref.backward()
-    return {"loss": (loss.detach(), ref.detach()), "dh": (hs.grad, _mine(ctx, rh.grad)),
-            "dw": (output.weight.grad, _spec_block(rw.grad, output.weight))}
+    return {
+        "loss": (loss.detach(), ref.detach()),
+        "dh": (hs.grad, _mine(ctx, rh.grad)),
+        "dw": (output.weight.grad, _spec_block(rw.grad, output.weight)),
+    }
 
 
 @pytest.mark.parametrize("mode", ["2d", "2.5d", "3d"])
@@ -328,9 +356,13 @@ def _refusals():
 
     ctx2, _ = _grid("2d")
     messages = []
-    for make in (lambda: GridNorm(21, 1e-5, False, ctx2), lambda: GridEmbedding(39, 20, ctx2, False),
-                 lambda: GridPositions(10, 21, ctx2), lambda: ctx2.rows(torch.zeros(3, 4)),
-                 lambda: GridPositions(10, 20, ctx2)(torch.zeros(2, 3, dtype=torch.long))):
+    for make in (
+        lambda: GridNorm(21, 1e-5, False, ctx2),
+        lambda: GridEmbedding(39, 20, ctx2, False),
+        lambda: GridPositions(10, 21, ctx2),
+        lambda: ctx2.rows(torch.zeros(3, 4)),
+        lambda: GridPositions(10, 20, ctx2)(torch.zeros(2, 3, dtype=torch.long)),
+    ):
         try:
             make()
             messages.append(None)
@@ -357,18 +389,22 @@ def test_grid_layers_refuse_what_does_not_split_naming_the_multiple():
     """A width, vocabulary or micro-batch the grid cannot split is a ValueError naming the multiple to use (2-D, q = 2:
     widths and the vocabulary in 2 blocks, 2 sample blocks; 3-D: the embedding's width in q^2 = 4 blocks, 4 sample
     blocks); per-sample positions (left-padded decoding) are refused, naming 1-D tensor parallelism."""
-    expected = [r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
-                r"the vocabulary \(39\) into 2 blocks; make it a multiple of 2$",
-                r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
-                r"2d tensor parallelism splits each micro-batch's 3 samples into 2 blocks; make the micro-batch a multiple of 2$",
-                r"need 1-D tensor parallelism \(parallel.tp_mode=1d\)$"]
+    expected = [
+        r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
+        r"the vocabulary \(39\) into 2 blocks; make it a multiple of 2$",
+        r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
+        r"2d tensor parallelism splits each micro-batch's 3 samples into 2 blocks; make the micro-batch a multiple of 2$",
+        r"need 1-D tensor parallelism \(parallel.tp_mode=1d\)$",
+    ]
     for messages in run_ranks(4, _refusals):
         assert len(messages) == len(expected)
         for got, want in zip(messages, expected):
             assert got is not None and re.search(want, got), (got, want)
-    expected_3d = [r"the model width \(3-D: q\^2 blocks\) \(22\) into 4 blocks; make it a multiple of 4$",
-                   r"3d tensor parallelism splits each micro-batch's 6 samples into 4 blocks; "
-                   r"make the micro-batch a multiple of 4$"]
+    expected_3d = [
+        r"the model width \(3-D: q\^2 blocks\) \(22\) into 4 blocks; make it a multiple of 4$",
+        r"3d tensor parallelism splits each micro-batch's 6 samples into 4 blocks; "
+        r"make the micro-batch a multiple of 4$",
+    ]
     for messages in run_ranks(8, _refusals_3d):
         for got, want in zip(messages, expected_3d, strict=True):
             assert got is not None and re.search(want, got), (got, want)

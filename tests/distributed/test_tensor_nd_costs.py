@@ -16,8 +16,8 @@ biases), and each grid's bytes are printed beside 1-D's at the same ``tp``.
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.memory.activations import ActivationMeter
 from trickles.parallel.tensor.costs import Layout, activation_bytes_nd, block_comm, comm_bytes, param_count, step_comm
 from trickles.testing import run_ranks
@@ -40,8 +40,18 @@ def cache(tmp_path_factory):
 
 
 def _trainer(tmp, cache, mode, tp, depth, preset, *overrides):
-    cfg = tiny_config(tmp, cache, f"model.preset={preset}", f"parallel.tp={tp}", f"parallel.tp_mode={mode}",
-                      f"parallel.tp_depth={depth}", f"data.seq_len={SEQ}", f"train.micro_batch={MICRO}", *overrides, steps=2)
+    cfg = tiny_config(
+        tmp,
+        cache,
+        f"model.preset={preset}",
+        f"parallel.tp={tp}",
+        f"parallel.tp_mode={mode}",
+        f"parallel.tp_depth={depth}",
+        f"data.seq_len={SEQ}",
+        f"train.micro_batch={MICRO}",
+        *overrides,
+        steps=2,
+    )
     dims = cfg.validate(tp)
     return Trainer(cfg, dims.build(CPU), quiet=True), dims
 
@@ -71,10 +81,17 @@ def _measured(tmp, cache, mode, tp, depth, preset, recompute="none"):
     params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     report = measure(tr, predict(tr.cfg, dims, tr.model_cfg), steps=1)
     keys = ("parameters", "gradients", "optimizer", "activations", "head")
-    return {"cfg": tr.model_cfg, "rank": tr.topo.comm("tp").rank, "step": step, "block": (forward, backward),
-            "saved": dict(meter.per_layer), "params": params, "engine_params": tr.engine.memory()["parameters"],
-            "report": ({k: report.predicted[k] for k in keys}, {k: report.measured[k] for k in keys}),
-            "layers": (report.layers_predicted, report.layers_measured)}
+    return {
+        "cfg": tr.model_cfg,
+        "rank": tr.topo.comm("tp").rank,
+        "step": step,
+        "block": (forward, backward),
+        "saved": dict(meter.per_layer),
+        "params": params,
+        "engine_params": tr.engine.memory()["parameters"],
+        "report": ({k: report.predicted[k] for k in keys}, {k: report.measured[k] for k in keys}),
+        "layers": (report.layers_predicted, report.layers_measured),
+    }
 
 
 _RUNS: dict = {}
@@ -84,8 +101,9 @@ def _runs(tmp_path_factory, cache, mode, tp, depth, preset, recompute="none"):
     """Every rank's measurements of one grid, run once for the module's tests."""
     key = (mode, tp, depth, preset, recompute)
     if key not in _RUNS:
-        _RUNS[key] = run_ranks(tp, _measured, str(tmp_path_factory.mktemp("nd-costs")), cache, mode, tp, depth, preset,
-                               recompute)
+        _RUNS[key] = run_ranks(
+            tp, _measured, str(tmp_path_factory.mktemp("nd-costs")), cache, mode, tp, depth, preset, recompute
+        )
     return _RUNS[key]
 
 
@@ -103,14 +121,17 @@ def test_grid_sends_the_formula_bytes_per_block_and_per_step(tmp_path_factory, c
     one_d = comm_bytes(cfg, Layout.of("1d", tp), MICRO, SEQ, 4)
     grid = comm_bytes(cfg, lay, MICRO, SEQ, 4, tp_rank=None)
     # (1-D's bytes do not depend on the heads: at tp=8 the formula stands for a model whose heads do split)
-    print(f"\n{mode} tp={tp} {preset}: a block sends {sum(block.values()):,} B per rank (1-D: "
-          f"{sum(one_d['block'].values()):,} B, ratio {sum(block.values()) / sum(one_d['block'].values()):.2f}); "
-          f"a micro-batch {grid['total']:,} B (1-D: {one_d['total']:,} B, ratio {grid['total'] / one_d['total']:.2f})")
+    print(
+        f"\n{mode} tp={tp} {preset}: a block sends {sum(block.values()):,} B per rank (1-D: "
+        f"{sum(one_d['block'].values()):,} B, ratio {sum(block.values()) / sum(one_d['block'].values()):.2f}); "
+        f"a micro-batch {grid['total']:,} B (1-D: {one_d['total']:,} B, ratio {grid['total'] / one_d['total']:.2f})"
+    )
 
 
 @pytest.mark.parametrize("mode,tp,depth,preset,recompute", MEMORY_CASES, ids=MEMORY_IDS)
-def test_grid_memory_equals_the_formulas_and_the_report_measures_its_prediction(tmp_path_factory, cache, mode, tp, depth,
-                                                                                preset, recompute):
+def test_grid_memory_equals_the_formulas_and_the_report_measures_its_prediction(
+    tmp_path_factory, cache, mode, tp, depth, preset, recompute
+):
     runs = _runs(tmp_path_factory, cache, mode, tp, depth, preset, recompute)
     cfg = runs[0]["cfg"]
     lay = Layout.of(mode, tp, depth)
@@ -132,7 +153,9 @@ def _one_d_step(tmp, cache, preset, tp, sp):
     return tr.model_cfg, tr.topo.ledger.bytes(wire=True)
 
 
-@pytest.mark.parametrize("preset,tp,sp", [("tiny", 4, False), ("gpt2-tiny", 2, True)], ids=["tiny-tp4", "gpt2-tiny-tp2-sp"])
+@pytest.mark.parametrize(
+    "preset,tp,sp", [("tiny", 4, False), ("gpt2-tiny", 2, True)], ids=["tiny-tp4", "gpt2-tiny-tp2-sp"]
+)
 def test_one_d_sends_the_formula_bytes(tmp_path, cache, preset, tp, sp):
     """Megatron's all-reduces (tp=4 replicates llama's two key/value heads: their gradients are summed once a step);
     with sequence parallelism the reduce-scatter/all-gather pairs, the regathers and the partial gradients (norms,

@@ -20,8 +20,8 @@ precision, checkpoints that reshard to other layouts, and the configurations ref
 
 import pytest
 import torch
-
 from helpers import assert_losses_track, assert_weights_track, loss_gap, tiny_config, weight_gap
+
 from trickles.errors import ConfigError
 from trickles.testing import run_ranks
 from trickles.train.checkpoint import unique_state
@@ -33,9 +33,11 @@ CPU = torch.device("cpu")
 # Adam's eps as in test_tensor_parallel.py: with the default (1e-8) the fp32 rounding of near-zero gradients, which
 # differs between layouts, becomes full-size updates and dominates the weight comparison.
 COMMON = ("parallel.bucket_mb=0.05", "train.eps=1e-6")
-GRIDS = {"2d": ("parallel.tp=4", "parallel.tp_mode=2d"),
-         "2.5d": ("parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2"),
-         "3d": ("parallel.tp=8", "parallel.tp_mode=3d")}
+GRIDS = {
+    "2d": ("parallel.tp=4", "parallel.tp_mode=2d"),
+    "2.5d": ("parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2"),
+    "3d": ("parallel.tp=8", "parallel.tp_mode=3d"),
+}
 SLOWER = "train.lr=2.85e-3"  # tiny_config's 3e-3, 5% lower: the wrong run the loss tolerance must reject
 
 
@@ -78,7 +80,7 @@ def _assemble(per_rank, stages=1):
     whole, tp = {}, len(per_rank) // stages
     for stage in range(stages):
         written = {}
-        for pieces in per_rank[stage * tp:(stage + 1) * tp]:
+        for pieces in per_rank[stage * tp : (stage + 1) * tp]:
             for name, (t, shape, offset, writes) in pieces.items():
                 full = whole.setdefault(name, torch.full(shape, float("nan")))
                 count = written.setdefault(name, torch.zeros(shape, dtype=torch.int32))
@@ -88,7 +90,9 @@ def _assemble(per_rank, stages=1):
                 full[block] = t
                 count[block] += int(writes)
         for name, count in written.items():
-            assert (count == 1).all(), f"{name}: elements written {sorted(set(count.flatten().tolist()))} times by stage {stage}"
+            assert (count == 1).all(), (
+                f"{name}: elements written {sorted(set(count.flatten().tolist()))} times by stage {stage}"
+            )
     for name, full in whole.items():
         assert not full.isnan().any(), f"the pieces of {name} do not cover it"
     return whole
@@ -158,8 +162,9 @@ key bias, which gets no gradient (3e-8, rounding)."""
 
 def _case_id(c):
     preset, mode, dp, pp, extra = c
-    return (f"{preset}-{'dp2-' if dp > 1 else ''}{'pp2-' if pp > 1 else ''}{mode}-tp{TP[mode]}"
-            + "".join(f"-{e.split('.')[-1].replace('=', '_')}" for e in extra))
+    return f"{preset}-{'dp2-' if dp > 1 else ''}{'pp2-' if pp > 1 else ''}{mode}-tp{TP[mode]}" + "".join(
+        f"-{e.split('.')[-1].replace('=', '_')}" for e in extra
+    )
 
 
 @pytest.mark.parametrize("preset,mode,dp,pp,extra", CASES, ids=[_case_id(c) for c in CASES])
@@ -172,7 +177,9 @@ def test_layout_invariance(tmp_path, cache, preset, mode, dp, pp, extra):
     ref_losses, ref_norms, ref_weights, initial, slower, slower_norms = ref
     overrides = [cache, f"model.preset={preset}", *GRIDS[mode], f"parallel.pp={pp}", *extra]
     results = run_ranks(dp * tp * pp, _train, str(tmp_path), overrides, INVARIANCE_STEPS, timeout=300)
-    losses_gap = max(assert_losses_track(losses, ref_losses, 1e-4, wrong={"lr 5% lower": slower}) for losses, _, _ in results)
+    losses_gap = max(
+        assert_losses_track(losses, ref_losses, 1e-4, wrong={"lr 5% lower": slower}) for losses, _, _ in results
+    )
     # the gradient norm counts each block once (a block held alike by several ranks: by its primary)
     norms_gap = max(loss_gap(norms, ref_norms) for _, norms, _ in results)
     assert norms_gap <= 1e-4 < loss_gap(slower_norms, ref_norms), (norms_gap, loss_gap(slower_norms, ref_norms))
@@ -180,12 +187,15 @@ def test_layout_invariance(tmp_path, cache, preset, mode, dp, pp, extra):
     for d in range(dp):  # ranks: ((stage x dp) + replica) x tp + tp rank
         replica = [results[(s * dp + d) * tp + t][2] for s in range(pp) for t in range(tp)]
         weights_gap = max(weights_gap, _weights_track(_assemble(replica, stages=pp), ref_weights, initial, 1e-5))
-    print(f"{_case_id((preset, mode, dp, pp, extra))}: losses {losses_gap:.3g} "
-          f"(lr 5% lower: {loss_gap(slower, ref_losses):.3g}), "
-          f"grad norms {norms_gap:.3g} (lr 5% lower: {loss_gap(slower_norms, ref_norms):.3g}), weights {weights_gap:.3g}")
+    print(
+        f"{_case_id((preset, mode, dp, pp, extra))}: losses {losses_gap:.3g} "
+        f"(lr 5% lower: {loss_gap(slower, ref_losses):.3g}), "
+        f"grad norms {norms_gap:.3g} (lr 5% lower: {loss_gap(slower_norms, ref_norms):.3g}), weights {weights_gap:.3g}"
+    )
 
 
 # ---- precision ---------------------------------------------------------------------------------------------------
+
 
 def test_bf16_tracks_one_process_at_bf16(tmp_path, cache):
     """bf16 at 2-D tp=4 (llama) against bf16 on one process, 20 steps.
@@ -202,7 +212,9 @@ def test_bf16_tracks_one_process_at_bf16(tmp_path, cache):
     weights = _assemble([pieces for _, _, pieces in results])
     worst = {}
     for names, tol in (([n for n in weights if n != "embed.weight"], 1e-2), (["embed.weight"], 2.5e-2)):
-        worst[names[0]] = assert_weights_track(*({n: w[n] for n in names} for w in (weights, ref_weights, initial)), tol)
+        worst[names[0]] = assert_weights_track(
+            *({n: w[n] for n in names} for w in (weights, ref_weights, initial)), tol
+        )
     print(f"bf16 2d tp4: losses {gap:.3g}, weights {worst}")
 
 
@@ -243,13 +255,18 @@ def test_checkpoints_reshard_between_grids_1d_tp_and_one_process(tmp_path, cache
 
     saved = run_ranks(4, _save_and_go_on, tmp, [*common, *GRIDS["2d"]], f"{tmp}/grid", timeout=300)
     grid_path = saved[0][0]
-    gaps = {"2d tp4 straight on": (max(assert_losses_track(tail, straight, 1e-4, wrong={"lr 5% lower": slower})
-                                       for _, tail, _, _ in saved),
-                                   assert_weights_track(_assemble([end for *_, end in saved]), at_end, at_save, 1e-5))}
-    for name, world, layout, path in (("2d tp4 -> 1d tp2", 2, ["parallel.tp=2"], grid_path),
-                                      ("2d tp4 -> one process", 1, [], grid_path),
-                                      ("one process -> 2.5d tp8", 8, list(GRIDS["2.5d"]), one_path),
-                                      ("one process -> 3d tp8", 8, list(GRIDS["3d"]), one_path)):
+    gaps = {
+        "2d tp4 straight on": (
+            max(assert_losses_track(tail, straight, 1e-4, wrong={"lr 5% lower": slower}) for _, tail, _, _ in saved),
+            assert_weights_track(_assemble([end for *_, end in saved]), at_end, at_save, 1e-5),
+        )
+    }
+    for name, world, layout, path in (
+        ("2d tp4 -> 1d tp2", 2, ["parallel.tp=2"], grid_path),
+        ("2d tp4 -> one process", 1, [], grid_path),
+        ("one process -> 2.5d tp8", 8, list(GRIDS["2.5d"]), one_path),
+        ("one process -> 3d tp8", 8, list(GRIDS["3d"]), one_path),
+    ):
         args = (tmp, [*common, *layout], f"{tmp}/{name.split()[-2]}{name.split()[-1]}", path)
         results = run_ranks(world, _load_and_go_on, *args, timeout=300) if world > 1 else [_load_and_go_on(*args)]
         worst = 0.0
@@ -263,36 +280,98 @@ def test_checkpoints_reshard_between_grids_1d_tp_and_one_process(tmp_path, cache
 # ---- configurations refused --------------------------------------------------------------------------------------
 
 REFUSED = [  # (id, world, overrides, what the message must say)
-    ("sequence-parallel", 4, [*GRIDS["2d"], "parallel.sequence_parallel=true"],
-     r"^parallel.sequence_parallel does not combine with parallel.tp_mode=2d; .*set it to false$"),
-    ("context-parallel", 8, [*GRIDS["2d"], "parallel.cp=2"],
-     r"^context parallelism does not combine with parallel.tp_mode=2d; set parallel.cp=1 or parallel.tp_mode=1d$"),
-    ("moe", 4, [*GRIDS["2d"], "model.moe_experts=4"],
-     r"^mixture-of-experts blocks does not combine with .*; set model.moe_experts=0 or parallel.tp_mode=1d$"),
-    ("fused-loss", 8, [*GRIDS["3d"], "model.fused_loss=true"],
-     r"^model.fused_loss=true does not combine with parallel.tp_mode=3d; .*leave model.fused_loss unset$"),
-    ("qat", 8, [*GRIDS["2.5d"], "train.qat=true"],
-     r"^train.qat does not combine with parallel.tp_mode=2.5d; .*set train.qat=false or parallel.tp_mode=1d$"),
-    ("heads", 9, ["parallel.tp=9", "parallel.tp_mode=2d"],
-     r"model.n_heads \(4\) must be divisible by 3 with parallel.tp_mode=2d at parallel.tp=9 \(q = 3\); change it or parallel.tp"),
-    ("kv-heads", 4, [*GRIDS["2d"], "model.n_kv_heads=1"],
-     r"model.n_kv_heads \(1\) must be divisible by 2 .*change it or parallel.tp"),
-    ("width-3d", 8, [*GRIDS["3d"], "model.preset=gpt2-tiny", "model.d_model=66", "model.n_heads=2"],
-     r"model.d_model \(66\) must be divisible by 4 with parallel.tp_mode=3d"),
-    ("mlp-width-2.5d", 8, [*GRIDS["2.5d"], "model.ffn_hidden=129"],
-     r"the MLP width \(model.ffn_hidden\) \(129\) must be divisible by 2 with parallel.tp_mode=2.5d"),
-    ("heads-x-size-3d", 8, [*GRIDS["3d"], "model.preset=gpt2-tiny", "model.n_heads=2", "model.head_size=17"],
-     r"model.n_heads x head size \(34\) must be divisible by 4"),
-    ("vocabulary", 4, [*GRIDS["2d"], "model.vocab_size=301"],
-     r"the vocabulary \(model.vocab_size or model.vocab_multiple\) \(301\) must be divisible by 2"),
-    ("micro-batch-3d", 8, [*GRIDS["3d"], "train.micro_batch=2"],
-     r"each micro-batch's 2 samples are split into 4 blocks; make train.micro_batch \(or train.global_batch / "
-     r"parallel.dp\) a multiple of 4"),
-    ("mode", 4, ["parallel.tp=4", "parallel.tp_mode=4d"], r"parallel.tp_mode must be one of 1d, 2d, 2.5d, 3d, got '4d'"),
-    ("depth-0", 8, ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=0"],
-     r"parallel.tp_depth must be at least 1, got 0"),
+    (
+        "sequence-parallel",
+        4,
+        [*GRIDS["2d"], "parallel.sequence_parallel=true"],
+        r"^parallel.sequence_parallel does not combine with parallel.tp_mode=2d; .*set it to false$",
+    ),
+    (
+        "context-parallel",
+        8,
+        [*GRIDS["2d"], "parallel.cp=2"],
+        r"^context parallelism does not combine with parallel.tp_mode=2d; set parallel.cp=1 or parallel.tp_mode=1d$",
+    ),
+    (
+        "moe",
+        4,
+        [*GRIDS["2d"], "model.moe_experts=4"],
+        r"^mixture-of-experts blocks does not combine with .*; set model.moe_experts=0 or parallel.tp_mode=1d$",
+    ),
+    (
+        "fused-loss",
+        8,
+        [*GRIDS["3d"], "model.fused_loss=true"],
+        r"^model.fused_loss=true does not combine with parallel.tp_mode=3d; .*leave model.fused_loss unset$",
+    ),
+    (
+        "qat",
+        8,
+        [*GRIDS["2.5d"], "train.qat=true"],
+        r"^train.qat does not combine with parallel.tp_mode=2.5d; .*set train.qat=false or parallel.tp_mode=1d$",
+    ),
+    (
+        "heads",
+        9,
+        ["parallel.tp=9", "parallel.tp_mode=2d"],
+        r"model.n_heads \(4\) must be divisible by 3 with parallel.tp_mode=2d at parallel.tp=9 \(q = 3\); change it or parallel.tp",
+    ),
+    (
+        "kv-heads",
+        4,
+        [*GRIDS["2d"], "model.n_kv_heads=1"],
+        r"model.n_kv_heads \(1\) must be divisible by 2 .*change it or parallel.tp",
+    ),
+    (
+        "width-3d",
+        8,
+        [*GRIDS["3d"], "model.preset=gpt2-tiny", "model.d_model=66", "model.n_heads=2"],
+        r"model.d_model \(66\) must be divisible by 4 with parallel.tp_mode=3d",
+    ),
+    (
+        "mlp-width-2.5d",
+        8,
+        [*GRIDS["2.5d"], "model.ffn_hidden=129"],
+        r"the MLP width \(model.ffn_hidden\) \(129\) must be divisible by 2 with parallel.tp_mode=2.5d",
+    ),
+    (
+        "heads-x-size-3d",
+        8,
+        [*GRIDS["3d"], "model.preset=gpt2-tiny", "model.n_heads=2", "model.head_size=17"],
+        r"model.n_heads x head size \(34\) must be divisible by 4",
+    ),
+    (
+        "vocabulary",
+        4,
+        [*GRIDS["2d"], "model.vocab_size=301"],
+        r"the vocabulary \(model.vocab_size or model.vocab_multiple\) \(301\) must be divisible by 2",
+    ),
+    (
+        "micro-batch-3d",
+        8,
+        [*GRIDS["3d"], "train.micro_batch=2"],
+        r"each micro-batch's 2 samples are split into 4 blocks; make train.micro_batch \(or train.global_batch / "
+        r"parallel.dp\) a multiple of 4",
+    ),
+    (
+        "mode",
+        4,
+        ["parallel.tp=4", "parallel.tp_mode=4d"],
+        r"parallel.tp_mode must be one of 1d, 2d, 2.5d, 3d, got '4d'",
+    ),
+    (
+        "depth-0",
+        8,
+        ["parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=0"],
+        r"parallel.tp_depth must be at least 1, got 0",
+    ),
     ("depth-not-2.5d", 4, [*GRIDS["2d"], "parallel.tp_depth=2"], r"with tp_mode=2d leave it at 1"),
-    ("tp-not-square", 8, ["parallel.tp=8", "parallel.tp_mode=2d"], r"parallel.tp=8 is not q\^2 .*use parallel.tp=4 or 9$"),
+    (
+        "tp-not-square",
+        8,
+        ["parallel.tp=8", "parallel.tp_mode=2d"],
+        r"parallel.tp=8 is not q\^2 .*use parallel.tp=4 or 9$",
+    ),
 ]
 
 

@@ -5,13 +5,21 @@ checkpoints."""
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import assert_losses_track, assert_weights_track, tiny_config
 from torch import nn
 
-from helpers import assert_losses_track, assert_weights_track, tiny_config
 from trickles.memory.activations import ActivationMeter, activation_bytes
-from trickles.parallel.tensor.layers import partial_grad_elements, region_wire_bytes
-from trickles.parallel.tensor.layers import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear, TPContext,
-                                      VocabParallelEmbedding, init_tp_param)
+from trickles.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    ForkRNG,
+    ReplicatedKV,
+    RowParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    init_tp_param,
+    partial_grad_elements,
+    region_wire_bytes,
+)
 from trickles.parallel.tensor.loss import vocab_parallel_cross_entropy
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
@@ -36,7 +44,9 @@ def cache(tmp_path_factory):
 
 def _trainer(tmp, dp, tp, overrides, steps=STEPS, eps=EPS):
     """``eps=None``: Adam's default eps."""
-    cfg = tiny_config(tmp, "parallel.bucket_mb=0.05", *([eps] if eps else []), f"parallel.tp={tp}", *overrides, steps=steps)
+    cfg = tiny_config(
+        tmp, "parallel.bucket_mb=0.05", *([eps] if eps else []), f"parallel.tp={tp}", *overrides, steps=steps
+    )
     return Trainer(cfg, ParallelDims(dp=dp, tp=tp).build(CPU), quiet=True)
 
 
@@ -96,6 +106,7 @@ def _tracking_references(tmp, overrides, eps=EPS):
 
 # ---- each layer against the dense one -------------------------------------------------------
 
+
 def _rel(a, b):
     """Largest difference relative to the largest reference value."""
     return float((a.detach() - b.detach()).abs().max() / b.detach().abs().max().clamp_min(1e-12))
@@ -114,7 +125,9 @@ def _mlp_pair(sp, bias):
     x, w = torch.randn(B, T, d), torch.randn(B, T, d)
     A, b1, W2, b2 = torch.randn(f, d), torch.randn(f), torch.randn(d, f), torch.randn(d)
     dense = [v.clone().requires_grad_() for v in (x, A, b1, W2, b2)]
-    yd = F.linear(F.gelu(F.linear(dense[0], dense[1], dense[2] if bias else None)), dense[3], dense[4] if bias else None)
+    yd = F.linear(
+        F.gelu(F.linear(dense[0], dense[1], dense[2] if bias else None)), dense[3], dense[4] if bias else None
+    )
     (yd * w).sum().backward()
 
     col, row = ColumnParallelLinear(d, f, bias, ctx), RowParallelLinear(f, d, bias, ctx)
@@ -128,9 +141,12 @@ def _mlp_pair(sp, bias):
     y = row(F.gelu(col(ctx.enter(xl))))
     forward_calls = topo.ledger.snapshot()
     (y * mine(w)).sum().backward()
-    err = {"y": _rel(y, mine(yd)), "dx": _rel(xl.grad, mine(dense[0].grad)),
-           "dA": _rel(col.weight.grad, init_tp_param(dense[1].grad, col.weight)),
-           "dW2": _rel(row.weight.grad, init_tp_param(dense[3].grad, row.weight))}
+    err = {
+        "y": _rel(y, mine(yd)),
+        "dx": _rel(xl.grad, mine(dense[0].grad)),
+        "dA": _rel(col.weight.grad, init_tp_param(dense[1].grad, col.weight)),
+        "dW2": _rel(row.weight.grad, init_tp_param(dense[3].grad, row.weight)),
+    }
     if bias:
         err["db1"] = _rel(col.bias.grad, init_tp_param(dense[2].grad, col.bias))
         db2 = comm.all_reduce(row.bias.grad.clone()) if sp else row.bias.grad  # partial under sequence parallel
@@ -145,7 +161,11 @@ def test_column_row_pair_matches_dense_forward_and_backward(world, sp):
         assert max(err.values()) < 1e-6, err
         if sp:  # all-gather in, reduce-scatter out; backward: reduce-scatter, all-gather, and the input gathered again
             assert {k: v["calls"] for k, v in fwd.items()} == {"all_gather/tp": 1, "reduce_scatter/tp": 1}
-            assert {k: v["calls"] for k, v in total.items()} == {"all_gather/tp": 3, "reduce_scatter/tp": 2, "all_reduce/tp": 1}
+            assert {k: v["calls"] for k, v in total.items()} == {
+                "all_gather/tp": 3,
+                "reduce_scatter/tp": 2,
+                "all_reduce/tp": 1,
+            }
         else:  # one all-reduce forward (exit), one backward (entry)
             assert {k: v["calls"] for k, v in fwd.items()} == {"all_reduce/tp": 1}
             assert {k: v["calls"] for k, v in total.items()} == {"all_reduce/tp": 2}
@@ -166,8 +186,10 @@ def _vocab_parallel(sp):
     mine = (lambda v: v.chunk(t, dim=1)[r]) if sp else (lambda v: v)
     out = emb(ids)
     (out * mine(w)).sum().backward()
-    err = {"embedding": _rel(out, mine(F.embedding(ids, table))),
-           "d_table": _rel(emb.weight.grad, init_tp_param(dense.grad, emb.weight))}
+    err = {
+        "embedding": _rel(out, mine(F.embedding(ids, table))),
+        "d_table": _rel(emb.weight.grad, init_tp_param(dense.grad, emb.weight)),
+    }
 
     logits, target = torch.randn(B * T, V) * 3, torch.randint(0, V, (B * T,))
     target[:2] = torch.tensor([0, V - 1])
@@ -175,11 +197,11 @@ def _vocab_parallel(sp):
     ref = F.cross_entropy(full, target)
     ref.backward()
     start = r * (V // t)
-    local = logits[:, start:start + V // t].clone().requires_grad_()
+    local = logits[:, start : start + V // t].clone().requires_grad_()
     loss = vocab_parallel_cross_entropy(local, target, ctx.comm, start)
     loss.backward()
     err["loss"] = _rel(loss, ref)
-    err["d_logits"] = _rel(local.grad, full.grad[:, start:start + V // t])
+    err["d_logits"] = _rel(local.grad, full.grad[:, start : start + V // t])
     return err
 
 
@@ -200,7 +222,7 @@ def _replicated_kv():
     x, W, w = torch.randn(B, T, d), torch.randn(n_kv * h, d), torch.randn(B, T, local * h)
     dense = W.clone().requires_grad_()
     k = F.linear(x, dense).view(B, T, n_kv, h).repeat_interleave(n_heads // n_kv, dim=2)  # one per query head
-    slices = [k[:, :, o * local:(o + 1) * local].reshape(B, T, -1) for o in range(t)]
+    slices = [k[:, :, o * local : (o + 1) * local].reshape(B, T, -1) for o in range(t)]
     sum((sl * w).sum() for sl in slices).backward()  # every rank's loss on its query heads, summed
     kv = ReplicatedKV(d, n_heads, n_kv, h, False, ctx)
     with torch.no_grad():
@@ -208,7 +230,9 @@ def _replicated_kv():
     out = kv(x)
     (out * w).sum().backward()
     assert kv.weight.tp_spec.partial_grad and kv.weight.tp_spec.replicated
-    return float((out - slices[r]).abs().max()), float((comm.all_reduce(kv.weight.grad.clone()) - dense.grad).abs().max())
+    return float((out - slices[r]).abs().max()), float(
+        (comm.all_reduce(kv.weight.grad.clone()) - dense.grad).abs().max()
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -220,7 +244,11 @@ def test_replicated_key_value_heads_match_dense(world):
 # ---- layout invariance ---------------------------------------------------------------------
 
 # each preset at tp 2 and 4, with and without sequence parallelism (not every pairing); then the compositions
-CASES = [("tiny", 1, 2, False, ()), ("tiny", 1, 4, True, ()), ("gpt2-tiny", 1, 2, True, ()), ("gpt2-tiny", 1, 4, False, ()),
+CASES = [
+    ("tiny", 1, 2, False, ()),
+    ("tiny", 1, 4, True, ()),
+    ("gpt2-tiny", 1, 2, True, ()),
+    ("gpt2-tiny", 1, 4, False, ()),
     ("tiny", 2, 2, True, ("parallel.zero=1",)),
     ("gpt2-tiny", 2, 2, True, ("parallel.zero=1", "train.micro_batch=2")),
     ("tiny", 2, 2, True, ("parallel.zero=3",)),
@@ -244,7 +272,7 @@ def test_layout_invariance(tmp_path, cache, preset, dp, tp, sp, extra):
     for losses, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-4)
     for d in range(dp):  # each data-parallel replica's tensor-parallel ranks together hold the model
-        weights = _assemble([pieces for _, pieces in results[d * tp:(d + 1) * tp]])
+        weights = _assemble([pieces for _, pieces in results[d * tp : (d + 1) * tp]])
         assert weights.keys() == ref_weights.keys()
         for n, w in weights.items():
             assert torch.allclose(w, ref_weights[n], atol=1e-5, rtol=0), (n, (w - ref_weights[n]).abs().max())
@@ -266,9 +294,13 @@ def test_low_precision_tracks_one_process(tmp_path, cache):
         assert_losses_track(losses, ref_losses, 2e-3, wrong={"lr 5% lower": slower})
     weights = _assemble([pieces for _, pieces in results])
     rest = [n for n in weights if n != "embed.weight"]
-    assert_weights_track({n: weights[n] for n in rest}, {n: ref_weights[n] for n in rest}, {n: initial[n] for n in rest}, 1e-2)
+    assert_weights_track(
+        {n: weights[n] for n in rest}, {n: ref_weights[n] for n in rest}, {n: initial[n] for n in rest}, 1e-2
+    )
     embed = ["embed.weight"]
-    assert_weights_track({n: weights[n] for n in embed}, {n: ref_weights[n] for n in embed}, {n: initial[n] for n in embed}, 2.5e-2)
+    assert_weights_track(
+        {n: weights[n] for n in embed}, {n: ref_weights[n] for n in embed}, {n: initial[n] for n in embed}, 2.5e-2
+    )
 
 
 def test_default_eps_tracks_one_process(tmp_path, cache):
@@ -302,15 +334,25 @@ def test_sampling_matches_one_process(tmp_path, cache):
     rank, so every rank must pick the same token from the gathered logits). Greedy decoding of a model this young
     repeats its most frequent token; the seeded sample walks through many tokens, and the cache, at many positions."""
     prompt, n_tokens = "import ", 20
-    (greedy, sampled), = run_ranks(1, _samples, str(tmp_path), 1, [cache], prompt, n_tokens)
-    assert len(sampled) > len(prompt) + n_tokens // 2 and len(set(sampled[len(prompt):])) > 5, sampled  # a varied text
+    ((greedy, sampled),) = run_ranks(1, _samples, str(tmp_path), 1, [cache], prompt, n_tokens)
+    assert len(sampled) > len(prompt) + n_tokens // 2 and len(set(sampled[len(prompt) :])) > 5, sampled  # a varied text
     for sp in (False, True):
-        for rank, texts in enumerate(run_ranks(2, _samples, str(tmp_path), 2, [cache, f"parallel.sequence_parallel={str(sp).lower()}"],
-                                                     prompt, n_tokens)):
+        for rank, texts in enumerate(
+            run_ranks(
+                2,
+                _samples,
+                str(tmp_path),
+                2,
+                [cache, f"parallel.sequence_parallel={str(sp).lower()}"],
+                prompt,
+                n_tokens,
+            )
+        ):
             assert texts == [greedy, sampled], (sp, rank, texts, [greedy, sampled])
 
 
 # ---- communication counted -----------------------------------------------------------------
+
 
 def _one_step_ledger(tmp, overrides):
     tr = _trainer(tmp, 1, torch.distributed.get_world_size(), overrides, steps=2)
@@ -344,8 +386,11 @@ def test_collectives_per_step_match_megatron(tmp_path, cache, tp):
     # output layer)
     regathers = 2 * L + 1
     assert seq_par["reduce_scatter/tp"] == {"calls": n_act, "bytes": n_act * act, "wire_bytes": n_act * ring * act}
-    assert seq_par["all_gather/tp"] == {"calls": n_act + regathers, "bytes": (n_act + regathers) * act // tp,
-                                        "wire_bytes": (n_act + regathers) * (tp - 1) * act // tp}
+    assert seq_par["all_gather/tp"] == {
+        "calls": n_act + regathers,
+        "bytes": (n_act + regathers) * act // tp,
+        "wire_bytes": (n_act + regathers) * (tp - 1) * act // tp,
+    }
     assert n_act * ring * act + n_act * (tp - 1) * act // tp == all_reduce_wire  # the pairs' wire volume
     norms = (2 * L + 1) * cfg.d_model * 4  # norm weights see only their positions: partial gradients summed
     assert seq_par["all_reduce/tp"]["calls"] == 5  # all partial gradients in one all-reduce
@@ -359,11 +404,16 @@ def test_collectives_per_step_match_megatron(tmp_path, cache, tp):
         partial = partial_grad_elements(cfg, tp, sp) * 4
         calls, nbytes, wire = formula["all_reduce/tp"]
         step = [4] + ([partial] if partial else [])  # the gradient norm and the partial gradients, once a step
-        formula["all_reduce/tp"] = (calls + len(step), nbytes + sum(step), wire + sum(round(2 * ring * b) for b in step))
+        formula["all_reduce/tp"] = (
+            calls + len(step),
+            nbytes + sum(step),
+            wire + sum(round(2 * ring * b) for b in step),
+        )
         assert {k: (v["calls"], v["bytes"], v["wire_bytes"]) for k, v in got.items()} == formula, (sp, got, formula)
 
 
 # ---- activation memory ---------------------------------------------------------------------
+
 
 def _entry_after_a_step(tmp, cache):
     tr = _trainer(tmp, 1, 2, [cache, "parallel.sequence_parallel=true"], steps=1)
@@ -379,8 +429,20 @@ def test_sequence_parallel_model_keeps_no_region_entry_past_its_forward(tmp_path
 
 def _activations(tmp, cache, preset, sp, seq=64, batch=4):
     tp = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    tr = _trainer(tmp, 1, tp, [cache, f"model.preset={preset}", f"parallel.sequence_parallel={str(sp).lower()}", f"data.seq_len={seq}",
-                               f"train.micro_batch={batch}", f"train.global_batch={batch}"], steps=1)
+    tr = _trainer(
+        tmp,
+        1,
+        tp,
+        [
+            cache,
+            f"model.preset={preset}",
+            f"parallel.sequence_parallel={str(sp).lower()}",
+            f"data.seq_len={seq}",
+            f"train.micro_batch={batch}",
+            f"train.global_batch={batch}",
+        ],
+        steps=1,
+    )
     x, y = tr.train_data.micro_batches(0, batch, batch)[0]
     with ActivationMeter(tr.model) as meter:
         loss = tr._loss(x, y)
@@ -391,7 +453,7 @@ def _activations(tmp, cache, preset, sp, seq=64, batch=4):
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny"])
 def test_sequence_parallel_shrinks_activations_as_megatron_predicts(tmp_path, cache, preset):
     """Every byte each rank saves, per layer and for the head, equals the formula (tp=4 replicates llama's kv heads)."""
-    (cfg, one), = run_ranks(1, _activations, str(tmp_path), cache, preset, False)
+    ((cfg, one),) = run_ranks(1, _activations, str(tmp_path), cache, preset, False)
     base = one["layers.0"]
     assert base == activation_bytes(cfg, 4, 64)["layer"]
     for tp in (2, 4):
@@ -414,11 +476,14 @@ def test_sequence_parallel_shrinks_activations_as_megatron_predicts(tmp_path, ca
 def _norm_bytes(cfg, tokens):
     """What a layer's two norms keep for backward over ``tokens`` positions (fp32)."""
     d = cfg.d_model
-    one = 8 * tokens * d + 4 * tokens if cfg.flavor == "llama" else 8 * tokens * d + 8 * tokens  # llama: input, 1/rms, output
+    one = (
+        8 * tokens * d + 4 * tokens if cfg.flavor == "llama" else 8 * tokens * d + 8 * tokens
+    )  # llama: input, 1/rms, output
     return 2 * one
 
 
 # ---- random streams ------------------------------------------------------------------------
+
 
 def _streams():
     ctx, _ = _ctx(False)
@@ -437,6 +502,7 @@ def test_dropout_streams_private_inside_regions_shared_outside():
 
 
 # ---- checkpoints ---------------------------------------------------------------------------
+
 
 def _first_half(tmp, dp, tp, overrides, tag):
     tr = _trainer(tmp, dp, tp, [*overrides, f"train.out_dir={tmp}/{tag}"], steps=8)
@@ -467,7 +533,9 @@ def test_checkpoint_resume_with_dropout_same_layout(tmp_path, cache):
 
 def test_checkpoint_loads_at_another_layout(tmp_path, cache):
     """tp=2 with sequence parallel -> dp=2 with ZeRO-1, and -> tp=4: the same continuation."""
-    (path, straight, _), _ = run_ranks(2, _first_half, str(tmp_path), 1, 2, [cache, "parallel.sequence_parallel=true"], "a")
+    (path, straight, _), _ = run_ranks(
+        2, _first_half, str(tmp_path), 1, 2, [cache, "parallel.sequence_parallel=true"], "a"
+    )
     for tail, _ in run_ranks(2, _second_half, str(tmp_path), 2, 1, [cache, "parallel.zero=1"], path, "b"):
         assert tail == pytest.approx(straight[4:], rel=1e-4)
     for tail, _ in run_ranks(4, _second_half, str(tmp_path), 1, 4, [cache], path, "c"):
@@ -475,6 +543,7 @@ def test_checkpoint_loads_at_another_layout(tmp_path, cache):
 
 
 # ---- memory report -------------------------------------------------------------------------
+
 
 def _report(tmp, dp, tp, overrides):
     from trickles.memory.report import measure, predict
@@ -487,10 +556,15 @@ def _report(tmp, dp, tp, overrides):
 
 # (elementwise recomputation drops each norm's and the activation's output from what the report predicts without it:
 # the plain terms are checked through it)
-@pytest.mark.parametrize("dp,tp,extra", [(1, 2, ["parallel.sequence_parallel=true", "memory.recompute=elementwise"]),
-                                         (2, 2, ["parallel.zero=1", "memory.recompute=elementwise"]),
-                                         (1, 4, ["parallel.sequence_parallel=true", "memory.recompute=selective"])],
-                         ids=["tp2-sp-elementwise", "dp2-tp2-zero1-elementwise", "tp4-sp-selective"])
+@pytest.mark.parametrize(
+    "dp,tp,extra",
+    [
+        (1, 2, ["parallel.sequence_parallel=true", "memory.recompute=elementwise"]),
+        (2, 2, ["parallel.zero=1", "memory.recompute=elementwise"]),
+        (1, 4, ["parallel.sequence_parallel=true", "memory.recompute=selective"]),
+    ],
+    ids=["tp2-sp-elementwise", "dp2-tp2-zero1-elementwise", "tp4-sp-selective"],
+)
 def test_memory_report_predicts_each_tensor_parallel_rank(tmp_path, cache, dp, tp, extra):
     """The report's prediction for each rank equals what that rank holds, to the byte."""
     for rank, (predicted, measured) in enumerate(run_ranks(dp * tp, _report, str(tmp_path), dp, tp, [cache, *extra])):

@@ -6,8 +6,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from helpers import assert_losses_track, assert_updates_track, assert_weights_track, tiny_config
+
 from trickles.comm import wire_bytes
 from trickles.memory.accounting import FP32_ADAM, live_tensor_bytes, zero_model_state_bytes
 from trickles.parallel.engine import reduction_wire_bytes
@@ -49,21 +49,33 @@ def reference(tmp, cache, accumulate):
     """One process's losses and weights, computed once per run (keyed by the run's cache directory too)."""
     key = (cache, accumulate)
     if key not in _REFERENCE:
-        _REFERENCE[key] = _train(tmp, 1, [cache, *(["train.micro_batch=2"] if accumulate else [])], INVARIANCE_STEPS,
-                                 norms=True)
+        _REFERENCE[key] = _train(
+            tmp, 1, [cache, *(["train.micro_batch=2"] if accumulate else [])], INVARIANCE_STEPS, norms=True
+        )
     return _REFERENCE[key]
 
 
 # one case per idea, not the cross-product: every stage at 2 and 4 ranks, with accumulation (ZeRO-2/3 reduce on
 # every micro-step) and with the optimizer offloaded (stages 1-3), each pairing at least once
-CASES = [(0, 2, False, False), (0, 4, True, False),
-         (1, 2, True, False), (1, 4, False, True),
-         (2, 2, False, True), (2, 4, True, False), (2, 2, True, True),
-         (3, 2, True, False), (3, 4, False, True), (3, 2, True, True)]
+CASES = [
+    (0, 2, False, False),
+    (0, 4, True, False),
+    (1, 2, True, False),
+    (1, 4, False, True),
+    (2, 2, False, True),
+    (2, 4, True, False),
+    (2, 2, True, True),
+    (3, 2, True, False),
+    (3, 4, False, True),
+    (3, 2, True, True),
+]
 
 
-@pytest.mark.parametrize("stage,dp,accumulate,offload", CASES,
-                         ids=[f"zero{s}-dp{d}{'-accum' if a else ''}{'-offload' if o else ''}" for s, d, a, o in CASES])
+@pytest.mark.parametrize(
+    "stage,dp,accumulate,offload",
+    CASES,
+    ids=[f"zero{s}-dp{d}{'-accum' if a else ''}{'-offload' if o else ''}" for s, d, a, o in CASES],
+)
 def test_layout_invariance(tmp_path, cache, stage, dp, accumulate, offload):
     ref_losses, ref_weights, ref_norms = reference(str(tmp_path), cache, accumulate)
     overrides = [cache, f"parallel.zero={stage}", f"memory.offload_optimizer={str(offload).lower()}"]
@@ -86,8 +98,12 @@ ODD_SHAPES = ["model.d_model=40", "model.ffn_hidden=100"]
 
 
 def _memory_and_bytes(tmp, cache, stage, accumulate=False):
-    tr = _trainer(tmp, dist.get_world_size(), [cache, f"parallel.zero={stage}", *ODD_SHAPES,
-                                               *(["train.micro_batch=1"] if accumulate else [])], steps=3)
+    tr = _trainer(
+        tmp,
+        dist.get_world_size(),
+        [cache, f"parallel.zero={stage}", *ODD_SHAPES, *(["train.micro_batch=1"] if accumulate else [])],
+        steps=3,
+    )
     tr.train_step()
     tr.topo.ledger.reset()
     tr.train_step()  # the second step: optimizer state exists
@@ -130,8 +146,9 @@ def _wire(op, nbytes, dp):
 def test_memory_and_communication_match_the_formulas(tmp_path, cache, dp):
     """Bytes held and sent per rank equal ZeRO's formulas evaluated on the padded flat layout, to the byte."""
     for stage, accumulate in [(0, False), (1, False), (1, True), (2, False), (3, False)]:
-        for rank, (n, mem, live, ledger, layouts) in enumerate(run_ranks(dp, _memory_and_bytes, str(tmp_path), cache, stage,
-                                                                         accumulate)):
+        for rank, (n, mem, live, ledger, layouts) in enumerate(
+            run_ranks(dp, _memory_and_bytes, str(tmp_path), cache, stage, accumulate)
+        ):
             buckets = [[numels for _, _, numels in layout] for layout in layouts]
             for layout in layouts:  # buckets end to end, each padded to the next multiple of dp * 16 elements
                 assert [start for start, _, _ in layout] == [0] + [end for _, end, _ in layout[:-1]], layout
@@ -146,32 +163,49 @@ def test_memory_and_communication_match_the_formulas(tmp_path, cache, dp):
             # (stage 1 keeps the whole gradient buffer only when it accumulates micro-batches; without, it reduces
             # each bucket into its shard as stage 2 does -- DeepSpeed's stage 1 holds no more either)
             formula = zero_model_state_bytes(padded, dp, 2 if stage == 1 and not accumulate else stage, FP32_ADAM)
-            expected = {"parameters": 4 * n if stage == 0 else formula["parameters"], "gradients": formula["gradients"],
-                        "optimizer": 8 * owned + 4 * segments}
+            expected = {
+                "parameters": 4 * n if stage == 0 else formula["parameters"],
+                "gradients": formula["gradients"],
+                "optimizer": 8 * owned + 4 * segments,
+            }
             assert mem == expected, (stage, rank, mem, expected)
             # nothing else alive in the process (model buffers and the mesh aside): nothing else held whole
             assert live == sum(mem.values()), (stage, rank, live, mem)
 
             loss = _wire("all_reduce", 4, dp)  # the mean loss (the trainer's); the engine's own: the library's formula
-            expected = {f"{op}/dp": v for op, v in reduction_wire_bytes([_padded(k, dp) for k in flat], dp, stage).items()}
+            expected = {
+                f"{op}/dp": v for op, v in reduction_wire_bytes([_padded(k, dp) for k in flat], dp, stage).items()
+            }
             calls, sent = expected.get("all_reduce/dp", (0, 0))
             expected["all_reduce/dp"] = (calls + 1, sent + loss)
             # spelled out: stage 0 all-reduces each bucket; ZeRO reduce-scatters each and all-gathers each shard
             # (ZeRO-3 twice: forward and backward); ZeRO >= 1 also sums the squared gradient norm
             sizes = [4 * _padded(k, dp) for k in flat]
             if stage == 0:
-                assert expected == {"all_reduce/dp": (len(sizes) + 1, sum(_wire("all_reduce", b, dp) for b in sizes) + loss)}
+                assert expected == {
+                    "all_reduce/dp": (len(sizes) + 1, sum(_wire("all_reduce", b, dp) for b in sizes) + loss)
+                }
             else:
                 gathers = 2 if stage == 3 else 1
-                assert expected == {"reduce_scatter/dp": (len(sizes), sum(_wire("reduce_scatter", b, dp) for b in sizes)),
-                                    "all_gather/dp": (gathers * len(sizes), gathers * sum(_wire("all_gather", b // dp, dp) for b in sizes)),
-                                    "all_reduce/dp": (2, 2 * loss)}
+                assert expected == {
+                    "reduce_scatter/dp": (len(sizes), sum(_wire("reduce_scatter", b, dp) for b in sizes)),
+                    "all_gather/dp": (
+                        gathers * len(sizes),
+                        gathers * sum(_wire("all_gather", b // dp, dp) for b in sizes),
+                    ),
+                    "all_reduce/dp": (2, 2 * loss),
+                }
             assert {k: (v["calls"], v["wire_bytes"]) for k, v in ledger.items()} == expected, (stage, ledger)
-            ring = 4 * padded * (dp - 1) // dp  # ZeRO's volumes: 2 (all-reduce, stages 0-2) or 3 (stage 3) x (N-1)/N x 4P
+            ring = (
+                4 * padded * (dp - 1) // dp
+            )  # ZeRO's volumes: 2 (all-reduce, stages 0-2) or 3 (stage 3) x (N-1)/N x 4P
             if stage == 0:
                 assert ledger["all_reduce/dp"]["wire_bytes"] == 2 * ring + loss
             else:
-                assert ledger["reduce_scatter/dp"]["wire_bytes"] + ledger["all_gather/dp"]["wire_bytes"] == (3 if stage == 3 else 2) * ring
+                assert (
+                    ledger["reduce_scatter/dp"]["wire_bytes"] + ledger["all_gather/dp"]["wire_bytes"]
+                    == (3 if stage == 3 else 2) * ring
+                )
 
 
 def test_zero_paper_worked_example():
@@ -185,7 +219,9 @@ def _zero3_lifecycle(tmp, cache):
     engine = tr.engine
     shards_only = all(name.endswith("flat_shard") for name, _ in tr.model.named_parameters())
     gc.collect()
-    set_up_bytes = live_tensor_bytes() - sum(b.numel() * b.element_size() for b in [*tr.model.buffers(), tr.topo.mesh.mesh])
+    set_up_bytes = live_tensor_bytes() - sum(
+        b.numel() * b.element_size() for b in [*tr.model.buffers(), tr.topo.mesh.mesh]
+    )
     peak, back = [], []  # gathered bytes as each block's forward ends, and as its backward begins
 
     def backward_begins(grad):
@@ -195,6 +231,7 @@ def _zero3_lifecycle(tmp, cache):
         peak.append(sum(u.gathered_bytes() for u in engine.units))
         if out.requires_grad:
             out.register_hook(backward_begins)
+
     for block in tr.model.layers.values():
         block.register_forward_hook(forward_ends)
     x, y = tr.train_data.micro_batches(0, 8, 8 // dist.get_world_size())[0]
@@ -206,11 +243,21 @@ def _zero3_lifecycle(tmp, cache):
     engine.finish_backward()
     after_backward = [u.gathered_bytes() for u in engine.units]
     unit_bytes = {u.name: u._bytes for u in engine.units}
-    return shards_only, set_up_bytes, sum(u.shard.numel() for u in engine.units) * 4, peak + back, after_forward, after_backward, unit_bytes
+    return (
+        shards_only,
+        set_up_bytes,
+        sum(u.shard.numel() for u in engine.units) * 4,
+        peak + back,
+        after_forward,
+        after_backward,
+        unit_bytes,
+    )
 
 
 def test_zero3_never_holds_the_whole_model(tmp_path, cache):
-    for shards_only, set_up, shard_bytes, peak, after_fwd, after_bwd, unit_bytes in run_ranks(4, _zero3_lifecycle, str(tmp_path), cache):
+    for shards_only, set_up, shard_bytes, peak, after_fwd, after_bwd, unit_bytes in run_ranks(
+        4, _zero3_lifecycle, str(tmp_path), cache
+    ):
         assert shards_only
         # after set-up: this rank's parameter and gradient shards and nothing else (model buffers and the mesh aside)
         assert set_up == 2 * shard_bytes
@@ -219,8 +266,6 @@ def test_zero3_never_holds_the_whole_model(tmp_path, cache):
         # while a block runs, forward or backward: the root, that block and at most the prefetched next one (4 blocks:
         # a block kept after its backward would be a third)
         assert len(peak) == 8 and max(peak) <= unit_bytes["<root>"] + 2 * blocks
-
-
 
 
 def _first_half(tmp, cache, stage, tag):
@@ -244,7 +289,12 @@ def test_checkpoint_resume_same_layout(tmp_path, cache, stage):
         0: {"model-rank00000.safetensors", "optimizer-rank00000.safetensors"},  # replicated: rank 0 writes it all
         1: {"model-rank00000.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
         2: {"model-rank00000.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
-        3: {"model-rank00000.safetensors", "model-rank00001.safetensors", "optimizer-rank00000.safetensors", "optimizer-rank00001.safetensors"},
+        3: {
+            "model-rank00000.safetensors",
+            "model-rank00001.safetensors",
+            "optimizer-rank00000.safetensors",
+            "optimizer-rank00001.safetensors",
+        },
     }[stage]
     (tail, resumed), *_ = run_ranks(2, _second_half, str(tmp_path), cache, stage, path, "b")
     assert tail == pytest.approx(straight[4:], rel=1e-6)
@@ -273,7 +323,9 @@ _TRACK = {"fp32": (1e-4, 1e-5), "bf16": (2e-3, 1e-2), "fp16": (2e-3, 1e-2)}  # (
 _EMBED_UPDATE = 0.05  # low precision: the embedding's distance to the reference, as a share of the reference's update
 
 
-@pytest.mark.parametrize("stage,recompute,precision", _MEMORY_CASES, ids=[f"zero{s}-{r}-{p}" for s, r, p in _MEMORY_CASES])
+@pytest.mark.parametrize(
+    "stage,recompute,precision", _MEMORY_CASES, ids=[f"zero{s}-{r}-{p}" for s, r, p in _MEMORY_CASES]
+)
 def test_zero_composes_with_recompute_and_precision(tmp_path, cache, stage, recompute, precision):
     common = [cache, f"memory.recompute={recompute}", f"memory.precision={precision}", "memory.loss_scale=1024"]
     ref_losses, ref_weights, initial = _train(str(tmp_path), 1, common, steps=16, initial=True)
@@ -282,7 +334,9 @@ def test_zero_composes_with_recompute_and_precision(tmp_path, cache, stage, reco
     for losses, weights in run_ranks(2, _train, str(tmp_path), 2, [f"parallel.zero={stage}", *common], steps=16):
         assert_losses_track(losses, ref_losses, loss_tol, wrong={"lr 5% lower": slower})
         apart = {"embed.weight"} if precision != "fp32" else set()
-        assert_weights_track(*({n: d[n] for n in d if n not in apart} for d in (weights, ref_weights, initial)), weight_tol)
+        assert_weights_track(
+            *({n: d[n] for n in d if n not in apart} for d in (weights, ref_weights, initial)), weight_tol
+        )
         if apart:
             assert_updates_track(*({n: d[n] for n in apart} for d in (weights, ref_weights, initial)), _EMBED_UPDATE)
 

@@ -8,8 +8,8 @@ The schedules' own properties (complete, deadlock-free, memory bound, bubble for
 from fractions import Fraction
 
 import pytest
-
 from test_pipeline import INVARIANCE_STEPS, _assemble, _executed, _train, cache, reference  # noqa: F401 (fixture)
+
 from trickles.parallel.pipeline.schedules import Shape, build, compute_order
 from trickles.parallel.pipeline.timeline import simulate
 from trickles.testing import run_ranks
@@ -42,8 +42,9 @@ def test_zero_bubble_layout_invariance(tmp_path, cache, preset, layers, tp, pp, 
     overrides = [cache, f"model.preset={preset}", f"model.n_layers={layers}", f"parallel.schedule={schedule}", *extra]
     cp = "parallel.cp=2" in extra
     # _train's world is dp x tp x pp: with cp the context-parallel pair takes the dp slot (no parallel.dp is set)
-    results = run_ranks(tp * pp, _train, str(tmp_path), 2 if cp else 1, 1 if cp else tp, pp, overrides,
-                        INVARIANCE_STEPS, timeout=600)
+    results = run_ranks(
+        tp * pp, _train, str(tmp_path), 2 if cp else 1, 1 if cp else tp, pp, overrides, INVARIANCE_STEPS, timeout=600
+    )
     for losses, *_ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-4)
     weights = _assemble([r[1] for r in results])

@@ -7,12 +7,24 @@ import sys
 
 import pytest
 import torch
-
 from helpers import cli_here, tiny_config
+
 from trickles.testing import run_command
 
-TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
-        "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3"]
+TINY = [
+    "--set",
+    "model.preset=tiny",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.max_bytes=120000",
+    "--set",
+    "train.global_batch=8",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "train.lr=3e-3",
+]
 COLUMNS = ["ranks", "global batch", "step time (ms)", "tokens/s", "scale factor", "comm share", "bytes sent/rank/step"]
 
 
@@ -22,7 +34,16 @@ def trickles(*args, timeout=300):
 
 
 def bench_args(tmp, *extra):
-    return ["bench", "scaling", *TINY, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={tmp}/run", *extra]
+    return [
+        "bench",
+        "scaling",
+        *TINY,
+        "--set",
+        f"data.cache_dir={tmp}/cache",
+        "--set",
+        f"train.out_dir={tmp}/run",
+        *extra,
+    ]
 
 
 def _padded_gradient(tmp, dp):
@@ -30,14 +51,16 @@ def _padded_gradient(tmp, dp):
     from trickles.data import build_tokenizer
     from trickles.models.config import resolve_model
     from trickles.models.transformer import Transformer
-    from trickles.parallel.engine import FIRST_BUCKET_BYTES, bucket_bytes, unique_named_parameters
     from trickles.parallel.data.flat import FlatLayout
+    from trickles.parallel.engine import FIRST_BUCKET_BYTES, bucket_bytes, unique_named_parameters
 
     cfg = tiny_config(tmp)
     model_cfg = resolve_model(cfg.model, build_tokenizer(cfg.data).vocab_size, cfg.data.seq_len)
     with torch.device("meta"):
         model = Transformer(model_cfg)
-    layout = FlatLayout(unique_named_parameters(model), dp, bucket_bytes(cfg.parallel.bucket_mb), first_bucket_bytes=FIRST_BUCKET_BYTES)
+    layout = FlatLayout(
+        unique_named_parameters(model), dp, bucket_bytes(cfg.parallel.bucket_mb), first_bucket_bytes=FIRST_BUCKET_BYTES
+    )
     return layout.numel, layout.total, len(layout.buckets)
 
 
@@ -77,11 +100,20 @@ def test_one_and_two_ranks_table_plot_and_json(tmp_path):
 
 REFUSED = [
     (["--ranks", "0", "1"], "--ranks must be at least 1, got 0"),
-    (["--ranks", "2", "3", "--set", "parallel.tp=2"], "3 rank(s) cannot hold parallel.tp x pp x cp = 2 x 1 x 1 = 2 ranks per data-parallel replica"),
+    (
+        ["--ranks", "2", "3", "--set", "parallel.tp=2"],
+        "3 rank(s) cannot hold parallel.tp x pp x cp = 2 x 1 x 1 = 2 ranks per data-parallel replica",
+    ),
     (["--ranks", "1", "2", "--set", "train.stpes=3"], "unknown key 'train.stpes'; did you mean 'train.steps'?"),
-    (["--ranks", "1", "2", "--set", "train.global_batch=7", "--set", "train.micro_batch=2"], "train.global_batch (7) must equal"),
+    (
+        ["--ranks", "1", "2", "--set", "train.global_batch=7", "--set", "train.micro_batch=2"],
+        "train.global_batch (7) must equal",
+    ),
     (["--ranks", "1", "--steps", "0"], "--steps must be at least 1, got 0"),
-    (["--ranks", "1", "--png", "/no/such/dir/s.png"], "--png /no/such/dir/s.png: the directory /no/such/dir does not exist"),
+    (
+        ["--ranks", "1", "--png", "/no/such/dir/s.png"],
+        "--png /no/such/dir/s.png: the directory /no/such/dir does not exist",
+    ),
 ]
 
 

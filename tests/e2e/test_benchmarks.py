@@ -33,62 +33,313 @@ AT_ONCE = 2  # runs at the same time
 TIMEOUT = 240  # seconds one run may take (on a machine shared with other work)
 ONE_ROUND = ["--steps", "1", "--warmup", "0"]
 TINY_MODEL = ["--preset", "tiny", "--vocab", "256", "--seq", "32", *ONE_ROUND]
-TINY_TRAINING = ["--set", "model.preset=tiny", "--set", "data.max_bytes=120000", "--set", "data.cache_dir={tmp}/{script}-cache"]
+TINY_TRAINING = [
+    "--set",
+    "model.preset=tiny",
+    "--set",
+    "data.max_bytes=120000",
+    "--set",
+    "data.cache_dir={tmp}/{script}-cache",
+]
 
 #: test name -> (script, arguments), in the order the tests run; ``{tmp}`` is this module's scratch folder, ``{script}``
 #: the script's name (two runs at a time must not share a corpus cache). Multi-rank and one-process runs alternate,
 #: the longest first, so that the two runs at a time share the cores evenly.
 RUNS = {
-    "test_planner_time": ("planner_time", [
-        "--worlds", "2", "--steps", "1", "--warmup", "0", "--repeat", "1", "--only", "dp zero1", "tp+sp", "pp 1f1b",
-        "--calib-repeats", "1", "--calib-sample", "0.001", "--set", "model.n_layers=2", "--set", "model.d_model=64",
-        "--set", "model.n_heads=4", "--set", "model.n_kv_heads=2", "--set", "model.vocab_size=512",
-        "--set", "data.seq_len=32", "--set", "train.global_batch=4", "--json", "{tmp}/planner_time.json"]),
-    "test_single_device": ("single_device", [
-        "--device", "cpu", *TINY_MODEL, "--batch", "2", "--threads", "1", "--json", "{tmp}/single_device.json"]),
-    "test_moe": ("moe", [
-        "--world", "2", "--batch", "1", "--seq", "32", "--d-model", "32", "--ffn", "64", "--experts", "4", "--heads", "4",
-        "--kv-heads", "2", *ONE_ROUND, "--device", "cpu", "--json", "{tmp}/moe.json"]),
-    "test_decoding": ("decoding", [
-        "--device", "cpu", "--preset", "tiny", "--vocab", "256", "--batch", "2", "--new", "4", "--rounds", "1",
-        "--json", "{tmp}/decoding.json"]),
-    "test_data_parallel": ("data_parallel", [
-        "--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/data_parallel.json"]),
-    "test_inference": ("inference", [
-        "--device", "cpu", "--layers", "8", "--d-model", "64", "--heads", "4", "--kv-heads", "4", "--ffn", "128",
-        "--vocab", "256", "--prompt-len", "8", "--new-tokens", "4", "--rounds", "1", "--warmup", "0", "--threads", "1",
-        "--json", "{tmp}/inference.json"]),
-    "test_tensor_parallel": ("tensor_parallel", [
-        "--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/tensor_parallel.json"]),
-    "test_kernels": ("kernels", [
-        "--device", "cpu", "--shape", "tiny", "--rounds", "1", "--warmup", "0", "--interpret", "--no-compile",
-        "--json", "{tmp}/kernels.json"]),
-    "test_context_parallel": ("context_parallel", [
-        "--world", "2", "--seq", "64", "--heads", "2", "--head-dim", "16", *ONE_ROUND, "--device", "cpu",
-        "--documents", "4", "--json", "{tmp}/context_parallel.json"]),
+    "test_planner_time": (
+        "planner_time",
+        [
+            "--worlds",
+            "2",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--repeat",
+            "1",
+            "--only",
+            "dp zero1",
+            "tp+sp",
+            "pp 1f1b",
+            "--calib-repeats",
+            "1",
+            "--calib-sample",
+            "0.001",
+            "--set",
+            "model.n_layers=2",
+            "--set",
+            "model.d_model=64",
+            "--set",
+            "model.n_heads=4",
+            "--set",
+            "model.n_kv_heads=2",
+            "--set",
+            "model.vocab_size=512",
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "train.global_batch=4",
+            "--json",
+            "{tmp}/planner_time.json",
+        ],
+    ),
+    "test_single_device": (
+        "single_device",
+        ["--device", "cpu", *TINY_MODEL, "--batch", "2", "--threads", "1", "--json", "{tmp}/single_device.json"],
+    ),
+    "test_moe": (
+        "moe",
+        [
+            "--world",
+            "2",
+            "--batch",
+            "1",
+            "--seq",
+            "32",
+            "--d-model",
+            "32",
+            "--ffn",
+            "64",
+            "--experts",
+            "4",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            *ONE_ROUND,
+            "--device",
+            "cpu",
+            "--json",
+            "{tmp}/moe.json",
+        ],
+    ),
+    "test_decoding": (
+        "decoding",
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--vocab",
+            "256",
+            "--batch",
+            "2",
+            "--new",
+            "4",
+            "--rounds",
+            "1",
+            "--json",
+            "{tmp}/decoding.json",
+        ],
+    ),
+    "test_data_parallel": (
+        "data_parallel",
+        ["--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/data_parallel.json"],
+    ),
+    "test_inference": (
+        "inference",
+        [
+            "--device",
+            "cpu",
+            "--layers",
+            "8",
+            "--d-model",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "4",
+            "--ffn",
+            "128",
+            "--vocab",
+            "256",
+            "--prompt-len",
+            "8",
+            "--new-tokens",
+            "4",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--threads",
+            "1",
+            "--json",
+            "{tmp}/inference.json",
+        ],
+    ),
+    "test_tensor_parallel": (
+        "tensor_parallel",
+        ["--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/tensor_parallel.json"],
+    ),
+    "test_kernels": (
+        "kernels",
+        [
+            "--device",
+            "cpu",
+            "--shape",
+            "tiny",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--interpret",
+            "--no-compile",
+            "--json",
+            "{tmp}/kernels.json",
+        ],
+    ),
+    "test_context_parallel": (
+        "context_parallel",
+        [
+            "--world",
+            "2",
+            "--seq",
+            "64",
+            "--heads",
+            "2",
+            "--head-dim",
+            "16",
+            *ONE_ROUND,
+            "--device",
+            "cpu",
+            "--documents",
+            "4",
+            "--json",
+            "{tmp}/context_parallel.json",
+        ],
+    ),
     "test_memory_layouts": ("memory_layouts", ["--only", "one process", "--json", "{tmp}/memory_layouts.json"]),
-    "test_pipeline_parallel": ("pipeline_parallel", [
-        "--world", "2", *TINY_MODEL, "--batch", "2", "--micro-batch", "1", "--layers", "4", "--d-model", "64",
-        "--trace-steps", "1", "--device", "cpu", "--json", "{tmp}/pipeline_parallel.json"]),
-    "test_large_batch": ("large_batch", [
-        "--sequences", "8", "--batch", "2", "--scale", "2", "--eval-sequences", "4", "--held-out", "2", *TINY_TRAINING,
-        "--set", "data.seq_len=32", "--out", "{tmp}/large_batch"]),
-    "test_tensor_parallel_nd": ("tensor_parallel_nd", [
-        "--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/tensor_parallel_nd.json"]),
-    "test_quantization": ("quantization", [
-        "--train-steps", "2", "--seq-len", "32", *TINY_TRAINING, "--set", "train.warmup_steps=1",
-        "--set", "train.global_batch=4", "--eval-batches", "1", "--new-tokens", "4", "--prompt-tokens", "8",
-        "--rounds", "1", "--threads", "1", "--out", "{tmp}/quantization"]),
-    "test_projections": ("projections", [
-        "--device", "cpu", "--preset", "tiny", "--tokens", "32", "--rounds", "1", "--warmup", "0"]),
-    "test_documents": ("documents", [
-        "--device", "cpu", "--preset", "tiny", "--seq", "32", "--documents", "4", "--rounds", "1", "--warmup", "0",
-        "--json", "{tmp}/documents.json"]),
-    "test_serving": ("serving", [
-        "--preset", "tiny", "--requests", "6", "--concurrency", "3", "--prompt-lens", "8,20", "--output-lens", "4,12,2",
-        "--max-batch", "4", "--block-size", "4", "--json", "{tmp}/serving.json"]),
-    "test_checkpoint_stall": ("checkpoint_stall", [
-        "--layers", "2", "--d-model", "64", "--rounds", "1", "--steps-between", "1", "--json", "{tmp}/checkpoint_stall.json"]),
+    "test_pipeline_parallel": (
+        "pipeline_parallel",
+        [
+            "--world",
+            "2",
+            *TINY_MODEL,
+            "--batch",
+            "2",
+            "--micro-batch",
+            "1",
+            "--layers",
+            "4",
+            "--d-model",
+            "64",
+            "--trace-steps",
+            "1",
+            "--device",
+            "cpu",
+            "--json",
+            "{tmp}/pipeline_parallel.json",
+        ],
+    ),
+    "test_large_batch": (
+        "large_batch",
+        [
+            "--sequences",
+            "8",
+            "--batch",
+            "2",
+            "--scale",
+            "2",
+            "--eval-sequences",
+            "4",
+            "--held-out",
+            "2",
+            *TINY_TRAINING,
+            "--set",
+            "data.seq_len=32",
+            "--out",
+            "{tmp}/large_batch",
+        ],
+    ),
+    "test_tensor_parallel_nd": (
+        "tensor_parallel_nd",
+        ["--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/tensor_parallel_nd.json"],
+    ),
+    "test_quantization": (
+        "quantization",
+        [
+            "--train-steps",
+            "2",
+            "--seq-len",
+            "32",
+            *TINY_TRAINING,
+            "--set",
+            "train.warmup_steps=1",
+            "--set",
+            "train.global_batch=4",
+            "--eval-batches",
+            "1",
+            "--new-tokens",
+            "4",
+            "--prompt-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--threads",
+            "1",
+            "--out",
+            "{tmp}/quantization",
+        ],
+    ),
+    "test_projections": (
+        "projections",
+        ["--device", "cpu", "--preset", "tiny", "--tokens", "32", "--rounds", "1", "--warmup", "0"],
+    ),
+    "test_documents": (
+        "documents",
+        [
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--seq",
+            "32",
+            "--documents",
+            "4",
+            "--rounds",
+            "1",
+            "--warmup",
+            "0",
+            "--json",
+            "{tmp}/documents.json",
+        ],
+    ),
+    "test_serving": (
+        "serving",
+        [
+            "--preset",
+            "tiny",
+            "--requests",
+            "6",
+            "--concurrency",
+            "3",
+            "--prompt-lens",
+            "8,20",
+            "--output-lens",
+            "4,12,2",
+            "--max-batch",
+            "4",
+            "--block-size",
+            "4",
+            "--json",
+            "{tmp}/serving.json",
+        ],
+    ),
+    "test_checkpoint_stall": (
+        "checkpoint_stall",
+        [
+            "--layers",
+            "2",
+            "--d-model",
+            "64",
+            "--rounds",
+            "1",
+            "--steps-between",
+            "1",
+            "--json",
+            "{tmp}/checkpoint_stall.json",
+        ],
+    ),
 }
 
 
@@ -98,8 +349,14 @@ class Runs:
 
     def __init__(self, names: list[str], tmp: Path):
         self.tmp, self.waiting, self.running, self.done = tmp, list(names), {}, {}
-        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-                        HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.env = dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+        )
         self._fill()
 
     def _start(self, name: str) -> None:
@@ -191,6 +448,7 @@ def _losses_agree(check: dict, names, ref: list[float], tol: float = 1e-4) -> No
 
 # ---- the benchmarks, in the order their runs start ---------------------------------------------
 
+
 def test_planner_time(run):
     """The step-time model against measured steps of three layouts and the planner's own top choice (calibrated in
     the same ranks), at two ranks of a small model."""
@@ -240,7 +498,10 @@ def test_decoding(run):
     """Batched greedy and beam decoding against ``transformers``' ``generate``, the tokens checked first."""
     out, tmp = run
     doc = _json(tmp / "decoding.json")
-    assert {k: set(v) <= {"equal", "tie"} and len(v) == 2 for k, v in doc["agreement"].items()} == {"greedy": True, "beams": True}
+    assert {k: set(v) <= {"equal", "tie"} and len(v) == 2 for k, v in doc["agreement"].items()} == {
+        "greedy": True,
+        "beams": True,
+    }
     assert list(doc["times"]) == ["greedy ours", "greedy HF", "beams ours", "beams HF", "one by one ours"]
     assert set(doc["ours_over_hf"]) == {"greedy ours", "beams ours"} and _finite(*doc["ours_over_hf"].values())
 
@@ -265,7 +526,9 @@ def test_inference(run):
     offloading where accelerate is installed; the streamed tokens checked equal to the resident ones first."""
     out, tmp = run
     doc = _json(tmp / "inference.json")
-    names = ["ours resident", "HF generate", "ours streamed"] + (["accelerate offload"] if _installed("accelerate") else [])
+    names = ["ours resident", "HF generate", "ours streamed"] + (
+        ["accelerate offload"] if _installed("accelerate") else []
+    )
     assert list(doc["results"]) == names
     assert all(_finite(r["tokens_per_s"]) for r in doc["results"].values())
     assert "agreement: ours streamed == ours resident" in out
@@ -295,7 +558,9 @@ def test_kernels(run):
     for kernel, r in doc["results"].items():
         want = ["eager", *(["ours-chunked"] if kernel == "cross_entropy" else []), "ours-triton"]
         assert list(r["contestants"]) == want, kernel
-        assert all(c["max_rel_err"] <= doc["tolerance"] and _finite(c["ratio_eager"]) for c in r["contestants"].values())
+        assert all(
+            c["max_rel_err"] <= doc["tolerance"] and _finite(c["ratio_eager"]) for c in r["contestants"].values()
+        )
     assert list(doc["results"]) == ["rms_norm", "layer_norm", "rotary", "swiglu", "gelu_tanh", "cross_entropy"]
     assert "liger: skipped" in out or _installed("liger_kernel")
 
@@ -370,7 +635,9 @@ def test_quantization(run):
     and held-out loss; torchao's int8 where installed."""
     out, tmp = run
     doc = _json(tmp / "quantization" / "quantization.json")
-    names = ["fp32", "bf16", "int8-weight", "int8-full", "int8-tensor"] + (["torchao-int8"] if _installed("torchao") else [])
+    names = ["fp32", "bf16", "int8-weight", "int8-full", "int8-tensor"] + (
+        ["torchao-int8"] if _installed("torchao") else []
+    )
     assert list(doc["results"]) == names
     fp32 = doc["results"]["fp32"]["val_loss"]
     for n, r in doc["results"].items():

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.errors import CheckpointError
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
@@ -57,11 +57,39 @@ def _cli(tmp, faults, steps, *extra):
     """``trickles train`` with tiny_config's settings, checkpoints every 2 steps, saves failing as ``faults`` says."""
     env = {**os.environ, "TRICKLES_FAIL_SAVES": faults}
     out = str(tmp / "run")
-    cmd = [sys.executable, "-m", "trickles", "train", "--set", "model.preset=tiny", "--set", "data.seq_len=32",
-           "--set", "data.max_bytes=120000", "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.steps={steps}",
-           "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3",
-           "--set", "train.eval_every=0", "--set", "train.sample_tokens=0",
-           "--set", "train.plot=false", "--set", "train.checkpoint_every=2", "--set", f"train.out_dir={out}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trickles",
+        "train",
+        "--set",
+        "model.preset=tiny",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "data.max_bytes=120000",
+        "--set",
+        f"data.cache_dir={tmp}/cache",
+        "--set",
+        f"train.steps={steps}",
+        "--set",
+        "train.global_batch=8",
+        "--set",
+        "train.warmup_steps=2",
+        "--set",
+        "train.lr=3e-3",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.sample_tokens=0",
+        "--set",
+        "train.plot=false",
+        "--set",
+        "train.checkpoint_every=2",
+        "--set",
+        f"train.out_dir={out}",
+        *extra,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300), out
 
 
@@ -120,7 +148,9 @@ def test_an_unwritable_out_dir_is_refused_before_training(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     cfg = tiny_config(tmp_path, f"train.out_dir={blocker}/run")
-    with pytest.raises(CheckpointError, match="cannot write checkpoints to .*set train.out_dir to a writable directory"):
+    with pytest.raises(
+        CheckpointError, match="cannot write checkpoints to .*set train.out_dir to a writable directory"
+    ):
         _trainer(cfg)
 
 
@@ -142,10 +172,34 @@ def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
     import time
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "trickles", "train", "--nproc", "2", "--set", "model.preset=tiny", "--set", "data.seq_len=32",
-           "--set", "data.max_bytes=120000", "--set", f"data.cache_dir={tmp_path}/cache", "--set", "train.steps=100000",
-           "--set", "train.global_batch=8", "--set", "train.eval_every=0", "--set", "train.sample_tokens=0",
-           "--set", "train.plot=false", "--set", f"train.out_dir={out}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trickles",
+        "train",
+        "--nproc",
+        "2",
+        "--set",
+        "model.preset=tiny",
+        "--set",
+        "data.seq_len=32",
+        "--set",
+        "data.max_bytes=120000",
+        "--set",
+        f"data.cache_dir={tmp_path}/cache",
+        "--set",
+        "train.steps=100000",
+        "--set",
+        "train.global_batch=8",
+        "--set",
+        "train.eval_every=0",
+        "--set",
+        "train.sample_tokens=0",
+        "--set",
+        "train.plot=false",
+        "--set",
+        f"train.out_dir={out}",
+    ]
     job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120

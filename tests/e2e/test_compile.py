@@ -3,8 +3,8 @@ the Triton kernels the compiled blocks train to the eager losses (without them, 
 tests/distributed/test_layouts_misc.py)."""
 
 import torch
-
 from helpers import tiny_config
+
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
 
@@ -12,7 +12,9 @@ COMMON = ["train.micro_batch=4", "train.sample_temperature=0", "train.sample_top
 
 
 def _trainer(tmp, *overrides):
-    return Trainer(tiny_config(tmp, *COMMON, *overrides, steps=3), ParallelDims().build(torch.device("cpu")), quiet=True)
+    return Trainer(
+        tiny_config(tmp, *COMMON, *overrides, steps=3), ParallelDims().build(torch.device("cpu")), quiet=True
+    )
 
 
 def _trained(tmp, *overrides):
@@ -36,7 +38,7 @@ def test_a_compiled_trainer_samples_with_eager_blocks_and_the_eager_tokens(tmp_p
     sampled = compiled.sample(prompt, 16)
     assert sampled == eager.sample(prompt, 16)
     assert counters["stats"]["unique_graphs"] == graphs
-    new = compiled.tokenizer.encode(sampled[len(prompt):])
+    new = compiled.tokenizer.encode(sampled[len(prompt) :])
     assert len(set(new)) > 4, new  # a varied continuation: equal tokens mean something here
 
 

@@ -6,16 +6,25 @@ import os
 
 import pytest
 import torch
-
 from helpers import tiny_config, trained_checkpoint
+
 from trickles.cli import main
 from trickles.compress.report import compress_report, load_model
 from trickles.models.transformer import count_params
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
 
-TINY = ["model.preset=tiny", "data.seq_len=32", "data.max_bytes=120000", "train.global_batch=8", "train.warmup_steps=2",
-        "train.eval_every=0", "train.sample_tokens=0", "train.plot=false", "train.lr=3e-3"]
+TINY = [
+    "model.preset=tiny",
+    "data.seq_len=32",
+    "data.max_bytes=120000",
+    "train.global_batch=8",
+    "train.warmup_steps=2",
+    "train.eval_every=0",
+    "train.sample_tokens=0",
+    "train.plot=false",
+    "train.lr=3e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +33,9 @@ def pruned(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("compress")
     src = trained_checkpoint(tmp, 8)
     out = str(tmp / "pruned")
-    assert main(["compress", "prune", src, out, "--heads", "0.5", "--ffn", "0.25", "--layers", "1", "--batches", "2"]) == 0
+    assert (
+        main(["compress", "prune", src, out, "--heads", "0.5", "--ffn", "0.25", "--layers", "1", "--batches", "2"]) == 0
+    )
     return tmp, src, out
 
 
@@ -58,8 +69,9 @@ def test_prune_writes_a_smaller_checkpoint_and_the_report_counts_it(pruned, caps
 def test_pruned_checkpoint_trains_at_tp2_like_one_process(pruned, tmp_path):
     _, _, out = pruned
     common = TINY + [f"data.cache_dir={tmp_path}/cache", "train.steps=3", f"train.init_from={out}"]
-    args = ["train", "--quiet", "--nproc", "2"] + [a for kv in common + ["parallel.tp=2", f"train.out_dir={tmp_path}/tp2"]
-                                                  for a in ("--set", kv)]
+    args = ["train", "--quiet", "--nproc", "2"] + [
+        a for kv in common + ["parallel.tp=2", f"train.out_dir={tmp_path}/tp2"] for a in ("--set", kv)
+    ]
     assert main(args) == 0
     with open(tmp_path / "tp2" / "metrics.jsonl") as f:
         tp2 = [json.loads(line)["loss"] for line in f]
@@ -96,16 +108,15 @@ def test_pruning_scores_on_the_runs_first_training_batches_in_order(pruned):
     """``calibration_batches(meta, ..., "train", k)``: batch ``i`` is the run's global batch ``i`` (samples
     ``i B .. (i+1) B``), exactly what the trainer's loader gave at step ``i``."""
     from trickles.compress.report import calibration_batches
+    from trickles.config import Config
     from trickles.data.corpus import load_corpus
     from trickles.data.loader import ShardedBatches
-    from trickles.config import Config
 
     _, src, _ = pruned
     _, tokenizer, meta, _ = load_model(src, fused_proj=False)
     cfg = Config.from_dict(meta["config"])
     b = cfg.train.global_batch
-    data = ShardedBatches(load_corpus(cfg.data, tokenizer, cfg.data.cache_dir).train, cfg.data.seq_len,
-                          cfg.train.seed)
+    data = ShardedBatches(load_corpus(cfg.data, tokenizer, cfg.data.cache_dir).train, cfg.data.seq_len, cfg.train.seed)
     got = calibration_batches(meta, tokenizer, "train", 3)
     assert len(got) == 3
     for i, (x, y) in enumerate(got):

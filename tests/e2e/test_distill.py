@@ -4,8 +4,8 @@ the same student trained from scratch, unsupported layouts and vocabularies are 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import tiny_config
+
 from trickles.compress.distill import Distiller, default_map, forward_states, kd_loss
 from trickles.errors import ConfigError
 from trickles.topology import ParallelDims
@@ -40,8 +40,12 @@ def test_kl_term_equals_reference():
     y[0, 1] = y[1, 4] = -100
     for temp in (1.0, 2.5):
         keep = (y != -100).flatten()
-        ref = F.kl_div(F.log_softmax(s / temp, -1).flatten(0, 1)[keep], F.log_softmax(t / temp, -1).flatten(0, 1)[keep],
-                       log_target=True, reduction="batchmean")
+        ref = F.kl_div(
+            F.log_softmax(s / temp, -1).flatten(0, 1)[keep],
+            F.log_softmax(t / temp, -1).flatten(0, 1)[keep],
+            log_target=True,
+            reduction="batchmean",
+        )
         assert torch.allclose(kd_loss(s, t, y, temp), ref, rtol=1e-6, atol=1e-7)
     assert kd_loss(t, t, y, 2.0).abs() < 1e-6  # the same distribution: no divergence
     assert default_map(2, 4) == [(0, 1), (1, 3)] and default_map(1, 2) == [(0, 1)]
@@ -56,22 +60,29 @@ def test_distillation_loss_is_the_weighted_sum(teacher, tmp_path):
         got = d.loss(trainer.model, x, y)
         s_logits, t_logits = trainer.model(x), d.teacher(x)
         ce = F.cross_entropy(s_logits.flatten(0, 1), y.flatten())
-        kl = F.kl_div(F.log_softmax(s_logits / 2, -1).flatten(0, 1), F.log_softmax(t_logits / 2, -1).flatten(0, 1),
-                      log_target=True, reduction="batchmean")
+        kl = F.kl_div(
+            F.log_softmax(s_logits / 2, -1).flatten(0, 1),
+            F.log_softmax(t_logits / 2, -1).flatten(0, 1),
+            log_target=True,
+            reduction="batchmean",
+        )
     assert torch.allclose(got, 0.7 * ce + 0.3 * 4 * kl, rtol=1e-5), (got, ce, kl)
     assert kl > 0.01  # a wrong teacher or temperature would show
 
 
 def test_alpha_zero_is_plain_training(teacher, tmp_path):
     plain, plain_losses = _train(tiny_config(tmp_path / "plain", *STUDENT, steps=5))
-    dist, dist_losses = _train(tiny_config(tmp_path / "kd", *STUDENT, f"distill.teacher={teacher}", "distill.alpha=0",
-                                           steps=5))
+    dist, dist_losses = _train(
+        tiny_config(tmp_path / "kd", *STUDENT, f"distill.teacher={teacher}", "distill.alpha=0", steps=5)
+    )
     assert dist.distill is not None
     assert dist_losses == plain_losses  # bitwise
     for (n, a), b in zip(dist.model.named_parameters(), plain.model.parameters()):
         assert torch.equal(a, b), n
     # and the soft term does change the run
-    _, soft = _train(tiny_config(tmp_path / "soft", *STUDENT, f"distill.teacher={teacher}", "distill.alpha=0.5", steps=5))
+    _, soft = _train(
+        tiny_config(tmp_path / "soft", *STUDENT, f"distill.teacher={teacher}", "distill.alpha=0.5", steps=5)
+    )
     assert soft != plain_losses
 
 
@@ -80,16 +91,32 @@ def test_distilled_half_depth_student_beats_scratch(teacher, tmp_path):
     # scratch, 3.750 distilled (alpha 0.5, T = 1); at T = 2 the soft term needs longer to pay off on this short run
     common = (*STUDENT, "train.eval_batches=4")
     scratch, _ = _train(tiny_config(tmp_path / "scratch", *common, steps=20))
-    kd, _ = _train(tiny_config(tmp_path / "kd", *common, f"distill.teacher={teacher}", "distill.alpha=0.5",
-                               "distill.temperature=1", steps=20))
+    kd, _ = _train(
+        tiny_config(
+            tmp_path / "kd",
+            *common,
+            f"distill.teacher={teacher}",
+            "distill.alpha=0.5",
+            "distill.temperature=1",
+            steps=20,
+        )
+    )
     v_scratch, v_kd = scratch.evaluate(), kd.evaluate()
     print(f"val loss after 20 steps: scratch {v_scratch:.4f}, distilled {v_kd:.4f}")
     assert v_kd < v_scratch
 
 
 def test_hidden_states_with_a_learned_projection(teacher, tmp_path):
-    cfg = tiny_config(tmp_path, *STUDENT, "model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1",
-                      f"distill.teacher={teacher}", "distill.hidden_weight=1.0", steps=3)
+    cfg = tiny_config(
+        tmp_path,
+        *STUDENT,
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.n_kv_heads=1",
+        f"distill.teacher={teacher}",
+        "distill.hidden_weight=1.0",
+        steps=3,
+    )
     trainer = _trainer(cfg)
     d = trainer.distill
     assert d.pairs == [(0, 1)] and d.proj is not None and d.proj[0].weight.shape == (64, 32)
@@ -127,14 +154,31 @@ def test_distillation_at_dp2_tracks_one_process(teacher, tmp_path):
 
     from trickles.cli import main
 
-    sets = ["model.preset=tiny", "model.n_layers=1", "data.seq_len=32", "data.max_bytes=120000", "train.global_batch=8",
-            "train.warmup_steps=2", "train.eval_every=0", "train.sample_tokens=0", "train.plot=false", "train.lr=3e-3",
-            f"data.cache_dir={tmp_path}/cache", "train.steps=4", f"train.out_dir={tmp_path}/dp2", "distill.alpha=0.5"]
-    assert main(["train", "--quiet", "--nproc", "2", "--teacher", teacher, *[a for s in sets for a in ("--set", s)]]) == 0
+    sets = [
+        "model.preset=tiny",
+        "model.n_layers=1",
+        "data.seq_len=32",
+        "data.max_bytes=120000",
+        "train.global_batch=8",
+        "train.warmup_steps=2",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        "train.plot=false",
+        "train.lr=3e-3",
+        f"data.cache_dir={tmp_path}/cache",
+        "train.steps=4",
+        f"train.out_dir={tmp_path}/dp2",
+        "distill.alpha=0.5",
+    ]
+    assert (
+        main(["train", "--quiet", "--nproc", "2", "--teacher", teacher, *[a for s in sets for a in ("--set", s)]]) == 0
+    )
     with open(tmp_path / "dp2" / "metrics.jsonl") as f:
         dp2 = [json.loads(line)["loss"] for line in f]
     _, one = _train(tiny_config(tmp_path / "one", *STUDENT, f"distill.teacher={teacher}", "distill.alpha=0.5", steps=4))
     _, plain = _train(tiny_config(tmp_path / "plain", *STUDENT, steps=4))
     gap = max(abs(a - b) / b for a, b in zip(dp2, one))
     assert gap < 1e-4, (dp2, one)
-    assert max(abs(a - b) / b for a, b in zip(plain, one)) > 1e-4  # the tolerance would notice a run without the teacher
+    assert (
+        max(abs(a - b) / b for a, b in zip(plain, one)) > 1e-4
+    )  # the tolerance would notice a run without the teacher

@@ -8,24 +8,62 @@ import sys
 
 import pytest
 import torch
-
 from helpers import tiny_config
 from test_fault import _with_fault
+
 from trickles.commands import run_command
 from trickles.errors import ConfigError
 from trickles.planner.elastic import fits, layout_for_world
-from trickles.train.trainer import Trainer
 from trickles.topology import ParallelDims
+from trickles.train.trainer import Trainer
 
-SETTINGS = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
-            "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3",
-            "--set", "train.eval_every=0", "--set", "train.sample_tokens=0", "--set", "train.plot=false",
-            "--set", "train.checkpoint_every=3", "--set", "train.eps=1e-6", "--set", "parallel.dp=2", "--set", "parallel.tp=2"]
+SETTINGS = [
+    "--set",
+    "model.preset=tiny",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.max_bytes=120000",
+    "--set",
+    "train.global_batch=8",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "train.lr=3e-3",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.sample_tokens=0",
+    "--set",
+    "train.plot=false",
+    "--set",
+    "train.checkpoint_every=3",
+    "--set",
+    "train.eps=1e-6",
+    "--set",
+    "parallel.dp=2",
+    "--set",
+    "parallel.tp=2",
+]
 
 
 def _train(tmp, nproc, *extra, env=None):
-    cmd = [sys.executable, "-m", "trickles", "train", "--nproc", str(nproc), *SETTINGS, "--set", f"data.cache_dir={tmp}/cache",
-           "--set", f"train.out_dir={tmp}/run", "--set", "train.steps=12", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trickles",
+        "train",
+        "--nproc",
+        str(nproc),
+        *SETTINGS,
+        "--set",
+        f"data.cache_dir={tmp}/cache",
+        "--set",
+        f"train.out_dir={tmp}/run",
+        "--set",
+        "train.steps=12",
+        *extra,
+    ]
     return run_command(cmd, text=True, timeout=300, env=env)
 
 
@@ -43,7 +81,9 @@ def test_a_run_stopped_on_four_ranks_continues_on_two_at_the_planners_layout(tmp
     with open(tmp_path / "run" / "metrics.jsonl") as f:
         losses = {r["step"]: r["loss"] for r in map(json.loads, f) if "loss" in r}
     assert sorted(losses) == list(range(1, 13))  # steps 7-12 continued from step 6's checkpoint
-    one = Trainer(tiny_config(tmp_path / "one", "train.eps=1e-6", steps=12), ParallelDims().build(torch.device("cpu")), quiet=True)
+    one = Trainer(
+        tiny_config(tmp_path / "one", "train.eps=1e-6", steps=12), ParallelDims().build(torch.device("cpu")), quiet=True
+    )
     straight = [one.train_step()["loss"] for _ in range(12)]
     assert [losses[s] for s in range(1, 13)] == pytest.approx(straight, rel=1e-4)
 

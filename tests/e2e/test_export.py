@@ -12,15 +12,15 @@ import sys
 
 import pytest
 import torch
+from helpers import cli_here, tiny_config
 from safetensors import safe_open
 
-from helpers import cli_here, tiny_config
 from trickles import Config, export_checkpoint
 from trickles.errors import CheckpointError
 from trickles.testing import run_command, run_ranks
 from trickles.train import checkpoint as ckpt
-from trickles.train.pieces import PieceReader
 from trickles.train.load import load_for_inference
+from trickles.train.pieces import PieceReader
 from trickles.train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -37,7 +37,9 @@ LAYOUTS = {
 
 
 def _config(tmp, cache, out, *overrides):
-    return tiny_config(tmp, *COMMON, f"data.cache_dir={cache}", f"train.out_dir={out}", *overrides, steps=BEFORE + AFTER)
+    return tiny_config(
+        tmp, *COMMON, f"data.cache_dir={cache}", f"train.out_dir={out}", *overrides, steps=BEFORE + AFTER
+    )
 
 
 def _pieces(engine):
@@ -81,7 +83,7 @@ def _assemble_described(per_rank):
             block = tuple(slice(o, o + n) for o, n in zip(offset, meta.get("block_shape", shape)))
             where = torch.arange(full.numel()).view(shape)[block].reshape(-1)  # the block's elements, flat, in order
             if "flat_range" in meta:
-                where = where[meta["flat_range"][0]:meta["flat_range"][1]]
+                where = where[meta["flat_range"][0] : meta["flat_range"][1]]
             values, seen = t.reshape(-1), mask.view(-1)[where]
             assert values.numel() == where.numel(), (key, meta, t.shape)
             assert torch.equal(full.view(-1)[where][seen], values[seen]), f"the copies of {key} differ between ranks"
@@ -117,10 +119,17 @@ def saved(work, name):
     """``(checkpoint path, whole parameters at the checkpoint, the layout's losses after it)`` of ``LAYOUTS[name]``."""
     if name not in _SAVED:
         dp, tp, pp, layout, model = LAYOUTS[name]
-        results = run_ranks(dp * tp * pp, _save_at_layout, str(work / name), str(work / "cache"), dp, tp, pp, layout, model)
+        results = run_ranks(
+            dp * tp * pp, _save_at_layout, str(work / name), str(work / "cache"), dp, tp, pp, layout, model
+        )
         path = results[0][0]
         assert all(r[2] == results[0][2] for r in results)
-        _SAVED[name] = path, _assemble([r[1] for r in results]), results[0][2], _assemble_described([r[3] for r in results])
+        _SAVED[name] = (
+            path,
+            _assemble([r[1] for r in results]),
+            results[0][2],
+            _assemble_described([r[3] for r in results]),
+        )
     return _SAVED[name][:3]
 
 
@@ -150,8 +159,13 @@ def test_one_process_resumes_from_the_export_as_from_the_original(work, tmp_path
     path, weights, layout_losses = saved(work, name)
     out = str(tmp_path / "single")
     assert export_checkpoint(path, out) == out
-    assert sorted(os.listdir(out)) == ["manifest.json", "model-rank00000.safetensors", "optimizer-rank00000.safetensors",
-                                       "tokenizer", "trainer.json"]
+    assert sorted(os.listdir(out)) == [
+        "manifest.json",
+        "model-rank00000.safetensors",
+        "optimizer-rank00000.safetensors",
+        "tokenizer",
+        "trainer.json",
+    ]
     assert not os.path.exists(out + ".tmp")
     ckpt.verify(out)
 
@@ -183,13 +197,22 @@ def test_one_process_resumes_from_the_export_as_from_the_original(work, tmp_path
     dp, tp, pp, *_ = LAYOUTS[name]
     assert before["world_size"] == dp * tp * pp and len(before["rng"]) == dp * tp * pp
     assert after["world_size"] == 1 and after["rng"] == before["rng"][:1]
-    assert after["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero": 0, "sequence_parallel": False, "schedule": "1f1b",
-                               "virtual_stages": 1}
+    assert after["layout"] == {
+        "dp": 1,
+        "tp": 1,
+        "pp": 1,
+        "zero": 0,
+        "sequence_parallel": False,
+        "schedule": "1f1b",
+        "virtual_stages": 1,
+    }
     for key in ("step", "consumed_samples", "skipped_steps", "loss_scaler", "model"):
         assert after[key] == before[key], key
     assert after["exported_from"]["layout"] == before["layout"]
     assert Config.from_dict(after["config"]).validate(1).world_size == 1
-    assert after["config"]["model"] == before["config"]["model"] and after["config"]["train"] == before["config"]["train"]
+    assert (
+        after["config"]["model"] == before["config"]["model"] and after["config"]["train"] == before["config"]["train"]
+    )
 
     # one process continues from the export exactly as from the original, and as the layout itself did
     from_original = _resume_in_one_process(work, name, path, str(tmp_path / "a"))
@@ -225,7 +248,9 @@ def test_hf_export_gives_transformers_our_logits(work, tmp_path, name):
     path, _, _ = saved(work, name)
     out = export_checkpoint(path, str(tmp_path / "hf"), fmt="hf")
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "tokenizer_meta.json"]
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, attn_implementation="sdpa")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True, attn_implementation="sdpa"
+    )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ours, tokenizer, _ = load_for_inference(path)
     assert hf.config.eos_token_id == tokenizer.eos_id
@@ -248,6 +273,7 @@ def test_an_existing_out_is_refused(work, tmp_path):
 
 # ---- the command line ------------------------------------------------------------------------
 
+
 def trickles(*args):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return run_command([sys.executable, "-m", "trickles", *args], text=True, timeout=300, env=env)
@@ -264,7 +290,9 @@ def test_command_exports_a_runs_newest_checkpoint_in_both_formats(work, tmp_path
     run = os.path.dirname(os.path.dirname(path))  # the run's out_dir
     r = trickles("checkpoint", "export", run, str(tmp_path / "single"))
     assert r.returncode == 0, r.stderr
-    assert json.loads((tmp_path / "single" / "trainer.json").read_text())["exported_from"]["checkpoint"] == os.path.abspath(path)
+    assert json.loads((tmp_path / "single" / "trainer.json").read_text())["exported_from"][
+        "checkpoint"
+    ] == os.path.abspath(path)
     ckpt.verify(str(tmp_path / "single"))
     r = trickles("checkpoint", "export", path, str(tmp_path / "hf"), "--format", "hf")
     assert r.returncode == 0, r.stderr
@@ -283,10 +311,11 @@ def _drop_a_rank(step):
     ckpt.write_manifest(str(step))
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (_truncate, "optimizer-rank00001.safetensors has"),
-    (_drop_a_rank, "it is incomplete"),
-], ids=["truncated", "a-rank-missing"])
+@pytest.mark.parametrize(
+    "damage,needle",
+    [(_truncate, "optimizer-rank00001.safetensors has"), (_drop_a_rank, "it is incomplete")],
+    ids=["truncated", "a-rank-missing"],
+)
 def test_command_refuses_a_damaged_source_and_leaves_nothing(work, tmp_path, damage, needle):
     path, _, _ = saved(work, "dp2-zero3")
     step = tmp_path / "src" / os.path.basename(path)
@@ -316,16 +345,29 @@ def test_consolidated_files_are_cut_at_the_size_limit_and_read_back_whole(tmp_pa
     src.mkdir()
     full = {"a": torch.arange(12.0).view(3, 4), "b": torch.arange(8, dtype=torch.bfloat16), "c": torch.ones(5, 2)}
     # "a" in two row blocks from two ranks, "b" as two flat ranges, "c" whole; a scalar step counter
-    save_pieces({"a": (full["a"][:2], {"global_shape": [3, 4], "offset": [0, 0], "block_shape": [2, 4]}),
-                 "b": (full["b"][:3], {"global_shape": [8], "flat_range": [0, 3]}),
-                 "step": (torch.tensor(7.0), {"global_shape": [], "scalar": True})}, str(src / "x-rank00000.safetensors"))
-    save_pieces({"a": (full["a"][2:], {"global_shape": [3, 4], "offset": [2, 0], "block_shape": [1, 4]}),
-                 "b": (full["b"][3:], {"global_shape": [8], "flat_range": [3, 8]}), "c": full["c"]},
-                str(src / "x-rank00001.safetensors"))
+    save_pieces(
+        {
+            "a": (full["a"][:2], {"global_shape": [3, 4], "offset": [0, 0], "block_shape": [2, 4]}),
+            "b": (full["b"][:3], {"global_shape": [8], "flat_range": [0, 3]}),
+            "step": (torch.tensor(7.0), {"global_shape": [], "scalar": True}),
+        },
+        str(src / "x-rank00000.safetensors"),
+    )
+    save_pieces(
+        {
+            "a": (full["a"][2:], {"global_shape": [3, 4], "offset": [2, 0], "block_shape": [1, 4]}),
+            "b": (full["b"][3:], {"global_shape": [8], "flat_range": [3, 8]}),
+            "c": full["c"],
+        },
+        str(src / "x-rank00001.safetensors"),
+    )
     out = tmp_path / "out"
     out.mkdir()
     files = save_whole(PieceReader(str(src), "x"), str(out), "x", shard_bytes=64)
-    assert [os.path.basename(f) for f in files] == ["x-rank00000.safetensors", "x-rank00000-2.safetensors"]  # a, b: 48 + 16 bytes; c, step: 40 + 4
+    assert [os.path.basename(f) for f in files] == [
+        "x-rank00000.safetensors",
+        "x-rank00000-2.safetensors",
+    ]  # a, b: 48 + 16 bytes; c, step: 40 + 4
     back = PieceReader(str(out), "x")
     assert back.keys() == ["a", "b", "c", "step"] and back.is_scalar("step") and back.read("step").item() == 7.0
     for k, t in full.items():

@@ -21,11 +21,34 @@ from trickles.train import checkpoint as ckpt
 from trickles.train.pieces import PieceReader
 
 RANKS, STEPS, EVERY, AFTER = 2, 6, 2, 4  # checkpoints at 2, 4, 6; the fault strikes after step 4's
-SETTINGS = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
-            "--set", "train.global_batch=8", "--set", "train.warmup_steps=2", "--set", "train.lr=3e-3",
-            "--set", f"train.steps={STEPS}", "--set", f"train.checkpoint_every={EVERY}", "--set", "train.keep_checkpoints=5",
-            "--set", "train.eval_every=0", "--set", "train.sample_tokens=0", "--set", "train.plot=false",
-            "--set", "parallel.zero=1"]
+SETTINGS = [
+    "--set",
+    "model.preset=tiny",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.max_bytes=120000",
+    "--set",
+    "train.global_batch=8",
+    "--set",
+    "train.warmup_steps=2",
+    "--set",
+    "train.lr=3e-3",
+    "--set",
+    f"train.steps={STEPS}",
+    "--set",
+    f"train.checkpoint_every={EVERY}",
+    "--set",
+    "train.keep_checkpoints=5",
+    "--set",
+    "train.eval_every=0",
+    "--set",
+    "train.sample_tokens=0",
+    "--set",
+    "train.plot=false",
+    "--set",
+    "parallel.zero=1",
+]
 HANG_TIMEOUT_S = 10  # parallel.timeout_s of the hanging job: long enough for any honest wait on a loaded machine
 SAFETY_S = 600
 
@@ -78,9 +101,33 @@ sys.meta_path.insert(0, _Finder())
 def _command(tmp, out, launcher="trickles", restarts=2, extra=()):
     settings = [*SETTINGS, "--set", f"data.cache_dir={tmp}/cache", "--set", f"train.out_dir={out}", *extra]
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS),
-                "--max-restarts", str(restarts), "-m", "trickles", "train", "--quiet", *settings]
-    return [sys.executable, "-m", "trickles", "train", "--nproc", str(RANKS), "--max-restarts", str(restarts), "--quiet", *settings]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(RANKS),
+            "--max-restarts",
+            str(restarts),
+            "-m",
+            "trickles",
+            "train",
+            "--quiet",
+            *settings,
+        ]
+    return [
+        sys.executable,
+        "-m",
+        "trickles",
+        "train",
+        "--nproc",
+        str(RANKS),
+        "--max-restarts",
+        str(restarts),
+        "--quiet",
+        *settings,
+    ]
 
 
 def _with_fault(tmp_path, action: str, after: int = AFTER) -> tuple[dict, str]:
@@ -88,7 +135,9 @@ def _with_fault(tmp_path, action: str, after: int = AFTER) -> tuple[dict, str]:
     the marker's path."""
     folder, marker = tmp_path / "fault", str(tmp_path / "fault struck")
     folder.mkdir()
-    (folder / "sitecustomize.py").write_text(FAULT.format(rank=1, after=after, action=action, marker=marker, stall_s=SAFETY_S))
+    (folder / "sitecustomize.py").write_text(
+        FAULT.format(rank=1, after=after, action=action, marker=marker, stall_s=SAFETY_S)
+    )
     path = os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p)
     return dict(os.environ, PYTHONPATH=path, PYTHONUNBUFFERED="1"), marker
 
@@ -107,8 +156,10 @@ def _losses(out) -> list[tuple[int, float]]:
 def _check_like_uninterrupted(out, straight, job) -> None:
     # resumed from the newest complete checkpoint: step 4's, written in the background (train.async_checkpoint), if
     # its write finished before the fault struck, else step 2's -- a rank killed during a save loses only that save
-    resumed = [f"[trickles] restart 1: continuing from {out}/checkpoints/step_{s:06d}\n" in job.stdout
-               for s in (AFTER - EVERY, AFTER)]
+    resumed = [
+        f"[trickles] restart 1: continuing from {out}/checkpoints/step_{s:06d}\n" in job.stdout
+        for s in (AFTER - EVERY, AFTER)
+    ]
     assert any(resumed), job.stdout + job.stderr
     assert job.stdout.count("continuing from") == 1
     # every step logged once, with the uninterrupted run's losses, and the same final weights: bit for bit, since
@@ -153,13 +204,19 @@ def test_hang_ends_the_attempt_and_max_restarts_finishes_the_run(uninterrupted, 
     tmp, straight = uninterrupted
     out = tmp_path / "hung"
     env, marker = _with_fault(tmp_path, "stall")
-    job = run_command(_command(tmp, out, restarts=1, extra=["--set", f"parallel.timeout_s={HANG_TIMEOUT_S}"]),
-                      text=True, timeout=SAFETY_S, env=env)
+    job = run_command(
+        _command(tmp, out, restarts=1, extra=["--set", f"parallel.timeout_s={HANG_TIMEOUT_S}"]),
+        text=True,
+        timeout=SAFETY_S,
+        env=env,
+    )
     assert job.returncode == 0, job.stderr
     assert os.path.exists(marker), "the fault never struck"
     reports = [line for line in job.stderr.splitlines() if line.startswith("[trickles] hang: ")]
     assert len(reports) == 2, job.stderr
-    rank0 = next(line for line in reports if line.startswith(f"[trickles] hang: rank 0 (dp 0/2) at step {AFTER + 1}: inside "))
+    rank0 = next(
+        line for line in reports if line.startswith(f"[trickles] hang: rank 0 (dp 0/2) at step {AFTER + 1}: inside ")
+    )
     assert f"more than the {HANG_TIMEOUT_S} s allowed (parallel.timeout_s)" in rank0 and "on group '" in rank0, rank0
     rank1 = next(line for line in reports if line.startswith("[trickles] hang: rank 1 (dp 1/2)"))
     assert "not inside a communication call; stopping because rank 0 (dp 0/2)" in rank1, rank1

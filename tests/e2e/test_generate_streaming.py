@@ -8,8 +8,8 @@ import os
 import sys
 
 import pytest
-
 from helpers import cli_here
+
 from trickles.compress.quantize import quantize_model
 from trickles.data.tokenizers import ByteTokenizer
 from trickles.infer import Sampling, decode
@@ -22,8 +22,12 @@ from trickles.train.load import load_for_inference
 
 
 def _run(*args):
-    return run_command([sys.executable, "-m", "trickles", "generate", *args], text=False, timeout=300,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"))
+    return run_command(
+        [sys.executable, "-m", "trickles", "generate", *args],
+        text=False,
+        timeout=300,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONIOENCODING="utf-8"),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +36,9 @@ def checkpoint(tmp_path_factory):
     model = build_model(cfg, seed=5)
     path = str(tmp_path_factory.mktemp("stream") / "ckpt")
     save_for_inference(model, ByteTokenizer(), path)
-    others = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("layers.")) + \
-        sum(b.numel() * 4 for b in model.buffers())
+    others = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("layers.")) + sum(
+        b.numel() * 4 for b in model.buffers()
+    )
     # every block streamed: the embeddings, head and KV cache (2 samples x 64 positions) plus two buffers
     least = others + kv_cache_bytes(cfg, 2, 64) + 2 * block_bytes(model.layers["0"])
     return path, least
@@ -41,8 +46,21 @@ def checkpoint(tmp_path_factory):
 
 def test_streamed_text_equals_resident_text(checkpoint):
     path, least = checkpoint
-    common = [path, "--prompt", "def f(", "--max-new-tokens", "40", "--temperature", "0.8", "--num-samples", "2",
-              "--seed", "11", "--device", "cpu"]
+    common = [
+        path,
+        "--prompt",
+        "def f(",
+        "--max-new-tokens",
+        "40",
+        "--temperature",
+        "0.8",
+        "--num-samples",
+        "2",
+        "--seed",
+        "11",
+        "--device",
+        "cpu",
+    ]
     resident = _run(*common)
     streamed = _run(*common, "--device-budget-gb", f"{least / 1e9:.9f}")
     assert resident.returncode == 0 and streamed.returncode == 0, streamed.stderr.decode(errors="replace")
@@ -51,12 +69,15 @@ def test_streamed_text_equals_resident_text(checkpoint):
     assert resident.stdout.decode().count("--- sample") == 2
 
 
-@pytest.mark.parametrize("value,needle", [
-    ("0", "--device-budget-gb must be a positive number of GB, got 0"),
-    ("-2", "--device-budget-gb must be a positive number of GB, got -2"),
-    ("nan", "--device-budget-gb must be a positive number of GB, got nan"),
-    ("0.000001", "too small for this model: streaming every block still needs"),
-])
+@pytest.mark.parametrize(
+    "value,needle",
+    [
+        ("0", "--device-budget-gb must be a positive number of GB, got 0"),
+        ("-2", "--device-budget-gb must be a positive number of GB, got -2"),
+        ("nan", "--device-budget-gb must be a positive number of GB, got nan"),
+        ("0.000001", "too small for this model: streaming every block still needs"),
+    ],
+)
 def test_bad_budget_is_one_line_exit_2(checkpoint, value, needle):
     args = (checkpoint[0], "--device-budget-gb", value, "--max-new-tokens", "4", "--device", "cpu")
     r = _run(*args) if value == "0" else cli_here("generate", *args)  # one case through a real process
@@ -76,7 +97,9 @@ def test_the_serving_engine_runs_streamed_and_int8_models(checkpoint, int8):
         quantize_model(resident, mode=int8)
     models = [resident] if int8 else [resident, load_streaming(path, "cpu", least, batch=2, max_len=64)[0]]
     prompts = [tok.encode(t) for t in ("def f(", "import os\n", "x")]
-    alone = [decode(resident, [p], Sampling(max_new_tokens=12, temperature=0), eos_id=tok.eos_id)[0].tokens for p in prompts]
+    alone = [
+        decode(resident, [p], Sampling(max_new_tokens=12, temperature=0), eos_id=tok.eos_id)[0].tokens for p in prompts
+    ]
     for model in models:
         engine = Engine(model, tok, EngineConfig(max_batch=3, block_size=8))
         requests = [engine.submit(p, Sampling(max_new_tokens=12, temperature=0)) for p in prompts]

@@ -10,14 +10,18 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 sys.path.append(BENCH)  # last: the benchmarks' module names shadow nothing of the suite's
 
 import gpu_check  # noqa: E402
+
 from trickles.testing import run_command  # noqa: E402
 
 KEYS = [s.key for s in gpu_check.steps()]
 
 
 def _run(out, *args):
-    return run_command([sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out", str(out), *args],
-                       text=True, timeout=120)
+    return run_command(
+        [sys.executable, os.path.join(BENCH, "gpu_check.py"), "--device", "cpu", "--out", str(out), *args],
+        text=True,
+        timeout=120,
+    )
 
 
 def _written(out):
@@ -73,5 +77,7 @@ def test_a_spent_budget_skips_the_remaining_steps(tmp_path):
     with open(tmp_path / "log", "w") as log:
         gpu_check.run_all(plan, gpu_check.Ctx(cuda=False, work=str(tmp_path)), args, log)
     steps = {s.key: s.result for s in plan}
-    assert steps["h"]["status"].startswith("skipped: out of the budget") and steps["i"]["status"].startswith("skipped: out")
+    assert steps["h"]["status"].startswith("skipped: out of the budget") and steps["i"]["status"].startswith(
+        "skipped: out"
+    )
     assert steps["a1"]["status"] == "skipped: not selected (--only)"

@@ -17,6 +17,7 @@ pytest.importorskip("fastapi", exc_type=ImportError)  # the serve extra (CI inst
 uvicorn = pytest.importorskip("uvicorn", exc_type=ImportError)
 
 from helpers import cli_here, trained_checkpoint  # noqa: E402
+
 from trickles.infer import Sampling, decode  # noqa: E402
 from trickles.infer.server import BackgroundServer, create_app  # noqa: E402
 from trickles.infer.static import Batcher, Job  # noqa: E402
@@ -38,17 +39,33 @@ def checkpoint(tmp_path_factory):
 def cli_text(checkpoint):
     """What ``trickles generate`` prints for every prompt, greedily with the same penalty (one batch of 4 prompts)."""
     args = [a for p in PROMPTS for a in ("--prompt", p)]
-    r = run_command([sys.executable, "-m", "trickles", "generate", checkpoint, *args, "--temperature", "0",
-                     "--repetition-penalty", "1.3", "--max-new-tokens", "24"], text=False, timeout=TIMEOUT,
-                    env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    r = run_command(
+        [
+            sys.executable,
+            "-m",
+            "trickles",
+            "generate",
+            checkpoint,
+            *args,
+            "--temperature",
+            "0",
+            "--repetition-penalty",
+            "1.3",
+            "--max-new-tokens",
+            "24",
+        ],
+        text=False,
+        timeout=TIMEOUT,
+        env=dict(os.environ, PYTHONIOENCODING="utf-8"),
+    )
     assert r.returncode == 0, r.stderr.decode(errors="replace")
     out = r.stdout.decode("utf-8")
     expected = "".join(f"--- sample {i + 1} ---\n{{}}\n" for i in range(len(PROMPTS)))
     parts = out.split("--- sample ")[1:]
     texts = [p.split(" ---\n", 1)[1][:-1] for p in parts]
     assert out == expected.format(*texts)
-    assert [t[:len(p)] for t, p in zip(texts, PROMPTS)] == PROMPTS
-    return {p: t[len(p):] for p, t in zip(PROMPTS, texts)}
+    assert [t[: len(p)] for t, p in zip(texts, PROMPTS)] == PROMPTS
+    return {p: t[len(p) :] for p, t in zip(PROMPTS, texts)}
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +91,7 @@ def post(url, body, raw: bytes | None = None):
 def streamed(url, body):
     status, ctype, text = post(url, {**body, "stream": True})
     assert status == 200 and ctype.startswith("text/event-stream"), (status, text)
-    events = [line[len("data: "):] for line in text.split("\n\n") if line]
+    events = [line[len("data: ") :] for line in text.split("\n\n") if line]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert all(c["object"] == "text_completion" for c in chunks)
@@ -114,8 +131,11 @@ def test_concurrent_clients_get_generate_text(server, cli_text):
         assert choice["text"] == cli_text[p] and choice["index"] == 0
         assert choice["finish_reason"] == "length"
         new = min(24, context - len(p.encode()))  # max_tokens shortened to fit the model's context
-        assert body["usage"] == {"prompt_tokens": len(p.encode()), "completion_tokens": new,
-                                 "total_tokens": len(p.encode()) + new}
+        assert body["usage"] == {
+            "prompt_tokens": len(p.encode()),
+            "completion_tokens": new,
+            "total_tokens": len(p.encode()) + new,
+        }
         assert texts == {0: cli_text[p]} and reasons == {0: "length"}
     assert app.state.engine.pool.used == 0  # every block back in the pool
 
@@ -130,22 +150,25 @@ def test_list_prompt_n_stop_and_seed(server, cli_text):
     stop = full[5:7]
     status, _, text = post(url, {"prompt": PROMPTS[2], **GREEDY, "stop": stop})
     [choice] = json.loads(text)["choices"]
-    assert choice["text"] == full[:full.find(stop)] and choice["finish_reason"] == "stop"
+    assert choice["text"] == full[: full.find(stop)] and choice["finish_reason"] == "stop"
     texts, reasons = streamed(url, {"prompt": PROMPTS[2], **GREEDY, "stop": [stop]})
-    assert texts == {0: full[:full.find(stop)]} and reasons == {0: "stop"}
+    assert texts == {0: full[: full.find(stop)]} and reasons == {0: "stop"}
     sampled = {"prompt": "def ", "temperature": 1.0, "max_tokens": 16, "seed": 7}
     a, b = (json.loads(post(url, sampled)[2])["choices"][0]["text"] for _ in range(2))
     assert a == b
 
 
-@pytest.mark.parametrize("body, raw, words", [
-    (None, b'{"prompt": "def ", "max_tokens": ', "not valid JSON"),
-    ({"prompt": "def ", "max_token": 5}, None, "unknown field 'max_token'"),
-    ({"prompt": "def ", "max_tokens": -1}, None, "max_tokens"),
-    ({"prompt": "def ", "top_p": 0}, None, "top_p"),
-    ({"max_tokens": 3}, None, "prompt"),
-    ("LONG", None, "context is"),
-])
+@pytest.mark.parametrize(
+    "body, raw, words",
+    [
+        (None, b'{"prompt": "def ", "max_tokens": ', "not valid JSON"),
+        ({"prompt": "def ", "max_token": 5}, None, "unknown field 'max_token'"),
+        ({"prompt": "def ", "max_tokens": -1}, None, "max_tokens"),
+        ({"prompt": "def ", "top_p": 0}, None, "top_p"),
+        ({"max_tokens": 3}, None, "prompt"),
+        ("LONG", None, "context is"),
+    ],
+)
 def test_bad_requests_get_a_4xx_with_a_message(server, body, raw, words):
     url, _, context = server
     if body == "LONG":
@@ -160,8 +183,10 @@ def test_bad_requests_get_a_4xx_with_a_message(server, body, raw, words):
 
 def test_unknown_routes_and_methods_answer_json_errors(server):
     url, _, _ = server
-    for req, status in ((urllib.request.Request(url + "/v1/nothing"), 404),
-                        (urllib.request.Request(url + "/v1/completions"), 405)):
+    for req, status in (
+        (urllib.request.Request(url + "/v1/nothing"), 404),
+        (urllib.request.Request(url + "/v1/completions"), 405),
+    ):
         with pytest.raises(urllib.error.HTTPError) as e:
             urllib.request.urlopen(req, timeout=TIMEOUT)
         assert e.value.code == status and "message" in json.loads(e.value.read())["error"]
@@ -197,8 +222,13 @@ def test_a_stopping_batcher_refuses_the_jobs_still_waiting():
 
 def test_serve_command_starts_and_stops(checkpoint):
     """``trickles serve CKPT --port 0`` prints its address, answers /health, and exits cleanly on SIGINT."""
-    proc = subprocess.Popen([sys.executable, "-m", "trickles", "serve", checkpoint, "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trickles", "serve", checkpoint, "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     try:
         line = proc.stdout.readline()
         assert "serving" in line, (line, proc.stderr.read() if proc.poll() is not None else "")
@@ -221,21 +251,26 @@ def test_serve_command_starts_and_stops(checkpoint):
             proc.wait()
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000"),
-    (["--max-batch", "0"], "--max-batch must be at least 1, got 0"),
-    (["--block-size", "0"], "--block-size must be at least 1, got 0"),
-    (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
-    (["--kv-cache-gb", "0"], "--kv-cache-gb must be a number of gigabytes > 0, got 0"),
-    (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1, got 0"),
-    (["--api-key", " "], "--api-key must not be empty; leave it out to serve without a key"),
-    (["--kv-cache-gb", "0.0000001"], "a KV pool of 100 bytes holds no block of 16 positions (8192 bytes each): "
-                                     "raise --kv-cache-gb to at least 0.000008192"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--port", "70000"], "--port must be in 0..65535 (0: any free port), got 70000"),
+        (["--max-batch", "0"], "--max-batch must be at least 1, got 0"),
+        (["--block-size", "0"], "--block-size must be at least 1, got 0"),
+        (["--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
+        (["--kv-cache-gb", "0"], "--kv-cache-gb must be a number of gigabytes > 0, got 0"),
+        (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1, got 0"),
+        (["--api-key", " "], "--api-key must not be empty; leave it out to serve without a key"),
+        (
+            ["--kv-cache-gb", "0.0000001"],
+            "a KV pool of 100 bytes holds no block of 16 positions (8192 bytes each): "
+            "raise --kv-cache-gb to at least 0.000008192",
+        ),
+    ],
+)
 def test_serve_bad_options(checkpoint, args, message):
     if args[0] == "--port":  # through a real process
-        r = run_command([sys.executable, "-m", "trickles", "serve", checkpoint, *args],
-                        text=True, timeout=TIMEOUT)
+        r = run_command([sys.executable, "-m", "trickles", "serve", checkpoint, *args], text=True, timeout=TIMEOUT)
     else:
         r = cli_here("serve", checkpoint, *args)
     assert r.returncode == 2 and r.stderr == f"error: {message}\n" and r.stdout == ""
@@ -243,9 +278,14 @@ def test_serve_bad_options(checkpoint, args, message):
 
 # ---- trickles generate: several prompts, beam search ------------------------------------------------------------
 
+
 def generate_cli(*args):
-    return run_command([sys.executable, "-m", "trickles", "generate", *args], text=False, timeout=TIMEOUT,
-                       env=dict(os.environ, PYTHONIOENCODING="utf-8"))
+    return run_command(
+        [sys.executable, "-m", "trickles", "generate", *args],
+        text=False,
+        timeout=TIMEOUT,
+        env=dict(os.environ, PYTHONIOENCODING="utf-8"),
+    )
 
 
 def test_generate_beams_over_several_prompts(checkpoint):
@@ -259,20 +299,34 @@ def test_generate_beams_over_several_prompts(checkpoint):
     for lp in ("-2",):
         r = generate_cli(*args, "--length-penalty", lp)
         assert r.returncode == 0, r.stderr.decode(errors="replace")
-        best = beam_search(model, [tokenizer.encode(p) for p in prompts], 3, 12, length_penalty=float(lp),
-                           eos_id=tokenizer.eos_id, tokenizer=tokenizer)
-        assert r.stdout.decode("utf-8") == "".join(f"--- sample {i + 1} ---\n{p}{b.text}\n"
-                                                   for i, (p, b) in enumerate(zip(prompts, best)))
+        best = beam_search(
+            model,
+            [tokenizer.encode(p) for p in prompts],
+            3,
+            12,
+            length_penalty=float(lp),
+            eos_id=tokenizer.eos_id,
+            tokenizer=tokenizer,
+        )
+        assert r.stdout.decode("utf-8") == "".join(
+            f"--- sample {i + 1} ---\n{p}{b.text}\n" for i, (p, b) in enumerate(zip(prompts, best))
+        )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--beams", "0"], "--beams must be at least 1, got 0"),
-    (["--beams", "3", "--temperature", "0.5"], "--beams searches deterministically; leave out --temperature"),
-    (["--beams", "2", "--num-samples", "2", "--top-k", "3"], "--beams searches deterministically; leave out --top-k, --num-samples"),
-    (["--length-penalty", "2"], "--length-penalty and --early-stopping apply to beam search; add --beams N"),
-    (["--repetition-penalty", "0"], "--repetition-penalty must be a number > 0 (1: off), got 0"),
-    (["--stop", ""], "--stop needs a non-empty text"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--beams", "0"], "--beams must be at least 1, got 0"),
+        (["--beams", "3", "--temperature", "0.5"], "--beams searches deterministically; leave out --temperature"),
+        (
+            ["--beams", "2", "--num-samples", "2", "--top-k", "3"],
+            "--beams searches deterministically; leave out --top-k, --num-samples",
+        ),
+        (["--length-penalty", "2"], "--length-penalty and --early-stopping apply to beam search; add --beams N"),
+        (["--repetition-penalty", "0"], "--repetition-penalty must be a number > 0 (1: off), got 0"),
+        (["--stop", ""], "--stop needs a non-empty text"),
+    ],
+)
 def test_generate_bad_options(tmp_path, args, message):
     r = cli_here("generate", tmp_path, *args)  # refused before anything starts (a real process: the serve test below)
     assert r.returncode == 2 and r.stderr == f"error: {message}\n" and r.stdout == ""
@@ -287,8 +341,10 @@ def test_serving_beyond_loopback_without_a_key_warns_once(checkpoint, capsys, mo
     model, tokenizer, _ = load_for_inference(checkpoint, "cpu")
     serve(model, tokenizer, host="0.0.0.0", port=0)
     err = capsys.readouterr().err.splitlines()
-    assert err == ["[trickles] warning: listening on 0.0.0.0 without --api-key: anyone who can reach this address may "
-                   "use the model"]
+    assert err == [
+        "[trickles] warning: listening on 0.0.0.0 without --api-key: anyone who can reach this address may "
+        "use the model"
+    ]
     serve(model, tokenizer, host="0.0.0.0", port=0, api_key="k")
     serve(model, tokenizer, host="127.0.0.1", port=0)
     assert capsys.readouterr().err == ""

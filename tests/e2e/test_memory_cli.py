@@ -7,8 +7,18 @@ import sys
 
 from trickles.testing import run_command
 
-TINY = ["--set", "model.preset=tiny", "--set", "data.seq_len=32", "--set", "data.max_bytes=120000",
-        "--set", "train.global_batch=8", "--set", "train.micro_batch=2"]
+TINY = [
+    "--set",
+    "model.preset=tiny",
+    "--set",
+    "data.seq_len=32",
+    "--set",
+    "data.max_bytes=120000",
+    "--set",
+    "train.global_batch=8",
+    "--set",
+    "train.micro_batch=2",
+]
 
 
 def _trickles(*args):
@@ -17,8 +27,20 @@ def _trickles(*args):
 
 
 def test_memory_command_measures_every_pipeline_stage(tmp_path):
-    r = _trickles("memory", *TINY, "--set", f"data.cache_dir={tmp_path}/cache", "--set", "parallel.pp=2",
-                  "--set", "parallel.schedule=gpipe", "--nproc", "2", "--measure", "2")
+    r = _trickles(
+        "memory",
+        *TINY,
+        "--set",
+        f"data.cache_dir={tmp_path}/cache",
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.schedule=gpipe",
+        "--nproc",
+        "2",
+        "--measure",
+        "2",
+    )
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert re.match(r"pipeline rank [01] of 2 \(the highest peak\)", out), out

@@ -17,11 +17,11 @@ import sys
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.compress import float_model, load_checkpoint, quantize_checkpoint, quantize_model, quantize_weight
-from trickles.compress.report import validation_loss
 from trickles.compress.quantize import dequantize, quantized_names
+from trickles.compress.report import validation_loss
 from trickles.data import load_tokenizer
 from trickles.errors import CheckpointError
 from trickles.testing import run_command
@@ -107,8 +107,9 @@ def test_per_row_beats_per_tensor_and_stays_within_2_percent(trained):
 
 
 def trickles(*args):
-    return run_command([sys.executable, "-m", "trickles", *args], text=True, timeout=300,
-                       env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    return run_command(
+        [sys.executable, "-m", "trickles", *args], text=True, timeout=300, env=dict(os.environ, PYTHONUNBUFFERED="1")
+    )
 
 
 def test_quantize_command_checkpoint_and_damage(trained, capsys):
@@ -136,8 +137,11 @@ def test_quantize_command_checkpoint_and_damage(trained, capsys):
     # refused, status 2, one line, nothing written: an existing target, unsupported bits, --int8 on a float checkpoint
     from trickles.cli import main
 
-    for args in (("compress", "quantize", path, out), ("compress", "quantize", path, out + "-4", "--bits", "4"),
-                 ("generate", path, "--int8", "weight")):
+    for args in (
+        ("compress", "quantize", path, out),
+        ("compress", "quantize", path, out + "-4", "--bits", "4"),
+        ("generate", path, "--int8", "weight"),
+    ):
         assert main(list(args)) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, err
@@ -175,8 +179,10 @@ def test_qat_then_int8_is_no_worse_than_post_training_int8(trained):
             model, _, m = load_checkpoint(exported, int8=mode)
             assert m["quantization"]["qat"] == qat
             losses[qat, mode] = validation_loss(model, meta, tok)
-    print(f"post-training int8: weight-only {losses[False, 'weight']:.5f}, full {losses[False, 'full']:.5f}; "
-          f"QAT int8: weight-only {losses[True, 'weight']:.5f}, full {losses[True, 'full']:.5f}")
+    print(
+        f"post-training int8: weight-only {losses[False, 'weight']:.5f}, full {losses[False, 'full']:.5f}; "
+        f"QAT int8: weight-only {losses[True, 'weight']:.5f}, full {losses[True, 'full']:.5f}"
+    )
     assert losses[True, "full"] <= losses[False, "full"]
     assert losses[True, "weight"] <= losses[False, "weight"]
 

@@ -4,8 +4,8 @@ import os
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.topology import ParallelDims
 from trickles.train import checkpoint as ckpt
 from trickles.train.trainer import Trainer

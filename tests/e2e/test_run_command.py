@@ -10,7 +10,7 @@ import sys
 
 from trickles.testing import run_command
 
-PROBE = '''\
+PROBE = """\
 import json, os, sys
 fresh = "torch" not in sys.modules
 import torch
@@ -19,7 +19,7 @@ print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "path": sys.path, "t
                   "main": __name__, "out": sys.stdout.encoding, "fresh": fresh}))
 print("caf\\u00e9 to stderr", file=sys.stderr)
 sys.exit(int(sys.argv[1]))
-'''
+"""
 
 
 def test_a_forked_command_sees_what_a_fresh_interpreter_sees(tmp_path):
@@ -28,8 +28,13 @@ def test_a_forked_command_sees_what_a_fresh_interpreter_sees(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     extra = tmp_path / "extra"
-    env = {**os.environ, "TRICKLES_PROBE": "yes", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(extra),
-           "PYTHONIOENCODING": "utf-8"}
+    env = {
+        **os.environ,
+        "TRICKLES_PROBE": "yes",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(extra),
+        "PYTHONIOENCODING": "utf-8",
+    }
     cmd = [sys.executable, str(script), "3", "--flag"]
     forked = run_command(cmd, cwd=work, env=env, timeout=60)
     fresh = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=60)
@@ -37,7 +42,11 @@ def test_a_forked_command_sees_what_a_fresh_interpreter_sees(tmp_path):
     seen, expected = json.loads(forked.stdout), json.loads(fresh.stdout)
     assert seen.pop("fresh") is False and expected.pop("fresh") is True  # forked: torch was imported already
     assert seen == expected
-    assert seen["path"][:2] == [str(tmp_path), str(extra)] and seen["threads"] == 1 and seen["env"]["TRICKLES_PROBE"] == "yes"
+    assert (
+        seen["path"][:2] == [str(tmp_path), str(extra)]
+        and seen["threads"] == 1
+        and seen["env"]["TRICKLES_PROBE"] == "yes"
+    )
 
     # a variable that torch read when the forkserver imported it: only a fresh interpreter sees it as a fresh one would
     env["TORCHINDUCTOR_PROBE"] = "1"
@@ -50,7 +59,7 @@ def test_a_forked_command_sees_what_a_fresh_interpreter_sees(tmp_path):
     assert r.returncode == 2 and r.stdout == "" and r.stderr.startswith("error: unknown model.preset 'nope'"), r.stderr
 
 
-RANKS_PROBE = '''\
+RANKS_PROBE = """\
 import json, os, sys
 from trickles.launch import launch
 
@@ -63,7 +72,7 @@ def report():  # one write of the whole line: the two ranks share the pipe, and 
 
 if __name__ == "__main__":
     sys.exit(launch(report, (), 2, quiet=True))
-'''
+"""
 
 
 def test_ranks_a_forked_command_launches_see_what_a_fresh_commands_ranks_see(tmp_path):

@@ -30,8 +30,14 @@ TOK = ByteTokenizer()
 def server():
     cfg = ModelConfig(n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, ffn_hidden=64, vocab_size=260, max_seq_len=128)
     model = build_model(cfg, seed=0).eval()
-    app = create_app(model, TOK, name="tiny", api_key=KEY, max_waiting=64,
-                     engine_config=EngineConfig(max_batch=8, block_size=4, num_blocks=24, prefill_chunk=32))
+    app = create_app(
+        model,
+        TOK,
+        name="tiny",
+        api_key=KEY,
+        max_waiting=64,
+        engine_config=EngineConfig(max_batch=8, block_size=4, num_blocks=24, prefill_chunk=32),
+    )
     background = BackgroundServer(app)
     yield background.port, app, model
     background.stop()
@@ -68,8 +74,14 @@ def test_the_openai_client_chats_plain_and_streamed(server, client):
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
     assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == alone.text and r.choices[0].finish_reason == alone.finish_reason
-    stream = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=8, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_completion_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone.text
@@ -123,15 +135,23 @@ def test_a_client_that_goes_away_cancels_its_sequence_and_frees_its_blocks(serve
     before = _metrics(port).get('trickles_requests_total{outcome="cancelled"}', 0.0)
     sock = socket.create_connection(("127.0.0.1", port), timeout=60)
     body = json.dumps({"prompt": "x", "max_tokens": 120, "temperature": 0, "stream": stream}).encode()
-    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
-                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
-                 b"\r\n\r\n" + body)
+    sock.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+        b"Authorization: Bearer "
+        + KEY.encode()
+        + b"\r\nContent-Length: "
+        + str(len(body)).encode()
+        + b"\r\n\r\n"
+        + body
+    )
     _wait(lambda: engine.running, "the request never ran")
     if stream:
         assert sock.recv(1 << 16).startswith(b"HTTP/1.1 200")
     sock.close()
-    _wait(lambda: _metrics(port).get('trickles_requests_total{outcome="cancelled"}', 0.0) == before + 1,
-          "the request was not cancelled")
+    _wait(
+        lambda: _metrics(port).get('trickles_requests_total{outcome="cancelled"}', 0.0) == before + 1,
+        "the request was not cancelled",
+    )
     _wait(lambda: engine.pool.used == 0 and not engine.running, "its blocks were not freed")
 
 
@@ -151,8 +171,12 @@ def test_a_prompt_too_large_for_the_pool_gets_a_400_and_others_are_served(server
 def test_more_waiting_sequences_than_allowed_get_a_503_with_retry_after(server):
     conn = http.client.HTTPConnection("127.0.0.1", server[0], timeout=60)
     body = {"prompt": ["a"] * 5, "n": 16, "max_tokens": 1}  # 80 sequences, max_waiting is 64
-    conn.request("POST", "/v1/completions", json.dumps(body),
-                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        json.dumps(body),
+        {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
     r = conn.getresponse()
     assert r.status == 503 and r.getheader("retry-after") == "1"
     assert "at capacity" in json.loads(r.read())["error"]["message"]

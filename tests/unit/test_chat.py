@@ -16,15 +16,22 @@ from trickles.data import ByteTokenizer  # noqa: E402
 from trickles.data.tokenizers import load_hf_tokenizer, load_tokenizer  # noqa: E402
 from trickles.infer.chat import plain_template, render_chat  # noqa: E402
 
-TEMPLATE = ("{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
-            "[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
-MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
-            {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}]
+TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}{% endif %}"
+    "[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+MESSAGES = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "bye"},
+]
 
 
 def test_the_plain_template():
-    assert plain_template(MESSAGES) == ("<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nhello<|end|>\n"
-                                        "<|user|>\nbye\n<|assistant|>\n")
+    assert plain_template(MESSAGES) == (
+        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\nhello<|end|>\n<|user|>\nbye\n<|assistant|>\n"
+    )
     assert render_chat(MESSAGES, ByteTokenizer()) == plain_template(MESSAGES)  # no template of its own
     assert plain_template([{"role": "developer", "content": "x"}]) == "<|system|>\nx\n<|assistant|>\n"
 
@@ -40,11 +47,15 @@ def _hf_dir(path, config: dict, jinja: str | None = None):
     return path
 
 
-@pytest.mark.parametrize("config,jinja", [
-    ({"chat_template": TEMPLATE}, None),
-    ({"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}]}, None),
-    ({"chat_template": "ignored: the file wins"}, TEMPLATE),
-], ids=["string", "named-list", "jinja-file"])
+@pytest.mark.parametrize(
+    "config,jinja",
+    [
+        ({"chat_template": TEMPLATE}, None),
+        ({"chat_template": [{"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}]}, None),
+        ({"chat_template": "ignored: the file wins"}, TEMPLATE),
+    ],
+    ids=["string", "named-list", "jinja-file"],
+)
 def test_a_tokenizer_chat_template_is_read_kept_and_rendered(tmp_path, config, jinja):
     tok = load_hf_tokenizer(_hf_dir(tmp_path / "hf", config, jinja))
     assert tok.chat_template == TEMPLATE
@@ -59,8 +70,10 @@ def test_a_tokenizer_chat_template_is_read_kept_and_rendered(tmp_path, config, j
 def test_templates_render_as_transformers_renders_them():
     """Jinja's ``trim_blocks`` and ``lstrip_blocks``, as ``apply_chat_template`` sets them: a template written over
     several indented lines renders without their line breaks and indentation."""
-    template = ("{% for m in messages %}\n    {% if m.role == 'user' %}\n<u>{{ m.content }}\n    {% endif %}\n"
-                "{% endfor %}\n{% if add_generation_prompt %}<a>{% endif %}")
+    template = (
+        "{% for m in messages %}\n    {% if m.role == 'user' %}\n<u>{{ m.content }}\n    {% endif %}\n"
+        "{% endfor %}\n{% if add_generation_prompt %}<a>{% endif %}"
+    )
     tok = ByteTokenizer()
     tok.chat_template = template
     assert render_chat(MESSAGES[1:2], tok) == "<u>hi\n<a>"

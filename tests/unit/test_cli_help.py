@@ -43,14 +43,26 @@ def test_every_option_gives_its_meaning_and_default(words, parser):
 
 
 def test_every_command_has_its_own_module():
-    assert list(COMMANDS) == ["train", "generate", "serve", "memory", "bench", "config", "plan", "checkpoint", "compress"]
+    assert list(COMMANDS) == [
+        "train",
+        "generate",
+        "serve",
+        "memory",
+        "bench",
+        "config",
+        "plan",
+        "checkpoint",
+        "compress",
+    ]
     for name, module in COMMANDS.items():
         assert module.__name__ == f"trickles.cli.{name}" and callable(module.add_parser) and callable(module.run)
 
 
 def test_the_command_imports_no_more_of_the_library_than_the_package_does():
-    code = ("import sys, trickles; before = set(sys.modules); import trickles.cli; "
-            "print(sorted(m for m in set(sys.modules) - before if not m.startswith('trickles.cli')))")
+    code = (
+        "import sys, trickles; before = set(sys.modules); import trickles.cli; "
+        "print(sorted(m for m in set(sys.modules) - before if not m.startswith('trickles.cli')))"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", f"importing trickles.cli imports {r.stdout.strip()}: import them inside run()"

@@ -7,11 +7,27 @@ from trickles import comm as C
 from trickles.comm.recorder import FlightRecorder
 
 
-@pytest.mark.parametrize("fn", [
-    C.copy_to_region, C.reduce_from_region, C.scatter_to_region, C.gather_from_region,
-    C.gather_sequence, C.reduce_scatter_sequence,
-    lambda x, g: C.all_to_all(x, g, 1, 2),
-], ids=["copy_to", "reduce_from", "scatter_to", "gather_from", "gather_sequence", "reduce_scatter_sequence", "all_to_all"])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        C.copy_to_region,
+        C.reduce_from_region,
+        C.scatter_to_region,
+        C.gather_from_region,
+        C.gather_sequence,
+        C.reduce_scatter_sequence,
+        lambda x, g: C.all_to_all(x, g, 1, 2),
+    ],
+    ids=[
+        "copy_to",
+        "reduce_from",
+        "scatter_to",
+        "gather_from",
+        "gather_sequence",
+        "reduce_scatter_sequence",
+        "all_to_all",
+    ],
+)
 def test_single_rank_collectives_are_the_identity(fn):
     ledger = C.CommLedger()
     group = C.GroupComm("solo", None, ledger)

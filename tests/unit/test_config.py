@@ -10,9 +10,24 @@ from trickles.config import Config, describe_keys
 from trickles.errors import ConfigError
 from trickles.topology import ParallelDims
 
-REQUIRED_KEYS = ["model.flavor", "model.n_layers", "model.d_model", "model.n_heads", "model.n_kv_heads", "data.seq_len",
-                 "train.steps", "train.seed", "train.global_batch", "train.micro_batch", "train.lr", "train.out_dir",
-                 "parallel.dp", "parallel.tp", "parallel.pp", "memory.precision"]
+REQUIRED_KEYS = [
+    "model.flavor",
+    "model.n_layers",
+    "model.d_model",
+    "model.n_heads",
+    "model.n_kv_heads",
+    "data.seq_len",
+    "train.steps",
+    "train.seed",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.lr",
+    "train.out_dir",
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.pp",
+    "memory.precision",
+]
 
 
 def test_required_keys_exist_and_are_documented():
@@ -74,7 +89,11 @@ BAD_VALUES = [
     (["parallel.timeout_s=0"], 1, "parallel.timeout_s must be positive (seconds), got 0"),
     (["model.d_model=100", "model.n_heads=3"], 1, "model.d_model (100) must be divisible by model.n_heads (3)"),
     (["model.n_kv_heads=3"], 1, "must be a multiple of model.n_kv_heads (3)"),
-    (["train.global_batch=30", "train.micro_batch=4"], 2, "train.global_batch (30) must equal train.micro_batch (4) x accumulation x parallel.dp (2)"),
+    (
+        ["train.global_batch=30", "train.micro_batch=4"],
+        2,
+        "train.global_batch (30) must equal train.micro_batch (4) x accumulation x parallel.dp (2)",
+    ),
     (["train.global_batch=15"], 2, "train.global_batch (15) must be divisible by parallel.dp (2)"),
     (["parallel.dp=2"], 4, "parallel.dp x tp x pp x cp = 2 x 1 x 1 x 1 = 2, but there are 4 processes"),
     (["parallel.tp=3"], 4, "4 processes cannot be split into parallel.tp x pp x cp = 3 x 1 x 1 = 3"),
@@ -89,13 +108,19 @@ BAD_VALUES = [
     # [model] (trickles/models/config.py ModelConfig.validate)
     (["model.n_layers=0"], 1, "model.n_layers must be at least 1, got 0"),
     (["model.head_size=0"], 1, "model.head_size must be at least 1 or none"),
-    (["model.d_model=96", "model.n_heads=4", "model.n_kv_heads=4", "model.head_size=5"], 1,
-     "rotary embeddings need an even head size, but the head size is 5"),
+    (
+        ["model.d_model=96", "model.n_heads=4", "model.n_kv_heads=4", "model.head_size=5"],
+        1,
+        "rotary embeddings need an even head size, but the head size is 5",
+    ),
     (["model.dropout=1.0"], 1, "model.dropout must be in [0, 1), got 1.0"),
     (["model.vocab_size=1"], 1, "model.vocab_size must be at least 2, got 1"),
     (["model.moe_experts=4", "model.moe_ffn_hidden=0"], 1, "model.moe_ffn_hidden must be at least 1, got 0"),
-    (["model.moe_experts=4", "model.moe_top_k=1", "model.moe_router=hard", "model.moe_label_experts=[a:0, a:1]"], 1,
-     "model.moe_label_experts names a label twice"),
+    (
+        ["model.moe_experts=4", "model.moe_top_k=1", "model.moe_router=hard", "model.moe_label_experts=[a:0, a:1]"],
+        1,
+        "model.moe_label_experts names a label twice",
+    ),
     (["model.max_seq_len=0", "data.seq_len=1"], 1, "model.max_seq_len must be at least 1, got 0"),
     # [train] (trickles/train/config.py TrainConfig.validate)
     (["train.micro_batch=0"], 1, "train.micro_batch must be at least 1 or none, got 0"),
@@ -126,28 +151,66 @@ BAD_VALUES = [
     (["memory.loss_scale=0"], 1, "memory.loss_scale and memory.loss_scale_min must be positive"),
     (["memory.loss_scale_min=0"], 1, "memory.loss_scale and memory.loss_scale_min must be positive"),
     # elementwise recomputation's recipes cover dense blocks' norms and activations on 1-D layouts, in eager mode
-    (["memory.recompute=elementwise", "model.moe_experts=4"], 1,
-     "memory.recompute=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set model.moe_experts=0"),
-    (["memory.recompute=elementwise", "parallel.tp=4", "parallel.tp_mode=2d"], 4,
-     "memory.recompute=elementwise does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d"),
-    (["memory.recompute=elementwise", "train.compile=true"], 1,
-     "memory.recompute=elementwise does not combine with train.compile (its partitioner chooses what to recompute)"),
+    (
+        ["memory.recompute=elementwise", "model.moe_experts=4"],
+        1,
+        "memory.recompute=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set model.moe_experts=0",
+    ),
+    (
+        ["memory.recompute=elementwise", "parallel.tp=4", "parallel.tp_mode=2d"],
+        4,
+        "memory.recompute=elementwise does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d",
+    ),
+    (
+        ["memory.recompute=elementwise", "train.compile=true"],
+        1,
+        "memory.recompute=elementwise does not combine with train.compile (its partitioner chooses what to recompute)",
+    ),
     # a partial full recomputation (memory.recompute_num_layers)
-    (["memory.recompute=full", "memory.recompute_num_layers=-1"], 1, "memory.recompute_num_layers must not be negative, got -1"),
-    (["memory.recompute_num_layers=1"], 1,
-     "memory.recompute_num_layers counts the layers memory.recompute=full recomputes whole, but memory.recompute is none"),
-    (["memory.recompute_rest=selective"], 1, "memory.recompute_rest applies to the layers memory.recompute_num_layers leaves out"),
-    (["memory.recompute=full", "memory.recompute_num_layers=1", "parallel.tp=4", "parallel.tp_mode=2d"], 4,
-     "memory.recompute_num_layers does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d"),
-    (["memory.recompute=full", "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise", "model.moe_experts=4"], 1,
-     "memory.recompute_rest=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set "
-     "model.moe_experts=0 or use memory.recompute_rest=selective (or none)"),
+    (
+        ["memory.recompute=full", "memory.recompute_num_layers=-1"],
+        1,
+        "memory.recompute_num_layers must not be negative, got -1",
+    ),
+    (
+        ["memory.recompute_num_layers=1"],
+        1,
+        "memory.recompute_num_layers counts the layers memory.recompute=full recomputes whole, but memory.recompute is none",
+    ),
+    (
+        ["memory.recompute_rest=selective"],
+        1,
+        "memory.recompute_rest applies to the layers memory.recompute_num_layers leaves out",
+    ),
+    (
+        ["memory.recompute=full", "memory.recompute_num_layers=1", "parallel.tp=4", "parallel.tp_mode=2d"],
+        4,
+        "memory.recompute_num_layers does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d",
+    ),
+    (
+        [
+            "memory.recompute=full",
+            "memory.recompute_num_layers=1",
+            "memory.recompute_rest=elementwise",
+            "model.moe_experts=4",
+        ],
+        1,
+        "memory.recompute_rest=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set "
+        "model.moe_experts=0 or use memory.recompute_rest=selective (or none)",
+    ),
     (["model.vocab_size=256"], 1, "model.vocab_size (256) is smaller than the byte tokenizer's 257 tokens"),
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel needs parallel.tp > 1"),
     (["parallel.tp=2", "model.ffn_hidden=129"], 2, "the MLP width (129) must be divisible by parallel.tp (2)"),
-    (["parallel.tp=2", "model.vocab_size=301"], 2, "the vocabulary (model.vocab_size = 301) must be divisible by parallel.tp (2)"),
-    (["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=255"], 2,
-     "data.seq_len (255) must be divisible by parallel.tp (2) for sequence parallelism"),
+    (
+        ["parallel.tp=2", "model.vocab_size=301"],
+        2,
+        "the vocabulary (model.vocab_size = 301) must be divisible by parallel.tp (2)",
+    ),
+    (
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "data.seq_len=255"],
+        2,
+        "data.seq_len (255) must be divisible by parallel.tp (2) for sequence parallelism",
+    ),
 ]
 
 
@@ -189,15 +252,30 @@ def test_mesh_coordinates_put_tp_innermost():
 # accumulation)). A new example needs a row here.
 EXAMPLES = {
     "demo.toml": (1, dict(dp=1, tp=1, pp=1), (16, 1)),
-    "gpt2_bpe.toml": (1, dict(dp=1, tp=1, pp=1), (8, 2)),  # "two accumulation micro-steps per optimizer step on one rank"
+    "gpt2_bpe.toml": (
+        1,
+        dict(dp=1, tp=1, pp=1),
+        (8, 2),
+    ),  # "two accumulation micro-steps per optimizer step on one rank"
     "llama_125m_gpu.toml": (2, dict(dp=2, tp=1, pp=1), (16, 2)),  # "one or more GPUs": data parallel over them
-    "pipeline_parallel.toml": (4, dict(dp=1, tp=2, pp=2), (2, 8)),  # "2 pipeline stages x 2 tensor-parallel ranks", "8 micro-batches"
-    "tensor_parallel.toml": (4, dict(dp=2, tp=2, pp=1), (8, 1)),  # "2 data-parallel replicas x 2 tensor-parallel ranks", "8 sequences per replica"
+    "pipeline_parallel.toml": (
+        4,
+        dict(dp=1, tp=2, pp=2),
+        (2, 8),
+    ),  # "2 pipeline stages x 2 tensor-parallel ranks", "8 micro-batches"
+    "tensor_parallel.toml": (
+        4,
+        dict(dp=2, tp=2, pp=1),
+        (8, 1),
+    ),  # "2 data-parallel replicas x 2 tensor-parallel ranks", "8 sequences per replica"
 }
 
 
-@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "*.toml"))),
-                         ids=os.path.basename)
+@pytest.mark.parametrize(
+    "path",
+    sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "examples", "*.toml"))),
+    ids=os.path.basename,
+)
 def test_every_example_has_the_layout_its_comment_states(path):
     name = os.path.basename(path)
     assert name in EXAMPLES, f"examples/{name} has no expected layout in EXAMPLES; add one from its comment"
@@ -205,7 +283,9 @@ def test_every_example_has_the_layout_its_comment_states(path):
     text = open(path).read()
     for command in ("--nproc ", "--nproc-per-node "):  # the launch commands the file shows use that many ranks
         for stated in text.split(command)[1:]:
-            assert stated.split()[0] in (str(world), "N"), f"{name} says {command}{stated.split()[0]}, the table {world}"
+            assert stated.split()[0] in (str(world), "N"), (
+                f"{name} says {command}{stated.split()[0]}, the table {world}"
+            )
     cfg = Config.load(path, [])
     dims = cfg.validate(world)
     assert {k: getattr(dims, k) for k in degrees} == degrees and dims.cp == dims.ep == 1
@@ -215,11 +295,23 @@ def test_every_example_has_the_layout_its_comment_states(path):
 def test_elementwise_and_partial_recomputation_validate_on_1d_tensor_parallelism():
     """The grids' refusals leave 1-D tensor parallelism (with sequence parallelism) alone; each pipeline rank counts its
     own first layers, in the order it runs its chunks."""
-    for sets in (["memory.recompute=elementwise"], ["memory.recompute=full", "memory.recompute_num_layers=1",
-                                                    "memory.recompute_rest=elementwise"]):
+    for sets in (
+        ["memory.recompute=elementwise"],
+        ["memory.recompute=full", "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise"],
+    ):
         Config.load(None, [*sets, "parallel.tp=2", "parallel.sequence_parallel=true"]).validate(2)
-    cfg = Config.load(None, ["memory.recompute=full", "memory.recompute_num_layers=1", "model.n_layers=4", "parallel.pp=2",
-                             "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.global_batch=4",
-                             "train.micro_batch=1"])
+    cfg = Config.load(
+        None,
+        [
+            "memory.recompute=full",
+            "memory.recompute_num_layers=1",
+            "model.n_layers=4",
+            "parallel.pp=2",
+            "parallel.schedule=interleaved",
+            "parallel.virtual_stages=2",
+            "train.global_batch=4",
+            "train.micro_batch=1",
+        ],
+    )
     # rank 0 runs layers 0 and 2 (virtual stages 0 and 2), rank 1 layers 1 and 3
     assert cfg.recompute_modes(cfg.validate(2)) == {0: "full", 1: "full", 2: "none", 3: "none"}

@@ -2,8 +2,8 @@
 next one down."""
 
 import pytest
-
 from helpers import tiny_config
+
 from trickles.errors import ConfigError
 
 
@@ -16,8 +16,12 @@ def test_loss_scaler_counts_start_at_one(tmp_path, key):
 
 def test_loss_scale_may_equal_its_minimum_but_not_fall_below(tmp_path):
     assert tiny_config(tmp_path, "memory.loss_scale=4", "memory.loss_scale_min=4").validate(1).world_size == 1
-    for bad in (["memory.loss_scale=2", "memory.loss_scale_min=4"], ["memory.loss_scale_min=0"], ["memory.loss_scale_min=-1"],
-                ["memory.loss_scale=0", "memory.loss_scale_min=0"]):
+    for bad in (
+        ["memory.loss_scale=2", "memory.loss_scale_min=4"],
+        ["memory.loss_scale_min=0"],
+        ["memory.loss_scale_min=-1"],
+        ["memory.loss_scale=0", "memory.loss_scale_min=0"],
+    ):
         with pytest.raises(ConfigError, match="loss_scale >= loss_scale_min"):
             tiny_config(tmp_path, *bad).validate(1)
 

@@ -9,8 +9,17 @@ import numpy as np
 import pytest
 import torch
 
-from trickles.data import (ByteTokenizer, DataConfig, ShardedBatches, Tokenizer, build_tokenizer, check_source,
-                           iter_documents, load_corpus, load_tokenizer)
+from trickles.data import (
+    ByteTokenizer,
+    DataConfig,
+    ShardedBatches,
+    Tokenizer,
+    build_tokenizer,
+    check_source,
+    iter_documents,
+    load_corpus,
+    load_tokenizer,
+)
 from trickles.data.corpus import split_point
 from trickles.data.sources import STDLIB_EXCLUDE, stdlib_files
 from trickles.errors import DataError
@@ -29,6 +38,7 @@ def _write_docs(tmp_path, docs: list[str], name: str = "doc") -> None:
 
 
 # ---- tokenizers ------------------------------------------------------------------------------
+
 
 def test_byte_round_trip():
     tok = ByteTokenizer()
@@ -72,8 +82,12 @@ def _hf_dir(tmp_path, config_file: str | None, eos_value):
     tk = HFTok(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>", "<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "<s>", "</s>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tk.train_from_iterator([TEXT * 10, "hello world " * 20], trainer=trainer)
     d = tmp_path / "hf"
     d.mkdir()
@@ -83,11 +97,14 @@ def _hf_dir(tmp_path, config_file: str | None, eos_value):
     return d, tk
 
 
-@pytest.mark.parametrize("config_file,eos_value,expected", [
-    ("tokenizer_config.json", "</s>", "</s>"),
-    ("special_tokens_map.json", {"content": "<s>", "special": True}, "<s>"),
-    (None, None, "</s>"),  # no config: the first common name
-])
+@pytest.mark.parametrize(
+    "config_file,eos_value,expected",
+    [
+        ("tokenizer_config.json", "</s>", "</s>"),
+        ("special_tokens_map.json", {"content": "<s>", "special": True}, "<s>"),
+        (None, None, "</s>"),  # no config: the first common name
+    ],
+)
 def test_hf_directory_finds_eos(tmp_path, config_file, eos_value, expected):
     d, tk = _hf_dir(tmp_path, config_file, eos_value)
     tok = build_tokenizer(_cfg(tmp_path, tokenizer=str(d)))
@@ -121,12 +138,16 @@ def test_save_and_load_tokenizer(tmp_path, kind):
 
 # ---- sources ---------------------------------------------------------------------------------
 
+
 def test_stdlib_source_finds_files_and_excludes_tests_and_site_packages(tmp_path):
     root, rel = stdlib_files()
     assert len(rel) > 300 and "os.py" in rel and rel == sorted(rel, key=lambda p: p.replace(os.sep, "/"))
     assert all(p.endswith(".py") and not set(p.split(os.sep)[:-1]) & STDLIB_EXCLUDE for p in rel)
-    excluded = [p for p in ("test/__init__.py", "idlelib/idle_test/__init__.py", "site-packages/README.txt")
-                if os.path.exists(os.path.join(root, p))]
+    excluded = [
+        p
+        for p in ("test/__init__.py", "idlelib/idle_test/__init__.py", "site-packages/README.txt")
+        if os.path.exists(os.path.join(root, p))
+    ]
     assert excluded and not any(p.replace("/", os.sep) in rel for p in excluded)
     assert not any(p.startswith(("test" + os.sep, "site-packages" + os.sep)) for p in rel)
     cap = os.path.getsize(os.path.join(root, rel[0])) + 100
@@ -177,7 +198,9 @@ def test_token_files(tmp_path):
     np.save(tmp_path / "b.npy", ids[:300].astype(np.int32))
     tok = ByteTokenizer()
     c = load_corpus(_cfg(tmp_path, source=str(tmp_path / "a.bin"), val_fraction=0.1), tok)
-    assert isinstance(c.train, np.memmap) and len(c.val) == 100 and np.array_equal(np.concatenate([c.train, c.val]), ids)
+    assert (
+        isinstance(c.train, np.memmap) and len(c.val) == 100 and np.array_equal(np.concatenate([c.train, c.val]), ids)
+    )
     c = load_corpus(_cfg(tmp_path, source=str(tmp_path / "b.npy"), val_fraction=0.0), tok)
     assert c.train.tolist() == ids[:300].tolist()
     (ids[:10].astype(np.uint16)).tofile(tmp_path / "c.bin")
@@ -221,7 +244,9 @@ def test_corpus_cache_is_hit_on_second_load(tmp_path, monkeypatch):
     assert len(os.listdir(tmp_path / "cache" / "corpus")) == 2  # tokens .npy + summary .json, no temp files left
     calls = []
     encode = ByteTokenizer.encode_documents
-    monkeypatch.setattr(ByteTokenizer, "encode_documents", lambda self, texts: calls.append(len(texts)) or encode(self, texts))
+    monkeypatch.setattr(
+        ByteTokenizer, "encode_documents", lambda self, texts: calls.append(len(texts)) or encode(self, texts)
+    )
     second = load_corpus(cfg, tok)
     assert calls == [] and isinstance(second.train, np.memmap)
     assert np.array_equal(first.train, second.train) and np.array_equal(first.val, second.val)
@@ -255,8 +280,8 @@ def test_epoch_permutation_visits_every_window_once():
     b = ShardedBatches(TOKENS, SEQ, seed=5)
     seen = [b.windows(g, 1)[0] for g in range(3 * N_WINDOWS)]
     for e in range(3):
-        assert sorted(seen[e * N_WINDOWS:(e + 1) * N_WINDOWS]) == list(range(N_WINDOWS))
-    assert seen[:N_WINDOWS] != seen[N_WINDOWS:2 * N_WINDOWS]  # a fresh order each epoch
+        assert sorted(seen[e * N_WINDOWS : (e + 1) * N_WINDOWS]) == list(range(N_WINDOWS))
+    assert seen[:N_WINDOWS] != seen[N_WINDOWS : 2 * N_WINDOWS]  # a fresh order each epoch
     assert not np.array_equal(b.permutation(0), ShardedBatches(TOKENS, SEQ, seed=6).permutation(0))
 
 

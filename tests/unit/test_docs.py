@@ -91,7 +91,7 @@ def _segments(tokens: list[str]) -> list[list[str]]:
 
 def _trickles_invocation(tokens: list[str]) -> tuple[list[str], int | None] | None:
     """``(argv after 'trickles', world size from torchrun or None)`` when ``tokens`` runs trickles, else None."""
-    tokens = tokens[:next((i for i, t in enumerate(tokens) if t in ("|", ">", ">>", "<", "2>&1")), len(tokens))]
+    tokens = tokens[: next((i for i, t in enumerate(tokens) if t in ("|", ">", ">>", "<", "2>&1")), len(tokens))]
     if tokens[:3] == ["python3", "-m", "trickles"]:
         return tokens[3:], None
     if tokens and tokens[0] == "torchrun" and "-m" in tokens:
@@ -100,7 +100,7 @@ def _trickles_invocation(tokens: list[str]) -> tuple[list[str], int | None] | No
             return None
         opts = tokens[1:i]
         value = lambda name, default: int(opts[opts.index(name) + 1]) if name in opts else default  # noqa: E731
-        return tokens[i + 2:], value("--nnodes", 1) * value("--nproc-per-node", 1)
+        return tokens[i + 2 :], value("--nnodes", 1) * value("--nproc-per-node", 1)
     return None
 
 
@@ -129,8 +129,9 @@ def _check_invocation(argv: list[str], torchrun_world: int | None):
             assert (ROOT / path).is_file(), f"trickles {shlex.join(argv)}: {path} does not exist"
         elif path is not None:
             path = None  # a placeholder (my.toml, run.toml): its --set keys are still checked
-        overrides = list(args.overrides) + ([f"train.pipeline_trace={args.pipeline_trace}"]
-                                            if getattr(args, "pipeline_trace", None) else [])
+        overrides = list(args.overrides) + (
+            [f"train.pipeline_trace={args.pipeline_trace}"] if getattr(args, "pipeline_trace", None) else []
+        )
         try:
             cfg = Config.load(ROOT / path if path else None, overrides)
             if args.command == "bench":
@@ -146,6 +147,7 @@ def _check_invocation(argv: list[str], torchrun_world: int | None):
 
 
 # ---- every key, command and option is documented; nothing stale ------------------------------------------------
+
 
 def test_every_config_key_appears_in_the_docs():
     text = "\n".join(_all_docs().values())
@@ -187,7 +189,14 @@ def _cli_commands():
 def test_every_command_and_option_appears_in_the_docs():
     readme, text = _text(README), "\n".join(_all_docs().values())
     commands = _cli_commands()
-    assert {" ".join(w) for w, _ in commands} >= {"train", "generate", "memory", "config", "bench scaling", "checkpoint export"}
+    assert {" ".join(w) for w, _ in commands} >= {
+        "train",
+        "generate",
+        "memory",
+        "config",
+        "bench scaling",
+        "checkpoint export",
+    }
     for words, parser in commands:
         command = "trickles " + " ".join(words)
         assert command in readme, f"README.md does not mention `{command}`"
@@ -208,6 +217,7 @@ def test_public_api_is_documented():
 
 # ---- the configuration page is generated from the same rows as `trickles config --keys` ----------------------------
 
+
 def test_configuration_page_is_the_generated_reference():
     path = ROOT / "docs" / "configuration.md"
     text = _text(path)
@@ -217,8 +227,10 @@ def test_configuration_page_is_the_generated_reference():
     if os.environ.get("TRICKLES_WRITE_DOCS") == "1":
         path.write_text(head + BEGIN + keys_markdown() + END + tail, encoding="utf-8")
         body = keys_markdown()
-    assert body == keys_markdown(), ("docs/configuration.md is out of date with the config dataclasses; regenerate it: "
-                                     "TRICKLES_WRITE_DOCS=1 python3 -m pytest tests/unit/test_docs.py")
+    assert body == keys_markdown(), (
+        "docs/configuration.md is out of date with the config dataclasses; regenerate it: "
+        "TRICKLES_WRITE_DOCS=1 python3 -m pytest tests/unit/test_docs.py"
+    )
 
 
 def test_config_keys_command_and_page_list_the_same_keys(capsys):
@@ -233,6 +245,7 @@ def test_config_keys_command_and_page_list_the_same_keys(capsys):
 
 
 # ---- links ---------------------------------------------------------------------------------------------------
+
 
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading."""
@@ -264,7 +277,11 @@ def test_readme_links_every_page_and_marks_what_is_not_built():
     readme = _text(README)
     linked = {(ROOT / t).resolve() for t in re.findall(r"\]\((docs/[^)#\s]+)", readme)}
     assert {p.resolve() for p in PAGES} == linked, "every docs/ page is linked from the README, and only those exist"
-    rows = [r for r in _readme_section("What it does").splitlines() if r.startswith("| ") and not r.startswith("| technique")]
+    rows = [
+        r
+        for r in _readme_section("What it does").splitlines()
+        if r.startswith("| ") and not r.startswith("| technique")
+    ]
     planned = [r for r in rows if "not yet" in r]
     assert planned, "the README's table lists the planned features as 'not yet'"
     for key, needs in (("parallel.cp", []), ("parallel.ep", ["model.moe_experts=4"])):
@@ -274,7 +291,9 @@ def test_readme_links_every_page_and_marks_what_is_not_built():
         except ConfigError:
             built = False
         row = next(r for r in rows if f"`{key}`" in r)
-        assert (row not in planned) == built, f"{key} is {'built' if built else 'refused'}, but its README row says otherwise: {row}"
+        assert (row not in planned) == built, (
+            f"{key} is {'built' if built else 'refused'}, but its README row says otherwise: {row}"
+        )
     for row in rows:
         has_link = re.search(r"\]\(docs/", row) is not None
         assert has_link != (row in planned), f"a built technique links its page, a planned one none: {row}"
@@ -282,12 +301,18 @@ def test_readme_links_every_page_and_marks_what_is_not_built():
 
 # ---- the README's commands are the ones CI and the examples use ---------------------------------------------------
 
+
 def _ci_test_command() -> list[str]:
-    lines = [line for line in _text(ROOT / ".ci" / "run").splitlines() if "install.sh" in line and not line.startswith("#")]
+    lines = [
+        line for line in _text(ROOT / ".ci" / "run").splitlines() if "install.sh" in line and not line.startswith("#")
+    ]
     assert len(lines) == 1, ".ci/run should run the test command on one line"
     tokens = shlex.split(lines[0])
     stop = next((i for i, t in enumerate(tokens) if t in ("|", "2>&1", ">", ";")), len(tokens))
-    return tokens[:stop]
+    # CI may lint between the install and the tests (``python3 -m ruff ...`` segments); the rest is the README's
+    segs = [seg for seg in _segments(tokens[:stop]) if seg[:3] != ["python3", "-m", "ruff"]]
+    assert len(segs) == len(_segments(tokens[:stop])) - 2, ".ci/run should run ruff check and ruff format --check"
+    return [t for i, seg in enumerate(segs) for t in (["&&"] if i else []) + seg]
 
 
 def test_setup_commands_are_what_ci_runs_and_the_demo():
@@ -295,19 +320,23 @@ def test_setup_commands_are_what_ci_runs_and_the_demo():
     assert len(blocks) == 1
     demo, test = _command_lines(blocks[0])
     ci = _ci_test_command()
-    extra = ci[len(test):]
+    extra = ci[len(test) :]
     selecting = ("-k", "-m", "--deselect", "--ignore", "--lf", "-x", "--exitfirst")
-    assert ci[:len(test)] == test and all(t.startswith("-") and not t.startswith(selecting) for t in extra), \
+    assert ci[: len(test)] == test and all(t.startswith("-") and not t.startswith(selecting) for t in extra), (
         f"README's test command {shlex.join(test)} is not what .ci/run runs ({shlex.join(ci)}; CI may only add report options)"
+    )
     install, run = _segments(demo)
     assert install + ["test"] == _segments(test)[0], "the demo installs like the test command, without the test extras"
     argv, _ = _trickles_invocation(run)
     args, cfg = _check_invocation(argv, None)
-    assert args.command == "train" and args.config is None and not args.overrides and args.nproc is None, "the demo takes no options"
+    assert args.command == "train" and args.config is None and not args.overrides and args.nproc is None, (
+        "the demo takes no options"
+    )
     written_out = Config.load(ROOT / "examples" / "demo.toml")
     assert cfg.to_dict() | {"model": {}} == written_out.to_dict() | {"model": {}}
-    assert {k: v for k, v in vars(cfg.model).items() if k != "preset"} == {k: v for k, v in vars(written_out.model).items() if k != "preset"}, \
-        "examples/demo.toml is the demo written out"
+    assert {k: v for k, v in vars(cfg.model).items() if k != "preset"} == {
+        k: v for k, v in vars(written_out.model).items() if k != "preset"
+    }, "examples/demo.toml is the demo written out"
 
 
 def test_tour_commands_parse_validate_and_cover_the_tour():
@@ -326,7 +355,9 @@ def test_tour_commands_parse_validate_and_cover_the_tour():
     outs = [cfg.train.out_dir for _, _, a, cfg in checked if a.command == "train"]
     assert len(outs) == len(set(outs)), f"each training run of the tour needs its own out_dir, got {outs}"
     examples = {str(p.relative_to(ROOT)) for p in (ROOT / "examples").glob("*.toml")}
-    assert all(a.config in examples for _, _, a, _ in checked if getattr(a, "config", None)), "tour configs are examples/"
+    assert all(a.config in examples for _, _, a, _ in checked if getattr(a, "config", None)), (
+        "tour configs are examples/"
+    )
 
 
 @pytest.mark.parametrize("page", [README, *PAGES], ids=lambda p: p.name)
@@ -351,6 +382,7 @@ def test_python_blocks_compile_and_import_what_exists():
 
 # ---- start-up warnings -----------------------------------------------------------------------------------------
 
+
 def _cfg(*overrides):
     return Config.load(None, list(overrides))
 
@@ -363,7 +395,9 @@ def test_fp16_on_a_cpu_without_fp16_matmuls_warns_with_what_to_change():
     assert line.startswith("warning: memory.precision=fp16") and "slower than fp32" in line
     assert "use memory.precision=bf16 or fp32" in line and "\n" not in line
     assert line in _text(ROOT / "docs" / "memory.md"), "docs/memory.md quotes the warning as it is printed"
-    (line,) = slow_config_hints(_cfg("memory.precision=fp16"), DeviceFacts("cpu", fp16_matmul=False, bf16_matmul=False), 1, 2)
+    (line,) = slow_config_hints(
+        _cfg("memory.precision=fp16"), DeviceFacts("cpu", fp16_matmul=False, bf16_matmul=False), 1, 2
+    )
     assert "use memory.precision=fp32 on CPU" in line  # no bf16 either: only fp32 is fast
     assert slow_config_hints(_cfg("memory.precision=fp16"), DeviceFacts("cpu", fp16_matmul=True), 1, 2) == []
     for precision in ("fp32", "bf16"):
@@ -397,7 +431,9 @@ def test_warnings_print_on_rank_zero_only(monkeypatch):
         lines = warn_slow_config(cfg, types.SimpleNamespace(is_main=is_main, device=torch.device("cpu")), file=out)
         assert len(lines) == expected and out.getvalue().count("warning:") == expected
     monkeypatch.setenv("TRICKLES_RESTART", "1")  # a restarted job said it already
-    assert warn_slow_config(cfg, types.SimpleNamespace(is_main=True, device=torch.device("cpu")), file=io.StringIO()) == []
+    assert (
+        warn_slow_config(cfg, types.SimpleNamespace(is_main=True, device=torch.device("cpu")), file=io.StringIO()) == []
+    )
 
 
 def test_device_facts_of_this_cpu():
@@ -409,11 +445,24 @@ def test_fp16_on_cpu_prints_the_warning_once_and_trains(tmp_path):
     """Two ranks through the CLI: rank 0 alone warns, once, and both steps train."""
     expected = 0 if device_facts("cpu").fp16_matmul else 1  # a CPU with fp16 matmuls has nothing to warn about
     out = tmp_path / "run"
-    sets = ["model.preset=tiny", "data.seq_len=32", "train.global_batch=8", "data.max_bytes=120000", "train.steps=2",
-            "train.eval_every=0", "train.sample_tokens=0", "train.plot=false", "train.device=cpu", "memory.precision=fp16",
-            "memory.loss_scale=256",  # far from overflow (gradient norms ~4), so both steps update the weights
-            f"train.out_dir={out}", f"data.cache_dir={tmp_path / 'cache'}"]
-    cmd = [sys.executable, "-m", "trickles", "train", "--nproc", "2", "--quiet"] + [x for s in sets for x in ("--set", s)]
+    sets = [
+        "model.preset=tiny",
+        "data.seq_len=32",
+        "train.global_batch=8",
+        "data.max_bytes=120000",
+        "train.steps=2",
+        "train.eval_every=0",
+        "train.sample_tokens=0",
+        "train.plot=false",
+        "train.device=cpu",
+        "memory.precision=fp16",
+        "memory.loss_scale=256",  # far from overflow (gradient norms ~4), so both steps update the weights
+        f"train.out_dir={out}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    cmd = [sys.executable, "-m", "trickles", "train", "--nproc", "2", "--quiet"] + [
+        x for s in sets for x in ("--set", s)
+    ]
     r = run_command(cmd, cwd=ROOT, text=True, timeout=540)
     assert r.returncode == 0, r.stderr
     output = r.stdout + r.stderr
@@ -428,4 +477,5 @@ def test_kernels_page_holds_the_measured_table_auto_reads():
     from trickles.kernels import measured_markdown
 
     assert measured_markdown() in _text(ROOT / "docs" / "kernels.md"), (
-        "docs/kernels.md's measured table differs from trickles.kernels.MEASURED: paste measured_markdown()'s table")
+        "docs/kernels.md's measured table differs from trickles.kernels.MEASURED: paste measured_markdown()'s table"
+    )

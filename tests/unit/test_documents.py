@@ -5,14 +5,21 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import cli_here, short_documents, tiny_config
+
 from trickles.config import Config
 from trickles.data import ShardedBatches, require_boundaries
 from trickles.errors import ConfigError, DataError
 from trickles.models.config import ModelConfig, apply_preset
-from trickles.models.documents import (DocumentMask, block_mask, dense_mask, document_ids, document_positions,
-                                       flex_attention, reference_attention)
+from trickles.models.documents import (
+    DocumentMask,
+    block_mask,
+    dense_mask,
+    document_ids,
+    document_positions,
+    flex_attention,
+    reference_attention,
+)
 from trickles.models.transformer import build_model
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
@@ -21,8 +28,7 @@ EOS = 0
 
 
 def test_ids_and_positions_restart_at_each_end_of_text():
-    tokens = torch.tensor([[5, 6, EOS, 7, 8, 9, EOS, EOS, 4],
-                           [EOS, 1, 2, 3, 4, 5, 6, 7, 8]])
+    tokens = torch.tensor([[5, 6, EOS, 7, 8, 9, EOS, EOS, 4], [EOS, 1, 2, 3, 4, 5, 6, 7, 8]])
     ids = document_ids(tokens, EOS)
     assert ids.dtype == torch.int32
     assert ids.tolist() == [[0, 0, 1, 1, 1, 1, 2, 3, 3], [1, 1, 1, 1, 1, 1, 1, 1, 1]]
@@ -65,7 +71,7 @@ def test_each_packed_document_trains_as_if_alone(preset):
     alone = torch.empty_like(packed)
     for r in range(x.shape[0]):
         for a, b in _spans(ids[r]):
-            lo = model(x[r:r + 1, a:b])
+            lo = model(x[r : r + 1, a:b])
             loss = F.cross_entropy(lo[0], y[r, a:b], reduction="none")
             alone[r, a:b] = loss.detach()
             loss.sum().backward()
@@ -117,7 +123,9 @@ def test_a_run_with_document_masks_trains_and_differs_from_plain_causal(tmp_path
     corpus = short_documents(tmp_path / "lines.jsonl")
 
     def losses(*overrides):
-        tr = Trainer(tiny_config(tmp_path, *corpus, *overrides, steps=3), ParallelDims().build(torch.device("cpu")), quiet=True)
+        tr = Trainer(
+            tiny_config(tmp_path, *corpus, *overrides, steps=3), ParallelDims().build(torch.device("cpu")), quiet=True
+        )
         return [tr.train_step()["loss"] for _ in range(3)]
 
     masked, plain = losses("data.document_mask=true"), losses()
@@ -131,11 +139,24 @@ def test_token_stream_without_boundaries_is_refused(tmp_path):
     # through the command, before any rank starts: a token file without the byte tokenizer's eos (256)
     tokens = tmp_path / "t.bin"
     (np.arange(3000) % 200).astype(np.uint16).tofile(tokens)
-    r = cli_here("train", "--set", f"data.source={tokens}", "--set", "data.document_mask=true", "--set", "model.preset=tiny",
-                 "--set", f"train.out_dir={tmp_path / 'run'}", "--nproc", "2")
-    assert r.returncode == 2 and r.stderr == (f"error: data.document_mask=true needs end-of-text tokens (id 256) between "
-                                              f"documents, and {tokens} has none; write the token file with the eos id "
-                                              f"after each document, or set data.document_mask=false\n"), r.stderr
+    r = cli_here(
+        "train",
+        "--set",
+        f"data.source={tokens}",
+        "--set",
+        "data.document_mask=true",
+        "--set",
+        "model.preset=tiny",
+        "--set",
+        f"train.out_dir={tmp_path / 'run'}",
+        "--nproc",
+        "2",
+    )
+    assert r.returncode == 2 and r.stderr == (
+        f"error: data.document_mask=true needs end-of-text tokens (id 256) between "
+        f"documents, and {tokens} has none; write the token file with the eos id "
+        f"after each document, or set data.document_mask=false\n"
+    ), r.stderr
     assert not (tmp_path / "run").exists()
 
 
@@ -146,17 +167,28 @@ def test_a_tokenizer_without_end_of_text_is_refused_before_any_rank(tmp_path):
 
     (tmp_path / "tok").mkdir()
     Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(tmp_path / "tok" / "tokenizer.json"))
-    r = cli_here("train", "--set", f"data.tokenizer={tmp_path / 'tok'}", "--set", "data.document_mask=true",
-                 "--set", "model.preset=tiny", "--set", f"train.out_dir={tmp_path / 'run'}", "--nproc", "2")
+    r = cli_here(
+        "train",
+        "--set",
+        f"data.tokenizer={tmp_path / 'tok'}",
+        "--set",
+        "data.document_mask=true",
+        "--set",
+        "model.preset=tiny",
+        "--set",
+        f"train.out_dir={tmp_path / 'run'}",
+        "--nproc",
+        "2",
+    )
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "names no end-of-text token" in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("sets,world,what", [
-    (["parallel.tp=4", "parallel.tp_mode=2d"], 4, "parallel.tp_mode=2d"),
-])
+@pytest.mark.parametrize("sets,world,what", [(["parallel.tp=4", "parallel.tp_mode=2d"], 4, "parallel.tp_mode=2d")])
 def test_layouts_that_do_not_take_document_ids_yet_are_refused(sets, world, what):
-    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=8", "data.document_mask=true", *sets])
+    cfg = Config.load(
+        None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=8", "data.document_mask=true", *sets]
+    )
     with pytest.raises(ConfigError, match=f"data.document_mask=true does not combine with {what} yet"):
         cfg.validate(world)
 
@@ -167,18 +199,31 @@ def test_distillation_with_document_masks_is_refused():
         cfg._check_documents(ParallelDims())  # (validate first checks that the teacher exists)
 
 
-@pytest.mark.parametrize("preset,recompute,precision", [
-    ("tiny", "none", "fp32"), ("tiny", "selective", "bf16"), ("tiny", "full", "fp32"),
-    ("gpt2-tiny", "none", "bf16"), ("gpt2-tiny", "selective", "fp32"),
-])
+@pytest.mark.parametrize(
+    "preset,recompute,precision",
+    [
+        ("tiny", "none", "fp32"),
+        ("tiny", "selective", "bf16"),
+        ("tiny", "full", "fp32"),
+        ("gpt2-tiny", "none", "bf16"),
+        ("gpt2-tiny", "selective", "fp32"),
+    ],
+)
 def test_the_memory_model_counts_what_document_masks_keep(tmp_path, preset, recompute, precision):
     """activation_bytes(documents=True) against the bytes autograd saves in a trainer's micro-step, per layer and in
     the head, to the byte (grouped-query heads in the llama cases: k and v repeated by the dense path)."""
     from trickles.memory.activations import ActivationMeter, activation_bytes
 
-    cfg = tiny_config(tmp_path, *short_documents(tmp_path / "lines.jsonl"), "data.document_mask=true",
-                      f"model.preset={preset}", f"memory.recompute={recompute}", f"memory.precision={precision}",
-                      "train.micro_batch=2", "train.global_batch=2")
+    cfg = tiny_config(
+        tmp_path,
+        *short_documents(tmp_path / "lines.jsonl"),
+        "data.document_mask=true",
+        f"model.preset={preset}",
+        f"memory.recompute={recompute}",
+        f"memory.precision={precision}",
+        "train.micro_batch=2",
+        "train.global_batch=2",
+    )
     tr = Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=True)
     x, y, _, ids = tr.train_data.micro_batches(0, 2, 2)[0]
     assert int(ids[:, -1].max()) > 0  # some row packs more than one document
@@ -201,8 +246,11 @@ def test_compiled_blocks_take_the_document_mask(tmp_path):
     corpus = short_documents(tmp_path / "lines.jsonl")
 
     def losses(compiled):
-        tr = Trainer(tiny_config(tmp_path, *corpus, "data.document_mask=true", steps=2),
-                     ParallelDims().build(torch.device("cpu")), quiet=True)
+        tr = Trainer(
+            tiny_config(tmp_path, *corpus, "data.document_mask=true", steps=2),
+            ParallelDims().build(torch.device("cpu")),
+            quiet=True,
+        )
         if compiled:
             for block in tr.model.layers.values():
                 block.compile(backend="eager", fullgraph=True)

@@ -21,8 +21,9 @@ TOK = ByteTokenizer()
 
 def _model(flavor="llama", context=64):
     kv = {"n_kv_heads": 2} if flavor == "llama" else {}
-    cfg = ModelConfig(flavor=flavor, n_layers=2, d_model=32, n_heads=4, ffn_hidden=64, vocab_size=260,
-                      max_seq_len=context, **kv)
+    cfg = ModelConfig(
+        flavor=flavor, n_layers=2, d_model=32, n_heads=4, ffn_hidden=64, vocab_size=260, max_seq_len=context, **kv
+    )
     return build_model(cfg, seed=0).eval()
 
 
@@ -43,8 +44,13 @@ def test_32_requests_arriving_at_random_equal_each_request_alone(flavor):
     requests = []
     for i in range(32):
         prompt = [rng.randrange(256) for _ in range(rng.randrange(1, 30))]
-        sampling = Sampling(max_new_tokens=rng.randrange(1, 20), temperature=0.0 if i % 2 == 0 else 0.9, seed=i,
-                            repetition_penalty=1.2 if i % 3 == 0 else 1.0, top_k=0 if i % 4 else 20)
+        sampling = Sampling(
+            max_new_tokens=rng.randrange(1, 20),
+            temperature=0.0 if i % 2 == 0 else 0.9,
+            seed=i,
+            repetition_penalty=1.2 if i % 3 == 0 else 1.0,
+            top_k=0 if i % 4 else 20,
+        )
         n = 2 if i % 5 == 0 else 1
         requests.append((prompt, sampling, n, engine.submit(prompt, sampling, n)))
         for _ in range(rng.randrange(0, 3)):
@@ -74,9 +80,11 @@ def test_a_paged_call_reads_what_a_dense_cache_holds(model):
     assert (call.width, call.slots) == (2, 5) and keys.shape == (3, heads, 5, dim)
     assert keys.stride(0) < keys.stride(1)  # stored head-major: the model's attention takes it without a copy
     assert call.positions.tolist() == [[1, 2], [0, 1], [3, 4]]  # a padding query sits at a cached position
-    assert keys[:, 0, :, 0].tolist() == [[10, 11, -1, 5, 0],  # blocks 5, 2 (its position 2 written), then masked
-                                         [-1, -1, 0, 1, 0],  # block 7, both positions new
-                                         [2, 3, 12, 13, -1]]  # blocks 1, 6, 3 (position 4 written)
+    assert keys[:, 0, :, 0].tolist() == [
+        [10, 11, -1, 5, 0],  # blocks 5, 2 (its position 2 written), then masked
+        [-1, -1, 0, 1, 0],  # block 7, both positions new
+        [2, 3, 12, 13, -1],
+    ]  # blocks 1, 6, 3 (position 4 written)
     assert call.pad_mask.shape == (3, 1, 2, 5)
     assert call.pad_mask[:, 0, 1].tolist() == [[True] * 3 + [False] * 2, [True] * 2 + [False] * 3, [True] * 5]
     assert pool.k[layer][0, [4, 14, 15, 6], 0].tolist() == [-1.0] * 4  # written in place

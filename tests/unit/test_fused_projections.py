@@ -15,8 +15,17 @@ from trickles.models.transformer import build_model
 from trickles.train import checkpoint as ckpt
 from trickles.train.pieces import PieceReader, save_pieces
 
-CFG = ModelConfig(flavor="llama", n_layers=2, d_model=48, n_heads=6, n_kv_heads=2, ffn_hidden=40, vocab_size=101,
-                  max_seq_len=16, fused_proj=False)
+CFG = ModelConfig(
+    flavor="llama",
+    n_layers=2,
+    d_model=48,
+    n_heads=6,
+    n_kv_heads=2,
+    ffn_hidden=40,
+    vocab_size=101,
+    max_seq_len=16,
+    fused_proj=False,
+)
 
 
 def _pair(cfg=CFG, seed=3):
@@ -42,7 +51,9 @@ def test_fused_model_computes_the_unfused_function_and_decodes_alike():
     """The same initial weights (each part by its own name), logits to 1e-6, and greedy decoding through the KV cache
     gives the same tokens; the cache holds the model's key/value heads."""
     plain, fused_model = _pair()
-    assert {n for n, _ in plain.named_parameters()} == set(fused.split_state(fused_model.cfg, dict(fused_model.named_parameters())))
+    assert {n for n, _ in plain.named_parameters()} == set(
+        fused.split_state(fused_model.cfg, dict(fused_model.named_parameters()))
+    )
     split = fused.split_state(fused_model.cfg, fused_model.state_dict())
     assert all(torch.equal(split[n], t) for n, t in plain.state_dict().items())
     x = torch.randint(0, 101, (2, 10), generator=torch.Generator().manual_seed(0))
@@ -67,14 +78,18 @@ def test_checkpoint_reader_names_parts_and_reads_any_region(tmp_path):
     k = "layers.1.attn.k_proj.weight"
     assert r_fused.global_shape(k) == (16, 48)
     assert torch.equal(r_fused.read(k, ((3, 5), (11, 20))), parts[k][3:14, 5:25])
-    assert torch.equal(r_fused.read("layers.0.mlp.up_proj.weight", ((7, 0), (9, 48)), flat_range=(13, 300)),
-                       parts["layers.0.mlp.up_proj.weight"][7:16].reshape(-1)[13:300])
+    assert torch.equal(
+        r_fused.read("layers.0.mlp.up_proj.weight", ((7, 0), (9, 48)), flat_range=(13, 300)),
+        parts["layers.0.mlp.up_proj.weight"][7:16].reshape(-1)[13:300],
+    )
     name = "layers.0.attn.qkv_proj.weight"
     layout = fused_model.layers["0"].attn.qkv_proj.weight.fused_layout
     whole = fused_model.state_dict()[name]
     assert r_plain.holds(name, layout) and not r_plain.holds(name) and r_plain.global_shape(name, layout) == (80, 48)
     assert torch.equal(r_plain.read(name, layout=layout), whole)
-    assert torch.equal(r_plain.read(name, ((37, 2), (30, 40)), (5, 1100), layout), whole[37:67, 2:42].reshape(-1)[5:1100])
+    assert torch.equal(
+        r_plain.read(name, ((37, 2), (30, 40)), (5, 1100), layout), whole[37:67, 2:42].reshape(-1)[5:1100]
+    )
     again = build_model(dataclasses.replace(CFG, fused_proj=True), seed=9)
     ckpt.load_model_state(again, r_plain, "plain")
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), fused_model.state_dict().values()))
@@ -120,5 +135,7 @@ def test_fused_projections_need_tp_to_divide_the_key_value_heads():
     from trickles.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.fused_proj=false or make n_kv_heads a multiple of parallel.tp"):
-        Config.load(None, ["model.preset=tiny", "model.n_kv_heads=1", "model.fused_proj=true", "parallel.tp=2"]).validate(2)
+        Config.load(
+            None, ["model.preset=tiny", "model.n_kv_heads=1", "model.fused_proj=true", "parallel.tp=2"]
+        ).validate(2)
     Config.load(None, ["model.preset=tiny", "model.fused_proj=true", "parallel.tp=2"]).validate(2)

@@ -6,7 +6,9 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", exc_type=ImportError)  # a broken install skips too (CI=true fails it)
+transformers = pytest.importorskip(
+    "transformers", exc_type=ImportError
+)  # a broken install skips too (CI=true fails it)
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -27,24 +29,53 @@ def perturb(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 
 
 def llama_hf(tied: bool):
-    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                                   rms_norm_eps=1e-5, rope_theta=5000.0, tie_word_embeddings=tied,
-                                   bos_token_id=1, eos_token_id=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-5,
+        rope_theta=5000.0,
+        tie_word_embeddings=tied,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     return perturb(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN), 1)
 
 
 def gpt2_hf(tied: bool = True):
-    cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=32,
-                                  tie_word_embeddings=tied, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+    cfg = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=32,
+        tie_word_embeddings=tied,
+        bos_token_id=VOCAB - 1,
+        eos_token_id=VOCAB - 1,
+    )
     return perturb(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN), 2)
 
 
 def mixtral_hf(tied: bool = False):
-    cfg = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32, rope_theta=5000.0,
-                                     router_jitter_noise=0.0, router_aux_loss_coef=0.02, tie_word_embeddings=tied)
+    cfg = transformers.MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=32,
+        rope_theta=5000.0,
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=0.02,
+        tie_word_embeddings=tied,
+    )
     return perturb(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN), 5)
 
 
@@ -63,8 +94,9 @@ def our_logits(model):
 
 
 def load_transformers(path):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(path, output_loading_info=True,
-                                                                   attn_implementation=ATTN)
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, output_loading_info=True, attn_implementation=ATTN
+    )
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     assert model.dtype == torch.float32
     return model.eval()
@@ -75,8 +107,11 @@ def assert_close(a, b):
     assert (a - b).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("make", [lambda: llama_hf(False), lambda: llama_hf(True), gpt2_hf,
-                                  lambda: gpt2_hf(False)], ids=["llama", "llama-tied", "gpt2", "gpt2-untied"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: llama_hf(False), lambda: llama_hf(True), gpt2_hf, lambda: gpt2_hf(False)],
+    ids=["llama", "llama-tied", "gpt2", "gpt2-untied"],
+)
 def test_transformers_to_trickles_and_back(make, tmp_path):
     hf = make()
     hf.save_pretrained(tmp_path / "hf", safe_serialization=True)
@@ -95,12 +130,16 @@ def test_transformers_to_trickles_and_back(make, tmp_path):
     assert set(written) == set(load_file(tmp_path / "hf" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("shape", [
-    dict(flavor="llama", n_kv_heads=2, tie_embeddings=False),
-    dict(flavor="llama", n_kv_heads=2, tie_embeddings=True, rope_theta=500000.0),
-    dict(flavor="llama", n_kv_heads=None, ffn_hidden=80),
-    dict(flavor="gpt2", n_kv_heads=None),
-], ids=["llama", "llama-tied", "llama-mha", "gpt2"])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(flavor="llama", n_kv_heads=2, tie_embeddings=False),
+        dict(flavor="llama", n_kv_heads=2, tie_embeddings=True, rope_theta=500000.0),
+        dict(flavor="llama", n_kv_heads=None, ffn_hidden=80),
+        dict(flavor="gpt2", n_kv_heads=None),
+    ],
+    ids=["llama", "llama-tied", "llama-mha", "gpt2"],
+)
 def test_trickles_to_transformers(shape, tmp_path):
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=VOCAB, max_seq_len=32, norm_eps=1e-6, **shape)
     ours = perturb(build_model(cfg, seed=3), 4)
@@ -137,7 +176,9 @@ def test_save_into_existing_directory_keeps_other_files(tmp_path):
     out = tmp_path / "m"
     gpt2_hf().save_pretrained(out, max_shard_size="60KB")
     (out / "tokenizer.json").write_text("{}")
-    ours = build_model(ModelConfig(flavor="llama", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16), 0)
+    ours = build_model(
+        ModelConfig(flavor="llama", n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16), 0
+    )
     save_hf(ours, out)
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
     assert load_hf(out).cfg.flavor == "llama"
@@ -145,12 +186,14 @@ def test_save_into_existing_directory_keeps_other_files(tmp_path):
 
 
 def test_failed_save_leaves_nothing(tmp_path, monkeypatch):
-    gqa = build_model(ModelConfig(flavor="gpt2", n_layers=1, d_model=32, n_heads=4, n_kv_heads=2,
-                                  vocab_size=64, max_seq_len=16), 0)
+    gqa = build_model(
+        ModelConfig(flavor="gpt2", n_layers=1, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=64, max_seq_len=16), 0
+    )
     with pytest.raises(ConfigError, match="n_kv_heads"):
         save_hf(gqa, tmp_path / "a")
-    ok = build_model(ModelConfig(flavor="gpt2", n_layers=1, d_model=32, n_heads=4, n_kv_heads=None,
-                                 vocab_size=64, max_seq_len=16), 0)
+    ok = build_model(
+        ModelConfig(flavor="gpt2", n_layers=1, d_model=32, n_heads=4, n_kv_heads=None, vocab_size=64, max_seq_len=16), 0
+    )
 
     def broken(*args, **kwargs):
         raise OSError("disk full")
@@ -175,16 +218,19 @@ def test_pickle_only_directory_is_refused(tmp_path):
         load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(model_type="mistral"), "model_type 'mistral' is not supported"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling 'linear'"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}), "rope scaling 'llama3'"),
-    (dict(attention_bias=True), "attention_bias=true"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    # an explicit head_dim is model.head_size (pruned models, tests/unit/test_prune.py); one the weights do not have is refused
-    (dict(head_dim=32), r"q_proj\.weight has shape \[64, 64\], but config.json implies \[128, 64\]"),
-    (dict(rope_theta=1.0, rope_parameters={"rope_type": "default", "rope_theta": 2.0}), "disagrees"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(model_type="mistral"), "model_type 'mistral' is not supported"),
+        (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling 'linear'"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}), "rope scaling 'llama3'"),
+        (dict(attention_bias=True), "attention_bias=true"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        # an explicit head_dim is model.head_size (pruned models, tests/unit/test_prune.py); one the weights do not have is refused
+        (dict(head_dim=32), r"q_proj\.weight has shape \[64, 64\], but config.json implies \[128, 64\]"),
+        (dict(rope_theta=1.0, rope_parameters={"rope_type": "default", "rope_theta": 2.0}), "disagrees"),
+    ],
+)
 def test_unsupported_llama_configs(changes, message, tmp_path):
     llama_hf(False).save_pretrained(tmp_path)
     _edit_config(tmp_path, **changes)
@@ -192,11 +238,14 @@ def test_unsupported_llama_configs(changes, message, tmp_path):
         load_hf(tmp_path)
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(activation_function="relu"), "activation_function='relu'"),
-    (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=true"),
-    (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=true"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(activation_function="relu"), "activation_function='relu'"),
+        (dict(scale_attn_by_inverse_layer_idx=True), "scale_attn_by_inverse_layer_idx=true"),
+        (dict(reorder_and_upcast_attn=True), "reorder_and_upcast_attn=true"),
+    ],
+)
 def test_unsupported_gpt2_configs(changes, message, tmp_path):
     gpt2_hf().save_pretrained(tmp_path)
     _edit_config(tmp_path, **changes)
@@ -212,8 +261,11 @@ def test_missing_unexpected_and_misshapen_tensors(tmp_path):
     weights["transformer.h.1.adapter.weight"] = torch.zeros(2)
     weights["transformer.h.0.attn.bias"] = torch.ones(1, 1, 32, 32)  # an old causal-mask buffer: ignored
     save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"missing tensors \['transformer\.h\.1\.mlp\.c_fc\.bias'\].*"
-                                              r"unexpected tensors \['transformer\.h\.1\.adapter\.weight'\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing tensors \['transformer\.h\.1\.mlp\.c_fc\.bias'\].*"
+        r"unexpected tensors \['transformer\.h\.1\.adapter\.weight'\]",
+    ):
         load_hf(tmp_path)
 
     good["transformer.h.0.attn.c_attn.weight"] = torch.zeros(64, 190)
@@ -244,8 +296,18 @@ def test_unprefixed_gpt2_checkpoint(tmp_path):
 
 # ---- Mixtral -----------------------------------------------------------------------------
 
-MOE = dict(flavor="llama", n_layers=2, d_model=32, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32,
-           moe_experts=4, moe_top_k=2, moe_ffn_hidden=48)
+MOE = dict(
+    flavor="llama",
+    n_layers=2,
+    d_model=32,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=VOCAB,
+    max_seq_len=32,
+    moe_experts=4,
+    moe_top_k=2,
+    moe_ffn_hidden=48,
+)
 
 
 def _per_expert_names(path):
@@ -261,7 +323,13 @@ def test_mixtral_to_trickles_and_back(original_format, tmp_path):
     ours = load_hf(tmp_path / "hf")
     c = ours.cfg
     assert (c.moe_experts, c.moe_top_k, c.moe_every, c.moe_ffn_dim, c.kv_heads) == (4, 2, 1, 48, 2)
-    assert (c.moe_capacity_factor, c.moe_shared_experts, c.moe_aux_loss, c.moe_z_loss, c.rope_theta) == (0, 0, 0.02, 0, 5000.0)
+    assert (c.moe_capacity_factor, c.moe_shared_experts, c.moe_aux_loss, c.moe_z_loss, c.rope_theta) == (
+        0,
+        0,
+        0.02,
+        0,
+        5000.0,
+    )
     expected = hf_logits(hf)
     assert_close(our_logits(ours), expected)
 
@@ -276,14 +344,19 @@ def test_mixtral_to_trickles_and_back(original_format, tmp_path):
         assert written == set(load_file(tmp_path / "hf" / "model.safetensors"))
 
 
-@pytest.mark.parametrize("shape", [dict(), dict(moe_top_k=3, tie_embeddings=True, n_kv_heads=None)],
-                         ids=["top2", "top3-tied-mha"])
+@pytest.mark.parametrize(
+    "shape", [dict(), dict(moe_top_k=3, tie_embeddings=True, n_kv_heads=None)], ids=["top2", "top3-tied-mha"]
+)
 def test_trickles_moe_to_transformers(shape, tmp_path):
     cfg = ModelConfig(**{**MOE, **shape})
     ours = perturb(build_model(cfg, seed=3), 6)
     save_hf(ours, tmp_path / "m")
     config = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (4, cfg.moe_top_k, 48)
+    assert (config["num_local_experts"], config["num_experts_per_tok"], config["intermediate_size"]) == (
+        4,
+        cfg.moe_top_k,
+        48,
+    )
     assert config["sliding_window"] is None and config["router_aux_loss_coef"] == cfg.moe_aux_loss
     hf = load_transformers(tmp_path / "m")
     assert type(hf).__name__ == "MixtralForCausalLM" and hf.config.tie_word_embeddings == cfg.tied
@@ -296,14 +369,17 @@ def test_trickles_moe_to_transformers(shape, tmp_path):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(moe_shared_experts=1), "no shared experts.*moe_shared_experts=0"),
-    (dict(moe_capacity_factor=1.25), "dropless.*moe_capacity_factor=0"),
-    (dict(moe_every=2), "every block.*moe_every=1"),
-    (dict(moe_top_k=1), "moe_top_k >= 2"),
-    (dict(moe_router="hard", moe_label_experts=["a:0+1", "b:2+3"]), "moe_router=learned"),
-    (dict(flavor="gpt2", n_kv_heads=None), "no GPT-2 mixture of experts"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(moe_shared_experts=1), "no shared experts.*moe_shared_experts=0"),
+        (dict(moe_capacity_factor=1.25), "dropless.*moe_capacity_factor=0"),
+        (dict(moe_every=2), "every block.*moe_every=1"),
+        (dict(moe_top_k=1), "moe_top_k >= 2"),
+        (dict(moe_router="hard", moe_label_experts=["a:0+1", "b:2+3"]), "moe_router=learned"),
+        (dict(flavor="gpt2", n_kv_heads=None), "no GPT-2 mixture of experts"),
+    ],
+)
 def test_unexportable_moe_models(changes, message, tmp_path):
     model = build_model(ModelConfig(**{**MOE, **changes}), 0)
     with pytest.raises(ConfigError, match=message) as err:
@@ -312,12 +388,15 @@ def test_unexportable_moe_models(changes, message, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(sliding_window=16), "sliding_window=16"),
-    (dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
-    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0}), "rope scaling 'yarn'"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(sliding_window=16), "sliding_window=16"),
+        (dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
+        (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0}), "rope scaling 'yarn'"),
+    ],
+)
 def test_unsupported_mixtral_configs(changes, message, tmp_path):
     mixtral_hf().save_pretrained(tmp_path)
     _edit_config(tmp_path, **changes)

@@ -50,7 +50,7 @@ def _imported(module: str, path: Path, modules: dict[str, Path]) -> list[tuple[s
             for alias in node.names:
                 if alias.name == top or alias.name.startswith(top + "."):
                     name = alias.name
-                    while name not in modules and "." in name:   # `import trickles.a.f` where f is not a module
+                    while name not in modules and "." in name:  # `import trickles.a.f` where f is not a module
                         name = name.rpartition(".")[0]
                     targets.append((name, node.lineno))
         elif isinstance(node, ast.ImportFrom):
@@ -154,7 +154,7 @@ def test_resolution_covers_every_import_form(tmp_path):
     graph = _graph(modules)
     assert set(graph["pkg"]) == {"pkg.a", "pkg.sub"}
     assert set(graph["pkg.a"]) == {"pkg.sub.b"}
-    assert set(graph["pkg.sub.b"]) == {"pkg.a"}                # the import inside a function counts
+    assert set(graph["pkg.sub.b"]) == {"pkg.a"}  # the import inside a function counts
     assert set(graph["pkg.c"]) == {"pkg.sub.b", "pkg.sub"}
     assert cycles(pkg) == ["circle of 2 file(s):\n  pkg/a.py:1 -> pkg/sub/b.py\n  pkg/sub/b.py:2 -> pkg/a.py"]
 
@@ -181,4 +181,6 @@ def test_no_file_over_400_lines_without_a_reason(tmp_path):
     (tmp_path / "said.py").write_text('"""A module.\n\nLong because one table.\n"""\n' + "x = 1\n" * 5)
     assert too_long(tmp_path, limit=4) == [f"{tmp_path.name}/long.py: 6 lines"]
     found = too_long()
-    assert not found, "files of trickles/ past 400 lines (split them by idea, or say why in the docstring):\n" + "\n".join(found)
+    assert not found, (
+        "files of trickles/ past 400 lines (split them by idea, or say why in the docstring):\n" + "\n".join(found)
+    )

@@ -64,10 +64,10 @@ def test_padded_batch_decodes_each_prompt_as_alone(preset):
             assert (logits[i] - alone[i][0]).abs().max() <= 1e-5
         nxt = logits.argmax(-1)
         logits = batch.step(nxt)
-        alone = [s.step(nxt[i:i + 1]) for i, s in enumerate(singles)]
+        alone = [s.step(nxt[i : i + 1]) for i, s in enumerate(singles)]
     # and what padding would do unmasked: a different distribution (the test can tell)
     tokens = batch.tokens[:1]
-    assert (m(tokens)[0, -1] - m(tokens[:, batch.pad[0]:])[0, -1]).abs().max() > 1e-3
+    assert (m(tokens)[0, -1] - m(tokens[:, batch.pad[0] :])[0, -1]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -100,7 +100,7 @@ def test_stop_strings_cut_the_text_and_stop_only_their_row():
     free = decode(m, prompts, Sampling(max_new_tokens=16, temperature=0), tokenizer=tk)
     text = free[0].text
     stop = text[6:8]
-    cut = text[:text.find(stop)]
+    cut = text[: text.find(stop)]
     streamed = {0: [], 1: []}
     reasons = {}
 
@@ -108,8 +108,17 @@ def test_stop_strings_cut_the_text_and_stop_only_their_row():
         streamed[row].append(delta)
         if reason is not None:
             reasons[row] = reason
-    out = decode(m, prompts, [Sampling(max_new_tokens=16, temperature=0, stop=(stop, "\x00never")),
-                              Sampling(max_new_tokens=16, temperature=0)], tokenizer=tk, on_text=on_text)
+
+    out = decode(
+        m,
+        prompts,
+        [
+            Sampling(max_new_tokens=16, temperature=0, stop=(stop, "\x00never")),
+            Sampling(max_new_tokens=16, temperature=0),
+        ],
+        tokenizer=tk,
+        on_text=on_text,
+    )
     assert out[0].text == cut and out[0].finish_reason == "stop"
     assert len(out[0].tokens) == text.find(stop) + len(stop)  # it stopped at the token completing the stop string
     assert out[1].text == free[1].text and out[1].finish_reason == "length" and len(out[1].tokens) == 16
@@ -165,7 +174,9 @@ def test_kv_cache_reorder_is_in_place():
     batch = PaddedBatch(m, prompts_of([3, 6, 5, 4]), 4)
     batch.prefill()
     cache = batch.cache
-    before = {layer: (cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k[layer].clone()) for layer in cache.k}
+    before = {
+        layer: (cache.k[layer].data_ptr(), cache.v[layer].data_ptr(), cache.k[layer].clone()) for layer in cache.k
+    }
     index = torch.tensor([2, 2, 0, 3])
     cache.reorder(index)
     for layer, (kp, vp, k) in before.items():
@@ -215,8 +226,10 @@ def _hf_pair(preset, tmp_path):
 # The first row of each runs every mode; the others were found by trying one-line changes of beam.py against it
 # (the early-stopping heuristic's length, only the top N candidates may finish, no additions once early_stopping=True
 # has N): each of those changes alters the answer in one of these cases.
-BEAM_CASES = {"tiny": [(1, 5, transformers_cases), (0, 1, [(-1.0, False), (1.0, True)]), (2, 1, [(1.0, True)])],
-              "gpt2-tiny": [(1, 5, transformers_cases)]}
+BEAM_CASES = {
+    "tiny": [(1, 5, transformers_cases), (0, 1, [(-1.0, False), (1.0, True)]), (2, 1, [(1.0, True)])],
+    "gpt2-tiny": [(1, 5, transformers_cases)],
+}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -236,13 +249,23 @@ def test_beam_search_matches_transformers(preset, tmp_path):
         for lp, early in cases:
             out = beam_search(ours, prompts, 3, 16, length_penalty=lp, early_stopping=early, eos_id=eos)
             with torch.no_grad():
-                ref = hf.generate(ids, attention_mask=mask, num_beams=3, do_sample=False, length_penalty=lp,
-                                  early_stopping=early, max_new_tokens=16, eos_token_id=eos, pad_token_id=0,
-                                  output_scores=True, return_dict_in_generate=True)
+                ref = hf.generate(
+                    ids,
+                    attention_mask=mask,
+                    num_beams=3,
+                    do_sample=False,
+                    length_penalty=lp,
+                    early_stopping=early,
+                    max_new_tokens=16,
+                    eos_token_id=eos,
+                    pad_token_id=0,
+                    output_scores=True,
+                    return_dict_in_generate=True,
+                )
             for b in range(2):
                 row = ref.sequences[b, width:].tolist()
                 reason = "stop" if eos in row else "length"
-                row = row[:row.index(eos)] if eos in row else row
+                row = row[: row.index(eos)] if eos in row else row
                 assert out[b].tokens == row, (seed, lp, early, b)
                 assert out[b].finish_reason == reason
                 assert abs(out[b].score - float(ref.sequences_scores[b])) <= 1e-4 * abs(out[b].score)

@@ -16,8 +16,14 @@ import torch
 pytest.importorskip("triton")
 
 from trickles.kernels import interpreting  # noqa: E402
-from trickles.kernels.activations import (gelu_tanh_backward_op, gelu_tanh_op, swiglu_backward_op, swiglu_op,  # noqa: E402
-                                          swiglu_packed_backward_op, swiglu_packed_op)
+from trickles.kernels.activations import (
+    gelu_tanh_backward_op,
+    gelu_tanh_op,
+    swiglu_backward_op,
+    swiglu_op,  # noqa: E402
+    swiglu_packed_backward_op,
+    swiglu_packed_op,
+)
 from trickles.kernels.cross_entropy import IGNORE_INDEX, linear_cross_entropy_op  # noqa: E402
 from trickles.kernels.norms import layer_norm_backward_op, layer_norm_op, rms_norm_backward_op, rms_norm_op  # noqa: E402
 from trickles.kernels.rotary import rotary_backward_op, rotary_op  # noqa: E402
@@ -77,8 +83,18 @@ def test_opcheck(op, args):
 
 
 def _model_pair(flavor: str):
-    cfg = ModelConfig(flavor=flavor, n_layers=2, d_model=32, n_heads=4, n_kv_heads=2 if flavor == "llama" else None,
-                      ffn_hidden=48, vocab_size=97, max_seq_len=8, kernels="triton", loss_chunk=5)
+    cfg = ModelConfig(
+        flavor=flavor,
+        n_layers=2,
+        d_model=32,
+        n_heads=4,
+        n_kv_heads=2 if flavor == "llama" else None,
+        ffn_hidden=48,
+        vocab_size=97,
+        max_seq_len=8,
+        kernels="triton",
+        loss_chunk=5,
+    )
     return build_model(cfg, 0, DEVICE), build_model(dataclasses.replace(cfg), 0, DEVICE)
 
 
@@ -98,7 +114,9 @@ def test_blocks_compiled_with_the_kernels_give_the_eager_loss_and_gradients(flav
     loss.backward()
     assert abs(float(loss.detach()) - float(ref.detach())) <= 1e-5 * abs(float(ref.detach()))
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-5 * max(float(p.grad.abs().max()), 1e-4), msg=name)
+        torch.testing.assert_close(
+            q.grad, p.grad, rtol=1e-5, atol=1e-5 * max(float(p.grad.abs().max()), 1e-4), msg=name
+        )
 
 
 def test_the_fused_loss_compiles_whole_with_inductor():

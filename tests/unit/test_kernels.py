@@ -27,7 +27,7 @@ from trickles.models.config import ModelConfig  # noqa: E402
 from trickles.models.transformer import build_model, rope_tables  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-BF16_TOL = 2.0 ** -7
+BF16_TOL = 2.0**-7
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -98,7 +98,9 @@ def test_rotary_rotates_queries_and_keys_into_new_tensors(dtype):
     assert rq.data_ptr() != q.data_ptr() and torch.equal(q.detach(), before) and rq.is_contiguous()
     out = torch.cat([rq.flatten(), rk.flatten()])
     ref, ref_grads = _reference(
-        lambda a, b: torch.cat([apply_rope(a[:, :, 1:], cos, sin).flatten(), apply_rope(b, cos, sin).flatten()]), [q0, k0])
+        lambda a, b: torch.cat([apply_rope(a[:, :, 1:], cos, sin).flatten(), apply_rope(b, cos, sin).flatten()]),
+        [q0, k0],
+    )
     _close(out, ref, dtype)
     for g, r in zip(_grads(out, [q0, k0]), ref_grads):
         _close(g, r, dtype)
@@ -163,9 +165,16 @@ def _ce_reference(h, w, b, target):
     return loss, torch.autograd.grad(loss, leaves)
 
 
-@pytest.mark.parametrize("kernels,dtype,bias", [("torch", torch.float32, False), ("triton", torch.float32, True),
-                                                ("torch", torch.bfloat16, False), ("triton", torch.bfloat16, False)],
-                         ids=["torch-fp32", "triton-fp32-bias", "torch-bf16", "triton-bf16"])
+@pytest.mark.parametrize(
+    "kernels,dtype,bias",
+    [
+        ("torch", torch.float32, False),
+        ("triton", torch.float32, True),
+        ("torch", torch.bfloat16, False),
+        ("triton", torch.bfloat16, False),
+    ],
+    ids=["torch-fp32", "triton-fp32-bias", "torch-bf16", "triton-bf16"],
+)
 def test_fused_linear_cross_entropy(kernels, dtype, bias):
     """37 tokens in chunks of 10 (the last one 7), four of them ignored; 5003 classes: two 4096-column blocks."""
     h, w, b, target = _ce_inputs(dtype, bias=bias)
@@ -199,7 +208,11 @@ def test_fused_cross_entropy_without_gradients_and_with_one_chunk():
         loss = linear_cross_entropy(h, w, target, kernels="triton")
     assert loss.grad_fn is None
     _close(loss, _ce_reference(h, w, None, target)[0], torch.float32)
-    assert default_chunk(37, 5003, 24) == 37 and default_chunk(4096, 32000, 4096) == 512 and default_chunk(10, 10, 64) == 10
+    assert (
+        default_chunk(37, 5003, 24) == 37
+        and default_chunk(4096, 32000, 4096) == 512
+        and default_chunk(10, 10, 64) == 10
+    )
     assert default_chunk(8192, 128256, 2048) == 256 and default_chunk(2048, 32000, 256) == 64  # (liger: 16)
 
 
@@ -212,16 +225,29 @@ def test_every_target_ignored_gives_zero_loss_and_gradients():
         assert float(loss.detach()) == 0.0 and not dh.any() and not dw.any()
 
 
-@pytest.mark.parametrize("flavor,experts", [("llama", 0), ("gpt2", 0), ("llama", 4)], ids=["llama", "gpt2", "llama-moe"])
+@pytest.mark.parametrize(
+    "flavor,experts", [("llama", 0), ("gpt2", 0), ("llama", 4)], ids=["llama", "gpt2", "llama-moe"]
+)
 def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
     """A whole model (norms, rotary, MLP activation -- the experts' too --, fused loss, and -- the default with Triton --
     fused q/k/v and gate/up projections, the rotary kernel rotating the split heads, the packed SwiGLU)
     against the eager unfused one: loss and every gradient, the fused ones cut into their parts."""
     from trickles.models.fused import split_state
 
-    cfg = ModelConfig(flavor=flavor, n_layers=2, d_model=48, n_heads=4, n_kv_heads=2 if flavor == "llama" else None,
-                      ffn_hidden=80, vocab_size=300, max_seq_len=12, kernels="torch", moe_experts=experts, moe_every=2,
-                      moe_ffn_hidden=40)
+    cfg = ModelConfig(
+        flavor=flavor,
+        n_layers=2,
+        d_model=48,
+        n_heads=4,
+        n_kv_heads=2 if flavor == "llama" else None,
+        ffn_hidden=80,
+        vocab_size=300,
+        max_seq_len=12,
+        kernels="torch",
+        moe_experts=experts,
+        moe_every=2,
+        moe_ffn_hidden=40,
+    )
     eager = build_model(cfg, 0, DEVICE)
     fused = build_model(dataclasses.replace(cfg, kernels="triton", loss_chunk=7), 0, DEVICE)
     g = torch.Generator().manual_seed(0)
@@ -246,8 +272,17 @@ def test_triton_kernels_under_full_recomputation_and_in_bf16():
     model's loss is within bf16 rounding of the eager bf16 model's."""
     from trickles.memory.recompute import apply_recompute
 
-    cfg = ModelConfig(n_layers=2, d_model=48, n_heads=4, n_kv_heads=2, ffn_hidden=80, vocab_size=300, max_seq_len=12,
-                      kernels="triton", loss_chunk=8)
+    cfg = ModelConfig(
+        n_layers=2,
+        d_model=48,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=80,
+        vocab_size=300,
+        max_seq_len=12,
+        kernels="triton",
+        loss_chunk=8,
+    )
     g = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 300, (2, 6), generator=g).to(DEVICE), torch.randint(0, 300, (2, 6), generator=g).to(DEVICE)
     plain, recomputed = build_model(cfg, 0, DEVICE), build_model(cfg, 0, DEVICE)
@@ -286,7 +321,10 @@ def test_triton_kernels_that_cannot_run_are_refused_before_any_process_group(mon
     with pytest.raises(ConfigError, match="loss_chunk"):
         Config.load(None, ["model.loss_chunk=-1"]).validate(1)
     assert kernels.runs_triton("auto", "cuda", "rotary") is False  # no Triton now: auto falls back
-    assert kernels.runs_triton("torch", "cuda", "rotary") is False and kernels.runs_triton("triton", "cpu", "rotary") is True
+    assert (
+        kernels.runs_triton("torch", "cuda", "rotary") is False
+        and kernels.runs_triton("triton", "cpu", "rotary") is True
+    )
 
 
 def test_auto_runs_a_kernel_only_where_its_measurement_shows_it_winning(monkeypatch):

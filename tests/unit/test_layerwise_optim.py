@@ -4,8 +4,8 @@ provider that lets a rank holding pieces of weights (ZeRO segments, experts) see
 import pytest
 import torch
 import torch.nn.functional as F
-
 from helpers import tiny_config
+
 from trickles.errors import CheckpointError, ConfigError
 from trickles.models import build_model
 from trickles.optim import Lamb, Lars, decay_flags
@@ -23,8 +23,11 @@ def _problem(seed=0):
     (adapted: ||w|| = 0 gives ratio 1) whose gradient vanishes at step 4 (LARS: ||g|| = 0 gives ratio 1 too), and a
     bias (neither adapted nor decayed). fp64."""
     g = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(6, 5, generator=g, dtype=torch.float64), torch.zeros(4, 3, dtype=torch.float64),
-               torch.randn(5, generator=g, dtype=torch.float64)]
+    weights = [
+        torch.randn(6, 5, generator=g, dtype=torch.float64),
+        torch.zeros(4, 3, dtype=torch.float64),
+        torch.randn(5, generator=g, dtype=torch.float64),
+    ]
     grads = []
     for s in range(STEPS):
         step = [torch.randn(w.shape, generator=g, dtype=torch.float64) * 0.1 for w in weights]
@@ -59,14 +62,18 @@ def _ratio(num, den, clip):
 
 def _lamb_reference(weights, grads, adapt, wd, b1, b2, eps, clip, bias_correction):
     """LAMB, You et al. 2020, Algorithm 2, tensor by tensor."""
-    ws, ms, vs = [w.clone() for w in weights], [torch.zeros_like(w) for w in weights], [torch.zeros_like(w) for w in weights]
+    ws, ms, vs = (
+        [w.clone() for w in weights],
+        [torch.zeros_like(w) for w in weights],
+        [torch.zeros_like(w) for w in weights],
+    )
     for s in range(STEPS):
         t = s + 1
         for i, w in enumerate(ws):
             g = grads[s][i]
             ms[i] = b1 * ms[i] + (1 - b1) * g
             vs[i] = b2 * vs[i] + (1 - b2) * g * g
-            mh, vh = (ms[i] / (1 - b1 ** t), vs[i] / (1 - b2 ** t)) if bias_correction else (ms[i], vs[i])
+            mh, vh = (ms[i] / (1 - b1**t), vs[i] / (1 - b2**t)) if bias_correction else (ms[i], vs[i])
             u = mh / (vh.sqrt() + eps) + (wd if adapt[i] else 0.0) * w
             r = _ratio(float(w.norm()), float(u.norm()), clip) if adapt[i] else 1.0
             ws[i] = w - LRS[s] * r * u
@@ -90,8 +97,13 @@ def _lars_reference(weights, grads, adapt, wd, momentum, eta, clip):
 @pytest.mark.parametrize("clip,bias_correction", [(0.0, True), (0.5, False)], ids=["paper", "clip-v3"])
 def test_lamb_equals_the_papers_update(clip, bias_correction):
     weights, grads, adapt = _problem()
-    ours = _run(lambda g: Lamb(g, betas=(0.9, 0.99), eps=1e-6, trust_clip=clip, bias_correction=bias_correction),
-                weights, grads, adapt, wd=0.1)
+    ours = _run(
+        lambda g: Lamb(g, betas=(0.9, 0.99), eps=1e-6, trust_clip=clip, bias_correction=bias_correction),
+        weights,
+        grads,
+        adapt,
+        wd=0.1,
+    )
     ref = _lamb_reference(weights, grads, adapt, 0.1, 0.9, 0.99, 1e-6, clip, bias_correction)
     for i, (a, b) in enumerate(zip(ours, ref)):
         # measured: 2.2e-16 (fp64 rounding of the same arithmetic in another order); every weight moves 7.9e-3 or more
@@ -102,8 +114,14 @@ def test_lamb_equals_the_papers_update(clip, bias_correction):
 def test_a_bare_parameter_list_is_adapted_and_decayed_by_default():
     weights, grads, _ = _problem(3)
     adapt = [True, True, True]
-    ours = _run(lambda ps: Lars(ps, momentum=0.9, weight_decay=0.01, trust_coefficient=0.05), weights, grads, adapt, 0.01,
-                plain=True)
+    ours = _run(
+        lambda ps: Lars(ps, momentum=0.9, weight_decay=0.01, trust_coefficient=0.05),
+        weights,
+        grads,
+        adapt,
+        0.01,
+        plain=True,
+    )
     ref = _lars_reference(weights, grads, adapt, 0.01, 0.9, 0.05, 0.0)
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert float((a - b).abs().max()) < 1e-10, i
@@ -112,7 +130,9 @@ def test_a_bare_parameter_list_is_adapted_and_decayed_by_default():
 @pytest.mark.parametrize("clip", [0.0, 0.02], ids=["paper", "clip"])
 def test_lars_equals_the_papers_update(clip):
     weights, grads, adapt = _problem(1)
-    ours = _run(lambda g: Lars(g, momentum=0.9, trust_coefficient=0.05, trust_clip=clip), weights, grads, adapt, wd=0.01)
+    ours = _run(
+        lambda g: Lars(g, momentum=0.9, trust_coefficient=0.05, trust_clip=clip), weights, grads, adapt, wd=0.01
+    )
     ref = _lars_reference(weights, grads, adapt, 0.01, 0.9, 0.05, clip)
     for i, (a, b) in enumerate(zip(ours, ref)):
         assert float((a - b).abs().max()) < 1e-10, i  # measured: 0 (bit for bit); every weight moves 1.0e-3 or more
@@ -152,9 +172,17 @@ def test_lamb_equals_torch_optimizer_lamb():
 
     weights, grads, _ = _problem(2)
     adapt = [True, True, True]
-    ours = _run(lambda g: Lamb(g, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, bias_correction=False), weights, grads,
-                adapt, wd=0.1, plain=True)  # a bare parameter list: LAMB adapts every weight by default
-    theirs = _run(lambda g: torch_optimizer.Lamb(g, betas=(0.9, 0.99), eps=1e-6, clamp_value=1e9), weights, grads, adapt, wd=0.1)
+    ours = _run(
+        lambda g: Lamb(g, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.1, bias_correction=False),
+        weights,
+        grads,
+        adapt,
+        wd=0.1,
+        plain=True,
+    )  # a bare parameter list: LAMB adapts every weight by default
+    theirs = _run(
+        lambda g: torch_optimizer.Lamb(g, betas=(0.9, 0.99), eps=1e-6, clamp_value=1e9), weights, grads, adapt, wd=0.1
+    )
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert float((a - b).abs().max()) < 1e-6, i  # measured: 1.1e-16
 
@@ -173,12 +201,16 @@ def test_shard_norms_see_whole_weights_and_each_expert_through_any_cut():
     ranks = []
     for r in range(3):
         segments = layout.segments(r)
-        tensors = [flat[s.flat_range[0]:s.flat_range[1]] for s in segments]
+        tensors = [flat[s.flat_range[0] : s.flat_range[1]] for s in segments]
         ranks.append((segments, tensors))
-    assert any(0 < s.param_range[0] % 15 for segs, _ in ranks for s in segs if s.name == "experts"), "no cut inside an expert"
+    assert any(0 < s.param_range[0] % 15 for segs, _ in ranks for s in segs if s.name == "experts"), (
+        "no cut inside an expert"
+    )
     partial = []
     for segments, tensors in ranks:  # each rank's partial squares, as the collective would receive them
-        prov = ShardNorms(named, {id(experts)}, lambda p: True, lambda t: partial.append(t.clone()), torch.device("cpu"))
+        prov = ShardNorms(
+            named, {id(experts)}, lambda p: True, lambda t: partial.append(t.clone()), torch.device("cpu")
+        )
         prov.bind(segments, tensors)
         prov.norms(tensors, [2 * t for t in tensors])
     total = sum(partial)
@@ -194,14 +226,20 @@ def test_shard_norms_see_whole_weights_and_each_expert_through_any_cut():
             else:
                 per = 15
                 first, last = s.param_range[0] // per, (s.param_range[1] - 1) // per
-                want += expected["experts"][first:last + 1]
+                want += expected["experts"][first : last + 1]
         torch.testing.assert_close(wn, torch.tensor(want), rtol=1e-6, atol=0)
         torch.testing.assert_close(twice, 2 * torch.tensor(want), rtol=1e-6, atol=0)
 
 
 # ---- through the engine, on the real model ------------------------------------------------------------
 
-MOE = ["model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64", "model.moe_aux_loss=0", "model.moe_z_loss=0"]
+MOE = [
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_hidden=64",
+    "model.moe_aux_loss=0",
+    "model.moe_z_loss=0",
+]
 
 
 def _trainer(tmp, *overrides, steps=4):
@@ -215,7 +253,9 @@ def test_one_process_engine_step_equals_the_reference_per_weight_and_per_expert(
     adapted and decayed, norms, biases and embeddings neither, every expert of a stacked weight its own unit (and
     SGD: torch's momentum SGD, the decay an L2 term on the same matrices)."""
     lr = {"lamb": "train.lr=0.02", "lars": "train.lr=2.0", "sgd": "train.lr=0.5"}[optimizer]
-    tr = _trainer(str(tmp_path), f"train.optimizer={optimizer}", lr, "train.weight_decay=0.01", "train.trust_coefficient=0.01")
+    tr = _trainer(
+        str(tmp_path), f"train.optimizer={optimizer}", lr, "train.weight_decay=0.01", "train.trust_coefficient=0.01"
+    )
     plain = build_model(tr.model_cfg, tr.cfg.train.seed)
     flags = decay_flags(plain)
     units, adapt = [], []  # the reference's tensors: whole weights, and each expert of a stacked one
@@ -245,7 +285,7 @@ def test_one_process_engine_step_equals_the_reference_per_weight_and_per_expert(
                     t = s + 1
                     state[i] = 0.9 * state[i] + 0.1 * g
                     state2[i] = 0.95 * state2[i] + 0.05 * g * g
-                    upd = (state[i] / (1 - 0.9 ** t)) / ((state2[i] / (1 - 0.95 ** t)).sqrt() + 1e-6) + wd * w
+                    upd = (state[i] / (1 - 0.9**t)) / ((state2[i] / (1 - 0.95**t)).sqrt() + 1e-6) + wd * w
                     r = _ratio(float(w.norm()), float(upd.norm()), 0.0) if adapt[i] else 1.0
                     u.copy_(w - record["lr"] * r * upd)
                 elif optimizer == "sgd":
@@ -261,8 +301,9 @@ def test_one_process_engine_step_equals_the_reference_per_weight_and_per_expert(
         ref = dict(plain.named_parameters())
         for n, p in tr.model.named_parameters():
             assert float((p.detach() - before[n]).abs().max()) > 2e-6, (s + 1, n)
-            torch.testing.assert_close(p.detach(), ref[n].detach(), rtol=0, atol=2e-6,
-                                       msg=lambda m: f"step {s + 1}, {n}: {m}")
+            torch.testing.assert_close(
+                p.detach(), ref[n].detach(), rtol=0, atol=2e-6, msg=lambda m: f"step {s + 1}, {n}: {m}"
+            )
 
 
 def test_bad_optimizer_settings_are_refused(tmp_path):
@@ -279,7 +320,9 @@ def test_a_checkpoint_resumes_only_with_its_optimizer(tmp_path):
     tr.train_step()
     path = tr.save_checkpoint()
     other = _trainer(str(tmp_path / "other"), "train.optimizer=lamb", steps=1)
-    with pytest.raises(CheckpointError, match="holds lars state but train.optimizer = lamb; set train.optimizer = lars"):
+    with pytest.raises(
+        CheckpointError, match="holds lars state but train.optimizer = lamb; set train.optimizer = lars"
+    ):
         other.load_checkpoint(path)
 
 
@@ -295,8 +338,10 @@ def test_memory_report_predicts_each_optimizers_state(tmp_path, optimizer):
     measure(tr, rep, steps=1)
     assert rep.measured["optimizer"] == rep.predicted["optimizer"]
     params = sum(p.numel() for p in tr.model.parameters())
-    assert rep.predicted["optimizer"] == {"lamb": 8 * params + 4 * len(list(tr.model.parameters())), "lars": 4 * params,
-                                          "sgd-plain": 0}[optimizer]
+    assert (
+        rep.predicted["optimizer"]
+        == {"lamb": 8 * params + 4 * len(list(tr.model.parameters())), "lars": 4 * params, "sgd-plain": 0}[optimizer]
+    )
 
 
 def test_optimizer_settings_defaults_are_the_configs():
@@ -307,4 +352,6 @@ def test_optimizer_settings_defaults_are_the_configs():
     t = TrainConfig()
     for name in ("adamw", "lars"):
         t.optimizer = name
-        assert OptimizerSettings(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, name) == OptimizerSettings.from_train(t)
+        assert OptimizerSettings(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, name) == OptimizerSettings.from_train(
+            t
+        )

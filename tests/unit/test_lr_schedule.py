@@ -16,7 +16,9 @@ def test_warmup_is_linear_and_reaches_the_peak_on_its_last_step():
 def test_cosine_decays_from_the_peak_to_the_floor_and_stays_there():
     lr, warmup, steps, r = 3e-3, 2, 12, 0.1
     assert lr_at(warmup, lr, warmup, steps, r) == pytest.approx(lr, rel=1e-15)  # p = 0: the peak
-    assert lr_at(warmup + 5, lr, warmup, steps, r) == pytest.approx(lr * (r + (1 - r) * 0.5), rel=1e-12)  # p = 1/2: halfway
+    assert lr_at(warmup + 5, lr, warmup, steps, r) == pytest.approx(
+        lr * (r + (1 - r) * 0.5), rel=1e-12
+    )  # p = 1/2: halfway
     quarter = lr * (r + (1 - r) * 0.5 * (1 + math.cos(math.pi / 4)))
     assert lr_at(warmup + 2.5, lr, warmup, steps, r) == pytest.approx(quarter, rel=1e-12)  # p = 1/4
     assert lr_at(steps, lr, warmup, steps, r) == pytest.approx(lr * r, rel=1e-12)  # the floor at the last step
@@ -40,7 +42,9 @@ def test_poly_decays_as_the_power_of_the_remaining_fraction_and_auto_picks_it_fo
     lr, warmup, steps, r = 2.0, 4, 24, 0.1
     assert lr_at(3, lr, warmup, steps, r, "poly", 2.0) == lr  # the warm-up is the same linear ramp
     assert lr_at(warmup, lr, warmup, steps, r, "poly", 2.0) == pytest.approx(lr, rel=1e-15)
-    assert lr_at(warmup + 5, lr, warmup, steps, r, "poly", 2.0) == pytest.approx(lr * (r + (1 - r) * 0.75 ** 2), rel=1e-12)
+    assert lr_at(warmup + 5, lr, warmup, steps, r, "poly", 2.0) == pytest.approx(
+        lr * (r + (1 - r) * 0.75**2), rel=1e-12
+    )
     assert lr_at(warmup + 10, lr, warmup, steps, r, "poly", 1.0) == pytest.approx(lr * (r + (1 - r) * 0.5), rel=1e-12)
     assert lr_at(steps, lr, warmup, steps, r, "poly", 2.0) == pytest.approx(lr * r, rel=1e-12)
     kinds = {o: schedule_kind(SimpleNamespace(schedule="auto", optimizer=o)) for o in ("adamw", "lamb", "lars", "sgd")}

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.memory.activations import ActivationMeter, activation_bytes
 from trickles.memory.scaler import DynamicLossScaler
 from trickles.topology import ParallelDims
@@ -42,7 +42,13 @@ def _trainer(tmp, *overrides, steps=3):
 def test_recompute_gives_identical_losses_and_weights(tmp_path, flavor, precision):
     results = {}
     for mode in ("none", "elementwise", "selective", "full"):
-        tr = _trainer(tmp_path, f"model.preset={flavor}", "model.dropout=0.1", f"memory.precision={precision}", f"memory.recompute={mode}")
+        tr = _trainer(
+            tmp_path,
+            f"model.preset={flavor}",
+            "model.dropout=0.1",
+            f"memory.precision={precision}",
+            f"memory.recompute={mode}",
+        )
         losses = [tr.train_step()["loss"] for _ in range(3)]
         results[mode] = losses, tr.engine.full_state(), tr.evaluate()  # evaluation: no graph, nothing recomputed
     for mode in ("elementwise", "selective", "full"):
@@ -54,16 +60,30 @@ def test_recompute_gives_identical_losses_and_weights(tmp_path, flavor, precisio
 
 # One case per idea: each flavor in each precision (their norms and rotary tables keep different
 # tensors), two shapes that tell tokens per sequence (seq) from tokens per micro-batch (batch x seq).
-_ACTIVATION_CASES = [("tiny", "fp32", 32, 2), ("tiny", "bf16", 64, 4), ("gpt2-tiny", "fp32", 64, 4), ("gpt2-tiny", "bf16", 32, 2)]
+_ACTIVATION_CASES = [
+    ("tiny", "fp32", 32, 2),
+    ("tiny", "bf16", 64, 4),
+    ("gpt2-tiny", "fp32", 64, 4),
+    ("gpt2-tiny", "bf16", 32, 2),
+]
 
 
-@pytest.mark.parametrize("flavor,precision,seq,batch", _ACTIVATION_CASES, ids=[f"{f}-{p}-{s}x{b}" for f, p, s, b in _ACTIVATION_CASES])
+@pytest.mark.parametrize(
+    "flavor,precision,seq,batch", _ACTIVATION_CASES, ids=[f"{f}-{p}-{s}x{b}" for f, p, s, b in _ACTIVATION_CASES]
+)
 def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, seq, batch):
     """The formula counts every byte autograd saves: equal per layer and for the head, in each recompute mode."""
     measured = {}
     for mode in ("none", "elementwise", "selective", "full"):
-        tr = _trainer(tmp_path, f"model.preset={flavor}", f"memory.precision={precision}", f"memory.recompute={mode}",
-                      f"data.seq_len={seq}", f"train.micro_batch={batch}", f"train.global_batch={batch}")
+        tr = _trainer(
+            tmp_path,
+            f"model.preset={flavor}",
+            f"memory.precision={precision}",
+            f"memory.recompute={mode}",
+            f"data.seq_len={seq}",
+            f"train.micro_batch={batch}",
+            f"train.global_batch={batch}",
+        )
         x, y = tr.train_data.micro_batches(0, batch, batch)[0]
         with ActivationMeter(tr.model) as meter:
             loss = tr._loss(x, y)
@@ -71,7 +91,9 @@ def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, 
         predicted = activation_bytes(tr.model_cfg, batch, seq, mode, 2 if precision == "bf16" else 4)
         layers = [f"layers.{i}" for i in range(tr.model_cfg.n_layers)]
         assert sorted(meter.per_layer) == sorted(["head", *layers]), meter.per_layer
-        assert not any(b._forward_pre_hooks or b._forward_hooks for b in tr.model.layers.values()), "the meter left its hooks"
+        assert not any(b._forward_pre_hooks or b._forward_hooks for b in tr.model.layers.values()), (
+            "the meter left its hooks"
+        )
         for name in layers:
             assert meter.per_layer[name] == predicted["layer"], (mode, name, meter.per_layer[name] - predicted["layer"])
         assert meter.per_layer["head"] == predicted["head"], (mode, meter.per_layer["head"] - predicted["head"])
@@ -82,8 +104,14 @@ def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, 
 
 # Mixture-of-experts blocks (layer 1 of 2; layer 0 stays dense): llama in fp32 with top-2 and a shared expert, in every
 # recompute mode; gpt2 in bf16 with top-1 (no renormalization, the norm's output kept by nobody but the router's copy).
-MOE = ["model.n_layers=2", "model.moe_every=2", "model.moe_experts=4", "data.seq_len=32", "train.micro_batch=2",
-       "train.global_batch=2"]
+MOE = [
+    "model.n_layers=2",
+    "model.moe_every=2",
+    "model.moe_experts=4",
+    "data.seq_len=32",
+    "train.micro_batch=2",
+    "train.global_batch=2",
+]
 _MOE_CASES = [("tiny", "fp32", 2, 1, ("none", "selective", "full")), ("gpt2-tiny", "bf16", 1, 0, ("none",))]
 
 
@@ -97,17 +125,29 @@ def _moe_forward(tmp, *overrides):
     return tr, meter
 
 
-@pytest.mark.parametrize("flavor,precision,k,shared,modes", _MOE_CASES, ids=[f"{c[0]}-{c[1]}-top{c[2]}-shared{c[3]}" for c in _MOE_CASES])
+@pytest.mark.parametrize(
+    "flavor,precision,k,shared,modes", _MOE_CASES, ids=[f"{c[0]}-{c[1]}-top{c[2]}-shared{c[3]}" for c in _MOE_CASES]
+)
 def test_moe_activation_prediction_matches_measurement(tmp_path, flavor, precision, k, shared, modes):
     """Dropless routing: the router's fp32 tensors, the routing indices and masks, the gathered rows, each expert's
     MLP on its rows, the weighting, the shared expert and the auxiliary losses, counted to the byte, per layer --
     dense and MoE layers each by their own formula."""
     for mode in modes:
-        tr, meter = _moe_forward(tmp_path, f"model.preset={flavor}", f"memory.precision={precision}", f"memory.recompute={mode}",
-                                 f"model.moe_top_k={k}", f"model.moe_shared_experts={shared}")
+        tr, meter = _moe_forward(
+            tmp_path,
+            f"model.preset={flavor}",
+            f"memory.precision={precision}",
+            f"memory.recompute={mode}",
+            f"model.moe_top_k={k}",
+            f"model.moe_shared_experts={shared}",
+        )
         predicted = activation_bytes(tr.model_cfg, 2, 32, mode, 2 if precision == "bf16" else 4)
         measured = [meter.per_layer[f"layers.{i}"] for i in range(2)]
-        assert measured == predicted["per_layer"] == [predicted["layer"], predicted["moe_layer"]], (mode, measured, predicted)
+        assert measured == predicted["per_layer"] == [predicted["layer"], predicted["moe_layer"]], (
+            mode,
+            measured,
+            predicted,
+        )
         assert meter.per_layer["head"] == predicted["head"], mode
         assert mode == "full" or predicted["moe_layer"] > predicted["layer"], mode  # the formulas do differ
 
@@ -148,8 +188,10 @@ def test_report_note_names_only_the_dimensions_in_use(tmp_path):
     cfg, mc = tr.cfg, tr.model_cfg
     note = predict(cfg, ParallelDims(), mc).notes[0]
     total = sum(p.numel() for p in tr.model.parameters())
-    assert note == (f"{total / 1e6:.1f}M parameters, dp=1, ZeRO-0, fp32 (gradients fp32), micro-batch "
-                    f"{cfg.train.micro_batch or cfg.train.global_batch} x {cfg.data.seq_len}, recompute none")
+    assert note == (
+        f"{total / 1e6:.1f}M parameters, dp=1, ZeRO-0, fp32 (gradients fp32), micro-batch "
+        f"{cfg.train.micro_batch or cfg.train.global_batch} x {cfg.data.seq_len}, recompute none"
+    )
     tp2 = predict(cfg, ParallelDims(tp=2), mc).notes[0]
     assert ", tp=2 (" in tp2 and ", cp=" not in tp2
 
@@ -208,7 +250,9 @@ def test_only_zero2_adds_two_gradient_buckets_to_the_transient_bytes(tmp_path):
     transient = {}
     for stage, mb, accumulate in ((0, 0.01, True), (1, 0.01, True), (1, 0.01, False), (2, 0.01, True), (2, 0, True)):
         train = dataclasses.replace(tr.cfg.train, micro_batch=1, global_batch=4 if accumulate else 2)
-        cfg = dataclasses.replace(tr.cfg, parallel=dataclasses.replace(tr.cfg.parallel, zero=stage, bucket_mb=mb), train=train)
+        cfg = dataclasses.replace(
+            tr.cfg, parallel=dataclasses.replace(tr.cfg.parallel, zero=stage, bucket_mb=mb), train=train
+        )
         assert cfg.accumulates(ParallelDims(dp=2)) == accumulate
         transient[stage, mb, accumulate] = predict(cfg, ParallelDims(dp=2), tr.model_cfg).predicted["transient"]
     assert transient[0, 0.01, True] == transient[1, 0.01, True]
@@ -242,8 +286,15 @@ def test_expert_parallel_adds_the_rows_in_flight_to_the_transient_bytes(tmp_path
 def test_report_sizes_switch_unit_at_each_power_of_1024():
     from trickles.memory.report import _fmt
 
-    assert [_fmt(v) for v in (None, 1023, 1024, 2**20 - 1, 2**20, 2**30, -2**20)] == [
-        "-", "1,023 B", "1.00 KiB", "1,024.00 KiB", "1.00 MiB", "1.00 GiB", "-1.00 MiB"]
+    assert [_fmt(v) for v in (None, 1023, 1024, 2**20 - 1, 2**20, 2**30, -(2**20))] == [
+        "-",
+        "1,023 B",
+        "1.00 KiB",
+        "1,024.00 KiB",
+        "1.00 MiB",
+        "1.00 GiB",
+        "-1.00 MiB",
+    ]
 
 
 def test_profiling_silences_stderr_and_gives_the_same_stderr_back(tmp_path):
@@ -271,7 +322,9 @@ def test_a_rank_model_holds_its_share_of_the_experts(ep):
     from trickles.memory.meta import rank_model
     from trickles.models.config import ModelConfig, apply_preset
 
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), moe_experts=4, moe_every=2, vocab_size=256, max_seq_len=32)
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), "tiny"), moe_experts=4, moe_every=2, vocab_size=256, max_seq_len=32
+    )
     whole = dict(rank_model(cfg, ParallelDims(), False, 0, torch.float32).named)
     part = dict(rank_model(cfg, ParallelDims(dp=ep, ep=ep), False, 0, torch.float32).named)
     assert whole.keys() == part.keys() and any(".experts." in n for n in whole)
@@ -298,8 +351,11 @@ def test_partial_full_recomputation_keeps_each_layer_as_its_mode(tmp_path):
     dims = tr.topo.dims
     predicted = activations(tr.cfg, tr.model_cfg, Layout.of("1d", 1), dims)
     each = {m: activation_bytes(tr.model_cfg, tr.micro_batch, tr.cfg.data.seq_len, m) for m in ("full", "elementwise")}
-    assert [meter.per_layer["layers.0"], meter.per_layer["layers.1"]] == predicted["per_layer"] == \
-        [each["full"]["per_layer"][0], each["elementwise"]["per_layer"][1]]
+    assert (
+        [meter.per_layer["layers.0"], meter.per_layer["layers.1"]]
+        == predicted["per_layer"]
+        == [each["full"]["per_layer"][0], each["elementwise"]["per_layer"][1]]
+    )
     assert meter.per_layer["head"] == predicted["head"]
     results = {}
     for name, extra in (("none", []), ("partial", partial)):

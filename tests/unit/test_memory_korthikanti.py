@@ -32,7 +32,11 @@ def test_the_papers_pieces_add_up_to_its_closed_forms(tp, sp):
         terms = korthikanti_terms(S, B, H, A, tp, sp, selective)
         assert sum(terms.values()) == pytest.approx(korthikanti_layer_bytes(S, B, H, A, tp, sp, selective), rel=1e-12)
     assert korthikanti_layer_bytes(S, B, H, A) == SBH * (34 + 5 * A * S / H)
-    assert korthikanti_layer_bytes(S, B, H, A, selective=True) == korthikanti_layer_bytes(S, B, H, A, flash=True) == 34 * SBH
+    assert (
+        korthikanti_layer_bytes(S, B, H, A, selective=True)
+        == korthikanti_layer_bytes(S, B, H, A, flash=True)
+        == 34 * SBH
+    )
 
 
 @pytest.mark.parametrize("tp,sp", LAYOUTS)

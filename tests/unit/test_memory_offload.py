@@ -2,8 +2,8 @@
 predicted against measured."""
 
 import torch
-
 from helpers import tiny_config
+
 from trickles.memory.report import measure, predict
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer

@@ -2,18 +2,25 @@
 
 import dataclasses
 
-import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.memory.report import measure, predict
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
 
 
 def _trainer(tmp, *overrides):
-    cfg = tiny_config(tmp, "model.d_model=64", "model.n_heads=4", "model.ffn_hidden=256", "data.seq_len=64",
-                      "train.global_batch=8", *overrides, steps=3)
+    cfg = tiny_config(
+        tmp,
+        "model.d_model=64",
+        "model.n_heads=4",
+        "model.ffn_hidden=256",
+        "data.seq_len=64",
+        "train.global_batch=8",
+        *overrides,
+        steps=3,
+    )
     return Trainer(cfg, ParallelDims().build(torch.device("cpu")), quiet=True)
 
 
@@ -23,8 +30,11 @@ def test_full_recomputation_peaks_in_the_last_blocks_backward(tmp_path):
     tr = _trainer(tmp_path, "memory.recompute=full")
     rep = measure(tr, predict(tr.cfg, ParallelDims(), tr.model_cfg), steps=2)
     pred, meas = rep.predicted, rep.measured
-    plain = predict(dataclasses.replace(tr.cfg, memory=dataclasses.replace(tr.cfg.memory, recompute="none")),
-                    ParallelDims(), tr.model_cfg)
+    plain = predict(
+        dataclasses.replace(tr.cfg, memory=dataclasses.replace(tr.cfg.memory, recompute="none")),
+        ParallelDims(),
+        tr.model_cfg,
+    )
     recomputed = plain.layers_predicted[-1] - rep.layers_predicted[-1]
     assert recomputed > 0 and pred["transient"] > recomputed / 2  # the layer brought back is in the transient
     assert meas["held"] == pred["held"]

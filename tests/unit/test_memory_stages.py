@@ -7,15 +7,14 @@ import itertools
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.memory import meta
 from trickles.memory.report import predict
 from trickles.memory.stages import buffers_peak, in_flight, in_flight_closed_form, message_bytes, peak_in_flight
 from trickles.models.config import resolve_model
-from trickles.parallel.pipeline.stages import keep_stage, partition_layers
 from trickles.parallel.pipeline.schedules import Shape, compute_order
-from trickles.topology import ParallelDims
+from trickles.parallel.pipeline.stages import keep_stage, partition_layers
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
@@ -47,13 +46,24 @@ def _cfg(tmp, *overrides):
     return cfg, resolve_model(cfg.model, 257, cfg.data.seq_len)
 
 
-@pytest.mark.parametrize("overrides,world", [
-    (["parallel.pp=2"], 2),
-    (["parallel.pp=3", "model.n_layers=5", "model.preset=gpt2-tiny"], 3),  # tied embedding: the last stage's copy
-    (["parallel.pp=2", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "model.n_layers=6",
-      "parallel.pipeline_layers=[1,2,2,1]"], 2),
-    (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4),
-])
+@pytest.mark.parametrize(
+    "overrides,world",
+    [
+        (["parallel.pp=2"], 2),
+        (["parallel.pp=3", "model.n_layers=5", "model.preset=gpt2-tiny"], 3),  # tied embedding: the last stage's copy
+        (
+            [
+                "parallel.pp=2",
+                "parallel.schedule=interleaved",
+                "parallel.virtual_stages=2",
+                "model.n_layers=6",
+                "parallel.pipeline_layers=[1,2,2,1]",
+            ],
+            2,
+        ),
+        (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4),
+    ],
+)
 def test_stage_parameters_are_the_pruned_models(tmp_path, overrides, world):
     """The name filter gives the parameters keep_stage leaves, in the same order (the flat layout depends on it)."""
     cfg, mc = _cfg(tmp_path, *overrides)
@@ -76,7 +86,11 @@ def test_stage_parameters_are_the_pruned_models(tmp_path, overrides, world):
 
 
 def test_report_has_every_stage_and_the_most_loaded_on_top(tmp_path):
-    for schedule, extra in (("gpipe", []), ("1f1b", []), ("interleaved", ["parallel.virtual_stages=2", "model.n_layers=4"])):
+    for schedule, extra in (
+        ("gpipe", []),
+        ("1f1b", []),
+        ("interleaved", ["parallel.virtual_stages=2", "model.n_layers=4"]),
+    ):
         cfg, mc = _cfg(tmp_path, "parallel.pp=2", f"parallel.schedule={schedule}", *extra)
         rep = predict(cfg, cfg.validate(2), mc)
         assert len(rep.stages) == 2 and rep.stage_layers[0][0] == 0 and rep.stage_layers[1][-1] == mc.n_layers - 1
@@ -135,7 +149,9 @@ def test_action_lists_are_the_schedules_own():
         for p, m in ((2, 4), (3, 6), (4, 8), (4, 12)):
             for early in (False, True):
                 shape = Shape(p, v, m)
-                assert [list(x) for x in action_lists(schedule, shape, early)] == build(schedule, shape, early_receives=early)
+                assert [list(x) for x in action_lists(schedule, shape, early)] == build(
+                    schedule, shape, early_receives=early
+                )
 
 
 def test_buffers_peak_walks_gpipe_by_hand():
@@ -159,8 +175,23 @@ def test_buffers_peak_walks_zb_h1_by_hand():
     Stage 0 (first) has no ``B``: its ``W`` is the whole backward, 5 B over both forwards' 2 x 110 and the received
     gradient 4 (the second output's send seen through by then): 229."""
     shape, weights = Shape.of("zb-h1", 2, 1, 2), [(100, 10)]
-    peaks = [buffers_peak("zb-h1", shape, r, weights, 4, True, 7, False, backward_transient=5, recorded=[30],
-                          split_end=3, loss_saved=6) for r in range(2)]
+    peaks = [
+        buffers_peak(
+            "zb-h1",
+            shape,
+            r,
+            weights,
+            4,
+            True,
+            7,
+            False,
+            backward_transient=5,
+            recorded=[30],
+            split_end=3,
+            loss_saved=6,
+        )
+        for r in range(2)
+    ]
     assert peaks == [229, 285]
 
 

@@ -65,7 +65,7 @@ def test_kv_cache_matches_full_forward(preset):
     with torch.no_grad():
         full = m(x)
         parts = [m(x[:, :9], cache=cache, start=0), m(x[:, 9:15], cache=cache, start=9)]
-        parts += [m(x[:, i:i + 1], cache=cache, start=i) for i in range(15, 20)]
+        parts += [m(x[:, i : i + 1], cache=cache, start=i) for i in range(15, 20)]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
 
 
@@ -112,7 +112,7 @@ def test_kv_cache_decoding_gives_the_full_forward_logits_at_every_position(prese
         cache = m.new_cache(2, 12)
         steps = [m(seq[:, :5], cache=cache, start=0)]
         for pos in range(5, 12):
-            steps.append(m(seq[:, pos:pos + 1], cache=cache, start=pos))
+            steps.append(m(seq[:, pos : pos + 1], cache=cache, start=pos))
     cached = torch.cat(steps, dim=1)
     assert cached.shape == full.shape
     assert torch.allclose(cached, full, rtol=0, atol=1e-5), (cached - full).abs().max()

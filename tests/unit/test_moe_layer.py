@@ -17,8 +17,18 @@ from trickles.train.flops import matmul_params
 
 
 def _cfg(**kw):
-    base = dict(n_layers=2, d_model=12, n_heads=2, n_kv_heads=None, ffn_hidden=20, vocab_size=32, max_seq_len=16,
-                moe_experts=4, moe_top_k=2, moe_ffn_hidden=10)
+    base = dict(
+        n_layers=2,
+        d_model=12,
+        n_heads=2,
+        n_kv_heads=None,
+        ffn_hidden=20,
+        vocab_size=32,
+        max_seq_len=16,
+        moe_experts=4,
+        moe_top_k=2,
+        moe_ffn_hidden=10,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -101,7 +111,9 @@ def test_router_path_passes_gradcheck_in_fp64():
         logits = F.linear(x_, w_)
         probs, experts, weights, keep = route(logits, layer.top_k, layer.capacity_factor)
         b, t, d = x_.shape
-        return layer.dispatch(x_.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1), keep.reshape(b * t, -1))
+        return layer.dispatch(
+            x_.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1), keep.reshape(b * t, -1)
+        )
 
     assert torch.autograd.gradcheck(f, (x.requires_grad_(), w), eps=1e-6, atol=1e-7)
 
@@ -181,12 +193,15 @@ def test_model_places_experts_every_nth_block_and_counts_active_parameters():
     assert matmul_params(cfg) == 4 * attn + 2 * dense + 2 * (3 * per_expert + 4 * d) + d * 32  # top-2 + 1 shared
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"moe_experts": 1}, "model.moe_experts must be 0 (dense) or at least 2"),
-    ({"moe_top_k": 5}, "model.moe_top_k must be between 1 and model.moe_experts (4), got 5"),
-    ({"moe_every": 0}, "model.moe_every must be at least 1"),
-    ({"moe_capacity_factor": -1.0}, "model.moe_capacity_factor must be at least 0"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"moe_experts": 1}, "model.moe_experts must be 0 (dense) or at least 2"),
+        ({"moe_top_k": 5}, "model.moe_top_k must be between 1 and model.moe_experts (4), got 5"),
+        ({"moe_every": 0}, "model.moe_every must be at least 1"),
+        ({"moe_capacity_factor": -1.0}, "model.moe_capacity_factor must be at least 0"),
+    ],
+)
 def test_bad_moe_shapes_are_refused(kw, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         _cfg(**kw).validate()
@@ -216,12 +231,18 @@ def test_hard_routing_sends_every_token_only_to_its_labels_experts():
         layer(x)
 
 
-@pytest.mark.parametrize("kw,message", [
-    ({"moe_router": "hard"}, "model.moe_router=hard needs model.moe_label_experts"),
-    ({"moe_router": "hard", "moe_label_experts": ["a:0", "b:1"]}, "every label of model.moe_label_experts must name model.moe_top_k (2)"),
-    ({"moe_router": "hard", "moe_label_experts": ["a:0+9", "b:1+2"]}, "names expert 9, but there are 4"),
-    ({"moe_router": "hard", "moe_label_experts": ["a=0+1"]}, "is not 'label:expert[+expert...]'"),
-])
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"moe_router": "hard"}, "model.moe_router=hard needs model.moe_label_experts"),
+        (
+            {"moe_router": "hard", "moe_label_experts": ["a:0", "b:1"]},
+            "every label of model.moe_label_experts must name model.moe_top_k (2)",
+        ),
+        ({"moe_router": "hard", "moe_label_experts": ["a:0+9", "b:1+2"]}, "names expert 9, but there are 4"),
+        ({"moe_router": "hard", "moe_label_experts": ["a=0+1"]}, "is not 'label:expert[+expert...]'"),
+    ],
+)
 def test_bad_label_maps_are_refused(kw, message):
     import re
 
@@ -250,4 +271,6 @@ def test_grouped_mm_path_equals_the_expert_loop(dtype, monkeypatch):
         results.append((y, *torch.autograd.grad((y * up).sum(), [xa, *experts.parameters()])))
     for a, b in zip(*results):
         # another summation order: fp32 within a few units of the last place (2e-6 relative measured), bf16 its rounding
-        torch.testing.assert_close(a, b, rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-6 if dtype == torch.float32 else 1e-2)
+        torch.testing.assert_close(
+            a, b, rtol=1e-5 if dtype == torch.float32 else 2e-2, atol=1e-6 if dtype == torch.float32 else 1e-2
+        )

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from helpers import tiny_config
+
 from trickles.models import build_model
 from trickles.optim import decay_flags
 from trickles.optim.settings import OptimizerSettings
@@ -60,6 +60,7 @@ def _torch_clip(grads, max_norm):
 
 # ---- (a) clipping ----------------------------------------------------------------------------------------
 
+
 def test_clip_grad_norm_equals_torch(tmp_path, cache):
     tr = _trainer(str(tmp_path), cache)
     grads = _backward(tr)
@@ -89,13 +90,20 @@ def test_clip_grad_norm_equals_torch(tmp_path, cache):
 
 # ---- (b) weight decay ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("preset,tied", [("tiny", False), ("gpt2-tiny", True)])
 def test_weight_decay_applies_exactly_where_decay_flags_says(tmp_path, cache, preset, tied):
     """A step with all gradients zero: Adam's update is 0, so each weight is either decayed, ``w (1 - lr wd)``,
     or left bit for bit as it was."""
     lr, wd = 1e-2, 0.1
-    tr = _trainer(str(tmp_path), cache, f"model.preset={preset}", f"train.lr={lr}", f"train.weight_decay={wd}",
-                  "train.warmup_steps=0")
+    tr = _trainer(
+        str(tmp_path),
+        cache,
+        f"model.preset={preset}",
+        f"train.lr={lr}",
+        f"train.weight_decay={wd}",
+        "train.warmup_steps=0",
+    )
     names = [n for n, _ in tr.model.named_parameters()]
     assert {n for n, d in decay_flags(tr.model).items() if d} == _decays(names, tied)
     assert tied == ("output.weight" not in names)
@@ -126,9 +134,15 @@ def _reference(tr):
     plain = build_model(tr.model_cfg, tr.cfg.train.seed)
     named = dict(plain.named_parameters())
     decays = _decays(list(named), tied=False)
-    opt = torch.optim.AdamW([{"params": [p for n, p in named.items() if n in decays], "weight_decay": 0.1},
-                             {"params": [p for n, p in named.items() if n not in decays], "weight_decay": 0.0}],
-                            lr=1.0, betas=(0.9, 0.95), eps=tr.cfg.train.eps)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named.items() if n in decays], "weight_decay": 0.1},
+            {"params": [p for n, p in named.items() if n not in decays], "weight_decay": 0.0},
+        ],
+        lr=1.0,
+        betas=(0.9, 0.95),
+        eps=tr.cfg.train.eps,
+    )
     out = []
     for s in range(STEPS):
         x, y = tr.train_data.micro_batches(s * 8, 8, 8)[0]
@@ -155,7 +169,11 @@ def test_one_process_step_equals_torch_adamw(tmp_path, cache):
         # in the engine, its per-tensor one here); the smallest largest-change of any weight in one step is 1.5e-3
         assert record["loss"] == pytest.approx(loss, rel=1e-6) and record["grad_norm"] == pytest.approx(norm, rel=1e-6)
         for n, p in tr.model.named_parameters():
-            assert torch.allclose(p.detach(), weights[n], rtol=0, atol=1e-6), (s + 1, n, (p.detach() - weights[n]).abs().max())
+            assert torch.allclose(p.detach(), weights[n], rtol=0, atol=1e-6), (
+                s + 1,
+                n,
+                (p.detach() - weights[n]).abs().max(),
+            )
 
 
 def _sharded_steps(tmp, cache):
@@ -187,7 +205,10 @@ def test_build_adamw_decays_exactly_the_decay_flags_parameters(tmp_path):
     assert isinstance(opt, torch.optim.AdamW)
     flags, named = decay_flags(model), dict(model.named_parameters())
     by_decay = {g["weight_decay"]: {id(p) for p in g["params"]} for g in opt.param_groups}
-    assert by_decay == {0.1: {id(named[n]) for n, d in flags.items() if d}, 0.0: {id(named[n]) for n, d in flags.items() if not d}}
+    assert by_decay == {
+        0.1: {id(named[n]) for n, d in flags.items() if d},
+        0.0: {id(named[n]) for n, d in flags.items() if not d},
+    }
     assert all(g["lr"] == 1e-3 and g["betas"] == (0.9, 0.95) and g["eps"] == 1e-8 for g in opt.param_groups)
 
 

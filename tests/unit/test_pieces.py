@@ -19,7 +19,7 @@ def _store(tmp, layout):
     for r in (0, 3):
         for c in (0, 4):
             shape = (3, 4 if c == 0 else 6)
-            block = FULL[r:r + 3, c:c + shape[1]]
+            block = FULL[r : r + 3, c : c + shape[1]]
             meta = {"global_shape": [6, 10], "offset": [r, c], "block_shape": list(shape)}
             if layout == "blocks":
                 save_pieces({"w": (block.clone(), meta)}, f"{tmp}/model-rank{n:05d}.safetensors")
@@ -33,11 +33,13 @@ def _store(tmp, layout):
 
 
 @pytest.mark.parametrize("layout", ["whole", "blocks", "blocks+flat"])
-@pytest.mark.parametrize("offset,shape", [((0, 0), (6, 10)), ((1, 2), (4, 5)), ((2, 3), (1, 1)), ((0, 7), (6, 3)), ((5, 0), (1, 10))])
+@pytest.mark.parametrize(
+    "offset,shape", [((0, 0), (6, 10)), ((1, 2), (4, 5)), ((2, 3), (1, 1)), ((0, 7), (6, 3)), ((5, 0), (1, 10))]
+)
 def test_any_block_reads_back_as_the_slice_of_the_whole(tmp_path, layout, offset, shape):
     _store(tmp_path, layout)
     reader = PieceReader(str(tmp_path), "model")
-    want = FULL[offset[0]:offset[0] + shape[0], offset[1]:offset[1] + shape[1]]
+    want = FULL[offset[0] : offset[0] + shape[0], offset[1] : offset[1] + shape[1]]
     assert torch.equal(reader.read("w", (offset, shape)), want)
     assert torch.equal(reader.read("w", (offset, shape), flat_range=(1, want.numel() - 1)), want.reshape(-1)[1:-1])
 

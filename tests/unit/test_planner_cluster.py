@@ -24,8 +24,12 @@ def test_presets_carry_the_cited_hardware_numbers():
     assert local.device == "cpu" and local.devices_per_node == cpu_cores()
     # the local preset's guesses, as its docstring states them (loopback inside a node, a slower network across)
     assert (local.peak_tflops_fp32, local.peak_tflops_bf16, local.gemm_efficiency, local.sm_count) == (0.1, 0.1, 0.5, 0)
-    assert (local.intra_node_gbps, local.intra_node_latency_us, local.inter_node_gbps, local.inter_node_latency_us) == \
-        (1.0, 50.0, 0.1, 100.0)
+    assert (local.intra_node_gbps, local.intra_node_latency_us, local.inter_node_gbps, local.inter_node_latency_us) == (
+        1.0,
+        50.0,
+        0.1,
+        100.0,
+    )
     for c in (a100, h100, local):
         c.validate()
         assert c.peak_flops("bf16") == c.peak_tflops_bf16 * 1e12
@@ -57,8 +61,12 @@ def test_a_missing_file_and_bad_values_are_refused(tmp_path):
 
 
 def test_toml_round_trip(tmp_path):
-    c = dataclasses.replace(load_cluster("dgx-h100"), nodes=4, name="my h100s",
-                            gemm_table={"bf16:4096x1024x4096": 0.81, "fp32:64x64x64": 0.25})
+    c = dataclasses.replace(
+        load_cluster("dgx-h100"),
+        nodes=4,
+        name="my h100s",
+        gemm_table={"bf16:4096x1024x4096": 0.81, "fp32:64x64x64": 0.25},
+    )
     path = tmp_path / "cluster.toml"
     write_cluster(c, path)
     assert load_cluster(path) == c
@@ -81,7 +89,9 @@ def test_links_gemm_table_and_sizing():
     assert c.gemm_fraction("bf16", 4096, 2048, 4096) == 0.9  # nearest calibrated shape
     assert c.gemm_fraction("bf16", 160, 128, 100) == 0.2
     # nothing within a factor of 8, or another precision: the efficiency times the tile and wave quantization
-    assert c.gemm_fraction("fp16", 4096, 4096, 4096) == c.gemm_efficiency * (4096 * 4096) / (5 * 108 * 256 * 128)  # 512 tiles: 5 waves
+    assert c.gemm_fraction("fp16", 4096, 4096, 4096) == c.gemm_efficiency * (4096 * 4096) / (
+        5 * 108 * 256 * 128
+    )  # 512 tiles: 5 waves
     assert c.gemm_fraction("bf16", 8, 8, 8) == c.gemm_efficiency * 64 / (108 * 256 * 128)  # one tile of 108 busy
     assert c.quantization(108 * 256, 128) == 1.0 and c.quantization(108 * 256 + 1, 128) < 0.51  # a second wave
     assert c.quantization(256, 128, 107.5) == 1.0  # a batch of 108 tiles fills one wave
@@ -94,8 +104,12 @@ def test_links_gemm_table_and_sizing():
 
 @pytest.mark.parametrize("alpha,bandwidth", [(20e-6, 2e9), (2e-6, 300e9), (0.0, 1e9)])
 def test_the_link_fit_recovers_latency_and_bandwidth(alpha, bandwidth):
-    samples = [(messages(op, n), wire_bytes(op, size, n), 0.0) for op in ("all_reduce", "all_gather", "send")
-               for n in (2, 4) for size in (1e3, 1e5, 1e7)]
+    samples = [
+        (messages(op, n), wire_bytes(op, size, n), 0.0)
+        for op in ("all_reduce", "all_gather", "send")
+        for n in (2, 4)
+        for size in (1e3, 1e5, 1e7)
+    ]
     exact = [(m, w, m * alpha + w / bandwidth) for m, w, _ in samples]
     got_alpha, got_bw = fit_link(exact)
     assert got_alpha == pytest.approx(alpha, abs=1e-12) and got_bw == pytest.approx(bandwidth, rel=1e-9)
@@ -119,11 +133,26 @@ def test_a_real_calibration_of_this_machine_gives_positive_finite_numbers(tmp_pa
 
     cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2", "model.moe_experts=2"])
     mc = resolve_model(cfg.model, 320, 32)
-    c = calibrate(cfg, mc, shapes=[(32, 48, 16)], ranks=2, sizes=(1024, 16384), repeats=2, reference=64,
-                  bandwidth_mib=4, path=str(path))
+    c = calibrate(
+        cfg,
+        mc,
+        shapes=[(32, 48, 16)],
+        ranks=2,
+        sizes=(1024, 16384),
+        repeats=2,
+        reference=64,
+        bandwidth_mib=4,
+        path=str(path),
+    )
     assert isinstance(c, Cluster) and c.name == "local-calibrated"
-    for value in (c.peak_tflops_fp32, c.memory_bandwidth_gbps, c.intra_node_gbps, c.intra_node_latency_us,
-                  *c.gemm_table.values(), *c.attention_table.values()):
+    for value in (
+        c.peak_tflops_fp32,
+        c.memory_bandwidth_gbps,
+        c.intra_node_gbps,
+        c.intra_node_latency_us,
+        *c.gemm_table.values(),
+        *c.attention_table.values(),
+    ):
         assert value > 0 and math.isfinite(value)
     passes = pass_gemm_shapes(mc, pass_sizes(cfg))  # the block's and head's, at the sizes their passes are timed
     assert pass_sizes(cfg) == [(1, 16), (1, 32), (2, 32)]
@@ -149,13 +178,16 @@ def test_context_parallel_attention_is_calibrated_as_it_runs(mode):
     from trickles.planner.compute import block_work
     from trickles.topology import ParallelDims
 
-    cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2", "parallel.cp=2",
-                             f"parallel.cp_mode={mode}"])
+    cfg = Config.load(
+        None,
+        ["model.preset=tiny", "data.seq_len=32", "train.global_batch=2", "parallel.cp=2", f"parallel.cp_mode={mode}"],
+    )
     mc = resolve_model(cfg.model, 320, 32)
     dims = ParallelDims(cp=2)
     [(b, h, q, k, d)] = attention_shapes(cfg, mc, dims)
-    assert (b, h, q, k, d) == ((2, mc.n_heads, 16, 32, mc.head_dim) if mode == "ring"
-                               else (2, mc.n_heads // 2, 32, 32, mc.head_dim))
+    assert (b, h, q, k, d) == (
+        (2, mc.n_heads, 16, 32, mc.head_dim) if mode == "ring" else (2, mc.n_heads // 2, 32, 32, mc.head_dim)
+    )
     scores = next(g for g in block_work(mc, dims, 2, 32, False, False, 4, cp_mode=mode).gemms if g.name == "scores")
     assert (scores.m, scores.n, scores.k, scores.count) == (q, k, d, b * h / 2)
     rate = measure_attention([(b, h, q, k, d)], repeats=1)
@@ -178,8 +210,9 @@ def test_the_pass_fit_recovers_element_wise_bandwidth_and_overhead():
         passes = {}
         for b, t in ((1, 16), (1, 64), (2, 64), (4, 64)):  # a tiny pass (the fixed cost) and three of the run's
             works = block_work(mc, ParallelDims(), b, t, False, False, 4), head_work(mc, ParallelDims(), b, t, False, 4)
-            passes[(b, t)] = tuple(3 * work_seconds(w, c, "fp32", 1.0)[0] + overhead + 3 * w.elementwise_bytes / 3e9
-                                   for w in works)
+            passes[(b, t)] = tuple(
+                3 * work_seconds(w, c, "fp32", 1.0)[0] + overhead + 3 * w.elementwise_bytes / 3e9 for w in works
+            )
         bw, o = fit_passes(c, mc, passes, "fp32")
         assert bw == pytest.approx(3e9, rel=1e-6) and o == pytest.approx(overhead, abs=1e-9)
     passes[(1, 16)] = (1.0, 1.0)  # a GPU's tiny pass is launch-bound: not fitted, no fixed cost
@@ -202,8 +235,9 @@ def test_an_moe_blocks_extra_fixed_cost_is_fitted_from_its_tiny_pass():
     for b, t in ((1, 16), (1, 64), (2, 64)):
         works = _pass_work(mc, b, t, 4)
         assert len(works) == 3  # block, head, MoE block
-        passes[(b, t)] = tuple(3 * sum(work_seconds(w, c, "fp32", 1.0)) + 2e-4 + (5e-4 if i == 2 else 0.0)
-                               for i, w in enumerate(works))
+        passes[(b, t)] = tuple(
+            3 * sum(work_seconds(w, c, "fp32", 1.0)) + 2e-4 + (5e-4 if i == 2 else 0.0) for i, w in enumerate(works)
+        )
     assert fit_moe_pass(c, mc, passes, "fp32") == pytest.approx(5e-4, rel=1e-6)
     assert fit_passes(c, mc, passes, "fp32") == (pytest.approx(3e9, rel=1e-6), pytest.approx(2e-4, rel=1e-6))
     assert fit_moe_pass(c, mc, {k: v for k, v in passes.items() if k != (1, 16)}, "fp32") == 0.0  # nothing tiny
@@ -213,8 +247,11 @@ def test_a_collective_kind_the_shared_line_misses_gets_its_own_line(tmp_path):
     from trickles.planner.calibrate import cluster_from_measurements, fit_links
 
     line = {"all_reduce": (50e-6, 1e9), "all_gather": (50e-6, 1e9), "reduce_scatter": (200e-6, 0.4e9)}
-    timings = [(op, 4, size, messages(op, 4) * a + wire_bytes(op, size, 4) / b)
-               for op, (a, b) in line.items() for size in (4096, 65536, 1 << 20, 4 << 20)]
+    timings = [
+        (op, 4, size, messages(op, 4) * a + wire_bytes(op, size, 4) / b)
+        for op, (a, b) in line.items()
+        for size in (4096, 65536, 1 << 20, 4 << 20)
+    ]
     (alpha, bw), own = fit_links(timings)
     assert set(own) == {"reduce_scatter"}  # the ring-like kinds share one line, the slow one does not
     assert own["reduce_scatter"][0] == pytest.approx(200e-6, rel=1e-6)
@@ -250,10 +287,13 @@ def _measured_with_fixed_timings():
 
     module = importlib.import_module("trickles.planner.calibrate")  # the package exports a function of that name
     r = dist.get_rank()
-    fakes = {"measure_gemms": lambda shapes, *a: {tuple(s): 1e9 * (r + 1) for s in shapes},
-             "measure_passes": lambda cfg, sizes, *a: {tuple(s): (0.1 * (r + 1), 0.01 * (r + 1)) for s in sizes},
-             "measure_memory_bandwidth": lambda *a: 1e10 * (r + 1),
-             "_measure_collectives": lambda *a: [], "measure_sync": lambda *a: 0.0}
+    fakes = {
+        "measure_gemms": lambda shapes, *a: {tuple(s): 1e9 * (r + 1) for s in shapes},
+        "measure_passes": lambda cfg, sizes, *a: {tuple(s): (0.1 * (r + 1), 0.01 * (r + 1)) for s in sizes},
+        "measure_memory_bandwidth": lambda *a: 1e10 * (r + 1),
+        "_measure_collectives": lambda *a: [],
+        "measure_sync": lambda *a: 0.0,
+    }
     saved = {name: getattr(module, name) for name in fakes}
     cores = trickles.process.cpu_cores
     try:

@@ -65,15 +65,27 @@ GPT3_ESTIMATE = ("gpt3-175B-1024", 96, 12288, 96, 8, 16, 1024, 1536, 140, 1, 2)
 
 def megatron_flops(batch: int, layers: int, hidden: int) -> float:
     """Their equation (3): FLOPs of one iteration, recomputation included."""
-    return 96 * batch * S * layers * hidden ** 2 * (1 + S / (6 * hidden) + V / (16 * layers * hidden))
+    return 96 * batch * S * layers * hidden**2 * (1 + S / (6 * hidden) + V / (16 * layers * hidden))
 
 
 def predict(row):
     _, heads, hidden, layers, t, p, gpus, batch, _, micro, v = row
-    sets = ["model.flavor=gpt2", f"model.n_layers={layers}", f"model.d_model={hidden}", f"model.n_heads={heads}",
-            f"model.n_kv_heads={heads}", f"model.vocab_size={V}", f"data.seq_len={S}", "model.dropout=0.1",
-            f"train.global_batch={batch}", f"train.micro_batch={micro}", "memory.precision=fp16",
-            "memory.recompute=full", f"parallel.tp={t}", f"parallel.pp={p}"]
+    sets = [
+        "model.flavor=gpt2",
+        f"model.n_layers={layers}",
+        f"model.d_model={hidden}",
+        f"model.n_heads={heads}",
+        f"model.n_kv_heads={heads}",
+        f"model.vocab_size={V}",
+        f"data.seq_len={S}",
+        "model.dropout=0.1",
+        f"train.global_batch={batch}",
+        f"train.micro_batch={micro}",
+        "memory.precision=fp16",
+        "memory.recompute=full",
+        f"parallel.tp={t}",
+        f"parallel.pp={p}",
+    ]
     if p > 1:
         sets += [f"parallel.schedule={'interleaved' if v > 1 else '1f1b'}", f"parallel.virtual_stages={v}"]
     cfg = Config.load(None, sets)

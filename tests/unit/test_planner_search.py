@@ -10,8 +10,15 @@ from trickles.errors import ConfigError
 from trickles.memory.report import predict
 from trickles.planner import load_cluster
 from trickles.planner.report import explain, plan_json, plan_table, winner_toml
-from trickles.planner.search import (SEARCHED, Search, check_pins, enumerate_layouts, memory_bound, pinned_keys,
-                                     plan_model)
+from trickles.planner.search import (
+    SEARCHED,
+    Search,
+    check_pins,
+    enumerate_layouts,
+    memory_bound,
+    pinned_keys,
+    plan_model,
+)
 
 TINY = ["model.preset=tiny", "data.seq_len=32", "train.global_batch=8", "model.vocab_size=320"]
 JSON_KEYS = {"step_time_s", "tokens_per_s", "model_tflops_per_device", "mfu", "peak_bytes", "fits"}
@@ -41,18 +48,41 @@ def test_enumeration_keeps_pinned_keys_and_varies_the_rest():
     assert {lay.sequence_parallel for lay in layouts} == {False, True}
     assert {lay.micro_batch for lay in layouts} >= {1, 2, 4}
     free = list(enumerate_layouts(cfg, set(), 4, mc))
-    assert {lay.tp_mode for lay in free} == {"1d", "2d"} and {lay.recompute for lay in free} == {"none", "elementwise", "selective", "full"}
+    assert {lay.tp_mode for lay in free} == {"1d", "2d"} and {lay.recompute for lay in free} == {
+        "none",
+        "elementwise",
+        "selective",
+        "full",
+    }
     assert not any(lay.recompute == "elementwise" and lay.tp_mode != "1d" for lay in free)  # refused on grids
-    assert {lay.offload_optimizer for lay in free} == {False, True} and {lay.cp_mode for lay in free if lay.cp > 1} == {"ring", "ulysses"}
+    assert {lay.offload_optimizer for lay in free} == {False, True} and {lay.cp_mode for lay in free if lay.cp > 1} == {
+        "ring",
+        "ulysses",
+    }
     assert not any(lay.offload_optimizer and lay.zero == 0 for lay in free)
 
 
 def test_a_config_pinning_everything_evaluates_one_layout():
-    sets = ["parallel.dp=2", "parallel.tp=2", "parallel.tp_mode=1d", "parallel.tp_depth=1", "parallel.pp=1", "parallel.cp=1",
-            "parallel.cp_mode=ring", "parallel.ep=1", "parallel.sequence_parallel=true", "parallel.zero=1",
-            "parallel.schedule=1f1b", "parallel.virtual_stages=1", "parallel.pipeline_layers=[]", "train.micro_batch=2",
-            "memory.recompute=selective", "memory.recompute_num_layers=0", "memory.recompute_rest=none",
-            "memory.offload_optimizer=false"]
+    sets = [
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.tp_mode=1d",
+        "parallel.tp_depth=1",
+        "parallel.pp=1",
+        "parallel.cp=1",
+        "parallel.cp_mode=ring",
+        "parallel.ep=1",
+        "parallel.sequence_parallel=true",
+        "parallel.zero=1",
+        "parallel.schedule=1f1b",
+        "parallel.virtual_stages=1",
+        "parallel.pipeline_layers=[]",
+        "train.micro_batch=2",
+        "memory.recompute=selective",
+        "memory.recompute_num_layers=0",
+        "memory.recompute_rest=none",
+        "memory.offload_optimizer=false",
+    ]
     assert pinned_keys(None, sets) == set(SEARCHED)
     cfg, mc, s = setup(*sets)
     s.run()
@@ -97,8 +127,11 @@ def test_every_valid_layout_within_the_bound_is_ranked_and_the_ranking_is_by_tim
 def _small_device(cfg, mc, devices, fraction):
     """A dgx-a100 whose device memory lies ``fraction`` of the way between the tiny model's lightest and heaviest
     one-stage layouts (as the memory report predicts them) after the 10% headroom."""
-    peaks = sorted(predict(lay.apply(cfg), lay.apply(cfg).validate(devices), mc, "cuda").predicted["peak"]
-                   for lay in _valid(cfg, mc, devices) if lay.pp == 1 and lay.micro_batch in (1, 4))
+    peaks = sorted(
+        predict(lay.apply(cfg), lay.apply(cfg).validate(devices), mc, "cuda").predicted["peak"]
+        for lay in _valid(cfg, mc, devices)
+        if lay.pp == 1 and lay.micro_batch in (1, 4)
+    )
     limit = peaks[0] + fraction * (peaks[-1] - peaks[0])
     return dataclasses.replace(load_cluster("dgx-a100"), device_memory_gib=limit / 0.9 / 2**30)
 
@@ -146,8 +179,11 @@ def test_the_lightest_fit_is_its_family_with_the_most_recomputation():
     cfg, mc, s = setup(devices=2)
     c = s.lightest_fit()
     assert c is not None and c.fits
-    assert (c.layout.recompute, c.layout.recompute_num_layers) == (c.cfg.memory.recompute,
-                                                                   c.cfg.memory.recompute_num_layers) == ("full", 0)
+    assert (
+        (c.layout.recompute, c.layout.recompute_num_layers)
+        == (c.cfg.memory.recompute, c.cfg.memory.recompute_num_layers)
+        == ("full", 0)
+    )
 
 
 def test_fits_agrees_with_the_memory_report():
@@ -198,7 +234,9 @@ def test_json_has_the_promised_keys_and_the_table_a_row_per_layout():
     lines = explain(s, top[0])
     assert any(line.startswith("best with ZeRO-3") for line in lines)
     assert all("x the winner's step time" in line or "none fits" in line for line in lines)
-    tp2 = next(c for c in s.ranked if c.layout.tp == 2 and c.layout.tp_mode == "1d")  # the other sequence-parallel choice
+    tp2 = next(
+        c for c in s.ranked if c.layout.tp == 2 and c.layout.tp_mode == "1d"
+    )  # the other sequence-parallel choice
     other = "without" if tp2.layout.sequence_parallel else "with"
     assert any(line.startswith(f"best {other} sequence parallelism") for line in explain(s, tp2))
     assert not any("sequence parallelism" in line for line in explain(s, next(c for c in s.ranked if c.layout.tp == 1)))
@@ -225,9 +263,12 @@ def test_the_hierarchical_search_finds_no_faster_layout_than_the_exhaustive_one(
     assert quick.ranked[0].time.total_s >= full.ranked[0].time.total_s
     labels = {c.layout.label() for c in full.ranked}
     assert all(c.layout.label() in labels for c in quick.ranked)
-    seeded = {(c.layout.dp, c.layout.tp, c.layout.tp_mode, c.layout.pp, c.layout.cp, c.layout.cp_mode) for c in quick.ranked}
-    assert seeded == {(c.layout.dp, c.layout.tp, c.layout.tp_mode, c.layout.pp, c.layout.cp, c.layout.cp_mode)
-                      for c in full.ranked}  # every degree layout is seeded
+    seeded = {
+        (c.layout.dp, c.layout.tp, c.layout.tp_mode, c.layout.pp, c.layout.cp, c.layout.cp_mode) for c in quick.ranked
+    }
+    assert seeded == {
+        (c.layout.dp, c.layout.tp, c.layout.tp_mode, c.layout.pp, c.layout.cp, c.layout.cp_mode) for c in full.ranked
+    }  # every degree layout is seeded
 
 
 def test_planning_creates_no_process_group():
@@ -241,8 +282,17 @@ def test_the_bound_counts_the_experts_over_their_data_parallel_group():
     """ZeRO-1 at dp=4, ep=2: each rank keeps the optimizer state of its experts' share over the expert data-parallel
     group (2 ranks), and of the dense weights' over all 4 replicas; the bound stays under the memory report and
     close to it."""
-    cfg, mc, _ = setup("model.moe_experts=4", "model.moe_top_k=2", "model.moe_ffn_hidden=64", "parallel.dp=4",
-                       "parallel.ep=2", "parallel.zero=1", "parallel.pp=1", "parallel.tp=1", "parallel.cp=1")
+    cfg, mc, _ = setup(
+        "model.moe_experts=4",
+        "model.moe_top_k=2",
+        "model.moe_ffn_hidden=64",
+        "parallel.dp=4",
+        "parallel.ep=2",
+        "parallel.zero=1",
+        "parallel.pp=1",
+        "parallel.tp=1",
+        "parallel.cp=1",
+    )
     dims = cfg.validate(4)
     bound = memory_bound(cfg, dims, mc, "cuda", 8)
     peak = predict(cfg, dims, mc, "cuda").predicted["peak"]

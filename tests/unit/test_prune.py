@@ -12,8 +12,18 @@ VOCAB, SEQ = 96, 12
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(flavor="llama", n_layers=3, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=VOCAB,
-                max_seq_len=SEQ, fused_proj=False, kernels="torch")
+    base = dict(
+        flavor="llama",
+        n_layers=3,
+        d_model=64,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_hidden=128,
+        vocab_size=VOCAB,
+        max_seq_len=SEQ,
+        fused_proj=False,
+        kernels="torch",
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -28,7 +38,10 @@ def noisy(cfg: ModelConfig, seed: int = 0):
 
 def batches(n=3, vocab=VOCAB):
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, vocab, (2, SEQ), generator=g), torch.randint(0, vocab, (2, SEQ), generator=g)) for _ in range(n)]
+    return [
+        (torch.randint(0, vocab, (2, SEQ), generator=g), torch.randint(0, vocab, (2, SEQ), generator=g))
+        for _ in range(n)
+    ]
 
 
 DEAD_GROUP = {0: 1, 1: 0, 2: 1}  # per layer: the key/value group whose heads' o_proj columns are zeroed
@@ -44,8 +57,8 @@ def kill_units(model):
         for key, block in model.layers.items():
             l = int(key)
             g = DEAD_GROUP[l]
-            block.attn.o_proj.weight[:, g * rep * d:(g + 1) * rep * d] = 0
-            chans = torch.randperm(cfg.ffn_dim, generator=torch.Generator().manual_seed(l))[:cfg.ffn_dim // 4]
+            block.attn.o_proj.weight[:, g * rep * d : (g + 1) * rep * d] = 0
+            chans = torch.randperm(cfg.ffn_dim, generator=torch.Generator().manual_seed(l))[: cfg.ffn_dim // 4]
             block.mlp.down_proj.weight[:, chans] = 0
             dead_channels[l] = set(chans.tolist())
     return dead_channels
@@ -109,7 +122,10 @@ def test_multiple_of_keeps_tensor_parallel_counts():
     p = plan(imp, cfg, heads=0.4, ffn=0.35, multiple_of=2)  # 8 - 3 = 5 groups -> 4; 128 - 45 = 83 channels -> 82
     new = pruned_config(cfg, p)
     assert (new.n_heads, new.kv_heads, new.ffn_hidden) == (4, 4, 82)
-    assert (pruned_config(cfg, plan(imp, cfg, heads=0.4, ffn=0.35)).n_heads, plan(imp, cfg, ffn=0.35).channels[0].__len__()) == (5, 83)
+    assert (
+        pruned_config(cfg, plan(imp, cfg, heads=0.4, ffn=0.35)).n_heads,
+        plan(imp, cfg, ffn=0.35).channels[0].__len__(),
+    ) == (5, 83)
 
 
 def test_fused_model_prunes_like_unfused():
@@ -119,7 +135,9 @@ def test_fused_model_prunes_like_unfused():
     from trickles.models.fused import fuse_state
     from trickles.train.checkpoint import unique_state
 
-    fused.load_state_dict(fuse_state(fused.cfg, {k: v.detach() for k, v in unique_state(unfused).items()}), strict=False)
+    fused.load_state_dict(
+        fuse_state(fused.cfg, {k: v.detach() for k, v in unique_state(unfused).items()}), strict=False
+    )
     p = plan(measure(unfused, batches(), "taylor"), cfg, heads=0.5, ffn=0.5)
     x = batches(1)[0][0]
     with torch.no_grad():

@@ -7,8 +7,15 @@ import torch
 import torch.nn.functional as F
 
 from trickles.compress.qat import apply_qat, fake_quant_rows
-from trickles.compress.quantize import (Int8Linear, dequantize, error_bound, int8_matmul, int_mm_path, quantize_tokens,
-                                        quantize_weight)
+from trickles.compress.quantize import (
+    Int8Linear,
+    dequantize,
+    error_bound,
+    int8_matmul,
+    int_mm_path,
+    quantize_tokens,
+    quantize_weight,
+)
 
 
 def _operands(m=9, k=96, n=40, seed=0):
@@ -36,7 +43,9 @@ def test_per_row_reconstructs_better_than_per_tensor():
     _, w = _operands()
     row = (w - dequantize(*quantize_weight(w, "row"))).pow(2).mean()
     tensor = (w - dequantize(*quantize_weight(w, "tensor"))).pow(2).mean()
-    assert row < tensor / 5  # rows spanning two decades (measured: 8x): per-tensor steps are far too coarse for the small rows
+    assert (
+        row < tensor / 5
+    )  # rows spanning two decades (measured: 8x): per-tensor steps are far too coarse for the small rows
 
 
 def test_true_int8_matmul_within_the_bound_the_scales_imply():
@@ -63,7 +72,10 @@ def test_true_int8_matmul_within_the_bound_the_scales_imply():
     assert bool((err > weights_only).any())
     # against the weight-dequantized float reference: only the activations' rounding, |err| <= s_x/2 sum_k |s_w q_jk|
     ref = x.double() @ dequantize(q, s_w).double().t()
-    bound_w = s_x[:, None].double() / 2 * dequantize(q, s_w).abs().sum(1)[None, :].double() + 1e-5 * (x.abs() @ w.abs().t()).double()
+    bound_w = (
+        s_x[:, None].double() / 2 * dequantize(q, s_w).abs().sum(1)[None, :].double()
+        + 1e-5 * (x.abs() @ w.abs().t()).double()
+    )
     assert bool(((y.double() - ref).abs() <= bound_w).all())
 
 
@@ -128,8 +140,9 @@ def test_apply_qat_unfuses_the_loss_only_where_it_fake_quantizes_the_output(tied
     reads the float weight, is switched off. A tied one is the embedding, not quantized: the fused loss stays."""
     from trickles.models import ModelConfig, apply_preset, build_model
 
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), vocab_size=64, max_seq_len=16, tie_embeddings=tied,
-                              fused_loss=True)
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), "tiny"), vocab_size=64, max_seq_len=16, tie_embeddings=tied, fused_loss=True
+    )
     model = build_model(cfg, seed=0)
     assert model.loss.fused
     names = apply_qat(model)

@@ -28,14 +28,18 @@ def model():
 
 # ---- inference: trickles.infer ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("field,value,message", [
-    ("max_new_tokens", -1, "max_new_tokens must be at least 0, got -1"),
-    ("temperature", float("nan"), "temperature must be a number >= 0 (0: greedy), got nan"),
-    ("top_k", -1, "top_k must be at least 0 (0: off), got -1"),
-    ("top_p", 0.0, "top_p must be in (0, 1] (1: off), got 0"),
-    ("repetition_penalty", 0.0, "repetition_penalty must be a number > 0 (1: off), got 0"),
-    ("stop", ("",), "stop strings must not be empty"),
-])
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("max_new_tokens", -1, "max_new_tokens must be at least 0, got -1"),
+        ("temperature", float("nan"), "temperature must be a number >= 0 (0: greedy), got nan"),
+        ("top_k", -1, "top_k must be at least 0 (0: off), got -1"),
+        ("top_p", 0.0, "top_p must be in (0, 1] (1: off), got 0"),
+        ("repetition_penalty", 0.0, "repetition_penalty must be a number > 0 (1: off), got 0"),
+        ("stop", ("",), "stop strings must not be empty"),
+    ],
+)
 def test_decode_refuses_bad_sampling_settings(model, field, value, message):
     from trickles.infer import Sampling, decode
 
@@ -54,11 +58,17 @@ def test_decode_refuses_mismatched_settings_empty_prompts_and_stop_strings_witho
         PaddedBatch(model, [[1], []], 2)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(num_beams=0, max_new_tokens=2), "num_beams must be at least 1, got 0"),
-    (dict(num_beams=2, max_new_tokens=-1), "max_new_tokens must be at least 0, got -1"),
-    (dict(num_beams=2, max_new_tokens=2, early_stopping="sometimes"), "early_stopping must be True, False or 'never', got 'sometimes'"),
-])
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_beams=0, max_new_tokens=2), "num_beams must be at least 1, got 0"),
+        (dict(num_beams=2, max_new_tokens=-1), "max_new_tokens must be at least 0, got -1"),
+        (
+            dict(num_beams=2, max_new_tokens=2, early_stopping="sometimes"),
+            "early_stopping must be True, False or 'never', got 'sometimes'",
+        ),
+    ],
+)
 def test_beam_search_refuses_bad_arguments(model, kwargs, message):
     from trickles.infer import beam_search
 
@@ -67,6 +77,7 @@ def test_beam_search_refuses_bad_arguments(model, kwargs, message):
 
 
 # ---- the model ---------------------------------------------------------------------------------------------------
+
 
 def test_the_model_refuses_sequences_past_its_context_and_an_unresolved_config(model):
     from trickles.models import KVCache, ModelConfig, Transformer
@@ -95,6 +106,7 @@ def test_fused_cross_entropy_refuses_rows_and_targets_that_differ():
 
 
 # ---- data, communication counts, optimizer, planner --------------------------------------------------------------
+
 
 def test_sharded_batches_refuse_bad_arguments():
     from trickles.data import ShardedBatches
@@ -126,7 +138,9 @@ def test_optimizer_settings_refuse_an_unknown_optimizer():
     from trickles.optim import OptimizerSettings
 
     with _raises(ValueError, "unknown optimizer 'adam'; choose one of adamw"):
-        OptimizerSettings(1e-3, (0.9, 0.95), 1e-8, 0.0, name="adam").build([{"params": [torch.zeros(1)]}], torch.device("cpu"))
+        OptimizerSettings(1e-3, (0.9, 0.95), 1e-8, 0.0, name="adam").build(
+            [{"params": [torch.zeros(1)]}], torch.device("cpu")
+        )
 
 
 def test_fit_link_refuses_no_samples():
@@ -146,6 +160,7 @@ def test_launch_refuses_no_ranks_and_negative_restarts():
 
 
 # ---- quantization and memory formulas: an unknown mode -----------------------------------------------------------
+
 
 def test_quantization_refuses_an_unknown_granularity_or_mode():
     from trickles.compress import set_mode
@@ -202,7 +217,9 @@ def test_tensorboard_metrics_without_tensorboard_are_refused(tmp_path, monkeypat
     from trickles.train.metrics import MetricsLog
 
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import -> ImportError
-    with _raises(ImportError, "train.tensorboard=true needs the tensorboard package: pip install 'trickles[tensorboard]'"):
+    with _raises(
+        ImportError, "train.tensorboard=true needs the tensorboard package: pip install 'trickles[tensorboard]'"
+    ):
         MetricsLog(str(tmp_path), tensorboard=True)
 
 

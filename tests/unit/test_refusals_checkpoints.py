@@ -14,8 +14,8 @@ import shutil
 
 import pytest
 import torch
-
 from helpers import tiny_config, trained_checkpoint
+
 from trickles.errors import CheckpointError, ConfigError, UserError
 from trickles.topology import ParallelDims
 from trickles.train import checkpoint as ckpt
@@ -53,6 +53,7 @@ def copy(source, tmp_path):
         fn(meta)
         ckpt.write_json(os.path.join(path, "trainer.json"), meta)
         ckpt.write_manifest(path)
+
     return path, edit
 
 
@@ -61,6 +62,7 @@ def _trainer(tmp, *overrides):
 
 
 # ---- missing or damaged -----------------------------------------------------------------------------------------
+
 
 def test_a_missing_checkpoint_or_a_damaged_manifest_is_refused(copy, tmp_path):
     path, _ = copy
@@ -107,8 +109,10 @@ def test_missing_or_unreadable_tensor_files_are_refused(copy, tmp_path):
 def test_pieces_that_do_not_cover_what_is_asked_are_refused(tmp_path):
     from trickles.train.pieces import PieceReader, save_pieces
 
-    save_pieces({"w": (torch.zeros(2, 4), {"global_shape": [4, 4], "offset": [2, 0], "block_shape": [2, 4]})},
-                str(tmp_path / "model-rank00000.safetensors"))
+    save_pieces(
+        {"w": (torch.zeros(2, 4), {"global_shape": [4, 4], "offset": [2, 0], "block_shape": [2, 4]})},
+        str(tmp_path / "model-rank00000.safetensors"),
+    )
     with _raises(CheckpointError, "the checkpoint holds no piece of w covering the part asked for; it is incomplete"):
         PieceReader(str(tmp_path), "model").read("w", ((0, 0), (2, 4)))
 
@@ -125,6 +129,7 @@ def test_a_checkpoint_without_its_tokenizer_is_refused(copy, tmp_path):
 
 
 # ---- tensors that do not fit the model, another model or optimizer ----------------------------------------------
+
 
 def test_tensors_that_do_not_fit_the_recorded_model_are_refused(copy, tmp_path):
     path, edit = copy
@@ -158,7 +163,10 @@ def test_a_sharded_optimizer_refuses_the_state_of_another_optimizer(source, tmp_
 
 # ---- export -----------------------------------------------------------------------------------------------------
 
-def test_export_refuses_an_unknown_format_an_out_inside_the_source_and_an_out_that_appears(source, tmp_path, monkeypatch):
+
+def test_export_refuses_an_unknown_format_an_out_inside_the_source_and_an_out_that_appears(
+    source, tmp_path, monkeypatch
+):
     from trickles.train import export
 
     path = source[1]
@@ -184,6 +192,7 @@ def test_hf_export_refuses_a_tokenizer_file_that_would_overwrite_the_models(copy
 
 # ---- int8 and float ---------------------------------------------------------------------------------------------
 
+
 def test_quantization_refuses_bad_arguments_and_the_wrong_kind_of_checkpoint(source, quantized, tmp_path):
     from trickles.compress import float_model, load_checkpoint, quantize_checkpoint
     from trickles.infer import load_streaming
@@ -203,6 +212,7 @@ def test_quantization_refuses_bad_arguments_and_the_wrong_kind_of_checkpoint(sou
 
 # ---- compress report, prune, distill ----------------------------------------------------------------------------
 
+
 def test_compress_report_refuses_bad_arguments_and_checkpoints_it_cannot_compare(source, tmp_path, monkeypatch):
     from trickles.compress import report
 
@@ -219,6 +229,7 @@ def test_compress_report_refuses_bad_arguments_and_checkpoints_it_cannot_compare
 
     class Wider:  # the second checkpoint reads another tokenizer's ids
         vocab_size = tokenizer.vocab_size + 1
+
     loaded = report.load_model
     monkeypatch.setattr(report, "load_model", lambda p: loaded(p) if p == source[1] else (model, Wider(), meta, p))
     with _raises(UserError, f"other has a tokenizer of {Wider.vocab_size} tokens"):
@@ -235,8 +246,9 @@ def test_prune_refuses_bad_arguments_and_models_it_cannot_prune(source, tmp_path
         prune_checkpoint(source[1], str(tmp_path / "p"), batches=0)
     with _raises(UserError, "pruning mixture-of-experts models is not supported"):
         check_prunable(ModelConfig(moe_experts=2))
-    cfg = ModelConfig(n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32, max_seq_len=8,
-                      fused_proj=False)
+    cfg = ModelConfig(
+        n_layers=2, d_model=16, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32, max_seq_len=8, fused_proj=False
+    )
     with _raises(UserError, "unknown importance score 'magnitude'; choose taylor or activation"):
         measure(build_model(cfg, seed=0), [], score="magnitude")
     with _raises(ValueError, "measure() needs a model with separate q/k/v and gate/up projections"):
@@ -261,13 +273,16 @@ def test_distillation_refuses_a_teacher_it_cannot_load_or_pair_with(source, tmp_
         Distiller(DistillConfig(teacher=source[1], hidden_weight=1.0, layer_map=["5:0"]), student, "cpu", seed=0)
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["distill.alpha=1.5"], "distill.alpha must be in [0, 1], got 1.5"),
-    (["distill.temperature=0"], "distill.temperature must be positive, got 0"),
-    (["distill.hidden_weight=-1"], "distill.hidden_weight must be 0 or more, got -1"),
-    (["distill.layer_map=[0-1]"], "distill.layer_map entry '0-1' is not 'student:teacher'"),
-    (["distill.layer_map=[0:x]"], "distill.layer_map entry '0:x' is not 'student:teacher'"),  # a ':' is not enough
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["distill.alpha=1.5"], "distill.alpha must be in [0, 1], got 1.5"),
+        (["distill.temperature=0"], "distill.temperature must be positive, got 0"),
+        (["distill.hidden_weight=-1"], "distill.hidden_weight must be 0 or more, got -1"),
+        (["distill.layer_map=[0-1]"], "distill.layer_map entry '0-1' is not 'student:teacher'"),
+        (["distill.layer_map=[0:x]"], "distill.layer_map entry '0:x' is not 'student:teacher'"),  # a ':' is not enough
+    ],
+)
 def test_bad_distillation_settings_are_refused(source, overrides, message):
     with _raises(ConfigError, message):
         tiny_config(source[0], f"distill.teacher={source[1]}", *overrides).validate(1)

@@ -30,9 +30,21 @@ BAD_FILES = [
 ]
 
 
-@pytest.mark.parametrize("text,message", BAD_FILES, ids=["unknown-section", "section-not-a-table", "int-from-bool",
-                                                          "int-from-fraction", "float-from-bool", "float-from-list",
-                                                          "str-from-int", "list-from-int", "optional-int-from-text"])
+@pytest.mark.parametrize(
+    "text,message",
+    BAD_FILES,
+    ids=[
+        "unknown-section",
+        "section-not-a-table",
+        "int-from-bool",
+        "int-from-fraction",
+        "float-from-bool",
+        "float-from-list",
+        "str-from-int",
+        "list-from-int",
+        "optional-int-from-text",
+    ],
+)
 def test_bad_values_in_a_file_are_refused_at_load(tmp_path, text, message):
     path = tmp_path / "run.toml"
     path.write_text(text)
@@ -53,14 +65,30 @@ def test_public_config_helpers_refuse_what_a_file_cannot_say():
 
 # ---- the planner's cluster files and pinned degrees (trickles/planner/) -----------------------------------------
 
-@pytest.mark.parametrize("text,message", [
-    ("cluster = 3\n", "cluster must be a table of keys ([cluster]) (in "),
-    ("[cluster]\npreset = 'local'\nlink_efficiency = 1.5\n", "cluster.gemm_efficiency and cluster.link_efficiency are fractions in (0, 1]"),
-    ("[cluster]\npreset = 'local'\ncollective_links = 3\n", "cluster.collective_links must be a table of op = [latency_us, GB/s]"),
-    ("[cluster]\npreset = 'local'\ngemm_table = 3\n", "cluster.gemm_table must be a table of 'precision:MxNxK' = fraction"),
-    ("[cluster]\npreset = 'local'\n[cluster.gemm_table]\n'fp8:8x8x8' = 0.5\n",
-     "cluster.gemm_table key 'fp8:8x8x8': precision must be one of fp32, bf16, fp16"),
-], ids=["not-a-table", "efficiency", "links-not-a-table", "gemm-not-a-table", "gemm-precision"])
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("cluster = 3\n", "cluster must be a table of keys ([cluster]) (in "),
+        (
+            "[cluster]\npreset = 'local'\nlink_efficiency = 1.5\n",
+            "cluster.gemm_efficiency and cluster.link_efficiency are fractions in (0, 1]",
+        ),
+        (
+            "[cluster]\npreset = 'local'\ncollective_links = 3\n",
+            "cluster.collective_links must be a table of op = [latency_us, GB/s]",
+        ),
+        (
+            "[cluster]\npreset = 'local'\ngemm_table = 3\n",
+            "cluster.gemm_table must be a table of 'precision:MxNxK' = fraction",
+        ),
+        (
+            "[cluster]\npreset = 'local'\n[cluster.gemm_table]\n'fp8:8x8x8' = 0.5\n",
+            "cluster.gemm_table key 'fp8:8x8x8': precision must be one of fp32, bf16, fp16",
+        ),
+    ],
+    ids=["not-a-table", "efficiency", "links-not-a-table", "gemm-not-a-table", "gemm-precision"],
+)
 def test_bad_cluster_files_are_refused(tmp_path, text, message):
     from trickles.planner import load_cluster
 
@@ -83,6 +111,11 @@ def test_the_planner_refuses_an_unknown_precision_or_device_and_pins_that_cannot
     with pytest.raises(ConfigError, match=re.escape("parallel.tp=0 must be at least 1 (or parallel.dp=-1")):
         check_pins(Config.load(None, ["parallel.tp=0"]), {"parallel.tp"}, 8)
     pins = {"parallel.tp", "parallel.pp", "parallel.cp", "parallel.dp"}
-    with pytest.raises(ConfigError, match=re.escape("parallel.tp=2 x parallel.pp=1 x parallel.cp=1 x parallel.dp=2 = 4 "
-                                                    "is not --devices 8; change a degree or set parallel.dp=-1")):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "parallel.tp=2 x parallel.pp=1 x parallel.cp=1 x parallel.dp=2 = 4 "
+            "is not --devices 8; change a degree or set parallel.dp=-1"
+        ),
+    ):
         check_pins(Config.load(None, ["parallel.tp=2", "parallel.dp=2"]), pins, 8)

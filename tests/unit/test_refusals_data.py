@@ -11,8 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from trickles.data import ByteTokenizer, DataConfig, HFTokenizer, check_source, load_corpus, load_tokenizer
-from trickles.data import sources
+from trickles.data import ByteTokenizer, DataConfig, HFTokenizer, check_source, load_corpus, load_tokenizer, sources
 from trickles.data.sources import labelled_documents, resolve_format
 from trickles.data.tokenizers import load_hf_tokenizer
 from trickles.errors import DataError
@@ -31,6 +30,7 @@ def _load(cfg, labels=None):
 
 
 # ---- sources -----------------------------------------------------------------------------------------------------
+
 
 def test_a_stdlib_without_python_files_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(sources, "stdlib_files", lambda: (str(tmp_path), []))
@@ -80,6 +80,7 @@ def test_a_jsonl_line_without_its_label_is_refused(tmp_path):
 
 # ---- the corpus --------------------------------------------------------------------------------------------------
 
+
 def test_a_damaged_or_float_token_file_is_refused(tmp_path):
     (tmp_path / "bad.npy").write_bytes(b"not an npy file")
     with _raises("data.source: cannot read token file"):
@@ -109,6 +110,7 @@ def test_hard_routing_refuses_a_source_without_the_labels(tmp_path):
 
 
 # ---- tokenizers --------------------------------------------------------------------------------------------------
+
 
 def _word_level(directory, vocab):
     """A tokenizer.json of a word-level tokenizer over ``vocab`` (no training)."""

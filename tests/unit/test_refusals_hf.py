@@ -50,9 +50,10 @@ def test_an_index_that_does_not_match_its_shards_is_refused(saved):
     index = saved / "model.safetensors.index.json"
     weight_map = json.loads(index.read_text())["weight_map"]
     for change, message in (
-            ({first: "../shard.safetensors"}, "names shard files outside the directory: ['../shard.safetensors']"),
-            ({first: "other.safetensors"}, "lists shard files that do not exist"),
-            ({first: "empty.safetensors"}, f"places tensors in shards that do not hold them: ['{first}']")):
+        ({first: "../shard.safetensors"}, "names shard files outside the directory: ['../shard.safetensors']"),
+        ({first: "other.safetensors"}, "lists shard files that do not exist"),
+        ({first: "empty.safetensors"}, f"places tensors in shards that do not hold them: ['{first}']"),
+    ):
         save_file({"x": torch.zeros(1)}, saved / "empty.safetensors")
         index.write_text(json.dumps({"weight_map": {**weight_map, **change}}))
         with _raises(CheckpointError, message):
@@ -71,12 +72,19 @@ def test_a_tied_head_that_differs_from_the_embedding_is_refused(tmp_path):
         load_hf(root)
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"rope_scaling": {"rope_type": "default", "inner": {"a": 1}}}, "are not one flat dict"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is set"),
-    ({"quantization_config": {"bits": 4}}, "the weights are quantized (quantization_config is set)"),
-    ({"num_key_value_heads": 3}, "describes a shape trickles cannot build: model.n_heads (2) must be a multiple of"),
-], ids=["rope-nested", "partial-rotary", "quantized", "shape"])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"rope_scaling": {"rope_type": "default", "inner": {"a": 1}}}, "are not one flat dict"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is set"),
+        ({"quantization_config": {"bits": 4}}, "the weights are quantized (quantization_config is set)"),
+        (
+            {"num_key_value_heads": 3},
+            "describes a shape trickles cannot build: model.n_heads (2) must be a multiple of",
+        ),
+    ],
+    ids=["rope-nested", "partial-rotary", "quantized", "shape"],
+)
 def test_llama_configs_trickles_cannot_represent_are_refused(change, message):
     raw = {**config_to_hf(CFG, torch.float32), **change}
     with _raises(CheckpointError, message):

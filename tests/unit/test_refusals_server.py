@@ -17,7 +17,9 @@ def _app(log_requests: bool = False, **options):
     from trickles.models import ModelConfig, build_model
 
     cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=260, max_seq_len=8)
-    return create_app(build_model(cfg, seed=0).eval(), ByteTokenizer(), name="tiny", log_requests=log_requests, **options)
+    return create_app(
+        build_model(cfg, seed=0).eval(), ByteTokenizer(), name="tiny", log_requests=log_requests, **options
+    )
 
 
 @pytest.fixture(scope="module")
@@ -25,14 +27,25 @@ def app():
     return _app()
 
 
-def _post(app, body, path: str = "/v1/completions", headers=(), chunks: list[bytes] | None = None,
-          method: str = "POST") -> tuple[int, dict]:
+def _post(
+    app, body, path: str = "/v1/completions", headers=(), chunks: list[bytes] | None = None, method: str = "POST"
+) -> tuple[int, dict]:
     """``POST path`` with ``body`` (JSON; or the raw ``chunks`` of a chunked body) through the ASGI application:
     ``(status, json body)``."""
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "root_path": "", "query_string": b"",
-             "headers": [(b"content-type", b"application/json"), *headers], "client": ("127.0.0.1", 1),
-             "server": ("test", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), *headers],
+        "client": ("127.0.0.1", 1),
+        "server": ("test", 80),
+    }
     chunks = chunks if chunks is not None else [json.dumps(body).encode()]
     messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1} for i, c in enumerate(chunks)]
     out = []
@@ -49,18 +62,31 @@ def _post(app, body, path: str = "/v1/completions", headers=(), chunks: list[byt
     return status, json.loads(b"".join(m.get("body", b"") for m in out if m["type"] == "http.response.body"))
 
 
-@pytest.mark.parametrize("body,words", [
-    ({"prompt": []}, "prompt: give a string or a non-empty list of strings"),
-    ({"prompt": "a", "stop": ["x", ""]}, "stop: stop strings must not be empty"),
-    ({"prompt": ["a", "yyyyyyyy"]}, "prompt[1] is 8 tokens; this model's context is 8 tokens"),
-    ({"prompt": "a", "temperature": -1}, "temperature: Input should be greater than or equal to 0"),
-    ({"prompt": "a", "top_k": -1}, "top_k: Input should be greater than or equal to 0"),
-    ({"prompt": "a", "top_p": 1.5}, "top_p: Input should be less than or equal to 1"),
-    ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0"),
-    ({"prompt": "a", "n": 0}, "n: Input should be greater than or equal to 1"),
-    ({"prompt": "a", "n": 17}, "n: Input should be less than or equal to 16"),
-], ids=["empty-list", "empty-stop", "long-in-list", "temperature", "top_k", "top_p-above-1", "repetition_penalty",
-        "n-0", "n-17"])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        ({"prompt": []}, "prompt: give a string or a non-empty list of strings"),
+        ({"prompt": "a", "stop": ["x", ""]}, "stop: stop strings must not be empty"),
+        ({"prompt": ["a", "yyyyyyyy"]}, "prompt[1] is 8 tokens; this model's context is 8 tokens"),
+        ({"prompt": "a", "temperature": -1}, "temperature: Input should be greater than or equal to 0"),
+        ({"prompt": "a", "top_k": -1}, "top_k: Input should be greater than or equal to 0"),
+        ({"prompt": "a", "top_p": 1.5}, "top_p: Input should be less than or equal to 1"),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0"),
+        ({"prompt": "a", "n": 0}, "n: Input should be greater than or equal to 1"),
+        ({"prompt": "a", "n": 17}, "n: Input should be less than or equal to 16"),
+    ],
+    ids=[
+        "empty-list",
+        "empty-stop",
+        "long-in-list",
+        "temperature",
+        "top_k",
+        "top_p-above-1",
+        "repetition_penalty",
+        "n-0",
+        "n-17",
+    ],
+)
 def test_bad_requests_are_refused_with_a_400_naming_the_field(app, body, words):
     status, reply = _post(app, body)
     assert status == 400 and reply["error"]["type"] == "invalid_request_error", (status, reply)
@@ -77,30 +103,55 @@ def test_the_server_logs_one_line_per_request_when_asked(capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("body,words", [
-    ({"messages": []}, "messages: give at least one message"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role: unknown role 'robot'; use one of system"),
-    ({"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "unknown field 'messages.0.mood'"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "y" * 8}]}, "the conversation is 32 tokens; this model's context is 8"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {}}, "unknown field 'logit_bias'"),
-], ids=["empty", "unknown-role", "unknown-message-field", "image-part", "negative-tokens", "too-long", "unknown-field"])
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        ({"messages": []}, "messages: give at least one message"),
+        (
+            {"messages": [{"role": "robot", "content": "hi"}]},
+            "messages.0.role: unknown role 'robot'; use one of system",
+        ),
+        ({"messages": [{"role": "user", "content": "hi", "mood": "x"}]}, "unknown field 'messages.0.mood'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
+        (
+            {"messages": [{"role": "user", "content": "y" * 8}]},
+            "the conversation is 32 tokens; this model's context is 8",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {}}, "unknown field 'logit_bias'"),
+    ],
+    ids=[
+        "empty",
+        "unknown-role",
+        "unknown-message-field",
+        "image-part",
+        "negative-tokens",
+        "too-long",
+        "unknown-field",
+    ],
+)
 def test_bad_chat_requests_are_refused_with_a_400(app, body, words):
     status, reply = _post(app, body, "/v1/chat/completions")
     assert status == 400 and reply["error"]["type"] == "invalid_request_error", (status, reply)
     assert words in reply["error"]["message"], reply
 
 
-@pytest.mark.parametrize("header", [None, b"Bearer wrong-key-0", b"Bearer k", b"secret-key-1", b"Bearer secret-key-12"],
-                         ids=["none", "wrong", "shorter", "no-bearer", "longer"])
+@pytest.mark.parametrize(
+    "header",
+    [None, b"Bearer wrong-key-0", b"Bearer k", b"secret-key-1", b"Bearer secret-key-12"],
+    ids=["none", "wrong", "shorter", "no-bearer", "longer"],
+)
 def test_without_the_api_key_every_endpoint_but_health_answers_401(header):
     """A request without the header, with a wrong key, a key of another length or no ``Bearer`` gets 401 and never
     reaches the engine (nothing queued); ``/health`` needs no key, and the right key passes (to the 400 here)."""
     keyed = _app(api_key="secret-key-1")
     headers = () if header is None else ((b"authorization", header),)
-    for path, method in (("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
-                         ("/metrics", "GET")):
+    for path, method in (
+        ("/v1/completions", "POST"),
+        ("/v1/chat/completions", "POST"),
+        ("/v1/models", "GET"),
+        ("/metrics", "GET"),
+    ):
         status, reply = _post(keyed, {"prompt": "a"}, path, headers, method=method)
         assert status == 401 and reply["error"]["type"] == "authentication_error", (path, status, reply)
     assert keyed.state.engine.backlog == 0

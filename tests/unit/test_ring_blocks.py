@@ -18,7 +18,7 @@ def _case(c: int, dtype, masked: bool, causal: bool, seed: int = 0):
     mask = None
     if masked:  # row 0: two documents, split a third of the way; row 1: queries of one document, keys of another
         ids = torch.zeros(b, c, dtype=torch.long, device="cuda")
-        ids[0, c // 3:] = 1
+        ids[0, c // 3 :] = 1
         keys = ids.clone()
         keys[1, :] = 1  # (no query of row 1 sees a key)
         m = ids[:, None, :, None] == keys[:, None, None, :]
@@ -29,7 +29,9 @@ def _case(c: int, dtype, masked: bool, causal: bool, seed: int = 0):
 
 @pytest.mark.needs_gpu
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("c,masked,causal", [(128, False, True), (48, False, False), (40, True, True), (72, True, False)])
+@pytest.mark.parametrize(
+    "c,masked,causal", [(128, False, True), (48, False, False), (40, True, True), (72, True, False)]
+)
 def test_cuda_block_kernel_equals_the_matmul_blocks(dtype, tol, c, masked, causal):
     q, k, v, do, mask, causal = _case(c, dtype, masked, causal)
     kernel = kernel_for(q)

@@ -4,17 +4,28 @@ import re
 
 import pytest
 import torch
-
 from helpers import tiny_config
+
 from trickles.errors import ConfigError, UserError
 from trickles.train import scaling
-from trickles.train.scaling import (COLUMNS, RankSamples, ScalingRow, plan, scale_rows, scaling_json, scaling_table, summarize,
-                                    weak_scaling_config)
+from trickles.train.scaling import (
+    COLUMNS,
+    RankSamples,
+    ScalingRow,
+    plan,
+    scale_rows,
+    scaling_json,
+    scaling_table,
+    summarize,
+    weak_scaling_config,
+)
 
 
 def test_summarize_takes_the_slowest_rank_and_the_mean_blocked_time():
-    samples = [RankSamples([1.0, 2.0, 4.0], [0.5, 0.5, 1.0], {"all_reduce/dp": 300}),
-               RankSamples([2.0, 1.0, 3.0], [0.1, 0.3, 2.0], {"all_reduce/dp": 300, "send/pp": 60})]
+    samples = [
+        RankSamples([1.0, 2.0, 4.0], [0.5, 0.5, 1.0], {"all_reduce/dp": 300}),
+        RankSamples([2.0, 1.0, 3.0], [0.1, 0.3, 2.0], {"all_reduce/dp": 300, "send/pp": 60}),
+    ]
     row = summarize(2, 16, 32, samples)
     assert row.step_times == [2.0, 2.0, 4.0]  # max over ranks, step by step
     assert row.step_time == 2.0  # their median
@@ -56,7 +67,9 @@ def test_table_has_one_word_per_cell_and_the_json_every_field():
     assert data["steps"] == 3 and data["rows"][1]["scale"] == 0.75 and data["rows"][1]["step_times"] == [1.0]
 
 
-@pytest.mark.parametrize("overrides,per_rank", [([], (8, 1)), (["train.micro_batch=2"], (2, 4)), (["parallel.dp=2"], (4, 1))])
+@pytest.mark.parametrize(
+    "overrides,per_rank", [([], (8, 1)), (["train.micro_batch=2"], (2, 4)), (["parallel.dp=2"], (4, 1))]
+)
 def test_weak_scaling_keeps_the_work_per_rank(tmp_path, overrides, per_rank):
     cfg = tiny_config(tmp_path, *overrides)  # global batch 8
     for n in (1, 2, 4):
@@ -72,25 +85,33 @@ def test_weak_scaling_keeps_the_work_per_rank(tmp_path, overrides, per_rank):
 @pytest.mark.parametrize("degree", ["tp", "cp"])
 def test_tensor_and_context_parallel_degrees_are_kept_and_must_divide(tmp_path, degree):
     cfg = tiny_config(tmp_path, f"parallel.{degree}=2")
-    assert [(weak_scaling_config(cfg, n, 3).parallel.dp, weak_scaling_config(cfg, n, 3).train.global_batch) for n in (2, 4)] == [(1, 8), (2, 16)]
+    assert [
+        (weak_scaling_config(cfg, n, 3).parallel.dp, weak_scaling_config(cfg, n, 3).train.global_batch) for n in (2, 4)
+    ] == [(1, 8), (2, 16)]
     assert [getattr(plan(cfg, [2, 4], 2, 1)[i][1].validate(n), degree) for i, n in enumerate((2, 4))] == [2, 2]
     tp, cp = (2, 1) if degree == "tp" else (1, 2)
-    with pytest.raises(ConfigError, match=rf"3 rank\(s\) cannot hold parallel.tp x pp x cp = {tp} x 1 x {cp} = 2 ranks per data-parallel "
-                                          r"replica; give --ranks multiples of 2 \(e.g. --ranks 2 4\) or change parallel.tp/pp/cp"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"3 rank\(s\) cannot hold parallel.tp x pp x cp = {tp} x 1 x {cp} = 2 ranks per data-parallel "
+        r"replica; give --ranks multiples of 2 \(e.g. --ranks 2 4\) or change parallel.tp/pp/cp",
+    ):
         plan(cfg, [2, 3], 2, 1)
     with pytest.raises(ConfigError, match="1 rank"):
         plan(cfg, [1, 2], 2, 1)
 
 
-@pytest.mark.parametrize("ranks,steps,warmup,overrides,needle", [
-    ([0, 2], 2, 1, [], "--ranks must be at least 1, got 0"),
-    ([1, 2], 0, 1, [], "--steps must be at least 1, got 0"),
-    ([1, 2], 2, -1, [], "--warmup must not be negative, got -1"),
-    ([1, 2], 2, 1, ["train.global_batch=0"], "train.global_batch must be at least 1, got 0"),
-    ([1, 2], 2, 1, ["parallel.tp=0"], "parallel.tp must be at least 1, got 0"),
-    ([1, 2], 2, 1, ["parallel.dp=3"], r"train.global_batch \(8\) must be divisible by parallel.dp \(3\)"),
-    ([1, 2], 2, 1, ["data.source=/no/such/corpus.txt"], "data.source '/no/such/corpus.txt' is not a file"),
-])
+@pytest.mark.parametrize(
+    "ranks,steps,warmup,overrides,needle",
+    [
+        ([0, 2], 2, 1, [], "--ranks must be at least 1, got 0"),
+        ([1, 2], 0, 1, [], "--steps must be at least 1, got 0"),
+        ([1, 2], 2, -1, [], "--warmup must not be negative, got -1"),
+        ([1, 2], 2, 1, ["train.global_batch=0"], "train.global_batch must be at least 1, got 0"),
+        ([1, 2], 2, 1, ["parallel.tp=0"], "parallel.tp must be at least 1, got 0"),
+        ([1, 2], 2, 1, ["parallel.dp=3"], r"train.global_batch \(8\) must be divisible by parallel.dp \(3\)"),
+        ([1, 2], 2, 1, ["data.source=/no/such/corpus.txt"], "data.source '/no/such/corpus.txt' is not a file"),
+    ],
+)
 def test_bad_input(tmp_path, ranks, steps, warmup, overrides, needle):
     with pytest.raises(UserError, match=needle):
         plan(tiny_config(tmp_path, *overrides), ranks, steps, warmup)
@@ -110,4 +131,7 @@ def test_default_ranks_and_gpu_limit(tmp_path, monkeypatch):
     assert [n for n, _ in plan(cfg, None, 2, 1)] == [1, 2]  # one GPU per rank
     with pytest.raises(UserError, match=r"4 ranks need one GPU each but 2 GPU\(s\) are visible; give --ranks up to 2"):
         plan(cfg, [1, 4], 2, 1)
-    assert [n for n, _ in plan(tiny_config(tmp_path, "train.device=cpu"), [1, 4], 2, 1)] == [1, 4]  # CPU ranks: no limit
+    assert [n for n, _ in plan(tiny_config(tmp_path, "train.device=cpu"), [1, 4], 2, 1)] == [
+        1,
+        4,
+    ]  # CPU ranks: no limit

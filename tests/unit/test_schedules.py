@@ -4,17 +4,27 @@ the bubble of the formula; partitioning and the configurations refused before an
 from fractions import Fraction
 
 import pytest
-
 from helpers import tiny_config
+
 from trickles.errors import ConfigError
+from trickles.parallel.pipeline.schedules import (
+    Action,
+    Shape,
+    batches,
+    build,
+    check_shape,
+    compute_order,
+    peak_alive,
+    render,
+)
 from trickles.parallel.pipeline.stages import partition_layers
-from trickles.parallel.pipeline.schedules import (Action, Shape, batches, build, check_shape, compute_order, peak_alive,
-                                                  render)
 from trickles.parallel.pipeline.timeline import Timeline, simulate
 
-SHAPES = [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)] + \
-         [("1f1b", Shape(p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 4, 8)] + \
-         [("interleaved", Shape(p, v, m)) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)]
+SHAPES = (
+    [("gpipe", Shape(p, 1, m)) for p in (2, 4) for m in (1, 3, 8)]
+    + [("1f1b", Shape(p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 4, 8)]
+    + [("interleaved", Shape(p, v, m)) for p in (2, 4) for v in (2, 3) for m in (p, 2 * p, 4 * p)]
+)
 
 
 @pytest.mark.parametrize("early", [False, True], ids=["due", "early"])
@@ -25,7 +35,9 @@ def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule,
         fwd = [(a.chunk, a.micro) for a in acts if a.kind == "F"]
         bwd = [(a.chunk, a.micro) for a in acts if a.kind == "B"]
         every = sorted((c, i) for c in range(shape.v) for i in range(shape.m))
-        assert sorted(fwd) == every and sorted(bwd) == every  # each chunk's forward and backward of each micro-batch once
+        assert (
+            sorted(fwd) == every and sorted(bwd) == every
+        )  # each chunk's forward and backward of each micro-batch once
         for a in acts:
             if a.kind == "B":
                 assert acts.index(Action("F", a.chunk, a.micro)) < acts.index(a)
@@ -51,7 +63,9 @@ def test_activation_memory_bound_of_each_schedule():
     assert [peak_alive(a) for a in build("1f1b", Shape(p, 1, m))] == [p - r for r in range(p)]
     assert [peak_alive(a) for a in build("1f1b", Shape(p, 1, 2))] == [2, 2, 2, 1]  # fewer micro-batches than stages
     v = 2
-    assert [peak_alive(a) for a in build("interleaved", Shape(p, v, m))] == [2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p)]
+    assert [peak_alive(a) for a in build("interleaved", Shape(p, v, m))] == [
+        2 * (p - r - 1) + (v - 1) * p + 1 for r in range(p)
+    ]
 
 
 def test_the_lists_read_as_the_schedules_are_drawn():
@@ -65,7 +79,9 @@ def test_the_lists_read_as_the_schedules_are_drawn():
     assert ["SEND_F0.1", "RECV_B0.0"] in runs
 
 
-@pytest.mark.parametrize("schedule,shape", [("gpipe", Shape(4, 1, 8)), ("1f1b", Shape(4, 1, 8)), ("interleaved", Shape(4, 2, 8))])
+@pytest.mark.parametrize(
+    "schedule,shape", [("gpipe", Shape(4, 1, 8)), ("1f1b", Shape(4, 1, 8)), ("interleaved", Shape(4, 2, 8))]
+)
 def test_receives_are_posted_once_their_send_is_due_and_before_their_reader(schedule, shape):
     """In the uniform timeline each receive is posted after its send (a global order a real run can follow, so a
     posted receive never waits on its own rank), at the first point its rank reaches after that send, which is
@@ -89,16 +105,20 @@ def test_receives_are_posted_once_their_send_is_due_and_before_their_reader(sche
     assert max(ahead) == {"gpipe": 0, "1f1b": 1, "interleaved": 3}[schedule]  # gpipe's inputs arrive just in time
 
 
-@pytest.mark.parametrize("schedule,shape", [("gpipe", Shape(4, 1, 8)), ("1f1b", Shape(4, 1, 8)), ("interleaved", Shape(4, 2, 8))])
+@pytest.mark.parametrize(
+    "schedule,shape", [("gpipe", Shape(4, 1, 8)), ("1f1b", Shape(4, 1, 8)), ("interleaved", Shape(4, 2, 8))]
+)
 def test_early_receives_are_all_posted_where_the_rank_first_waits(schedule, shape):
     """With early receives (gloo) every receive of the step is posted before the rank's first compute that reads a
     message, and never later than without."""
     due, early = build(schedule, shape), build(schedule, shape, early_receives=True)
     for r in range(shape.p):
-        first_read = next(k for k, a in enumerate(early[r]) if a.is_compute and Action(f"RECV_{a.kind}", a.chunk, a.micro) in early[r])
+        first_read = next(
+            k for k, a in enumerate(early[r]) if a.is_compute and Action(f"RECV_{a.kind}", a.chunk, a.micro) in early[r]
+        )
         receives = [k for k, a in enumerate(early[r]) if a.kind.startswith("RECV")]
         assert len(receives) == sum(a.kind.startswith("RECV") for a in due[r]) and max(receives) < first_read
-        computes_before = lambda acts, msg: sum(b.is_compute for b in acts[:acts.index(msg)])  # noqa: E731
+        computes_before = lambda acts, msg: sum(b.is_compute for b in acts[: acts.index(msg)])  # noqa: E731
         for msg in (a for a in due[r] if a.kind.startswith("RECV")):
             assert computes_before(early[r], msg) <= computes_before(due[r], msg)
 
@@ -148,30 +168,101 @@ def test_partition_even_uneven_and_given():
         partition_layers(7, 2, [7])
 
 
-@pytest.mark.parametrize("overrides,world,message", [
-    (["parallel.pp=4"], 4, "model.n_layers \\(2\\) is smaller than the number of pipeline stages"),
-    (["parallel.pp=2", "model.n_layers=8", "parallel.schedule=interleaved", "parallel.virtual_stages=2", "train.micro_batch=8"],
-     2, "groups of parallel.pp \\(2\\), but there are 1 micro-batches"),
-    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=interleaved", "parallel.virtual_stages=4", "train.micro_batch=2"], 2,
-     "smaller than the number of pipeline stages"),
-    (["parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"], 2, "use parallel.zero=2 \\(or 0, 1\\) with zb-h1"),
-    (["parallel.pp=2", "parallel.zero=3", "model.preset=gpt2-tiny"], 2, "embedding tied across pipeline stages.*model.tie_embeddings=false"),
-    (["parallel.pp=2", "parallel.pipeline_layers=[1, 2]"], 2, "adding up to model.n_layers"),
-    (["parallel.virtual_stages=2"], 1, "need parallel.pp > 1"),
-    (["parallel.pp=2", "parallel.virtual_stages=2"], 2, "needs parallel.schedule=interleaved"),
-    (["parallel.pp=3"], 2, "cannot be split"),
-    (["train.pipeline_trace=out.png"], 1, "needs parallel.pp > 1"),
-    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v"], 2, "two model chunks .*virtual_stages=2 \\(got 1\\)"),
-    (["parallel.pp=2", "model.n_layers=6", "parallel.schedule=zb-v", "parallel.virtual_stages=3"], 2, "virtual_stages=2 \\(got 3\\)"),
-    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-h1", "parallel.virtual_stages=2"], 2, "or zb-v with 2"),
-    (["parallel.pp=2", "parallel.tp=4", "parallel.tp_mode=2d", "parallel.schedule=zb-h1"], 8, "use parallel.tp_mode=1d"),
-    (["parallel.pp=2", "parallel.schedule=zb-h1", "train.compile=true"], 2, "use train.compile=false"),
-    (["parallel.pp=2", "parallel.schedule=zb-h1", "memory.recompute=full"], 2, "use memory.recompute=selective"),
-    (["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v", "parallel.virtual_stages=2",
-      "parallel.pipeline_layers=[1, 1, 1]"], 2, "lists 3 stages"),
-], ids=["more-stages-than-layers", "interleaved-micro-batches", "too-many-chunks", "zero3-zb", "zero3-tied", "layer-list", "virtual-without-pp",
-        "virtual-without-interleaved", "world", "trace-without-pp", "zb-v-one-chunk", "zb-v-odd-chunks", "zb-h1-two-chunks",
-        "zb-grid-tp", "zb-compile", "zb-full-recompute", "zb-v-layer-list"])
+@pytest.mark.parametrize(
+    "overrides,world,message",
+    [
+        (["parallel.pp=4"], 4, "model.n_layers \\(2\\) is smaller than the number of pipeline stages"),
+        (
+            [
+                "parallel.pp=2",
+                "model.n_layers=8",
+                "parallel.schedule=interleaved",
+                "parallel.virtual_stages=2",
+                "train.micro_batch=8",
+            ],
+            2,
+            "groups of parallel.pp \\(2\\), but there are 1 micro-batches",
+        ),
+        (
+            [
+                "parallel.pp=2",
+                "model.n_layers=4",
+                "parallel.schedule=interleaved",
+                "parallel.virtual_stages=4",
+                "train.micro_batch=2",
+            ],
+            2,
+            "smaller than the number of pipeline stages",
+        ),
+        (
+            ["parallel.pp=2", "parallel.zero=3", "parallel.schedule=zb-h1"],
+            2,
+            "use parallel.zero=2 \\(or 0, 1\\) with zb-h1",
+        ),
+        (
+            ["parallel.pp=2", "parallel.zero=3", "model.preset=gpt2-tiny"],
+            2,
+            "embedding tied across pipeline stages.*model.tie_embeddings=false",
+        ),
+        (["parallel.pp=2", "parallel.pipeline_layers=[1, 2]"], 2, "adding up to model.n_layers"),
+        (["parallel.virtual_stages=2"], 1, "need parallel.pp > 1"),
+        (["parallel.pp=2", "parallel.virtual_stages=2"], 2, "needs parallel.schedule=interleaved"),
+        (["parallel.pp=3"], 2, "cannot be split"),
+        (["train.pipeline_trace=out.png"], 1, "needs parallel.pp > 1"),
+        (
+            ["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v"],
+            2,
+            "two model chunks .*virtual_stages=2 \\(got 1\\)",
+        ),
+        (
+            ["parallel.pp=2", "model.n_layers=6", "parallel.schedule=zb-v", "parallel.virtual_stages=3"],
+            2,
+            "virtual_stages=2 \\(got 3\\)",
+        ),
+        (
+            ["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-h1", "parallel.virtual_stages=2"],
+            2,
+            "or zb-v with 2",
+        ),
+        (
+            ["parallel.pp=2", "parallel.tp=4", "parallel.tp_mode=2d", "parallel.schedule=zb-h1"],
+            8,
+            "use parallel.tp_mode=1d",
+        ),
+        (["parallel.pp=2", "parallel.schedule=zb-h1", "train.compile=true"], 2, "use train.compile=false"),
+        (["parallel.pp=2", "parallel.schedule=zb-h1", "memory.recompute=full"], 2, "use memory.recompute=selective"),
+        (
+            [
+                "parallel.pp=2",
+                "model.n_layers=4",
+                "parallel.schedule=zb-v",
+                "parallel.virtual_stages=2",
+                "parallel.pipeline_layers=[1, 1, 1]",
+            ],
+            2,
+            "lists 3 stages",
+        ),
+    ],
+    ids=[
+        "more-stages-than-layers",
+        "interleaved-micro-batches",
+        "too-many-chunks",
+        "zero3-zb",
+        "zero3-tied",
+        "layer-list",
+        "virtual-without-pp",
+        "virtual-without-interleaved",
+        "world",
+        "trace-without-pp",
+        "zb-v-one-chunk",
+        "zb-v-odd-chunks",
+        "zb-h1-two-chunks",
+        "zb-grid-tp",
+        "zb-compile",
+        "zb-full-recompute",
+        "zb-v-layer-list",
+    ],
+)
 def test_bad_pipeline_configurations_are_refused_before_any_process_group(tmp_path, overrides, world, message):
     cfg = tiny_config(str(tmp_path), *overrides)
     with pytest.raises(ConfigError, match=message):
@@ -179,8 +270,16 @@ def test_bad_pipeline_configurations_are_refused_before_any_process_group(tmp_pa
 
 
 def test_a_good_pipeline_configuration_passes(tmp_path):
-    cfg = tiny_config(str(tmp_path), "parallel.pp=2", "model.n_layers=8", "parallel.schedule=interleaved", "parallel.virtual_stages=2",
-                      "train.micro_batch=2", "parallel.tp=2", "parallel.zero=1")
+    cfg = tiny_config(
+        str(tmp_path),
+        "parallel.pp=2",
+        "model.n_layers=8",
+        "parallel.schedule=interleaved",
+        "parallel.virtual_stages=2",
+        "train.micro_batch=2",
+        "parallel.tp=2",
+        "parallel.zero=1",
+    )
     dims = cfg.validate(8)
     assert (dims.dp, dims.tp, dims.pp) == (2, 2, 2)
 
@@ -197,14 +296,17 @@ def test_uniform_times_names_the_ranks_of_a_deadlocked_order():
     orders = [[Action("B", 0, 0), Action("F", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]]
     with pytest.raises(ValueError, match=r"^the schedule deadlocks: rank 0 at B0\.0, rank 1 at F0\.0$"):
         uniform_times(orders, Shape(2, 1, 1))
-    fine = uniform_times([[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]], Shape(2, 1, 1))
+    fine = uniform_times(
+        [[Action("F", 0, 0), Action("B", 0, 0)], [Action("F", 0, 0), Action("B", 0, 0)]], Shape(2, 1, 1)
+    )
     assert fine[(1, Action("B", 0, 0))] == (2.0, 4.0) and fine[(0, Action("B", 0, 0))] == (4.0, 6.0)
 
 
 # ---- zero-bubble schedules ------------------------------------------------------------------
 
-ZB = [("zb-h1", Shape.of("zb-h1", p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 3, 4, 8)] + \
-     [("zb-v", Shape.of("zb-v", p, 2, m)) for p in (2, 3, 4) for m in (1, 2, 4, 7, 8)]
+ZB = [("zb-h1", Shape.of("zb-h1", p, 1, m)) for p in (2, 3, 4) for m in (1, 2, 3, 4, 8)] + [
+    ("zb-v", Shape.of("zb-v", p, 2, m)) for p in (2, 3, 4) for m in (1, 2, 4, 7, 8)
+]
 
 
 @pytest.mark.parametrize("schedule,shape", ZB, ids=[f"{s}-p{sh.p}m{sh.m}" for s, sh in ZB])

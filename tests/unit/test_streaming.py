@@ -28,6 +28,7 @@ N_LAYERS = 6
 
 # ---- placement ---------------------------------------------------------------------------
 
+
 def _min_cyclic_gap(chosen, n):
     if len(chosen) < 2:
         return n
@@ -98,11 +99,16 @@ def test_the_copy_threads_copy_is_bit_for_bit_in_every_dtype():
 
 # ---- the streamed model against the resident one ------------------------------------------
 
+
 def _save(tmp, flavor="llama"):
     if flavor == "llama":
-        cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=N_LAYERS, vocab_size=257, max_seq_len=64)
+        cfg = dataclasses.replace(
+            apply_preset(ModelConfig(), "tiny"), n_layers=N_LAYERS, vocab_size=257, max_seq_len=64
+        )
     else:  # learned positions, biases, the output tied to the embedding
-        cfg = dataclasses.replace(apply_preset(ModelConfig(), "gpt2-tiny"), n_layers=N_LAYERS, vocab_size=257, max_seq_len=64)
+        cfg = dataclasses.replace(
+            apply_preset(ModelConfig(), "gpt2-tiny"), n_layers=N_LAYERS, vocab_size=257, max_seq_len=64
+        )
     path = str(tmp / f"ckpt-{flavor}")
     save_for_inference(build_model(cfg, seed=3), ByteTokenizer(), path)
     return path
@@ -112,8 +118,9 @@ def _budgets(model, max_len, batch=1):
     """Budgets from everything resident down to every block streamed."""
     fixed = kv_cache_bytes(model.cfg, batch, max_len)
     block = block_bytes(model.layers["0"])  # in a buffer, each tensor 64-byte aligned
-    others = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("layers.")) + \
-        sum(b.numel() * 4 for b in model.buffers())
+    others = sum(p.numel() * 4 for n, p in model.named_parameters() if not n.startswith("layers.")) + sum(
+        b.numel() * 4 for b in model.buffers()
+    )
     whole = fixed + others + N_LAYERS * block
     return [whole + 4096, whole - block, whole - 3 * block, fixed + others + 2 * block + 4096]
 
@@ -129,8 +136,15 @@ def test_streamed_generation_is_bit_identical_to_resident(tmp_path, flavor):
     def run(model):
         logits = []
         g = torch.Generator().manual_seed(7)
-        out = generate(model, prompt, new, temperature=0.9, top_k=50, generator=g,
-                       logits_fn=lambda z: logits.append(z.clone()) or z)
+        out = generate(
+            model,
+            prompt,
+            new,
+            temperature=0.9,
+            top_k=50,
+            generator=g,
+            logits_fn=lambda z: logits.append(z.clone()) or z,
+        )
         return out, logits
 
     want, want_logits = run(ref)
@@ -161,7 +175,9 @@ def test_two_buffers_each_streamed_block_copied_once_per_forward_and_prefetched_
     held = {id(t): t for t in model.parameters() if t.device.type != "meta"}
     for i in p.streamed:
         assert all(t.device.type == "meta" for t in model.layers[str(i)].parameters())
-    on_device = sum(t.numel() * t.element_size() for t in held.values()) + sum(b.numel() * b.element_size() for b in model.buffers())
+    on_device = sum(t.numel() * t.element_size() for t in held.values()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
     assert on_device + 2 * p.buffer_bytes + kv_cache_bytes(model.cfg, 1, 40) == p.device_bytes
 
     events = []
@@ -224,8 +240,13 @@ def test_a_fused_model_streams_bit_identically(tmp_path, stored):
     SiLU of a contiguous gate). A checkpoint written by a fused model holds the fused tensors, copied as they are; one
     written apart with ``fused_proj`` set (as pruning keeps the user's setting) has its parts' rows interleaved into
     the fused weights as they are copied. Some blocks resident (built on the device) and every block streamed."""
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=N_LAYERS, vocab_size=257, max_seq_len=64,
-                              fused_proj=stored == "fused")
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), "tiny"),
+        n_layers=N_LAYERS,
+        vocab_size=257,
+        max_seq_len=64,
+        fused_proj=stored == "fused",
+    )
     path = str(tmp_path / stored)
     save_for_inference(build_model(cfg, seed=3), ByteTokenizer(), path)
     if stored == "apart":
@@ -242,8 +263,15 @@ def test_a_fused_model_streams_bit_identically(tmp_path, stored):
 
     def run(model):
         logits = []
-        generate(model, prompt, 12, temperature=0.9, top_k=50, generator=torch.Generator().manual_seed(7),
-                 logits_fn=lambda z: logits.append(z.clone()) or z)
+        generate(
+            model,
+            prompt,
+            12,
+            temperature=0.9,
+            top_k=50,
+            generator=torch.Generator().manual_seed(7),
+            logits_fn=lambda z: logits.append(z.clone()) or z,
+        )
         return logits
 
     want = run(ref)
@@ -269,8 +297,11 @@ def test_streams_an_int8_checkpoint_bit_for_bit(tmp_path, mode):
     assert block_bytes(ref.layers["0"]) < 0.3 * block_bytes(float_model.layers["0"])
     prompt = torch.tensor([tok.encode("int8")] * 2)
     in_blocks = {id(t) for b in ref.layers.values() for t in [*b.parameters(), *b.buffers()]}
-    fixed = kv_cache_bytes(ref.cfg, 2, 30) + sum(t.numel() * t.element_size() for t in [*ref.parameters(), *ref.buffers()]
-                                                  if id(t) not in in_blocks) + 4096
+    fixed = (
+        kv_cache_bytes(ref.cfg, 2, 30)
+        + sum(t.numel() * t.element_size() for t in [*ref.parameters(), *ref.buffers()] if id(t) not in in_blocks)
+        + 4096
+    )
     model, _, _ = load_streaming(path, "cpu", fixed + 2 * block_bytes(ref.layers["0"]), batch=2, max_len=30, int8=mode)
     assert len(model.placement.streamed) == N_LAYERS
     logits = [[], []]
@@ -308,8 +339,13 @@ SLACK = 8 << 20  # activations and logits of a 48-position prompt, the copy thre
 
 def _probe(path, budget, new_tokens=12):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    r = subprocess.run([sys.executable, PROBE, path, str(budget), str(new_tokens)], capture_output=True, text=True,
-                       timeout=120, env=env)
+    r = subprocess.run(
+        [sys.executable, PROBE, path, str(budget), str(new_tokens)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -319,8 +355,16 @@ def test_half_the_model_as_budget_bounds_anonymous_memory(tmp_path):
     the peak anonymous memory above the process's baseline (interpreter, torch, trickles and the kernels'
     imports, measured in the same process before loading) stays within budget + KV cache + SLACK, while the
     resident model in the same measurement exceeds that bound (so the measurement sees the weights)."""
-    cfg = dataclasses.replace(apply_preset(ModelConfig(), "tiny"), n_layers=8, d_model=512, n_heads=8, n_kv_heads=8,
-                              ffn_hidden=2048, vocab_size=4096, max_seq_len=128)
+    cfg = dataclasses.replace(
+        apply_preset(ModelConfig(), "tiny"),
+        n_layers=8,
+        d_model=512,
+        n_heads=8,
+        n_kv_heads=8,
+        ffn_hidden=2048,
+        vocab_size=4096,
+        max_seq_len=128,
+    )
     path = str(tmp_path / "big")
     save_for_inference(build_model(cfg, seed=0), ByteTokenizer(), path)
     model_bytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))

@@ -28,8 +28,14 @@ def _model(cfg: Config):
     return resolve_model(cfg.model, 320, cfg.data.seq_len)
 
 
-LAYOUTS = [("1d", 2, 1, False), ("1d", 4, 1, False), ("1d", 4, 1, True), ("2d", 4, 1, False), ("2.5d", 8, 2, False),
-           ("3d", 8, 1, False)]
+LAYOUTS = [
+    ("1d", 2, 1, False),
+    ("1d", 4, 1, False),
+    ("1d", 4, 1, True),
+    ("2d", 4, 1, False),
+    ("2.5d", 8, 2, False),
+    ("3d", 8, 1, False),
+]
 
 
 @pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny", "gpt2-small", "llama-350m"])
@@ -37,8 +43,12 @@ LAYOUTS = [("1d", 2, 1, False), ("1d", 4, 1, False), ("1d", 4, 1, True), ("2d", 
 def test_param_count_is_what_the_plan_leaves_a_rank(preset, mode, tp, depth, sp):
     """The formula counts exactly the parameters tp rank 0 holds once the mode's plan is applied (a tied weight once;
     llama-350m replicates its 8 key/value heads at no tp here, tiny its 2 at tp=4)."""
-    cfg = _config(f"model.preset={preset}", "data.seq_len=64", *(["model.vocab_size=320"] if "tiny" in preset else []),
-                  *(["model.vocab_size=50304"] if preset == "gpt2-small" else []))  # (50257 splits over no tp)
+    cfg = _config(
+        f"model.preset={preset}",
+        "data.seq_len=64",
+        *(["model.vocab_size=320"] if "tiny" in preset else []),
+        *(["model.vocab_size=50304"] if preset == "gpt2-small" else []),
+    )  # (50257 splits over no tp)
     model_cfg = _model(cfg)
     with torch.device("meta"):
         meta = shard_meta(Transformer(model_cfg), ParallelDims(tp=tp, tp_mode=mode, tp_depth=depth), sp)
@@ -54,7 +64,9 @@ def test_fused_projections_change_the_grid_bytes_as_the_formula_says():
     n, d, p = 8 * 32 // 2, cfg.d_model, 4
     from trickles.parallel.tensor.costs import activation_bytes_nd
 
-    assert activation_bytes_nd(cfg, lay, 8, 32)["layer"] - activation_bytes_nd(fused, lay, 8, 32)["layer"] == 3 * p * n * d
+    assert (
+        activation_bytes_nd(cfg, lay, 8, 32)["layer"] - activation_bytes_nd(fused, lay, 8, 32)["layer"] == 3 * p * n * d
+    )
 
 
 def test_one_d_block_is_megatrons_four_all_reduces_and_a_grid_shrinks_with_q():
@@ -64,7 +76,7 @@ def test_one_d_block_is_megatrons_four_all_reduces_and_a_grid_shrinks_with_q():
     for tp in (2, 8):
         block = comm_bytes(cfg, Layout.of("1d", tp), 8, 1024, 2)["block"]
         assert block["forward"] == block["backward"] == 2 * round(2 * (tp - 1) / tp * n_d)
-    cube = [sum(comm_bytes(cfg, Layout.of("3d", q ** 3), 64, 1024, 2)["block"].values()) for q in (2, 4)]
+    cube = [sum(comm_bytes(cfg, Layout.of("3d", q**3), 64, 1024, 2)["block"].values()) for q in (2, 4)]
     assert cube[1] < cube[0]
 
 
@@ -107,8 +119,23 @@ def test_2p5d_depth_is_the_configured_one_or_the_widest_grid():
 def test_memory_command_prints_the_modes_side_by_side(capsys):
     """``trickles memory`` at tp > 1 ends with the four modes; at tp = 1 it prints none."""
     args = [x for o in TINY for x in ("--set", o)]
-    assert main(["memory", "--nproc", "8", *args, "--set", "parallel.tp=8", "--set", "parallel.tp_mode=2.5d",
-                 "--set", "parallel.tp_depth=2"]) == 0
+    assert (
+        main(
+            [
+                "memory",
+                "--nproc",
+                "8",
+                *args,
+                "--set",
+                "parallel.tp=8",
+                "--set",
+                "parallel.tp_mode=2.5d",
+                "--set",
+                "parallel.tp_depth=2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "tensor-parallel modes at tp=8" in out and "2.5-D*  q=2, d=2" in out and "tp=8 2.5d (q=2, d=2)" in out
     assert main(["memory", "--nproc", "1", *args]) == 0

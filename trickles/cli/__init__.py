@@ -41,8 +41,17 @@ from . import bench, checkpoint, compress, config, generate, memory, plan, serve
 from .common import Parser
 
 # in the order ``trickles --help`` lists them
-COMMANDS = {"train": train, "generate": generate, "serve": serve, "memory": memory, "bench": bench, "config": config,
-            "plan": plan, "checkpoint": checkpoint, "compress": compress}
+COMMANDS = {
+    "train": train,
+    "generate": generate,
+    "serve": serve,
+    "memory": memory,
+    "bench": bench,
+    "config": config,
+    "plan": plan,
+    "checkpoint": checkpoint,
+    "compress": compress,
+}
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -11,19 +11,41 @@ from .common import add_command, config_args, writable
 def add_parser(sub) -> None:
     b = add_command(sub, "bench", "measure how training performs on this machine")
     actions = b.add_subparsers(dest="action", required=True)
-    sc = add_command(actions, "scaling", "weak scaling: the same work per rank on 1, 2, 4, ... local ranks; "
-                                         "throughput, scale factor, communication share and bytes sent")
+    sc = add_command(
+        actions,
+        "scaling",
+        "weak scaling: the same work per rank on 1, 2, 4, ... local ranks; "
+        "throughput, scale factor, communication share and bytes sent",
+    )
     config_args(sc)
-    sc.add_argument("--ranks", type=int, nargs="+", default=None, metavar="N",
-                    help="world sizes to run (default: 1, 2, 4, ... up to the GPUs, or the CPU cores but at least 1 and 2)")
-    sc.add_argument("--steps", type=int, default=5, metavar="N", help="timed training steps per world size (default: 5)")
-    sc.add_argument("--warmup", type=int, default=2, metavar="W", help="untimed training steps before them (default: 2)")
-    sc.add_argument("--png", default=None, metavar="F",
-                    help="draw throughput against ideal linear scaling, and the communication share, to this PNG "
-                         "(default: scaling.png in train.out_dir)")
+    sc.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="world sizes to run (default: 1, 2, 4, ... up to the GPUs, or the CPU cores but at least 1 and 2)",
+    )
+    sc.add_argument(
+        "--steps", type=int, default=5, metavar="N", help="timed training steps per world size (default: 5)"
+    )
+    sc.add_argument(
+        "--warmup", type=int, default=2, metavar="W", help="untimed training steps before them (default: 2)"
+    )
+    sc.add_argument(
+        "--png",
+        default=None,
+        metavar="F",
+        help="draw throughput against ideal linear scaling, and the communication share, to this PNG "
+        "(default: scaling.png in train.out_dir)",
+    )
     sc.add_argument("--no-png", action="store_true", help="print the table only, draw no PNG")
-    sc.add_argument("--json", default=None, metavar="F",
-                    help="write the rows (with every step time and bytes per operation) to this JSON file (default: none)")
+    sc.add_argument(
+        "--json",
+        default=None,
+        metavar="F",
+        help="write the rows (with every step time and bytes per operation) to this JSON file (default: none)",
+    )
 
 
 def run(args) -> int:

@@ -12,9 +12,14 @@ def add_parser(sub) -> None:
     actions = k.add_subparsers(dest="action", required=True)
     e = add_command(actions, "export", "consolidate a checkpoint written at any layout, in one process")
     checkpoint_in_out(e)
-    e.add_argument("--format", dest="fmt", choices=["trickles", "hf"], default="trickles",
-                   help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
-                        "hf: a Hugging Face directory (config.json + model.safetensors)")
+    e.add_argument(
+        "--format",
+        dest="fmt",
+        choices=["trickles", "hf"],
+        default="trickles",
+        help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
+        "hf: a Hugging Face directory (config.json + model.safetensors)",
+    )
 
 
 def run(args) -> int:

@@ -29,15 +29,24 @@ def add_command(sub, name: str, help: str) -> argparse.ArgumentParser:
 
 def checkpoint_in_out(sp, out: str = "directory to create (must not exist)") -> None:
     """The positional ``checkpoint`` (what to read) and ``out`` (where to write) of a command that rewrites one."""
-    sp.add_argument("checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)")
+    sp.add_argument(
+        "checkpoint", help="a checkpoint directory, a checkpoints folder, or a run's out_dir (its newest checkpoint)"
+    )
     sp.add_argument("out", help=out)
 
 
 def config_args(sp) -> None:
     """``--config/-c`` and ``--set/-s``: the options of every command that builds a :class:`~trickles.config.Config`."""
     sp.add_argument("--config", "-c", metavar="F", help="TOML config file (default: the built-in demo settings)")
-    sp.add_argument("--set", "-s", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                    help="override one config value (repeatable), e.g. --set train.steps=100 (default: none)")
+    sp.add_argument(
+        "--set",
+        "-s",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable), e.g. --set train.steps=100 (default: none)",
+    )
 
 
 def count(option: str, value: int | None, low: int) -> None:
@@ -63,7 +72,9 @@ def check_device(device: str) -> None:
     if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu")
+        raise UserError(
+            f"--device {device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu"
+        )
 
 
 def check_checkpoint(path: str) -> None:

@@ -9,16 +9,37 @@ from .common import add_command, config_args, count, writable
 
 
 def add_parser(sub) -> None:
-    m = add_command(sub, "memory", "predict (and measure) the memory per device: parameters, gradients, optimizer, "
-                                   "activations, peak (with pipeline stages, every stage's)")
+    m = add_command(
+        sub,
+        "memory",
+        "predict (and measure) the memory per device: parameters, gradients, optimizer, "
+        "activations, peak (with pipeline stages, every stage's)",
+    )
     config_args(m)
-    m.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="number of ranks of the layout (spawned when measuring) (default: torchrun's world size, else 1)")
-    m.add_argument("--measure", type=int, default=0, metavar="STEPS",
-                   help="also run this many training steps and measure (default: 0, predict only)")
-    m.add_argument("--png", default=None, metavar="F", help="write a bar chart of the categories to this PNG (default: no chart)")
-    m.add_argument("--device-gb", type=float, default=None, metavar="GB",
-                   help="say whether the peak fits on a device of this many GB (default: no verdict)")
+    m.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="number of ranks of the layout (spawned when measuring) (default: torchrun's world size, else 1)",
+    )
+    m.add_argument(
+        "--measure",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="also run this many training steps and measure (default: 0, predict only)",
+    )
+    m.add_argument(
+        "--png", default=None, metavar="F", help="write a bar chart of the categories to this PNG (default: no chart)"
+    )
+    m.add_argument(
+        "--device-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="say whether the peak fits on a device of this many GB (default: no verdict)",
+    )
 
 
 def run(args) -> int:

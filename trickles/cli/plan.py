@@ -8,22 +8,44 @@ from .common import add_command, config_args, count, writable
 
 
 def add_parser(sub) -> None:
-    pl = add_command(sub, "plan", "choose the layout: every valid split of the model over N devices that fits, ranked by "
-                                  "predicted step time (trickles.planner)")
+    pl = add_command(
+        sub,
+        "plan",
+        "choose the layout: every valid split of the model over N devices that fits, ranked by "
+        "predicted step time (trickles.planner)",
+    )
     config_args(pl)
-    pl.add_argument("--cluster", default=None, metavar="NAME|FILE",
-                    help="a preset (dgx-a100, dgx-h100, local) or a cluster TOML file (default: the config's [cluster])")
+    pl.add_argument(
+        "--cluster",
+        default=None,
+        metavar="NAME|FILE",
+        help="a preset (dgx-a100, dgx-h100, local) or a cluster TOML file (default: the config's [cluster])",
+    )
     pl.add_argument("--devices", type=int, required=True, metavar="N", help="devices (ranks) to plan for (required)")
     pl.add_argument("--top", type=int, default=5, metavar="K", help="layouts to list (default: 5)")
-    pl.add_argument("--json", default=None, metavar="F",
-                    help="write every layout timed (the memory report's peak where it ran, else the bound's) and the winners, "
-                         "as JSON (default: none)")
-    pl.add_argument("--write-config", default=None, metavar="F",
-                    help="write the winner as a config that trickles train -c F runs (default: none)")
-    pl.add_argument("--calibrate", nargs="?", const="cluster-calibrated.toml", default=None, metavar="F",
-                    help="measure this machine first (GEMMs at the model's shapes, local collectives), write the cluster to F "
-                         "(F's default: cluster-calibrated.toml; --cluster is the base) and plan with it "
-                         "(default: no calibration)")
+    pl.add_argument(
+        "--json",
+        default=None,
+        metavar="F",
+        help="write every layout timed (the memory report's peak where it ran, else the bound's) and the winners, "
+        "as JSON (default: none)",
+    )
+    pl.add_argument(
+        "--write-config",
+        default=None,
+        metavar="F",
+        help="write the winner as a config that trickles train -c F runs (default: none)",
+    )
+    pl.add_argument(
+        "--calibrate",
+        nargs="?",
+        const="cluster-calibrated.toml",
+        default=None,
+        metavar="F",
+        help="measure this machine first (GEMMs at the model's shapes, local collectives), write the cluster to F "
+        "(F's default: cluster-calibrated.toml; --cluster is the base) and plan with it "
+        "(default: no calibration)",
+    )
 
 
 def run(args) -> int:
@@ -39,8 +61,10 @@ def run(args) -> int:
     for option, path in (("--json", args.json), ("--write-config", args.write_config), ("--calibrate", args.calibrate)):
         writable(option, path)
     if args.calibrate is None and args.cluster is None and not (args.config is not None and _has_cluster(args.config)):
-        raise UserError("give --cluster NAME|FILE (a preset: dgx-a100, dgx-h100, local; or a cluster TOML), a [cluster] "
-                        "table in the config, or --calibrate")
+        raise UserError(
+            "give --cluster NAME|FILE (a preset: dgx-a100, dgx-h100, local; or a cluster TOML), a [cluster] "
+            "table in the config, or --calibrate"
+        )
     cfg = Config.load(args.config, args.overrides)
     pins = pinned_keys(args.config, args.overrides)
     model_cfg = plan_model(cfg)
@@ -69,7 +93,9 @@ def run(args) -> int:
     if args.write_config:
         with open(args.write_config, "w") as f:
             f.write(winner_toml(cfg, top[0]))
-        print(f"[trickles] the winner's config: {args.write_config} (trickles train -c {args.write_config} --nproc {args.devices})")
+        print(
+            f"[trickles] the winner's config: {args.write_config} (trickles train -c {args.write_config} --nproc {args.devices})"
+        )
     return 0
 
 

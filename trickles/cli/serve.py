@@ -6,38 +6,88 @@ from __future__ import annotations
 import os
 
 from ..errors import UserError
-from .common import DEVICE_HELP, add_command, check_budget, check_checkpoint, check_device, context_length, count, load_model
+from .common import (
+    DEVICE_HELP,
+    add_command,
+    check_budget,
+    check_checkpoint,
+    check_device,
+    context_length,
+    count,
+    load_model,
+)
 
 
 def add_parser(sub) -> None:
-    v = add_command(sub, "serve", "serve a checkpoint over HTTP: OpenAI's /v1/completions and /v1/chat/completions, "
-                                  "/v1/models, /health, /metrics")
+    v = add_command(
+        sub,
+        "serve",
+        "serve a checkpoint over HTTP: OpenAI's /v1/completions and /v1/chat/completions, "
+        "/v1/models, /health, /metrics",
+    )
     v.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
-    v.add_argument("--host", default="127.0.0.1", metavar="H",
-                   help="address to listen on (default: 127.0.0.1, this machine only)")
-    v.add_argument("--port", type=int, default=8000, metavar="P", help="port; 0: any free port, printed at start (default: 8000)")
-    v.add_argument("--max-batch", type=int, default=32, metavar="N", help="most sequences decoded together (default: 32)")
-    v.add_argument("--kv-cache-gb", type=float, default=None, metavar="GB",
-                   help="memory of the paged KV cache pool (default: room for --max-batch sequences of the model's "
-                        "context, on a GPU at most 80%% of the memory free after loading)")
+    v.add_argument(
+        "--host", default="127.0.0.1", metavar="H", help="address to listen on (default: 127.0.0.1, this machine only)"
+    )
+    v.add_argument(
+        "--port", type=int, default=8000, metavar="P", help="port; 0: any free port, printed at start (default: 8000)"
+    )
+    v.add_argument(
+        "--max-batch", type=int, default=32, metavar="N", help="most sequences decoded together (default: 32)"
+    )
+    v.add_argument(
+        "--kv-cache-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory of the paged KV cache pool (default: room for --max-batch sequences of the model's "
+        "context, on a GPU at most 80%% of the memory free after loading)",
+    )
     v.add_argument("--block-size", type=int, default=16, metavar="P", help="positions per KV cache block (default: 16)")
-    v.add_argument("--prefill-chunk", type=int, default=256, metavar="T",
-                   help="most prompt tokens prefilled per iteration; longer prompts are prefilled in pieces between "
-                        "decode steps (default: 256)")
-    v.add_argument("--batching", choices=["continuous", "static"], default="continuous",
-                   help="continuous: requests join and leave the running batch at every step (default); static: a "
-                        "batch runs to its end before the next starts (for comparison)")
-    v.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
-                        "TRICKLES_API_KEY environment variable; unset: no key)")
-    v.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="B",
-                   help="refuse request bodies larger than this with 413 (default: 1048576)")
+    v.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=256,
+        metavar="T",
+        help="most prompt tokens prefilled per iteration; longer prompts are prefilled in pieces between "
+        "decode steps (default: 256)",
+    )
+    v.add_argument(
+        "--batching",
+        choices=["continuous", "static"],
+        default="continuous",
+        help="continuous: requests join and leave the running batch at every step (default); static: a "
+        "batch runs to its end before the next starts (for comparison)",
+    )
+    v.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+        "TRICKLES_API_KEY environment variable; unset: no key)",
+    )
+    v.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1 << 20,
+        metavar="B",
+        help="refuse request bodies larger than this with 413 (default: 1048576)",
+    )
     v.add_argument("--device", default="auto", help=DEVICE_HELP)
-    v.add_argument("--device-budget-gb", type=float, default=None, metavar="GB",
-                   help="as for generate, with a KV cache for --max-batch sequences of the model's context "
-                        "(default: no budget, the whole model on the device)")
-    v.add_argument("--int8", choices=["weight", "full"], default=None,
-                   help="as for generate: a quantized checkpoint's weight-only int8 (default) or full int8")
+    v.add_argument(
+        "--device-budget-gb",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="as for generate, with a KV cache for --max-batch sequences of the model's context "
+        "(default: no budget, the whole model on the device)",
+    )
+    v.add_argument(
+        "--int8",
+        choices=["weight", "full"],
+        default=None,
+        help="as for generate: a quantized checkpoint's weight-only int8 (default) or full int8",
+    )
 
 
 def run(args) -> int:
@@ -67,29 +117,53 @@ def run(args) -> int:
     from ..infer.server import serve
 
     device = select_device(args.device)
-    model, tokenizer, _ = load_model(args.checkpoint, device, args.device_budget_gb, args.max_batch,
-                                     context_length(args.checkpoint), args.int8)
+    model, tokenizer, _ = load_model(
+        args.checkpoint, device, args.device_budget_gb, args.max_batch, context_length(args.checkpoint), args.int8
+    )
     if model.cfg.moe_experts and model.cfg.moe_router == "hard":
-        raise UserError("this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
-                        "field yet: use trickles generate --label L")
+        raise UserError(
+            "this model routes its experts by label (model.moe_router=hard); trickles serve has no label "
+            "field yet: use trickles generate --label L"
+        )
     name = os.path.basename(os.path.normpath(args.checkpoint))
     per_block = block_bytes(model, args.block_size)
     pool = kv_pool_bytes(model, device, args, per_block)
     if pool < per_block:
-        raise UserError(f"a KV pool of {pool} bytes holds no block of {args.block_size} positions ({per_block} bytes "
-                        f"each): raise --kv-cache-gb to at least {per_block / 1e9:.9f}")
+        raise UserError(
+            f"a KV pool of {pool} bytes holds no block of {args.block_size} positions ({per_block} bytes "
+            f"each): raise --kv-cache-gb to at least {per_block / 1e9:.9f}"
+        )
 
     def ready(host, port):
-        print(f"[trickles] serving {args.checkpoint} on http://{host}:{port} (POST /v1/completions, "
-              f"/v1/chat/completions; GET /v1/models, /health, /metrics)", flush=True)
+        print(
+            f"[trickles] serving {args.checkpoint} on http://{host}:{port} (POST /v1/completions, "
+            f"/v1/chat/completions; GET /v1/models, /health, /metrics)",
+            flush=True,
+        )
+
     try:
-        serve(model, tokenizer, args.host, args.port, name=name, max_batch=args.max_batch, on_ready=ready,
-              batching=args.batching, api_key=api_key, max_body_bytes=args.max_body_bytes,
-              engine_config=EngineConfig(max_batch=args.max_batch, block_size=args.block_size,
-                                         prefill_chunk=args.prefill_chunk,
-                                         kv_cache_bytes=pool))
+        serve(
+            model,
+            tokenizer,
+            args.host,
+            args.port,
+            name=name,
+            max_batch=args.max_batch,
+            on_ready=ready,
+            batching=args.batching,
+            api_key=api_key,
+            max_body_bytes=args.max_body_bytes,
+            engine_config=EngineConfig(
+                max_batch=args.max_batch,
+                block_size=args.block_size,
+                prefill_chunk=args.prefill_chunk,
+                kv_cache_bytes=pool,
+            ),
+        )
     except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --host or --port") from None
+        raise UserError(
+            f"cannot listen on {args.host}:{args.port} ({e.strerror or e}); choose another --host or --port"
+        ) from None
     except KeyboardInterrupt:  # uvicorn has shut down cleanly, then re-raised the signal: the normal way to stop
         pass
     print("[trickles] server stopped", flush=True)

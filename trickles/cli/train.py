@@ -12,22 +12,48 @@ from .common import add_command, config_args, count, writable
 def add_parser(sub) -> None:
     t = add_command(sub, "train", "train a model (no arguments: the demo)")
     config_args(t)
-    t.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="spawn N local ranks (not under torchrun) (default: one process, or torchrun's ranks)")
-    t.add_argument("--resume", default=None, metavar="auto|PATH",
-                   help="continue from a checkpoint; auto: the newest complete one in out_dir (default: start at step 0)")
-    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
-                   help="with --nproc: restart all ranks up to K times after a failure (default: 0)")
+    t.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        metavar="N",
+        help="spawn N local ranks (not under torchrun) (default: one process, or torchrun's ranks)",
+    )
+    t.add_argument(
+        "--resume",
+        default=None,
+        metavar="auto|PATH",
+        help="continue from a checkpoint; auto: the newest complete one in out_dir (default: start at step 0)",
+    )
+    t.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --nproc: restart all ranks up to K times after a failure (default: 0)",
+    )
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary")
-    t.add_argument("--pipeline-trace", default=None, metavar="PNG",
-                   help="with parallel.pp > 1: draw the last step's pipeline timeline (same as --set train.pipeline_trace=PNG; "
-                        "default: the config's)")
-    t.add_argument("--teacher", default=None, metavar="CKPT_OR_HF_DIR",
-                   help="distil from this teacher (same as --set distill.teacher=...; see the [distill] keys; "
-                        "default: the config's)")
-    t.add_argument("--init-from", default=None, metavar="CKPT",
-                   help="start from this checkpoint's weights and model shape, step 0 (same as --set train.init_from=...; "
-                        "default: the config's)")
+    t.add_argument(
+        "--pipeline-trace",
+        default=None,
+        metavar="PNG",
+        help="with parallel.pp > 1: draw the last step's pipeline timeline (same as --set train.pipeline_trace=PNG; "
+        "default: the config's)",
+    )
+    t.add_argument(
+        "--teacher",
+        default=None,
+        metavar="CKPT_OR_HF_DIR",
+        help="distil from this teacher (same as --set distill.teacher=...; see the [distill] keys; "
+        "default: the config's)",
+    )
+    t.add_argument(
+        "--init-from",
+        default=None,
+        metavar="CKPT",
+        help="start from this checkpoint's weights and model shape, step 0 (same as --set train.init_from=...; "
+        "default: the config's)",
+    )
 
 
 def run(args) -> int:
@@ -43,12 +69,15 @@ def run(args) -> int:
     count("--max-restarts", args.max_restarts, 0)
     writable("--pipeline-trace", args.pipeline_trace)
     overrides = args.overrides + ([f"train.pipeline_trace={args.pipeline_trace}"] if args.pipeline_trace else [])
-    overrides += ([f"distill.teacher={args.teacher}"] if args.teacher else []) + \
-        ([f"train.init_from={args.init_from}"] if args.init_from else [])
+    overrides += ([f"distill.teacher={args.teacher}"] if args.teacher else []) + (
+        [f"train.init_from={args.init_from}"] if args.init_from else []
+    )
     cfg = Config.load(args.config, overrides)
     under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ or env_world_size() > 1
     if args.nproc is not None and under_torchrun:
-        raise UserError("--nproc starts local ranks itself; under torchrun leave it out (torchrun's --nproc-per-node decides)")
+        raise UserError(
+            "--nproc starts local ranks itself; under torchrun leave it out (torchrun's --nproc-per-node decides)"
+        )
     world = args.nproc or env_world_size()
     cfg, relayout = layout_for_world(cfg, world)  # parallel.elastic: planned once here, the ranks get the layout
     cfg.validate(world)
@@ -61,5 +90,7 @@ def run(args) -> int:
         print(f"[trickles] no complete checkpoint in {cfg.train.out_dir}; starting from step 0")
     if args.nproc is not None and args.nproc > 1 or args.max_restarts:
         return launch(run_training, (cfg, resume, args.quiet), world, max_restarts=args.max_restarts)
-    run_training(cfg, resume, quiet=args.quiet, resolved_at=restart_count())  # under torchrun: resolved for this attempt
+    run_training(
+        cfg, resume, quiet=args.quiet, resolved_at=restart_count()
+    )  # under torchrun: resolved for this attempt
     return 0

@@ -27,7 +27,20 @@ from .ledger import OPS, CommLedger, OpStats, messages, wire_bytes
 from .recorder import FlightRecorder, flight
 
 __all__ = [
-    "OPS", "CommLedger", "FlightRecorder", "GroupComm", "Handle", "OpStats", "all_to_all", "copy_to_region", "flight",
-    "gather_from_region", "gather_sequence", "messages", "reduce_from_region", "reduce_scatter_sequence",
-    "scatter_to_region", "wire_bytes",
+    "OPS",
+    "CommLedger",
+    "FlightRecorder",
+    "GroupComm",
+    "Handle",
+    "OpStats",
+    "all_to_all",
+    "copy_to_region",
+    "flight",
+    "gather_from_region",
+    "gather_sequence",
+    "messages",
+    "reduce_from_region",
+    "reduce_scatter_sequence",
+    "scatter_to_region",
+    "wire_bytes",
 ]

@@ -20,7 +20,7 @@ Each runs its collectives through a :class:`~trickles.comm.group.GroupComm`, so 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -29,7 +29,9 @@ from .group import GroupComm
 
 def _chunk(x: torch.Tensor, comm: GroupComm, dim: int) -> torch.Tensor:
     if x.shape[dim] % comm.size:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} is not divisible by group '{comm.name}' of {comm.size} ranks")
+        raise ValueError(
+            f"dim {dim} of size {x.shape[dim]} is not divisible by group '{comm.name}' of {comm.size} ranks"
+        )
     return x.chunk(comm.size, dim=dim)[comm.rank].contiguous()
 
 

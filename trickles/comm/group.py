@@ -11,7 +11,7 @@ single-device code pays nothing.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -100,8 +100,15 @@ class GroupComm:
             return Handle(None, "", t) if async_op else t
         n = self.size
         red, after = self._op(op, t)
-        return self._run("all_reduce", t, wire_bytes("all_reduce", _nbytes(t), n),
-                         lambda a: dist.all_reduce(t, red, group=self.group, async_op=a), async_op, t, after)
+        return self._run(
+            "all_reduce",
+            t,
+            wire_bytes("all_reduce", _nbytes(t), n),
+            lambda a: dist.all_reduce(t, red, group=self.group, async_op=a),
+            async_op,
+            t,
+            after,
+        )
 
     def all_gather(self, t: torch.Tensor, dim: int = 0, async_op: bool = False, out: torch.Tensor | None = None):
         """Concatenation of every rank's ``t`` along ``dim`` in rank order.
@@ -119,12 +126,19 @@ class GroupComm:
         n, t = self.size, t.contiguous()
         if out is None:
             out = torch.empty((n * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
-        res = self._run("all_gather", t, wire_bytes("all_gather", _nbytes(t), n),
-                        lambda a: _all_gather_single(out, t, group=self.group, async_op=a), async_op, out)
+        res = self._run(
+            "all_gather",
+            t,
+            wire_bytes("all_gather", _nbytes(t), n),
+            lambda a: _all_gather_single(out, t, group=self.group, async_op=a),
+            async_op,
+            out,
+        )
         return res if dim == 0 else torch.cat(out.chunk(n, 0), dim=dim)
 
-    def reduce_scatter(self, t: torch.Tensor, dim: int = 0, op: str = "sum", async_op: bool = False,
-                       out: torch.Tensor | None = None):
+    def reduce_scatter(
+        self, t: torch.Tensor, dim: int = 0, op: str = "sum", async_op: bool = False, out: torch.Tensor | None = None
+    ):
         """Reduces ``t`` over the group and returns this rank's chunk along ``dim``.
 
         ``out`` (dim 0 only) receives the chunk in place; it may be this rank's chunk of ``t``.
@@ -136,7 +150,9 @@ class GroupComm:
             return Handle(None, "", t) if async_op else t
         n = self.size
         if t.shape[dim] % n:
-            raise ValueError(f"reduce_scatter on group '{self.name}': size {t.shape[dim]} of dim {dim} is not divisible by {n}")
+            raise ValueError(
+                f"reduce_scatter on group '{self.name}': size {t.shape[dim]} of dim {dim} is not divisible by {n}"
+            )
         if out is not None and dim != 0:
             raise ValueError("an in-place reduce_scatter scatters along dim 0")
         chunk_shape = list(t.shape)
@@ -148,9 +164,15 @@ class GroupComm:
         else:  # lay the chunks out one after another so the collective can split dim 0
             inp, out_flat = torch.stack(t.chunk(n, dim=dim)).contiguous(), out.unsqueeze(0)
         red, after = self._op(op, out)
-        return self._run("reduce_scatter", t, wire_bytes("reduce_scatter", _nbytes(t), n),
-                         lambda a: _reduce_scatter_single(out_flat, inp, red, group=self.group, async_op=a),
-                         async_op, out, after)
+        return self._run(
+            "reduce_scatter",
+            t,
+            wire_bytes("reduce_scatter", _nbytes(t), n),
+            lambda a: _reduce_scatter_single(out_flat, inp, red, group=self.group, async_op=a),
+            async_op,
+            out,
+            after,
+        )
 
     def all_to_all(self, t: torch.Tensor, scatter_dim: int = 0, gather_dim: int = 0) -> torch.Tensor:
         """Chunk ``i`` of ``scatter_dim`` goes to rank ``i``; received chunks concatenate along ``gather_dim``."""
@@ -158,29 +180,50 @@ class GroupComm:
             return t
         n = self.size
         if t.shape[scatter_dim] % n:
-            raise ValueError(f"all_to_all on group '{self.name}': size {t.shape[scatter_dim]} of dim {scatter_dim} is not divisible by {n}")
+            raise ValueError(
+                f"all_to_all on group '{self.name}': size {t.shape[scatter_dim]} of dim {scatter_dim} is not divisible by {n}"
+            )
         inp = torch.stack(t.chunk(n, dim=scatter_dim)).contiguous()
         out = torch.empty_like(inp)
-        self._run("all_to_all", t, wire_bytes("all_to_all", _nbytes(t), n),
-                  lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a), False)
+        self._run(
+            "all_to_all",
+            t,
+            wire_bytes("all_to_all", _nbytes(t), n),
+            lambda a: dist.all_to_all_single(out, inp, group=self.group, async_op=a),
+            False,
+        )
         return torch.cat(out.unbind(0), dim=gather_dim)
 
-    def all_to_all_uneven(self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+    def all_to_all_uneven(
+        self, t: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]
+    ) -> torch.Tensor:
         """Rows ``send_counts[i]`` of ``t`` (dim 0, in order) go to rank i; returns the received rows."""
         if self.size == 1:
             return t
         out = torch.empty((sum(recv_counts), *t.shape[1:]), dtype=t.dtype, device=t.device)
         own = send_counts[self.rank] * t[0].numel() * t.element_size() if t.shape[0] else 0
-        self._run("all_to_all", t, _nbytes(t) - own,
-                  lambda a: dist.all_to_all_single(out, t.contiguous(), list(recv_counts), list(send_counts), group=self.group, async_op=a), False)
+        self._run(
+            "all_to_all",
+            t,
+            _nbytes(t) - own,
+            lambda a: dist.all_to_all_single(
+                out, t.contiguous(), list(recv_counts), list(send_counts), group=self.group, async_op=a
+            ),
+            False,
+        )
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Copies group rank ``src``'s ``t`` into every rank's ``t``."""
         if self.size == 1:
             return t
-        self._run("broadcast", t, _nbytes(t) if self.rank == src else 0,
-                  lambda a: dist.broadcast(t, self.global_rank(src), group=self.group, async_op=a), False)
+        self._run(
+            "broadcast",
+            t,
+            _nbytes(t) if self.rank == src else 0,
+            lambda a: dist.broadcast(t, self.global_rank(src), group=self.group, async_op=a),
+            False,
+        )
         return t
 
     def barrier(self, limit_s: float | None = None) -> None:
@@ -195,7 +238,9 @@ class GroupComm:
     # ---- point to point ------------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
         """Blocking send to group rank ``dst``."""
-        self._run("send", t, _nbytes(t), lambda a: dist.send(t.contiguous(), self.global_rank(dst), group=self.group), False)
+        self._run(
+            "send", t, _nbytes(t), lambda a: dist.send(t.contiguous(), self.global_rank(dst), group=self.group), False
+        )
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """Blocking receive from group rank ``src`` into ``t``."""

@@ -24,14 +24,26 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-
 #: Ring / pairwise algorithms: bytes a rank sends per byte of its input ``S`` with ``n`` ranks (all-gather: per
 #: byte of its shard), and the sequential messages (ring steps) each needs.
-_WIRE = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
-         "all_gather": lambda n: float(n - 1), "all_to_all": lambda n: (n - 1) / n,
-         "broadcast": lambda n: 1.0, "send": lambda n: 1.0, "recv": lambda n: 0.0}
-_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "reduce_scatter": lambda n: n - 1, "all_gather": lambda n: n - 1,
-          "all_to_all": lambda n: n - 1, "broadcast": lambda n: n - 1, "send": lambda n: 1, "recv": lambda n: 0}
+_WIRE = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: float(n - 1),
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,
+}
+_STEPS = {
+    "all_reduce": lambda n: 2 * (n - 1),
+    "reduce_scatter": lambda n: n - 1,
+    "all_gather": lambda n: n - 1,
+    "all_to_all": lambda n: n - 1,
+    "broadcast": lambda n: n - 1,
+    "send": lambda n: 1,
+    "recv": lambda n: 0,
+}
 OPS = tuple(_WIRE)
 
 
@@ -87,7 +99,10 @@ class CommLedger:
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """``{"all_reduce/dp": {"calls": .., "bytes": .., "wire_bytes": ..}, ...}``"""
-        return {f"{o}/{g}": dict(calls=s.calls, bytes=s.bytes, wire_bytes=s.wire_bytes) for (o, g), s in sorted(self.stats.items())}
+        return {
+            f"{o}/{g}": dict(calls=s.calls, bytes=s.bytes, wire_bytes=s.wire_bytes)
+            for (o, g), s in sorted(self.stats.items())
+        }
 
     def table(self) -> str:
         rows = [f"{'op/group':<28}{'calls':>8}{'bytes':>16}{'wire bytes':>16}"]

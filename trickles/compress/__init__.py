@@ -6,5 +6,16 @@ from .checkpoint import float_model, load_checkpoint, quantize_checkpoint
 from .qat import apply_qat, fake_quant_rows
 from .quantize import Int8Linear, error_bound, quantize_model, quantize_tokens, quantize_weight, set_mode
 
-__all__ = ["float_model", "load_checkpoint", "quantize_checkpoint", "apply_qat", "fake_quant_rows", "Int8Linear",
-           "error_bound", "quantize_model", "quantize_tokens", "quantize_weight", "set_mode"]
+__all__ = [
+    "float_model",
+    "load_checkpoint",
+    "quantize_checkpoint",
+    "apply_qat",
+    "fake_quant_rows",
+    "Int8Linear",
+    "error_bound",
+    "quantize_model",
+    "quantize_tokens",
+    "quantize_weight",
+    "set_mode",
+]

@@ -57,8 +57,17 @@ def quantize_checkpoint(src: str, out: str, bits: int = 8, granularity: str = "r
         raise CheckpointError(f"{path} is already quantized; give the float checkpoint it came from")
     model = _float_model(path)
     names = quantize_model(model, granularity)
-    meta = {**meta, "quantization": {"bits": bits, "granularity": granularity, "scheme": "symmetric", "qat": qat,
-                                     "modules": names, "source": os.path.abspath(path)}}
+    meta = {
+        **meta,
+        "quantization": {
+            "bits": bits,
+            "granularity": granularity,
+            "scheme": "symmetric",
+            "qat": qat,
+            "modules": names,
+            "source": os.path.abspath(path),
+        },
+    }
     return ckpt.write_model_dir(out, ckpt.model_pieces(model), os.path.join(path, "tokenizer"), meta)
 
 
@@ -76,7 +85,9 @@ def load_checkpoint(path: str, device: torch.device | str = "cpu", int8: str | N
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     if not meta.get("quantization"):
         if int8 is not None:
-            raise UserError(f"{path} is not quantized, so --int8 does not apply; quantize it with trickles compress quantize")
+            raise UserError(
+                f"{path} is not quantized, so --int8 does not apply; quantize it with trickles compress quantize"
+            )
         return load_for_inference(path, device, verify=False)
     cfg = ModelConfig(**{**meta["model"], "fused_proj": False})
     with torch.device("meta"):

@@ -15,16 +15,28 @@ from ..options import opt
 class DistillConfig:
     """Knowledge distillation from a teacher model (the ``[distill]`` section; ``trickles train --teacher``)."""
 
-    teacher: str = opt("", "teacher to distil from: a trickles checkpoint (step_* directory or a run's out_dir) or a Hugging Face directory; empty: no distillation")
-    alpha: float = opt(0.5, "weight of the soft-target term alpha T^2 KL(teacher || student); the cross-entropy gets 1 - alpha")
+    teacher: str = opt(
+        "",
+        "teacher to distil from: a trickles checkpoint (step_* directory or a run's out_dir) or a Hugging Face directory; empty: no distillation",
+    )
+    alpha: float = opt(
+        0.5, "weight of the soft-target term alpha T^2 KL(teacher || student); the cross-entropy gets 1 - alpha"
+    )
     temperature: float = opt(2.0, "softmax temperature T of both models' distributions in the KL term")
-    hidden_weight: float = opt(0.0, "weight of the MSE between mapped hidden states (0: off); a learned projection bridges different widths")
-    layer_map: list[str] = opt([], "student:teacher block pairs for the hidden-state loss, e.g. ['0:1', '1:3'] (empty: student block i to teacher block round((i+1) L_t / L_s) - 1)")
+    hidden_weight: float = opt(
+        0.0, "weight of the MSE between mapped hidden states (0: off); a learned projection bridges different widths"
+    )
+    layer_map: list[str] = opt(
+        [],
+        "student:teacher block pairs for the hidden-state loss, e.g. ['0:1', '1:3'] (empty: student block i to teacher block round((i+1) L_t / L_s) - 1)",
+    )
 
     def validate(self) -> None:
         if self.teacher and not os.path.exists(self.teacher):
-            raise ConfigError(f"distill.teacher {self.teacher} does not exist; give a trickles checkpoint, a run's out_dir "
-                              "or a Hugging Face directory")
+            raise ConfigError(
+                f"distill.teacher {self.teacher} does not exist; give a trickles checkpoint, a run's out_dir "
+                "or a Hugging Face directory"
+            )
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"distill.alpha must be in [0, 1], got {self.alpha}")
         if not self.temperature > 0:
@@ -51,7 +63,9 @@ class DistillConfig:
             return
         for name in ("tp", "pp", "cp", "ep"):
             if getattr(dims, name) > 1:
-                raise ConfigError(f"distillation (distill.teacher / --teacher) runs under data parallelism only, but "
-                                  f"parallel.{name}={getattr(dims, name)}; set parallel.{name}=1 and use parallel.dp")
+                raise ConfigError(
+                    f"distillation (distill.teacher / --teacher) runs under data parallelism only, but "
+                    f"parallel.{name}={getattr(dims, name)}; set parallel.{name}=1 and use parallel.dp"
+                )
         if zero == 3:
             raise ConfigError("distillation does not run under parallel.zero=3; use parallel.zero=0, 1 or 2")

@@ -67,7 +67,9 @@ def forward_states(model, tokens: torch.Tensor, keep: set[int], labels: torch.Te
 def load_teacher(path: str, device: torch.device | str = "cpu"):
     """The teacher model (eval mode, no gradients) from a trickles checkpoint or a Hugging Face directory."""
     if not os.path.exists(path):
-        raise ConfigError(f"distill.teacher {path} does not exist; give a trickles checkpoint, a run's out_dir or a Hugging Face directory")
+        raise ConfigError(
+            f"distill.teacher {path} does not exist; give a trickles checkpoint, a run's out_dir or a Hugging Face directory"
+        )
     if os.path.isfile(os.path.join(path, "config.json")):
         from ..models.hf import load_hf
 
@@ -91,8 +93,10 @@ class Distiller:
         self.teacher = load_teacher(cfg.teacher, device)
         t_cfg = self.teacher.cfg
         if t_cfg.vocab_size != student_cfg.vocab_size:
-            raise ConfigError(f"the teacher's vocabulary ({t_cfg.vocab_size} tokens) differs from the student's "
-                              f"({student_cfg.vocab_size}); distil from a teacher with the same tokenizer and model.vocab_size")
+            raise ConfigError(
+                f"the teacher's vocabulary ({t_cfg.vocab_size} tokens) differs from the student's "
+                f"({student_cfg.vocab_size}); distil from a teacher with the same tokenizer and model.vocab_size"
+            )
         self.pairs: list[tuple[int, int]] = []
         self.proj: nn.ModuleList | None = None
         self.optimizer = None
@@ -100,14 +104,16 @@ class Distiller:
             self.pairs = cfg.pairs() or default_map(student_cfg.n_layers, t_cfg.n_layers)
             for s, t in self.pairs:
                 if not (0 <= s < student_cfg.n_layers and 0 <= t < t_cfg.n_layers):
-                    raise ConfigError(f"distill.layer_map pair {s}:{t} names a block the student ({student_cfg.n_layers} "
-                                      f"blocks) or the teacher ({t_cfg.n_layers}) does not have")
+                    raise ConfigError(
+                        f"distill.layer_map pair {s}:{t} names a block the student ({student_cfg.n_layers} "
+                        f"blocks) or the teacher ({t_cfg.n_layers}) does not have"
+                    )
             if student_cfg.d_model != t_cfg.d_model:
                 g = torch.Generator().manual_seed(seed)
                 self.proj = nn.ModuleList(nn.Linear(student_cfg.d_model, t_cfg.d_model, bias=False) for _ in self.pairs)
                 with torch.no_grad():
                     for lin in self.proj:
-                        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / student_cfg.d_model ** 0.5)
+                        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) / student_cfg.d_model**0.5)
                 self.proj.to(device)
                 self.optimizer = torch.optim.AdamW(self.proj.parameters(), lr=1.0, weight_decay=weight_decay)
 
@@ -118,10 +124,14 @@ class Distiller:
         logits, hs = forward_states(model, x, {s for s, _ in self.pairs}, labels)
         with torch.no_grad():
             t_logits, ht = forward_states(self.teacher, x, {t for _, t in self.pairs}, labels)
-        loss = (1.0 - c.alpha) * cross_entropy(logits, y) + c.alpha * c.temperature ** 2 * kd_loss(logits, t_logits, y, c.temperature)
+        loss = (1.0 - c.alpha) * cross_entropy(logits, y) + c.alpha * c.temperature**2 * kd_loss(
+            logits, t_logits, y, c.temperature
+        )
         if self.pairs:
-            terms = [F.mse_loss((self.proj[i](hs[s]) if self.proj is not None else hs[s]).float(), ht[t].float())
-                     for i, (s, t) in enumerate(self.pairs)]
+            terms = [
+                F.mse_loss((self.proj[i](hs[s]) if self.proj is not None else hs[s]).float(), ht[t].float())
+                for i, (s, t) in enumerate(self.pairs)
+            ]
             loss = loss + c.hidden_weight * torch.stack(terms).mean()
         return loss
 

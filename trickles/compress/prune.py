@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Literal
 
 import torch
 
@@ -69,11 +70,14 @@ def check_prunable(cfg: ModelConfig) -> None:
 
 # ---- scores ------------------------------------------------------------------------------------
 
+
 def _rows(g: int, size: int) -> slice:
     return slice(g * size, (g + 1) * size)
 
 
-def measure(model: Transformer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], score: Score = "taylor") -> Importance:
+def measure(
+    model: Transformer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], score: Score = "taylor"
+) -> Importance:
     """Importance of every group, channel and block of the unfused, dense ``model`` on ``batches`` of ``(inputs, targets)``."""
     cfg = model.cfg
     check_prunable(cfg)
@@ -102,7 +106,7 @@ def _taylor(model: Transformer, batches) -> Importance:
     groups, channels, blocks = {}, {}, {}
     for key in model.layers:
         l, pre = int(key), f"layers.{key}."
-        t = {n[len(pre):]: v for n, v in totals.items() if n.startswith(pre)}
+        t = {n[len(pre) :]: v for n, v in totals.items() if n.startswith(pre)}
         blocks[l] = float(sum(v.sum() for v in t.values()))
         g_score = torch.zeros(cfg.kv_heads, dtype=torch.float64)
         for g in range(cfg.kv_heads):
@@ -137,23 +141,29 @@ def _activation(model: Transformer, batches) -> Importance:
             for h in range(cfg.n_heads):
                 out = z[..., _rows(h, d)] @ w[:, _rows(h, d)].T  # head h's term of the residual update
                 groups[l][h // rep] += float(out.norm(dim=-1).mean())
+
         return hook
 
     def on_down(l):
         def hook(mod, args):
             a = args[0].float()  # [B, T, f]
             channels[l] += (a.abs().flatten(0, -2).mean(0) * mod.weight.float().norm(dim=0)).double()
+
         return hook
 
     def on_block(l):
         def hook(mod, args, out):
             blocks[l] += float((out - args[0]).float().norm(dim=-1).mean())
+
         return hook
 
     for key, block in model.layers.items():
         l = int(key)
-        hooks += [block.attn.o_proj.register_forward_pre_hook(on_o_proj(l)),
-                  block.mlp.down_proj.register_forward_pre_hook(on_down(l)), block.register_forward_hook(on_block(l))]
+        hooks += [
+            block.attn.o_proj.register_forward_pre_hook(on_o_proj(l)),
+            block.mlp.down_proj.register_forward_pre_hook(on_down(l)),
+            block.register_forward_hook(on_block(l)),
+        ]
     was = model.training
     model.eval()
     try:
@@ -168,6 +178,7 @@ def _activation(model: Transformer, batches) -> Importance:
 
 # ---- what to keep ----------------------------------------------------------------------------
 
+
 def _kept(total: int, fraction: float, multiple_of: int) -> int:
     keep = total - round(fraction * total)
     if multiple_of > 1:
@@ -175,15 +186,18 @@ def _kept(total: int, fraction: float, multiple_of: int) -> int:
     return max(keep, min(multiple_of, total), 1)
 
 
-def plan(imp: Importance, cfg: ModelConfig, heads: float = 0.0, ffn: float = 0.0, layers: int = 0,
-         multiple_of: int = 1) -> Plan:
+def plan(
+    imp: Importance, cfg: ModelConfig, heads: float = 0.0, ffn: float = 0.0, layers: int = 0, multiple_of: int = 1
+) -> Plan:
     """Keeps, in every layer, the ``1 - heads`` best key/value groups and ``1 - ffn`` best channels, and all but the
     ``layers`` lowest-scoring blocks. ``multiple_of``: kept groups and channels rounded down to a multiple of it
     (a tensor-parallel degree the pruned model should split over). Ties keep the earlier unit."""
     if not 0 <= heads < 1 or not 0 <= ffn < 1:
         raise UserError(f"--heads and --ffn are fractions to remove, in [0, 1); got {heads:g} and {ffn:g}")
     if not 0 <= layers < cfg.n_layers:
-        raise UserError(f"--layers removes whole blocks: 0 to {cfg.n_layers - 1} of this model's {cfg.n_layers}; got {layers}")
+        raise UserError(
+            f"--layers removes whole blocks: 0 to {cfg.n_layers - 1} of this model's {cfg.n_layers}; got {layers}"
+        )
     if multiple_of < 1:
         raise UserError(f"--multiple-of must be at least 1, got {multiple_of}")
     n_groups = _kept(cfg.kv_heads, heads, multiple_of)
@@ -196,18 +210,26 @@ def plan(imp: Importance, cfg: ModelConfig, heads: float = 0.0, ffn: float = 0.0
     by_block = sorted(imp.blocks, key=lambda l: (imp.blocks[l], -l))  # lowest first; ties drop the later block
     dropped = set(by_block[:layers])
     kept = [l for l in sorted(imp.blocks) if l not in dropped]
-    return Plan(kept, {l: best(imp.groups[l], n_groups) for l in kept}, {l: best(imp.channels[l], n_channels) for l in kept})
+    return Plan(
+        kept, {l: best(imp.groups[l], n_groups) for l in kept}, {l: best(imp.channels[l], n_channels) for l in kept}
+    )
 
 
 # ---- applying it -------------------------------------------------------------------------------
+
 
 def pruned_config(cfg: ModelConfig, p: Plan) -> ModelConfig:
     """``cfg`` with the plan's layer, head and channel counts (head size kept as ``head_size``)."""
     rep = cfg.n_heads // cfg.kv_heads
     groups = len(next(iter(p.groups.values())))
-    out = dataclasses.replace(cfg, preset=None, n_layers=len(p.layers), n_heads=groups * rep,
-                              n_kv_heads=groups if cfg.n_kv_heads is not None else None,
-                              ffn_hidden=len(next(iter(p.channels.values()))))
+    out = dataclasses.replace(
+        cfg,
+        preset=None,
+        n_layers=len(p.layers),
+        n_heads=groups * rep,
+        n_kv_heads=groups if cfg.n_kv_heads is not None else None,
+        ffn_hidden=len(next(iter(p.channels.values()))),
+    )
     if out.n_heads != cfg.n_heads:
         out.head_size = cfg.head_dim
     out.validate()
@@ -264,8 +286,17 @@ def prune_model(model: Transformer, p: Plan) -> Transformer:
 
 # ---- the command ---------------------------------------------------------------------------
 
-def prune_checkpoint(src: str, out: str, heads: float = 0.0, ffn: float = 0.0, layers: int = 0, score: Score = "taylor",
-                     batches: int = 8, multiple_of: int = 1) -> tuple[str, ModelConfig, ModelConfig]:
+
+def prune_checkpoint(
+    src: str,
+    out: str,
+    heads: float = 0.0,
+    ffn: float = 0.0,
+    layers: int = 0,
+    score: Score = "taylor",
+    batches: int = 8,
+    multiple_of: int = 1,
+) -> tuple[str, ModelConfig, ModelConfig]:
     """Prunes the checkpoint at ``src`` (scored on ``batches`` batches of its run's training data) into a new
     checkpoint ``out``: model weights, tokenizer and a ``trainer.json`` at step 0 with the pruned model config and
     ``pruned_from``; no optimizer state (train it with ``train.init_from``). Written in ``out.tmp``, renamed when
@@ -282,16 +313,36 @@ def prune_checkpoint(src: str, out: str, heads: float = 0.0, ffn: float = 0.0, l
         raise UserError(f"{out} already exists; choose another path or delete it")
     model, tokenizer, meta, path = load_model(src, fused_proj=False)
     check_prunable(model.cfg)
-    p = plan(measure(model, calibration_batches(meta, tokenizer, "train", batches), score), model.cfg, heads, ffn,
-             layers, multiple_of)
+    p = plan(
+        measure(model, calibration_batches(meta, tokenizer, "train", batches), score),
+        model.cfg,
+        heads,
+        ffn,
+        layers,
+        multiple_of,
+    )
     small = prune_model(model, p)
     new = dataclasses.asdict(small.cfg)
     new["fused_proj"] = meta["model"].get("fused_proj")  # how it computes stays the user's choice
     config = dict(meta.get("config", {}))
     config["model"] = dict(new)
-    trainer = {"step": 0, "consumed_samples": 0, "world_size": 1, "model": new, "config": config, "rng": [],
-               "pruned_from": {"checkpoint": os.path.abspath(path), "score": score, "heads": heads, "ffn": ffn,
-                               "layers": layers, "batches": batches, "kept_layers": p.layers,
-                               "kept_groups": {str(k): v for k, v in p.groups.items()}}}
+    trainer = {
+        "step": 0,
+        "consumed_samples": 0,
+        "world_size": 1,
+        "model": new,
+        "config": config,
+        "rng": [],
+        "pruned_from": {
+            "checkpoint": os.path.abspath(path),
+            "score": score,
+            "heads": heads,
+            "ffn": ffn,
+            "layers": layers,
+            "batches": batches,
+            "kept_layers": p.layers,
+            "kept_groups": {str(k): v for k, v in p.groups.items()},
+        },
+    }
     ckpt.write_model_dir(out, ckpt.model_pieces(small), os.path.join(path, "tokenizer"), trainer)
     return out, model.cfg, small.cfg

@@ -75,7 +75,12 @@ def apply_qat(model: nn.Module) -> list[str]:
     """Makes every quantizable projection of ``model`` (single-device or tensor-parallel) fake-quantize; returns their names."""
     from ..parallel.tensor.layers import ColumnParallelLinear, ReplicatedKV, RowParallelLinear
 
-    forwards = {nn.Linear: _linear, ColumnParallelLinear: _column, RowParallelLinear: _row, ReplicatedKV: _replicated_kv}
+    forwards = {
+        nn.Linear: _linear,
+        ColumnParallelLinear: _column,
+        RowParallelLinear: _row,
+        ReplicatedKV: _replicated_kv,
+    }
     names = quantized_names(model)
     if "output" in names and getattr(model, "loss", None) is not None:
         model.loss.fused = False  # the loss from the (fake-quantized) head's logits, not from its float weight
@@ -83,7 +88,9 @@ def apply_qat(model: nn.Module) -> list[str]:
         mod = model.get_submodule(name)
         fwd = forwards.get(type(mod))
         if fwd is None:
-            raise TypeError(f"quantization-aware training does not know how to fake-quantize {name} ({type(mod).__name__})")
+            raise TypeError(
+                f"quantization-aware training does not know how to fake-quantize {name} ({type(mod).__name__})"
+            )
         mod.forward = types.MethodType(fwd, mod)  # an instance attribute: hooks and the parameters stay as they are
         mod.qat = True
     return names

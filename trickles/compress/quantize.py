@@ -83,7 +83,7 @@ def int_mm_path(m: int, k: int, n: int, device: torch.device) -> str:
         return "int_mm"
     if hasattr(torch, "_int_mm") and device.type == "cuda" and k % 8 == 0 and n % 8 == 0 and k >= 16:
         return "int_mm" if m > 16 else "int_mm_padded"
-    return "fp32_exact" if k * QMAX * QMAX < 2 ** 24 else "fp64_exact"
+    return "fp32_exact" if k * QMAX * QMAX < 2**24 else "fp64_exact"
 
 
 def int8_matmul(xq: torch.Tensor, wq_t: torch.Tensor, path: str) -> torch.Tensor:
@@ -101,8 +101,11 @@ def error_bound(x: torch.Tensor, w: torch.Tensor, s_x: torch.Tensor, s_w: torch.
     """``[m, n]``: the bound on ``|true int8 - x W^T|`` from the module docstring, per token and output."""
     x, w = x.float(), w.float()
     k = x.shape[-1]
-    return (x.abs().sum(-1, keepdim=True) * s_w[None, :] / 2 + s_x[:, None] * w.abs().sum(-1)[None, :] / 2
-            + k * s_x[:, None] * s_w[None, :] / 4)
+    return (
+        x.abs().sum(-1, keepdim=True) * s_w[None, :] / 2
+        + s_x[:, None] * w.abs().sum(-1)[None, :] / 2
+        + k * s_x[:, None] * s_w[None, :] / 4
+    )
 
 
 class Int8Linear(nn.Module):
@@ -128,7 +131,9 @@ class Int8Linear(nn.Module):
         self._wq_t = None  # W_q^T contiguous, cached for torch._int_mm
 
     @classmethod
-    def from_float(cls, linear: nn.Module, granularity: str = "row", mode: str = "weight", bits: int = 8) -> "Int8Linear":
+    def from_float(
+        cls, linear: nn.Module, granularity: str = "row", mode: str = "weight", bits: int = 8
+    ) -> Int8Linear:
         out = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, device=linear.weight.device)
         q, s = quantize_weight(linear.weight, granularity, bits)
         out.weight.copy_(q)
@@ -204,7 +209,11 @@ def empty_quantized(model: nn.Module, mode: str = "weight") -> list[str]:
         parent, _, leaf = name.rpartition(".")
         owner = model.get_submodule(parent)
         old = getattr(owner, leaf)
-        setattr(owner, leaf, Int8Linear(old.in_features, old.out_features, old.bias is not None, mode, device=old.weight.device))
+        setattr(
+            owner,
+            leaf,
+            Int8Linear(old.in_features, old.out_features, old.bias is not None, mode, device=old.weight.device),
+        )
     return names
 
 

@@ -52,8 +52,11 @@ def parameter_count(model: torch.nn.Module) -> int:
     from ..models.transformer import count_params
     from .quantize import Int8Linear
 
-    int8 = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
-               for m in model.modules() if isinstance(m, Int8Linear))
+    int8 = sum(
+        m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+        for m in model.modules()
+        if isinstance(m, Int8Linear)
+    )
     return count_params(model) + int8
 
 
@@ -68,8 +71,10 @@ def calibration_batches(meta: dict, tokenizer, split: str, count: int, batch: in
     if split == "train":
         return [b[:2] for i in range(count) for b in data.micro_batches(i * rows, rows, rows)]
     if len(tokens) <= cfg.data.seq_len:
-        raise UserError(f"the run's held-out split has {len(tokens)} tokens, fewer than one sequence; "
-                        "set data.val_fraction in the run that wrote the first checkpoint")
+        raise UserError(
+            f"the run's held-out split has {len(tokens)} tokens, fewer than one sequence; "
+            "set data.val_fraction in the run that wrote the first checkpoint"
+        )
     return [b[:2] for i in range(count) for b in data.val_micro_batches(i, rows, rows)]
 
 
@@ -90,8 +95,11 @@ class Row:
 
 def disk_bytes(path: str) -> int:
     """Bytes of the model weight files of the checkpoint directory ``path``."""
-    return sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
-               if n.startswith("model") and n.endswith(".safetensors"))
+    return sum(
+        os.path.getsize(os.path.join(path, n))
+        for n in os.listdir(path)
+        if n.startswith("model") and n.endswith(".safetensors")
+    )
 
 
 @torch.no_grad()
@@ -141,9 +149,13 @@ def compress_report(paths: list[str], tokens: int = 64, batches: int | None = No
             data = calibration_batches(meta, tokenizer, "val", count)
             vocab = tokenizer.vocab_size
         elif tokenizer.vocab_size != vocab:
-            raise UserError(f"{p} has a tokenizer of {tokenizer.vocab_size} tokens, {paths[0]} one of {vocab}; "
-                            "report checkpoints that read the same tokens")
-        rows.append(Row(p, parameter_count(model), disk_bytes(path), val_loss(model, data), decode_speed(model, tokens, vocab)))
+            raise UserError(
+                f"{p} has a tokenizer of {tokenizer.vocab_size} tokens, {paths[0]} one of {vocab}; "
+                "report checkpoints that read the same tokens"
+            )
+        rows.append(
+            Row(p, parameter_count(model), disk_bytes(path), val_loss(model, data), decode_speed(model, tokens, vocab))
+        )
         del model
     return rows
 
@@ -155,8 +167,16 @@ def report_table(rows: list[Row]) -> str:
     lines = [head]
     for r in rows:
         rel = "" if r is base else f" ({r.params / base.params:.2f}x)"
-        lines.append((r.name, f"{r.params:,}{rel}", f"{r.disk_bytes / 1e6:.2f}", f"{r.val_loss:.4f}", f"{r.perplexity:.2f}",
-                      f"{r.tokens_per_s:,.0f}"))
+        lines.append(
+            (
+                r.name,
+                f"{r.params:,}{rel}",
+                f"{r.disk_bytes / 1e6:.2f}",
+                f"{r.val_loss:.4f}",
+                f"{r.perplexity:.2f}",
+                f"{r.tokens_per_s:,.0f}",
+            )
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     fmt = lambda line: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))  # noqa: E731
     return "\n".join([fmt(lines[0]), "  ".join("-" * w for w in widths), *map(fmt, lines[1:])])

@@ -29,8 +29,8 @@ import numpy as np
 
 from ..errors import DataError
 from .config import DataConfig
-from .sources import Format, labelled_documents, resolve_files, resolve_format, source_fingerprint
 from .loader import require_boundaries
+from .sources import Format, labelled_documents, resolve_files, resolve_format, source_fingerprint
 from .tokenizers import Tokenizer, build_tokenizer, cache_root
 
 _BATCH_CHARS = 8 << 20  # documents are tokenized in batches of about this much text
@@ -128,9 +128,15 @@ def _open_token_file(cfg: DataConfig, path: str) -> np.ndarray:
         if path.endswith(".npy"):
             arr = np.load(path, mmap_mode="r", allow_pickle=False)
         else:
-            arr = np.memmap(path, dtype=cfg.token_dtype, mode="r") if os.path.getsize(path) else np.zeros(0, cfg.token_dtype)
+            arr = (
+                np.memmap(path, dtype=cfg.token_dtype, mode="r")
+                if os.path.getsize(path)
+                else np.zeros(0, cfg.token_dtype)
+            )
     except (OSError, ValueError) as e:
-        raise DataError(f"data.source: cannot read token file {path} ({e}); check the file and data.token_dtype") from None
+        raise DataError(
+            f"data.source: cannot read token file {path} ({e}); check the file and data.token_dtype"
+        ) from None
     if not np.issubdtype(arr.dtype, np.integer):
         raise DataError(f"data.source: {path} holds {arr.dtype}, not integer token ids; save the tokens as integers")
     return arr.reshape(-1)
@@ -153,15 +159,19 @@ def check_boundaries(cfg: DataConfig) -> None:
 
 def _check_ids(arr: np.ndarray, path: str, tokenizer: Tokenizer) -> None:
     if len(arr) and (int(arr.max()) >= tokenizer.vocab_size or int(arr.min()) < 0):
-        raise DataError(f"data.source: {path} holds token ids outside 0..{tokenizer.vocab_size - 1} "
-                        f"(tokenizer {tokenizer.name}); set data.tokenizer to the one the tokens were made with")
+        raise DataError(
+            f"data.source: {path} holds token ids outside 0..{tokenizer.vocab_size - 1} "
+            f"(tokenizer {tokenizer.name}); set data.tokenizer to the one the tokens were made with"
+        )
 
 
 def _split(arr: np.ndarray, split: int) -> tuple[np.ndarray, np.ndarray]:
     return arr[:split], arr[split:]
 
 
-def load_corpus(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | None = None, labels: list[str] | None = None) -> Corpus:
+def load_corpus(
+    cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | None = None, labels: list[str] | None = None
+) -> Corpus:
     """The source tokenized with ``tokenizer`` and split into train/val (cached; see module doc).
 
     ``cache_dir`` defaults to ``cfg.cache_dir``, then ``~/.cache/trickles``. ``labels`` (hard-routed
@@ -172,16 +182,26 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | None = N
     fmt = resolve_format(cfg, files)
     label = "stdlib" if cfg.source == "stdlib" else cfg.source
     if labels is not None and (fmt == "tokens" or (cfg.label_field is None and cfg.label_path == "none")):
-        raise DataError("hard-routed experts need each document's label: set data.label_field (a JSONL field) or "
-                        "data.label_path (package or directory) for a text source")
+        raise DataError(
+            "hard-routed experts need each document's label: set data.label_field (a JSONL field) or "
+            "data.label_path (package or directory) for a text source"
+        )
     if fmt == "tokens" and len(files) == 1:
         arr = _open_token_file(cfg, files[0])
         _check_ids(arr, files[0], tokenizer)
         train, val = _split(arr, split_point([len(arr)], cfg.val_fraction))
         return Corpus(train, val, label, tokenizer=tokenizer.name)
 
-    key_parts = [_CACHE_VERSION, source_fingerprint(cfg), tokenizer.identity(), cfg.max_bytes, cfg.val_fraction,
-                 cfg.text_field, cfg.format, cfg.token_dtype if fmt == "tokens" else None]
+    key_parts = [
+        _CACHE_VERSION,
+        source_fingerprint(cfg),
+        tokenizer.identity(),
+        cfg.max_bytes,
+        cfg.val_fraction,
+        cfg.text_field,
+        cfg.format,
+        cfg.token_dtype if fmt == "tokens" else None,
+    ]
     if labels is not None:
         key_parts += [cfg.label_field, cfg.label_path, list(labels)]
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
@@ -205,7 +225,7 @@ def load_corpus(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: str | None = N
 
 
 def _labels_path(npy: str) -> str:
-    return npy[:-len(".npy")] + ".labels.npy"
+    return npy[: -len(".npy")] + ".labels.npy"
 
 
 def _read_cached(npy: str, meta_path: str) -> dict | None:
@@ -219,8 +239,9 @@ def _read_cached(npy: str, meta_path: str) -> dict | None:
     return None
 
 
-def _tokenize_to(npy: str, cfg: DataConfig, files: list[str], fmt: Format, tokenizer: Tokenizer,
-                 labels: list[str] | None = None) -> dict:
+def _tokenize_to(
+    npy: str, cfg: DataConfig, files: list[str], fmt: Format, tokenizer: Tokenizer, labels: list[str] | None = None
+) -> dict:
     """Writes the concatenated tokens to ``npy`` (and with ``labels`` each token's label id beside it);
     returns ``{tokens, split, documents, bytes}`` (and ``label_documents``)."""
     writer = _NpyWriter(npy, token_dtype(tokenizer.vocab_size))
@@ -233,7 +254,7 @@ def _tokenize_to(npy: str, cfg: DataConfig, files: list[str], fmt: Format, token
                 arr = _open_token_file(cfg, path)
                 _check_ids(arr, path, tokenizer)
                 for start in range(0, len(arr), 1 << 24):
-                    writer.write(arr[start:start + (1 << 24)])
+                    writer.write(arr[start : start + (1 << 24)])
             if writer.n == 0:
                 raise DataError(f"data.source {cfg.source!r} holds no tokens; give non-empty token files")
             split, docs, nbytes = split_point([writer.n], cfg.val_fraction), None, None
@@ -253,8 +274,10 @@ def _tokenize_to(npy: str, cfg: DataConfig, files: list[str], fmt: Format, token
             lengths += _write_batch(writer, tokenizer, batch, label_writer, batch_ids)
             missing = [k for k, v in per_label.items() if v == 0]
             if missing:
-                raise DataError(f"no document of data.source {cfg.source!r} has the label(s) {', '.join(missing)} "
-                                f"(model.moe_label_experts); fix the labels or data.label_field / data.label_path")
+                raise DataError(
+                    f"no document of data.source {cfg.source!r} has the label(s) {', '.join(missing)} "
+                    f"(model.moe_label_experts); fix the labels or data.label_field / data.label_path"
+                )
             if not lengths:
                 raise DataError(f"data.source {cfg.source!r} holds no text; give a non-empty source")
             split, docs = split_point(lengths, cfg.val_fraction), len(lengths)
@@ -272,8 +295,13 @@ def _tokenize_to(npy: str, cfg: DataConfig, files: list[str], fmt: Format, token
     return meta
 
 
-def _write_batch(writer: _NpyWriter, tokenizer: Tokenizer, batch: list[str], label_writer: _NpyWriter | None = None,
-                 label_ids: list[int] | None = None) -> list[int]:
+def _write_batch(
+    writer: _NpyWriter,
+    tokenizer: Tokenizer,
+    batch: list[str],
+    label_writer: _NpyWriter | None = None,
+    label_ids: list[int] | None = None,
+) -> list[int]:
     if not batch:
         return []
     arrays = tokenizer.encode_documents(batch)

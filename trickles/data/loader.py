@@ -34,10 +34,12 @@ def require_boundaries(tokens: np.ndarray, eos_id: int, source: str, chunk: int 
     """Refuses ``data.document_mask`` on a token stream without end-of-text ids (a token file written without
     boundaries): every sequence would be one document. Scans in chunks and stops at the first eos."""
     for start in range(0, len(tokens), chunk):
-        if np.any(np.asarray(tokens[start:start + chunk]) == eos_id):
+        if np.any(np.asarray(tokens[start : start + chunk]) == eos_id):
             return
-    raise DataError(f"data.document_mask=true needs end-of-text tokens (id {eos_id}) between documents, and {source} has "
-                    f"none; write the token file with the eos id after each document, or set data.document_mask=false")
+    raise DataError(
+        f"data.document_mask=true needs end-of-text tokens (id {eos_id}) between documents, and {source} has "
+        f"none; write the token file with the eos id after each document, or set data.document_mask=false"
+    )
 
 
 DOCUMENTS = 3  # where a micro-batch holds its document ids (module doc)
@@ -46,8 +48,16 @@ DOCUMENTS = 3  # where a micro-batch holds its document ids (module doc)
 class ShardedBatches:
     """One data-parallel rank's view of the batches drawn from ``tokens`` (see module doc)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
-                 labels: np.ndarray | None = None, eos_id: int | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        labels: np.ndarray | None = None,
+        eos_id: int | None = None,
+    ):
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
         if not 0 <= dp_rank < dp_size:
@@ -81,7 +91,9 @@ class ShardedBatches:
         return out
 
     # ---- batches ---------------------------------------------------------------------------
-    def micro_batches(self, consumed: int, global_batch: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def micro_batches(
+        self, consumed: int, global_batch: int, micro_batch: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's ``(inputs, targets)`` micro-batches of the step starting at sample ``consumed``.
 
         Each tensor is int64 on the CPU, ``[micro_batch, seq_len]``.
@@ -92,7 +104,9 @@ class ShardedBatches:
         start, rows = self._rank_rows(global_batch, micro_batch)
         return self._gather(self.windows(consumed + start, rows), micro_batch)
 
-    def val_micro_batches(self, index: int, global_batch: int, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def val_micro_batches(
+        self, index: int, global_batch: int, micro_batch: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches of held-out batch ``index``: windows ``index*B ...`` in order, wrapping."""
         if index < 0:
             raise ValueError(f"index must be non-negative, got {index}")
@@ -104,18 +118,24 @@ class ShardedBatches:
     # ---- helpers ---------------------------------------------------------------------------
     def _require(self, split: str) -> None:
         if self.n_windows < 1:
-            raise DataError(f"the {split} split has {len(self.tokens)} tokens, fewer than one window of "
-                            f"data.seq_len + 1 = {self.seq_len + 1}; use a smaller data.seq_len or more data")
+            raise DataError(
+                f"the {split} split has {len(self.tokens)} tokens, fewer than one window of "
+                f"data.seq_len + 1 = {self.seq_len + 1}; use a smaller data.seq_len or more data"
+            )
 
     def _rank_rows(self, global_batch: int, micro_batch: int) -> tuple[int, int]:
         if global_batch < 1 or micro_batch < 1:
             raise ValueError(f"global_batch ({global_batch}) and micro_batch ({micro_batch}) must be positive")
         if global_batch % self.dp_size:
-            raise ValueError(f"global_batch ({global_batch}) is not divisible by the data-parallel size ({self.dp_size})")
+            raise ValueError(
+                f"global_batch ({global_batch}) is not divisible by the data-parallel size ({self.dp_size})"
+            )
         rows = global_batch // self.dp_size
         if rows % micro_batch:
-            raise ValueError(f"rows per data-parallel rank ({rows} = {global_batch} / {self.dp_size}) are not "
-                             f"divisible by micro_batch ({micro_batch})")
+            raise ValueError(
+                f"rows per data-parallel rank ({rows} = {global_batch} / {self.dp_size}) are not "
+                f"divisible by micro_batch ({micro_batch})"
+            )
         return self.dp_rank * rows, rows
 
     def _gather(self, windows: np.ndarray, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -123,12 +143,16 @@ class ShardedBatches:
         rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
         # each micro-batch in storage of its own (of one row, .contiguous() would keep a view of the whole batch, which
         # the embedding's backward then holds)
-        out = [(rows[i:i + micro_batch, :-1].clone(memory_format=torch.contiguous_format),
-                rows[i:i + micro_batch, 1:].clone(memory_format=torch.contiguous_format))
-               for i in range(0, len(rows), micro_batch)]
+        out = [
+            (
+                rows[i : i + micro_batch, :-1].clone(memory_format=torch.contiguous_format),
+                rows[i : i + micro_batch, 1:].clone(memory_format=torch.contiguous_format),
+            )
+            for i in range(0, len(rows), micro_batch)
+        ]
         if self.labels is not None:
             labels = torch.from_numpy(np.asarray(self.labels[index[:, :-1]], dtype=np.int64))
-            out = [(x, y, labels[i:i + micro_batch]) for (x, y), i in zip(out, range(0, len(rows), micro_batch))]
+            out = [(x, y, labels[i : i + micro_batch]) for (x, y), i in zip(out, range(0, len(rows), micro_batch))]
         if self.eos_id is not None:
             out = [(b[0], b[1], b[2] if len(b) > 2 else None, document_ids(b[0], self.eos_id)) for b in out]
         return out

@@ -26,7 +26,8 @@ import glob
 import json
 import os
 import sysconfig
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import numpy as np
 
@@ -38,6 +39,7 @@ STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "
 
 
 # ---- files -------------------------------------------------------------------------------
+
 
 def stdlib_files() -> tuple[str, list[str]]:
     """``(root, sorted relative paths)`` of the standard library's ``*.py`` files (see module doc)."""
@@ -67,7 +69,9 @@ def resolve_files(cfg: DataConfig) -> list[str]:
     if cfg.source == "stdlib":
         root, rel = stdlib_files()
         if not rel:
-            raise DataError(f"data.source 'stdlib': no *.py files under {root}; give a text file, a glob or a .jsonl file")
+            raise DataError(
+                f"data.source 'stdlib': no *.py files under {root}; give a text file, a glob or a .jsonl file"
+            )
         return [os.path.join(root, r) for r in rel]
     pattern = os.path.expanduser(cfg.source)
     if _is_glob(pattern):
@@ -76,8 +80,10 @@ def resolve_files(cfg: DataConfig) -> list[str]:
         files = [pattern] if os.path.isfile(pattern) else []
     if not files:
         what = "matches no file" if _is_glob(pattern) else "is not a file"
-        raise DataError(f"data.source {cfg.source!r} {what}; give an existing file, a glob, a .jsonl file, "
-                        "a token file, or 'stdlib'")
+        raise DataError(
+            f"data.source {cfg.source!r} {what}; give an existing file, a glob, a .jsonl file, "
+            "a token file, or 'stdlib'"
+        )
     return files
 
 
@@ -95,8 +101,9 @@ def resolve_format(cfg: DataConfig, files: list[str] | None = None) -> Format:
         return "text"
     formats = {file_format(cfg, f) for f in (files if files is not None else resolve_files(cfg))}
     if "tokens" in formats and len(formats) > 1:
-        raise DataError(f"data.source {cfg.source!r} mixes token files (.bin/.npy) with text; "
-                        "point it at one kind only")
+        raise DataError(
+            f"data.source {cfg.source!r} mixes token files (.bin/.npy) with text; point it at one kind only"
+        )
     return "jsonl" if formats == {"jsonl"} else formats.pop() if len(formats) == 1 else "text"
 
 
@@ -110,13 +117,19 @@ def check_source(cfg: DataConfig) -> None:
         if fmt == "tokens" and not f.endswith(".npy"):
             size = np.dtype(cfg.token_dtype).itemsize
             if os.path.getsize(f) % size:
-                raise DataError(f"data.source: {f} is {os.path.getsize(f)} bytes, not a whole number of "
-                                f"{cfg.token_dtype} tokens; check data.token_dtype")
+                raise DataError(
+                    f"data.source: {f} is {os.path.getsize(f)} bytes, not a whole number of "
+                    f"{cfg.token_dtype} tokens; check data.token_dtype"
+                )
     if cfg.tokenizer not in ("byte", "bpe"):
         path = os.path.expanduser(cfg.tokenizer)
-        if not (os.path.isfile(os.path.join(path, "tokenizer.json")) or path.endswith(".json") and os.path.isfile(path)):
-            raise DataError(f"data.tokenizer {cfg.tokenizer!r} is neither 'byte', 'bpe' nor a directory holding "
-                            "tokenizer.json; give one of those")
+        if not (
+            os.path.isfile(os.path.join(path, "tokenizer.json")) or path.endswith(".json") and os.path.isfile(path)
+        ):
+            raise DataError(
+                f"data.tokenizer {cfg.tokenizer!r} is neither 'byte', 'bpe' nor a directory holding "
+                "tokenizer.json; give one of those"
+            )
 
 
 def source_fingerprint(cfg: DataConfig) -> list:
@@ -130,6 +143,7 @@ def source_fingerprint(cfg: DataConfig) -> list:
 
 # ---- documents ---------------------------------------------------------------------------
 
+
 def source_root(cfg: DataConfig) -> str:
     """The directory a file source's paths are taken relative to (the stdlib root, a glob's fixed part)."""
     if cfg.source == "stdlib":
@@ -137,7 +151,7 @@ def source_root(cfg: DataConfig) -> str:
     pattern = os.path.expanduser(cfg.source)
     if not _is_glob(pattern):
         return os.path.dirname(os.path.abspath(pattern))
-    fixed = pattern[:min(pattern.index(c) for c in "*?[" if c in pattern)]
+    fixed = pattern[: min(pattern.index(c) for c in "*?[" if c in pattern)]
     return os.path.abspath(fixed if fixed.endswith(os.sep) else os.path.dirname(fixed))
 
 
@@ -173,7 +187,9 @@ def labelled_documents(cfg: DataConfig, keep: set[str] | None = None) -> Iterato
             with open(path, "rb") as f:
                 raw = f.read() if left is None else f.read(left)
         except OSError as e:
-            raise DataError(f"data.source: cannot read {path} ({e.strerror}); check the path and its permissions") from None
+            raise DataError(
+                f"data.source: cannot read {path} ({e.strerror}); check the path and its permissions"
+            ) from None
         if left is not None:
             left -= len(raw)
         if raw:
@@ -181,7 +197,9 @@ def labelled_documents(cfg: DataConfig, keep: set[str] | None = None) -> Iterato
             yield text, len(raw), label
 
 
-def _jsonl_documents(cfg: DataConfig, path: str, left: int | None, keep: set[str] | None = None) -> Iterator[tuple[str, int, str | None]]:
+def _jsonl_documents(
+    cfg: DataConfig, path: str, left: int | None, keep: set[str] | None = None
+) -> Iterator[tuple[str, int, str | None]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -191,12 +209,16 @@ def _jsonl_documents(cfg: DataConfig, path: str, left: int | None, keep: set[str
             except ValueError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e}); fix or remove that line") from None
             if not isinstance(record, dict) or not isinstance(record.get(cfg.text_field), str):
-                raise DataError(f"{path}:{lineno}: no string field {cfg.text_field!r}; fix the line or set data.text_field")
+                raise DataError(
+                    f"{path}:{lineno}: no string field {cfg.text_field!r}; fix the line or set data.text_field"
+                )
             text = record[cfg.text_field]
             label = None
             if cfg.label_field is not None:
                 if not isinstance(record.get(cfg.label_field), (str, int)):
-                    raise DataError(f"{path}:{lineno}: no label field {cfg.label_field!r}; fix the line or set data.label_field")
+                    raise DataError(
+                        f"{path}:{lineno}: no label field {cfg.label_field!r}; fix the line or set data.label_field"
+                    )
                 label = str(record[cfg.label_field])
                 if keep is not None and label not in keep:
                     continue

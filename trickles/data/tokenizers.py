@@ -26,7 +26,8 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -114,7 +115,9 @@ class HFTokenizer(Tokenizer):
     def __init__(self, tk: Any, eos_token: str, kind: str, name: str, chat_template: str | None = None):
         eos_id = tk.token_to_id(eos_token)
         if eos_id is None:
-            raise DataError(f"tokenizer {name!r} has no token {eos_token!r} for end-of-text; add it or name another eos_token")
+            raise DataError(
+                f"tokenizer {name!r} has no token {eos_token!r} for end-of-text; add it or name another eos_token"
+            )
         self.tk, self.kind, self.name = tk, kind, name
         self.eos_token, self.eos_id = eos_token, int(eos_id)
         vocab = tk.get_vocab(with_added_tokens=True)
@@ -150,8 +153,10 @@ class HFTokenizer(Tokenizer):
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         _write_json(os.path.join(directory, "tokenizer_config.json"), config)
-        _write_json(os.path.join(directory, META_FILE),
-                    {"kind": self.kind, "name": self.name, "eos_token": self.eos_token, "eos_id": self.eos_id})
+        _write_json(
+            os.path.join(directory, META_FILE),
+            {"kind": self.kind, "name": self.name, "eos_token": self.eos_token, "eos_id": self.eos_id},
+        )
 
     def identity(self) -> str:
         if self._identity is None:
@@ -169,7 +174,7 @@ def _split_long(text: str) -> list[str]:
         cut = text.find("\n", start + _CHUNK_CHARS)
         if cut < 0:
             break
-        pieces.append(text[start:cut + 1])
+        pieces.append(text[start : cut + 1])
         start = cut + 1
     pieces.append(text[start:])
     return pieces
@@ -177,12 +182,15 @@ def _split_long(text: str) -> list[str]:
 
 # ---- building and loading ------------------------------------------------------------------
 
+
 def _tokenizers_lib():
     try:
         import tokenizers
     except ImportError:
-        raise DataError("the 'bpe' and Hugging Face tokenizers need the tokenizers library; pip install tokenizers "
-                        "(or set data.tokenizer = 'byte')") from None
+        raise DataError(
+            "the 'bpe' and Hugging Face tokenizers need the tokenizers library; pip install tokenizers "
+            "(or set data.tokenizer = 'byte')"
+        ) from None
     return tokenizers
 
 
@@ -209,8 +217,12 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> HFTokenizer:
     tk = lib.Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TEXT], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TEXT],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tk.train_from_iterator(documents, trainer=trainer)
     return HFTokenizer(tk, EOS_TEXT, "bpe", f"bpe-{vocab_size}")
 
@@ -218,9 +230,13 @@ def train_bpe(documents: Iterable[str], vocab_size: int) -> HFTokenizer:
 def _cached_bpe(cfg: DataConfig, documents: Callable[[], Iterable[str]] | None) -> Tokenizer:
     _tokenizers_lib()
     if resolve_format(cfg) == "tokens":
-        raise DataError(f"data.tokenizer 'bpe' must be trained on text, but data.source {cfg.source!r} is a token file; "
-                        "use the tokenizer the tokens were made with (a directory or 'byte')")
-    key = hashlib.sha256(json.dumps([source_fingerprint(cfg), cfg.bpe_vocab_size, cfg.max_bytes]).encode()).hexdigest()[:20]
+        raise DataError(
+            f"data.tokenizer 'bpe' must be trained on text, but data.source {cfg.source!r} is a token file; "
+            "use the tokenizer the tokens were made with (a directory or 'byte')"
+        )
+    key = hashlib.sha256(json.dumps([source_fingerprint(cfg), cfg.bpe_vocab_size, cfg.max_bytes]).encode()).hexdigest()[
+        :20
+    ]
     final = os.path.join(cache_root(cfg.cache_dir), "tokenizers", f"bpe-{cfg.bpe_vocab_size}-{key}")
     if os.path.isfile(os.path.join(final, META_FILE)):
         return load_tokenizer(final)
@@ -242,22 +258,35 @@ def _cached_bpe(cfg: DataConfig, documents: Callable[[], Iterable[str]] | None) 
 def load_hf_tokenizer(path: str | os.PathLike, key: str = "tokenizer") -> HFTokenizer:
     """A Hugging Face tokenizer from a directory holding ``tokenizer.json`` (or that file itself)."""
     path = os.fspath(path)
-    directory, file = (os.path.dirname(path), path) if os.path.isfile(path) else (path, os.path.join(path, "tokenizer.json"))
+    directory, file = (
+        (os.path.dirname(path), path) if os.path.isfile(path) else (path, os.path.join(path, "tokenizer.json"))
+    )
     if not os.path.isfile(file):
-        raise DataError(f"{key} {path!r} is neither 'byte', 'bpe' nor a directory holding tokenizer.json; "
-                        "give one of those (save a Hugging Face tokenizer with save_pretrained)")
+        raise DataError(
+            f"{key} {path!r} is neither 'byte', 'bpe' nor a directory holding tokenizer.json; "
+            "give one of those (save a Hugging Face tokenizer with save_pretrained)"
+        )
     lib = _tokenizers_lib()
     try:
         tk = lib.Tokenizer.from_file(file)
     except Exception as e:  # the library raises a bare Exception on malformed files
-        raise DataError(f"{key}: cannot read {file} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
-                        "give a tokenizer.json written by the tokenizers library") from None
+        raise DataError(
+            f"{key}: cannot read {file} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
+            "give a tokenizer.json written by the tokenizers library"
+        ) from None
     eos = _find_eos(directory, tk)
     if eos is None:
-        raise DataError(f"{key}: the tokenizer in {path} names no end-of-text token; set eos_token in "
-                        f"{os.path.join(directory, 'tokenizer_config.json')}")
-    return HFTokenizer(tk, eos, "hf", f"hf:{os.path.basename(os.path.normpath(directory)) or directory}",
-                       _find_chat_template(directory))
+        raise DataError(
+            f"{key}: the tokenizer in {path} names no end-of-text token; set eos_token in "
+            f"{os.path.join(directory, 'tokenizer_config.json')}"
+        )
+    return HFTokenizer(
+        tk,
+        eos,
+        "hf",
+        f"hf:{os.path.basename(os.path.normpath(directory)) or directory}",
+        _find_chat_template(directory),
+    )
 
 
 def _find_chat_template(directory: str) -> str | None:
@@ -322,8 +351,13 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         if not os.path.isfile(file):
             raise DataError(f"{directory} has no tokenizer.json; save the tokenizer again")
         lib = _tokenizers_lib()
-        return HFTokenizer(lib.Tokenizer.from_file(file), meta["eos_token"], kind, meta.get("name", kind),
-                           _find_chat_template(directory))
+        return HFTokenizer(
+            lib.Tokenizer.from_file(file),
+            meta["eos_token"],
+            kind,
+            meta.get("name", kind),
+            _find_chat_template(directory),
+        )
     raise DataError(f"{meta_path} names an unknown tokenizer kind {kind!r}; expected 'byte', 'bpe' or 'hf'")
 
 

@@ -7,4 +7,13 @@ from .decode import Completion, PaddedBatch, Sampling, decode
 from .placement import Placement, plan_placement
 from .streaming import load_streaming
 
-__all__ = ["Completion", "PaddedBatch", "Placement", "Sampling", "beam_search", "decode", "load_streaming", "plan_placement"]
+__all__ = [
+    "Completion",
+    "PaddedBatch",
+    "Placement",
+    "Sampling",
+    "beam_search",
+    "decode",
+    "load_streaming",
+    "plan_placement",
+]

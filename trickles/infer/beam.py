@@ -43,9 +43,19 @@ def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def beam_search(model, prompts: Sequence[Sequence[int]], num_beams: int, max_new_tokens: int, *,
-                length_penalty: float = 1.0, early_stopping: bool | str = False, eos_id: int | None = None,
-                tokenizer=None, logits_fn=None, labels: torch.Tensor | None = None) -> list[Completion]:
+def beam_search(
+    model,
+    prompts: Sequence[Sequence[int]],
+    num_beams: int,
+    max_new_tokens: int,
+    *,
+    length_penalty: float = 1.0,
+    early_stopping: bool | str = False,
+    eos_id: int | None = None,
+    tokenizer=None,
+    logits_fn=None,
+    labels: torch.Tensor | None = None,
+) -> list[Completion]:
     """The best beam of each prompt (token-id lists of any lengths), all prompts in one batch of
     ``len(prompts) * num_beams`` rows. Prompts are cut from the left to leave room for one new token, and
     ``max_new_tokens`` shortened so the longest prompt's continuation fits ``model.cfg.max_seq_len``."""
@@ -56,19 +66,21 @@ def beam_search(model, prompts: Sequence[Sequence[int]], num_beams: int, max_new
     if early_stopping not in (True, False, "never"):
         raise ValueError(f"early_stopping must be True, False or 'never', got {early_stopping!r}")
     limit = model.cfg.max_seq_len
-    prompts = [list(p)[-max(1, limit - 1):] for p in prompts]
+    prompts = [list(p)[-max(1, limit - 1) :] for p in prompts]
     m = min(max_new_tokens, limit - max(len(p) for p in prompts))
     if m <= 0:
         return [Completion([], "", "length", len(p)) for p in prompts]
     was_training = model.training
     model.eval()
     try:
-        seqs, lens, scores = _search(model, prompts, num_beams, m, length_penalty, early_stopping, eos_id, logits_fn, labels)
+        seqs, lens, scores = _search(
+            model, prompts, num_beams, m, length_penalty, early_stopping, eos_id, logits_fn, labels
+        )
     finally:
         model.train(was_training)
     out = []
     for b, p in enumerate(prompts):
-        tokens = seqs[b, :lens[b]].tolist()
+        tokens = seqs[b, : lens[b]].tolist()
         reason = "length"
         if eos_id is not None and tokens and tokens[-1] == eos_id:
             tokens, reason = tokens[:-1], "stop"
@@ -120,10 +132,12 @@ def _search(model, prompts, n, m, lp, early_stopping, eos_id, logits_fn, labels)
         fin_done = _take(torch.cat([fin_done, just], dim=1), merged)
         # can a running beam still beat the worst finished one?
         best_len = m if (early_stopping == "never" and lp > 0) else t + 1
-        best = run_scores[:, :1] / (best_len ** lp)
+        best = run_scores[:, :1] / (best_len**lp)
         worst = torch.where(fin_done, fin_scores.min(dim=1, keepdim=True)[0], NEG)
         improvable = improvable & (best > worst).any(dim=-1, keepdim=True)
-        if not (bool(improvable.any()) and not (bool(fin_done.all()) and early_stopping is True) and not bool(hits.all())):
+        if not (
+            bool(improvable.any()) and not (bool(fin_done.all()) and early_stopping is True) and not bool(hits.all())
+        ):
             break
         batch.cache.reorder((first_row + run_src).flatten())
         logits = batch.step(run_seq[:, :, t].flatten())

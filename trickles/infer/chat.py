@@ -55,7 +55,8 @@ def render_chat(messages: Sequence[dict], tokenizer) -> str:
     env.globals["raise_exception"] = raise_exception
     eos = getattr(tokenizer, "eos_token", None)
     try:
-        return env.from_string(template).render(messages=list(messages), add_generation_prompt=True,
-                                                bos_token="", eos_token=eos or "")
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=True, bos_token="", eos_token=eos or ""
+        )
     except TemplateError as e:
         raise ValueError(f"the tokenizer's chat template failed: {e}") from None

@@ -68,7 +68,7 @@ class Sampling:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
 
-    def for_choice(self, j: int) -> "Sampling":
+    def for_choice(self, j: int) -> Sampling:
         """The settings of choice ``j`` of ``n``: a seeded request's choice ``j`` draws with ``seed + j``."""
         return self if self.seed is None or j == 0 else dataclasses.replace(self, seed=self.seed + j)
 
@@ -101,8 +101,17 @@ class PaddedBatch:
     are hard-routed experts' label ids (one per prompt).
     """
 
-    def __init__(self, model, prompts: Sequence[Sequence[int]], new_tokens: int, *, logits_fn=None,
-                 labels: torch.Tensor | None = None, repeat: int = 1, device=None):
+    def __init__(
+        self,
+        model,
+        prompts: Sequence[Sequence[int]],
+        new_tokens: int,
+        *,
+        logits_fn=None,
+        labels: torch.Tensor | None = None,
+        repeat: int = 1,
+        device=None,
+    ):
         device = device or next(model.parameters()).device
         self.model, self.full = model, logits_fn or (lambda z: z)
         lengths = [len(p) for p in prompts for _ in range(repeat)]
@@ -121,8 +130,9 @@ class PaddedBatch:
         self.extra = {} if labels is None else {"labels": labels.repeat_interleave(repeat)}
         self.done_steps = 0
 
-    def _call(self, tokens: torch.Tensor, start: int, positions: torch.Tensor, cache=None, pad_mask=None,
-              extra=None) -> torch.Tensor:
+    def _call(
+        self, tokens: torch.Tensor, start: int, positions: torch.Tensor, cache=None, pad_mask=None, extra=None
+    ) -> torch.Tensor:
         kw = dict(self.extra if extra is None else extra)
         if self.padded:
             kw.update(positions=positions, pad_mask=self.pad_mask if pad_mask is None else pad_mask)
@@ -141,8 +151,14 @@ class PaddedBatch:
             return self._call(self.tokens, 0, positions)
         once = self.model.new_cache(len(self.tokens) // r, self.size)
         extra = {} if self.labels is None else {"labels": self.labels}
-        logits = self._call(self.tokens[::r], 0, positions[::r], cache=once,
-                            pad_mask=None if self.pad_mask is None else self.pad_mask[::r], extra=extra)
+        logits = self._call(
+            self.tokens[::r],
+            0,
+            positions[::r],
+            cache=once,
+            pad_mask=None if self.pad_mask is None else self.pad_mask[::r],
+            extra=extra,
+        )
         self.cache = self.model.new_cache(len(self.tokens), self.size)
         for table, full in ((once.k, self.cache.k), (once.v, self.cache.v)):
             for layer, t in table.items():
@@ -183,7 +199,7 @@ class TextTracker:
         self.text = self.tokenizer.decode(tokens)
         hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             return True
         return False
 
@@ -195,20 +211,29 @@ class TextTracker:
                 end -= 1
             for s in self.stop:  # the longest tail that is a proper prefix of a stop string
                 for n in range(min(len(s) - 1, end - self.sent), 0, -1):
-                    if self.text[end - n:end] == s[:n]:
+                    if self.text[end - n : end] == s[:n]:
                         end -= n
                         break
         if end <= self.sent:
             return ""
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = end
         return out
 
 
 @torch.no_grad()
-def decode(model, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequence[Sampling], *, eos_id: int | None = None,
-           tokenizer=None, generator: torch.Generator | None = None, logits_fn=None, labels: torch.Tensor | None = None,
-           on_text: Callable[[int, str, str | None], None] | None = None) -> list[Completion]:
+def decode(
+    model,
+    prompts: Sequence[Sequence[int]],
+    sampling: Sampling | Sequence[Sampling],
+    *,
+    eos_id: int | None = None,
+    tokenizer=None,
+    generator: torch.Generator | None = None,
+    logits_fn=None,
+    labels: torch.Tensor | None = None,
+    on_text: Callable[[int, str, str | None], None] | None = None,
+) -> list[Completion]:
     """Continues every prompt (lists of token ids, any lengths) in one batch; one :class:`Completion` per prompt.
 
     ``sampling``: one :class:`Sampling` for all rows or one per row. A prompt is cut from the left to leave room
@@ -225,7 +250,7 @@ def decode(model, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequenc
         if s.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
     limit = model.cfg.max_seq_len
-    prompts = [list(p)[-max(1, limit - 1):] for p in prompts]
+    prompts = [list(p)[-max(1, limit - 1) :] for p in prompts]
     budgets = [min(s.max_new_tokens, limit - len(p)) for s, p in zip(settings, prompts)]
     b = len(prompts)
     rows: list[list[int]] = [[] for _ in range(b)]
@@ -247,14 +272,29 @@ def decode(model, prompts: Sequence[Sequence[int]], sampling: Sampling | Sequenc
     model.eval()
     try:
         if any(r is None for r in reasons):
-            _run(model, prompts, settings, budgets, rows, reasons, texts, finish, eos_id, generator, logits_fn, labels,
-                 on_text)
+            _run(
+                model,
+                prompts,
+                settings,
+                budgets,
+                rows,
+                reasons,
+                texts,
+                finish,
+                eos_id,
+                generator,
+                logits_fn,
+                labels,
+                on_text,
+            )
     finally:
         model.train(was_training)
     return [Completion(rows[i], texts[i].text, reasons[i], len(prompts[i])) for i in range(b)]
 
 
-def _run(model, prompts, settings, budgets, rows, reasons, texts, finish, eos_id, generator, logits_fn, labels, on_text):
+def _run(
+    model, prompts, settings, budgets, rows, reasons, texts, finish, eos_id, generator, logits_fn, labels, on_text
+):
     batch = PaddedBatch(model, prompts, max(budgets), logits_fn=logits_fn, labels=labels)
     device = batch.tokens.device
     b = len(prompts)
@@ -278,8 +318,13 @@ def _run(model, prompts, settings, budgets, rows, reasons, texts, finish, eos_id
             nxt = logits.argmax(dim=-1)
             for i, s in enumerate(settings):
                 if s.temperature > 0 and reasons[i] is None:
-                    nxt[i] = sample_next(logits[i:i + 1], s.temperature, s.top_k, s.top_p,
-                                         generator if generator is not None else gens[i])[0]
+                    nxt[i] = sample_next(
+                        logits[i : i + 1],
+                        s.temperature,
+                        s.top_k,
+                        s.top_p,
+                        generator if generator is not None else gens[i],
+                    )[0]
         if seen is not None:
             seen[torch.arange(b, device=device), nxt] = True
         for i, tok in enumerate(nxt.tolist()):

@@ -38,7 +38,8 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import torch
@@ -75,14 +76,18 @@ class Engine:
         self.model, self.tokenizer, self.logits_fn, self.metrics = model, tokenizer, logits_fn, metrics
         self.config = cfg = config or EngineConfig()
         if cfg.max_batch < 1 or cfg.prefill_chunk < 1:
-            raise ValueError(f"max_batch and prefill_chunk must be at least 1, got {cfg.max_batch}, {cfg.prefill_chunk}")
+            raise ValueError(
+                f"max_batch and prefill_chunk must be at least 1, got {cfg.max_batch}, {cfg.prefill_chunk}"
+            )
         self.context = model.cfg.max_seq_len
         blocks = cfg.num_blocks
         if not blocks and cfg.kv_cache_bytes:
             blocks = cfg.kv_cache_bytes // block_bytes(model, cfg.block_size)
             if blocks < 1:
-                raise ValueError(f"a KV pool of {cfg.kv_cache_bytes} bytes holds no block of {cfg.block_size} positions "
-                                 f"({block_bytes(model, cfg.block_size)} bytes each): give it more memory")
+                raise ValueError(
+                    f"a KV pool of {cfg.kv_cache_bytes} bytes holds no block of {cfg.block_size} positions "
+                    f"({block_bytes(model, cfg.block_size)} bytes each): give it more memory"
+                )
         if not blocks:
             blocks = cfg.max_batch * -(-self.context // cfg.block_size)
         self.pool = BlockPool(model, blocks, cfg.block_size)
@@ -104,21 +109,34 @@ class Engine:
         sampling.validate()
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        prompt = list(prompt)[-max(1, self.context - 1):]
+        prompt = list(prompt)[-max(1, self.context - 1) :]
         if not prompt:
             raise ValueError("a prompt needs at least one token")
         capacity = self.pool.num_blocks * self.pool.block_size
         if len(prompt) + 1 > capacity:
-            raise PoolTooSmall(f"the prompt is {len(prompt)} tokens; the KV pool holds {capacity} positions "
-                               f"({self.pool.num_blocks} blocks of {self.pool.block_size}): give the server more KV cache memory")
+            raise PoolTooSmall(
+                f"the prompt is {len(prompt)} tokens; the KV pool holds {capacity} positions "
+                f"({self.pool.num_blocks} blocks of {self.pool.block_size}): give the server more KV cache memory"
+            )
         budget = max(0, min(sampling.max_new_tokens, self.context - len(prompt), capacity - len(prompt)))
         request = Request(self, next(self._ids), on_event, on_finish)
         device = self.pool.device
         for j in range(n):
             settings = sampling.for_choice(j)
             gen = settings.generator(device) if settings.temperature > 0 else None
-            request.sequences.append(Sequence(request, j, prompt, settings, budget, gen, TextTracker(self.tokenizer, sampling.stop),
-                                              tokens=list(prompt), arrived_at=time.perf_counter()))
+            request.sequences.append(
+                Sequence(
+                    request,
+                    j,
+                    prompt,
+                    settings,
+                    budget,
+                    gen,
+                    TextTracker(self.tokenizer, sampling.stop),
+                    tokens=list(prompt),
+                    arrived_at=time.perf_counter(),
+                )
+            )
         with self._lock:
             for s in request.sequences:
                 s.arrived_step = self.steps
@@ -264,7 +282,9 @@ class Engine:
         seqs = [s for s, _ in rows]
         call = PagedCall(self.pool, [s.table for s in seqs], [s.cached for s in seqs], [n for _, n in rows])
         t = call.width
-        tokens = torch.tensor([[0] * (t - n) + s.tokens[s.cached:s.cached + n] for s, n in rows], device=self.pool.device)
+        tokens = torch.tensor(
+            [[0] * (t - n) + s.tokens[s.cached : s.cached + n] for s, n in rows], device=self.pool.device
+        )
         try:
             out = self.model(tokens, cache=call, start=call.start, positions=call.positions, pad_mask=call.pad_mask)
             logits = (self.logits_fn or (lambda z: z))(out[:, -1:])[:, -1]
@@ -286,13 +306,15 @@ class Engine:
                 if s.seen is None:
                     s.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
                     s.seen[torch.tensor(s.tokens, device=device)] = True
-                logits[i] = apply_repetition_penalty(logits[i:i + 1], s.seen[None], logits.new_tensor(
-                    [s.settings.repetition_penalty]))[0]
+                logits[i] = apply_repetition_penalty(
+                    logits[i : i + 1], s.seen[None], logits.new_tensor([s.settings.repetition_penalty])
+                )[0]
         nxt = logits.argmax(dim=-1)
         for i, s in enumerate(seqs):
             if s.settings.temperature > 0:
-                nxt[i] = sample_next(logits[i:i + 1], s.settings.temperature, s.settings.top_k, s.settings.top_p,
-                                     s.generator)[0]
+                nxt[i] = sample_next(
+                    logits[i : i + 1], s.settings.temperature, s.settings.top_k, s.settings.top_p, s.generator
+                )[0]
         now = time.perf_counter()
         for s, tok in zip(seqs, nxt.tolist()):
             if s.seen is not None:

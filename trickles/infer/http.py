@@ -27,9 +27,13 @@ def error_body(message: str, kind: str = "invalid_request_error") -> dict:
 async def send_error(send, status: int, message: str, kind: str, headers: tuple = ()) -> None:
     """A JSON error answered straight from ASGI (no application involved)."""
     body = json.dumps(error_body(message, kind)).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -66,8 +70,10 @@ class RequestLog:
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body", False):
                 client = (scope.get("client") or ("-",))[0]
-                self.write(f"[trickles] {client} {scope['method']} {scope['path']} {status[0]} "
-                           f"{(time.perf_counter() - started) * 1e3:.0f} ms")
+                self.write(
+                    f"[trickles] {client} {scope['method']} {scope['path']} {status[0]} "
+                    f"{(time.perf_counter() - started) * 1e3:.0f} ms"
+                )
 
         await self.app(scope, receive, logged)
 
@@ -83,9 +89,14 @@ class ApiKey:
             return await self.app(scope, receive, send)
         given = dict(scope.get("headers") or ()).get(b"authorization", b"")
         if not hmac.compare_digest(given, self.expected):
-            return await send_error(send, 401, "a valid API key is required: send the header 'Authorization: Bearer "
-                                               "KEY' with the key the server was started with", "authentication_error",
-                                    ((b"www-authenticate", b"Bearer"),))
+            return await send_error(
+                send,
+                401,
+                "a valid API key is required: send the header 'Authorization: Bearer "
+                "KEY' with the key the server was started with",
+                "authentication_error",
+                ((b"www-authenticate", b"Bearer"),),
+            )
         await self.app(scope, receive, send)
 
 
@@ -123,5 +134,9 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send):
-        await send_error(send, 413, f"the request body is larger than the server's limit of {self.limit} bytes: "
-                                    "send a shorter prompt", "invalid_request_error")
+        await send_error(
+            send,
+            413,
+            f"the request body is larger than the server's limit of {self.limit} bytes: send a shorter prompt",
+            "invalid_request_error",
+        )

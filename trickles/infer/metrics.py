@@ -13,8 +13,7 @@ one exists, under the ``trickles_`` prefix:
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 __all__ = ["ServingMetrics", "CONTENT_TYPE_LATEST"]
 
@@ -28,15 +27,25 @@ class ServingMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.requests = Counter("trickles_requests", "Requests ended, by outcome.", ["outcome"], registry=r)
         self.prompt_tokens = Counter("trickles_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter("trickles_generation_tokens", "Tokens generated for finished requests.", registry=r)
+        self.generation_tokens = Counter(
+            "trickles_generation_tokens", "Tokens generated for finished requests.", registry=r
+        )
         self.running = Gauge("trickles_running_sequences", "Sequences admitted to the running batch.", registry=r)
         self.waiting = Gauge("trickles_waiting_sequences", "Sequences waiting for admission.", registry=r)
         self.blocks_used = Gauge("trickles_kv_blocks_used", "KV cache blocks held by sequences.", registry=r)
         self.blocks_total = Gauge("trickles_kv_blocks_total", "KV cache blocks in the pool.", registry=r)
-        self.ttft = Histogram("trickles_time_to_first_token_seconds", "From a request's arrival to its first token.",
-                              buckets=_LATENCY, registry=r)
-        self.itl = Histogram("trickles_inter_token_latency_seconds", "Between consecutive tokens of a sequence.",
-                             buckets=_LATENCY, registry=r)
+        self.ttft = Histogram(
+            "trickles_time_to_first_token_seconds",
+            "From a request's arrival to its first token.",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "trickles_inter_token_latency_seconds",
+            "Between consecutive tokens of a sequence.",
+            buckets=_LATENCY,
+            registry=r,
+        )
 
     def watch(self, engine) -> None:
         """Reads the queues and the pool of ``engine`` at every scrape."""

@@ -56,7 +56,9 @@ class BlockPool:
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, device=None):
         if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV pool needs at least one block of at least one position, got {num_blocks} x {block_size}")
+            raise ValueError(
+                f"a KV pool needs at least one block of at least one position, got {num_blocks} x {block_size}"
+            )
         layers, heads, dim, dtype, where = kv_layout(model)
         device = device or where
         self.num_blocks, self.block_size = num_blocks, block_size
@@ -119,7 +121,9 @@ class PagedCall:
         self.width, self.slots, self.start, self.batch = t, s, 0, b
         table = torch.tensor([list(tb) + [0] * (blocks - len(tb)) for tb in tables], device=dev)  # [B, blocks]
         slot = torch.arange(s, device=dev)[None, :].expand(b, s)
-        self.read = (table.gather(1, slot // p) * p + slot % p).flatten()  # [B * S] pool slots (past a row's end: masked)
+        self.read = (
+            table.gather(1, slot // p) * p + slot % p
+        ).flatten()  # [B * S] pool slots (past a row's end: masked)
         c = torch.tensor(list(cached), device=dev)[:, None]
         q = torch.arange(t, device=dev)[None, :]
         qpos = c + q - (t - torch.tensor(list(new), device=dev)[:, None])  # positions of the fed tokens

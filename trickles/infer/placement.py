@@ -50,8 +50,10 @@ class Placement:
         """One line: how many blocks stream, which, and the bytes against the budget."""
         n = len(self.resident) + len(self.streamed)
         which = f" (blocks {', '.join(map(str, self.streamed))})" if self.streamed else ""
-        return (f"device budget {self.budget_bytes / 1e9:.3g} GB: {len(self.streamed)} of {n} blocks stream{which}, "
-                f"{self.device_bytes / 1e9:.3g} GB on the device with {self.n_buffers} buffer(s) of {self.buffer_bytes / 1e6:.3g} MB")
+        return (
+            f"device budget {self.budget_bytes / 1e9:.3g} GB: {len(self.streamed)} of {n} blocks stream{which}, "
+            f"{self.device_bytes / 1e9:.3g} GB on the device with {self.n_buffers} buffer(s) of {self.buffer_bytes / 1e6:.3g} MB"
+        )
 
 
 def spaced(n: int, s: int) -> tuple[int, ...]:
@@ -86,7 +88,9 @@ def plan_placement(block_bytes: list[int], fixed_bytes: int, budget_bytes: int) 
             resident = tuple(i for i in range(n) if i not in set(streamed))
             return Placement(resident, streamed, buf, k, used, budget_bytes)
     least, _, _ = _cost(block_bytes, fixed_bytes, spaced(n, n))
-    raise UserError(f"a device budget of {budget_bytes / 1e9:.3g} GB is too small for this model: streaming every block "
-                     f"still needs {least / 1e9:.3g} GB (embeddings, output projection and KV cache {fixed_bytes / 1e9:.3g} GB "
-                     f"+ two buffers of the largest block, {max(block_bytes, default=0) / 1e9:.3g} GB each); give at least that, "
-                    "or fewer samples or positions (a smaller KV cache)")
+    raise UserError(
+        f"a device budget of {budget_bytes / 1e9:.3g} GB is too small for this model: streaming every block "
+        f"still needs {least / 1e9:.3g} GB (embeddings, output projection and KV cache {fixed_bytes / 1e9:.3g} GB "
+        f"+ two buffers of the largest block, {max(block_bytes, default=0) / 1e9:.3g} GB each); give at least that, "
+        "or fewer samples or positions (a smaller KV cache)"
+    )

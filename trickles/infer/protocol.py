@@ -50,8 +50,15 @@ class _Sampled(BaseModel):
     def sampling(self, default_tokens: int) -> Sampling:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         tokens = self.max_tokens if self.max_tokens is not None else default_tokens
-        return Sampling(max_new_tokens=tokens, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
-                        repetition_penalty=self.repetition_penalty, stop=stop, seed=self.seed)
+        return Sampling(
+            max_new_tokens=tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            repetition_penalty=self.repetition_penalty,
+            stop=stop,
+            seed=self.seed,
+        )
 
 
 class CompletionRequest(_Sampled):
@@ -109,11 +116,27 @@ def usage(results: list[Completion]) -> dict:
 
 
 def completion_body(head: dict, results: list[Completion]) -> dict:
-    return {**head, "choices": [{"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
-                                for i, c in enumerate(results)], "usage": usage(results)}
+    return {
+        **head,
+        "choices": [
+            {"text": c.text, "index": i, "logprobs": None, "finish_reason": c.finish_reason}
+            for i, c in enumerate(results)
+        ],
+        "usage": usage(results),
+    }
 
 
 def chat_body(head: dict, results: list[Completion]) -> dict:
-    return {**head, "choices": [{"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                                 "finish_reason": c.finish_reason} for i, c in enumerate(results)],
-            "usage": usage(results)}
+    return {
+        **head,
+        "choices": [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": None,
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(results)
+        ],
+        "usage": usage(results),
+    }

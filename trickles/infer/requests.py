@@ -44,7 +44,7 @@ class Event:
 class Sequence:
     """One choice of a request: its tokens, cache blocks, sampling state and timestamps."""
 
-    request: "Request"
+    request: Request
     row: int
     prompt: list[int]
     settings: Sampling
@@ -68,7 +68,7 @@ class Sequence:
 
     @property
     def generated(self) -> list[int]:
-        return self.tokens[len(self.prompt):]
+        return self.tokens[len(self.prompt) :]
 
     @property
     def pending(self) -> int:
@@ -80,8 +80,9 @@ class Request:
     """What :meth:`~trickles.infer.engine.Engine.submit` returns: ``n`` sequences of one prompt; :meth:`events` iterates over the output
     (a thread running the engine must feed it: :meth:`Engine.start`), :meth:`cancel` stops it."""
 
-    def __init__(self, engine, rid: int, on_event: Callable[[Event], None] | None,
-                 on_finish: Callable[[object], None] | None):
+    def __init__(
+        self, engine, rid: int, on_event: Callable[[Event], None] | None, on_finish: Callable[[object], None] | None
+    ):
         self.engine, self.id = engine, rid
         self.sequences: list[Sequence] = []
         self._on_event, self._on_finish = on_event, on_finish
@@ -126,5 +127,3 @@ class Request:
                 raise self.result
             else:
                 return
-
-

@@ -30,7 +30,8 @@ import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -70,8 +71,12 @@ class StaticBackend:
                     self.metrics.on_tokens(sum(c.prompt_tokens for c in result), sum(len(c.tokens) for c in result))
             on_finish(result)
 
-        job = Job([list(prompt)] * n, settings, emit=lambda row, text, reason: on_event(Event(row, None, text, reason)),
-                  finish=finish)
+        job = Job(
+            [list(prompt)] * n,
+            settings,
+            emit=lambda row, text, reason: on_event(Event(row, None, text, reason)),
+            finish=finish,
+        )
         self.batcher.submit(job)
         return job
 
@@ -95,7 +100,7 @@ class Mailbox:
         self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
 
     @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> "Mailbox":
+    def of(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
         box = cls._boxes.get(loop)
         if box is None:
             box = cls._boxes[loop] = cls(loop)
@@ -116,9 +121,21 @@ class Mailbox:
             queue.put_nowait(item)
 
 
-def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, window_s: float = 0.01, logits_fn=None,
-               log_requests: bool = False, *, batching: str = "continuous", engine_config: EngineConfig | None = None,
-               api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES, max_waiting: int = 1024):
+def create_app(
+    model,
+    tokenizer,
+    name: str = "trickles",
+    max_batch: int = 32,
+    window_s: float = 0.01,
+    logits_fn=None,
+    log_requests: bool = False,
+    *,
+    batching: str = "continuous",
+    engine_config: EngineConfig | None = None,
+    api_key: str | None = None,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    max_waiting: int = 1024,
+):
     """The FastAPI application serving ``model``. Its scheduler (``app.state.engine``: an :class:`Engine`, or a
     :class:`StaticBackend` with ``batching="static"``, which uses ``window_s``) starts and stops with the app;
     ``app.state.metrics`` are its Prometheus metrics. ``log_requests``: one line per request on stderr."""
@@ -156,7 +173,9 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
 
     @app.exception_handler(HTTPException)
     async def http_error(request: HTTPRequest, exc: HTTPException):
-        return error(exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "invalid_request_error")
+        return error(
+            exc.status_code, str(exc.detail), "not_found" if exc.status_code == 404 else "invalid_request_error"
+        )
 
     @app.get("/health")
     async def health():
@@ -164,8 +183,18 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "trickles", "max_model_len": context}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "trickles",
+                    "max_model_len": context,
+                }
+            ],
+        }
 
     @app.get("/metrics")
     async def prometheus():
@@ -174,23 +203,46 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
     def encode(text: str, which: str) -> list[int] | JSONResponse:
         tokens = tokenizer.encode(text) or [tokenizer.eos_id]
         if len(tokens) >= context:
-            return error(400, f"{which} is {len(tokens)} tokens; this model's context is {context} tokens, "
-                              f"so a prompt may have at most {context - 1}")
+            return error(
+                400,
+                f"{which} is {len(tokens)} tokens; this model's context is {context} tokens, "
+                f"so a prompt may have at most {context - 1}",
+            )
         return tokens
 
-    async def run(http: HTTPRequest, prompts: list[list[int]], sampling: Sampling, n: int, stream: bool, head: dict,
-                  chunk: Callable, body: Callable, include_usage: bool = False):
+    async def run(
+        http: HTTPRequest,
+        prompts: list[list[int]],
+        sampling: Sampling,
+        n: int,
+        stream: bool,
+        head: dict,
+        chunk: Callable,
+        body: Callable,
+        include_usage: bool = False,
+    ):
         if backend.backlog + n * len(prompts) > max_waiting:
             metrics.on_request("rejected")
-            return error(503, f"the server is at capacity ({backend.backlog} waiting); retry shortly",
-                         "server_error", headers={"Retry-After": "1"})
+            return error(
+                503,
+                f"the server is at capacity ({backend.backlog} waiting); retry shortly",
+                "server_error",
+                headers={"Retry-After": "1"},
+            )
         post = Mailbox.of(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
         handles = []
         try:
             for i, p in enumerate(prompts):
-                handles.append(backend.submit(p, sampling, n, on_event=lambda ev, i=i: post(events, ("event", i, ev)),
-                                              on_finish=lambda r, i=i: post(events, ("done", i, r))))
+                handles.append(
+                    backend.submit(
+                        p,
+                        sampling,
+                        n,
+                        on_event=lambda ev, i=i: post(events, ("event", i, ev)),
+                        on_finish=lambda r, i=i: post(events, ("done", i, r)),
+                    )
+                )
         except ValueError as e:
             for h in handles:
                 backend.cancel(h)
@@ -202,8 +254,9 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
                 backend.cancel(h)
 
         if stream:
-            return StreamingResponse(_stream(events, len(prompts), n, head, chunk, include_usage, cancel_all),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _stream(events, len(prompts), n, head, chunk, include_usage, cancel_all), media_type="text/event-stream"
+            )
         results: dict[int, object] = {}
         checked = time.monotonic()
         while len(results) < len(prompts):
@@ -233,11 +286,18 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
             if isinstance(tokens, JSONResponse):
                 return tokens
             prompts.append(tokens)
-        head = {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
-                "model": req.model or name}
+        head = {
+            "id": f"cmpl-{uuid.uuid4().hex[:24]}",
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model or name,
+        }
 
         def chunk(k, ev, first):
-            return {**head, "choices": [{"text": ev.text, "index": k, "logprobs": None, "finish_reason": ev.finish_reason}]}
+            return {
+                **head,
+                "choices": [{"text": ev.text, "index": k, "logprobs": None, "finish_reason": ev.finish_reason}],
+            }
 
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await run(http, prompts, req.sampling(16), req.n, req.stream, head, chunk, completion_body, include)
@@ -253,12 +313,23 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
         sampling = req.sampling(context)
         if req.max_completion_tokens is not None:
             sampling.max_new_tokens = req.max_completion_tokens
-        head = {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion.chunk",
-                "created": int(time.time()), "model": req.model or name}
+        head = {
+            "id": f"chatcmpl-{uuid.uuid4().hex[:24]}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": req.model or name,
+        }
 
         def chunk(k, ev, first):
-            delta = ({"role": "assistant", "content": ev.text} if first else {"content": ev.text}) if ev.text or first else {}
-            return {**head, "choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": ev.finish_reason}]}
+            delta = (
+                ({"role": "assistant", "content": ev.text} if first else {"content": ev.text})
+                if ev.text or first
+                else {}
+            )
+            return {
+                **head,
+                "choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": ev.finish_reason}],
+            }
 
         def body(h, results):
             return chat_body({**h, "object": "chat.completion"}, results)
@@ -271,8 +342,15 @@ def create_app(model, tokenizer, name: str = "trickles", max_batch: int = 32, wi
     return app
 
 
-async def _stream(events: asyncio.Queue, prompts: int, n: int, head: dict, chunk: Callable, include_usage: bool,
-                  cancel: Callable[[], None]):
+async def _stream(
+    events: asyncio.Queue,
+    prompts: int,
+    n: int,
+    head: dict,
+    chunk: Callable,
+    include_usage: bool,
+    cancel: Callable[[], None],
+):
     """Server-sent events of one request; closing the stream early cancels what is still decoding."""
     done, started, results, failed = 0, set(), [], False
     try:
@@ -306,8 +384,16 @@ async def _stream(events: asyncio.Queue, prompts: int, n: int, head: dict, chunk
             cancel()
 
 
-def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, name: str = "trickles", max_batch: int = 32,
-          on_ready: Callable[[str, int], None] | None = None, **app_options) -> None:
+def serve(
+    model,
+    tokenizer,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    name: str = "trickles",
+    max_batch: int = 32,
+    on_ready: Callable[[str, int], None] | None = None,
+    **app_options,
+) -> None:
     """Serves ``model`` until interrupted. The socket is bound here (``port=0``: a free port), and ``on_ready(host,
     port)`` is told the address before uvicorn starts accepting connections. ``app_options`` go to
     :func:`create_app`; without ``api_key`` on an address other than loopback, one warning line goes to stderr."""
@@ -316,8 +402,12 @@ def serve(model, tokenizer, host: str = "127.0.0.1", port: int = 8000, name: str
     import uvicorn
 
     if not app_options.get("api_key") and not _loopback(host):
-        print(f"[trickles] warning: listening on {host} without --api-key: anyone who can reach this address may "
-              "use the model", file=sys.stderr, flush=True)
+        print(
+            f"[trickles] warning: listening on {host} without --api-key: anyone who can reach this address may "
+            "use the model",
+            file=sys.stderr,
+            flush=True,
+        )
     app = create_app(model, tokenizer, name=name, max_batch=max_batch, log_requests=True, **app_options)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)

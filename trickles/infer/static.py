@@ -98,14 +98,20 @@ class Batcher:
         self.batches.append(len(jobs))
         owner = [(j, r) for j in jobs for r in range(len(j.prompts))]
         try:
-            out = decode(self.model, [p for j in jobs for p in j.prompts], [s for j in jobs for s in j.settings],
-                         eos_id=self.tokenizer.eos_id, tokenizer=self.tokenizer, logits_fn=self.logits_fn,
-                         on_text=lambda row, text, reason: owner[row][0].emit(owner[row][1], text, reason))
+            out = decode(
+                self.model,
+                [p for j in jobs for p in j.prompts],
+                [s for j in jobs for s in j.settings],
+                eos_id=self.tokenizer.eos_id,
+                tokenizer=self.tokenizer,
+                logits_fn=self.logits_fn,
+                on_text=lambda row, text, reason: owner[row][0].emit(owner[row][1], text, reason),
+            )
         except Exception as e:  # noqa: BLE001 -- reported to every request of the batch, the server goes on
             for j in jobs:
                 j.finish(e)
             return
         start = 0
         for j in jobs:
-            j.finish(out[start:start + len(j.prompts)])
+            j.finish(out[start : start + len(j.prompts)])
             start += len(j.prompts)

@@ -56,7 +56,17 @@ from ..train import checkpoint as ckpt
 from ..train.pieces import DTYPES, PieceReader, fused_layout
 from .placement import Placement, plan_placement
 
-__all__ = ["checkpoint_key", "CheckpointTensors", "BlockStreamer", "load_streaming", "kv_cache_bytes", "block_bytes", "prompt_length", "save_for_inference", "ALIGN"]
+__all__ = [
+    "checkpoint_key",
+    "CheckpointTensors",
+    "BlockStreamer",
+    "load_streaming",
+    "kv_cache_bytes",
+    "block_bytes",
+    "prompt_length",
+    "save_for_inference",
+    "ALIGN",
+]
 
 ALIGN = 64  #: byte alignment of each tensor inside a block's buffer
 
@@ -86,13 +96,18 @@ class CheckpointTensors:
             if key == "__metadata__" or info["dtype"] not in DTYPES or len(self.reader.pieces.get(key, ())) != 1:
                 continue
             meta = self.reader.pieces[key][0][1]
-            if meta.get("scalar") or "offset" in meta or "flat_range" in meta or list(meta["global_shape"]) != info["shape"]:
+            if (
+                meta.get("scalar")
+                or "offset" in meta
+                or "flat_range" in meta
+                or list(meta["global_shape"]) != info["shape"]
+            ):
                 continue  # a part of a tensor: PieceReader assembles it
             a, b = info["data_offsets"]
             dtype = DTYPES[info["dtype"]]
             if (8 + n + a) % dtype.itemsize:
                 continue
-            self._views[key] = data[8 + n + a:8 + n + b].view(dtype).view(info["shape"])
+            self._views[key] = data[8 + n + a : 8 + n + b].view(dtype).view(info["shape"])
 
     def mapped(self, key: str) -> bool:
         """Whether ``key`` is read from a memory map (a whole tensor in one file)."""
@@ -119,7 +134,7 @@ class CheckpointTensors:
         start = 0
         for part, n in zip(layout.part_keys(key), layout.sizes):
             src = self.get(part)
-            copy(rows[:, start:start + n], src.reshape(layout.groups, n, *src.shape[1:]))
+            copy(rows[:, start : start + n], src.reshape(layout.groups, n, *src.shape[1:]))
             start += n
 
 
@@ -158,13 +173,14 @@ class _Layout:
             mod_name, _, attr = name.rpartition(".")
             mod = block.get_submodule(mod_name) if mod_name else block
             nbytes = p.numel() * p.element_size()
-            self.entries.append((mod, attr, checkpoint_key(prefix + name), tuple(p.shape), p.dtype, off, nbytes,
-                                 fused_layout(p)))
+            self.entries.append(
+                (mod, attr, checkpoint_key(prefix + name), tuple(p.shape), p.dtype, off, nbytes, fused_layout(p))
+            )
             off = _aligned(off + nbytes)
         self.nbytes = off
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [flat[o:o + nb].view(dt).view(shape) for _, _, _, shape, dt, o, nb, _ in self.entries]
+        return [flat[o : o + nb].view(dt).view(shape) for _, _, _, shape, dt, o, nb, _ in self.entries]
 
 
 def _slot_of(mod: nn.Module, attr: str) -> dict:
@@ -179,14 +195,21 @@ class BlockStreamer:
     Counters: :attr:`copies` (blocks copied in) and :attr:`bytes_copied`.
     """
 
-    def __init__(self, blocks: dict[int, nn.Module], placement: Placement, tensors: CheckpointTensors, device: torch.device):
+    def __init__(
+        self, blocks: dict[int, nn.Module], placement: Placement, tensors: CheckpointTensors, device: torch.device
+    ):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.order = list(placement.streamed)
         self.tensors = tensors
         self.layouts = {i: _Layout(blocks[i], f"layers.{i}.") for i in self.order}
-        self.meta = {i: [(mod, attr, _slot_of(mod, attr)[attr]) for mod, attr, *_ in self.layouts[i].entries] for i in self.order}
-        self.slots = [torch.empty(placement.buffer_bytes, dtype=torch.uint8, device=self.device) for _ in range(placement.n_buffers)]
+        self.meta = {
+            i: [(mod, attr, _slot_of(mod, attr)[attr]) for mod, attr, *_ in self.layouts[i].entries] for i in self.order
+        }
+        self.slots = [
+            torch.empty(placement.buffer_bytes, dtype=torch.uint8, device=self.device)
+            for _ in range(placement.n_buffers)
+        ]
         self.holds: list[int | None] = [None] * len(self.slots)
         self._views: dict[tuple[int, int], list] = {}
         self._last = len(self.slots) - 1  # the slot the latest block ran from
@@ -253,8 +276,10 @@ class BlockStreamer:
             self._wait(slot)
             views = self._views.get((i, slot))
             if views is None:
-                views = self._views[(i, slot)] = [nn.Parameter(v, requires_grad=False) if isinstance(m, nn.Parameter) else v
-                                                  for (_, _, m), v in zip(self.meta[i], self.layouts[i].views(self.slots[slot]))]
+                views = self._views[(i, slot)] = [
+                    nn.Parameter(v, requires_grad=False) if isinstance(m, nn.Parameter) else v
+                    for (_, _, m), v in zip(self.meta[i], self.layouts[i].views(self.slots[slot]))
+                ]
             for (mod, attr, _), v in zip(self.meta[i], views):
                 _slot_of(mod, attr)[attr] = v
             self._last = self._running = slot
@@ -262,6 +287,7 @@ class BlockStreamer:
                 nxt = self.order[(self.order.index(i) + 1) % len(self.order)]
                 if nxt not in self.holds:
                     self._fetch(nxt, 1 - slot)
+
         return hook
 
     def _post_hook(self, i: int):
@@ -271,6 +297,7 @@ class BlockStreamer:
             if self.cuda and self._running is not None:
                 self.free[self._running].record(torch.cuda.current_stream(self.device))
             self._running = None
+
         return hook
 
     def close(self) -> None:
@@ -320,8 +347,15 @@ def _materialize(module: nn.Module, prefix: str, tensors: CheckpointTensors, dev
         tensors.copy_into(checkpoint_key(prefix + name), p, layouts[name])
 
 
-def load_streaming(path: str, device: torch.device | str, budget_bytes: int, batch: int = 1, max_len: int | None = None,
-                   verify: bool = True, int8: str | None = None):
+def load_streaming(
+    path: str,
+    device: torch.device | str,
+    budget_bytes: int,
+    batch: int = 1,
+    max_len: int | None = None,
+    verify: bool = True,
+    int8: str | None = None,
+):
     """``(model, tokenizer, trainer_meta)`` like :func:`~trickles.train.load.load_for_inference`, within ``budget_bytes``.
 
     The budget covers the weights on ``device`` and a KV cache for ``batch`` sequences of
@@ -345,7 +379,9 @@ def load_streaming(path: str, device: torch.device | str, budget_bytes: int, bat
 
             empty_quantized(model, int8 or "weight")
         elif int8 is not None:
-            raise UserError(f"{path} is not quantized, so --int8 does not apply; quantize it with trickles compress quantize")
+            raise UserError(
+                f"{path} is not quantized, so --int8 does not apply; quantize it with trickles compress quantize"
+            )
     model.eval()
     tensors = CheckpointTensors(path)
     ckpt.check_fits(tensors.reader, {checkpoint_key(k): v for k, v in ckpt.unique_state(model).items()}, path)

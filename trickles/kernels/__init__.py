@@ -90,8 +90,10 @@ MEASURED: dict[str, Measured | None] = {name: None for name in KERNEL_NAMES}
 
 def measured_markdown() -> str:
     """:data:`MEASURED` as the markdown table ``docs/kernels.md`` holds (a test keeps the two equal)."""
-    rows = ["| kernel | ours (Triton) ms | eager ms | torch.compile ms | liger-kernel ms | `auto` runs | measured on |",
-            "|---|---|---|---|---|---|---|"]
+    rows = [
+        "| kernel | ours (Triton) ms | eager ms | torch.compile ms | liger-kernel ms | `auto` runs | measured on |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for name in KERNEL_NAMES:
         m = MEASURED[name]
         if m is None:
@@ -99,7 +101,9 @@ def measured_markdown() -> str:
             continue
         liger = "-" if m.liger_ms is None else f"{m.liger_ms:.3f}"
         runs = "Triton" if m.wins(False) else "Triton in compiled blocks" if m.wins(True) else "PyTorch"
-        rows.append(f"| {name} | {m.triton_ms:.3f} | {m.eager_ms:.3f} | {m.compiled_ms:.3f} | {liger} | {runs} | {m.where} |")
+        rows.append(
+            f"| {name} | {m.triton_ms:.3f} | {m.eager_ms:.3f} | {m.compiled_ms:.3f} | {liger} | {runs} | {m.where} |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -122,7 +126,9 @@ def runs_triton(kernels: str, device_type: str, kernel: str) -> bool:
     if kernels != "auto":
         return triton_allowed(kernels, device_type)
     measured = MEASURED[kernel]
-    return triton_allowed(kernels, device_type) and measured is not None and measured.wins(torch.compiler.is_compiling())
+    return (
+        triton_allowed(kernels, device_type) and measured is not None and measured.wins(torch.compiler.is_compiling())
+    )
 
 
 def use_triton(kernels: str, x: torch.Tensor, kernel: str) -> bool:
@@ -138,8 +144,10 @@ def check_kernels(kernels: str, device: torch.device) -> None:
     if kernels != "triton":
         return
     if device.type != "cuda" and not interpreting():
-        raise ConfigError(f"model.kernels=triton runs on a CUDA device, or on the {device.type} under Triton's interpreter "
-                          f"(set TRITON_INTERPRET=1 before starting); use model.kernels=auto to run the PyTorch path here")
+        raise ConfigError(
+            f"model.kernels=triton runs on a CUDA device, or on the {device.type} under Triton's interpreter "
+            f"(set TRITON_INTERPRET=1 before starting); use model.kernels=auto to run the PyTorch path here"
+        )
 
 
 def warps(block: int) -> int:

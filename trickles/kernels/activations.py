@@ -49,7 +49,9 @@ if HAVE_TRITON:
         sig = tl.sigmoid(a)
         silu = a * sig
         tl.store(DA + offs * STRIDE, (dh * b * sig * (1.0 + a * (1.0 - sig))).to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + offs * STRIDE, (dh * silu.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=mask)
+        tl.store(
+            DB + offs * STRIDE, (dh * silu.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=mask
+        )
 
     @triton.jit
     def _gelu_forward(A, H, n, BLOCK: tl.constexpr):
@@ -179,9 +181,12 @@ def _save_inputs(ctx, inputs, output):
 
 
 swiglu_op.register_autograd(lambda ctx, dh: swiglu_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs)
-swiglu_packed_op.register_autograd(lambda ctx, dh: swiglu_packed_backward_op(dh, *ctx.saved_tensors),
-                                   setup_context=_save_inputs)
-gelu_tanh_op.register_autograd(lambda ctx, dh: gelu_tanh_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs)
+swiglu_packed_op.register_autograd(
+    lambda ctx, dh: swiglu_packed_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs
+)
+gelu_tanh_op.register_autograd(
+    lambda ctx, dh: gelu_tanh_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs
+)
 
 
 class SwiGLUFunction(torch.autograd.Function):

@@ -108,6 +108,7 @@ if HAVE_TRITON:
         if GRAD:
             _write_grad(base, V, lse, idx, tl.load(SCALE + row), BLOCK)
 
+
 MIN_CHUNK = 64
 
 
@@ -181,8 +182,17 @@ def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows,
         zf = None
         if one_kernel:
             block = min(4096, triton.next_power_of_2(v_local))
-            _loss_grad[(e - s,)](z, idx[s:e], row_scale[s:e], losses[s:e], z.stride(0), v_local, GRAD=grads,
-                                 BLOCK=block, num_warps=warps(block))
+            _loss_grad[(e - s,)](
+                z,
+                idx[s:e],
+                row_scale[s:e],
+                losses[s:e],
+                z.stride(0),
+                v_local,
+                GRAD=grads,
+                BLOCK=block,
+                num_warps=warps(block),
+            )
             g = z
         else:
             picked = z.gather(1, gather_idx[s:e]).squeeze(1).float().masked_fill(~inside[s:e], 0.0)
@@ -207,8 +217,9 @@ def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows,
                 continue
             if triton_rows:
                 g = z
-                _row_grad[(e - s,)](g, lse, idx[s:e], row_scale[s:e], g.stride(0), v_local, BLOCK=block,
-                                    num_warps=warps(block))
+                _row_grad[(e - s,)](
+                    g, lse, idx[s:e], row_scale[s:e], g.stride(0), v_local, BLOCK=block, num_warps=warps(block)
+                )
             else:
                 zf.mul_((torch.exp(m_local - lse) * row_scale[s:e])[:, None])  # softmax / n on the kept rows
                 zf.scatter_add_(1, gather_idx[s:e], -(inside[s:e].float() * row_scale[s:e])[:, None])
@@ -248,22 +259,35 @@ def _scaled(t: torch.Tensor | None, grad: torch.Tensor, dtype: torch.dtype) -> t
 
 
 @torch.library.custom_op("trickles::linear_cross_entropy", mutates_args=())
-def linear_cross_entropy_op(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
-                            chunk: int, compute_dtype: torch.dtype, triton_rows: bool, need_h: bool, need_w: bool,
-                            need_b: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_cross_entropy_op(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    chunk: int,
+    compute_dtype: torch.dtype,
+    triton_rows: bool,
+    need_h: bool,
+    need_w: bool,
+    need_b: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mean loss over ``h [N, d]``'s rows and its gradients for ``h``, ``weight`` and ``bias`` (each a 0-element
     tensor where not needed), computed together chunk by chunk (module docstring)."""
-    loss, dh, dw, db = _chunked(h, weight, bias, target, chunk, compute_dtype, None, 0, triton_rows, need_h, need_w,
-                                need_b)
+    loss, dh, dw, db = _chunked(
+        h, weight, bias, target, chunk, compute_dtype, None, 0, triton_rows, need_h, need_w, need_b
+    )
     return loss, *(h.new_empty(0) if t is None else t for t in (dh, dw, db))  # (no two outputs may share storage)
 
 
 @linear_cross_entropy_op.register_fake
 def _(h, weight, bias, target, chunk, compute_dtype, triton_rows, need_h, need_w, need_b):
     store = torch.float32 if h.dtype == torch.float16 else h.dtype
-    return (h.new_empty((), dtype=torch.float32), h.new_empty(h.shape if need_h else (0,), dtype=store),
-            h.new_empty(weight.shape if need_w else (0,), dtype=torch.float32),
-            h.new_empty(weight.shape[:1] if need_b else (0,), dtype=torch.float32))
+    return (
+        h.new_empty((), dtype=torch.float32),
+        h.new_empty(h.shape if need_h else (0,), dtype=store),
+        h.new_empty(weight.shape if need_w else (0,), dtype=torch.float32),
+        h.new_empty(weight.shape[:1] if need_b else (0,), dtype=torch.float32),
+    )
 
 
 def _ce_setup(ctx, inputs, output):
@@ -290,8 +314,9 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, grads):
         need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
         need_b = grads and bias is not None and bias.requires_grad
-        loss, dh, dw, db = _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h,
-                                    need_w, need_b)
+        loss, dh, dw, db = _chunked(
+            h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h, need_w, need_b
+        )
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss
@@ -302,8 +327,16 @@ class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
         return (*out, None, None, None, None, None, None, None)
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None = None,
-                         chunk: int = 0, kernels: str = "torch", comm=None, vocab_start: int = 0) -> torch.Tensor:
+def linear_cross_entropy(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    chunk: int = 0,
+    kernels: str = "torch",
+    comm=None,
+    vocab_start: int = 0,
+) -> torch.Tensor:
     """Mean token cross-entropy of ``h [..., d] W^T + b`` against ``target [...]`` (module docstring), chunk by chunk.
 
     ``chunk``: tokens per chunk (0: :func:`default_chunk`). ``comm``, ``vocab_start``: the tensor-parallel
@@ -319,11 +352,13 @@ def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, target: torch.Te
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     cd, triton_rows = _compute_dtype(h, weight), use_triton(kernels, h, "cross_entropy")
     if comm is not None:
-        return _VocabParallelLinearCrossEntropy.apply(h2, weight, bias, t, chunk, cd, comm, vocab_start, triton_rows,
-                                                      grads)
+        return _VocabParallelLinearCrossEntropy.apply(
+            h2, weight, bias, t, chunk, cd, comm, vocab_start, triton_rows, grads
+        )
     need_b = grads and bias is not None and bias.requires_grad
-    return linear_cross_entropy_op(h2, weight, bias, t, chunk, cd, triton_rows, grads and h.requires_grad,
-                                   grads and weight.requires_grad, need_b)[0]
+    return linear_cross_entropy_op(
+        h2, weight, bias, t, chunk, cd, triton_rows, grads and h.requires_grad, grads and weight.requires_grad, need_b
+    )[0]
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -354,5 +389,7 @@ class OutputLoss(nn.Module):
 
     def forward(self, h: torch.Tensor, output: nn.Module, target: torch.Tensor) -> torch.Tensor:
         if self.is_fused(h):
-            return linear_cross_entropy(h, output.weight, target, getattr(output, "bias", None), self.chunk, self.kernels)
+            return linear_cross_entropy(
+                h, output.weight, target, getattr(output, "bias", None), self.chunk, self.kernels
+            )
         return cross_entropy(output(h), target)

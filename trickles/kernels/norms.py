@@ -153,8 +153,9 @@ def _(x, weight, eps):
 
 
 @torch.library.custom_op("trickles::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                         rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm backward in Triton: the input and weight gradients."""
     x2 = _rows(x)
     rows, h = x2.shape
@@ -162,8 +163,9 @@ def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     dx = torch.empty((rows, h), dtype=x.dtype, device=x.device)
     (dw,) = _weight_grad_buffers(x2, 1)
     block = triton.next_power_of_2(h)
-    _rms_backward[(dw.shape[0],)](dy2, x2, weight, rstd, dx, dw, x2.stride(0), rows, h, BLOCK=block,
-                                  num_warps=warps(block))
+    _rms_backward[(dw.shape[0],)](
+        dy2, x2, weight, rstd, dx, dw, x2.stride(0), rows, h, BLOCK=block, num_warps=warps(block)
+    )
     return dx.view(x.shape), dw.sum(0).to(weight.dtype)
 
 
@@ -187,8 +189,9 @@ rms_norm_op.register_autograd(_rms_backward_rule, setup_context=_rms_setup)
 
 
 @torch.library.custom_op("trickles::layer_norm", mutates_args=())
-def layer_norm_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def layer_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm forward in Triton: the output and the per-row fp32 mean and ``1/std`` (saved for backward)."""
     x2, y, rstd = _normed(x, weight)
     rows, h = x2.shape
@@ -204,8 +207,9 @@ def _(x, weight, bias, eps):
 
 
 @torch.library.custom_op("trickles::layer_norm_backward", mutates_args=())
-def layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                           mean: torch.Tensor, rstd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def layer_norm_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """LayerNorm backward in Triton: the input, weight and bias gradients."""
     x2 = _rows(x)
     rows, h = x2.shape
@@ -213,8 +217,9 @@ def layer_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     dx = torch.empty((rows, h), dtype=x.dtype, device=x.device)
     dw, db = _weight_grad_buffers(x2, 2)
     block = triton.next_power_of_2(h)
-    _ln_backward[(dw.shape[0],)](dy2, x2, weight, mean, rstd, dx, dw, db, x2.stride(0), rows, h, BLOCK=block,
-                                 num_warps=warps(block))
+    _ln_backward[(dw.shape[0],)](
+        dy2, x2, weight, mean, rstd, dx, dw, db, x2.stride(0), rows, h, BLOCK=block, num_warps=warps(block)
+    )
     return dx.view(x.shape), dw.sum(0).to(weight.dtype), db.sum(0).to(bias.dtype)
 
 
@@ -273,7 +278,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "
     return RMSNormFunction.apply(x, weight, eps)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:
+def layer_norm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, kernels: str = "torch"
+) -> torch.Tensor:
     """LayerNorm of ``x``'s last dimension (module docstring); ``kernels`` picks the implementation."""
     if use_triton(kernels, x, "layer_norm"):
         if torch.is_autocast_enabled(x.device.type):  # as autocast runs layer_norm on CUDA: in fp32

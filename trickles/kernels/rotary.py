@@ -29,8 +29,22 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _rotate(X, Y, COS, SIN, table_stride_b, stride_b, stride_t, stride_h, T, H, HALF, TRANSPOSE: tl.constexpr,
-                BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rotate(
+        X,
+        Y,
+        COS,
+        SIN,
+        table_stride_b,
+        stride_b,
+        stride_t,
+        stride_h,
+        T,
+        H,
+        HALF,
+        TRANSPOSE: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
         """Rotates the ``H`` heads of row ``(b, t)`` of ``X`` (strided) into ``Y`` (contiguous ``[B, T, H, D]``)."""
         pid = tl.program_id(0)
         b = pid // T
@@ -62,8 +76,9 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 transpose: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate_pair(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, transpose: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [B, T, Hq, D]`` and ``k [B, T, Hk, D]`` (any strides but the last) rotated into new contiguous tensors."""
     cos, sin = cos.contiguous(), sin.contiguous()
     table_stride_b = q.shape[1] * q.shape[3] if cos.dim() == 3 else 0
@@ -71,21 +86,38 @@ def _rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
     for x in (_unit_last(q), _unit_last(k)):
         b, t, h, d = x.shape
         y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        _rotate[(b * t,)](x, y, cos, sin, table_stride_b, x.stride(0), x.stride(1), x.stride(2), t, h, d // 2,
-                          TRANSPOSE=transpose, BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d // 2))
+        _rotate[(b * t,)](
+            x,
+            y,
+            cos,
+            sin,
+            table_stride_b,
+            x.stride(0),
+            x.stride(1),
+            x.stride(2),
+            t,
+            h,
+            d // 2,
+            TRANSPOSE=transpose,
+            BLOCK_H=triton.next_power_of_2(h),
+            BLOCK_D=triton.next_power_of_2(d // 2),
+        )
         out.append(y)
     return out[0], out[1]
 
 
 @torch.library.custom_op("trickles::rotary", mutates_args=())
-def rotary_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries and keys rotated by position in Triton (module docstring), new tensors."""
     return _rotate_pair(q, k, cos, sin, transpose=False)
 
 
 @torch.library.custom_op("trickles::rotary_backward", mutates_args=())
-def rotary_backward_op(dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_backward_op(
+    dq: torch.Tensor, dk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradients of queries and keys: the incoming ones rotated back (the transpose rotation)."""
     return _rotate_pair(dq, dk, cos, sin, transpose=True)
 

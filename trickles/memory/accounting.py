@@ -27,7 +27,9 @@ FP32_ADAM = (4, 4, 8)
 MIXED_ADAM = (2, 2, 12)
 
 
-def zero_model_state_bytes(n_params: float, dp: int, stage: int, bytes_per_param: tuple[float, float, float] = MIXED_ADAM) -> dict[str, float]:
+def zero_model_state_bytes(
+    n_params: float, dp: int, stage: int, bytes_per_param: tuple[float, float, float] = MIXED_ADAM
+) -> dict[str, float]:
     """``{"parameters", "gradients", "optimizer", "total"}`` bytes per device under ZeRO ``stage``."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
@@ -118,8 +120,10 @@ def replay_allocations(events: list[dict]) -> tuple[int, float]:
     (else the step's thread would have freed it, on the record). Without that, the record keeps every such block
     forever and the level drifts up by a message per collective.
     """
-    mem = sorted((e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0),
-                 key=lambda e: e["ts"])
+    mem = sorted(
+        (e for e in events if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0),
+        key=lambda e: e["ts"],
+    )
     if not mem:
         return 0, 0.0
     counts: dict = {}

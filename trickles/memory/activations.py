@@ -146,10 +146,22 @@ from ..models.config import ModelConfig
 from ..parallel.context import kv_repeats
 
 
-def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "none", dtype_bytes: int = 4,
-                     device_type: str = "cpu", tp: int = 1, sequence_parallel: bool = False, cp: int = 1,
-                     cp_mode: str = "ring", ep: int = 1, fused_loss: bool = False, fp16: bool = False,
-                     documents: bool = False) -> dict:
+def activation_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    seq: int,
+    recompute: str = "none",
+    dtype_bytes: int = 4,
+    device_type: str = "cpu",
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    cp: int = 1,
+    cp_mode: str = "ring",
+    ep: int = 1,
+    fused_loss: bool = False,
+    fp16: bool = False,
+    documents: bool = False,
+) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
     "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's), "loss":
@@ -196,9 +208,13 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         lse = 4 * 3 * s * a * h + 12 * batch * a * seq * seq - qkv  # copies; in place of what the fused kernel keeps
     else:
         lse = 4 * s * a
-    cast_tokens = s if documents else seq  # low-precision llama: the rotary tables cast for q and k, per row with documents
+    cast_tokens = (
+        s if documents else seq
+    )  # low-precision llama: the rotary tables cast for q and k, per row with documents
     attention = qkv + p * s * a * h + lse + (4 * cast_tokens * h * p if llama and p != 4 else 0)
-    if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of the heads they select
+    if (
+        t > 1 and cfg.kv_heads % t
+    ):  # replicated key/value heads: k and v each keep the int64 index of the heads they select
         attention += 2 * 8 * a
     mlp = (3 if llama else 2) * p * s * f
     core_extra = 0  # all-to-all: the fused output in head shards beside o_proj's input, the repeated heads
@@ -213,7 +229,9 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
         raise ValueError(f"recompute must be none, elementwise, selective or full, got {recompute!r}")
     elementwise = recompute == "elementwise"
     if elementwise and cfg.moe_experts:
-        raise ValueError("elementwise recomputation covers dense blocks only (the configuration refuses experts with it)")
+        raise ValueError(
+            "elementwise recomputation covers dense blocks only (the configuration refuses experts with it)"
+        )
     # elementwise: the linears after a norm keep a recipe in place of its output -- except gpt2's on CUDA in low
     # precision, whose linears keep autocast's cast of the fp32 output, not the output -- and the down projection
     # one in place of the activation's
@@ -222,18 +240,35 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
 
     def block(ffn: int, drops: int = 2) -> int:  # ``drops``: the dropouts on the residual branches
         ffn += drops * mask * sn * d
-        return {"none": 2 * norm + attention + ffn, "selective": 2 * norm + attention + ffn - lse - core_extra,
-                "elementwise": 2 * norm + attention + ffn - 2 * out_dropped - act_dropped, "full": full}[recompute]
+        return {
+            "none": 2 * norm + attention + ffn,
+            "selective": 2 * norm + attention + ffn - lse - core_extra,
+            "elementwise": 2 * norm + attention + ffn - 2 * out_dropped - act_dropped,
+            "full": full,
+        }[recompute]
 
     layer = block(mlp)
     recomputed = {"none": 0, "elementwise": 0, "selective": lse + core_extra, "full": None}[recompute]
     kept = p * sn * d - out_dropped  # each norm's output, as its linears keep it
     # a dense layer by piece (each norm's output counted with the linears that keep it): sums to ``layer``
-    terms = {"block input": full} if recomputed is None else {
-        "norms": 2 * (norm - p * sn * d), "attention": kept + attention - recomputed, "mlp": kept + mlp - act_dropped,
-        "dropout masks": 2 * mask * sn * d}
-    moe_layer = (block(moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type),
-                       3 if cfg.moe_shared_experts else 2) if cfg.moe_experts else 0)
+    terms = (
+        {"block input": full}
+        if recomputed is None
+        else {
+            "norms": 2 * (norm - p * sn * d),
+            "attention": kept + attention - recomputed,
+            "mlp": kept + mlp - act_dropped,
+            "dropout masks": 2 * mask * sn * d,
+        }
+    )
+    moe_layer = (
+        block(
+            moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type),
+            3 if cfg.moe_shared_experts else 2,
+        )
+        if cfg.moe_experts
+        else 0
+    )
     vocab = _vocab(cfg)
     if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
         # gradient over all tokens, the fp32 weight gradient
@@ -248,18 +283,37 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, recompute: str = "n
     moe = set(cfg.moe_layers)
     per_layer = [moe_layer if i in moe else layer for i in range(cfg.n_layers)]
     layers = sum(per_layer)
-    tables = 8 * (s if documents else seq) * h if (cp > 1 or documents) and llama and p == 4 and recompute != "full" else 0
+    tables = (
+        8 * (s if documents else seq) * h if (cp > 1 or documents) and llama and p == 4 and recompute != "full" else 0
+    )
     # full recomputation keeps each block's inputs, hard routing's per-token label ids among them (one storage)
     labels = 8 * s if recompute == "full" and cfg.moe_experts and cfg.moe_router == "hard" else 0
     if per_layer:
         per_layer[0] += tables + labels
-    return {"layer": layer, "moe_layer": moe_layer, "per_layer": per_layer, "layers": layers, "head": head,
-            "embedding": embedding, "tables": tables + labels, "total": layers + head + tables + labels, "terms": terms,
-            "rebuilt": max(out_dropped, act_dropped), "loss": loss}
+    return {
+        "layer": layer,
+        "moe_layer": moe_layer,
+        "per_layer": per_layer,
+        "layers": layers,
+        "head": head,
+        "embedding": embedding,
+        "tables": tables + labels,
+        "total": layers + head + tables + labels,
+        "terms": terms,
+        "rebuilt": max(out_dropped, act_dropped),
+        "loss": loss,
+    }
 
 
-def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp: int = 1, fused_loss: bool = False,
-                         triton: bool = False, fp32_mm: bool = False) -> int:
+def loss_transient_bytes(
+    cfg: ModelConfig,
+    tokens: int,
+    dtype_bytes: int = 4,
+    tp: int = 1,
+    fused_loss: bool = False,
+    triton: bool = False,
+    fp32_mm: bool = False,
+) -> int:
     """The loss's largest short-lived tensors for ``tokens`` tokens on one rank.
 
     Unfused: the fp32 gradients of the log-probabilities and of the logits, alive together in its backward
@@ -290,7 +344,9 @@ def loss_transient_bytes(cfg: ModelConfig, tokens: int, dtype_bytes: int = 4, tp
 
 def _vocab(cfg: ModelConfig) -> int:
     if cfg.vocab_size is None:
-        raise ValueError("resolve model.vocab_size before predicting activations (trickles.models.config.resolve_model)")
+        raise ValueError(
+            "resolve model.vocab_size before predicting activations (trickles.models.config.resolve_model)"
+        )
     return cfg.vocab_size
 
 
@@ -306,8 +362,17 @@ def moe_assignments(cfg: ModelConfig, batch: int, tokens: int, seq: int) -> int:
     return m
 
 
-def moe_bytes(cfg: ModelConfig, batch: int, tokens: int, seq: int, dtype_bytes: int = 4, ep: int = 1,
-              assignments: int | None = None, received: int | None = None, device_type: str = "cpu") -> int:
+def moe_bytes(
+    cfg: ModelConfig,
+    batch: int,
+    tokens: int,
+    seq: int,
+    dtype_bytes: int = 4,
+    ep: int = 1,
+    assignments: int | None = None,
+    received: int | None = None,
+    device_type: str = "cpu",
+) -> int:
     """What a mixture-of-experts block keeps in place of the MLP (module docstring, "Mixture-of-experts blocks")
     for ``batch`` sequences of which it routes ``tokens`` each (``seq``: the whole sequence); with ``ep > 1`` the
     expert-parallel dispatch's extra terms. ``assignments``: the kept count ``m`` when known (default
@@ -367,13 +432,16 @@ class ActivationMeter:
     def _enter_layer(self, name):
         def hook(module, args):
             self._current = name
+
         return hook
 
     def _leave_layer(self, module, args, output):
         self._current = "head"
 
-    def __enter__(self) -> "ActivationMeter":
-        self._state = {t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()] if not t.is_meta}
+    def __enter__(self) -> ActivationMeter:
+        self._state = {
+            t.untyped_storage().data_ptr() for t in [*self.model.parameters(), *self.model.buffers()] if not t.is_meta
+        }
         layers = getattr(self.model, "layers", {})
         for name, block in layers.items():
             self._handles.append(block.register_forward_pre_hook(self._enter_layer(f"layers.{name}")))

@@ -36,21 +36,39 @@ Where this library keeps different tensors (the test states each difference exac
 from __future__ import annotations
 
 
-def korthikanti_terms(seq: int, batch: int, hidden: int, heads: int, tp: int = 1, sequence_parallel: bool = False,
-                      selective: bool = False, flash: bool = False) -> dict[str, float]:
+def korthikanti_terms(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    selective: bool = False,
+    flash: bool = False,
+) -> dict[str, float]:
     """The table's pieces in bytes for one layer (module docstring), split by ``tp`` as the paper splits them."""
     sbh, as2b = seq * batch * hidden, heads * seq * seq * batch
     t = tp
     whole = t if sequence_parallel else 1  # what tensor parallelism alone leaves whole
     scores = 0 if selective or flash else 1
-    return {"norms": 4 * sbh / whole,
-            "attention": 2 * sbh / whole + 8 * sbh / t + 4 * as2b * scores / t,
-            "mlp": 2 * sbh / whole + 16 * sbh / t,
-            "dropout masks": 2 * sbh / whole + as2b * scores / t}
+    return {
+        "norms": 4 * sbh / whole,
+        "attention": 2 * sbh / whole + 8 * sbh / t + 4 * as2b * scores / t,
+        "mlp": 2 * sbh / whole + 16 * sbh / t,
+        "dropout masks": 2 * sbh / whole + as2b * scores / t,
+    }
 
 
-def korthikanti_layer_bytes(seq: int, batch: int, hidden: int, heads: int, tp: int = 1, sequence_parallel: bool = False,
-                            selective: bool = False, flash: bool = False) -> float:
+def korthikanti_layer_bytes(
+    seq: int,
+    batch: int,
+    hidden: int,
+    heads: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    selective: bool = False,
+    flash: bool = False,
+) -> float:
     """The paper's closed forms: ``sbh (34 + 5as/h)``; ``sbh (10 + 24/t + 5as/(ht))`` with tensor parallelism;
     ``sbh (34/t + 5as/(ht))`` with sequence parallelism; the ``5as/h`` term gone under selective recomputation
     or attention that stores no score matrix."""

@@ -46,13 +46,22 @@ class RankModel:
         return sum(p.numel() for _, p in self.named)
 
 
-def rank_model(model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, ep_rank: int,
-               dtype: torch.dtype) -> RankModel:
+def rank_model(
+    model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, ep_rank: int, dtype: torch.dtype
+) -> RankModel:
     """The parameters tensor-parallel rank 0, expert-parallel rank ``ep_rank`` holds (cached, module docstring)."""
     from ..parallel.engine import unique_named_parameters
 
-    key = (repr(model_cfg), dims.tp, dims.tp_mode, dims.tp_depth, bool(sequence_parallel and dims.tp > 1), dims.ep,
-           ep_rank % dims.ep, str(dtype))
+    key = (
+        repr(model_cfg),
+        dims.tp,
+        dims.tp_mode,
+        dims.tp_depth,
+        bool(sequence_parallel and dims.tp > 1),
+        dims.ep,
+        ep_rank % dims.ep,
+        str(dtype),
+    )
     hit = _CACHE.get(key)
     if hit is not None:
         _CACHE.move_to_end(key)
@@ -80,6 +89,7 @@ def rank_model(model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bo
 def stage_parameters(rm: RankModel, layers: set[int], first: bool, last: bool, tied: bool) -> list:
     """The (name, parameter) pairs of the pipeline rank holding ``layers`` (``first``, ``last``: the pipeline's
     first or last rank; ``tied``: input and output embeddings share a weight), in the model's order."""
+
     def kept(name: str) -> bool:
         top, _, rest = name.partition(".")
         if top == "layers":

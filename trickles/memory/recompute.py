@@ -49,6 +49,7 @@ def _recomputed(fn):
         if not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
     return run
 
 
@@ -82,8 +83,13 @@ class _ElementwiseHooks:
         self.outer = None
 
     def mark(self, module, args, out) -> None:
-        if (not torch.is_grad_enabled() or not isinstance(out, torch.Tensor) or not out.is_contiguous()
-                or out.storage_offset() or out.untyped_storage().nbytes() != out.numel() * out.element_size()):
+        if (
+            not torch.is_grad_enabled()
+            or not isinstance(out, torch.Tensor)
+            or not out.is_contiguous()
+            or out.storage_offset()
+            or out.untyped_storage().nbytes() != out.numel() * out.element_size()
+        ):
             return  # a recipe rebuilds a fresh contiguous tensor: only an output alone in its storage is its image
         dev, key = out.device.type, out.untyped_storage().data_ptr()
         self.marked[key] = (module.forward, args, (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)))

@@ -51,33 +51,39 @@ optimizer state is host memory (``predicted["host"]``): held and peak count the 
 
 from __future__ import annotations
 
-
-
 import torch
 
 from ..config import Config
-from ..models.config import ModelConfig, resolve_model
-from ..topology import ParallelDims
 from ..kernels import runs_triton
 from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
+from ..models.config import ModelConfig, resolve_model
 from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order
 from ..parallel.pipeline.stages import partition_layers
 from ..parallel.tensor.costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
+from ..topology import ParallelDims
 from .accounting import peak_allocated
 from .activations import ActivationMeter, loss_transient_bytes, moe_assignments
 from .meta import rank_model, stage_parameters
 from .pipeline_meter import gather_stages, meter_pipeline_step
 from .precision import policy
-from .stages import (buffers_peak, chunk_bytes, input_saved, message_bytes, peak_in_flight, recorded_bytes,
-                     zero3_gathered)
+from .stages import (
+    buffers_peak,
+    chunk_bytes,
+    input_saved,
+    message_bytes,
+    peak_in_flight,
+    recorded_bytes,
+    zero3_gathered,
+)
 from .states import _root_params, engine_state_bytes
 from .table import GiB, MemoryReport, _fmt  # noqa: F401 (the report's public names)
 from .tp_modes import activations, brought_back, compare_tp_modes, recomputed_in_backward, without_recompute
 from .transients import block_backward_bytes, head_backward_bytes, norm_backward_bytes
 
 
-
-def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu", dp_rank: int = 0) -> MemoryReport:
+def predict(
+    cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu", dp_rank: int = 0
+) -> MemoryReport:
     """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved): the device of
     data-parallel rank ``dp_rank`` (ranks differ by a few bytes under ZeRO >= 1: the segments each owns; with
     context parallelism the rank in the ``dp x cp`` group, :meth:`~trickles.topology.Topology.replicas`; with
@@ -106,8 +112,11 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     tokens = micro * cfg.data.seq_len // dims.cp  # this rank's tokens of a micro-batch
     # the loss: unfused, its backward's fp32 gradients (a grid: its forward's logits and their shifted copy); fused,
     # one chunk's logits
-    loss = (loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len) if lay.grid
-            else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton, fp32_accumulating_mm(device_type)))
+    loss = (
+        loss_transient_nd(model_cfg, lay, micro, cfg.data.seq_len)
+        if lay.grid
+        else loss_transient_bytes(model_cfg, tokens, p, dims.tp, fused, triton, fp32_accumulating_mm(device_type))
+    )
     modes = cfg.recompute_modes(dims)  # per layer, what its recomputation brings back in its backward
     brought = brought_back(modes, act, without_recompute(cfg, model_cfg, lay, dims, device_type, modes))
     recomputed = recomputed_in_backward(brought, act["per_layer"], list(range(model_cfg.n_layers)))
@@ -116,8 +125,12 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
     # the peak is the larger phase: the loss, or the last block's backward, when the head's saved tensors are released
     # (the embedding's stay) and the last block's are all held
     if dims.pp == 1 and lay.grid:
-        loss = max(loss, backward_transient_nd(model_cfg, lay, micro, cfg.data.seq_len, p, device_type) + recomputed
-                   - head_released_nd(model_cfg, lay, micro, cfg.data.seq_len, p))
+        loss = max(
+            loss,
+            backward_transient_nd(model_cfg, lay, micro, cfg.data.seq_len, p, device_type)
+            + recomputed
+            - head_released_nd(model_cfg, lay, micro, cfg.data.seq_len, p),
+        )
     elif dims.pp == 1:
         released = act["head"] - embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type)
         loss = max(loss, mlp_backward - released)
@@ -129,19 +142,37 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         layer_transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p)
 
     def states_of(named, key, keep: set[str] | None = None) -> dict:
-        memo = (rm.key, key, dims.dp, dims.cp, dp_rank, experts, accumulates, repr(cfg.parallel), repr(cfg.memory),
-                cfg.train.optimizer, cfg.train.weight_decay)
+        memo = (
+            rm.key,
+            key,
+            dims.dp,
+            dims.cp,
+            dp_rank,
+            experts,
+            accumulates,
+            repr(cfg.parallel),
+            repr(cfg.memory),
+            cfg.train.optimizer,
+            cfg.train.weight_decay,
+        )
         if memo not in _STATES:
-            _STATES[memo] = engine_state_bytes(named, cfg, dims.dp * dims.cp, dp_rank, experts, accumulates, keep,
-                                               pipelined=dims.pp > 1)
+            _STATES[memo] = engine_state_bytes(
+                named, cfg, dims.dp * dims.cp, dp_rank, experts, accumulates, keep, pipelined=dims.pp > 1
+            )
             if len(_STATES) > 4096:
                 _STATES.pop(next(iter(_STATES)))
         return _STATES[memo]
 
     def categories(states: dict, activations: int, head: int, transient: int) -> dict:
         device_states = states["parameters"] + states["gradients"] + (0 if offload else states["optimizer"])
-        out = {"parameters": states["parameters"], "gradients": states["gradients"], "optimizer": states["optimizer"],
-               "activations": activations, "head": head, "transient": transient}
+        out = {
+            "parameters": states["parameters"],
+            "gradients": states["gradients"],
+            "optimizer": states["optimizer"],
+            "activations": activations,
+            "head": head,
+            "transient": transient,
+        }
         out["held"] = device_states + activations + head
         out["peak"] = out["held"] + transient
         out["host"] = states["optimizer"] if offload else 0
@@ -164,7 +195,9 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
         _, m = cfg.batch_plan(dims.dp)
         shape = Shape.of(cfg.parallel.schedule, dims.pp, cfg.parallel.virtual_stages, m)
         parts = partition_layers(model_cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
-        msg = message_bytes(micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp)
+        msg = message_bytes(
+            micro, cfg.data.seq_len, model_cfg.d_model, p, dims.tp, lay.sequence_parallel or lay.grid, dims.cp
+        )
         rows, layer_ids, split = [], [], cfg.parallel.schedule in SPLIT  # (a B leaves the weights' gradients to W)
         head_bwd = 0 if split else head_backward_bytes(model_cfg, tokens, p, g, dims.tp, fused)
         norm_end = norm_backward_bytes(tokens // dims.tp if lay.sequence_parallel else tokens, model_cfg.d_model, p)
@@ -178,65 +211,135 @@ def predict(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type
                 states = states_of(rm.module, (tuple(ids), first, last), keep={n for n, _ in named})
             else:
                 states = states_of(named, (tuple(ids), first, last))
-            weights = chunk_bytes(act, embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type),
-                                  parts, shape, r)
+            weights = chunk_bytes(
+                act, embedding_bytes(act, model_cfg, lay, micro, cfg.data.seq_len, device_type), parts, shape, r
+            )
             lay_b, head_b, _ = peak_in_flight(compute_order(cfg.parallel.schedule, shape, r), weights)
-            gathered = zero3_gathered(named, parts, shape, r, act["per_layer"], p, g, dims.dp * dims.cp,
-                                      clones=device_type != "cuda") if stage == 3 else None
-            recorded = [recorded_bytes(model_cfg, len(chunks[c]), tokens, p, dims.tp, lay.sequence_parallel,
-                                       shape.stage(r, c) == shape.stages - 1, fused)  # what each chunk's B keeps for W
-                        for c in range(shape.v)] if split else None
+            gathered = (
+                zero3_gathered(
+                    named, parts, shape, r, act["per_layer"], p, g, dims.dp * dims.cp, clones=device_type != "cuda"
+                )
+                if stage == 3
+                else None
+            )
+            recorded = (
+                [
+                    recorded_bytes(
+                        model_cfg,
+                        len(chunks[c]),
+                        tokens,
+                        p,
+                        dims.tp,
+                        lay.sequence_parallel,
+                        shape.stage(r, c) == shape.stages - 1,
+                        fused,
+                    )  # what each chunk's B keeps for W
+                    for c in range(shape.v)
+                ]
+                if split
+                else None
+            )
             saves = [bool(ch) and input_saved(model_cfg.flavor, p, device_type, modes[ch[0]]) for ch in chunks]
-            during = [block_backward_bytes(model_cfg, tokens, g, dims.tp, whole=not split)
-                      + recomputed_in_backward(brought, act["per_layer"], ch) for ch in chunks]
-            buffers = buffers_peak(cfg.parallel.schedule, shape, r, weights, msg, saves, max(loss, head_bwd) if last else 0,
-                                   early_receives=device_type != "cuda", backward_transient=during, gathered=gathered,
-                                   recorded=recorded, split_end=norm_end, loss_saved=act["loss"])
+            during = [
+                block_backward_bytes(model_cfg, tokens, g, dims.tp, whole=not split)
+                + recomputed_in_backward(brought, act["per_layer"], ch)
+                for ch in chunks
+            ]
+            buffers = buffers_peak(
+                cfg.parallel.schedule,
+                shape,
+                r,
+                weights,
+                msg,
+                saves,
+                max(loss, head_bwd) if last else 0,
+                early_receives=device_type != "cuda",
+                backward_transient=during,
+                gathered=gathered,
+                recorded=recorded,
+                split_end=norm_end,
+                loss_saved=act["loss"],
+            )
             transient = buffers - lay_b - head_b + layer_transient + states["step_gradients"] + batch
             rows.append(categories(states, lay_b, head_b, transient))
             layer_ids.append(ids)
-        notes.append(f"pp={dims.pp} {cfg.parallel.schedule}" + (f" x {shape.v} chunks" if shape.v > 1 else "")
-                     + f", {m} micro-batches of {msg:,} B per message: each stage holds its layers' saved activations "
-                     "times the micro-batches in flight at its peak (the schedule's order), and the stage outputs, "
-                     "inputs and receive buffers the runner keeps (transient)")
+        notes.append(
+            f"pp={dims.pp} {cfg.parallel.schedule}"
+            + (f" x {shape.v} chunks" if shape.v > 1 else "")
+            + f", {m} micro-batches of {msg:,} B per message: each stage holds its layers' saved activations "
+            "times the micro-batches in flight at its peak (the schedule's order), and the stage outputs, "
+            "inputs and receive buffers the runner keeps (transient)"
+        )
         if stage == 3:
-            notes.append("ZeRO-3 under pipeline stages: the units gathered and the reductions in flight while a stage runs "
-                         "are estimated (trickles.memory.stages.zero3_gathered), so the peak is an estimate: use --measure")
+            notes.append(
+                "ZeRO-3 under pipeline stages: the units gathered and the reductions in flight while a stage runs "
+                "are estimated (trickles.memory.stages.zero3_gathered), so the peak is an estimate: use --measure"
+            )
         if split:
-            notes.append(f"{cfg.parallel.schedule}: a chunk's activations are held from its F to its W, and so are the "
-                         "gradients B records for W (one per linear and norm, trickles.memory.stages.recorded_bytes)")
+            notes.append(
+                f"{cfg.parallel.schedule}: a chunk's activations are held from its F to its W, and so are the "
+                "gradients B records for W (one per linear and norm, trickles.memory.stages.recorded_bytes)"
+            )
     top = max(range(len(rows)), key=lambda r: rows[r]["peak"])
     per_layer = act["per_layer"]
-    report = MemoryReport(dict(rows[top]), [per_layer[i] for i in layer_ids[top]], host_optimizer=offload,
-                          moe_layers=list(model_cfg.moe_layers), stages=rows, stage_layers=layer_ids, stage=top,
-                          stage_ends=[shape.ends(r) for r in range(dims.pp)] if dims.pp > 1 else [])
-    n = n_rank if dims.pp == 1 else sum(prm.numel() for _, prm in stage_parameters(
-        rm, set(layer_ids[top]), *shape.ends(top), model_cfg.tied))
+    report = MemoryReport(
+        dict(rows[top]),
+        [per_layer[i] for i in layer_ids[top]],
+        host_optimizer=offload,
+        moe_layers=list(model_cfg.moe_layers),
+        stages=rows,
+        stage_layers=layer_ids,
+        stage=top,
+        stage_ends=[shape.ends(r) for r in range(dims.pp)] if dims.pp > 1 else [],
+    )
+    n = (
+        n_rank
+        if dims.pp == 1
+        else sum(prm.numel() for _, prm in stage_parameters(rm, set(layer_ids[top]), *shape.ends(top), model_cfg.tied))
+    )
     mode = f" {lay.mode} (q={lay.q}{f', d={lay.depth}' if lay.mode == '2.5d' else ''})" if lay.grid else ""
-    tp = f", tp={dims.tp}{mode}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)" if dims.tp > 1 else ""
-    tp += f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)" if dims.cp > 1 else ""
-    report.notes.append(f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
-                        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.describe()}"
-                        + (", fused loss (no [tokens, vocab] logits)" if fused else ""))
+    tp = (
+        f", tp={dims.tp}{mode}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)"
+        if dims.tp > 1
+        else ""
+    )
+    tp += (
+        f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)"
+        if dims.cp > 1
+        else ""
+    )
+    report.notes.append(
+        f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
+        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.describe()}"
+        + (", fused loss (no [tokens, vocab] logits)" if fused else "")
+    )
     report.notes.extend(notes)
     if cfg.train.async_checkpoint:
-        report.notes.append(f"train.async_checkpoint: a save in flight holds {_fmt(report.predicted['checkpoint_host'])} of "
-                            "host copies on this rank (the tensors it writes), beside the device memory above")
+        report.notes.append(
+            f"train.async_checkpoint: a save in flight holds {_fmt(report.predicted['checkpoint_host'])} of "
+            "host copies on this rank (the tensors it writes), beside the device memory above"
+        )
     if model_cfg.dropout > 0 and lay.grid:
         report.notes.append(f"model.dropout={model_cfg.dropout:g}: the masks of a tensor-parallel grid are not counted")
     if offload:
-        report.notes.append("memory.offload_optimizer: the optimizer state (fp32 master weights, fp32 gradient copy, "
-                            "moments) is in host memory; held and peak count the device only")
+        report.notes.append(
+            "memory.offload_optimizer: the optimizer state (fp32 master weights, fp32 gradient copy, "
+            "moments) is in host memory; held and peak count the device only"
+        )
     if model_cfg.moe_experts:
         mc = model_cfg
-        note = (f"mixture of experts in {len(mc.moe_layers)} of {mc.n_layers} blocks: {mc.moe_experts} experts, top-{mc.moe_top_k}"
-                f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}; {total_params / 1e6:.2f}M parameters in all, "
-                f"{active_params / 1e6:.2f}M active per token")
+        note = (
+            f"mixture of experts in {len(mc.moe_layers)} of {mc.n_layers} blocks: {mc.moe_experts} experts, top-{mc.moe_top_k}"
+            f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}; {total_params / 1e6:.2f}M parameters in all, "
+            f"{active_params / 1e6:.2f}M active per token"
+        )
         if dims.ep > 1:
-            note += (f"; ep={dims.ep}: {mc.moe_experts // dims.ep} experts per rank ({n / 1e6:.2f}M parameters), ZeRO shards the "
-                     f"experts over the {edp} rank{'s' if edp > 1 else ''} holding the same ones (edp) and the rest over all "
-                     f"{dims.dp * dims.cp}; the experts' activations and the "
-                     f"all-to-all rows in flight for a balanced load")
+            note += (
+                f"; ep={dims.ep}: {mc.moe_experts // dims.ep} experts per rank ({n / 1e6:.2f}M parameters), ZeRO shards the "
+                f"experts over the {edp} rank{'s' if edp > 1 else ''} holding the same ones (edp) and the rest over all "
+                f"{dims.dp * dims.cp}; the experts' activations and the "
+                f"all-to-all rows in flight for a balanced load"
+            )
         if mc.moe_capacity_factor > 0:
             note += f"; capacity factor {mc.moe_capacity_factor:g}: expert activations are an upper bound (every expert full)"
         report.notes.append(note)
@@ -293,7 +396,9 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
     _, rise = peak_allocated(trainer.train_step, device)  # CPU: every allocation of the step, from the profiler
     states = trainer.engine.memory()
     if metered is None:
-        x, y, *rest = trainer._shard(trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch))[0]
+        x, y, *rest = trainer._shard(
+            trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch)
+        )[0]
         documents = rest[1] if len(rest) > 1 else None  # packed documents' ids
         exclude = getattr(trainer.engine, "gathered_storages", None)
         trainer.engine.zero_grad()
@@ -313,17 +418,28 @@ def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
         per_layer = metered["per_layer"]
     m = dict(states)
     m["activations"], m["head"] = metered["activations"], metered["head"]
-    on_device = (0 if report.host_optimizer else m["optimizer"])
+    on_device = 0 if report.host_optimizer else m["optimizer"]
     m["held"] = m["parameters"] + m["gradients"] + on_device + m["activations"] + m["head"]
     m["host"] = m["optimizer"] if report.host_optimizer else 0
-    m["checkpoint_host"] = sum(t.numel() * t.element_size() for f in trainer.engine.checkpoint_files(trainer.topo.rank).values()
-                               for t, _ in f.values()) if trainer.cfg.train.async_checkpoint else 0  # a save's host copy
+    m["checkpoint_host"] = (
+        sum(
+            t.numel() * t.element_size()
+            for f in trainer.engine.checkpoint_files(trainer.topo.rank).values()
+            for t, _ in f.values()
+        )
+        if trainer.cfg.train.async_checkpoint
+        else 0
+    )  # a save's host copy
     if device.type == "cuda":
         m["peak"] = torch.cuda.max_memory_allocated(device)
     else:  # the model states held when the last step began, and the most the step allocated above them
-        m["peak"] = before["parameters"] + before["gradients"] + (0 if report.host_optimizer else before["optimizer"]) + rise
-        report.notes.append("CPU: the measured peak is the model states plus the most the last step allocated above them "
-                            "(the profiler's record of allocations)")
+        m["peak"] = (
+            before["parameters"] + before["gradients"] + (0 if report.host_optimizer else before["optimizer"]) + rise
+        )
+        report.notes.append(
+            "CPU: the measured peak is the model states plus the most the last step allocated above them "
+            "(the profiler's record of allocations)"
+        )
     ids = range(trainer.model_cfg.n_layers)
     layers = [per_layer.get(f"layers.{i}", 0) for i in ids if not pipelined or f"layers.{i}" in per_layer]
     report.measured, report.layers_measured = m, layers
@@ -347,15 +463,28 @@ def _routing_note(trainer, report: MemoryReport, stats, per_layer: dict) -> None
     routed = (tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens) // micro
     p = torch.finfo(policy(cfg.memory.precision, cfg.memory.grad_dtype).param_dtype).bits // 8
     m, seen = at_load(cfg, mc, received, report.layers_predicted, micro, routed, p, dims.ep, trainer.device.type)
-    report.routing = {layer: {"received": received[layer], "balanced": m, "predicted_at_load": seen[layer],
-                              "measured": per_layer.get(f"layers.{layer}", 0)} for layer in received}
-    parts = [f"block {layer} {r['received'] / m:.2f}x ({_fmt(r['predicted_at_load'])} predicted at it, "
-             f"{_fmt(r['measured'])} measured)" for layer, r in report.routing.items()]
+    report.routing = {
+        layer: {
+            "received": received[layer],
+            "balanced": m,
+            "predicted_at_load": seen[layer],
+            "measured": per_layer.get(f"layers.{layer}", 0),
+        }
+        for layer in received
+    }
+    parts = [
+        f"block {layer} {r['received'] / m:.2f}x ({_fmt(r['predicted_at_load'])} predicted at it, "
+        f"{_fmt(r['measured'])} measured)"
+        for layer, r in report.routing.items()
+    ]
     delta = sum(r["predicted_at_load"] - report.layers_predicted[layer] for layer, r in report.routing.items())
-    report.notes.append(f"routing seen (expert-parallel rank {trainer.topo.comm('ep').rank}): rows its experts received "
-                        f"over the balanced {m:,}: " + "; ".join(parts)
-                        + f"; held at the routing seen: {_fmt(report.predicted['held'] + delta)}, peak at the routing "
-                        f"seen: {_fmt(report.predicted['peak'] + delta)}")
+    report.notes.append(
+        f"routing seen (expert-parallel rank {trainer.topo.comm('ep').rank}): rows its experts received "
+        f"over the balanced {m:,}: "
+        + "; ".join(parts)
+        + f"; held at the routing seen: {_fmt(report.predicted['held'] + delta)}, peak at the routing "
+        f"seen: {_fmt(report.predicted['peak'] + delta)}"
+    )
 
 
 def report_for(cfg: Config, world_size: int, measure_steps: int = 0, quiet: bool = False) -> MemoryReport:
@@ -395,4 +524,3 @@ def run_report(cfg: Config, measure_steps: int, png: str | None, device_gb: floa
     if png and report.plot(png):
         report.notes.append(f"bar chart: {png}")
     print(report.table(device_gb))
-

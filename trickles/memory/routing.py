@@ -31,12 +31,21 @@ def routing_seen(stats, comm) -> dict[int, int]:
         if comm.size > 1:
             comm.all_reduce(counts)
         el = counts.numel() // comm.size
-        out[layer] = int(counts[comm.rank * el:(comm.rank + 1) * el].sum())
+        out[layer] = int(counts[comm.rank * el : (comm.rank + 1) * el].sum())
     return out
 
 
-def at_load(cfg, model_cfg, received: dict[int, int], predicted: list[int], micro: int, routed: int,
-            p: int, ep: int, device_type: str) -> tuple[int, dict[int, int]]:
+def at_load(
+    cfg,
+    model_cfg,
+    received: dict[int, int],
+    predicted: list[int],
+    micro: int,
+    routed: int,
+    p: int,
+    ep: int,
+    device_type: str,
+) -> tuple[int, dict[int, int]]:
     """``(m, {block: its predicted activations at m_in = received[block]})`` for ``micro`` sequences of which each
     rank routes ``routed`` tokens each (module docstring); ``predicted``: the balanced prediction per block."""
     seq = cfg.data.seq_len
@@ -45,7 +54,11 @@ def at_load(cfg, model_cfg, received: dict[int, int], predicted: list[int], micr
     base = moe_bytes(model_cfg, micro, routed, seq, p, ep, device_type=device_type)
     out = {}
     for layer, m_in in received.items():
-        extra = 0 if full else moe_bytes(model_cfg, micro, routed, seq, p, ep, received=m_in, device_type=device_type) - base
+        extra = (
+            0
+            if full
+            else moe_bytes(model_cfg, micro, routed, seq, p, ep, received=m_in, device_type=device_type) - base
+        )
         out[layer] = predicted[layer] + extra
     return m, out
 

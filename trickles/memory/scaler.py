@@ -12,8 +12,15 @@ from __future__ import annotations
 
 
 class DynamicLossScaler:
-    def __init__(self, scale: float = 2.0**16, growth_interval: int = 1000, hysteresis: int = 2,
-                 min_scale: float = 1.0, growth_factor: float = 2.0, backoff_factor: float = 0.5):
+    def __init__(
+        self,
+        scale: float = 2.0**16,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+    ):
         self.scale = float(scale)
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.min_scale, self.growth_factor, self.backoff_factor = min_scale, growth_factor, backoff_factor

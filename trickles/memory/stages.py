@@ -116,11 +116,21 @@ def input_saved(flavor: str, p: int, device_type: str, recompute: str) -> bool:
     return flavor == "gpt2" and device_type != "cuda"
 
 
-def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int, int]], msg: int,
-                 saves_input: bool | list[bool], loss_transient: int, early_receives: bool,
-                 backward_transient: int | list[int] = 0,
-                 gathered: list[tuple[int, int]] | None = None, recorded: list[int] | None = None,
-                 split_end: int = 0, loss_saved: int = 0) -> int:
+def buffers_peak(
+    schedule: str,
+    shape: Shape,
+    rank: int,
+    weights: list[tuple[int, int]],
+    msg: int,
+    saves_input: bool | list[bool],
+    loss_transient: int,
+    early_receives: bool,
+    backward_transient: int | list[int] = 0,
+    gathered: list[tuple[int, int]] | None = None,
+    recorded: list[int] | None = None,
+    split_end: int = 0,
+    loss_saved: int = 0,
+) -> int:
     """The most bytes alive at once on ``rank`` over a step -- saved activations, the stage outputs and inputs the
     runner holds, receive buffers, input gradients until sent, and during a backward ``backward_transient``, a
     layer's own -- on the last virtual stage the larger of the loss's and that less the head's activations, which
@@ -134,9 +144,13 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     own (:func:`~trickles.memory.transients.norm_backward_bytes`); ``loss_saved``: what the loss's own nodes save, freed
     as the last stage's ``B`` ends. ``saves_input`` and ``backward_transient`` may be given per chunk (layers
     recomputed in different ways: ``memory.recompute_num_layers``)."""
-    per_chunk = [(saves_input[c] if isinstance(saves_input, list) else saves_input,
-                  backward_transient[c] if isinstance(backward_transient, list) else backward_transient)
-                 for c in range(shape.v)]
+    per_chunk = [
+        (
+            saves_input[c] if isinstance(saves_input, list) else saves_input,
+            backward_transient[c] if isinstance(backward_transient, list) else backward_transient,
+        )
+        for c in range(shape.v)
+    ]
     actions = action_lists(schedule, shape, early_receives)[rank]
     last = shape.stages - 1
     split = schedule in SPLIT  # zero-bubble: the activations and the received input stay until W
@@ -169,13 +183,17 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
             # input gradient running down the residual stream beside theirs (elsewhere the top block's backward, the
             # heaviest, reads the received gradient itself there)
             flowing = msg if s == last and s > 0 else 0
-            during = (max(loss_transient, backward_transient - head + flowing) if s == last
-                      else backward_transient + flowing)
+            during = (
+                max(loss_transient, backward_transient - head + flowing) if s == last else backward_transient + flowing
+            )
             if gathered:  # ZeRO-3: the loss's backward with the root gathered, a block's with its units, its reduction
                 _, loss_root, begins, reduce, released = gathered[a.chunk]
                 freed = head if s == last else 0
-                during = max(loss_transient + loss_root if s == last else 0, backward_transient - freed + begins + flowing,
-                             reduce - released - freed + flowing)
+                during = max(
+                    loss_transient + loss_root if s == last else 0,
+                    backward_transient - freed + begins + flowing,
+                    reduce - released - freed + flowing,
+                )
             peak = max(peak, alive + during)
             if split and recorded:  # B's end: what it recorded (the received gradient among it, already alive but
                 # on the last stage), the input gradient it makes, its first norm's backward
@@ -202,8 +220,9 @@ def buffers_peak(schedule: str, shape: Shape, rank: int, weights: list[tuple[int
     return peak
 
 
-def recorded_bytes(mc, layers: int, tokens: int, p: int, tp: int = 1, sp: bool = False, head: bool = False,
-                   fused_loss: bool = False) -> int:
+def recorded_bytes(
+    mc, layers: int, tokens: int, p: int, tp: int = 1, sp: bool = False, head: bool = False, fused_loss: bool = False
+) -> int:
     """Bytes a zero-bubble ``B`` records for ``W`` in one micro-batch through a chunk of ``layers`` blocks
     (:mod:`~trickles.parallel.pipeline.split`): the gradient arriving at every node with an edge toward a weight, kept
     until ``W`` multiplies it by the saved input -- per block the outputs of the query, key and value projections and of
@@ -224,8 +243,17 @@ def recorded_bytes(mc, layers: int, tokens: int, p: int, tp: int = 1, sp: bool =
     return out
 
 
-def zero3_gathered(named: list, parts: list[list[int]], shape: Shape, rank: int, per_layer: list[int], p: int, g: int,
-                   dp: int, clones: bool) -> list[tuple[int, int, int, int, int]]:
+def zero3_gathered(
+    named: list,
+    parts: list[list[int]],
+    shape: Shape,
+    rank: int,
+    per_layer: list[int],
+    p: int,
+    g: int,
+    dp: int,
+    clones: bool,
+) -> list[tuple[int, int, int, int, int]]:
     """What ZeRO-3 holds beyond its shards while each chunk of ``rank`` runs -- ``named``: the rank's parameters,
     ``per_layer``: each layer's saved activation bytes -- from each chunk's ``(root, last, blocks, block, saved)``: the
     elements of the root it reads (the embedding or the head, or 0), whether it ends with the head, its block count,

@@ -8,8 +8,16 @@ from ..config import Config
 from .precision import policy
 
 
-def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tuple[int, int] | None = None,
-                       accumulates: bool = True, keep: set[str] | None = None, pipelined: bool = False) -> dict[str, int]:
+def engine_state_bytes(
+    meta,
+    cfg: Config,
+    dp: int,
+    dp_rank: int = 0,
+    experts: tuple[int, int] | None = None,
+    accumulates: bool = True,
+    keep: set[str] | None = None,
+    pipelined: bool = False,
+) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
 
     ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type, or (ZeRO 0-2) its unique
@@ -31,8 +39,8 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     asynchronous save holds on the host while it writes (:mod:`~trickles.train.saver`).
     """
     from ..optim.settings import OptimizerSettings
-    from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
     from ..parallel.data.flat import FlatLayout
+    from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
 
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     p = torch.finfo(prec.param_dtype).bits // 8
@@ -43,8 +51,8 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
     stage = cfg.parallel.zero
     worlds, ranks = ([dp], [dp_rank]) if experts is None else ([dp, experts[0]], [dp_rank, experts[1]])
     if stage == 3:
-        from ..parallel.expert import expert_modules
         from ..parallel.data.zero3 import _owned
+        from ..parallel.expert import expert_modules
 
         names = {id(m): name for name, m in meta.named_modules()}
         expert_units = expert_modules(meta) if experts is not None else []
@@ -64,10 +72,16 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
         segments = [seg for lay, gi in zip(layouts, group) for seg in lay.segments(ranks[gi])]
     else:
         named = meta if isinstance(meta, list) else unique_named_parameters(meta)
-        layout = FlatLayout(named, worlds, bucket_bytes(cfg.parallel.bucket_mb),
-                            first_bucket_bytes=FIRST_BUCKET_BYTES,
-                            group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")))
-        params = p * (layout.numel if stage == 0 else layout.total)  # ZeRO-1/2: parameters are views of a padded flat buffer
+        layout = FlatLayout(
+            named,
+            worlds,
+            bucket_bytes(cfg.parallel.bucket_mb),
+            first_bucket_bytes=FIRST_BUCKET_BYTES,
+            group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")),
+        )
+        params = p * (
+            layout.numel if stage == 0 else layout.total
+        )  # ZeRO-1/2: parameters are views of a padded flat buffer
         sharded = stage == 2 or (stage == 1 and not accumulates)  # stage 1 reduces like stage 2 unless it accumulates
         grads = g * (layout.shard_numel if sharded else layout.total)
         segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
@@ -83,9 +97,18 @@ def engine_state_bytes(meta, cfg: Config, dp: int, dp_rank: int = 0, experts: tu
         written = sum(s.numel for s in layout.slots if ranks[layout.buckets[s.bucket].group] == 0)
         if stage == 0 and dp_rank != 0:
             owned, segments = 0, []
-    state = 4 * len(settings.state_keys) * owned + (4 * len(segments) if settings.counts_steps else 0) + (4 * owned if prec.low else 0)
-    return {"parameters": params, "gradients": grads, "optimizer": optimizer, "step_gradients": step,
-            "checkpoint": p * written + state}
+    state = (
+        4 * len(settings.state_keys) * owned
+        + (4 * len(segments) if settings.counts_steps else 0)
+        + (4 * owned if prec.low else 0)
+    )
+    return {
+        "parameters": params,
+        "gradients": grads,
+        "optimizer": optimizer,
+        "step_gradients": step,
+        "checkpoint": p * written + state,
+    }
 
 
 def _root_params(model) -> int:

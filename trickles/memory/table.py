@@ -24,7 +24,9 @@ class MemoryReport:
     stage_ends: list[tuple[bool, bool]] = field(default_factory=list)  # whether it holds the embedding, the head
     stage: int = 0  # the pipeline rank ``predicted`` (and ``measured``) describe: the highest predicted peak
     stages_measured: list[dict] = field(default_factory=list)  # measured, per pipeline rank (with pp, on rank 0)
-    routing: dict = field(default_factory=dict)  # MoE with ep: block -> rows received, balanced, predicted at that load, measured
+    routing: dict = field(
+        default_factory=dict
+    )  # MoE with ep: block -> rows received, balanced, predicted at that load, measured
 
     CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
 
@@ -45,8 +47,10 @@ class MemoryReport:
             head += "".join(f"{'measured ' + c if host else 'measured':>{width}}" for c in cols) + f"{'meas/pred':>11}"
         lines = []
         if len(self.stages) > 1:
-            lines.append(f"pipeline rank {self.stage} of {len(self.stages)} (the highest peak): layers "
-                         f"{_span(self.stage_layers[self.stage])}{self._ends(self.stage)}")
+            lines.append(
+                f"pipeline rank {self.stage} of {len(self.stages)} (the highest peak): layers "
+                f"{_span(self.stage_layers[self.stage])}{self._ends(self.stage)}"
+            )
         lines += [head, "-" * len(head)]
         for c in self.CATEGORIES:
             pred, meas = self.predicted.get(c), self.measured.get(c)
@@ -55,9 +59,13 @@ class MemoryReport:
             if host:  # the optimizer lives on the host; held and peak count the device, the host total beside them
                 on_host = c == "optimizer"
                 total = c in ("held", "peak")
-                values = [(0 if on_host else pred, 0 if on_host and has_m else (None if on_host else meas)),
-                          (pred if on_host else self.predicted.get("host") if total else None,
-                           meas if on_host else self.measured.get("host") if total else None)]
+                values = [
+                    (0 if on_host else pred, 0 if on_host and has_m else (None if on_host else meas)),
+                    (
+                        pred if on_host else self.predicted.get("host") if total else None,
+                        meas if on_host else self.measured.get("host") if total else None,
+                    ),
+                ]
             row += "".join(f"{_fmt(v):>14}" for v, _ in values)
             if has_m:
                 ratio = f"{meas / pred:.3f}" if meas is not None and pred else "-"
@@ -83,8 +91,10 @@ class MemoryReport:
             cap = device_gb * 1e9
             verdict = "fits" if peak <= 0.9 * cap else ("tight" if peak <= cap else "does NOT fit")
             lines.append("")
-            lines.append(f"device of {device_gb:g} GB: peak {_fmt(peak)} is {100 * peak / cap:.0f}% of it -> {verdict}"
-                         + (" (keep 10% for the allocator and the framework)" if verdict == "tight" else ""))
+            lines.append(
+                f"device of {device_gb:g} GB: peak {_fmt(peak)} is {100 * peak / cap:.0f}% of it -> {verdict}"
+                + (" (keep 10% for the allocator and the framework)" if verdict == "tight" else "")
+            )
         lines.extend(f"note: {n}" for n in self.notes)
         if self.tp_modes:
             lines.extend(["", self.tp_modes])
@@ -101,9 +111,11 @@ class MemoryReport:
             def both(key, row=row, meas=meas):
                 return _fmt(row[key]) + (f" ({_fmt(meas[key])} measured)" if key in meas else "")
 
-            out.append(f"stage {r}: layers {_span(self.stage_layers[r])}{self._ends(r)}: model states "
-                       f"{_fmt(states)}, activations {both('activations')} + head {both('head')}, "
-                       f"held {both('held')}, peak {both('peak')}")
+            out.append(
+                f"stage {r}: layers {_span(self.stage_layers[r])}{self._ends(r)}: model states "
+                f"{_fmt(states)}, activations {both('activations')} + head {both('head')}, "
+                f"held {both('held')}, peak {both('peak')}"
+            )
         return out
 
     def _layer_summary(self) -> list[str]:
@@ -124,7 +136,9 @@ class MemoryReport:
                 counts = ", ".join(f"{sizes.count(b)} x {_fmt(b)}" for b in sorted(set(sizes)))
                 lines.append(f"the {len(idx)}{label} layers' saved activations: {counts}")
             else:
-                lines.append(f"layer {idx[0]}: {_fmt(first)}, each of the other {len(rest)}{label}: {_fmt(rest[0])} of saved activations")
+                lines.append(
+                    f"layer {idx[0]}: {_fmt(first)}, each of the other {len(rest)}{label}: {_fmt(rest[0])} of saved activations"
+                )
         return lines
 
     def plot(self, path: str) -> bool:
@@ -142,7 +156,12 @@ class MemoryReport:
         x = range(len(cats))
         fig, ax = plt.subplots(figsize=(8, 4), dpi=120)
         w = 0.4 if self.measured else 0.8
-        ax.bar([i - (w / 2 if self.measured else 0) for i in x], [self.predicted[c] / size for c in cats], w, label="predicted")
+        ax.bar(
+            [i - (w / 2 if self.measured else 0) for i in x],
+            [self.predicted[c] / size for c in cats],
+            w,
+            label="predicted",
+        )
         if self.measured:
             ax.bar([i + w / 2 for i in x], [(self.measured.get(c) or 0) / size for c in cats], w, label="measured")
         ax.set_xticks(list(x))
@@ -166,7 +185,10 @@ def _fmt(v) -> str:
 
 
 def _span(ids: list[int]) -> str:
-    return "-" if not ids else f"{ids[0]}-{ids[-1]}" if ids == list(range(ids[0], ids[-1] + 1)) else ", ".join(map(str, ids))
-
-
-
+    return (
+        "-"
+        if not ids
+        else f"{ids[0]}-{ids[-1]}"
+        if ids == list(range(ids[0], ids[-1] + 1))
+        else ", ".join(map(str, ids))
+    )

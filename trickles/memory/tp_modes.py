@@ -51,8 +51,10 @@ def shard_meta(meta, dims: ParallelDims, sequence_parallel: bool = False):
     def group(n):  # (the plan reads sizes and ranks; the meta model never talks)
         return SimpleNamespace(size=n, rank=0)
 
-    apply_tensor_nd(meta, GridContext(grid, group(dims.tp), group(grid.q), group(grid.q),
-                                      group(grid.depth) if grid.depth > 1 else None))
+    apply_tensor_nd(
+        meta,
+        GridContext(grid, group(dims.tp), group(grid.q), group(grid.q), group(grid.depth) if grid.depth > 1 else None),
+    )
     return meta
 
 
@@ -70,10 +72,22 @@ def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: Parallel
         return activation_bytes_nd(model_cfg, lay, micro, cfg.data.seq_len, p, cfg.memory.recompute, device_type)
 
     def one(mode: str) -> dict:
-        return activation_bytes(model_cfg, micro, cfg.data.seq_len, mode, p, device_type, lay.tp, lay.sequence_parallel,
-                                dims.cp, cfg.parallel.cp_mode, dims.ep,
-                                fused_loss=fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type),
-                                fp16=cfg.memory.precision == "fp16", documents=cfg.data.document_mask)
+        return activation_bytes(
+            model_cfg,
+            micro,
+            cfg.data.seq_len,
+            mode,
+            p,
+            device_type,
+            lay.tp,
+            lay.sequence_parallel,
+            dims.cp,
+            cfg.parallel.cp_mode,
+            dims.ep,
+            fused_loss=fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type),
+            fp16=cfg.memory.precision == "fp16",
+            documents=cfg.data.document_mask,
+        )
 
     if not cfg.memory.recompute_num_layers:
         return one(cfg.memory.recompute)
@@ -84,8 +98,14 @@ def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: Parallel
     rest = each.get(cfg.memory.recompute_rest, each["full"])
     per_layer = [each[modes[i]]["per_layer"][i] for i in range(model_cfg.n_layers)]
     first = each[modes[0]]
-    return dict(rest, per_layer=per_layer, layers=sum(per_layer) - first["tables"], tables=first["tables"],
-                total=sum(per_layer) + rest["head"], rebuilt=max(a["rebuilt"] for a in each.values()))
+    return dict(
+        rest,
+        per_layer=per_layer,
+        layers=sum(per_layer) - first["tables"],
+        tables=first["tables"],
+        total=sum(per_layer) + rest["head"],
+        rebuilt=max(a["rebuilt"] for a in each.values()),
+    )
 
 
 def brought_back(modes: dict[int, str], act: dict, plain: list[int] | None) -> list[int]:
@@ -93,23 +113,31 @@ def brought_back(modes: dict[int, str], act: dict, plain: list[int] | None) -> l
     once in its backward: a whole layer's or attention core's saved tensors (``full``, ``selective``: ``plain``, what
     it keeps without recomputation, less what it keeps with, ``act``), one rebuilt output (``elementwise``:
     ``act["rebuilt"]``), nothing (``none``). ``plain`` may be None where no layer is ``full`` or ``selective``."""
-    return [0 if modes[i] == "none" else act.get("rebuilt", 0) if modes[i] == "elementwise" else plain[i] - act["per_layer"][i]
-            for i in range(len(act["per_layer"]))]
+    return [
+        0
+        if modes[i] == "none"
+        else act.get("rebuilt", 0)
+        if modes[i] == "elementwise"
+        else plain[i] - act["per_layer"][i]
+        for i in range(len(act["per_layer"]))
+    ]
 
 
-def without_recompute(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: ParallelDims, device_type: str,
-                      modes: dict[int, str]) -> list[int] | None:
+def without_recompute(
+    cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: ParallelDims, device_type: str, modes: dict[int, str]
+) -> list[int] | None:
     """Each layer's activations without recomputation, where a layer of ``modes`` needs them (:func:`brought_back`)."""
     if not any(m in ("full", "selective") for m in modes.values()):
         return None
-    return activations(dataclasses.replace(cfg, memory=cfg.memory.uniform("none")), model_cfg, lay, dims,
-                       device_type)["per_layer"]
+    return activations(dataclasses.replace(cfg, memory=cfg.memory.uniform("none")), model_cfg, lay, dims, device_type)[
+        "per_layer"
+    ]
 
 
 def recomputed_in_backward(brought: list[int], per_layer: list[int], layers: list[int]) -> int:
     """The most recomputation holds beyond the saved activations while a chunk of ``layers`` (in forward order) runs
     its backward: layer ``j`` brings back ``brought[j]`` once the layers after it have released theirs."""
-    return max((brought[j] - sum(per_layer[k] for k in layers[n + 1:]) for n, j in enumerate(layers)), default=0)
+    return max((brought[j] - sum(per_layer[k] for k in layers[n + 1 :]) for n, j in enumerate(layers)), default=0)
 
 
 def depth_for(mode: str, tp: int, configured: Config) -> int:
@@ -118,7 +146,7 @@ def depth_for(mode: str, tp: int, configured: Config) -> int:
         return 1
     if configured.parallel.tp_mode == "2.5d":
         return configured.parallel.tp_depth
-    for q in range(int(tp ** 0.5), 1, -1):
+    for q in range(int(tp**0.5), 1, -1):
         if tp % (q * q) == 0 and tp // (q * q) >= 2:
             return tp // (q * q)
     return 0
@@ -152,18 +180,25 @@ class ModeTable:
 
     def table(self) -> str:
         base = self.row("1d").comm
-        head = (f"{'tp=' + str(self.tp):<8}{'layout':<14}{'weights':>13}{'model states':>14}{'activations':>13}"
-                f"{'tp comm/step':>14}{'vs 1-D':>8}")
-        lines = [f"tensor-parallel modes at tp={self.tp}, per rank (* this run; formulas of trickles.parallel.tensor.costs)",
-                 head, "-" * len(head)]
+        head = (
+            f"{'tp=' + str(self.tp):<8}{'layout':<14}{'weights':>13}{'model states':>14}{'activations':>13}"
+            f"{'tp comm/step':>14}{'vs 1-D':>8}"
+        )
+        lines = [
+            f"tensor-parallel modes at tp={self.tp}, per rank (* this run; formulas of trickles.parallel.tensor.costs)",
+            head,
+            "-" * len(head),
+        ]
         for r in self.rows:
             name = NAMES[r.mode] + ("+SP" if r.sequence_parallel else "") + ("*" if r.configured else "")
             if r.why:
                 lines.append(f"{name:<8}- {r.why}")
                 continue
             ratio = f"{r.comm / base:.2f}" if base else "-"
-            lines.append(f"{name:<8}{r.layout:<14}{_fmt(r.weights):>13}{_fmt(r.states):>14}{_fmt(r.activations):>13}"
-                         f"{_fmt(r.comm):>14}{ratio:>8}")
+            lines.append(
+                f"{name:<8}{r.layout:<14}{_fmt(r.weights):>13}{_fmt(r.states):>14}{_fmt(r.activations):>13}"
+                f"{_fmt(r.comm):>14}{ratio:>8}"
+            )
         lines.extend(f"  {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -198,13 +233,19 @@ def compare_tp_modes(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, de
         with torch.device("meta"):
             meta = shard_meta(Transformer(model_cfg), alt, sp)
         states = engine_state_bytes(meta.to(prec.param_dtype), cfg, dims.dp * dims.cp, 0, None, cfg.accumulates(dims))
-        row.states = states["parameters"] + states["gradients"] + (0 if cfg.memory.offload_optimizer else states["optimizer"])
+        row.states = (
+            states["parameters"] + states["gradients"] + (0 if cfg.memory.offload_optimizer else states["optimizer"])
+        )
         row.activations = activations(cfg, model_cfg, lay, dims, device_type)["total"]
         row.comm = step_comm(model_cfg, lay, micro, seq, p, accumulation, recompute, g, whole=whole)
-    out.notes.append(f"micro-batch {micro} x {seq} tokens, {accumulation} per step, {cfg.memory.precision}, recompute "
-                     f"{cfg.memory.describe()}; activations: one micro-batch's, all layers and the head")
-    out.notes.append("tp comm: what one rank sends over its tensor-parallel groups (ring algorithms) in the forward and "
-                     "backward of every micro-batch, and the gradient norm")
+    out.notes.append(
+        f"micro-batch {micro} x {seq} tokens, {accumulation} per step, {cfg.memory.precision}, recompute "
+        f"{cfg.memory.describe()}; activations: one micro-batch's, all layers and the head"
+    )
+    out.notes.append(
+        "tp comm: what one rank sends over its tensor-parallel groups (ring algorithms) in the forward and "
+        "backward of every micro-batch, and the gradient norm"
+    )
     return out
 
 

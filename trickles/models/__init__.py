@@ -4,8 +4,18 @@ from .config import PRESETS, ModelConfig, apply_preset
 from .kv_cache import KVCache
 from .transformer import Transformer, build_model, count_params, initial_value
 
-__all__ = ["PRESETS", "ModelConfig", "apply_preset", "KVCache", "Transformer", "build_model", "count_params",
-           "initial_value", "load_hf", "save_hf"]
+__all__ = [
+    "PRESETS",
+    "ModelConfig",
+    "apply_preset",
+    "KVCache",
+    "Transformer",
+    "build_model",
+    "count_params",
+    "initial_value",
+    "load_hf",
+    "save_hf",
+]
 
 
 def load_hf(path, dtype=None, device="cpu"):

@@ -18,14 +18,23 @@ HOW_KEYS = ("kernels", "fused_loss", "loss_chunk", "fused_proj")
 class ModelConfig:
     """Shape of a decoder-only transformer (the ``[model]`` section)."""
 
-    preset: str | None = opt(None, "named shape to start from (trickles.models.PRESETS); keys given beside it override it")
-    flavor: Flavor = opt("llama", "llama: RMSNorm, rotary, SwiGLU, no biases; gpt2: LayerNorm, learned positions, GELU, biases")
+    preset: str | None = opt(
+        None, "named shape to start from (trickles.models.PRESETS); keys given beside it override it"
+    )
+    flavor: Flavor = opt(
+        "llama", "llama: RMSNorm, rotary, SwiGLU, no biases; gpt2: LayerNorm, learned positions, GELU, biases"
+    )
     n_layers: int = opt(4, "number of transformer blocks")
     d_model: int = opt(256, "hidden size")
     n_heads: int = opt(8, "query heads")
     n_kv_heads: int | None = opt(4, "key/value heads for grouped-query attention (none: same as n_heads)")
-    head_size: int | None = opt(None, "size of each attention head (none: d_model / n_heads); set where heads were pruned, which keeps their size")
-    ffn_hidden: int | None = opt(None, "MLP hidden size (none: 4*d_model for gpt2; 8/3*d_model rounded up to ffn_multiple_of for llama)")
+    head_size: int | None = opt(
+        None,
+        "size of each attention head (none: d_model / n_heads); set where heads were pruned, which keeps their size",
+    )
+    ffn_hidden: int | None = opt(
+        None, "MLP hidden size (none: 4*d_model for gpt2; 8/3*d_model rounded up to ffn_multiple_of for llama)"
+    )
     ffn_multiple_of: int = opt(64, "rounding of the default llama MLP hidden size")
     vocab_size: int | None = opt(None, "vocabulary size (none: the tokenizer's, rounded up to vocab_multiple)")
     vocab_multiple: int = opt(64, "rounding of the vocabulary size taken from the tokenizer")
@@ -33,22 +42,50 @@ class ModelConfig:
     rope_theta: float = opt(10000.0, "rotary embedding base (llama)")
     norm_eps: float = opt(1e-5, "epsilon of RMSNorm / LayerNorm")
     dropout: float = opt(0.0, "dropout on embeddings, attention probabilities and residual branches")
-    tie_embeddings: bool | None = opt(None, "share the input embedding with the output projection (none: true for gpt2, false for llama)")
-    init_std: float = opt(0.02, "standard deviation of the normal initialization; residual output projections use init_std/sqrt(2*n_layers)")
-    kernels: Literal["auto", "triton", "torch"] = opt("auto", "auto: per kernel, the Triton kernel (trickles.kernels) on CUDA where its last GPU measurement beat eager PyTorch and torch.compile (docs/kernels.md), eager PyTorch elsewhere; triton: always (a CPU needs TRITON_INTERPRET=1); torch: never")
-    fused_loss: bool | None = opt(None, "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits (none: when the kernels run the Triton cross-entropy)")
-    fused_proj: bool | None = opt(None, "one matmul for queries, keys and values and one for the gate and up projections, their names kept in checkpoints (none: when the kernels may run Triton, i.e. kernels=triton, or auto on a machine with CUDA)")
-    loss_chunk: int = opt(0, "tokens per chunk of the fused loss (0: about as many as make a chunk's logits the size of the hidden states)")
+    tie_embeddings: bool | None = opt(
+        None, "share the input embedding with the output projection (none: true for gpt2, false for llama)"
+    )
+    init_std: float = opt(
+        0.02,
+        "standard deviation of the normal initialization; residual output projections use init_std/sqrt(2*n_layers)",
+    )
+    kernels: Literal["auto", "triton", "torch"] = opt(
+        "auto",
+        "auto: per kernel, the Triton kernel (trickles.kernels) on CUDA where its last GPU measurement beat eager PyTorch and torch.compile (docs/kernels.md), eager PyTorch elsewhere; triton: always (a CPU needs TRITON_INTERPRET=1); torch: never",
+    )
+    fused_loss: bool | None = opt(
+        None,
+        "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits (none: when the kernels run the Triton cross-entropy)",
+    )
+    fused_proj: bool | None = opt(
+        None,
+        "one matmul for queries, keys and values and one for the gate and up projections, their names kept in checkpoints (none: when the kernels may run Triton, i.e. kernels=triton, or auto on a machine with CUDA)",
+    )
+    loss_chunk: int = opt(
+        0,
+        "tokens per chunk of the fused loss (0: about as many as make a chunk's logits the size of the hidden states)",
+    )
     moe_experts: int = opt(0, "routed experts in each mixture-of-experts block (0: every block has a dense MLP)")
     moe_top_k: int = opt(2, "experts each token is routed to")
     moe_every: int = opt(1, "every n-th block is a mixture of experts (blocks n-1, 2n-1, ...; 1: all)")
     moe_ffn_hidden: int | None = opt(None, "hidden size of each expert MLP (none: the dense MLP's)")
-    moe_capacity_factor: float = opt(0.0, "each expert takes at most ceil(factor x top_k x T / experts) of a sequence's assignments, first choices first (0: dropless)")
+    moe_capacity_factor: float = opt(
+        0.0,
+        "each expert takes at most ceil(factor x top_k x T / experts) of a sequence's assignments, first choices first (0: dropless)",
+    )
     moe_aux_loss: float = opt(0.01, "weight of the Switch/GShard load-balancing loss")
     moe_z_loss: float = opt(0.001, "weight of the router z-loss (mean squared log-sum-exp of the router logits)")
-    moe_shared_experts: int = opt(0, "always-on experts beside the routed ones (one MLP of shared x moe_ffn_hidden units)")
-    moe_router: Literal["learned", "hard"] = opt("learned", "learned: each token's top-k experts by the router; hard: the experts its sample's label maps to (model.moe_label_experts)")
-    moe_label_experts: list[str] = opt([], "hard routing: 'label:expert[+expert...]' per label, e.g. json:0 email:1 (each label the same number of experts)")
+    moe_shared_experts: int = opt(
+        0, "always-on experts beside the routed ones (one MLP of shared x moe_ffn_hidden units)"
+    )
+    moe_router: Literal["learned", "hard"] = opt(
+        "learned",
+        "learned: each token's top-k experts by the router; hard: the experts its sample's label maps to (model.moe_label_experts)",
+    )
+    moe_label_experts: list[str] = opt(
+        [],
+        "hard routing: 'label:expert[+expert...]' per label, e.g. json:0 email:1 (each label the same number of experts)",
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -88,8 +125,10 @@ class ModelConfig:
             try:
                 out[label.strip()] = [int(e) for e in experts.split("+")]
             except ValueError:
-                raise ConfigError(f"model.moe_label_experts entry {item!r} is not 'label:expert[+expert...]', "
-                                  f"e.g. 'json:0' or 'email:1+2'") from None
+                raise ConfigError(
+                    f"model.moe_label_experts entry {item!r} is not 'label:expert[+expert...]', "
+                    f"e.g. 'json:0' or 'email:1+2'"
+                ) from None
         return out
 
     @property
@@ -115,11 +154,17 @@ class ModelConfig:
         if self.head_size is not None and self.head_size < 1:
             raise ConfigError(f"model.head_size must be at least 1 or none (d_model / n_heads), got {self.head_size}")
         if self.head_size is None and self.d_model % self.n_heads:
-            raise ConfigError(f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of them")
+            raise ConfigError(
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of them"
+            )
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
-            raise ConfigError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change n_kv_heads to a divisor of n_heads")
+            raise ConfigError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change n_kv_heads to a divisor of n_heads"
+            )
         if self.flavor == "llama" and self.head_dim % 2:
-            raise ConfigError(f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change model.d_model, model.n_heads or model.head_size")
+            raise ConfigError(
+                f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change model.d_model, model.n_heads or model.head_size"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.vocab_size is not None and self.vocab_size < 2:
@@ -128,7 +173,9 @@ class ModelConfig:
             if self.moe_experts < 2:
                 raise ConfigError(f"model.moe_experts must be 0 (dense) or at least 2, got {self.moe_experts}")
             if not 1 <= self.moe_top_k <= self.moe_experts:
-                raise ConfigError(f"model.moe_top_k must be between 1 and model.moe_experts ({self.moe_experts}), got {self.moe_top_k}")
+                raise ConfigError(
+                    f"model.moe_top_k must be between 1 and model.moe_experts ({self.moe_experts}), got {self.moe_top_k}"
+                )
             if self.moe_every < 1:
                 raise ConfigError(f"model.moe_every must be at least 1, got {self.moe_every}")
             if self.moe_ffn_hidden is not None and self.moe_ffn_hidden < 1:
@@ -145,30 +192,52 @@ class ModelConfig:
                 sizes = {len(v) for v in table.values()}
                 bad = [e for v in table.values() for e in v if not 0 <= e < self.moe_experts]
                 if bad:
-                    raise ConfigError(f"model.moe_label_experts names expert {bad[0]}, but there are {self.moe_experts} "
-                                      f"(0..{self.moe_experts - 1})")
+                    raise ConfigError(
+                        f"model.moe_label_experts names expert {bad[0]}, but there are {self.moe_experts} "
+                        f"(0..{self.moe_experts - 1})"
+                    )
                 if len(sizes) != 1 or sizes != {self.moe_top_k} or any(len(set(v)) != len(v) for v in table.values()):
-                    raise ConfigError(f"hard routing sends each token to all of its label's experts: every label of "
-                                      f"model.moe_label_experts must name model.moe_top_k ({self.moe_top_k}) distinct experts")
+                    raise ConfigError(
+                        f"hard routing sends each token to all of its label's experts: every label of "
+                        f"model.moe_label_experts must name model.moe_top_k ({self.moe_top_k}) distinct experts"
+                    )
         if self.loss_chunk < 0:
             raise ConfigError(f"model.loss_chunk must be 0 (automatic) or a number of tokens, got {self.loss_chunk}")
         if self.kernels == "triton":
             from ..kernels import HAVE_TRITON
 
             if not HAVE_TRITON:
-                raise ConfigError("model.kernels=triton needs Triton (pip install triton); use model.kernels=auto or torch")
+                raise ConfigError(
+                    "model.kernels=triton needs Triton (pip install triton); use model.kernels=auto or torch"
+                )
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"model.max_seq_len must be at least 1, got {self.max_seq_len}")
 
 
 def _llama(n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, vocab_size, **extra):
-    return dict(flavor="llama", n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
-                ffn_hidden=ffn_hidden, vocab_size=vocab_size, **extra)
+    return dict(
+        flavor="llama",
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_hidden=ffn_hidden,
+        vocab_size=vocab_size,
+        **extra,
+    )
 
 
 def _gpt2(n_layers, d_model, n_heads):
-    return dict(flavor="gpt2", n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=None,
-                ffn_hidden=None, vocab_size=50257, max_seq_len=1024)
+    return dict(
+        flavor="gpt2",
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=None,
+        ffn_hidden=None,
+        vocab_size=50257,
+        max_seq_len=1024,
+    )
 
 
 #: Named shapes. The small ones train on a CPU; the large ones are for planning and GPU runs.
@@ -194,7 +263,10 @@ def apply_preset(cfg: ModelConfig, name: str) -> ModelConfig:
         import difflib
 
         hint = difflib.get_close_matches(name, PRESETS, n=1)
-        raise ConfigError(f"unknown model.preset {name!r}" + (f"; did you mean {hint[0]!r}?" if hint else f"; choose one of {', '.join(PRESETS)}"))
+        raise ConfigError(
+            f"unknown model.preset {name!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else f"; choose one of {', '.join(PRESETS)}")
+        )
     defaults = ModelConfig()
     base = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(ModelConfig)}
     base.update(PRESETS[name])
@@ -209,5 +281,7 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int, seq_len: int) -> Model
         m = cfg.vocab_multiple
         vocab = m * ((tokenizer_vocab + m - 1) // m)
     elif vocab < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); raise it or leave it unset")
+        raise ConfigError(
+            f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); raise it or leave it unset"
+        )
     return dataclasses.replace(cfg, vocab_size=vocab, max_seq_len=cfg.max_seq_len or seq_len)

@@ -82,12 +82,14 @@ def _compiled_flex():
 
 def block_mask(documents: torch.Tensor):
     """flex attention's ``BlockMask`` for ``documents [B, T]`` (same document and causal), heads broadcast."""
+
     def same_document_causal(b, h, q, k):
         return (documents[b, q] == documents[b, k]) & (k <= q)
 
     b, t = documents.shape
-    return create_block_mask(same_document_causal, b, None, t, t, device=documents.device,
-                             BLOCK_SIZE=min(FLEX_BLOCK, t))
+    return create_block_mask(
+        same_document_causal, b, None, t, t, device=documents.device, BLOCK_SIZE=min(FLEX_BLOCK, t)
+    )
 
 
 class DocumentMask:
@@ -114,7 +116,9 @@ class DocumentMask:
         rep = q.shape[1] // k.shape[1]
         if self.backend == "flex":
             if dropout_p:
-                raise ValueError("flex attention has no dropout; set model.dropout=0 with data.document_mask=true on CUDA")
+                raise ValueError(
+                    "flex attention has no dropout; set model.dropout=0 with data.document_mask=true on CUDA"
+                )
             return _compiled_flex()(q, k, v, block_mask=self._mask, enable_gqa=rep > 1)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)

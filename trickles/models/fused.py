@@ -58,7 +58,9 @@ class FusedLayout:
     def fuse(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The fused tensor of whole parts (each ``[groups * sizes[i], ...]``)."""
         rest = parts[0].shape[1:]
-        return torch.cat([p.reshape(self.groups, n, *rest) for p, n in zip(parts, self.sizes)], dim=1).reshape(-1, *rest)
+        return torch.cat([p.reshape(self.groups, n, *rest) for p, n in zip(parts, self.sizes)], dim=1).reshape(
+            -1, *rest
+        )
 
     def split(self, fused: torch.Tensor) -> list[torch.Tensor]:
         """The whole parts of a fused tensor (copies)."""
@@ -74,7 +76,7 @@ class FusedLayout:
         return {"module": self.module, "parts": list(self.parts), "sizes": list(self.sizes), "groups": self.groups}
 
     @classmethod
-    def from_meta(cls, meta: dict) -> "FusedLayout":
+    def from_meta(cls, meta: dict) -> FusedLayout:
         return cls(meta["module"], tuple(meta["parts"]), tuple(meta["sizes"]), int(meta["groups"]))
 
 

@@ -11,8 +11,13 @@ import torch
 from .transformer import Transformer
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One token id per row of ``logits [B, V]``."""
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -31,9 +36,18 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, 
 
 
 @torch.no_grad()
-def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-             top_p: float = 1.0, eos_id: int | None = None, generator: torch.Generator | None = None,
-             logits_fn=None, labels: torch.Tensor | None = None) -> torch.Tensor:
+def generate(
+    model: Transformer,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_id: int | None = None,
+    generator: torch.Generator | None = None,
+    logits_fn=None,
+    labels: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Continues ``prompt [B, T]`` by up to ``max_new_tokens``; returns only the new tokens ``[B, N]``.
 
     The prompt is cut from the left and the continuation shortened so that everything fits in
@@ -45,7 +59,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     was_training = model.training
     model.eval()
     limit = model.cfg.max_seq_len
-    prompt = prompt[:, -max(1, limit - 1):]
+    prompt = prompt[:, -max(1, limit - 1) :]
     max_new_tokens = min(max_new_tokens, limit - prompt.shape[1])
     cache = model.new_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens)
     extra = {} if labels is None else {"labels": labels}

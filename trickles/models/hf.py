@@ -13,8 +13,8 @@ of each tensor and the ``config.json`` translation both ways, with what is refus
 
 from __future__ import annotations
 
-import json
 import dataclasses
+import json
 from pathlib import Path
 
 import torch
@@ -23,8 +23,19 @@ from safetensors import safe_open
 from ..errors import CheckpointError, UserError
 from . import fused as fusion
 from .hf_export import save_hf  # noqa: F401  (re-exported: the public pair load_hf / save_hf)
-from .hf_names import (CONFIG, IGNORED, INDEX, TOKEN_IDS, WEIGHTS, Entry, _as_dtype, _hf_shape,  # noqa: F401
-                       config_from_hf, config_to_hf, to_hf, to_ours, weight_map)  # (config_to_hf, to_hf: re-exported)
+from .hf_names import (
+    CONFIG,
+    IGNORED,
+    INDEX,
+    TOKEN_IDS,
+    WEIGHTS,
+    Entry,
+    _as_dtype,
+    _hf_shape,  # noqa: F401
+    config_from_hf,
+    to_ours,
+    weight_map,
+)  # (config_to_hf, to_hf: re-exported)
 from .transformer import Transformer
 
 
@@ -48,8 +59,14 @@ def _tensor_index(root: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
             raise CheckpointError(f"{root / INDEX} lists shard files that do not exist: {missing[:5]}")
     else:
         pickled = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
-        hint = (f" It holds {', '.join(pickled[:3])}: pickled weights, which trickles never loads. Re-save it with "
-                "model.save_pretrained(path, safe_serialization=True)") if pickled else ""
+        hint = (
+            (
+                f" It holds {', '.join(pickled[:3])}: pickled weights, which trickles never loads. Re-save it with "
+                "model.save_pretrained(path, safe_serialization=True)"
+            )
+            if pickled
+            else ""
+        )
         raise CheckpointError(f"{root} has no {WEIGHTS} or {INDEX}.{hint}")
     found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for f in files:
@@ -102,11 +119,15 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
     expected = {e.hf for e in entries}
     tied_head = cfg.tied and "lm_head.weight" in found
     missing = sorted(expected - set(found))
-    unexpected = sorted(k for k in found if k not in expected and not IGNORED.search(k) and not (tied_head and k == "lm_head.weight"))
+    unexpected = sorted(
+        k for k in found if k not in expected and not IGNORED.search(k) and not (tied_head and k == "lm_head.weight")
+    )
     if missing or unexpected:
-        raise CheckpointError(f"{root} does not match its {CONFIG} ({cfg.flavor}, {cfg.n_layers} layers): "
-                              f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
-                              f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        raise CheckpointError(
+            f"{root} does not match its {CONFIG} ({cfg.flavor}, {cfg.n_layers} layers): "
+            f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+            f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
+        )
     for e in entries:
         file, shape = found[e.hf]
         want = _hf_shape(e, [tuple(params[n].shape) for n in e.ours])
@@ -123,7 +144,9 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
                     for e in group:
                         t = st.get_tensor(e.hf)
                         if not t.is_floating_point():
-                            raise CheckpointError(f"{file}: {e.hf} is stored as {t.dtype}; only floating-point weights can be loaded")
+                            raise CheckpointError(
+                                f"{file}: {e.hf} is stored as {t.dtype}; only floating-point weights can be loaded"
+                            )
                         dim = 1 if e.kind == "cat1" else 0
                         for name, value in zip(e.ours, to_ours(e, t, [params[n].shape[dim] for n in e.ours])):
                             (params[name][e.index] if e.kind == "expert" else params[name]).copy_(value)
@@ -135,9 +158,13 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
             file = found["lm_head.weight"][0]
             with safe_open(str(file), framework="pt", device="cpu") as st:
                 head = st.get_tensor("lm_head.weight")
-            if head.shape != model.embed.weight.shape or not torch.equal(head.to(model.embed.weight), model.embed.weight):
-                raise CheckpointError(f"{root}: tie_word_embeddings is true but lm_head.weight differs from the "
-                                      "token embedding; set tie_word_embeddings to false in config.json")
+            if head.shape != model.embed.weight.shape or not torch.equal(
+                head.to(model.embed.weight), model.embed.weight
+            ):
+                raise CheckpointError(
+                    f"{root}: tie_word_embeddings is true but lm_head.weight differs from the "
+                    "token embedding; set tie_word_embeddings to false in config.json"
+                )
         own = dict(model.named_parameters())
         for name, value in fusion.fuse_state(cfg, params).items():
             if fusion.layout_of(cfg, name) is not None:

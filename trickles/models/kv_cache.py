@@ -44,5 +44,5 @@ class KVCache:
             return
         src = index[rows]
         for table in (*self.k.values(), *self.v.values()):
-            written = table[:, :, :self.end]
+            written = table[:, :, : self.end]
             written.index_copy_(0, rows, written.index_select(0, src))

@@ -57,7 +57,6 @@ from ..kernels.activations import gelu_tanh, swiglu
 from .config import ModelConfig
 from .mlp import MLP
 
-
 GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9
 
 
@@ -173,10 +172,12 @@ class Experts(nn.Module):
 
             def mm(inp, lin):
                 return F.grouped_mm(inp, lin.weight.transpose(-2, -1), offs=offs)
+
             return mm(swiglu(mm(x, self.gate_proj), mm(x, self.up_proj), self.kernels), self.down_proj)
 
         def parts(lin):
             return lin.weight.unbind(0), (lin.bias.unbind(0) if lin.bias is not None else [None] * self.count)
+
         up, down = parts(self.up_proj), parts(self.down_proj)
         gate = parts(self.gate_proj) if self.gated else None
         outs = []
@@ -191,9 +192,18 @@ class Experts(nn.Module):
         return torch.cat(outs)
 
     def _grouped_mm(self, x: torch.Tensor) -> bool:
-        aligned = all(n * x.element_size() % 16 == 0 for n in self.down_proj.weight.shape[1:])  # the kernel's row strides
-        return (GROUPED_MM is not None and self.gated and x.device.type == "cpu" and x.dtype == self.up_proj.weight.dtype
-                and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and aligned and not torch.is_autocast_enabled("cpu"))
+        aligned = all(
+            n * x.element_size() % 16 == 0 for n in self.down_proj.weight.shape[1:]
+        )  # the kernel's row strides
+        return (
+            GROUPED_MM is not None
+            and self.gated
+            and x.device.type == "cpu"
+            and x.dtype == self.up_proj.weight.dtype
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and aligned
+            and not torch.is_autocast_enabled("cpu")
+        )
 
 
 def top_k(logits: torch.Tensor, k: int):
@@ -271,15 +281,18 @@ class MoE(nn.Module):
         route_logits = logits
         if self.hard:
             if labels is None:
-                raise ValueError("hard routing needs each sample's label (model.moe_router=hard): give labels "
-                                 f"({', '.join(self.label_names)})")
+                raise ValueError(
+                    "hard routing needs each sample's label (model.moe_router=hard): give labels "
+                    f"({', '.join(self.label_names)})"
+                )
             labels = labels.to(x.device)
             labels = labels[:, None].expand(b, t) if labels.dim() == 1 else labels
             route_logits = logits.masked_fill(~self.allowed(x.device)[labels], float("-inf"))
         probs, experts, weights = top_k(route_logits, self.top_k)
         keep = self.keep(experts)
-        out = self.dispatch(x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1),
-                            keep.reshape(b * t, -1)).view(b, t, d)
+        out = self.dispatch(
+            x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1), keep.reshape(b * t, -1)
+        ).view(b, t, d)
         balance, z = aux_losses(logits, probs, self.load_fraction(experts))  # z-loss on the router's own logits
         kept = torch.bincount(experts[keep].flatten(), minlength=self.n_experts)
         self.stats.record(self.layer_id, balance.detach(), z.detach(), experts.numel(), kept)
@@ -310,7 +323,9 @@ class MoE(nn.Module):
             self._allowed[device] = table.to(device)
         return self._allowed[device]
 
-    def dispatch(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    def dispatch(
+        self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor:
         """``sum_j w_j MLP_{e_j}(x)`` over the kept assignments of the rows ``x [N, d]`` (one device: the rows
         grouped by expert, one matmul per expert; expert parallelism replaces this method)."""
         n, k = experts.shape

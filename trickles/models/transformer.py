@@ -92,8 +92,15 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
-    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal_offset: int | None,
-             pad_mask: torch.Tensor | None = None, documents: DocumentMask | None = None) -> torch.Tensor:
+    def core(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal_offset: int | None,
+        pad_mask: torch.Tensor | None = None,
+        documents: DocumentMask | None = None,
+    ) -> torch.Tensor:
         """Scores, softmax, dropout and the weighted sum: ``q [B, H, T, D]``, ``k, v [B, H_kv, T', D]``
         in, the heads side by side ``[B, T, H*D]`` out (ready for ``o_proj``).
 
@@ -108,7 +115,9 @@ class Attention(nn.Module):
         if documents is not None:
             out = documents.attend(q, k, v, self.dropout if self.training else 0.0)
             return out.transpose(1, 2).reshape(b, t_q, -1)
-        extra = {} if pad_mask is None else {"pad_mask": pad_mask}  # (context parallelism swaps in a 4-argument _attend)
+        extra = (
+            {} if pad_mask is None else {"pad_mask": pad_mask}
+        )  # (context parallelism swaps in a 4-argument _attend)
         return self._attend(q, k, v, causal_offset, **extra).transpose(1, 2).reshape(b, t_q, -1)
 
     def _attend(self, q, k, v, causal_offset, pad_mask=None):
@@ -116,7 +125,11 @@ class Attention(nn.Module):
         rep = q.shape[1] // k.shape[1]
         t_q = q.shape[2]
         if pad_mask is not None:
-            mask = pad_mask if pad_mask.dim() == 4 else padded_attention_mask(pad_mask, causal_offset or 0, t_q, k.shape[2])
+            mask = (
+                pad_mask
+                if pad_mask.dim() == 4
+                else padded_attention_mask(pad_mask, causal_offset or 0, t_q, k.shape[2])
+            )
             if k.stride(0) < k.stride(1):  # keys stored head-major (a paged cache's gather): attend in that order
                 return attend_head_major(q, k, v, mask, p)
             if rep == 1:
@@ -130,8 +143,9 @@ class Attention(nn.Module):
         if _SDPA_GQA and (causal_offset is None or t_q == 1):
             # No mask: SDPA shares each key/value head among its ``rep`` query heads itself, so
             # neither k/v copies nor their reduction in backward are materialized.
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal_offset is None,
-                                                  enable_gqa=rep > 1)
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=causal_offset is None, enable_gqa=rep > 1
+            )
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
@@ -144,8 +158,15 @@ class Attention(nn.Module):
         mask = torch.arange(t_k, device=q.device)[None, :] <= qpos
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, pad_mask: torch.Tensor | None = None,
-                documents: DocumentMask | None = None):
+    def forward(
+        self,
+        x,
+        rope=None,
+        cache: KVCache | None = None,
+        start: int = 0,
+        pad_mask: torch.Tensor | None = None,
+        documents: DocumentMask | None = None,
+    ):
         b, t, _ = x.shape
         if self.fused:
             q, k, v = fused.split_heads(self.qkv_proj(x), self.rep, self.head_dim)
@@ -177,8 +198,16 @@ class Block(nn.Module):
         self.moe = layer_id in cfg.moe_layers
         self.mlp = MoE(cfg, layer_id, moe_stats) if self.moe else MLP(cfg)
 
-    def forward(self, x, rope=None, cache: KVCache | None = None, start: int = 0, labels: torch.Tensor | None = None,
-                pad_mask: torch.Tensor | None = None, documents: DocumentMask | None = None):
+    def forward(
+        self,
+        x,
+        rope=None,
+        cache: KVCache | None = None,
+        start: int = 0,
+        labels: torch.Tensor | None = None,
+        pad_mask: torch.Tensor | None = None,
+        documents: DocumentMask | None = None,
+    ):
         """``labels``: the samples' label ids, for hard-routed experts (see :class:`~trickles.models.moe.MoE`);
         ``pad_mask``, ``documents``: see :meth:`Attention.core`."""
         extra = {} if documents is None else {"documents": documents}
@@ -197,7 +226,9 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         if cfg.vocab_size is None or cfg.max_seq_len is None:
-            raise ValueError("resolve model.vocab_size and model.max_seq_len before building (trickles.config.resolve_model)")
+            raise ValueError(
+                "resolve model.vocab_size and model.max_seq_len before building (trickles.config.resolve_model)"
+            )
         cfg.validate()
         self.cfg = cfg
         self.embed = _embedding(cfg.vocab_size, cfg.d_model)
@@ -220,10 +251,17 @@ class Transformer(nn.Module):
             self.reset_buffers()
         fused.tag(self, cfg)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, start: int = 0,
-                labels: torch.Tensor | None = None, target: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, pad_mask: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        start: int = 0,
+        labels: torch.Tensor | None = None,
+        target: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        pad_mask: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``labels``: label ids per sample ``[B]`` or per token ``[B, T]``, used by hard-routed experts only.
         ``target``: next-token ids ``[B, T]`` (``-100``: ignored); given, the mean cross-entropy is returned.
 
@@ -245,8 +283,9 @@ class Transformer(nn.Module):
         return self.head(h, target)
 
     # The three parts of ``forward``, callable on their own (a pipeline stage runs some of them).
-    def embed_tokens(self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None,
-                     bound: int | None = None) -> torch.Tensor:
+    def embed_tokens(
+        self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None, bound: int | None = None
+    ) -> torch.Tensor:
         """Token (and, for gpt2, position) embeddings of ``tokens [B, T]`` at positions ``start..`` (or each row's
         ``positions [B, T]``, below ``bound`` where the caller knows it: otherwise read, a host sync), after dropout."""
         t = tokens.shape[1]
@@ -255,17 +294,21 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence of {last} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
         h = self.embed(tokens)
         if self.pos_embed is not None:
-            h = h + self.pos_embed(torch.arange(start, start + t, device=tokens.device) if positions is None else positions)
+            h = h + self.pos_embed(
+                torch.arange(start, start + t, device=tokens.device) if positions is None else positions
+            )
         return self.embed_drop(h)
 
-    def rope(self, start: int, length: int, positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def rope(
+        self, start: int, length: int, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary tables of positions ``start..start+length`` ``[T, D]``, or of each row's ``positions [B, T]``
         ``[B, T, D]`` (None for learned positions)."""
         if self.rope_cos is None:
             return None
         if positions is not None:
             return self.rope_cos[positions], self.rope_sin[positions]
-        return self.rope_cos[start:start + length], self.rope_sin[start:start + length]
+        return self.rope_cos[start : start + length], self.rope_sin[start : start + length]
 
     def document_mask(self, documents: torch.Tensor, device: torch.device) -> DocumentMask:
         """The attention mask and positions of packed documents ``[B, T]`` (context parallelism swaps in its own)."""
@@ -279,7 +322,7 @@ class Transformer(nn.Module):
         return self.loss(h, self.output, target)
 
     # ---- initialization -------------------------------------------------------------------
-    def to_empty(self, *, device, recurse: bool = True) -> "Transformer":
+    def to_empty(self, *, device, recurse: bool = True) -> Transformer:
         """Allocates uninitialized storage on ``device``, keeping a tied output projection tied."""
         super().to_empty(device=device, recurse=recurse)
         if self.cfg.tied and self.output is not None and self.embed is not None:
@@ -299,7 +342,9 @@ class Transformer(nn.Module):
 
     def reset_buffers(self) -> None:
         if self.rope_cos is not None:
-            cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device)
+            cos, sin = rope_tables(
+                self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device
+            )
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -331,8 +376,12 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
     """
     layout = fused.layout_of(cfg, name)
     if layout is not None:
-        return layout.fuse([initial_value(cfg, part, (layout.groups * n, *shape[1:]), seed)
-                            for part, n in zip(layout.part_keys(name), layout.sizes)])
+        return layout.fuse(
+            [
+                initial_value(cfg, part, (layout.groups * n, *shape[1:]), seed)
+                for part, n in zip(layout.part_keys(name), layout.sizes)
+            ]
+        )
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name:
         return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)

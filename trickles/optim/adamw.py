@@ -14,7 +14,9 @@ from torch import nn
 def decay_flags(model: nn.Module) -> dict[str, bool]:
     """``{parameter name: decays?}`` for every trainable parameter (shared ones under their first name)."""
     # lookup tables: nn.Embedding, or a parallel layer that declares itself one (``is_embedding``)
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) or getattr(m, "is_embedding", False)}
+    embeddings = {
+        id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding) or getattr(m, "is_embedding", False)
+    }
     flags = {}
     for name, p in model.named_parameters():  # (a shared parameter comes once, under its first name)
         if p.requires_grad:
@@ -37,7 +39,9 @@ def adamw_kwargs(device: torch.device) -> dict:
     return {"fused": True} if device.type == "cuda" else {"foreach": True}
 
 
-def build_adamw(model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float) -> torch.optim.AdamW:
+def build_adamw(
+    model: nn.Module, lr: float, weight_decay: float, betas: tuple[float, float], eps: float
+) -> torch.optim.AdamW:
     """torch AdamW over :func:`param_groups`."""
     device = next(model.parameters()).device
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, **adamw_kwargs(device))

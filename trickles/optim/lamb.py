@@ -30,11 +30,29 @@ from .norms import LayerwiseOptimizer, NormProvider, group_norms, pieces, trust_
 class Lamb(LayerwiseOptimizer):
     """LAMB (module docstring); ``norms`` provides whole-weight norms when the tensors are shards."""
 
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0, trust_clip: float = 0.0, bias_correction: bool = True,
-                 norms: NormProvider | None = None):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, trust_clip=trust_clip,
-                                      bias_correction=bias_correction), norms)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        trust_clip: float = 0.0,
+        bias_correction: bool = True,
+        norms: NormProvider | None = None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                betas=betas,
+                eps=eps,
+                weight_decay=weight_decay,
+                trust_clip=trust_clip,
+                bias_correction=bias_correction,
+            ),
+            norms,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -60,7 +78,7 @@ class Lamb(LayerwiseOptimizer):
             torch._foreach_lerp_(ms, grads, 1 - b1)
             torch._foreach_mul_(vs, b2)
             torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-            bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if group["bias_correction"] else (1.0, 1.0)
+            bc1, bc2 = (1 - b1**t, 1 - b2**t) if group["bias_correction"] else (1.0, 1.0)
             denom = torch._foreach_sqrt(vs)
             torch._foreach_div_(denom, math.sqrt(bc2))
             torch._foreach_add_(denom, group["eps"])

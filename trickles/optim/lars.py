@@ -27,10 +27,27 @@ from .norms import LayerwiseOptimizer, NormProvider, group_norms, pieces, trust_
 class Lars(LayerwiseOptimizer):
     """LARS (module docstring); ``norms`` provides whole-weight norms when the tensors are shards."""
 
-    def __init__(self, params, lr: float = 1.0, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001, trust_clip: float = 0.0, norms: NormProvider | None = None):
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                                      trust_coefficient=trust_coefficient, trust_clip=trust_clip), norms)
+    def __init__(
+        self,
+        params,
+        lr: float = 1.0,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        trust_clip: float = 0.0,
+        norms: NormProvider | None = None,
+    ):
+        super().__init__(
+            params,
+            dict(
+                lr=lr,
+                momentum=momentum,
+                weight_decay=weight_decay,
+                trust_coefficient=trust_coefficient,
+                trust_clip=trust_clip,
+            ),
+            norms,
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -49,7 +66,10 @@ class Lars(LayerwiseOptimizer):
             if id(item) in norms:
                 wn, gn = norms[id(item)]
                 # 1 where ||w|| or ||g|| is zero (a weight at zero, or one no gradient reached), as LARS's users do
-                scale = trust_ratio(group["trust_coefficient"] * wn, gn + wd * wn, group["trust_clip"], (wn > 0) & (gn > 0)) * lr
+                scale = (
+                    trust_ratio(group["trust_coefficient"] * wn, gn + wd * wn, group["trust_clip"], (wn > 0) & (gn > 0))
+                    * lr
+                )
                 if parts:
                     torch._foreach_mul_(parts, list(scale.to(parts[0].dtype).unbind()))
             else:

@@ -73,7 +73,9 @@ def trust_ratio(num: torch.Tensor, den: torch.Tensor, clip: float, valid: torch.
     return torch.where(ok, ratio, torch.ones_like(num))
 
 
-def group_norms(provider: NormProvider, groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def group_norms(
+    provider: NormProvider, groups: list[tuple[list[torch.Tensor], list[torch.Tensor]]]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """For each ``(weights, others)`` pair of tensor lists: the unit norms of the weights' pieces and of the
     others' (same shapes, e.g. the updates), computed in one call of the provider -- which every rank makes
     once per step, with empty lists where it holds nothing, as the reduction behind it is a collective."""
@@ -83,6 +85,6 @@ def group_norms(provider: NormProvider, groups: list[tuple[list[torch.Tensor], l
     out, pos = [], 0
     for a, _ in groups:
         k = sum(len(provider.sizes(t)) for t in a)
-        out.append((wn[pos:pos + k], xn[pos:pos + k]))
+        out.append((wn[pos : pos + k], xn[pos : pos + k]))
         pos += k
     return out

@@ -41,8 +41,16 @@ class OverlappedHostStep:
     """Steps ``optimizer`` (on host masters) unit by unit on a host thread; ``units``: segment indices per unit in
     the order the next forward needs them."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, units: list[list[int]], params: list[torch.Tensor],
-                 grads: list[torch.Tensor], masters: list[torch.Tensor], host_grads: list[torch.Tensor], device: torch.device):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        units: list[list[int]],
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        masters: list[torch.Tensor],
+        host_grads: list[torch.Tensor],
+        device: torch.device,
+    ):
         self.optimizer, self.units = optimizer, units
         self.params, self.grads, self.masters, self.host_grads = params, grads, masters, host_grads
         self.device = device
@@ -56,9 +64,12 @@ class OverlappedHostStep:
         for e in self._done:
             e.set()
         ids = [{id(masters[i]) for i in unit} for unit in units]
-        self._unit_groups = [[dict(g, params=[m for m in g["params"] if id(m) in mine]) for g in optimizer.param_groups]
-                             for mine in ids]
-        if sum(len(g["params"]) for groups in self._unit_groups for g in groups) != sum(len(g["params"]) for g in optimizer.param_groups):
+        self._unit_groups = [
+            [dict(g, params=[m for m in g["params"] if id(m) in mine]) for g in optimizer.param_groups] for mine in ids
+        ]
+        if sum(len(g["params"]) for groups in self._unit_groups for g in groups) != sum(
+            len(g["params"]) for g in optimizer.param_groups
+        ):
             raise ValueError("every optimizer segment must belong to exactly one unit")
         self._factor: torch.Tensor | None = None
         self._step_queued = None  # CUDA: an event after the step's device work (the parameters are read until then)
@@ -134,8 +145,14 @@ class OverlappedHostStep:
 
     def _params_to_device(self, u: int, idx: list[int]) -> None:
         self._record("params_to_device", u)
-        self._copy(self._h2d, [self.params[i] for i in idx], [self.masters[i] for i in idx], self._step_queued,
-                   self._params_ready, u)
+        self._copy(
+            self._h2d,
+            [self.params[i] for i in idx],
+            [self.masters[i] for i in idx],
+            self._step_queued,
+            self._params_ready,
+            u,
+        )
 
     def _queued(self):
         """An event after the work queued so far on the device's current stream (None on a CPU)."""

@@ -13,8 +13,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, lr: float, warmup: int, steps: int, min_lr_ratio: float, kind: str = "cosine",
-          power: float = 2.0) -> float:
+def lr_at(
+    step: int, lr: float, warmup: int, steps: int, min_lr_ratio: float, kind: str = "cosine", power: float = 2.0
+) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
     span = max(1, steps - warmup)

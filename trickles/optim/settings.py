@@ -45,9 +45,10 @@ class OptimizerSettings:
     trust_clip: float = 0.0  # lamb, lars: upper bound on the trust ratio (0: none)
 
     @classmethod
-    def from_train(cls, t) -> "OptimizerSettings":
-        return cls(t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, t.optimizer, t.momentum, t.trust_coefficient,
-                   t.trust_clip)
+    def from_train(cls, t) -> OptimizerSettings:
+        return cls(
+            t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay, t.optimizer, t.momentum, t.trust_coefficient, t.trust_clip
+        )
 
     @property
     def state_keys(self) -> tuple[str, ...]:
@@ -61,7 +62,9 @@ class OptimizerSettings:
         """Whether it keeps a step counter per tensor (Adam's bias correction: 4 bytes each)."""
         return self.name in ("adamw", "lamb")
 
-    def build(self, groups: list[dict], device: torch.device, norms: NormProvider | None = None) -> torch.optim.Optimizer:
+    def build(
+        self, groups: list[dict], device: torch.device, norms: NormProvider | None = None
+    ) -> torch.optim.Optimizer:
         """The optimizer over ``groups`` (dicts with ``params``, ``weight_decay`` and ``adapt``) on ``device``."""
         if self.name == "adamw":
             return torch.optim.AdamW(groups, lr=self.lr, betas=self.betas, eps=self.eps, **adamw_kwargs(device))
@@ -70,6 +73,12 @@ class OptimizerSettings:
         if self.name == "lamb":
             return Lamb(groups, lr=self.lr, betas=self.betas, eps=self.eps, trust_clip=self.trust_clip, norms=norms)
         if self.name == "lars":
-            return Lars(groups, lr=self.lr, momentum=self.momentum, trust_coefficient=self.trust_coefficient,
-                        trust_clip=self.trust_clip, norms=norms)
+            return Lars(
+                groups,
+                lr=self.lr,
+                momentum=self.momentum,
+                trust_coefficient=self.trust_coefficient,
+                trust_clip=self.trust_clip,
+                norms=norms,
+            )
         raise ValueError(f"unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZERS)}")

@@ -26,7 +26,7 @@ Where the state lives:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -39,9 +39,17 @@ class ShardedOptimizer:
     """The optimizer ``settings`` names on ``segments``; ``param_of(seg)`` / ``grad_of(seg)`` give the device
     tensors (1-D); ``norms``: the engine's norm provider (LAMB and LARS), bound here to the master tensors."""
 
-    def __init__(self, segments: list[Segment], param_of: Callable[[Segment], torch.Tensor],
-                 grad_of: Callable[[Segment], torch.Tensor], decay: dict[str, bool], settings: OptimizerSettings,
-                 offload: bool = False, norms=None, units: list[list[int]] | None = None):
+    def __init__(
+        self,
+        segments: list[Segment],
+        param_of: Callable[[Segment], torch.Tensor],
+        grad_of: Callable[[Segment], torch.Tensor],
+        decay: dict[str, bool],
+        settings: OptimizerSettings,
+        offload: bool = False,
+        norms=None,
+        units: list[list[int]] | None = None,
+    ):
         self.segments = segments
         self.settings = settings
         self.params = [param_of(s) for s in segments]
@@ -64,9 +72,16 @@ class ShardedOptimizer:
         for m, g in zip(self.masters, self.host_grads):
             m.grad = g
         groups = [  # the decay group also takes LAMB's and LARS's trust ratio (optim.settings)
-            {"params": [m for s, m in zip(segments, self.masters) if decay[s.name]], "weight_decay": settings.weight_decay,
-             "adapt": True},
-            {"params": [m for s, m in zip(segments, self.masters) if not decay[s.name]], "weight_decay": 0.0, "adapt": False},
+            {
+                "params": [m for s, m in zip(segments, self.masters) if decay[s.name]],
+                "weight_decay": settings.weight_decay,
+                "adapt": True,
+            },
+            {
+                "params": [m for s, m in zip(segments, self.masters) if not decay[s.name]],
+                "weight_decay": 0.0,
+                "adapt": False,
+            },
         ]
         groups = [g for g in groups if g["params"]]
         opt_device = self.masters[0].device if self.masters else torch.device("cpu")
@@ -79,8 +94,9 @@ class ShardedOptimizer:
         if offload and units is not None and self.optimizer is not None and settings.name not in LAYERWISE:
             from .offload import OverlappedHostStep
 
-            self.overlapped = OverlappedHostStep(self.optimizer, units, self.params, self.grads, self.masters,
-                                                 self.host_grads, device)
+            self.overlapped = OverlappedHostStep(
+                self.optimizer, units, self.params, self.grads, self.masters, self.host_grads, device
+            )
 
     def step(self, lr: float) -> None:
         """One optimizer step with learning rate ``lr`` on every owned segment."""
@@ -135,8 +151,16 @@ class ShardedOptimizer:
     def state_bytes(self) -> int:
         """Bytes of optimizer state held: moments, step counters, and separate masters/gradients."""
         self.wait()
-        total = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values()
-                    if torch.is_tensor(t)) if self.optimizer else 0
+        total = (
+            sum(
+                t.numel() * t.element_size()
+                for st in self.optimizer.state.values()
+                for t in st.values()
+                if torch.is_tensor(t)
+            )
+            if self.optimizer
+            else 0
+        )
         for extra in (self.master_flat, self.grad_flat):
             if extra is not None:
                 total += extra.numel() * 4
@@ -160,8 +184,10 @@ class ShardedOptimizer:
                 if st.get(key) is not None:
                     out[f"{s.name}/{key}"] = (st[key], meta)
             if "step" in st:
-                out[f"{s.name}/step"] = (st["step"].reshape(1).float(), {"global_shape": [1], "scalar": True,
-                                                                         **fused_meta(s.slot.param)})
+                out[f"{s.name}/step"] = (
+                    st["step"].reshape(1).float(),
+                    {"global_shape": [1], "scalar": True, **fused_meta(s.slot.param)},
+                )
             if self.separate and self.params[0].dtype != torch.float32:
                 out[f"{s.name}/master"] = (m, meta)
         return out
@@ -185,16 +211,23 @@ class ShardedOptimizer:
             if not reader.holds(f"{s.name}/{keys[0]}", layout):
                 other = [k for k in ("exp_avg", "momentum_buffer") if reader.holds(f"{s.name}/{k}", layout)]
                 if other:
-                    raise CheckpointError(f"the checkpoint holds {other[0]} for {s.name}, the state of another optimizer than "
-                                          f"train.optimizer = {self.settings.name}; resume with the optimizer it was saved with")
+                    raise CheckpointError(
+                        f"the checkpoint holds {other[0]} for {s.name}, the state of another optimizer than "
+                        f"train.optimizer = {self.settings.name}; resume with the optimizer it was saved with"
+                    )
                 continue
             where = region_of(s.slot.param)
-            state = {key: reader.read(f"{s.name}/{key}", where, s.param_range, layout).to(m.device, torch.float32)
-                     for key in keys}
+            state = {
+                key: reader.read(f"{s.name}/{key}", where, s.param_range, layout).to(m.device, torch.float32)
+                for key in keys
+            }
             if reader.holds(f"{s.name}/step", layout):
                 step = reader.read(f"{s.name}/step", layout=layout)
-                state["step"] = torch.tensor(float(step.reshape(-1)[0]), dtype=torch.float32,
-                                             device=m.device if self.optimizer.defaults.get("fused") else "cpu")
+                state["step"] = torch.tensor(
+                    float(step.reshape(-1)[0]),
+                    dtype=torch.float32,
+                    device=m.device if self.optimizer.defaults.get("fused") else "cpu",
+                )
             self.optimizer.state[m] = state
             if self.separate and reader.holds(f"{s.name}/master", layout):
                 with torch.no_grad():
@@ -204,6 +237,6 @@ class ShardedOptimizer:
 def _pieces(flat: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
     out, pos = [], 0
     for s in segments:
-        out.append(flat[pos:pos + s.numel])
+        out.append(flat[pos : pos + s.numel])
         pos += s.numel
     return out

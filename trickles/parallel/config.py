@@ -14,21 +14,51 @@ class ParallelConfig:
 
     dp: int = opt(-1, "data-parallel degree (-1: whatever the world size leaves after tp, pp and cp)")
     tp: int = opt(1, "tensor-parallel degree")
-    tp_mode: str = opt("1d", "how the tp ranks split each matrix: 1d (Megatron: columns, then rows), 2d (a q x q grid, tp = q^2), 2.5d (tp_depth stacked q x q grids, tp = q^2 d) or 3d (a q x q x q cube, tp = q^3); see docs/tensor-parallel-nd.md")
+    tp_mode: str = opt(
+        "1d",
+        "how the tp ranks split each matrix: 1d (Megatron: columns, then rows), 2d (a q x q grid, tp = q^2), 2.5d (tp_depth stacked q x q grids, tp = q^2 d) or 3d (a q x q x q cube, tp = q^3); see docs/tensor-parallel-nd.md",
+    )
     tp_depth: int = opt(1, "with tp_mode=2.5d: the number d of stacked q x q grids (tp = q^2 d)")
     pp: int = opt(1, "pipeline-parallel degree")
-    cp: int = opt(1, "context-parallel degree: every sequence is split over this many ranks (weights replicated over them, like dp)")
-    cp_mode: str = opt("ring", "with cp > 1: ring (keys and values passed around a ring, load-balanced causal chunks) or ulysses (all-to-all from sequence to head shards)")
+    cp: int = opt(
+        1,
+        "context-parallel degree: every sequence is split over this many ranks (weights replicated over them, like dp)",
+    )
+    cp_mode: str = opt(
+        "ring",
+        "with cp > 1: ring (keys and values passed around a ring, load-balanced causal chunks) or ulysses (all-to-all from sequence to head shards)",
+    )
     ep: int = opt(1, "expert-parallel degree; experts are spread over the dp x cp ranks, so it must divide dp*cp")
-    sequence_parallel: bool = opt(False, "with tp > 1: run norms and dropout on sequence shards (all-gather / reduce-scatter instead of all-reduce)")
-    zero: int = opt(0, "ZeRO stage over the data-parallel ranks: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters")
+    sequence_parallel: bool = opt(
+        False,
+        "with tp > 1: run norms and dropout on sequence shards (all-gather / reduce-scatter instead of all-reduce)",
+    )
+    zero: int = opt(
+        0,
+        "ZeRO stage over the data-parallel ranks: 0 replicate everything, 1 shard optimizer state, 2 also gradients, 3 also parameters",
+    )
     bucket_mb: float = opt(25.0, "size of a gradient-reduction bucket in MiB (0: one bucket for the whole model)")
     prefetch: bool = opt(True, "ZeRO-3: start gathering the next block's parameters while the current one computes")
-    schedule: str = opt("1f1b", "with pp > 1: the pipeline schedule, gpipe, 1f1b, interleaved, or the zero-bubble zb-h1 and zb-v (each backward split into the input's and the weights' gradients; docs/pipeline-parallel.md)")
-    virtual_stages: int = opt(1, "model chunks per pipeline rank: with the interleaved schedule (the bubble shrinks by this factor), 2 with zb-v")
-    pipeline_layers: list[int] = opt([], "layers of each (virtual) stage in order, e.g. [4, 3]; empty: as even as possible, earlier stages taking the extra ones")
-    elastic: bool = opt(False, "a run (or restart) on a number of processes the degrees do not fit trains on the planner's fastest layout for it instead of stopping: same model, global batch and data order; the checkpoint reshards on load (docs/checkpoints.md)")
-    timeout_s: float = opt(600.0, "seconds one collective or point-to-point wait may take; then every rank reports where it is and the job exits (status 4)")
+    schedule: str = opt(
+        "1f1b",
+        "with pp > 1: the pipeline schedule, gpipe, 1f1b, interleaved, or the zero-bubble zb-h1 and zb-v (each backward split into the input's and the weights' gradients; docs/pipeline-parallel.md)",
+    )
+    virtual_stages: int = opt(
+        1,
+        "model chunks per pipeline rank: with the interleaved schedule (the bubble shrinks by this factor), 2 with zb-v",
+    )
+    pipeline_layers: list[int] = opt(
+        [],
+        "layers of each (virtual) stage in order, e.g. [4, 3]; empty: as even as possible, earlier stages taking the extra ones",
+    )
+    elastic: bool = opt(
+        False,
+        "a run (or restart) on a number of processes the degrees do not fit trains on the planner's fastest layout for it instead of stopping: same model, global batch and data order; the checkpoint reshards on load (docs/checkpoints.md)",
+    )
+    timeout_s: float = opt(
+        600.0,
+        "seconds one collective or point-to-point wait may take; then every rank reports where it is and the job exits (status 4)",
+    )
 
     def validate(self) -> None:
         if self.cp_mode not in ("ring", "ulysses"):

@@ -65,11 +65,14 @@ class CPContext:
         """Global positions of this rank's tokens in the forward now running."""
         key = (self.local_len, str(device))
         if key not in self._positions:
-            self._positions[key] = positions(self.local_len * self.comm.size, self.comm.size, self.comm.rank, self.mode).to(device)
+            self._positions[key] = positions(
+                self.local_len * self.comm.size, self.comm.size, self.comm.rank, self.mode
+            ).to(device)
         return self._positions[key]
 
 
 # ---- all-to-all attention ----------------------------------------------------------------------
+
 
 def kv_repeats(n_heads: int, kv_heads: int, cp: int) -> int:
     """How often the all-to-all mode repeats each key/value head so that ``cp`` divides them and each
@@ -80,8 +83,9 @@ def kv_repeats(n_heads: int, kv_heads: int, cp: int) -> int:
     return f
 
 
-def layer_bytes(mode: str, cp: int, b: int, h: int, h_kv: int, t: int, d: int, e: int = 4
-                ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
+def layer_bytes(
+    mode: str, cp: int, b: int, h: int, h_kv: int, t: int, d: int, e: int = 4
+) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
     """``(forward, backward)``, each ``{op: (calls, bytes)}``: one rank's context-parallel messages in one layer (the
     module docstring's formulas), for ``b`` rows of ``t = T / cp`` local tokens, ``h`` query and ``h_kv`` key/value
     heads (of this tensor-parallel rank) of size ``d``, ``e`` bytes per element. ``bytes`` is what the rank's
@@ -94,8 +98,7 @@ def layer_bytes(mode: str, cp: int, b: int, h: int, h_kv: int, t: int, d: int, e
         return {}, {}
     if mode == "ring":
         block = 2 * b * h_kv * t * d
-        return ({"send": (cp - 1, (cp - 1) * block * e)},
-                {"send": (2 * cp - 1, (cp - 1) * block * e + cp * block * 4)})
+        return ({"send": (cp - 1, (cp - 1) * block * e)}, {"send": (2 * cp - 1, (cp - 1) * block * e + cp * block * 4)})
     f = kv_repeats(h, h_kv, cp)
     each = {"all_to_all": (4, b * t * d * e * (2 * h + 2 * f * h_kv))}
     return each, dict(each)
@@ -117,6 +120,7 @@ def ulysses_attention(q, k, v, comm: GroupComm, attend) -> torch.Tensor:
 
 
 # ---- packed documents ----------------------------------------------------------------------------
+
 
 class ContextDocumentMask:
     """Packed documents (``data.document_mask``) on a context-parallel rank, in place of the model's
@@ -146,6 +150,7 @@ class ContextDocumentMask:
 
 # ---- applying it to a model --------------------------------------------------------------------
 
+
 def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CPContext:
     """Makes ``model`` (in place) run on this rank's tokens of every sequence: attention over the ring or
     all-to-all, positions looked up globally. The parameters are untouched (replicated over cp)."""
@@ -160,6 +165,7 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
             if mode == "ring":
                 return ring_attention(q, k, v, ctx.comm)
             return ulysses_attention(q, k, v, ctx.comm, lambda q_, k_, v_: plain(q_, k_, v_, None))
+
         # instance attribute shadowing the method; ``core`` (and what wraps it) calls ``self._attend``
         object.__setattr__(attn, "_attend", attend)
         if block.moe:  # per-sequence routing rules completed over the cp ranks
@@ -170,7 +176,8 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
         # (packed documents: ContextDocumentMask.positions) are this rank's already
         model.pos_embed.register_forward_pre_hook(
             lambda module, args: (ctx.positions(args[0].device),) if ctx.active and args[0].dim() == 1 else None,
-            prepend=True)
+            prepend=True,
+        )
     rope = model.rope
 
     def global_rope(start: int, length: int, positions: torch.Tensor | None = None):
@@ -180,16 +187,19 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
             return rope(start, length)
         pos = ctx.positions(model.rope_cos.device)
         return model.rope_cos[pos], model.rope_sin[pos]
+
     object.__setattr__(model, "rope", global_rope)
     document_mask = model.document_mask
 
     def split_documents(documents: torch.Tensor, device: torch.device):
         return ContextDocumentMask(documents, device, ctx) if ctx.active else document_mask(documents, device)
+
     object.__setattr__(model, "document_mask", split_documents)
 
     def switch(module, args, kwargs):
         tokens = args[0] if args else kwargs["tokens"]
         cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
         ctx.begin_forward(tokens.shape[1], decoding=cache is not None)
+
     model.register_forward_pre_hook(switch, with_kwargs=True, prepend=True)
     return ctx

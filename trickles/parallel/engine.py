@@ -49,8 +49,14 @@ class Engine:
 
     stage: int = 0
 
-    def __init__(self, model: nn.Module, comm: GroupComm, tp: GroupComm | None = None, ep: GroupComm | None = None,
-                 edp: GroupComm | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: GroupComm,
+        tp: GroupComm | None = None,
+        ep: GroupComm | None = None,
+        edp: GroupComm | None = None,
+    ):
         self.model = model
         self.comm = comm
         self.tp = tp
@@ -59,7 +65,9 @@ class Engine:
         self.groups: list[GroupComm] = [comm] if self.ep is None else [comm, edp]
         self._reduce = True
         self.full_logits = lambda logits: logits
-        self.shard_sequence = lambda tokens: tokens  # context parallelism: this rank's tokens of [B, T] inputs and targets
+        self.shard_sequence = lambda tokens: (
+            tokens
+        )  # context parallelism: this rank's tokens of [B, T] inputs and targets
         self.pipeline = None  # a PipelineRunner when the model is one stage of a pipeline
         self.stages: GroupComm | None = None  # the pipeline group: the gradient norm sums over it
         self._tied: list[nn.Parameter] = []
@@ -68,7 +76,9 @@ class Engine:
         self._deferred: set[int] = set()
         self._bound: set[int] = set()  # parameters whose .grad is their view of the gradient buffer
         # stacked expert weights [E, ...]: one norm unit per expert for LAMB and LARS (parallel.norms)
-        self._stacked = {id(p) for m in model.modules() if getattr(m, "stacked", False) for p in m.parameters(recurse=False)}
+        self._stacked = {
+            id(p) for m in model.modules() if getattr(m, "stacked", False) for p in m.parameters(recurse=False)
+        }
 
     def group_of(self, p: torch.Tensor) -> int:
         """The index in :attr:`groups` of the ranks ``p``'s gradient is averaged (and its state sharded) over."""
@@ -155,7 +165,9 @@ class Engine:
             if partial:
                 flat = torch.cat([g.reshape(-1) for g in partial])
                 self.tp.all_reduce(flat)
-                torch._foreach_copy_(partial, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in partial]), partial)])
+                torch._foreach_copy_(
+                    partial, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in partial]), partial)]
+                )
         if self.ep is not None:  # see trickles.parallel.expert: "Gradients"
             experts = [g for p, g in self.owned_param_grads() if self.group_of(p) == 1]
             if experts:
@@ -276,9 +288,12 @@ class Engine:
         parameter's group writes it. Optimizer state is written by every rank when it is sharded
         (ZeRO >= 1), else by the first one too.
         """
-        out = {f"model-rank{rank:05d}.safetensors": self._model_tensors(),
-               f"optimizer-rank{rank:05d}.safetensors": self.optimizer.state_tensors(
-                   lambda p: self.writes(p) and (self.stage >= 1 or self._first_of_group(p)))}
+        out = {
+            f"model-rank{rank:05d}.safetensors": self._model_tensors(),
+            f"optimizer-rank{rank:05d}.safetensors": self.optimizer.state_tensors(
+                lambda p: self.writes(p) and (self.stage >= 1 or self._first_of_group(p))
+            ),
+        }
         return {name: tensors for name, tensors in out.items() if tensors}
 
     def _model_tensors(self) -> dict:
@@ -333,6 +348,7 @@ def weak_method(method):
     def call(*args, **kwargs):
         m = ref()
         return m(*args, **kwargs) if m is not None else None
+
     return call
 
 
@@ -352,8 +368,15 @@ def bucket_bytes(mb: float) -> int | None:
     return None if mb <= 0 or math.isinf(mb) else int(mb * 2**20)
 
 
-def reduction_wire_bytes(buckets: list[int], n: int, stage: int, micro_steps: int = 1, grad_bytes: int = 4,
-                         param_bytes: int = 4, pipelined: bool = False) -> dict[str, tuple[int, int]]:
+def reduction_wire_bytes(
+    buckets: list[int],
+    n: int,
+    stage: int,
+    micro_steps: int = 1,
+    grad_bytes: int = 4,
+    param_bytes: int = 4,
+    pipelined: bool = False,
+) -> dict[str, tuple[int, int]]:
     """``{op: (calls, bytes sent)}`` of one rank's data-parallel reductions in one optimizer step: the engine's
     collectives over the ``n`` ranks averaging these gradients, for ``buckets`` (each bucket's elements; the flat
     layout pads each to a multiple of ``16 n``), ``micro_steps`` backward passes per step, gradients of
@@ -378,12 +401,16 @@ def reduction_wire_bytes(buckets: list[int], n: int, stage: int, micro_steps: in
     k = len(buckets)
 
     def sent(op: str, element_bytes: int) -> int:
-        return sum(int(round(wire_bytes(op, element_bytes * (e // n if op == "all_gather" else e), n))) for e in buckets)
+        return sum(
+            int(round(wire_bytes(op, element_bytes * (e // n if op == "all_gather" else e), n))) for e in buckets
+        )
 
     if stage == 0:
         return {"all_reduce": (k, sent("all_reduce", grad_bytes))}
     scatters = micro_steps if stage == 3 or (stage == 2 and not pipelined) else 1
     gathers = 2 * micro_steps if stage == 3 else 1
-    return {"reduce_scatter": (scatters * k, scatters * sent("reduce_scatter", grad_bytes)),
-            "all_gather": (gathers * k, gathers * sent("all_gather", param_bytes)),
-            "all_reduce": (1, int(round(wire_bytes("all_reduce", 4, n))))}
+    return {
+        "reduce_scatter": (scatters * k, scatters * sent("reduce_scatter", grad_bytes)),
+        "all_gather": (gathers * k, gathers * sent("all_gather", param_bytes)),
+        "all_reduce": (1, int(round(wire_bytes("all_reduce", 4, n)))),
+    }

@@ -53,9 +53,9 @@ sequence shard.
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from typing import Callable
+import torch
 
 from ..comm import GroupComm
 from ..models.moe import MoE
@@ -101,6 +101,7 @@ def expert_dispatch(layer: MoE, comm: GroupComm):
         out = torch.zeros_like(x)
         out.index_add_(0, token, back * weight[:, None].to(x.dtype))
         return out
+
     return dispatch
 
 
@@ -128,7 +129,9 @@ def apply_expert_parallel(model: Transformer, comm: GroupComm) -> None:
         object.__setattr__(layer, "dispatch", expert_dispatch(layer, comm))
 
 
-def split_sequence(layer: MoE, comm: GroupComm, layout: str, active: Callable[[], bool], aux_grad_factor: float = 1.0) -> None:
+def split_sequence(
+    layer: MoE, comm: GroupComm, layout: str, active: Callable[[], bool], aux_grad_factor: float = 1.0
+) -> None:
     """Makes ``layer`` route this rank's ``T / n`` tokens of every sequence exactly as one process routes the
     whole sequences (module docstring: "Split sequences"). ``comm``: the ``n`` ranks sharing the sequences;
     ``layout``: which positions each holds (``"ring"``: chunks ``i`` and ``2n - 1 - i`` of ``2n``; otherwise

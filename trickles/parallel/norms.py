@@ -24,7 +24,7 @@ tied across stages is whole and equal on both.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,8 +42,14 @@ class ShardNorms:
     ``device``: where the sums are reduced.
     """
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], stacked: set[int], counts: Callable[[torch.Tensor], bool],
-                 sum_parts: Callable[[torch.Tensor], None], device: torch.device):
+    def __init__(
+        self,
+        named: list[tuple[str, nn.Parameter]],
+        stacked: set[int],
+        counts: Callable[[torch.Tensor], bool],
+        sum_parts: Callable[[torch.Tensor], None],
+        device: torch.device,
+    ):
         self.stacked, self.counts, self.sum_parts, self.device = stacked, counts, sum_parts, device
         self.base: dict[str, int] = {}
         total = 0
@@ -51,7 +57,9 @@ class ShardNorms:
             self.base[name] = total
             total += global_shape(p)[0] if id(p) in stacked else 1
         self.total = total
-        self._info: dict[int, tuple[list[int], list[int], bool]] = {}  # tensor id -> (piece sizes, unit numbers, counted)
+        self._info: dict[
+            int, tuple[list[int], list[int], bool]
+        ] = {}  # tensor id -> (piece sizes, unit numbers, counted)
         self._plans: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def bind(self, segments: list[Segment], tensors: list[torch.Tensor]) -> None:
@@ -81,8 +89,10 @@ class ShardNorms:
         if key not in self._plans:
             units = [u for w in weights for u in self._info[id(w)][1]]
             counted = [self._info[id(w)][2] for w in weights for _ in self._info[id(w)][1]]
-            self._plans[key] = (torch.tensor(units, dtype=torch.long, device=self.device),
-                                torch.tensor(counted, dtype=torch.bool, device=self.device))
+            self._plans[key] = (
+                torch.tensor(units, dtype=torch.long, device=self.device),
+                torch.tensor(counted, dtype=torch.bool, device=self.device),
+            )
         return self._plans[key]
 
     def norms(self, weights: list[torch.Tensor], *others: list[torch.Tensor]) -> list[torch.Tensor]:

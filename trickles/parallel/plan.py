@@ -71,8 +71,9 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
     if tp.size > 1 and topo.dims.grid.mode != "1d":
         ctx = apply_tensor_nd(model, grid_context(topo))
     elif tp.size > 1:
-        ctx = apply_tensor_parallel(model, tp, cfg.parallel.sequence_parallel,
-                                    recomputed_blocks={i for i, m in modes.items() if m == "full"})
+        ctx = apply_tensor_parallel(
+            model, tp, cfg.parallel.sequence_parallel, recomputed_blocks={i for i, m in modes.items() if m == "full"}
+        )
     pp = topo.comm("pp")
     chunks = None
     if pp.size > 1:
@@ -86,9 +87,21 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         return init_tp_param(full, param)
 
     if stage == 3:
-        engine: Engine = Zero3DataParallel(model, comm, list(model.layers.values()), optim, init_value, topo.device,
-                                           offload=offload, prefetch=cfg.parallel.prefetch, param_dtype=prec.param_dtype,
-                                           grad_dtype=prec.grad_dtype, tp=tp, expert_units=expert_modules(model), **experts)
+        engine: Engine = Zero3DataParallel(
+            model,
+            comm,
+            list(model.layers.values()),
+            optim,
+            init_value,
+            topo.device,
+            offload=offload,
+            prefetch=cfg.parallel.prefetch,
+            param_dtype=prec.param_dtype,
+            grad_dtype=prec.grad_dtype,
+            tp=tp,
+            expert_units=expert_modules(model),
+            **experts,
+        )
     else:
         specs = {n: p.tp_spec for n, p in model.named_parameters() if hasattr(p, "tp_spec")}
         model.to_empty(device=topo.device)  # new Parameter objects: carry the tensor-parallel specs over
@@ -105,9 +118,20 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         if stage == 0:
             engine = DataParallel(model, comm, optim, buckets, grad_dtype=prec.grad_dtype, tp=tp, **experts)
         else:
-            engine = ZeroDataParallel(model, comm, stage, optim, buckets, offload, grad_dtype=prec.grad_dtype, tp=tp,
-                                      overlap=cfg.memory.offload_overlap, accumulates=cfg.accumulates(topo.dims),
-                                      pipelined=chunks is not None, **experts)
+            engine = ZeroDataParallel(
+                model,
+                comm,
+                stage,
+                optim,
+                buckets,
+                offload,
+                grad_dtype=prec.grad_dtype,
+                tp=tp,
+                overlap=cfg.memory.offload_overlap,
+                accumulates=cfg.accumulates(topo.dims),
+                pipelined=chunks is not None,
+                **experts,
+            )
     if ctx is not None and topo.dims.grid.mode == "1d":
         engine.full_logits = tp_full_logits(ctx)
     if cp_ctx is not None:
@@ -118,7 +142,18 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         if tied:
             engine.tie_across_stages(tied, topo.comm("pp_ends"), counted=pp.rank == 0)
         engine.reduce_after_backward(reused_parameters(model, pp.rank, shape))
-        engine.pipeline = PipelineRunner(engine, chunks, pp, topo.comm("pp_grad"), cfg.parallel.schedule, shape.m,
-                                         model.cfg.d_model, prec.param_dtype, topo.device,
-                                         lambda: autocast(cfg.memory.precision, topo.device), ctx, cp_ctx)
+        engine.pipeline = PipelineRunner(
+            engine,
+            chunks,
+            pp,
+            topo.comm("pp_grad"),
+            cfg.parallel.schedule,
+            shape.m,
+            model.cfg.d_model,
+            prec.param_dtype,
+            topo.device,
+            lambda: autocast(cfg.memory.precision, topo.device),
+            ctx,
+            cp_ctx,
+        )
     return engine

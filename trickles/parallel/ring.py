@@ -85,7 +85,7 @@ class RingDocuments:
                 if bool((first_k == last_q).all()):
                     out.append((qs, ks, causal, None))  # one document throughout, in every row
                     continue
-                dq, dk = self.ids[:, a * c:(a + 1) * c], self.ids[:, b * c:(b + 1) * c]
+                dq, dk = self.ids[:, a * c : (a + 1) * c], self.ids[:, b * c : (b + 1) * c]
                 mask = dq[:, None, :, None] == dk[:, None, None, :]
                 if causal:
                     mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
@@ -116,7 +116,6 @@ def _wait(handles) -> None:
         h.wait()
 
 
-
 def _ring_step(comm: GroupComm, kv: torch.Tensor, step: int, rep: int):
     """Step ``step`` of the ring: the exchange of ``kv`` (the stacked keys and values held now) posted to the
     neighbours unless it is the last step (its handles and the buffer the next block arrives in), the rank whose
@@ -126,6 +125,7 @@ def _ring_step(comm: GroupComm, kv: torch.Tensor, step: int, rep: int):
         nxt = torch.empty_like(kv)
         handles = _exchange(comm, kv, nxt)
     return handles, nxt, (comm.rank - step) % comm.size, repeat_heads(kv[0], rep), repeat_heads(kv[1], rep)
+
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
@@ -143,7 +143,10 @@ class _RingAttention(torch.autograd.Function):
                 o_b, lse_b = kernel.forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
                 safe = finite(new)  # (a row no block has shown a key yet stays 0 and -inf)
-                out[:, :, qs] = out[:, :, qs] * torch.exp(lse[:, :, qs] - safe)[..., None] + o_b * torch.exp(lse_b - safe)[..., None]
+                out[:, :, qs] = (
+                    out[:, :, qs] * torch.exp(lse[:, :, qs] - safe)[..., None]
+                    + o_b * torch.exp(lse_b - safe)[..., None]
+                )
                 lse[:, :, qs] = new
             _wait(handles)
             kv = nxt
@@ -172,9 +175,18 @@ class _RingAttention(torch.autograd.Function):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
             for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents):
-                dq_b, dk_b, dv_b = kernel.backward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], dout[:, :, qs], out[:, :, qs],
-                                                   lse[:, :, qs], None if delta is None else delta[:, :, qs], scale,
-                                                   causal, mask)
+                dq_b, dk_b, dv_b = kernel.backward(
+                    q[:, :, qs],
+                    kk[:, :, ks],
+                    vv[:, :, ks],
+                    dout[:, :, qs],
+                    out[:, :, qs],
+                    lse[:, :, qs],
+                    None if delta is None else delta[:, :, qs],
+                    scale,
+                    causal,
+                    mask,
+                )
                 dq[:, :, qs] += dq_b
                 part[0][:, :, ks] += dk_b
                 part[1][:, :, ks] += dv_b
@@ -194,8 +206,9 @@ class _RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm,
-                   documents: RingDocuments | None = None) -> torch.Tensor:
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm, documents: RingDocuments | None = None
+) -> torch.Tensor:
     """Causal attention of this rank's ``q [B, H, t, D]`` over every rank's ``k, v [B, H_kv, t, D]``,
     tokens in the ring layout (:func:`positions`); returns ``[B, H, t, D]``. With ``documents``, within each
     packed document (:class:`RingDocuments`)."""

@@ -101,7 +101,8 @@ class CpuFlash:
     def backward(q, k, v, do, out, lse, delta, scale, causal, mask: BlockMask | None = None):
         extra = {} if mask is None else {"attn_mask": mask.additive(q.dtype)}
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            do.to(q.dtype), q, k, v, out, lse, 0.0, causal, scale=scale, **extra)
+            do.to(q.dtype), q, k, v, out, lse, 0.0, causal, scale=scale, **extra
+        )
         return tuple(g.float() for g in grads)
 
 
@@ -123,7 +124,7 @@ class CudaEfficient:
 
     def forward(self, q, k, v, scale, causal, mask: BlockMask | None = None):
         o, lse, _, _ = self.forward_op(q, k, v, self._bias(q, mask), True, 0.0, causal, scale=scale)
-        o, lse = o.float(), lse[..., :q.shape[2]].float()
+        o, lse = o.float(), lse[..., : q.shape[2]].float()
         if mask is not None:  # a row that sees no key: whatever the kernel made of it, 0 and -inf
             o = o.masked_fill(~mask.rows[..., None], 0.0)
             lse = lse.masked_fill(~mask.rows, float("-inf"))
@@ -131,11 +132,26 @@ class CudaEfficient:
 
     def backward(self, q, k, v, do, out, lse, delta, scale, causal, mask: BlockMask | None = None):
         b, h, rows = lse.shape
-        padded = torch.zeros((b, h, -(-rows // self.ALIGN_LSE) * self.ALIGN_LSE), dtype=torch.float32, device=lse.device)
+        padded = torch.zeros(
+            (b, h, -(-rows // self.ALIGN_LSE) * self.ALIGN_LSE), dtype=torch.float32, device=lse.device
+        )
         padded[..., :rows] = lse
         unused = torch.zeros((), dtype=torch.int64, device=q.device)  # the seed and offset of dropout 0
-        grads = self.backward_op(do.to(q.dtype).contiguous(), q, k, v, self._bias(q, mask), out, padded, unused, unused, 0.0,
-                                 [True, True, True, False], causal, scale=scale)
+        grads = self.backward_op(
+            do.to(q.dtype).contiguous(),
+            q,
+            k,
+            v,
+            self._bias(q, mask),
+            out,
+            padded,
+            unused,
+            unused,
+            0.0,
+            [True, True, True, False],
+            causal,
+            scale=scale,
+        )
         return tuple(g.float() for g in grads[:3])
 
 

@@ -19,5 +19,20 @@ from .cluster_files import PRESETS, load_cluster, write_cluster
 from .cost import StepTime, step_time
 from .search import Candidate, Layout, Search, enumerate_layouts, memory_bound, pinned_keys, plan_model
 
-__all__ = ["PRESETS", "Candidate", "Cluster", "Layout", "Search", "StepTime", "calibrate", "enumerate_layouts", "fit_link",
-           "load_cluster", "memory_bound", "pinned_keys", "plan_model", "step_time", "write_cluster"]
+__all__ = [
+    "PRESETS",
+    "Candidate",
+    "Cluster",
+    "Layout",
+    "Search",
+    "StepTime",
+    "calibrate",
+    "enumerate_layouts",
+    "fit_link",
+    "load_cluster",
+    "memory_bound",
+    "pinned_keys",
+    "plan_model",
+    "step_time",
+    "write_cluster",
+]

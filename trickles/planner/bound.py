@@ -9,10 +9,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..config import Config
-from ..models.config import ModelConfig
 from ..memory.transients import block_backward_bytes
-from ..topology import ParallelDims
+from ..models.config import ModelConfig
 from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order, peak_alive
+from ..topology import ParallelDims
 from .rank_plan import element_bytes
 
 
@@ -44,14 +44,38 @@ def _activation_key(cfg: Config, dims: ParallelDims, device_type: str) -> tuple:
     """What one micro-batch's saved activations depend on, for a layout of the search (the model is the search's)."""
     micro, _ = cfg.batch_plan(dims.dp)
     mem, par = cfg.memory, cfg.parallel
-    partial = (mem.recompute_num_layers, mem.recompute_rest, dims.pp, par.schedule, par.virtual_stages,
-               tuple(par.pipeline_layers)) if mem.recompute_num_layers else ()  # which layers are recomputed whole
-    return (micro, mem.recompute, mem.precision, mem.grad_dtype, dims.tp, dims.tp_mode, dims.tp_depth,
-            par.sequence_parallel, dims.cp, par.cp_mode, dims.ep, device_type, partial)
+    partial = (
+        (
+            mem.recompute_num_layers,
+            mem.recompute_rest,
+            dims.pp,
+            par.schedule,
+            par.virtual_stages,
+            tuple(par.pipeline_layers),
+        )
+        if mem.recompute_num_layers
+        else ()
+    )  # which layers are recomputed whole
+    return (
+        micro,
+        mem.recompute,
+        mem.precision,
+        mem.grad_dtype,
+        dims.tp,
+        dims.tp_mode,
+        dims.tp_depth,
+        par.sequence_parallel,
+        dims.cp,
+        par.cp_mode,
+        dims.ep,
+        device_type,
+        partial,
+    )
 
 
-def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: str, ranks_per_node: int,
-                 cache: dict | None = None) -> Bound:
+def memory_bound(
+    cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: str, ranks_per_node: int, cache: dict | None = None
+) -> Bound:
     """A lower bound of the memory report's peak per device, and the host bytes per node (the offloaded optimizer, an
     asynchronous save's copies)
     (module docstring)."""
@@ -62,7 +86,8 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     from ..memory.tp_modes import activations, brought_back, recomputed_in_backward
     from ..optim.settings import OptimizerSettings
     from ..parallel.pipeline.stages import partition_layers
-    from ..parallel.tensor.costs import Layout as TPLayout, backward_transient_nd, head_released_nd, loss_transient_nd
+    from ..parallel.tensor.costs import Layout as TPLayout
+    from ..parallel.tensor.costs import backward_transient_nd, head_released_nd, loss_transient_nd
     from .compute import rank_params
 
     par, mem = cfg.parallel, cfg.memory
@@ -78,7 +103,9 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     key = _activation_key(cfg, dims, device_type)
     act = cache.get(key) if cache is not None else None
     if act is None:
-        act = activations(cfg, mc, TPLayout.of(dims.tp_mode, dims.tp, dims.tp_depth, par.sequence_parallel), dims, device_type)
+        act = activations(
+            cfg, mc, TPLayout.of(dims.tp_mode, dims.tp, dims.tp_depth, par.sequence_parallel), dims, device_type
+        )
         if cache is not None:
             cache[key] = act
     per_layer = act["per_layer"]
@@ -86,10 +113,19 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
     parts = partition_layers(mc.n_layers, dims.pp * v, par.pipeline_layers or None)
     lay = TPLayout.of(dims.tp_mode, dims.tp, dims.tp_depth, par.sequence_parallel)
     tokens = micro * cfg.data.seq_len // dims.cp
-    loss = (loss_transient_nd(mc, lay, micro, cfg.data.seq_len) if lay.grid
-            else loss_transient_bytes(mc, tokens, p, dims.tp, fused_on(mc.fused_loss, mc.kernels, device_type),
-                                      runs_triton(mc.kernels, device_type, "cross_entropy"),
-                                      fp32_accumulating_mm(device_type)))
+    loss = (
+        loss_transient_nd(mc, lay, micro, cfg.data.seq_len)
+        if lay.grid
+        else loss_transient_bytes(
+            mc,
+            tokens,
+            p,
+            dims.tp,
+            fused_on(mc.fused_loss, mc.kernels, device_type),
+            runs_triton(mc.kernels, device_type, "cross_entropy"),
+            fp32_accumulating_mm(device_type),
+        )
+    )
     if dims.pp == 1:  # the report's other phase: the last block's backward, the head's saved tensors released
         modes, plain = cfg.recompute_modes(dims), None  # what each layer's recomputation brings back, as the report
         if any(m in ("full", "selective") for m in modes.values()):
@@ -103,11 +139,17 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
             plain = plain["per_layer"]
         recomputed = recomputed_in_backward(brought_back(modes, act, plain), per_layer, list(range(mc.n_layers)))
         if lay.grid:
-            backward = (backward_transient_nd(mc, lay, micro, cfg.data.seq_len, p, device_type) + recomputed
-                        - head_released_nd(mc, lay, micro, cfg.data.seq_len, p))
+            backward = (
+                backward_transient_nd(mc, lay, micro, cfg.data.seq_len, p, device_type)
+                + recomputed
+                - head_released_nd(mc, lay, micro, cfg.data.seq_len, p)
+            )
         else:
-            backward = (block_backward_bytes(mc, tokens, g, dims.tp) + recomputed
-                        - (act["head"] - embedding_bytes(act, mc, lay, micro, cfg.data.seq_len, device_type)))
+            backward = (
+                block_backward_bytes(mc, tokens, g, dims.tp)
+                + recomputed
+                - (act["head"] - embedding_bytes(act, mc, lay, micro, cfg.data.seq_len, device_type))
+            )
         loss = max(loss, backward)
     in_layer = 0  # the memory report's transients of one layer at a time: ring blocks, expert rows
     if dims.cp > 1 and par.cp_mode == "ring":
@@ -131,11 +173,23 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
         return in_layer
 
     shape = Shape.of(par.schedule if dims.pp > 1 else "1f1b", dims.pp, v, m)
-    params_key = ("params", dims.tp, dims.tp_mode, dims.tp_depth, dims.ep, dims.pp, v, shape.vee, tuple(par.pipeline_layers))
+    params_key = (
+        "params",
+        dims.tp,
+        dims.tp_mode,
+        dims.tp_depth,
+        dims.ep,
+        dims.pp,
+        v,
+        shape.vee,
+        tuple(par.pipeline_layers),
+    )
     params = cache.get(params_key) if cache is not None else None
     if params is None:
-        params = [rank_params(mc, dims, [i for c in shape.chunks(parts, r) for i in c], *shape.ends(r))
-                  for r in range(dims.pp)]
+        params = [
+            rank_params(mc, dims, [i for c in shape.chunks(parts, r) for i in c], *shape.ends(r))
+            for r in range(dims.pp)
+        ]
         if cache is not None:
             cache[params_key] = params
     stages, host = [], 0.0
@@ -152,7 +206,11 @@ def memory_bound(cfg: Config, dims: ParallelDims, mc: ModelConfig, device_type: 
         held = alive * (chunk_bytes[0] if v == 1 else min(chunk_bytes))
         if last:  # (the first layer's entry includes what it keeps once for all, e.g. the rotary tables; the
             # embedding's part of the head is the first stage's)
-            held += act["head"] - (0 if first else embedding_bytes(act, mc, lay, micro, cfg.data.seq_len, device_type)) + loss
+            held += (
+                act["head"]
+                - (0 if first else embedding_bytes(act, mc, lay, micro, cfg.data.seq_len, device_type))
+                + loss
+            )
         stages.append(states + (0 if offload else optimizer) + held + buffers(whole, first, last))
         # the host copies of an asynchronous save: at least the optimizer state each rank writes (its moments)
         save = 4 * len(settings.state_keys) * (owned if zero >= 1 else whole) if cfg.train.async_checkpoint else 0.0

@@ -23,23 +23,39 @@ returns the :class:`~trickles.planner.cluster.Cluster` and, given ``path``, writ
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from .calibrate_comm import COLLECTIVES, _measure_collectives, measure_links, measure_sync  # noqa: F401
-from .calibrate_compute import (DTYPES, TINY_PASS, _pass_work, attention_shapes, fit_moe_pass,  # noqa: F401
-                                fit_passes, measure_attention, measure_gemms, measure_memory_bandwidth,
-                                measure_passes, model_shapes, pass_gemm_shapes, pass_sizes)
+from .calibrate_compute import (
+    attention_shapes,
+    fit_moe_pass,  # noqa: F401
+    fit_passes,
+    measure_attention,
+    measure_gemms,
+    measure_memory_bandwidth,
+    measure_passes,
+    model_shapes,
+    pass_gemm_shapes,
+    pass_sizes,
+)
 from .cluster import Cluster, shape_key
 from .cluster_files import load_cluster, write_cluster
 from .linefit import fit_link, fit_links, link_samples  # noqa: F401  (fit_link, link_samples: re-exported)
 
 
-def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32",
-                     sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, bandwidth_mib: int = 64,
-                     min_s: float = 0.05, attention: Sequence[tuple[int, int, int, int, int]] = (),
-                     model_cfg=None, pass_sizes: Sequence[tuple[int, int]] = ()) -> dict:
+def measure_on_ranks(
+    shapes: Sequence[tuple[int, int, int]],
+    precision: str = "fp32",
+    sizes: Sequence[int] = (4096, 65536, 1 << 20),
+    repeats: int = 3,
+    bandwidth_mib: int = 64,
+    min_s: float = 0.05,
+    attention: Sequence[tuple[int, int, int, int, int]] = (),
+    model_cfg=None,
+    pass_sizes: Sequence[tuple[int, int]] = (),
+) -> dict:
     """On every rank of a CPU (gloo) group, collectively: the GEMM and attention rates and the memory bandwidth timed
     on every rank at once, one thread each, as in a training step; with more ranks than cores each rank gets
     ``cores / world`` of one, so a core's rate is the rank's times ``world / cores`` -- what a core does while the
@@ -84,24 +100,44 @@ def measure_on_ranks(shapes: Sequence[tuple[int, int, int]], precision: str = "f
     att_keys = list(dict.fromkeys(tuple(sh[2:]) for sh in attention))
     pass_keys = list(passes)
     per = len(passes[pass_keys[0]]) if passes else 0  # timings per size: block, head[, MoE block]
-    rates = torch.tensor([[gemms.get(k, 0.0) for k in keys] + [att.get(k, 0.0) for k in att_keys]
-                          + [1.0 / t for k in pass_keys for t in passes[k]] + [bandwidth]], dtype=torch.float64)
+    rates = torch.tensor(
+        [
+            [gemms.get(k, 0.0) for k in keys]
+            + [att.get(k, 0.0) for k in att_keys]
+            + [1.0 / t for k in pass_keys for t in passes[k]]
+            + [bandwidth]
+        ],
+        dtype=torch.float64,
+    )
     every = [torch.zeros_like(rates) for _ in range(world)]
     dist.all_gather(every, rates)
     med = (torch.cat(every).median(dim=0).values * per_core).tolist()
     at = len(keys) + len(att_keys)
-    return {"gemms": {k: med[i] for i, k in enumerate(keys)},
-            "attention": {k: med[len(keys) + i] for i, k in enumerate(att_keys)}, "bandwidth": med[-1],
-            "passes": {k: tuple(1.0 / med[at + per * i + j] for j in range(per)) for i, k in enumerate(pass_keys)},
-            "contention": (1.0 / med[at + per * pass_keys.index(max(passes))]) / float(alone[0]) if passes else None,
-            "links": _measure_collectives(list(sizes), repeats), "sync": measure_sync(repeats)}
+    return {
+        "gemms": {k: med[i] for i, k in enumerate(keys)},
+        "attention": {k: med[len(keys) + i] for i, k in enumerate(att_keys)},
+        "bandwidth": med[-1],
+        "passes": {k: tuple(1.0 / med[at + per * i + j] for j in range(per)) for i, k in enumerate(pass_keys)},
+        "contention": (1.0 / med[at + per * pass_keys.index(max(passes))]) / float(alone[0]) if passes else None,
+        "links": _measure_collectives(list(sizes), repeats),
+        "sync": measure_sync(repeats),
+    }
 
 
-def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, bandwidth: float,
-                              links: Sequence[tuple[str, int, int, float]] = (),
-                              reference: tuple[int, int, int] | None = None, device: str = "cpu",
-                              attention: dict | None = None, sync: float | None = None,
-                              passes: dict | None = None, model_cfg=None, contention: float | None = None) -> Cluster:
+def cluster_from_measurements(
+    base: str | Cluster,
+    precision: str,
+    gemms: dict,
+    bandwidth: float,
+    links: Sequence[tuple[str, int, int, float]] = (),
+    reference: tuple[int, int, int] | None = None,
+    device: str = "cpu",
+    attention: dict | None = None,
+    sync: float | None = None,
+    passes: dict | None = None,
+    model_cfg=None,
+    contention: float | None = None,
+) -> Cluster:
     """``base`` with what was measured: ``gemms`` ``{(m, n, k): FLOP/s}`` (``reference``: the shape whose rate is
     ``gemm_efficiency``), ``attention`` ``{(q, k, d): FLOP/s}`` of the fused kernel, the memory ``bandwidth`` in
     bytes/s, the collective timings ``links`` fitted by :func:`fit_link` and ``sync`` seconds a blocking collective
@@ -111,9 +147,12 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
     ``moe_pass_overhead_us``: :func:`fit_moe_pass`); ``contention``: ``core_contention`` (at
     least 1)."""
     cluster = base if isinstance(base, Cluster) else load_cluster(base)
-    cluster = dataclasses.replace(cluster, gemm_table=dict(cluster.gemm_table),
-                                  attention_table=dict(cluster.attention_table),
-                                  collective_links=dict(cluster.collective_links))
+    cluster = dataclasses.replace(
+        cluster,
+        gemm_table=dict(cluster.gemm_table),
+        attention_table=dict(cluster.attention_table),
+        collective_links=dict(cluster.collective_links),
+    )
     if torch.device(device).type == "cuda":
         from ..train.flops import peak_flops
 
@@ -157,10 +196,22 @@ def cluster_from_measurements(base: str | Cluster, precision: str, gemms: dict, 
     return cluster
 
 
-def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int, int, int]] | None = None,
-              precision: str | None = None, device: str = "cpu", ranks: int = 2,
-              sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 3, base: str | Cluster = "local",
-              path: str | None = None, reference: int = 512, bandwidth_mib: int = 64) -> Cluster:
+def calibrate(
+    cfg=None,
+    model_cfg=None,
+    *,
+    dims=None,
+    shapes: Sequence[tuple[int, int, int]] | None = None,
+    precision: str | None = None,
+    device: str = "cpu",
+    ranks: int = 2,
+    sizes: Sequence[int] = (4096, 65536, 1 << 20),
+    repeats: int = 3,
+    base: str | Cluster = "local",
+    path: str | None = None,
+    reference: int = 512,
+    bandwidth_mib: int = 64,
+) -> Cluster:
     """Measures this machine (module docstring) and returns ``base`` with the measured numbers (written to ``path``
     as TOML when given).
 
@@ -182,8 +233,19 @@ def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int
     if ranks >= 2 and torch.device(device).type == "cpu":
         from ..testing import run_ranks
 
-        got = run_ranks(ranks, measure_on_ranks, shapes, precision, list(sizes), repeats, bandwidth_mib, 0.05,
-                        att_shapes, model_cfg, sizes_p)[0]
+        got = run_ranks(
+            ranks,
+            measure_on_ranks,
+            shapes,
+            precision,
+            list(sizes),
+            repeats,
+            bandwidth_mib,
+            0.05,
+            att_shapes,
+            model_cfg,
+            sizes_p,
+        )[0]
         gemms, att, bandwidth, links = got["gemms"], got["attention"], got["bandwidth"], got["links"]
         sync = got["sync"]
         passes, contention = got["passes"], got["contention"]
@@ -195,8 +257,9 @@ def calibrate(cfg=None, model_cfg=None, *, dims=None, shapes: Sequence[tuple[int
         bandwidth = measure_memory_bandwidth(device, bandwidth_mib, repeats)
         if ranks >= 2:
             links = measure_links(ranks, sizes, repeats)
-    cluster = cluster_from_measurements(base, precision, gemms, bandwidth, links, square, device, att, sync, passes,
-                                        model_cfg, contention)
+    cluster = cluster_from_measurements(
+        base, precision, gemms, bandwidth, links, square, device, att, sync, passes, model_cfg, contention
+    )
     if path is not None:
         write_cluster(cluster, path)
     return cluster

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -106,6 +106,7 @@ def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, 
                     dist.send(x, 1)
                 elif rank == 1:
                     dist.recv(x, 0)
+
             times = []
             run()
             for _ in range(max(1, repeats)):
@@ -120,8 +121,9 @@ def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, 
     return out
 
 
-def measure_links(ranks: int = 2, sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 5
-                  ) -> list[tuple[str, int, int, float]]:
+def measure_links(
+    ranks: int = 2, sizes: Sequence[int] = (4096, 65536, 1 << 20), repeats: int = 5
+) -> list[tuple[str, int, int, float]]:
     """Collective timings among ``ranks`` local CPU ranks over gloo (:func:`_measure_collectives`)."""
     from ..testing import run_ranks
 

@@ -38,7 +38,7 @@ import dataclasses
 import math
 import statistics
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -76,8 +76,13 @@ def _one_thread(dev: torch.device):
         torch.set_num_threads(threads)
 
 
-def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32", device: str = "cpu",
-                  repeats: int = 3, min_s: float = 0.005) -> dict[tuple[int, int, int], float]:
+def measure_gemms(
+    shapes: Sequence[tuple[int, int, int]],
+    precision: str = "fp32",
+    device: str = "cpu",
+    repeats: int = 3,
+    min_s: float = 0.005,
+) -> dict[tuple[int, int, int], float]:
     """``{(m, n, k): FLOP/s}`` of ``[m, k] x [k, n]`` matmuls on ``device`` in ``precision`` (CPU: one thread), each
     sample at least ``min_s`` seconds (:func:`_timeit`)."""
     dev = torch.device(device)
@@ -92,6 +97,7 @@ def measure_gemms(shapes: Sequence[tuple[int, int, int]], precision: str = "fp32
                 a @ b
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
+
             out[(m, n, k)] = 2.0 * m * n * k / max(_timeit(run, repeats, min_s), 1e-9)
     return out
 
@@ -111,8 +117,13 @@ class _Loopback:
         return []
 
 
-def measure_attention(shapes: Sequence[tuple[int, int, int, int, int]], precision: str = "fp32", device: str = "cpu",
-                      repeats: int = 3, min_s: float = 0.005) -> dict[tuple[int, int, int], float]:
+def measure_attention(
+    shapes: Sequence[tuple[int, int, int, int, int]],
+    precision: str = "fp32",
+    device: str = "cpu",
+    repeats: int = 3,
+    min_s: float = 0.005,
+) -> dict[tuple[int, int, int], float]:
     """``{(q, k, d): FLOP/s}`` of the attention the model runs, forward and backward, for each
     ``(sequences, heads, q, k, d)``: ``q`` query rows against ``k`` keys of head size ``d``, causal. ``q == k``: the
     fused kernel (``scaled_dot_product_attention``); ``q < k``: rank 0's share of ring attention over
@@ -130,8 +141,9 @@ def measure_attention(shapes: Sequence[tuple[int, int, int, int, int]], precisio
         for b, h, q, k, d in shapes:
             ring = q < k
             xq = torch.randn(b, h, q, d, device=dev, dtype=dtype, requires_grad=True)
-            xk, xv = (torch.randn(b, h, q if ring else k, d, device=dev, dtype=dtype, requires_grad=True)
-                      for _ in range(2))
+            xk, xv = (
+                torch.randn(b, h, q if ring else k, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2)
+            )
 
             def run():
                 if ring:
@@ -140,6 +152,7 @@ def measure_attention(shapes: Sequence[tuple[int, int, int, int, int]], precisio
                     F.scaled_dot_product_attention(xq, xk, xv, is_causal=True).sum().backward()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
+
             flops = 3 * 4.0 * b * h * q * k * d * 0.5
             out[(q, k, d)] = flops / max(_timeit(run, repeats, min_s), 1e-9)
     return out
@@ -151,10 +164,12 @@ def measure_memory_bandwidth(device: str = "cpu", mib: int = 64, repeats: int = 
     n = mib * 2**20 // 4
     a, b = torch.ones(n, device=dev), torch.empty(n, device=dev)
     with _one_thread(dev):
+
         def run():
             b.copy_(a)
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
+
         return 2 * n * 4 / max(_timeit(run, repeats), 1e-9)
 
 
@@ -163,15 +178,24 @@ def _block_model(model_cfg, moe: bool = False):
     work), or with ``moe`` a mixture of experts (learned routing: a hard route needs labels)."""
     from ..models.transformer import Transformer
 
-    one = (dataclasses.replace(model_cfg, n_layers=1, moe_every=1, moe_router="learned") if moe else
-           dataclasses.replace(model_cfg, n_layers=1, moe_experts=0))
+    one = (
+        dataclasses.replace(model_cfg, n_layers=1, moe_every=1, moe_router="learned")
+        if moe
+        else dataclasses.replace(model_cfg, n_layers=1, moe_experts=0)
+    )
     model = Transformer(one)
     model.init_weights(0)
     return model
 
 
-def measure_passes(model_cfg, sizes: Sequence[tuple[int, int]], precision: str = "fp32", device: str = "cpu",
-                   repeats: int = 3, min_s: float = 0.05) -> dict[tuple[int, int], tuple[float, float]]:
+def measure_passes(
+    model_cfg,
+    sizes: Sequence[tuple[int, int]],
+    precision: str = "fp32",
+    device: str = "cpu",
+    repeats: int = 3,
+    min_s: float = 0.05,
+) -> dict[tuple[int, int], tuple[float, float]]:
     """``{(sequences, tokens): (block seconds, head seconds[, MoE block seconds])}``: one dense block of
     ``model_cfg`` and its head (final norm, output layer and loss) -- and, for a mixture-of-experts model, one of its
     MoE blocks, every expert local -- each forward and backward on ``sequences x tokens`` inputs, on ``device`` in
@@ -203,6 +227,7 @@ def measure_passes(model_cfg, sizes: Sequence[tuple[int, int]], precision: str =
                 moe(x, rope).sum().backward()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
+
             runs = (run_block, run_head, run_moe) if moe is not None else (run_block, run_head)
             out[(b, t)] = tuple(_timeit(run, repeats, min_s) for run in runs)
     return out
@@ -215,8 +240,10 @@ def _pass_work(model_cfg, sequences: int, tokens: int, p: int):
     from .compute import block_work, head_work
 
     dense = dataclasses.replace(model_cfg, moe_experts=0)
-    work = (block_work(dense, ParallelDims(), sequences, tokens, False, False, p),
-            head_work(dense, ParallelDims(), sequences, tokens, False, p))
+    work = (
+        block_work(dense, ParallelDims(), sequences, tokens, False, False, p),
+        head_work(dense, ParallelDims(), sequences, tokens, False, p),
+    )
     if model_cfg.moe_experts:
         work += (block_work(model_cfg, ParallelDims(), sequences, tokens, True, False, p),)
     return work

@@ -63,35 +63,81 @@ class Cluster:
     """The machines a plan is for (the ``[cluster]`` table of a cluster file); see the module docstring."""
 
     name: str = opt("custom", "a name for reports (presets: their own)")
-    device: Literal["cuda", "cpu"] = opt("cuda", "cuda: one GPU per rank; cpu: ranks are processes sharing the node's cores (more ranks than devices_per_node divide them)")
+    device: Literal["cuda", "cpu"] = opt(
+        "cuda",
+        "cuda: one GPU per rank; cpu: ranks are processes sharing the node's cores (more ranks than devices_per_node divide them)",
+    )
     nodes: int = opt(1, "machines (the planner sizes it to the devices asked for: Cluster.sized)")
     devices_per_node: int = opt(8, "devices in each machine (cpu: cores)")
     device_memory_gib: float = opt(80.0, "memory of one device in GiB (cpu: the node's memory / devices_per_node)")
-    peak_tflops_fp32: float = opt(19.5, "dense fp32 matmul peak of one device, TFLOP/s (GPUs: without TF32, PyTorch's default for matmuls)")
+    peak_tflops_fp32: float = opt(
+        19.5, "dense fp32 matmul peak of one device, TFLOP/s (GPUs: without TF32, PyTorch's default for matmuls)"
+    )
     peak_tflops_bf16: float = opt(312.0, "dense bf16 matmul peak of one device, TFLOP/s")
     peak_tflops_fp16: float = opt(312.0, "dense fp16 matmul peak of one device, TFLOP/s")
     gemm_efficiency: float = opt(0.75, "fraction of the peak a GEMM achieves where gemm_table has no shape near it")
-    sm_count: int = opt(108, "streaming multiprocessors of one GPU: a GEMM's output tiles run in waves of this many (0: no wave quantization, e.g. CPUs)")
-    gemm_tile_m: int = opt(256, "rows of the output tile one multiprocessor computes in a large GEMM (cuBLAS's largest half-precision tile)")
+    sm_count: int = opt(
+        108,
+        "streaming multiprocessors of one GPU: a GEMM's output tiles run in waves of this many (0: no wave quantization, e.g. CPUs)",
+    )
+    gemm_tile_m: int = opt(
+        256,
+        "rows of the output tile one multiprocessor computes in a large GEMM (cuBLAS's largest half-precision tile)",
+    )
     gemm_tile_n: int = opt(128, "columns of that output tile")
-    gemm_table: dict = opt({}, "achieved fraction of the peak by GEMM shape: 'precision:MxNxK' = fraction (calibrate fills it)")
-    attention_table: dict = opt({}, "achieved fraction of the peak by the fused attention kernel, forward and backward: 'precision:QxKxD' (query rows, keys, head size) = fraction (calibrate fills it)")
-    memory_bandwidth_gbps: float = opt(2039.0, "device memory bandwidth, GB/s (memory-bound work: optimizer step; element-wise kernels unless elementwise_gbps is set)")
-    elementwise_gbps: float = opt(0.0, "bandwidth the model's element-wise work (norms, activations, rotary, softmax of the loss, autograd's copies) achieves, GB/s (calibrate fits it from the model's own block and head; 0: memory_bandwidth_gbps)")
-    pass_overhead_us: float = opt(0.0, "fixed cost of one block's forward and backward for one micro-batch beyond its kernels (operator dispatch, autograd), microseconds (calibrate fits it; GPUs: 0, the host runs ahead of the kernels)")
-    moe_pass_overhead_us: float = opt(0.0, "what a mixture-of-experts block's forward and backward costs beyond pass_overhead_us and its kernels (routing, sorting, gather and scatter as many small operations), microseconds (calibrate fits it on CPUs; 0: none)")
-    intra_node_gbps: float = opt(300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s")
+    gemm_table: dict = opt(
+        {}, "achieved fraction of the peak by GEMM shape: 'precision:MxNxK' = fraction (calibrate fills it)"
+    )
+    attention_table: dict = opt(
+        {},
+        "achieved fraction of the peak by the fused attention kernel, forward and backward: 'precision:QxKxD' (query rows, keys, head size) = fraction (calibrate fills it)",
+    )
+    memory_bandwidth_gbps: float = opt(
+        2039.0,
+        "device memory bandwidth, GB/s (memory-bound work: optimizer step; element-wise kernels unless elementwise_gbps is set)",
+    )
+    elementwise_gbps: float = opt(
+        0.0,
+        "bandwidth the model's element-wise work (norms, activations, rotary, softmax of the loss, autograd's copies) achieves, GB/s (calibrate fits it from the model's own block and head; 0: memory_bandwidth_gbps)",
+    )
+    pass_overhead_us: float = opt(
+        0.0,
+        "fixed cost of one block's forward and backward for one micro-batch beyond its kernels (operator dispatch, autograd), microseconds (calibrate fits it; GPUs: 0, the host runs ahead of the kernels)",
+    )
+    moe_pass_overhead_us: float = opt(
+        0.0,
+        "what a mixture-of-experts block's forward and backward costs beyond pass_overhead_us and its kernels (routing, sorting, gather and scatter as many small operations), microseconds (calibrate fits it on CPUs; 0: none)",
+    )
+    intra_node_gbps: float = opt(
+        300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s"
+    )
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
-    collective_links: dict = opt({}, "intra-node line of each collective kind whose measured times differ from the shared one: op (all_reduce, all_gather, reduce_scatter, all_to_all, send) = [latency_us, GB/s] (calibrate fills it; a kind not listed uses intra_node_latency_us and intra_node_gbps)")
+    collective_links: dict = opt(
+        {},
+        "intra-node line of each collective kind whose measured times differ from the shared one: op (all_reduce, all_gather, reduce_scatter, all_to_all, send) = [latency_us, GB/s] (calibrate fills it; a kind not listed uses intra_node_latency_us and intra_node_gbps)",
+    )
     inter_node_gbps: float = opt(25.0, "algorithm bandwidth per device per direction between nodes, GB/s")
     inter_node_latency_us: float = opt(5.0, "latency of one message between nodes, microseconds")
-    overlap_comm: bool = opt(True, "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where gloo's copies and reductions need the cores the compute uses, so nothing hides")
-    core_contention: float = opt(1.0, "CPU ranks with a core each: how much faster a core runs the model's block alone than while every core computes (they share memory bandwidth and caches), >= 1; a pipeline stage computing while its peers wait gains it (calibrate measures it; 1: none)")
-    shared_core_sync_us: float = opt(0.0, "CPU ranks: extra wait of each blocking collective for peers arriving late (waiting their turn on a core where ranks outnumber the cores; the jitter of their compute), microseconds (calibrate measures it)")
-    link_efficiency: float = opt(0.8, "fraction of the link bandwidths collectives achieve (nominal figures: ~0.8; measured ones: 1.0)")
+    overlap_comm: bool = opt(
+        True,
+        "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where gloo's copies and reductions need the cores the compute uses, so nothing hides",
+    )
+    core_contention: float = opt(
+        1.0,
+        "CPU ranks with a core each: how much faster a core runs the model's block alone than while every core computes (they share memory bandwidth and caches), >= 1; a pipeline stage computing while its peers wait gains it (calibrate measures it; 1: none)",
+    )
+    shared_core_sync_us: float = opt(
+        0.0,
+        "CPU ranks: extra wait of each blocking collective for peers arriving late (waiting their turn on a core where ranks outnumber the cores; the jitter of their compute), microseconds (calibrate measures it)",
+    )
+    link_efficiency: float = opt(
+        0.8, "fraction of the link bandwidths collectives achieve (nominal figures: ~0.8; measured ones: 1.0)"
+    )
     host_link_gbps: float = opt(32.0, "host<->device bandwidth per device per direction, GB/s (offloaded optimizer)")
     host_memory_gib: float = opt(2048.0, "host memory of one node, GiB")
-    host_memory_bandwidth_gbps: float = opt(409.6, "host memory bandwidth of one node, GB/s (the offloaded optimizer step)")
+    host_memory_bandwidth_gbps: float = opt(
+        409.6, "host memory bandwidth of one node, GB/s (the offloaded optimizer step)"
+    )
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -123,8 +169,9 @@ class Cluster:
             return fraction
         return self.gemm_efficiency * self.quantization(m, n, count)
 
-    def attention_fraction(self, precision: str, q: int, k: int, d: int,
-                           gemm: tuple[int, int, int, float] | None = None) -> float:
+    def attention_fraction(
+        self, precision: str, q: int, k: int, d: int, gemm: tuple[int, int, int, float] | None = None
+    ) -> float:
         """The fraction of the peak the attention core (``q`` query rows against ``k`` keys of head size ``d``, the
         FLOPs a causal kernel runs) achieves: ``attention_table``'s nearest entry within a factor of 8 overall (the
         fused kernel timed, forward and backward: its online softmax makes it no GEMM, on a CPU far from one), else
@@ -151,7 +198,9 @@ class Cluster:
         """The link a group uses: across nodes if any of its ranks sit on different nodes, else inside one -- there
         collective kind ``op``'s own line where ``collective_links`` has one."""
         if spans_nodes:
-            return Link("inter-node", self.inter_node_latency_us * 1e-6, self.inter_node_gbps * 1e9 * self.link_efficiency)
+            return Link(
+                "inter-node", self.inter_node_latency_us * 1e-6, self.inter_node_gbps * 1e9 * self.link_efficiency
+            )
         if op in self.collective_links:
             latency_us, gbps = self.collective_links[op]
             return Link(f"intra-node {op}", latency_us * 1e-6, gbps * 1e9 * self.link_efficiency)
@@ -179,7 +228,7 @@ class Cluster:
             return 1.0
         return min(1.0, self.devices_per_node / self.ranks_per_node(world))
 
-    def sized(self, devices: int) -> "Cluster":
+    def sized(self, devices: int) -> Cluster:
         """This cluster with as many nodes as ``devices`` devices need (CPU clusters keep their nodes)."""
         if self.device == "cpu":
             return dataclasses.replace(self)
@@ -201,9 +250,14 @@ class Cluster:
             raise ConfigError("cluster.collective_links must be a table of op = [latency_us, GB/s]")
         for op, line in self.collective_links.items():
             if op not in COLLECTIVE_KINDS:
-                raise ConfigError(f"cluster.collective_links: unknown collective {op!r}; one of {', '.join(COLLECTIVE_KINDS)}")
-            ok = isinstance(line, (list, tuple)) and len(line) == 2 and all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in line)
+                raise ConfigError(
+                    f"cluster.collective_links: unknown collective {op!r}; one of {', '.join(COLLECTIVE_KINDS)}"
+                )
+            ok = (
+                isinstance(line, (list, tuple))
+                and len(line) == 2
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in line)
+            )
             if not ok or line[0] < 0 or line[1] <= 0:
                 raise ConfigError(f"cluster.collective_links[{op!r}] must be [latency_us >= 0, GB/s > 0], got {line!r}")
         for name in ("gemm_table", "attention_table"):
@@ -226,7 +280,9 @@ def parse_shape_key(key: str) -> tuple[str, int, int, int]:
     try:
         m, n, k = (int(x) for x in dims.split("x"))
     except ValueError:
-        raise ConfigError(f"cluster.gemm_table key {key!r} must look like 'bf16:4096x1024x4096' (precision:MxNxK)") from None
+        raise ConfigError(
+            f"cluster.gemm_table key {key!r} must look like 'bf16:4096x1024x4096' (precision:MxNxK)"
+        ) from None
     if prec not in PRECISIONS:
         raise ConfigError(f"cluster.gemm_table key {key!r}: precision must be one of {', '.join(PRECISIONS)}")
     return prec, m, n, k

@@ -24,6 +24,7 @@ else:  # pragma: no cover
 
 # ---- presets --------------------------------------------------------------------------------
 
+
 def _dgx_a100() -> Cluster:
     """NVIDIA DGX A100 (80 GB): 8 A100-SXM4-80GB per node.
 
@@ -41,11 +42,27 @@ def _dgx_a100() -> Cluster:
     * 108 streaming multiprocessors (whitepaper); 256 x 128 output tiles, cuBLAS's largest for half precision (the
       *Matrix Multiplication Background User's Guide*, "Typical Tile Dimensions In cuBLAS").
     """
-    return Cluster(name="dgx-a100", device="cuda", nodes=1, devices_per_node=8, device_memory_gib=80.0, sm_count=108,
-                   peak_tflops_fp32=19.5, peak_tflops_bf16=312.0, peak_tflops_fp16=312.0, gemm_efficiency=0.75,
-                   memory_bandwidth_gbps=2039.0, intra_node_gbps=300.0, intra_node_latency_us=2.0, inter_node_gbps=25.0,
-                   inter_node_latency_us=5.0, link_efficiency=0.8, host_link_gbps=32.0, host_memory_gib=2048.0,
-                   host_memory_bandwidth_gbps=409.6)
+    return Cluster(
+        name="dgx-a100",
+        device="cuda",
+        nodes=1,
+        devices_per_node=8,
+        device_memory_gib=80.0,
+        sm_count=108,
+        peak_tflops_fp32=19.5,
+        peak_tflops_bf16=312.0,
+        peak_tflops_fp16=312.0,
+        gemm_efficiency=0.75,
+        memory_bandwidth_gbps=2039.0,
+        intra_node_gbps=300.0,
+        intra_node_latency_us=2.0,
+        inter_node_gbps=25.0,
+        inter_node_latency_us=5.0,
+        link_efficiency=0.8,
+        host_link_gbps=32.0,
+        host_memory_gib=2048.0,
+        host_memory_bandwidth_gbps=409.6,
+    )
 
 
 def _dgx_h100() -> Cluster:
@@ -60,11 +77,27 @@ def _dgx_h100() -> Cluster:
     * Latencies: estimates, as for the A100 preset.
     * 132 streaming multiprocessors (SXM5, Hopper whitepaper); tiles as for the A100 preset.
     """
-    return Cluster(name="dgx-h100", device="cuda", nodes=1, devices_per_node=8, device_memory_gib=80.0, sm_count=132,
-                   peak_tflops_fp32=66.9, peak_tflops_bf16=989.4, peak_tflops_fp16=989.4, gemm_efficiency=0.7,
-                   memory_bandwidth_gbps=3350.0, intra_node_gbps=450.0, intra_node_latency_us=2.0, inter_node_gbps=50.0,
-                   inter_node_latency_us=5.0, link_efficiency=0.8, host_link_gbps=64.0, host_memory_gib=2048.0,
-                   host_memory_bandwidth_gbps=614.4)
+    return Cluster(
+        name="dgx-h100",
+        device="cuda",
+        nodes=1,
+        devices_per_node=8,
+        device_memory_gib=80.0,
+        sm_count=132,
+        peak_tflops_fp32=66.9,
+        peak_tflops_bf16=989.4,
+        peak_tflops_fp16=989.4,
+        gemm_efficiency=0.7,
+        memory_bandwidth_gbps=3350.0,
+        intra_node_gbps=450.0,
+        intra_node_latency_us=2.0,
+        inter_node_gbps=50.0,
+        inter_node_latency_us=5.0,
+        link_efficiency=0.8,
+        host_link_gbps=64.0,
+        host_memory_gib=2048.0,
+        host_memory_bandwidth_gbps=614.4,
+    )
 
 
 def _local() -> Cluster:
@@ -79,12 +112,28 @@ def _local() -> Cluster:
         memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
         memory_gib = 8.0
-    return Cluster(name="local", device="cpu", nodes=1, devices_per_node=cores, device_memory_gib=memory_gib / cores, sm_count=0,
-                   overlap_comm=False,
-                   peak_tflops_fp32=0.1, peak_tflops_bf16=0.1, peak_tflops_fp16=0.05, gemm_efficiency=0.5,
-                   memory_bandwidth_gbps=10.0, intra_node_gbps=1.0, intra_node_latency_us=50.0, inter_node_gbps=0.1,
-                   inter_node_latency_us=100.0, link_efficiency=1.0, host_link_gbps=10.0, host_memory_gib=memory_gib,
-                   host_memory_bandwidth_gbps=10.0 * cores)
+    return Cluster(
+        name="local",
+        device="cpu",
+        nodes=1,
+        devices_per_node=cores,
+        device_memory_gib=memory_gib / cores,
+        sm_count=0,
+        overlap_comm=False,
+        peak_tflops_fp32=0.1,
+        peak_tflops_bf16=0.1,
+        peak_tflops_fp16=0.05,
+        gemm_efficiency=0.5,
+        memory_bandwidth_gbps=10.0,
+        intra_node_gbps=1.0,
+        intra_node_latency_us=50.0,
+        inter_node_gbps=0.1,
+        inter_node_latency_us=100.0,
+        link_efficiency=1.0,
+        host_link_gbps=10.0,
+        host_memory_gib=memory_gib,
+        host_memory_bandwidth_gbps=10.0 * cores,
+    )
 
 
 #: Named clusters: ``load_cluster("dgx-a100")``. Each function's docstring cites its numbers.
@@ -96,7 +145,9 @@ def preset(name: str) -> Cluster:
     if name not in PRESETS:
         near = difflib.get_close_matches(name, list(PRESETS), n=1, cutoff=0.4)
         hint = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"unknown cluster {name!r}; {hint}presets: {', '.join(PRESETS)} (or the path of a TOML cluster file)")
+        raise ConfigError(
+            f"unknown cluster {name!r}; {hint}presets: {', '.join(PRESETS)} (or the path of a TOML cluster file)"
+        )
     return PRESETS[name]()
 
 
@@ -108,8 +159,9 @@ def cluster_from_dict(table: dict[str, Any], where: str = "") -> Cluster:
     cluster.validate()  # before the copies below, which need the tables to be tables
     cluster.gemm_table = dict(cluster.gemm_table)
     cluster.attention_table = dict(cluster.attention_table)
-    cluster.collective_links = {k: list(v) if isinstance(v, (list, tuple)) else v
-                                for k, v in dict(cluster.collective_links).items()}
+    cluster.collective_links = {
+        k: list(v) if isinstance(v, (list, tuple)) else v for k, v in dict(cluster.collective_links).items()
+    }
     return cluster
 
 

@@ -82,9 +82,12 @@ class Work:
     def flops(self) -> float:
         return sum(g.flops for g in self.gemms)
 
-    def __add__(self, other: "Work") -> "Work":
-        return Work(self.gemms + other.gemms, self.elementwise_bytes + other.elementwise_bytes,
-                    self.attention_bytes + other.attention_bytes)
+    def __add__(self, other: Work) -> Work:
+        return Work(
+            self.gemms + other.gemms,
+            self.elementwise_bytes + other.elementwise_bytes,
+            self.attention_bytes + other.attention_bytes,
+        )
 
 
 NO_WORK = Work((), 0.0)
@@ -111,8 +114,17 @@ def linear_shape(dims: ParallelDims, tokens: int, h: int, h2: int, row: bool = F
     return tokens // (q * grid.depth), h2 // q, h
 
 
-def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: bool, sequence_parallel: bool,
-               p: int, attention: str = "flash", cp_mode: str = "ring") -> Work:
+def block_work(
+    cfg: ModelConfig,
+    dims: ParallelDims,
+    batch: int,
+    seq: int,
+    moe: bool,
+    sequence_parallel: bool,
+    p: int,
+    attention: str = "flash",
+    cp_mode: str = "ring",
+) -> Work:
     """One block's forward for ``batch`` sequences of ``seq`` tokens on one rank (module docstring), its attention
     core run by kernel ``attention`` (:data:`ATTENTION`), context parallelism by ``cp_mode``."""
     d, hd, tp, cp = cfg.d_model, cfg.head_dim, dims.tp, dims.cp
@@ -154,7 +166,9 @@ def block_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, moe: 
         dispatch = 0
     split = tp if (sequence_parallel or dims.grid.mode != "1d") else 1
     r = n * d / split
-    elementwise = p * (12 * r + 2 * n * (cfg.n_heads + cfg.kv_heads) * hd / tp + (3 if _gated(cfg) else 2) * ffn_elements)
+    elementwise = p * (
+        12 * r + 2 * n * (cfg.n_heads + cfg.kv_heads) * hd / tp + (3 if _gated(cfg) else 2) * ffn_elements
+    )
     elementwise += dispatch
     return Work(tuple(gemms), elementwise + attention_bytes, attention_bytes)
 
@@ -189,8 +203,18 @@ def head_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequen
     return Work((out,), 2 * p * n * cfg.d_model / split + loss * n * cfg.vocab_size / vocab_split)
 
 
-def chunk_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, layers: list[int], last: bool,
-               sequence_parallel: bool, p: int, attention: str = "flash", cp_mode: str = "ring") -> Work:
+def chunk_work(
+    cfg: ModelConfig,
+    dims: ParallelDims,
+    batch: int,
+    seq: int,
+    layers: list[int],
+    last: bool,
+    sequence_parallel: bool,
+    p: int,
+    attention: str = "flash",
+    cp_mode: str = "ring",
+) -> Work:
     """Forward work of ``layers`` (and the head if ``last``) for one micro-batch on one rank."""
     moe = set(cfg.moe_layers)
     cache: dict[bool, Work] = {}
@@ -211,6 +235,7 @@ def attention_flops(work: Work) -> float:
 
 
 # ---- parameters --------------------------------------------------------------------------------
+
 
 def block_params(cfg: ModelConfig, moe: bool) -> tuple[int, int, int]:
     """``(matrix elements, vector elements, expert elements)`` of one whole block (module docstring); a dense
@@ -238,8 +263,12 @@ def block_params(cfg: ModelConfig, moe: bool) -> tuple[int, int, int]:
 def root_params(cfg: ModelConfig) -> dict[str, int]:
     """Elements outside the blocks: ``embedding``, ``positions``, ``norm`` (final), ``output`` (0 when tied)."""
     d = cfg.d_model
-    return {"embedding": cfg.vocab_size * d, "positions": cfg.max_seq_len * d if cfg.flavor == "gpt2" else 0,
-            "norm": 2 * d if cfg.flavor == "gpt2" else d, "output": 0 if cfg.tied else cfg.vocab_size * d}
+    return {
+        "embedding": cfg.vocab_size * d,
+        "positions": cfg.max_seq_len * d if cfg.flavor == "gpt2" else 0,
+        "norm": 2 * d if cfg.flavor == "gpt2" else d,
+        "output": 0 if cfg.tied else cfg.vocab_size * d,
+    }
 
 
 def param_elements(cfg: ModelConfig) -> int:
@@ -248,8 +277,9 @@ def param_elements(cfg: ModelConfig) -> int:
     return sum(sum(block_params(cfg, i in moe)) for i in range(cfg.n_layers)) + sum(root_params(cfg).values())
 
 
-def rank_params(cfg: ModelConfig, dims: ParallelDims, layers: list[int], first: bool, last: bool,
-                sequence_parallel: bool = False) -> tuple[int, int]:
+def rank_params(
+    cfg: ModelConfig, dims: ParallelDims, layers: list[int], first: bool, last: bool, sequence_parallel: bool = False
+) -> tuple[int, int]:
     """``(dense, expert)`` parameter elements a rank holds for ``layers`` (plus the embedding and positions when
     ``first``, the final norm and output -- and a tied embedding's copy -- when ``last``): matrices split ``tp`` ways
     (2.5-D: ``q^2``, the depth holds copies), vectors whole under 1-D (``q`` ways on a grid), experts ``ep`` ways

@@ -180,25 +180,45 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     work = None
     for c, layers in enumerate(plan.chunks):
         is_last = plan.last and c == len(plan.chunks) - 1
-        w = chunk_work(mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention, cfg.parallel.cp_mode)
+        w = chunk_work(
+            mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention, cfg.parallel.cp_mode
+        )
         work = w if work is None else work + w
     blocks = chunk_work(mc, dims, plan.micro, plan.seq, whole, False, plan.sp, plan.p, attention, cfg.parallel.cp_mode)
     gemm_f, elem_f = work_seconds(work, cluster, precision, share)
     overhead = cluster.pass_overhead_us * 1e-6 / share  # one block's (or the head's) forward + backward
     moe_layers = len(set(plan.layers) & set(mc.moe_layers))
-    fixed = (len(plan.layers) + (1 if plan.last else 0)) * overhead + moe_layers * cluster.moe_pass_overhead_us * 1e-6 / share
+    fixed = (
+        len(plan.layers) + (1 if plan.last else 0)
+    ) * overhead + moe_layers * cluster.moe_pass_overhead_us * 1e-6 / share
     t_f, t_b = gemm_f + elem_f + fixed / 3, 2 * (gemm_f + elem_f + fixed / 3)
     # each layer's recomputation (memory.recompute_num_layers: the first ones whole, the rest otherwise): blocks' work
     # and passes; the rebuilt outputs' reads (a split backward reads in B and W); the attention cores' share
     count = {mode: sum(1 for i in plan.layers if modes[i] == mode) for mode in ("elementwise", "selective")}
     moe_whole = len(set(whole) & set(mc.moe_layers))
-    t_rc = (sum(work_seconds(blocks, cluster, precision, share)) + (len(whole) * overhead + moe_whole *
-            cluster.moe_pass_overhead_us * 1e-6 / share) / 3) if whole else 0.0
+    t_rc = (
+        (
+            sum(work_seconds(blocks, cluster, precision, share))
+            + (len(whole) * overhead + moe_whole * cluster.moe_pass_overhead_us * 1e-6 / share) / 3
+        )
+        if whole
+        else 0.0
+    )
     reads = 2 if cfg.parallel.schedule in SPLIT and dims.pp > 1 else 1
-    t_rc += rebuilt_bytes(mc, dims, plan.micro, plan.seq, plan.sp, plan.p) * count["elementwise"] * reads / (
-        cluster.elementwise_Bps * share)
-    t_rc += (gemm_f * attention_flops(work) / max(work.flops, 1.0) + work.attention_bytes / (
-        cluster.elementwise_Bps * share)) * count["selective"] / max(len(plan.layers), 1)
+    t_rc += (
+        rebuilt_bytes(mc, dims, plan.micro, plan.seq, plan.sp, plan.p)
+        * count["elementwise"]
+        * reads
+        / (cluster.elementwise_Bps * share)
+    )
+    t_rc += (
+        (
+            gemm_f * attention_flops(work) / max(work.flops, 1.0)
+            + work.attention_bytes / (cluster.elementwise_Bps * share)
+        )
+        * count["selective"]
+        / max(len(plan.layers), 1)
+    )
     compute = m * (t_f + t_b + t_rc)
     attention_s = 3 * gemm_f * attention_flops(work) / max(work.flops, 1.0)  # forward + backward, one micro-batch
     t_w = gemm_f * (1 - attention_flops(work) / max(work.flops, 1.0))  # the GEMMs with a weight, once
@@ -234,10 +254,12 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
             elif tr.overlap == "prefetch":  # half before each forward, half before each backward
                 for window in ("forward", "backward"):
                     pools.setdefault((tr.group, window), []).append(
-                        (len(timed), t / 2, m, t / 2 / max(m, tr.calls / 2)))
+                        (len(timed), t / 2, m, t / 2 / max(m, tr.calls / 2))
+                    )
             elif tr.overlap in windows:
                 pools.setdefault((tr.group, tr.overlap), []).append(
-                    (len(timed), t, tr.passes, t / max(tr.passes, tr.calls)))
+                    (len(timed), t, tr.passes, t / max(tr.passes, tr.calls))
+                )
             timed.append(TimedTraffic(tr, link.name, t, exposed))
     pooled = [0.0] * len(timed)
     for (_, window), members in pools.items():
@@ -267,10 +289,28 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
 
     tokens = cfg.train.global_batch * plan.seq
     fraction = z * (s.p - 1) / (s.v * s.m + z * (s.p - 1)) if dims.pp > 1 else 0.0
-    return StepTime(total, compute, m * t_rc, m * 3 * elem_f, bubble, fraction,
-                    sum(tt.time_s for tt in timed), exposed_comm, by_group, exposed_by, optimizer, offload, tokens,
-                    flops_per_token(mc, plan.seq) * tokens, dims.world_size, cluster.peak_flops(precision), in_layer,
-                    plan.rank, traffic=timed, bubble_scale=z)
+    return StepTime(
+        total,
+        compute,
+        m * t_rc,
+        m * 3 * elem_f,
+        bubble,
+        fraction,
+        sum(tt.time_s for tt in timed),
+        exposed_comm,
+        by_group,
+        exposed_by,
+        optimizer,
+        offload,
+        tokens,
+        flops_per_token(mc, plan.seq) * tokens,
+        dims.world_size,
+        cluster.peak_flops(precision),
+        in_layer,
+        plan.rank,
+        traffic=timed,
+        bubble_scale=z,
+    )
 
 
 def _optimizer(plan: RankPlan, cluster: Cluster, t_f: float, t_b: float) -> tuple[float, float]:
@@ -298,8 +338,9 @@ def _optimizer(plan: RankPlan, cluster: Cluster, t_f: float, t_b: float) -> tupl
     return late * host / (host + up), max(0.0, down - t_b) + late * up / (host + up)
 
 
-def step_time(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: Cluster, *,
-              attention: str = "flash") -> StepTime:
+def step_time(
+    cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: Cluster, *, attention: str = "flash"
+) -> StepTime:
     """One optimizer step of ``cfg`` laid out as ``dims`` (from ``cfg.validate(world)``), ``model_cfg`` resolved
     (vocabulary and maximum length set: :func:`trickles.models.config.resolve_model`), on ``cluster``: the slowest
     pipeline rank's :class:`StepTime`, with every rank's total in ``stage_s``. ``attention``: the attention kernel
@@ -308,8 +349,10 @@ def step_time(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, cluster: 
     GPUs than the cluster has (CPU ranks may share cores)."""
     world = dims.world_size
     if cluster.device == "cuda" and world > cluster.devices:
-        raise ConfigError(f"the layout needs {world} devices, the cluster {cluster.name!r} has {cluster.devices} "
-                          f"({cluster.nodes} x {cluster.devices_per_node}); use Cluster.sized({world}) or fewer ranks")
+        raise ConfigError(
+            f"the layout needs {world} devices, the cluster {cluster.name!r} has {cluster.devices} "
+            f"({cluster.nodes} x {cluster.devices_per_node}); use Cluster.sized({world}) or fewer ranks"
+        )
     cluster.validate()
     if attention not in ATTENTION:
         raise ConfigError(f"attention must be one of {', '.join(ATTENTION)}, got {attention!r}")
@@ -350,8 +393,16 @@ def _stages(plans: list[RankPlan], cluster: Cluster, attention: str, contention:
         bubble = st.bubble_scale * (sum(per_micro) - per_micro[r]) / shape.v / kappa
         total = st.total_s - st.bubble_s - st.compute_s + own + bubble
         f = own / compute[r] if compute[r] > 0 else 1.0
-        out.append(dataclasses.replace(st, compute_s=own, recompute_s=st.recompute_s * f,
-                                       elementwise_s=st.elementwise_s * f, bubble_s=bubble, total_s=total))
+        out.append(
+            dataclasses.replace(
+                st,
+                compute_s=own,
+                recompute_s=st.recompute_s * f,
+                elementwise_s=st.elementwise_s * f,
+                bubble_s=bubble,
+                total_s=total,
+            )
+        )
     return out
 
 
@@ -374,12 +425,19 @@ def _shared_cores(plans: list[RankPlan], cluster: Cluster, attention: str, world
         chain.stage_s = [s.total_s for s in full]
         return chain
     groups = {k for st in shared for k in st.exposed_by_group}
-    pooled = dataclasses.replace(max(shared, key=lambda s: s.total_s), total_s=busy, bubble_s=0.0,
-                                 compute_s=mean(lambda st: st.compute_s), optimizer_s=mean(lambda st: st.optimizer_s),
-                                 offload_s=mean(lambda st: st.offload_s), exposed_comm_s=mean(lambda st: st.exposed_comm_s),
-                                 in_layer_s=mean(lambda st: st.in_layer_s), recompute_s=mean(lambda st: st.recompute_s),
-                                 elementwise_s=mean(lambda st: st.elementwise_s),
-                                 exposed_by_group={k: mean(lambda st: st.exposed_by_group.get(k, 0.0)) for k in groups})
+    pooled = dataclasses.replace(
+        max(shared, key=lambda s: s.total_s),
+        total_s=busy,
+        bubble_s=0.0,
+        compute_s=mean(lambda st: st.compute_s),
+        optimizer_s=mean(lambda st: st.optimizer_s),
+        offload_s=mean(lambda st: st.offload_s),
+        exposed_comm_s=mean(lambda st: st.exposed_comm_s),
+        in_layer_s=mean(lambda st: st.in_layer_s),
+        recompute_s=mean(lambda st: st.recompute_s),
+        elementwise_s=mean(lambda st: st.elementwise_s),
+        exposed_by_group={k: mean(lambda st: st.exposed_by_group.get(k, 0.0)) for k in groups},
+    )
     pooled.stage_s = [pooled.total_s] * len(full)
     return pooled
 
@@ -391,9 +449,13 @@ def _notes(st: StepTime, dims: ParallelDims, cluster: Cluster) -> list[str]:
     for group in sorted({tt.traffic.group for tt in st.traffic if tt.traffic.dimension in IN_LAYER}):
         if group != "pp" and spans_nodes(dims, group, per_node) and st.exposed_by_group.get(group, 0) > 0:
             nodes = max(len({r // per_node for r in members}) for members in group_members(dims, group))
-            notes.append(f"{group}={group_size(dims, group)} spans {nodes} nodes: its collectives in every layer run on the "
-                         f"inter-node link ({st.exposed_by_group[group]:.3g} s exposed a step)")
+            notes.append(
+                f"{group}={group_size(dims, group)} spans {nodes} nodes: its collectives in every layer run on the "
+                f"inter-node link ({st.exposed_by_group[group]:.3g} s exposed a step)"
+            )
     if st.bubble_s > 0.1 * st.total_s:
-        notes.append(f"pipeline bubble {st.bubble_s / st.total_s:.0%} of the step ((p-1)/(v m) = "
-                     f"{st.bubble_fraction / (1 - st.bubble_fraction):.2f} of compute)")
+        notes.append(
+            f"pipeline bubble {st.bubble_s / st.total_s:.0%} of the step ((p-1)/(v m) = "
+            f"{st.bubble_fraction / (1 - st.bubble_fraction):.2f} of compute)"
+        )
     return notes

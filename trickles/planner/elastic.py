@@ -26,7 +26,9 @@ def fits(cfg: Config, world: int) -> bool:
     """Whether the configured degrees lay over ``world`` processes."""
     p = cfg.parallel
     try:
-        dims = ParallelDims.infer(world, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, tp_mode=p.tp_mode, tp_depth=p.tp_depth)
+        dims = ParallelDims.infer(
+            world, dp=p.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, tp_mode=p.tp_mode, tp_depth=p.tp_depth
+        )
     except ConfigError:
         return False
     return dims.world_size == world
@@ -42,8 +44,12 @@ def layout_for_world(cfg: Config, world: int) -> tuple[Config, str | None]:
     search = Search(cfg, plan_model(cfg), load_cluster("local"), world, pins=set()).run()
     top = search.top(1)
     if not top:
-        raise ConfigError(f"parallel.elastic: no layout of {world} processes fits this model and train.global_batch="
-                          f"{cfg.train.global_batch}; launch another number of processes")
+        raise ConfigError(
+            f"parallel.elastic: no layout of {world} processes fits this model and train.global_batch="
+            f"{cfg.train.global_batch}; launch another number of processes"
+        )
     new = top[0].layout
-    return new.apply(cfg), (f"[trickles] parallel.elastic: the layout {old} does not fit {world} processes; training on "
-                            f"{new.label()} (the planner's fastest that fits), same global batch and data order")
+    return new.apply(cfg), (
+        f"[trickles] parallel.elastic: the layout {old} does not fit {world} processes; training on "
+        f"{new.label()} (the planner's fastest that fits), same global batch and data order"
+    )

@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from ..config import SECTIONS, Config
 from ..errors import ConfigError
@@ -22,11 +23,26 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 #: The keys the search varies (``section.key``), in the order a layout is written.
-SEARCHED = ("parallel.dp", "parallel.tp", "parallel.tp_mode", "parallel.tp_depth", "parallel.pp", "parallel.cp",
-            "parallel.cp_mode", "parallel.ep", "parallel.sequence_parallel", "parallel.zero", "parallel.schedule",
-            "parallel.virtual_stages", "parallel.pipeline_layers", "train.micro_batch", "memory.recompute",
-            "memory.recompute_num_layers", "memory.recompute_rest",
-            "memory.offload_optimizer")
+SEARCHED = (
+    "parallel.dp",
+    "parallel.tp",
+    "parallel.tp_mode",
+    "parallel.tp_depth",
+    "parallel.pp",
+    "parallel.cp",
+    "parallel.cp_mode",
+    "parallel.ep",
+    "parallel.sequence_parallel",
+    "parallel.zero",
+    "parallel.schedule",
+    "parallel.virtual_stages",
+    "parallel.pipeline_layers",
+    "train.micro_batch",
+    "memory.recompute",
+    "memory.recompute_num_layers",
+    "memory.recompute_rest",
+    "memory.offload_optimizer",
+)
 TP_MODES = ("1d", "2d", "2.5d", "3d")
 #: in the order of the time they add (elementwise reruns no matmul; with fused attention it also keeps less than
 #: selective, so a layout over the bound with it is over with selective too)
@@ -62,26 +78,40 @@ class Layout:
 
     def apply(self, cfg: Config) -> Config:
         """A copy of ``cfg`` with this layout's keys."""
-        par = dataclasses.replace(cfg.parallel, **{k.partition(".")[2]: v for k, v in self.values().items()
-                                                   if k.startswith("parallel.")})
-        return dataclasses.replace(cfg, parallel=par, train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch),
-                                   memory=dataclasses.replace(cfg.memory, recompute=self.recompute,
-                                                              recompute_num_layers=self.recompute_num_layers,
-                                                              recompute_rest=self.recompute_rest,
-                                                              offload_optimizer=self.offload_optimizer))
+        par = dataclasses.replace(
+            cfg.parallel, **{k.partition(".")[2]: v for k, v in self.values().items() if k.startswith("parallel.")}
+        )
+        return dataclasses.replace(
+            cfg,
+            parallel=par,
+            train=dataclasses.replace(cfg.train, micro_batch=self.micro_batch),
+            memory=dataclasses.replace(
+                cfg.memory,
+                recompute=self.recompute,
+                recompute_num_layers=self.recompute_num_layers,
+                recompute_rest=self.recompute_rest,
+                offload_optimizer=self.offload_optimizer,
+            ),
+        )
 
     def label(self) -> str:
         """Compact, e.g. ``dp16 tp8 pp8/1f1b v1 mb1 zero1 rc=full`` (``sp``: sequence parallel; ``off``: offload)."""
-        tp = f"tp{self.tp}" + ("" if self.tp_mode == "1d" else f"/{self.tp_mode}" + (f"d{self.tp_depth}" if self.tp_mode == "2.5d" else ""))
+        tp = f"tp{self.tp}" + (
+            "" if self.tp_mode == "1d" else f"/{self.tp_mode}" + (f"d{self.tp_depth}" if self.tp_mode == "2.5d" else "")
+        )
         parts = [f"dp{self.dp}", tp + ("+sp" if self.sequence_parallel else "")]
         if self.pp > 1:
-            parts.append(f"pp{self.pp}/{self.schedule} v{self.virtual_stages}"
-                         + (f" [{_runs(self.pipeline_layers)}]" if self.pipeline_layers else ""))
+            parts.append(
+                f"pp{self.pp}/{self.schedule} v{self.virtual_stages}"
+                + (f" [{_runs(self.pipeline_layers)}]" if self.pipeline_layers else "")
+            )
         if self.cp > 1:
             parts.append(f"cp{self.cp}/{self.cp_mode}")
         if self.ep > 1:
             parts.append(f"ep{self.ep}")
-        rc = self.recompute + (f":{self.recompute_num_layers}+{self.recompute_rest}" if self.recompute_num_layers else "")
+        rc = self.recompute + (
+            f":{self.recompute_num_layers}+{self.recompute_rest}" if self.recompute_num_layers else ""
+        )
         parts += [f"mb{self.micro_batch}", f"zero{self.zero}", f"rc={rc}"]
         return " ".join(parts) + (" off" if self.offload_optimizer else "")
 
@@ -98,8 +128,9 @@ def _runs(sizes: tuple[int, ...]) -> str:
     return ",".join(out)
 
 
-def _partial_full(cfg: Config, pins: set[str], model_cfg: ModelConfig, n_layers: int, pp: int, mode: str,
-                  rcs: list[str]) -> list[tuple[str, int, str]]:
+def _partial_full(
+    cfg: Config, pins: set[str], model_cfg: ModelConfig, n_layers: int, pp: int, mode: str, rcs: list[str]
+) -> list[tuple[str, int, str]]:
     """The partial full recomputations the chain tries between selective and full: a quarter, half and three
     quarters of each rank's layers recomputed whole, the others elementwise where it is valid (else not at all);
     pinned ``memory.recompute_num_layers``/``recompute_rest`` as given. None on grids (refused), without full, or with
@@ -181,7 +212,7 @@ def _tensor_layouts(cfg: Config, pins: set[str], devices: int) -> list[tuple[int
     par = cfg.parallel
     modes = [par.tp_mode] if "parallel.tp_mode" in pins else list(TP_MODES)
     out = []
-    for tp in ([par.tp] if "parallel.tp" in pins else _divisors(devices)):
+    for tp in [par.tp] if "parallel.tp" in pins else _divisors(devices):
         for mode in modes:
             if mode == "1d":
                 depths = [1]
@@ -194,7 +225,7 @@ def _tensor_layouts(cfg: Config, pins: set[str], devices: int) -> list[tuple[int
                     continue
                 per, power = {"1d": (1, 1), "2d": (1, 2), "2.5d": (depth, 2), "3d": (1, 3)}[mode]
                 q = round((tp / per) ** (1 / power))
-                if mode != "1d" and (q < 2 or per * q ** power != tp):
+                if mode != "1d" and (q < 2 or per * q**power != tp):
                     continue
                 out.append((tp, mode, depth))
     return out
@@ -216,12 +247,14 @@ def check_pins(cfg: Config, pins: set[str], devices: int) -> None:
                 what = named[0] if len(named) == 1 else " x ".join(named) + f" = {product}"
                 raise ConfigError(f"{what} does not divide --devices {devices}; change it or --devices")
     if "parallel.dp" in pins and {"parallel.tp", "parallel.pp", "parallel.cp"} <= pins and product != devices:
-        raise ConfigError(f"{' x '.join(named)} = {product} is not --devices {devices}; change a degree or "
-                          f"set parallel.dp=-1")
+        raise ConfigError(
+            f"{' x '.join(named)} = {product} is not --devices {devices}; change a degree or set parallel.dp=-1"
+        )
 
 
-def enumerate_layouts(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig,
-                      offload: bool = True) -> Iterator[Layout]:
+def enumerate_layouts(
+    cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig, offload: bool = True
+) -> Iterator[Layout]:
     """Every layout of ``devices`` ranks the module docstring lists, pinned keys fixed (not yet validated);
     ``offload``: whether the optimizer may go to host memory (not on CPU ranks, whose device memory is the host's)."""
     for family in layout_families(cfg, pins, devices, model_cfg, offload):
@@ -229,8 +262,9 @@ def enumerate_layouts(cfg: Config, pins: set[str], devices: int, model_cfg: Mode
             yield from chain
 
 
-def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig,
-                    offload: bool = True) -> Iterator[list[list[Layout]]]:
+def layout_families(
+    cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig, offload: bool = True
+) -> Iterator[list[list[Layout]]]:
     """The layouts of :func:`enumerate_layouts` grouped for pruning: each family differs only in the micro-batch
     (ascending: memory grows with it) and, for each micro-batch, the recomputation chain ``none, elementwise, selective, full``
     (time grows along it, memory shrinks; pinned: one entry). ``offload=False`` leaves the optimizer on the device
@@ -238,8 +272,20 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
     par, n_layers = cfg.parallel, model_cfg.n_layers
 
     def choices(key: str, values):
-        return [getattr(cfg.parallel if key.startswith("parallel.") else cfg.memory if key.startswith("memory.")
-                        else cfg.train, key.partition(".")[2])] if key in pins else list(values)
+        return (
+            [
+                getattr(
+                    cfg.parallel
+                    if key.startswith("parallel.")
+                    else cfg.memory
+                    if key.startswith("memory.")
+                    else cfg.train,
+                    key.partition(".")[2],
+                )
+            ]
+            if key in pins
+            else list(values)
+        )
 
     for tp, mode, depth in _tensor_layouts(cfg, pins, devices):
         rest = devices // tp if devices % tp == 0 else 0
@@ -264,7 +310,9 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                 else:
                     schedules = [(par.schedule if par.schedule != "interleaved" else "1f1b", 1)]
                 if "parallel.schedule" in pins:
-                    schedules = [(s, v) for s, v in schedules if s == par.schedule] or [(par.schedule, par.virtual_stages)]
+                    schedules = [(s, v) for s, v in schedules if s == par.schedule] or [
+                        (par.schedule, par.virtual_stages)
+                    ]
                 if "parallel.virtual_stages" in pins:
                     schedules = [(s, par.virtual_stages) for s in dict.fromkeys(s for s, _ in schedules)]
                 micros = choices("train.micro_batch", _divisors(cfg.train.global_batch // dp))
@@ -273,7 +321,9 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                     for ep in eps:
                         for sp in sps:
                             for zero in zeros:
-                                for off in choices("memory.offload_optimizer", (False, True) if zero and offload else (False,)):
+                                for off in choices(
+                                    "memory.offload_optimizer", (False, True) if zero and offload else (False,)
+                                ):
                                     for schedule, v in schedules:
                                         if schedule in SPLIT and tp > 1 and mode != "1d":
                                             continue  # the grid's layers compute both gradients in one step (refused)
@@ -281,22 +331,51 @@ def layout_families(cfg: Config, pins: set[str], devices: int, model_cfg: ModelC
                                             continue  # ZeRO-3 gathers a block around its whole backward (refused)
                                         # zero-bubble: W would recompute fully recomputed blocks (refused)
                                         rcs = [rc for rc in recomputes if schedule not in SPLIT or rc != "full"]
-                                        if "memory.recompute" not in pins and (model_cfg.moe_experts or mode != "1d"
-                                                                                or cfg.train.compile):
+                                        if "memory.recompute" not in pins and (
+                                            model_cfg.moe_experts or mode != "1d" or cfg.train.compile
+                                        ):
                                             rcs = [rc for rc in rcs if rc != "elementwise"]  # refused (dense 1-D only)
                                         if "parallel.pipeline_layers" in pins:
                                             splits = [tuple(par.pipeline_layers)]
                                         else:  # even, and the ends lighter by the embedding's and the head's layer
-                                            splits = [()] + ([lighter_ends(n_layers, pp * v)]
-                                                             if pp > 1 and lighter_ends(n_layers, pp * v) else [])
-                                        chain = [(rc, 0, "none") for rc in rcs if rc != "full"] + \
-                                            _partial_full(cfg, pins, model_cfg, n_layers, pp, mode, rcs) + \
-                                            [("full", 0, "none")] * ("full" in rcs)
+                                            splits = [()] + (
+                                                [lighter_ends(n_layers, pp * v)]
+                                                if pp > 1 and lighter_ends(n_layers, pp * v)
+                                                else []
+                                            )
+                                        chain = (
+                                            [(rc, 0, "none") for rc in rcs if rc != "full"]
+                                            + _partial_full(cfg, pins, model_cfg, n_layers, pp, mode, rcs)
+                                            + [("full", 0, "none")] * ("full" in rcs)
+                                        )
                                         if "memory.recompute_num_layers" in pins and cfg.memory.recompute_num_layers:
                                             chain = [c for c in chain if c[1]]  # (pinned partial: only it is valid)
                                         if not chain:
                                             continue
                                         for split in splits:
-                                            yield [[Layout(dp, tp, mode, depth, pp, cp, cp_mode, ep, sp, zero, schedule,
-                                                           v, micro, rc, off, split, n, rest) for rc, n, rest in chain]
-                                                   for micro in micros]
+                                            yield [
+                                                [
+                                                    Layout(
+                                                        dp,
+                                                        tp,
+                                                        mode,
+                                                        depth,
+                                                        pp,
+                                                        cp,
+                                                        cp_mode,
+                                                        ep,
+                                                        sp,
+                                                        zero,
+                                                        schedule,
+                                                        v,
+                                                        micro,
+                                                        rc,
+                                                        off,
+                                                        split,
+                                                        n,
+                                                        rest,
+                                                    )
+                                                    for rc, n, rest in chain
+                                                ]
+                                                for micro in micros
+                                            ]

@@ -10,7 +10,7 @@ gives the kinds of collective one line describes that shared line and each kind 
 from __future__ import annotations
 
 import statistics
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..comm import messages, wire_bytes
 
@@ -37,8 +37,9 @@ def fit_link(samples: Sequence[tuple[float, float, float]]) -> tuple[float, floa
     return max(alpha, 0.0), (1.0 / inv if inv > 0 else float("inf"))
 
 
-def fit_links(timings: Sequence[tuple[str, int, int, float]], tolerance: float = 0.15
-              ) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
+def fit_links(
+    timings: Sequence[tuple[str, int, int, float]], tolerance: float = 0.15
+) -> tuple[tuple[float, float], dict[str, tuple[float, float]]]:
     """``((alpha, B), {op: (alpha_op, B_op)})``: one line (:func:`fit_link`) for the kinds of collective that share
     it, and each other kind's own line fitted to its timings alone. A kind's miss is the median over its timings
     ``(op, ranks, input bytes, seconds)`` of ``|(messages alpha + wire / B) / seconds - 1|``; while the worst miss
@@ -52,8 +53,10 @@ def fit_links(timings: Sequence[tuple[str, int, int, float]], tolerance: float =
 
     def worst(kinds, line):
         alpha, bw = line
-        return max(statistics.median([abs((m * alpha + w / bw) / t - 1) for m, w, t in by_op[op] if t > 0] or [0.0])
-                   for op in kinds)
+        return max(
+            statistics.median([abs((m * alpha + w / bw) / t - 1) for m, w, t in by_op[op] if t > 0] or [0.0])
+            for op in kinds
+        )
 
     own: dict[str, tuple[float, float]] = {}
     sharing = list(ops)

@@ -45,9 +45,9 @@ def group_members(dims: ParallelDims, name: str) -> list[list[int]]:
     if name == "dp_cp":
         return replicas
     if name == "ep":
-        return [m[i:i + dims.ep] for m in replicas for i in range(0, len(m), dims.ep)]
+        return [m[i : i + dims.ep] for m in replicas for i in range(0, len(m), dims.ep)]
     if name == "edp":
-        return [m[j::dims.ep] for m in replicas for j in range(dims.ep)]
+        return [m[j :: dims.ep] for m in replicas for j in range(dims.ep)]
     if name == "pp_ends":
         pp = group_members(dims, "pp")
         return [[m[0], m[-1]] for m in pp] if dims.pp > 1 else []
@@ -78,9 +78,20 @@ def pipeline_hop_spans_nodes(dims: ParallelDims, ranks_per_node: int) -> bool:
 def group_size(dims: ParallelDims, name: str) -> int:
     """Ranks in each group of kind ``name``."""
     grid = dims.grid
-    sizes = {"pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "tp": dims.tp, "dp_cp": dims.dp * dims.cp, "ep": dims.ep,
-             "edp": dims.dp * dims.cp // dims.ep, "pp_ends": 2 if dims.pp > 1 else 1, "tp_row": grid.q,
-             "tp_col": grid.q, "tp_dep": grid.depth, "world": dims.world_size}
+    sizes = {
+        "pp": dims.pp,
+        "dp": dims.dp,
+        "cp": dims.cp,
+        "tp": dims.tp,
+        "dp_cp": dims.dp * dims.cp,
+        "ep": dims.ep,
+        "edp": dims.dp * dims.cp // dims.ep,
+        "pp_ends": 2 if dims.pp > 1 else 1,
+        "tp_row": grid.q,
+        "tp_col": grid.q,
+        "tp_dep": grid.depth,
+        "world": dims.world_size,
+    }
     if name not in sizes:
         raise ValueError(f"unknown group {name!r}; one of {', '.join(GROUPS)}")
     return sizes[name]

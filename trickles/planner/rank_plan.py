@@ -97,10 +97,31 @@ def rank_plans(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig) -> list[
         first, last = shape.ends(r)
         layers = [i for c in chunks for i in c]
         dense, experts = rank_params(model_cfg, dims, layers, first, last)
-        moe_elements = sum(block_params(model_cfg, True)[2] // dims.ep + model_cfg.d_model * model_cfg.moe_experts
-                           for i in layers if i in moe)
-        plan = RankPlan(cfg, dims, model_cfg, r, shape, micro, m, seq, micro * seq // dims.cp, p, g, sp, chunks, first,
-                        last, dense, experts, moe_elements)
+        moe_elements = sum(
+            block_params(model_cfg, True)[2] // dims.ep + model_cfg.d_model * model_cfg.moe_experts
+            for i in layers
+            if i in moe
+        )
+        plan = RankPlan(
+            cfg,
+            dims,
+            model_cfg,
+            r,
+            shape,
+            micro,
+            m,
+            seq,
+            micro * seq // dims.cp,
+            p,
+            g,
+            sp,
+            chunks,
+            first,
+            last,
+            dense,
+            experts,
+            moe_elements,
+        )
         own_experts = dims.ep > 1
         if par.zero == 3:  # a unit per block (experts their own under expert parallelism) and the root
             for i in layers:

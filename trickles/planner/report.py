@@ -40,35 +40,50 @@ def plan_table(search: Search, rows: list[Candidate]) -> str:
     """The ranked layouts as a text table (module docstring); ``~`` marks memory the bound estimates."""
     cap = search.cluster.device_memory_bytes
     w = max([len("layout"), *(len(c.layout.label()) for c in rows)]) + 2
-    head = (f"{'#':>3}  {'layout':<{w}}{'memory/device':>15}{'free':>6}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
-            f"{'MFU':>6}{'bubble':>8}{'comm':>6}")
+    head = (
+        f"{'#':>3}  {'layout':<{w}}{'memory/device':>15}{'free':>6}{'step s':>9}{'tokens/s':>11}{'TFLOP/s':>9}"
+        f"{'MFU':>6}{'bubble':>8}{'comm':>6}"
+    )
     lines = [head, "-" * len(head)]
     for i, c in enumerate(rows, 1):
         st = c.time
         mem = ("~" if c.estimated else "") + _bytes(c.peak)
-        lines.append(f"{i:>3}  {c.layout.label():<{w}}{mem:>15}{1 - c.peak / cap:>6.0%}{st.total_s:>9.3g}"
-                     f"{st.tokens_per_s:>11,.0f}{st.model_flops_per_device / 1e12:>9.3g}{st.mfu:>6.1%}"
-                     f"{st.bubble_fraction:>8.1%}{st.comm_share:>6.1%}")
+        lines.append(
+            f"{i:>3}  {c.layout.label():<{w}}{mem:>15}{1 - c.peak / cap:>6.0%}{st.total_s:>9.3g}"
+            f"{st.tokens_per_s:>11,.0f}{st.model_flops_per_device / 1e12:>9.3g}{st.mfu:>6.1%}"
+            f"{st.bubble_fraction:>8.1%}{st.comm_share:>6.1%}"
+        )
     return "\n".join(lines)
 
 
 def summary(search: Search) -> str:
     """One line: the cluster, the memory limit, what the search looked at."""
     c, n = search.counts, search.cluster
-    how = "every layout timed" if search.exhaustive else (
-        f"the fastest degree layouts refined option by option ({c['ranked']} timed)")
+    how = (
+        "every layout timed"
+        if search.exhaustive
+        else (f"the fastest degree layouts refined option by option ({c['ranked']} timed)")
+    )
     pinned = f"; pinned: {', '.join(sorted(search.pins))}" if search.pins else ""
-    return (f"[trickles] plan for {search.devices} devices of {n.name} ({n.nodes} x {n.devices_per_node}, "
-            f"{n.device_memory_gib:g} GiB each, {search.headroom:.0%} kept free: limit {_gib(search.capacity)} GiB): "
-            f"{c['layouts']:,} layouts, {c['invalid']:,} invalid, {c['over_memory'] + c['over_host']:,} over memory by the "
-            f"bound, {how}; memory report run on {c['confirmed']}{pinned}")
+    return (
+        f"[trickles] plan for {search.devices} devices of {n.name} ({n.nodes} x {n.devices_per_node}, "
+        f"{n.device_memory_gib:g} GiB each, {search.headroom:.0%} kept free: limit {_gib(search.capacity)} GiB): "
+        f"{c['layouts']:,} layouts, {c['invalid']:,} invalid, {c['over_memory'] + c['over_host']:,} over memory by the "
+        f"bound, {how}; memory report run on {c['confirmed']}{pinned}"
+    )
 
 
 def largest_difference(alt: Candidate, win: Candidate) -> str:
     """The part of ``alt``'s step that exceeds the winner's the most, e.g. ``+1.2 s exposed tp communication``."""
+
     def parts(st) -> dict[str, float]:
-        out = {"compute": st.compute_s - st.recompute_s, "recomputation": st.recompute_s, "pipeline bubble": st.bubble_s,
-               "optimizer step": st.optimizer_s, "offload": st.offload_s}
+        out = {
+            "compute": st.compute_s - st.recompute_s,
+            "recomputation": st.recompute_s,
+            "pipeline bubble": st.bubble_s,
+            "optimizer step": st.optimizer_s,
+            "offload": st.offload_s,
+        }
         out.update({f"exposed {g} communication": v for g, v in st.exposed_by_group.items()})
         return out
 
@@ -85,8 +100,10 @@ def _line(what: str, alt: Candidate | None, win: Candidate, search: Search) -> s
     why = largest_difference(alt, win)
     notes = [n for n in alt.time.notes if n.split(" ")[0] not in " ".join(win.time.notes)]
     extra = f"; {notes[0]}" if notes else ""
-    return (f"{what}: {alt.layout.label()} takes {alt.time.total_s / win.time.total_s:.2f}x the winner's step time "
-            f"({why}{extra})")
+    return (
+        f"{what}: {alt.layout.label()} takes {alt.time.total_s / win.time.total_s:.2f}x the winner's step time "
+        f"({why}{extra})"
+    )
 
 
 def explain(search: Search, win: Candidate) -> list[str]:
@@ -104,16 +121,32 @@ def explain(search: Search, win: Candidate) -> list[str]:
     if lay.recompute != "full":
         checks.append(("best with more recomputation", lambda c: _RC[c.layout.recompute] > _RC[lay.recompute]))
     if lay.tp > 1 and lay.tp_mode == "1d":
-        checks.append((f"best {'without' if lay.sequence_parallel else 'with'} sequence parallelism",
-                       lambda c: c.layout.tp > 1 and c.layout.sequence_parallel != lay.sequence_parallel))
-    checks.append((f"best {'without' if lay.offload_optimizer else 'with'} the optimizer offloaded",
-                   lambda c: c.layout.offload_optimizer != lay.offload_optimizer))
+        checks.append(
+            (
+                f"best {'without' if lay.sequence_parallel else 'with'} sequence parallelism",
+                lambda c: c.layout.tp > 1 and c.layout.sequence_parallel != lay.sequence_parallel,
+            )
+        )
+    checks.append(
+        (
+            f"best {'without' if lay.offload_optimizer else 'with'} the optimizer offloaded",
+            lambda c: c.layout.offload_optimizer != lay.offload_optimizer,
+        )
+    )
     checks.append(("best with a larger micro-batch", lambda c: c.layout.micro_batch > lay.micro_batch))
     if lay.pp > 1:
-        checks.append((f"best with another pipeline schedule than {lay.schedule}",
-                       lambda c: c.layout.pp > 1 and c.layout.schedule != lay.schedule))
-        checks.append((f"best with {'an even' if lay.pipeline_layers else 'an uneven'} layer split",
-                       lambda c: c.layout.pp > 1 and bool(c.layout.pipeline_layers) != bool(lay.pipeline_layers)))
+        checks.append(
+            (
+                f"best with another pipeline schedule than {lay.schedule}",
+                lambda c: c.layout.pp > 1 and c.layout.schedule != lay.schedule,
+            )
+        )
+        checks.append(
+            (
+                f"best with {'an even' if lay.pipeline_layers else 'an uneven'} layer split",
+                lambda c: c.layout.pp > 1 and bool(c.layout.pipeline_layers) != bool(lay.pipeline_layers),
+            )
+        )
     found: dict[Any, list[str]] = {}  # alternative layout (or None) -> what it is the best of
     for what, pred in checks:
         if not any(pred(c) for c in search.ranked):
@@ -135,21 +168,37 @@ def layout_json(c: Candidate) -> dict[str, Any]:
     did not run on, the bound's peak, ``memory_estimated`` true and ``fits`` null."""
     st = c.time
     peak, host = (c.peak, c.host) if c.fits is not None else (c.bound.device, c.bound.host)
-    return {"layout": c.layout.label(), **{k: v for k, v in c.layout.values().items()},
-            "step_time_s": st.total_s, "tokens_per_s": st.tokens_per_s, "model_tflops_per_device": st.model_flops_per_device / 1e12,
-            "mfu": st.mfu, "bubble_fraction": st.bubble_fraction, "comm_share": st.comm_share,
-            "peak_bytes": int(peak), "host_bytes_per_node": int(host), "memory_estimated": c.estimated or c.fits is None,
-            "fits": None if c.fits is None else bool(c.fits)}
+    return {
+        "layout": c.layout.label(),
+        **{k: v for k, v in c.layout.values().items()},
+        "step_time_s": st.total_s,
+        "tokens_per_s": st.tokens_per_s,
+        "model_tflops_per_device": st.model_flops_per_device / 1e12,
+        "mfu": st.mfu,
+        "bubble_fraction": st.bubble_fraction,
+        "comm_share": st.comm_share,
+        "peak_bytes": int(peak),
+        "host_bytes_per_node": int(host),
+        "memory_estimated": c.estimated or c.fits is None,
+        "fits": None if c.fits is None else bool(c.fits),
+    }
 
 
 def plan_json(search: Search, top: list[Candidate]) -> dict[str, Any]:
     """The plan for ``--json``: the cluster and limits, the winners, and every layout timed, fastest first (those the
     memory report saw with its peak, the others with the bound's)."""
     n = search.cluster
-    return {"devices": search.devices, "cluster": dataclasses.asdict(n), "headroom": search.headroom,
-            "memory_limit_bytes": int(search.capacity), "pinned": sorted(search.pins), "counts": dict(search.counts),
-            "exhaustive": search.exhaustive, "top": [c.layout.label() for c in top],
-            "layouts": [layout_json(c) for c in search.ranked]}
+    return {
+        "devices": search.devices,
+        "cluster": dataclasses.asdict(n),
+        "headroom": search.headroom,
+        "memory_limit_bytes": int(search.capacity),
+        "pinned": sorted(search.pins),
+        "counts": dict(search.counts),
+        "exhaustive": search.exhaustive,
+        "top": [c.layout.label() for c in top],
+        "layouts": [layout_json(c) for c in search.ranked],
+    }
 
 
 def winner_toml(cfg: Config, win: Candidate) -> str:
@@ -169,13 +218,21 @@ def no_fit_message(search: Search, cfg: Config, model_cfg: ModelConfig, max_devi
         common = max(search.errors, key=search.errors.get) if search.errors else "no layout to try"
         return f"no layout of {search.devices} devices is valid for this config: {common}"
     light = search.lightest
-    first = (f"the model fits no layout of {search.devices} devices of {n.name} ({_gib(search.capacity)} GiB per device "
-             f"after {search.headroom:.0%} headroom)")
+    first = (
+        f"the model fits no layout of {search.devices} devices of {n.name} ({_gib(search.capacity)} GiB per device "
+        f"after {search.headroom:.0%} headroom)"
+    )
     detail = []
     if light is not None:
-        detail.append(f"the lightest valid layout, {light.layout.label()}, needs at least {_gib(light.bound.device)} GiB "
-                      f"per device" + (f" and {_gib(light.bound.host)} GiB of host memory per node" if light.bound.host
-                                       > search.host_capacity else ""))
+        detail.append(
+            f"the lightest valid layout, {light.layout.label()}, needs at least {_gib(light.bound.device)} GiB "
+            f"per device"
+            + (
+                f" and {_gib(light.bound.host)} GiB of host memory per node"
+                if light.bound.host > search.host_capacity
+                else ""
+            )
+        )
     fixes = []
     for key in sorted(search.pins):
         released = _Search(cfg, model_cfg, n, search.devices, search.pins - {key}, search.headroom)
@@ -190,10 +247,15 @@ def no_fit_message(search: Search, cfg: Config, model_cfg: ModelConfig, max_devi
         fit = _fitting(bigger)
         if fit is not None:
             nodes = bigger.cluster.nodes
-            where = f"{devices} devices ({nodes} node{'s' if nodes > 1 else ''} of {n.devices_per_node})" \
-                if n.device == "cuda" else f"{devices} ranks"
-            detail.append(f"the smallest {n.name} cluster that fits: {where}, e.g. {fit.layout.label()} "
-                          f"({'~' if fit.estimated else ''}{_gib(fit.peak)} GiB per device)")
+            where = (
+                f"{devices} devices ({nodes} node{'s' if nodes > 1 else ''} of {n.devices_per_node})"
+                if n.device == "cuda"
+                else f"{devices} ranks"
+            )
+            detail.append(
+                f"the smallest {n.name} cluster that fits: {where}, e.g. {fit.layout.label()} "
+                f"({'~' if fit.estimated else ''}{_gib(fit.peak)} GiB per device)"
+            )
             break
         devices *= 2
     else:
@@ -215,4 +277,3 @@ def _toml(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return str(v)
-

@@ -50,8 +50,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
@@ -60,11 +61,35 @@ from ..topology import ParallelDims
 from .bound import Bound, in_flight, memory_bound
 from .cluster import Cluster
 from .cost import StepTime, step_time
-from .layouts import (RECOMPUTE, SEARCHED, TP_MODES, Layout, check_pins, enumerate_layouts, layout_families,
-                      pinned_keys, plan_model)
+from .layouts import (
+    RECOMPUTE,
+    SEARCHED,
+    TP_MODES,
+    Layout,
+    check_pins,
+    enumerate_layouts,
+    layout_families,
+    pinned_keys,
+    plan_model,
+)
 
-__all__ = ["Bound", "Candidate", "KINDS", "Layout", "RECOMPUTE", "SEARCHED", "Search", "TP_MODES", "check_pins",
-           "enumerate_layouts", "in_flight", "layout_families", "memory_bound", "pinned_keys", "plan_model"]
+__all__ = [
+    "Bound",
+    "Candidate",
+    "KINDS",
+    "Layout",
+    "RECOMPUTE",
+    "SEARCHED",
+    "Search",
+    "TP_MODES",
+    "check_pins",
+    "enumerate_layouts",
+    "in_flight",
+    "layout_families",
+    "memory_bound",
+    "pinned_keys",
+    "plan_model",
+]
 
 DEFAULT_HEADROOM = 0.1  # of device memory kept free, as trickles memory --device-gb does
 
@@ -87,19 +112,27 @@ def options_of(layout: Layout) -> tuple:
 def seed_order(layout: Layout) -> tuple:
     """The order families of one degree layout are tried as its seed: sequence parallel first, then ZeRO 1, 0, 2, 3,
     no offload, 1F1B, fewer virtual stages."""
-    return (not layout.sequence_parallel, (1, 0, 2, 3).index(layout.zero), layout.offload_optimizer,
-            layout.schedule != "1f1b", layout.virtual_stages)
+    return (
+        not layout.sequence_parallel,
+        (1, 0, 2, 3).index(layout.zero),
+        layout.offload_optimizer,
+        layout.schedule != "1f1b",
+        layout.virtual_stages,
+    )
 
 
-def tp_spans_nodes(layout: Layout, search: "Search") -> bool:
+def tp_spans_nodes(layout: Layout, search: Search) -> bool:
     from .placement import spans_nodes
 
-    return layout.tp > 1 and spans_nodes(ParallelDims(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep,
-                                                      layout.tp_mode, layout.tp_depth), "tp", search.per_node)
+    return layout.tp > 1 and spans_nodes(
+        ParallelDims(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.tp_mode, layout.tp_depth),
+        "tp",
+        search.per_node,
+    )
 
 
 #: Kinds of layout the report compares with the winner (the hierarchical search refines the best seed of each).
-KINDS: dict[str, Callable[[Layout, "Search"], bool]] = {
+KINDS: dict[str, Callable[[Layout, Search], bool]] = {
     "tensor parallelism spanning nodes": tp_spans_nodes,
     "no pipeline": lambda lay, s: lay.pp == 1,
     "a pipeline": lambda lay, s: lay.pp > 1,
@@ -139,9 +172,18 @@ class Search:
     the bound is ranked, the rest held back as its ``fallbacks`` (slower by construction) and ranked only if the
     memory report finds it does not fit."""
 
-    def __init__(self, cfg: Config, model_cfg: ModelConfig, cluster: Cluster, devices: int, pins: set[str] = frozenset(),
-                 headroom: float = DEFAULT_HEADROOM, max_confirm: int = 8, exhaustive_limit: int = 5000,
-                 refine: int = 6):
+    def __init__(
+        self,
+        cfg: Config,
+        model_cfg: ModelConfig,
+        cluster: Cluster,
+        devices: int,
+        pins: set[str] = frozenset(),
+        headroom: float = DEFAULT_HEADROOM,
+        max_confirm: int = 8,
+        exhaustive_limit: int = 5000,
+        refine: int = 6,
+    ):
         self.cfg, self.model_cfg, self.devices, self.pins = cfg, model_cfg, devices, set(pins)
         self.cluster = cluster.sized(devices)
         self.headroom = headroom
@@ -152,8 +194,15 @@ class Search:
         self.per_node = self.cluster.ranks_per_node(devices)
         self.ranked: list[Candidate] = []
         self.lightest: Candidate | None = None  # the valid layout with the smallest bound (for "does not fit")
-        self.counts = {"examined": 0, "invalid": 0, "over_memory": 0, "over_host": 0, "ranked": 0, "held_back": 0,
-                       "confirmed": 0}
+        self.counts = {
+            "examined": 0,
+            "invalid": 0,
+            "over_memory": 0,
+            "over_host": 0,
+            "ranked": 0,
+            "held_back": 0,
+            "confirmed": 0,
+        }
         self.errors: dict[str, int] = {}
         self.exhaustive_limit, self.refine, self.exhaustive = exhaustive_limit, refine, True
         self._acts: dict = {}
@@ -172,7 +221,9 @@ class Search:
             return None
         bound = memory_bound(cfg, dims, self.model_cfg, self.device_type, self.per_node, self._acts)
         if self.lightest is None or bound.device < self.lightest.bound.device:
-            self.lightest = Candidate(layout, cfg, dims, bound, None, peak=bound.device, host=bound.host, estimated=True)
+            self.lightest = Candidate(
+                layout, cfg, dims, bound, None, peak=bound.device, host=bound.host, estimated=True
+            )
         if bound.device > self.capacity:
             self.counts["over_memory"] += 1
             return False
@@ -194,16 +245,29 @@ class Search:
             if got:
                 cfg, dims, bound = got
                 self.counts["held_back"] += len(chain) - i - 1
-                return Candidate(layout, cfg, dims, bound, step_time(cfg, dims, self.model_cfg, self.cluster),
-                                 fallbacks=chain[i + 1:]), False
+                return Candidate(
+                    layout,
+                    cfg,
+                    dims,
+                    bound,
+                    step_time(cfg, dims, self.model_cfg, self.cluster),
+                    fallbacks=chain[i + 1 :],
+                ), False
         return None, over
 
     def _check_degrees(self, layout: Layout) -> str | None:
         """The ConfigError a degree layout gets with its most permissive options (no accumulation: every micro-batch
         divides it; no sequence parallelism, ZeRO, offload or interleaving), or None: when this fails, every option
         fails too."""
-        loose = dataclasses.replace(layout, sequence_parallel=False, zero=0, offload_optimizer=False, schedule="1f1b",
-                                    virtual_stages=1, micro_batch=self.cfg.train.global_batch // layout.dp)
+        loose = dataclasses.replace(
+            layout,
+            sequence_parallel=False,
+            zero=0,
+            offload_optimizer=False,
+            schedule="1f1b",
+            virtual_stages=1,
+            micro_batch=self.cfg.train.global_batch // layout.dp,
+        )
         try:
             loose.apply(self.cfg).validate(self.devices)
         except ConfigError as e:
@@ -231,14 +295,14 @@ class Search:
                     return cand
                 best = cand if best is None or cand.sort_key() < best.sort_key() else best
             elif over:  # larger micro-batches hold more
-                skipped = [c for c in family[n + 1:] if c[0] not in self._timed]
+                skipped = [c for c in family[n + 1 :] if c[0] not in self._timed]
                 for c in skipped:
                     self._timed[c[0]] = (None, True)
                 self.counts["over_memory"] += sum(len(c) for c in skipped)
                 break
         return best
 
-    def run(self) -> "Search":
+    def run(self) -> Search:
         """Enumerates and ranks: every family when the layouts number at most ``exhaustive_limit``, else the
         hierarchical search (:meth:`_hierarchical`)."""
         check_pins(self.cfg, self.pins, self.devices)
@@ -284,7 +348,7 @@ class Search:
                     seeds[key] = cand
                     break
         order = sorted(seeds, key=lambda k: seeds[k].sort_key())
-        chosen = order[:self.refine]
+        chosen = order[: self.refine]
         for kind in KINDS.values():
             first = next((k for k in order if kind(seeds[k].layout, self)), None)
             if first is not None and first not in chosen:
@@ -322,8 +386,9 @@ class Search:
         try:
             c.report = predict(c.cfg, c.dims, self.model_cfg, self.device_type)
             c.peak = float(c.report.predicted["peak"])
-            c.host = (float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0) \
-                + float(c.report.predicted.get("checkpoint_host", 0)) * self.per_node  # an asynchronous save's copies
+            c.host = (
+                float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0
+            ) + float(c.report.predicted.get("checkpoint_host", 0)) * self.per_node  # an asynchronous save's copies
         except ConfigError:  # a layout the memory report does not model yet: the bound is the estimate
             c.peak, c.host, c.estimated = c.bound.device, c.bound.host, True
         self.counts["confirmed"] += 1
@@ -376,7 +441,7 @@ class Search:
                     light.append(Candidate(chain[-1], cfg, dims, bound, None))
                 break
         light.sort(key=lambda c: c.bound.device)
-        for c in light[:self.max_confirm]:
+        for c in light[: self.max_confirm]:
             if self.confirm(c).fits:
                 return c
         return None

@@ -36,8 +36,8 @@ than the time model special-casing it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ..comm import wire_bytes
 from .rank_plan import RankPlan
@@ -71,11 +71,22 @@ def tensor_1d(r: RankPlan) -> list[Traffic]:
     mc, m = r.model_cfg, r.micro_batches
     moe = sum(1 for i in r.layers if i in set(mc.moe_layers))
     modes = r.recompute
-    per = region_wire_bytes(r.tokens, mc.d_model, r.p, d.tp, r.sp, len(r.layers) - moe, moe, r.first, r.last,
-                            r.cfg.memory.recompute, sum(1 for i in r.layers if modes[i] == "full"))
+    per = region_wire_bytes(
+        r.tokens,
+        mc.d_model,
+        r.p,
+        d.tp,
+        r.sp,
+        len(r.layers) - moe,
+        moe,
+        r.first,
+        r.last,
+        r.cfg.memory.recompute,
+        sum(1 for i in r.layers if modes[i] == "full"),
+    )
     out = [Traffic("tp", "tp", op, calls * m, wire * m) for op, (calls, _, wire) in per.items()]
     partial = partial_grad_elements(mc, d.tp, r.sp, len(r.layers), r.first, r.last, r.moe_elements if r.sp else 0)
-    for nbytes in ([4] + ([partial * r.g] if partial else [])):
+    for nbytes in [4] + ([partial * r.g] if partial else []):
         out.append(Traffic("tp", "tp", "all_reduce", 1, wire_bytes("all_reduce", nbytes, d.tp)))
     return out
 
@@ -177,13 +188,16 @@ def grid_traffic(r: RankPlan) -> list[Traffic]:
             bwd[k] = [c0 + calls, w0 + wire]
     if r.first:
         if three:
-            add(fwd, "tp_col", "all_gather", p * V * dm / q ** 3), add(bwd, "tp_col", "reduce_scatter", p * V * dm / q ** 2)
-            add(fwd, "tp_row", "reduce_scatter", p * n_all * dm / q ** 2), add(bwd, "tp_row", "all_gather", p * n_all * dm / q ** 3)
+            add(fwd, "tp_col", "all_gather", p * V * dm / q**3), add(bwd, "tp_col", "reduce_scatter", p * V * dm / q**2)
+            (
+                add(fwd, "tp_row", "reduce_scatter", p * n_all * dm / q**2),
+                add(bwd, "tp_row", "all_gather", p * n_all * dm / q**3),
+            )
         else:
-            add(fwd, "tp_col", "all_gather", p * V * dm / q ** 2), add(bwd, "tp_col", "reduce_scatter", p * V * dm / q)
-            add(bwd, "tp_dep", "all_reduce", p * V * dm / q ** 2)
+            add(fwd, "tp_col", "all_gather", p * V * dm / q**2), add(bwd, "tp_col", "reduce_scatter", p * V * dm / q)
+            add(bwd, "tp_dep", "all_reduce", p * V * dm / q**2)
             if mc.tied:
-                add(fwd, "tp", "send", p * V * dm / q ** 2), add(bwd, "tp", "send", p * V * dm / q ** 2)
+                add(fwd, "tp", "send", p * V * dm / q**2), add(bwd, "tp", "send", p * V * dm / q**2)
         if ln:
             for line in token_lines:
                 add(bwd, line, "all_reduce", p * mc.max_seq_len * dm / q)
@@ -191,7 +205,7 @@ def grid_traffic(r: RankPlan) -> list[Traffic]:
         norm()
         linear(dm, V, False)
         add(fwd, "tp_row", "all_reduce", 4 * n, 3)
-        for line in (["tp_col", "tp_dep"] if three else token_lines):
+        for line in ["tp_col", "tp_dep"] if three else token_lines:
             add(fwd, line, "all_reduce", 4, 2)
     m = r.micro_batches
     totals: dict[tuple[str, str], list[float]] = {}
@@ -225,7 +239,9 @@ def data_parallel(r: RankPlan) -> list[Traffic]:
             if op == "all_reduce" and stage > 0:
                 out.append(Traffic("dp", group, op, calls, wire))
             elif op == "all_gather" and stage == 3:  # forward and backward gathers, each prefetched behind a block
-                out.append(Traffic("dp", group, op, calls, wire, "prefetch" if cfg.parallel.prefetch else "none", 2 * m))
+                out.append(
+                    Traffic("dp", group, op, calls, wire, "prefetch" if cfg.parallel.prefetch else "none", 2 * m)
+                )
             elif op == "all_gather":  # ZeRO-1/2: the new parameters, in the background until the next forward
                 out.append(Traffic("dp", group, op, calls, wire, "forward", 1))
             else:
@@ -299,5 +315,11 @@ def expert_parallel(r: RankPlan) -> list[Traffic]:
 
 
 #: The per-dimension terms, in the order the report lists them.
-TERMS: list[Callable[[RankPlan], list[Traffic]]] = [tensor_1d, grid_traffic, context_parallel, expert_parallel,
-                                                      pipeline, data_parallel]
+TERMS: list[Callable[[RankPlan], list[Traffic]]] = [
+    tensor_1d,
+    grid_traffic,
+    context_parallel,
+    expert_parallel,
+    pipeline,
+    data_parallel,
+]

@@ -34,9 +34,16 @@ import shutil
 from typing import Any
 
 import torch
+
 from ..errors import CheckpointError
-from .pieces import (PieceReader, describe, fused_layout, global_shape, region_of, save_pieces,  # noqa: F401  (re-exported)
-                     whole_on_every_tp_rank)
+from .pieces import (
+    PieceReader,
+    describe,
+    fused_layout,
+    global_shape,
+    region_of,
+    save_pieces,  # noqa: F401  (re-exported)
+    )
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -62,7 +69,10 @@ def _files(root: str) -> list[str]:
 
 def write_manifest(root: str) -> None:
     """Records size and sha256 of every file under ``root`` (to a temp name, then renamed)."""
-    entries = {rel: {"bytes": os.path.getsize(os.path.join(root, rel)), "sha256": _sha256(os.path.join(root, rel))} for rel in _files(root)}
+    entries = {
+        rel: {"bytes": os.path.getsize(os.path.join(root, rel)), "sha256": _sha256(os.path.join(root, rel))}
+        for rel in _files(root)
+    }
     tmp = os.path.join(root, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"format": "trickles-checkpoint-1", "files": entries}, f, indent=1, sort_keys=True)
@@ -75,21 +85,29 @@ def verify(root: str) -> None:
     if not os.path.isdir(root):
         raise CheckpointError(f"checkpoint {root} does not exist; give a checkpoint directory or a run's out_dir")
     if not os.path.exists(path):
-        raise CheckpointError(f"checkpoint {root} has no {MANIFEST}, so it was never completed; resume from an earlier checkpoint")
+        raise CheckpointError(
+            f"checkpoint {root} has no {MANIFEST}, so it was never completed; resume from an earlier checkpoint"
+        )
     try:
         with open(path) as f:
             files = json.load(f)["files"]
     except (ValueError, KeyError, TypeError):
-        raise CheckpointError(f"{path} is not a valid manifest; the checkpoint is damaged, resume from an earlier one") from None
+        raise CheckpointError(
+            f"{path} is not a valid manifest; the checkpoint is damaged, resume from an earlier one"
+        ) from None
     for rel, info in files.items():
         p = os.path.join(root, rel)
         if not os.path.exists(p):
             raise CheckpointError(f"checkpoint file {p} is missing; resume from an earlier checkpoint")
         size = os.path.getsize(p)
         if size != info["bytes"]:
-            raise CheckpointError(f"checkpoint file {p} has {size} bytes but the manifest says {info['bytes']} (truncated?); resume from an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint file {p} has {size} bytes but the manifest says {info['bytes']} (truncated?); resume from an earlier checkpoint"
+            )
         if _sha256(p) != info["sha256"]:
-            raise CheckpointError(f"checkpoint file {p} does not match its checksum (altered?); resume from an earlier checkpoint")
+            raise CheckpointError(
+                f"checkpoint file {p} does not match its checksum (altered?); resume from an earlier checkpoint"
+            )
 
 
 def is_complete(root: str) -> bool:
@@ -132,6 +150,7 @@ def resolve(path: str) -> str:
 
 
 # ---- tensors -----------------------------------------------------------------------------
+
 
 def unique_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Parameters and persistent buffers by name, shared tensors once (under the first name)."""
@@ -178,8 +197,10 @@ def check_fits(reader: PieceReader, params: dict[str, torch.Tensor], source: str
     missing = sorted(n for ns in names.values() for n in ns if n not in reader)
     extra = [] if part else sorted(set(reader.keys()) - {n for ns in names.values() for n in ns})
     if missing or extra:
-        raise CheckpointError(f"{source} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}; "
-                              "check that model.* settings match the run that wrote it")
+        raise CheckpointError(
+            f"{source} does not fit this model: missing {missing[:5]}, unexpected {extra[:5]}; "
+            "check that model.* settings match the run that wrote it"
+        )
     for k, t in params.items():
         have = reader.global_shape(k, fused_layout(t))
         if have != global_shape(t):
@@ -203,6 +224,7 @@ def model_config_of(path: str, mine):
 
 # ---- RNG ---------------------------------------------------------------------------------
 
+
 def rng_state() -> dict[str, Any]:
     state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -215,10 +237,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
     torch.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["cpu"]), dtype=np.uint8).copy()))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.from_numpy(np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy()))
+        torch.cuda.set_rng_state(
+            torch.from_numpy(np.frombuffer(base64.b64decode(state["cuda"]), dtype=np.uint8).copy())
+        )
 
 
 # ---- directory handling ------------------------------------------------------------------
+
 
 def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:06d}")

@@ -14,37 +14,75 @@ class TrainConfig:
 
     steps: int = opt(250, "optimizer steps to run")
     seed: int = opt(1234, "seed for initialization, data order and dropout")
-    global_batch: int = opt(16, "sequences per optimizer step, summed over data-parallel ranks and accumulation micro-steps")
-    micro_batch: int | None = opt(None, "sequences per forward/backward on one rank (none: global_batch / dp, no accumulation)")
-    optimizer: str = opt("adamw", "adamw, lamb (Adam with a per-weight trust ratio), lars (momentum SGD with a per-weight learning rate) or sgd (momentum SGD); see trickles.optim")
+    global_batch: int = opt(
+        16, "sequences per optimizer step, summed over data-parallel ranks and accumulation micro-steps"
+    )
+    micro_batch: int | None = opt(
+        None, "sequences per forward/backward on one rank (none: global_batch / dp, no accumulation)"
+    )
+    optimizer: str = opt(
+        "adamw",
+        "adamw, lamb (Adam with a per-weight trust ratio), lars (momentum SGD with a per-weight learning rate) or sgd (momentum SGD); see trickles.optim",
+    )
     lr: float = opt(2e-3, "peak learning rate")
-    schedule: str = opt("auto", "learning-rate decay after the warm-up: cosine, poly ((1 - progress)^poly_power) or auto (poly for lars, as its users train it; cosine otherwise)")
+    schedule: str = opt(
+        "auto",
+        "learning-rate decay after the warm-up: cosine, poly ((1 - progress)^poly_power) or auto (poly for lars, as its users train it; cosine otherwise)",
+    )
     poly_power: float = opt(2.0, "exponent of the poly schedule")
     min_lr_ratio: float = opt(0.1, "learning rate at the end of the decay, as a fraction of lr")
     warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
-    weight_decay: float = opt(0.1, "weight decay of linear matrices (not of norms, biases and embeddings): decoupled for adamw and lamb, an L2 term for sgd and lars")
+    weight_decay: float = opt(
+        0.1,
+        "weight decay of linear matrices (not of norms, biases and embeddings): decoupled for adamw and lamb, an L2 term for sgd and lars",
+    )
     beta1: float = opt(0.9, "adamw/lamb first-moment decay")
     beta2: float = opt(0.95, "adamw/lamb second-moment decay")
     eps: float = opt(1e-8, "adamw/lamb epsilon")
     momentum: float = opt(0.9, "sgd/lars momentum")
-    trust_coefficient: float = opt(0.001, "lars: eta, the local learning rate's coefficient (eta ||w|| / (||g|| + wd ||w||))")
+    trust_coefficient: float = opt(
+        0.001, "lars: eta, the local learning rate's coefficient (eta ||w|| / (||g|| + wd ||w||))"
+    )
     trust_clip: float = opt(0.0, "lamb/lars: upper bound on the trust ratio (0: none)")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
-    max_nonfinite_steps: int = opt(10, "stop (exit status 3) after this many consecutive steps with a non-finite loss or gradient; such steps are skipped")
-    eval_every: int = opt(50, "evaluate on held-out data every N steps (0: never; the last step always evaluates when >0)")
+    max_nonfinite_steps: int = opt(
+        10,
+        "stop (exit status 3) after this many consecutive steps with a non-finite loss or gradient; such steps are skipped",
+    )
+    eval_every: int = opt(
+        50, "evaluate on held-out data every N steps (0: never; the last step always evaluates when >0)"
+    )
     eval_batches: int = opt(4, "held-out batches of global_batch sequences per evaluation")
-    init_from: str = opt("", "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one), with its model shape, a fresh optimizer and step 0 (empty: initialize from seed)")
+    init_from: str = opt(
+        "",
+        "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one), with its model shape, a fresh optimizer and step 0 (empty: initialize from seed)",
+    )
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
-    async_checkpoint: bool = opt(True, "write checkpoints in the background: each rank copies its part to host memory and training goes on while a thread writes it (one save in flight; the final save is waited for); false: every rank waits for the write")
-    max_failed_saves: int = opt(3, "stop (exit status 1) after this many checkpoint saves failed in a row; a failed save is logged, leaves no directory and is retried at the next checkpoint step")
+    async_checkpoint: bool = opt(
+        True,
+        "write checkpoints in the background: each rank copies its part to host memory and training goes on while a thread writes it (one save in flight; the final save is waited for); false: every rank waits for the write",
+    )
+    max_failed_saves: int = opt(
+        3,
+        "stop (exit status 1) after this many checkpoint saves failed in a row; a failed save is logged, leaves no directory and is retried at the next checkpoint step",
+    )
     out_dir: str = opt("runs/demo", "directory for metrics, plots, samples and checkpoints")
-    qat: bool = opt(False, "quantization-aware training: projections compute with int8 fake-quantized weights (per row) and inputs (per token), gradients straight through; the final checkpoint is also exported to int8 (<out_dir>/int8_step_N); see docs/compression.md")
-    compile: bool = opt(False, "compile each transformer block, and the output projection with its loss, with torch.compile (the time it takes is printed after the second step)")
+    qat: bool = opt(
+        False,
+        "quantization-aware training: projections compute with int8 fake-quantized weights (per row) and inputs (per token), gradients straight through; the final checkpoint is also exported to int8 (<out_dir>/int8_step_N); see docs/compression.md",
+    )
+    compile: bool = opt(
+        False,
+        "compile each transformer block, and the output projection with its loss, with torch.compile (the time it takes is printed after the second step)",
+    )
     device: str = opt("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, or cuda")
     tensorboard: bool = opt(False, "also write TensorBoard event files to <out_dir>/tb")
     plot: bool = opt(True, "draw <out_dir>/loss.png at the end (needs matplotlib)")
-    pipeline_trace: str = opt("", "with parallel.pp > 1: time every stage's forwards and backwards and draw the last step's Gantt chart to this PNG")
+    pipeline_trace: str = opt(
+        "",
+        "with parallel.pp > 1: time every stage's forwards and backwards and draw the last step's Gantt chart to this PNG",
+    )
     sample_tokens: int = opt(200, "tokens to generate from the final model at the end (0: none)")
     sample_prompt: str = opt("def ", "prompt of the final sample")
     sample_temperature: float = opt(0.8, "temperature of the final sample")
@@ -70,7 +108,9 @@ class TrainConfig:
         if self.keep_checkpoints < 1:
             raise ConfigError(f"train.keep_checkpoints must be at least 1, got {self.keep_checkpoints}")
         if self.grad_clip < 0 or self.weight_decay < 0 or self.eps <= 0:
-            raise ConfigError("train.grad_clip and train.weight_decay must not be negative and train.eps must be positive")
+            raise ConfigError(
+                "train.grad_clip and train.weight_decay must not be negative and train.eps must be positive"
+            )
         from ..optim.settings import OPTIMIZERS
 
         if self.optimizer not in OPTIMIZERS:
@@ -80,7 +120,9 @@ class TrainConfig:
         if self.poly_power <= 0:
             raise ConfigError(f"train.poly_power must be positive, got {self.poly_power}")
         if self.trust_coefficient <= 0 or self.trust_clip < 0:
-            raise ConfigError("train.trust_coefficient must be positive and train.trust_clip must not be negative (0: no clip)")
+            raise ConfigError(
+                "train.trust_coefficient must be positive and train.trust_clip must not be negative (0: no clip)"
+            )
         for key in ("beta1", "beta2", "momentum"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"train.{key} must be in [0, 1), got {getattr(self, key)}")

@@ -98,16 +98,33 @@ def single_process_meta(meta: dict[str, Any], source: str) -> dict[str, Any]:
     out = copy.deepcopy(meta)
     config = out.setdefault("config", {})
     old = config.get("parallel", {})
-    config["parallel"] = {**dataclasses.asdict(defaults), "dp": 1, **{k: old[k] for k in ("bucket_mb", "prefetch") if k in old}}
+    config["parallel"] = {
+        **dataclasses.asdict(defaults),
+        "dp": 1,
+        **{k: old[k] for k in ("bucket_mb", "prefetch") if k in old},
+    }
     if "memory" in config:
         config["memory"]["offload_optimizer"] = False
     if "train" in config:
         config["train"]["pipeline_trace"] = TrainConfig().pipeline_trace
     out.update(
-        world_size=1, config=config, rng=(meta.get("rng") or [])[:1],
-        layout={"dp": 1, "tp": 1, "pp": 1, "zero": 0, "sequence_parallel": False, "schedule": defaults.schedule,
-                "virtual_stages": defaults.virtual_stages},
-        exported_from={"checkpoint": os.path.abspath(source), "world_size": meta.get("world_size"), "layout": meta.get("layout")},
+        world_size=1,
+        config=config,
+        rng=(meta.get("rng") or [])[:1],
+        layout={
+            "dp": 1,
+            "tp": 1,
+            "pp": 1,
+            "zero": 0,
+            "sequence_parallel": False,
+            "schedule": defaults.schedule,
+            "virtual_stages": defaults.virtual_stages,
+        },
+        exported_from={
+            "checkpoint": os.path.abspath(source),
+            "world_size": meta.get("world_size"),
+            "layout": meta.get("layout"),
+        },
     )
     return out
 
@@ -123,7 +140,9 @@ def _write_hf(path: str, tmp: str) -> None:
     tok = _tokenizer_dir(path)
     for name in sorted(os.listdir(tok)):
         if os.path.exists(os.path.join(tmp, name)):
-            raise CheckpointError(f"the tokenizer's {name} would overwrite the model's; the checkpoint's tokenizer/ is unexpected")
+            raise CheckpointError(
+                f"the tokenizer's {name} would overwrite the model's; the checkpoint's tokenizer/ is unexpected"
+            )
         copy = shutil.copytree if os.path.isdir(os.path.join(tok, name)) else shutil.copy2
         copy(os.path.join(tok, name), os.path.join(tmp, name))
 

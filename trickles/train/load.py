@@ -13,7 +13,9 @@ from ..models.transformer import Transformer
 from . import checkpoint as ckpt
 
 
-def load_for_inference(path: str, device: torch.device | str = "cpu", verify: bool = True, fused_proj: bool | None = None):
+def load_for_inference(
+    path: str, device: torch.device | str = "cpu", verify: bool = True, fused_proj: bool | None = None
+):
     """``(model, tokenizer, trainer_meta)`` from a checkpoint directory, run's out_dir or checkpoints folder.
 
     ``verify=False`` skips checking the manifest (the caller just did); ``fused_proj`` overrides ``model.fused_proj``

@@ -14,7 +14,6 @@ import torch
 from ..topology import Topology
 
 
-
 def moe_metrics(moe, model_cfg, topo: Topology, sequence_parallel: bool, device) -> dict[str, Any]:
     """A step's mixture-of-experts figures over every rank (``moe``: the step's :class:`~trickles.models.moe.MoEStats`):
     the mean load-balancing and z-losses (unweighted), the fraction of assignments dropped over capacity, and per
@@ -24,14 +23,19 @@ def moe_metrics(moe, model_cfg, topo: Topology, sequence_parallel: bool, device)
     for i, layer in enumerate(layers):
         if layer in moe.load:
             load[i] = moe.load[layer].double()
-    flat = torch.cat([torch.tensor([moe.aux, moe.z, moe.forwards, moe.assigned, moe.dropped], dtype=torch.float64),
-                      load.flatten()]).to(device)
+    flat = torch.cat(
+        [torch.tensor([moe.aux, moe.z, moe.forwards, moe.assigned, moe.dropped], dtype=torch.float64), load.flatten()]
+    ).to(device)
     # tensor-parallel ranks see the same tokens, unless sequence parallelism gave each its shard
     flat = topo.comm("world").all_reduce(flat) / (1 if sequence_parallel else topo.dims.tp)
     aux, z, forwards, assigned, dropped = flat[:5].tolist()
     load = flat[5:].view(len(layers), e).round().long().tolist()
-    return {"moe_aux_loss": aux / max(forwards, 1), "moe_z_loss": z / max(forwards, 1),
-            "moe_dropped": dropped / max(assigned, 1), "moe_load": {str(layer): row for layer, row in zip(layers, load)}}
+    return {
+        "moe_aux_loss": aux / max(forwards, 1),
+        "moe_z_loss": z / max(forwards, 1),
+        "moe_dropped": dropped / max(assigned, 1),
+        "moe_load": {str(layer): row for layer, row in zip(layers, load)},
+    }
 
 
 class MetricsLog:
@@ -50,7 +54,9 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:
-                raise ImportError("train.tensorboard=true needs the tensorboard package: pip install 'trickles[tensorboard]'") from e
+                raise ImportError(
+                    "train.tensorboard=true needs the tensorboard package: pip install 'trickles[tensorboard]'"
+                ) from e
             self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
 
     def _truncate_after(self, step: int) -> None:
@@ -151,8 +157,14 @@ def plot_expert_load(metrics_path: str, png_path: str) -> bool:
         return False
     fig, axes = plt.subplots(len(shares), 1, figsize=(8, 1.2 + 1.4 * len(shares)), dpi=120, squeeze=False, sharex=True)
     for ax, (layer, share) in zip(axes[:, 0], shares.items()):
-        im = ax.imshow(share.T, aspect="auto", interpolation="nearest", cmap="viridis", origin="lower",
-                       extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, share.shape[1] - 0.5))
+        im = ax.imshow(
+            share.T,
+            aspect="auto",
+            interpolation="nearest",
+            cmap="viridis",
+            origin="lower",
+            extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, share.shape[1] - 0.5),
+        )
         ax.set_ylabel(f"block {layer}\nexpert")
         fig.colorbar(im, ax=ax, label="share")
     axes[-1, 0].set_xlabel("step")

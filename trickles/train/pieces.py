@@ -37,8 +37,18 @@ from ..errors import CheckpointError
 from ..models.fused import FusedLayout
 
 #: safetensors' names of the element types a checkpoint may hold
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-          "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def whole_on_every_tp_rank(param: torch.Tensor) -> bool:
@@ -65,7 +75,11 @@ def describe(param: torch.Tensor, flat_range: tuple[int, int] | None = None) -> 
     if not is_block(param):
         meta: dict[str, Any] = {"global_shape": shape}
     else:
-        meta = {"global_shape": list(param.tp_spec.global_shape), "offset": list(param.tp_spec.offset), "block_shape": shape}
+        meta = {
+            "global_shape": list(param.tp_spec.global_shape),
+            "offset": list(param.tp_spec.offset),
+            "block_shape": shape,
+        }
     if flat_range is not None:
         meta["flat_range"] = [int(flat_range[0]), int(flat_range[1])]
     return {**meta, **fused_meta(param)}
@@ -113,7 +127,9 @@ class PieceReader:
                 with safe_open(path, framework="pt") as f:
                     slices = json.loads((f.metadata() or {}).get("slices", "{}"))
                     for k in f.keys():
-                        self.pieces.setdefault(k, []).append((path, slices.get(k) or {"global_shape": list(f.get_slice(k).get_shape())}))
+                        self.pieces.setdefault(k, []).append(
+                            (path, slices.get(k) or {"global_shape": list(f.get_slice(k).get_shape())})
+                        )
             except Exception as e:
                 raise CheckpointError(f"cannot read {path}: {e}") from None
         #: a part's name -> (the fused tensor stored, its layout, the part's index)
@@ -151,8 +167,13 @@ class PieceReader:
         key = self.parts[key][0] if key in self.parts else key
         return bool(self.pieces[key][0][1].get("scalar"))
 
-    def read(self, key: str, block: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
-             flat_range: tuple[int, int] | None = None, layout: FusedLayout | None = None) -> torch.Tensor | None:
+    def read(
+        self,
+        key: str,
+        block: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+        flat_range: tuple[int, int] | None = None,
+        layout: FusedLayout | None = None,
+    ) -> torch.Tensor | None:
         """Block ``(offset, shape)`` of ``key`` (None: all of it), or its elements ``[a, b)`` flattened; None if absent.
 
         ``layout``: ``key`` is a fused projection's tensor with this layout, which may be stored as its parts."""
@@ -187,13 +208,17 @@ class PieceReader:
                 out[dst] = torch.where(mask, part, out[dst])
                 covered[dst] |= mask
         if out is None:
-            raise CheckpointError(f"the checkpoint holds no piece of {key} covering the part asked for; it is incomplete")
+            raise CheckpointError(
+                f"the checkpoint holds no piece of {key} covering the part asked for; it is incomplete"
+            )
         flat_out, flat_cov = out.reshape(-1), covered.reshape(-1)
         if flat_range is not None:
-            flat_out, flat_cov = flat_out[flat_range[0]:flat_range[1]], flat_cov[flat_range[0]:flat_range[1]]
+            flat_out, flat_cov = flat_out[flat_range[0] : flat_range[1]], flat_cov[flat_range[0] : flat_range[1]]
         if not bool(flat_cov.all()):
-            raise CheckpointError(f"the checkpoint's pieces of {key} cover {int(flat_cov.sum())} of the {flat_cov.numel()} "
-                                  "elements asked for; it is incomplete")
+            raise CheckpointError(
+                f"the checkpoint's pieces of {key} cover {int(flat_cov.sum())} of the {flat_cov.numel()} "
+                "elements asked for; it is incomplete"
+            )
         return flat_out.clone() if flat_range is not None else out
 
     def _read_part(self, key, block, flat_range) -> torch.Tensor:
@@ -205,8 +230,8 @@ class PieceReader:
         n = layout.sizes[i]
         g0, g1 = off[0] // n, -(-(off[0] + shape[0]) // n)
         rows = self.read(stored, ((g0 * layout.per_group, *off[1:]), ((g1 - g0) * layout.per_group, *shape[1:])))
-        part = layout.split_rows(rows)[i][off[0] - g0 * n:off[0] - g0 * n + shape[0]]
-        return part.reshape(-1)[flat_range[0]:flat_range[1]].clone() if flat_range is not None else part
+        part = layout.split_rows(rows)[i][off[0] - g0 * n : off[0] - g0 * n + shape[0]]
+        return part.reshape(-1)[flat_range[0] : flat_range[1]].clone() if flat_range is not None else part
 
     def _read_fused(self, key, layout: FusedLayout, block, flat_range) -> torch.Tensor:
         """Rows of a fused tensor, put together from the whole groups of its stored parts."""
@@ -217,10 +242,12 @@ class PieceReader:
         off, shape = block if block is not None else ((0,) * len(gshape), gshape)
         per = layout.per_group
         g0, g1 = off[0] // per, -(-(off[0] + shape[0]) // per)
-        parts = [self.read(name, ((g0 * n, *off[1:]), ((g1 - g0) * n, *shape[1:]))) for name, n in zip(names, layout.sizes)]
+        parts = [
+            self.read(name, ((g0 * n, *off[1:]), ((g1 - g0) * n, *shape[1:]))) for name, n in zip(names, layout.sizes)
+        ]
         rows = FusedLayout(layout.module, layout.parts, layout.sizes, g1 - g0).fuse(parts)
-        out = rows[off[0] - g0 * per:off[0] - g0 * per + shape[0]]
-        return out.reshape(-1)[flat_range[0]:flat_range[1]].clone() if flat_range is not None else out
+        out = rows[off[0] - g0 * per : off[0] - g0 * per + shape[0]]
+        return out.reshape(-1)[flat_range[0] : flat_range[1]].clone() if flat_range is not None else out
 
 
 def _load(path: str, key: str) -> torch.Tensor:
@@ -243,13 +270,13 @@ def _piece_region(path, key, meta, p_off, p_shape, lo, hi):
         if first >= last:
             empty = torch.zeros([y - x for x, y in zip(lo, hi)], dtype=_dtype(sl))
             return empty, torch.zeros_like(empty, dtype=torch.bool)
-        data = sl[first - a:last - a]
+        data = sl[first - a : last - a]
     # a buffer of just the rows the wanted region spans (not the piece's whole block), the piece's elements put in place
     r0, r1 = (local[0].start, local[0].stop) if local else (0, 1)
     rows = torch.zeros((r1 - r0) * row, dtype=data.dtype)
     have = torch.zeros((r1 - r0) * row, dtype=torch.bool)
-    rows[first - r0 * row:last - r0 * row] = data
-    have[first - r0 * row:last - r0 * row] = True
+    rows[first - r0 * row : last - r0 * row] = data
+    have[first - r0 * row : last - r0 * row] = True
     if not local:
         return rows.view(p_shape), have.view(p_shape)
     shape, rest = (r1 - r0, *p_shape[1:]), (slice(None), *local[1:])
@@ -285,7 +312,11 @@ def save_whole(reader: PieceReader, directory: str, prefix: str, shard_bytes: in
         if batch and size + nbytes > shard_bytes:
             flush()
             size = 0
-        meta = {"global_shape": list(t.shape), "scalar": True} if reader.is_scalar(key) else {"global_shape": list(t.shape)}
+        meta = (
+            {"global_shape": list(t.shape), "scalar": True}
+            if reader.is_scalar(key)
+            else {"global_shape": list(t.shape)}
+        )
         batch[key] = (t, meta)
         size += nbytes
     if batch or not files:

@@ -45,8 +45,15 @@ class Progress:
         self.bar = None
         if self.tty and not quiet:
             tqdm.set_lock(threading.RLock())  # not tqdm's default multiprocessing lock: ranks leave through os._exit
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True, file=self.stream,
-                            mininterval=0)  # every step redrawn: its figures with its count
+            self.bar = tqdm(
+                total=total,
+                initial=start,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                file=self.stream,
+                mininterval=0,
+            )  # every step redrawn: its figures with its count
 
     def step(self, step: int, record: dict[str, Any], skipped: int = 0, scale: float | None = None) -> None:
         """Step ``step`` is done, with ``record``'s figures (shown with the step they belong to)."""
@@ -88,8 +95,10 @@ class CompileReport:
         if self.first is None:
             self.first = seconds
             return
-        write(f"[trickles] torch.compile: first step {self.first:.1f} s, second {seconds:.2f} s: about "
-              f"{max(0.0, self.first - seconds):.1f} s of compilation, paid once")
+        write(
+            f"[trickles] torch.compile: first step {self.first:.1f} s, second {seconds:.2f} s: about "
+            f"{max(0.0, self.first - seconds):.1f} s of compilation, paid once"
+        )
         self.on = False
 
 
@@ -99,7 +108,11 @@ def run_line(tr) -> str:
     t = tr.cfg.train
     zero = f", ZeRO-{tr.engine.stage}" if tr.engine.stage else ""
     if tr.topo.dims.tp > 1:
-        zero += f", tp={tr.topo.dims.tp}" + (f" ({tr.topo.dims.tp_mode})" if tr.topo.dims.tp_mode != "1d" else "") + (" with sequence parallel" if tr.cfg.parallel.sequence_parallel else "")
+        zero += (
+            f", tp={tr.topo.dims.tp}"
+            + (f" ({tr.topo.dims.tp_mode})" if tr.topo.dims.tp_mode != "1d" else "")
+            + (" with sequence parallel" if tr.cfg.parallel.sequence_parallel else "")
+        )
     if tr.topo.dims.cp > 1:
         zero += f", cp={tr.topo.dims.cp} {tr.cfg.parallel.cp_mode}"
     if tr.topo.dims.ep > 1:
@@ -110,9 +123,13 @@ def run_line(tr) -> str:
     params = f"{tr.n_params / 1e6:.2f}M parameters"
     if tr.model_cfg.moe_experts:
         mc = tr.model_cfg
-        params += (f" ({tr.n_active / 1e6:.2f}M active: {mc.moe_experts} experts, top-{mc.moe_top_k}"
-                   f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}, in {len(mc.moe_layers)} of {mc.n_layers} blocks)")
-    return (f"[trickles] {tr.model_cfg.flavor} model, {params}, {tr.topo.world_size} rank(s) "
-            f"(dp={tr.topo.dims.dp}{zero}), batch {t.global_batch}x{tr.cfg.data.seq_len} "
-            f"(micro {tr.micro_batch} x {tr.accumulation} accumulation), device {tr.device}; data: {tr.corpus.describe()}"
-            + (f"; distilling from {tr.cfg.distill.teacher} (alpha {tr.cfg.distill.alpha:g})" if tr.distill else ""))
+        params += (
+            f" ({tr.n_active / 1e6:.2f}M active: {mc.moe_experts} experts, top-{mc.moe_top_k}"
+            f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}, in {len(mc.moe_layers)} of {mc.n_layers} blocks)"
+        )
+    return (
+        f"[trickles] {tr.model_cfg.flavor} model, {params}, {tr.topo.world_size} rank(s) "
+        f"(dp={tr.topo.dims.dp}{zero}), batch {t.global_batch}x{tr.cfg.data.seq_len} "
+        f"(micro {tr.micro_batch} x {tr.accumulation} accumulation), device {tr.device}; data: {tr.corpus.describe()}"
+        + (f"; distilling from {tr.cfg.distill.teacher} (alpha {tr.cfg.distill.alpha:g})" if tr.distill else "")
+    )

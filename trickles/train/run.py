@@ -20,8 +20,8 @@ from ..config import Config
 from ..errors import UserError
 from ..hints import warn_slow_config
 from ..planner.elastic import layout_for_world
-from ..topology import distributed_session
 from ..process import env_world_size, restart_count
+from ..topology import distributed_session
 from . import checkpoint
 from .trainer import Trainer
 
@@ -39,20 +39,25 @@ def resolve_resume(resume: str | None, out_dir: str) -> str | None:
     if resume is None:
         latest = checkpoint.list_checkpoints(os.path.join(out_dir, "checkpoints"))
         if latest:
-            raise UserError(f"{out_dir} already holds checkpoints (newest: step {latest[-1][0]}); continue with --resume auto, "
-                            f"or start afresh in another directory (--set train.out_dir=...) or after deleting {out_dir}")
+            raise UserError(
+                f"{out_dir} already holds checkpoints (newest: step {latest[-1][0]}); continue with --resume auto, "
+                f"or start afresh in another directory (--set train.out_dir=...) or after deleting {out_dir}"
+            )
         return None
     if resume == "auto":
         return checkpoint.find_latest(os.path.join(out_dir, "checkpoints"))
     if not os.path.exists(resume):
-        raise UserError(f"--resume {resume}: no such checkpoint directory; give a step_* directory, a run's out_dir, or auto")
+        raise UserError(
+            f"--resume {resume}: no such checkpoint directory; give a step_* directory, a run's out_dir, or auto"
+        )
     path = checkpoint.resolve(resume)
     checkpoint.verify(path)
     return path
 
 
-def run_training(cfg: Config, resume: str | None = None, quiet: bool = False, verified: bool = True,
-                 resolved_at: int = 0) -> list[dict]:
+def run_training(
+    cfg: Config, resume: str | None = None, quiet: bool = False, verified: bool = True, resolved_at: int = 0
+) -> list[dict]:
     """Trains ``cfg`` in this process (one rank of a torchrun/launcher job, or alone).
 
     ``resume`` is a checkpoint directory (already checked by :func:`resolve_resume` when

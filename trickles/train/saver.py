@@ -39,8 +39,8 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -92,8 +92,15 @@ def host_copy(files: dict[str, dict], device: torch.device) -> tuple[dict[str, d
 class Saver:
     """Runs the trainer's checkpoint saves (module docstring) for one rank."""
 
-    def __init__(self, topo, background: bool, max_failed: int, timeout_s: float, say: Callable[[str], None],
-                 record: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        topo,
+        background: bool,
+        max_failed: int,
+        timeout_s: float,
+        say: Callable[[str], None],
+        record: Callable[[dict], None] | None = None,
+    ):
         self.topo, self.background, self.max_failed = topo, background, max_failed
         self.timeout_s = timeout_s if timeout_s and timeout_s > 0 else math.inf
         self.say, self.record = say, record
@@ -124,8 +131,10 @@ class Saver:
             previous = self._flight.snapshot.step
             self.settle()
             if busy and self.topo.is_main:
-                self.say(f"[trickles] checkpoint step {step} waited {time.perf_counter() - began:.2f} s for step "
-                         f"{previous}'s save to finish")
+                self.say(
+                    f"[trickles] checkpoint step {step} waited {time.perf_counter() - began:.2f} s for step "
+                    f"{previous}'s save to finish"
+                )
         tmp = ckpt.step_dir(ckpt_dir, step) + ".tmp"
         world = self.topo.comm("world")
         if self.topo.is_main:
@@ -143,8 +152,9 @@ class Saver:
         flight = _Flight(snapshot, None)
         self._flight = flight
         if self.background and not wait:
-            flight.thread = threading.Thread(target=self._write, args=(flight,), name=f"checkpoint-step-{step}",
-                                             daemon=True)
+            flight.thread = threading.Thread(
+                target=self._write, args=(flight,), name=f"checkpoint-step-{step}", daemon=True
+            )
             flight.thread.start()
             return None
         self._write(flight)
@@ -170,14 +180,18 @@ class Saver:
         reason = flight.error[0] if flight.error else "another rank's part failed"
         self.failures.append((step, reason))
         if self.topo.is_main:
-            self.say(f"[trickles] checkpoint step {step} failed: {reason}; training goes on and the next checkpoint step "
-                     f"tries again ({self.failed_in_a_row} of train.max_failed_saves={self.max_failed} in a row)")
+            self.say(
+                f"[trickles] checkpoint step {step} failed: {reason}; training goes on and the next checkpoint step "
+                f"tries again ({self.failed_in_a_row} of train.max_failed_saves={self.max_failed} in a row)"
+            )
             if self.record is not None:
                 self.record({"step": step, "checkpoint_failed": reason})
         if self.failed_in_a_row >= self.max_failed:
-            raise SavesFailed(f"{self.failed_in_a_row} checkpoint saves failed in a row (the last at step {step}: "
-                                  f"{reason}); stopping rather than training on without checkpoints: free space or fix "
-                                  f"train.out_dir and resume from the last complete checkpoint")
+            raise SavesFailed(
+                f"{self.failed_in_a_row} checkpoint saves failed in a row (the last at step {step}: "
+                f"{reason}); stopping rather than training on without checkpoints: free space or fix "
+                f"train.out_dir and resume from the last complete checkpoint"
+            )
         return None
 
     def abandon(self) -> None:
@@ -283,5 +297,7 @@ def probe_writable(directory: str, rank: int) -> None:
             f.write("probe")
         os.remove(path)
     except OSError as e:
-        raise CheckpointError(f"cannot write checkpoints to {directory} ({existing}: {e.strerror or e}); set "
-                              f"train.out_dir to a writable directory") from None
+        raise CheckpointError(
+            f"cannot write checkpoints to {directory} ({existing}: {e.strerror or e}); set "
+            f"train.out_dir to a writable directory"
+        ) from None

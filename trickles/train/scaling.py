@@ -55,8 +55,8 @@ import torch
 
 from ..config import Config
 from ..errors import ConfigError, UserError
-from ..topology import ParallelDims
 from ..process import cpu_cores
+from ..topology import ParallelDims
 
 
 @dataclass
@@ -96,6 +96,7 @@ class RanksFailed(RuntimeError):
 
 # ---- the arithmetic ------------------------------------------------------------------------
 
+
 def summarize(ranks: int, global_batch: int, seq_len: int, samples: list[RankSamples]) -> ScalingRow:
     """The row of one world size from every rank's measurements (``scale`` is set by :func:`scale_rows`)."""
     if len(samples) != ranks:
@@ -109,9 +110,16 @@ def summarize(ranks: int, global_batch: int, seq_len: int, samples: list[RankSam
     ops = sorted({op for s in samples for op in s.sent})
     sent_by_op = {op: statistics.fmean(s.sent.get(op, 0) for s in samples) / steps for op in ops}
     return ScalingRow(
-        ranks=ranks, global_batch=global_batch, step_time=step_time, tokens_per_s=global_batch * seq_len / step_time,
-        comm_share=statistics.median(c / t for c, t in zip(blocked, slowest)), comm_time=statistics.median(blocked),
-        bytes_sent=float(sum(sent_by_op.values())), sent_by_op=sent_by_op, step_times=slowest)
+        ranks=ranks,
+        global_batch=global_batch,
+        step_time=step_time,
+        tokens_per_s=global_batch * seq_len / step_time,
+        comm_share=statistics.median(c / t for c, t in zip(blocked, slowest)),
+        comm_time=statistics.median(blocked),
+        bytes_sent=float(sum(sent_by_op.values())),
+        sent_by_op=sent_by_op,
+        step_times=slowest,
+    )
 
 
 def scale_rows(rows: list[ScalingRow]) -> list[ScalingRow]:
@@ -125,13 +133,16 @@ def scale_rows(rows: list[ScalingRow]) -> list[ScalingRow]:
 
 # ---- what runs where -----------------------------------------------------------------------
 
+
 def host(cfg: Config) -> tuple[str, int]:
     """``("cuda", GPUs)`` when the ranks will run on GPUs, else ``("cpu", cores)``."""
     device = cfg.train.device
     if device != "cpu" and torch.cuda.is_available():
         return "cuda", torch.cuda.device_count()
     if device.startswith("cuda"):
-        raise ConfigError("train.device asks for CUDA, but torch.cuda.is_available() is false; use train.device=auto or cpu")
+        raise ConfigError(
+            "train.device asks for CUDA, but torch.cuda.is_available() is false; use train.device=auto or cpu"
+        )
     return "cpu", cpu_cores()
 
 
@@ -163,12 +174,22 @@ def weak_scaling_config(cfg: Config, n: int, steps: int) -> Config:
     if n % unit:
         raise ConfigError(
             f"{n} rank(s) cannot hold parallel.tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {unit} ranks per data-parallel "
-            f"replica; give --ranks multiples of {unit} (e.g. --ranks {unit} {2 * unit}) or change parallel.tp/pp/cp")
+            f"replica; give --ranks multiples of {unit} (e.g. --ranks {unit} {2 * unit}) or change parallel.tp/pp/cp"
+        )
     micro, accumulation = cfg.batch_plan(p.dp if p.dp >= 1 else 1)
     dp = n // unit
-    train = dataclasses.replace(cfg.train, global_batch=micro * accumulation * dp, micro_batch=micro, steps=steps,
-                                eval_every=0, sample_tokens=0, checkpoint_every=0, plot=False, tensorboard=False,
-                                pipeline_trace="")
+    train = dataclasses.replace(
+        cfg.train,
+        global_batch=micro * accumulation * dp,
+        micro_batch=micro,
+        steps=steps,
+        eval_every=0,
+        sample_tokens=0,
+        checkpoint_every=0,
+        plot=False,
+        tensorboard=False,
+        pipeline_trace="",
+    )
     return dataclasses.replace(cfg, train=train, parallel=dataclasses.replace(p, dp=dp))
 
 
@@ -188,10 +209,14 @@ def plan(cfg: Config, ranks: list[int] | None, steps: int, warmup: int) -> list[
     ranks = sorted(set(ranks)) if ranks else default_ranks(cfg)
     if kind == "cuda":
         if ranks[-1] > capacity:
-            raise UserError(f"{ranks[-1]} ranks need one GPU each but {capacity} GPU(s) are visible; "
-                            f"give --ranks up to {capacity}, or --set train.device=cpu to run the ranks on the CPU")
+            raise UserError(
+                f"{ranks[-1]} ranks need one GPU each but {capacity} GPU(s) are visible; "
+                f"give --ranks up to {capacity}, or --set train.device=cpu to run the ranks on the CPU"
+            )
         if cfg.train.device.startswith("cuda:") and ranks[-1] > 1:
-            raise ConfigError(f"train.device={cfg.train.device} puts every rank on one GPU; use train.device=cuda or auto")
+            raise ConfigError(
+                f"train.device={cfg.train.device} puts every rank on one GPU; use train.device=cuda or auto"
+            )
     out = []
     for n in ranks:
         scaled = weak_scaling_config(cfg, n, warmup + steps)
@@ -205,6 +230,7 @@ def plan(cfg: Config, ranks: list[int] | None, steps: int, warmup: int) -> list[
 
 # ---- measuring -----------------------------------------------------------------------------
 
+
 def _wire_bytes(ledger) -> dict[str, int]:
     return {k: v["wire_bytes"] for k, v in ledger.snapshot().items()}
 
@@ -215,8 +241,8 @@ def measure_rank(cfg: Config, steps: int, warmup: int, threads: int, result_path
     import torch.distributed as dist
 
     from ..comm import flight
-    from ..topology import distributed_session
     from ..process import env_world_size
+    from ..topology import distributed_session
     from .trainer import Trainer
 
     torch.set_num_threads(threads)
@@ -245,8 +271,9 @@ def measure_rank(cfg: Config, steps: int, warmup: int, threads: int, result_path
         del trainer
 
 
-def measure_scaling(cfg: Config, ranks: list[int] | None = None, steps: int = 5, warmup: int = 2,
-                    quiet: bool = True) -> list[ScalingRow]:
+def measure_scaling(
+    cfg: Config, ranks: list[int] | None = None, steps: int = 5, warmup: int = 2, quiet: bool = True
+) -> list[ScalingRow]:
     """Runs ``cfg`` with the same work per rank on each world size in ``ranks`` (default:
     :func:`default_ranks`) and returns one :class:`ScalingRow` per world size, smallest first.
 
@@ -262,15 +289,19 @@ def measure_scaling(cfg: Config, ranks: list[int] | None = None, steps: int = 5,
     with tempfile.TemporaryDirectory(prefix="trickles-scaling-") as tmp:
         for n, scaled in runs:
             if not quiet:
-                print(f"[trickles] {n} rank(s): global batch {scaled.train.global_batch}, {warmup} warm-up + {steps} timed steps",
-                      flush=True)
+                print(
+                    f"[trickles] {n} rank(s): global batch {scaled.train.global_batch}, {warmup} warm-up + {steps} timed steps",
+                    flush=True,
+                )
             path = os.path.join(tmp, f"ranks{n}.json")
             status = launch(measure_rank, (scaled, steps, warmup, threads, path), n)
             if status != 0:
                 raise RanksFailed(n, status)
             with open(path) as f:
                 result = json.load(f)
-            row = summarize(n, scaled.train.global_batch, scaled.data.seq_len, [RankSamples(**s) for s in result["samples"]])
+            row = summarize(
+                n, scaled.train.global_batch, scaled.data.seq_len, [RankSamples(**s) for s in result["samples"]]
+            )
             row.device, row.threads = result["device"], result["threads"]
             rows.append(row)
     return scale_rows(rows)
@@ -290,19 +321,32 @@ def _human_bytes(v: float) -> str:
 
 def scaling_table(rows: list[ScalingRow]) -> str:
     """The rows as a text table, one world size per line (each cell one word), and how to read it."""
-    cells = [list(COLUMNS)] + [[
-        str(r.ranks), str(r.global_batch), f"{1e3 * r.step_time:.1f}", f"{r.tokens_per_s:,.0f}", f"{r.scale:.3f}",
-        f"{100 * r.comm_share:.1f}%", f"{r.bytes_sent:,.0f}"] for r in rows]
+    cells = [list(COLUMNS)] + [
+        [
+            str(r.ranks),
+            str(r.global_batch),
+            f"{1e3 * r.step_time:.1f}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.scale:.3f}",
+            f"{100 * r.comm_share:.1f}%",
+            f"{r.bytes_sent:,.0f}",
+        ]
+        for r in rows
+    ]
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     if rows:
         r = rows[-1]
         lines.append("")
-        lines.append(f"scale factor = (tokens/s / ranks) relative to {rows[0].ranks} rank(s) (1.000: perfect weak scaling); "
-                     f"comm share = time ranks spent blocked in communication / step time")
-        lines.append(f"{r.ranks} ranks send {_human_bytes(r.bytes_sent)} each per step; device {r.device}, "
-                     f"{r.threads} thread(s) per rank")
+        lines.append(
+            f"scale factor = (tokens/s / ranks) relative to {rows[0].ranks} rank(s) (1.000: perfect weak scaling); "
+            f"comm share = time ranks spent blocked in communication / step time"
+        )
+        lines.append(
+            f"{r.ranks} ranks send {_human_bytes(r.bytes_sent)} each per step; device {r.device}, "
+            f"{r.threads} thread(s) per rank"
+        )
     return "\n".join(lines)
 
 
@@ -327,7 +371,9 @@ def plot_scaling(rows: list[ScalingRow], path: str) -> bool:
     left.plot(n, ideal, "--", color="gray", label="ideal (linear)")
     left.plot(n, [r.tokens_per_s for r in rows], "o-", label="measured")
     for r in rows:
-        left.annotate(f"{r.scale:.2f}", (r.ranks, r.tokens_per_s), textcoords="offset points", xytext=(4, -12), fontsize=8)
+        left.annotate(
+            f"{r.scale:.2f}", (r.ranks, r.tokens_per_s), textcoords="offset points", xytext=(4, -12), fontsize=8
+        )
     left.set_xlabel("ranks")
     left.set_ylabel("tokens/s")
     left.set_title("weak scaling: throughput (labels: scale factor)")

@@ -86,10 +86,14 @@ class Trainer:
         eos = self.tokenizer.eos_id if cfg.data.document_mask else None  # packed documents: batches carry their ids
         if eos is not None:
             require_boundaries(self.corpus.train, eos, cfg.data.source)
-        self.train_data = ShardedBatches(self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size,
-                                         self.corpus.train_labels, eos)
-        self.val_data = (ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.val_labels, eos)
-                         if len(self.corpus.val) > seq else None)
+        self.train_data = ShardedBatches(
+            self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.train_labels, eos
+        )
+        self.val_data = (
+            ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.val_labels, eos)
+            if len(self.corpus.val) > seq
+            else None
+        )
 
         # Model, built without memory, then allocated and wrapped by the parallel plan.
         self.model_cfg: ModelConfig = resolve_model(cfg.model, self.tokenizer.vocab_size, seq)
@@ -121,7 +125,9 @@ class Trainer:
         self.scaler = None
         if policy(cfg.memory.precision, cfg.memory.grad_dtype).needs_loss_scaling:
             m = cfg.memory
-            self.scaler = DynamicLossScaler(m.loss_scale, m.loss_scale_growth_interval, m.loss_scale_hysteresis, m.loss_scale_min)
+            self.scaler = DynamicLossScaler(
+                m.loss_scale, m.loss_scale_growth_interval, m.loss_scale_hysteresis, m.loss_scale_min
+            )
         self.step = 0
         self.consumed = 0
         self.skipped = 0  # optimizer steps skipped for non-finite gradients
@@ -130,14 +136,25 @@ class Trainer:
         self.peak = peak_flops(self.device, cfg.memory.precision)
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
         probe_writable(self.ckpt_dir, self.topo.rank)  # a read-only or missing filesystem: now, not at the first save
-        self.saver = Saver(self.topo, t.async_checkpoint, t.max_failed_saves, cfg.parallel.timeout_s,
-                           say=lambda line: None if self.quiet else print(line, flush=True))
+        self.saver = Saver(
+            self.topo,
+            t.async_checkpoint,
+            t.max_failed_saves,
+            cfg.parallel.timeout_s,
+            say=lambda line: None if self.quiet else print(line, flush=True),
+        )
         self.history: list[dict[str, Any]] = []
         self.stop_requested = None  # () -> bool: this process was asked to stop (run_training's SIGTERM handler)
 
     # ---- one step ------------------------------------------------------------------------
-    def _loss(self, x: torch.Tensor, y: torch.Tensor, labels: torch.Tensor | None = None,
-              documents: torch.Tensor | None = None, train: bool = False) -> torch.Tensor:
+    def _loss(
+        self,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        train: bool = False,
+    ) -> torch.Tensor:
         """The micro-batch's training loss (``train``: with distillation, its loss) or cross-entropy."""
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
@@ -201,10 +218,17 @@ class Trainer:
         tokens = t.global_batch * self.cfg.data.seq_len
         flops = self.flops_per_token * tokens / elapsed
         record = {
-            "step": self.step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm,
-            "tokens_per_s": tokens / elapsed, "flops_per_s": flops,
+            "step": self.step,
+            "loss": loss_value,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens / elapsed,
+            "flops_per_s": flops,
             "mfu": flops / (self.peak * self.topo.world_size) if self.peak else None,
-            "step_time": elapsed, "consumed_samples": self.consumed, "skipped": not finite, "skipped_total": self.skipped,
+            "step_time": elapsed,
+            "consumed_samples": self.consumed,
+            "skipped": not finite,
+            "skipped_total": self.skipped,
         }
         if self.scaler:
             record["loss_scale"] = scale
@@ -226,7 +250,8 @@ class Trainer:
             raise TrainingStopped(
                 f"the loss or gradients were not finite for {limit} consecutive steps ({first}-{self.step + 1}, last loss {loss}); "
                 f"those updates were skipped and nothing was saved after step {first - 1}; lower train.lr, raise "
-                f"train.warmup_steps, use memory.precision=bf16 or fp32, or check the data")
+                f"train.warmup_steps, use memory.precision=bf16 or fp32, or check the data"
+            )
 
     @torch.no_grad()
     def evaluate(self) -> float | None:
@@ -252,7 +277,11 @@ class Trainer:
     def fit(self) -> list[dict[str, Any]]:
         """Trains until ``train.steps``; returns the per-step metrics of this call."""
         t = self.cfg.train
-        log = MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard) if self.topo.is_main else None
+        log = (
+            MetricsLog(t.out_dir, resume_step=self.step if self.step else None, tensorboard=t.tensorboard)
+            if self.topo.is_main
+            else None
+        )
         if not self.quiet:
             print(run_line(self))
         progress = Progress(self.step, t.steps, self.quiet, "distill loss" if self.distill is not None else "loss")
@@ -272,13 +301,19 @@ class Trainer:
             log.close()
             if t.plot and plot_loss(log.path, os.path.join(t.out_dir, "loss.png")) and not self.quiet:
                 print(f"[trickles] loss curve: {os.path.join(t.out_dir, 'loss.png')}")
-            if t.plot and self.moe_stats is not None and plot_expert_load(log.path, os.path.join(t.out_dir, "expert_load.png")) \
-                    and not self.quiet:
+            if (
+                t.plot
+                and self.moe_stats is not None
+                and plot_expert_load(log.path, os.path.join(t.out_dir, "expert_load.png"))
+                and not self.quiet
+            ):
                 print(f"[trickles] expert load: {os.path.join(t.out_dir, 'expert_load.png')}")
         if t.sample_tokens and self.topo.dims.tp_mode != "1d":
             if not self.quiet:
-                print(f"[trickles] no sample: decoding with a KV cache needs parallel.tp_mode=1d (this run: "
-                      f"{self.topo.dims.tp_mode}); `trickles generate` reads the checkpoint at any layout")
+                print(
+                    f"[trickles] no sample: decoding with a KV cache needs parallel.tp_mode=1d (this run: "
+                    f"{self.topo.dims.tp_mode}); `trickles generate` reads the checkpoint at any layout"
+                )
         elif t.sample_tokens:
             text = self.sample(t.sample_prompt, t.sample_tokens)  # every rank: sharded parameters need all of them
             if self.topo.is_main:
@@ -310,8 +345,9 @@ class Trainer:
                 if self.saver.pending_step != self.step:
                     self.save_checkpoint()
                 self.saver.settle()
-                raise Terminated(f"SIGTERM: stopped after step {self.step} with its checkpoint saved; continue with "
-                                 f"--resume auto")
+                raise Terminated(
+                    f"SIGTERM: stopped after step {self.step} with its checkpoint saved; continue with --resume auto"
+                )
         self.saver.settle()  # a save still in flight (none when the last step saved)
 
     def _stopping(self) -> bool:
@@ -337,16 +373,26 @@ class Trainer:
             vocab_local = self.model_cfg.vocab_size // self.topo.dims.tp
             model = PipelinedModel(self.pipeline, self.model, vocab_local)
         with autocast(self.cfg.memory.precision, self.device), _eager():
-            new = generate(model, torch.tensor([ids], device=self.device), n_tokens, t.sample_temperature, t.sample_top_k,
-                           eos_id=self.tokenizer.eos_id, generator=g, logits_fn=self.engine.full_logits,
-                           labels=self.label_ids(label or self.label_names[0]) if self.label_names else None)
+            new = generate(
+                model,
+                torch.tensor([ids], device=self.device),
+                n_tokens,
+                t.sample_temperature,
+                t.sample_top_k,
+                eos_id=self.tokenizer.eos_id,
+                generator=g,
+                logits_fn=self.engine.full_logits,
+                labels=self.label_ids(label or self.label_names[0]) if self.label_names else None,
+            )
         return prompt + self.tokenizer.decode(new[0].tolist())
 
     def label_ids(self, label: str, rows: int = 1) -> torch.Tensor:
         """``[rows]`` label ids of ``label`` for hard-routed experts; ConfigError naming the labels when unknown."""
         if label not in self.label_names:
-            raise ConfigError(f"unknown label {label!r}; the experts are mapped for {', '.join(self.label_names)} "
-                              f"(model.moe_label_experts)")
+            raise ConfigError(
+                f"unknown label {label!r}; the experts are mapped for {', '.join(self.label_names)} "
+                f"(model.moe_label_experts)"
+            )
         return torch.full((rows,), self.label_names.index(label), dtype=torch.long, device=self.device)
 
     def draw_pipeline_trace(self, path: str) -> None:
@@ -357,8 +403,10 @@ class Trainer:
         if timeline is not None and self.topo.is_main:
             measured, predicted = plot_pipeline(timeline, self.pipeline.shape, self.cfg.parallel.schedule, path)
             if not self.quiet:
-                print(f"[trickles] pipeline trace: {path} (bubble {100 * measured:.1f}% measured, "
-                      f"{100 * predicted:.1f}% predicted for these stage times with free messages)")
+                print(
+                    f"[trickles] pipeline trace: {path} (bubble {100 * measured:.1f}% measured, "
+                    f"{100 * predicted:.1f}% predicted for these stage times with free messages)"
+                )
 
     # ---- checkpoints (trickles.train.trainer_state) ---------------------------------------
     def save_checkpoint(self, wait: bool = True) -> str | None:
@@ -366,16 +414,29 @@ class Trainer:
         returns its path on rank 0 once written. ``wait=False``: the write goes on in the background (where
         ``train.async_checkpoint`` allows) and None is returned. A failed save is logged and counted, not raised, until
         ``train.max_failed_saves`` fail in a row."""
+
         def take(tmp: str):
-            return trainer_state.snapshot(tmp, self.topo, self.engine, self.tokenizer, self.cfg, self.model_cfg,
-                                          self.scaler, step=self.step, consumed=self.consumed, skipped=self.skipped,
-                                          device=self.device)
+            return trainer_state.snapshot(
+                tmp,
+                self.topo,
+                self.engine,
+                self.tokenizer,
+                self.cfg,
+                self.model_cfg,
+                self.scaler,
+                step=self.step,
+                consumed=self.consumed,
+                skipped=self.skipped,
+                device=self.device,
+            )
+
         return self.saver.save(take, self.ckpt_dir, self.step, wait)
 
     def load_checkpoint(self, path: str, verify: bool = True) -> None:
         """Restores model, optimizer, position and RNG from ``path`` (a step_N directory, any dp layout)."""
         self.step, self.consumed, self.skipped = trainer_state.load(
-            path, self.engine, self.scaler, self.topo.rank, self.model_cfg, self.cfg.train.optimizer, verify)
+            path, self.engine, self.scaler, self.topo.rank, self.model_cfg, self.cfg.train.optimizer, verify
+        )
 
 
 def _eager():

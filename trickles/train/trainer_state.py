@@ -35,8 +35,20 @@ from . import checkpoint as ckpt
 from .saver import Snapshot, host_copy
 
 
-def snapshot(tmp: str, topo: Topology, engine: Engine, tokenizer: Tokenizer, cfg: Config, model_cfg: ModelConfig,
-             scaler: DynamicLossScaler | None, *, step: int, consumed: int, skipped: int, device) -> Snapshot:
+def snapshot(
+    tmp: str,
+    topo: Topology,
+    engine: Engine,
+    tokenizer: Tokenizer,
+    cfg: Config,
+    model_cfg: ModelConfig,
+    scaler: DynamicLossScaler | None,
+    *,
+    step: int,
+    consumed: int,
+    skipped: int,
+    device,
+) -> Snapshot:
     """This rank's part of the checkpoint of step ``step`` (written into ``tmp`` by :class:`~trickles.train.saver.Saver`):
     its model and optimizer pieces copied to the host and, on rank 0, ``trainer.json``. Every rank calls it (the RNG
     states are gathered)."""
@@ -46,37 +58,61 @@ def snapshot(tmp: str, topo: Topology, engine: Engine, tokenizer: Tokenizer, cfg
     if topo.is_main:
         snap.tokenizer = tokenizer
         snap.meta = {
-            "step": step, "consumed_samples": consumed, "world_size": topo.world_size,
-            "layout": {"dp": topo.dims.dp, "tp": topo.dims.tp, "pp": topo.dims.pp, "zero": engine.stage,
-                       "sequence_parallel": cfg.parallel.sequence_parallel, "schedule": cfg.parallel.schedule,
-                       "virtual_stages": cfg.parallel.virtual_stages}, "skipped_steps": skipped,
+            "step": step,
+            "consumed_samples": consumed,
+            "world_size": topo.world_size,
+            "layout": {
+                "dp": topo.dims.dp,
+                "tp": topo.dims.tp,
+                "pp": topo.dims.pp,
+                "zero": engine.stage,
+                "sequence_parallel": cfg.parallel.sequence_parallel,
+                "schedule": cfg.parallel.schedule,
+                "virtual_stages": cfg.parallel.virtual_stages,
+            },
+            "skipped_steps": skipped,
             "loss_scaler": scaler.state_dict() if scaler else None,
-            "config": cfg.to_dict(), "model": dataclasses.asdict(model_cfg), "rng": rng,
+            "config": cfg.to_dict(),
+            "model": dataclasses.asdict(model_cfg),
+            "rng": rng,
         }
     return snap
 
 
-def load(path: str, engine: Engine, scaler: DynamicLossScaler | None, rank: int, model_cfg: ModelConfig, optimizer: str,
-         verify: bool = True) -> tuple[int, int, int]:
+def load(
+    path: str,
+    engine: Engine,
+    scaler: DynamicLossScaler | None,
+    rank: int,
+    model_cfg: ModelConfig,
+    optimizer: str,
+    verify: bool = True,
+) -> tuple[int, int, int]:
     """Restores model and optimizer (``engine``), ``scaler`` and rank ``rank``'s RNG from ``path`` (a step_N directory,
     any dp layout) written for ``model_cfg`` with ``optimizer``; returns ``(step, consumed samples, skipped steps)``."""
     if verify:
         ckpt.verify(path)
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     if meta.get("quantization"):
-        raise CheckpointError(f"{path} is an int8 checkpoint for inference; resume from the float checkpoint it came from "
-                              f"({meta['quantization'].get('source')})")
+        raise CheckpointError(
+            f"{path} is an int8 checkpoint for inference; resume from the float checkpoint it came from "
+            f"({meta['quantization'].get('source')})"
+        )
     saved = meta.get("model", {})
     mine = dataclasses.asdict(model_cfg)
     # how the model computes (kernels, fusion) may change between runs; what it computes may not
     diff = sorted(k for k in mine if k not in ("preset", *HOW_KEYS) and saved.get(k) != mine[k])
     if diff:
         detail = ", ".join(f"model.{k}: checkpoint {saved.get(k)!r} vs now {mine[k]!r}" for k in diff[:4])
-        raise CheckpointError(f"checkpoint {path} was written by a different model ({detail}); use the same model settings")
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different model ({detail}); use the same model settings"
+        )
     was = meta.get("config", {}).get("train", {}).get("optimizer", "adamw")
     if was != optimizer:
-        raise CheckpointError(f"checkpoint {path} holds {was} state but train.optimizer = {optimizer}; "
-                              f"set train.optimizer = {was} to resume it")
+        raise CheckpointError(
+            f"checkpoint {path} holds {was} state but train.optimizer = {optimizer}; "
+            f"set train.optimizer = {was} to resume it"
+        )
     engine.load(path)
     step = int(meta["step"])
     consumed = int(meta["consumed_samples"])

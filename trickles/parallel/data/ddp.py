@@ -21,7 +21,7 @@ on the whole batch (the loss being a mean over equally sized slices).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -53,23 +53,41 @@ class DataParallel(Engine):
 
     stage = 0
 
-    def __init__(self, model: nn.Module, comm: GroupComm, optim: OptimizerSettings, bucket_bytes: int | None,
-                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None, ep: GroupComm | None = None,
-                 edp: GroupComm | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: GroupComm,
+        optim: OptimizerSettings,
+        bucket_bytes: int | None,
+        grad_dtype: torch.dtype = torch.float32,
+        tp: GroupComm | None = None,
+        ep: GroupComm | None = None,
+        edp: GroupComm | None = None,
+    ):
         super().__init__(model, comm, tp, ep, edp)
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         device = self.params[0].device
-        self.layout = FlatLayout(self.named, [g.size for g in self.groups], bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES,
-                                 group_of=self.group_of)
+        self.layout = FlatLayout(
+            self.named,
+            [g.size for g in self.groups],
+            bucket_bytes,
+            first_bucket_bytes=FIRST_BUCKET_BYTES,
+            group_of=self.group_of,
+        )
         self.grad_buffer = torch.zeros(self.layout.total, dtype=grad_dtype, device=device)
         self.main_grads = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
         self._bucket_of = {id(s.param): s.bucket for s in self.layout.slots}
         self._pending: list[int] = []
         self._handles: dict[int, Handle] = {}
-        self.optimizer = ShardedOptimizer(self.layout.whole_segments(), lambda s: s.slot.param.data.view(-1),
-                                          lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]], decay_flags(model),
-                                          optim, norms=self.norm_provider(self.named, device))
+        self.optimizer = ShardedOptimizer(
+            self.layout.whole_segments(),
+            lambda s: s.slot.param.data.view(-1),
+            lambda s: self.grad_buffer[s.flat_range[0] : s.flat_range[1]],
+            decay_flags(model),
+            optim,
+            norms=self.norm_provider(self.named, device),
+        )
         for p in self.params:
             p.register_post_accumulate_grad_hook(weak_method(self._on_grad))
         self.zero_grad()  # ready for a plain backward()
@@ -78,7 +96,9 @@ class DataParallel(Engine):
     def _reset_reduction(self) -> None:
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._handles = {}
-        self._next = [r.start for r in self.layout.group_buckets]  # each group's buckets go in index order (see _on_grad)
+        self._next = [
+            r.start for r in self.layout.group_buckets
+        ]  # each group's buckets go in index order (see _on_grad)
 
     def accumulated_grad(self, p: nn.Parameter) -> torch.Tensor:
         return self.main_grads[id(p)]
@@ -92,7 +112,9 @@ class DataParallel(Engine):
 
     def _launch(self, b: int) -> None:
         bucket = self.layout.buckets[b]
-        self._handles[b] = self.groups[bucket.group].all_reduce(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True)
+        self._handles[b] = self.groups[bucket.group].all_reduce(
+            self.grad_buffer[bucket.start : bucket.end], op="mean", async_op=True
+        )
 
     def _finish_reduction(self) -> None:
         for b in range(len(self.layout.buckets)):  # buckets with a parameter that got no gradient
@@ -119,7 +141,8 @@ class DataParallel(Engine):
 
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:
-        return {"parameters": sum(p.numel() * p.element_size() for p in self.params),
-                "gradients": self.grad_buffer.numel() * self.grad_buffer.element_size(),
-                "optimizer": self.optimizer.state_bytes()}
-
+        return {
+            "parameters": sum(p.numel() * p.element_size() for p in self.params),
+            "gradients": self.grad_buffer.numel() * self.grad_buffer.element_size(),
+            "optimizer": self.optimizer.state_bytes(),
+        }

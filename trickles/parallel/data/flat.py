@@ -26,8 +26,8 @@ padded to a multiple of ``world[g] * align`` and split into ``world[g]`` shards 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -95,9 +95,15 @@ class FlatLayout:
     """Buckets, padding and per-rank segments for ``named_params`` over ``world`` ranks (one size per group
     with ``group_of``)."""
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], world: int | Sequence[int], bucket_bytes: int | None,
-                 align: int = 16, first_bucket_bytes: int | None = None,
-                 group_of: Callable[[nn.Parameter], int] | None = None):
+    def __init__(
+        self,
+        named_params: list[tuple[str, nn.Parameter]],
+        world: int | Sequence[int],
+        bucket_bytes: int | None,
+        align: int = 16,
+        first_bucket_bytes: int | None = None,
+        group_of: Callable[[nn.Parameter], int] | None = None,
+    ):
         self.worlds = [world] if isinstance(world, int) else list(world)
         self.world = self.worlds[0]
         seen, ordered = set(), []
@@ -173,14 +179,14 @@ class FlatLayout:
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's view (in its shape) into a flat tensor of ``total`` elements."""
-        return [flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots]
+        return [flat[s.offset : s.offset + s.numel].view(s.shape) for s in self.slots]
 
     def pack(self, flat: torch.Tensor) -> None:
         """Copies every parameter's current value into its place in ``flat`` (padding zeroed)."""
         flat.zero_()
         with torch.no_grad():
             for s in self.slots:
-                flat[s.offset:s.offset + s.numel].copy_(s.param.detach().reshape(-1))
+                flat[s.offset : s.offset + s.numel].copy_(s.param.detach().reshape(-1))
 
 
 def _round_up(n: int, m: int) -> int:

@@ -65,10 +65,22 @@ MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finis
 class ZeroDataParallel(Engine):
     """ZeRO stage 1 or 2 over ``comm`` (see module docstring)."""
 
-    def __init__(self, model: nn.Module, comm: GroupComm, stage: int, optim: OptimizerSettings, bucket_bytes: int | None,
-                 offload: bool = False, grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None,
-                 ep: GroupComm | None = None, edp: GroupComm | None = None, overlap: bool = True, accumulates: bool = True,
-                 pipelined: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: GroupComm,
+        stage: int,
+        optim: OptimizerSettings,
+        bucket_bytes: int | None,
+        offload: bool = False,
+        grad_dtype: torch.dtype = torch.float32,
+        tp: GroupComm | None = None,
+        ep: GroupComm | None = None,
+        edp: GroupComm | None = None,
+        overlap: bool = True,
+        accumulates: bool = True,
+        pipelined: bool = False,
+    ):
         if stage not in (1, 2):
             raise ValueError(f"ZeroDataParallel implements stages 1 and 2, not {stage}")
         super().__init__(model, comm, tp, ep, edp)
@@ -81,8 +93,13 @@ class ZeroDataParallel(Engine):
         self.named = unique_named_parameters(model)
         self.params = [p for _, p in self.named]
         p0 = self.params[0]
-        self.layout = FlatLayout(self.named, [g.size for g in self.groups], bucket_bytes, first_bucket_bytes=FIRST_BUCKET_BYTES,
-                                 group_of=self.group_of)
+        self.layout = FlatLayout(
+            self.named,
+            [g.size for g in self.groups],
+            bucket_bytes,
+            first_bucket_bytes=FIRST_BUCKET_BYTES,
+            group_of=self.group_of,
+        )
         # parameters become views of one flat buffer, so the all-gather lands in them directly
         self.param_buffer = torch.empty(self.layout.total, dtype=p0.dtype, device=p0.device)
         self.layout.pack(self.param_buffer)
@@ -94,22 +111,37 @@ class ZeroDataParallel(Engine):
             self._grad_bytes = self.grad_buffer.untyped_storage().nbytes()
             self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
         if self.full_grads and not self.transient:  # the optimizer reads the reduced slices in place
-            grad_of = lambda s: self.grad_buffer[s.flat_range[0]:s.flat_range[1]]  # noqa: E731
+            grad_of = lambda s: self.grad_buffer[s.flat_range[0] : s.flat_range[1]]  # noqa: E731
         else:
             self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
-            grad_of = lambda s: self.shard_grads[s.shard_offset:s.shard_offset + s.numel]  # noqa: E731
+            grad_of = lambda s: self.shard_grads[s.shard_offset : s.shard_offset + s.numel]  # noqa: E731
         if not self.full_grads:
             self._buffers: dict[int, torch.Tensor] = {}
             self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
-            self._largest = {"bucket": max(b.size for b in self.layout.buckets), "shard": max(b.shard_size for b in self.layout.buckets)}
+            self._largest = {
+                "bucket": max(b.size for b in self.layout.buckets),
+                "shard": max(b.shard_size for b in self.layout.buckets),
+            }
             self._free: dict[str, list[torch.Tensor]] = {"bucket": [], "shard": []}
             self.buffers_allocated = 0  # bucket-sized buffers allocated since construction (reused within a backward)
         # the overlapped offload's units: the buckets in the order the next forward needs them (the last holds the first layers)
         order = list(reversed(range(len(self.layout.buckets))))
         self._unit_of = {b: u for u, b in enumerate(order)}
-        units = [[i for i, s in enumerate(self.segments) if s.slot.bucket == b] for b in order] if offload and overlap else None
-        self.optimizer = ShardedOptimizer(self.segments, lambda s: self.param_buffer[s.flat_range[0]:s.flat_range[1]], grad_of,
-                                          decay_flags(model), optim, offload, self.norm_provider(self.named, p0.device), units)
+        units = (
+            [[i for i, s in enumerate(self.segments) if s.slot.bucket == b] for b in order]
+            if offload and overlap
+            else None
+        )
+        self.optimizer = ShardedOptimizer(
+            self.segments,
+            lambda s: self.param_buffer[s.flat_range[0] : s.flat_range[1]],
+            grad_of,
+            decay_flags(model),
+            optim,
+            offload,
+            self.norm_provider(self.named, p0.device),
+            units,
+        )
         self._gathers_due: list[int] = []  # overlapped offload: buckets whose all-gather waits for their host update
         self.trace: list | None = None  # a list to record the overlapped offload's events into (tests)
         self._slot_of = {id(s.param): s for s in self.layout.slots}
@@ -126,7 +158,9 @@ class ZeroDataParallel(Engine):
     def _reset_reduction(self) -> None:
         self._pending = [len(b.slots) for b in self.layout.buckets]
         self._launched = set()
-        self._next = [r.start for r in self.layout.group_buckets]  # each group's buckets go in index order (_launch_ready)
+        self._next = [
+            r.start for r in self.layout.group_buckets
+        ]  # each group's buckets go in index order (_launch_ready)
 
     def _begin_micro_step(self, last: bool) -> None:
         if not self.full_grads:
@@ -146,7 +180,7 @@ class ZeroDataParallel(Engine):
             if buf is None:
                 buf = self._buffers[slot.bucket] = self._take("bucket", self.layout.buckets[slot.bucket].size).zero_()
             start = slot.offset - self.layout.buckets[slot.bucket].start
-            buf[start:start + slot.numel].view(slot.shape).add_(p.grad)
+            buf[start : start + slot.numel].view(slot.shape).add_(p.grad)
             p.grad = None
         if (not self.full_grads or self._reduce) and id(p) not in self._deferred:
             self._pending[slot.bucket] -= 1
@@ -163,8 +197,9 @@ class ZeroDataParallel(Engine):
             else:
                 lo, hi = bucket.rank_range(comm.rank)
                 out = self.grad_buffer[lo:hi]
-            self._handles.append((b, comm.reduce_scatter(self.grad_buffer[bucket.start:bucket.end], op="mean", async_op=True,
-                                                         out=out)))
+            self._handles.append(
+                (b, comm.reduce_scatter(self.grad_buffer[bucket.start : bucket.end], op="mean", async_op=True, out=out))
+            )
             self._copy_reduced()
             return
         self._retire(done_only=True)
@@ -302,7 +337,9 @@ class ZeroDataParallel(Engine):
         bucket = self.layout.buckets[b]
         comm = self.groups[bucket.group]
         lo, hi = bucket.rank_range(comm.rank)
-        self._param_handles[b] = comm.all_gather(self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start:bucket.end])
+        self._param_handles[b] = comm.all_gather(
+            self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start : bucket.end]
+        )
 
     def _issue_gathers(self, needed) -> None:
         """Overlapped offload: issues the due all-gathers in forward order up to the last of ``needed`` (None: all),
@@ -387,6 +424,7 @@ def _param_wait_hook(engine: ZeroDataParallel, buckets: list[int]):
         e = ref()
         if e is not None and (e._param_handles or e._gathers_due):
             e.wait_for_parameters(buckets)
+
     return hook
 
 

@@ -34,7 +34,7 @@ the experts' gather and reduce-scatter run over ``edp``, just around the experts
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -52,8 +52,17 @@ from .zero import MAX_INFLIGHT
 class _Unit:
     """One unit's shard, its transient gathered buffer and where its parameters plug in."""
 
-    def __init__(self, name: str, module: nn.Module, named: list[tuple[str, nn.Parameter]],
-                 owners: dict[int, list[tuple[nn.Module, str]]], comm: GroupComm, device, dtype, grad_dtype):
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        named: list[tuple[str, nn.Parameter]],
+        owners: dict[int, list[tuple[nn.Module, str]]],
+        comm: GroupComm,
+        device,
+        dtype,
+        grad_dtype,
+    ):
         self.name, self.module, self.comm = name, module, comm
         self.layout = FlatLayout(named, comm.size, bucket_bytes=None)
         self.owners = [owners[id(s.param)] for s in self.layout.slots]
@@ -97,7 +106,7 @@ class _Unit:
         self.gathered = False
 
     def install(self, full: torch.Tensor) -> None:
-        pieces = torch.split(full[:self.layout.numel], [s.numel for s in self.layout.slots])
+        pieces = torch.split(full[: self.layout.numel], [s.numel for s in self.layout.slots])
         for slot, piece, owners in zip(self.layout.slots, pieces, self.owners):
             view = piece.view(slot.shape)
             for module, attr in owners:
@@ -131,11 +140,23 @@ class Zero3DataParallel(Engine):
 
     stage = 3
 
-    def __init__(self, model: nn.Module, comm: GroupComm, units: list[nn.Module], optim: OptimizerSettings,
-                 init_value: Callable[[str, nn.Parameter], torch.Tensor] | None, device: torch.device,
-                 offload: bool = False, prefetch: bool = True, param_dtype: torch.dtype | None = None,
-                 grad_dtype: torch.dtype = torch.float32, tp: GroupComm | None = None, ep: GroupComm | None = None,
-                 edp: GroupComm | None = None, expert_units: list[nn.Module] = ()):
+    def __init__(
+        self,
+        model: nn.Module,
+        comm: GroupComm,
+        units: list[nn.Module],
+        optim: OptimizerSettings,
+        init_value: Callable[[str, nn.Parameter], torch.Tensor] | None,
+        device: torch.device,
+        offload: bool = False,
+        prefetch: bool = True,
+        param_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype = torch.float32,
+        tp: GroupComm | None = None,
+        ep: GroupComm | None = None,
+        edp: GroupComm | None = None,
+        expert_units: list[nn.Module] = (),
+    ):
         super().__init__(model, comm, tp, ep, edp)
         units = [*units, *(expert_units if self.ep is not None else ())]
         expert_ids = {id(m) for m in expert_units}
@@ -165,11 +186,18 @@ class Zero3DataParallel(Engine):
         for unit in self.units:
             for seg in unit.segments:
                 segments.append(seg)
-                params[id(seg)] = unit.shard.data[seg.shard_offset:seg.shard_offset + seg.numel]
-                grads[id(seg)] = unit.grad_shard[seg.shard_offset:seg.shard_offset + seg.numel]
+                params[id(seg)] = unit.shard.data[seg.shard_offset : seg.shard_offset + seg.numel]
+                grads[id(seg)] = unit.grad_shard[seg.shard_offset : seg.shard_offset + seg.numel]
         named = [(slot.name, slot.param) for unit in self.units for slot in unit.layout.slots]
-        self.optimizer = ShardedOptimizer(segments, lambda s: params[id(s)], lambda s: grads[id(s)], decay, optim, offload,
-                                          self.norm_provider(named, device))
+        self.optimizer = ShardedOptimizer(
+            segments,
+            lambda s: params[id(s)],
+            lambda s: grads[id(s)],
+            decay,
+            optim,
+            offload,
+            self.norm_provider(named, device),
+        )
 
     # ---- hooks ---------------------------------------------------------------------------
     def _make_pre_forward(self, unit: _Unit):
@@ -203,7 +231,11 @@ class Zero3DataParallel(Engine):
         graph = torch.is_grad_enabled()
         unit.free()
         if graph:
-            outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if torch.is_tensor(t) and t.requires_grad]
+            outs = [
+                t
+                for t in (output if isinstance(output, (tuple, list)) else (output,))
+                if torch.is_tensor(t) and t.requires_grad
+            ]
             if outs:
                 engine, fired = weakref.ref(self), []
 
@@ -214,6 +246,7 @@ class Zero3DataParallel(Engine):
                         unit.gather(async_op=False)
                         e._prefetch(unit, -1)
                     return grad
+
                 for t in outs:
                     t.register_hook(pre_backward)
         return output
@@ -276,9 +309,11 @@ class Zero3DataParallel(Engine):
         shard = sum(u.shard.numel() * u.shard.element_size() for u in self.units)
         gathered = sum(u.gathered_bytes() for u in self.units)
         inflight = sum(g.numel() * g.element_size() + o.numel() * o.element_size() for _, g, o, _ in self._inflight)
-        return {"parameters": shard + gathered,
-                "gradients": sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units) + inflight,
-                "optimizer": self.optimizer.state_bytes()}
+        return {
+            "parameters": shard + gathered,
+            "gradients": sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units) + inflight,
+            "optimizer": self.optimizer.state_bytes(),
+        }
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, gathered from all ranks (a collective: call it on every rank)."""
@@ -287,7 +322,7 @@ class Zero3DataParallel(Engine):
             for unit in self.units:
                 full = unit.comm.all_gather(unit.shard.detach())
                 for slot in unit.layout.slots:
-                    out[slot.name] = full[slot.offset:slot.offset + slot.numel].view(slot.shape).clone()
+                    out[slot.name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
         return out
 
     def placements(self) -> dict[str, object]:
@@ -299,20 +334,25 @@ class Zero3DataParallel(Engine):
             for seg in unit.segments:
                 if not self.writes(seg.slot.param):
                     continue
-                piece = unit.shard.detach()[seg.shard_offset:seg.shard_offset + seg.numel]
+                piece = unit.shard.detach()[seg.shard_offset : seg.shard_offset + seg.numel]
                 tensors[seg.name] = (piece, ckpt.describe(seg.slot.param, seg.param_range))
         return tensors
 
     def load(self, directory: str) -> None:
         reader = ckpt.PieceReader(directory, "model")
-        ckpt.check_fits(reader, {s.name: s.param for u in self.units for s in u.layout.slots}, directory,
-                        part=self.pipeline is not None)
+        ckpt.check_fits(
+            reader,
+            {s.name: s.param for u in self.units for s in u.layout.slots},
+            directory,
+            part=self.pipeline is not None,
+        )
         with torch.no_grad():
             for unit in self.units:
                 for seg in unit.segments:
                     param = seg.slot.param
-                    unit.shard[seg.shard_offset:seg.shard_offset + seg.numel].copy_(
-                        reader.read(seg.name, ckpt.region_of(param), seg.param_range, layout=ckpt.fused_layout(param)))
+                    unit.shard[seg.shard_offset : seg.shard_offset + seg.numel].copy_(
+                        reader.read(seg.name, ckpt.region_of(param), seg.param_range, layout=ckpt.fused_layout(param))
+                    )
         self._load_optimizer(directory)
 
 
@@ -347,7 +387,7 @@ def _fill_shard(unit: _Unit, init_value) -> None:
             else:
                 full = slot.param.detach()
             a, b = seg.param_range
-            unit.shard[seg.shard_offset:seg.shard_offset + seg.numel].copy_(full.reshape(-1)[a:b])
+            unit.shard[seg.shard_offset : seg.shard_offset + seg.numel].copy_(full.reshape(-1)[a:b])
 
 
 def _materialize_buffers(model: nn.Module, device: torch.device) -> None:

@@ -39,7 +39,7 @@ class Shape:
     vee: bool = False
 
     @classmethod
-    def of(cls, schedule: str, p: int, v: int, m: int) -> "Shape":
+    def of(cls, schedule: str, p: int, v: int, m: int) -> Shape:
         """The shape ``schedule`` runs: ZB-V places its chunks in a V."""
         return cls(p, v, m, vee=schedule == "zb-v")
 
@@ -82,8 +82,10 @@ def _messages(a: Action, shape: Shape, rank: int) -> tuple[Action | None, Action
     if a.kind == "W":
         return None, None
     src, dst = _neighbour(a, shape, rank, -1), _neighbour(a, shape, rank, 1)
-    return (Action(f"RECV_{a.kind}", a.chunk, a.micro) if src is not None and src[0] != rank else None,
-            Action(f"SEND_{a.kind}", a.chunk, a.micro) if dst is not None and dst[0] != rank else None)
+    return (
+        Action(f"RECV_{a.kind}", a.chunk, a.micro) if src is not None and src[0] != rank else None,
+        Action(f"SEND_{a.kind}", a.chunk, a.micro) if dst is not None and dst[0] != rank else None,
+    )
 
 
 def _producer(a: Action, shape: Shape, rank: int) -> tuple[int, Action] | None:
@@ -99,8 +101,9 @@ def durations(actions, t_forward: float = 1.0, t_backward: float = 2.0, t_weight
     return {"F": t_forward, "B": t_backward - t_weight if split else t_backward, "W": t_weight}
 
 
-def uniform_times(orders: list[list[Action]], shape: Shape, t_forward: float = 1.0,
-                  t_backward: float = 2.0) -> dict[tuple[int, Action], tuple[float, float]]:
+def uniform_times(
+    orders: list[list[Action]], shape: Shape, t_forward: float = 1.0, t_backward: float = 2.0
+) -> dict[tuple[int, Action], tuple[float, float]]:
     """``{(rank, compute action): (start, end)}`` when every compute starts as soon as its rank is free
     and its input exists; raises ValueError when the orders wait on each other in a cycle."""
     p = shape.p

@@ -27,16 +27,32 @@ def plot_pipeline(timeline: Timeline, shape: Shape, schedule: str, path: str) ->
     for rank, row in enumerate(timeline.spans):
         for a, s, e in row:
             color = chunk_colors[a.chunk % len(chunk_colors)]
-            ax.barh(rank, (e - s) * 1e3, left=(s - t0) * 1e3, color=color, alpha=0.45 if a.kind == "F" else 0.95,
-                    hatch="//" if a.kind == "W" else None, edgecolor="black", linewidth=0.4)
+            ax.barh(
+                rank,
+                (e - s) * 1e3,
+                left=(s - t0) * 1e3,
+                color=color,
+                alpha=0.45 if a.kind == "F" else 0.95,
+                hatch="//" if a.kind == "W" else None,
+                edgecolor="black",
+                linewidth=0.4,
+            )
             if (e - s) / span > 0.02:
-                ax.text((s - t0 + (e - s) / 2) * 1e3, rank, f"{a.kind}{a.chunk}.{a.micro}" if shape.v > 1 else f"{a.kind}{a.micro}",
-                        ha="center", va="center", fontsize=7)
+                ax.text(
+                    (s - t0 + (e - s) / 2) * 1e3,
+                    rank,
+                    f"{a.kind}{a.chunk}.{a.micro}" if shape.v > 1 else f"{a.kind}{a.micro}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                )
     ax.set_yticks(range(shape.p), [f"stage {r}" for r in range(shape.p)])
     ax.invert_yaxis()
     ax.set_xlabel("time in the step (ms); light: forward, dark: backward (B), hatched: weight gradients (W)")
-    ax.set_title(f"{schedule}: p={shape.p}, v={shape.v}, m={shape.m}; bubble {100 * measured:.1f}% measured, "
-                 f"{100 * predicted:.1f}% predicted (these stage times, free messages)")
+    ax.set_title(
+        f"{schedule}: p={shape.p}, v={shape.v}, m={shape.m}; bubble {100 * measured:.1f}% measured, "
+        f"{100 * predicted:.1f}% predicted (these stage times, free messages)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -33,16 +33,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ...comm import GroupComm
 from ..engine import Engine
-from .stages import StageChunk
 from .schedules import SPLIT, Action, Shape, batches, build, handoff, peer
 from .split import Deferred, backward_input, backward_weight
+from .stages import StageChunk
 from .timeline import Timeline
 
 Batch = tuple  # (inputs, targets), (inputs, targets, label ids) or (inputs, targets, label ids or None, document ids)
@@ -51,10 +51,21 @@ Batch = tuple  # (inputs, targets), (inputs, targets, label ids) or (inputs, tar
 class PipelineRunner:
     """Executes training, evaluation and decoding steps of one pipeline rank."""
 
-    def __init__(self, engine: Engine, chunks: list[StageChunk], acts: GroupComm, grads: GroupComm, schedule: str,
-                 micro_batches: int, d_model: int, act_dtype: torch.dtype, device: torch.device,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext, tp_ctx=None,
-                 cp_ctx=None):
+    def __init__(
+        self,
+        engine: Engine,
+        chunks: list[StageChunk],
+        acts: GroupComm,
+        grads: GroupComm,
+        schedule: str,
+        micro_batches: int,
+        d_model: int,
+        act_dtype: torch.dtype,
+        device: torch.device,
+        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+        tp_ctx=None,
+        cp_ctx=None,
+    ):
         self.engine, self.chunks = engine, chunks
         self.acts, self.grads = acts, grads
         self.rank = acts.rank
@@ -73,7 +84,9 @@ class PipelineRunner:
         self.trace_enabled = False
         self.last_trace: list[tuple[Action, float, float]] = []
         self.peak_alive = 0
-        self._saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}  # (chunk, micro) -> (input, output)
+        self._saved: dict[
+            tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]
+        ] = {}  # (chunk, micro) -> (input, output)
         self._inbox: dict[tuple[str, int, int], tuple[torch.Tensor, object]] = {}  # posted receives
         self._outbox: dict[tuple[str, int, int], torch.Tensor] = {}  # produced, not yet sent
         self._local: dict[tuple[str, int, int], torch.Tensor] = {}  # handed to a chunk of this rank
@@ -97,8 +110,12 @@ class PipelineRunner:
     @torch.no_grad()
     def forward_only(self, micro: list[Batch]) -> torch.Tensor:
         """Evaluation: the mean loss over ``micro`` (every stage), no backward."""
-        actions = build(self.schedule, Shape.of(self.schedule, self.shape.p, self.shape.v, len(micro)), forward_only=True,
-                        early_receives=self.early_receives)[self.rank]
+        actions = build(
+            self.schedule,
+            Shape.of(self.schedule, self.shape.p, self.shape.v, len(micro)),
+            forward_only=True,
+            early_receives=self.early_receives,
+        )[self.rank]
         return self._reduce_loss(self._run(actions, micro, train=False)).wait()
 
     def _reduce_loss(self, local: torch.Tensor):
@@ -121,8 +138,15 @@ class PipelineRunner:
         return float(loss.wait())
 
     # ---- the executor ----------------------------------------------------------------------
-    def _run(self, actions: list[Action], micro: list[Batch], train: bool, loss_scale: float = 1.0,
-             cache=None, start: int = 0) -> torch.Tensor:
+    def _run(
+        self,
+        actions: list[Action],
+        micro: list[Batch],
+        train: bool,
+        loss_scale: float = 1.0,
+        cache=None,
+        start: int = 0,
+    ) -> torch.Tensor:
         self._inbox, self._outbox, self._sending, self._local = {}, {}, [], {}
         self._total = torch.zeros((), device=self.device)
         self._logits = None
@@ -191,10 +215,13 @@ class PipelineRunner:
                 if a.kind.startswith("SEND"):
                     t = self._outbox.pop((kind, a.chunk, a.micro))
                 else:
-                    t = torch.empty(self._expected(micro, a.micro, self._decoding), dtype=self.act_dtype, device=self.device)
+                    t = torch.empty(
+                        self._expected(micro, a.micro, self._decoding), dtype=self.act_dtype, device=self.device
+                    )
                 ops.append((a, t))
-            handles = comm.batch_p2p([("send" if a.kind.startswith("SEND") else "recv", t, peer(a, self.shape, self.rank))
-                                      for a, t in ops])
+            handles = comm.batch_p2p(
+                [("send" if a.kind.startswith("SEND") else "recv", t, peer(a, self.shape, self.rank)) for a, t in ops]
+            )
             for (a, t), h in zip(ops, handles):
                 if a.kind.startswith("SEND"):
                     self._sending.append((h, t))  # the tensor lives until its send completes
@@ -211,8 +238,16 @@ class PipelineRunner:
         handle.wait()
         return buf
 
-    def _forward(self, a: Action, received: torch.Tensor | None, micro: list[Batch], train: bool, loss_scale: float,
-                 cache, start: int) -> None:
+    def _forward(
+        self,
+        a: Action,
+        received: torch.Tensor | None,
+        micro: list[Batch],
+        train: bool,
+        loss_scale: float,
+        cache,
+        start: int,
+    ) -> None:
         chunk = self.chunks[a.chunk]
         x, y, *rest = micro[a.micro]
         labels = rest[0] if rest else None  # hard-routed experts: the micro-batch's label ids
@@ -224,8 +259,18 @@ class PipelineRunner:
                 ctx.begin_forward(seq_len, decoding=self._decoding)
         target = y.to(self.device, non_blocking=True) if chunk.last and y is not None else None
         with self.autocast():
-            out = self.engine.run_chunk(chunk, lambda: chunk(inp, seq_len, cache, start, labels, target, **(
-                {} if documents is None else {"documents": documents})))  # (moved by the mask)
+            out = self.engine.run_chunk(
+                chunk,
+                lambda: chunk(
+                    inp,
+                    seq_len,
+                    cache,
+                    start,
+                    labels,
+                    target,
+                    **({} if documents is None else {"documents": documents}),
+                ),
+            )  # (moved by the mask)
         if self.tp_ctx is not None:
             self.tp_ctx.end_forward()
         if chunk.last:
@@ -238,8 +283,10 @@ class PipelineRunner:
         else:
             expected = self._expected(micro, a.micro, self._decoding)
             if tuple(out.shape) != expected or out.dtype != self.act_dtype:
-                raise RuntimeError(f"pipeline stage {self.shape.stage(self.rank, a.chunk)} produced {tuple(out.shape)} "
-                                   f"{out.dtype}, but the next stage expects {expected} {self.act_dtype}")
+                raise RuntimeError(
+                    f"pipeline stage {self.shape.stage(self.rank, a.chunk)} produced {tuple(out.shape)} "
+                    f"{out.dtype}, but the next stage expects {expected} {self.act_dtype}"
+                )
             self._hand_over(a, out.detach())
         if train:  # a stage's output is kept as its place in the graph only: its storage goes once it is sent
             self._saved[(a.chunk, a.micro)] = (None if chunk.first else inp, out if chunk.last else _edge(out))
@@ -269,14 +316,26 @@ class PipelineRunner:
 
     # ---- decoding --------------------------------------------------------------------------
     @torch.no_grad()
-    def last_logits(self, tokens: torch.Tensor, cache, start: int, vocab_local: int, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def last_logits(
+        self, tokens: torch.Tensor, cache, start: int, vocab_local: int, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits ``[B, 1, V]`` (this tensor-parallel rank's vocabulary shard) of the last position,
         on every stage: the stages run forward once, the last one broadcasts."""
         self._decoding = True
         try:
-            actions = build(self.schedule, Shape.of(self.schedule, self.shape.p, self.shape.v, 1), forward_only=True,
-                            early_receives=self.early_receives)[self.rank]
-            self._run(actions, [(tokens, None) if labels is None else (tokens, None, labels)], train=False, cache=cache, start=start)
+            actions = build(
+                self.schedule,
+                Shape.of(self.schedule, self.shape.p, self.shape.v, 1),
+                forward_only=True,
+                early_receives=self.early_receives,
+            )[self.rank]
+            self._run(
+                actions,
+                [(tokens, None) if labels is None else (tokens, None, labels)],
+                train=False,
+                cache=cache,
+                start=start,
+            )
             logits = self._logits
         finally:
             self._decoding = False
@@ -325,5 +384,7 @@ class PipelinedModel:
         p = next(self.model.parameters())
         return self.model.new_cache(batch, max_len, dtype=p.dtype)
 
-    def __call__(self, tokens: torch.Tensor, cache=None, start: int = 0, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self, tokens: torch.Tensor, cache=None, start: int = 0, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         return self.runner.last_logits(tokens, cache, start, self.vocab_local, labels)

@@ -65,16 +65,22 @@ def check_shape(schedule: str, shape: Shape) -> None:
         raise ValueError(f"pipeline degrees must be positive, got {shape}")
     if schedule == "interleaved":
         if shape.v < 2:
-            raise ValueError("parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (model chunks per rank); "
-                             "with one chunk per rank use 1f1b")
+            raise ValueError(
+                "parallel.schedule=interleaved needs parallel.virtual_stages >= 2 (model chunks per rank); "
+                "with one chunk per rank use 1f1b"
+            )
         if shape.m % shape.p:
-            raise ValueError(f"the interleaved schedule runs micro-batches in groups of parallel.pp ({shape.p}), but there are "
-                             f"{shape.m} micro-batches per step; make train.global_batch / (parallel.dp x train.micro_batch) "
-                             f"a multiple of {shape.p}")
+            raise ValueError(
+                f"the interleaved schedule runs micro-batches in groups of parallel.pp ({shape.p}), but there are "
+                f"{shape.m} micro-batches per step; make train.global_batch / (parallel.dp x train.micro_batch) "
+                f"a multiple of {shape.p}"
+            )
     elif schedule == "zb-v":
         if shape.v != 2:
-            raise ValueError(f"parallel.schedule=zb-v places two model chunks on each pipeline rank, in a V: set "
-                             f"parallel.virtual_stages=2 (got {shape.v})")
+            raise ValueError(
+                f"parallel.schedule=zb-v places two model chunks on each pipeline rank, in a V: set "
+                f"parallel.virtual_stages=2 (got {shape.v})"
+            )
     elif shape.v != 1:
         raise ValueError(f"parallel.virtual_stages={shape.v} needs parallel.schedule=interleaved (or zb-v with 2)")
     if shape.vee != (schedule == "zb-v"):
@@ -101,7 +107,7 @@ def compute_order(schedule: str, shape: Shape, rank: int) -> list[Action]:
     order = fwd[:w]
     for k in range(len(fwd) - w):
         order += [fwd[w + k], bwd[k]]
-    return order + bwd[len(fwd) - w:]
+    return order + bwd[len(fwd) - w :]
 
 
 def forward_only_order(shape: Shape, rank: int) -> list[Action]:
@@ -145,7 +151,9 @@ def with_messages(orders: list[list[Action]], shape: Shape, early_receives: bool
 
 def build(schedule: str, shape: Shape, forward_only: bool = False, early_receives: bool = False) -> list[list[Action]]:
     """Every rank's action list (``early_receives``: see :func:`with_messages`)."""
-    orders = [forward_only_order(shape, r) if forward_only else compute_order(schedule, shape, r) for r in range(shape.p)]
+    orders = [
+        forward_only_order(shape, r) if forward_only else compute_order(schedule, shape, r) for r in range(shape.p)
+    ]
     return with_messages(orders, shape, early_receives)
 
 

@@ -178,7 +178,9 @@ def _nested(nodes: list, in_d: dict, kids: dict) -> bool:
     return False
 
 
-def backward_input(output: torch.Tensor | GradientEdge, grad: torch.Tensor | None, inp: torch.Tensor | None) -> Deferred:
+def backward_input(
+    output: torch.Tensor | GradientEdge, grad: torch.Tensor | None, inp: torch.Tensor | None
+) -> Deferred:
     """``B``: ``inp.grad`` from ``output``'s gradient ``grad`` (None: ``output`` is the loss; ``output`` may be its
     :class:`GradientEdge`); returns what ``W`` needs."""
     root = output.node if isinstance(output, GradientEdge) else output.grad_fn  # (a stage's output: its edge)

@@ -40,17 +40,23 @@ def partition_layers(n_layers: int, parts: int, given: list[int] | None = None) 
     """The layer indices of each of ``parts`` consecutive parts (``given``: their sizes)."""
     if given:
         if len(given) != parts:
-            raise ConfigError(f"parallel.pipeline_layers lists {len(given)} stages, but parallel.pp x parallel.virtual_stages "
-                              f"= {parts}; give one layer count per (virtual) stage")
+            raise ConfigError(
+                f"parallel.pipeline_layers lists {len(given)} stages, but parallel.pp x parallel.virtual_stages "
+                f"= {parts}; give one layer count per (virtual) stage"
+            )
         if any(n < 1 for n in given) or sum(given) != n_layers:
-            raise ConfigError(f"parallel.pipeline_layers {list(given)} must be positive counts adding up to model.n_layers "
-                              f"({n_layers})")
+            raise ConfigError(
+                f"parallel.pipeline_layers {list(given)} must be positive counts adding up to model.n_layers "
+                f"({n_layers})"
+            )
         sizes = list(given)
     else:
         if n_layers < parts:
-            raise ConfigError(f"model.n_layers ({n_layers}) is smaller than the number of pipeline stages (parallel.pp x "
-                              f"parallel.virtual_stages = {parts}); every stage needs at least one layer: lower parallel.pp "
-                              f"or parallel.virtual_stages, or add layers")
+            raise ConfigError(
+                f"model.n_layers ({n_layers}) is smaller than the number of pipeline stages (parallel.pp x "
+                f"parallel.virtual_stages = {parts}); every stage needs at least one layer: lower parallel.pp "
+                f"or parallel.virtual_stages, or add layers"
+            )
         base, extra = divmod(n_layers, parts)
         sizes = [base + (1 if s < extra else 0) for s in range(parts)]
     out, start = [], 0
@@ -70,9 +76,16 @@ class StageChunk:
     def __init__(self, model: Transformer, layers: list[int], first: bool, last: bool):
         self.model, self.layers, self.first, self.last = model, layers, first, last
 
-    def __call__(self, inp: torch.Tensor, seq_len: int, cache: KVCache | None = None, start: int = 0,
-                 labels: torch.Tensor | None = None, target: torch.Tensor | None = None,
-                 documents: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        inp: torch.Tensor,
+        seq_len: int,
+        cache: KVCache | None = None,
+        start: int = 0,
+        labels: torch.Tensor | None = None,
+        target: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token ids ``[B, T]`` (first chunk) or hidden states in; hidden states or, from the last chunk, logits
         (the mean token cross-entropy when ``target`` is given) out. ``labels``: the micro-batch's label ids
         (hard-routed experts); ``documents``: its document ids (packed documents: every chunk builds the mask and
@@ -84,14 +97,22 @@ class StageChunk:
             positions = mask.positions
         h = inp
         if self.first:
-            h = m.embed_tokens(inp, start) if positions is None else m.embed_tokens(inp, start, positions, documents.shape[1])
+            h = (
+                m.embed_tokens(inp, start)
+                if positions is None
+                else m.embed_tokens(inp, start, positions, documents.shape[1])
+            )
         rope = m.rope(start, seq_len) if positions is None else m.rope(start, seq_len, positions)
         for i in self.layers:
             h = m.layers[str(i)](h, rope, cache, start, labels, **extra)
         return m.head(h, target) if self.last else h
 
     def __repr__(self) -> str:
-        ends = ("embedding + " if self.first else "") + f"layers {self.layers[0]}-{self.layers[-1]}" + (" + head" if self.last else "")
+        ends = (
+            ("embedding + " if self.first else "")
+            + f"layers {self.layers[0]}-{self.layers[-1]}"
+            + (" + head" if self.last else "")
+        )
         return f"StageChunk({ends})"
 
 

@@ -54,8 +54,14 @@ def predicted_bubble(schedule: str, shape: Shape, took: dict[tuple[int, str, int
     return simulate(build(schedule, shape), shape, took=took).bubble()
 
 
-def simulate(schedules: list[list[Action]], shape: Shape, t_forward: float = 1.0, t_backward: float = 2.0,
-             t_weight: float = 1.0, took: dict[tuple[int, str, int], float] | None = None) -> Timeline:
+def simulate(
+    schedules: list[list[Action]],
+    shape: Shape,
+    t_forward: float = 1.0,
+    t_backward: float = 2.0,
+    t_weight: float = 1.0,
+    took: dict[tuple[int, str, int], float] | None = None,
+) -> Timeline:
     """Replays the action lists: compute takes the given times (:func:`durations`; ``took``: per rank, kind and
     chunk instead), a message arrives when it is sent.
 

@@ -86,7 +86,7 @@ class Layout:
     sequence_parallel: bool = False  # 1-D only
 
     @classmethod
-    def of(cls, mode: str, tp: int, depth: int = 1, sequence_parallel: bool = False) -> "Layout":
+    def of(cls, mode: str, tp: int, depth: int = 1, sequence_parallel: bool = False) -> Layout:
         """The layout of ``tp`` ranks in ``mode`` (ConfigError, naming the nearest valid ``tp``, where there is none)."""
         if mode == "1d" or tp == 1:
             return cls("1d", tp, 1, 1, sequence_parallel and tp > 1)
@@ -113,6 +113,7 @@ class Layout:
 
 
 # ---- collectives, as the ledger counts them (one call each: :func:`trickles.comm.wire_bytes`, rounded) ----------
+
 
 def all_reduce(k: int, nbytes: float) -> int:
     return int(round(wire_bytes("all_reduce", nbytes, k)))
@@ -147,13 +148,18 @@ def block_linears(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
     else:
         attn = [("q_proj", d, a, b), ("k_proj", d, kv, b), ("v_proj", d, kv, b)]
     if cfg.flavor == "llama":
-        mlp = [("gate_up_proj", d, 2 * f, False)] if cfg.fuses_projections else [("gate_proj", d, f, False), ("up_proj", d, f, False)]
+        mlp = (
+            [("gate_up_proj", d, 2 * f, False)]
+            if cfg.fuses_projections
+            else [("gate_proj", d, f, False), ("up_proj", d, f, False)]
+        )
     else:
         mlp = [("up_proj", d, f, b)]
     return attn + [("o_proj", a, d, b)] + mlp + [("down_proj", f, d, b)]
 
 
 # ---- communication ---------------------------------------------------------------------------
+
 
 def linear_comm(lay: Layout, batch: int, seq: int, h: int, h2: int, bias: bool, p: int) -> dict[str, int]:
     """A grid's linear ``h -> h'`` on a micro-batch: the layer's own formula (:mod:`~trickles.parallel.tensor.grid_linear`)."""
@@ -184,7 +190,9 @@ def block_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int) -> d
     return _add(norms, norms, *(linear_comm(lay, batch, seq, h, h2, b, p) for _, h, h2, b in block_linears(cfg)))
 
 
-def head_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, tp_rank: int | None = None) -> dict[str, int]:
+def head_comm(
+    cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, tp_rank: int | None = None
+) -> dict[str, int]:
     """Everything of a micro-batch's forward and backward besides the blocks: embedding, positions, final norm,
     output layer and loss (module docstring). ``tp_rank``: a tied 2-D/2.5-D embedding's diagonal ranks swap
     nothing; None: an off-diagonal rank's (the most)."""
@@ -198,25 +206,39 @@ def head_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, tp_ra
         return _add(_fb(reduce_scatter(t, act) + gathered, reduce_scatter(t, act) + 2 * gathered), ce)
     q, n = lay.q, lay.tokens(batch, seq)
     if lay.mode == "3d":
-        table = _fb(all_gather(q, p * v * d // q ** 3), reduce_scatter(q, p * v * d // q ** 2))
-        rows = _fb(reduce_scatter(q, p * n_all * d // q ** 2), all_gather(q, p * n_all * d // q ** 3))
+        table = _fb(all_gather(q, p * v * d // q**3), reduce_scatter(q, p * v * d // q**2))
+        rows = _fb(reduce_scatter(q, p * n_all * d // q**2), all_gather(q, p * n_all * d // q**3))
         embed = _add(table, rows)
     else:
-        embed = _fb(all_gather(q, p * v * d // q ** 2), reduce_scatter(q, p * v * d // q)
-                    + all_reduce(lay.depth, p * v * d // q ** 2))
+        embed = _fb(
+            all_gather(q, p * v * d // q**2),
+            reduce_scatter(q, p * v * d // q) + all_reduce(lay.depth, p * v * d // q**2),
+        )
         if cfg.tied:
             i, j = (None, None) if tp_rank is None else ((tp_rank // q) % q, tp_rank % q)
-            swap = 0 if i is not None and i == j else p * v * d // q ** 2
+            swap = 0 if i is not None and i == j else p * v * d // q**2
             embed = _add(embed, _fb(swap, swap))
-    positions = _fb(0, sum(all_reduce(k, p * cfg.max_seq_len * d // q) for k in lay.token_groups)) if cfg.flavor == "gpt2" else _fb()
+    positions = (
+        _fb(0, sum(all_reduce(k, p * cfg.max_seq_len * d // q) for k in lay.token_groups))
+        if cfg.flavor == "gpt2"
+        else _fb()
+    )
     output = linear_comm(lay, batch, seq, d, v, False, p)
     logit_groups = [q, q] if lay.mode == "3d" else lay.token_groups
     loss = _fb(3 * all_reduce(q, 4 * n) + 2 * sum(all_reduce(k, 4) for k in logit_groups))
     return _add(embed, positions, norm_comm(cfg, lay, n, p), output, loss)
 
 
-def comm_bytes(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, recompute: str = "none",
-               tp_rank: int | None = None, whole: int | None = None) -> dict:
+def comm_bytes(
+    cfg: ModelConfig,
+    lay: Layout,
+    batch: int,
+    seq: int,
+    p: int,
+    recompute: str = "none",
+    tp_rank: int | None = None,
+    whole: int | None = None,
+) -> dict:
     """``{"block": {"forward", "backward"}, "head": {...}, "forward", "backward", "total"}``: bytes one rank sends for
     one micro-batch. ``recompute="full"`` runs each block's forward again in backward, up to the last tensor it
     saves (torch's checkpoint stops there): 1-D leaves out the MLP's exit (all-reduce or reduce-scatter), and under
@@ -256,16 +278,31 @@ def partial_grad_count(cfg: ModelConfig, lay: Layout) -> int:
     return kv + norms + gpt2
 
 
-def step_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int, micro_batches: int = 1,
-              recompute: str = "none", grad_bytes: int = 4, tp_rank: int | None = None, whole: int | None = None) -> int:
+def step_comm(
+    cfg: ModelConfig,
+    lay: Layout,
+    batch: int,
+    seq: int,
+    p: int,
+    micro_batches: int = 1,
+    recompute: str = "none",
+    grad_bytes: int = 4,
+    tp_rank: int | None = None,
+    whole: int | None = None,
+) -> int:
     """Bytes one rank sends over its tensor-parallel groups in one training step of ``micro_batches`` micro-batches:
     their forwards and backwards, the gradient norm's fp32 all-reduce over ``tp`` (AdamW's clipping) and, 1-D, the
     partial gradients' all-reduce (``grad_bytes`` per element)."""
     per_micro = comm_bytes(cfg, lay, batch, seq, p, recompute, tp_rank, whole)["total"]
-    return micro_batches * per_micro + all_reduce(lay.tp, 4) + all_reduce(lay.tp, grad_bytes * partial_grad_count(cfg, lay))
+    return (
+        micro_batches * per_micro
+        + all_reduce(lay.tp, 4)
+        + all_reduce(lay.tp, grad_bytes * partial_grad_count(cfg, lay))
+    )
 
 
 # ---- parameters ------------------------------------------------------------------------------
+
 
 def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
     """``{"block": elements of one dense block a rank holds, "rest": embedding, positions, final norm, output,
@@ -283,7 +320,7 @@ def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
         rest = norm + positions + v * d // t * (1 if cfg.tied else 2)
     else:
         q = lay.q
-        mat = q ** 3 if lay.mode == "3d" else q * q
+        mat = q**3 if lay.mode == "3d" else q * q
         block = 2 * norm // q + sum(h * h2 // mat + (h2 // q if b else 0) for _, h, h2, b in block_linears(cfg))
         rest = norm // q + positions // q + v * d // mat * (1 if cfg.tied else 2)
     return {"block": block, "rest": rest, "total": L * block + rest}
@@ -291,8 +328,10 @@ def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
 
 # ---- activations ------------------------------------------------------------------------------
 
-def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4, recompute: str = "none",
-                        device_type: str = "cpu") -> dict:
+
+def activation_bytes_nd(
+    cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4, recompute: str = "none", device_type: str = "cpu"
+) -> dict:
     """What a rank saves for backward for one micro-batch, in the keys of
     :func:`~trickles.memory.activations.activation_bytes` (``layer``, ``per_layer``, ``layers``, ``head``, ``tables``,
     ``total``, ``loss``: the part of the head the loss's own nodes save); a grid's terms in the module docstring, 1-D delegates."""
@@ -314,15 +353,26 @@ def activation_bytes_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: 
     core = p * n * a * hd + 4 * n * a  # the fused kernel's output and log-sum-exp
     attention = p * n * (a * hd + 2 * kv * hd) + core + (4 * seq * hd * p if llama and p != 4 and not rotary else 0)
     mlp = (2 if llama else 1) * p * n * fl
-    layer = {"none": 2 * norm + linears + attention + mlp, "selective": 2 * norm + linears + attention + mlp - core,
-             "full": p * n * d // q}[recompute]
+    layer = {
+        "none": 2 * norm + linears + attention + mlp,
+        "selective": 2 * norm + linears + attention + mlp - core,
+        "full": p * n * d // q,
+    }[recompute]
     v, n_all = cfg.vocab_size, batch * seq
     ids = 9 * n_all // q if lay.mode == "3d" else 8 * n_all
     loss = 4 * n * (v // q) + 9 * n + 4  # the loss's own: its probabilities, ids and mask, the target count
     head = ids + (0 if llama else 8 * seq) + norm + p * n * d + p * v * d // mat + loss
     per_layer = [layer] * cfg.n_layers
-    return {"layer": layer, "moe_layer": 0, "per_layer": per_layer, "layers": sum(per_layer), "head": head,
-            "tables": 0, "total": sum(per_layer) + head, "loss": loss}
+    return {
+        "layer": layer,
+        "moe_layer": 0,
+        "per_layer": per_layer,
+        "layers": sum(per_layer),
+        "head": head,
+        "tables": 0,
+        "total": sum(per_layer) + head,
+        "loss": loss,
+    }
 
 
 def loss_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int) -> int:
@@ -341,8 +391,9 @@ def head_released_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int
     return head - ids - (0 if cfg.flavor == "llama" else 8 * seq)
 
 
-def backward_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4,
-                          device_type: str = "cpu") -> int:
+def backward_transient_nd(
+    cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int = 4, device_type: str = "cpu"
+) -> int:
     """A grid's largest temporaries in a block's backward, alive together at the input gradient of the widest linear
     (the MLP's down projection, ``h = f`` in; the first the last block's backward runs, when all the blocks' saved
     activations are still held), for ``n`` tokens per rank and ``p`` bytes per element:
@@ -369,6 +420,19 @@ def backward_transient_nd(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p
     return p * n * d // q + gathered + copies * partial + partial // q
 
 
-__all__ = ["Layout", "activation_bytes_nd", "backward_transient_nd", "block_comm", "block_linears", "comm_bytes",
-           "head_comm", "head_released_nd", "linear_comm", "loss_transient_nd", "norm_comm", "param_count",
-           "partial_grad_count", "step_comm"]
+__all__ = [
+    "Layout",
+    "activation_bytes_nd",
+    "backward_transient_nd",
+    "block_comm",
+    "block_linears",
+    "comm_bytes",
+    "head_comm",
+    "head_released_nd",
+    "linear_comm",
+    "loss_transient_nd",
+    "norm_comm",
+    "param_count",
+    "partial_grad_count",
+    "step_comm",
+]

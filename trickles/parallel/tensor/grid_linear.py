@@ -65,8 +65,9 @@ class _Summa(torch.autograd.Function):
         # dX's reduce-scatter runs while dA is computed
         dx = row.reduce_scatter((dy @ w_col.to(dy.dtype)).to(x_row.dtype), dim=x_row.dim() - 1, async_op=True)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dw = col.reduce_scatter((dy2.t() @ x_row.reshape(-1, x_row.shape[-1]).to(dy.dtype)).to(w_col.dtype), dim=1,
-                                async_op=True)
+        dw = col.reduce_scatter(
+            (dy2.t() @ x_row.reshape(-1, x_row.shape[-1]).to(dy.dtype)).to(w_col.dtype), dim=1, async_op=True
+        )
         db = col.all_reduce(dy2.sum(0).to(w_col.dtype)) if ctx.has_bias else None
         dx, dw = dx.wait(), dw.wait()
         if dep is not None:
@@ -81,8 +82,16 @@ class Linear2D(nn.Module):
     its row, ``weight`` its ``[h'/q, h/q]`` block (``tp_spec``: global shape and offset, as every tensor-parallel
     parameter), ``bias`` its column's ``[h'/q]``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, device=None,
-                 dep: GroupComm | None = None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        row: GroupComm,
+        col: GroupComm,
+        device=None,
+        dep: GroupComm | None = None,
+    ):
         super().__init__()
         from .layers import TPSpec, set_spec
 
@@ -91,14 +100,18 @@ class Linear2D(nn.Module):
             raise ValueError(f"a 2-D grid is square: rows of {row.size} ranks, columns of {col.size}")
         for name, n in (("input", in_features), ("output", out_features)):
             if n % q:
-                raise ValueError(f"2-D tensor parallelism splits the {name} width ({n}) into q = {q} blocks; "
-                                 f"make it a multiple of {q}")
+                raise ValueError(
+                    f"2-D tensor parallelism splits the {name} width ({n}) into q = {q} blocks; "
+                    f"make it a multiple of {q}"
+                )
         self.row, self.col, self.dep, self.q = row, col, dep, q
         self.in_features, self.out_features = in_features, out_features
         i, j = col.rank, row.rank  # the column group's rank is the row index, and the other way round
         top = dep is None or dep.rank == 0  # 2.5-D: the d layers hold the same blocks; the first counts and writes them
         self.weight = nn.Parameter(torch.empty(out_features // q, in_features // q, device=device))
-        set_spec(self.weight, TPSpec((out_features, in_features), (j * out_features // q, i * in_features // q), primary=top))
+        set_spec(
+            self.weight, TPSpec((out_features, in_features), (j * out_features // q, i * in_features // q), primary=top)
+        )
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // q, device=device))
             # every row holds the same bias block: its gradient is summed along the column inside backward
@@ -122,8 +135,16 @@ class Linear2p5D(Linear2D):
     blocks; after backward the weight (and bias) gradients are all-reduced over the depth line (``tp_dep``):
     ``2 (d-1)/d p (h h'/q^2 + h'/q)`` more bytes per rank. Activations per rank shrink by ``q^2 d``, weights by ``q^2``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, dep: GroupComm,
-                 device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        row: GroupComm,
+        col: GroupComm,
+        dep: GroupComm,
+        device=None,
+    ):
         super().__init__(in_features, out_features, bias, row, col, device=device, dep=dep)
 
 
@@ -148,8 +169,9 @@ class _Cube(torch.autograd.Function):
         dp = b.all_gather(dy.contiguous(), dim=0)
         dx = a.reduce_scatter((dp @ w_kj.to(dp.dtype)).to(x_ik.dtype), dim=0, async_op=True)  # in flight during dA
         dp2 = dp.reshape(-1, dp.shape[-1])
-        dw = c.reduce_scatter((dp2.t() @ x_ik.reshape(-1, x_ik.shape[-1]).to(dp.dtype)).to(w_kj.dtype), dim=1,
-                              async_op=True)
+        dw = c.reduce_scatter(
+            (dp2.t() @ x_ik.reshape(-1, x_ik.shape[-1]).to(dp.dtype)).to(w_kj.dtype), dim=1, async_op=True
+        )
         db = b.all_reduce(c.all_reduce(dy.reshape(-1, dy.shape[-1]).sum(0).to(w_kj.dtype))) if ctx.has_bias else None
         dx, dw = dx.wait(), dw.wait()
         return dx, dw, db, None, None, None
@@ -177,8 +199,17 @@ class Linear3D(nn.Module):
     ``4 (q-1)/q p h'/q`` for a bias.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, row: GroupComm, col: GroupComm, dep: GroupComm,
-                 orientation: int = 0, device=None):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        row: GroupComm,
+        col: GroupComm,
+        dep: GroupComm,
+        orientation: int = 0,
+        device=None,
+    ):
         super().__init__()
         from .layers import TPSpec, set_spec
 
@@ -186,15 +217,21 @@ class Linear3D(nn.Module):
         if not (col.size == dep.size == q):
             raise ValueError(f"a 3-D grid is a cube: lines of {row.size}, {col.size} and {dep.size} ranks")
         if in_features % (q * q) or out_features % q:
-            raise ValueError(f"3-D tensor parallelism splits the input width ({in_features}) into q^2 = {q * q} blocks and "
-                             f"the output width ({out_features}) into q = {q}; make them multiples")
+            raise ValueError(
+                f"3-D tensor parallelism splits the input width ({in_features}) into q^2 = {q * q} blocks and "
+                f"the output width ({out_features}) into q = {q}; make them multiples"
+            )
         a, b = (row, dep) if orientation == 0 else (dep, row)
         self.a, self.b, self.c, self.q = a, b, col, q
         self.in_features, self.out_features, self.orientation = in_features, out_features, orientation
         u, v, w = a.rank, b.rank, col.rank
         self.weight = nn.Parameter(torch.empty(out_features // q, in_features // (q * q), device=device))
-        set_spec(self.weight, TPSpec((out_features, in_features),
-                                     (u * out_features // q, v * in_features // q + w * in_features // (q * q))))
+        set_spec(
+            self.weight,
+            TPSpec(
+                (out_features, in_features), (u * out_features // q, v * in_features // q + w * in_features // (q * q))
+            ),
+        )
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features // q, device=device))
             # held alike by the q^2 ranks of one a-index: the gradient is all-reduced over b and c in backward
@@ -225,7 +262,7 @@ def summa_bytes(q: int, d: int, tokens: int, h: int, h2: int, bias: bool, p: int
 def cube_bytes(q: int, tokens: int, h: int, h2: int, bias: bool, p: int) -> dict[str, float]:
     """Bytes one rank sends in a :class:`Linear3D` ``h -> h'`` over all ``tokens`` ``N`` of the cube: forward
     ``(q-1) p (N h + h h' + N h') / q^3``; backward the same, plus ``4 (q-1)/q p h'/q`` for a bias."""
-    blocks = (q - 1) * p * (tokens * h + h * h2 + tokens * h2) // q ** 3
+    blocks = (q - 1) * p * (tokens * h + h * h2 + tokens * h2) // q**3
     bias_bytes = 4 * (q - 1) / q * p * (h2 // q) if bias else 0.0
     return {"forward": float(blocks), "backward": float(blocks + bias_bytes)}
 
@@ -233,7 +270,7 @@ def cube_bytes(q: int, tokens: int, h: int, h2: int, bias: bool, p: int) -> dict
 def split_2d(full: torch.Tensor, i: int, j: int, q: int) -> torch.Tensor:
     """Block ``(i, j)`` of the last two dimensions' ``q x q`` split of ``full`` (tests and initialization)."""
     rows, cols = full.shape[-2] // q, full.shape[-1] // q
-    return full[..., i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+    return full[..., i * rows : (i + 1) * rows, j * cols : (j + 1) * cols]
 
 
 __all__ = ["Linear2D", "Linear2p5D", "Linear3D", "cube_bytes", "split_2d", "summa_bytes"]

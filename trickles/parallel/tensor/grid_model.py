@@ -87,8 +87,10 @@ class GridContext:
     def rows(self, t: torch.Tensor, logits: bool = False) -> torch.Tensor:
         """This rank's samples of a whole micro-batch's ``[B, ...]`` ids or targets (``logits``: the output layer's)."""
         if t.shape[0] % self.parts:
-            raise ValueError(f"{self.grid.mode} tensor parallelism splits each micro-batch's {t.shape[0]} samples into "
-                             f"{self.parts} blocks; make the micro-batch a multiple of {self.parts}")
+            raise ValueError(
+                f"{self.grid.mode} tensor parallelism splits each micro-batch's {t.shape[0]} samples into "
+                f"{self.parts} blocks; make the micro-batch a multiple of {self.parts}"
+            )
         return t.chunk(self.parts)[self.logit_block if logits else self.block]
 
     def activation_shape(self, b: int, t: int, d: int, decoding: bool = False) -> tuple[int, int, int]:
@@ -105,8 +107,9 @@ class GridContext:
     def linear(self, in_features: int, out_features: int, bias: bool, second: bool = False, device=None) -> nn.Module:
         """The mode's parallel linear; ``second``: the layer that reads another's output (3-D swaps the roles)."""
         if self.grid.mode == "3d":
-            return Linear3D(in_features, out_features, bias, self.row, self.col, self.dep, orientation=int(second),
-                            device=device)
+            return Linear3D(
+                in_features, out_features, bias, self.row, self.col, self.dep, orientation=int(second), device=device
+            )
         if self.dep is not None:
             return Linear2p5D(in_features, out_features, bias, self.row, self.col, self.dep, device=device)
         return Linear2D(in_features, out_features, bias, self.row, self.col, device=device)
@@ -126,7 +129,9 @@ class GridContext:
 
 def _split(n: int, q: int, what: str) -> int:
     if n % q:
-        raise ValueError(f"multi-dimensional tensor parallelism splits {what} ({n}) into {q} blocks; make it a multiple of {q}")
+        raise ValueError(
+            f"multi-dimensional tensor parallelism splits {what} ({n}) into {q} blocks; make it a multiple of {q}"
+        )
     return n // q
 
 
@@ -194,7 +199,9 @@ class GridNorm(nn.Module):
         self.ctx, self.d, self.eps = ctx, d, eps
         local = _split(d, ctx.q, "the model width")
         self.weight = set_spec(nn.Parameter(torch.empty(local, device=device)), ctx.feature_spec((d,), 0))
-        self.bias = set_spec(nn.Parameter(torch.empty(local, device=device)), ctx.feature_spec((d,), 0)) if layer_norm else None
+        self.bias = (
+            set_spec(nn.Parameter(torch.empty(local, device=device)), ctx.feature_spec((d,), 0)) if layer_norm else None
+        )
 
     def forward(self, x):
         w = self.ctx.shared(self.weight)
@@ -252,7 +259,9 @@ class GridEmbedding(nn.Module):
             offset = (j * vocab // q, i * d // q) if tied else (i * vocab // q, j * d // q)
             primary = ctx.dep is None or ctx.dep.rank == 0
         self.tied = tied
-        self.weight = set_spec(nn.Parameter(torch.empty(shape, device=device)), TPSpec((vocab, d), offset, primary=primary))
+        self.weight = set_spec(
+            nn.Parameter(torch.empty(shape, device=device)), TPSpec((vocab, d), offset, primary=primary)
+        )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         ctx, w = self.ctx, self.weight
@@ -281,11 +290,15 @@ class GridPositions(nn.Module):
         super().__init__()
         self.ctx = ctx
         local = _split(d, ctx.q, "the model width")
-        self.weight = set_spec(nn.Parameter(torch.empty(max_len, local, device=device)), ctx.feature_spec((max_len, d), 1))
+        self.weight = set_spec(
+            nn.Parameter(torch.empty(max_len, local, device=device)), ctx.feature_spec((max_len, d), 1)
+        )
 
     def forward(self, positions: torch.Tensor) -> torch.Tensor:
         if positions.dim() != 1:
-            raise ValueError("per-sample positions (left-padded decoding) need 1-D tensor parallelism (parallel.tp_mode=1d)")
+            raise ValueError(
+                "per-sample positions (left-padded decoding) need 1-D tensor parallelism (parallel.tp_mode=1d)"
+            )
         return F.embedding(positions, self.ctx.shared(self.weight))
 
 

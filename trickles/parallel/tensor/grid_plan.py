@@ -40,8 +40,9 @@ from .layers import ForkRNG
 def grid_context(topo: Topology) -> GridContext:
     """The grid context of this rank's tensor-parallel group (``parallel.tp_mode`` 2d, 2.5d or 3d)."""
     grid = topo.dims.grid
-    return GridContext(grid, topo.comm("tp"), topo.comm("tp_row"), topo.comm("tp_col"),
-                       topo.comm("tp_dep") if grid.depth > 1 else None)
+    return GridContext(
+        grid, topo.comm("tp"), topo.comm("tp_row"), topo.comm("tp_col"), topo.comm("tp_dep") if grid.depth > 1 else None
+    )
 
 
 def apply_tensor_nd(model: Transformer, ctx: GridContext) -> GridContext:

@@ -119,7 +119,9 @@ class TPContext:
     def leave(self, y: torch.Tensor) -> torch.Tensor:
         return reduce_scatter_sequence(y, self.comm, dim=1) if self.sp_active else reduce_from_region(y, self.comm)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, regather: bool = True) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, regather: bool = True
+    ) -> torch.Tensor:
         """``F.linear`` of a region's input; keeps only the sequence shard when ``x`` is the latest gathered entry."""
         entry = self._entry
         if regather and entry is not None and entry[0] is x and torch.is_grad_enabled():
@@ -183,15 +185,23 @@ def _shard(n: int, tp: int, what: str) -> int:
 class ColumnParallelLinear(nn.Module):
     """``y_i = x W_i^T + b_i`` with ``W`` split along its output rows; input already in the region."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, ctx: TPContext, device=None, regather: bool = True):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool, ctx: TPContext, device=None, regather: bool = True
+    ):
         super().__init__()
         tp, r = ctx.comm.size, ctx.comm.rank
         local = _shard(out_features, tp, "output features")
         self.ctx, self.regather = ctx, regather
         self.in_features, self.out_features = in_features, local
-        self.weight = set_spec(nn.Parameter(torch.empty(local, in_features, device=device)),
-                               TPSpec((out_features, in_features), (r * local, 0)))
-        self.bias = set_spec(nn.Parameter(torch.empty(local, device=device)), TPSpec((out_features,), (r * local,))) if bias else None
+        self.weight = set_spec(
+            nn.Parameter(torch.empty(local, in_features, device=device)),
+            TPSpec((out_features, in_features), (r * local, 0)),
+        )
+        self.bias = (
+            set_spec(nn.Parameter(torch.empty(local, device=device)), TPSpec((out_features,), (r * local,)))
+            if bias
+            else None
+        )
 
     def forward(self, x):
         return self.ctx.linear(x, self.weight, self.bias, self.regather)
@@ -206,10 +216,18 @@ class RowParallelLinear(nn.Module):
         local = _shard(in_features, tp, "input features")
         self.ctx = ctx
         self.in_features, self.out_features = local, out_features
-        self.weight = set_spec(nn.Parameter(torch.empty(out_features, local, device=device)),
-                               TPSpec((out_features, in_features), (0, r * local)))
-        self.bias = set_spec(nn.Parameter(torch.empty(out_features, device=device)),
-                             replicated_spec((out_features,), partial=ctx.sequence_parallel)) if bias else None
+        self.weight = set_spec(
+            nn.Parameter(torch.empty(out_features, local, device=device)),
+            TPSpec((out_features, in_features), (0, r * local)),
+        )
+        self.bias = (
+            set_spec(
+                nn.Parameter(torch.empty(out_features, device=device)),
+                replicated_spec((out_features,), partial=ctx.sequence_parallel),
+            )
+            if bias
+            else None
+        )
 
     def forward(self, x):
         y = self.ctx.leave(F.linear(x, self.weight))
@@ -223,8 +241,17 @@ class ReplicatedKV(nn.Module):
     one key/value head per local query head, so attention proceeds without grouping.
     """
 
-    def __init__(self, in_features: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool, ctx: TPContext, device=None,
-                 regather: bool = True):
+    def __init__(
+        self,
+        in_features: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        bias: bool,
+        ctx: TPContext,
+        device=None,
+        regather: bool = True,
+    ):
         super().__init__()
         tp, r = ctx.comm.size, ctx.comm.rank
         local_q = _shard(n_heads, tp, "query heads")
@@ -234,8 +261,15 @@ class ReplicatedKV(nn.Module):
         self.head_dim = head_dim
         self.in_features, self.out_features = in_features, local_q * head_dim
         out = n_kv_heads * head_dim
-        self.weight = set_spec(nn.Parameter(torch.empty(out, in_features, device=device)), replicated_spec((out, in_features), partial=True))
-        self.bias = set_spec(nn.Parameter(torch.empty(out, device=device)), replicated_spec((out,), partial=True)) if bias else None
+        self.weight = set_spec(
+            nn.Parameter(torch.empty(out, in_features, device=device)),
+            replicated_spec((out, in_features), partial=True),
+        )
+        self.bias = (
+            set_spec(nn.Parameter(torch.empty(out, device=device)), replicated_spec((out,), partial=True))
+            if bias
+            else None
+        )
 
     def forward(self, x):
         kv = self.ctx.linear(x, self.weight, self.bias, self.regather)
@@ -258,7 +292,9 @@ class VocabParallelEmbedding(nn.Module):
         local = _shard(vocab, tp, "vocabulary size")
         self.ctx = ctx
         self.start, self.end = r * local, (r + 1) * local
-        self.weight = set_spec(nn.Parameter(torch.empty(local, dim, device=device)), TPSpec((vocab, dim), (r * local, 0)))
+        self.weight = set_spec(
+            nn.Parameter(torch.empty(local, dim, device=device)), TPSpec((vocab, dim), (r * local, 0))
+        )
 
     def forward(self, ids):
         outside = (ids < self.start) | (ids >= self.end)
@@ -314,9 +350,20 @@ def init_tp_param(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 # ---- bytes, stated once (the ledger is tested against them; the planner's time model reads them) -------------------
 
-def region_wire_bytes(tokens: int, d: int, p: int, tp: int, sequence_parallel: bool, dense_layers: int,
-                      moe_layers: int = 0, embedding: bool = True, head: bool = True,
-                      recompute: str = "none", whole: int | None = None) -> dict[str, tuple[int, int, int]]:
+
+def region_wire_bytes(
+    tokens: int,
+    d: int,
+    p: int,
+    tp: int,
+    sequence_parallel: bool,
+    dense_layers: int,
+    moe_layers: int = 0,
+    embedding: bool = True,
+    head: bool = True,
+    recompute: str = "none",
+    whole: int | None = None,
+) -> dict[str, tuple[int, int, int]]:
     """``{op: (calls, bytes, wire bytes)}`` one rank's tensor-parallel collectives take for one micro-batch of
     ``tokens`` (of the whole sequence, ``B T``, or ``B T / cp``), model width ``d``, ``p`` bytes per element.
 
@@ -356,14 +403,24 @@ def region_wire_bytes(tokens: int, d: int, p: int, tp: int, sequence_parallel: b
         parts = [entry("all_reduce", n + rerun, act), *loss]
         return {"all_reduce": tuple(map(sum, zip(*parts)))}
     gathers = n + regions + int(head)  # entries, the regions' backward regathers (or their rerun entries), the output's
-    out = {"reduce_scatter": entry("reduce_scatter", n + rerun, act), "all_gather": entry("all_gather", gathers, act // tp)}
+    out = {
+        "reduce_scatter": entry("reduce_scatter", n + rerun, act),
+        "all_gather": entry("all_gather", gathers, act // tp),
+    }
     if loss:
         out["all_reduce"] = loss[0]
     return out
 
 
-def partial_grad_elements(cfg, tp: int, sequence_parallel: bool, layers: int | None = None, first: bool = True,
-                          last: bool = True, moe_elements: int = 0) -> int:
+def partial_grad_elements(
+    cfg,
+    tp: int,
+    sequence_parallel: bool,
+    layers: int | None = None,
+    first: bool = True,
+    last: bool = True,
+    moe_elements: int = 0,
+) -> int:
     """Gradient elements every tensor-parallel rank holds whole but computes from part of the data, summed over the
     group in one all-reduce per step (``TPSpec.partial_grad``): key/value projections kept whole
     (:class:`ReplicatedKV`, when ``tp`` does not divide ``n_kv_heads``: ``2 a_kv h d`` per block, with gpt2's biases

@@ -57,7 +57,9 @@ class _VocabParallelCE(torch.autograd.Function):
         return g * grad.unsqueeze(-1), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, comm: GroupComm, start: int) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, comm: GroupComm, start: int
+) -> torch.Tensor:
     """Mean cross-entropy over the tokens not ignored from ``logits [..., V/tp]`` holding vocabulary ``[start, start + V/tp)``."""
     if comm.size == 1:
         return cross_entropy(logits, target)
@@ -82,6 +84,14 @@ class VocabParallelLoss(OutputLoss):
     def forward(self, h: torch.Tensor, output: nn.Module, target: torch.Tensor) -> torch.Tensor:
         comm = self.ctx.comm
         if self.is_fused(h):
-            return linear_cross_entropy(h, output.weight, target, output.bias, self.chunk, self.kernels,
-                                        comm if comm.size > 1 else None, self.ctx.vocab_start)
+            return linear_cross_entropy(
+                h,
+                output.weight,
+                target,
+                output.bias,
+                self.chunk,
+                self.kernels,
+                comm if comm.size > 1 else None,
+                self.ctx.vocab_start,
+            )
         return vocab_parallel_cross_entropy(output(h), target, comm, self.ctx.vocab_start)

@@ -44,13 +44,26 @@ from ...comm import GroupComm, gather_from_region
 from ...models import fused
 from ...models.transformer import Transformer
 from ..expert import split_sequence
-from .layers import (ColumnParallelLinear, ForkRNG, ReplicatedKV, RowParallelLinear,
-                     TPContext, VocabParallelEmbedding, enter_after, replicated_spec, set_spec)
+from .layers import (
+    ColumnParallelLinear,
+    ForkRNG,
+    ReplicatedKV,
+    RowParallelLinear,
+    TPContext,
+    VocabParallelEmbedding,
+    enter_after,
+    replicated_spec,
+    set_spec,
+)
 from .loss import VocabParallelLoss
 
 
-def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel: bool,
-                          recomputed_blocks: frozenset[int] | set[int] = frozenset()) -> TPContext:
+def apply_tensor_parallel(
+    model: Transformer,
+    comm: GroupComm,
+    sequence_parallel: bool,
+    recomputed_blocks: frozenset[int] | set[int] = frozenset(),
+) -> TPContext:
     """Swaps ``model``'s modules for tensor-parallel ones over ``comm`` (in place); returns the shared context.
 
     ``recomputed_blocks``: the layers whose blocks are recomputed whole in backward, so their column-parallel
@@ -91,8 +104,9 @@ def apply_tensor_parallel(model: Transformer, comm: GroupComm, sequence_parallel
             block.mlp_norm = norm(block.mlp_norm)
         hd = cfg.head_dim
         if attn.fused:  # the config check made tp divide the key/value heads: whole groups per rank
-            attn.qkv_proj = ColumnParallelLinear(cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias, ctx, device=dev,
-                                                 regather=rg)
+            attn.qkv_proj = ColumnParallelLinear(
+                cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias, ctx, device=dev, regather=rg
+            )
         else:
             attn.q_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, bias, ctx, device=dev, regather=rg)
             kv = ColumnParallelLinear if cfg.kv_heads % tp == 0 else ReplicatedKV
@@ -133,6 +147,7 @@ def _sequence_parallel_switch(ctx: TPContext):
         cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
         ctx.begin_forward(tokens.shape[1], decoding=cache is not None)
         return None
+
     return hook
 
 
@@ -144,6 +159,7 @@ def _own_positions(ctx: TPContext):
         if ctx.sp_active:
             return (args[0].chunk(ctx.comm.size, dim=-1)[ctx.comm.rank],)
         return None
+
     return hook
 
 
@@ -154,6 +170,7 @@ def _own_labels(ctx: TPContext):
         if ctx.sp_active and len(args) > 1 and args[1] is not None and args[1].dim() == 2:
             return (args[0], args[1].chunk(ctx.comm.size, dim=1)[ctx.comm.rank])
         return None
+
     return hook
 
 
