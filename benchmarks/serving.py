@@ -5,13 +5,15 @@ The workload is fixed by the seed: ``--requests`` prompts of random printable by
 weights for everyone; ours is exported with ``save_hf`` for transformers). Arrivals: ``--concurrency C`` clients,
 each sending its next request as soon as its previous one is answered (closed loop, the default), or ``--rate R``
 requests a second in a Poisson process. A contestant's clock runs from the first request sent to the last answer
-received (after ``--warmup`` untimed requests), bounded by ``--time-limit`` (a request not answered by then counts as lost and fails the run).
+received (after ``--warmup`` untimed requests), bounded by ``--time-limit`` (a request not answered by then counts
+as lost and fails the run).
 
 Contestants:
 
 * ``continuous``: ``trickles serve``'s application (:mod:`trickles.infer.server`) under uvicorn on loopback, in a
   child process (so that the load generator's threads do not share its interpreter lock; on CUDA, which a forked
-  process cannot use, in a thread), the clients streaming (server-sent events; a choice's first chunk is sent with its first token);
+  process cannot use, in a thread), the clients streaming (server-sent events; a choice's first chunk is sent with
+  its first token);
 * ``static``: the same server with ``batching="static"`` (a batch runs to its end before the next starts);
 * ``engine``: our :class:`~trickles.infer.engine.Engine` called in this process (no HTTP), next to
 * ``transformers``: ``transformers``' continuous-batching manager (``init_continuous_batching``, the machinery of
@@ -20,8 +22,12 @@ Contestants:
 With ``--rounds R`` every contestant runs R times, each round starting one contestant further on; the table holds the
 median of each number, and each ratio is the median of the rounds' own ratios. Reported per contestant: generated
 tokens/s, time to first token and end-to-end latency (p50, p99), requests sent
-and answered. Agreement first: every request's greedy text must be the same from our three contestants;
-transformers' rows are compared and the count of equal ones printed. Targets (CPU, 16 clients): continuous >= 2x
+and answered, where answered means whole: a non-200, a stream that carries an ``{"error": ...}`` event, or one that
+ends without its ``finish_reason``, usage or ``[DONE]``, is a failed request, and any failed request fails the run.
+Agreement first: every request's greedy text must be the same from our three contestants; each request transformers
+answers differently is printed with the reason, read from our model's logits where the two answers part: a near-tie
+(the two tokens' logits within ``--tie-tolerance``, which kernels' rounding may break either way) is reported, a
+disagreement without one fails the run. Targets (CPU, 16 clients): continuous >= 2x
 static's tokens/s with at most half its p99 time to first token, and engine >= 1.0x transformers'.
 """
 
@@ -41,13 +47,15 @@ import tempfile
 import threading
 import time
 
+import torch
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_name, one_device, table, write_json  # noqa: E402
 
 from trickles.data import ByteTokenizer  # noqa: E402
-from trickles.infer import Sampling  # noqa: E402
+from trickles.infer import Sampling, decode  # noqa: E402
 from trickles.infer.engine import Engine, EngineConfig  # noqa: E402
-from trickles.infer.server import BackgroundServer  # noqa: E402
+from trickles.infer.listen import BackgroundServer  # noqa: E402
 from trickles.models import ModelConfig, apply_preset, build_model, save_hf  # noqa: E402
 
 TOK = ByteTokenizer()
@@ -76,8 +84,8 @@ def arrivals(args, n: int) -> list[float] | None:
 
 
 def drive(args, requests, send) -> dict:
-    """Runs ``send(i) -> (first_token_s, text, tokens)`` (times from the request's own start) under the arrival
-    pattern; the contestant's record."""
+    """Runs ``send(i) -> (first_token_s, text, tokens[, token ids])`` (times from the request's own start) under the
+    arrival pattern; the contestant's record. A request whose ``send`` raises is not answered."""
     n, times = len(requests), arrivals(args, len(requests))
     for i in range(min(args.warmup, n)):  # untimed: first-call costs (transformers' manager warms up for seconds)
         send(i)
@@ -88,10 +96,10 @@ def drive(args, requests, send) -> dict:
     def one(i):
         sent = time.perf_counter()
         try:
-            first, text, tokens = send(i)
-            out[i] = (first, time.perf_counter() - sent, text, tokens)
+            first, text, tokens, *ids = send(i)
+            out[i] = (first, time.perf_counter() - sent, text, tokens, ids[0] if ids else None)
         except Exception as e:  # noqa: BLE001 -- a failed request is reported, not raised in a thread
-            out[i] = (None, None, f"error: {e}", 0)
+            out[i] = (None, None, f"error: {e}", 0, None)
 
     def client():
         while True:
@@ -141,6 +149,7 @@ def record(out: dict, n: int, wall: float) -> dict:
         "latency_p50": pct(lat, 0.5),
         "latency_p99": pct(lat, 0.99),
         "texts": {i: v[2] for i, v in ok.items()},
+        "ids": {i: v[4] for i, v in ok.items() if v[4] is not None},
     }
 
 
@@ -195,23 +204,44 @@ def http_send(port, requests):
         started = time.perf_counter()
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
-        if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
-        first, text, tokens = None, [], 0
-        for line in r:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            for c in chunk.get("choices", []):
-                if first is None:  # a choice's first chunk comes with its first token (its text may be held back)
-                    first = time.perf_counter() - started
-                text.append(c["text"])
-        conn.close()
-        return first if first is not None else time.perf_counter() - started, "".join(text), tokens
+        try:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {r.read()[:200]!r}")
+            return read_stream(r, started)
+        finally:
+            conn.close()
 
     return send
+
+
+def read_stream(lines, started: float, clock=time.perf_counter) -> tuple[float, str, int]:
+    """``(first_token_s, text, tokens)`` of one streamed completion (server-sent event lines, bytes). Answered means
+    whole: a stream with an ``{"error": ...}`` event, or one that ends without its choice's ``finish_reason``, its
+    usage or ``data: [DONE]`` (a connection cut short), raises RuntimeError saying which."""
+    first, text, tokens, finish, done = None, [], None, None, False
+    for line in lines:
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        if done:
+            raise RuntimeError(f"data after [DONE]: {line[:200]!r}")
+        if line == b"data: [DONE]":
+            done = True
+            continue
+        chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"error event: {chunk['error'].get('message', chunk['error'])}")
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        for c in chunk.get("choices", []):
+            if first is None:  # a choice's first chunk comes with its first token (its text may be held back)
+                first = clock() - started
+            text.append(c["text"])
+            finish = c.get("finish_reason") or finish
+    missing = [w for w, ok in (("finish_reason", finish), ("usage", tokens is not None), ("[DONE]", done)) if not ok]
+    if missing:
+        raise RuntimeError(f"truncated stream: it ended without {', '.join(missing)} after {len(text)} chunks")
+    return first if first is not None else clock() - started, "".join(text), tokens
 
 
 def run_ours(args, model, requests, batching: str, device) -> dict:
@@ -246,7 +276,7 @@ def run_engine(args, model, requests) -> dict:
                 toks.append(ev.token)
                 if first is None:
                     first = time.perf_counter() - started
-        return first if first is not None else time.perf_counter() - started, TOK.decode(toks), len(toks)
+        return first if first is not None else time.perf_counter() - started, TOK.decode(toks), len(toks), toks
 
     try:
         return drive(args, requests, send)
@@ -313,7 +343,7 @@ def run_transformers(args, hf, requests) -> dict:
         if result is None or result.error:
             raise RuntimeError(f"transformers: {None if result is None else result.error}")
         toks = [t for t in result.generated_tokens if t != TOK.eos_id]
-        return (box[0] or time.perf_counter()) - started, TOK.decode(toks), len(toks)
+        return (box[0] or time.perf_counter()) - started, TOK.decode(toks), len(toks), toks
 
     try:
         return drive(args, requests, send)
@@ -339,6 +369,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1, help="runs of every contestant, in rotated order (default 1)")
+    p.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=1e-3,
+        help="largest logit gap at which a text differing from transformers' counts as a near-tie (default 1e-3)",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     device = one_device(args.device, args.threads)
@@ -350,7 +386,7 @@ def main(argv=None) -> int:
     model = build_model(cfg, seed=0).to(device).eval()
     print(
         f"serving benchmark: {args.requests} requests, prompts {args.prompt_lens} bytes, outputs {args.output_lens} "
-        f"tokens, {'rate %g/s' % args.rate if args.rate else '%d clients' % args.concurrency}, "
+        f"tokens, {f'rate {args.rate:g}/s' if args.rate else f'{args.concurrency} clients'}, "
         f"{cfg.n_layers} layers d={cfg.d_model}, {device_name(device)}"
     )
     hf = None
@@ -378,7 +414,7 @@ def main(argv=None) -> int:
             x = results[name]
             print(f"  round {r + 1}, {name}: {x['answered']}/{x['sent']} answered in {x['wall_s']:.1f} s", flush=True)
         rounds.append({k: results[k] for k in names})
-    return report(args, rounds, device)
+    return report(args, rounds, device, model, requests)
 
 
 def check(results: dict) -> str | None:
@@ -402,7 +438,55 @@ RATIOS = {  # name -> (numerator, denominator, metric)
 }
 
 
-def report(args, rounds: list[dict], device) -> int:
+@torch.no_grad()
+def explain(model, prompt: list[int], ours: list[int], theirs: list[int], tolerance: float) -> tuple[bool, str]:
+    """Why two greedy answers to ``prompt`` differ: ``(a tie, the reason)``. At the first token where they part, our
+    model's logits after the common prefix are read: when the two tokens' logits are within ``tolerance`` (a tie, or
+    a near-tie that float rounding of different kernels may break either way) the difference is explained; otherwise
+    one side did not pick the larger logit, and it is an error. An answer that ended there stands for end-of-text."""
+    k = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    context = torch.tensor([prompt + ours[:k]], device=next(model.parameters()).device)
+    logits = model(context)[0, -1].float()
+    a = ours[k] if k < len(ours) else TOK.eos_id
+    b = theirs[k] if k < len(theirs) else TOK.eos_id
+    gap = abs(float(logits[a] - logits[b]))
+    tie = gap <= tolerance
+    return tie, (
+        f"at generated token {k}: ours {a} (logit {float(logits[a]):.6f}), transformers {b} (logit "
+        f"{float(logits[b]):.6f}), gap {gap:.2e} {'<=' if tie else '>'} {tolerance:g}"
+        f"{': a near-tie that rounding may break either way' if tie else ': no tie, a real disagreement'}"
+    )
+
+
+def agree(model, requests, results: dict, tolerance: float) -> tuple[dict, str | None]:
+    """Our texts against transformers' per request: ``(agreement record, the error or None)``. Every request that
+    differs is printed with :func:`explain`'s reason; one that differs without a tie fails the run."""
+    ours = [k for k in ("engine", "continuous", "static") if k in results]
+    if "transformers" not in results or not ours:
+        return {}, None
+    base, theirs = results[ours[0]], results["transformers"]
+    differ = [i for i, t in base["texts"].items() if theirs["texts"][i] != t]
+    ties, wrong = [], []
+    for i in differ:
+        prompt, max_tokens = requests[i]
+        mine = base["ids"].get(i)
+        if mine is None:  # an HTTP contestant: our model's greedy tokens for this prompt alone
+            [alone] = decode(
+                model, [TOK.encode(prompt)], Sampling(max_new_tokens=max_tokens, temperature=0), TOK.eos_id
+            )
+            mine = alone.tokens
+        tie, why = explain(model, TOK.encode(prompt), mine, theirs["ids"][i], tolerance)
+        (ties if tie else wrong).append(i)
+        print(f"  request {i} differs from transformers {why}")
+    record = {"transformers_equal_rows": len(base["texts"]) - len(differ), "near_ties": ties, "disagreements": wrong}
+    print(
+        f"agreement: our contestants give every request the same text; transformers equal on "
+        f"{record['transformers_equal_rows']}/{len(base['texts'])} requests, {len(ties)} differing at a near-tie"
+    )
+    return record, (f"transformers disagrees with us on requests {wrong} without a tie" if wrong else None)
+
+
+def report(args, rounds: list[dict], device, model, requests) -> int:
     """Every round checked; per contestant the median of each number over the rounds; each ratio the median of the
     rounds' own ratios (paired: a noisy round falls on both sides of it)."""
     for r, results in enumerate(rounds):
@@ -411,15 +495,10 @@ def report(args, rounds: list[dict], device) -> int:
             print(f"round {r + 1}: {problem}")
             return 1
     first = rounds[0]
-    ours = [k for k in ("continuous", "static", "engine") if k in first]
-    agreement = {}
-    if "transformers" in first and ours:
-        base = first[ours[0]]["texts"]
-        agreement["transformers_equal_rows"] = sum(first["transformers"]["texts"][i] == t for i, t in base.items())
-        print(
-            f"agreement: our contestants give every request the same text; transformers equal on "
-            f"{agreement['transformers_equal_rows']}/{len(base)} requests"
-        )
+    agreement, problem = agree(model, requests, first, args.tie_tolerance)
+    if problem:
+        print(f"round 1: {problem}")
+        return 1
     keys = ("tokens_per_s", "ttft_p50", "ttft_p99", "latency_p50", "latency_p99", "wall_s", "tokens")
     med = {k: {x: statistics.median(r[k][x] for r in rounds) for x in keys} for k in first}
     rows = [
@@ -456,7 +535,7 @@ def report(args, rounds: list[dict], device) -> int:
             "ratios": ratios,
             "ratios_per_round": per_round,
             "medians": med,
-            "results": {k: {x: y for x, y in r.items() if x != "texts"} for k, r in first.items()},
+            "results": {k: {x: y for x, y in r.items() if x not in ("texts", "ids")} for k, r in first.items()},
         },
     )
     return 0

@@ -1,6 +1,7 @@
-"""Batched decoding (trickles.infer) and the serving engine through a tensor-parallel model (the vocabulary shards gathered by the engine's
-``full_logits``) and through a mixture-of-experts model with its experts split over two ranks (every token sent to
-its experts' rank and back): prompts of different lengths, left-padded, decode as one process does."""
+"""Batched decoding (trickles.infer) and the serving engine through a tensor-parallel model (the vocabulary shards
+gathered by the engine's ``full_logits``) and through a mixture-of-experts model with its experts split over two ranks
+(every token sent to its experts' rank and back): prompts of different lengths, left-padded, decode as one process
+does."""
 
 import math
 

@@ -1,5 +1,6 @@
-"""trickles serve: OpenAI-style completions over HTTP from a trained checkpoint, requests from several clients batched,
-streamed and plain answers equal to trickles generate's greedy text, bad requests answered with a 4xx, clean shutdown."""
+"""trickles serve: OpenAI-style completions over HTTP from a trained checkpoint, requests from several clients
+batched, streamed and plain answers equal to trickles generate's greedy text, bad requests answered with a 4xx, clean
+shutdown."""
 
 import json
 import os
@@ -19,7 +20,8 @@ uvicorn = pytest.importorskip("uvicorn", exc_type=ImportError)
 from helpers import cli_here, trained_checkpoint  # noqa: E402
 
 from trickles.infer import Sampling, decode  # noqa: E402
-from trickles.infer.server import BackgroundServer, create_app  # noqa: E402
+from trickles.infer.listen import BackgroundServer  # noqa: E402
+from trickles.infer.server import create_app  # noqa: E402
 from trickles.infer.static import Batcher, Job  # noqa: E402
 from trickles.testing import run_command  # noqa: E402
 from trickles.train.load import load_for_inference  # noqa: E402
@@ -261,6 +263,16 @@ def test_serve_command_starts_and_stops(checkpoint):
         (["--kv-cache-gb", "0"], "--kv-cache-gb must be a number of gigabytes > 0, got 0"),
         (["--max-body-bytes", "0"], "--max-body-bytes must be at least 1, got 0"),
         (["--api-key", " "], "--api-key must not be empty; leave it out to serve without a key"),
+        (  # given explicitly, even at its default value: refused rather than ignored
+            ["--batching", "static", "--block-size", "16"],
+            "--block-size applies to --batching continuous only (the static batcher has no paged KV pool and no "
+            "chunked prefill): drop it or serve with continuous batching",
+        ),
+        (
+            ["--batching", "static", "--prefill-chunk", "64", "--kv-cache-gb", "1"],
+            "--prefill-chunk and --kv-cache-gb apply to --batching continuous only (the static batcher has no paged "
+            "KV pool and no chunked prefill): drop them or serve with continuous batching",
+        ),
         (
             ["--kv-cache-gb", "0.0000001"],
             "a KV pool of 100 bytes holds no block of 16 positions (8192 bytes each): "
@@ -335,7 +347,7 @@ def test_generate_bad_options(tmp_path, args, message):
 def test_serving_beyond_loopback_without_a_key_warns_once(checkpoint, capsys, monkeypatch):
     """``serve`` on an address other than loopback without an API key prints one warning line; with a key, or on
     loopback, none (uvicorn is not started here: its ``run`` is replaced)."""
-    from trickles.infer.server import serve
+    from trickles.infer.listen import serve
 
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)
     model, tokenizer, _ = load_for_inference(checkpoint, "cpu")

@@ -12,11 +12,12 @@ import torch
 
 from trickles.data import ByteTokenizer
 from trickles.infer import Sampling, decode
-from trickles.infer.engine import Cancelled, Engine, EngineConfig, PoolTooSmall
+from trickles.infer.engine import Cancelled, Engine, EngineConfig, PoolStalled, PoolTooSmall
 from trickles.infer.paged import BlockPool, PagedCall
 from trickles.models import ModelConfig, build_model
 
 TOK = ByteTokenizer()
+STEPS = 2000  # iterations any test here needs, many times over: an engine still busy after them fails, never hangs
 
 
 def _model(flavor="llama", context=64):
@@ -55,7 +56,7 @@ def test_32_requests_arriving_at_random_equal_each_request_alone(flavor):
         requests.append((prompt, sampling, n, engine.submit(prompt, sampling, n)))
         for _ in range(rng.randrange(0, 3)):
             engine.step()
-    engine.run_until_idle()
+    engine.run_until_idle(max_steps=STEPS)
     for prompt, sampling, n, request in requests:
         seeds = [Sampling(**{**sampling.__dict__, "seed": sampling.seed + j}) for j in range(n)]
         alone = decode(model, [prompt] * n, seeds, eos_id=TOK.eos_id, tokenizer=TOK)
@@ -98,7 +99,7 @@ def test_a_short_request_finishes_before_a_long_one_and_a_late_one_starts_at_onc
     for _ in range(5):
         engine.step()
     short = engine.submit([4, 5], Sampling(max_new_tokens=3, temperature=0))
-    engine.run_until_idle()
+    engine.run_until_idle(max_steps=STEPS)
     (lq,), (sq,) = long.sequences, short.sequences
     assert lq.finish_reason == "length" and sq.finish_reason == "length"
     assert sq.finished_step < lq.finished_step
@@ -121,14 +122,14 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(model):
         # 8 prompt tokens an iteration; in the fifth the prompt is done, its first token drawn and fed at once
         assert long.sequences[0].cached == (8 * (i + 1) if i < 4 else 41)
     assert long.sequences[0].first_token_step == engine.steps - 1
-    engine.run_until_idle()
+    engine.run_until_idle(max_steps=STEPS)
     [alone] = decode(model, [list(range(40))], Sampling(max_new_tokens=2, temperature=0), eos_id=TOK.eos_id)
     assert long.result[0].tokens == alone.tokens
 
 
 def test_blocks_return_to_the_pool_after_cancelled_and_failed_requests(model):
-    """A cancelled request and one whose model call fails end (Cancelled / the error) and free their blocks; the
-    requests beside them are served; the pool is empty at the end."""
+    """A cancelled request, one whose model call fails and one whose sampling fails end (Cancelled / the error) and
+    free their blocks; the requests beside them are served; the pool is empty at the end."""
     calls = {"n": 0}
 
     def logits(z):
@@ -149,9 +150,15 @@ def test_blocks_return_to_the_pool_after_cancelled_and_failed_requests(model):
     engine.step()
     assert engine.pool.used > 0
     c.cancel()
-    engine.run_until_idle()
+    engine.run_until_idle(max_steps=STEPS)
     assert isinstance(c.result, Cancelled) and c.sequences[0].finish_reason == "cancelled"
     assert [x.finish_reason for x in d.result] == ["length"] and engine.pool.used == 0
+    # a row whose own settings break its sampling (logits / 1e-300 overflow to inf) fails alone, in the same batch
+    e = engine.submit([5, 6], Sampling(max_new_tokens=5, temperature=1e-300, seed=0), n=2)
+    f = engine.submit([7], Sampling(max_new_tokens=5, temperature=0.5, seed=0))
+    engine.run_until_idle(max_steps=STEPS)
+    assert isinstance(e.result, RuntimeError) and "probability tensor" in str(e.result)
+    assert [x.finish_reason for x in f.result] == ["length"] and engine.pool.used == 0
 
 
 def test_a_prompt_larger_than_the_pool_is_refused_and_budgets_fit_the_pool(model):
@@ -159,8 +166,30 @@ def test_a_prompt_larger_than_the_pool_is_refused_and_budgets_fit_the_pool(model
     with pytest.raises(PoolTooSmall, match="the prompt is 12 tokens; the KV pool holds 12 positions"):
         engine.submit(list(range(12)), Sampling(max_new_tokens=1))
     r = engine.submit(list(range(8)), Sampling(max_new_tokens=30, temperature=0))
-    engine.run_until_idle()
+    engine.run_until_idle(max_steps=STEPS)
     assert len(r.result[0].tokens) == 4 and r.result[0].finish_reason == "length"  # 8 + 4 = the pool's 12 positions
+
+
+def test_a_request_that_can_never_be_admitted_fails_instead_of_waiting_forever(model):
+    """A block lost to no sequence (a leak, made here by hand) leaves a request that needs the whole pool unable to
+    run: once nothing runs it fails with :class:`PoolStalled` naming the lost block, and the engine serves the next
+    request; a bounded drain of a busy engine raises instead of looping."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=2, block_size=4, num_blocks=4))
+    lost: list[int] = []
+    assert engine.pool.grow(lost, 1)  # one block held by no sequence
+    big = engine.submit(list(range(12)), Sampling(max_new_tokens=4, temperature=0))  # 16 positions: 4 blocks
+    small = engine.submit([1], Sampling(max_new_tokens=2, temperature=0))
+    engine.run_until_idle(max_steps=STEPS)
+    assert isinstance(big.result, PoolStalled), big.result
+    assert "needs 4 KV blocks, 3 of 4 are free" in str(big.result) and "1 blocks are held by no sequence" in str(
+        big.result
+    )
+    assert [c.finish_reason for c in small.result] == ["length"] and engine.steps < 20
+    engine.pool.release(lost)
+    assert engine.pool.used == 0
+    engine.submit([1], Sampling(max_new_tokens=50, temperature=0))
+    with pytest.raises(RuntimeError, match="still busy after 3 iterations"):
+        engine.run_until_idle(max_steps=3)
 
 
 def test_events_stream_tokens_and_text_and_the_worker_thread_serves(model):

@@ -71,7 +71,11 @@ def _post(
         ({"prompt": "a", "temperature": -1}, "temperature: Input should be greater than or equal to 0"),
         ({"prompt": "a", "top_k": -1}, "top_k: Input should be greater than or equal to 0"),
         ({"prompt": "a", "top_p": 1.5}, "top_p: Input should be less than or equal to 1"),
-        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0"),
+        ({"prompt": "a", "repetition_penalty": 0}, "repetition_penalty: Input should be greater than or equal to 0.01"),
+        ({"prompt": "a", "seed": 2**64}, "seed: Input should be less than or equal to 9223372036854775807"),
+        ({"prompt": "\ud800"}, "prompt: text must be valid Unicode: character 0 is a lone surrogate"),
+        ({"prompt": "a", "stop": ["x", "\udfff"]}, "stop: text must be valid Unicode"),
+        ({"prompt": ["a"] * 1025}, "this request asks for 1025 sequences (1025 prompts x n=1); the server queues at"),
         ({"prompt": "a", "n": 0}, "n: Input should be greater than or equal to 1"),
         ({"prompt": "a", "n": 17}, "n: Input should be less than or equal to 16"),
     ],
@@ -83,6 +87,10 @@ def _post(
         "top_k",
         "top_p-above-1",
         "repetition_penalty",
+        "seed-over-64-bits",
+        "lone-surrogate",
+        "lone-surrogate-in-stop",
+        "more-sequences-than-ever-queued",
         "n-0",
         "n-17",
     ],
@@ -119,6 +127,7 @@ def test_the_server_logs_one_line_per_request_when_asked(capsys):
             "the conversation is 32 tokens; this model's context is 8",
         ),
         ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {}}, "unknown field 'logit_bias'"),
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content: text must be valid Unicode"),
     ],
     ids=[
         "empty",
@@ -128,6 +137,7 @@ def test_the_server_logs_one_line_per_request_when_asked(capsys):
         "negative-tokens",
         "too-long",
         "unknown-field",
+        "lone-surrogate",
     ],
 )
 def test_bad_chat_requests_are_refused_with_a_400(app, body, words):
@@ -138,12 +148,22 @@ def test_bad_chat_requests_are_refused_with_a_400(app, body, words):
 
 @pytest.mark.parametrize(
     "header",
-    [None, b"Bearer wrong-key-0", b"Bearer k", b"secret-key-1", b"Bearer secret-key-12"],
-    ids=["none", "wrong", "shorter", "no-bearer", "longer"],
+    [
+        None,
+        b"Bearer wrong-key-0",
+        b"Bearer wrong-key-00",
+        b"Bearer secret-key-2",
+        b"Bearer k",
+        b"secret-key-1",
+        b"Bearer secret-key-12",
+    ],
+    ids=["none", "wrong", "wrong-same-length", "last-character", "shorter", "no-bearer", "longer"],
 )
 def test_without_the_api_key_every_endpoint_but_health_answers_401(header):
-    """A request without the header, with a wrong key, a key of another length or no ``Bearer`` gets 401 and never
-    reaches the engine (nothing queued); ``/health`` needs no key, and the right key passes (to the 400 here)."""
+    """A request without the header, with a wrong key (of another length, of the same length, or differing only in
+    its last character), a key of another length or no ``Bearer`` gets 401 and never reaches the engine (nothing
+    queued); ``/health`` needs no key, and the right key passes (to the 400 here). A server that compared only the
+    lengths, or stopped before the last character, would let two of these through."""
     keyed = _app(api_key="secret-key-1")
     headers = () if header is None else ((b"authorization", header),)
     for path, method in (

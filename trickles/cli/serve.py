@@ -41,16 +41,22 @@ def add_parser(sub) -> None:
         default=None,
         metavar="GB",
         help="memory of the paged KV cache pool (default: room for --max-batch sequences of the model's "
-        "context, on a GPU at most 80%% of the memory free after loading)",
+        "context, on a GPU at most 80%% of the memory free after loading; continuous batching only)",
     )
-    v.add_argument("--block-size", type=int, default=16, metavar="P", help="positions per KV cache block (default: 16)")
+    v.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        metavar="P",
+        help="positions per KV cache block (default: 16; continuous batching only)",
+    )
     v.add_argument(
         "--prefill-chunk",
         type=int,
-        default=256,
+        default=None,
         metavar="T",
         help="most prompt tokens prefilled per iteration; longer prompts are prefilled in pieces between "
-        "decode steps (default: 256)",
+        "decode steps (default: 256; continuous batching only)",
     )
     v.add_argument(
         "--batching",
@@ -101,6 +107,24 @@ def run(args) -> int:
     count("--block-size", args.block_size, 1)
     count("--prefill-chunk", args.prefill_chunk, 1)
     count("--max-body-bytes", args.max_body_bytes, 1)
+    if args.batching == "static":  # the static batcher has no paged pool and no chunked prefill
+        given = [
+            f
+            for f, v in (
+                ("--block-size", args.block_size),
+                ("--prefill-chunk", args.prefill_chunk),
+                ("--kv-cache-gb", args.kv_cache_gb),
+            )
+            if v is not None
+        ]
+        if given:
+            raise UserError(
+                f"{' and '.join(given)} {'applies' if len(given) == 1 else 'apply'} to --batching continuous only "
+                "(the static batcher has no paged KV pool and no chunked prefill): drop "
+                f"{'it' if len(given) == 1 else 'them'} or serve with continuous batching"
+            )
+    args.block_size = 16 if args.block_size is None else args.block_size
+    args.prefill_chunk = 256 if args.prefill_chunk is None else args.prefill_chunk
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
         raise UserError(f"--kv-cache-gb must be a number of gigabytes > 0, got {args.kv_cache_gb:g}")
     api_key = args.api_key if args.api_key is not None else os.environ.get("TRICKLES_API_KEY") or None
@@ -113,8 +137,8 @@ def run(args) -> int:
     if missing:
         raise UserError(f"trickles serve needs {' and '.join(missing)}: pip install 'trickles[serve]'")
     from ..infer.engine import EngineConfig
+    from ..infer.listen import serve
     from ..infer.paged import block_bytes
-    from ..infer.server import serve
 
     device = select_device(args.device)
     model, tokenizer, _ = load_model(

@@ -176,7 +176,8 @@ class PaddedBatch:
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
-    """HF's repetition penalty: where ``seen [B, V]``, ``z / r`` for ``z > 0`` and ``z * r`` otherwise (``penalty [B]``)."""
+    """HF's repetition penalty: where ``seen [B, V]``, ``z / r`` for ``z > 0`` and ``z * r`` otherwise
+    (``penalty [B]``)."""
     r = penalty.to(logits.dtype)[:, None]
     return torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
 

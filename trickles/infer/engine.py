@@ -26,7 +26,9 @@ request's tokens do not depend on what it ran with, up to float rounding of batc
 **Budgets.** A prompt is cut from the left to leave room for a token in the context; ``max_new_tokens`` is
 shortened to what the context and the whole pool leave (``finish_reason: "length"``). A prompt that does not fit
 in the pool at all is refused at :meth:`Engine.submit` (:class:`PoolTooSmall`); nothing can run out of memory
-mid-batch, since the sequence admitted first can always take the blocks of the ones after it.
+mid-batch, since the sequence admitted first can always take the blocks of the ones after it. So a sequence that
+waits while nothing runs always fits in the free blocks; one that does not (blocks lost to a bug) could wait forever,
+and instead fails at once with :class:`PoolStalled` (the server answers it as an error), the engine going on.
 
 **Timestamps.** Every sequence records the iteration (``engine.steps``) and ``time.perf_counter()`` at which it
 arrived, was admitted, drew its first token and finished: scheduling is tested from these, not from wall clocks.
@@ -46,10 +48,10 @@ import torch
 
 from ..models.generate import sample_next
 from .decode import Completion, Sampling, TextTracker, apply_repetition_penalty
-from .paged import BlockPool, PagedCall, block_bytes
-from .requests import Cancelled, Event, PoolTooSmall, Request, Sequence
+from .paged import BlockPool, PagedCall, pool_blocks
+from .requests import Cancelled, Event, PoolStalled, PoolTooSmall, Request, Sequence
 
-__all__ = ["Engine", "EngineConfig", "Event", "Request", "Sequence", "PoolTooSmall", "Cancelled"]
+__all__ = ["Engine", "EngineConfig", "Event", "Request", "Sequence", "PoolStalled", "PoolTooSmall", "Cancelled"]
 
 
 @dataclass
@@ -80,16 +82,7 @@ class Engine:
                 f"max_batch and prefill_chunk must be at least 1, got {cfg.max_batch}, {cfg.prefill_chunk}"
             )
         self.context = model.cfg.max_seq_len
-        blocks = cfg.num_blocks
-        if not blocks and cfg.kv_cache_bytes:
-            blocks = cfg.kv_cache_bytes // block_bytes(model, cfg.block_size)
-            if blocks < 1:
-                raise ValueError(
-                    f"a KV pool of {cfg.kv_cache_bytes} bytes holds no block of {cfg.block_size} positions "
-                    f"({block_bytes(model, cfg.block_size)} bytes each): give it more memory"
-                )
-        if not blocks:
-            blocks = cfg.max_batch * -(-self.context // cfg.block_size)
+        blocks = pool_blocks(model, cfg.block_size, cfg.num_blocks, cfg.kv_cache_bytes, cfg.max_batch)
         self.pool = BlockPool(model, blocks, cfg.block_size)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
@@ -190,11 +183,17 @@ class Engine:
                 self._fail_all(e)
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
-        """Steps in this thread until nothing runs or waits."""
+        """Steps in this thread until nothing runs or waits; with ``max_steps``, a RuntimeError if the engine is still
+        busy after that many iterations (a bound for callers that must not hang)."""
         for _ in itertools.count() if max_steps is None else range(max_steps):
             if self.idle and not self._cancels:
                 return
             self.step()
+        if not (self.idle and not self._cancels):
+            raise RuntimeError(
+                f"the engine is still busy after {max_steps} iterations ({len(self.running)} running, "
+                f"{self.backlog} waiting, {self.pool.used} of {self.pool.num_blocks} KV blocks held)"
+            )
 
     def generate(self, prompt: Seq[int], sampling: Sampling, n: int = 1) -> Iterator[Event]:
         """Submits one request and yields its events, stepping the engine in this thread when no worker runs."""
@@ -243,11 +242,23 @@ class Engine:
             if self.pool.free - need < len(self.running) and self.running:
                 return  # keep one block per running sequence so they can grow
             if not self.pool.grow(s.table, len(s.tokens)):
+                if not self.running:  # nothing will ever free a block: fail it rather than wait forever
+                    self._drop(s.request, self._stalled(s, need), "error")
+                    continue
                 return
             self.waiting.popleft()
             if s.admitted_step is None:
                 s.admitted_step = self.steps
             self.running.append(s)
+
+    def _stalled(self, s: Sequence, need: int) -> PoolStalled:
+        """The error of a waiting sequence that can never be admitted: nothing runs, yet too few blocks are free."""
+        lost = self.pool.used - sum(len(q.table) for q in self.waiting)
+        return PoolStalled(
+            f"request {s.request.id} cannot be admitted: it needs {need} KV blocks, {self.pool.free} of "
+            f"{self.pool.num_blocks} are free and no sequence runs that could free more ({lost} blocks are held by "
+            "no sequence: a block leak in the engine); the server goes on, this request fails"
+        )
 
     def _prefill_rows(self) -> list[tuple[Sequence, int]]:
         rows, left = [], self.config.prefill_chunk
@@ -311,12 +322,16 @@ class Engine:
                 )[0]
         nxt = logits.argmax(dim=-1)
         for i, s in enumerate(seqs):
-            if s.settings.temperature > 0:
-                nxt[i] = sample_next(
-                    logits[i : i + 1], s.settings.temperature, s.settings.top_k, s.settings.top_p, s.generator
-                )[0]
+            try:
+                if s.settings.temperature > 0:
+                    z, g = logits[i : i + 1], s.generator
+                    nxt[i] = sample_next(z, s.settings.temperature, s.settings.top_k, s.settings.top_p, g)[0]
+            except RuntimeError as e:  # this row's settings broke its sampling (overflow): it fails, the rest go on
+                self._drop(s.request, e, "error")
         now = time.perf_counter()
         for s, tok in zip(seqs, nxt.tolist()):
+            if s.finish_reason is not None:  # dropped above
+                continue
             if s.seen is not None:
                 s.seen[tok] = True
             self._accept(s, tok, now)

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["BlockPool", "PagedCall", "block_bytes", "kv_layout"]
+__all__ = ["BlockPool", "PagedCall", "block_bytes", "kv_layout", "pool_blocks"]
 
 
 def kv_layout(model) -> tuple[list[int], int, int, torch.dtype, torch.device]:
@@ -49,6 +49,21 @@ def block_bytes(model, block_size: int) -> int:
     """Bytes of one block of every layer's keys and values."""
     layers, heads, dim, dtype, _ = kv_layout(model)
     return 2 * len(layers) * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
+
+
+def pool_blocks(model, block_size: int, num_blocks: int, kv_bytes: int, sequences: int) -> int:
+    """Blocks of a pool: ``num_blocks`` when given, else as many as ``kv_bytes`` hold, else room for ``sequences``
+    full contexts of ``model``. ValueError for a byte budget that holds no block."""
+    if num_blocks:
+        return num_blocks
+    if kv_bytes:
+        if kv_bytes // block_bytes(model, block_size) < 1:
+            raise ValueError(
+                f"a KV pool of {kv_bytes} bytes holds no block of {block_size} positions "
+                f"({block_bytes(model, block_size)} bytes each): give it more memory"
+            )
+        return kv_bytes // block_bytes(model, block_size)
+    return sequences * -(-model.cfg.max_seq_len // block_size)
 
 
 class BlockPool:
@@ -82,7 +97,8 @@ class BlockPool:
         return math.ceil(positions / self.block_size)
 
     def grow(self, table: list[int], positions: int) -> bool:
-        """Appends blocks to ``table`` until it covers ``positions``; False (``table`` unchanged) if too few are free."""
+        """Appends blocks to ``table`` until it covers ``positions``; False (``table`` unchanged) if too few are
+        free."""
         need = self.blocks_for(positions) - len(table)
         if need > len(self._free):
             return False

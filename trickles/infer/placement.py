@@ -52,7 +52,8 @@ class Placement:
         which = f" (blocks {', '.join(map(str, self.streamed))})" if self.streamed else ""
         return (
             f"device budget {self.budget_bytes / 1e9:.3g} GB: {len(self.streamed)} of {n} blocks stream{which}, "
-            f"{self.device_bytes / 1e9:.3g} GB on the device with {self.n_buffers} buffer(s) of {self.buffer_bytes / 1e6:.3g} MB"
+            f"{self.device_bytes / 1e9:.3g} GB on the device with {self.n_buffers} buffer(s) of "
+            f"{self.buffer_bytes / 1e6:.3g} MB"
         )
 
 

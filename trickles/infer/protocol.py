@@ -1,7 +1,12 @@
 """The OpenAI request bodies the server takes and the answers it gives (``/v1/completions``, ``/v1/chat/completions``).
 
 Requests carry OpenAI's fields that apply, plus ``top_k`` and ``repetition_penalty`` (as vLLM takes them); any
-other field is refused by name, so a typo never silently changes decoding. Answers are OpenAI's shapes: a
+other field is refused by name and every value must have its field's JSON type, so a typo never silently changes
+decoding. Every text must be encodable: a JSON
+string may spell a lone surrogate (``"\\ud800"``), which no UTF-8 tokenizer takes, so it is refused by field.
+Numbers are bounded where decoding would overflow: ``seed`` fits a generator's 64 bits, a ``repetition_penalty``
+lies in [0.01, 100], and a temperature below :data:`GREEDY_BELOW` decodes greedily (its limit; dividing the logits by
+it would overflow, as vLLM also does). Answers are OpenAI's shapes: a
 completion's choices carry ``text``, a chat completion's ``message`` (``delta`` when streamed, the first chunk of
 each choice carrying ``role``), ``usage`` counts prompt and generated tokens.
 """
@@ -15,26 +20,52 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .chat import ROLES
 from .decode import Completion, Sampling
 
-__all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "completion_body", "chat_body", "usage"]
+__all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "completion_body", "chat_body", "usage", "GREEDY_BELOW"]
+
+GREEDY_BELOW = 1e-5  #: a temperature below this decodes greedily
 
 
-class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def _encodable(value):
+    """``value`` (a string, or a list of them) if every string is valid Unicode; ValueError otherwise."""
+    for text in [value] if isinstance(value, str) else value if isinstance(value, list) else ():
+        if isinstance(text, str):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(
+                    f"text must be valid Unicode: character {e.start} is a lone surrogate "
+                    f"({text[e.start]!r}), which UTF-8 cannot encode"
+                ) from None
+    return value
+
+
+class _Body(BaseModel):
+    """A request body's part: unknown fields refused, types strict (``"2"`` is no integer and ``"yes"`` no boolean;
+    an integer is a number), every string field encodable."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*")
+    @classmethod
+    def _valid_text(cls, v):
+        return _encodable(v)
+
+
+class _StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Sampled(BaseModel):
+class _Sampled(_Body):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=0)
     temperature: float = Field(1.0, ge=0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
-    repetition_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+    repetition_penalty: float = Field(1.0, ge=0.01, le=100)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
     stream_options: _StreamOptions | None = None  #: ``include_usage``: a last chunk with the usage, no choices
@@ -52,7 +83,7 @@ class _Sampled(BaseModel):
         tokens = self.max_tokens if self.max_tokens is not None else default_tokens
         return Sampling(
             max_new_tokens=tokens,
-            temperature=self.temperature,
+            temperature=self.temperature if self.temperature >= GREEDY_BELOW else 0.0,
             top_k=self.top_k,
             top_p=self.top_p,
             repetition_penalty=self.repetition_penalty,
@@ -67,16 +98,14 @@ class CompletionRequest(_Sampled):
     prompt: str | list[str]
 
 
-class _TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _TextPart(_Body):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     """One message: a role and its text (a string, or a list of text parts)."""
 
-    model_config = ConfigDict(extra="forbid")
     role: str
     content: str | list[_TextPart] | None = None
     name: str | None = None

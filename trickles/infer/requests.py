@@ -18,11 +18,15 @@ import torch
 
 from .decode import Completion, Sampling, TextTracker
 
-__all__ = ["Cancelled", "Event", "PoolTooSmall", "Request", "Sequence"]
+__all__ = ["Cancelled", "Event", "PoolStalled", "PoolTooSmall", "Request", "Sequence"]
 
 
 class PoolTooSmall(ValueError):
     """A prompt needs more KV blocks than the whole pool holds."""
+
+
+class PoolStalled(RuntimeError):
+    """A waiting sequence can never be admitted: nothing runs, and the pool's free blocks are too few for it."""
 
 
 class Cancelled(RuntimeError):
@@ -77,8 +81,9 @@ class Sequence:
 
 
 class Request:
-    """What :meth:`~trickles.infer.engine.Engine.submit` returns: ``n`` sequences of one prompt; :meth:`events` iterates over the output
-    (a thread running the engine must feed it: :meth:`Engine.start`), :meth:`cancel` stops it."""
+    """What :meth:`~trickles.infer.engine.Engine.submit` returns: ``n`` sequences of one prompt; :meth:`events`
+    iterates over the output (a thread running the engine must feed it: :meth:`Engine.start`), :meth:`cancel` stops
+    it."""
 
     def __init__(
         self, engine, rid: int, on_event: Callable[[Event], None] | None, on_finish: Callable[[object], None] | None

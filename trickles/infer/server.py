@@ -12,21 +12,20 @@ KV blocks at the engine's next iteration.
 Refusals, each a JSON error ``{"error": {"message", "type"}}``, the server alive after each: 400 for malformed JSON,
 unknown fields, values out of range, a prompt that leaves no room in the context or needs more KV blocks than
 the pool has, empty ``messages`` or an unknown role; 401 without the API key (:class:`~.http.ApiKey`); 413 for a
-body over the limit (:class:`~.http.BodyLimit`); 503 with ``Retry-After`` when ``max_waiting`` sequences already
-wait; 500 when decoding fails. With ``n > 1`` choice ``j`` of a seeded request uses ``seed + j``; a list of
-prompts answers choice ``i * n + j`` for prompt ``i``'s ``j``-th.
+body over the limit (:class:`~.http.BodyLimit`); 400 for a request of more sequences (prompts times ``n``) than
+``max_waiting``, 503 with ``Retry-After`` when ``max_waiting`` sequences already wait; 500 when decoding fails.
+With ``n > 1`` choice ``j`` of a seeded request uses ``seed + j``; a list of prompts answers choice ``i * n + j``
+for prompt ``i``'s ``j``-th.
+
+Around it: the streams' plumbing in :mod:`.sse`, the middlewares in :mod:`.http`, the bodies in :mod:`.protocol`, and
+running it on a socket (:func:`~.listen.serve`) or in a thread (:class:`~.listen.BackgroundServer`) in :mod:`.listen`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
-import json
-import sys
-import threading
 import time
 import uuid
-import weakref
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -38,87 +37,16 @@ from starlette.exceptions import HTTPException
 
 from .chat import render_chat
 from .decode import Sampling
-from .engine import Engine, EngineConfig, Event
+from .engine import Engine, EngineConfig
 from .http import ApiKey, BodyLimit, RequestLog, error_body, validation_message
 from .metrics import CONTENT_TYPE_LATEST, ServingMetrics
-from .protocol import ChatRequest, CompletionRequest, chat_body, completion_body, usage
-from .static import Batcher, Job
+from .protocol import ChatRequest, CompletionRequest, chat_body, completion_body
+from .sse import Mailbox, event_stream
+from .static import StaticBackend
 
-__all__ = ["create_app", "serve", "BackgroundServer", "StaticBackend", "MAX_BODY_BYTES"]
+__all__ = ["create_app", "MAX_BODY_BYTES"]
 
 MAX_BODY_BYTES = 1 << 20  #: default limit of a request body (a prompt of the longest context fits many times)
-
-
-class StaticBackend:
-    """The static :class:`~.static.Batcher` behind the engine's ``submit`` (no cancellation: a batch runs out)."""
-
-    def __init__(self, model, tokenizer, max_batch: int, window_s: float, logits_fn=None, metrics=None):
-        self.batcher = Batcher(model, tokenizer, max_batch, window_s, logits_fn)
-        self.metrics = metrics
-
-    @property
-    def backlog(self) -> int:
-        """Jobs waiting for a batch."""
-        return self.batcher.queue.qsize()
-
-    def submit(self, prompt, sampling: Sampling, n: int = 1, *, on_event, on_finish) -> Job:
-        settings = [sampling.for_choice(j) for j in range(n)]
-
-        def finish(result):
-            if self.metrics is not None:
-                self.metrics.on_request("error" if isinstance(result, BaseException) else "ok")
-                if not isinstance(result, BaseException):
-                    self.metrics.on_tokens(sum(c.prompt_tokens for c in result), sum(len(c.tokens) for c in result))
-            on_finish(result)
-
-        job = Job(
-            [list(prompt)] * n,
-            settings,
-            emit=lambda row, text, reason: on_event(Event(row, None, text, reason)),
-            finish=finish,
-        )
-        self.batcher.submit(job)
-        return job
-
-    def cancel(self, handle) -> None:
-        """A static batch cannot drop a row; the request's output is ignored."""
-
-    def start(self) -> None:
-        self.batcher.start()
-
-    def stop(self) -> None:
-        self.batcher.stop()
-
-
-class Mailbox:
-    """Hands items from the engine's thread to queues of one event loop, waking the loop once per burst rather than
-    once per item (an iteration of the engine posts a token to every running sequence)."""
-
-    _boxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.items, self.lock, self.scheduled = loop, [], threading.Lock(), False
-
-    @classmethod
-    def of(cls, loop: asyncio.AbstractEventLoop) -> Mailbox:
-        box = cls._boxes.get(loop)
-        if box is None:
-            box = cls._boxes[loop] = cls(loop)
-        return box
-
-    def __call__(self, queue: asyncio.Queue, item) -> None:
-        with self.lock:
-            self.items.append((queue, item))
-            if self.scheduled:
-                return
-            self.scheduled = True
-        self.loop.call_soon_threadsafe(self._deliver)
-
-    def _deliver(self) -> None:
-        with self.lock:
-            items, self.items, self.scheduled = self.items, [], False
-        for queue, item in items:
-            queue.put_nowait(item)
 
 
 def create_app(
@@ -221,6 +149,13 @@ def create_app(
         body: Callable,
         include_usage: bool = False,
     ):
+        if n * len(prompts) > max_waiting:  # never fits, however long the client waits: not a 503 to retry
+            metrics.on_request("rejected")
+            return error(
+                400,
+                f"this request asks for {n * len(prompts)} sequences ({len(prompts)} prompts x n={n}); the server "
+                f"queues at most {max_waiting}: send fewer prompts per request or a smaller n",
+            )
         if backend.backlog + n * len(prompts) > max_waiting:
             metrics.on_request("rejected")
             return error(
@@ -255,7 +190,8 @@ def create_app(
 
         if stream:
             return StreamingResponse(
-                _stream(events, len(prompts), n, head, chunk, include_usage, cancel_all), media_type="text/event-stream"
+                event_stream(events, len(prompts), n, head, chunk, include_usage, cancel_all),
+                media_type="text/event-stream",
             )
         results: dict[int, object] = {}
         checked = time.monotonic()
@@ -340,118 +276,3 @@ def create_app(
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat)
     return app
-
-
-async def _stream(
-    events: asyncio.Queue,
-    prompts: int,
-    n: int,
-    head: dict,
-    chunk: Callable,
-    include_usage: bool,
-    cancel: Callable[[], None],
-):
-    """Server-sent events of one request; closing the stream early cancels what is still decoding."""
-    done, started, results, failed = 0, set(), [], False
-    try:
-        while done < prompts and not failed:
-            out = []
-            kind, i, x = await events.get()
-            while True:  # everything already queued goes out in one write
-                if kind == "done":
-                    done += 1
-                    if isinstance(x, BaseException):
-                        out.append(f"data: {json.dumps(error_body(f'decoding failed: {x}', 'server_error'))}\n\n")
-                        failed = True
-                        break
-                    results.extend(x)
-                else:
-                    ev: Event = x
-                    k = i * n + ev.row
-                    if ev.text or ev.finish_reason is not None or k not in started:
-                        out.append(f"data: {json.dumps(chunk(k, ev, k not in started))}\n\n")
-                        started.add(k)
-                if events.empty():
-                    break
-                kind, i, x = events.get_nowait()
-            if out:
-                yield "".join(out)
-        if include_usage and done == prompts and not failed:
-            yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage(results)})}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        if done < prompts:
-            cancel()
-
-
-def serve(
-    model,
-    tokenizer,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    name: str = "trickles",
-    max_batch: int = 32,
-    on_ready: Callable[[str, int], None] | None = None,
-    **app_options,
-) -> None:
-    """Serves ``model`` until interrupted. The socket is bound here (``port=0``: a free port), and ``on_ready(host,
-    port)`` is told the address before uvicorn starts accepting connections. ``app_options`` go to
-    :func:`create_app`; without ``api_key`` on an address other than loopback, one warning line goes to stderr."""
-    import socket
-
-    import uvicorn
-
-    if not app_options.get("api_key") and not _loopback(host):
-        print(
-            f"[trickles] warning: listening on {host} without --api-key: anyone who can reach this address may "
-            "use the model",
-            file=sys.stderr,
-            flush=True,
-        )
-    app = create_app(model, tokenizer, name=name, max_batch=max_batch, log_requests=True, **app_options)
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    port = sock.getsockname()[1]
-    if on_ready is not None:
-        on_ready(host, port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    server.run(sockets=[sock])
-
-
-class BackgroundServer:
-    """An application served by uvicorn in a thread of this process (tests, benchmarks, notebooks): ``port``, and
-    ``stop()``, which shuts it down (the app's engine with it) and waits for the thread."""
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 60.0):
-        import socket
-
-        import uvicorn
-
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-        sock.bind((host, port))
-        self.port, self.timeout_s = sock.getsockname()[1], timeout_s
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the server on {host}:{self.port} did not start")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(self.timeout_s)
-        if self.thread.is_alive():
-            raise RuntimeError(f"the server on port {self.port} did not shut down within {self.timeout_s:g} s")
-
-
-def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .decode import Sampling, decode
+from .requests import Event
 
-__all__ = ["Job", "Batcher"]
+__all__ = ["Job", "Batcher", "StaticBackend"]
 
 
 @dataclass
@@ -115,3 +116,44 @@ class Batcher:
         for j in jobs:
             j.finish(out[start : start + len(j.prompts)])
             start += len(j.prompts)
+
+
+class StaticBackend:
+    """The static :class:`~.static.Batcher` behind the engine's ``submit`` (no cancellation: a batch runs out)."""
+
+    def __init__(self, model, tokenizer, max_batch: int, window_s: float, logits_fn=None, metrics=None):
+        self.batcher = Batcher(model, tokenizer, max_batch, window_s, logits_fn)
+        self.metrics = metrics
+
+    @property
+    def backlog(self) -> int:
+        """Jobs waiting for a batch."""
+        return self.batcher.queue.qsize()
+
+    def submit(self, prompt, sampling: Sampling, n: int = 1, *, on_event, on_finish) -> Job:
+        settings = [sampling.for_choice(j) for j in range(n)]
+
+        def finish(result):
+            if self.metrics is not None:
+                self.metrics.on_request("error" if isinstance(result, BaseException) else "ok")
+                if not isinstance(result, BaseException):
+                    self.metrics.on_tokens(sum(c.prompt_tokens for c in result), sum(len(c.tokens) for c in result))
+            on_finish(result)
+
+        job = Job(
+            [list(prompt)] * n,
+            settings,
+            emit=lambda row, text, reason: on_event(Event(row, None, text, reason)),
+            finish=finish,
+        )
+        self.batcher.submit(job)
+        return job
+
+    def cancel(self, handle) -> None:
+        """A static batch cannot drop a row; the request's output is ignored."""
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def stop(self) -> None:
+        self.batcher.stop()

@@ -8,7 +8,7 @@ keep meta parameters; a :class:`BlockStreamer` gives each one its weights just b
 
 **Where a streamed block's weights come from.** Whole tensors of a checkpoint (a one-process run,
 or one consolidated with ``trickles checkpoint export``) are read through memory maps of the
-safetensors files (``torch.UntypedStorage.from_file``): file-backed pages the kernel can drop,
+safetensors files (:mod:`.mapped`, ``torch.UntypedStorage.from_file``): file-backed pages the kernel can drop,
 not anonymous memory. On CPU a streamed block is copied from those maps straight into a buffer;
 on CUDA each streamed block is packed once, at load, into pinned host memory, so its copy is one
 asynchronous transfer. A tensor stored in pieces (tensor-parallel blocks, ZeRO flat ranges) is
@@ -27,9 +27,10 @@ When the block ends its parameters go back to meta tensors.
 The streamed model computes exactly what the resident one does: the same weights, bit for bit,
 go through the same operations. So it is built as the resident model is
 (:func:`~trickles.compress.checkpoint.load_checkpoint`): a float model computes its projections fused or apart as
-its ``model.fused_proj`` says (unset: fused where the kernels run Triton, which on a machine with CUDA holds for a
-model on the CPU as well), a quantized one apart. The fused and the separate projections do not round alike (the
-fused gate/up output hands SiLU a stride-2 view, which takes another code path than a contiguous tensor), so a
+its ``model.fused_proj`` says (unset: fused where the kernels' rule turns fusion on -- ``kernels=triton``, or a
+measured win on CUDA -- for a model on the CPU as well), a quantized one apart. The fused and the separate
+projections do not round alike (the fused gate/up output hands SiLU a stride-2 view, which takes another code path
+than a contiguous tensor), so a
 streamed model that kept them apart would drift from a fused resident one in the last bits. A fused block's buffer
 holds the fused weights: a checkpoint written by a fused model stores them so (copied whole); from one that stores
 the parts, each part's rows are copied into their place among the interleaved groups
@@ -38,22 +39,19 @@ the parts, each part's rows are copied into their place among the interleaved gr
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import numpy as np
 import torch
 from torch import nn
 
 from ..data.tokenizers import load_tokenizer
 from ..errors import UserError
 from ..models.config import ModelConfig
-from ..models.fused import FusedLayout
 from ..models.transformer import Transformer
 from ..train import checkpoint as ckpt
-from ..train.pieces import DTYPES, PieceReader, fused_layout
+from ..train.pieces import fused_layout
+from .mapped import CheckpointTensors, _copy_one_thread, checkpoint_key
 from .placement import Placement, plan_placement
 
 __all__ = [
@@ -69,87 +67,6 @@ __all__ = [
 ]
 
 ALIGN = 64  #: byte alignment of each tensor inside a block's buffer
-
-
-def checkpoint_key(param_name: str) -> str:
-    """The checkpoint entry holding the model parameter ``param_name`` (the one place a renaming would go)."""
-    return param_name
-
-
-class CheckpointTensors:
-    """A checkpoint's ``model*.safetensors`` tensors by name: memory-mapped views of whole ones, pieces read otherwise."""
-
-    def __init__(self, root: str):
-        self.reader = PieceReader(root, "model")
-        self._views: dict[str, torch.Tensor] = {}
-        for name in sorted(os.listdir(root)):
-            if name.startswith("model") and name.endswith(".safetensors"):
-                self._map_file(os.path.join(root, name))
-
-    def _map_file(self, path: str) -> None:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        size = os.path.getsize(path)
-        data = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(path, shared=False, nbytes=size))
-        for key, info in header.items():
-            if key == "__metadata__" or info["dtype"] not in DTYPES or len(self.reader.pieces.get(key, ())) != 1:
-                continue
-            meta = self.reader.pieces[key][0][1]
-            if (
-                meta.get("scalar")
-                or "offset" in meta
-                or "flat_range" in meta
-                or list(meta["global_shape"]) != info["shape"]
-            ):
-                continue  # a part of a tensor: PieceReader assembles it
-            a, b = info["data_offsets"]
-            dtype = DTYPES[info["dtype"]]
-            if (8 + n + a) % dtype.itemsize:
-                continue
-            self._views[key] = data[8 + n + a : 8 + n + b].view(dtype).view(info["shape"])
-
-    def mapped(self, key: str) -> bool:
-        """Whether ``key`` is read from a memory map (a whole tensor in one file)."""
-        return key in self._views
-
-    def get(self, key: str) -> torch.Tensor:
-        """Tensor ``key`` on the CPU: a view of the memory-mapped file, or assembled from its pieces."""
-        view = self._views.get(key)
-        return view if view is not None else self.reader.read(key)
-
-    def copy_into(self, key: str, dst: torch.Tensor, layout: FusedLayout | None = None, copy=None) -> None:
-        """Tensor ``key`` into ``dst`` with ``copy(dst, src)`` (default ``dst.copy_(src)``).
-
-        ``layout``: ``key`` is a fused projection's tensor (:mod:`trickles.models.fused`). Stored whole in one file it
-        is copied as it is; otherwise each of its parts is copied into its rows of ``dst`` (a strided view: row block
-        ``i`` of every group), so the parts are read from their memory maps without assembling the fused tensor
-        in anonymous memory first.
-        """
-        copy = copy or (lambda d, s: d.copy_(s))
-        if layout is None or self.mapped(key):
-            copy(dst, self.get(key))
-            return
-        rows = dst.view(layout.groups, layout.per_group, *dst.shape[1:])
-        start = 0
-        for part, n in zip(layout.part_keys(key), layout.sizes):
-            src = self.get(part)
-            copy(rows[:, start : start + n], src.reshape(layout.groups, n, *src.shape[1:]))
-            start += n
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _copy_one_thread(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` on the calling thread alone (NumPy's copy, bit for bit, of any strides: a fused weight's part
-    goes to rows interleaved with the other parts'): ``Tensor.copy_`` of a large tensor starts its own OpenMP team,
-    which on a small CPU competes with the compute threads it should hide under."""
-    if src.dtype == dst.dtype and src.shape == dst.shape and src.element_size() in _BITS:
-        bits = _BITS[src.element_size()]
-        np.copyto(dst.view(bits).numpy(), src.view(bits).numpy())
-    else:
-        dst.copy_(src)
 
 
 def _aligned(n: int) -> int:
@@ -356,14 +273,16 @@ def load_streaming(
     verify: bool = True,
     int8: str | None = None,
 ):
-    """``(model, tokenizer, trainer_meta)`` like :func:`~trickles.train.load.load_for_inference`, within ``budget_bytes``.
+    """``(model, tokenizer, trainer_meta)`` like :func:`~trickles.train.load.load_for_inference`, within
+    ``budget_bytes``.
 
     The budget covers the weights on ``device`` and a KV cache for ``batch`` sequences of
     ``max_len`` positions (default: the model's ``max_seq_len``). Blocks that do not fit stream
     (module docstring); ``model.placement`` says which, ``model.streamer`` is the
     :class:`BlockStreamer` (None when everything fits). Raises :class:`~trickles.errors.UserError`
     when even streaming every block does not fit. A quantized checkpoint (:mod:`trickles.compress`) streams its int8
-    codes and scales (a quarter of fp32's bytes to move); ``int8`` picks its matmul (``weight``, the default, or ``full``).
+    codes and scales (a quarter of fp32's bytes to move); ``int8`` picks its matmul (``weight``, the default, or
+    ``full``).
     """
     device = torch.device(device)
     path = ckpt.resolve(path)
