@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .compress.config import DistillConfig
+from .config_checks import LayoutChecks
 from .data.config import DataConfig
 from .errors import ConfigError
 from .memory.config import MemoryConfig
@@ -42,13 +43,13 @@ SECTIONS: dict[str, type] = {
     "distill": DistillConfig,
 }
 
-#: A run's TOML may also describe the machines it plans for (``[cluster]``, :mod:`trickles.planner.cluster`);
-#: the run itself does not read it.
+#: A run's TOML may also describe the machines it runs on (``[cluster]``, :mod:`trickles.planner.cluster`): kept as
+#: given in :attr:`Config.cluster` for the planner (``trickles plan``, ``parallel.elastic``), which checks it.
 PLANNER_SECTION = "cluster"
 
 
 @dataclass
-class Config:
+class Config(LayoutChecks):
     """Everything a run needs, section by section."""
 
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -57,6 +58,11 @@ class Config:
     parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
     memory: MemoryConfig = dataclasses.field(default_factory=MemoryConfig)
     distill: DistillConfig = dataclasses.field(default_factory=DistillConfig)
+    #: the ``[cluster]`` table as given (empty: none): the machines, for the planner
+    cluster: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.parallel.resolve()  # what the pipeline schedule implies (zb-v: two chunks per rank)
 
     # ---- loading -------------------------------------------------------------------------
     @classmethod
@@ -64,7 +70,10 @@ class Config:
         """Builds a config from ``{section: {key: value}}``; unknown sections and keys are errors."""
         cfg = cls()
         for section, values in tables.items():
-            if section == PLANNER_SECTION:  # the machines, read by trickles.planner.cluster_files.load_cluster
+            if section == PLANNER_SECTION:  # the machines, read by trickles.planner.cluster_files.cluster_from_dict
+                if not isinstance(values, dict):
+                    raise ConfigError(f"{section} must be a table of keys ([{section}]){where}")
+                cfg.cluster = dict(values)
                 continue
             if section not in SECTIONS:
                 raise unknown_key_error(section, SECTIONS, where)
@@ -75,6 +84,7 @@ class Config:
             if section == "model" and values.get("preset") is not None:
                 base = apply_preset(ModelConfig(), str(values.pop("preset")))
             setattr(cfg, section, section_from_dict(SECTIONS[section], values, section, base, where))
+        cfg.parallel.resolve()  # what the pipeline schedule implies
         return cfg
 
     @classmethod
@@ -104,7 +114,8 @@ class Config:
         return cls.from_dict(tables, where)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        out = {name: dataclasses.asdict(getattr(self, name)) for name in SECTIONS}
+        return {**out, PLANNER_SECTION: dict(self.cluster)} if self.cluster else out
 
     def to_toml(self) -> str:
         """The configuration as a TOML file that :meth:`load` reads back (unset keys commented)."""
@@ -115,6 +126,14 @@ class Config:
             for key, value in dataclasses.asdict(getattr(self, name)).items():
                 lines.append(f"# {docs[key]}")
                 lines.append(f"# {key} = (unset)" if value is None else f"{key} = {_toml_value(value)}")
+            lines.append("")
+        if self.cluster:  # as given: its scalar keys, then its tables
+            tables = {k: v for k, v in self.cluster.items() if isinstance(v, dict)}
+            lines += [f"[{PLANNER_SECTION}]"]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in self.cluster.items() if k not in tables]
+            for name, table in tables.items():
+                lines += ["", f"[{PLANNER_SECTION}.{name}]"]
+                lines += [f"{json.dumps(str(k))} = {_toml_value(v)}" for k, v in table.items()]
             lines.append("")
         return "\n".join(lines)
 
@@ -173,11 +192,13 @@ class Config:
         self.batch_plan(dims.dp)
         if self.model.max_seq_len is not None and self.model.max_seq_len < self.data.seq_len:
             raise ConfigError(
-                f"data.seq_len ({self.data.seq_len}) is longer than model.max_seq_len ({self.model.max_seq_len}); shorten data.seq_len or raise model.max_seq_len"
+                f"data.seq_len ({self.data.seq_len}) is longer than model.max_seq_len ({self.model.max_seq_len}); "
+                "shorten data.seq_len or raise model.max_seq_len"
             )
         if self.model.vocab_size is not None and self.data.tokenizer == "byte" and self.model.vocab_size < 257:
             raise ConfigError(
-                f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; raise it or leave it unset"
+                f"model.vocab_size ({self.model.vocab_size}) is smaller than the byte tokenizer's 257 tokens; "
+                "raise it or leave it unset"
             )
         return dims
 
@@ -194,115 +215,6 @@ class Config:
                     f"data.document_mask=true does not combine with {what} yet; {fix} or set data.document_mask=false"
                 )
 
-    def _check_tensor_parallel(self, tp: int) -> None:
-        m = self.model
-        if self.parallel.sequence_parallel and tp == 1:
-            raise ConfigError(
-                "parallel.sequence_parallel needs parallel.tp > 1 (it splits the sequence over the tensor-parallel ranks)"
-            )
-        if tp == 1:
-            return
-        if m.n_heads % tp:
-            raise ConfigError(
-                f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp}): each rank takes whole heads"
-            )
-        if m.ffn_dim % tp:
-            raise ConfigError(
-                f"the MLP width ({m.ffn_dim}) must be divisible by parallel.tp ({tp}); set model.ffn_hidden"
-            )
-        if m.fuses_projections and m.kv_heads % tp:
-            raise ConfigError(
-                f"fused q/k/v projections split whole key/value heads over parallel.tp ({tp}), but model.n_kv_heads "
-                f"is {m.kv_heads}; set model.fused_proj=false or make n_kv_heads a multiple of parallel.tp"
-            )
-        vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
-        if vocab_unit % tp:
-            raise ConfigError(
-                f"the vocabulary ({'model.vocab_size' if m.vocab_size else 'model.vocab_multiple'} = {vocab_unit}) "
-                f"must be divisible by parallel.tp ({tp}) to split the embedding and output layer"
-            )
-        if self.parallel.sequence_parallel and self.data.seq_len % tp:
-            raise ConfigError(
-                f"data.seq_len ({self.data.seq_len}) must be divisible by parallel.tp ({tp}) for sequence parallelism"
-            )
-
-    def _check_tensor_grid(self, dims: ParallelDims) -> None:
-        """2-D, 2.5-D and 3-D tensor parallelism: what the grid splits must divide, and what it does not combine with."""
-        m, p, grid = self.model, self.parallel, dims.grid
-        mode, q = grid.mode, grid.q
-        why = f"parallel.tp_mode={mode}"
-        for bad, what, fix in (
-            (
-                p.sequence_parallel,
-                "parallel.sequence_parallel",
-                "a grid splits the activations already; set it to false",
-            ),
-            (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
-            (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
-            (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
-            (
-                self.train.qat,
-                "train.qat",
-                "quantization-aware training scales whole rows; set train.qat=false or parallel.tp_mode=1d",
-            ),
-        ):
-            if bad:
-                raise ConfigError(f"{what} does not combine with {why}; {fix}")
-        feature_unit = q * q if mode == "3d" else q  # 3-D splits a linear's input features into q^2 blocks
-        vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
-        for n, what, unit in (
-            (m.n_heads, "model.n_heads", q),
-            (m.kv_heads, "model.n_kv_heads", q),
-            (m.d_model, "model.d_model", feature_unit),
-            (m.ffn_dim, "the MLP width (model.ffn_hidden)", feature_unit),
-            (m.n_heads * m.head_dim, "model.n_heads x head size", feature_unit),
-            (vocab_unit, "the vocabulary (model.vocab_size or model.vocab_multiple)", q),
-        ):
-            if n % unit:
-                raise ConfigError(
-                    f"{what} ({n}) must be divisible by {unit} with {why} at parallel.tp={dims.tp} (q = {q}); "
-                    f"change it or parallel.tp"
-                )
-        micro, _ = self.batch_plan(dims.dp)
-        parts = q * q if mode == "3d" else q * grid.depth
-        if micro % parts:
-            raise ConfigError(
-                f"with {why} each micro-batch's {micro} samples are split into {parts} blocks; make "
-                f"train.micro_batch (or train.global_batch / parallel.dp) a multiple of {parts}"
-            )
-
-    def _check_context_parallel(self, dims: ParallelDims) -> None:
-        cp, m, p, seq = dims.cp, self.model, self.parallel, self.data.seq_len
-        if cp == 1:
-            return
-        unit = 2 * cp if p.cp_mode == "ring" else cp
-        if seq % unit:
-            what = (
-                f"2 x parallel.cp = {unit} (ring attention cuts it into 2 chunks per rank)"
-                if p.cp_mode == "ring"
-                else f"parallel.cp ({cp})"
-            )
-            raise ConfigError(
-                f"data.seq_len ({seq}) must be divisible by {what}; set data.seq_len to a multiple of {unit}"
-            )
-        if p.sequence_parallel and (seq // cp) % dims.tp:
-            raise ConfigError(
-                f"each context-parallel rank's {seq // cp} tokens must divide by parallel.tp ({dims.tp}) for "
-                f"sequence parallelism; set data.seq_len to a multiple of {cp * dims.tp * (2 if p.cp_mode == 'ring' else 1)}"
-            )
-        if m.dropout > 0:
-            raise ConfigError(
-                f"model.dropout ({m.dropout}) must be 0 with parallel.cp > 1 (attention split over ranks has no "
-                "attention dropout); set model.dropout=0"
-            )
-        if p.cp_mode == "ulysses":
-            heads = m.n_heads // dims.tp
-            if heads % cp:
-                raise ConfigError(
-                    f"parallel.cp_mode=ulysses splits each tensor-parallel rank's {heads} query heads over "
-                    f"parallel.cp ({cp}) ranks; use a cp that divides {heads} or parallel.cp_mode=ring"
-                )
-
     def recompute_modes(self, dims: ParallelDims) -> dict[int, str]:
         """Each layer's recomputation on the layout ``dims`` (``memory.recompute_num_layers`` counts the layers of
         each pipeline rank, in the order the rank runs its chunks)."""
@@ -316,59 +228,6 @@ class Config:
         shape = Shape.of(p.schedule, dims.pp, p.virtual_stages, 1)
         parts = partition_layers(n, shape.stages, p.pipeline_layers)
         return self.memory.layer_modes([[i for c in shape.chunks(parts, r) for i in c] for r in range(dims.pp)])
-
-    def _check_pipeline(self, dims: ParallelDims) -> None:
-        from .parallel.pipeline.schedules import SPLIT, Shape, check_shape
-        from .parallel.pipeline.stages import partition_layers
-
-        p = self.parallel
-        if dims.pp == 1:
-            if self.train.pipeline_trace:
-                raise ConfigError(
-                    "train.pipeline_trace (--pipeline-trace) draws pipeline stages; it needs parallel.pp > 1"
-                )
-            if p.virtual_stages != 1 or p.pipeline_layers or p.schedule == "interleaved":
-                raise ConfigError(
-                    "parallel.schedule=interleaved, parallel.virtual_stages and parallel.pipeline_layers "
-                    "need parallel.pp > 1"
-                )
-            return
-        if p.zero == 3 and p.schedule in SPLIT:
-            raise ConfigError(
-                f"parallel.zero=3 gathers a block's weights around its backward, but parallel.schedule="
-                f"{p.schedule} computes the weights' gradients later, apart from it; use parallel.zero=2 (or "
-                f"0, 1) with {p.schedule}, or parallel.schedule=1f1b / interleaved / gpipe with parallel.zero=3"
-            )
-        if p.zero == 3 and self.model.tied:
-            raise ConfigError(
-                "parallel.zero=3 with parallel.pp > 1 cannot shard an embedding tied across pipeline stages "
-                "(the first and last stage each hold a copy); set model.tie_embeddings=false, or use parallel.zero=2 "
-                "(or 0, 1) with this pipeline"
-            )
-        if p.schedule in SPLIT and self.train.compile:
-            raise ConfigError(
-                f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
-                f"gradients, but train.compile makes each block's backward one compiled piece that computes "
-                f"both; use train.compile=false or parallel.schedule=1f1b / interleaved"
-            )
-        if p.schedule in SPLIT and self.memory.recompute == "full":
-            raise ConfigError(
-                f"parallel.schedule={p.schedule} computes the weights' gradients in W, apart from B; under "
-                f"memory.recompute=full every W would recompute its blocks again; use memory.recompute="
-                f"selective (or none) with {p.schedule}, or parallel.schedule=1f1b / interleaved"
-            )
-        if p.schedule in SPLIT and dims.tp > 1 and p.tp_mode != "1d":
-            raise ConfigError(
-                f"parallel.schedule={p.schedule} splits each backward into the input's and the weights' "
-                f"gradients, which the {p.tp_mode} tensor-parallel layers compute in one step; use "
-                f"parallel.tp_mode=1d or parallel.schedule=1f1b / interleaved"
-            )
-        _, micro_batches = self.batch_plan(dims.dp)
-        try:
-            check_shape(p.schedule, Shape.of(p.schedule, dims.pp, p.virtual_stages, micro_batches))
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        partition_layers(self.model.n_layers, dims.pp * p.virtual_stages, p.pipeline_layers)
 
     def batch_plan(self, dp: int) -> tuple[int, int]:
         """``(micro_batch, accumulation)`` with ``global_batch = micro_batch * accumulation * dp``."""
@@ -389,7 +248,8 @@ class Config:
         return micro, per_rank // micro
 
     def accumulates(self, dims: ParallelDims) -> bool:
-        """Whether a step's gradients add up over several backward passes (micro-batches, or pipeline stages' micro-batches)."""
+        """Whether a step's gradients add up over several backward passes (micro-batches, or pipeline stages'
+        micro-batches)."""
         return self.batch_plan(dims.dp)[1] > 1 or dims.pp > 1
 
 

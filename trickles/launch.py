@@ -7,13 +7,19 @@ and watches them:
 
 * every rank succeeds -> exit status 0;
 * a rank fails -> the others are killed at once (with any processes they started), the failing
-  rank's traceback is printed and the status is non-zero (for a :class:`UserError` or
-  :class:`TrainingStopped`, its one-line message and its exit code, 2 or 3); when its hang
+  rank's traceback is printed and the status is its own (for a :class:`UserError` or
+  :class:`TrainingStopped`, its one-line message and its exit code: :data:`~trickles.errors.EXIT_STATUSES`); a rank
+  killed by a signal is named before a peer that failed because it vanished; when its hang
   watchdog stopped it (status 4, :mod:`trickles.watchdog`), the others first get
   ``HANG_GRACE_S`` to report where they are;
 * the launcher gets SIGTERM -> it passes it on: every rank finishes its step, saves a checkpoint and exits
-  (:class:`~trickles.train.trainer.Trainer`), within ``TERM_GRACE_S``; status 143;
+  (:mod:`trickles.train.stopping`), within ``TERM_GRACE_S``; the status is what the ranks did: 143 when every rank
+  reported its checkpoint saved and verified, 6 when that save failed or a rank had to be killed after the grace
+  period (or ended before it could save), a rank's own status when it failed otherwise, 0 when the run had finished;
 * the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
+
+With ``max_restarts`` a failed attempt is retried unless its status is one a restart cannot cure
+(:data:`~trickles.errors.NO_RESTART`: bad input, failed saves, a stop on purpose, SIGTERM, Ctrl-C).
 
 Ranks are forked from a ``forkserver`` (:data:`PRELOAD`): one fresh process per launcher that imports the
 trainer and TorchDynamo once -- pure Python, no accelerator touched, no thread started, which is what
@@ -41,7 +47,16 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
-from .errors import ONE_LINE_ERRORS, UserError
+from .errors import (
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_STATUSES,
+    EXIT_TERM_UNSAVED,
+    EXIT_TERMINATED,
+    NO_RESTART,
+    ONE_LINE_ERRORS,
+    UserError,
+)
 from .watchdog import HANG_EXIT
 
 PRELOAD = ["trickles.train.run", "torch._dynamo"]  # what the forkserver imports, once
@@ -133,9 +148,9 @@ class _Terminated(Exception):
     """The launcher got SIGTERM and passed it on to its ranks."""
 
 
-def _terminate(procs: list, grace_s: float) -> None:
+def _terminate(procs: list, grace_s: float) -> list[int]:
     """SIGTERM to every rank still running, which finishes its step, saves a checkpoint and exits; those still
-    running after ``grace_s`` are killed."""
+    running after ``grace_s`` are killed. Returns the ranks that had to be killed."""
     for p in procs:
         if p.exitcode is None:
             try:
@@ -145,7 +160,9 @@ def _terminate(procs: list, grace_s: float) -> None:
     deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(timeout=max(0.0, deadline - time.monotonic()))
+    late = [r for r, p in enumerate(procs) if p.exitcode is None]
     _kill(procs)
+    return late
 
 
 def _kill(procs: list) -> None:
@@ -181,21 +198,29 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 
     status = 1
     for attempt in range(max_restarts + 1):
         status = _attempt(ctx, fn, args, nproc, store.port, attempt, quiet)
-        if status in (0, 2, 3, 130, 143) or attempt == max_restarts:
+        if status == EXIT_OK or attempt == max_restarts:
             break
-        print(f"[trickles] restarting all {nproc} ranks (attempt {attempt + 2} of {max_restarts + 1})", file=sys.stderr)
+        if status in NO_RESTART:
+            meaning = EXIT_STATUSES[status][2]
+            print(f"[trickles] not restarting: status {status} ({meaning}) is not cured by a restart", file=sys.stderr)
+            break
+        print(
+            f"[trickles] attempt {attempt + 1} ended with status {status}; restarting all {nproc} ranks "
+            f"(attempt {attempt + 2} of {max_restarts + 1})",
+            file=sys.stderr,
+        )
     del store
     return status
 
 
 def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) -> int:
     errors = tempfile.mkdtemp(prefix="trickles-ranks-")
-    procs = []
+    procs, late = [], []
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def on_signal(signum, frame):
         if signum == signal.SIGTERM:  # an orderly stop: every rank saves its checkpoint and exits (Trainer)
-            _terminate(procs, TERM_GRACE_S)
+            late.extend(_terminate(procs, TERM_GRACE_S))
             raise _Terminated
         _kill(procs)
         raise KeyboardInterrupt
@@ -205,6 +230,7 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
     try:
         for r in range(nproc):
             env = {**os.environ, **rank_environment(r, nproc, port, attempt)}
+            env["TRICKLES_LAUNCHER_PID"] = str(os.getpid())  # where an injected SIGTERM goes (trickles.train.faults)
             p = ctx.Process(
                 target=_rank_main,
                 args=(fn, args, env, os.path.join(errors, f"rank{r}.txt"), Streams()),
@@ -214,22 +240,23 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
             procs.append(p)
         alive = {p.sentinel: (r, p) for r, p in enumerate(procs)}
         while alive:
-            for s in mp.connection.wait(list(alive), timeout=1.0):
-                r, p = alive.pop(s)
+            ended = [alive.pop(s) for s in mp.connection.wait(list(alive), timeout=1.0)]
+            for _, p in ended:
                 p.join()
-                if p.exitcode != 0:
-                    if p.exitcode == HANG_EXIT:  # let the other ranks' watchdogs say where they are
-                        _await_exits(alive, HANG_GRACE_S)
-                    _kill(procs)
-                    return _report(r, p.exitcode, errors, quiet)
-        return 0
+            failed = [(r, p) for r, p in ended if p.exitcode != 0]
+            if failed:  # a rank killed by a signal first: a peer that lost it fails too, and is not the cause
+                r, p = min(failed, key=lambda rp: (rp[1].exitcode >= 0, rp[0]))
+                if p.exitcode == HANG_EXIT:  # let the other ranks' watchdogs say where they are
+                    _await_exits(alive, HANG_GRACE_S)
+                _kill(procs)
+                return _report(r, p.exitcode, errors, quiet)
+        return EXIT_OK
     except _Terminated:
-        print("[trickles] SIGTERM: the ranks saved a checkpoint and stopped", file=sys.stderr)
-        return 143
+        return _after_sigterm(procs, nproc, late, errors, quiet)
     except KeyboardInterrupt:
         _kill(procs)
         print("[trickles] interrupted; all ranks stopped", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -246,18 +273,48 @@ def _await_exits(alive: dict, seconds: float) -> None:
             alive.pop(s)[1].join()
 
 
+def _after_sigterm(procs: list, nproc: int, late: list[int], errors: str, quiet: bool) -> int:
+    """The status of an attempt the launcher passed SIGTERM on to, from what its ranks did (module docstring)."""
+    if len(procs) < nproc:
+        print(
+            f"[trickles] SIGTERM while starting the ranks ({len(procs)} of {nproc} started); nothing was saved",
+            file=sys.stderr,
+        )
+        return EXIT_TERM_UNSAVED
+    if late:
+        print(
+            f"[trickles] SIGTERM: rank(s) {', '.join(map(str, late))} did not stop within {TERM_GRACE_S:.0f} s and "
+            "were killed; no checkpoint of the stopping step is confirmed (--resume auto continues from the newest "
+            "complete one)",
+            file=sys.stderr,
+        )
+        return EXIT_TERM_UNSAVED
+    codes = [p.exitcode for p in procs]
+    if all(c == EXIT_OK for c in codes):
+        print("[trickles] SIGTERM came as the run ended: every rank finished (status 0)", file=sys.stderr)
+        return EXIT_OK
+    if -signal.SIGTERM in codes:
+        rank = codes.index(-signal.SIGTERM)
+        print(f"[trickles] SIGTERM: rank {rank} ended before it could save (it was still starting)", file=sys.stderr)
+        return EXIT_TERM_UNSAVED
+    rank = next((r for r, c in enumerate(codes) if c not in (EXIT_OK, EXIT_TERMINATED)), 0)
+    return _report(rank, codes[rank], errors, quiet)
+
+
 def _report(rank: int, exitcode: int, errors: str, quiet: bool) -> int:
     path = os.path.join(errors, f"rank{rank}.txt")
     text = open(path).read() if os.path.exists(path) else ""
     if text.startswith(USER_ERROR_TAG):
         code, _, message = text[len(USER_ERROR_TAG) :].partition(" ")
-        print(f"error: {message}", file=sys.stderr)
+        # a SIGTERM's stop with its checkpoint verified is no error; every other one-line status is
+        print(f"[trickles] {message}" if int(code) == EXIT_TERMINATED else f"error: {message}", file=sys.stderr)
         return int(code)
     if exitcode == HANG_EXIT:
-        # every rank exits with the hang status once all have reported: whichever is seen first is not the one that found it
+        # every rank exits with the hang status once all have reported: whichever is seen first is not the one that
+        # found it
         print(
-            f"[trickles] a communication call was stuck past parallel.timeout_s (rank {rank} ended with the hang status); "
-            "the ranks' reports are above; stopped the others",
+            f"[trickles] a communication call was stuck past parallel.timeout_s (rank {rank} ended with the hang "
+            "status); the ranks' reports are above; stopped the others",
             file=sys.stderr,
         )
         return exitcode

@@ -2,8 +2,9 @@
 
 What a rank needs before (and after) it knows its place in the layout: :func:`select_device` picks ``cuda:LOCAL_RANK``
 or the CPU, :func:`init_distributed` joins the default group through the launcher's TCP store (one key prefix per
-restart attempt), :func:`shutdown_distributed` and :func:`exit_process` leave cleanly. The layout itself (degrees,
-mesh, groups) is :mod:`trickles.topology`.
+restart attempt), :func:`shutdown_distributed` and :func:`exit_process` leave cleanly; :func:`handle_sigterm` turns
+SIGTERM into a request to stop (:func:`stop_requested`) that the trainer honours after a step. The layout itself
+(degrees, mesh, groups) is :mod:`trickles.topology`.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import contextlib
 import datetime
 import gc
 import os
+import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -129,6 +132,34 @@ def shutdown_distributed() -> None:
     dist.barrier()
     gc.collect()
     dist.destroy_process_group()
+
+
+_STOP = threading.Event()  # SIGTERM arrived while handle_sigterm() was active
+
+
+@contextlib.contextmanager
+def handle_sigterm():
+    """While inside (on the main thread; elsewhere nothing is installed): SIGTERM does not end the process but sets
+    :func:`stop_requested`; the previous handler comes back on the way out."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _STOP.clear()
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: _STOP.set())
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stop_requested() -> bool:
+    """Whether this process got SIGTERM under :func:`handle_sigterm`."""
+    return _STOP.is_set()
+
+
+def wait_for_stop_request(timeout_s: float) -> bool:
+    """Waits up to ``timeout_s`` for :func:`stop_requested`; whether it came."""
+    return _STOP.wait(timeout_s)
 
 
 def exit_process(code: int) -> None:

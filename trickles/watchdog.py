@@ -33,8 +33,9 @@ import threading
 import time
 
 from .comm import flight
+from .errors import EXIT_HANG
 
-HANG_EXIT = 4
+HANG_EXIT = EXIT_HANG  # this module's name for it
 _KEY = "trickles/hang"
 _REPORTED = "trickles/hang_reported"  # how many ranks have reported (a store counter)
 REPORT_WAIT_S = 10.0  # how long a rank that reported waits for the others' reports before it exits

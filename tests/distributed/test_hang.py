@@ -72,7 +72,8 @@ PIPE_TIMEOUT = 5.0
 
 
 def _pipeline_skips_a_send(tmp: str) -> int:
-    """Two pipeline stages train a tiny model with 1F1B; in step 2 stage 0 never sends the last micro-batch's activation."""
+    """Two pipeline stages train a tiny model with 1F1B; in step 2 stage 0 never sends the last micro-batch's
+    activation."""
     from helpers import tiny_config
 
     from trickles.parallel.pipeline.runner import PipelineRunner

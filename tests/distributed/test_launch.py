@@ -1,13 +1,17 @@
-"""The local launcher: clean success, and a failing rank stops everyone with its traceback."""
+"""The local launcher: clean success; a failing rank stops everyone with its traceback; a status a restart cannot
+cure (bad input, failed saves) is not restarted; after SIGTERM the status is what the ranks did."""
 
 import os
+import signal
+import sys
 import threading
 import time
 
 import torch
 
-from trickles.errors import UserError
+from trickles.errors import EXIT_SAVES_FAILED, EXIT_TERM_UNSAVED, SavesFailed, Terminated, UserError
 from trickles.launch import launch
+from trickles.process import handle_sigterm, wait_for_stop_request
 from trickles.topology import ParallelDims, distributed_session
 
 
@@ -34,10 +38,28 @@ def _fail_on_rank_one(path):
             f.write("the launcher let the blocked rank run on")
 
 
-def _user_error(_):
+def _user_error(path):
+    open(os.path.join(path, f"attempt{os.environ['TRICKLES_RESTART']}"), "w").close()
     if int(os.environ["RANK"]) == 0:
         raise UserError("data.source 'nowhere.txt' matches no file")
     time.sleep(60)
+
+
+def _saves_fail(path):
+    open(os.path.join(path, f"attempt{os.environ['TRICKLES_RESTART']}"), "w").close()
+    raise SavesFailed("3 checkpoint saves failed in a row (the last at step 6: OSError: No space left on device)")
+
+
+def _sigterm(path):
+    """Rank 0 stops as a trainer does when its checkpoint is verified; rank 1 ignores SIGTERM."""
+    rank = int(os.environ["RANK"])
+    with handle_sigterm():
+        if rank == 1:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        open(os.path.join(path, f"up{rank}"), "w").close()
+        if rank == 0 and wait_for_stop_request(60):
+            raise Terminated("SIGTERM: stopped after step 3, its checkpoint saved and verified")
+        time.sleep(60)
 
 
 def _alive(pid):
@@ -76,8 +98,39 @@ def test_failing_rank_stops_all_and_prints_traceback(tmp_path, capfd):
     assert not (tmp_path / "rank0 released").exists(), "the blocked rank must be killed, not waited for"
 
 
-def test_user_error_in_a_rank_is_one_line_status_two(tmp_path, capfd):
-    assert launch(_user_error, (None,), 2) == 2
+def test_user_error_in_a_rank_is_one_line_status_two_and_not_restarted(tmp_path, capfd):
+    assert launch(_user_error, (str(tmp_path),), 2, max_restarts=2) == 2
     err = capfd.readouterr().err
     assert "error: data.source 'nowhere.txt' matches no file" in err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "restarting all" not in err
+    assert sorted(os.listdir(tmp_path)) == ["attempt0"]
+
+
+def test_failed_saves_are_their_own_status_and_not_restarted(tmp_path, capfd):
+    """A run whose saves kept failing would fail again (a full disk): status 5, one attempt, the reason said."""
+    assert launch(_saves_fail, (str(tmp_path),), 2, max_restarts=2) == EXIT_SAVES_FAILED
+    err = capfd.readouterr().err
+    assert "error: 3 checkpoint saves failed in a row" in err
+    assert "[trickles] not restarting: status 5 (checkpoint saves failed" in err and "restarting all" not in err
+    assert sorted(os.listdir(tmp_path)) == ["attempt0"]
+
+
+def test_after_sigterm_the_status_is_what_the_ranks_did(tmp_path, capfd, monkeypatch):
+    """SIGTERM to the launcher: rank 0 stops with its checkpoint verified (143), rank 1 ignores it and is killed after
+    the grace period -- so no checkpoint is confirmed: status 6, naming rank 1, never "saved"."""
+    monkeypatch.setattr(sys.modules["trickles.launch"], "TERM_GRACE_S", 2.0)  # (trickles.launch: the function)
+
+    def send_sigterm_when_up():
+        deadline = time.monotonic() + RELEASE_S
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # this process is the launcher
+
+    sender = threading.Thread(target=send_sigterm_when_up, daemon=True)
+    sender.start()
+    status = launch(_sigterm, (str(tmp_path),), 2)
+    sender.join()
+    err = capfd.readouterr().err
+    assert status == EXIT_TERM_UNSAVED, err
+    assert "[trickles] SIGTERM: rank(s) 1 did not stop within 2 s and were killed" in err
+    assert "saved a checkpoint" not in err

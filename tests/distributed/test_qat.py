@@ -103,6 +103,6 @@ def _row_parallel_scales():
 def test_row_parallel_scales_are_the_whole_rows():
     ranks = run_ranks(2, _row_parallel_scales)
     for r, out in enumerate(ranks):
-        for name, (grouped, local) in out.items():
+        for name, (grouped, _) in out.items():
             assert grouped == 0.0, (r, name, grouped)  # the same grid as one process, bit for bit
     assert ranks[1]["w"][1] > 0 and ranks[1]["x"][1] > 0  # local maxima would not be

@@ -1,21 +1,22 @@
 """Checkpoint saves that do not stop training and that training survives (:mod:`trickles.train.saver`): a save in the
-background resumes exactly; failed saves (injected with ``TRICKLES_FAIL_SAVES``) are logged, recorded and leave no
-directory, the run going on -- or stopping with exit status 1 after ``train.max_failed_saves`` in a row; one rank's
-failure fails the save on every rank; an unwritable ``train.out_dir`` is refused before the first step."""
+background resumes exactly; saves failing (injected with ``TRICKLES_FAIL_SAVES``) stop the run with exit status 5
+after ``train.max_failed_saves`` in a row, and a failed final save at once (never status 0), naming the int8 export
+that quantization-aware training then could not write; a failed write of rank 0 leaves the directory to the other
+ranks until the save is settled; an unwritable ``train.out_dir`` is refused before the first step. The fault matrix
+(kills, failures on either rank first, SIGTERM) is tests/e2e/test_fault.py."""
 
-import json
 import os
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import tiny_config
 
-from trickles.errors import CheckpointError
-from trickles.testing import run_ranks
+from trickles.data import ByteTokenizer
+from trickles.errors import EXIT_SAVES_FAILED, CheckpointError, SavesFailed
 from trickles.topology import ParallelDims
 from trickles.train import checkpoint as ckpt
+from trickles.train.saver import Saver, Snapshot
 from trickles.train.trainer import Trainer
 
 CPU = torch.device("cpu")
@@ -53,95 +54,15 @@ def test_a_background_save_lets_training_go_on_and_resumes_exactly(tmp_path):
             assert torch.allclose(w, final[n], atol=1e-6, rtol=0), (start, n)
 
 
-def _cli(tmp, faults, steps, *extra):
-    """``trickles train`` with tiny_config's settings, checkpoints every 2 steps, saves failing as ``faults`` says."""
-    env = {**os.environ, "TRICKLES_FAIL_SAVES": faults}
-    out = str(tmp / "run")
-    cmd = [
-        sys.executable,
-        "-m",
-        "trickles",
-        "train",
-        "--set",
-        "model.preset=tiny",
-        "--set",
-        "data.seq_len=32",
-        "--set",
-        "data.max_bytes=120000",
-        "--set",
-        f"data.cache_dir={tmp}/cache",
-        "--set",
-        f"train.steps={steps}",
-        "--set",
-        "train.global_batch=8",
-        "--set",
-        "train.warmup_steps=2",
-        "--set",
-        "train.lr=3e-3",
-        "--set",
-        "train.eval_every=0",
-        "--set",
-        "train.sample_tokens=0",
-        "--set",
-        "train.plot=false",
-        "--set",
-        "train.checkpoint_every=2",
-        "--set",
-        f"train.out_dir={out}",
-        *extra,
-    ]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300), out
-
-
-def test_failed_saves_are_survived_and_leave_nothing_behind(tmp_path):
-    """Failures at the first two checkpoint steps: every step runs, exit status 0, both failures logged and in the
-    metrics, no partial directory, and the last checkpoint holds the run's final weights (it resumes exactly)."""
-    proc, out = _cli(tmp_path, "2,4", 6)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    log = proc.stdout + proc.stderr
-    for step in (2, 4):
-        assert f"checkpoint step {step} failed: OSError" in log and "training goes on" in log
-    assert "step 6/6" in log
-    d = os.path.join(out, "checkpoints")
-    assert sorted(os.listdir(d)) == ["step_000006"]  # nothing half-written, nothing of the failed steps
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        failed = [r["step"] for r in map(json.loads, f) if "checkpoint_failed" in r]
-    assert failed == [2, 4]
-    clean = _trainer(tiny_config(tmp_path / "clean", steps=6))
-    clean.fit()
-    resumed = _trainer(tiny_config(tmp_path / "clean", steps=6))
-    resumed.load_checkpoint(os.path.join(d, "step_000006"))
-    assert resumed.step == 6
-    for n, w in _weights(resumed).items():
-        assert torch.equal(w, _weights(clean)[n]), n
-
-
-def test_saves_failing_every_time_stop_the_run_with_one_line(tmp_path):
-    proc, out = _cli(tmp_path, "*", 12, "--set", "train.max_failed_saves=2")
-    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "2 checkpoint saves failed in a row" in errors[0] and "resume from" in errors[0]
-    assert "step 12/12" not in proc.stdout + proc.stderr  # stopped early
-    assert not [n for n in os.listdir(os.path.join(out, "checkpoints")) if n.startswith("step_")]
-
-
-def _one_rank_fails(tmp):
-    os.environ["TRICKLES_FAIL_SAVES"] = "2@1"  # rank 1's write at step 2 only
-    try:
-        tr = _trainer(tiny_config(tmp, "train.checkpoint_every=2", "parallel.dp=2", steps=4), world=2)
+def test_saves_failing_every_time_stop_the_run(tmp_path, monkeypatch):
+    """``train.max_failed_saves`` failures in a row stop the run (status 5) where the second is found: step 4's
+    background save is settled at step 6's checkpoint step; nothing of either save is left."""
+    monkeypatch.setenv("TRICKLES_FAIL_SAVES", "*")
+    tr = _trainer(tiny_config(tmp_path, "train.checkpoint_every=2", "train.max_failed_saves=2", steps=8))
+    with pytest.raises(SavesFailed, match="2 checkpoint saves failed in a row") as e:
         tr.fit()
-    finally:
-        del os.environ["TRICKLES_FAIL_SAVES"]
-    return tr.saver.failures, sorted(os.listdir(tr.ckpt_dir))
-
-
-def test_one_ranks_failed_write_fails_the_save_on_every_rank(tmp_path):
-    """Rank 0 commits only when every rank's part is written: rank 1 failing at step 2 removes that save, both ranks
-    count it (rank 1 with its own reason), and step 4's save is whole."""
-    (fail0, listing), (fail1, _) = run_ranks(2, _one_rank_fails, str(tmp_path))
-    assert [s for s, _ in fail0] == [s for s, _ in fail1] == [2]
-    assert "rank 1" in fail0[0][1] and "injected" in fail1[0][1]
-    assert listing == ["step_000004"]
+    assert e.value.exit_code == EXIT_SAVES_FAILED and "--resume auto (it continues from step 0" in str(e.value)
+    assert tr.step == 6 and os.listdir(tr.ckpt_dir) == []
 
 
 def test_an_unwritable_out_dir_is_refused_before_training(tmp_path):
@@ -154,61 +75,32 @@ def test_an_unwritable_out_dir_is_refused_before_training(tmp_path):
         _trainer(cfg)
 
 
-def test_a_leftover_partial_save_is_removed_and_never_resumed(tmp_path):
-    """A run killed during a save leaves ``step_N.tmp``: ``--resume auto`` ignores it, the next save removes it."""
-    cfg = tiny_config(tmp_path, steps=2)
-    d = os.path.join(cfg.train.out_dir, "checkpoints")
-    os.makedirs(os.path.join(d, "step_000007.tmp"))
-    tr = _trainer(cfg)
-    assert ckpt.find_latest(d) is None
-    tr.fit()
-    assert sorted(os.listdir(d)) == ["step_000002"]
+def test_a_failed_final_save_ends_the_run_with_its_status_not_success(tmp_path, monkeypatch):
+    """The only save, the final one, fails: no later step can try again, so the run raises SavesFailed (status 5)
+    saying so -- with quantization-aware training also that the int8 export was not written -- and leaves nothing."""
+    monkeypatch.setenv("TRICKLES_FAIL_SAVES", "3")
+    tr = _trainer(tiny_config(tmp_path, "train.checkpoint_every=0", "train.qat=true", steps=3))
+    with pytest.raises(SavesFailed, match="final checkpoint, step 3, was not saved: OSError") as e:
+        tr.fit()
+    assert e.value.exit_code == EXIT_SAVES_FAILED and "the int8 export of train.qat" in str(e.value)
+    assert os.listdir(tr.ckpt_dir) == [] and not [n for n in os.listdir(tr.cfg.train.out_dir) if "int8" in n]
 
 
-def test_sigterm_finishes_the_step_saves_and_stops(tmp_path):
-    """SIGTERM to the launcher reaches both ranks; they agree on a step, save its checkpoint (waited for) and exit
-    143; the checkpoint is the newest step logged, complete."""
-    import signal
-    import time
-
-    out = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "trickles",
-        "train",
-        "--nproc",
-        "2",
-        "--set",
-        "model.preset=tiny",
-        "--set",
-        "data.seq_len=32",
-        "--set",
-        "data.max_bytes=120000",
-        "--set",
-        f"data.cache_dir={tmp_path}/cache",
-        "--set",
-        "train.steps=100000",
-        "--set",
-        "train.global_batch=8",
-        "--set",
-        "train.eval_every=0",
-        "--set",
-        "train.sample_tokens=0",
-        "--set",
-        "train.plot=false",
-        "--set",
-        f"train.out_dir={out}",
-    ]
-    job = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = out / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-        time.sleep(0.2)
-    job.send_signal(signal.SIGTERM)
-    stdout, stderr = job.communicate(timeout=180)
-    assert job.returncode == 143, (job.returncode, stderr[-2000:])
-    assert "the ranks saved a checkpoint and stopped" in stderr, stderr[-2000:]
-    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
-    saved = ckpt.list_checkpoints(str(out / "checkpoints"))
-    assert len(saved) == 1 and saved[0][0] == steps[-1] >= 3 and ckpt.is_complete(saved[0][1])
+def test_a_failed_rank0_write_leaves_the_directory_to_the_other_ranks_until_settled(tmp_path, monkeypatch):
+    """Rank 0's write fails while rank 1 has not finished writing: rank 0's writer must not remove ``step_N.tmp``
+    under rank 1; the directory goes once the save is settled (every rank's writer joined before the all-reduce)."""
+    monkeypatch.setenv("TRICKLES_FAIL_SAVES", "4@0")
+    world = SimpleNamespace(size=2, barrier=lambda: None, all_reduce=lambda t, op: t, broadcast=lambda t, src: t)
+    topo = SimpleNamespace(rank=0, world_size=2, is_main=True, comm=lambda name: world)
+    saver = Saver(topo, background=True, max_failed=3, timeout_s=300, say=print)
+    ckpt_dir = tmp_path / "checkpoints"
+    ckpt_dir.mkdir()
+    files = {"model-rank00000.safetensors": {"w": (torch.ones(3), {"global_shape": [3]})}}
+    tmp = str(ckpt_dir / "step_000004.tmp")
+    assert saver.save(lambda t: Snapshot(4, t, files, {"step": 4}, ByteTokenizer()), str(ckpt_dir), 4, False) is None
+    saver._flight.thread.join()  # rank 0's part has failed
+    assert os.path.isdir(tmp), "rank 0 removed the directory while rank 1 may still be writing into it"
+    with open(os.path.join(tmp, "optimizer-rank00001.safetensors"), "wb") as f:  # rank 1 finishes its part
+        f.write(b"rank 1's bytes")
+    assert saver.settle() is None and saver.failures[0][0] == 4 and "(rank 0)" in saver.failures[0][1]
+    assert os.listdir(ckpt_dir) == []  # removed once settled: nothing left behind

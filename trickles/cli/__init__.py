@@ -2,13 +2,15 @@
 
     trickles train [--config run.toml] [--set section.key=value ...] [--nproc N] [--resume auto|PATH]
     trickles generate CHECKPOINT [--prompt TEXT ...] [--max-new-tokens N] [--temperature T] [--top-k K] [--top-p P]
-                     [--repetition-penalty R] [--stop S ...] [--beams N --length-penalty A] [--label L] [--device-budget-gb X]
+                     [--repetition-penalty R] [--stop S ...] [--beams N --length-penalty A] [--label L]
+                     [--device-budget-gb X]
     trickles serve CHECKPOINT [--host H] [--port P] [--max-batch N] [--device-budget-gb X]
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
-    trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W] [--png F | --no-png] [--json F]
+    trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W]
+                           [--png F | --no-png] [--json F]
     trickles config [--config run.toml] [--set ...] [--keys]
-    trickles plan [--config run.toml] [--set ...] --cluster NAME|FILE --devices N [--top K] [--json F] [--write-config F]
-                  [--calibrate [F]]
+    trickles plan [--config run.toml] [--set ...] --cluster NAME|FILE --devices N [--top K] [--json F]
+                  [--write-config F] [--calibrate [F]]
     trickles checkpoint export CHECKPOINT OUT [--format trickles|hf]
     trickles compress quantize CHECKPOINT OUT [--bits 8] [--granularity row|tensor]
     trickles compress prune CHECKPOINT OUT [--heads F] [--ffn F] [--layers N] [--score taylor|activation]
@@ -19,10 +21,10 @@
 ``--nproc N`` instead spawns N local ranks itself. ``trickles bench scaling`` starts its own local
 ranks for each world size in ``--ranks`` and reports weak scaling (:mod:`trickles.train.scaling`).
 ``trickles generate`` decodes all its prompts (and samples) in one batch; ``--beams N`` searches instead of
-sampling (:mod:`trickles.infer`); ``--device-budget-gb`` streams the blocks that do not fit (:mod:`trickles.infer.streaming`).
-``trickles serve`` answers OpenAI-style completions over HTTP
-(:mod:`trickles.infer.server`). ``trickles checkpoint export`` consolidates a checkpoint written by any number of ranks, in one
-process, into a single-device checkpoint (every tensor whole, optimizer state included) or a
+sampling (:mod:`trickles.infer`); ``--device-budget-gb`` streams the blocks that do not fit
+(:mod:`trickles.infer.streaming`). ``trickles serve`` answers OpenAI-style completions over HTTP
+(:mod:`trickles.infer.server`). ``trickles checkpoint export`` consolidates a checkpoint written by any number of ranks,
+in one process, into a single-device checkpoint (every tensor whole, optimizer state included) or a
 Hugging Face directory. Mistakes in the input print one line and exit with status 2, before any
 process group is created.
 
@@ -36,7 +38,7 @@ import argparse
 import os
 import sys
 
-from ..errors import ONE_LINE_ERRORS
+from ..errors import EXIT_TERMINATED, ONE_LINE_ERRORS
 from . import bench, checkpoint, compress, config, generate, memory, plan, serve, train
 from .common import Parser
 
@@ -72,8 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 141  # 128 + SIGPIPE, as a command the signal ended
     except ONE_LINE_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
         code = e.exit_code
+        # a SIGTERM stop whose checkpoint was saved and verified is what was asked, not an error
+        print(f"{'[trickles]' if code == EXIT_TERMINATED else 'error:'} {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         code = 130

@@ -73,7 +73,8 @@ def check_device(device: str) -> None:
         raise UserError(f"--device must be auto, cpu, cuda or cuda:N, got {device!r}")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(
-            f"--device {device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto or cpu"
+            f"--device {device}: no CUDA device is available (torch.cuda.is_available() is false); use --device auto "
+            "or cpu"
         )
 
 

@@ -4,8 +4,10 @@ rank of a ``torchrun`` job (:mod:`trickles.train.run`)."""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
-from ..errors import UserError
+from ..errors import TerminatedUnsaved, UserError
 from .common import add_command, config_args, count, writable
 
 
@@ -30,7 +32,9 @@ def add_parser(sub) -> None:
         type=int,
         default=0,
         metavar="K",
-        help="with --nproc: restart all ranks up to K times after a failure (default: 0)",
+        help="with --nproc: restart all ranks up to K times after a failure a restart can cure (an error, a rank "
+        "killed, a hang: status 1 or 4; never bad input, failed saves or SIGTERM: see docs/checkpoints.md) "
+        "(default: 0)",
     )
     t.add_argument("--quiet", action="store_true", help="no progress bar or summary")
     t.add_argument(
@@ -56,12 +60,29 @@ def add_parser(sub) -> None:
     )
 
 
+def _sigterm_before_training(signum, frame):
+    raise TerminatedUnsaved("SIGTERM before training started; nothing was saved")
+
+
 def run(args) -> int:
+    """Trains as ``args`` say; a SIGTERM before the launcher or the trainer takes it over ends the command with the
+    status of a stop without a checkpoint (not the 143 of a process the signal ended, which reads as a verified
+    checkpoint)."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm_before_training) if main else None
+    try:
+        return _run(args)
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
     from ..config import Config
     from ..data.corpus import check_boundaries
     from ..data.sources import check_source
     from ..launch import launch
-    from ..planner.elastic import layout_for_world
+    from ..planner.elastic import fits, layout_for_world
     from ..process import env_world_size, restart_count
     from ..train.run import resolve_resume, run_training
 
@@ -79,10 +100,11 @@ def run(args) -> int:
             "--nproc starts local ranks itself; under torchrun leave it out (torchrun's --nproc-per-node decides)"
         )
     world = args.nproc or env_world_size()
-    cfg, relayout = layout_for_world(cfg, world)  # parallel.elastic: planned once here, the ranks get the layout
-    cfg.validate(world)
-    if relayout and not args.quiet and int(os.environ.get("RANK", "0")) == 0:
-        print(relayout, flush=True)
+    if not (under_torchrun and cfg.parallel.elastic and not fits(cfg, world)):  # else rank 0 plans: run_training
+        cfg, relayout = layout_for_world(cfg, world)  # parallel.elastic: planned once here, the ranks get the layout
+        cfg.validate(world)
+        if relayout and not args.quiet and int(os.environ.get("RANK", "0")) == 0:
+            print(relayout, flush=True)
     check_source(cfg.data)
     check_boundaries(cfg.data)
     resume = resolve_resume(args.resume, cfg.train.out_dir)

@@ -65,7 +65,8 @@ class Cluster:
     name: str = opt("custom", "a name for reports (presets: their own)")
     device: Literal["cuda", "cpu"] = opt(
         "cuda",
-        "cuda: one GPU per rank; cpu: ranks are processes sharing the node's cores (more ranks than devices_per_node divide them)",
+        "cuda: one GPU per rank; cpu: ranks are processes sharing the node's cores (more ranks than devices_per_node "
+        "divide them)",
     )
     nodes: int = opt(1, "machines (the planner sizes it to the devices asked for: Cluster.sized)")
     devices_per_node: int = opt(8, "devices in each machine (cpu: cores)")
@@ -78,7 +79,8 @@ class Cluster:
     gemm_efficiency: float = opt(0.75, "fraction of the peak a GEMM achieves where gemm_table has no shape near it")
     sm_count: int = opt(
         108,
-        "streaming multiprocessors of one GPU: a GEMM's output tiles run in waves of this many (0: no wave quantization, e.g. CPUs)",
+        "streaming multiprocessors of one GPU: a GEMM's output tiles run in waves of this many (0: no wave "
+        "quantization, e.g. CPUs)",
     )
     gemm_tile_m: int = opt(
         256,
@@ -90,23 +92,29 @@ class Cluster:
     )
     attention_table: dict = opt(
         {},
-        "achieved fraction of the peak by the fused attention kernel, forward and backward: 'precision:QxKxD' (query rows, keys, head size) = fraction (calibrate fills it)",
+        "achieved fraction of the peak by the fused attention kernel, forward and backward: 'precision:QxKxD' (query "
+        "rows, keys, head size) = fraction (calibrate fills it)",
     )
     memory_bandwidth_gbps: float = opt(
         2039.0,
-        "device memory bandwidth, GB/s (memory-bound work: optimizer step; element-wise kernels unless elementwise_gbps is set)",
+        "device memory bandwidth, GB/s (memory-bound work: optimizer step; element-wise kernels unless "
+        "elementwise_gbps is set)",
     )
     elementwise_gbps: float = opt(
         0.0,
-        "bandwidth the model's element-wise work (norms, activations, rotary, softmax of the loss, autograd's copies) achieves, GB/s (calibrate fits it from the model's own block and head; 0: memory_bandwidth_gbps)",
+        "bandwidth the model's element-wise work (norms, activations, rotary, softmax of the loss, autograd's "
+        "copies) achieves, GB/s (calibrate fits it from the model's own block and head; 0: memory_bandwidth_gbps)",
     )
     pass_overhead_us: float = opt(
         0.0,
-        "fixed cost of one block's forward and backward for one micro-batch beyond its kernels (operator dispatch, autograd), microseconds (calibrate fits it; GPUs: 0, the host runs ahead of the kernels)",
+        "fixed cost of one block's forward and backward for one micro-batch beyond its kernels (operator dispatch, "
+        "autograd), microseconds (calibrate fits it; GPUs: 0, the host runs ahead of the kernels)",
     )
     moe_pass_overhead_us: float = opt(
         0.0,
-        "what a mixture-of-experts block's forward and backward costs beyond pass_overhead_us and its kernels (routing, sorting, gather and scatter as many small operations), microseconds (calibrate fits it on CPUs; 0: none)",
+        "what a mixture-of-experts block's forward and backward costs beyond pass_overhead_us and its kernels "
+        "(routing, sorting, gather and scatter as many small operations), microseconds (calibrate fits it on CPUs; "
+        "0: none)",
     )
     intra_node_gbps: float = opt(
         300.0, "algorithm bandwidth per device per direction between devices of one node, GB/s"
@@ -114,21 +122,27 @@ class Cluster:
     intra_node_latency_us: float = opt(2.0, "latency of one message between devices of one node, microseconds")
     collective_links: dict = opt(
         {},
-        "intra-node line of each collective kind whose measured times differ from the shared one: op (all_reduce, all_gather, reduce_scatter, all_to_all, send) = [latency_us, GB/s] (calibrate fills it; a kind not listed uses intra_node_latency_us and intra_node_gbps)",
+        "intra-node line of each collective kind whose measured times differ from the shared one: op (all_reduce, "
+        "all_gather, reduce_scatter, all_to_all, send) = [latency_us, GB/s] (calibrate fills it; a kind not listed "
+        "uses intra_node_latency_us and intra_node_gbps)",
     )
     inter_node_gbps: float = opt(25.0, "algorithm bandwidth per device per direction between nodes, GB/s")
     inter_node_latency_us: float = opt(5.0, "latency of one message between nodes, microseconds")
     overlap_comm: bool = opt(
         True,
-        "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where gloo's copies and reductions need the cores the compute uses, so nothing hides",
+        "collectives run beside compute (GPUs: NCCL on its own stream and SMs); never on CPUs (device = cpu), where "
+        "gloo's copies and reductions need the cores the compute uses, so nothing hides",
     )
     core_contention: float = opt(
         1.0,
-        "CPU ranks with a core each: how much faster a core runs the model's block alone than while every core computes (they share memory bandwidth and caches), >= 1; a pipeline stage computing while its peers wait gains it (calibrate measures it; 1: none)",
+        "CPU ranks with a core each: how much faster a core runs the model's block alone than while every core "
+        "computes (they share memory bandwidth and caches), >= 1; a pipeline stage computing while its peers wait "
+        "gains it (calibrate measures it; 1: none)",
     )
     shared_core_sync_us: float = opt(
         0.0,
-        "CPU ranks: extra wait of each blocking collective for peers arriving late (waiting their turn on a core where ranks outnumber the cores; the jitter of their compute), microseconds (calibrate measures it)",
+        "CPU ranks: extra wait of each blocking collective for peers arriving late (waiting their turn on a core "
+        "where ranks outnumber the cores; the jitter of their compute), microseconds (calibrate measures it)",
     )
     link_efficiency: float = opt(
         0.8, "fraction of the link bandwidths collectives achieve (nominal figures: ~0.8; measured ones: 1.0)"

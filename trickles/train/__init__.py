@@ -1,1 +1,2 @@
-"""Training: the loop (trainer.py), checkpoints, metrics, FLOPs, the entry points (run.py) and the scaling report (scaling.py)."""
+"""Training: the loop (trainer.py), checkpoints, metrics, FLOPs, the entry points (run.py) and the scaling report
+(scaling.py)."""

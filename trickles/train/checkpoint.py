@@ -43,7 +43,7 @@ from .pieces import (
     global_shape,
     region_of,
     save_pieces,  # noqa: F401  (re-exported)
-    )
+)
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -102,7 +102,8 @@ def verify(root: str) -> None:
         size = os.path.getsize(p)
         if size != info["bytes"]:
             raise CheckpointError(
-                f"checkpoint file {p} has {size} bytes but the manifest says {info['bytes']} (truncated?); resume from an earlier checkpoint"
+                f"checkpoint file {p} has {size} bytes but the manifest says {info['bytes']} (truncated?); resume "
+                "from an earlier checkpoint"
             )
         if _sha256(p) != info["sha256"]:
             raise CheckpointError(
@@ -191,7 +192,8 @@ def load_model_state(model: torch.nn.Module, reader: PieceReader, source: str, p
 
 
 def check_fits(reader: PieceReader, params: dict[str, torch.Tensor], source: str, part: bool = False) -> None:
-    """Raises unless the checkpoint holds exactly ``params`` (``part``: at least them), by name, each with its global shape."""
+    """Raises unless the checkpoint holds exactly ``params`` (``part``: at least them), by name, each with its global
+    shape."""
     # a fused projection's parameter is named by its parts, as the reader names it (trickles.models.fused)
     names = {k: (fused_layout(t).part_keys(k) if fused_layout(t) is not None else [k]) for k, t in params.items()}
     missing = sorted(n for ns in names.values() for n in ns if n not in reader)
@@ -293,9 +295,17 @@ def begin(directory: str, step: int) -> str:
     return begin_dir(step_dir(directory, step))
 
 
-def commit(tmp: str, keep: int) -> str:
-    """Writes the manifest, renames ``tmp`` into place and deletes all but the newest ``keep``."""
+def commit(tmp: str, keep: int, check: bool = False, before=None) -> str:
+    """Writes the manifest, with ``check`` verifies ``tmp`` against it (:func:`verify`: every file's size and sha256
+    read back), renames ``tmp`` into place and deletes all but the newest ``keep``. ``before(phase)``, when given, is
+    called before the manifest (``"manifest"``) and before the rename (``"rename"``)."""
+    if before is not None:
+        before("manifest")
     write_manifest(tmp)
+    if check:
+        verify(tmp)
+    if before is not None:
+        before("rename")
     final = tmp[: -len(".tmp")]
     if os.path.exists(final):
         shutil.rmtree(final)

@@ -22,19 +22,22 @@ class TrainConfig:
     )
     optimizer: str = opt(
         "adamw",
-        "adamw, lamb (Adam with a per-weight trust ratio), lars (momentum SGD with a per-weight learning rate) or sgd (momentum SGD); see trickles.optim",
+        "adamw, lamb (Adam with a per-weight trust ratio), lars (momentum SGD with a per-weight learning rate) or "
+        "sgd (momentum SGD); see trickles.optim",
     )
     lr: float = opt(2e-3, "peak learning rate")
     schedule: str = opt(
         "auto",
-        "learning-rate decay after the warm-up: cosine, poly ((1 - progress)^poly_power) or auto (poly for lars, as its users train it; cosine otherwise)",
+        "learning-rate decay after the warm-up: cosine, poly ((1 - progress)^poly_power) or auto (poly for lars, as "
+        "its users train it; cosine otherwise)",
     )
     poly_power: float = opt(2.0, "exponent of the poly schedule")
     min_lr_ratio: float = opt(0.1, "learning rate at the end of the decay, as a fraction of lr")
     warmup_steps: int = opt(20, "linear warm-up steps from 0 to lr")
     weight_decay: float = opt(
         0.1,
-        "weight decay of linear matrices (not of norms, biases and embeddings): decoupled for adamw and lamb, an L2 term for sgd and lars",
+        "weight decay of linear matrices (not of norms, biases and embeddings): decoupled for adamw and lamb, an L2 "
+        "term for sgd and lars",
     )
     beta1: float = opt(0.9, "adamw/lamb first-moment decay")
     beta2: float = opt(0.95, "adamw/lamb second-moment decay")
@@ -47,7 +50,8 @@ class TrainConfig:
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0: no clipping)")
     max_nonfinite_steps: int = opt(
         10,
-        "stop (exit status 3) after this many consecutive steps with a non-finite loss or gradient; such steps are skipped",
+        "stop (exit status 3) after this many consecutive steps with a non-finite loss or gradient; such steps are "
+        "skipped",
     )
     eval_every: int = opt(
         50, "evaluate on held-out data every N steps (0: never; the last step always evaluates when >0)"
@@ -55,33 +59,40 @@ class TrainConfig:
     eval_batches: int = opt(4, "held-out batches of global_batch sequences per evaluation")
     init_from: str = opt(
         "",
-        "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one), with its model shape, a fresh optimizer and step 0 (empty: initialize from seed)",
+        "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one), with "
+        "its model shape, a fresh optimizer and step 0 (empty: initialize from seed)",
     )
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
     async_checkpoint: bool = opt(
         True,
-        "write checkpoints in the background: each rank copies its part to host memory and training goes on while a thread writes it (one save in flight; the final save is waited for); false: every rank waits for the write",
+        "write checkpoints in the background: each rank copies its part to host memory and training goes on while a "
+        "thread writes it (one save in flight; the final save is waited for); false: every rank waits for the write",
     )
     max_failed_saves: int = opt(
         3,
-        "stop (exit status 1) after this many checkpoint saves failed in a row; a failed save is logged, leaves no directory and is retried at the next checkpoint step",
+        "stop (exit status 5) after this many checkpoint saves failed in a row; a failed save is logged, leaves no"
+        " directory and is retried at the next checkpoint step; a failed final save ends the run at once (status 5)",
     )
     out_dir: str = opt("runs/demo", "directory for metrics, plots, samples and checkpoints")
     qat: bool = opt(
         False,
-        "quantization-aware training: projections compute with int8 fake-quantized weights (per row) and inputs (per token), gradients straight through; the final checkpoint is also exported to int8 (<out_dir>/int8_step_N); see docs/compression.md",
+        "quantization-aware training: projections compute with int8 fake-quantized weights (per row) and inputs (per "
+        "token), gradients straight through; the final checkpoint is also exported to int8 (<out_dir>/int8_step_N); "
+        "see docs/compression.md",
     )
     compile: bool = opt(
         False,
-        "compile each transformer block, and the output projection with its loss, with torch.compile (the time it takes is printed after the second step)",
+        "compile each transformer block, and the output projection with its loss, with torch.compile (the time it "
+        "takes is printed after the second step)",
     )
     device: str = opt("auto", "auto (cuda:LOCAL_RANK when CUDA is available, else cpu), cpu, or cuda")
     tensorboard: bool = opt(False, "also write TensorBoard event files to <out_dir>/tb")
     plot: bool = opt(True, "draw <out_dir>/loss.png at the end (needs matplotlib)")
     pipeline_trace: str = opt(
         "",
-        "with parallel.pp > 1: time every stage's forwards and backwards and draw the last step's Gantt chart to this PNG",
+        "with parallel.pp > 1: time every stage's forwards and backwards and draw the last step's Gantt chart to "
+        "this PNG",
     )
     sample_tokens: int = opt(200, "tokens to generate from the final model at the end (0: none)")
     sample_prompt: str = opt("def ", "prompt of the final sample")

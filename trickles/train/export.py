@@ -45,7 +45,8 @@ TOKENIZER = "tokenizer"
 
 
 def export_checkpoint(src: str, out: str, fmt: str = "trickles") -> str:
-    """Writes the checkpoint at ``src`` (a step_N directory, a checkpoints folder or a run's out_dir) to ``out`` as ``fmt``.
+    """Writes the checkpoint at ``src`` (a step_N directory, a checkpoints folder or a run's out_dir) to ``out`` as
+    ``fmt``.
 
     Returns ``out``. Raises :class:`CheckpointError` for a missing or damaged source (nothing is
     written then) and for an ``out`` that already exists.
@@ -94,7 +95,7 @@ def single_process_meta(meta: dict[str, Any], source: str) -> dict[str, Any]:
     settings that need several ranks (``memory.offload_optimizer``, ``train.pipeline_trace``) are
     off, so that ``Config.validate(1)`` accepts it. Only rank 0's RNG state is kept.
     """
-    defaults = ParallelConfig()
+    defaults = ParallelConfig().resolve()
     out = copy.deepcopy(meta)
     config = out.setdefault("config", {})
     old = config.get("parallel", {})
@@ -130,7 +131,8 @@ def single_process_meta(meta: dict[str, Any], source: str) -> dict[str, Any]:
 
 
 def _write_hf(path: str, tmp: str) -> None:
-    """The whole model of the checkpoint at ``path`` as a Hugging Face directory ``tmp``, the tokenizer's files beside it."""
+    """The whole model of the checkpoint at ``path`` as a Hugging Face directory ``tmp``, the tokenizer's files beside
+    it."""
     from ..models.hf import save_hf
 
     model, tokenizer, _ = load_for_inference(path, verify=False)  # verified by the caller

@@ -3,9 +3,11 @@ mixture-of-experts figures gathered over the ranks."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -94,14 +96,36 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_loss(metrics_path: str, png_path: str) -> bool:
-    """Draws training (and validation) loss against step; False when matplotlib is missing."""
+def pyplot():
+    """matplotlib's ``pyplot`` on the Agg backend, for the run's plots (``train.plot``); None when matplotlib is
+    missing, which the first call of the process says on stderr in one ``warning:`` line (the plots were asked for:
+    ``train.plot`` is true by default) with what to do about it."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        _say_no_matplotlib()
+        return None
+    return plt
+
+
+@functools.cache  # once per process, whichever plot asks first
+def _say_no_matplotlib() -> None:
+    print(
+        "[trickles] warning: train.plot=true, but matplotlib is not installed, so the run's plots (loss.png) are not "
+        "drawn; pip install 'trickles[plots]', or set train.plot=false",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def plot_loss(metrics_path: str, png_path: str) -> bool:
+    """Draws training (and validation) loss against step; False (and a warning, :func:`pyplot`) when matplotlib is
+    missing."""
+    plt = pyplot()
+    if plt is None:
         return False
     records = read_metrics(metrics_path)
     steps = [r["step"] for r in records if "loss" in r]
@@ -144,16 +168,13 @@ def expert_load(records: list[dict[str, Any]]) -> tuple[list[int], dict[str, np.
 
 def plot_expert_load(metrics_path: str, png_path: str) -> bool:
     """A heat map per mixture-of-experts block: each expert's share of the assignments (colour) over the steps;
-    False when matplotlib is missing or the run has no experts. A balanced router is an even colour (1/E)."""
+    False when the run has no experts or matplotlib is missing (a warning, :func:`pyplot`). A balanced router is an
+    even colour (1/E)."""
     steps, shares = expert_load(read_metrics(metrics_path))
     if not shares:
         return False
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(len(shares), 1, figsize=(8, 1.2 + 1.4 * len(shares)), dpi=120, squeeze=False, sharex=True)
     for ax, (layer, share) in zip(axes[:, 0], shares.items()):

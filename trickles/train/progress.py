@@ -3,7 +3,8 @@
 On a terminal (stderr is a TTY) a ``tqdm`` bar shows the step, and after each step that step's figures
 (loss, tokens/s, MFU or GFLOP/s, validation loss, skipped steps, the loss scale). Elsewhere -- a log file, CI, a
 pipe -- a bar's carriage returns would pile up into one long line, so one plain line is printed every ``every``
-steps (about 20 lines a run), at a step that evaluated, and at the last step: ``[trickles] step 40/200 loss 2.431 tok/s 12,345 mfu 31.2%``.
+steps (about 20 lines a run), at a step that evaluated, and at the last step:
+``[trickles] step 40/200 loss 2.431 tok/s 12,345 mfu 31.2%``.
 ``label`` names the loss shown (``loss``; a distillation run shows its combined loss, ``distill loss``).
 :class:`CompileReport` adds one line with what ``torch.compile`` cost.
 """
@@ -125,7 +126,8 @@ def run_line(tr) -> str:
         mc = tr.model_cfg
         params += (
             f" ({tr.n_active / 1e6:.2f}M active: {mc.moe_experts} experts, top-{mc.moe_top_k}"
-            f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}, in {len(mc.moe_layers)} of {mc.n_layers} blocks)"
+            f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}, "
+            f"in {len(mc.moe_layers)} of {mc.n_layers} blocks)"
         )
     return (
         f"[trickles] {tr.model_cfg.flavor} model, {params}, {tr.topo.world_size} rank(s) "

@@ -6,21 +6,19 @@ a failed rank brings all ranks down and back up; the restarted ranks see a non-z
 (same weights, optimizer state, data position and random states as when it was written). With
 ``parallel.elastic`` a world the configured degrees do not fit trains on the planner's layout for it
 (:mod:`trickles.planner.elastic`), resharding the checkpoint on load. SIGTERM (torchrun's, or passed on by our
-launcher) is an orderly stop: every rank finishes its step, the step's checkpoint is saved and waited for, and the
-process exits with status 143.
+launcher) is an orderly stop: every rank finishes its step, the step's checkpoint is saved, waited for and verified,
+and the process exits with status 143 -- or 6 when that save failed (:mod:`trickles.train.stopping`).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import threading
 
 from ..config import Config
 from ..errors import UserError
 from ..hints import warn_slow_config
-from ..planner.elastic import layout_for_world
-from ..process import env_world_size, restart_count
+from ..planner.elastic import agreed_layout
+from ..process import env_world_size, handle_sigterm, restart_count, stop_requested
 from ..topology import distributed_session
 from . import checkpoint
 from .trainer import Trainer
@@ -64,27 +62,21 @@ def run_training(
     ``verified``), resolved at restart count ``resolved_at``: a job restarted since then
     resolves it again, to the newest complete checkpoint. Returns this rank's per-step metrics.
     """
-    cfg, relayout = layout_for_world(cfg, env_world_size())  # parallel.elastic: a world the degrees do not fit
+    cfg, relayout = agreed_layout(cfg, env_world_size())  # parallel.elastic: rank 0 plans, every rank takes it
     dims = cfg.validate(env_world_size())
     if restart_count() != resolved_at:  # the launcher brought the job back up after a failure
         resume, verified = resolve_resume(resume, cfg.train.out_dir), True
-    stop = threading.Event()  # SIGTERM: every rank finishes its step, saves and stops (Trainer.fit)
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: stop.set()) if main else None
-    try:
-        with distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
-            warn_slow_config(cfg, topo)  # valid but slow on this device (fp16 on a CPU, ...): one line each, rank 0
-            if relayout and topo.is_main and not quiet:
-                print(relayout, flush=True)
-            trainer = Trainer(cfg, topo, quiet=quiet)
-            trainer.stop_requested = stop.is_set
-            if resume:
-                if restart_count() > 0 and topo.is_main:
-                    print(f"[trickles] restart {restart_count()}: continuing from {resume}", flush=True)
-                trainer.load_checkpoint(resume, verify=not verified)
-            history = trainer.fit()
-            del trainer
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+    # SIGTERM: every rank finishes its step, saves and stops (trickles.train.stopping)
+    with handle_sigterm(), distributed_session(dims, cfg.train.device, cfg.parallel.timeout_s) as topo:
+        warn_slow_config(cfg, topo)  # valid but slow on this device (fp16 on a CPU, ...): one line each, rank 0
+        if relayout and topo.is_main and not quiet:
+            print(relayout, flush=True)
+        trainer = Trainer(cfg, topo, quiet=quiet)
+        trainer.stop_requested = stop_requested
+        if resume:
+            if restart_count() > 0 and topo.is_main:
+                print(f"[trickles] restart {restart_count()}: continuing from {resume}", flush=True)
+            trainer.load_checkpoint(resume, verify=not verified)
+        history = trainer.fit()
+        del trainer
     return history

@@ -17,19 +17,23 @@ A save has two halves.
 when it had to) and settle its outcome on the training thread: one all-reduce over every rank of whether any part
 failed, so that every rank counts the same failures.
 
-**A failed save never kills training.** Any rank's write or rank 0's commit raising (a full or read-only filesystem,
-a quota) fails the save: rank 0 removes ``step_N.tmp`` (never renamed into place; ``--resume auto`` reads only
-complete ``step_N`` directories), the failure is logged with its step and reason and written to the metrics
-(``{"step": N, "checkpoint_failed": reason}``), and the next checkpoint step tries again. ``train.max_failed_saves``
-failures in a row stop the run with :class:`~trickles.errors.SavesFailed` (exit status 1) rather than let it run on
-unprotected. A rank killed while a save is in flight leaves a ``.tmp`` directory that the next save of the run
-removes; the previous complete checkpoint is what a restart resumes.
+**A failed save does not kill training -- unless it is the last.** Any rank's write or rank 0's commit raising (a
+full or read-only filesystem, a quota) fails the save: once every rank's writer has ended (the settling all-reduce
+comes after each rank joined its own), rank 0 removes ``step_N.tmp`` -- never while another rank may still write into
+it; it was never renamed into place and ``--resume auto`` reads only complete ``step_N`` directories. The failure is
+logged with its step and reason and written to the metrics (``{"step": N, "checkpoint_failed": reason}``), and the
+next checkpoint step tries again. ``train.max_failed_saves`` failures in a row stop the run with
+:class:`~trickles.errors.SavesFailed` (:data:`~trickles.errors.EXIT_SAVES_FAILED`) rather than let it run on
+unprotected. A **final** save (``final=True``: the last step's, or the one a SIGTERM stops at) has no later step to try
+again: it is verified against its manifest before the rename, and its failure raises SavesFailed at once. A rank
+killed while a save is in flight leaves a ``.tmp`` directory; every save begins by removing such leftovers (rank 0,
+when no writer runs on any rank), and the previous complete checkpoint is what a restart resumes.
 
 Host memory: a save in flight holds a host copy of the rank's checkpoint tensors (:attr:`Saver.host_bytes`: what the
 rank writes, about its shard of the model and optimizer state).
 
-Injected failures (tests): ``TRICKLES_FAIL_SAVES`` = comma-separated steps (or ``*``) whose first file write raises
-``OSError`` on every rank, ``STEP@RANK`` on one rank only.
+Injected faults (tests): ``TRICKLES_FAIL_SAVES`` (:mod:`trickles.train.faults`) fails a write, kills a rank or sends
+SIGTERM at a chosen phase of a chosen save.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 
 from ..errors import CheckpointError, SavesFailed
 from . import checkpoint as ckpt
+from . import faults as injected
 
 POLL_S = 0.01  # rank 0's writer looks for the other ranks' markers this often
 
@@ -61,6 +66,7 @@ class Snapshot:
     tokenizer: object | None = None  # rank 0: the tokenizer to save
     keep: int = 2  # complete checkpoints kept (train.keep_checkpoints)
     host_bytes: int = 0
+    final: bool = False  # verified against its manifest before the rename; its failure raises (Saver.settle)
 
 
 @dataclass
@@ -107,7 +113,7 @@ class Saver:
         self.failed_in_a_row = 0
         self.failures: list[tuple[int, str]] = []  # (step, reason) of every failed save, on rank 0 with every reason
         self._flight: _Flight | None = None
-        self._cleaned = False
+        self.faults = injected.from_environment()  # TRICKLES_FAIL_SAVES (tests)
         self._giving_up = threading.Event()  # set by abandon(): rank 0's writer stops waiting for the others
 
     @property
@@ -121,10 +127,13 @@ class Saver:
         return self._flight.snapshot.host_bytes if self._flight is not None else 0
 
     # ---- the training thread -------------------------------------------------------------
-    def save(self, take: Callable[[str], Snapshot], ckpt_dir: str, step: int, wait: bool) -> str | None:
+    def save(
+        self, take: Callable[[str], Snapshot], ckpt_dir: str, step: int, wait: bool, final: bool = False
+    ) -> str | None:
         """Waits for the save in flight, takes this step's snapshot (``take(tmp)``, every rank) and writes it -- in
-        the background unless ``wait`` or the saver is synchronous. Returns rank 0's committed path once written
-        (None while in flight, on failure and on the other ranks)."""
+        the background unless ``wait``, ``final`` or the saver is synchronous. Returns rank 0's committed path once
+        written (None while in flight, on failure and on the other ranks). ``final``: the run's last save, verified
+        before the rename; its failure raises SavesFailed (:meth:`settle`)."""
         began = time.perf_counter()
         if self._flight is not None:
             busy = self._flight.thread is not None and self._flight.thread.is_alive()
@@ -138,36 +147,44 @@ class Saver:
         tmp = ckpt.step_dir(ckpt_dir, step) + ".tmp"
         world = self.topo.comm("world")
         if self.topo.is_main:
-            if not self._cleaned:  # a run killed during a save left its .tmp directory
-                for name in os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else ():
-                    if name.startswith("step_") and name.endswith(".tmp"):
-                        shutil.rmtree(os.path.join(ckpt_dir, name), ignore_errors=True)
-                self._cleaned = True
+            for name in sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else ():
+                if name.startswith("step_") and name.endswith(".tmp"):  # no writer runs on any rank now (settled)
+                    self._remove(os.path.join(ckpt_dir, name), "left by a save that did not finish", say=True)
             try:
                 ckpt.begin(ckpt_dir, step)
             except OSError:
                 pass  # the write reports it (its files cannot go anywhere): one path for every failure
         world.barrier()
+        injected.strike(self.faults, step, self.topo.rank, "copy")
         snapshot = take(tmp)
+        snapshot.final = final
         flight = _Flight(snapshot, None)
         self._flight = flight
-        if self.background and not wait:
+        if self.background and not wait and not final:
             flight.thread = threading.Thread(
                 target=self._write, args=(flight,), name=f"checkpoint-step-{step}", daemon=True
             )
             flight.thread.start()
             return None
         self._write(flight)
-        return self.settle()
+        return self.settle(final)
 
-    def settle(self) -> str | None:
-        """Waits for the save in flight (if any) and settles its outcome on every rank (a collective); raises
-        SavesFailed after ``max_failed`` failed saves in a row. Returns rank 0's committed path, else None."""
+    def settle(self, final: bool = False) -> str | None:
+        """Waits for the save in flight (if any) and settles its outcome on every rank (a collective); rank 0 then
+        removes a failed save's directory. Raises SavesFailed after ``max_failed`` failed saves in a row, and at once
+        when ``final`` (the run's last save: a committed one is first verified, if its writer did not). Returns rank
+        0's committed path, else None."""
         flight, self._flight = self._flight, None
         if flight is None:
             return None
         if flight.thread is not None:
             flight.thread.join()
+        if final and flight.final and not flight.snapshot.final:  # committed in the background, not yet verified
+            try:
+                ckpt.verify(flight.final[0])
+            except CheckpointError as e:
+                flight.error.append(_reason(e, self.topo.rank))
+                flight.final.clear()
         failed = torch.tensor([1.0 if flight.error else 0.0])
         world = self.topo.comm("world")
         if world.size > 1:
@@ -176,64 +193,116 @@ class Saver:
         if failed.item() == 0:
             self.failed_in_a_row = 0
             return flight.final[0] if flight.final else None
+        # every rank joined its writer before the all-reduce: nothing writes into step_N.tmp any more
+        if self.topo.is_main:
+            self._remove(flight.snapshot.tmp, "a failed save's directory")
         self.failed_in_a_row += 1
         reason = flight.error[0] if flight.error else "another rank's part failed"
+        if world.size > 1:  # every rank tells rank 0's reason: its own, or the first failed rank's marker
+            reason = _from_rank0(world, reason)
         self.failures.append((step, reason))
+        stop = final or self.failed_in_a_row >= self.max_failed
         if self.topo.is_main:
             self.say(
-                f"[trickles] checkpoint step {step} failed: {reason}; training goes on and the next checkpoint step "
-                f"tries again ({self.failed_in_a_row} of train.max_failed_saves={self.max_failed} in a row)"
+                f"[trickles] checkpoint step {step} failed: {reason}"
+                + ("" if stop else "; training goes on and the next checkpoint step tries again")
+                + ("" if final else f" ({self.failed_in_a_row} of train.max_failed_saves={self.max_failed} in a row)")
             )
             if self.record is not None:
                 self.record({"step": step, "checkpoint_failed": reason})
-        if self.failed_in_a_row >= self.max_failed:
+        newest = ckpt.list_checkpoints(os.path.dirname(flight.snapshot.tmp))
+        resume = f"step {newest[-1][0]}" if newest else "step 0 (no complete checkpoint)"
+        if final:
+            raise SavesFailed(
+                f"the final checkpoint, step {step}, was not saved: {reason}; free space or fix train.out_dir, "
+                f"then run again with --resume auto (it continues from {resume})",
+                step,
+                reason,
+            )
+        if stop:
             raise SavesFailed(
                 f"{self.failed_in_a_row} checkpoint saves failed in a row (the last at step {step}: "
                 f"{reason}); stopping rather than training on without checkpoints: free space or fix "
-                f"train.out_dir and resume from the last complete checkpoint"
+                f"train.out_dir, then run again with --resume auto (it continues from {resume})",
+                step,
+                reason,
             )
         return None
 
     def abandon(self) -> None:
         """On the way out after an error: waits for this rank's write, without meeting the other ranks (rank 0's
         writer stops waiting for their markers at once: a rank that died will never write one, and a launcher
-        restarting the job must not wait for this process)."""
+        restarting the job must not wait for this process). An uncommitted ``step_N.tmp`` stays: another rank may
+        still be writing into it; the next run's first save removes it, and nothing ever loads it."""
         self._giving_up.set()
         flight, self._flight = self._flight, None
         if flight is not None and flight.thread is not None:
             flight.thread.join(timeout=self.timeout_s if math.isfinite(self.timeout_s) else None)
+
+    def _remove(self, path: str, why: str, say: bool = False) -> None:
+        """Removes directory ``path`` (rank 0); says so with ``say``, and always when it cannot."""
+        try:
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            self.say(
+                f"[trickles] could not remove {path} ({why}): {e}; it is never resumed from, the next save retries"
+            )
+            return
+        if say:
+            self.say(f"[trickles] removed {path} ({why})")
 
     # ---- the writer ----------------------------------------------------------------------
     def _write(self, flight: _Flight) -> None:
         snap = flight.snapshot
         rank, world = self.topo.rank, self.topo.world_size
         try:
-            _injected_fault(snap.step, rank)
-            for name, tensors in snap.files.items():
-                ckpt.save_pieces(tensors, os.path.join(snap.tmp, name))
+            names = list(snap.files)
+            for i, name in enumerate(names):
+                if i == len(names) - 1:
+                    injected.strike(self.faults, snap.step, rank, "write")
+                ckpt.save_pieces(snap.files[name], os.path.join(snap.tmp, name))
+            if not names:
+                injected.strike(self.faults, snap.step, rank, "write")
+            injected.strike(self.faults, snap.step, rank, "marker")
             _mark(snap.tmp, "done", rank)
         except Exception as e:  # noqa: BLE001 -- every failure of a save is survived (module docstring)
             flight.error.append(_reason(e, rank))
             _mark(snap.tmp, "failed", rank, flight.error[0])
         snap.files = {}  # the host copies go with the write
-        if rank != 0:
+        if rank != 0 or flight.error:  # (a failed save's directory: Saver.settle removes it, once no rank writes)
             return
         try:
-            if not flight.error:
-                snap.tokenizer.save(os.path.join(snap.tmp, "tokenizer"))
-                ckpt.write_json(os.path.join(snap.tmp, "trainer.json"), snap.meta)
-                other = _wait_for_markers(snap.tmp, world, self.timeout_s, self._giving_up)
-                if other:
-                    flight.error.append(other)
-            if not flight.error:
-                for r in range(world):
-                    os.remove(_marker(snap.tmp, "done", r))
-                flight.final.append(ckpt.commit(snap.tmp, snap.keep))
+            snap.tokenizer.save(os.path.join(snap.tmp, "tokenizer"))
+            ckpt.write_json(os.path.join(snap.tmp, "trainer.json"), snap.meta)
+            other = _wait_for_markers(snap.tmp, world, self.timeout_s, self._giving_up)
+            if other:
+                flight.error.append(other)
+                return
+            for r in range(world):
+                os.remove(_marker(snap.tmp, "done", r))
+            flight.final.append(
+                ckpt.commit(
+                    snap.tmp,
+                    snap.keep,
+                    check=snap.final,
+                    before=lambda phase: injected.strike(self.faults, snap.step, rank, phase),
+                )
+            )
         except Exception as e:  # noqa: BLE001
-            if not flight.error:
-                flight.error.append(_reason(e, rank))
-        if flight.error:
-            shutil.rmtree(snap.tmp, ignore_errors=True)
+            flight.error.append(_reason(e, rank))
+
+
+def _from_rank0(world, text: str, limit: int = 2048) -> str:
+    """Rank 0's ``text`` (its first ``limit`` bytes) on every rank of ``world`` (a broadcast)."""
+    data = text.encode()[:limit]
+    buf = torch.zeros(limit + 4, dtype=torch.uint8)
+    buf[:4] = torch.tensor(list(len(data).to_bytes(4, "little")), dtype=torch.uint8)
+    buf[4 : 4 + len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    buf = world.broadcast(buf, src=0)
+    n = int.from_bytes(bytes(buf[:4].tolist()), "little")
+    return bytes(buf[4 : 4 + n].tolist()).decode(errors="replace")
 
 
 def _marker(tmp: str, kind: str, rank: int) -> str:
@@ -272,14 +341,6 @@ def _wait_for_markers(tmp: str, world: int, timeout_s: float, give_up: threading
 
 def _reason(e: BaseException, rank: int) -> str:
     return f"{type(e).__name__}: {e} (rank {rank})".replace("\n", " ")
-
-
-def _injected_fault(step: int, rank: int) -> None:
-    spec = os.environ.get("TRICKLES_FAIL_SAVES", "")
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        at, _, only = item.partition("@")
-        if (at == "*" or int(at) == step) and (not only or int(only) == rank):
-            raise OSError(28, f"No space left on device (injected by TRICKLES_FAIL_SAVES={spec})")
 
 
 def probe_writable(directory: str, rank: int) -> None:

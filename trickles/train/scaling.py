@@ -173,8 +173,9 @@ def weak_scaling_config(cfg: Config, n: int, steps: int) -> Config:
     p = cfg.parallel
     if n % unit:
         raise ConfigError(
-            f"{n} rank(s) cannot hold parallel.tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {unit} ranks per data-parallel "
-            f"replica; give --ranks multiples of {unit} (e.g. --ranks {unit} {2 * unit}) or change parallel.tp/pp/cp"
+            f"{n} rank(s) cannot hold parallel.tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {unit} ranks per "
+            f"data-parallel replica; give --ranks multiples of {unit} (e.g. --ranks {unit} {2 * unit}) or change "
+            "parallel.tp/pp/cp"
         )
     micro, accumulation = cfg.batch_plan(p.dp if p.dp >= 1 else 1)
     dp = n // unit
@@ -290,7 +291,8 @@ def measure_scaling(
         for n, scaled in runs:
             if not quiet:
                 print(
-                    f"[trickles] {n} rank(s): global batch {scaled.train.global_batch}, {warmup} warm-up + {steps} timed steps",
+                    f"[trickles] {n} rank(s): global batch {scaled.train.global_batch}, {warmup} warm-up + {steps} "
+                    "timed steps",
                     flush=True,
                 )
             path = os.path.join(tmp, f"ranks{n}.json")

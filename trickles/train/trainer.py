@@ -9,16 +9,17 @@ One optimizer step (``Trainer.train_step``):
 2. each micro-batch runs forward (under the precision policy) and backward on
    ``loss / accumulation``, so the summed gradient is that of the mean loss;
 3. the data-parallel engine (:func:`trickles.parallel.plan.parallelize`: replicated, or ZeRO
-   stage 1-3) averages the gradients over the data-parallel group (``dp x cp`` with context parallelism) -- overlapping backward --
-   clips them to ``grad_clip`` by global norm and runs AdamW with the scheduled learning rate.
+   stage 1-3) averages the gradients over the data-parallel group (``dp x cp`` with context parallelism) --
+   overlapping backward -- clips them to ``grad_clip`` by global norm and runs AdamW with the scheduled learning rate.
 
 With pipeline stages (``parallel.pp > 1``) step 2 is the engine's
 :class:`~trickles.parallel.pipeline.runner.PipelineRunner`: the micro-batches are the pipeline's,
 and its schedule interleaves their forwards and backwards across the stages.
 
-The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows its progress (a bar on a terminal, plain lines elsewhere),
-saves checkpoints and, at the end, draws the loss curve and prints a generated sample. What a checkpoint holds
-beside the engine's shards, and how a run resumes from one (position, loss scaler, RNG), is
+The loop around it evaluates on held-out data, writes ``metrics.jsonl``, shows its progress (a bar on a terminal,
+plain lines elsewhere) and saves checkpoints; how a run ends -- its final save, a SIGTERM's stop, the exit status of
+each -- is :mod:`trickles.train.stopping`, what it leaves besides (plots, a sample) :mod:`trickles.train.outputs`.
+What a checkpoint holds beside the engine's shards, and how a run resumes from one (position, loss scaler, RNG), is
 :mod:`trickles.train.trainer_state`.
 """
 
@@ -38,7 +39,7 @@ from ..config import Config
 from ..data import ShardedBatches, build_tokenizer, load_corpus, require_boundaries
 from ..data.loader import DOCUMENTS
 from ..data.sources import iter_documents
-from ..errors import ConfigError, Terminated, TrainingStopped
+from ..errors import ConfigError, TrainingStopped
 from ..kernels.cross_entropy import OutputLoss
 from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
@@ -50,10 +51,10 @@ from ..optim.schedule import schedule_kind
 from ..parallel.pipeline.runner import PipelinedModel
 from ..parallel.plan import parallelize
 from ..topology import Topology
-from . import trainer_state
+from . import outputs, stopping, trainer_state
 from .flops import flops_per_token, matmul_params, peak_flops
 from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
-from .metrics import MetricsLog, moe_metrics, plot_expert_load, plot_loss
+from .metrics import MetricsLog, moe_metrics
 from .progress import CompileReport, Progress, run_line
 from .saver import Saver, probe_writable
 
@@ -144,7 +145,7 @@ class Trainer:
             say=lambda line: None if self.quiet else print(line, flush=True),
         )
         self.history: list[dict[str, Any]] = []
-        self.stop_requested = None  # () -> bool: this process was asked to stop (run_training's SIGTERM handler)
+        self.stop_requested = None  # () -> bool: this process was asked to stop (trickles.process.stop_requested)
 
     # ---- one step ------------------------------------------------------------------------
     def _loss(
@@ -248,7 +249,8 @@ class Trainer:
         if len(self._bad_streak) >= limit:
             first = self._bad_streak[0]
             raise TrainingStopped(
-                f"the loss or gradients were not finite for {limit} consecutive steps ({first}-{self.step + 1}, last loss {loss}); "
+                f"the loss or gradients were not finite for {limit} consecutive steps ({first}-{self.step + 1}, "
+                f"last loss {loss}); "
                 f"those updates were skipped and nothing was saved after step {first - 1}; lower train.lr, raise "
                 f"train.warmup_steps, use memory.precision=bf16 or fp32, or check the data"
             )
@@ -295,32 +297,7 @@ class Trainer:
             self.saver.abandon()  # this rank's write finishes; the other ranks may be gone
             raise
         progress.close()
-        if self.pipeline is not None and t.pipeline_trace:
-            self.draw_pipeline_trace(t.pipeline_trace)
-        if log is not None:
-            log.close()
-            if t.plot and plot_loss(log.path, os.path.join(t.out_dir, "loss.png")) and not self.quiet:
-                print(f"[trickles] loss curve: {os.path.join(t.out_dir, 'loss.png')}")
-            if (
-                t.plot
-                and self.moe_stats is not None
-                and plot_expert_load(log.path, os.path.join(t.out_dir, "expert_load.png"))
-                and not self.quiet
-            ):
-                print(f"[trickles] expert load: {os.path.join(t.out_dir, 'expert_load.png')}")
-        if t.sample_tokens and self.topo.dims.tp_mode != "1d":
-            if not self.quiet:
-                print(
-                    f"[trickles] no sample: decoding with a KV cache needs parallel.tp_mode=1d (this run: "
-                    f"{self.topo.dims.tp_mode}); `trickles generate` reads the checkpoint at any layout"
-                )
-        elif t.sample_tokens:
-            text = self.sample(t.sample_prompt, t.sample_tokens)  # every rank: sharded parameters need all of them
-            if self.topo.is_main:
-                with open(os.path.join(t.out_dir, "sample.txt"), "w") as f:
-                    f.write(text)
-            if not self.quiet:
-                print(f"[trickles] sample after {self.step} steps:\n{'-' * 60}\n{text}\n{'-' * 60}")
+        outputs.finish(self, log)  # the pipeline trace, the plots, the sample
         return self.history
 
     def _loop(self, log, progress, compile_report) -> None:
@@ -337,30 +314,7 @@ class Trainer:
             if log is not None:
                 log.write(record)
             progress.step(self.step, record, self.skipped, self.scaler.scale if self.scaler else None)
-            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
-                saved = self.save_checkpoint(wait=last or not t.async_checkpoint)  # (the final save is waited for)
-                if last and t.qat:
-                    self.export_int8(saved)
-            if not last and self._stopping():  # SIGTERM on any rank: every rank saves this step and stops
-                if self.saver.pending_step != self.step:
-                    self.save_checkpoint()
-                self.saver.settle()
-                raise Terminated(
-                    f"SIGTERM: stopped after step {self.step} with its checkpoint saved; continue with --resume auto"
-                )
-        self.saver.settle()  # a save still in flight (none when the last step saved)
-
-    def _stopping(self) -> bool:
-        """Whether any rank was asked to stop (one all-reduce a step, only where a handler is installed)."""
-        if self.stop_requested is None:
-            return False
-        flag = torch.tensor([1.0 if self.stop_requested() else 0.0], device=self.device)
-        return self.topo.comm("world").all_reduce(flag, op="max").item() > 0
-
-    def export_int8(self, path: str | None) -> str | None:
-        """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
-        ``<out_dir>/int8_step_N``, written by rank 0 while the others wait."""
-        return trainer_state.export_int8(path, self.cfg.train.out_dir, self.step, self.topo, self.quiet)
+            stopping.after_step(self, last)  # checkpoints, the final save, a SIGTERM's stop
 
     def sample(self, prompt: str, n_tokens: int, label: str | None = None) -> str:
         """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``); hard-routed
@@ -395,25 +349,12 @@ class Trainer:
             )
         return torch.full((rows,), self.label_names.index(label), dtype=torch.long, device=self.device)
 
-    def draw_pipeline_trace(self, path: str) -> None:
-        """Draws when each stage ran each forward and backward of the last step (pipeline rank 0 of the first replica)."""
-        from ..parallel.pipeline.plot import plot_pipeline
-
-        timeline = self.pipeline.gather_trace()
-        if timeline is not None and self.topo.is_main:
-            measured, predicted = plot_pipeline(timeline, self.pipeline.shape, self.cfg.parallel.schedule, path)
-            if not self.quiet:
-                print(
-                    f"[trickles] pipeline trace: {path} (bubble {100 * measured:.1f}% measured, "
-                    f"{100 * predicted:.1f}% predicted for these stage times with free messages)"
-                )
-
     # ---- checkpoints (trickles.train.trainer_state) ---------------------------------------
-    def save_checkpoint(self, wait: bool = True) -> str | None:
+    def save_checkpoint(self, wait: bool = True, final: bool = False) -> str | None:
         """Writes ``<out_dir>/checkpoints/step_N`` atomically (every rank its part; :mod:`trickles.train.saver`);
         returns its path on rank 0 once written. ``wait=False``: the write goes on in the background (where
         ``train.async_checkpoint`` allows) and None is returned. A failed save is logged and counted, not raised, until
-        ``train.max_failed_saves`` fail in a row."""
+        ``train.max_failed_saves`` fail in a row; a ``final`` one is verified and raises SavesFailed when it fails."""
 
         def take(tmp: str):
             return trainer_state.snapshot(
@@ -430,7 +371,7 @@ class Trainer:
                 device=self.device,
             )
 
-        return self.saver.save(take, self.ckpt_dir, self.step, wait)
+        return self.saver.save(take, self.ckpt_dir, self.step, wait, final)
 
     def load_checkpoint(self, path: str, verify: bool = True) -> None:
         """Restores model, optimizer, position and RNG from ``path`` (a step_N directory, any dp layout)."""

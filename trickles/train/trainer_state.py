@@ -25,7 +25,7 @@ from typing import Any
 from ..compress.checkpoint import quantize_checkpoint
 from ..config import Config
 from ..data import Tokenizer
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SavesFailed
 from ..memory.scaler import DynamicLossScaler
 from ..models.config import HOW_KEYS, ModelConfig
 from ..models.transformer import Transformer
@@ -49,9 +49,9 @@ def snapshot(
     skipped: int,
     device,
 ) -> Snapshot:
-    """This rank's part of the checkpoint of step ``step`` (written into ``tmp`` by :class:`~trickles.train.saver.Saver`):
-    its model and optimizer pieces copied to the host and, on rank 0, ``trainer.json``. Every rank calls it (the RNG
-    states are gathered)."""
+    """This rank's part of the checkpoint of step ``step`` (written into ``tmp`` by
+    :class:`~trickles.train.saver.Saver`): its model and optimizer pieces copied to the host and, on rank 0,
+    ``trainer.json``. Every rank calls it (the RNG states are gathered)."""
     rng = _gather_objects(ckpt.rng_state(), topo)
     files, nbytes = host_copy(engine.checkpoint_files(topo.rank), device)
     snap = Snapshot(step, tmp, files, keep=cfg.train.keep_checkpoints, host_bytes=nbytes)
@@ -136,9 +136,17 @@ def init_source(init_from: str, model: Transformer):
 
 def export_int8(path: str | None, out_dir: str, step: int, topo: Topology, quiet: bool) -> str:
     """Quantization-aware training's final checkpoint ``path`` (rank 0's; None elsewhere) as an int8 checkpoint
-    ``<out_dir>/int8_step_N``, written by rank 0 while the others wait."""
+    ``<out_dir>/int8_step_N``, written by rank 0 while the others wait. Without a final checkpoint on rank 0 there is
+    nothing to export: SavesFailed says so (never a silent skip)."""
     out = os.path.join(out_dir, f"int8_step_{step:06d}")
-    if topo.is_main and path is not None:
+    if topo.is_main and path is None:
+        raise SavesFailed(
+            f"no final checkpoint of step {step} to export to int8 (train.qat); {out} was not written: free space or "
+            f"fix train.out_dir, then run again with --resume auto",
+            step,
+            "no final checkpoint",
+        )
+    if topo.is_main:
         if os.path.lexists(out):
             print(f"[trickles] {out} exists; not exporting the int8 checkpoint again")
         else:
