@@ -17,10 +17,9 @@ from trickles.parallel.tensor.layers import (
     TPContext,
     VocabParallelEmbedding,
     init_tp_param,
-    partial_grad_elements,
-    region_wire_bytes,
 )
 from trickles.parallel.tensor.loss import vocab_parallel_cross_entropy
+from trickles.parallel.tensor.region_bytes import partial_grad_elements, region_wire_bytes
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer
@@ -210,6 +209,44 @@ def _vocab_parallel(sp):
 def test_vocab_parallel_embedding_and_cross_entropy_match_dense(world, sp):
     for err in run_ranks(world, _vocab_parallel, sp):
         assert max(err.values()) < 1e-6, err
+
+
+def _vocab_parallel_op():
+    """opcheck of the loss operators (unfused, fused) over a real 2-rank group (the fakes against outputs the
+    all-reduces made), the ledger of one unfused call (three all-reduces of ``[N]`` fp32 on ``tp``, none in backward),
+    and the loss compiled whole (``fullgraph=True``) giving the eager losses and gradient, its collectives counted."""
+    from trickles.kernels.cross_entropy import linear_cross_entropy_op
+    from trickles.kernels.groups import comm_name
+    from trickles.parallel.tensor.loss import vocab_parallel_ce_op, vocab_parallel_losses
+
+    ctx, topo = _ctx(False)
+    r, t = ctx.comm.rank, ctx.comm.size
+    torch.manual_seed(3)
+    logits, target = torch.randn(6, 4 * t), torch.tensor([0, 4 * t - 1, -100, 3, 5, 2])
+    local = logits[:, 4 * r : 4 * (r + 1)].clone().requires_grad_()
+    torch.library.opcheck(vocab_parallel_ce_op, (local, target, comm_name(ctx.comm), 4 * r))
+    h, w = torch.randn(6, 5), torch.randn(4 * t, 5)
+    fused = (h, w[4 * r : 4 * (r + 1)], None, target, 4, torch.float32, False, True, True, False, comm_name(ctx.comm))
+    torch.library.opcheck(linear_cross_entropy_op, (*fused, 4 * r))
+    topo.ledger.reset()
+    losses = vocab_parallel_losses(local, target, ctx.comm, 4 * r)
+    ledger = topo.ledger.snapshot()
+    losses.sum().backward()
+    ref = F.cross_entropy(logits, target, reduction="none")
+    compiled = torch.compile(
+        lambda z: vocab_parallel_losses(z, target, ctx.comm, 4 * r), fullgraph=True, backend="aot_eager"
+    )
+    again = compiled(local)  # one opaque node: the collectives run inside it, counted as eagerly
+    (grad,) = torch.autograd.grad(again.sum(), local)
+    assert torch.equal(again, losses) and torch.equal(grad, local.grad)
+    assert topo.ledger.snapshot()["all_reduce/tp"]["calls"] == 6
+    return _rel(losses, ref), ledger
+
+
+def test_vocab_parallel_loss_is_an_operator_over_a_real_group():
+    for err, forward in run_ranks(2, _vocab_parallel_op):
+        assert err < 1e-6
+        assert forward == {"all_reduce/tp": {"calls": 3, "bytes": 3 * 6 * 4, "wire_bytes": 3 * 6 * 4}}
 
 
 def _replicated_kv():

@@ -1,6 +1,8 @@
-"""The kernels as PyTorch custom operators (:mod:`trickles.kernels`): every registration passes ``torch.library.opcheck``
-(schema, fake implementation, autograd registration, AOTAutograd with dynamic shapes), and blocks compiled with
-``fullgraph=True`` keep the kernels inside as opaque nodes and give the eager losses and gradients.
+"""The kernels as PyTorch custom operators (:mod:`trickles.kernels`): every registration passes
+``torch.library.opcheck`` (schema, fake implementation, autograd registration, AOTAutograd with dynamic shapes) in
+fp32, bf16 and fp16, and blocks compiled with ``fullgraph=True`` keep the kernels inside as opaque nodes and give the
+eager losses and gradients. The vocabulary-parallel losses are operators too, checked here on a 1-rank gloo group (on
+two ranks: ``tests/distributed/test_tensor_parallel.py``).
 
 Without a GPU the Triton kernels run in Triton's interpreter (``tests/conftest.py`` sets ``TRITON_INTERPRET=1``);
 Dynamo never traces into it, since it sees only the operators.
@@ -12,6 +14,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
@@ -43,43 +46,113 @@ def _t(*shape, grad=True, seed=0, dtype=torch.float32):
     return torch.randn(shape, generator=g).to(DEVICE, dtype).requires_grad_(grad)
 
 
-def _cases():
-    """(op, args) for every operator, forward ops with inputs that require gradients (the autograd registration is
-    checked), backward ops with plain ones."""
-    x, w, b = _t(3, 5, 24), _t(24, seed=1), _t(24, seed=2)
+LOW = (torch.bfloat16, torch.float16)
+LOOSE = {"rtol": 2.0**-7, "atol": 2.0**-7}  # a low-precision loss against the fp32 one from the same inputs
+
+
+def _cases(dtype=torch.float32):
+    """(op, args) for every operator with inputs of ``dtype``, forward ops with inputs that require gradients (the
+    autograd registration is checked), backward ops with plain ones. In bf16 and fp16 also the mixed types a model
+    hands them (fp32 norm weights, an fp32 gate, an fp32 output weight), where the fakes' type rules (promotion, the
+    fp32 statistics, the fused loss's fp32 ``dh`` under fp16) decide the outputs' types."""
+    t = lambda *s, seed=0, dt=dtype: _t(*s, seed=seed, dtype=dt)  # noqa: E731
+    plain = lambda *s, seed=0, dt=dtype: _t(*s, grad=False, seed=seed, dtype=dt)  # noqa: E731
+    x, w, b = t(3, 5, 24), t(24, seed=1), t(24, seed=2)
     rows = 15
-    cos, sin = (t.to(DEVICE) for t in rope_tables(8, 5, 10000.0))
-    q, k = _t(2, 5, 3, 8, seed=3), _t(2, 5, 1, 8, seed=4)
-    a, bb = _t(4, 37, seed=5), _t(4, 37, seed=6)
-    h, wv = _t(11, 16, seed=7), _t(50, 16, seed=8)
+    cos, sin = (c.to(DEVICE) for c in rope_tables(8, 5, 10000.0))
+    q, k = t(2, 5, 3, 8, seed=3), t(2, 5, 1, 8, seed=4)
+    a, bb = t(4, 37, seed=5), t(4, 37, seed=6)
+    h, wv = t(11, 16, seed=7), t(50, 16, seed=8)
     target = torch.randint(0, 50, (11,), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     target[2] = IGNORE_INDEX
-    plain = lambda *s, seed=0: _t(*s, grad=False, seed=seed)  # noqa: E731
-    rstd = plain(rows).abs() + 0.5
-    return [
+    rstd = plain(rows, dt=torch.float32).abs() + 0.5
+    cases = [
         (rms_norm_op, (x, w, 1e-5)),
         (rms_norm_backward_op, (plain(3, 5, 24), x.detach(), w.detach(), rstd)),
         (layer_norm_op, (x, w, b, 1e-5)),
-        (layer_norm_backward_op, (plain(3, 5, 24), x.detach(), w.detach(), b.detach(), plain(rows), rstd)),
+        (
+            layer_norm_backward_op,
+            (plain(3, 5, 24), x.detach(), w.detach(), b.detach(), plain(rows, dt=torch.float32), rstd),
+        ),
         (rotary_op, (q, k, cos, sin)),
         (rotary_backward_op, (plain(2, 5, 3, 8), plain(2, 5, 1, 8), cos, sin)),
         (swiglu_op, (a, bb)),
         (swiglu_backward_op, (plain(4, 37), a.detach(), bb.detach())),
-        (swiglu_packed_op, (_t(4, 38, seed=10),)),
+        (swiglu_packed_op, (t(4, 38, seed=10),)),
         (swiglu_packed_backward_op, (plain(4, 19), plain(4, 38, seed=1))),
         (gelu_tanh_op, (a,)),
         (gelu_tanh_backward_op, (plain(4, 37), a.detach())),
-        (linear_cross_entropy_op, (h, wv, None, target, 4, torch.float32, True, True, True, False)),
-        (linear_cross_entropy_op, (h, wv, _t(50, seed=11), target, 4, torch.float32, False, True, True, True)),
+        (linear_cross_entropy_op, (h, wv, None, target, 4, dtype, True, True, True, False)),
+        (linear_cross_entropy_op, (h, wv, t(50, seed=11), target, 4, dtype, False, True, True, True)),
+        (linear_cross_entropy_op, (h.detach(), wv.detach(), None, target, 4, dtype, True, False, False, False)),
+    ]
+    if dtype == torch.float32:
+        return cases
+    w32, b32, gate32 = (t(*s, seed=i, dt=torch.float32) for i, s in ((12, (24,)), (13, (24,)), (14, (4, 37))))
+    return cases + [
+        (rms_norm_op, (x, w32, 1e-5)),
+        (rms_norm_backward_op, (plain(3, 5, 24, dt=torch.float32), x.detach(), w32.detach(), rstd)),
+        (layer_norm_op, (x, w32, b32, 1e-5)),
+        (swiglu_op, (a, gate32)),
+        (swiglu_backward_op, (plain(4, 37, dt=torch.float32), a.detach(), gate32.detach())),
+        (
+            linear_cross_entropy_op,
+            (h, t(50, 16, seed=15, dt=torch.float32), None, target, 4, dtype, True, True, True, False),
+        ),
     ]
 
 
-CASES = _cases()
+CASES = [(op, args) for dtype in (torch.float32, *LOW) for op, args in _cases(dtype)]
+IDS = [f"{op._name.split('::')[-1]}-{i}-{str(args[0].dtype)[6:]}" for i, (op, args) in enumerate(CASES)]
 
 
-@pytest.mark.parametrize("op,args", CASES, ids=[f"{op._name.split('::')[-1]}-{i}" for i, (op, _) in enumerate(CASES)])
+@pytest.mark.parametrize("op,args", CASES, ids=IDS)
 def test_opcheck(op, args):
+    """Every operator's registration, in fp32, bf16 and fp16 (and the mixed types of a model under mixed precision):
+    the fake implementation must give the real outputs' shapes and types in each."""
     torch.library.opcheck(op, args)
+
+
+@pytest.fixture
+def one_rank_tp(tmp_path):
+    """A 1-rank gloo process group in this process, as the tensor-parallel communicator ``tp``."""
+    import torch.distributed as dist
+
+    from trickles.comm import CommLedger, GroupComm
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield GroupComm("tp", dist.group.WORLD, CommLedger())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, *LOW], ids=str)
+def test_the_vocabulary_parallel_losses_are_operators(one_rank_tp, dtype):
+    """The tensor-parallel losses are operators taking their group by name (``ProcessGroup.group_name``): opcheck passes
+    for ``trickles::vocab_parallel_cross_entropy`` (fp32 losses and softmax from logits of any type) and for the fused
+    ``trickles::linear_cross_entropy`` with a group; their losses and gradients equal ``F.cross_entropy``'s."""
+    from trickles.kernels.groups import comm_name
+    from trickles.parallel.tensor.loss import vocab_parallel_ce_op, vocab_parallel_losses
+
+    logits, target = _t(6, 10, seed=20, dtype=dtype), torch.tensor([0, 9, IGNORE_INDEX, 3, 3, 7], device=DEVICE)
+    name = comm_name(one_rank_tp)
+    assert name == one_rank_tp.group.group_name
+    torch.library.opcheck(vocab_parallel_ce_op, (logits, target, name, 0))
+    losses = vocab_parallel_losses(logits, target, one_rank_tp, 0)
+    ref = F.cross_entropy(logits.float(), target, reduction="none")
+    torch.testing.assert_close(losses, ref)
+    (g,) = torch.autograd.grad(losses.sum(), logits)
+    (g_ref,) = torch.autograd.grad(ref.sum(), logits)
+    assert g.dtype == dtype
+    torch.testing.assert_close(g, g_ref)
+    h, w = _t(6, 8, seed=21, dtype=dtype), _t(10, 8, seed=22, dtype=dtype)
+    fused = (h, w, None, target, 4, dtype, False, True, True, False, name, 0)
+    torch.library.opcheck(linear_cross_entropy_op, fused)
+    unfused = F.cross_entropy(F.linear(h, w).float(), target)
+    torch.testing.assert_close(linear_cross_entropy_op(*fused)[0], unfused, **({} if dtype == torch.float32 else LOOSE))
+    with pytest.raises(RuntimeError, match="no communicator is registered for process group 'nowhere'"):
+        vocab_parallel_ce_op(logits, target, "nowhere", 0)
 
 
 def _model_pair(flavor: str):

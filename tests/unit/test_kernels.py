@@ -229,9 +229,9 @@ def test_every_target_ignored_gives_zero_loss_and_gradients():
     "flavor,experts", [("llama", 0), ("gpt2", 0), ("llama", 4)], ids=["llama", "gpt2", "llama-moe"]
 )
 def test_model_with_triton_kernels_equals_the_eager_model(flavor, experts):
-    """A whole model (norms, rotary, MLP activation -- the experts' too --, fused loss, and -- the default with Triton --
-    fused q/k/v and gate/up projections, the rotary kernel rotating the split heads, the packed SwiGLU)
-    against the eager unfused one: loss and every gradient, the fused ones cut into their parts."""
+    """A whole model (norms, rotary, MLP activation -- the experts' too --, fused loss, and -- the default with
+    ``kernels=triton`` -- fused q/k/v and gate/up projections, the rotary kernel rotating the split heads, the packed
+    SwiGLU) against the eager unfused one: loss and every gradient, the fused ones cut into their parts."""
     from trickles.models.fused import split_state
 
     cfg = ModelConfig(
@@ -351,6 +351,56 @@ def test_auto_runs_a_kernel_only_where_its_measurement_shows_it_winning(monkeypa
     assert rows["rms_norm"] == "| rms_norm | 1.000 | 1.200 | 1.100 | 1.300 | Triton | test |"
     assert rows["swiglu"] == "| swiglu | 1.000 | 0.900 | 1.200 | - | Triton in compiled blocks | test |"
     assert rows["rotary"] == "| rotary | - | - | - | - | PyTorch (not measured) | - |"
+
+
+def test_auto_and_fused_proj_on_a_cuda_machine_follow_the_measured_tables(monkeypatch):
+    """On a (faked) CUDA machine with Triton: while the tables are empty, ``auto`` runs PyTorch for every kernel, the
+    loss is unfused and ``model.fused_proj`` unset keeps the projections separate; a measured row showing a kernel (or
+    the fused projections) winning turns that one on, a losing row does not; ``triton`` opts in whatever the tables
+    say, ``torch`` never."""
+    from trickles import kernels
+    from trickles.kernels.cross_entropy import fused_on
+
+    monkeypatch.setattr(kernels, "HAVE_TRITON", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "MEASURED", dict.fromkeys(kernels.KERNEL_NAMES))
+    monkeypatch.setattr(kernels, "MEASURED_PROJECTIONS", None)
+    cfg = ModelConfig(kernels="auto")
+    assert not any(kernels.runs_triton("auto", "cuda", k) for k in kernels.KERNEL_NAMES)
+    assert not fused_on(None, "auto", "cuda") and not cfg.fuses_projections
+    assert kernels.auto_triton_kernels() == [] and "PyTorch for every kernel" in kernels.measured_markdown()
+    assert dataclasses.replace(cfg, kernels="triton").fuses_projections
+    assert not dataclasses.replace(cfg, kernels="torch").fuses_projections
+    assert all(kernels.runs_triton("triton", "cuda", k) for k in kernels.KERNEL_NAMES)
+
+    kernels.MEASURED["cross_entropy"] = kernels.Measured(1.0, 1.5, 1.2, None, "test")  # wins
+    kernels.MEASURED["rotary"] = kernels.Measured(2.0, 1.5, 1.2, None, "test")  # loses
+    assert [k for k in kernels.KERNEL_NAMES if kernels.runs_triton("auto", "cuda", k)] == ["cross_entropy"]
+    assert fused_on(None, "auto", "cuda") and not fused_on(None, "auto", "cpu")
+    assert "Triton for cross_entropy on CUDA" in kernels.measured_markdown()
+    kernels.MEASURED_PROJECTIONS = kernels.MeasuredProjections(1.1, 1.0, "test")  # fused slower: stays separate
+    assert not cfg.fuses_projections
+    kernels.MEASURED_PROJECTIONS = kernels.MeasuredProjections(0.9, 1.0, "test")
+    assert cfg.fuses_projections and not dataclasses.replace(cfg, fused_proj=False).fuses_projections
+    assert "| q/k/v, gate/up | 0.900 | 1.000 | yes | test |" in kernels.measured_markdown()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not cfg.fuses_projections  # never on a machine without CUDA
+
+
+def test_the_readme_and_kernels_page_say_what_auto_runs():
+    """While no measurement shows a kernel winning, the README's first paragraph says the Triton kernels are opt-in
+    (``model.kernels=triton``), and no page calls ``auto`` "Triton on CUDA"."""
+    from pathlib import Path
+
+    from trickles import kernels
+
+    root = Path(__file__).resolve().parents[2]
+    first = (root / "README.md").read_text(encoding="utf-8").split("\n\n")[1]
+    page = (root / "docs" / "kernels.md").read_text(encoding="utf-8")
+    assert kernels.measured_markdown() in page
+    if not kernels.auto_triton_kernels():
+        assert "opt-in (`model.kernels=triton`)" in first, first
+        assert "today: PyTorch everywhere" in page and "Triton on CUDA" not in page
 
 
 def test_elementwise_kernels_write_nothing_past_their_end():

@@ -28,13 +28,15 @@ itself inside a compiled block), ``triton`` (these kernels; on a CPU only under 
 :data:`MEASURED`: a kernel runs in Triton only on CUDA, with Triton installed, and only where its last
 measurement on a GPU (``benchmarks/kernels.py``, the table in ``docs/kernels.md``) was at most the time of
 eager PyTorch and of ``torch.compile`` -- inside a compiled block at most ``torch.compile``'s, whose
-fusion it would otherwise replace. A kernel without a measurement of its current version is not picked.
-The fused cross-entropy has a chunked PyTorch path as well (``model.fused_loss``), so its memory saving is
-available on any device.
+fusion it would otherwise replace. A kernel without a measurement of its current version is not picked, so
+while :data:`MEASURED` holds no row ``auto`` runs PyTorch everywhere and the kernels are opt-in
+(``model.kernels=triton``). ``model.fused_proj`` left unset follows the same rule from
+:data:`MEASURED_PROJECTIONS` (:func:`fused_proj_default`). The fused cross-entropy has a chunked PyTorch path as well
+(``model.fused_loss``), so its memory saving is available on any device.
 
 The model picks an implementation per call from the setting, the kernel and the tensor's device
 (:func:`use_triton`); nothing here knows about parallelism -- the vocabulary-parallel loss passes its
-group in (:mod:`trickles.kernels.cross_entropy`).
+group in, by name (:mod:`trickles.kernels.groups`, :mod:`trickles.kernels.cross_entropy`).
 """
 
 from __future__ import annotations
@@ -82,14 +84,40 @@ class Measured:
 
 #: The kernels ``auto`` may run, by name, with their last GPU measurement (None: the current version has none).
 #: The first GPU run (H200, torch 2.11, Triton 3.6) measured the kernels before they became custom operators:
-#: none was at most both eager's and liger-kernel's time (the in-place rotary beat eager, 0.76x, not liger, 1.14x), and
-#: each has changed since (out of place, launch settings, one kernel for a chunk's loss and gradient), so none is measured
-#: here; ``benchmarks/gpu_check.py`` prints the rows to enter.
+#: none was at most both eager's and liger-kernel's time (the in-place rotary beat eager, 0.76x, not liger, 1.14x),
+#: and each has changed since (out of place, launch settings, one kernel for a chunk's loss and gradient), so none is
+#: measured here; ``benchmarks/gpu_check.py`` prints the rows to enter.
 MEASURED: dict[str, Measured | None] = {name: None for name in KERNEL_NAMES}
 
 
+@dataclass(frozen=True)
+class MeasuredProjections:
+    """A llama block's input projections on a GPU, forward + backward, median milliseconds
+    (``benchmarks/projections.py --device cuda --dtype bf16 --preset llama-1b --tokens 8192``), fused q/k/v and
+    gate/up (``model.fused_proj=true``) against the separate ones, measured in the same run."""
+
+    fused_ms: float  # one q/k/v matmul, one gate/up matmul
+    separate_ms: float  # q, k, v and gate, up each their own matmul
+    where: str  # the device, software and date of the run
+
+    def wins(self) -> bool:
+        """Whether the fused projections are at most as slow as the separate ones."""
+        return self.fused_ms <= self.separate_ms
+
+
+#: What ``model.fused_proj`` left unset reads under ``auto`` (None: never measured on a GPU, so not fused by default).
+MEASURED_PROJECTIONS: MeasuredProjections | None = None
+
+
+def auto_triton_kernels() -> list[str]:
+    """The kernels ``auto`` may run in Triton on CUDA (in or outside compiled blocks), from :data:`MEASURED`; empty
+    while no row shows a kernel winning: then ``auto`` runs PyTorch everywhere."""
+    return [name for name in KERNEL_NAMES if MEASURED[name] is not None and MEASURED[name].wins(True)]
+
+
 def measured_markdown() -> str:
-    """:data:`MEASURED` as the markdown table ``docs/kernels.md`` holds (a test keeps the two equal)."""
+    """:data:`MEASURED` and :data:`MEASURED_PROJECTIONS` as the markdown tables ``docs/kernels.md`` holds, with the line
+    that says what ``auto`` runs today (a test keeps page and tables equal)."""
     rows = [
         "| kernel | ours (Triton) ms | eager ms | torch.compile ms | liger-kernel ms | `auto` runs | measured on |",
         "|---|---|---|---|---|---|---|",
@@ -104,12 +132,30 @@ def measured_markdown() -> str:
         rows.append(
             f"| {name} | {m.triton_ms:.3f} | {m.eager_ms:.3f} | {m.compiled_ms:.3f} | {liger} | {runs} | {m.where} |"
         )
+    p = MEASURED_PROJECTIONS
+    rows += ["", "| projections | fused ms | separate ms | `auto` fuses | measured on |", "|---|---|---|---|---|"]
+    if p is None:
+        rows.append("| q/k/v, gate/up | - | - | no (not measured) | - |")
+    else:
+        rows.append(
+            f"| q/k/v, gate/up | {p.fused_ms:.3f} | {p.separate_ms:.3f} | {'yes' if p.wins() else 'no'} | {p.where} |"
+        )
+    winners = auto_triton_kernels()
+    runs = (
+        f"Triton for {', '.join(winners)} on CUDA (where the table says so), PyTorch for the rest and on every "
+        "other device"
+        if winners
+        else "PyTorch for every kernel on every device (no kernel is measured to win)"
+    )
+    fuses = (
+        "fuses the projections on CUDA" if p is not None and p.wins() else "keeps the projections separate everywhere"
+    )
+    rows += ["", f"Today `model.kernels=auto` runs {runs}; with it, `model.fused_proj` unset {fuses}."]
     return "\n".join(rows) + "\n"
 
 
 def triton_allowed(kernels: str, device_type: str) -> bool:
-    """Whether the setting ``kernels`` lets Triton kernels run on a device of type ``device_type`` at all (what
-    ``model.fused_proj`` follows when unset)."""
+    """Whether the setting ``kernels`` lets Triton kernels run on a device of type ``device_type`` at all."""
     if kernels == "torch":
         return False
     if kernels == "auto":
@@ -129,6 +175,16 @@ def runs_triton(kernels: str, device_type: str, kernel: str) -> bool:
     return (
         triton_allowed(kernels, device_type) and measured is not None and measured.wins(torch.compiler.is_compiling())
     )
+
+
+def fused_proj_default(kernels: str, device_type: str) -> bool:
+    """``model.fused_proj`` left unset, as ``kernels`` treats a kernel: fused under ``triton`` (the fused path chosen
+    outright), never under ``torch``, and under ``auto`` only on CUDA, with Triton, where :data:`MEASURED_PROJECTIONS`
+    shows the fused projections winning -- not measured, not fused."""
+    if kernels != "auto":
+        return triton_allowed(kernels, device_type)
+    p = MEASURED_PROJECTIONS
+    return triton_allowed(kernels, device_type) and p is not None and p.wins()
 
 
 def use_triton(kernels: str, x: torch.Tensor, kernel: str) -> bool:

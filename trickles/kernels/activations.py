@@ -7,10 +7,11 @@
 
 One elementwise kernel each way (fp32 arithmetic, one rounding to the inputs' type); the SwiGLU kernels
 also read a fused gate/up projection's output ``[..., f, 2]`` in place (``STRIDE = 2``: ``a`` and ``b`` are
-neighbours, and their gradients are written as neighbours). The Triton SwiGLU saves only ``a`` and ``b`` (``2 p`` bytes
-per unit), and so does the PyTorch one (:class:`SwiGLUFunction`, recomputing ``silu(a)`` in backward; autograd's own
-``F.silu(a) * b`` would also keep ``silu(a)``: ``3 p``); GELU saves ``a`` as the eager one does. Each is a custom operator pair (``trickles::swiglu``,
-``swiglu_packed``, ``gelu_tanh`` and their ``_backward``), the inputs saved by the registered autograd.
+neighbours, and their gradients are written as neighbours). The Triton SwiGLU saves only ``a`` and ``b`` (``2 p``
+bytes per unit), and so does the PyTorch one (:class:`SwiGLUFunction`, recomputing ``silu(a)`` in backward;
+autograd's own ``F.silu(a) * b`` would also keep ``silu(a)``: ``3 p``); GELU saves ``a`` as the eager one does. Each
+is a custom operator pair (``trickles::swiglu``, ``swiglu_packed``, ``gelu_tanh`` and their ``_backward``), the
+inputs saved by the registered autograd.
 """
 
 from __future__ import annotations

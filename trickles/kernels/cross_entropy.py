@@ -15,10 +15,10 @@ is ``dh`` (``p N d``, fp32 under fp16 so that loss scaling can rescue small valu
 ``dW`` (``4 V d``) instead of the fp32 log-probabilities (``4 N V``) and, in backward, two more
 ``[N, V]`` fp32 gradients (see :mod:`trickles.memory.activations`). The transient is one chunk's
 logits: ``c V`` in the compute type plus, on the PyTorch path in low precision, their fp32 copy
-(from which ``dW``'s chunk product is taken in fp32) and its cast back; the chunk defaults to ``c = 2^ceil(log2(N / ceil(V / d)))`` tokens
-(liger-kernel's rule: a chunk's logits about as large as the hidden states ``N d``), but at least
-:data:`MIN_CHUNK` (smaller matmuls cost more in overhead than they save: 16-token chunks were 1.6x the
-unfused loss's time on a CPU at ``d = 256``, 64-token ones 0.84x, ``benchmarks/kernels.py``).
+(from which ``dW``'s chunk product is taken in fp32) and its cast back; the chunk defaults to
+``c = 2^ceil(log2(N / ceil(V / d)))`` tokens (liger-kernel's rule: a chunk's logits about as large as the hidden
+states ``N d``), but at least :data:`MIN_CHUNK` (smaller matmuls cost more in overhead than they save: 16-token
+chunks were 1.6x the unfused loss's time on a CPU at ``d = 256``, 64-token ones 0.84x, ``benchmarks/kernels.py``).
 
 **Vocabulary parallel** (``comm``: the tensor-parallel group, this rank holding rows
 ``[vocab_start, vocab_start + V/tp)`` of ``W``): per chunk, the row maxima are all-reduced (max), then
@@ -37,10 +37,10 @@ summed into the fp32 ``dW`` as they are made; elsewhere each product is rounded 
 before it joins the sum. Vocabulary-parallel, the statistics and the gradient are two kernels with the
 all-reduces between them.
 
-**As an operator**: without a tensor-parallel group the loss is the custom operator
-``trickles::linear_cross_entropy``, which returns the loss and the three gradients (0-element tensors where
-not needed); its registered backward scales them by the incoming gradient, in place when eager. The
-vocabulary-parallel loss stays an autograd function (a communicator cannot be an operator's argument).
+**As an operator**: the loss is the custom operator ``trickles::linear_cross_entropy``, which returns the loss and
+the three gradients (0-element tensors where not needed); its registered backward scales them by the incoming
+gradient, in place when eager. Vocabulary-parallel, the operator takes the group by name
+(:mod:`trickles.kernels.groups`) and runs the all-reduces through the communicator registered under it.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import HAVE_TRITON, runs_triton, use_triton, warps
+from .groups import comm_name, named_comm
 
 IGNORE_INDEX = -100
 
@@ -153,6 +154,11 @@ def _probe_fp32_mm(device: torch.device) -> bool:
     return bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3))
 
 
+def _dh_dtype(h: torch.Tensor) -> torch.dtype:
+    """The type ``dh`` is kept in until backward: ``h``'s, but fp32 for fp16 (it waits for the loss-scaled gradient)."""
+    return torch.float32 if h.dtype == torch.float16 else h.dtype
+
+
 def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h, need_w, need_b):
     """The loss and (where needed) ``dh``, ``dW``, ``db`` already divided by the count of kept targets (module
     docstring), walking ``h``'s rows ``chunk`` at a time."""
@@ -164,7 +170,7 @@ def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows,
     idx = (target - vocab_start).masked_fill(~inside, -1)  # the target's local column, -1 where this rank has none
     gather_idx = idx.clamp(min=0)[:, None]
     row_scale = valid.float() * inv_n  # each kept row's share of the mean
-    store = torch.float32 if h.dtype == torch.float16 else h.dtype  # dh waits for the (loss-scaled) output gradient
+    store = _dh_dtype(h)
     dh = torch.empty(h.shape, dtype=store, device=device) if need_h else None
     dw = torch.zeros(weight.shape, dtype=torch.float32, device=device) if need_w else None
     db = torch.zeros(v_local, dtype=torch.float32, device=device) if need_b else None
@@ -270,18 +276,24 @@ def linear_cross_entropy_op(
     need_h: bool,
     need_w: bool,
     need_b: bool,
+    group: str | None = None,
+    vocab_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mean loss over ``h [N, d]``'s rows and its gradients for ``h``, ``weight`` and ``bias`` (each a 0-element
-    tensor where not needed), computed together chunk by chunk (module docstring)."""
+    tensor where not needed, of the type it would have), computed together chunk by chunk (module docstring). Types:
+    the loss, ``dW`` and ``db`` fp32; ``dh`` ``h``'s, fp32 for an fp16 ``h``. ``group``: the tensor-parallel group's
+    name (:func:`~trickles.kernels.groups.comm_name`), ``weight`` holding vocabulary rows from ``vocab_start``."""
+    comm = None if group is None else named_comm(group)
     loss, dh, dw, db = _chunked(
-        h, weight, bias, target, chunk, compute_dtype, None, 0, triton_rows, need_h, need_w, need_b
+        h, weight, bias, target, chunk, compute_dtype, comm, vocab_start, triton_rows, need_h, need_w, need_b
     )
-    return loss, *(h.new_empty(0) if t is None else t for t in (dh, dw, db))  # (no two outputs may share storage)
+    types = (_dh_dtype(h), torch.float32, torch.float32)  # (no two outputs may share storage)
+    return loss, *(h.new_empty(0, dtype=dt) if t is None else t for t, dt in zip((dh, dw, db), types))
 
 
 @linear_cross_entropy_op.register_fake
-def _(h, weight, bias, target, chunk, compute_dtype, triton_rows, need_h, need_w, need_b):
-    store = torch.float32 if h.dtype == torch.float16 else h.dtype
+def _(h, weight, bias, target, chunk, compute_dtype, triton_rows, need_h, need_w, need_b, group=None, vocab_start=0):
+    store = _dh_dtype(h)
     return (
         h.new_empty((), dtype=torch.float32),
         h.new_empty(h.shape if need_h else (0,), dtype=store),
@@ -291,8 +303,8 @@ def _(h, weight, bias, target, chunk, compute_dtype, triton_rows, need_h, need_w
 
 
 def _ce_setup(ctx, inputs, output):
-    h, weight, bias, _, _, _, _, need_h, need_w, need_b = inputs
-    ctx.needs = (need_h, need_w, need_b)
+    h, weight, bias = inputs[:3]
+    ctx.needs = inputs[7:10]  # need_h, need_w, need_b
     ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
     ctx.save_for_backward(*output[1:])
 
@@ -300,31 +312,10 @@ def _ce_setup(ctx, inputs, output):
 def _ce_backward(ctx, grad, *_):
     saved = [t if need else None for t, need in zip(ctx.saved_tensors, ctx.needs)]
     out_h, out_w, out_b = (_scaled(t, grad, dtype) for t, dtype in zip(saved, ctx.dtypes))
-    return out_h, out_w, out_b, None, None, None, None, None, None, None
+    return out_h, out_w, out_b, *(None,) * 9
 
 
 linear_cross_entropy_op.register_autograd(_ce_backward, setup_context=_ce_setup)
-
-
-class _VocabParallelLinearCrossEntropy(torch.autograd.Function):
-    """The vocabulary-parallel loss: as the operator, with the two all-reduces per chunk (a communicator cannot be an
-    operator's argument, so this path stays an autograd function)."""
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, grads):
-        need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
-        need_b = grads and bias is not None and bias.requires_grad
-        loss, dh, dw, db = _chunked(
-            h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h, need_w, need_b
-        )
-        ctx.save_for_backward(dh, dw, db)
-        ctx.dtypes = (h.dtype, weight.dtype, None if bias is None else bias.dtype)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        out = [_scaled(t, grad, dtype) for t, dtype in zip(ctx.saved_tensors, ctx.dtypes)]
-        return (*out, None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(
@@ -351,13 +342,11 @@ def linear_cross_entropy(
     chunk = chunk or default_chunk(h2.shape[0], vocab, h2.shape[1])
     grads = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
     cd, triton_rows = _compute_dtype(h, weight), use_triton(kernels, h, "cross_entropy")
-    if comm is not None:
-        return _VocabParallelLinearCrossEntropy.apply(
-            h2, weight, bias, t, chunk, cd, comm, vocab_start, triton_rows, grads
-        )
     need_b = grads and bias is not None and bias.requires_grad
+    need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
+    group = None if comm is None else comm_name(comm)
     return linear_cross_entropy_op(
-        h2, weight, bias, t, chunk, cd, triton_rows, grads and h.requires_grad, grads and weight.requires_grad, need_b
+        h2, weight, bias, t, chunk, cd, triton_rows, need_h, need_w, need_b, group, vocab_start
     )[0]
 
 

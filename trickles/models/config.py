@@ -51,15 +51,20 @@ class ModelConfig:
     )
     kernels: Literal["auto", "triton", "torch"] = opt(
         "auto",
-        "auto: per kernel, the Triton kernel (trickles.kernels) on CUDA where its last GPU measurement beat eager PyTorch and torch.compile (docs/kernels.md), eager PyTorch elsewhere; triton: always (a CPU needs TRITON_INTERPRET=1); torch: never",
+        "auto: per kernel, the Triton kernel (trickles.kernels) on CUDA only where its GPU measurement "
+        "(trickles.kernels.MEASURED, docs/kernels.md) beat eager PyTorch and torch.compile, else eager PyTorch "
+        "(an empty table: PyTorch everywhere); triton: always (a CPU needs TRITON_INTERPRET=1); torch: never",
     )
     fused_loss: bool | None = opt(
         None,
-        "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits (none: when the kernels run the Triton cross-entropy)",
+        "compute the output projection and cross-entropy chunk by chunk, never holding the [tokens, vocab] logits "
+        "(none: when the kernels run the Triton cross-entropy)",
     )
     fused_proj: bool | None = opt(
         None,
-        "one matmul for queries, keys and values and one for the gate and up projections, their names kept in checkpoints (none: when the kernels may run Triton, i.e. kernels=triton, or auto on a machine with CUDA)",
+        "one matmul for queries, keys and values and one for the gate and up projections, their names kept in "
+        "checkpoints (none: fused with kernels=triton; with auto only on CUDA where its GPU measurement, "
+        "trickles.kernels.MEASURED_PROJECTIONS, shows fusion winning; otherwise separate)",
     )
     loss_chunk: int = opt(
         0,
@@ -71,7 +76,8 @@ class ModelConfig:
     moe_ffn_hidden: int | None = opt(None, "hidden size of each expert MLP (none: the dense MLP's)")
     moe_capacity_factor: float = opt(
         0.0,
-        "each expert takes at most ceil(factor x top_k x T / experts) of a sequence's assignments, first choices first (0: dropless)",
+        "each expert takes at most ceil(factor x top_k x T / experts) of a sequence's assignments, first choices "
+        "first (0: dropless)",
     )
     moe_aux_loss: float = opt(0.01, "weight of the Switch/GShard load-balancing loss")
     moe_z_loss: float = opt(0.001, "weight of the router z-loss (mean squared log-sum-exp of the router logits)")
@@ -80,11 +86,13 @@ class ModelConfig:
     )
     moe_router: Literal["learned", "hard"] = opt(
         "learned",
-        "learned: each token's top-k experts by the router; hard: the experts its sample's label maps to (model.moe_label_experts)",
+        "learned: each token's top-k experts by the router; hard: the experts its sample's label maps to "
+        "(model.moe_label_experts)",
     )
     moe_label_experts: list[str] = opt(
         [],
-        "hard routing: 'label:expert[+expert...]' per label, e.g. json:0 email:1 (each label the same number of experts)",
+        "hard routing: 'label:expert[+expert...]' per label, e.g. json:0 email:1 (each label the same number of "
+        "experts)",
     )
 
     @property
@@ -133,14 +141,15 @@ class ModelConfig:
 
     @property
     def fuses_projections(self) -> bool:
-        """Whether the blocks use fused q/k/v and gate/up projections (:mod:`trickles.models.fused`)."""
+        """Whether the blocks use fused q/k/v and gate/up projections (:mod:`trickles.models.fused`); unset,
+        :func:`~trickles.kernels.fused_proj_default` on this machine's device."""
         if self.fused_proj is not None:
             return self.fused_proj
         import torch
 
-        from ..kernels import triton_allowed
+        from ..kernels import fused_proj_default
 
-        return triton_allowed(self.kernels, "cuda" if torch.cuda.is_available() else "cpu")
+        return fused_proj_default(self.kernels, "cuda" if torch.cuda.is_available() else "cpu")
 
     @property
     def tied(self) -> bool:
@@ -155,15 +164,18 @@ class ModelConfig:
             raise ConfigError(f"model.head_size must be at least 1 or none (d_model / n_heads), got {self.head_size}")
         if self.head_size is None and self.d_model % self.n_heads:
             raise ConfigError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of them"
+                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of "
+                "them"
             )
         if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
             raise ConfigError(
-                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change n_kv_heads to a divisor of n_heads"
+                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change "
+                "n_kv_heads to a divisor of n_heads"
             )
         if self.flavor == "llama" and self.head_dim % 2:
             raise ConfigError(
-                f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change model.d_model, model.n_heads or model.head_size"
+                f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change "
+                "model.d_model, model.n_heads or model.head_size"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
@@ -174,7 +186,8 @@ class ModelConfig:
                 raise ConfigError(f"model.moe_experts must be 0 (dense) or at least 2, got {self.moe_experts}")
             if not 1 <= self.moe_top_k <= self.moe_experts:
                 raise ConfigError(
-                    f"model.moe_top_k must be between 1 and model.moe_experts ({self.moe_experts}), got {self.moe_top_k}"
+                    f"model.moe_top_k must be between 1 and model.moe_experts ({self.moe_experts}), got "
+                    f"{self.moe_top_k}"
                 )
             if self.moe_every < 1:
                 raise ConfigError(f"model.moe_every must be at least 1, got {self.moe_every}")
@@ -282,6 +295,7 @@ def resolve_model(cfg: ModelConfig, tokenizer_vocab: int, seq_len: int) -> Model
         vocab = m * ((tokenizer_vocab + m - 1) // m)
     elif vocab < tokenizer_vocab:
         raise ConfigError(
-            f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); raise it or leave it unset"
+            f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({tokenizer_vocab}); raise it or "
+            "leave it unset"
         )
     return dataclasses.replace(cfg, vocab_size=vocab, max_seq_len=cfg.max_seq_len or seq_len)

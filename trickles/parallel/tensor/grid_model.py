@@ -53,7 +53,7 @@ from ...kernels.cross_entropy import IGNORE_INDEX, OutputLoss
 from ...topology import TPGrid
 from .grid_linear import Linear2D, Linear2p5D, Linear3D
 from .layers import TPSpec, set_spec
-from .loss import _VocabParallelCE
+from .loss import vocab_parallel_losses
 
 
 class GridContext:
@@ -318,7 +318,7 @@ class GridLoss(OutputLoss):
         logits = output(h)
         target = ctx.rows(target, logits=True).to(logits.device).flatten()
         v = logits.shape[-1]
-        losses = _VocabParallelCE.apply(logits.flatten(0, -2), target, ctx.vocab, ctx.vocab.rank * v)
+        losses = vocab_parallel_losses(logits.flatten(0, -2), target, ctx.vocab, ctx.vocab.rank * v)
         count = (target != IGNORE_INDEX).sum(dtype=torch.float32)
         for g in ctx.logit_tokens:
             g.all_reduce(count)
