@@ -48,7 +48,8 @@ def ms(seconds) -> str:
 
 
 def pytest_summary(ctx: Ctx, output: str) -> dict:
-    """Counts from pytest's last line (run, or collected), and the names of the failed tests."""
+    """Counts from pytest's last line (run, or collected), and the names of the failed tests; without either, no
+    numbers (it raises)."""
     counts = {
         k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", output)
     }
@@ -56,7 +57,9 @@ def pytest_summary(ctx: Ctx, output: str) -> dict:
     if collected:
         counts["collected"] = int(collected.group(1))
     failed = re.findall(r"^FAILED (\S+)", output, re.M)[:10]
-    headline = ", ".join(f"{n} {k}" for k, n in counts.items()) or "no summary line"
+    if not counts and not failed:
+        raise ValueError("no pytest summary line in the output")
+    headline = ", ".join(f"{n} {k}" for k, n in counts.items())
     return {
         "headline": headline + (" (collected only: no CUDA)" if not ctx.cuda else ""),
         "numbers": {**counts, "failed_tests": failed},
@@ -97,7 +100,8 @@ def kernels_summary(ctx: Ctx, output: str) -> dict:
     measured = measured_rows(doc) if ctx.cuda else ""
     if measured:
         print(
-            f"rows for trickles.kernels.MEASURED (what model.kernels=auto reads; docs/kernels.md shows them):\n{measured}"
+            "rows for trickles.kernels.MEASURED (what model.kernels=auto reads; docs/kernels.md shows them):\n"
+            + measured
         )
     return {
         "headline": f"ours/eager: {', '.join(heads) or '-'}{loss}; "
@@ -210,8 +214,8 @@ def train_summary(name: str) -> Callable[[Ctx, str], dict]:
             for r in records
         ]
         return {
-            "headline": f"{tps:,.0f} tokens/s, MFU {f'{mfu:.1%}' if mfu is not None else '-'}, {step * 1e3:.0f} ms a step "
-            f"(median of steps 2-{len(records)}); step 1 {records[0]['step_time']:.1f} s",
+            "headline": f"{tps:,.0f} tokens/s, MFU {f'{mfu:.1%}' if mfu is not None else '-'}, "
+            f"{step * 1e3:.0f} ms a step (median of steps 2-{len(records)}); step 1 {records[0]['step_time']:.1f} s",
             "numbers": {
                 "tokens_per_s": tps,
                 "mfu": mfu,

@@ -83,7 +83,9 @@ class Contestant:
 
 
 class Ours(Contestant):
-    """trickles: ``parallelize`` with ``settings`` (``section.key=value``), stepped as ``Trainer.train_step`` does (one micro-batch)."""
+    """trickles: ``parallelize`` with ``settings`` (``section.key=value``), stepped as ``Trainer.train_step`` does (one
+    micro-batch). The engine's configuration describes the model it is given: its ``[model]`` section is
+    ``model_cfg``, the shape the model is built with (per-layer settings such as recomputation come from it)."""
 
     def __init__(self, name: str, peer: str, settings: list[str], model_cfg, topo, args):
         from trickles.config import Config
@@ -103,6 +105,7 @@ class Ours(Contestant):
                 "train.eps=1e-8",
             ],
         )
+        cfg.model = model_cfg  # not the defaults' shape: recompute_modes and the pipeline split count its layers
         with torch.device("meta"):
             model = Transformer(model_cfg)
         self.engine = parallelize(model, topo, cfg, args.seed)
@@ -195,7 +198,8 @@ def run_info(args, world: int, batch: int, seq: int, device: torch.device, n_par
 
 
 def refuse(problem: str) -> int:
-    """Stops a run that cannot go on before it starts: rank 0 says why, every rank leaves the process group; status 2."""
+    """Stops a run that cannot go on before it starts: rank 0 says why, every rank leaves the process group; status
+    2."""
     if dist.get_rank() == 0:
         print(problem, file=sys.stderr)
     shutdown_distributed()
@@ -230,7 +234,8 @@ def main(args, rank_main: Callable) -> int:
 
 
 def compare_times(everyone: list[dict], contestants, steps: int, tokens: int) -> tuple[dict, dict]:
-    """``(results, rows)`` per contestant: step times (each round's slowest rank), their summary and the ratio to the peer.
+    """``(results, rows)`` per contestant: step times (each round's slowest rank), their summary and the ratio to the
+    peer.
 
     ``vs peer`` is the ratio of medians; ``paired`` the median over rounds of (this / peer in the
     same round). ``rows[name]`` holds the table cells: name, median/mean/stdev ms, tokens/s, peer,
@@ -299,8 +304,8 @@ def model_line(preset: str, cfg, n_params: int) -> str:
 def device_line(device: torch.device) -> str:
     """The report header's ``device`` line: the machine, threads per rank, torch and the process group's backend."""
     return (
-        f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, {os.cpu_count()} cores; "
-        f"torch {torch.__version__}, backend {dist.get_backend()}"
+        f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads per rank, "
+        f"{os.cpu_count()} cores; torch {torch.__version__}, backend {dist.get_backend()}"
     )
 
 

@@ -22,7 +22,8 @@ import torch
 
 
 def model_options(p: argparse.ArgumentParser, seq: int, presets) -> None:
-    """The model options of a one-device benchmark: device, dtype, preset, batch and sequence length (default ``seq``)."""
+    """The model options of a one-device benchmark: device, dtype, preset, batch and sequence length (default
+    ``seq``)."""
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--preset", default="demo", choices=sorted(presets))

@@ -20,11 +20,11 @@ What is compared
       cuDNN attention kernels: on CPU it fails, reported, and the ring is compared with DeepSpeed);
     * a reference row: one process running SDPA on the whole sequence (no peer; its step time and
       saved bytes show what a device would do and hold without context parallelism).
-    * with ``--documents K``, also ours ring with packed documents' masks (``data.document_mask``: ``K``
-      documents per sequence, cut at random places; :class:`trickles.parallel.context.RingDocuments` masks each
-      block pair and skips the blocks no document spans), against our ring without masks -- what the masks cost
-      or save; its agreement check is against SDPA with the same-document causal mask on the whole sequence. It runs on every
-      rank at once, so on a shared CPU it sees the same contention as the others.
+    * ours ring with packed documents' masks (``data.document_mask``: ``--documents K`` documents per sequence,
+      8 unless told, 0 leaves this row out; cut at random places; :class:`trickles.parallel.context.RingDocuments`
+      masks each block pair and skips the blocks no document spans), against our ring without masks -- what the
+      masks cost or save; its agreement check is against SDPA with the same-document causal mask on the whole
+      sequence. It runs on every rank at once, so on a shared CPU it sees the same contention as the others.
 
     At ``--world 1`` (cp=1: one process, nothing sent) the ring and the all-to-all are timed against that
     reference row instead: what their attention blocks cost against ``F.scaled_dot_product_attention`` on
@@ -47,9 +47,9 @@ How
       contestant; on CUDA also ``torch.cuda.max_memory_allocated`` during the step above what was
       allocated before it (the inputs).
     * Bytes sent per rank in the same step: ours from the topology's ``CommLedger`` (wire bytes of every
-      send and all-to-all on the ``cp`` group), next to the formulas in ``trickles/parallel/ring.py``'s and ``context.py``'s
-      docstrings; DeepSpeed's by wrapping ``deepspeed.comm.all_to_all_single`` (``(N-1)/N`` of each input,
-      what leaves the rank).
+      send and all-to-all on the ``cp`` group), next to the formulas in ``trickles/parallel/ring.py``'s and
+      ``context.py``'s docstrings; DeepSpeed's by wrapping ``deepspeed.comm.all_to_all_single`` (``(N-1)/N`` of each
+      input, what leaves the rank).
     * Timing: after ``--warmup`` untimed rounds, ``--steps`` rounds in which every contestant runs one
       step, the order rotating each round so noise falls on all of them alike. Each step starts after a
       barrier and its clock stops when its backward has returned and the device is synchronized (every
@@ -178,9 +178,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--documents",
         type=int,
-        default=0,
+        default=8,
         metavar="K",
-        help="also time our ring with packed documents' masks, K documents per sequence, against the ring without",
+        help="time our ring with packed documents' masks, K documents per sequence, against the ring without (0: not)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON to PATH (rank 0)")
@@ -279,8 +279,8 @@ def _check_shape(b: int, h: int, h_kv: int, seq: int, n: int, documents: int = 0
         return "--world must be at least 1"
     if h % h_kv:
         return f"--heads {h} is not a multiple of --kv-heads {h_kv}"
-    if documents and not 1 <= documents <= seq:
-        return f"--documents {documents} must be between 1 and --seq {seq}"
+    if not 0 <= documents <= seq:
+        return f"--documents {documents} must be between 0 (no documents row) and --seq {seq}"
     if seq % (2 * n):
         return f"--seq {seq} must be divisible by 2 x --world = {2 * n} (the ring holds two equal chunks per rank)"
     if h % n:

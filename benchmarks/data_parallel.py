@@ -70,6 +70,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
@@ -309,9 +310,9 @@ def rank_main(args) -> int:
         lambda: make_ddp(model_cfg, device, optim, args),
         lambda: make_fsdp(model_cfg, device, optim, world, args),
     ]
-    makers += [lambda s=s: Ours(f"ours zero-{s}", s, False, model_cfg, topo, args) for s in (0, 1, 2, 3)]
+    makers += [functools.partial(Ours, f"ours zero-{s}", s, False, model_cfg, topo, args) for s in (0, 1, 2, 3)]
     if args.offload:
-        makers += [lambda s=s: Ours(f"ours zero-{s}+offload", s, True, model_cfg, topo, args) for s in (1, 2, 3)]
+        makers += [functools.partial(Ours, f"ours zero-{s}+offload", s, True, model_cfg, topo, args) for s in (1, 2, 3)]
     no_ds = _deepspeed(device, args)
     if no_ds is None:
         makers += [lambda s=s: DeepSpeedPeer(s, model_cfg, device, optim, batch // world, args) for s in (1, 2, 3)]
@@ -351,7 +352,7 @@ def rank_main(args) -> int:
     status = (
         report(args, everyone, contestants, model_cfg, n_params, batch, seq, device, world, no_ds) if rank == 0 else 0
     )
-    del contestants, topo
+    del contestants, makers, topo  # the makers hold the topology too
     return finish(status, device)
 
 
@@ -372,7 +373,8 @@ def report(
 ) -> int:
     names = [c.name for c in contestants]
     print(
-        f"trickles data parallel (ZeRO 0-3) vs torch DDP and FSDP2, one training step each, {world} ranks, same weights and data"
+        f"trickles data parallel (ZeRO 0-3) vs torch DDP and FSDP2, one training step each, {world} ranks, "
+        "same weights and data"
     )
     print(model_line(args.preset, model_cfg, n_params))
     print(
@@ -394,7 +396,8 @@ def report(
     # communication (ours)
     param_bytes = 4 * n_params
     print(
-        f"\nbytes sent per rank and step (our CommLedger, wire bytes), vs k x (N-1)/N x parameter bytes ({param_bytes / 2**20:.2f} MiB):"
+        "\nbytes sent per rank and step (our CommLedger, wire bytes), vs k x (N-1)/N x parameter bytes "
+        f"({param_bytes / 2**20:.2f} MiB):"
     )
     rows = []
     for c in contestants:
@@ -447,8 +450,8 @@ def report(
     )
     if args.offload:
         print(
-            "+offload rows: the optimizer column is host memory (fp32 masters, moments and a gradient copy); on CUDA only "
-            "the parameter and gradient columns are on the device."
+            "+offload rows: the optimizer column is host memory (fp32 masters, moments and a gradient copy); on CUDA "
+            "only the parameter and gradient columns are on the device."
         )
 
     print_verdicts(results, ("ours zero-0", "ours zero-3"))
@@ -468,8 +471,8 @@ def report(
 
 
 def deepspeed_table(everyone: list[dict], results: dict, names: list[str], no_ds: str | None) -> None:
-    """Our stages 1-3 against DeepSpeed's: step time (medians of each round's slowest rank, and paired) and resident bytes
-    per rank (the largest over the ranks)."""
+    """Our stages 1-3 against DeepSpeed's: step time (medians of each round's slowest rank, and paired) and resident
+    bytes per rank (the largest over the ranks)."""
     if no_ds is not None:
         print(f"\nDeepSpeed ZeRO: {no_ds}")
         return
@@ -498,7 +501,8 @@ def deepspeed_table(everyone: list[dict], results: dict, names: list[str], no_ds
             f"{'met' if ratio <= 1.0 and round(mem_a / 2**20, 1) <= round(mem_b / 2**20, 1) else 'NOT met'}"
         )
     print(
-        "\nours vs DeepSpeed, stage by stage (resident MiB: live tensors each keeps per rank between steps, the largest rank):"
+        "\nours vs DeepSpeed, stage by stage (resident MiB: live tensors each keeps per rank between steps, the "
+        "largest rank):"
     )
     print(table(["stage", "ours ms", "deepspeed ms", "ratio", "paired", "ours MiB", "deepspeed MiB", "memory"], rows))
     print(

@@ -138,8 +138,8 @@ def main(argv=None) -> int:
             return 1
         times = interleaved(list(runs), runs.get, args.rounds, device)
     print(
-        f"{device_name(device)}; {args.preset} shape, vocab {args.vocab}, {args.batch} prompts of {lengths[0]}..{width} "
-        f"tokens, {args.new} new tokens each, {args.beams} beams, {args.rounds} rounds"
+        f"{device_name(device)}; {args.preset} shape, vocab {args.vocab}, {args.batch} prompts of "
+        f"{lengths[0]}..{width} tokens, {args.new} new tokens each, {args.beams} beams, {args.rounds} rounds"
     )
     rows = []
     for name, ts in times.items():
@@ -175,8 +175,8 @@ def sequence_score(logprobs: torch.Tensor, tokens: list[int]) -> float:
 def classify(
     hf, prompt: list[int], ours: list[int], theirs: list[int], beams: bool, tol: float, device: torch.device
 ) -> str:
-    """``equal``, ``tie`` or ``differ`` (module docstring): where the rows part, how much transformers' model prefers its
-    token to ours; for beams also how the two whole sequences score under it."""
+    """``equal``, ``tie`` or ``differ`` (module docstring): where the rows part, how much transformers' model prefers
+    its token to ours; for beams also how the two whole sequences score under it."""
     if ours == theirs:
         return "equal"
     i = next(j for j, (x, y) in enumerate(zip(ours, theirs)) if x != y)

@@ -1,12 +1,13 @@
-"""Every GPU check of the library in one run: the tests that need CUDA and the GPU benchmarks, each step bounded in time.
+"""Every GPU check of the library in one run: the tests that need CUDA and the GPU benchmarks, each step bounded
+in time.
 
 Run it first whenever a GPU is at hand; its table goes into benchmarks/README.md (section ``gpu_check.py``).
 
 What runs, in order (``--list`` prints the commands)
     a  the kernel tests (``tests/unit/test_kernel*.py``: on a machine with CUDA the Triton kernels run compiled) and the
        tests marked ``needs_gpu`` (the files that carry the mark, found by reading ``tests/``, ``-m needs_gpu``);
-    b  ``kernels.py --device cuda --dtype bf16 --shape llama-1b``: per kernel ours-triton against eager, ``torch.compile``
-       and liger-kernel (time ratios), and the fused cross-entropy's time and peak memory;
+    b  ``kernels.py --device cuda --dtype bf16 --shape llama-1b``: per kernel ours-triton against eager,
+       ``torch.compile`` and liger-kernel (time ratios), and the fused cross-entropy's time and peak memory;
     c  ``single_device.py --preset llama-1b --precision bf16`` (batch 4 x 2048): eager and compiled with
        ``model.kernels=auto``, then eager with ``model.kernels=torch``; step time, tokens/s, MFU, ours/HF;
     d  the command line, ``python -m trickles train`` of llama-1b in bf16 (batch 4 x 2048) compiled and eager, and
@@ -16,7 +17,8 @@ What runs, in order (``--list`` prints the commands)
        streaming against accelerate's offloading;
     f  ``quantization.py --speed-preset llama-1b --device cuda``: int8 decoding (``torch._int_mm``) against bf16;
     g  ``moe.py --part single --device cuda``: the MoE layer and block in bf16 against transformers' Mixtral;
-    h  ``context_parallel.py --world 1 --device cuda``: ring (and all-to-all) attention at cp=1 against SDPA;
+    h  ``context_parallel.py --world 1 --device cuda``: ring (and all-to-all) attention at cp=1 against SDPA, and the
+       ring with packed documents' masks against the ring;
     i  ``decoding.py --device cuda``: batched greedy and beam decoding against transformers' ``generate``;
     l  ``serving.py --device cuda``: continuous batching (HTTP and in process) against the static batcher and
        transformers' continuous batching, 16 clients;
@@ -33,7 +35,12 @@ How
       compile taking about a minute of it; the first GPU run's seconds per step are what to size them by.
     * Writes ``--out`` (default ``gpu_check/``): ``gpu_check.json`` (environment, every step's command, status,
       seconds, numbers and output tail), ``gpu_check.md`` (the table, then each step's detail table) and
-      ``gpu_check.log`` (every step's whole output). The table is printed at the end.
+      ``gpu_check.log`` (every step's whole output). The JSON and the table are rewritten after every step (the steps
+      not reached yet ``pending``, ``finished`` false), so a run killed midway leaves what it did; the table is
+      printed at the end.
+    * A step's status: ``ok`` (exit 0 and its numbers read), ``no result`` (exit 0 without them), ``failed (exit N)``,
+      ``timeout (N s)``, ``skipped: out of the budget`` or ``skipped: not selected (--only)``. The exit status is 0
+      only when every selected step is ``ok``; otherwise 1, and the last line names the steps without numbers.
     * ``--device cpu`` runs the same pipeline on the CPU at tiny shapes (the tests are only collected there: on a CPU
       the kernel tests run in Triton's interpreter for minutes, and ``needs_gpu`` tests skip), so the script itself
       is tested without a GPU; ``--dry-run`` writes the plan without running anything; ``--only`` picks steps.
@@ -83,6 +90,8 @@ from _gpu_check_results import (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MIN_STEP_S = 15  # a step is not started with less time than this left in the budget
 TAIL_CHARS = 3000  # the output kept in the JSON per step (the log has all of it)
+OK, NO_RESULT, PENDING, PLANNED = "ok", "no result", "pending", "planned"  # statuses (and failed / timeout / skipped)
+NOT_SELECTED = "skipped: not selected (--only)"
 
 
 @dataclass
@@ -99,7 +108,7 @@ class Step:
     result: dict = field(default_factory=dict)
 
 
-# ---- commands ---------------------------------------------------------------------------------------------------------
+# ---- commands --------------------------------------------------------------------------------------------------------
 
 
 def bench(ctx: Ctx, script: str, *args: str) -> list[str]:
@@ -112,7 +121,8 @@ def kernel_test_files() -> list[str]:
 
 
 def needs_gpu_files() -> list[str]:
-    """The test files that mark a test ``needs_gpu`` (read from ``tests/``; the conftest, which defines it, left out)."""
+    """The test files that mark a test ``needs_gpu`` (read from ``tests/``; the conftest, which defines it, left
+    out)."""
     found = []
     for path in sorted(glob.glob(os.path.join(ROOT, "tests", "**", "test_*.py"), recursive=True)):
         with open(path, encoding="utf-8") as f:
@@ -198,7 +208,7 @@ def example_argv(ctx: Ctx) -> list[str]:
     ]
 
 
-# ---- the steps --------------------------------------------------------------------------------------------------------
+# ---- the steps -------------------------------------------------------------------------------------------------------
 
 
 def steps() -> list[Step]:
@@ -701,7 +711,7 @@ def steps() -> list[Step]:
     ]
 
 
-# ---- running ----------------------------------------------------------------------------------------------------------
+# ---- running ---------------------------------------------------------------------------------------------------------
 
 
 def child_env() -> dict:
@@ -727,9 +737,18 @@ def run_bounded(argv: list[str], timeout: float, output_path: str) -> tuple[int 
         except subprocess.TimeoutExpired:
             rc = None
             end_group(proc)
+        except BaseException:  # this script stopped (Ctrl-C, or SIGTERM through main's handler): its step goes too
+            end_group(proc)
+            raise
     seconds = time.monotonic() - start
     with open(output_path, errors="replace") as f:
         return rc, seconds, f.read()
+
+
+def unwind_on_sigterm() -> None:
+    """A SIGTERM (a device lease ending, a job's time limit) unwinds this script like Ctrl-C, with status 143: the
+    running step's process group is ended on the way out (:func:`run_bounded`), and the report is on disk already."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 def end_group(proc: subprocess.Popen) -> None:
@@ -751,7 +770,8 @@ def end_group(proc: subprocess.Popen) -> None:
 
 
 def run_step(step: Step, ctx: Ctx, timeout: float, log) -> dict:
-    """Runs one step and returns its record (status, seconds, summary, output tail); never raises."""
+    """Runs one step and returns its record (status, seconds, summary, output tail); never raises. The status is
+    ``ok`` only when the step exited 0 *and* its numbers were read; exit 0 without them is ``no result``."""
     argv = step.argv(ctx)
     rc, seconds, output = run_bounded(argv, timeout, os.path.join(ctx.work, f"{step.key}.out"))
     log.write(
@@ -765,13 +785,18 @@ def run_step(step: Step, ctx: Ctx, timeout: float, log) -> dict:
         "seconds": round(seconds, 1),
         "output_tail": output[-TAIL_CHARS:],
     }
-    record["status"] = "ok" if rc == 0 else (f"timeout ({timeout:.0f} s)" if rc is None else f"failed (exit {rc})")
     try:
         record.update(step.summary(ctx, output))
     except Exception as e:  # noqa: BLE001 - a step without its numbers is still recorded, with why
         record.update(
             {"headline": f"no numbers: {type(e).__name__}: {str(e)[:160]}", "numbers": {}, "header": [], "rows": []}
         )
+    if rc is None:
+        record["status"] = f"timeout ({timeout:.0f} s)"
+    elif rc:
+        record["status"] = f"failed (exit {rc})"
+    else:
+        record["status"] = OK if record["numbers"] else NO_RESULT
     if step.scratch:  # a training run's checkpoint (llama-1b: about 15 GB) is not kept for the next step
         shutil.rmtree(os.path.join(ctx.work, step.scratch), ignore_errors=True)
     return record
@@ -789,25 +814,36 @@ def skipped(step: Step, ctx: Ctx, why: str) -> dict:
     }
 
 
-def run_all(plan: list[Step], ctx: Ctx, args, log) -> None:
-    """Every step in order, each bounded by its timeout and by what is left of ``--budget``."""
+def run_all(plan: list[Step], ctx: Ctx, args, log, after_each: Callable[[], object] = lambda: None) -> None:
+    """Every step in order, each bounded by its timeout and by what is left of ``--budget``; the steps not reached yet
+    are ``pending``, and ``after_each()`` is called once every step has its record (the report written so far)."""
     start = time.monotonic()
+    for step in plan:
+        step.result = {**skipped(step, ctx, ""), "status": PENDING}
     for step in plan:
         left = args.budget - (time.monotonic() - start)
         limit = step.timeout[0 if ctx.cuda else 1]
         if args.only and step.key not in args.only:
-            step.result = skipped(step, ctx, "not selected (--only)")
+            step.result = {**skipped(step, ctx, ""), "status": NOT_SELECTED}
         elif args.dry_run:
-            step.result = {**skipped(step, ctx, "dry run"), "status": "planned", "timeout_s": limit}
+            step.result = {**skipped(step, ctx, "dry run"), "status": PLANNED, "timeout_s": limit}
         elif left < MIN_STEP_S:
             step.result = skipped(step, ctx, f"out of the budget ({left:.0f} s of --budget {args.budget:g} s left)")
         else:
             print(f"[gpu_check] {step.key}: {step.title} (at most {min(limit, left):.0f} s)", flush=True)
             step.result = run_step(step, ctx, min(limit, left), log)
         print(f"[gpu_check] {step.key}: {step.result['status']}  {step.result.get('headline', '')}", flush=True)
+        after_each()
 
 
-# ---- the environment and the report -----------------------------------------------------------------------------------
+def incomplete(plan: list[Step], dry_run: bool = False) -> list[str]:
+    """``key: status`` of every step that was selected but did not give its numbers: failed, out of time, ``no
+    result``, skipped for the budget, or never reached (``pending``); in a dry run, every step not ``planned``."""
+    done = PLANNED if dry_run else OK
+    return [f"{s.key}: {s.result['status']}" for s in plan if s.result["status"] not in (done, NOT_SELECTED)]
+
+
+# ---- the environment and the report ----------------------------------------------------------------------------------
 
 
 def version(package: str, module: str | None = None) -> str:
@@ -869,14 +905,15 @@ def md_table(header: list[str], rows: list[list]) -> list[str]:
     ]
 
 
-def markdown(plan: list[Step], env: dict, elapsed: float, cuda: bool) -> str:
-    """The summary table, then each step's detail table."""
+def markdown(plan: list[Step], env: dict, elapsed: float, cuda: bool, finished: bool = True) -> str:
+    """The summary table, then each step's detail table; an unfinished run says so (``pending`` steps)."""
     lines = [
         f"# gpu_check: {env['device']}, {env['date']}",
         "",
         f"torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, transformers {env['transformers']}, "
         f"accelerate {env['accelerate']}, liger-kernel {env['liger_kernel']}; commit {env['commit']}; "
-        f"{elapsed:.0f} s in all{'' if cuda else ' (CPU smoke run: tiny shapes, not speeds)'}",
+        f"{elapsed:.0f} s {'in all' if finished else 'so far (the run had not finished)'}"
+        f"{'' if cuda else ' (CPU smoke run: tiny shapes, not speeds)'}",
         "",
     ]
     lines += md_table(
@@ -892,6 +929,46 @@ def markdown(plan: list[Step], env: dict, elapsed: float, cuda: bool) -> str:
                 s.result["header"], s.result["rows"]
             )
     return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: str, plan: list[Step], env: dict, args, elapsed: float, cuda: bool, finished: bool) -> str:
+    """Writes ``gpu_check.json`` and ``gpu_check.md`` into ``out_dir`` as the steps stand (each file replaced whole,
+    so a run killed at any moment leaves the steps done before); returns the table."""
+    doc = {
+        "device": "cuda" if cuda else "cpu",
+        "dry_run": args.dry_run,
+        "budget_s": args.budget,
+        "elapsed_s": round(elapsed, 1),
+        "finished": finished,
+        "environment": env,
+        "steps": [{"key": s.key, "title": s.title, **s.result} for s in plan],
+    }
+    text = markdown(plan, env, elapsed, cuda, finished)
+    for name, content in (("gpu_check.json", json.dumps(doc, indent=2, default=str)), ("gpu_check.md", text)):
+        path = os.path.join(out_dir, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(content)
+        os.replace(path + ".tmp", path)
+    return text
+
+
+def check(plan: list[Step], ctx: Ctx, args, env: dict) -> int:
+    """Runs ``plan`` into ``args.out`` -- the JSON and the table written after every step, the log as it goes -- prints
+    the table and returns the exit status: 0 when every selected step is ``ok`` (``planned`` in a dry run), else 1."""
+    os.makedirs(args.out, exist_ok=True)
+    start = time.monotonic()
+
+    def report(finished: bool = False) -> str:
+        return write_report(args.out, plan, env, args, time.monotonic() - start, ctx.cuda, finished)
+
+    with open(os.path.join(args.out, "gpu_check.log"), "w") as log:
+        run_all(plan, ctx, args, log, after_each=report)
+    print("\n" + report(finished=True))
+    print(f"[gpu_check] wrote {os.path.join(args.out, 'gpu_check.json')}, gpu_check.md and gpu_check.log")
+    missing = incomplete(plan, args.dry_run)
+    if missing:
+        print(f"[gpu_check] {len(missing)} step(s) without their numbers: {'; '.join(missing)}", flush=True)
+    return 1 if missing else 0
 
 
 def scratch_parent(cuda: bool) -> str | None:
@@ -923,7 +1000,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--only",
         type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
         default=None,
-        help="comma-separated step keys to run (a1,a2,b,c1,c2,d1,d2,d3,e,f,g,h,i); the others are recorded as skipped",
+        help=f"comma-separated step keys to run ({','.join(s.key for s in steps())}); the others are recorded as "
+        "not selected",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="write the plan (commands, timeouts) without running anything"
@@ -934,6 +1012,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    unwind_on_sigterm()
     import torch
 
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
@@ -954,40 +1033,16 @@ def main(argv=None) -> int:
             print(f"{s.key}: {s.title} (timeout {s.timeout[0 if cuda else 1]:g} s)\n    {shlex.join(s.argv(ctx))}")
         shutil.rmtree(work, ignore_errors=True)
         return 0
-    os.makedirs(args.out, exist_ok=True)
     env = environment(cuda and torch.cuda.is_available())
     print(
-        f"[gpu_check] {env['device']}: torch {env['torch']}, liger-kernel {env['liger_kernel']}; budget {args.budget:g} s; "
-        f"scratch {work}",
+        f"[gpu_check] {env['device']}: torch {env['torch']}, liger-kernel {env['liger_kernel']}; "
+        f"budget {args.budget:g} s; scratch {work}",
         flush=True,
     )
-    start = time.monotonic()
     try:
-        with open(os.path.join(args.out, "gpu_check.log"), "w") as log:
-            run_all(plan, ctx, args, log)
+        return check(plan, ctx, args, env)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    elapsed = time.monotonic() - start
-    doc = {
-        "device": "cuda" if cuda else "cpu",
-        "dry_run": args.dry_run,
-        "budget_s": args.budget,
-        "elapsed_s": round(elapsed, 1),
-        "environment": env,
-        "steps": [{"key": s.key, "title": s.title, **s.result} for s in plan],
-    }
-    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
-        json.dump(doc, f, indent=2, default=str)
-    text = markdown(plan, env, elapsed, cuda)
-    with open(os.path.join(args.out, "gpu_check.md"), "w") as f:
-        f.write(text)
-    print("\n" + text)
-    print(f"[gpu_check] wrote {os.path.join(args.out, 'gpu_check.json')}, gpu_check.md and gpu_check.log")
-    return (
-        0
-        if all(s.result["status"] in ("ok", "planned") or s.result["status"].startswith("skipped") for s in plan)
-        else 1
-    )
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -143,7 +144,10 @@ class Case:
 
     def reference(self):
         """Eager on fp32 copies of the arguments (same values): the reference of a low-precision run."""
-        up = lambda a: a.detach().float().requires_grad_(a.requires_grad) if a.is_floating_point() else a
+
+        def up(a):
+            return a.detach().float().requires_grad_(a.requires_grad) if a.is_floating_point() else a
+
         args = tuple(up(a) for a in self.args)
         inputs = self.fresh(args, self.grads and [g.float() for g in self.grads])
         return self.step(self.contestants[EAGER], inputs, [a for a in args if a.requires_grad])
@@ -191,7 +195,10 @@ def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, 
         x, w = rand(n, s["hidden"]), rand(s["hidden"], scale=0.1)
         w.data += 1
         case = Case(name, (x, w), [rand(n, s["hidden"], grad=False)], 1, lambda x, w: rms_norm_reference(x, w, eps))
-        ours = lambda x, w: rms_norm(x, w, eps, "triton")
+
+        def ours(x, w):
+            return rms_norm(x, w, eps, "triton")
+
         peer = lig.get("rms") and (lambda x, w: lig["rms"].apply(x, w, eps))
     elif name == "layer_norm":
         x, w, b = rand(n, s["hidden"]), rand(s["hidden"], scale=0.1), rand(s["hidden"], scale=0.1)
@@ -199,7 +206,10 @@ def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, 
         case = Case(
             name, (x, w, b), [rand(n, s["hidden"], grad=False)], 1, lambda x, w, b: layer_norm(x, w, b, eps, "torch")
         )
-        ours = lambda x, w, b: layer_norm(x, w, b, eps, "triton")
+
+        def ours(x, w, b):
+            return layer_norm(x, w, b, eps, "triton")
+
         peer = lig.get("ln") and (lambda x, w, b: lig["ln"].apply(x, w, b, eps))
     elif name == "rotary":
         shape = (s["batch"], s["seq"], s["heads"], s["head_dim"])
@@ -214,7 +224,9 @@ def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, 
             2,
             lambda q, k, c, si: rotary(q, k, c, si, "torch"),
         )
-        ours = lambda q, k, c, si: rotary(q, k, c, si, "triton")
+
+        def ours(q, k, c, si):
+            return rotary(q, k, c, si, "triton")
 
         def peer(q, k, c, si):  # [B, T, H, D] storage seen as liger's [B, H, T, D]; rotated in place
             qr, kr = lig["rope"].apply(q.transpose(1, 2), k.transpose(1, 2), c, si)
@@ -224,12 +236,18 @@ def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, 
     elif name == "swiglu":
         a, b = rand(n, s["ffn"]), rand(n, s["ffn"])
         case = Case(name, (a, b), [rand(n, s["ffn"], grad=False)], 2, lambda a, b: swiglu(a, b, "torch"))
-        ours = lambda a, b: swiglu(a, b, "triton")
+
+        def ours(a, b):
+            return swiglu(a, b, "triton")
+
         peer = lig.get("swiglu") and (lambda a, b: lig["swiglu"].apply(a, b))
     elif name == "gelu_tanh":
         a = rand(n, s["ffn"])
         case = Case(name, (a,), [rand(n, s["ffn"], grad=False)], 1, lambda a: gelu_tanh(a, "torch"))
-        ours = lambda a: gelu_tanh(a, "triton")
+
+        def ours(a):
+            return gelu_tanh(a, "triton")
+
         peer = None
         if lig:
             case.skipped[LIGER] = "liger-kernel has no plain GELU-tanh op (LigerGELUMulFunction is gelu(a) * b, GEGLU)"
@@ -238,7 +256,10 @@ def build(name: str, s: dict, device, dtype, triton_ok: bool, liger, seed: int, 
         h, w = rand(n, s["hidden"]), rand(s["vocab"], s["hidden"], scale=0.02)
         y = torch.randint(0, s["vocab"], (n,), generator=g).to(device)
         case = Case(name, (h, w, y), None, 1, lambda h, w, y: F.cross_entropy(F.linear(h, w).float(), y))
-        ours = lambda h, w, y: linear_cross_entropy(h, w, y, chunk=chunk, kernels="triton")
+
+        def ours(h, w, y):
+            return linear_cross_entropy(h, w, y, chunk=chunk, kernels="triton")
+
         peer = lig.get("flce") and (lambda h, w, y: lig["flce"](w, h, y))
         case.contestants[CHUNKED] = lambda h, w, y: linear_cross_entropy(h, w, y, chunk=chunk, kernels="torch")
         from trickles.kernels.cross_entropy import default_chunk
@@ -282,7 +303,10 @@ def agree(case: Case, tol: float) -> dict[str, float]:
         if errors[name] > tol or any(e != e for e in errs):
             labels = [f"output {i}" for i in range(len(out))] + [f"grad {i}" for i in range(len(grad))]
             detail = ", ".join(f"{lab} {e:.2e}" for lab, e in zip(labels, errs))
-            what = f"{case.name}: {name} differs from {'fp32 eager' if low else 'eager'} (relative errors {detail}; tolerance {tol:g})"
+            what = (
+                f"{case.name}: {name} differs from {'fp32 eager' if low else 'eager'} (relative errors {detail}; "
+                f"tolerance {tol:g})"
+            )
             if name == EAGER:  # the baseline's own rounding: say so, keep going
                 case.notes.append(f"note: {what} -- PyTorch's own {case.args[0].dtype} kernel on this device")
                 continue
@@ -339,8 +363,9 @@ def main(argv=None) -> int:
 
         liger_v = version("liger-kernel")
     print(
-        f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads; torch {torch.__version__}, "
-        f"triton {__import__('triton').__version__ if HAVE_TRITON else '-'}, liger-kernel {liger_v}"
+        f"  device  {device.type}: {device_name(device)}, {torch.get_num_threads()} threads; "
+        f"torch {torch.__version__}, triton {__import__('triton').__version__ if HAVE_TRITON else '-'}, "
+        f"liger-kernel {liger_v}"
     )
     if not triton_ok:
         print(f"  {TRITON}: skipped, {triton_why}")
@@ -369,8 +394,9 @@ def main(argv=None) -> int:
             for t in case.leaves:
                 t.grad = None
             inputs = case.fresh()
-            peaks[c] = peak_allocated(lambda: case.step(case.contestants[c], inputs) and None, device)[1]
-        times = interleaved(names, lambda c: timed_step(case, c), rounds, device)
+            step = functools.partial(case.step, case.contestants[c], inputs)
+            peaks[c] = peak_allocated(lambda step=step: step() and None, device)[1]
+        times = interleaved(names, functools.partial(timed_step, case), rounds, device)
 
         med = {c: statistics.median(times[c]) for c in names}
         ref = "eager" if args.dtype == "fp32" else f"fp32 eager (bf16 eager {errors[EAGER]:.1e})"
@@ -399,7 +425,8 @@ def main(argv=None) -> int:
             }
         print(
             f"\n{kernel}{' (' + case.note + ')' if case.note else ''}: {rounds} rounds after {warmup} warm-up, "
-            f"agreement with {ref} within {max((v for c, v in errors.items() if c != EAGER), default=0.0):.1e} (tolerance {tol:g})"
+            f"agreement with {ref} within {max((v for c, v in errors.items() if c != EAGER), default=0.0):.1e} "
+            f"(tolerance {tol:g})"
         )
         print(table(["contestant", "median ms", "vs eager", "vs liger", "peak MiB", "peak vs eager"], rows))
         for c, why in case.skipped.items():

@@ -93,10 +93,10 @@ def main() -> None:
     args = ap.parse_args()
     big, root = args.batch * args.scale, math.sqrt(args.scale)
     plan = [
-        ("adamw-b%d" % args.batch, "adamw", args.batch, args.lr),
-        ("lamb-b%d" % args.batch, "lamb", args.batch, args.lamb_lr),
-        ("adamw-b%d-sqrt" % big, "adamw", big, args.lr * root),
-        ("lamb-b%d-sqrt" % big, "lamb", big, args.lamb_lr * root),
+        (f"adamw-b{args.batch}", "adamw", args.batch, args.lr),
+        (f"lamb-b{args.batch}", "lamb", args.batch, args.lamb_lr),
+        (f"adamw-b{big}-sqrt", "adamw", big, args.lr * root),
+        (f"lamb-b{big}-sqrt", "lamb", big, args.lamb_lr * root),
     ]
     results = [run(*p, args) for p in plan if args.only is None or p[0] in args.only]
     os.makedirs(args.out, exist_ok=True)

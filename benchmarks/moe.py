@@ -73,7 +73,7 @@ Target
 
 Examples::
 
-    python benchmarks/moe.py                          # both parts; CPU: B 2, T 1024, d 256, F 512, E 8, top-2, fp32; 2 ranks
+    python benchmarks/moe.py                    # both parts; CPU: B 2, T 1024, d 256, F 512, E 8, top-2, fp32; 2 ranks
     python benchmarks/moe.py --part single --steps 20
     python benchmarks/moe.py --part ep --world 4
     python benchmarks/moe.py --part single --device cuda --batch 8 --seq 4096 --d-model 1024 --ffn 2816   # bf16
@@ -163,8 +163,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--fused-proj",
         choices=["auto", "on", "off"],
         default="auto",
-        help="our block's q/k/v as one matmul (model.fused_proj; auto: the library's default, on where the "
-        "kernels run Triton, i.e. on CUDA); transformers' weights are loaded from the parts either way",
+        help="our block's q/k/v as one matmul (model.fused_proj; auto: the library's default, on with "
+        "kernels=triton or where measured to win on CUDA); transformers' weights are loaded from the parts either way",
     )
     p.add_argument("--steps", type=int, default=10, help="timed rounds (one step of every contestant per round)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after the agreement check")
@@ -412,8 +412,8 @@ def single_device(args) -> tuple[int, dict]:
         f"torch {torch.__version__}"
     )
     print(
-        f"\nagreement check (fp32): output, input gradient, weight gradients (largest over the parameters); relative error "
-        f"||a-b||/||b||, tolerance {args.tol:g}"
+        "\nagreement check (fp32): output, input gradient, weight gradients (largest over the parameters); relative "
+        f"error ||a-b||/||b||, tolerance {args.tol:g}"
     )
     print(table(["pair", "out", "dx", "dW", ""], checks))
     if not ok:
@@ -740,8 +740,8 @@ def report_ep(args, everyone, contestants, peers, all_counts, precision, device,
         else "our single-device layer (Mixtral's top-1 weight is 1)"
     )
     print(
-        f"\nagreement check (fp32): output, input gradient, this rank's expert weight gradients (summed over the ranks) vs "
-        f"{what} with all experts on this rank's tokens; largest over the ranks, tolerance {args.tol:g}"
+        "\nagreement check (fp32): output, input gradient, this rank's expert weight gradients (summed over the ranks) "
+        f"vs {what} with all experts on this rank's tokens; largest over the ranks, tolerance {args.tol:g}"
     )
     rows, ok = [], True
     for n in names:

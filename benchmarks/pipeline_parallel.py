@@ -31,9 +31,9 @@ What is compared
       no-decay groups as ours.
 
     Pairs: ours gpipe vs torch gpipe, ours 1f1b vs torch 1f1b, ours interleaved vs torch
-    interleaved, ours zb-h1 vs torch zb-h1, ours zb-v vs torch zb-v. Untied llama shapes only: with tied embeddings (the gpt2 presets, llama-1b,
-    llama-3b) the first and last stage would need their embedding gradients summed, which the
-    peer does not do, so such presets are refused.
+    interleaved, ours zb-h1 vs torch zb-h1, ours zb-v vs torch zb-v. Untied llama shapes only: with tied
+    embeddings (the gpt2 presets, llama-1b, llama-3b) the first and last stage would need their embedding
+    gradients summed, which the peer does not do, so such presets are refused.
 
 How
     * Every contestant lives in the same ``N`` processes at once, on the same model shape,
@@ -89,7 +89,7 @@ Target
 
 Examples::
 
-    python benchmarks/pipeline_parallel.py                    # CPU, 2 stages, demo preset with 8 layers and d=128 (vocab 4096), batch 8 x 128, 8 micro-batches
+    python benchmarks/pipeline_parallel.py     # CPU: 2 stages, demo with 8 layers of d=128, batch 8 x 128, m = 8
     python benchmarks/pipeline_parallel.py --world 4 --steps 5
     python benchmarks/pipeline_parallel.py --schedules 1f1b interleaved --virtual 4 --layers 16 --json out/pp.json
     torchrun --nproc-per-node 4 benchmarks/pipeline_parallel.py --device cuda --preset llama-350m   # one GPU per rank
@@ -176,7 +176,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--d-model",
         type=int,
         default=None,
-        help=f"model.d_model instead of the preset's, heads kept (default: cpu {DEFAULTS['cpu']['d_model']}, cuda the preset's)",
+        help=f"model.d_model instead of the preset's, heads kept (default: cpu {DEFAULTS['cpu']['d_model']}, cuda the "
+        "preset's)",
     )
     p.add_argument(
         "--vocab",
@@ -436,8 +437,8 @@ def _check_shape(model_cfg: ModelConfig, world: int, batch: int, micro: int, arg
     if model_cfg.flavor != "llama" or model_cfg.tied:
         return (
             f"preset {args.preset} is not an untied llama shape; with tied input and output embeddings the "
-            "torch.distributed.pipelining peer would need their gradients summed over the first and last stage, so this "
-            "benchmark takes untied llama shapes only (e.g. demo, tiny, llama-125m, llama-350m, llama-7b)"
+            "torch.distributed.pipelining peer would need their gradients summed over the first and last stage, so "
+            "this benchmark takes untied llama shapes only (e.g. demo, tiny, llama-125m, llama-350m, llama-7b)"
         )
     if batch % micro:
         return f"--batch {batch} is not a multiple of --micro-batch {micro}"
@@ -449,7 +450,10 @@ def _check_shape(model_cfg: ModelConfig, world: int, batch: int, micro: int, arg
         except ValueError as e:
             return f"{s}: {e} (here: change --batch, --micro-batch or --virtual)"
         if model_cfg.n_layers < world * v:
-            return f"{s}: {model_cfg.n_layers} layers cannot fill {world * v} stages; raise --layers or lower --world / --virtual"
+            return (
+                f"{s}: {model_cfg.n_layers} layers cannot fill {world * v} stages; raise --layers or lower --world / "
+                "--virtual"
+            )
     return None
 
 
@@ -549,7 +553,8 @@ def report(
     print(model_line(args.preset, model_cfg, n_params))
     print(
         f"  step    global batch {batch} x seq {seq} in m={m} micro-batches of {b}, fp32, clip {args.clip}, "
-        f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; interleaved: {args.virtual} chunks per rank"
+        f"AdamW {'fused' if device.type == 'cuda' else 'foreach'} lr {args.lr}; interleaved: {args.virtual} chunks "
+        "per rank"
     )
     print(device_line(device))
     for s in args.schedules:

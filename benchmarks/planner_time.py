@@ -18,9 +18,10 @@ How
       shape the layouts run on one rank and their attention kernel (forward and backward), on every rank at once and
       scaled to a core's rate (one core is one device of the ``local`` cluster), the memory bandwidth, the dense
       model's block and head forward and backward (fitted to the element-wise bandwidth and a fixed cost per pass)
-      and the MoE variant's MoE block (its extra fixed cost), the block alone on one rank (the cores' contention), the collectives among the ``N`` gloo ranks (fitted
-      per world size) and the wait of a collective for late peers between compute bursts. Round ``k`` is predicted
-      from the calibrations just before and after it (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
+      and the MoE variant's MoE block (its extra fixed cost), the block alone on one rank (the cores' contention),
+      the collectives among the ``N`` gloo ranks (fitted per world size) and the wait of a collective for late
+      peers between compute bursts. Round ``k`` is predicted from the calibrations just before and after it
+      (averaged), so a machine whose load drifts (other processes) is measured as the steps saw it.
     * The ``N`` ranks (:func:`trickles.launch.launch`) hold every layout of that world size at once, each on its
       own topology (``ParallelDims(...).build()``) with ``parallelize`` on a meta-device model, and run it as
       ``trickles.train.Trainer.train_step`` does: the context-parallel shard of each micro-batch, the pipeline
@@ -46,10 +47,10 @@ How
 
 Examples::
 
-    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout, 16 rounds (40-50 min on 2 cores)
+    python benchmarks/planner_time.py                       # 2 and 4 ranks, every layout, 16 rounds (40-50 min)
     python benchmarks/planner_time.py --worlds 2 --steps 3  # a quick look
     python benchmarks/planner_time.py --json out/planner_time.json
-    python benchmarks/planner_time.py --worlds 2 --steps 1 --repeat 1 --set model.n_layers=2 --set data.seq_len=32   # a smoke run
+    python benchmarks/planner_time.py --worlds 2 --steps 1 --repeat 1 --set data.seq_len=32   # a smoke run
 """
 
 from __future__ import annotations
@@ -264,9 +265,18 @@ def rank_main(args, world: int, layout_list, shapes, out_path: str) -> int:
 
 def chosen(args, world: int) -> list[tuple[str, list[str]]]:
     """The layouts of ``world`` ranks that ``--only`` selects, each with ``--set`` after its own settings."""
+    from trickles.errors import ConfigError
+
     out = [(n, [*s, *args.set]) for n, s in LAYOUTS[world] if not args.only or any(o in n for o in args.only)]
     if not out:
         raise SystemExit(f"no layout of world {world} matches --only {args.only}")
+    for name, sets in out:  # refused here, in one line, rather than by every rank
+        try:
+            config(sets)[0].validate(world)
+        except ConfigError as e:
+            raise SystemExit(
+                f"layout {name!r} at {world} ranks: {e} (change --set, or leave it out with --only)"
+            ) from None
     return out
 
 
@@ -514,10 +524,10 @@ def main(argv=None) -> int:
         ]  # round k: the ones around it
         cluster = calibrated(calib, world, args.set)
         print(
-            f"world {world}: {time.perf_counter() - t0:.0f} s; calibrated (all rounds): peak {cluster.peak_tflops_fp32 * 1e3:.1f} "
-            f"GFLOP/s per core, memory {cluster.memory_bandwidth_gbps:.1f} GB/s, link {cluster.intra_node_gbps:.3f} GB/s "
-            f"+ {cluster.intra_node_latency_us:.0f} us a message, {cluster.shared_core_sync_us:.0f} us a collective's wait "
-            f"for ranks sharing cores",
+            f"world {world}: {time.perf_counter() - t0:.0f} s; calibrated (all rounds): peak "
+            f"{cluster.peak_tflops_fp32 * 1e3:.1f} GFLOP/s per core, memory {cluster.memory_bandwidth_gbps:.1f} GB/s, "
+            f"link {cluster.intra_node_gbps:.3f} GB/s + {cluster.intra_node_latency_us:.0f} us a message, "
+            f"{cluster.shared_core_sync_us:.0f} us a collective's wait for ranks sharing cores",
             flush=True,
         )
         for name, sets in layouts:
@@ -610,8 +620,8 @@ def main(argv=None) -> int:
             best = min(dense, key=lambda r: r["measured_s"])
             gap = pick["measured_s"] / best["measured_s"]
             print(
-                f"world {world}: predicted fastest {pick['name']!r} measures {gap:.3f}x the fastest ({best['name']!r}); "
-                f"target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}"
+                f"world {world}: predicted fastest {pick['name']!r} measures {gap:.3f}x the fastest "
+                f"({best['name']!r}); target <= 1.10: {'met' if gap <= 1.10 else 'NOT met'}"
             )
             plan = results.get("plan", {}).get(world)
             if plan is not None:

@@ -59,7 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 class Projections(torch.nn.Module):
-    """The attention's q/k/v heads and the MLP's activation of one block (what fusion changes), summed into one output."""
+    """The attention's q/k/v heads and the MLP's activation of one block (what fusion changes), summed into one
+    output."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -132,8 +133,9 @@ def main(argv=None) -> int:
     times = interleaved(list(models), prepare, args.rounds, device, args.warmup)
     med = {n: statistics.median(t) for n, t in times.items()}
     print(
-        f"{device_name(device)}, {args.dtype}, {args.preset} block (d={cfg.d_model}, heads {cfg.n_heads}/{cfg.kv_heads}, "
-        f"ffn {cfg.ffn_dim}), {args.tokens} tokens, kernels={args.kernels}, agreement {worst:.1e}"
+        f"{device_name(device)}, {args.dtype}, {args.preset} block (d={cfg.d_model}, "
+        f"heads {cfg.n_heads}/{cfg.kv_heads}, ffn {cfg.ffn_dim}), {args.tokens} tokens, kernels={args.kernels}, "
+        f"agreement {worst:.1e}"
     )
     for n in models:
         print(f"  {n:9s} {1e3 * med[n]:8.3f} ms")

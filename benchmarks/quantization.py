@@ -15,11 +15,11 @@ greedy generation of ``--new-tokens`` tokens after a ``--prompt-tokens`` prompt 
 ``--batch``, the contestants interleaved round by round (``_timing.interleaved``) after one warm-up each. Prints the
 table and writes ``--out``/quantization.json.
 
-    python benchmarks/quantization.py                          # CPU: trains the demo model 150 steps first (a few minutes)
+    python benchmarks/quantization.py                          # CPU: trains the demo model 150 steps first (minutes)
     python benchmarks/quantization.py --checkpoint runs/demo   # an existing run
-    python benchmarks/quantization.py --speed-preset llama-125m --threads 1   # decode speed of a wider model (untrained)
+    python benchmarks/quantization.py --speed-preset llama-125m --threads 1   # decode speed of an untrained wider model
     python benchmarks/quantization.py --speed-preset llama-1b --device cuda --rounds 3   # the same on a GPU
-    python benchmarks/quantization.py --train-steps 2 --set model.preset=tiny --eval-batches 1 --rounds 1   # a smoke run
+    python benchmarks/quantization.py --train-steps 2 --set model.preset=tiny --eval-batches 1 --rounds 1  # smoke run
 
 On CUDA (``--device cuda``, with ``--speed-preset``) true int8 runs ``torch._int_mm`` on the GPU (one decoded token is
 one row: padded to 17, the fewest it takes there; ``trickles.compress.quantize.int_mm_path``); every step is timed
@@ -213,8 +213,8 @@ def report(models, losses, args, path) -> None:
             "speed_vs_bf16": speed / bf16_speed,
         }
     print(
-        f"\n[bench] decode {args.new_tokens} tokens after {args.prompt_tokens}, batch {args.batch}, {args.rounds} rounds, "
-        f"{torch.get_num_threads()} threads, {device.type}: {device_name(device)}; model {path}"
+        f"\n[bench] decode {args.new_tokens} tokens after {args.prompt_tokens}, batch {args.batch}, "
+        f"{args.rounds} rounds, {torch.get_num_threads()} threads, {device.type}: {device_name(device)}; model {path}"
     )
     print(table(["model", "tokens/s", "vs torchao", "vs bf16", "val loss", "vs fp32", "greedy = fp32"], rows))
     write_json(

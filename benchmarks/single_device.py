@@ -169,7 +169,7 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     if name == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device is available (torch %s)" % torch.__version__)
+        raise SystemExit(f"--device cuda: no CUDA device is available (torch {torch.__version__})")
     return torch.device(name)
 
 
@@ -265,7 +265,7 @@ class Contestant:
         with autocast(self.precision, self.device):
             if self.hf:
                 loss = F.cross_entropy(self.logits(x).float().flatten(0, 1), y.flatten())
-            else:  # through the model's loss head: the fused loss where model.kernels runs Triton, else the same as HF's
+            else:  # through the model's loss head: the fused loss where model.kernels runs Triton, else HF's
                 loss = self.model(x, target=y)
         loss.backward()
         self.optimizer.step()
@@ -501,7 +501,8 @@ def main(argv=None) -> int:
     )
     if args.compile:
         print(
-            f"ours+compile/HF: {results[COMPILED]['median'] / base:.3f}x (paired {results[COMPILED]['paired_ratio']:.3f}x)"
+            f"ours+compile/HF: {results[COMPILED]['median'] / base:.3f}x "
+            f"(paired {results[COMPILED]['paired_ratio']:.3f}x)"
         )
     if device.type == "cuda":
         print(

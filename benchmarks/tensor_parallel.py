@@ -170,8 +170,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--fused-proj",
         choices=list(FUSED_PROJ),
         default="auto",
-        help="ours: one q/k/v and one gate/up matmul (model.fused_proj; auto: the library's default, on where "
-        "the kernels run Triton); the peers always have separate projections, which torchtitan's plan names",
+        help="ours: one q/k/v and one gate/up matmul (model.fused_proj; auto: the library's default, on with "
+        "kernels=triton or where measured to win on CUDA); the peers always have separate projections, which "
+        "torchtitan's plan names",
     )
     add_run_args(p)
     return p.parse_args(argv)
@@ -389,7 +390,10 @@ def _check_shape(model_cfg: ModelConfig, world: int, seq: int) -> str | None:
         ("--seq", seq),
     ):
         if n % world:
-            return f"{what} ({n}) is not divisible by --world {world} (DTensor's column-wise split needs it; so does sequence parallel for --seq)"
+            return (
+                f"{what} ({n}) is not divisible by --world {world} (DTensor's column-wise split needs it; so does "
+                "sequence parallel for --seq)"
+            )
     return None
 
 
@@ -517,8 +521,8 @@ def report(
     S = batch * seq * d * 4
     megatron = 8 * L * f * S
     print(
-        f"\nbytes sent per rank and step (our CommLedger, wire bytes, tp group; S = B T d x 4 bytes = {S / 2**20:.2f} MiB, "
-        f"f = (N-1)/N = {f:.3f}):"
+        "\nbytes sent per rank and step (our CommLedger, wire bytes, tp group; "
+        f"S = B T d x 4 bytes = {S / 2**20:.2f} MiB, f = (N-1)/N = {f:.3f}):"
     )
     rows, comm_results = [], {}
     for c in contestants:
@@ -566,8 +570,8 @@ def report(
         if isinstance(c, Ours):
             print(f"  {c.name}: " + "; ".join(f"{what} {b / 2**20:.2f}" for what, b in comm_results[c.name]["parts"]))
     print(
-        "  (Megatron blocks: 4 all-reduces of S per block, or with SP the all-gathers and reduce-scatters of the same total; "
-        "peers: collectives one rank issues per step, counted by CommDebugMode, forward and backward)"
+        "  (Megatron blocks: 4 all-reduces of S per block, or with SP the all-gathers and reduce-scatters of the same "
+        "total; peers: collectives one rank issues per step, counted by CommDebugMode, forward and backward)"
     )
 
     # timing

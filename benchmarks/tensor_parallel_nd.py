@@ -53,7 +53,7 @@ Projection (``--project``, also printed after every measured run; no ranks neede
 
 Examples::
 
-    python benchmarks/tensor_parallel_nd.py --world 4                  # 1d vs 2d, demo shape (vocab 4096), batch 8 x 128
+    python benchmarks/tensor_parallel_nd.py --world 4                 # 1d vs 2d, demo shape (vocab 4096), batch 8 x 128
     python benchmarks/tensor_parallel_nd.py --world 8                  # 1d vs 2.5d (d=2) vs 3d
     python benchmarks/tensor_parallel_nd.py --project                  # the 64-device projection only
     python benchmarks/tensor_parallel_nd.py --world 8 --json out/tp_nd.json
@@ -139,8 +139,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--fused-proj",
         action="store_true",
-        help="one q/k/v and one gate/up projection (model.fused_proj; the default on CUDA): a grid then gathers "
-        "each region's input once, not once per projection",
+        help="one q/k/v and one gate/up projection (model.fused_proj; by default only where measured to win, "
+        "docs/kernels.md): a grid then gathers each region's input once, not once per projection",
     )
     p.add_argument("--project", action="store_true", help="print the 64-device projection only (no ranks started)")
     p.add_argument(
@@ -188,7 +188,8 @@ def sample_blocks(mode: str, world: int, depth: int) -> int:
 
 
 class Mode(Ours):
-    """``parallelize`` with ``parallel.tp_mode``, on its own topology; step 2 optionally measured (saved activations)."""
+    """``parallelize`` with ``parallel.tp_mode``, on its own topology; step 2 optionally measured (saved
+    activations)."""
 
     def __init__(self, name: str, mode: str, depth: int, model_cfg: ModelConfig, topo, args, peer: str | None):
         super().__init__(
@@ -225,8 +226,8 @@ class Mode(Ours):
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def linear_formula(self, tokens: int) -> float:
-        """Wire bytes per step of this rank's grid linears by ``summa_bytes`` / ``cube_bytes`` (forward + backward) for a
-        micro-batch of ``tokens`` tokens."""
+        """Wire bytes per step of this rank's grid linears by ``summa_bytes`` / ``cube_bytes`` (forward + backward)
+        for a micro-batch of ``tokens`` tokens."""
         total = 0.0
         for m in self.model.modules():
             if isinstance(m, Linear3D):
@@ -380,8 +381,8 @@ def report(
     )
     print(model_line(args.preset, model_cfg, n_params))
     print(
-        f"  step    micro-batch {batch} x seq {seq} ({batch * seq} tokens) given to every rank, fp32, clip {args.clip}, "
-        f"AdamW lr {args.lr}"
+        f"  step    micro-batch {batch} x seq {seq} ({batch * seq} tokens) given to every rank, fp32, "
+        f"clip {args.clip}, AdamW lr {args.lr}"
     )
     print(device_line(device))
 
@@ -396,8 +397,8 @@ def report(
     low = {n: min(sum(v["wire_bytes"] for v in r["comm"][n].values()) for r in everyone) for n in names}
     one_d = expected_comm(model_cfg, batch, seq, world, False)
     print(
-        "\nbytes sent per rank in one step (the mode's CommLedger, wire bytes, every group; the largest over the ranks) "
-        "and memory per rank:"
+        "\nbytes sent per rank in one step (the mode's CommLedger, wire bytes, every group; the largest over the "
+        "ranks) and memory per rank:"
     )
     rows, comm_results = [], {}
     for c in contestants:
@@ -435,12 +436,12 @@ def report(
         )
     )
     print(
-        "  rest: sent minus the formula (1-D: ~0, all accounted for; grids: norm statistics, embedding gathers, the loss's "
-        "all-reduces, shared weights' gradient sums, gradient norm);"
+        "  rest: sent minus the formula (1-D: ~0, all accounted for; grids: norm statistics, embedding gathers, the "
+        "loss's all-reduces, shared weights' gradient sums, gradient norm);"
     )
     print(
-        "  params: this rank's parameters; saved: what autograd keeps for backward in forward (ActivationMeter), gathered "
-        "weight blocks included"
+        "  params: this rank's parameters; saved: what autograd keeps for backward in forward (ActivationMeter), "
+        "gathered weight blocks included"
     )
     if any(sent[n] != low[n] for n in names):
         print(
@@ -509,8 +510,8 @@ def report(
     )
     if device.type == "cpu" and world > (os.cpu_count() or 1):
         print(
-            f"note: {world} ranks on {os.cpu_count()} cores -- every collective waits for ranks the OS has descheduled; "
-            "step times here measure oversubscription and the number of collectives as much as bytes."
+            f"note: {world} ranks on {os.cpu_count()} cores -- every collective waits for ranks the OS has "
+            "descheduled; step times here measure oversubscription and the number of collectives as much as bytes."
         )
 
     print()
@@ -612,12 +613,12 @@ def print_projection(batch: int) -> None:
     h, n = pr["h"], pr["tokens"]
     gib = 2**30
     print(
-        f"projection: one GPT-3 175B layer (h={h}, seq {pr['seq']}, fp16) at {pr['devices']} devices, {batch} sequences "
-        f"= {n:,} tokens per tensor-parallel group; wire bytes per rank, forward + backward, the four linears "
-        f"(qkv h->3h, o h->h, up h->4h, down 4h->h, biases); 1-D: 4 all-reduces of N h"
+        f"projection: one GPT-3 175B layer (h={h}, seq {pr['seq']}, fp16) at {pr['devices']} devices, "
+        f"{batch} sequences = {n:,} tokens per tensor-parallel group; wire bytes per rank, forward + backward, the "
+        "four linears (qkv h->3h, o h->h, up h->4h, down 4h->h, biases); 1-D: 4 all-reduces of N h"
     )
     rows = []
-    for mode, m in pr["modes"].items():
+    for m in pr["modes"].values():
         cross = (
             "-"
             if m["crossover_tokens"] is None
@@ -657,14 +658,14 @@ def print_projection(batch: int) -> None:
         )
     )
     print(
-        "  weights: this rank's share of the four linears (2.5-D keeps d = 4 copies); block input: its share of the N x h "
-        "residual stream (1-D: all of it);"
+        "  weights: this rank's share of the four linears (2.5-D keeps d = 4 copies); block input: its share of the "
+        "N x h residual stream (1-D: all of it);"
     )
     print(
-        "  linears' saved: what our implementation keeps for backward per layer (gathered inputs, and for the grids the "
-        "gathered weight blocks, q times the rank's own)"
+        "  linears' saved: what our implementation keeps for backward per layer (gathered inputs, and for the grids "
+        "the gathered weight blocks, q times the rank's own)"
     )
-    for mode, m in pr["modes"].items():
+    for m in pr["modes"].values():
         print(f"  {m['name']:<16} paper: {m['paper']}")
 
 

@@ -47,12 +47,14 @@ def bench_args(tmp, *extra):
 
 
 def _padded_gradient(tmp, dp):
-    """``(P, padded P)``: parameters of the tiny model and the elements of its bucketed flat gradient at ``dp`` ranks."""
+    """``(P, padded P)``: parameters of the tiny model and the elements of its bucketed flat gradient at ``dp``
+    ranks."""
     from trickles.data import build_tokenizer
     from trickles.models.config import resolve_model
     from trickles.models.transformer import Transformer
     from trickles.parallel.data.flat import FlatLayout
-    from trickles.parallel.engine import FIRST_BUCKET_BYTES, bucket_bytes, unique_named_parameters
+    from trickles.parallel.engine import unique_named_parameters
+    from trickles.parallel.reduction import FIRST_BUCKET_BYTES, bucket_bytes
 
     cfg = tiny_config(tmp)
     model_cfg = resolve_model(cfg.model, build_tokenizer(cfg.data).vocab_size, cfg.data.seq_len)

@@ -2,6 +2,12 @@
 warm-up, every contestant installed here, the benchmark's own agreement check included (a disagreement stops it
 with exit status 1), then the printed table and the JSON read back.
 
+A run is the script's default invocation made small: its arguments say only sizes (model shape, batch, sequence,
+ranks, steps, rounds) and where to write, never a mode, a peer, a selection or a skip, so the code that runs is the
+code a plain ``python benchmarks/SCRIPT.py`` runs. Two exceptions, each worth more time than the whole module takes:
+``kernels.py --no-compile`` (Inductor compiling the six kernels on a CPU is about 50 s) and ``memory_layouts.py
+--only "one process"`` (each of its 27 layouts is a ``trickles memory --measure`` run of its own, 5-10 s).
+
 Peers that are not installed (DeepSpeed, torchao, liger-kernel; accelerate where it is missing) are reported absent
 by the benchmark, which goes on with the other contestants: the tests check that line and the rest. PyTorch's
 ``context_parallel`` has no sharding rule for SDPA's CPU kernel, so ``context_parallel.py`` reports it as not run here.
@@ -9,7 +15,8 @@ by the benchmark, which goes on with the other contestants: the tests check that
 
 The runs are processes as ``python SCRIPT ARGS`` starts them, forked by :class:`trickles.testing.Command` (without the
 seconds of importing torch), started two at a time in the order of the tests (the machine's two cores); each test
-waits for its own run. Multi-rank scripts run ``--world 2``.
+waits for its own run. Multi-rank scripts run ``--world 2`` (``tensor_parallel_nd.py`` its default 4: the grids need
+4 ranks); no GPU is visible to them (``--device auto`` is the CPU).
 """
 
 from __future__ import annotations
@@ -57,16 +64,12 @@ RUNS = {
             "0",
             "--repeat",
             "1",
-            "--only",
-            "dp zero1",
-            "tp+sp",
-            "pp 1f1b",
             "--calib-repeats",
             "1",
             "--calib-sample",
             "0.001",
             "--set",
-            "model.n_layers=2",
+            "model.n_layers=4",
             "--set",
             "model.d_model=64",
             "--set",
@@ -83,10 +86,7 @@ RUNS = {
             "{tmp}/planner_time.json",
         ],
     ),
-    "test_single_device": (
-        "single_device",
-        ["--device", "cpu", *TINY_MODEL, "--batch", "2", "--threads", "1", "--json", "{tmp}/single_device.json"],
-    ),
+    "test_single_device": ("single_device", [*TINY_MODEL, "--batch", "2", "--json", "{tmp}/single_device.json"]),
     "test_moe": (
         "moe",
         [
@@ -107,8 +107,6 @@ RUNS = {
             "--kv-heads",
             "2",
             *ONE_ROUND,
-            "--device",
-            "cpu",
             "--json",
             "{tmp}/moe.json",
         ],
@@ -116,8 +114,6 @@ RUNS = {
     "test_decoding": (
         "decoding",
         [
-            "--device",
-            "cpu",
             "--preset",
             "tiny",
             "--vocab",
@@ -134,13 +130,11 @@ RUNS = {
     ),
     "test_data_parallel": (
         "data_parallel",
-        ["--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/data_parallel.json"],
+        ["--world", "2", *TINY_MODEL, "--batch", "2", "--json", "{tmp}/data_parallel.json"],
     ),
     "test_inference": (
         "inference",
         [
-            "--device",
-            "cpu",
             "--layers",
             "8",
             "--d-model",
@@ -161,32 +155,17 @@ RUNS = {
             "1",
             "--warmup",
             "0",
-            "--threads",
-            "1",
             "--json",
             "{tmp}/inference.json",
         ],
     ),
     "test_tensor_parallel": (
         "tensor_parallel",
-        ["--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/tensor_parallel.json"],
+        ["--world", "2", *TINY_MODEL, "--batch", "2", "--json", "{tmp}/tensor_parallel.json"],
     ),
     "test_kernels": (
         "kernels",
-        [
-            "--device",
-            "cpu",
-            "--shape",
-            "tiny",
-            "--rounds",
-            "1",
-            "--warmup",
-            "0",
-            "--interpret",
-            "--no-compile",
-            "--json",
-            "{tmp}/kernels.json",
-        ],
+        ["--shape", "tiny", "--rounds", "1", "--warmup", "0", "--no-compile", "--json", "{tmp}/kernels.json"],
     ),
     "test_context_parallel": (
         "context_parallel",
@@ -200,10 +179,6 @@ RUNS = {
             "--head-dim",
             "16",
             *ONE_ROUND,
-            "--device",
-            "cpu",
-            "--documents",
-            "4",
             "--json",
             "{tmp}/context_parallel.json",
         ],
@@ -219,14 +194,8 @@ RUNS = {
             "2",
             "--micro-batch",
             "1",
-            "--layers",
-            "4",
-            "--d-model",
-            "64",
             "--trace-steps",
             "1",
-            "--device",
-            "cpu",
             "--json",
             "{tmp}/pipeline_parallel.json",
         ],
@@ -253,7 +222,7 @@ RUNS = {
     ),
     "test_tensor_parallel_nd": (
         "tensor_parallel_nd",
-        ["--world", "2", *TINY_MODEL, "--batch", "2", "--device", "cpu", "--json", "{tmp}/tensor_parallel_nd.json"],
+        [*TINY_MODEL, "--batch", "2", "--json", "{tmp}/tensor_parallel_nd.json"],  # its default 4 ranks: 1-D and 2-D
     ),
     "test_quantization": (
         "quantization",
@@ -275,21 +244,14 @@ RUNS = {
             "8",
             "--rounds",
             "1",
-            "--threads",
-            "1",
             "--out",
             "{tmp}/quantization",
         ],
     ),
-    "test_projections": (
-        "projections",
-        ["--device", "cpu", "--preset", "tiny", "--tokens", "32", "--rounds", "1", "--warmup", "0"],
-    ),
+    "test_projections": ("projections", ["--preset", "tiny", "--tokens", "32", "--rounds", "1", "--warmup", "0"]),
     "test_documents": (
         "documents",
         [
-            "--device",
-            "cpu",
             "--preset",
             "tiny",
             "--seq",
@@ -356,6 +318,8 @@ class Runs:
             TOKENIZERS_PARALLELISM="false",
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
+            CUDA_VISIBLE_DEVICES="",  # --device auto means the CPU here, whatever the machine has
+            TRITON_INTERPRET="1",  # and the Triton kernels run in Triton's interpreter, as in the rest of the suite
         )
         self._fill()
 
@@ -449,13 +413,31 @@ def _losses_agree(check: dict, names, ref: list[float], tol: float = 1e-4) -> No
 # ---- the benchmarks, in the order their runs start ---------------------------------------------
 
 
+PLANNER_LAYOUTS_2 = [
+    "dp",
+    "dp zero1",
+    "dp zero2 m2",
+    "dp zero3",
+    "dp recompute full",
+    "dp recompute sel",
+    "tp",
+    "tp+sp",
+    "pp gpipe",
+    "pp 1f1b",
+    "pp interleaved",
+    "cp ring",
+    "cp ulysses",
+    "moe ep",
+]
+
+
 def test_planner_time(run):
-    """The step-time model against measured steps of three layouts and the planner's own top choice (calibrated in
-    the same ranks), at two ranks of a small model."""
+    """The step-time model against measured steps of every layout of two ranks and the planner's own top choice
+    (calibrated in the same ranks), at a small model."""
     out, tmp = run
     doc = _json(tmp / "planner_time.json")
     names = [r["name"] for r in doc["layouts"]]
-    assert names[:3] == ["dp zero1", "tp+sp", "pp 1f1b"] and len(names) in (3, 4)
+    assert names[:14] == PLANNER_LAYOUTS_2 and len(names) in (14, 15)
     assert doc["plan"]["2"]["name"] in names  # the planner's choice was timed beside them
     for r in doc["layouts"]:
         assert _finite(r["measured_s"], r["predicted_s"], r["paired_ratio"]), r
@@ -576,7 +558,7 @@ def test_context_parallel(run):
     assert sorted(doc["results"]) == sorted(names)
     assert all(max(doc["errors"][n]) <= doc["tol"] for n in names)
     assert doc["results"]["ours ring, documents"]["peer"] == "ours ring"
-    assert re.search(r"^documents: ours ring, documents/ours ring [0-9.]+x \(paired [0-9.]+x\), 4 documents", out, re.M)
+    assert re.search(r"^documents: ours ring, documents/ours ring [0-9.]+x \(paired [0-9.]+x\), 8 documents", out, re.M)
     for n in ("ours ring", "ours ulysses", "ours ring, documents"):  # bytes sent are the formula's
         assert doc["memory"][n]["sent"] == pytest.approx(doc["expected_sent"][n]) and doc["memory"][n]["sent"] > 0
         assert _finite(doc["results"][n]["median"], doc["memory"][n]["saved"])
@@ -620,12 +602,15 @@ def test_large_batch(run):
 
 
 def test_tensor_parallel_nd(run):
-    """1-D at tp=2 (the grids need 4 or 8 ranks) against one process, and the 64-device projection."""
+    """1-D and the 2-D grid at tp=4 (its default) against one process, and the 64-device projection."""
     out, tmp = run
     doc = _json(tmp / "tensor_parallel_nd.json")
-    _timed(doc["results"], ["1d"], {})
-    _losses_agree(doc["check"], ["1d"], doc["check"]["reference"])
+    names = ["1d", "2d (q=2)"]
+    _timed(doc["results"], names, {"2d (q=2)": "1d"})
+    _losses_agree(doc["check"], names, doc["check"]["reference"])
     assert doc["comm"]["1d"]["sent"] == pytest.approx(doc["comm"]["1d"]["formula"])  # 1-D: every byte accounted for
+    grid = doc["comm"]["2d (q=2)"]  # the grid's linears by their formula, plus norms, embedding and loss
+    assert grid["sent"] >= grid["formula"] > 0
     assert list(doc["projection"]["modes"]) == ["1d", "2d", "2.5d", "3d"]
     assert "projection: one GPT-3 175B layer" in out
 
@@ -683,3 +668,45 @@ def test_serving(run):
     assert all(r["sent"] == r["answered"] == 6 and r["tokens"] > 0 for r in doc["results"].values())
     assert "agreement: our contestants give every request the same text" in out
     assert _finite(*doc["ratios"].values()) and len(doc["ratios"]) == 4
+
+
+def _script(name: str):
+    """``benchmarks/NAME.py`` as a module, ``sys.path`` left as it was (a script puts its folder first)."""
+    path = list(sys.path)
+    try:
+        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path[:] = path
+    return module
+
+
+def test_memory_layouts_prints_the_routing_row_under_its_own_layout(tmp_path, monkeypatch, capsys):
+    """``memory_layouts.py``'s report with the measurements faked: the expert-parallel row's prediction at the
+    routing seen comes right under that row, wherever the layout stands in the list."""
+    bench = _script("memory_layouts")
+
+    def measured(name, ranks, overrides, steps, workdir):
+        row = {"name": name, "ranks": ranks, "seconds": 1.0, "status": 0}
+        row.update({k: {"predicted": 2**20, "measured": 2**20, "ratio": 1.0} for k in ("held", "peak")})
+        if "moe" in name:
+            row.update({f"{k}_at_routing": {"predicted": 2**21, "ratio": 0.5} for k in ("held", "peak")})
+        return row
+
+    monkeypatch.setattr(bench, "run_layout", measured)
+    monkeypatch.setattr(bench, "LAYOUTS", {"moe ep2": (2, []), "one process": (1, [])})
+    assert bench.main(["--json", str(tmp_path / "rows.json")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("moe ep2"))
+    assert lines[at + 1].split() == ["at", "the", "routing", "seen", "2.00", "Mi", "0.500", "2.00", "Mi", "0.500"]
+
+
+def test_planner_time_refuses_a_layout_its_settings_break_before_any_rank():
+    """``--set model.n_layers=2`` leaves the interleaved pipeline (2 ranks x 2 chunks) without layers: one line, not a
+    traceback from every rank."""
+    bench = _script("planner_time")
+    args = bench.argparse.Namespace(only=[], set=["model.n_layers=2"])
+    with pytest.raises(SystemExit, match=r"^layout 'pp interleaved' at 2 ranks: model.n_layers \(2\) is smaller"):
+        bench.chosen(args, 2)
+    assert [n for n, _ in bench.chosen(bench.argparse.Namespace(only=[], set=[]), 2)] == PLANNER_LAYOUTS_2

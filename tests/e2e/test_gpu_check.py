@@ -1,10 +1,16 @@
 """``benchmarks/gpu_check.py`` without a GPU: the CPU smoke run of one step with every step in the JSON and the table,
-the plan of a dry run, and a step that fails or runs out of time being recorded while the run goes on."""
+the plan of a dry run, a step that fails, runs out of time or gives no numbers being recorded while the run goes on,
+the report written after every step, and the exit status of a run that did not get every number."""
 
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
+import time
+
+import pytest
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
 sys.path.append(BENCH)  # last: the benchmarks' module names shadow nothing of the suite's
@@ -14,6 +20,8 @@ import gpu_check  # noqa: E402
 from trickles.testing import run_command  # noqa: E402
 
 KEYS = [s.key for s in gpu_check.steps()]
+ENV = dict.fromkeys(["device", "date", "torch", "cuda", "triton", "transformers", "accelerate", "liger_kernel"], "-")
+ENV["commit"] = "-"
 
 
 def _run(out, *args):
@@ -67,17 +75,75 @@ def test_a_step_that_fails_times_out_or_has_no_numbers_is_recorded(tmp_path):
     failed = gpu_check.run_step(step("print('FAILED tests/x.py::t'); raise SystemExit(3)"), ctx, 30.0, log)
     assert failed["status"] == "failed (exit 3)" and failed["numbers"]["failed_tests"] == ["tests/x.py::t"]
     broken = gpu_check.run_step(step("print('fine')", gpu_check.kernels_summary), ctx, 30.0, log)  # no kernels.json
-    assert broken["status"] == "ok" and broken["headline"].startswith("no numbers: FileNotFoundError")
+    assert broken["status"] == "no result" and broken["headline"].startswith("no numbers: FileNotFoundError")
+    silent = gpu_check.run_step(step("print('fine')"), ctx, 30.0, log)  # pytest's step without pytest's summary line
+    assert silent["status"] == "no result" and silent["numbers"] == {}
     log.close()
 
 
-def test_a_spent_budget_skips_the_remaining_steps(tmp_path):
+def _fake(key, code, summary=None):
+    """A step running ``python -c code``, its numbers what ``summary`` returns (none by default)."""
+    none = {"headline": "", "numbers": {}, "header": [], "rows": []}
+    return gpu_check.Step(
+        key, f"fake {key}", lambda c: [sys.executable, "-c", code], (30, 30), summary or (lambda c, o: none)
+    )
+
+
+def test_the_report_is_written_after_every_step_and_a_step_without_numbers_fails_the_run(tmp_path):
+    out = tmp_path / "out"
+
+    def on_disk(ctx, output):  # what a run killed during this step would have left
+        doc, steps, table = _written(out)
+        return {"headline": "", "numbers": {k: s["status"] for k, s in steps.items()}, "header": [], "rows": []}
+
+    plan = [
+        _fake("x1", "print(1)", lambda c, o: {"headline": "1", "numbers": {"one": 1}, "header": [], "rows": []}),
+        _fake("x2", "print(2)", on_disk),
+        _fake("x3", "print(3)"),  # exits 0, no numbers
+    ]
+    ctx = gpu_check.Ctx(cuda=False, work=str(tmp_path))
+    args = argparse.Namespace(budget=120.0, only=None, dry_run=False, out=str(out))
+    assert gpu_check.check(plan, ctx, args, ENV) == 1
+    assert plan[1].result["numbers"] == {"x1": "ok", "x2": "pending", "x3": "pending"}
+    doc, steps, table = _written(out)
+    assert doc["finished"] and [s["status"] for s in doc["steps"]] == ["ok", "ok", "no result"]
+    assert "| x3 | fake x3 | no result |" in table
+
+    args.only = ["x1", "x2"]  # what was not asked for is not missing
+    assert gpu_check.check(plan, ctx, args, ENV) == 0
+
+
+def test_a_spent_budget_skips_the_remaining_steps_and_fails_the_run(tmp_path):
     plan = gpu_check.steps()
-    args = argparse.Namespace(budget=0.0, only=["h", "i"], dry_run=False)
-    with open(tmp_path / "log", "w") as log:
-        gpu_check.run_all(plan, gpu_check.Ctx(cuda=False, work=str(tmp_path)), args, log)
+    args = argparse.Namespace(budget=0.0, only=["h", "i"], dry_run=False, out=str(tmp_path / "out"))
+    assert gpu_check.check(plan, gpu_check.Ctx(cuda=False, work=str(tmp_path)), args, ENV) == 1
     steps = {s.key: s.result for s in plan}
     assert steps["h"]["status"].startswith("skipped: out of the budget") and steps["i"]["status"].startswith(
         "skipped: out"
     )
     assert steps["a1"]["status"] == "skipped: not selected (--only)"
+
+
+def test_only_names_every_step_in_its_help(capsys):
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--help"])
+    assert ",".join(KEYS) in capsys.readouterr().out and {"j", "k", "l"} <= set(KEYS)
+
+
+def test_a_terminated_run_ends_its_running_step(tmp_path):
+    """SIGTERM to the script while a step runs: the script exits 143 and the step's process is gone too."""
+    pid_file, out = tmp_path / "pid", tmp_path / "step.log"
+    child = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = (
+        f"import sys; sys.path.append({BENCH!r}); import gpu_check; gpu_check.unwind_on_sigterm(); "
+        f"gpu_check.run_bounded([sys.executable, '-c', {child!r}], 300, {str(out)!r})"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    step_pid = int(pid_file.read_text())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    with pytest.raises(ProcessLookupError):
+        os.kill(step_pid, 0)
