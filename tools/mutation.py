@@ -1,16 +1,16 @@
 """Mutation testing for trickles: does the test suite notice a one-line bug?
 
-A mutant is one single-line change to ``trickles/comm/*.py``, ``trickles/parallel/*.py`` (its subpackages too), ``trickles/memory/*.py``,
-``trickles/optim/*.py``, ``trickles/kernels/*.py``, ``trickles/infer/*.py``, ``trickles/compress/*.py``, the fused
-projections' layout (``trickles/models/fused.py``) or the checkpoint pieces (``trickles/train/pieces.py``), found with
-``ast``: an operator swapped (``+ -``, ``* /``, ``// *``, ``| &``, ``< <=``,
+A mutant is one single-line change to ``trickles/comm/*.py``, ``trickles/parallel/*.py`` (its subpackages too),
+``trickles/memory/*.py``, ``trickles/optim/*.py``, ``trickles/kernels/*.py``, ``trickles/infer/*.py``,
+``trickles/compress/*.py``, the fused projections' layout (``trickles/models/fused.py``) or the checkpoint pieces
+(``trickles/train/pieces.py``), found with ``ast``: an operator swapped (``+ -``, ``* /``, ``// *``, ``| &``, ``< <=``,
 ``> >=``, ``== !=``, ``is``/``in`` negated, ``and or``, ``+= -=``, ``*= /=``), an int off by one (a float doubled),
-``True``/``False`` flipped, a ``not`` dropped, ``min``/``max`` swapped (also ``clamp(max=)``), a call statement
-removed (``x.add_(...)``, ``comm.all_reduce(t)``) or a returned value replaced by ``None``. Not mutated: docstrings,
-strings, f-strings, ``raise``/``assert``, logging, annotations, defaults (arguments, ``opt(...)``), decorators,
-``__repr__``/``__str__``, drawing (``pipeline/plot.py``, ``plot``) and GPU-only code (``if``/``with`` on ``cuda``,
-lines naming ``cuda`` or a ``_stream``, ``non_blocking=``). A seeded draw takes one mutant per line, modules round
-robin; mutants that do not compile are dropped.
+``True``/``False`` flipped, a ``not`` dropped, ``min``/``max`` swapped (also ``clamp(max=)``), a call statement removed
+(``x.add_(...)``, ``comm.all_reduce(t)``) or a returned value replaced by ``None``. Not mutated: docstrings, strings,
+f-strings, ``raise``/``assert``, logging, annotations, defaults (arguments, ``opt(...)``), decorators,
+``__repr__``/``__str__``, drawing (``pipeline/plot.py``, ``plot``) and GPU-only code (``if``/``with`` on ``cuda``, lines
+naming ``cuda`` or a ``_stream``, ``non_blocking=``). A seeded draw takes one mutant per line, modules round robin;
+mutants that do not compile are dropped.
 
 Runs happen in private copies of the repository (``cp`` without ``.git``, one per job, under ``$TMPDIR``; the
 shared tree is never touched), with ``PYTHONPATH`` on the copy and no bytecode written, so spawned ranks import

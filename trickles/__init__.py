@@ -2,7 +2,8 @@
 
 The public API (everything the CLI uses is reachable from here):
 
-    from trickles import Config, Trainer, ParallelDims, distributed_session, export_checkpoint, measure_scaling, run_training
+    from trickles import (Config, Trainer, ParallelDims, distributed_session, export_checkpoint, measure_scaling,
+                          run_training)
     cfg = Config.load("examples/demo.toml", ["train.steps=50"])
     run_training(cfg)                                  # or, step by step:
     with distributed_session(cfg.validate(1)) as topo:

@@ -154,14 +154,14 @@ class ParallelDims:
             raise ConfigError(
                 f"parallel.dp x tp x pp x cp = {self.dp} x {self.tp} x {self.pp} x {self.cp} = {self.world_size}, "
                 f"but there are {world_size} processes; launch {self.world_size} processes (--nproc {self.world_size}) "
-                f"or change the degrees (parallel.dp=-1 fills the rest), or set parallel.elastic=true to train on a layout "
-                f"the planner chooses for {world_size}"
+                "or change the degrees (parallel.dp=-1 fills the rest), or set parallel.elastic=true to train on a "
+                f"layout the planner chooses for {world_size}"
             )
         if (self.dp * self.cp) % self.ep:
             divisors = [d for d in range(1, self.dp * self.cp + 1) if (self.dp * self.cp) % d == 0]
             raise ConfigError(
-                f"parallel.ep ({self.ep}) must divide parallel.dp x parallel.cp ({self.dp * self.cp}), the ranks experts are "
-                f"spread over; set parallel.ep to one of {divisors}"
+                f"parallel.ep ({self.ep}) must divide parallel.dp x parallel.cp ({self.dp * self.cp}), the ranks "
+                f"experts are spread over; set parallel.ep to one of {divisors}"
             )
         self.grid  # noqa: B018  (raises for a tp the mode cannot arrange)
 

@@ -424,12 +424,12 @@ def _train_from_start(tmp, dims, overrides):
 
 
 def test_bf16_ring_tracks_bf16_on_one_process(tmp_path, cache):
-    """cp=2 ring in bf16 against bf16 on one process (20 steps, the default eps). The ring merges its blocks in
-    fp32, but the projections see bf16 attention outputs rounded from another summation order, so a weight may round
-    to its bf16 neighbour. Measured: losses within 1.4e-4 relative (a learning rate 5% lower: 1.5e-2); weights within
-    6.1e-3, except the norms (near 1.0: one bf16 ulp, 7.8e-3) and embed.weight (2.1e-2: rows of rare tokens whose few updates
-    rounded apart, as under tensor parallelism). Every weight moves at least 2.3e-2 in the run, the
-    embedding 3.2e-2, so a weight left un-updated fails either tolerance."""
+    """cp=2 ring in bf16 against bf16 on one process (20 steps, the default eps). The ring merges its blocks in fp32,
+    but the projections see bf16 attention outputs rounded from another summation order, so a weight may round to its
+    bf16 neighbour. Measured: losses within 1.4e-4 relative (a learning rate 5% lower: 1.5e-2); weights within 6.1e-3,
+    except the norms (near 1.0: one bf16 ulp, 7.8e-3) and embed.weight (2.1e-2: rows of rare tokens whose few updates
+    rounded apart, as under tensor parallelism). Every weight moves at least 2.3e-2 in the run, the embedding 3.2e-2, so
+    a weight left un-updated fails either tolerance."""
     from helpers import assert_losses_track, assert_weights_track
 
     common = [cache, "memory.precision=bf16"]

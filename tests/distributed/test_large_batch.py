@@ -138,9 +138,7 @@ def test_checkpoint_resumes_at_another_layout(tmp_path, cache, optimizer, first,
     path = head[0][4]
     dims, extra = second
     opts[-1] = f"train.out_dir={tmp_path}/second"
-    for losses, weights, start, cut, _ in run_ranks(
-        _world(dims), _train, str(tmp_path), dims, [*opts, *extra], resume=path
-    ):
+    for losses, weights, _, _, _ in run_ranks(_world(dims), _train, str(tmp_path), dims, [*opts, *extra], resume=path):
         assert_losses_track(head[0][0] + losses, reference[0], 1e-4, wrong={"lr 5% lower": slower})
         ref = {n: _block(reference[1][n][0], t, off) for n, (t, off) in weights.items()}
         for n, (t, _) in weights.items():

@@ -76,8 +76,8 @@ def _update_gaps(weights, reference, initial):
 
 
 def test_bf16_param_grads_zero1_dp2_track_one_process(tmp_path, cache):
-    """bf16 parameters and bf16 gradient buffers, reduce-scattered in bf16 under ZeRO-1, against the same precision on one
-    process (replicated engine, bf16 gradients). Compared: losses, and the fp32 master weights' updates."""
+    """bf16 parameters and bf16 gradient buffers, reduce-scattered in bf16 under ZeRO-1, against the same precision on
+    one process (replicated engine, bf16 gradients). Compared: losses, and the fp32 master weights' updates."""
     ref_losses, ref_parts, initial, shapes = _run(str(tmp_path / "ref"), cache, BF16_PARAM_GRADS, dp=1, masters=True)
     ref = _assemble([ref_parts], shapes)
     slow_losses, slow_parts, _, _ = _run(

@@ -1,9 +1,9 @@
 """A tensor-parallel grid's peak: the last block's backward, predicted against the profiler's record.
 
-On a 2-D grid the peak is not the loss but the input gradient of the MLP's down projection in the last block's
-backward (:func:`~trickles.parallel.tensor.costs.backward_transient_nd`: the partial product, its chunks laid out
-for the reduce-scatter, gloo's copy and the result's chunk), with the head's activations already released. The
-prediction's transient (peak - held) is held to the measured one, which the CPU measures from the profiler's record
+On a 2-D grid the peak is not the loss but the input gradient of the MLP's down projection in the last block's backward
+(:func:`~trickles.parallel.tensor.activation_costs.backward_transient_nd`: the partial product, its chunks laid out for
+the reduce-scatter, gloo's copy and the result's chunk), with the head's activations already released. The prediction's
+transient (peak - held) is held to the measured one, which the CPU measures from the profiler's record
 (:func:`~trickles.memory.accounting.replay_allocations`).
 """
 
@@ -12,7 +12,8 @@ from helpers import tiny_config
 
 from trickles.memory.accounting import replay_allocations
 from trickles.memory.report import measure, predict
-from trickles.parallel.tensor.costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
+from trickles.parallel.tensor.activation_costs import backward_transient_nd, head_released_nd, loss_transient_nd
+from trickles.parallel.tensor.layout import Layout
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 

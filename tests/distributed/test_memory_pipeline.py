@@ -36,8 +36,8 @@ def _stages(tmp, cache, world, overrides):
     )
 
 
-# each schedule (pp=2; interleaved and zb-v with 2 chunks of 4 layers), and pp=2 x dp=2 with ZeRO-1, offload, bf16, dropout,
-# and with ZeRO-2 and ZeRO-3;
+# each schedule (pp=2; interleaved and zb-v with 2 chunks of 4 layers), and pp=2 x dp=2 with ZeRO-1, offload, bf16,
+# dropout, and with ZeRO-2 and ZeRO-3;
 # zero-bubble: model states, saved activations (held from F to W) and held bytes exact, the peak with the gradients B
 # records for W
 CASES = {

@@ -70,7 +70,8 @@ def _reference(tmp, cache, overrides, steps=STEPS):
     return _REFERENCE[key]
 
 
-LAYOUTS = [  # (id, degrees, overrides): one case per idea (capacity, shared experts, each ZeRO stage, ep, cp, tp/sp, pp)
+# (id, degrees, overrides): one case per idea (capacity, shared experts, each ZeRO stage, ep, cp, tp/sp, pp)
+LAYOUTS = [
     ("dp2-zero2-accum-gpt2", {"dp": 2}, ["parallel.zero=2", "train.micro_batch=2", "model.preset=gpt2-tiny"]),
     ("pp2-1f1b-capacity", {"pp": 2}, ["train.micro_batch=2", "model.moe_capacity_factor=1.0"]),
     ("dp2-full-recompute-every2", {"dp": 2}, ["memory.recompute=full", "model.n_layers=4", "model.moe_every=2"]),

@@ -72,7 +72,7 @@ def _run(tmp, cache, stage, overlap, delay=0.0, steps=3):
 
 @pytest.mark.parametrize("stage", [1, 2])
 def test_offload_overlap_order_of_events(tmp_path, cache, stage):
-    for losses, _, events, marks, needs, buckets in run_ranks(2, _run, str(tmp_path), cache, stage, True, 0.02):
+    for _, _, events, marks, needs, buckets in run_ranks(2, _run, str(tmp_path), cache, stage, True, 0.02):
         assert buckets >= 6
         units = range(buckets)
         for s in range(1, len(marks)):  # step s's backward, then its host step under step s + 1's forward

@@ -3,7 +3,8 @@ recomputation; also with Adam's default eps), live micro-batches counted in the 
 the formula, the executed and traced action order against the schedule's and the bubble counted on its timeline,
 fp16 overflow skipping through the stages, checkpoints, evaluation and sampling through the stages.
 
-Timing the bubble is a benchmark's business (``benchmarks/pipeline_parallel.py`` prints it measured next to the formula)."""
+Timing the bubble is a benchmark's business (``benchmarks/pipeline_parallel.py`` prints it measured next to the
+formula)."""
 
 import os
 from fractions import Fraction
@@ -490,8 +491,8 @@ def test_default_eps_through_stages_and_tensor_parallel_tracks_one_process(tmp_p
     (off,), _, _ = _tracked(str(tmp_path), cache, 1, 1, _lr_off(str(tmp_path), overrides), STEPS)
     losses, weights, _ = _tracked(str(tmp_path), cache, 2, 2, overrides, STEPS)
     # measured over 10 steps of 4 layers: losses 1.1e-7 relative, weights 2.4e-6 absolute (the lr-5%-off run: 1.1e-2
-    # in loss; 20 steps: 1.9e-7, 1.0e-5, 2.0e-2), so Adam's default eps under pp x tp is about as tight as the 1e-4 / 1e-5 of the fp32 cases;
-    # tolerances 5-100x the measured gap
+    # in loss; 20 steps: 1.9e-7, 1.0e-5, 2.0e-2), so Adam's default eps under pp x tp is about as tight as the
+    # 1e-4 / 1e-5 of the fp32 cases; tolerances 5-100x the measured gap
     for rank_losses in losses:
         assert_losses_track(rank_losses, one, 2e-5, wrong={"lr 5% off": off})
     assert_weights_track(weights, one_w, initial, 5e-5)

@@ -8,9 +8,16 @@ tests/distributed/test_reshard.py, the refused combinations in tests/unit/test_s
 
 import pytest
 import torch
-from test_pipeline import INVARIANCE_STEPS, _assemble, _pieces, _trainer, cache, reference  # noqa: F401 (fixture)
+from test_pipeline import INVARIANCE_STEPS, _assemble, _pieces, _trainer, reference
 
 from trickles.testing import run_ranks
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """This run's tokenized-data cache, shared by the module's tests (spawned ranks get it in their overrides)."""
+    return f"data.cache_dir={tmp_path_factory.mktemp('pipeline-cache')}"
+
 
 # (preset, layers, dp, pp, schedule, zero, extra)
 CASES = [

@@ -230,7 +230,8 @@ def _report_states(tmp, cache, stage, overrides):
 
 
 # d_model=72 (norm weights of 72 elements) and bucket_mb=0.05 (several buckets): buckets and ZeRO-3 units padded to a
-# multiple of 16 dp elements, which the prediction counts (the tiny preset's tensors are all multiples of 32: no padding)
+# multiple of 16 dp elements, which the prediction counts (the tiny preset's tensors are all multiples of 32: no
+# padding there)
 PADDED = ["model.d_model=72", "parallel.bucket_mb=0.05"]
 
 

@@ -1,9 +1,9 @@
-"""Checkpoints reshard across layouts: saved at one (dp, ZeRO stage, tp with sequence parallel, pp with virtual
-stages, pp under ZeRO-3, cp, ep, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing changed --
-weights, Adam moments and the data position all come back: the losses within 1e-4 of the straight run's and its
-final weights within 1e-5 -- and a rank reads only the slices it needs. With the
-optimizer offloaded, a resume at the same layout is exact at ZeRO-2 and ZeRO-3 (ZeRO-1 keeps the optimizer state as
-ZeRO-2 does; its offloaded checkpoint reshards in the dp2-pp2-zero1-offload case)."""
+"""Checkpoints reshard across layouts: saved at one (dp, ZeRO stage, tp with sequence parallel, pp with virtual stages,
+pp under ZeRO-3, cp, ep, the optimizer offloaded to the host or not), loaded at another, training goes on as if nothing
+changed -- weights, Adam moments and the data position all come back: the losses within 1e-4 of the straight run's and
+its final weights within 1e-5 -- and a rank reads only the slices it needs. With the optimizer offloaded, a resume at
+the same layout is exact at ZeRO-2 and ZeRO-3 (ZeRO-1 keeps the optimizer state as ZeRO-2 does; its offloaded checkpoint
+reshards in the dp2-pp2-zero1-offload case)."""
 
 import os
 
@@ -51,8 +51,9 @@ LAYOUTS = {
     "dp2-zero3-offload": (2, ["parallel.zero=3", OFFLOAD]),
     "dp2-pp2-zero1-offload": (4, ["parallel.pp=2", "parallel.schedule=1f1b", "parallel.zero=1", OFFLOAD]),
     "dp4-zero2-offload": (4, ["parallel.zero=2", OFFLOAD]),
-    # context parallel: the sequence split over ranks that hold the same weights (ZeRO shards over dp x cp); micro-batches
-    # of 4 (2 per step instead of 8: the ring's many small blocks made this pair a quarter of the file's time)
+    # context parallel: the sequence split over ranks that hold the same weights (ZeRO shards over dp x cp);
+    # micro-batches of 4 (2 per step instead of 8: the ring's many small blocks made this pair a quarter of the file's
+    # time)
     "cp2-zero1": (2, ["parallel.cp=2", "parallel.zero=1", "train.micro_batch=4"]),
     "cp4-ulysses": (4, ["parallel.cp=4", "parallel.cp_mode=ulysses", "train.micro_batch=4"]),
     # mixture of experts (another model: 4 experts in every other block): the experts split over ep ranks

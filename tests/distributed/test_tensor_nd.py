@@ -393,7 +393,8 @@ def test_grid_layers_refuse_what_does_not_split_naming_the_multiple():
         r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
         r"the vocabulary \(39\) into 2 blocks; make it a multiple of 2$",
         r"the model width \(21\) into 2 blocks; make it a multiple of 2$",
-        r"2d tensor parallelism splits each micro-batch's 3 samples into 2 blocks; make the micro-batch a multiple of 2$",
+        r"2d tensor parallelism splits each micro-batch's 3 samples into 2 blocks; "
+        r"make the micro-batch a multiple of 2$",
         r"need 1-D tensor parallelism \(parallel.tp_mode=1d\)$",
     ]
     for messages in run_ranks(4, _refusals):

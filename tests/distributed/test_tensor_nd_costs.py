@@ -19,7 +19,9 @@ import torch
 from helpers import tiny_config
 
 from trickles.memory.activations import ActivationMeter
-from trickles.parallel.tensor.costs import Layout, activation_bytes_nd, block_comm, comm_bytes, param_count, step_comm
+from trickles.parallel.tensor.activation_costs import activation_bytes_nd
+from trickles.parallel.tensor.costs import block_comm, comm_bytes, param_count, step_comm
+from trickles.parallel.tensor.layout import Layout
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 

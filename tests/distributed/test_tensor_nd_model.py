@@ -224,7 +224,8 @@ BEFORE, AFTER = 4, 4
 
 
 def _save_and_go_on(tmp, overrides, out):
-    """BEFORE steps, a checkpoint, AFTER more: the checkpoint, the last losses, this rank's pieces at saving and at the end."""
+    """BEFORE steps, a checkpoint, AFTER more: the checkpoint, the last losses, this rank's pieces at saving and at the
+    end."""
     tr = _trainer(tmp, _world(), [*overrides, f"train.out_dir={out}"], steps=BEFORE + AFTER)
     for _ in range(BEFORE):
         tr.train_step()
@@ -314,7 +315,8 @@ REFUSED = [  # (id, world, overrides, what the message must say)
         "heads",
         9,
         ["parallel.tp=9", "parallel.tp_mode=2d"],
-        r"model.n_heads \(4\) must be divisible by 3 with parallel.tp_mode=2d at parallel.tp=9 \(q = 3\); change it or parallel.tp",
+        r"model.n_heads \(4\) must be divisible by 3 with parallel.tp_mode=2d at parallel.tp=9 \(q = 3\); "
+        r"change it or parallel.tp",
     ),
     (
         "kv-heads",

@@ -10,7 +10,7 @@ from helpers import assert_losses_track, assert_updates_track, assert_weights_tr
 
 from trickles.comm import wire_bytes
 from trickles.memory.accounting import FP32_ADAM, live_tensor_bytes, zero_model_state_bytes
-from trickles.parallel.engine import reduction_wire_bytes
+from trickles.parallel.reduction import reduction_wire_bytes
 from trickles.testing import run_ranks
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer

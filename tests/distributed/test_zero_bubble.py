@@ -8,11 +8,18 @@ The schedules' own properties (complete, deadlock-free, memory bound, bubble for
 from fractions import Fraction
 
 import pytest
-from test_pipeline import INVARIANCE_STEPS, _assemble, _executed, _train, cache, reference  # noqa: F401 (fixture)
+from test_pipeline import INVARIANCE_STEPS, _assemble, _executed, _train, reference
 
 from trickles.parallel.pipeline.schedules import Shape, build, compute_order
 from trickles.parallel.pipeline.timeline import simulate
 from trickles.testing import run_ranks
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """This run's tokenized-data cache, shared by the module's tests (spawned ranks get it in their overrides)."""
+    return f"data.cache_dir={tmp_path_factory.mktemp('pipeline-cache')}"
+
 
 # (preset, layers, tp, pp, schedule, extra); micro-batches of 2: four per step. With parallel.cp=2 the ``tp`` slot
 # counts the context-parallel ranks instead (the world is tp x pp either way; the ranks' copies must agree).

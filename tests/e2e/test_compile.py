@@ -1,5 +1,5 @@
-"""train.compile=true: a compiled trainer decodes with its blocks run eagerly and gives the eager trainer's samples; with
-the Triton kernels the compiled blocks train to the eager losses (without them, on two ZeRO-1 ranks:
+"""train.compile=true: a compiled trainer decodes with its blocks run eagerly and gives the eager trainer's samples;
+with the Triton kernels the compiled blocks train to the eager losses (without them, on two ZeRO-1 ranks:
 tests/distributed/test_layouts_misc.py)."""
 
 import torch

@@ -29,7 +29,8 @@ TINY = [
 
 @pytest.fixture(scope="module")
 def pruned(tmp_path_factory):
-    """A tiny llama trained 8 steps, and its pruned copy (half the key/value groups, a quarter of the channels, one block)."""
+    """A tiny llama trained 8 steps, and its pruned copy (half the key/value groups, a quarter of the channels, one
+    block)."""
     tmp = tmp_path_factory.mktemp("compress")
     src = trained_checkpoint(tmp, 8)
     out = str(tmp / "pruned")

@@ -1,4 +1,5 @@
-"""``trickles plan`` end to end: the table, the JSON, the winner's config (loaded back and trained), no fit, bad input."""
+"""``trickles plan`` end to end: the table, the JSON, the winner's config (loaded back and trained), no fit, bad
+input."""
 
 import json
 import os

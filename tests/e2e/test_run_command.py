@@ -65,8 +65,9 @@ from trickles.launch import launch
 
 
 def report():  # one write of the whole line: the two ranks share the pipe, and a line written in parts can interleave
-    line = json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "cwd": os.getcwd(), "path": sys.path,
-                       "argv": sys.argv, "probe": os.environ.get("TRICKLES_PROBE"), "main": sys.modules["__main__"].__name__})
+    line = json.dumps({"rank": os.environ["RANK"], "world": os.environ["WORLD_SIZE"], "cwd": os.getcwd(),
+                       "path": sys.path, "argv": sys.argv, "probe": os.environ.get("TRICKLES_PROBE"),
+                       "main": sys.modules["__main__"].__name__})
     os.write(sys.stdout.fileno(), (line + "\\n").encode())
 
 

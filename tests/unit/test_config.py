@@ -3,6 +3,7 @@
 import dataclasses
 import glob
 import os
+import sys
 
 import pytest
 
@@ -154,7 +155,8 @@ BAD_VALUES = [
     (
         ["memory.recompute=elementwise", "model.moe_experts=4"],
         1,
-        "memory.recompute=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); set model.moe_experts=0",
+        "memory.recompute=elementwise does not combine with mixture-of-experts blocks (model.moe_experts); "
+        "set model.moe_experts=0",
     ),
     (
         ["memory.recompute=elementwise", "parallel.tp=4", "parallel.tp_mode=2d"],
@@ -175,7 +177,8 @@ BAD_VALUES = [
     (
         ["memory.recompute_num_layers=1"],
         1,
-        "memory.recompute_num_layers counts the layers memory.recompute=full recomputes whole, but memory.recompute is none",
+        "memory.recompute_num_layers counts the layers memory.recompute=full recomputes whole, "
+        "but memory.recompute is none",
     ),
     (
         ["memory.recompute_rest=selective"],
@@ -315,3 +318,40 @@ def test_elementwise_and_partial_recomputation_validate_on_1d_tensor_parallelism
     )
     # rank 0 runs layers 0 and 2 (virtual stages 0 and 2), rank 1 layers 1 and 3
     assert cfg.recompute_modes(cfg.validate(2)) == {0: "full", 1: "full", 2: "none", 3: "none"}
+
+
+def test_the_zb_v_schedule_implies_its_two_chunks():
+    """``parallel.schedule=zb-v`` always places two chunks on a rank: unset, ``virtual_stages`` is 2 (and 1 for every
+    other schedule); 2 given is accepted, any other value refused in one line that says what to change."""
+    base = ["parallel.pp=2", "model.n_layers=4", "train.global_batch=4", "train.micro_batch=1"]
+    cfg = Config.load(None, [*base, "parallel.schedule=zb-v"])
+    assert cfg.parallel.virtual_stages == 2 and cfg.validate(2).pp == 2
+    assert Config.load(None, [*base, "parallel.schedule=zb-v", "parallel.virtual_stages=2"]) == cfg
+    assert Config.load(None, base).parallel.virtual_stages == 1 and Config().parallel.virtual_stages == 1
+    assert Config.load(None, ["parallel.schedule=zb-v"]).validate(1).pp == 1  # one stage: the schedule is moot
+    for v in (1, 3):
+        with pytest.raises(ConfigError) as e:
+            Config.load(None, [*base, "parallel.schedule=zb-v", f"parallel.virtual_stages={v}"]).validate(2)
+        assert "\n" not in str(e.value)
+        assert f"leave parallel.virtual_stages unset or set parallel.virtual_stages=2 (got {v})" in str(e.value)
+    assert "unset: the schedule's own, 2 for zb-v" in describe_keys()
+
+
+def test_train_plot_without_matplotlib_says_so_once(tmp_path, monkeypatch, capsys):
+    """``train.plot`` is on by default; without matplotlib the run's plots are not drawn, and the run says so in one
+    ``warning:`` line on stderr (once, however many plots it skips) with what to do, instead of nothing."""
+    from trickles.train import metrics
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "loss": 2.0, "moe_load": {"0": [3, 1]}}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    said = getattr(metrics, "_say_no_matplotlib", None)
+    if said is not None:
+        said.cache_clear()  # said earlier in this process, it would not be said again
+    assert metrics.plot_loss(str(log), str(tmp_path / "loss.png")) is False
+    assert metrics.plot_expert_load(str(log), str(tmp_path / "expert_load.png")) is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning: train.plot=true, but matplotlib is not installed" in err[0]
+    assert "pip install 'trickles[plots]'" in err[0] and "train.plot=false" in err[0]
+    assert not (tmp_path / "loss.png").exists()

@@ -323,7 +323,8 @@ def test_setup_commands_are_what_ci_runs_and_the_demo():
     extra = ci[len(test) :]
     selecting = ("-k", "-m", "--deselect", "--ignore", "--lf", "-x", "--exitfirst")
     assert ci[: len(test)] == test and all(t.startswith("-") and not t.startswith(selecting) for t in extra), (
-        f"README's test command {shlex.join(test)} is not what .ci/run runs ({shlex.join(ci)}; CI may only add report options)"
+        f"README's test command {shlex.join(test)} is not what .ci/run runs ({shlex.join(ci)}; CI may only add report "
+        "options)"
     )
     install, run = _segments(demo)
     assert install + ["test"] == _segments(test)[0], "the demo installs like the test command, without the test extras"

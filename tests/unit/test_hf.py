@@ -226,7 +226,8 @@ def test_pickle_only_directory_is_refused(tmp_path):
         (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}), "rope scaling 'llama3'"),
         (dict(attention_bias=True), "attention_bias=true"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-        # an explicit head_dim is model.head_size (pruned models, tests/unit/test_prune.py); one the weights do not have is refused
+        # an explicit head_dim is model.head_size (pruned models, tests/unit/test_prune.py); one the weights do not
+        # have is refused
         (dict(head_dim=32), r"q_proj\.weight has shape \[64, 64\], but config.json implies \[128, 64\]"),
         (dict(rope_theta=1.0, rope_parameters={"rope_type": "default", "rope_theta": 2.0}), "disagrees"),
     ],

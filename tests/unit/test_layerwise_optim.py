@@ -150,7 +150,7 @@ def test_step_with_a_closure_runs_it_with_autograd_and_returns_its_loss(optimize
         w = torch.nn.Parameter(w0.clone())
         opt = optimizer([w], lr=0.1)
 
-        def closure():
+        def closure(opt=opt, w=w):
             opt.zero_grad()
             loss = (x @ w).square().mean()
             loss.backward()
@@ -220,7 +220,7 @@ def test_shard_norms_see_whole_weights_and_each_expert_through_any_cut():
         prov.bind(segments, tensors)
         wn, twice = prov.norms(tensors, [2 * t for t in tensors])
         want = []
-        for s, t in zip(segments, tensors):
+        for s, _ in zip(segments, tensors):
             if s.name == "w":
                 want.append(expected["w"][0])
             else:
@@ -302,7 +302,7 @@ def test_one_process_engine_step_equals_the_reference_per_weight_and_per_expert(
         for n, p in tr.model.named_parameters():
             assert float((p.detach() - before[n]).abs().max()) > 2e-6, (s + 1, n)
             torch.testing.assert_close(
-                p.detach(), ref[n].detach(), rtol=0, atol=2e-6, msg=lambda m: f"step {s + 1}, {n}: {m}"
+                p.detach(), ref[n].detach(), rtol=0, atol=2e-6, msg=lambda m, s=s, n=n: f"step {s + 1}, {n}: {m}"
             )
 
 

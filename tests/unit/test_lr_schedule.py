@@ -1,6 +1,7 @@
 """The learning-rate schedule against values worked out by hand (linear warm-up, then cosine to min_lr_ratio * lr).
 
-Layout-invariance tests cannot see a wrong schedule (the reference run uses the same one), so its values are pinned here."""
+Layout-invariance tests cannot see a wrong schedule (the reference run uses the same one), so its values are pinned
+here."""
 
 import math
 

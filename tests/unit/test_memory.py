@@ -155,7 +155,7 @@ def test_moe_activation_prediction_matches_measurement(tmp_path, flavor, precisi
 def test_moe_capacity_prediction_bounds_the_kept_rows(tmp_path):
     """With capacity the kept assignments depend on the routes: the prediction assumes every expert full
     (``m = min(k s, S E C)``), no less than measured; given the kept count the formula is exact."""
-    from trickles.memory.activations import moe_bytes
+    from trickles.memory.moe_activations import moe_bytes
 
     tr, meter = _moe_forward(tmp_path, "model.moe_top_k=2", "model.moe_capacity_factor=0.5")  # C = 8 of a sequence's 64
     cfg = tr.model_cfg
@@ -337,7 +337,7 @@ def test_partial_full_recomputation_keeps_each_layer_as_its_mode(tmp_path):
     """memory.recompute_num_layers=1 of 2 layers: layer 0 keeps its input only (full), layer 1 what elementwise
     keeps, as the report predicts per layer; losses, weights and evaluation bit for bit those without recomputation."""
     from trickles.memory.tp_modes import activations
-    from trickles.parallel.tensor.costs import Layout
+    from trickles.parallel.tensor.layout import Layout
 
     partial = ["memory.recompute=full", "memory.recompute_num_layers=1", "memory.recompute_rest=elementwise"]
     tr = _trainer(tmp_path, "model.dropout=0.1", *partial)

@@ -155,12 +155,12 @@ def test_action_lists_are_the_schedules_own():
 
 
 def test_buffers_peak_walks_gpipe_by_hand():
-    """GPipe, 2 stages, 2 micro-batches; each chunk's forward saves 100 B of layers and 10 B of head activations,
-    a message is 4 B, the loss's backward needs 7 B more. Stage 0 peaks at its first backward: both micro-batches'
-    activations (2 x 110; each output is gone by the next computation, its send seen through) and the received
-    gradient (4) = 224 -- as at its second forward (2 x 110 and that forward's output). Stage 1 peaks at its first backward
-    too: both micro-batches' activations with their received inputs (2 x (110 + 4)) and the loss's 7 B = 235 (the
-    input gradient comes after, as the head's activations are freed)."""
+    """GPipe, 2 stages, 2 micro-batches; each chunk's forward saves 100 B of layers and 10 B of head activations, a
+    message is 4 B, the loss's backward needs 7 B more. Stage 0 peaks at its first backward: both micro-batches'
+    activations (2 x 110; each output is gone by the next computation, its send seen through) and the received gradient
+    (4) = 224 -- as at its second forward (2 x 110 and that forward's output). Stage 1 peaks at its first backward too:
+    both micro-batches' activations with their received inputs (2 x (110 + 4)) and the loss's 7 B = 235 (the input
+    gradient comes after, as the head's activations are freed)."""
     shape, weights = Shape(2, 1, 2), [(100, 10)]
     assert [buffers_peak("gpipe", shape, r, weights, 4, False, 7, False) for r in range(2)] == [224, 235]
 
@@ -170,9 +170,9 @@ def test_buffers_peak_walks_zb_h1_by_hand():
     10 B of head, a message 4 B, the loss's backward 7 B, a block's 5 B, ``B`` records 30 B for ``W`` (the received
     gradient among them), its first norm's backward 3 B more, the loss keeps 6 B of the head. Stage 1 (last): after
     ``F0.0`` and both receives it holds 110 + 4; ``B0.0`` ends at 114 + 30 + the input gradient 4 + 3 = 151, then keeps
-    the 30 B and the input gradient (on the saved input, until ``W``) and frees the loss's 6 B (nothing holds its nodes):
-    142; ``F0.1`` adds 110 - 4 (its input is its first operation's): 248; ``B0.1`` ends at 248 + 30 + 4 + 3 = 285.
-    Stage 0 (first) has no ``B``: its ``W`` is the whole backward, 5 B over both forwards' 2 x 110 and the received
+    the 30 B and the input gradient (on the saved input, until ``W``) and frees the loss's 6 B (nothing holds its
+    nodes): 142; ``F0.1`` adds 110 - 4 (its input is its first operation's): 248; ``B0.1`` ends at 248 + 30 + 4 + 3 =
+    285. Stage 0 (first) has no ``B``: its ``W`` is the whole backward, 5 B over both forwards' 2 x 110 and the received
     gradient 4 (the second output's send seen through by then): 229."""
     shape, weights = Shape.of("zb-h1", 2, 1, 2), [(100, 10)]
     peaks = [

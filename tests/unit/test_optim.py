@@ -129,8 +129,8 @@ STEPS = len(LRS)
 
 
 def _reference(tr):
-    """A plain model with the trainer's initial weights and torch AdamW over (decay, no_decay), stepped by hand:
-    torch's clip_grad_norm_ to 1.0 (train.grad_clip), the learning rates above, betas (0.9, 0.95), the trainer's eps, wd 0.1."""
+    """A plain model with the trainer's initial weights and torch AdamW over (decay, no_decay), stepped by hand: torch's
+    clip_grad_norm_ to 1.0 (train.grad_clip), the learning rates above, betas (0.9, 0.95), the trainer's eps, wd 0.1."""
     plain = build_model(tr.model_cfg, tr.cfg.train.seed)
     named = dict(plain.named_parameters())
     decays = _decays(list(named), tied=False)
@@ -192,7 +192,7 @@ def test_zero1_sharded_adamw_equals_torch_adamw(tmp_path, cache):
             assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-5)
         for n, ref in reference[-1][2].items():
             # measured: 1.2e-7 after 4 steps; every weight moves at least 1.5e-3 (its largest element) in each step
-            torch.testing.assert_close(weights[n], ref, rtol=0, atol=1e-6, msg=lambda m: f"{n}: {m}")
+            torch.testing.assert_close(weights[n], ref, rtol=0, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
 
 
 def test_build_adamw_decays_exactly_the_decay_flags_parameters(tmp_path):

@@ -225,7 +225,8 @@ def test_an_moe_blocks_extra_fixed_cost_is_fitted_from_its_tiny_pass():
     """An MoE block's times: its GEMMs, its element-wise bytes at the fitted bandwidth, a dense pass's fixed cost and
     an extra one; :func:`fit_moe_pass` gives the extra back (and the dense fit is untouched by the third timing)."""
     from trickles.models.config import resolve_model
-    from trickles.planner.calibrate import _pass_work, fit_moe_pass, fit_passes
+    from trickles.planner.calibrate import fit_moe_pass, fit_passes
+    from trickles.planner.calibrate_compute import _pass_work
     from trickles.planner.cost import work_seconds
 
     cfg = Config.load(None, ["model.preset=tiny", "data.seq_len=64", "model.moe_experts=4", "model.moe_top_k=2"])

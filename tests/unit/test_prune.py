@@ -1,4 +1,5 @@
-"""Structured pruning: units whose output weights are zero prune away exactly; the pruned model exports to Hugging Face."""
+"""Structured pruning: units whose output weights are zero prune away exactly; the pruned model exports to Hugging
+Face."""
 
 import dataclasses
 
@@ -55,12 +56,12 @@ def kill_units(model):
     dead_channels = {}
     with torch.no_grad():
         for key, block in model.layers.items():
-            l = int(key)
-            g = DEAD_GROUP[l]
+            layer = int(key)
+            g = DEAD_GROUP[layer]
             block.attn.o_proj.weight[:, g * rep * d : (g + 1) * rep * d] = 0
-            chans = torch.randperm(cfg.ffn_dim, generator=torch.Generator().manual_seed(l))[: cfg.ffn_dim // 4]
+            chans = torch.randperm(cfg.ffn_dim, generator=torch.Generator().manual_seed(layer))[: cfg.ffn_dim // 4]
             block.mlp.down_proj.weight[:, chans] = 0
-            dead_channels[l] = set(chans.tolist())
+            dead_channels[layer] = set(chans.tolist())
     return dead_channels
 
 
@@ -72,14 +73,14 @@ def test_zero_output_units_prune_to_identical_logits(score, flavor):
     dead = kill_units(model)
     imp = measure(model, batches(), score)
     # the dead units score exactly zero, every live one more
-    for l, g in DEAD_GROUP.items():
-        assert all((imp.groups[l][i] == 0) == (i == g) for i in range(cfg.kv_heads))
-        assert all((imp.channels[l][c] == 0) == (c in dead[l]) for c in range(cfg.ffn_dim))
+    for layer, g in DEAD_GROUP.items():
+        assert all((imp.groups[layer][i] == 0) == (i == g) for i in range(cfg.kv_heads))
+        assert all((imp.channels[layer][c] == 0) == (c in dead[layer]) for c in range(cfg.ffn_dim))
     # llama: 2 groups of 2 heads, remove half; gpt2: 4 groups of one head, remove a quarter
     p = plan(imp, cfg, heads=0.5 if flavor == "llama" else 0.25, ffn=0.25)
-    for l in range(cfg.n_layers):
-        assert set(p.channels[l]).isdisjoint(dead[l]) and len(p.channels[l]) == 96
-        assert DEAD_GROUP[l] not in p.groups[l] and len(p.groups[l]) == cfg.kv_heads - 1
+    for layer in range(cfg.n_layers):
+        assert set(p.channels[layer]).isdisjoint(dead[layer]) and len(p.channels[layer]) == 96
+        assert DEAD_GROUP[layer] not in p.groups[layer] and len(p.groups[layer]) == cfg.kv_heads - 1
     small = prune_model(model, p)
     assert (small.cfg.n_heads, small.cfg.head_dim, small.cfg.ffn_hidden) == (2 if flavor == "llama" else 3, 16, 96)
     x = batches(1)[0][0]

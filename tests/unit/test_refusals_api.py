@@ -178,7 +178,7 @@ def test_memory_formulas_refuse_an_unknown_zero_stage_or_recompute_mode(model):
     from trickles.memory.accounting import zero_model_state_bytes
     from trickles.memory.activations import activation_bytes
     from trickles.memory.recompute import apply_recompute
-    from trickles.parallel.tensor.costs import activation_bytes_nd
+    from trickles.parallel.tensor.activation_costs import activation_bytes_nd
 
     with _raises(ValueError, "ZeRO stage must be 0-3, got 4"):
         zero_model_state_bytes(1000, 2, stage=4)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from trickles.errors import CheckpointError, ConfigError
 from trickles.models import ModelConfig, build_model, load_hf, save_hf
-from trickles.models.hf_names import config_from_hf, config_to_hf
+from trickles.models.hf_config import config_from_hf, config_to_hf
 
 CFG = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=32, max_seq_len=8)
 

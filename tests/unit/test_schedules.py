@@ -31,13 +31,12 @@ SHAPES = (
 @pytest.mark.parametrize("schedule,shape", SHAPES, ids=[f"{s}-p{sh.p}v{sh.v}m{sh.m}" for s, sh in SHAPES])
 def test_every_schedule_is_complete_ordered_and_has_the_formula_bubble(schedule, shape, early):
     lists = build(schedule, shape, early_receives=early)
-    for r, acts in enumerate(lists):
+    for acts in lists:
         fwd = [(a.chunk, a.micro) for a in acts if a.kind == "F"]
         bwd = [(a.chunk, a.micro) for a in acts if a.kind == "B"]
         every = sorted((c, i) for c in range(shape.v) for i in range(shape.m))
-        assert (
-            sorted(fwd) == every and sorted(bwd) == every
-        )  # each chunk's forward and backward of each micro-batch once
+        # each chunk's forward and backward of each micro-batch once
+        assert sorted(fwd) == every and sorted(bwd) == every
         for a in acts:
             if a.kind == "B":
                 assert acts.index(Action("F", a.chunk, a.micro)) < acts.index(a)
@@ -210,7 +209,7 @@ def test_partition_even_uneven_and_given():
         (["parallel.pp=3"], 2, "cannot be split"),
         (["train.pipeline_trace=out.png"], 1, "needs parallel.pp > 1"),
         (
-            ["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v"],
+            ["parallel.pp=2", "model.n_layers=4", "parallel.schedule=zb-v", "parallel.virtual_stages=1"],
             2,
             "two model chunks .*virtual_stages=2 \\(got 1\\)",
         ),
@@ -320,7 +319,7 @@ def test_zero_bubble_schedules_are_complete_ordered_bounded_and_beat_1f1b(schedu
         lists = build(schedule, shape, early_receives=early)
         timeline = simulate(lists, shape)  # raises on a deadlock, a mismatched message or a local read too soon
     every = sorted((c, i) for c in range(v) for i in range(m))
-    for r, acts in enumerate(lists):
+    for acts in lists:
         for kind in "FBW":
             assert sorted((a.chunk, a.micro) for a in acts if a.kind == kind) == every
         where = {(a.kind, a.chunk, a.micro): k for k, a in enumerate(acts)}
@@ -336,8 +335,8 @@ def test_zero_bubble_schedules_are_complete_ordered_bounded_and_beat_1f1b(schedu
 
 @pytest.mark.parametrize("tf,tb,tw", [(1, 2, 1), (2, 3, 1), (1, 4, 1), (2, 5, 2)])
 def test_zb_h1_idles_p_minus_1_times_f_plus_b_less_2w(tf, tb, tw):
-    """With a whole backward ``t_b`` of which ``W`` is ``t_w <= t_b / 2``: each rank idles ``(p - 1)(t_f + t_b - 2 t_w)``
-    (1F1B: ``(p - 1)(t_f + t_b)``)."""
+    """With a whole backward ``t_b`` of which ``W`` is ``t_w <= t_b / 2``: each rank idles
+    ``(p - 1)(t_f + t_b - 2 t_w)`` (1F1B: ``(p - 1)(t_f + t_b)``)."""
     p, m = 4, 8
     shape = Shape.of("zb-h1", p, 1, m)
     timeline = simulate(build("zb-h1", shape), shape, float(tf), float(tb), float(tw))

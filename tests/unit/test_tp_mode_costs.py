@@ -14,7 +14,8 @@ from trickles.memory.report import predict
 from trickles.memory.tp_modes import compare_tp_modes, depth_for, shard_meta
 from trickles.models.config import resolve_model
 from trickles.models.transformer import Transformer, count_params
-from trickles.parallel.tensor.costs import Layout, comm_bytes, param_count, step_comm
+from trickles.parallel.tensor.costs import comm_bytes, param_count, step_comm
+from trickles.parallel.tensor.layout import Layout
 from trickles.topology import ParallelDims
 
 TINY = ["model.preset=tiny", "model.vocab_size=320", "data.seq_len=32", "train.global_batch=8"]
@@ -62,7 +63,7 @@ def test_fused_projections_change_the_grid_bytes_as_the_formula_says():
     lay = Layout.of("2d", 4)
     assert param_count(fused, lay) == param_count(cfg, lay)
     n, d, p = 8 * 32 // 2, cfg.d_model, 4
-    from trickles.parallel.tensor.costs import activation_bytes_nd
+    from trickles.parallel.tensor.activation_costs import activation_bytes_nd
 
     assert (
         activation_bytes_nd(cfg, lay, 8, 32)["layer"] - activation_bytes_nd(fused, lay, 8, 32)["layer"] == 3 * p * n * d

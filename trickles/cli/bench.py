@@ -1,4 +1,5 @@
-"""``trickles bench scaling``: weak scaling over local ranks, one world size after another (:mod:`trickles.train.scaling`)."""
+"""``trickles bench scaling``: weak scaling over local ranks, one world size after another
+(:mod:`trickles.train.scaling`)."""
 
 from __future__ import annotations
 

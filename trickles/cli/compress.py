@@ -1,4 +1,5 @@
-"""``trickles compress quantize|prune|report``: make a model smaller and compare checkpoints (:mod:`trickles.compress`)."""
+"""``trickles compress quantize|prune|report``: make a model smaller and compare checkpoints
+(:mod:`trickles.compress`)."""
 
 from __future__ import annotations
 

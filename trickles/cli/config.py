@@ -1,4 +1,5 @@
-"""``trickles config``: print the resolved configuration as TOML, or with ``--keys`` every key (:mod:`trickles.config`)."""
+"""``trickles config``: print the resolved configuration as TOML, or with ``--keys`` every key
+(:mod:`trickles.config`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``trickles memory``: predict (and with ``--measure``, measure) the memory per device (:mod:`trickles.memory.report`)."""
+"""``trickles memory``: predict (and with ``--measure``, measure) the memory per device
+(:mod:`trickles.memory.report`)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def run(args) -> int:
         with open(args.write_config, "w") as f:
             f.write(winner_toml(cfg, top[0]))
         print(
-            f"[trickles] the winner's config: {args.write_config} (trickles train -c {args.write_config} --nproc {args.devices})"
+            f"[trickles] the winner's config: {args.write_config} "
+            f"(trickles train -c {args.write_config} --nproc {args.devices})"
         )
     return 0
 

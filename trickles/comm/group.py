@@ -181,7 +181,8 @@ class GroupComm:
         n = self.size
         if t.shape[scatter_dim] % n:
             raise ValueError(
-                f"all_to_all on group '{self.name}': size {t.shape[scatter_dim]} of dim {scatter_dim} is not divisible by {n}"
+                f"all_to_all on group '{self.name}': size {t.shape[scatter_dim]} of dim {scatter_dim} "
+                f"is not divisible by {n}"
             )
         inp = torch.stack(t.chunk(n, dim=scatter_dim)).contiguous()
         out = torch.empty_like(inp)

@@ -17,7 +17,8 @@ class DistillConfig:
 
     teacher: str = opt(
         "",
-        "teacher to distil from: a trickles checkpoint (step_* directory or a run's out_dir) or a Hugging Face directory; empty: no distillation",
+        "teacher to distil from: a trickles checkpoint (step_* directory or a run's out_dir) or a Hugging Face "
+        "directory; empty: no distillation",
     )
     alpha: float = opt(
         0.5, "weight of the soft-target term alpha T^2 KL(teacher || student); the cross-entropy gets 1 - alpha"
@@ -28,7 +29,8 @@ class DistillConfig:
     )
     layer_map: list[str] = opt(
         [],
-        "student:teacher block pairs for the hidden-state loss, e.g. ['0:1', '1:3'] (empty: student block i to teacher block round((i+1) L_t / L_s) - 1)",
+        "student:teacher block pairs for the hidden-state loss, e.g. ['0:1', '1:3'] (empty: student block i to teacher "
+        "block round((i+1) L_t / L_s) - 1)",
     )
 
     def validate(self) -> None:

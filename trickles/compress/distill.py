@@ -68,7 +68,8 @@ def load_teacher(path: str, device: torch.device | str = "cpu"):
     """The teacher model (eval mode, no gradients) from a trickles checkpoint or a Hugging Face directory."""
     if not os.path.exists(path):
         raise ConfigError(
-            f"distill.teacher {path} does not exist; give a trickles checkpoint, a run's out_dir or a Hugging Face directory"
+            f"distill.teacher {path} does not exist; give a trickles checkpoint, a run's out_dir or a Hugging Face "
+            "directory"
         )
     if os.path.isfile(os.path.join(path, "config.json")):
         from ..models.hf import load_hf
@@ -145,7 +146,8 @@ class Distiller:
             p.grad.copy_(replicas.all_reduce(p.grad, op="mean"))
 
     def step(self, lr: float, grad_scale: float = 1.0, skip: bool = False) -> None:
-        """Updates the projections at ``lr`` (their gradients divided by the loss scale); ``skip``: drops the step's gradients."""
+        """Updates the projections at ``lr`` (their gradients divided by the loss scale); ``skip``: drops the step's
+        gradients."""
         if self.optimizer is None:
             return
         if skip:

@@ -78,7 +78,8 @@ def _rows(g: int, size: int) -> slice:
 def measure(
     model: Transformer, batches: Iterable[tuple[torch.Tensor, torch.Tensor]], score: Score = "taylor"
 ) -> Importance:
-    """Importance of every group, channel and block of the unfused, dense ``model`` on ``batches`` of ``(inputs, targets)``."""
+    """Importance of every group, channel and block of the unfused, dense ``model`` on ``batches`` of
+    ``(inputs, targets)``."""
     cfg = model.cfg
     check_prunable(cfg)
     if score not in SCORES:
@@ -105,9 +106,9 @@ def _taylor(model: Transformer, batches) -> Importance:
     rep, d = cfg.n_heads // cfg.kv_heads, cfg.head_dim
     groups, channels, blocks = {}, {}, {}
     for key in model.layers:
-        l, pre = int(key), f"layers.{key}."
+        layer, pre = int(key), f"layers.{key}."
         t = {n[len(pre) :]: v for n, v in totals.items() if n.startswith(pre)}
-        blocks[l] = float(sum(v.sum() for v in t.values()))
+        blocks[layer] = float(sum(v.sum() for v in t.values()))
         g_score = torch.zeros(cfg.kv_heads, dtype=torch.float64)
         for g in range(cfg.kv_heads):
             s = t["attn.q_proj.weight"][_rows(g, rep * d)].sum() + t["attn.o_proj.weight"][:, _rows(g, rep * d)].sum()
@@ -121,7 +122,7 @@ def _taylor(model: Transformer, batches) -> Importance:
             c = c + t["mlp.gate_proj.weight"].sum(1)
         if "mlp.up_proj.bias" in t:
             c = c + t["mlp.up_proj.bias"]
-        groups[l], channels[l] = g_score, c.double()
+        groups[layer], channels[layer] = g_score, c.double()
     return Importance(groups, channels, blocks)
 
 
@@ -134,35 +135,35 @@ def _activation(model: Transformer, batches) -> Importance:
     blocks = {int(k): 0.0 for k in model.layers}
     hooks = []
 
-    def on_o_proj(l):
+    def on_o_proj(layer):
         def hook(mod, args):
             z = args[0].float()  # [B, T, H*D]
             w = mod.weight.float()
             for h in range(cfg.n_heads):
                 out = z[..., _rows(h, d)] @ w[:, _rows(h, d)].T  # head h's term of the residual update
-                groups[l][h // rep] += float(out.norm(dim=-1).mean())
+                groups[layer][h // rep] += float(out.norm(dim=-1).mean())
 
         return hook
 
-    def on_down(l):
+    def on_down(layer):
         def hook(mod, args):
             a = args[0].float()  # [B, T, f]
-            channels[l] += (a.abs().flatten(0, -2).mean(0) * mod.weight.float().norm(dim=0)).double()
+            channels[layer] += (a.abs().flatten(0, -2).mean(0) * mod.weight.float().norm(dim=0)).double()
 
         return hook
 
-    def on_block(l):
+    def on_block(layer):
         def hook(mod, args, out):
-            blocks[l] += float((out - args[0]).float().norm(dim=-1).mean())
+            blocks[layer] += float((out - args[0]).float().norm(dim=-1).mean())
 
         return hook
 
     for key, block in model.layers.items():
-        l = int(key)
+        layer = int(key)
         hooks += [
-            block.attn.o_proj.register_forward_pre_hook(on_o_proj(l)),
-            block.mlp.down_proj.register_forward_pre_hook(on_down(l)),
-            block.register_forward_hook(on_block(l)),
+            block.attn.o_proj.register_forward_pre_hook(on_o_proj(layer)),
+            block.mlp.down_proj.register_forward_pre_hook(on_down(layer)),
+            block.register_forward_hook(on_block(layer)),
         ]
     was = model.training
     model.eval()
@@ -207,11 +208,15 @@ def plan(
         order = sorted(range(len(scores)), key=lambda i: (-float(scores[i]), i))
         return sorted(order[:n])
 
-    by_block = sorted(imp.blocks, key=lambda l: (imp.blocks[l], -l))  # lowest first; ties drop the later block
+    by_block = sorted(
+        imp.blocks, key=lambda layer: (imp.blocks[layer], -layer)
+    )  # lowest first; ties drop the later block
     dropped = set(by_block[:layers])
-    kept = [l for l in sorted(imp.blocks) if l not in dropped]
+    kept = [layer for layer in sorted(imp.blocks) if layer not in dropped]
     return Plan(
-        kept, {l: best(imp.groups[l], n_groups) for l in kept}, {l: best(imp.channels[l], n_channels) for l in kept}
+        kept,
+        {layer: best(imp.groups[layer], n_groups) for layer in kept},
+        {layer: best(imp.channels[layer], n_channels) for layer in kept},
     )
 
 
@@ -244,13 +249,13 @@ def prune_state(state: dict[str, torch.Tensor], cfg: ModelConfig, p: Plan) -> di
         if not name.startswith("layers."):
             out[name] = t.clone()
             continue
-        _, l, rest = name.split(".", 2)
-        l = int(l)
-        if l not in p.layers:
+        _, layer, rest = name.split(".", 2)
+        layer = int(layer)
+        if layer not in p.layers:
             continue
-        q_idx = torch.tensor([g * rep * d + i for g in p.groups[l] for i in range(rep * d)], dtype=torch.long)
-        kv_idx = torch.tensor([g * d + i for g in p.groups[l] for i in range(d)], dtype=torch.long)
-        ch = torch.tensor(p.channels[l], dtype=torch.long)
+        q_idx = torch.tensor([g * rep * d + i for g in p.groups[layer] for i in range(rep * d)], dtype=torch.long)
+        kv_idx = torch.tensor([g * d + i for g in p.groups[layer] for i in range(d)], dtype=torch.long)
+        ch = torch.tensor(p.channels[layer], dtype=torch.long)
         if rest.startswith("attn.q_proj."):
             t = t.index_select(0, q_idx)
         elif rest.startswith(("attn.k_proj.", "attn.v_proj.")):
@@ -261,7 +266,7 @@ def prune_state(state: dict[str, torch.Tensor], cfg: ModelConfig, p: Plan) -> di
             t = t.index_select(0, ch)
         elif rest == "mlp.down_proj.weight":
             t = t.index_select(1, ch)
-        out[f"layers.{p.layers.index(l)}.{rest}"] = t.clone()
+        out[f"layers.{p.layers.index(layer)}.{rest}"] = t.clone()
     return out
 
 

@@ -42,7 +42,8 @@ def _round_trip(v: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_rows(v: torch.Tensor, comm: GroupComm | None = None) -> torch.Tensor:
-    """Each row of ``v [..., k]`` on its symmetric int8 grid (max over ``comm`` when its ``k`` is split), gradient straight through."""
+    """Each row of ``v [..., k]`` on its symmetric int8 grid (max over ``comm`` when its ``k`` is split), gradient
+    straight through."""
     with torch.no_grad():
         amax = v.detach().abs().amax(dim=-1)
         if comm is not None and comm.size > 1:
@@ -72,7 +73,8 @@ def _replicated_kv(self, x):
 
 
 def apply_qat(model: nn.Module) -> list[str]:
-    """Makes every quantizable projection of ``model`` (single-device or tensor-parallel) fake-quantize; returns their names."""
+    """Makes every quantizable projection of ``model`` (single-device or tensor-parallel) fake-quantize; returns their
+    names."""
     from ..parallel.tensor.layers import ColumnParallelLinear, ReplicatedKV, RowParallelLinear
 
     forwards = {

@@ -9,10 +9,10 @@ all-zero row gets ``s_w = 1`` (its codes are zero either way).
 **Activations** (true int8 only): each token's input row ``x [k]`` is quantized on the fly the same way,
 ``x_q = round(x / s_x)``, ``s_x = max |x| / 127`` (per token), so ``|x - s_x x_q| <= s_x / 2``.
 
-**The matmul.** Weight-only (``mode="weight"``): ``y = (x W_q^T) * s_w + b`` -- the int8 codes are widened in the
-matmul and the per-row scale applied once to the output. True int8 (``mode="full"``): ``acc = x_q W_q^T`` in int32 (exact) with
-``torch._int_mm``, then one rescale ``y = acc * s_x s_w^T + b``. Against the float product ``x W^T`` the error of
-output ``j`` of a token is bounded by the two rounding errors and their product::
+**The matmul.** Weight-only (``mode="weight"``): ``y = (x W_q^T) * s_w + b`` -- the int8 codes are widened in the matmul
+and the per-row scale applied once to the output. True int8 (``mode="full"``): ``acc = x_q W_q^T`` in int32 (exact) with
+``torch._int_mm``, then one rescale ``y = acc * s_x s_w^T + b``. Against the float product ``x W^T`` the error of output
+``j`` of a token is bounded by the two rounding errors and their product::
 
     |y_j - (x W^T)_j| <= sum_k ( |x_k| s_w,j / 2 + |W_jk| s_x / 2 + s_x s_w,j / 4 )
 
@@ -131,9 +131,7 @@ class Int8Linear(nn.Module):
         self._wq_t = None  # W_q^T contiguous, cached for torch._int_mm
 
     @classmethod
-    def from_float(
-        cls, linear: nn.Module, granularity: str = "row", mode: str = "weight", bits: int = 8
-    ) -> Int8Linear:
+    def from_float(cls, linear: nn.Module, granularity: str = "row", mode: str = "weight", bits: int = 8) -> Int8Linear:
         out = cls(linear.in_features, linear.out_features, linear.bias is not None, mode, device=linear.weight.device)
         q, s = quantize_weight(linear.weight, granularity, bits)
         out.weight.copy_(q)

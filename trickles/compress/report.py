@@ -9,7 +9,8 @@ For each checkpoint, in one table:
   checkpoint's run (every model sees the same tokens; ``train.eval_batches`` batches of ``train.global_batch``
   sequences, as the run evaluated), and ``exp(L)``;
 * **decode tok/s**: greedy decoding of ``tokens`` new tokens after a one-token prompt, batch 1, with the KV
-  cache, the fastest of three timed runs after an untimed warm-up (wall clock, so it depends on the machine and its load).
+  cache, the fastest of three timed runs after an untimed warm-up (wall clock, so it depends on the machine and its
+  load).
 
 Every model is read through :func:`load_model`, the one place that turns a checkpoint into a module; a
 checkpoint format with other weights (int8) plugs in there.

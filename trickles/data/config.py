@@ -15,7 +15,8 @@ class DataConfig:
 
     source: str = opt(
         "stdlib",
-        "'stdlib' (this Python's standard-library source code), a text file, a glob, a .jsonl file, or a token file (.bin/.npy)",
+        "'stdlib' (this Python's standard-library source code), a text file, a glob, a .jsonl file, or a token file "
+        "(.bin/.npy)",
     )
     format: Literal["auto", "text", "jsonl", "tokens"] = opt(
         "auto", "how to read source (auto: by file extension: .jsonl -> jsonl, .bin/.npy -> tokens, else text)"
@@ -23,21 +24,25 @@ class DataConfig:
     text_field: str = opt("text", "field holding the text in each JSONL record")
     tokenizer: str = opt(
         "byte",
-        "'byte' (no files needed), 'bpe' (trained here with the tokenizers library), or a Hugging Face tokenizer directory",
+        "'byte' (no files needed), 'bpe' (trained here with the tokenizers library), or a Hugging Face tokenizer "
+        "directory",
     )
     bpe_vocab_size: int = opt(4096, "vocabulary size of the locally trained BPE tokenizer")
     token_dtype: Literal["uint16", "uint32"] = opt("uint16", "element type of a raw .bin token file")
     seq_len: int = opt(256, "tokens per training sequence")
     document_mask: bool = opt(
         False,
-        "attention never crosses an end-of-text token inside a sequence and positions restart at every document (docs/packed-documents.md)",
+        "attention never crosses an end-of-text token inside a sequence and positions restart at every document "
+        "(docs/packed-documents.md)",
     )
     val_fraction: float = opt(0.01, "share of the corpus (taken from its end, whole documents) held out for validation")
     max_bytes: int | None = opt(None, "read at most this many bytes of text (none: everything)")
     label_field: str | None = opt(None, "hard-routed experts: the JSONL field holding each document's label")
     label_path: Literal["none", "package", "directory"] = opt(
         "none",
-        "hard-routed experts, file sources: a document's label from its path: package (first path part below the source's root, e.g. the stdlib package; a top-level module's own name) or directory (its parent directory's name)",
+        "hard-routed experts, file sources: a document's label from its path: package (first path part below the "
+        "source's root, e.g. the stdlib package; a top-level module's own name) or directory (its parent directory's "
+        "name)",
     )
     cache_dir: str | None = opt(
         None, "where tokenized corpora and trained tokenizers are cached (none: ~/.cache/trickles)"

@@ -1,18 +1,16 @@
 """The tokenized corpus cached from the source's documents (:mod:`trickles.data.sources`), split into train and val.
 
-:func:`load_corpus` tokenizes every document, appends eos after each and concatenates them into
-one array, written once (streamed, then renamed into place) to
-``<cache>/corpus/<key>.npy`` with its summary in ``<key>.json``; later loads memory-map it. The
-key hashes the file list (paths, sizes, mtimes), the tokenizer's identity, ``max_bytes``,
-``val_fraction``, ``text_field`` and ``format`` (and the label settings). With labels (hard-routed
-experts), each document's label comes from ``data.label_field`` (JSONL) or its path
-(``data.label_path``); documents whose label the experts are not mapped for are left out, and each
-token's label id is written beside the tokens (``<key>.labels.npy``, uint16). The validation split is whole documents taken
-from the end of the document list, together at least ``val_fraction`` of the tokens (at least
-one document when ``val_fraction > 0``, never all of them). The token stream itself is cut
-instead (the last ``val_fraction`` of the tokens) when there is a single document, or when
-whole documents would hold out more tokens than they leave for training (one huge last
-document) while ``val_fraction < 0.5``. A token file is always cut this way.
+:func:`load_corpus` tokenizes every document, appends eos after each and concatenates them into one array, written once
+(streamed, then renamed into place) to ``<cache>/corpus/<key>.npy`` with its summary in ``<key>.json``; later loads
+memory-map it. The key hashes the file list (paths, sizes, mtimes), the tokenizer's identity, ``max_bytes``,
+``val_fraction``, ``text_field`` and ``format`` (and the label settings). With labels (hard-routed experts), each
+document's label comes from ``data.label_field`` (JSONL) or its path (``data.label_path``); documents whose label the
+experts are not mapped for are left out, and each token's label id is written beside the tokens (``<key>.labels.npy``,
+uint16). The validation split is whole documents taken from the end of the document list, together at least
+``val_fraction`` of the tokens (at least one document when ``val_fraction > 0``, never all of them). The token stream
+itself is cut instead (the last ``val_fraction`` of the tokens) when there is a single document, or when whole documents
+would hold out more tokens than they leave for training (one huge last document) while ``val_fraction < 0.5``. A token
+file is always cut this way.
 """
 
 from __future__ import annotations

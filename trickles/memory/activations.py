@@ -72,51 +72,10 @@ row positions replace shared ones: gpt2's position ids ``8s`` (for ``8T``), llam
 row once, ``8sh`` in fp32 (not under full recomputation), and in low precision their casts ``4psh`` per layer
 (for ``4Thp``).
 
-**Mixture-of-experts blocks** (:attr:`ModelConfig.moe_layers <trickles.models.config.ModelConfig.moe_layers>`,
-:mod:`trickles.models.moe`) keep, in place of the MLP, with ``S`` sequences of the micro-batch, ``E``
-experts, top-``k``, expert width ``F``, ``F_s = moe_shared_experts x F`` and ``m`` the assignments this
-rank's tokens keep (dropless: ``m = k s``):
-
-=================  ==========================================================  ===========================
-piece              saved for backward                                          bytes
-=================  ==========================================================  ===========================
-router             low precision only: the fp32 copies of its input and        ``4sd + 4Ed`` (``p < 4``)
-                   weight (in fp32 it keeps the norm's output, counted there)
-routing            fp32 probabilities; top-k indices (int64); ``k > 1``: the   ``4sE + 8sk (+ 4sk + 4s)
-                   top probabilities and their sum (renormalization); the      + sk + 16m``
-                   keep mask (bool); the sort order and the token of each
-                   kept assignment (int64)
-experts            the gathered input rows; each expert's MLP on its rows      ``pmd + 3pmF`` / ``+ 2pmF``
-                   (llama / gpt2, like the dense MLP); llama in fp32 on CPU   (``+ 4E``)
-                   with ``d``, ``F`` multiples of 4 (``grouped_mm``): the
-                   int32 offsets of the ``E`` groups
-combine            the expert outputs and the weights (compute type) of the    ``2pmd + pm``
-                   weighting; the weighted rows ``index_add`` keeps
-auxiliary losses   the load fractions; the fp32 logits and log-sum-exp of      ``4SE + 4sE + 4s``
-                   the z-loss
-shared experts     a dense MLP of ``F_s`` units on all ``s`` tokens (it keeps  ``3psF_s`` / ``2psF_s``
-                   the norm's output; without it, in low precision nothing
-                   does: ``- psd``)
-hard routing       the mask of the label's experts (bool)                      ``sE``
-=================  ==========================================================  ===========================
-
-Together, with ``c_f`` = 3 (llama) or 2 (gpt2) and ``[x]_{cond}`` a term present only when ``cond`` holds, an
-MoE layer keeps ``2 norms + attention + moe`` with
-
-``moe = [4sd + 4Ed]_{p<4} + 4sE + 8sk + [4sk + 4s]_{k>1} + sk + 16m + 3pmd + pm + c_f pmF + 4SE + 4sE + 4s
-+ (c_f psF_s if shared experts else -[psd]_{p<4}) + [sE]_{hard} + [4E]_{grouped_mm}``
-
-(exact, byte for byte, for dropless routing on one process). ``s`` counts the tokens the block routes: this
-rank's, ``s/tp`` under sequence parallelism (the router and experts are whole on every tensor-parallel rank).
-With capacity (``moe_capacity_factor = c > 0``) ``m`` is data-dependent; the prediction is its upper
-bound ``m = min(k s, S E C)``, ``C = ceil(c k T / E)`` (no more is kept; dropless predicts exactly).
-With expert parallelism (``ep`` ranks) the rows a rank's experts receive, ``m_in``, replace ``m`` in the
-experts' terms and the rank also keeps the index that groups them by expert and the expert outputs
-before they return (``8 m_in + p m_in d``, :func:`~trickles.parallel.expert.expert_dispatch`); ``m_in`` is
-data-dependent and predicted balanced (each rank receives on average what it sends: ``m_in = m``),
-so with dropless routing the ``ep`` ranks' MoE layers sum to ``ep`` times the prediction. Recomputation treats an MoE block like a
-dense one (``selective``: the attention core; ``full``: the block input, and with hard routing the first
-block also keeps the per-token label ids, ``8s``, counted with ``"tables"``).
+**Mixture-of-experts blocks** keep, in place of the MLP, what :mod:`trickles.memory.moe_activations` counts
+(router, routing, experts, combine, auxiliary losses, shared experts; with expert parallelism the dispatch's rows).
+Recomputation treats an MoE block like a dense one (``selective``: the attention core; ``full``: the block input,
+and with hard routing the first block also keeps the per-token label ids, ``8s``, counted with ``"tables"``).
 
 A layer holds two norms, the attention and the MLP. ``elementwise`` recomputation (:mod:`trickles.memory.recompute`)
 drops each norm's output, ``p s_n d`` (gpt2's on CUDA in low precision excepted: its linears keep autocast's cast of
@@ -137,13 +96,12 @@ backward (``8 sV``; ``4 sV/tp`` vocabulary-parallel).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
 from ..models.config import ModelConfig
 from ..parallel.context import kv_repeats
+from .moe_activations import moe_bytes
 
 
 def activation_bytes(
@@ -165,8 +123,8 @@ def activation_bytes(
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
     "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's), "loss":
-    the part the loss's own nodes keep (unfused: what a zero-bubble B frees on the last stage),
-    "terms": a dense layer by piece -- norms, attention, MLP (each with the norm output its linears keep), dropout masks,
+    the part the loss's own nodes keep (unfused: what a zero-bubble B frees on the last stage), "terms": a dense
+    layer by piece -- norms, attention, MLP (each with the norm output its linears keep), dropout masks,
     "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...,
     "rebuilt": the largest output elementwise recomputation rebuilds in a backward, alive while a linear uses it}``
     for one micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
@@ -348,56 +306,6 @@ def _vocab(cfg: ModelConfig) -> int:
             "resolve model.vocab_size before predicting activations (trickles.models.config.resolve_model)"
         )
     return cfg.vocab_size
-
-
-def moe_assignments(cfg: ModelConfig, batch: int, tokens: int, seq: int) -> int:
-    """``m``: the assignments kept for ``batch`` sequences of which this rank routes ``tokens`` each (``seq``: the
-    whole sequence, which capacity is counted on). Dropless: exactly ``k x batch x tokens``; with capacity the
-    upper bound ``min(k s, S E C)``, ``C = ceil(c k T / E)`` per expert and sequence (which are dropped depends on
-    the data)."""
-    k, e, c = cfg.moe_top_k, cfg.moe_experts, cfg.moe_capacity_factor
-    m = k * batch * tokens
-    if c > 0:
-        m = min(m, batch * e * math.ceil(c * k * seq / e))
-    return m
-
-
-def moe_bytes(
-    cfg: ModelConfig,
-    batch: int,
-    tokens: int,
-    seq: int,
-    dtype_bytes: int = 4,
-    ep: int = 1,
-    assignments: int | None = None,
-    received: int | None = None,
-    device_type: str = "cpu",
-) -> int:
-    """What a mixture-of-experts block keeps in place of the MLP (module docstring, "Mixture-of-experts blocks")
-    for ``batch`` sequences of which it routes ``tokens`` each (``seq``: the whole sequence); with ``ep > 1`` the
-    expert-parallel dispatch's extra terms. ``assignments``: the kept count ``m`` when known (default
-    :func:`moe_assignments`); ``received``: ``m_in``, the rows this rank's experts got (default ``m``, a
-    balanced load)."""
-    s, d, p = batch * tokens, cfg.d_model, dtype_bytes
-    e, k, f = cfg.moe_experts, cfg.moe_top_k, cfg.moe_ffn_dim
-    m = moe_assignments(cfg, batch, tokens, seq) if assignments is None else assignments
-    m_in = m if received is None else received
-    router = 4 * s * d + 4 * e * d if p != 4 else 0
-    routing = 4 * s * e + 8 * s * k + (4 * s * k + 4 * s if k > 1 else 0) + s * k + 16 * m
-    if cfg.moe_router == "hard":
-        routing += s * e
-    mlp_factor = 3 if cfg.flavor == "llama" else 2
-    experts = p * m_in * d + mlp_factor * p * m_in * f  # the rows the experts run on
-    if cfg.flavor == "llama" and p == 4 and device_type == "cpu" and d % 4 == 0 and f % 4 == 0:  # grouped_mm's offsets
-        experts += 4 * (e // ep)
-    combine = 2 * p * m * d + p * m  # this rank's tokens' outputs back
-    aux = 4 * batch * e + 4 * s * e + 4 * s
-    if cfg.moe_shared_experts:
-        shared = mlp_factor * p * s * cfg.moe_shared_experts * f
-    else:
-        shared = -p * s * d if p != 4 else 0  # nothing keeps the norm's low-precision output
-    dispatch = 8 * m_in + p * m_in * d if ep > 1 else 0  # grouping by expert; outputs before their return
-    return router + routing + experts + combine + aux + shared + dispatch
 
 
 class ActivationMeter:

@@ -23,11 +23,15 @@ class MemoryConfig:
     )
     recompute: Literal["none", "elementwise", "selective", "full"] = opt(
         "none",
-        "activation recomputation: full recomputes each block in backward from its input; selective only the attention core; elementwise only the norms' outputs and the MLP activation's, from what their own backward keeps (no matmul runs again; dense blocks, 1-D tensor parallelism, no train.compile)",
+        "activation recomputation: full recomputes each block in backward from its input; selective only the attention "
+        "core; elementwise only the norms' outputs and the MLP activation's, from what their own backward keeps (no "
+        "matmul runs again; dense blocks, 1-D tensor parallelism, no train.compile)",
     )
     recompute_num_layers: int = opt(
         0,
-        "with memory.recompute=full: recompute whole only the first N layers each pipeline rank holds (0: every layer); the others as memory.recompute_rest says (Megatron-Core's recompute_method=block, counted per rank rather than per chunk)",
+        "with memory.recompute=full: recompute whole only the first N layers each pipeline rank holds (0: every "
+        "layer); the others as memory.recompute_rest says (Megatron-Core's recompute_method=block, counted per rank "
+        "rather than per chunk)",
     )
     recompute_rest: Literal["none", "elementwise", "selective"] = opt(
         "none", "with memory.recompute_num_layers > 0: the recomputation of the layers not recomputed whole"
@@ -35,7 +39,8 @@ class MemoryConfig:
     offload_optimizer: bool = opt(False, "keep the optimizer state and step in host memory (needs parallel.zero >= 1)")
     offload_overlap: bool = opt(
         True,
-        "ZeRO-1/2 with offload and AdamW or SGD: gradients leave for the host during backward, and the host step runs bucket by bucket on a thread while the next forward starts (false: the step waits for every copy)",
+        "ZeRO-1/2 with offload and AdamW or SGD: gradients leave for the host during backward, and the host step runs "
+        "bucket by bucket on a thread while the next forward starts (false: the step waits for every copy)",
     )
     loss_scale: float = opt(65536.0, "fp16: initial dynamic loss scale")
     loss_scale_growth_interval: int = opt(1000, "fp16: double the scale after this many steps without overflow")

@@ -1,7 +1,7 @@
 """Measuring a pipeline stage: the activations it holds over the micro-batches in flight, over a whole step.
 
 A pipeline rank keeps each chunk-micro-batch's saved tensors from its forward to its backward, so one
-micro-batch's forward (what :func:`~trickles.memory.report.measure` meters without pipeline stages) is not what
+micro-batch's forward (what :func:`~trickles.memory.measure.measure` meters without pipeline stages) is not what
 it holds. :func:`meter_pipeline_step` runs one training step with every forward of the rank's
 :class:`~trickles.parallel.pipeline.runner.PipelineRunner` under its own
 :class:`~trickles.memory.activations.ActivationMeter` (the bytes autograd saves, per layer; ``"head"``: the
@@ -40,7 +40,7 @@ def meter_pipeline_step(trainer) -> dict:
     weights = {key: (sum(v for k, v in per.items() if k != "head"), per.get("head", 0)) for key, per in saved.items()}
     lay, head, alive = peak_in_flight(runner.actions, weights)  # the order the runner ran, with what each saved
     first = {}
-    for (c, m), per in saved.items():
+    for (_, m), per in saved.items():
         if m == 0:
             first.update({k: v for k, v in per.items() if k != "head"})
     return {"activations": lay, "head": head, "in_flight": alive, "per_layer": first}

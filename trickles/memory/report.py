@@ -1,31 +1,26 @@
 """Where the memory goes: predicted bytes per device, and measured ones, side by side.
 
-:func:`predict` works from the configuration alone (no process group, no device): model
-states from the ZeRO formulas for the layout and precision (``accounting.py``), counted on the
-engine's padded flat layout (:func:`engine_state_bytes`, exact to the byte), activations
-per layer from the formulas of this implementation (``activations.py``), and an estimated
-peak. :func:`measure` builds the real trainer, runs a few steps and reads the same categories
-back: parameters, gradients and optimizer state from the tensors the data-parallel engine
-holds (which are all the live tensors), activations with saved-tensor hooks over one
-micro-batch, and the peak: on CUDA the allocator's, on a CPU the model states plus the most the last step
-allocates above them (:func:`~trickles.memory.accounting.peak_allocated`, from the profiler's record). :func:`report` puts both in a table, a bar
-chart PNG and an answer to "does this fit in X GB".
+:func:`predict` works from the configuration alone (no process group, no device): model states from the ZeRO
+formulas for the layout and precision (``accounting.py``), counted on the engine's padded flat layout
+(:func:`engine_state_bytes`, exact to the byte), activations per layer from the formulas of this implementation
+(``activations.py``), and an estimated peak. :func:`~trickles.memory.measure.measure` builds the real trainer, runs a
+few steps and reads the same categories back. :func:`report_for` does both and the report puts them in a table, a
+bar chart PNG and an answer to "does this fit in X GB".
 
 ``held`` = model states on the device + all saved activations of one micro-batch (what is
 alive at the end of forward); predicted ``peak`` = the largest phase, each phase what is held then and its
 temporaries: the loss (``held`` + the loss's transient below) or the last block's backward (``held`` less what the
 head's backward released, the head's saved tensors but the embedding's, + the block's backward temporaries: 1-D
 :func:`~trickles.memory.transients.block_backward_bytes`; a grid
-:func:`~trickles.parallel.tensor.costs.backward_transient_nd`; with recomputation plus the layer it brings back),
-and to that phase the transients of any layer (ring blocks, expert rows) and of the engine (buckets, ZeRO-3 blocks).
-The loss's transient: the fp32 gradients of
-the log-probabilities and of the logits (``8sV``, alive together in the loss's backward; ``4sV/tp``
-for the vocabulary-parallel loss, which reuses its saved probabilities; with ``model.fused_loss``
-one chunk's logits instead, :func:`~trickles.memory.activations.loss_transient_bytes`), ring attention's key/value blocks
-in flight, expert parallelism's rows in flight (``2 p m d``: the rows one all-to-all sends and receives, ``m``
-the assignments of the rank's tokens, :func:`expert_rows_in_flight`) and buffers (ZeRO-2, and ZeRO-1 without accumulation: two gradient
-buckets; ZeRO-3: the root and two gathered blocks). On CUDA the measured peak is the
-allocator's ``max_memory_allocated``.
+:func:`~trickles.parallel.tensor.activation_costs.backward_transient_nd`; with recomputation plus the layer it brings
+back), and to that phase the transients of any layer (ring blocks, expert rows) and of the engine (buckets, ZeRO-3
+blocks).
+The loss's transient: the fp32 gradients of the log-probabilities and of the logits (``8sV``, alive together in
+the loss's backward; ``4sV/tp`` for the vocabulary-parallel loss, which reuses its saved probabilities; with
+``model.fused_loss`` one chunk's logits instead, :func:`~trickles.memory.activations.loss_transient_bytes`); a
+layer's, ring attention's key/value blocks and expert parallelism's rows in flight (:mod:`~trickles.memory.in_flight`);
+the engine's, buffers (ZeRO-2, and ZeRO-1 without accumulation: two gradient buckets; ZeRO-3: the root and two
+gathered blocks).
 
 Tensor parallelism: the plan of ``parallel.tp_mode`` (1-D, or a 2-D/2.5-D/3-D grid) applied to the meta model gives
 the parameters a rank holds; a grid's activations and loss transient come from
@@ -33,7 +28,7 @@ the parameters a rank holds; a grid's activations and loss transient come from
 parallelism), 2-D, 2.5-D and 3-D side by side (:func:`~trickles.memory.tp_modes.compare_tp_modes`).
 
 Mixture-of-experts models: each MoE block's activations have their own formula
-(:mod:`~trickles.memory.activations`); with expert parallelism (``parallel.ep``) a rank holds ``E / ep`` experts
+(:mod:`~trickles.memory.moe_activations`); with expert parallelism (``parallel.ep``) a rank holds ``E / ep`` experts
 of every block (the plan's :func:`~trickles.parallel.expert.apply_expert_parallel` applied to the meta model)
 and ZeRO shards the experts over their ``edp`` group, the ``dp x cp / ep`` ranks holding the same experts
 (:meth:`~trickles.topology.Topology.expert_group`), and every other weight over all ``dp x cp`` replicas.
@@ -44,8 +39,7 @@ Pipeline stages (``parallel.pp > 1``, :mod:`~trickles.memory.stages`): every pip
 parameters (:func:`~trickles.memory.meta.stage_parameters`), its chunks' activations times the chunk-micro-batches
 in flight at its heaviest moment of the schedule's order, the runner's outputs, inputs and message buffers and a
 backward's temporaries as transient -- in ``report.stages``; ``report.predicted`` is the stage with the highest
-peak (``report.stage``). :func:`measure` meters each stage over a whole step
-(:mod:`~trickles.memory.pipeline_meter`) and gathers them on rank 0. With ``memory.offload_optimizer`` the
+peak (``report.stage``); measuring meters each stage over a whole step. With ``memory.offload_optimizer`` the
 optimizer state is host memory (``predicted["host"]``): held and peak count the device.
 """
 
@@ -59,12 +53,14 @@ from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
 from ..models.config import ModelConfig, resolve_model
 from ..parallel.pipeline.schedules import SPLIT, Shape, compute_order
 from ..parallel.pipeline.stages import partition_layers
-from ..parallel.tensor.costs import Layout, backward_transient_nd, head_released_nd, loss_transient_nd
+from ..parallel.tensor.activation_costs import backward_transient_nd, head_released_nd, loss_transient_nd
+from ..parallel.tensor.layout import Layout
 from ..topology import ParallelDims
-from .accounting import peak_allocated
-from .activations import ActivationMeter, loss_transient_bytes, moe_assignments
+from .activations import loss_transient_bytes
+from .in_flight import expert_rows_in_flight, ring_blocks_in_flight
+from .measure import measure
 from .meta import rank_model, stage_parameters
-from .pipeline_meter import gather_stages, meter_pipeline_step
+from .notes import describe
 from .precision import policy
 from .stages import (
     buffers_peak,
@@ -297,194 +293,18 @@ def predict(
         if dims.pp == 1
         else sum(prm.numel() for _, prm in stage_parameters(rm, set(layer_ids[top]), *shape.ends(top), model_cfg.tied))
     )
-    mode = f" {lay.mode} (q={lay.q}{f', d={lay.depth}' if lay.mode == '2.5d' else ''})" if lay.grid else ""
-    tp = (
-        f", tp={dims.tp}{mode}{' with sequence parallel' if cfg.parallel.sequence_parallel else ''} ({n / 1e6:.1f}M per rank)"
-        if dims.tp > 1
-        else ""
-    )
-    tp += (
-        f", cp={dims.cp} ({cfg.parallel.cp_mode}, {cfg.data.seq_len // dims.cp} tokens of each sequence per rank)"
-        if dims.cp > 1
-        else ""
-    )
-    report.notes.append(
-        f"{total_params / 1e6:.1f}M parameters, dp={dims.dp}{tp}, ZeRO-{stage}, {cfg.memory.precision} (gradients {cfg.memory.grad_dtype}), "
-        f"micro-batch {micro} x {cfg.data.seq_len}, recompute {cfg.memory.describe()}"
-        + (", fused loss (no [tokens, vocab] logits)" if fused else "")
-    )
-    report.notes.extend(notes)
-    if cfg.train.async_checkpoint:
-        report.notes.append(
-            f"train.async_checkpoint: a save in flight holds {_fmt(report.predicted['checkpoint_host'])} of "
-            "host copies on this rank (the tensors it writes), beside the device memory above"
-        )
-    if model_cfg.dropout > 0 and lay.grid:
-        report.notes.append(f"model.dropout={model_cfg.dropout:g}: the masks of a tensor-parallel grid are not counted")
-    if offload:
-        report.notes.append(
-            "memory.offload_optimizer: the optimizer state (fp32 master weights, fp32 gradient copy, "
-            "moments) is in host memory; held and peak count the device only"
-        )
-    if model_cfg.moe_experts:
-        mc = model_cfg
-        note = (
-            f"mixture of experts in {len(mc.moe_layers)} of {mc.n_layers} blocks: {mc.moe_experts} experts, top-{mc.moe_top_k}"
-            f"{f' + {mc.moe_shared_experts} shared' if mc.moe_shared_experts else ''}; {total_params / 1e6:.2f}M parameters in all, "
-            f"{active_params / 1e6:.2f}M active per token"
-        )
-        if dims.ep > 1:
-            note += (
-                f"; ep={dims.ep}: {mc.moe_experts // dims.ep} experts per rank ({n / 1e6:.2f}M parameters), ZeRO shards the "
-                f"experts over the {edp} rank{'s' if edp > 1 else ''} holding the same ones (edp) and the rest over all "
-                f"{dims.dp * dims.cp}; the experts' activations and the "
-                f"all-to-all rows in flight for a balanced load"
-            )
-        if mc.moe_capacity_factor > 0:
-            note += f"; capacity factor {mc.moe_capacity_factor:g}: expert activations are an upper bound (every expert full)"
-        report.notes.append(note)
+    describe(report, cfg, dims, model_cfg, lay, n, total_params, active_params, fused, notes)
     return report
 
 
-_STATES: dict = {}  # engine_state_bytes by rank model, stage and what else it reads (a layout search asks again and again)
+# engine_state_bytes by rank model, stage and what else it reads (a layout search asks again and again)
+_STATES: dict = {}
 
 
 def embedding_bytes(act: dict, model_cfg: ModelConfig, lay: Layout, micro: int, seq: int, device_type: str) -> int:
     """The part of ``act["head"]`` the embedding keeps (a pipeline's first stage): the token ids (the
     vocabulary-parallel embedding's shifted ids and out-of-range mask), gpt2's position ids, the dropout mask."""
     return act.get("embedding", 8 * micro * seq + (0 if model_cfg.flavor == "llama" else 8 * seq))
-
-
-def expert_rows_in_flight(cfg: ModelConfig, batch: int, tokens: int, seq: int, p: int) -> int:
-    """Expert parallelism's rows alive at once beyond the saved activations, in one MoE block (one at a time):
-    ``2 p m d`` with ``m`` the assignments of the rank's ``batch x tokens`` routed tokens
-    (:func:`~trickles.memory.activations.moe_assignments`; balanced, each rank receiving what it sends). Forward,
-    the first all-to-all holds the gathered rows sent and the rows received; the second the received rows (still
-    referenced by the dispatch) and the outputs being sent back (those that arrive are saved). Backward, each
-    all-to-all holds the gradient rows sent and those received: ``2 p m d`` in every case
-    (:func:`~trickles.parallel.expert.expert_dispatch`)."""
-    return 2 * p * moe_assignments(cfg, batch, tokens, seq) * cfg.d_model
-
-
-def ring_blocks_in_flight(cfg: ModelConfig, tokens: int, p: int, tp: int = 1) -> int:
-    """Ring attention's key/value blocks alive at once beyond the saved activations, for ``tokens`` of this
-    rank (one layer at a time): in backward the block held and the one arriving (``2 x 2 s a_kv h p``)
-    and two fp32 gradient blocks, the one being sent on and the one arriving (``2 x 2 s a_kv h 4``);
-    forward holds only the two key/value blocks."""
-    kv = cfg.kv_heads // tp if cfg.kv_heads % tp == 0 else cfg.n_heads // tp
-    block = 2 * tokens * kv * cfg.head_dim
-    return 2 * block * p + 2 * block * 4
-
-
-def measure(trainer, report: MemoryReport, steps: int = 2) -> MemoryReport:
-    """Runs ``steps`` training steps on ``trainer`` and fills ``report.measured`` (every rank must call it).
-
-    A pipeline stage (``trainer.pipeline``) runs at least two: one metered over the whole step
-    (:func:`~trickles.memory.pipeline_meter.meter_pipeline_step`: the activations it holds over the micro-batches in
-    flight), the last profiled for the peak; each rank measures its own stage, and rank 0 gathers every stage's
-    (``report.stages_measured``; ``report.measured``: the stage ``report.stage``)."""
-    device = trainer.device
-    pipelined = trainer.pipeline is not None
-    metered = None
-    if pipelined:
-        metered = meter_pipeline_step(trainer)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    for _ in range(max(1, steps) - 1 - pipelined):
-        trainer.train_step()
-    before = trainer.engine.memory()
-    _, rise = peak_allocated(trainer.train_step, device)  # CPU: every allocation of the step, from the profiler
-    states = trainer.engine.memory()
-    if metered is None:
-        x, y, *rest = trainer._shard(
-            trainer.train_data.micro_batches(trainer.consumed, trainer.cfg.train.global_batch, trainer.micro_batch)
-        )[0]
-        documents = rest[1] if len(rest) > 1 else None  # packed documents' ids
-        exclude = getattr(trainer.engine, "gathered_storages", None)
-        trainer.engine.zero_grad()
-        moe = getattr(trainer, "moe_stats", None)
-        if moe is not None:
-            moe.reset()  # this forward's routing only
-        with ActivationMeter(trainer.model, exclude=exclude) as meter:
-            loss = trainer._loss(x, y, documents=documents)
-        if moe is not None and trainer.topo.dims.ep > 1:
-            _routing_note(trainer, report, moe, meter.per_layer)
-        loss.backward()  # release the graph the way training would
-        trainer.engine.finish_backward()
-        trainer.engine.zero_grad()
-        per_layer = meter.per_layer
-        metered = {"activations": sum(meter.layers.values()), "head": per_layer.get("head", 0)}
-    else:
-        per_layer = metered["per_layer"]
-    m = dict(states)
-    m["activations"], m["head"] = metered["activations"], metered["head"]
-    on_device = 0 if report.host_optimizer else m["optimizer"]
-    m["held"] = m["parameters"] + m["gradients"] + on_device + m["activations"] + m["head"]
-    m["host"] = m["optimizer"] if report.host_optimizer else 0
-    m["checkpoint_host"] = (
-        sum(
-            t.numel() * t.element_size()
-            for f in trainer.engine.checkpoint_files(trainer.topo.rank).values()
-            for t, _ in f.values()
-        )
-        if trainer.cfg.train.async_checkpoint
-        else 0
-    )  # a save's host copy
-    if device.type == "cuda":
-        m["peak"] = torch.cuda.max_memory_allocated(device)
-    else:  # the model states held when the last step began, and the most the step allocated above them
-        m["peak"] = (
-            before["parameters"] + before["gradients"] + (0 if report.host_optimizer else before["optimizer"]) + rise
-        )
-        report.notes.append(
-            "CPU: the measured peak is the model states plus the most the last step allocated above them "
-            "(the profiler's record of allocations)"
-        )
-    ids = range(trainer.model_cfg.n_layers)
-    layers = [per_layer.get(f"layers.{i}", 0) for i in ids if not pipelined or f"layers.{i}" in per_layer]
-    report.measured, report.layers_measured = m, layers
-    if pipelined:
-        got = gather_stages(trainer, m, layers)
-        if got is not None:
-            report.stages_measured = got[0]
-            report.measured, report.layers_measured = got[0][report.stage], got[1][report.stage]
-    return report
-
-
-def _routing_note(trainer, report: MemoryReport, stats, per_layer: dict) -> None:
-    """Notes the rows each MoE block's experts received on this rank in the metered forward and the activations
-    predicted at that load beside the measured ones (:mod:`~trickles.memory.routing`); ``report.routing``."""
-    from .routing import at_load, routing_seen
-
-    cfg, dims, mc = trainer.cfg, trainer.topo.dims, trainer.model_cfg
-    received = routing_seen(stats, trainer.topo.comm("ep"))
-    micro, _ = cfg.batch_plan(dims.dp)
-    tokens = micro * cfg.data.seq_len // dims.cp
-    routed = (tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens) // micro
-    p = torch.finfo(policy(cfg.memory.precision, cfg.memory.grad_dtype).param_dtype).bits // 8
-    m, seen = at_load(cfg, mc, received, report.layers_predicted, micro, routed, p, dims.ep, trainer.device.type)
-    report.routing = {
-        layer: {
-            "received": received[layer],
-            "balanced": m,
-            "predicted_at_load": seen[layer],
-            "measured": per_layer.get(f"layers.{layer}", 0),
-        }
-        for layer in received
-    }
-    parts = [
-        f"block {layer} {r['received'] / m:.2f}x ({_fmt(r['predicted_at_load'])} predicted at it, "
-        f"{_fmt(r['measured'])} measured)"
-        for layer, r in report.routing.items()
-    ]
-    delta = sum(r["predicted_at_load"] - report.layers_predicted[layer] for layer, r in report.routing.items())
-    report.notes.append(
-        f"routing seen (expert-parallel rank {trainer.topo.comm('ep').rank}): rows its experts received "
-        f"over the balanced {m:,}: "
-        + "; ".join(parts)
-        + f"; held at the routing seen: {_fmt(report.predicted['held'] + delta)}, peak at the routing "
-        f"seen: {_fmt(report.predicted['peak'] + delta)}"
-    )
 
 
 def report_for(cfg: Config, world_size: int, measure_steps: int = 0, quiet: bool = False) -> MemoryReport:

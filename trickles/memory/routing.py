@@ -1,9 +1,9 @@
 """The routing a mixture-of-experts run actually saw, and the activation prediction at that load.
 
 The memory model predicts expert parallelism's activations for a balanced load: each rank's experts receive ``m``
-rows, as many as its tokens send (:func:`~trickles.memory.activations.moe_assignments`). A learned router is not
+rows, as many as its tokens send (:func:`~trickles.memory.moe_activations.moe_assignments`). A learned router is not
 balanced, so the rows a rank's ``E / ep`` experts receive in block ``l``, ``m_in(l)``, differ from ``m``, and the
-activations with them: :func:`~trickles.memory.activations.moe_bytes` keeps ``p m_in d + c p m_in f`` for the rows
+activations with them: :func:`~trickles.memory.moe_activations.moe_bytes` keeps ``p m_in d + c p m_in f`` for the rows
 the experts run on and ``8 m_in + p m_in d`` for the dispatch, so block ``l`` holds
 
     predicted(l) + moe_bytes(m_in = m_in(l)) - moe_bytes(m_in = m)
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .activations import moe_assignments, moe_bytes
+from .moe_activations import moe_assignments, moe_bytes
 
 
 def routing_seen(stats, comm) -> dict[int, int]:

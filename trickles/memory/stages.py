@@ -1,7 +1,7 @@
 """Pipeline stages in the memory report: what each pipeline rank holds, and its micro-batches in flight.
 
-Notation of :mod:`trickles.parallel.pipeline.schedules`: ``p`` pipeline ranks, ``v`` chunks per rank, ``m`` micro-batches;
-rank ``r``'s chunk ``c`` is virtual stage ``c p + r`` and holds the layers
+Notation of :mod:`trickles.parallel.pipeline.schedules`: ``p`` pipeline ranks, ``v`` chunks per rank, ``m``
+micro-batches; rank ``r``'s chunk ``c`` is virtual stage ``c p + r`` and holds the layers
 :func:`~trickles.parallel.pipeline.stages.partition_layers` gives it (``parallel.pipeline_layers`` respected).
 
 **Model states** of rank ``r``: the ZeRO formulas on its own parameters (its chunks' layers, the embedding and
@@ -294,10 +294,10 @@ def zero3_gathered(
 
 @lru_cache(maxsize=32)
 def action_lists(schedule: str, shape: Shape, early_receives: bool) -> tuple[tuple[Action, ...], ...]:
-    """Every rank's actions with their messages, as :func:`~trickles.parallel.pipeline.schedules.build` places them (each
-    send after its compute; each receive after the last compute its rank starts before the send, on gloo no later
-    than the rank's first wait), found by bisection in each rank's start times: ``build``'s count of earlier starts
-    is quadratic in the micro-batches, and a layout search asks for thousands (the tests hold the two equal)."""
+    """Every rank's actions with their messages, as :func:`~trickles.parallel.pipeline.schedules.build` places them
+    (each send after its compute; each receive after the last compute its rank starts before the send, on gloo no later
+    than the rank's first wait), found by bisection in each rank's start times: ``build``'s count of earlier starts is
+    quadratic in the micro-batches, and a layout search asks for thousands (the tests hold the two equal)."""
     orders = [compute_order(schedule, shape, r) for r in range(shape.p)]
     times = uniform_times(orders, shape)
     out = []

@@ -21,26 +21,26 @@ def engine_state_bytes(
     """Bytes of parameters, gradients and optimizer state that data-parallel rank ``dp_rank`` holds between steps.
 
     ``meta`` is the (tensor-parallel) model on the meta device, in the parameters' type, or (ZeRO 0-2) its unique
-    ``(name, parameter)`` pairs in the model's order (a pipeline stage's, :func:`~trickles.memory.meta.stage_parameters`);
-    under ZeRO-3 a pipeline stage's are the model's parameters named in ``keep``. These are
-    the ZeRO formulas (:func:`~trickles.memory.accounting.zero_model_state_bytes`) with ``p``, ``g``
-    bytes per parameter and gradient and ``k`` of optimizer state (Adam's or LAMB's moments 8, LARS's or SGD's
-    momentum 4, plain SGD 0; fp32 master
-    weights apart from low-precision or offloaded parameters 4; an fp32 copy of low-precision or
-    offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
-    multiple of ``16 dp`` elements (:class:`~trickles.parallel.data.flat.FlatLayout`; under ZeRO-3 one
-    bucket per block and one for the root), and (AdamW, LAMB) a 4-byte step counter per owned parameter segment.
-    ``experts``: with expert parallelism, the size of the experts' ``edp`` group and the rank's place in it (the
-    experts then form buckets of their own, under ZeRO-3 a unit per block, sharded over it). ``accumulates``: a step
-    adds up several micro-batches' gradients (stage 1 then keeps the full gradient buffer; otherwise it holds its shard,
-    as stage 2 does). ``pipelined``: the model is a pipeline stage, where stage 2 accumulates the step's gradients in a
-    full buffer that exists during the step only (:mod:`~trickles.parallel.data.zero`): its bytes are
-    ``"step_gradients"`` (0 otherwise). ``"checkpoint"``: the bytes the rank writes into a checkpoint, which an
-    asynchronous save holds on the host while it writes (:mod:`~trickles.train.saver`).
+    ``(name, parameter)`` pairs in the model's order (a pipeline stage's,
+    :func:`~trickles.memory.meta.stage_parameters`); under ZeRO-3 a pipeline stage's are the model's parameters named in
+    ``keep``. These are the ZeRO formulas (:func:`~trickles.memory.accounting.zero_model_state_bytes`) with ``p``, ``g``
+    bytes per parameter and gradient and ``k`` of optimizer state (Adam's or LAMB's moments 8, LARS's or SGD's momentum
+    4, plain SGD 0; fp32 master weights apart from low-precision or offloaded parameters 4; an fp32 copy of
+    low-precision or offloaded gradients 4), counted on the engine's real layout: flat buffers padded per bucket to a
+    multiple of ``16 dp`` elements (:class:`~trickles.parallel.data.flat.FlatLayout`; under ZeRO-3 one bucket per block
+    and one for the root), and (AdamW, LAMB) a 4-byte step counter per owned parameter segment. ``experts``: with expert
+    parallelism, the size of the experts' ``edp`` group and the rank's place in it (the experts then form buckets of
+    their own, under ZeRO-3 a unit per block, sharded over it). ``accumulates``: a step adds up several micro-batches'
+    gradients (stage 1 then keeps the full gradient buffer; otherwise it holds its shard, as stage 2 does).
+    ``pipelined``: the model is a pipeline stage, where stage 2 accumulates the step's gradients in a full buffer that
+    exists during the step only (:mod:`~trickles.parallel.data.zero`): its bytes are ``"step_gradients"`` (0 otherwise).
+    ``"checkpoint"``: the bytes the rank writes into a checkpoint, which an asynchronous save holds on the host while it
+    writes (:mod:`~trickles.train.saver`).
     """
     from ..optim.settings import OptimizerSettings
     from ..parallel.data.flat import FlatLayout
-    from ..parallel.engine import FIRST_BUCKET_BYTES, _spec, bucket_bytes, unique_named_parameters
+    from ..parallel.engine import _spec, unique_named_parameters
+    from ..parallel.reduction import FIRST_BUCKET_BYTES, bucket_bytes
 
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     p = torch.finfo(prec.param_dtype).bits // 8

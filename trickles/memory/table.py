@@ -137,7 +137,8 @@ class MemoryReport:
                 lines.append(f"the {len(idx)}{label} layers' saved activations: {counts}")
             else:
                 lines.append(
-                    f"layer {idx[0]}: {_fmt(first)}, each of the other {len(rest)}{label}: {_fmt(rest[0])} of saved activations"
+                    f"layer {idx[0]}: {_fmt(first)}, each of the other {len(rest)}{label}: {_fmt(rest[0])} "
+                    "of saved activations"
                 )
         return lines
 

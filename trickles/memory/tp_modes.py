@@ -2,14 +2,14 @@
 
 :func:`shard_meta` applies the configured tensor-parallel plan (1-D: :mod:`~trickles.parallel.tensor.plan`; a grid:
 :mod:`~trickles.parallel.tensor.grid_plan`) to a model on the meta device, so the memory report counts the parameters
-one rank holds on the engine's own layout. :func:`compare_tp_modes` puts 1-D, 2-D, 2.5-D and 3-D at the run's
-``tp`` side by side (1-D with and without sequence parallelism) -- per rank: the weights, the model states (weights, gradients, optimizer state, as the
-run's ZeRO stage and precision hold them), one micro-batch's saved activations and the bytes sent over the
-tensor-parallel groups in a training step -- all from the formulas of :mod:`trickles.parallel.tensor.costs`
-(which the tests hold equal to the ledger and the saved-tensor hooks). A mode the run cannot use (``tp`` not
-``q^2``, ``q^2 d`` or ``q^3``; a width, head count or micro-batch the grid does not divide) shows ``-`` and why,
-in the configuration's own words. 2.5-D takes the run's ``parallel.tp_depth`` when it is the configured mode, else
-the largest ``q`` with ``q^2 d = tp``, ``d >= 2`` (at ``d = 1`` it is 2-D).
+one rank holds on the engine's own layout. :func:`compare_tp_modes` puts 1-D, 2-D, 2.5-D and 3-D at the run's ``tp``
+side by side (1-D with and without sequence parallelism) -- per rank: the weights, the model states (weights, gradients,
+optimizer state, as the run's ZeRO stage and precision hold them), one micro-batch's saved activations and the bytes
+sent over the tensor-parallel groups in a training step -- all from the formulas of
+:mod:`trickles.parallel.tensor.costs` (which the tests hold equal to the ledger and the saved-tensor hooks). A mode the
+run cannot use (``tp`` not ``q^2``, ``q^2 d`` or ``q^3``; a width, head count or micro-batch the grid does not divide)
+shows ``-`` and why, in the configuration's own words. 2.5-D takes the run's ``parallel.tp_depth`` when it is the
+configured mode, else the largest ``q`` with ``q^2 d = tp``, ``d >= 2`` (at ``d = 1`` it is 2-D).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ import torch
 from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
-from ..parallel.tensor.costs import Layout, activation_bytes_nd, param_count, step_comm
+from ..parallel.tensor.activation_costs import activation_bytes_nd
+from ..parallel.tensor.costs import param_count, step_comm
+from ..parallel.tensor.layout import Layout
 from ..topology import ParallelDims
 from .precision import policy
 from .states import engine_state_bytes
@@ -61,7 +63,7 @@ def shard_meta(meta, dims: ParallelDims, sequence_parallel: bool = False):
 def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: ParallelDims, device_type: str = "cpu") -> dict:
     """One micro-batch's saved activations on a rank of ``lay`` (:func:`~trickles.memory.activations.activation_bytes`'s
     keys): 1-D with the run's context and expert parallelism and loss; a grid from
-    :func:`~trickles.parallel.tensor.costs.activation_bytes_nd`."""
+    :func:`~trickles.parallel.tensor.activation_costs.activation_bytes_nd`."""
     from ..kernels.cross_entropy import fused_on
     from .activations import activation_bytes
 

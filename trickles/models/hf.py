@@ -8,7 +8,7 @@ refused (re-save them with ``save_pretrained(..., safe_serialization=True)``).
 :func:`load_hf` (here) reads such a directory into a :class:`~trickles.models.transformer.Transformer`;
 :func:`save_hf` (:mod:`trickles.models.hf_export`, imported here) writes one. The tensor-name maps, the layout
 of each tensor and the ``config.json`` translation both ways, with what is refused and why, are
-:mod:`trickles.models.hf_names`' (also importable from here).
+:mod:`trickles.models.hf_names`' and :mod:`trickles.models.hf_config`' (also importable from here).
 """
 
 from __future__ import annotations
@@ -22,20 +22,24 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, UserError
 from . import fused as fusion
+from .hf_config import (
+    TOKEN_IDS,
+    config_from_hf,
+    config_to_hf,  # noqa: F401  (re-exported)
+)
 from .hf_export import save_hf  # noqa: F401  (re-exported: the public pair load_hf / save_hf)
 from .hf_names import (
     CONFIG,
     IGNORED,
     INDEX,
-    TOKEN_IDS,
     WEIGHTS,
     Entry,
     _as_dtype,
-    _hf_shape,  # noqa: F401
-    config_from_hf,
+    _hf_shape,
+    to_hf,  # noqa: F401  (re-exported)
     to_ours,
     weight_map,
-)  # (config_to_hf, to_hf: re-exported)
+)
 from .transformer import Transformer
 
 

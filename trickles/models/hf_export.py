@@ -1,6 +1,7 @@
 """Hugging Face export: :func:`save_hf` writes a trickles model as a Hugging Face directory.
 
-The names, layouts and ``config.json`` it writes are :mod:`trickles.models.hf_names`'.
+The names and layouts it writes are :mod:`trickles.models.hf_names`', the ``config.json``
+:mod:`trickles.models.hf_config`'.
 
 :func:`save_hf` writes what both transformers 4.x and 5.x read: ``rope_theta`` at the top level
 (4.x) and ``rope_parameters`` (5.x); ``torch_dtype`` (4.x) and ``dtype`` (5.x). Files are written
@@ -19,7 +20,8 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from . import fused as fusion
-from .hf_names import CONFIG, INDEX, WEIGHTS, _as_dtype, config_to_hf, to_hf, weight_map
+from .hf_config import config_to_hf
+from .hf_names import CONFIG, INDEX, WEIGHTS, _as_dtype, to_hf, weight_map
 from .transformer import Transformer
 
 

@@ -179,7 +179,8 @@ class OverlappedHostStep:
 
     # ---- 3. parameters back, when needed ---------------------------------------------------------
     def wait_unit(self, unit: int) -> None:
-        """Blocks until ``unit``'s parameters are updated on the device (the device's current stream waits for the copy)."""
+        """Blocks until ``unit``'s parameters are updated on the device (the device's current stream waits for the
+        copy)."""
         self._done[unit].wait()
         if self._future is not None and self._future.done():
             self._future.result()  # re-raise the host thread's error, if any

@@ -129,7 +129,8 @@ class ShardedOptimizer:
             self._stream.synchronize()
 
     def grads_final(self, unit: int) -> None:
-        """The engine's word that ``unit``'s gradients are reduced and final: the overlapped step starts copying them."""
+        """The engine's word that ``unit``'s gradients are reduced and final: the overlapped step starts copying
+        them."""
         if self.overlapped is not None:
             self.overlapped.copy_grads(unit)
 

@@ -172,7 +172,7 @@ def dispatch_wire_bytes(m_out: int, m_in: int, d: int, e: int, experts: int, ep:
     (``(ep-1)/ep x E x 8`` bytes), the rows out and the outputs back, backward the two row exchanges -- carrying
     ``2 (m_out + m_in) d e`` in all, ``m_out`` the assignments (summed over the block passes) the rank sends to
     experts on other ranks and ``m_in`` those it receives for its own. Under a balanced load ``m_out = m_in =
-    (ep-1)/ep x m``, ``m`` the rank's kept assignments (:func:`~trickles.memory.activations.moe_assignments`)."""
+    (ep-1)/ep x m``, ``m`` the rank's kept assignments (:func:`~trickles.memory.moe_activations.moe_assignments`)."""
     if ep <= 1:
         return 0, 0
     return 5 * blocks, 2 * (m_out + m_in) * d * e + blocks * (ep - 1) * experts * 8 // ep

@@ -40,11 +40,12 @@ from .context import apply_context_parallel
 from .data.ddp import DataParallel
 from .data.zero import ZeroDataParallel
 from .data.zero3 import Zero3DataParallel
-from .engine import Engine, bucket_bytes
+from .engine import Engine
 from .expert import apply_expert_parallel, expert_modules
 from .pipeline.runner import PipelineRunner
 from .pipeline.schedules import Shape
 from .pipeline.stages import keep_stage, partition_layers, reused_parameters, tied_parameters
+from .reduction import bucket_bytes
 from .sequence import shard_sequence
 from .tensor.grid_plan import apply_tensor_nd, grid_context
 from .tensor.layers import init_tp_param

@@ -26,10 +26,10 @@ its query heads locally and sums the repeats' gradients). Each block runs the de
 the log-sum-exp (flash attention on a CPU, memory-efficient attention on CUDA), else fp32 matmuls
 (:mod:`~trickles.parallel.ring_blocks`).
 
-Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes
-per element: a key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward
-sends ``(cp - 1)`` blocks and ``cp`` gradient blocks of ``2 B H_kv t D 4`` (a ring of one rank sends nothing). In flight at once: the
-block being used and the one arriving (forward), plus one gradient block each way (backward).
+Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes per element: a
+key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward sends ``(cp - 1)`` blocks and ``cp``
+gradient blocks of ``2 B H_kv t D 4`` (a ring of one rank sends nothing). In flight at once: the block being used and
+the one arriving (forward), plus one gradient block each way (backward).
 """
 
 from __future__ import annotations

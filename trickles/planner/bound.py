@@ -82,12 +82,13 @@ def memory_bound(
     from ..kernels import runs_triton
     from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
     from ..memory.activations import loss_transient_bytes
-    from ..memory.report import embedding_bytes, expert_rows_in_flight, ring_blocks_in_flight
+    from ..memory.in_flight import expert_rows_in_flight, ring_blocks_in_flight
+    from ..memory.report import embedding_bytes
     from ..memory.tp_modes import activations, brought_back, recomputed_in_backward
     from ..optim.settings import OptimizerSettings
     from ..parallel.pipeline.stages import partition_layers
-    from ..parallel.tensor.costs import Layout as TPLayout
-    from ..parallel.tensor.costs import backward_transient_nd, head_released_nd, loss_transient_nd
+    from ..parallel.tensor.activation_costs import backward_transient_nd, head_released_nd, loss_transient_nd
+    from ..parallel.tensor.layout import Layout as TPLayout
     from .compute import rank_params
 
     par, mem = cfg.parallel, cfg.memory

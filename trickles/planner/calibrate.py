@@ -56,19 +56,18 @@ def measure_on_ranks(
     model_cfg=None,
     pass_sizes: Sequence[tuple[int, int]] = (),
 ) -> dict:
-    """On every rank of a CPU (gloo) group, collectively: the GEMM and attention rates and the memory bandwidth timed
-    on every rank at once, one thread each, as in a training step; with more ranks than cores each rank gets
-    ``cores / world`` of one, so a core's rate is the rank's times ``world / cores`` -- what a core does while the
-    ranks take turns on it, context switches included (the time model divides it by the ranks again,
-    :meth:`~trickles.planner.cluster.Cluster.compute_share`); each sample ``min_s`` long, so that it averages over the scheduler's
-    time slices as a step does on a machine shared with other processes; then the collectives
-    (:func:`_measure_collectives`). Returns
-    ``{"gemms": {(m, n, k): FLOP/s}, "attention": {(q, k, d): FLOP/s}, "bandwidth": bytes/s, "links": [(op, ranks,
-    bytes, s)], "sync": seconds, "passes": {(sequences, tokens): (block s, head s)}}``, the rates (and the passes'
-    times, scaled alike) the median over the ranks; ``attention``: the shapes for :func:`measure_attention`;
-    ``sync``: :func:`measure_sync`; ``passes``: :func:`measure_passes` of ``model_cfg`` at ``pass_sizes``;
-    ``contention``: the largest block pass's time per core with every rank computing over its time on rank 0 alone
-    (None without passes)."""
+    """On every rank of a CPU (gloo) group, collectively: the GEMM and attention rates and the memory bandwidth timed on
+    every rank at once, one thread each, as in a training step; with more ranks than cores each rank gets
+    ``cores / world`` of one, so a core's rate is the rank's times ``world / cores`` -- what a core does while the ranks
+    take turns on it, context switches included (the time model divides it by the ranks again,
+    :meth:`~trickles.planner.cluster.Cluster.compute_share`); each sample ``min_s`` long, so that it averages over the
+    scheduler's time slices as a step does on a machine shared with other processes; then the collectives
+    (:func:`_measure_collectives`). Returns ``{"gemms": {(m, n, k): FLOP/s}, "attention": {(q, k, d): FLOP/s},
+    "bandwidth": bytes/s, "links": [(op, ranks, bytes, s)], "sync": seconds, "passes": {(sequences, tokens): (block s,
+    head s)}}``, the rates (and the passes' times, scaled alike) the median over the ranks; ``attention``: the shapes
+    for :func:`measure_attention`; ``sync``: :func:`measure_sync`; ``passes``: :func:`measure_passes` of ``model_cfg``
+    at ``pass_sizes``; ``contention``: the largest block pass's time per core with every rank computing over its time on
+    rank 0 alone (None without passes)."""
     import torch.distributed as dist
 
     from ..process import cpu_cores

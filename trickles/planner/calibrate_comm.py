@@ -93,7 +93,7 @@ def _measure_collectives(sizes: Sequence[int], repeats: int) -> list[tuple[str, 
             shard = torch.ones(elements // world)
             y = torch.empty_like(x)
 
-            def run():
+            def run(op=op, x=x, shard=shard, y=y):
                 if op == "all_reduce":
                     dist.all_reduce(x)
                 elif op == "all_gather":

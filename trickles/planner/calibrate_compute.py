@@ -93,7 +93,7 @@ def measure_gemms(
             a = torch.randn(m, k, device=dev).to(dtype)
             b = torch.randn(k, n, device=dev).to(dtype)
 
-            def run():
+            def run(a=a, b=b):
                 a @ b
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
@@ -145,7 +145,7 @@ def measure_attention(
                 torch.randn(b, h, q if ring else k, d, device=dev, dtype=dtype, requires_grad=True) for _ in range(2)
             )
 
-            def run():
+            def run(ring=ring, xq=xq, xk=xk, xv=xv, q=q, k=k):
                 if ring:
                     ring_attention(xq, xk, xv, _Loopback(k // q)).sum().backward()
                 else:
@@ -213,17 +213,17 @@ def measure_passes(
             rope = model.rope(0, t)
             rope = tuple(r.to(dtype) for r in rope) if rope is not None else None
 
-            def run_block():
+            def run_block(x=x, rope=rope):
                 block(x, rope).sum().backward()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
 
-            def run_head():
+            def run_head(x=x, target=target):
                 model.head(x, target).backward()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
 
-            def run_moe():
+            def run_moe(x=x, rope=rope):
                 moe(x, rope).sum().backward()
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)

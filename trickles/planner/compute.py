@@ -10,7 +10,7 @@ gathers the full ``N`` first); 2-D ``[N/q, h] x [h, h'/q]``; 2.5-D ``[N/(q d), h
 ``[N/q, h/q] x [h/q, h'/q]`` (:mod:`trickles.parallel.tensor.grid_linear`) -- in every mode ``1/tp`` of the layer's
 ``2 N h h'``. A block: q, k, v (or fused qkv), o; gate and up (or fused), down. A mixture-of-experts block
 replaces the MLP: the router ``[N_r, d] x [d, E]``, the rank's ``E/ep`` experts on the ``m`` assignments it
-receives (balanced: as many as it routes, :func:`~trickles.memory.activations.moe_assignments`), shared experts
+receives (balanced: as many as it routes, :func:`~trickles.memory.moe_activations.moe_assignments`), shared experts
 on all ``N_r`` routed tokens -- ``N_r = N`` on every tensor-parallel rank (the experts are whole there), ``N/tp``
 with sequence parallelism. The output layer ``d -> V`` on the last stage.
 
@@ -31,15 +31,14 @@ the attention kernel (:data:`ATTENTION`):
   probabilities (``2 p``), dropout reading those and writing its output and a one-byte mask (``2 p + 1``), the
   weighted sum reading them (``p``). This is ``Work.attention_bytes``, which selective recomputation reruns.
 
-**Memory-bound work** (norms, residual adds, rotary, activation functions, dropout, softmax of the loss),
-bytes read and written in forward, ``p`` bytes per element, ``r`` the residual-stream elements the rank holds
-(``N d``; ``N d / tp`` with sequence parallelism or a grid): per block ``12 r p`` (two norms, two residual adds,
-dropouts) + rotary ``2 N (a + a_kv) h_d / tp p`` + the MLP's activation ``3 N f / tp p`` (gpt2: 2; an MoE block's
-over its ``m`` assignments, plus their dispatch and combine ``(5 m d + 3 N_r d) p``: the rows gathered, weighted
-and added back into a zeroed output); the head
-``2 r p`` + the loss over the rank's vocabulary slice, ``N V / tp`` fp32 logits passed over 4 times in forward and
-backward by one rank's fused log-softmax, 11 times by the vocabulary-parallel one (:data:`LOSS_BYTES`). An estimate: GPUs fuse some
-of it, and calibration measures only GEMMs.
+**Memory-bound work** (norms, residual adds, rotary, activation functions, dropout, softmax of the loss), bytes read and
+written in forward, ``p`` bytes per element, ``r`` the residual-stream elements the rank holds (``N d``; ``N d / tp``
+with sequence parallelism or a grid): per block ``12 r p`` (two norms, two residual adds, dropouts) + rotary
+``2 N (a + a_kv) h_d / tp p`` + the MLP's activation ``3 N f / tp p`` (gpt2: 2; an MoE block's over its ``m``
+assignments, plus their dispatch and combine ``(5 m d + 3 N_r d) p``: the rows gathered, weighted and added back into a
+zeroed output); the head ``2 r p`` + the loss over the rank's vocabulary slice, ``N V / tp`` fp32 logits passed over 4
+times in forward and backward by one rank's fused log-softmax, 11 times by the vocabulary-parallel one
+(:data:`LOSS_BYTES`). An estimate: GPUs fuse some of it, and calibration measures only GEMMs.
 
 **Parameters** (:func:`param_elements`): a dense block ``d (a + 2 a_kv) h_d + a h_d d + (3 | 2) d f`` matrix
 elements plus norms (``2 d``, LayerNorm ``4 d``) and gpt2's biases; an MoE block the router ``d E`` and ``E``
@@ -145,7 +144,7 @@ def block_work(
     attention_bytes = scores * (4 * p + ((2 * p + 1) if cfg.dropout > 0 else 0))
     mats = 3 if _gated(cfg) else 2
     if moe:
-        from ..memory.activations import moe_assignments
+        from ..memory.moe_activations import moe_assignments
 
         routed = n // tp if sequence_parallel and tp > 1 else n
         m = moe_assignments(cfg, batch, routed // batch, seq)
@@ -187,8 +186,9 @@ def rebuilt_bytes(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, se
 
 
 #: fp32 bytes per logit the loss moves over forward and backward: one rank's fused log-softmax reads the logits and
-#: writes its output, forward and backward (4 passes); the vocabulary-parallel one (:mod:`trickles.parallel.tensor.layers`)
-#: takes the maximum, shifts, exponentiates, sums, divides and masks in forward and scales in backward (11 passes).
+#: writes its output, forward and backward (4 passes); the vocabulary-parallel one
+#: (:mod:`trickles.parallel.tensor.layers`) takes the maximum, shifts, exponentiates, sums, divides and masks in forward
+#: and scales in backward (11 passes).
 LOSS_BYTES = {"whole": 4 * 4, "split": 11 * 4}
 
 

@@ -1,57 +1,40 @@
 """The step-time model: how long one optimizer step of a layout takes on a cluster, part by part.
 
-:func:`step_time` evaluates every pipeline rank (a :class:`~trickles.planner.rank_plan.RankPlan`: its layers, micro-batches, parameters and
-buckets) and reports the slowest, since the pipeline moves at its pace. For one rank, with ``m`` micro-batches of
-``B`` sequences of ``T`` tokens per step, ``p`` / ``g`` bytes per parameter / gradient element:
+:func:`step_time` evaluates every pipeline rank (a :class:`~trickles.planner.rank_plan.RankPlan`: its layers,
+micro-batches, parameters and buckets) and reports the slowest, since the pipeline moves at its pace. For one rank, with
+``m`` micro-batches of ``B`` sequences of ``T`` tokens per step, ``p`` / ``g`` bytes per parameter / gradient element:
 
-**Compute.** ``t_f = sum_GEMMs 2 M N K / (peak x eff(M, N, K) x share) + E / (BW_mem x share)``: every forward
-GEMM of the rank's chunks (:mod:`trickles.planner.compute`) at the fraction of the precision's dense peak the
-cluster achieves for its shape (:meth:`~trickles.planner.cluster.Cluster.gemm_fraction`; the attention core's
-two at the fused kernel's, :meth:`~trickles.planner.cluster.Cluster.attention_fraction`), plus its element-wise
-bytes ``E`` at the bandwidth such work achieves (``Cluster.elementwise_gbps``, calibrated on the model's block;
-else the memory bandwidth), plus a third of ``o`` per pass -- ``o`` the fixed cost of one block's (or the head's)
-forward and backward for a micro-batch, ``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs), an MoE block
-``o + o_moe`` (``Cluster.moe_pass_overhead_us``: its routing's many small operations); ``share`` is
-the fraction of a device a rank gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks' forward
-(``full``), the attention core's (``selective``) or the norms' and activations' passes each rebuilt output costs,
-twice under a split backward (``elementwise``, :func:`~trickles.planner.compute.rebuilt_bytes`): ``t_rc``. ``compute = m (t_f + t_b + t_rc)``. Of ``t_b``, the
-weights' gradients take ``t_w`` = the forward time of the GEMMs with a weight (all but the attention core's): what
-a zero-bubble schedule's ``W`` moves into the bubble. Its FLOPs
-sum to :func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the
-ranks; the model's attention FLOPs are halved for a causal kernel).
+**Compute.** ``t_f = sum_GEMMs 2 M N K / (peak x eff(M, N, K) x share) + E / (BW_mem x share)``: every forward GEMM of
+the rank's chunks (:mod:`trickles.planner.compute`) at the fraction of the precision's dense peak the cluster achieves
+for its shape (:meth:`~trickles.planner.cluster.Cluster.gemm_fraction`; the attention core's two at the fused kernel's,
+:meth:`~trickles.planner.cluster.Cluster.attention_fraction`), plus its element-wise bytes ``E`` at the bandwidth such
+work achieves (``Cluster.elementwise_gbps``, calibrated on the model's block; else the memory bandwidth), plus a third
+of ``o`` per pass -- ``o`` the fixed cost of one block's (or the head's) forward and backward for a micro-batch,
+``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs), an MoE block ``o + o_moe``
+(``Cluster.moe_pass_overhead_us``: its routing's many small operations); ``share`` is the fraction of a device a rank
+gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks'
+forward (``full``), the attention core's (``selective``) or the norms' and activations' passes each rebuilt output
+costs, twice under a split backward (``elementwise``, :func:`~trickles.planner.compute.rebuilt_bytes`): ``t_rc``.
+``compute = m (t_f + t_b + t_rc)``. Of ``t_b``, the weights' gradients take ``t_w`` = the forward time of the GEMMs with
+a weight (all but the attention core's): what a zero-bubble schedule's ``W`` moves into the bubble. Its FLOPs sum to
+:func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the ranks; the model's
+attention FLOPs are halved for a causal kernel).
 
-**Each collective** (:mod:`trickles.planner.traffic`: the bytes each dimension's module states, for this rank):
-``t = calls x messages(op, n) x alpha + wire_bytes / B`` on the link its group spans (inside a node the op's
-own ``alpha`` and ``B`` where the calibration measured that kind apart, ``Cluster.collective_links``) -- inside a
-node if every group of that kind lies in one node (ranks ``(pp, dp, cp, tp)`` outermost first,
-:mod:`trickles.planner.placement`), else across nodes (:meth:`~trickles.planner.cluster.Cluster.link`).
+**Communication** (:mod:`trickles.planner.exposure`): each collective's time on the link its group spans, and the
+part of it compute does not hide: data-parallel reductions and ZeRO gathers behind a micro-batch's backward or
+forward, ring attention behind the attention core, pipeline messages but on the fill and drain; tensor-parallel,
+all-to-all and expert collectives exposed whole.
 
-**What is hidden.** A collective of ``k`` calls over ``P`` separate windows of compute ``w`` each (its
-:attr:`~trickles.planner.traffic.Traffic.overlap`) is exposed for ``P (c + max(0, t/P - c - w))`` with
-``c = t / max(P, k)``: one call's time per window is never hidden (the last bucket after backward, the first gather
-before forward), the rest only beyond the window. A group's collectives run one after another on its link, so
-those hidden behind the same compute share that window: they are pooled per group and window, ``t`` and ``c``
-summed over the pool (``P`` its largest), and the pool's exposure is split among them by time. Windows:
-data-parallel bucket reductions -- one micro-batch's backward with its recomputation ``t_b + t_rc`` (ZeRO-3, and
-ZeRO-2 without pipeline stages, reduce on every micro-step: ``P = m``); ZeRO-1/2 parameter gathers -- the next forward ``t_f``; ZeRO-3's prefetched
-gathers -- half before each forward (window ``t_f``), half before each backward (sharing ``t_b + t_rc`` with the
-reductions), ``P = m`` each (``prefetch=false``: nothing hidden); ring attention -- the layer's attention core,
-forward and backward (``P`` = layers x micro-batches). On a cluster without ``overlap_comm`` (CPU ranks: gloo
-copies and reduces on the cores the compute uses) every window is 0, and every collective call also waits
-``shared_core_sync_us`` for peers arriving late (their turn on a shared core, the jitter of their compute). Tensor-parallel, all-to-all and expert collectives are on the critical path
-(exposed whole). Pipeline messages (``t_msg`` each) are exposed on the fill and drain, ``2 (p - 1)`` hops
-(interleaved ``2 (p v - 1)``), plus ``m v max(0, 2 t_msg - (t_f + t_b) / v)`` when a message takes longer
-than a chunk's compute.
-
-**Bubble** (:mod:`trickles.parallel.pipeline.schedules`): a rank waits while the other stages fill the pipeline for its first
-micro-batch and drain it after its last, one chunk of each other stage: ``bubble_r = sum_{s != r} u_s / v``,
+**Bubble** (:mod:`trickles.parallel.pipeline.schedules`): a rank waits while the other stages fill the pipeline for its
+first micro-batch and drain it after its last, one chunk of each other stage: ``bubble_r = sum_{s != r} u_s / v``,
 ``u_s = (compute_s + exposed tensor/context/expert communication_s) / m`` one micro-batch of stage ``s``
-(:func:`_stages`). With even stages this is ``(p - 1) / (v m)`` of the rank's own, as a fraction of the step's
-compute ``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and interleaved alike; with uneven ones (the output layer and
-loss on the last stage) the slowest stage waits only for the lighter ones. The zero-bubble schedules fill it with
-``W`` down to ``z = (t_f + t_b - 2 t_w) / (t_f + t_b)`` of that (ZB-H1 exactly; ZB-V at most, with two chunks per
-rank: ``v = 2``); ``z = 1/3`` when ``t_w = t_f = t_b / 2``. CPU ranks with a core each run faster
-while their peers wait (``Cluster.core_contention``, :func:`_stages`).
+(:func:`_stages`).
+With even stages this is ``(p - 1) / (v m)`` of the rank's own, as a fraction of the step's compute
+``(p - 1) / (v m + p - 1)`` for GPipe, 1F1B and interleaved alike; with uneven ones (the output layer and loss on the
+last stage) the slowest stage waits only for the lighter ones. The zero-bubble schedules fill it with ``W`` down to
+``z = (t_f + t_b - 2 t_w) / (t_f + t_b)`` of that (ZB-H1 exactly; ZB-V at most, with two chunks per rank: ``v = 2``);
+``z = 1/3`` when ``t_w = t_f = t_b / 2``. CPU ranks with a core each run faster while their peers wait
+(``Cluster.core_contention``, :func:`_stages`).
 
 **Optimizer step**: memory-bound, ``n (2 k + 2 p + g) / BW_mem`` for the ``n`` elements the rank updates (all
 it holds, or ``1 / (dp cp)`` under ZeRO; experts ``1 / edp``) with ``k`` bytes of state each (the memory
@@ -67,29 +50,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..comm import messages
 from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..parallel.pipeline.schedules import SPLIT
 from ..topology import ParallelDims
-from .cluster import Cluster, Link
+from .cluster import Cluster
 from .compute import ATTENTION, Work, attention_flops, chunk_work, rebuilt_bytes
-from .placement import group_members, group_size, pipeline_hop_spans_nodes, spans_nodes
+from .exposure import TimedTraffic, timed_traffic
+from .placement import group_members, group_size, spans_nodes
 from .rank_plan import RankPlan, rank_plans
-from .traffic import TERMS, Traffic
 
 IN_LAYER = ("tp", "cp", "ep")  # dimensions whose exposed communication stretches every micro-batch (and the bubble)
-
-
-@dataclass
-class TimedTraffic:
-    """One :class:`~trickles.planner.traffic.Traffic` with its link and times."""
-
-    traffic: Traffic
-    link: str
-    time_s: float
-    exposed_s: float
 
 
 @dataclass
@@ -139,16 +111,6 @@ class StepTime:
         return self.exposed_comm_s / self.total_s
 
 
-def _exposed(t: float, calls: int, window: float, passes: int) -> float:
-    """``P (t/(P k) + max(0, t/P - t/(P k) - w))``: the module docstring's overlap rule."""
-    if t <= 0:
-        return 0.0
-    passes = max(1, passes)
-    per = t / passes
-    one = per / max(1.0, calls / passes)
-    return passes * (one + max(0.0, per - one - window))
-
-
 def work_seconds(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[float, float]:
     """``(GEMM seconds, element-wise seconds)`` of ``work``'s forward on one rank getting ``share`` of a device (the
     module docstring's ``t_f`` without the pass overhead)."""
@@ -163,11 +125,6 @@ def work_seconds(work: Work, cluster: Cluster, precision: str, share: float) -> 
             fraction = cluster.gemm_fraction(precision, gm.m, gm.n, gm.k, gm.count)
         gemm += gm.flops / (peak * fraction)
     return gemm, work.elementwise_bytes / (cluster.elementwise_Bps * share)
-
-
-def _link(cluster: Cluster, dims: ParallelDims, group: str, per_node: int, op: str | None = None) -> Link:
-    spans = pipeline_hop_spans_nodes(dims, per_node) if group == "pp" else spans_nodes(dims, group, per_node)
-    return cluster.link(spans, op)
 
 
 def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> StepTime:
@@ -224,54 +181,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     t_w = gemm_f * (1 - attention_flops(work) / max(work.flops, 1.0))  # the GEMMs with a weight, once
     z = (t_f + t_b - 2 * t_w) / (t_f + t_b) if cfg.parallel.schedule in SPLIT and dims.pp > 1 else 1.0
 
-    per_node = cluster.ranks_per_node(dims.world_size)
-    windows = {"backward": t_b + t_rc, "forward": t_f}
-    sync = cluster.shared_core_sync_us * 1e-6 if cluster.device == "cpu" else 0.0
-    if not cluster.overlaps:  # CPU ranks: communication takes the cores the compute needs
-        windows = {k: 0.0 for k in windows}
-        attention_s = 0.0
-    timed: list[TimedTraffic] = []
-    pools: dict[tuple[str, str], list[tuple[int, float, int, float]]] = {}  # (group, window) -> (index, t, passes, c)
-    for term in TERMS:
-        for tr in term(plan):
-            link = _link(cluster, dims, tr.group, per_node, tr.op)
-            n = group_size(dims, tr.group)
-            msgs = tr.calls if tr.op == "send" else tr.calls * messages(tr.op, n)
-            t = link.time(msgs, tr.wire_bytes)
-            if tr.op != "send" and n > 1:  # ranks outnumbering the cores wait for each other's turn
-                t += tr.calls * sync
-            exposed = t
-            if tr.overlap == "attention":
-                exposed = min(t, _exposed(t, tr.calls, attention_s / max(1, len(plan.layers)), tr.passes))
-            elif tr.overlap == "pipeline":
-                s = plan.shape
-                hops = 2 * (s.p * s.v - 1) if cfg.parallel.schedule == "interleaved" else 2 * (s.p - 1)
-                if s.vee:  # ZB-V: both chunks' hops, less the turn on the last rank
-                    hops = 2 * (s.p * s.v - 2)
-                t_msg = t / max(1, tr.calls)
-                exposed = hops * t_msg + m * s.v * max(0.0, 2 * t_msg - (t_f + t_b) / s.v)
-                exposed = exposed if cluster.overlaps else t
-            elif tr.overlap == "prefetch":  # half before each forward, half before each backward
-                for window in ("forward", "backward"):
-                    pools.setdefault((tr.group, window), []).append(
-                        (len(timed), t / 2, m, t / 2 / max(m, tr.calls / 2))
-                    )
-            elif tr.overlap in windows:
-                pools.setdefault((tr.group, tr.overlap), []).append(
-                    (len(timed), t, tr.passes, t / max(tr.passes, tr.calls))
-                )
-            timed.append(TimedTraffic(tr, link.name, t, exposed))
-    pooled = [0.0] * len(timed)
-    for (_, window), members in pools.items():
-        total_t = sum(t for _, t, _, _ in members)
-        passes = max(pp for _, _, pp, _ in members)
-        c = min(total_t / passes, sum(c for _, _, _, c in members))
-        exposed = passes * (c + max(0.0, total_t / passes - c - windows[window]))
-        for i, t, _, _ in members:
-            pooled[i] += exposed * t / total_t if total_t > 0 else 0.0
-    for i, tt in enumerate(timed):
-        if tt.traffic.overlap in ("prefetch", *windows):
-            tt.exposed_s = min(tt.time_s, pooled[i])
+    timed = timed_traffic(plan, cluster, t_f, t_b, t_rc, attention_s)
     by_group: dict[str, float] = {}
     exposed_by: dict[str, float] = {}
     for tt in timed:
@@ -436,7 +346,7 @@ def _shared_cores(plans: list[RankPlan], cluster: Cluster, attention: str, world
         in_layer_s=mean(lambda st: st.in_layer_s),
         recompute_s=mean(lambda st: st.recompute_s),
         elementwise_s=mean(lambda st: st.elementwise_s),
-        exposed_by_group={k: mean(lambda st: st.exposed_by_group.get(k, 0.0)) for k in groups},
+        exposed_by_group={k: mean(lambda st, k=k: st.exposed_by_group.get(k, 0.0)) for k in groups},
     )
     pooled.stage_s = [pooled.total_s] * len(full)
     return pooled

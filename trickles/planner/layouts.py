@@ -266,9 +266,9 @@ def layout_families(
     cfg: Config, pins: set[str], devices: int, model_cfg: ModelConfig, offload: bool = True
 ) -> Iterator[list[list[Layout]]]:
     """The layouts of :func:`enumerate_layouts` grouped for pruning: each family differs only in the micro-batch
-    (ascending: memory grows with it) and, for each micro-batch, the recomputation chain ``none, elementwise, selective, full``
-    (time grows along it, memory shrinks; pinned: one entry). ``offload=False`` leaves the optimizer on the device
-    unless the key is pinned."""
+    (ascending: memory grows with it) and, for each micro-batch, the recomputation chain
+    ``none, elementwise, selective, full`` (time grows along it, memory shrinks; pinned: one entry). ``offload=False``
+    leaves the optimizer on the device unless the key is pinned."""
     par, n_layers = cfg.parallel, model_cfg.n_layers
 
     def choices(key: str, values):

@@ -65,7 +65,7 @@ def _buckets(elements: int, element_bytes: int, bucket_mb: float) -> list[int]:
     """The data-parallel engine's buckets over ``elements`` parameters of ``element_bytes`` each
     (:class:`~trickles.parallel.data.flat.FlatLayout`): the first at most 1 MiB (DDP's), then ``bucket_mb`` each (0: one
     bucket); the layout's padding and its cutting at whole parameters are left out."""
-    from ..parallel.engine import FIRST_BUCKET_BYTES
+    from ..parallel.reduction import FIRST_BUCKET_BYTES
 
     if elements <= 0:
         return []

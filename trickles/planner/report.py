@@ -19,7 +19,8 @@ from typing import Any
 
 from ..config import Config
 from ..models.config import ModelConfig
-from .search import KINDS, Candidate, Search
+from .candidate import KINDS, Candidate
+from .search import Search
 
 GiB = 2**30
 
@@ -111,8 +112,8 @@ def explain(search: Search, win: Candidate) -> list[str]:
     lay = win.layout
     checks: list[tuple[str, Any]] = []
     for kind, pred in KINDS.items():
-        if not pred(lay, search):
-            checks.append((f"best with {kind}", lambda c, p=pred: p(c.layout, search)))
+        if not pred(lay, search.per_node):
+            checks.append((f"best with {kind}", lambda c, p=pred: p(c.layout, search.per_node)))
     for z in range(4):
         if z != lay.zero:
             checks.append((f"best with ZeRO-{z}", lambda c, z=z: c.layout.zero == z))

@@ -5,11 +5,11 @@
 ``3d`` ``q^3``), ``pp <= n_layers``, ``cp`` with ``cp_mode`` ring or ulysses, ``ep`` dividing ``dp x cp``
 (mixture-of-experts models only) -- and the options: ``sequence_parallel`` (1-D ``tp > 1``), ZeRO stage 0-3,
 the pipeline schedule (``gpipe``, ``1f1b``, ``interleaved`` with ``virtual_stages`` ``v >= 2`` and at least one
-layer a chunk, the chunks as even as the layers allow or with lighter ends), the micro-batch (every divisor of ``global_batch / dp``),
-``memory.recompute`` (none, elementwise, selective, full; elementwise not for mixture-of-experts models, grids or
-``train.compile``, which refuse it) and ``memory.offload_optimizer`` (ZeRO >= 1; not on a CPU cluster,
-whose device memory is the host's, unless pinned). The model, the
-precision, the global batch and every other key stay as configured.
+layer a chunk, the chunks as even as the layers allow or with lighter ends), the micro-batch (every divisor of
+``global_batch / dp``), ``memory.recompute`` (none, elementwise, selective, full; elementwise not for
+mixture-of-experts models, grids or ``train.compile``, which refuse it) and ``memory.offload_optimizer``
+(ZeRO >= 1; not on a CPU cluster, whose device memory is the host's, unless pinned). The model, the precision, the
+global batch and every other key stay as configured.
 
 **Pinning** (:func:`pinned_keys`): a searched key given in the config file or with ``--set`` is fixed to its
 value and the search varies only the others, so a config pinning every degree and option evaluates one layout.
@@ -24,23 +24,24 @@ gradients] + k n / R^[z>=1]`` (``R = dp cp`` replicas, experts over ``edp = R / 
 bytes per element as the memory report counts them; the optimizer on the host under offload), plus the saved
 activations of its layers (:func:`trickles.memory.tp_modes.activations`) times the micro-batches in flight
 (GPipe ``m``, 1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunks), the
-head and the larger of the loss's transient and (without a pipeline) the last block's backward on the last rank, and the report's other transients (two gradient buckets under
-ZeRO-2 -- on a pipeline stage its whole gradient buffer during the step --, the root and two gathered blocks under ZeRO-3, ring attention's blocks, expert rows in flight) -- a lower
-bound of the memory report's peak (it leaves out the flat buffers' padding and Adam's step counters), so a layout whose bound exceeds ``(1 - headroom)`` of device memory, or whose offloaded
-optimizer exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
+head and the larger of the loss's transient and (without a pipeline) the last block's backward on the last rank,
+and the report's other transients (two gradient buckets under ZeRO-2 -- on a pipeline stage its whole gradient
+buffer during the step --, the root and two gathered blocks under ZeRO-3, ring attention's blocks, expert rows in
+flight) -- a lower bound of the memory report's peak (it leaves out the flat buffers' padding and Adam's step
+counters), so a layout whose bound exceeds ``(1 - headroom)`` of device memory, or whose offloaded optimizer
+exceeds the node's host memory, cannot fit. (2) The survivors are ranked by
 :func:`~trickles.planner.cost.step_time`; only those a report needs -- the fastest ``K`` that fit and the best of
 each alternative it explains -- get the full :func:`trickles.memory.report.predict` (cached per layout), walking
-down the ranking until one fits. A layout the memory report does not model (it raises ConfigError) keeps the bound as its
-estimate, marked ``estimated`` (``~`` in the table).
+down the ranking until one fits. A layout the memory report does not model (it raises ConfigError) keeps the bound
+as its estimate, marked ``estimated`` (``~`` in the table).
 
-**What is timed.** Two reductions hold in the time model: recomputation only adds time (``none``, ``elementwise``,
-``selective``, ``full`` in that order), so of each chain only the first layout within the bound is timed, the others held back and
-timed if the memory report refuses it; and a larger micro-batch only holds more, so a family's micro-batches stop at
-the first over the bound. GPipe has 1F1B's step time in the model and holds more micro-batches: it is searched only
-when pinned. Up to ``exhaustive_limit`` layouts every family is timed; beyond (GPT-3 on 1,024 devices has ~450,000
-layouts and a step time costs milliseconds) every degree layout ``(dp, tp, mode, pp, cp, cp_mode, ep)`` is timed
-once with its first family (:func:`seed_order`), and the fastest few, plus the fastest of each kind the report
-compares (:data:`KINDS`), are refined by coordinate descent over the options (:meth:`Search._hierarchical`): the
+**What is timed.** Two reductions hold in the time model: recomputation only adds time (``none``,
+``elementwise``, ``selective``, ``full`` in that order), so of each chain only the first layout within the bound is
+timed, the others held back and timed if the memory report refuses it; and a larger micro-batch only holds more, so
+a family's micro-batches stop at the first over the bound. GPipe has 1F1B's step time in the model and holds more
+micro-batches: it is searched only when pinned. Up to ``exhaustive_limit`` layouts every family is timed; beyond,
+the hierarchical search of :mod:`trickles.planner.descent` runs (every degree layout timed once with its first
+family, the fastest few and the fastest of each kind the report compares refined by coordinate descent): the
 summary line says which search ran.
 
 **Ranking**: by predicted step time, ties by peak memory. Nothing here creates a process group.
@@ -51,16 +52,16 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from ..config import Config
 from ..errors import ConfigError
 from ..models.config import ModelConfig
 from ..topology import ParallelDims
 from .bound import Bound, in_flight, memory_bound
+from .candidate import KINDS, Candidate
 from .cluster import Cluster
-from .cost import StepTime, step_time
+from .cost import step_time
+from .descent import degrees_of, hierarchical
 from .layouts import (
     RECOMPUTE,
     SEARCHED,
@@ -92,75 +93,6 @@ __all__ = [
 ]
 
 DEFAULT_HEADROOM = 0.1  # of device memory kept free, as trickles memory --device-gb does
-
-
-def degrees_of(layout: Layout) -> tuple:
-    """The degree layout: ``(dp, tp, tp_mode, tp_depth, pp, cp, cp_mode, ep)``."""
-    return (layout.dp, layout.tp, layout.tp_mode, layout.tp_depth, layout.pp, layout.cp, layout.cp_mode, layout.ep)
-
-
-#: The options a family fixes, in :func:`options_of`'s order, and their names.
-OPTION_AXES = (("sequence_parallel", 0), ("zero", 1), ("offload_optimizer", 2), ("schedule", 3))
-
-
-def options_of(layout: Layout) -> tuple:
-    """``(sequence_parallel, zero, offload_optimizer, (schedule, virtual_stages))``: what a family fixes beyond the
-    degrees."""
-    return (layout.sequence_parallel, layout.zero, layout.offload_optimizer, (layout.schedule, layout.virtual_stages))
-
-
-def seed_order(layout: Layout) -> tuple:
-    """The order families of one degree layout are tried as its seed: sequence parallel first, then ZeRO 1, 0, 2, 3,
-    no offload, 1F1B, fewer virtual stages."""
-    return (
-        not layout.sequence_parallel,
-        (1, 0, 2, 3).index(layout.zero),
-        layout.offload_optimizer,
-        layout.schedule != "1f1b",
-        layout.virtual_stages,
-    )
-
-
-def tp_spans_nodes(layout: Layout, search: Search) -> bool:
-    from .placement import spans_nodes
-
-    return layout.tp > 1 and spans_nodes(
-        ParallelDims(layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.tp_mode, layout.tp_depth),
-        "tp",
-        search.per_node,
-    )
-
-
-#: Kinds of layout the report compares with the winner (the hierarchical search refines the best seed of each).
-KINDS: dict[str, Callable[[Layout, Search], bool]] = {
-    "tensor parallelism spanning nodes": tp_spans_nodes,
-    "no pipeline": lambda lay, s: lay.pp == 1,
-    "a pipeline": lambda lay, s: lay.pp > 1,
-    "data parallelism only": lambda lay, s: lay.tp == lay.pp == lay.cp == 1,
-    "context parallelism": lambda lay, s: lay.cp > 1,
-    "expert parallelism": lambda lay, s: lay.ep > 1,
-    **{f"{m} tensor parallelism": (lambda m: lambda lay, s: lay.tp > 1 and lay.tp_mode == m)(m) for m in TP_MODES},
-}
-
-
-@dataclass
-class Candidate:
-    """A valid layout with its bound, its step time and, once :meth:`Search.confirm` ran, its memory report."""
-
-    layout: Layout
-    cfg: Config
-    dims: ParallelDims
-    bound: Bound
-    time: StepTime | None
-    peak: float = 0.0  # bytes per device: the memory report's peak (the bound where it has none)
-    host: float = 0.0  # offloaded optimizer bytes per node
-    estimated: bool = False  # peak is the bound (the memory report does not model this layout)
-    fits: bool | None = None  # None until confirmed
-    report: Any = None
-    fallbacks: list[Layout] = field(default_factory=list)  # more recomputation: tried when this one does not fit
-
-    def sort_key(self) -> tuple[float, float]:
-        return (self.time.total_s, self.bound.device)
 
 
 class Search:
@@ -304,7 +236,7 @@ class Search:
 
     def run(self) -> Search:
         """Enumerates and ranks: every family when the layouts number at most ``exhaustive_limit``, else the
-        hierarchical search (:meth:`_hierarchical`)."""
+        hierarchical search (:func:`~trickles.planner.descent.hierarchical`)."""
         check_pins(self.cfg, self.pins, self.devices)
         families, refused = [], set()
         for family in layout_families(self.cfg, self.pins, self.devices, self.model_cfg, self.cluster.device != "cpu"):
@@ -326,54 +258,10 @@ class Search:
                 self._time_family(family)
         else:
             self.exhaustive = False
-            self._hierarchical(families)
+            hierarchical(families, self._time_family, self._time_chain, self.refine, self.per_node)
         self.ranked.sort(key=Candidate.sort_key)
         self.counts["ranked"] = len(self.ranked)
         return self
-
-    def _hierarchical(self, families: list[list[list[Layout]]]) -> None:
-        """Large searches. Every degree layout (``dp, tp, mode, pp, cp, cp_mode, ep``) is seeded with its first family
-        in :func:`seed_order` whose smallest micro-batch has a layout within the bound; the ``refine`` fastest seeds, and
-        the fastest seed of each kind an explanation compares (:data:`KINDS`), are then improved one option at a time
-        (ZeRO stage, sequence parallelism, offload, schedule, micro-batch; recomputation always the least that is within
-        the bound) until no single change is faster."""
-        by_degrees: dict[tuple, list[list[list[Layout]]]] = {}
-        for family in families:
-            by_degrees.setdefault(degrees_of(family[0][0]), []).append(family)
-        seeds: dict[tuple, Candidate] = {}
-        for key, fams in by_degrees.items():
-            for family in sorted(fams, key=lambda f: seed_order(f[0][0])):
-                cand = self._time_family(family, stop_at_first=True)
-                if cand is not None:
-                    seeds[key] = cand
-                    break
-        order = sorted(seeds, key=lambda k: seeds[k].sort_key())
-        chosen = order[: self.refine]
-        for kind in KINDS.values():
-            first = next((k for k in order if kind(seeds[k].layout, self)), None)
-            if first is not None and first not in chosen:
-                chosen.append(first)
-        for key in chosen:
-            self._descend(by_degrees[key], seeds[key])
-
-    def _descend(self, families: list[list[list[Layout]]], start: Candidate) -> None:
-        """Coordinate descent over one degree layout's families and micro-batches from ``start``."""
-        index = {options_of(f[0][0]): f for f in families}
-        current = start
-        for _ in range(6):
-            opts, micro = options_of(current.layout), current.layout.micro_batch
-            tried = []
-            for name, pos in OPTION_AXES:
-                for other, family in index.items():
-                    if other[pos] != opts[pos] and all(other[i] == opts[i] for i in range(len(opts)) if i != pos):
-                        chain = next((c for c in family if c[0].micro_batch == micro), None)
-                        cand = self._time_chain(chain)[0] if chain else None
-                        tried.append(cand or self._time_family(family, stop_at_first=True))
-            tried.append(self._time_family(index[opts]))  # every micro-batch of the current family
-            best = min((c for c in tried if c is not None), key=Candidate.sort_key, default=None)
-            if best is None or best.sort_key() >= current.sort_key():
-                return
-            current = best
 
     # ---- confirming with the memory report ---------------------------------------------------------------------
     def confirm(self, c: Candidate, at: int | None = None) -> Candidate:

@@ -7,15 +7,15 @@ engine overlaps it with (:attr:`Traffic.overlap`, interpreted by :mod:`trickles.
 ==================  ===============================================================  ===========================
 dimension           formula (library)                                                overlap
 ==================  ===============================================================  ===========================
-tensor 1-D          :func:`trickles.parallel.tensor.layers.region_wire_bytes` per    ``none``: on the critical
-                    micro-batch;                                                     path of every layer
-                    :func:`~trickles.parallel.tensor.layers.partial_grad_elements`
+tensor 1-D          :func:`trickles.parallel.tensor.region_bytes.region_wire_bytes`  ``none``: on the critical
+                    per micro-batch;                                                 path of every layer
+                    :func:`~trickles.parallel.tensor.region_bytes.partial_grad_elements`
                     and the norm once a step
 tensor grid         :func:`trickles.parallel.tensor.grid_linear.summa_bytes` /       ``none``
                     :func:`~trickles.parallel.tensor.grid_linear.cube_bytes` per
                     linear (:func:`grid_traffic`), split by row / column / depth
                     line
-data / ZeRO         :func:`trickles.parallel.engine.reduction_wire_bytes` on the     ``backward`` (bucket
+data / ZeRO         :func:`trickles.parallel.reduction.reduction_wire_bytes` on the  ``backward`` (bucket
                     rank's buckets, over the replicas (experts: ``edp``)             reductions), ``forward``
                                                                                      (ZeRO-1/2 parameter
                                                                                      gathers), ``prefetch``
@@ -63,7 +63,7 @@ class Traffic:
 def tensor_1d(r: RankPlan) -> list[Traffic]:
     """1-D tensor (and sequence) parallelism: the regions' collectives each micro-batch, the partial gradients' and
     the norm's all-reduces once a step."""
-    from ..parallel.tensor.layers import partial_grad_elements, region_wire_bytes
+    from ..parallel.tensor.region_bytes import partial_grad_elements, region_wire_bytes
 
     d = r.dims
     if d.tp == 1 or d.grid.mode != "1d":
@@ -111,8 +111,8 @@ def grid_traffic(r: RankPlan) -> list[Traffic]:
     * every linear ``h -> h'`` (:func:`grid_linears`, the output layer): the layers' own formulas,
       :func:`~trickles.parallel.tensor.grid_linear.summa_bytes` -- the input's gather and its gradient's reduce-scatter
       ``(q-1) p n h/q`` each on the row, the weight's ``(q-1) p h h'/q^2`` each and the bias's ``AR(p h'/q)`` on the
-      column, 2.5-D's weight all-reduce on the depth -- and :func:`~trickles.parallel.tensor.grid_linear.cube_bytes` (the
-      weight's part on the column, the activations' on the row and depth lines, which swap roles from one linear to
+      column, 2.5-D's weight all-reduce on the depth -- and :func:`~trickles.parallel.tensor.grid_linear.cube_bytes`
+      (the weight's part on the column, the activations' on the row and depth lines, which swap roles from one linear to
       the next);
     * every norm: its statistics ``AR(4n)`` forward and backward on the hidden line (LayerNorm twice forward,
       ``AR(8n)`` backward), its weight's (and bias's) gradient ``AR(p d/q)`` over each token line;
@@ -221,7 +221,7 @@ def grid_traffic(r: RankPlan) -> list[Traffic]:
 def data_parallel(r: RankPlan) -> list[Traffic]:
     """Gradient averaging (and ZeRO's sharding) over the replicas (``dp x cp``; the experts over ``edp``), the
     trainer's mean-loss all-reduce, and across pipeline stages the gradient norm and a tied embedding's gradient."""
-    from ..parallel.engine import reduction_wire_bytes
+    from ..parallel.reduction import reduction_wire_bytes
 
     d, cfg = r.dims, r.cfg
     stage, m = cfg.parallel.zero, r.micro_batches
@@ -297,7 +297,7 @@ def expert_parallel(r: RankPlan) -> list[Traffic]:
     """The dispatch and return all-to-alls of every MoE block pass, under a balanced load with every expert taking
     all it may (capacity's upper bound: what a step sends depends on the routing); and the step's routing
     statistics, all-reduced over every rank."""
-    from ..memory.activations import moe_assignments
+    from ..memory.moe_activations import moe_assignments
     from ..parallel.expert import dispatch_wire_bytes
 
     d, mc = r.dims, r.model_cfg

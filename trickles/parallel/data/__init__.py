@@ -3,7 +3,7 @@
 * :mod:`.ddp` -- ZeRO stage 0: :class:`~.ddp.DataParallel`, gradients all-reduced in buckets while backward runs,
   and :func:`~.ddp.average_gradients`, the naive one-all-reduce-per-parameter oracle it is tested against;
 * :mod:`.zero` -- ZeRO stages 1 and 2: optimizer state (1) and gradients (2) sharded over the ``dp`` ranks
-  (:class:`~.zero.ZeroDataParallel`);
+  (:class:`~.zero.ZeroDataParallel`), with :mod:`.zero_gather` the all-gather of the updated parameters;
 * :mod:`.zero3` -- ZeRO stage 3: parameters sharded too, gathered unit by unit around its forward and backward
   (:class:`~.zero3.Zero3DataParallel`);
 * :mod:`.flat` -- the flat, bucketed, rank-sharded layout of a set of parameters the three share

@@ -6,17 +6,16 @@ on the whole batch (the loss being a mean over equally sized slices).
 
 * :func:`average_gradients`, the naive form: one all-reduce per parameter after backward. It is
   the oracle the bucketed form is tested against.
-* :class:`DataParallel`, the bucketed, overlapped form. Gradients accumulate into one flat
-  buffer laid out by :class:`~trickles.parallel.data.flat.FlatLayout` (reverse parameter order,
-  buckets of ``bucket_bytes``). Each parameter's ``.grad`` is its view of that buffer when the
-  dtypes agree, so autograd accumulates micro-batches in place (else a post-accumulate-grad hook
-  adds the fresh gradient into its place); on the last accumulation micro-step, a bucket whose parameters have all reported is
-  all-reduced (mean) asynchronously while backward goes on -- in bucket order (a complete bucket waits for the
-  lower-numbered ones), so every rank issues the same collectives in the same order even where their backward
-  graphs differ (mixture-of-experts ranks skip the experts no token reached). Earlier micro-steps only
-  accumulate. Per step each rank sends ``2 (dp-1)/dp * 4 * P`` bytes in fp32. With expert parallelism the
-  experts' buckets are all-reduced over their ``edp`` group and the rest over all replicas (each group's
-  buckets in their own index order; :class:`~trickles.parallel.data.flat.FlatLayout`, "Groups").
+* :class:`DataParallel`, the bucketed, overlapped form. Gradients accumulate into one flat buffer laid out by
+  :class:`~trickles.parallel.data.flat.FlatLayout` (reverse parameter order, buckets of ``bucket_bytes``). Each
+  parameter's ``.grad`` is its view of that buffer when the dtypes agree, so autograd accumulates micro-batches in
+  place (else a post-accumulate-grad hook adds the fresh gradient into its place); on the last accumulation
+  micro-step, a bucket whose parameters have all reported is all-reduced (mean) asynchronously while backward goes on
+  -- in bucket order (a complete bucket waits for the lower-numbered ones), so every rank issues the same collectives
+  in the same order even where their backward graphs differ (mixture-of-experts ranks skip the experts no token
+  reached). Earlier micro-steps only accumulate. Per step each rank sends ``2 (dp-1)/dp * 4 * P`` bytes in fp32. With
+  expert parallelism the experts' buckets are all-reduced over their ``edp`` group and the rest over all replicas
+  (each group's buckets in their own index order; :class:`~trickles.parallel.data.flat.FlatLayout`, "Groups").
 """
 
 from __future__ import annotations
@@ -30,7 +29,8 @@ from ...comm import GroupComm, Handle
 from ...optim.adamw import decay_flags
 from ...optim.settings import OptimizerSettings
 from ...optim.sharded import ShardedOptimizer
-from ..engine import FIRST_BUCKET_BYTES, Engine, unique_named_parameters, weak_method
+from ..engine import Engine, unique_named_parameters, weak_method
+from ..reduction import FIRST_BUCKET_BYTES
 from .flat import FlatLayout
 
 

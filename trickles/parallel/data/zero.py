@@ -31,7 +31,7 @@ One optimizer step, per bucket:
 * then every rank clips with the global norm (one all-reduce of ``sum g^2`` over owned
   elements), updates its segments, and the buckets are all-gathered so every rank holds the
   new parameters; the gathers run in the background until the next forward reaches the
-  layers they hold.
+  layers they hold (:mod:`~trickles.parallel.data.zero_gather`).
 
 Bytes per rank (fp32 parameters, Adam, ``P`` parameters): parameters ``4P``; gradients ``4P``
 (stage 1 accumulating) or ``4P/N`` plus at most two buckets in flight (stage 2, and stage 1 without
@@ -47,8 +47,6 @@ for ``P_d`` dense and ``P_e`` expert parameters held.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import nn
 
@@ -56,13 +54,15 @@ from ...comm import GroupComm, Handle
 from ...optim.adamw import decay_flags
 from ...optim.settings import OptimizerSettings
 from ...optim.sharded import ShardedOptimizer
-from ..engine import FIRST_BUCKET_BYTES, Engine, _spec, unique_named_parameters, weak_method
+from ..engine import _spec, unique_named_parameters, weak_method
+from ..reduction import FIRST_BUCKET_BYTES
 from .flat import FlatLayout
+from .zero_gather import GatheringEngine
 
 MAX_INFLIGHT = 2  # stage 2: bucket buffers alive at once while reductions finish
 
 
-class ZeroDataParallel(Engine):
+class ZeroDataParallel(GatheringEngine):
     """ZeRO stage 1 or 2 over ``comm`` (see module docstring)."""
 
     def __init__(
@@ -111,10 +111,16 @@ class ZeroDataParallel(Engine):
             self._grad_bytes = self.grad_buffer.untyped_storage().nbytes()
             self._main = dict(zip((id(s.param) for s in self.layout.slots), self.layout.views(self.grad_buffer)))
         if self.full_grads and not self.transient:  # the optimizer reads the reduced slices in place
-            grad_of = lambda s: self.grad_buffer[s.flat_range[0] : s.flat_range[1]]  # noqa: E731
+
+            def grad_of(s):
+                return self.grad_buffer[s.flat_range[0] : s.flat_range[1]]
+
         else:
             self.shard_grads = torch.zeros(self.layout.shard_numel, dtype=grad_dtype, device=p0.device)
-            grad_of = lambda s: self.shard_grads[s.shard_offset : s.shard_offset + s.numel]  # noqa: E731
+
+            def grad_of(s):
+                return self.shard_grads[s.shard_offset : s.shard_offset + s.numel]
+
         if not self.full_grads:
             self._buffers: dict[int, torch.Tensor] = {}
             self._inflight: list[tuple[int, torch.Tensor, torch.Tensor, Handle]] = []
@@ -124,7 +130,8 @@ class ZeroDataParallel(Engine):
             }
             self._free: dict[str, list[torch.Tensor]] = {"bucket": [], "shard": []}
             self.buffers_allocated = 0  # bucket-sized buffers allocated since construction (reused within a backward)
-        # the overlapped offload's units: the buckets in the order the next forward needs them (the last holds the first layers)
+        # the overlapped offload's units: the buckets in the order the next forward needs them (the last holds the
+        # first layers)
         order = list(reversed(range(len(self.layout.buckets))))
         self._unit_of = {b: u for u, b in enumerate(order)}
         units = (
@@ -316,72 +323,6 @@ class ZeroDataParallel(Engine):
     def owned_param_grads(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         return [(s.slot.param, g) for s, g in zip(self.segments, self.optimizer.grads)]
 
-    def step(self, lr: float) -> None:
-        """Updates the owned segments, then starts the all-gathers of the new parameters.
-
-        The gathers run in forward order (the last bucket holds the first layers) and are waited
-        for by each module just before its next forward, so they overlap the next step's
-        beginning (Megatron's overlapped parameter gather).
-        """
-        self.wait_for_parameters()
-        self.optimizer.step(lr)
-        forward_order = [bucket.index for bucket in reversed(self.layout.buckets)]
-        if self.optimizer.overlapped is not None:  # each gather waits for its bucket's host update (_issue_gathers)
-            self._gathers_due = forward_order
-            self._record("step_returned")
-            return
-        for b in forward_order:
-            self._gather(b)
-
-    def _gather(self, b: int) -> None:
-        bucket = self.layout.buckets[b]
-        comm = self.groups[bucket.group]
-        lo, hi = bucket.rank_range(comm.rank)
-        self._param_handles[b] = comm.all_gather(
-            self.param_buffer[lo:hi], async_op=True, out=self.param_buffer[bucket.start : bucket.end]
-        )
-
-    def _issue_gathers(self, needed) -> None:
-        """Overlapped offload: issues the due all-gathers in forward order up to the last of ``needed`` (None: all),
-        each once its bucket is back from the host, then the following ones already back. Every rank issues them in
-        the same order, from this (the main) thread."""
-        due = self._gathers_due
-        last = max((due.index(b) for b in needed if b in due), default=-1) if needed is not None else len(due) - 1
-        k = 0
-        while k < len(due) and (k <= last or not self.optimizer.overlapped.pending(self._unit_of[due[k]])):
-            self.optimizer.wait_unit(self._unit_of[due[k]])
-            self._record("gather", due[k])
-            self._gather(due[k])
-            k += 1
-        del due[:k]
-
-    def wait_for_parameters(self, buckets=None) -> None:
-        """Blocks until the updated parameters of ``buckets`` (default: all) have arrived."""
-        if self._gathers_due:
-            self._issue_gathers(buckets)
-        for b in list(self._param_handles) if buckets is None else buckets:
-            h = self._param_handles.pop(b, None)
-            if h is not None:
-                h.wait()
-
-    def _install_param_waits(self, model: nn.Module) -> None:
-        """A pre-forward hook on each top-level piece of the model (blocks, embeddings, head)."""
-        targets = []
-        for child in model.children():
-            if isinstance(child, (nn.ModuleDict, nn.ModuleList)):
-                targets.extend(child.children())
-            else:
-                targets.append(child)
-        covered = set()
-        for m in targets:
-            buckets = sorted({self._slot_of[id(p)].bucket for p in m.parameters() if id(p) in self._slot_of})
-            covered.update(id(p) for p in m.parameters())
-            if buckets:
-                m.register_forward_pre_hook(_param_wait_hook(self, buckets))
-        rest = sorted({s.bucket for s in self.layout.slots if id(s.param) not in covered})
-        if rest:
-            model.register_forward_pre_hook(_param_wait_hook(self, rest))
-
     def zero_grad(self) -> None:
         if self.transient:
             self.grad_buffer.untyped_storage().resize_(self._grad_bytes)
@@ -395,37 +336,13 @@ class ZeroDataParallel(Engine):
             self.shard_grads.zero_()
         self._reset_reduction()  # a plain backward() after zero_grad() also reduces
 
-    # ---- accounting and checkpoints ------------------------------------------------------
+    # ---- accounting ----------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         if self.full_grads:  # the full buffer (stage 2 pipelined: only while the step has it; then the shard too)
             grads = self.grad_buffer.untyped_storage().nbytes() + (_nbytes(self.shard_grads) if self.transient else 0)
         else:  # the shard and the bucket buffers filling
             grads = _nbytes(self.shard_grads) + sum(_nbytes(t) for t in self._buffers.values())
         return {"parameters": _nbytes(self.param_buffer), "gradients": grads, "optimizer": self.optimizer.state_bytes()}
-
-    def full_state(self) -> dict[str, torch.Tensor]:
-        self.wait_for_parameters()
-        return super().full_state()
-
-    def checkpoint_files(self, rank: int) -> dict[str, dict]:
-        self.wait_for_parameters()
-        return super().checkpoint_files(rank)
-
-    def load(self, directory: str) -> None:
-        self.wait_for_parameters()
-        super().load(directory)
-
-
-def _param_wait_hook(engine: ZeroDataParallel, buckets: list[int]):
-    ref = weakref.ref(engine)
-
-    @torch.compiler.disable  # a compiled block breaks its graph here, before any of its compute
-    def hook(module, args):
-        e = ref()
-        if e is not None and (e._param_handles or e._gathers_due):
-            e.wait_for_parameters(buckets)
-
-    return hook
 
 
 def _nbytes(t: torch.Tensor) -> int:

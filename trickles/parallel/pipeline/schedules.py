@@ -6,9 +6,9 @@ The model's layers are cut into ``S = p * v`` consecutive parts; part ``s`` is *
 parts 0, p, 2p, ...). Activations flow from virtual stage ``s`` to ``s + 1`` (from rank ``r`` to
 ``r + 1``, the last rank wrapping to rank 0 at a chunk boundary), gradients from ``s + 1`` to ``s``.
 
-An action is ``F c.i`` / ``B c.i`` (forward / backward of micro-batch ``i`` through chunk ``c``),
-``W c.i`` (its weights' gradients, in the zero-bubble schedules) or a message: ``SEND_F``, ``RECV_F`` (the activation leaving / entering ``F c.i``), ``SEND_B``,
-``RECV_B`` (the gradient leaving / entering ``B c.i``). The compute orders:
+An action is ``F c.i`` / ``B c.i`` (forward / backward of micro-batch ``i`` through chunk ``c``), ``W c.i`` (its
+weights' gradients, in the zero-bubble schedules) or a message: ``SEND_F``, ``RECV_F`` (the activation leaving /
+entering ``F c.i``), ``SEND_B``, ``RECV_B`` (the gradient leaving / entering ``B c.i``). The compute orders:
 
 * **GPipe**: ``F 0..m-1`` then ``B 0..m-1``; a rank holds all ``m`` micro-batches' activations.
 * **1F1B**: rank ``r`` runs ``w = min(p - r - 1, m)`` warm-up forwards, then alternates one
@@ -43,9 +43,9 @@ receive costs 0.1-0.2 ms on a busy CPU, which then no longer falls between compu
 critical path (usually the last stage's, slowed by the output layer and the loss), at the price
 of one buffer per message of the step held from the start.
 Consecutive messages go out together as one batch (``batch_isend_irecv``).
-:func:`~trickles.parallel.pipeline.timeline.simulate` replays the lists with given compute times -- posted receives do not block, a
-compute waits for the message it reads -- checks that every receive meets the send it expects
-and that nothing deadlocks, and returns the timeline whose bubble the formula predicts.
+:func:`~trickles.parallel.pipeline.timeline.simulate` replays the lists with given compute times -- posted receives do
+not block, a compute waits for the message it reads -- checks that every receive meets the send it expects and that
+nothing deadlocks, and returns the timeline whose bubble the formula predicts.
 """
 
 from __future__ import annotations

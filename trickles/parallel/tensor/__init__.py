@@ -4,6 +4,7 @@
 
 * :mod:`.layers` -- the layers: column- and row-parallel linears, the region entries and exits, the
   vocabulary-parallel embedding and loss, the per-rank random stream;
+* :mod:`.region_bytes` -- the bytes their collectives send and the partial gradients they leave;
 * :mod:`.plan` -- applies them to a :class:`~trickles.models.transformer.Transformer` built on the meta device
   (:func:`~.plan.apply_tensor_parallel`).
 
@@ -17,8 +18,9 @@ Grids (2-D, 2.5-D, 3-D: Colossal-AI's, Optimus), ``parallel.tp_mode`` ``"2d"``, 
 
 Both:
 
-* :mod:`.costs` -- what each mode costs a rank (bytes sent, parameters held, activations saved), the formulas the
-  memory report reads and the tests hold the measured counts to.
+* :mod:`.costs` -- what each mode costs a rank (bytes sent, parameters held), and :mod:`.activation_costs` what
+  it saves for backward: the formulas the memory report reads and the tests hold the measured counts to, written
+  in the terms of :mod:`.layout` (a group's shape, a block's linears).
 
 Nothing is re-exported here: import from the modules.
 """

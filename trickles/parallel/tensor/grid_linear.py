@@ -78,8 +78,8 @@ class _Summa(torch.autograd.Function):
 
 
 class Linear2D(nn.Module):
-    """``y = x A + b`` on a ``q x q`` grid (module docstring): ``x`` is this rank's ``[..., h/q]`` block of the tokens of
-    its row, ``weight`` its ``[h'/q, h/q]`` block (``tp_spec``: global shape and offset, as every tensor-parallel
+    """``y = x A + b`` on a ``q x q`` grid (module docstring): ``x`` is this rank's ``[..., h/q]`` block of the tokens
+    of its row, ``weight`` its ``[h'/q, h/q]`` block (``tp_spec``: global shape and offset, as every tensor-parallel
     parameter), ``bias`` its column's ``[h'/q]``."""
 
     def __init__(
@@ -123,8 +123,9 @@ class Linear2D(nn.Module):
         return _Summa.apply(x, self.weight, self.bias, self.row, self.col, self.dep)
 
     def wire_bytes(self, tokens: int, element_bytes: int) -> dict[str, float]:
-        """What one forward and one backward send per rank for ``tokens`` rows of this rank's block row (module docstring;
-        2.5-D adds the all-reduce of the weight and bias gradients over the ``d`` layers): :func:`summa_bytes`."""
+        """What one forward and one backward send per rank for ``tokens`` rows of this rank's block row (module
+        docstring; 2.5-D adds the all-reduce of the weight and bias gradients over the ``d`` layers):
+        :func:`summa_bytes`."""
         d = self.dep.size if self.dep is not None else 1
         return summa_bytes(self.q, d, tokens, self.in_features, self.out_features, self.bias is not None, element_bytes)
 
@@ -133,7 +134,8 @@ class Linear2p5D(Linear2D):
     """2.5-D (Tesseract): ``d`` stacked ``q x q`` grids (``tp = q^2 d``). Layer ``k`` runs the 2-D algorithm on its own
     ``1/d`` of the tokens (token block ``k q + i`` on row ``i`` of layer ``k``), every layer holding the same weight
     blocks; after backward the weight (and bias) gradients are all-reduced over the depth line (``tp_dep``):
-    ``2 (d-1)/d p (h h'/q^2 + h'/q)`` more bytes per rank. Activations per rank shrink by ``q^2 d``, weights by ``q^2``."""
+    ``2 (d-1)/d p (h h'/q^2 + h'/q)`` more bytes per rank. Activations per rank shrink by ``q^2 d``, weights by
+    ``q^2``."""
 
     def __init__(
         self,
@@ -182,7 +184,8 @@ class Linear3D(nn.Module):
 
     Three groups of the cube (``tp_row``, ``tp_col``, ``tp_dep``, see :class:`~trickles.topology.TPGrid`) play three
     roles, ``a``, ``b`` and ``c`` (always the columns), and a rank's index in each is ``u``, ``v``, ``w``. With the
-    tokens ``N`` in ``q`` blocks of ``q`` sub-blocks, and the input features in ``q`` blocks of ``q`` sub-blocks, it holds
+    tokens ``N`` in ``q`` blocks of ``q`` sub-blocks, and the input features in ``q`` blocks of ``q`` sub-blocks, a
+    rank holds
 
     * ``X``: token block ``w``, its sub-block ``u``, input-feature block ``v``: ``[N/q^2, h/q]``;
     * ``A``: input-feature block ``v``, its sub-block ``w``, output-feature block ``u``: ``weight`` ``[h'/q, h/q^2]``;

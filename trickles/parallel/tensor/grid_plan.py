@@ -1,4 +1,5 @@
-"""Applies 2-D, 2.5-D or 3-D tensor parallelism (``parallel.tp_mode``) to a :class:`~trickles.models.transformer.Transformer`.
+"""Applies 2-D, 2.5-D or 3-D tensor parallelism (``parallel.tp_mode``) to a
+:class:`~trickles.models.transformer.Transformer`.
 
 Like :mod:`trickles.parallel.tensor.plan` for 1-D, it swaps the modules of a meta-device model in place, keeping
 every parameter's name; the split of the activations is :class:`~trickles.parallel.tensor.grid_model.GridContext`'s.

@@ -18,12 +18,12 @@
   the same bytes as the two all-reduces, while the activations outside the matmuls shrink by
   ``tp``. Parameters used on sequence shards (norm weights, the row-parallel bias) get only the
   part of their gradient from their own positions; those gradients are summed over the group.
-* :class:`VocabParallelEmbedding`: the table split by *rows* (vocabulary ranges); a rank looks
-  up the ids in its range, zeros the others, and the all-reduce (or, for sequence parallel, a
-  reduce-scatter) completes every row. The output projection is column-parallel over the
-  vocabulary and :func:`~trickles.parallel.tensor.loss.vocab_parallel_cross_entropy` computes the loss from the logit shards
-  (max and sum of exponentials reduced over the group) without gathering the logits; a tied
-  output projection shares the embedding's shard, which is split the same way.
+* :class:`VocabParallelEmbedding`: the table split by *rows* (vocabulary ranges); a rank looks up the ids in its range,
+  zeros the others, and the all-reduce (or, for sequence parallel, a reduce-scatter) completes every row. The output
+  projection is column-parallel over the vocabulary and
+  :func:`~trickles.parallel.tensor.loss.vocab_parallel_cross_entropy` computes the loss from the logit shards (max and
+  sum of exponentials reduced over the group) without gathering the logits; a tied output projection shares the
+  embedding's shard, which is split the same way.
 * Grouped-query attention: query heads are split ``n_heads / tp`` per rank. If ``n_kv_heads``
   divides by ``tp`` the key/value projections are split the same way; otherwise each rank keeps
   the whole (small) key/value projection (:class:`ReplicatedKV`), computes all key/value heads
@@ -31,6 +31,8 @@
 
 Every parameter carries a :class:`TPSpec`: its global shape and the offset of the block this
 rank holds, which initialization (the full tensor computed, then sliced) and checkpoints use.
+
+The bytes these layers send, and the partial gradients they leave, are :mod:`~trickles.parallel.tensor.region_bytes`'.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class TPSpec:
     partial_grad: bool = False  # each rank holds part of the gradient of a replicated parameter: sum over tp
     replicated: bool = False  # every tp rank holds the same values (counted once in the gradient norm)
     ep_sharded: bool = False  # an expert-parallel block of experts (its gradient: over edp, then / ep)
-    # of the tp ranks holding this same block (a grid's norm weights, biases, 2.5-D weights: :mod:`.grid_linear`), whether
-    # this one counts it in the gradient norm and writes it to checkpoints (``replicated`` blocks: tp rank 0 does)
+    # of the tp ranks holding this same block (a grid's norm weights, biases, 2.5-D weights: :mod:`.grid_linear`),
+    # whether this one counts it in the gradient norm and writes it to checkpoints (``replicated``: tp rank 0 does)
     primary: bool = True
 
     def block(self, local_shape) -> tuple[slice, ...]:
@@ -346,99 +348,3 @@ def init_tp_param(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     if spec is None or tuple(spec.global_shape) == tuple(p.shape):
         return full
     return full[spec.block(p.shape)]
-
-
-# ---- bytes, stated once (the ledger is tested against them; the planner's time model reads them) -------------------
-
-
-def region_wire_bytes(
-    tokens: int,
-    d: int,
-    p: int,
-    tp: int,
-    sequence_parallel: bool,
-    dense_layers: int,
-    moe_layers: int = 0,
-    embedding: bool = True,
-    head: bool = True,
-    recompute: str = "none",
-    whole: int | None = None,
-) -> dict[str, tuple[int, int, int]]:
-    """``{op: (calls, bytes, wire bytes)}`` one rank's tensor-parallel collectives take for one micro-batch of
-    ``tokens`` (of the whole sequence, ``B T``, or ``B T / cp``), model width ``d``, ``p`` bytes per element.
-
-    Regions (one activation ``A = tokens d p`` each): a dense block has two (attention, MLP), a mixture-of-experts
-    block one (its experts run outside any region); each region all-reduces ``A`` leaving in forward and entering in
-    backward; the vocabulary-parallel embedding's exit (forward, on the first stage: ``embedding``) and the final
-    norm's entry (backward, on the last: ``head``) add one each: ``n = 4 L_dense + 2 L_moe + [embedding] + [head]``
-    all-reduces, ``2 (tp-1)/tp A`` on the wire each. The loss (``head``) all-reduces three ``[tokens]`` fp32 vectors
-    (the logits' max, the target logit, the sum of exponentials).
-
-    Sequence parallel: each all-reduce becomes a reduce-scatter of ``A`` plus an all-gather of ``A / tp``, the same
-    wire volume, and each region's input (and the output layer's) is all-gathered once more in backward:
-    ``2 L_dense + L_moe + [head]`` all-gathers (``TPContext``'s regather).
-
-    ``recompute="full"`` reruns every block's forward in backward up to the last tensor it saves (torch's
-    checkpoint stops there), so its collectives but the last region's exit: plain one all-reduce per block (the
-    attention's exit); sequence parallel the entries' all-gathers and the attention's reduce-scatter, and the rerun
-    keeps the gathered inputs, so the blocks' backward regathers go away (as many all-gathers as the rerun adds).
-    ``whole``: how many of the blocks are recomputed so (``memory.recompute_num_layers``; default all under
-    ``full``). (Selective and elementwise recomputation rerun no collective.) Per step add :func:`partial_grad_elements`' all-reduce and the gradient
-    norm's (4 bytes)."""
-    from ...comm import wire_bytes
-
-    if tp <= 1:
-        return {}
-    act = tokens * d * p
-    regions = 2 * dense_layers + moe_layers
-    n = 2 * regions + int(embedding) + int(head)
-    rerun = dense_layers + moe_layers if recompute == "full" else 0  # exits run again: all but each block's last
-    rerun = rerun if whole is None else whole
-
-    def entry(op: str, calls: int, size: int) -> tuple[int, int, int]:
-        return calls, calls * size, calls * int(round(wire_bytes(op, size, tp)))
-
-    loss = [entry("all_reduce", 3, tokens * 4)] if head else []
-    if not sequence_parallel:
-        parts = [entry("all_reduce", n + rerun, act), *loss]
-        return {"all_reduce": tuple(map(sum, zip(*parts)))}
-    gathers = n + regions + int(head)  # entries, the regions' backward regathers (or their rerun entries), the output's
-    out = {
-        "reduce_scatter": entry("reduce_scatter", n + rerun, act),
-        "all_gather": entry("all_gather", gathers, act // tp),
-    }
-    if loss:
-        out["all_reduce"] = loss[0]
-    return out
-
-
-def partial_grad_elements(
-    cfg,
-    tp: int,
-    sequence_parallel: bool,
-    layers: int | None = None,
-    first: bool = True,
-    last: bool = True,
-    moe_elements: int = 0,
-) -> int:
-    """Gradient elements every tensor-parallel rank holds whole but computes from part of the data, summed over the
-    group in one all-reduce per step (``TPSpec.partial_grad``): key/value projections kept whole
-    (:class:`ReplicatedKV`, when ``tp`` does not divide ``n_kv_heads``: ``2 a_kv h d`` per block, with gpt2's biases
-    ``+ 2 a_kv h``) and, under sequence parallelism, what sees only the rank's positions: the norms (RMSNorm ``d``,
-    LayerNorm ``2 d``; two per block, the final one on the ``last`` stage), the row-parallel biases (gpt2: ``2 d``
-    per block), learned positions (gpt2, ``first`` stage: ``T_max d``) and the mixture-of-experts MLPs
-    (``moe_elements``: their router and experts the rank holds). ``layers``: the blocks the rank holds (default
-    all)."""
-    if tp <= 1:
-        return 0
-    layers = cfg.n_layers if layers is None else layers
-    d, hd, gpt2 = cfg.d_model, cfg.head_dim, cfg.flavor == "gpt2"
-    n = 0
-    if cfg.kv_heads % tp and not cfg.fuses_projections:
-        n += layers * 2 * cfg.kv_heads * hd * (d + (1 if gpt2 else 0))
-    if sequence_parallel:
-        norm = 2 * d if gpt2 else d
-        n += layers * 2 * norm + (norm if last else 0) + moe_elements
-        if gpt2:
-            n += layers * 2 * d + (cfg.max_seq_len * d if first else 0)
-    return n
