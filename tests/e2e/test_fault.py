@@ -434,3 +434,17 @@ def test_failed_writes_a_full_disk_and_sigterm_then_resume(uninterrupted, tmp_pa
     assert job.returncode == 0, job.stderr[-3000:]
     assert "[trickles] step 5/8" in job.stderr and "step 4/8" not in job.stderr  # continued from step 4
     _same_as_uninterrupted(out, straight)
+
+
+def test_a_sigterm_after_the_command_ended_leaves_its_status_alone(tmp_path):
+    """A SIGTERM during the interpreter's teardown (here from an exit handler, after a run that ended with status 5)
+    must not turn the status into the 143 of a process the signal ended, which reads as a verified checkpoint."""
+    script = (
+        "import atexit, os, signal, time\n"
+        "import trickles.cli as cli\n"
+        "cli.main = lambda argv=None: 5\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(0.5)))\n"
+        "cli.entry()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, timeout=120)
+    assert done.returncode == 5

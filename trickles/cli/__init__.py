@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+from typing import NoReturn
 
 from ..errors import EXIT_TERMINATED, ONE_LINE_ERRORS
 from . import bench, checkpoint, compress, config, generate, memory, plan, serve, train
@@ -85,3 +87,12 @@ def main(argv: list[str] | None = None) -> int:
 
         exit_process(code)
     return code
+
+
+def entry() -> NoReturn:
+    """``trickles`` and ``python -m trickles``: :func:`main`, then exit with its status. Once the command has ended,
+    a SIGTERM that arrives while the interpreter tears down (seconds, after ranks or a forkserver) is ignored: it
+    cannot change what happened, and a process the signal ended would read as status 143, a verified checkpoint."""
+    code = main()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.exit(code)

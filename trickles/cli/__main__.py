@@ -1,7 +1,5 @@
 """``python -m trickles.cli``, as ``python -m trickles``."""
 
-import sys
+from . import entry
 
-from . import main
-
-sys.exit(main())
+entry()
