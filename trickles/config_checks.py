@@ -62,6 +62,11 @@ class LayoutChecks:
             ),
             (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
             (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
+            (
+                m.flavor == "llama" and any(m.bias(part) for part in ("qkv", "o", "mlp")),
+                "a llama's projection biases (model.qkv_bias, o_bias, mlp_bias)",
+                "set them false or parallel.tp_mode=1d",
+            ),
             (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
             (
                 self.train.qat,

@@ -221,10 +221,11 @@ def test_pickle_only_directory_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(model_type="mistral"), "model_type 'mistral' is not supported"),
-        (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling 'linear'"),
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5000.0, "factor": 8.0}), "rope scaling 'llama3'"),
-        (dict(attention_bias=True), "attention_bias=true"),
+        (dict(model_type="qwen3"), r"model_type 'qwen3' is not supported; load_hf reads 'gpt2' \(GPT2LMHeadModel\), "),
+        (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope_scaling.rope_type='dynamic'"),
+        (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 5000.0}), "rope_parameters.rope_type='longrope'"),
+        # attention_bias on a checkpoint without biases: the first missing tensor named
+        (dict(attention_bias=True), r"missing tensors \['model\.layers\.0\.self_attn\.k_proj\.bias'"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
         # an explicit head_dim is model.head_size (pruned models, tests/unit/test_prune.py); one the weights do not
         # have is refused
@@ -395,7 +396,7 @@ def test_unexportable_moe_models(changes, message, tmp_path):
         (dict(sliding_window=16), "sliding_window=16"),
         (dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0}), "rope scaling 'yarn'"),
+        (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 4.0}), "rope_type=.dynamic."),
     ],
 )
 def test_unsupported_mixtral_configs(changes, message, tmp_path):

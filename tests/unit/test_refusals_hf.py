@@ -75,8 +75,8 @@ def test_a_tied_head_that_differs_from_the_embedding_is_refused(tmp_path):
 @pytest.mark.parametrize(
     "change,message",
     [
-        ({"rope_scaling": {"rope_type": "default", "inner": {"a": 1}}}, "are not one flat dict"),
-        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is set"),
+        ({"rope_scaling": {"rope_type": "default", "inner": {"a": 1}}}, "is not one flat dict"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
         ({"quantization_config": {"bits": 4}}, "the weights are quantized (quantization_config is set)"),
         (
             {"num_key_value_heads": 3},

@@ -39,7 +39,8 @@ _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
 class Attention(nn.Module):
     """Multi-head causal self-attention with grouped-query key/value heads.
 
-    ``q_proj: d -> H*D``, ``k_proj, v_proj: d -> H_kv*D``, ``o_proj: H*D -> d``; with ``model.fused_proj`` one
+    ``q_proj: d -> H*D``, ``k_proj, v_proj: d -> H_kv*D``, ``o_proj: H*D -> d`` (biases where ``cfg.bias("qkv")``,
+    ``cfg.bias("o")``); with ``model.fused_proj`` one
     ``qkv_proj: d -> (H + 2 H_kv) D`` in its place, rows interleaved by key/value group
     (:mod:`trickles.models.fused`). Head counts are read from the projection shapes at run time, so a
     tensor-parallel plan can hand this module a slice of the heads.
@@ -47,7 +48,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
-        bias = cfg.flavor == "gpt2"
+        bias = cfg.bias("qkv")
         self.layer_id = layer_id
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
@@ -60,7 +61,7 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=bias)
             self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
             self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias("o"))
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def core(

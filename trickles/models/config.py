@@ -8,6 +8,7 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..options import opt
+from .rope import RopeScaling, RopeType
 
 Flavor = Literal["llama", "gpt2"]
 #: the [model] keys that say how the model computes, not what: a run may change them against its checkpoint
@@ -22,7 +23,9 @@ class ModelConfig:
         None, "named shape to start from (trickles.models.PRESETS); keys given beside it override it"
     )
     flavor: Flavor = opt(
-        "llama", "llama: RMSNorm, rotary, SwiGLU, no biases; gpt2: LayerNorm, learned positions, GELU, biases"
+        "llama",
+        "llama: RMSNorm, rotary, SwiGLU, biases where model.qkv_bias, o_bias, mlp_bias say; gpt2: LayerNorm, learned "
+        "positions, GELU, biases",
     )
     n_layers: int = opt(4, "number of transformer blocks")
     d_model: int = opt(256, "hidden size")
@@ -36,10 +39,37 @@ class ModelConfig:
         None, "MLP hidden size (none: 4*d_model for gpt2; 8/3*d_model rounded up to ffn_multiple_of for llama)"
     )
     ffn_multiple_of: int = opt(64, "rounding of the default llama MLP hidden size")
+    qkv_bias: bool | None = opt(
+        None, "a bias on the query, key and value projections (none: true for gpt2, false for llama)"
+    )
+    o_bias: bool | None = opt(None, "a bias on the attention output projection (none: true for gpt2, false for llama)")
+    mlp_bias: bool | None = opt(None, "a bias on every MLP projection (none: true for gpt2, false for llama)")
+    family: str | None = opt(
+        None,
+        "the Hugging Face model_type an export writes (llama, mistral, qwen2, mixtral, gpt2; none: the one the "
+        "model's parts pick, docs/model-families.md)",
+    )
     vocab_size: int | None = opt(None, "vocabulary size (none: the tokenizer's, rounded up to vocab_multiple)")
     vocab_multiple: int = opt(64, "rounding of the vocabulary size taken from the tokenizer")
     max_seq_len: int | None = opt(None, "longest sequence the model accepts (none: data.seq_len)")
     rope_theta: float = opt(10000.0, "rotary embedding base (llama)")
+    rope_type: RopeType = opt(
+        "default",
+        "rotary frequencies (docs/model-families.md): default (rope_theta alone); linear (divided by rope_factor); "
+        "llama3 (Llama 3.1: long wavelengths divided, short kept, a band blended); yarn (YaRN, by rotation counts)",
+    )
+    rope_factor: float = opt(1.0, "linear, llama3, yarn: how many times the original context is extended")
+    rope_low_freq_factor: float = opt(1.0, "llama3: wavelengths over original/this are divided by rope_factor")
+    rope_high_freq_factor: float = opt(4.0, "llama3: wavelengths under original/this are kept, between: blended")
+    rope_original_max_positions: int | None = opt(None, "llama3, yarn: the pretraining context (none: max_seq_len)")
+    rope_beta_fast: float = opt(32.0, "yarn: dimensions turning more often than this in the original are kept")
+    rope_beta_slow: float = opt(1.0, "yarn: dimensions turning less often than this are divided by rope_factor")
+    rope_attention_factor: float | None = opt(
+        None, "yarn: scale of cos and sin (none: 0.1 ln(rope_factor) + 1, or the rope_mscale ratio)"
+    )
+    rope_mscale: float | None = opt(None, "yarn: with rope_mscale_all_dim, the attention factor's numerator mscale")
+    rope_mscale_all_dim: float | None = opt(None, "yarn: with rope_mscale, its denominator's mscale")
+    rope_truncate: bool = opt(True, "yarn: round the blended band's ends to whole dimensions")
     norm_eps: float = opt(1e-5, "epsilon of RMSNorm / LayerNorm")
     dropout: float = opt(0.0, "dropout on embeddings, attention probabilities and residual branches")
     tie_embeddings: bool | None = opt(
@@ -151,6 +181,12 @@ class ModelConfig:
 
         return fused_proj_default(self.kernels, "cuda" if torch.cuda.is_available() else "cpu")
 
+    def bias(self, part: str) -> bool:
+        """Whether projections ``part`` (``qkv``, ``o`` or ``mlp``) have a bias: ``model.<part>_bias``, unset the
+        flavor's (gpt2: all, llama: none)."""
+        value = getattr(self, f"{part}_bias")
+        return self.flavor == "gpt2" if value is None else bool(value)
+
     @property
     def tied(self) -> bool:
         return self.flavor == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
@@ -177,6 +213,7 @@ class ModelConfig:
                 f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change "
                 "model.d_model, model.n_heads or model.head_size"
             )
+        RopeScaling.of(self).check(self.rope_theta, self.flavor)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.vocab_size is not None and self.vocab_size < 2:
@@ -214,6 +251,14 @@ class ModelConfig:
                         f"hard routing sends each token to all of its label's experts: every label of "
                         f"model.moe_label_experts must name model.moe_top_k ({self.moe_top_k}) distinct experts"
                     )
+        if self.flavor == "gpt2" and not all(self.bias(p) for p in ("qkv", "o", "mlp")):
+            raise ConfigError(
+                "gpt2 has a bias on every projection; leave model.qkv_bias, o_bias and mlp_bias unset for a gpt2 model"
+            )
+        if self.mlp_bias and self.moe_experts:
+            raise ConfigError(
+                "model.mlp_bias is built for dense MLPs only; set model.mlp_bias=false or model.moe_experts=0"
+            )
         if self.loss_chunk < 0:
             raise ConfigError(f"model.loss_chunk must be 0 (automatic) or a number of tokens, got {self.loss_chunk}")
         if self.kernels == "triton":

@@ -1,4 +1,5 @@
-"""Hugging Face import/export: ``LlamaForCausalLM``, ``MixtralForCausalLM`` and ``GPT2LMHeadModel`` directories.
+"""Hugging Face import/export: directories of the families of :mod:`trickles.models.families` (Llama, Mistral,
+Qwen2, Mixtral, GPT-2).
 
 A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). Tensors are read
@@ -6,8 +7,8 @@ with safetensors only; nothing is ever unpickled, so ``pytorch_model.bin`` direc
 refused (re-save them with ``save_pretrained(..., safe_serialization=True)``).
 
 :func:`load_hf` (here) reads such a directory into a :class:`~trickles.models.transformer.Transformer`;
-:func:`save_hf` (:mod:`trickles.models.hf_export`, imported here) writes one. The tensor-name maps, the layout
-of each tensor and the ``config.json`` translation both ways, with what is refused and why, are
+:func:`save_hf` (:mod:`trickles.models.hf_export`, imported here) writes one. Each family's tensor names and
+``config.json`` mapping, with what is refused and why, are its module's; the shared machinery is
 :mod:`trickles.models.hf_names`' and :mod:`trickles.models.hf_config`' (also importable from here).
 """
 
@@ -22,6 +23,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, UserError
 from . import fused as fusion
+from .families import weight_map
 from .hf_config import (
     TOKEN_IDS,
     config_from_hf,
@@ -38,7 +40,6 @@ from .hf_names import (
     _hf_shape,
     to_hf,  # noqa: F401  (re-exported)
     to_ours,
-    weight_map,
 )
 from .transformer import Transformer
 
@@ -88,7 +89,8 @@ def _tensor_index(root: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
 
 
 def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> Transformer:
-    """Reads a Hugging Face Llama, Mixtral or GPT-2 directory into a :class:`Transformer`.
+    """Reads a Hugging Face directory of a supported family (:mod:`trickles.models.families`) into a
+    :class:`Transformer`.
 
     Parameters are ``dtype`` (default float32, whatever the file holds) on ``device``; ``fused_proj`` sets
     ``model.fused_proj`` (fused q/k/v and gate/up projections, :mod:`trickles.models.fused`). Raises
@@ -105,11 +107,7 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
     cfg = dataclasses.replace(config_from_hf(raw, str(root / CONFIG)), fused_proj=fused_proj)
     found = _tensor_index(root)
 
-    prefix = "transformer."
-    if cfg.flavor == "gpt2" and "transformer.wte.weight" not in found and "wte.weight" in found:
-        prefix = ""
-    fused = bool(cfg.moe_layers) and f"model.layers.{cfg.moe_layers[0]}.mlp.experts.gate_up_proj" in found
-    entries = weight_map(cfg, prefix, fused)
+    entries = weight_map(cfg, found)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to(dtype=_as_dtype(dtype) or torch.float32).to_empty(device=device)
@@ -128,7 +126,7 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
     )
     if missing or unexpected:
         raise CheckpointError(
-            f"{root} does not match its {CONFIG} ({cfg.flavor}, {cfg.n_layers} layers): "
+            f"{root} does not match its {CONFIG} ({cfg.family}, {cfg.n_layers} layers): "
             f"missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
             f"unexpected tensors {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}"
         )

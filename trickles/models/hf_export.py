@@ -20,8 +20,9 @@ from safetensors.torch import save_file
 
 from ..errors import CheckpointError
 from . import fused as fusion
+from .families import weight_map
 from .hf_config import config_to_hf
-from .hf_names import CONFIG, INDEX, WEIGHTS, _as_dtype, to_hf, weight_map
+from .hf_names import CONFIG, INDEX, WEIGHTS, _as_dtype, to_hf
 from .transformer import Transformer
 
 

@@ -26,7 +26,8 @@ class Activation(nn.Module):
 
 
 class MLP(nn.Module):
-    """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``.
+    """llama: ``down(silu(gate(x)) * up(x))``; gpt2: ``down(gelu_tanh(up(x)))``; every projection with a bias where
+    ``cfg.bias("mlp")`` (gpt2 always).
 
     With ``model.fused_proj`` the dense llama MLP computes gate and up in one ``gate_up_proj: d -> 2f`` (rows
     interleaved channel by channel, :mod:`trickles.models.fused`); ``hidden`` given (a mixture-of-experts
@@ -35,15 +36,15 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        bias = cfg.flavor == "gpt2"
+        bias = cfg.bias("mlp")
         self.gated = cfg.flavor == "llama"
         self.fused = self.gated and hidden is None and cfg.fuses_projections
         hidden = hidden or cfg.ffn_dim
         if self.fused:
-            self.gate_up_proj = nn.Linear(cfg.d_model, 2 * hidden, bias=False)
+            self.gate_up_proj = nn.Linear(cfg.d_model, 2 * hidden, bias=bias)
         else:
             if self.gated:
-                self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=False)
+                self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
             self.up_proj = nn.Linear(cfg.d_model, hidden, bias=bias)
         self.down_proj = nn.Linear(hidden, cfg.d_model, bias=bias)
         self.resid_drop = nn.Dropout(cfg.dropout)

@@ -35,6 +35,7 @@ from .documents import DocumentMask
 from .kv_cache import KVCache
 from .mlp import MLP
 from .moe import MoE, MoEStats
+from .rope import RopeScaling, rope_tables
 
 __all__ = ["RMSNorm", "LayerNorm", "apply_rope", "Transformer", "build_model"]
 
@@ -50,15 +51,6 @@ def _embedding(rows: int, dim: int) -> nn.Embedding:
     ``normal_`` on the meta device, where models are built, would import TorchDynamo: about a second of every
     ``generate``, ``serve`` or ``export`` that never compiles; training imports it anyway, with ``torch.optim``.)"""
     return nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
-
-
-def rope_tables(head_dim: int, length: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape ``[length, head_dim]`` (each frequency repeated for both halves)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    pos = torch.arange(length, dtype=torch.float32, device=device)
-    freqs = torch.outer(pos, inv_freq)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
 
 
 class Block(nn.Module):
@@ -217,10 +209,11 @@ class Transformer(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
+        """Recomputes the rotary tables from the config (:func:`~trickles.models.rope.rope_tables`, scaled by
+        ``model.rope_type``)."""
         if self.rope_cos is not None:
-            cos, sin = rope_tables(
-                self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device=self.rope_cos.device
-            )
+            c = self.cfg
+            cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta, self.rope_cos.device, RopeScaling.of(c))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

@@ -73,7 +73,7 @@ def apply_tensor_parallel(
     tp = comm.size
     ctx = TPContext(comm, sequence_parallel)
     dev = torch.device("meta")
-    bias = cfg.flavor == "gpt2"
+    qkv_bias, o_bias, mlp_bias = cfg.bias("qkv"), cfg.bias("o"), cfg.bias("mlp")
     sp = sequence_parallel
 
     def norm(module):
@@ -105,25 +105,27 @@ def apply_tensor_parallel(
         hd = cfg.head_dim
         if attn.fused:  # the config check made tp divide the key/value heads: whole groups per rank
             attn.qkv_proj = ColumnParallelLinear(
-                cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias, ctx, device=dev, regather=rg
+                cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * hd, qkv_bias, ctx, device=dev, regather=rg
             )
         else:
-            attn.q_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, bias, ctx, device=dev, regather=rg)
+            attn.q_proj = ColumnParallelLinear(cfg.d_model, cfg.n_heads * hd, qkv_bias, ctx, device=dev, regather=rg)
             kv = ColumnParallelLinear if cfg.kv_heads % tp == 0 else ReplicatedKV
             args = (cfg.kv_heads * hd,) if kv is ColumnParallelLinear else (cfg.n_heads, cfg.kv_heads, hd)
-            attn.k_proj = kv(cfg.d_model, *args, bias, ctx, device=dev, regather=rg)
-            attn.v_proj = kv(cfg.d_model, *args, bias, ctx, device=dev, regather=rg)
-        attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, bias, ctx, device=dev)
+            attn.k_proj = kv(cfg.d_model, *args, qkv_bias, ctx, device=dev, regather=rg)
+            attn.v_proj = kv(cfg.d_model, *args, qkv_bias, ctx, device=dev, regather=rg)
+        attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, o_bias, ctx, device=dev)
         # an instance attribute (not a submodule): it must shadow the class's ``core`` method
         object.__setattr__(attn, "core", ForkRNG(attn.core, ctx, cfg.dropout, owner=attn))
         if not block.moe and mlp.fused:
-            mlp.gate_up_proj = ColumnParallelLinear(cfg.d_model, 2 * cfg.ffn_dim, False, ctx, device=dev, regather=rg)
-            mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias, ctx, device=dev)
+            mlp.gate_up_proj = ColumnParallelLinear(
+                cfg.d_model, 2 * cfg.ffn_dim, mlp_bias, ctx, device=dev, regather=rg
+            )
+            mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, mlp_bias, ctx, device=dev)
         elif not block.moe:
             if mlp.gated:
-                mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, False, ctx, device=dev, regather=rg)
-            mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, bias, ctx, device=dev, regather=rg)
-            mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, bias, ctx, device=dev)
+                mlp.gate_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, mlp_bias, ctx, device=dev, regather=rg)
+            mlp.up_proj = ColumnParallelLinear(cfg.d_model, cfg.ffn_dim, mlp_bias, ctx, device=dev, regather=rg)
+            mlp.down_proj = RowParallelLinear(cfg.ffn_dim, cfg.d_model, mlp_bias, ctx, device=dev)
         if sp:
             attn.resid_drop = ForkRNG(attn.resid_drop, ctx, cfg.dropout)
             mlp.resid_drop = ForkRNG(mlp.resid_drop, ctx, cfg.dropout)

@@ -1,0 +1,107 @@
+"""What the families share: refusals, merged defaults, the llama-style keys and tensor names.
+
+A family module (:mod:`trickles.models.families`) builds on these; none of them knows a family by name.
+"""
+
+from __future__ import annotations
+
+from ...errors import CheckpointError, ConfigError
+from ..config import ModelConfig
+from ..hf_names import Entry
+from ..rope import rope_fields_to_hf
+
+
+def refuse(source: str, what: str) -> CheckpointError:
+    """The one-line refusal of a ``config.json`` field this model cannot reproduce exactly."""
+    return CheckpointError(f"{source}: {what}, which trickles' transformer cannot represent exactly")
+
+
+def merged(defaults: dict, raw: dict) -> dict:
+    """``raw`` over transformers' ``defaults`` (a null in ``raw`` keeps the default of a field that has one)."""
+    return {**defaults, **{k: v for k, v in raw.items() if v is not None or k not in defaults}}
+
+
+def silu_only(c: dict, source: str) -> None:
+    if c["hidden_act"] not in ("silu", "swish"):
+        raise refuse(source, f"hidden_act={c['hidden_act']!r} (only silu)")
+
+
+def llama_shape(c: dict, source: str, family: str, **fields) -> ModelConfig:
+    """The :class:`ModelConfig` of a llama-style ``config.json`` (``c``: merged with its defaults); ``fields``
+    are the family's own (biases, experts, rotary base). An explicit ``head_dim`` other than
+    ``hidden_size / num_attention_heads`` (a pruned model) is ``model.head_size``."""
+    silu_only(c, source)
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    head_dim = c.get("head_dim")
+    return ModelConfig(
+        flavor="llama",
+        family=family,
+        n_layers=c["num_hidden_layers"],
+        d_model=hidden,
+        n_heads=heads,
+        n_kv_heads=c["num_key_value_heads"] or heads,
+        head_size=head_dim if head_dim is not None and head_dim * heads != hidden else None,
+        ffn_hidden=c["intermediate_size"],
+        vocab_size=c["vocab_size"],
+        max_seq_len=c["max_position_embeddings"],
+        norm_eps=float(c["rms_norm_eps"]),
+        dropout=0.0,
+        tie_embeddings=bool(c["tie_word_embeddings"]),
+        init_std=float(c["initializer_range"]),
+        **fields,
+    )
+
+
+def llama_keys(cfg: ModelConfig, model_type: str, architecture: str, ffn: int) -> dict:
+    """The ``config.json`` keys every llama-style family writes alike."""
+    return dict(
+        architectures=[architecture],
+        model_type=model_type,
+        hidden_size=cfg.d_model,
+        intermediate_size=ffn,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len,
+        rms_norm_eps=cfg.norm_eps,
+        attention_dropout=cfg.dropout,
+        **rope_fields_to_hf(cfg),
+    )
+
+
+def require_biases(cfg: ModelConfig, family: str, qkv: bool, o: bool, mlp: bool, hint: str) -> None:
+    """ConfigError unless ``cfg``'s biases are exactly ``family``'s (``hint``: what to change)."""
+    want = {"qkv": qkv, "o": o, "mlp": mlp}
+    for part, value in want.items():
+        if cfg.bias(part) != value:
+            raise ConfigError(
+                f"{family} has {'a' if value else 'no'} bias on its {part} projections, but "
+                f"model.{part}_bias={str(cfg.bias(part)).lower()}; {hint}"
+            )
+
+
+def llama_names(cfg: ModelConfig, moe_entries=None) -> list[Entry]:
+    """The llama-style tensor names (every tensor copied as is, ``[out, in]`` like ``nn.Linear``), with each
+    projection's ``.bias`` where ``cfg`` has one; ``moe_entries(i, hf, us)``: a mixture-of-experts block's MLP."""
+    b = {part: cfg.bias(part) for part in ("qkv", "o", "mlp")}
+    out = [Entry("model.embed_tokens.weight", ("embed.weight",))]
+    for i in range(cfg.n_layers):
+        hf, us = f"model.layers.{i}.", f"layers.{i}."
+        out.append(Entry(hf + "input_layernorm.weight", (us + "attn_norm.weight",)))
+        for p in "qkvo":
+            leaves = ("weight", "bias") if b["o" if p == "o" else "qkv"] else ("weight",)
+            out += [Entry(f"{hf}self_attn.{p}_proj.{leaf}", (f"{us}attn.{p}_proj.{leaf}",)) for leaf in leaves]
+        out.append(Entry(hf + "post_attention_layernorm.weight", (us + "mlp_norm.weight",)))
+        if i in cfg.moe_layers:
+            out += moe_entries(i, hf, us)
+        else:
+            leaves = ("weight", "bias") if b["mlp"] else ("weight",)
+            out += [
+                Entry(f"{hf}mlp.{p}_proj.{leaf}", (f"{us}mlp.{p}_proj.{leaf}",))
+                for p in ("gate", "up", "down")
+                for leaf in leaves
+            ]
+    out.append(Entry("model.norm.weight", ("norm.weight",)))
+    return out

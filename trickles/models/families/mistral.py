@@ -1,0 +1,71 @@
+"""Mistral (``model_type: mistral``, ``MistralForCausalLM``): Llama without biases, plus a sliding window.
+
+Config, both ways: as :mod:`.llama` (no ``attention_bias`` / ``mlp_bias``: Mistral has no biases), with Mistral's
+defaults (8 key/value heads, ``rms_norm_eps`` 1e-6, ``max_position_embeddings`` 131072).
+
+``sliding_window``: each token attends to the last ``sliding_window`` positions. A null window, or one at least
+``max_position_embeddings`` long (no sequence the model accepts is longer, so it never cuts), is full causal
+attention and imports; a shorter window is refused for now (sliding-window attention is not built yet). Note a
+config.json that leaves the field out gets transformers' default window of 4096. Exports write
+``sliding_window: null``. Tensor names: :mod:`.llama`'s, without biases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from ...errors import ConfigError
+from ..config import ModelConfig
+from ..hf_names import Entry
+from ..rope import rope_fields_from_hf
+from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+
+MODEL_TYPE = "mistral"
+ARCHITECTURE = "MistralForCausalLM"
+DEFAULTS = dict(
+    vocab_size=32000,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=None,
+    hidden_act="silu",
+    max_position_embeddings=4096 * 32,
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    sliding_window=4096,
+)
+
+
+def from_hf(raw: dict, source: str) -> ModelConfig:
+    c = merged(DEFAULTS, raw)
+    if "sliding_window" in raw and raw["sliding_window"] is None:
+        c["sliding_window"] = None
+    window, context = c["sliding_window"], c["max_position_embeddings"]
+    if window is not None and window < context:
+        raise refuse(
+            source,
+            f"sliding_window={window} is shorter than max_position_embeddings={context} (sliding-window attention "
+            "is not built yet)",
+        )
+    return llama_shape(c, source, MODEL_TYPE, **rope_fields_from_hf(raw, source))
+
+
+def picks(cfg: ModelConfig) -> bool:
+    """Mistral is written only when asked for by ``model.family`` (without a window it is a Llama)."""
+    return False
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    if cfg.flavor != "llama" or cfg.moe_experts:
+        raise ConfigError(
+            f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
+        )
+    require_biases(cfg, "Mistral", False, False, False, "unset model.family to export it as a Llama")
+    return dict(**llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim), sliding_window=None)
+
+
+def weight_map(cfg: ModelConfig, found: Collection[str] = ()) -> list[Entry]:
+    return llama_names(cfg)

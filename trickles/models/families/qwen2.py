@@ -1,0 +1,79 @@
+"""Qwen2 and Qwen2.5 (``model_type: qwen2``, ``Qwen2ForCausalLM``): Llama with a bias on q, k and v only.
+
+Config, both ways: as :mod:`.llama` (``qkv_bias=true``, ``o_bias=false``, ``mlp_bias=false``: Qwen2's attention
+output and MLP projections have no bias, and its config has no field to change that), with Qwen2's defaults.
+
+Sliding windows: ``use_sliding_window: true`` (or a ``layer_types`` entry ``sliding_attention``) is refused for now
+(sliding-window attention is not built yet). With ``use_sliding_window: false``, ``sliding_window`` may hold any
+value (the published Qwen2.5 configs carry 32768 or 131072): transformers ignores it, and so does this import;
+``max_window_layers`` (the first layers that keep full attention when windows are on) is ignored as well. Exports
+write ``use_sliding_window: false``. Tensor names: :mod:`.llama`'s, with ``self_attn.{q,k,v}_proj.bias``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from ...errors import ConfigError
+from ..config import ModelConfig
+from ..hf_names import Entry
+from ..rope import rope_fields_from_hf
+from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+
+MODEL_TYPE = "qwen2"
+ARCHITECTURE = "Qwen2ForCausalLM"
+DEFAULTS = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=None,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+)
+
+
+def from_hf(raw: dict, source: str) -> ModelConfig:
+    c = merged(DEFAULTS, raw)
+    if c["use_sliding_window"]:
+        raise refuse(
+            source,
+            f"use_sliding_window=true (a window of {c.get('sliding_window')} tokens; sliding-window attention is not "
+            "built yet)",
+        )
+    if "sliding_attention" in (c.get("layer_types") or ()):
+        raise refuse(source, "layer_types names sliding_attention layers (sliding-window attention is not built yet)")
+    return llama_shape(
+        c, source, MODEL_TYPE, qkv_bias=True, o_bias=False, mlp_bias=False, **rope_fields_from_hf(raw, source)
+    )
+
+
+def picks(cfg: ModelConfig) -> bool:
+    """Qwen2 writes a dense llama-flavour model with biases on q, k and v only."""
+    return (
+        cfg.flavor == "llama" and not cfg.moe_experts and cfg.bias("qkv") and not cfg.bias("o") and not cfg.bias("mlp")
+    )
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    if cfg.flavor != "llama" or cfg.moe_experts:
+        raise ConfigError(
+            f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
+        )
+    require_biases(cfg, "Qwen2", True, False, False, "set it so, or unset model.family to export it as a Llama")
+    return dict(
+        **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim),
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=cfg.n_layers,
+    )
+
+
+def weight_map(cfg: ModelConfig, found: Collection[str] = ()) -> list[Entry]:
+    return llama_names(cfg)
