@@ -1,7 +1,8 @@
 """The costs of 2-D, 2.5-D and 3-D tensor parallelism counted, not guessed (:mod:`trickles.parallel.tensor.costs`).
 
 For each grid (2-D tp=4, 2.5-D tp=8 d=2, 3-D tp=8) and each flavour (llama ``tiny``: RMSNorm, untied, no biases;
-``gpt2-tiny``: LayerNorm, biases, learned positions, tied embedding) one spawned job measures, on every rank:
+``gpt2-tiny``: LayerNorm, biases, learned positions, tied embedding; on 2-D also ``tiny-biased``, a llama with biases
+on q, k, v and the MLP, none on o) one spawned job measures, on every rank:
 
 * the ledger's wire bytes of one transformer block run alone (forward, then backward) and of a whole training step
   (two micro-batches and the gradient norm): equal to :func:`block_comm` and :func:`step_comm` exactly (a tied
@@ -29,11 +30,19 @@ CPU = torch.device("cpu")
 SEQ, MICRO = 32, 4  # two micro-batches of 4 sequences per step (global batch 8)
 GRIDS = [("2d", 4, 1), ("2.5d", 8, 2), ("3d", 8, 1)]
 # every mode once, each preset (llama; gpt2's biases and tied embedding) on the 2-D grid and on one 8-rank grid
-CASES = [(*GRIDS[0], "tiny"), (*GRIDS[0], "gpt2-tiny"), (*GRIDS[1], "tiny"), (*GRIDS[2], "gpt2-tiny")]
+# tiny-biased: a llama with biases on q, k, v and the MLP's projections, none on o
+CASES = [
+    (*GRIDS[0], "tiny"),
+    (*GRIDS[0], "gpt2-tiny"),
+    (*GRIDS[1], "tiny"),
+    (*GRIDS[2], "gpt2-tiny"),
+    (*GRIDS[0], "tiny-biased"),
+]
 IDS = [f"{m}-tp{tp}-{preset}" for m, tp, _, preset in CASES]
 # the memory formulas once more under selective recomputation (the attention core not saved), on the 2-D grid
 MEMORY_CASES = [(*c, "none") for c in CASES] + [(*GRIDS[0], "tiny", "selective")]
 MEMORY_IDS = IDS + ["2d-tp4-tiny-selective"]
+BIASED = ("model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true")
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +54,8 @@ def _trainer(tmp, cache, mode, tp, depth, preset, *overrides):
     cfg = tiny_config(
         tmp,
         cache,
-        f"model.preset={preset}",
+        f"model.preset={preset.removesuffix('-biased')}",
+        *(BIASED if preset.endswith("-biased") else ()),
         f"parallel.tp={tp}",
         f"parallel.tp_mode={mode}",
         f"parallel.tp_depth={depth}",
@@ -156,13 +166,37 @@ def _one_d_step(tmp, cache, preset, tp, sp):
 
 
 @pytest.mark.parametrize(
-    "preset,tp,sp", [("tiny", 4, False), ("gpt2-tiny", 2, True)], ids=["tiny-tp4", "gpt2-tiny-tp2-sp"]
+    "preset,tp,sp",
+    [("tiny", 4, False), ("gpt2-tiny", 2, True), ("tiny-biased", 2, True)],
+    ids=["tiny-tp4", "gpt2-tiny-tp2-sp", "tiny-biased-tp2-sp"],
 )
 def test_one_d_sends_the_formula_bytes(tmp_path, cache, preset, tp, sp):
     """Megatron's all-reduces (tp=4 replicates llama's two key/value heads: their gradients are summed once a step);
     with sequence parallelism the reduce-scatter/all-gather pairs, the regathers and the partial gradients (norms,
-    positions, gpt2's row-parallel biases)."""
+    positions, the row-parallel biases: gpt2's o and down, tiny-biased's down only)."""
     results = run_ranks(tp, _one_d_step, str(tmp_path), cache, preset, tp, sp)
     cfg = results[0][0]
     expected = step_comm(cfg, Layout.of("1d", tp, sequence_parallel=sp), MICRO, SEQ, 4, micro_batches=2)
     assert [sent for _, sent in results] == [expected] * tp
+
+
+def _one_d_report(tmp, cache, tp):
+    """A llama with biases per part at 1-D ``tp``: the parameters a rank holds, the report's prediction and measure."""
+    from trickles.memory.report import measure, predict
+
+    tr, dims = _trainer(tmp, cache, "1d", tp, 1, "tiny", *BIASED)
+    params = sum(p.numel() for p in {id(p): p for p in tr.model.parameters()}.values())
+    report = measure(tr, predict(tr.cfg, dims, tr.model_cfg), steps=1)
+    keys = ("parameters", "gradients", "optimizer", "activations", "head")
+    return tr.model_cfg, params, {k: report.predicted[k] for k in keys}, {k: report.measured[k] for k in keys}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_biases_per_part_are_counted_as_the_model_holds_them(tmp_path, cache, tp):
+    """q, k, v and the MLP's projections with a bias, o without: the report's parameter, gradient and optimizer bytes
+    are what the trainer holds, and the cost formula counts the parameters a rank holds (the column-parallel biases
+    split, the down projection's whole)."""
+    for cfg, params, predicted, measured in run_ranks(tp, _one_d_report, str(tmp_path), cache, tp):
+        assert cfg.bias("qkv") and not cfg.bias("o") and cfg.bias("mlp")
+        assert predicted == measured, (predicted, measured)
+        assert predicted["parameters"] == 4 * params == 4 * param_count(cfg, Layout.of("1d", tp))["total"], params

@@ -2,7 +2,8 @@
 precision, checkpoints that reshard to other layouts, and the configurations refused.
 
 * Layout invariance, fp32, 6 steps: 2-D at tp=4, 2.5-D at tp=8 (q=2, d=2) and 3-D at tp=8, each with the llama
-  (``tiny``) and the gpt2 (``gpt2-tiny``: LayerNorm, biases, learned positions, tied embedding) flavour; dp=2 x 2-D
+  (``tiny``) and the gpt2 (``gpt2-tiny``: LayerNorm, biases, learned positions, tied embedding) flavour, and 2-D with a
+  llama whose biases are set per part (q, k, v and the MLP, not o); dp=2 x 2-D
   tp=4 (plain, with ZeRO-1, with ZeRO-3); pp=2 x 2-D tp=4 (gpt2: the grid's tied embedding on the first stage and output
   layer on the last); full recomputation (2-D, gpt2). Every rank's losses within 1e-4 relative of one process's, its
   gradient norms (clipped at 1.0: the norm counts each block once) within 1e-4 too, and the weights, assembled from
@@ -38,6 +39,7 @@ GRIDS = {
     "2.5d": ("parallel.tp=8", "parallel.tp_mode=2.5d", "parallel.tp_depth=2"),
     "3d": ("parallel.tp=8", "parallel.tp_mode=3d"),
 }
+BIASED = ("model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true")
 SLOWER = "train.lr=2.85e-3"  # tiny_config's 3e-3, 5% lower: the wrong run the loss tolerance must reject
 
 
@@ -134,8 +136,8 @@ def _weights_track(weights, ref, initial, tol):
 
 # ---- layout invariance -------------------------------------------------------------------------------------------
 
-# (preset, mode, dp, pp, extra): world = dp x pp x tp; "train.*" extras change the math (micro-batches), and the
-# reference takes them too
+# (preset, mode, dp, pp, extra): world = dp x pp x tp; "train.*" and "model.*" extras change the math (micro-batches,
+# the model), and the reference takes them too
 # one case per mode and idea (biases and tied embeddings: gpt2-tiny; llama: tiny), not every preset x mode
 CASES = [
     ("tiny", "2d", 1, 1, ()),
@@ -144,6 +146,7 @@ CASES = [
     ("gpt2-tiny", "3d", 1, 1, ()),
     ("tiny", "2d", 2, 1, ("parallel.zero=3",)),  # each rank's blocks sharded over the 2 replicas
     ("gpt2-tiny", "2d", 1, 2, ("train.micro_batch=2",)),  # 4 micro-batches of 2 samples: 1 per grid row
+    ("tiny", "2d", 1, 1, BIASED),  # a llama's biases set per part: on q, k, v and the MLP, none on o
 ]
 TP = {"2d": 4, "2.5d": 8, "3d": 8}
 MEASURED = """largest over the ranks, relative for losses and gradient norms, absolute for weights, over the 6 steps
@@ -155,6 +158,7 @@ MEASURED = """largest over the ranks, relative for losses and gradient norms, ab
     gpt2-tiny 3d tp8                     2.0e-7   6.2e-7      9.7e-7
     tiny dp2 x 2d tp4 zero=3             1.7e-7   7.3e-7      5.2e-7
     gpt2-tiny pp2 x 2d tp4 micro=2       9.7e-8   5.3e-7      5.1e-7
+    tiny 2d tp4 q/k/v and MLP biases     1.7e-7   4.5e-7      1.8e-7   (2026-11-29)
 The wrong run, a learning rate 5% lower: losses 6.6e-3 (llama) and 8.1e-3 (gpt2) away, gradient norms 5.1e-3 (gpt2) to
 9.0e-3 (llama); every weight moves farther than 1e-5 in the 6 steps (``assert_weights_track`` checks it), but gpt2's
 key bias, which gets no gradient (3e-8, rounding)."""
@@ -172,9 +176,10 @@ def test_layout_invariance(tmp_path, cache, preset, mode, dp, pp, extra):
     """Every rank's losses and gradient norms within 1e-4 relative of one process's, each replica's assembled weights
     within 1e-5, over 6 steps (measured gaps: ``MEASURED``)."""
     tp = TP[mode]
-    same_math = [e for e in extra if e.startswith("train.")]
+    same_math = [e for e in extra if e.startswith(("train.", "model."))]
     ref = reference(str(tmp_path), [cache, f"model.preset={preset}", *same_math], INVARIANCE_STEPS)
     ref_losses, ref_norms, ref_weights, initial, slower, slower_norms = ref
+
     overrides = [cache, f"model.preset={preset}", *GRIDS[mode], f"parallel.pp={pp}", *extra]
     results = run_ranks(dp * tp * pp, _train, str(tmp_path), overrides, INVARIANCE_STEPS, timeout=300)
     losses_gap = max(
@@ -185,8 +190,12 @@ def test_layout_invariance(tmp_path, cache, preset, mode, dp, pp, extra):
     assert norms_gap <= 1e-4 < loss_gap(slower_norms, ref_norms), (norms_gap, loss_gap(slower_norms, ref_norms))
     weights_gap = 0.0
     for d in range(dp):  # ranks: ((stage x dp) + replica) x tp + tp rank
-        replica = [results[(s * dp + d) * tp + t][2] for s in range(pp) for t in range(tp)]
-        weights_gap = max(weights_gap, _weights_track(_assemble(replica, stages=pp), ref_weights, initial, 1e-5))
+        replica = _assemble([results[(s * dp + d) * tp + t][2] for s in range(pp) for t in range(tp)], stages=pp)
+        if extra == BIASED:  # the grid builds each linear's bias as its part says
+            biases = {n.split(".", 2)[2] for n in replica if n.endswith(".bias")}
+            parts = ("attn.q", "attn.k", "attn.v", "mlp.gate", "mlp.up", "mlp.down")
+            assert biases == {f"{m}_proj.bias" for m in parts} and replica.keys() == ref_weights.keys(), biases
+        weights_gap = max(weights_gap, _weights_track(replica, ref_weights, initial, 1e-5))
     print(
         f"{_case_id((preset, mode, dp, pp, extra))}: losses {losses_gap:.3g} "
         f"(lr 5% lower: {loss_gap(slower, ref_losses):.3g}), "

@@ -379,6 +379,7 @@ def test_an_expert_parallel_rank_runs_the_gemms_of_its_own_experts():
         ["model.preset=gpt2-tiny"],
         ["model.preset=tiny", "model.moe_experts=4", "model.moe_every=2", "model.moe_shared_experts=1"],
         ["model.preset=gpt2-tiny", "model.moe_experts=2", "model.tie_embeddings=false"],
+        ["model.preset=tiny", "model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true"],
     ],
 )
 def test_parameter_counts_are_the_models(sets):
@@ -395,13 +396,16 @@ def test_parameter_counts_are_the_models(sets):
 
 
 @pytest.mark.parametrize(
-    "preset,tp,sp", [("tiny", 4, False), ("tiny", 4, True), ("tiny", 2, True), ("gpt2-tiny", 2, True)]
+    "preset,tp,sp",
+    [("tiny", 4, False), ("tiny", 4, True), ("tiny", 2, True), ("gpt2-tiny", 2, True), ("tiny-biased", 4, True)],
 )
 def test_partial_gradients_are_the_plans(preset, tp, sp):
+    """tiny-biased: replicated key/value heads with their biases, and the MLP's row-parallel bias (none on o)."""
     from trickles.models.transformer import Transformer
     from trickles.parallel.tensor.plan import apply_tensor_parallel
 
-    cfg = Config.load(None, [*TINY, f"model.preset={preset}"])
+    biases = ["model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true"] if "biased" in preset else []
+    cfg = Config.load(None, [*TINY, f"model.preset={preset.removesuffix('-biased')}", *biases])
     mc = resolve_model(cfg.model, 320, 32)
     with torch.device("meta"):
         model = Transformer(mc)

@@ -161,3 +161,30 @@ def test_pruned_model_exports_to_transformers(tmp_path):
         assert (ours - theirs).abs().max().item() <= 1e-5
         back = load_hf(tmp_path / "hf")
         assert back.cfg.head_dim == small.cfg.head_dim and torch.equal(back(x), ours)
+
+
+def test_taylor_scores_sum_every_weight_and_bias_of_the_unit():
+    """A llama with a bias on every projection: a channel's score is ``sum |w dL/dw|`` over its gate and up rows, their
+    biases' elements and its down column; a group's over its q, k, v rows (and biases) and o columns."""
+    cfg = tiny(n_layers=1, qkv_bias=True, o_bias=True, mlp_bias=True)
+    model = noisy(cfg)
+    data = batches(2)
+    imp = measure(model, data, "taylor")
+    totals = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for x, y in data:
+        model.zero_grad(set_to_none=True)
+        model(x, target=y).backward()
+        for n, p in model.named_parameters():
+            totals[n] += (p * p.grad).abs().detach()
+    t = {n.removeprefix("layers.0."): v for n, v in totals.items()}
+    channels = t["mlp.down_proj.weight"].sum(0)
+    for part in ("gate", "up"):
+        channels = channels + t[f"mlp.{part}_proj.weight"].sum(1) + t[f"mlp.{part}_proj.bias"]
+    assert t["mlp.gate_proj.bias"].min() > 0
+    assert torch.allclose(imp.channels[0], channels.double(), rtol=1e-5, atol=0)
+    rep, d = cfg.n_heads // cfg.kv_heads, cfg.head_dim
+    for g in range(cfg.kv_heads):
+        q, kv = slice(g * rep * d, (g + 1) * rep * d), slice(g * d, (g + 1) * d)
+        s = t["attn.q_proj.weight"][q].sum() + t["attn.q_proj.bias"][q].sum() + t["attn.o_proj.weight"][:, q].sum()
+        s = s + sum(t[f"attn.{p}_proj.weight"][kv].sum() + t[f"attn.{p}_proj.bias"][kv].sum() for p in "kv")
+        assert float(imp.groups[0][g]) == pytest.approx(float(s), rel=1e-5)

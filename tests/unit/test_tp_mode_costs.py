@@ -39,16 +39,22 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "gpt2-tiny", "gpt2-small", "llama-350m"])
+# a llama with biases on q, k, v and on the MLP's projections, none on o (column- and row-parallel alike)
+BIASED = ["model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true"]
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-biased", "gpt2-tiny", "gpt2-small", "llama-350m"])
 @pytest.mark.parametrize("mode,tp,depth,sp", LAYOUTS, ids=[f"{m}-tp{t}{'-sp' if s else ''}" for m, t, _, s in LAYOUTS])
 def test_param_count_is_what_the_plan_leaves_a_rank(preset, mode, tp, depth, sp):
     """The formula counts exactly the parameters tp rank 0 holds once the mode's plan is applied (a tied weight once;
-    llama-350m replicates its 8 key/value heads at no tp here, tiny its 2 at tp=4)."""
+    llama-350m replicates its 8 key/value heads at no tp here, tiny its 2 at tp=4 -- with their biases when
+    tiny-biased)."""
     cfg = _config(
-        f"model.preset={preset}",
+        f"model.preset={preset.removesuffix('-biased')}",
         "data.seq_len=64",
         *(["model.vocab_size=320"] if "tiny" in preset else []),
         *(["model.vocab_size=50304"] if preset == "gpt2-small" else []),
+        *(BIASED if preset.endswith("-biased") else []),
     )  # (50257 splits over no tp)
     model_cfg = _model(cfg)
     with torch.device("meta"):

@@ -7,7 +7,8 @@ A block's attention with ``G`` key/value groups of ``r = n_heads / G`` query hea
 so removing group ``g`` removes rows ``[g r D, (g+1) r D)`` of ``q_proj``, rows ``[g D, (g+1) D)`` of
 ``k_proj`` and ``v_proj`` and the same columns of ``o_proj`` as ``q_proj``'s rows: the sum loses one term and
 nothing else changes. An MLP ``down(act(gate x) * up x) = sum_c down[:, c] act(gate_c x) up_c x`` loses channel
-``c`` with row ``c`` of ``gate_proj`` and ``up_proj`` (and ``up``'s bias) and column ``c`` of ``down_proj``.
+``c`` with row ``c`` of ``gate_proj`` and ``up_proj`` (and element ``c`` of their biases) and column ``c`` of
+``down_proj``.
 A block ``h + attn(...) + mlp(...)`` removed leaves the residual stream ``h`` as it was. Where the removed
 term is exactly zero (``o_proj``'s columns, ``down_proj``'s column zero) the pruned model computes the same
 logits, bit for bit.
@@ -117,11 +118,12 @@ def _taylor(model: Transformer, batches) -> Importance:
                 if f"attn.{part}_proj.bias" in t:
                     s = s + t[f"attn.{part}_proj.bias"][_rows(g, size)].sum()
             g_score[g] = float(s)
-        c = t["mlp.down_proj.weight"].sum(0) + t["mlp.up_proj.weight"].sum(1)
-        if "mlp.gate_proj.weight" in t:
-            c = c + t["mlp.gate_proj.weight"].sum(1)
-        if "mlp.up_proj.bias" in t:
-            c = c + t["mlp.up_proj.bias"]
+        c = t["mlp.down_proj.weight"].sum(0)
+        for part in ("gate", "up"):  # their rows, and their biases' elements, where the model has them
+            if f"mlp.{part}_proj.weight" in t:
+                c = c + t[f"mlp.{part}_proj.weight"].sum(1)
+            if f"mlp.{part}_proj.bias" in t:
+                c = c + t[f"mlp.{part}_proj.bias"]
         groups[layer], channels[layer] = g_score, c.double()
     return Importance(groups, channels, blocks)
 

@@ -40,10 +40,11 @@ zeroed output); the head ``2 r p`` + the loss over the rank's vocabulary slice, 
 times in forward and backward by one rank's fused log-softmax, 11 times by the vocabulary-parallel one
 (:data:`LOSS_BYTES`). An estimate: GPUs fuse some of it, and calibration measures only GEMMs.
 
-**Parameters** (:func:`param_elements`): a dense block ``d (a + 2 a_kv) h_d + a h_d d + (3 | 2) d f`` matrix
-elements plus norms (``2 d``, LayerNorm ``4 d``) and gpt2's biases; an MoE block the router ``d E`` and ``E``
-experts of ``(3 | 2) d f_e``; the embedding ``V d``, gpt2's positions ``T_max d``, the final norm, an untied
-output ``V d``. Tested equal to the built model's count.
+**Parameters** (:func:`param_elements`): a dense block ``d (a + 2 a_kv) h_d + a h_d d + (3 | 2) d f`` matrix elements
+plus norms (``2 d``, LayerNorm ``4 d``) and the biases of the linears that have one
+(:func:`~trickles.parallel.tensor.layout.block_linears`: ``model.qkv_bias``, ``o_bias``, ``mlp_bias``); an MoE block the
+router ``d E`` and ``E`` experts of ``(3 | 2) d f_e``; the embedding ``V d``, gpt2's positions ``T_max d``, the final
+norm, an untied output ``V d``. Tested equal to the built model's count.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
+from ..parallel.tensor.layout import bias_elements
 from ..topology import ParallelDims
+
+ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 
 @dataclass(frozen=True)
@@ -243,20 +247,20 @@ def block_params(cfg: ModelConfig, moe: bool) -> tuple[int, int, int]:
     experts."""
     d, hd, gpt2 = cfg.d_model, cfg.head_dim, cfg.flavor == "gpt2"
     a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
-    mats = 3 if _gated(cfg) else 2
+    mats, mlp_bias = 3 if _gated(cfg) else 2, cfg.bias("mlp")
     matrices = d * (a + 2 * kv) + a * d
-    vectors = (4 if gpt2 else 2) * d + ((a + 2 * kv) + d if gpt2 else 0)
+    vectors = (4 if gpt2 else 2) * d + bias_elements(cfg, ATTENTION_LINEARS)
     experts = 0
     if moe:
         f = cfg.moe_ffn_dim
         matrices += d * cfg.moe_experts
-        experts = cfg.moe_experts * (mats * d * f + ((f + d) if gpt2 else 0))
+        experts = cfg.moe_experts * (mats * d * f + ((f + d) if mlp_bias else 0))  # up's and down's biases
         if cfg.moe_shared_experts:
             fs = f * cfg.moe_shared_experts
-            experts += mats * d * fs + ((fs + d) if gpt2 else 0)
+            experts += mats * d * fs + ((fs + d) if mlp_bias else 0)
     else:
         matrices += mats * d * cfg.ffn_dim
-        vectors += (cfg.ffn_dim + d) if gpt2 else 0
+        vectors += bias_elements(cfg) - bias_elements(cfg, ATTENTION_LINEARS)
     return matrices, vectors, experts
 
 

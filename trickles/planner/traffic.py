@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..comm import wire_bytes
+from ..parallel.tensor.layout import block_linears
 from .rank_plan import RankPlan
 
 OVERLAPS = ("none", "backward", "forward", "prefetch", "attention", "pipeline")
@@ -91,24 +92,12 @@ def tensor_1d(r: RankPlan) -> list[Traffic]:
     return out
 
 
-def grid_linears(cfg) -> list[tuple[int, int, bool]]:
-    """``(in, out, bias)`` of a dense block's linears in a grid (q, k, v or fused qkv; o; gate and up or fused; down):
-    each gathers its own input, so unfused projections move ``X`` once each."""
-    d, hd, b = cfg.d_model, cfg.head_dim, cfg.flavor == "gpt2"
-    a, kv, f = cfg.n_heads * hd, cfg.kv_heads * hd, cfg.ffn_dim
-    attn = [(d, a + 2 * kv, b)] if cfg.fuses_projections else [(d, a, b), (d, kv, b), (d, kv, b)]
-    if cfg.flavor == "llama":
-        mlp = [(d, 2 * f, False)] if cfg.fuses_projections else [(d, f, False), (d, f, False)]
-    else:
-        mlp = [(d, f, b)]
-    return attn + [(a, d, b)] + mlp + [(f, d, b)]
-
-
 def grid_traffic(r: RankPlan) -> list[Traffic]:
     """2-D, 2.5-D and 3-D tensor parallelism, per line of the grid (``tp_row``, ``tp_col``, ``tp_dep``; a rank holds
     ``n`` tokens, ``N/q``, ``N/(q d)``, ``N/q^2``; ``AR``, ``AG``, ``RS`` as in :mod:`trickles.comm`):
 
-    * every linear ``h -> h'`` (:func:`grid_linears`, the output layer): the layers' own formulas,
+    * every linear ``h -> h'`` (a block's each gathers its own input, unfused projections ``X`` once each:
+      :func:`~trickles.parallel.tensor.layout.block_linears`; the output layer): the layers' own formulas,
       :func:`~trickles.parallel.tensor.grid_linear.summa_bytes` -- the input's gather and its gradient's reduce-scatter
       ``(q-1) p n h/q`` each on the row, the weight's ``(q-1) p h h'/q^2`` each and the bias's ``AR(p h'/q)`` on the
       column, 2.5-D's weight all-reduce on the depth -- and :func:`~trickles.parallel.tensor.grid_linear.cube_bytes`
@@ -179,7 +168,7 @@ def grid_traffic(r: RankPlan) -> list[Traffic]:
 
     for _ in r.layers:
         norm(), norm()
-        for h, h2, bias in grid_linears(mc):
+        for _, h, h2, bias in block_linears(mc):
             linear(h, h2, bias)
     if r.cfg.memory.recompute == "full":
         bwd_blocks = {k: list(v) for k, v in fwd.items()}  # each block's forward, again in backward

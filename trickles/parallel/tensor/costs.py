@@ -45,7 +45,8 @@ from __future__ import annotations
 from ...comm import wire_bytes
 from ...models.config import ModelConfig
 from .grid_linear import cube_bytes, summa_bytes
-from .layout import Layout, _bias, block_linears
+from .layout import ROW_PARALLEL, Layout, block_linears
+from .region_bytes import partial_grad_elements
 
 # ---- collectives, as the ledger counts them (one call each: :func:`trickles.comm.wire_bytes`, rounded) ----------
 
@@ -178,17 +179,11 @@ def comm_bytes(
 
 def partial_grad_count(cfg: ModelConfig, lay: Layout) -> int:
     """1-D: gradient elements every tp rank holds but computes from other data, summed over ``tp`` once a step
-    (replicated key/value projections; under sequence parallelism the norms, and gpt2's positions and the biases
-    of the row-parallel layers, added to sequence shards)."""
+    (:func:`~.region_bytes.partial_grad_elements`: replicated key/value projections and their biases; under sequence
+    parallelism the norms, gpt2's positions and the row-parallel linears' biases, added to sequence shards)."""
     if lay.grid or lay.tp == 1:
         return 0
-    d, L, kvh = cfg.d_model, cfg.n_layers, cfg.kv_heads * cfg.head_dim
-    kv = 2 * L * (kvh * d + (kvh if _bias(cfg) else 0)) if cfg.kv_heads % lay.tp else 0
-    if not lay.sequence_parallel:
-        return kv
-    norms = (2 * L + 1) * d * (2 if cfg.flavor == "gpt2" else 1)
-    gpt2 = cfg.max_seq_len * d + 2 * L * d if cfg.flavor == "gpt2" else 0  # positions; the row-parallel biases
-    return kv + norms + gpt2
+    return partial_grad_elements(cfg, lay.tp, lay.sequence_parallel)
 
 
 def step_comm(
@@ -228,7 +223,7 @@ def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
         block = 2 * norm
         for name, h, h2, b in block_linears(cfg):
             whole = name in ("k_proj", "v_proj") and cfg.kv_heads % t != 0  # replicated key/value heads
-            row = name in ("o_proj", "down_proj")  # row-parallel: the bias is whole
+            row = name in ROW_PARALLEL  # row-parallel: the bias is whole
             block += h * h2 // (1 if whole else t) + (h2 // (1 if whole or row else t) if b else 0)
         rest = norm + positions + v * d // t * (1 if cfg.tied else 2)
     else:

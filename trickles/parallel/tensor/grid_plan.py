@@ -21,10 +21,12 @@ module                                      becomes
 ``loss``                                    :class:`GridLoss` (vocabulary-parallel over ``tp_row``)
 ==========================================  ================================================================
 
-Every weight is split over the whole grid (2.5-D: replicated over the depth); norms' and biases' blocks are held
-alike by the ranks of the token groups. Mixture-of-experts blocks, context parallelism, sequence parallelism, the
-fused loss, quantization-aware training and KV-cache decoding are not combined with a grid (the configuration
-refuses them).
+Every weight is split over the whole grid (2.5-D: replicated over the depth); norms' and biases' blocks are held alike
+by the ranks of the token groups. Each linear has a bias where its part's setting says (``model.qkv_bias``, ``o_bias``,
+``mlp_bias``; :func:`~trickles.parallel.tensor.layout.block_linears`): every grid linear adds its output block's bias
+the same way, ``o_proj`` and ``down_proj`` included. Mixture-of-experts blocks, context parallelism, sequence
+parallelism, the fused loss, quantization-aware training and KV-cache decoding are not combined with a grid (the
+configuration refuses them).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from ...models.transformer import Transformer
 from ...topology import Topology
 from .grid_model import GridContext, GridEmbedding, GridLoss, GridNorm, GridPositions
 from .layers import ForkRNG
+from .layout import BIAS_PART, ROW_PARALLEL, block_linears
 
 
 def grid_context(topo: Topology) -> GridContext:
@@ -50,9 +53,8 @@ def apply_tensor_nd(model: Transformer, ctx: GridContext) -> GridContext:
     """Swaps ``model``'s modules for the grid's (in place, see the module docstring); returns ``ctx``."""
     cfg = model.cfg
     dev = torch.device("meta")
-    bias = cfg.flavor == "gpt2"
     layer_norm = cfg.flavor == "gpt2"
-    d, hd = cfg.d_model, cfg.head_dim
+    d = cfg.d_model
     lin = ctx.linear
 
     def norm():
@@ -64,22 +66,11 @@ def apply_tensor_nd(model: Transformer, ctx: GridContext) -> GridContext:
     for block in model.layers.values():
         attn, mlp = block.attn, block.mlp
         block.attn_norm, block.mlp_norm = norm(), norm()
-        if attn.fused:
-            attn.qkv_proj = lin(d, (cfg.n_heads + 2 * cfg.kv_heads) * hd, bias, device=dev)
-        else:
-            attn.q_proj = lin(d, cfg.n_heads * hd, bias, device=dev)
-            attn.k_proj = lin(d, cfg.kv_heads * hd, bias, device=dev)
-            attn.v_proj = lin(d, cfg.kv_heads * hd, bias, device=dev)
-        attn.o_proj = lin(cfg.n_heads * hd, d, bias, second=True, device=dev)
+        for name, h, h2, bias in block_linears(cfg):  # each with its own bias setting (model.qkv_bias, ...)
+            owner = attn if BIAS_PART[name] in ("qkv", "o") else mlp
+            setattr(owner, name, lin(h, h2, bias, second=name in ROW_PARALLEL, device=dev))
         object.__setattr__(attn, "core", ForkRNG(attn.core, ctx, cfg.dropout, owner=attn))
         attn.resid_drop = ForkRNG(attn.resid_drop, ctx, cfg.dropout)
-        if mlp.fused:
-            mlp.gate_up_proj = lin(d, 2 * cfg.ffn_dim, False, device=dev)
-        else:
-            if mlp.gated:
-                mlp.gate_proj = lin(d, cfg.ffn_dim, False, device=dev)
-            mlp.up_proj = lin(d, cfg.ffn_dim, bias, device=dev)
-        mlp.down_proj = lin(cfg.ffn_dim, d, bias, second=True, device=dev)
         mlp.resid_drop = ForkRNG(mlp.resid_drop, ctx, cfg.dropout)
     model.embed_drop = ForkRNG(model.embed_drop, ctx, cfg.dropout)
     model.norm = norm()

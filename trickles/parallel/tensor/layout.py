@@ -53,24 +53,45 @@ class Layout:
         return batch * seq // self.parts
 
 
-def _bias(cfg: ModelConfig) -> bool:
-    return cfg.flavor == "gpt2"
+#: a dense block's linear -> the projections (``ModelConfig.bias``'s part) whose bias setting it follows
+BIAS_PART = {
+    "q_proj": "qkv",
+    "k_proj": "qkv",
+    "v_proj": "qkv",
+    "qkv_proj": "qkv",
+    "o_proj": "o",
+    "gate_proj": "mlp",
+    "up_proj": "mlp",
+    "gate_up_proj": "mlp",
+    "down_proj": "mlp",
+}
+#: the linears 1-D tensor parallelism splits by input features (their bias whole on every rank)
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def has_bias(cfg: ModelConfig, name: str) -> bool:
+    """Whether a dense block's linear ``name`` (``q_proj`` ... ``down_proj``, fused ``qkv_proj``, ``gate_up_proj``)
+    has a bias: ``cfg.bias`` of its part (``model.qkv_bias``, ``o_bias``, ``mlp_bias``; unset, the flavor's)."""
+    return cfg.bias(BIAS_PART[name])
 
 
 def block_linears(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
-    """``(name, in, out, bias)`` of a dense block's linears, in the order they run."""
-    d, hd, b = cfg.d_model, cfg.head_dim, _bias(cfg)
+    """``(name, in, out, bias)`` of a dense block's linears, in the order they run; ``bias``: :func:`has_bias`."""
+    d, hd = cfg.d_model, cfg.head_dim
     a, kv, f = cfg.n_heads * hd, cfg.kv_heads * hd, cfg.ffn_dim
     if cfg.fuses_projections:
-        attn = [("qkv_proj", d, a + 2 * kv, b)]
+        attn = [("qkv_proj", d, a + 2 * kv)]
     else:
-        attn = [("q_proj", d, a, b), ("k_proj", d, kv, b), ("v_proj", d, kv, b)]
+        attn = [("q_proj", d, a), ("k_proj", d, kv), ("v_proj", d, kv)]
     if cfg.flavor == "llama":
-        mlp = (
-            [("gate_up_proj", d, 2 * f, False)]
-            if cfg.fuses_projections
-            else [("gate_proj", d, f, False), ("up_proj", d, f, False)]
-        )
+        mlp = [("gate_up_proj", d, 2 * f)] if cfg.fuses_projections else [("gate_proj", d, f), ("up_proj", d, f)]
     else:
-        mlp = [("up_proj", d, f, b)]
-    return attn + [("o_proj", a, d, b)] + mlp + [("down_proj", f, d, b)]
+        mlp = [("up_proj", d, f)]
+    return [
+        (name, h, h2, has_bias(cfg, name)) for name, h, h2 in attn + [("o_proj", a, d)] + mlp + [("down_proj", f, d)]
+    ]
+
+
+def bias_elements(cfg: ModelConfig, names: tuple[str, ...] | None = None) -> int:
+    """Bias elements of one dense block (of its linears ``names`` only, where given)."""
+    return sum(h2 for name, _, h2, b in block_linears(cfg) if b and (names is None or name in names))

@@ -11,6 +11,7 @@ reads them (:mod:`trickles.planner.traffic`). A tensor-parallel grid's formulas 
 from __future__ import annotations
 
 from ...comm import wire_bytes
+from .layout import ROW_PARALLEL, bias_elements, has_bias
 
 
 def region_wire_bytes(
@@ -83,21 +84,22 @@ def partial_grad_elements(
 ) -> int:
     """Gradient elements every tensor-parallel rank holds whole but computes from part of the data, summed over the
     group in one all-reduce per step (``TPSpec.partial_grad``): key/value projections kept whole
-    (:class:`~.layers.ReplicatedKV`, when ``tp`` does not divide ``n_kv_heads``: ``2 a_kv h d`` per block, with gpt2's
-    biases ``+ 2 a_kv h``) and, under sequence parallelism, what sees only the rank's positions: the norms (RMSNorm
-    ``d``, LayerNorm ``2 d``; two per block, the final one on the ``last`` stage), the row-parallel biases (gpt2:
-    ``2 d`` per block), learned positions (gpt2, ``first`` stage: ``T_max d``) and the mixture-of-experts MLPs
-    (``moe_elements``: their router and experts the rank holds). ``layers``: the blocks the rank holds (default all)."""
+    (:class:`~.layers.ReplicatedKV`, when ``tp`` does not divide ``n_kv_heads``: ``2 a_kv h d`` per block, with
+    their biases (``model.qkv_bias``) ``+ 2 a_kv h``) and, under sequence parallelism, what sees only the rank's
+    positions: the norms (RMSNorm ``d``, LayerNorm ``2 d``; two per block, the final one on the ``last`` stage), the
+    row-parallel linears' biases (``d`` each of ``o_proj``, ``down_proj`` that has one: gpt2 ``2 d`` per block),
+    learned positions (gpt2, ``first`` stage: ``T_max d``) and the mixture-of-experts MLPs (``moe_elements``: their
+    router and experts the rank holds). ``layers``: the blocks the rank holds (default all)."""
     if tp <= 1:
         return 0
     layers = cfg.n_layers if layers is None else layers
     d, hd, gpt2 = cfg.d_model, cfg.head_dim, cfg.flavor == "gpt2"
     n = 0
     if cfg.kv_heads % tp and not cfg.fuses_projections:
-        n += layers * 2 * cfg.kv_heads * hd * (d + (1 if gpt2 else 0))
+        n += layers * 2 * cfg.kv_heads * hd * (d + (1 if has_bias(cfg, "k_proj") else 0))
     if sequence_parallel:
         norm = 2 * d if gpt2 else d
-        n += layers * 2 * norm + (norm if last else 0) + moe_elements
+        n += layers * (2 * norm + bias_elements(cfg, ROW_PARALLEL)) + (norm if last else 0) + moe_elements
         if gpt2:
-            n += layers * 2 * d + (cfg.max_seq_len * d if first else 0)
+            n += cfg.max_seq_len * d if first else 0
     return n
