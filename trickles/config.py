@@ -23,7 +23,7 @@ from .config_checks import LayoutChecks
 from .data.config import DataConfig
 from .errors import ConfigError
 from .memory.config import MemoryConfig
-from .models.config import ModelConfig, apply_preset
+from .models.config import HOW_KEYS, ModelConfig, apply_preset
 from .options import field_docs, section_from_dict, unknown_key_error
 from .parallel.config import ParallelConfig
 from .topology import ParallelDims
@@ -81,10 +81,18 @@ class Config(LayoutChecks):
                 raise ConfigError(f"{section} must be a table of keys ([{section}]){where}")
             values = dict(values)
             base = None
-            if section == "model" and values.get("preset") is not None:
+            if section == "model" and values.get("from_hf") is not None:
+                base = _shape_from_hf(values, where)
+            elif section == "model" and values.get("preset") is not None:
                 base = apply_preset(ModelConfig(), str(values.pop("preset")))
             setattr(cfg, section, section_from_dict(SECTIONS[section], values, section, base, where))
         cfg.parallel.resolve()  # what the pipeline schedule implies
+        init = cfg.train.init_from
+        if init and "tokenizer" not in (tables.get("data") or {}):  # a Hugging Face directory's own tokenizer
+            from .train.load import hf_tokenizer_dir, is_hf_dir
+
+            if is_hf_dir(init) and hf_tokenizer_dir(init):
+                cfg.data.tokenizer = init
         return cfg
 
     @classmethod
@@ -145,8 +153,14 @@ class Config(LayoutChecks):
         """Checks every section and the combinations; returns the degrees to build."""
         if self.train.init_from:  # the checkpoint's model shape is the run's (a pruned model's, say)
             from .train.checkpoint import model_config_of
+            from .train.load import hf_model_config, is_hf_dir
 
-            self.model = model_config_of(self.train.init_from, self.model)
+            init = self.train.init_from
+            if is_hf_dir(init):  # a Hugging Face directory: its config.json's shape, how to compute it from ours
+                how = {k: getattr(self.model, k) for k in HOW_KEYS}
+                self.model = dataclasses.replace(hf_model_config(init, "train.init_from"), **how)
+            else:
+                self.model = model_config_of(init, self.model)
         for name in SECTIONS:
             section = getattr(self, name)
             if hasattr(section, "validate"):
@@ -251,6 +265,28 @@ class Config(LayoutChecks):
         """Whether a step's gradients add up over several backward passes (micro-batches, or pipeline stages'
         micro-batches)."""
         return self.batch_plan(dims.dp)[1] > 1 or dims.pp > 1
+
+
+#: model keys that may be given beside ``model.from_hf``: how the model computes and trains, not its shape
+FREE_OF_SHAPE = ("from_hf", *HOW_KEYS, "dropout", "init_std")
+
+
+def _shape_from_hf(values: dict[str, Any], where: str) -> ModelConfig:
+    """``model.from_hf``: the directory's shape (config.json only), which the other keys given must not contradict."""
+    from .train.load import hf_model_config
+
+    path = str(values["from_hf"])
+    if values.get("preset") is not None:
+        raise ConfigError(f"model.from_hf and model.preset both give the model's shape{where}; keep one of them")
+    base = dataclasses.replace(hf_model_config(path, "model.from_hf"), from_hf=path)
+    given = section_from_dict(ModelConfig, {k: v for k, v in values.items() if k != "preset"}, "model", base, where)
+    for key in values:
+        if key not in FREE_OF_SHAPE and key != "preset" and getattr(given, key) != getattr(base, key):
+            raise ConfigError(
+                f"model.{key} = {getattr(given, key)!r} contradicts model.from_hf={path} (its config.json gives "
+                f"{getattr(base, key)!r}){where}; leave model.{key} out or model.from_hf unset"
+            )
+    return base
 
 
 def _toml_value(v: Any) -> str:

@@ -1,6 +1,7 @@
 """What the subcommands share: the parser class with the command's error style, the ``--config``/``--set`` options,
-checks of option values that fail as one-line :class:`~trickles.errors.UserError`s, and loading a checkpoint for
-inference (``generate``, ``serve``).
+checks of option values that fail as one-line :class:`~trickles.errors.UserError`s, and loading a checkpoint or a
+Hugging Face model directory (``config.json`` and safetensors, no trickles manifest) for inference (``generate``,
+``serve``).
 
 Nothing here imports torch or the library's heavier modules at import time: ``trickles --help`` stays fast.
 """
@@ -78,16 +79,43 @@ def check_device(device: str) -> None:
         )
 
 
-def check_checkpoint(path: str) -> None:
+def check_checkpoint(path: str, budget_gb: float | None = None, int8: str | None = None) -> None:
+    """``path`` is a trickles checkpoint (or run) or a Hugging Face model directory whose shape and tokenizer load;
+    ``--device-budget-gb`` and ``--int8`` need a trickles checkpoint."""
     if not os.path.exists(path):
-        raise UserError(f"checkpoint {path} does not exist; give a checkpoint directory or a run's out_dir")
+        raise UserError(
+            f"checkpoint {path} does not exist; give a checkpoint directory, a run's out_dir or a Hugging Face model "
+            "directory"
+        )
+    from ..train.load import hf_model_config, is_hf_dir
+
+    if not is_hf_dir(path):
+        return  # read when loaded (resolved)
+    for option, value in (("--device-budget-gb", budget_gb), ("--int8", int8)):
+        if value is not None:
+            raise UserError(f"{option} needs a trickles checkpoint; {path} is a Hugging Face directory: leave it out")
+    hf_model_config(path, "the model")
+
+
+def resolved(path: str) -> str:
+    """The checkpoint directory ``path`` names (a run's out_dir: its newest); the one-line error says that ``path`` is
+    no Hugging Face directory either."""
+    from ..train import checkpoint as ckpt
+
+    try:
+        return ckpt.resolve(path)
+    except UserError as e:
+        raise UserError(f"{e} (nor a Hugging Face model directory: it has no config.json)") from None
 
 
 def context_length(path: str) -> int:
-    """The model's context length, from a checkpoint's ``trainer.json``."""
+    """The model's context length, from a checkpoint's ``trainer.json`` or a Hugging Face directory's config."""
     from ..train import checkpoint as ckpt
+    from ..train.load import hf_model_config, is_hf_dir
 
-    return int(ckpt.read_json(os.path.join(ckpt.resolve(path), "trainer.json"))["model"]["max_seq_len"])
+    if is_hf_dir(path):
+        return int(hf_model_config(path, "the model").max_seq_len)
+    return int(ckpt.read_json(os.path.join(resolved(path), "trainer.json"))["model"]["max_seq_len"])
 
 
 def check_budget(budget_gb: float | None) -> None:
@@ -98,9 +126,13 @@ def check_budget(budget_gb: float | None) -> None:
 def load_model(path: str, device, budget_gb: float | None, rows: int, max_len: int, int8: str | None = None):
     """``(model, tokenizer, meta)``: the whole model on ``device`` (a quantized checkpoint with its ``int8`` matmul), or
     with ``--device-budget-gb`` the blocks that do not fit beside a KV cache of ``rows x max_len`` streamed from the
-    checkpoint (placement printed on stderr)."""
+    checkpoint (placement printed on stderr). A Hugging Face directory loads whole, with its own tokenizer."""
     from ..compress.checkpoint import load_checkpoint
+    from ..train.load import is_hf_dir, load_hf_for_inference
 
+    if is_hf_dir(path):
+        return load_hf_for_inference(path, device)
+    resolved(path)
     if budget_gb is None:
         return load_checkpoint(path, device, int8=int8)
     from ..infer.streaming import load_streaming

@@ -11,8 +11,12 @@ from .common import DEVICE_HELP, add_command, check_budget, check_checkpoint, ch
 
 
 def add_parser(sub) -> None:
-    g = add_command(sub, "generate", "sample text from a checkpoint")
-    g.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
+    g = add_command(sub, "generate", "sample text from a checkpoint or a Hugging Face model directory")
+    g.add_argument(
+        "checkpoint",
+        help="a checkpoint directory, a run's out_dir (its newest checkpoint), or a Hugging Face model directory "
+        "(config.json, safetensors and its tokenizer, which encodes the prompts as transformers does)",
+    )
     g.add_argument(
         "--prompt",
         action="append",
@@ -155,7 +159,7 @@ def run(args) -> int:
         raise UserError(f"--length-penalty must be a finite number, got {args.length_penalty:g}")
     check_device(args.device)
     check_budget(args.device_budget_gb)
-    check_checkpoint(args.checkpoint)
+    check_checkpoint(args.checkpoint, args.device_budget_gb, args.int8)
     device = select_device(args.device)
     texts = args.prompt or ["def "]
     rows = len(texts) * (args.beams or args.num_samples)
@@ -163,7 +167,7 @@ def run(args) -> int:
     model, tokenizer, meta = load_model(
         args.checkpoint, device, args.device_budget_gb, rows, longest + args.max_new_tokens, args.int8
     )
-    prompts = [tokenizer.encode(t) or [tokenizer.eos_id] for t in texts]
+    prompts = [tokenizer.encode_prompt(t) or [tokenizer.eos_id] for t in texts]
     labels = None
     hard = model.cfg.moe_experts and model.cfg.moe_router == "hard"
     if hard or args.label is not None:

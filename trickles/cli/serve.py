@@ -25,7 +25,11 @@ def add_parser(sub) -> None:
         "serve a checkpoint over HTTP: OpenAI's /v1/completions and /v1/chat/completions, "
         "/v1/models, /health, /metrics",
     )
-    v.add_argument("checkpoint", help="a checkpoint directory, or a run's out_dir (its newest checkpoint)")
+    v.add_argument(
+        "checkpoint",
+        help="a checkpoint directory, a run's out_dir (its newest checkpoint), or a Hugging Face model directory "
+        "(config.json, safetensors and its tokenizer, whose chat template chat requests use)",
+    )
     v.add_argument(
         "--host", default="127.0.0.1", metavar="H", help="address to listen on (default: 127.0.0.1, this machine only)"
     )
@@ -132,7 +136,7 @@ def run(args) -> int:
         raise UserError("--api-key must not be empty; leave it out to serve without a key")
     check_device(args.device)
     check_budget(args.device_budget_gb)
-    check_checkpoint(args.checkpoint)
+    check_checkpoint(args.checkpoint, args.device_budget_gb, args.int8)
     missing = [m for m in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"trickles serve needs {' and '.join(missing)}: pip install 'trickles[serve]'")

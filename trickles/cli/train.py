@@ -54,9 +54,9 @@ def add_parser(sub) -> None:
     t.add_argument(
         "--init-from",
         default=None,
-        metavar="CKPT",
-        help="start from this checkpoint's weights and model shape, step 0 (same as --set train.init_from=...; "
-        "default: the config's)",
+        metavar="CKPT_OR_HF_DIR",
+        help="start from the weights and model shape of this checkpoint or Hugging Face model directory (whose "
+        "tokenizer data.tokenizer then defaults to), step 0 (same as --set train.init_from=...; default: the config's)",
     )
 
 
@@ -81,6 +81,7 @@ def _run(args) -> int:
     from ..config import Config
     from ..data.corpus import check_boundaries
     from ..data.sources import check_source
+    from ..data.tokenizers import load_hf_tokenizer
     from ..launch import launch
     from ..planner.elastic import fits, layout_for_world
     from ..process import env_world_size, restart_count
@@ -107,6 +108,8 @@ def _run(args) -> int:
             print(relayout, flush=True)
     check_source(cfg.data)
     check_boundaries(cfg.data)
+    if cfg.data.tokenizer not in ("byte", "bpe"):  # a tokenizer directory that cannot load fails here, not in ranks
+        load_hf_tokenizer(cfg.data.tokenizer, key="data.tokenizer")
     resume = resolve_resume(args.resume, cfg.train.out_dir)
     if args.resume == "auto" and resume is None and not args.quiet:
         print(f"[trickles] no complete checkpoint in {cfg.train.out_dir}; starting from step 0")

@@ -53,6 +53,11 @@ class Tokenizer:
         """Token ids of ``text`` (no special tokens added)."""
         raise NotImplementedError
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a prompt to continue: as :meth:`encode`, except that a Hugging Face model directory's tokenizer
+        adds its special tokens (a BOS, say) as transformers does."""
+        return self.encode(text)
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special and out-of-vocabulary ids are dropped."""
         raise NotImplementedError
@@ -112,6 +117,9 @@ class HFTokenizer(Tokenizer):
     only change how the text right at a cut is split.
     """
 
+    #: a model directory's tokenizer (prompts get its special tokens) and its BOS text (for chat templates)
+    prompt_specials, bos_token = False, None
+
     def __init__(self, tk: Any, eos_token: str, kind: str, name: str, chat_template: str | None = None):
         eos_id = tk.token_to_id(eos_token)
         if eos_id is None:
@@ -127,6 +135,9 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str) -> list[int]:
         return list(self.tk.encode(text, add_special_tokens=False).ids)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self.tk.encode(text, add_special_tokens=self.prompt_specials).ids)
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tk.decode([i for i in (int(x) for x in ids) if 0 <= i < self.vocab_size], skip_special_tokens=True)
@@ -255,8 +266,9 @@ def _cached_bpe(cfg: DataConfig, documents: Callable[[], Iterable[str]] | None) 
     return tok
 
 
-def load_hf_tokenizer(path: str | os.PathLike, key: str = "tokenizer") -> HFTokenizer:
-    """A Hugging Face tokenizer from a directory holding ``tokenizer.json`` (or that file itself)."""
+def load_hf_tokenizer(path: str | os.PathLike, key: str = "tokenizer", model_dir: bool = False) -> HFTokenizer:
+    """A Hugging Face tokenizer from a directory holding ``tokenizer.json`` (or that file itself); ``model_dir``: a
+    model's own, whose prompts get its special tokens (:meth:`HFTokenizer.encode_prompt`) and chats its BOS."""
     path = os.fspath(path)
     directory, file = (
         (os.path.dirname(path), path) if os.path.isfile(path) else (path, os.path.join(path, "tokenizer.json"))
@@ -280,13 +292,11 @@ def load_hf_tokenizer(path: str | os.PathLike, key: str = "tokenizer") -> HFToke
             f"{key}: the tokenizer in {path} names no end-of-text token; set eos_token in "
             f"{os.path.join(directory, 'tokenizer_config.json')}"
         )
-    return HFTokenizer(
-        tk,
-        eos,
-        "hf",
-        f"hf:{os.path.basename(os.path.normpath(directory)) or directory}",
-        _find_chat_template(directory),
-    )
+    name = f"hf:{os.path.basename(os.path.normpath(directory)) or directory}"
+    out = HFTokenizer(tk, eos, "hf", name, _find_chat_template(directory))
+    if model_dir:
+        out.prompt_specials, out.bos_token = True, _find_special(directory, tk, "bos_token")
+    return out
 
 
 def _find_chat_template(directory: str) -> str | None:
@@ -309,22 +319,25 @@ def _find_chat_template(directory: str) -> str | None:
 
 def _find_eos(directory: str, tk: Any) -> str | None:
     """The eos token named by the directory's config files, else the first common name it knows."""
+    eos = _find_special(directory, tk, "eos_token")
+    return eos if eos is not None else next((n for n in COMMON_EOS if tk.token_to_id(n) is not None), None)
+
+
+def _find_special(directory: str, tk: Any, which: str) -> str | None:
+    """The special token ``which`` (``eos_token``, ``bos_token``) the directory's config files name, if a token."""
     for fname in ("tokenizer_config.json", "special_tokens_map.json"):
         p = os.path.join(directory, fname)
         if not os.path.isfile(p):
             continue
         try:
             with open(p, encoding="utf-8") as f:
-                eos = json.load(f).get("eos_token")
+                eos = json.load(f).get(which)
         except (OSError, ValueError, AttributeError):
             continue
         if isinstance(eos, dict):
             eos = eos.get("content")
         if isinstance(eos, str) and tk.token_to_id(eos) is not None:
             return eos
-    for name in COMMON_EOS:
-        if tk.token_to_id(name) is not None:
-            return name
     return None
 
 

@@ -2,7 +2,10 @@
 
 A chat template (Hugging Face's ``chat_template``, a Jinja template kept with a Hugging Face tokenizer's files) is
 rendered as ``transformers``' ``apply_chat_template`` renders it: in a sandboxed Jinja environment with
-``messages``, ``add_generation_prompt=True``, ``bos_token``/``eos_token`` and ``raise_exception``.
+``messages``, ``add_generation_prompt=True``, ``bos_token``/``eos_token`` and ``raise_exception``. ``bos_token`` is
+the BOS text of a Hugging Face model directory's tokenizer (``trickles serve DIR``), empty for a tokenizer a trickles
+run saved (trained without one); the rendered text is then encoded without adding special tokens, as transformers'
+``apply_chat_template(tokenize=True)`` encodes it.
 
 **The plain template** (tokenizers without one: the byte and BPE tokenizers trained here)::
 
@@ -56,7 +59,10 @@ def render_chat(messages: Sequence[dict], tokenizer) -> str:
     eos = getattr(tokenizer, "eos_token", None)
     try:
         return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=True, bos_token="", eos_token=eos or ""
+            messages=list(messages),
+            add_generation_prompt=True,
+            bos_token=getattr(tokenizer, "bos_token", None) or "",
+            eos_token=eos or "",
         )
     except TemplateError as e:
         raise ValueError(f"the tokenizer's chat template failed: {e}") from None

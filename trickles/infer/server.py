@@ -128,8 +128,9 @@ def create_app(
     async def prometheus():
         return Response(metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
-    def encode(text: str, which: str) -> list[int] | JSONResponse:
-        tokens = tokenizer.encode(text) or [tokenizer.eos_id]
+    def encode(text: str, which: str, chat: bool = False) -> list[int] | JSONResponse:
+        # a prompt gets the tokenizer's own special tokens, a rendered chat none (its template wrote them)
+        tokens = (tokenizer.encode(text) if chat else tokenizer.encode_prompt(text)) or [tokenizer.eos_id]
         if len(tokens) >= context:
             return error(
                 400,
@@ -243,7 +244,7 @@ def create_app(
             text = render_chat([{"role": m.role, "content": m.text()} for m in req.messages], tokenizer)
         except ValueError as e:
             return error(400, f"messages: {e}")
-        tokens = encode(text, "the conversation")
+        tokens = encode(text, "the conversation", chat=True)
         if isinstance(tokens, JSONResponse):
             return tokens
         sampling = req.sampling(context)

@@ -59,8 +59,9 @@ class TrainConfig:
     eval_batches: int = opt(4, "held-out batches of global_batch sequences per evaluation")
     init_from: str = opt(
         "",
-        "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one), with "
-        "its model shape, a fresh optimizer and step 0 (empty: initialize from seed)",
+        "start from the weights of this checkpoint (a step_* directory or a run's out_dir, e.g. a pruned one) or "
+        "Hugging Face model directory (config.json + safetensors; data.tokenizer then defaults to its tokenizer), "
+        "with its model shape, a fresh optimizer and step 0 (empty: initialize from seed)",
     )
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")

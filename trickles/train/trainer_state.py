@@ -8,7 +8,8 @@
 * :func:`load` resumes from one: it refuses, before anything is loaded, a checkpoint this model or optimizer
   cannot continue (an int8 one, another model, another optimizer's state), then restores the engine at any
   layout, the loss scaler and this rank's RNG states, and returns the position;
-* :func:`init_source` reads ``train.init_from``'s weights into a fresh run, and :func:`export_int8` turns
+* :func:`init_source` reads ``train.init_from``'s weights into a fresh run (a trickles checkpoint's, or a Hugging
+  Face directory's through :func:`trickles.load_hf`), and :func:`export_int8` turns
   quantization-aware training's final checkpoint into an int8 one.
 
 :class:`~trickles.train.trainer.Trainer` calls them with its pieces (``save_checkpoint``, ``load_checkpoint``,
@@ -28,10 +29,12 @@ from ..data import Tokenizer
 from ..errors import CheckpointError, SavesFailed
 from ..memory.scaler import DynamicLossScaler
 from ..models.config import HOW_KEYS, ModelConfig
+from ..models.hf import load_hf
 from ..models.transformer import Transformer
 from ..parallel.engine import Engine
 from ..topology import Topology
 from . import checkpoint as ckpt
+from .load import is_hf_dir
 from .saver import Snapshot, host_copy
 
 
@@ -126,7 +129,21 @@ def load(
 
 
 def init_source(init_from: str, model: Transformer):
-    """``train.init_from``: each parameter's full value read from the checkpoint (checked against it first)."""
+    """``train.init_from``: each parameter's full value read from the checkpoint (checked against it first), or
+    from a Hugging Face directory (read whole by every rank, projections unfused, then fused as ``model`` is)."""
+    if is_hf_dir(init_from):
+        state = {n: p.detach() for n, p in load_hf(init_from, fused_proj=False).named_parameters()}
+
+        def value(name, p):
+            layout = ckpt.fused_layout(p)
+            full = layout.fuse([state[k] for k in layout.part_keys(name)]) if layout is not None else state[name]
+            if tuple(full.shape) != ckpt.global_shape(p):
+                raise CheckpointError(
+                    f"{init_from}: {name} has shape {list(full.shape)}, the model expects {list(ckpt.global_shape(p))}"
+                )
+            return full
+
+        return value
     path = ckpt.resolve(init_from)
     ckpt.verify(path)
     reader = ckpt.PieceReader(path, "model")
