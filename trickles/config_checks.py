@@ -37,6 +37,11 @@ class LayoutChecks:
                 f"fused q/k/v projections split whole key/value heads over parallel.tp ({tp}), but model.n_kv_heads "
                 f"is {m.kv_heads}; set model.fused_proj=false or make n_kv_heads a multiple of parallel.tp"
             )
+        if m.qk_norm == "full" and m.kv_heads % tp:
+            raise ConfigError(
+                f"model.qk_norm=full splits the key norm's weight with whole key/value heads over parallel.tp ({tp}), "
+                f"but model.n_kv_heads is {m.kv_heads}; make n_kv_heads a multiple of parallel.tp"
+            )
         vocab_unit = m.vocab_size if m.vocab_size is not None else m.vocab_multiple
         if vocab_unit % tp:
             raise ConfigError(
@@ -63,9 +68,9 @@ class LayoutChecks:
             (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
             (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
             (
-                m.flavor == "llama" and any(m.bias(part) for part in ("qkv", "o", "mlp")),
-                "a llama's projection biases (model.qkv_bias, o_bias, mlp_bias)",
-                "set them false or parallel.tp_mode=1d",
+                m.qk_norm != "none" or m.norm_placement != "pre",
+                "q/k norms or norms after attention and MLP (model.qk_norm, model.norm_placement)",
+                "set model.qk_norm=none and norm_placement=pre, or parallel.tp_mode=1d",
             ),
             (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
             (

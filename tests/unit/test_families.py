@@ -1,4 +1,5 @@
-"""Model families against transformers: Llama with attention and MLP biases, Qwen2, Mistral (no window).
+"""Model families against transformers: Llama with attention and MLP biases, Qwen2, Mistral (no window), Qwen3
+(per-head q/k norm) and OLMo 2 (full-width q/k norm, norms after attention and MLP).
 
 Each tiny random model is built by transformers from its family's config class, its weights perturbed so that norms
 and biases are not trivial, saved, imported with ``load_hf`` (fp32 logits within 1e-5 of transformers', relative to
@@ -39,13 +40,25 @@ FAMILIES = {
     "llama-biases": (transformers.LlamaConfig, dict(attention_bias=True, mlp_bias=True, rope_theta=5000.0)),
     "qwen2": (transformers.Qwen2Config, dict(rope_theta=20000.0, use_sliding_window=False, sliding_window=4096)),
     "mistral": (transformers.MistralConfig, dict(sliding_window=None, tie_word_embeddings=True)),
+    # per-head q/k norm, an explicit head_dim that is not hidden / heads, attention_bias on
+    "qwen3": (transformers.Qwen3Config, dict(head_dim=24, attention_bias=True, rope_theta=30000.0)),
+    # full-width q/k norm, norms after attention and the MLP only
+    "olmo2": (transformers.Olmo2Config, dict(rope_theta=40000.0)),
 }
-CLASSES = {"llama-biases": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+CLASSES = {
+    "llama-biases": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+}
 # the trickles fields each family's import must set
 FIELDS = {
     "llama-biases": dict(family="llama", qkv_bias=True, o_bias=True, mlp_bias=True, rope_theta=5000.0),
     "qwen2": dict(family="qwen2", qkv_bias=True, o_bias=False, mlp_bias=False, rope_theta=20000.0),
     "mistral": dict(family="mistral", qkv_bias=None, o_bias=None, mlp_bias=None, tie_embeddings=True),
+    "qwen3": dict(family="qwen3", qkv_bias=True, o_bias=True, mlp_bias=False, qk_norm="head", head_size=24),
+    "olmo2": dict(family="olmo2", qkv_bias=False, qk_norm="full", norm_placement="post", rope_theta=40000.0),
 }
 
 _MODELS = {}
@@ -55,10 +68,14 @@ def hf_model(name):
     """The family's perturbed transformers model (built once per run)."""
     if name not in _MODELS:
         config_class, extra = FAMILIES[name]
-        model = transformers.AutoModelForCausalLM.from_config(
-            config_class(**SHAPE, **extra), attn_implementation="sdpa"
-        )
-        g = torch.Generator().manual_seed(len(_MODELS))
+        # transformers initializes from the global generator: seeded, so a run cannot draw a model whose greedy
+        # choice is the end-of-sequence token transformers' min_new_tokens suppresses
+        with torch.random.fork_rng():
+            torch.manual_seed(17 + list(FAMILIES).index(name))
+            model = transformers.AutoModelForCausalLM.from_config(
+                config_class(**SHAPE, **extra), attn_implementation="sdpa"
+            )
+        g = torch.Generator().manual_seed(list(FAMILIES).index(name))
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.1)
@@ -132,6 +149,16 @@ def test_sharded_bf16_and_fused_qwen2(fused, tmp_path):
         assert_close(our_logits(half), hf_logits(hf), rel=3e-2)
 
 
+@pytest.mark.parametrize("name", ["qwen3", "olmo2"])
+def test_qk_normed_families_fused_and_bf16(name, tmp_path):
+    """q/k norms after fused projections (a view of the heads), and a bf16 directory within bf16's tolerance."""
+    hf = hf_model(name)
+    hf.save_pretrained(tmp_path / "fp32")
+    assert_close(our_logits(load_hf_as(tmp_path / "fp32", fused_proj=True)), hf_logits(hf))
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    assert_close(our_logits(load_hf(tmp_path / "bf16", dtype="bfloat16")), hf_logits(hf), rel=3e-2)
+
+
 @pytest.mark.parametrize(
     "shape, model_type",
     [
@@ -139,8 +166,10 @@ def test_sharded_bf16_and_fused_qwen2(fused, tmp_path):
         (dict(qkv_bias=True), "qwen2"),
         (dict(), "llama"),
         (dict(family="mistral"), "mistral"),
+        (dict(qk_norm="head"), "qwen3"),
+        (dict(qk_norm="full", norm_placement="post", qkv_bias=True, o_bias=True), "olmo2"),
     ],
-    ids=["all-biases", "qkv-bias", "plain", "mistral"],
+    ids=["all-biases", "qkv-bias", "plain", "mistral", "qwen3", "olmo2"],
 )
 def test_trickles_models_export_as_their_family(shape, model_type, tmp_path):
     cfg = ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, max_seq_len=32, **shape)
@@ -154,6 +183,7 @@ def test_trickles_models_export_as_their_family(shape, model_type, tmp_path):
     assert_close(hf_logits(hf), our_logits(ours))
     again = load_hf(tmp_path / "m")
     assert [again.cfg.bias(p) for p in ("qkv", "o", "mlp")] == [cfg.bias(p) for p in ("qkv", "o", "mlp")]
+    assert (again.cfg.qk_norm, again.cfg.norm_placement) == (cfg.qk_norm, cfg.norm_placement)
 
 
 def _config(name, **changes):
@@ -166,7 +196,9 @@ def _config(name, **changes):
     [
         ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
         ("mistral", dict(sliding_window=16), "sliding_window=16 is shorter than max_position_embeddings=64"),
-        ("llama-biases", dict(model_type="qwen3"), "model_type 'qwen3' is not supported; load_hf reads 'gpt2'"),
+        ("llama-biases", dict(model_type="gptj"), "model_type 'gptj' is not supported; load_hf reads 'gpt2'"),
+        ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types names sliding_attention"),
+        ("qwen3", dict(use_sliding_window=True), "use_sliding_window=true"),
     ],
 )
 def test_family_configs_refused_in_one_line(name, changes, message):
@@ -192,9 +224,16 @@ def test_windows_that_never_cut_are_full_attention():
         (dict(family="llama", qkv_bias=True), "attention_bias puts a bias on q, k, v and o alike"),
         (dict(qkv_bias=True, mlp_bias=True), "no Hugging Face family writes this model"),
         (dict(family="gemma"), "model.family='gemma' is not a known family"),
+        (dict(family="llama", qk_norm="head"), "LlamaForCausalLM has model.qk_norm=none, but this model has head"),
+        (dict(norm_placement="sandwich"), "has model.norm_placement=pre, but this model has sandwich"),
+        (dict(qk_norm="head", norm_placement="post"), "Qwen2ForCausalLM has model.qk_norm=none|LlamaForCausalLM has"),
+        (
+            dict(family="olmo2", qk_norm="full"),
+            "Olmo2ForCausalLM has model.norm_placement=post, but this model has pre",
+        ),
     ],
 )
-def test_unexportable_bias_layouts(shape, message):
+def test_unexportable_bias_and_norm_layouts(shape, message):
     cfg = ModelConfig(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16, **shape)
     with pytest.raises(ConfigError, match=message):
         config_to_hf(cfg, torch.float32)

@@ -4,7 +4,9 @@ With ``H`` query heads and ``H_kv`` key/value heads of size ``D`` (``rep = H / H
 key/value head), on ``x [B, T, d]``:
 
 * projections: ``q = x Wq [B, T, H D]``, ``k = x Wk``, ``v = x Wv [B, T, H_kv D]`` (or one fused ``qkv_proj``,
-  :mod:`trickles.models.fused`), split into heads; rotary tables, when given, rotate ``q`` and ``k``;
+  :mod:`trickles.models.fused`), split into heads; with ``model.qk_norm`` an RMSNorm of ``q`` and of ``k`` (``head``:
+  over each head's ``D``, one weight ``[D]`` shared by the heads; ``full``: over the whole projected width ``H D`` /
+  ``H_kv D``, weight of that width); then rotary tables, when given, rotate ``q`` and ``k``;
 * a KV cache, when given, stores ``k, v`` at positions ``start..start+T`` and returns every cached position;
 * the core: ``softmax(q k^T / sqrt(D) + mask) v`` per head, through
   ``torch.nn.functional.scaled_dot_product_attention`` (the fused flash / memory-efficient kernels where the device
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.norms import RMSNorm
 from ..kernels.rotary import rotary
 from . import fused
 from .config import ModelConfig
@@ -34,6 +37,14 @@ from .masks import attend_head_major, padded_attention_mask
 
 # ``enable_gqa`` arrived in torch 2.5; older versions repeat the key/value heads instead.
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
+
+
+class WidthRMSNorm(RMSNorm):
+    """RMSNorm of heads side by side: ``[B, T, h, D]`` normalized over ``h D`` at once, weight ``[h D]`` (OLMo 2's
+    q/k norm). Tensor parallelism swaps in :class:`~trickles.parallel.tensor.layers.SplitWidthRMSNorm`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.flatten(-2)).view_as(x)
 
 
 class Attention(nn.Module):
@@ -62,6 +73,14 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
             self.v_proj = nn.Linear(cfg.d_model, cfg.kv_heads * cfg.head_dim, bias=bias)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias("o"))
+        # q/k norms of [B, T, heads, D]: over each head's D (head) or over all heads side by side (full)
+        self.q_norm = self.k_norm = None
+        if cfg.qk_norm == "head":
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps, cfg.kernels)
+        elif cfg.qk_norm == "full":
+            self.q_norm = WidthRMSNorm(cfg.n_heads * cfg.head_dim, cfg.norm_eps, cfg.kernels)
+            self.k_norm = WidthRMSNorm(cfg.kv_heads * cfg.head_dim, cfg.norm_eps, cfg.kernels)
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def core(
@@ -145,6 +164,8 @@ class Attention(nn.Module):
             q = self.q_proj(x).view(b, t, -1, self.head_dim)
             k = self.k_proj(x).view(b, t, -1, self.head_dim)
             v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             cos, sin = rope
             q, k = rotary(q, k, cos, sin, self.kernels)

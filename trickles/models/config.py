@@ -11,6 +11,8 @@ from ..options import opt
 from .rope import RopeScaling, RopeType
 
 Flavor = Literal["llama", "gpt2"]
+QKNorm = Literal["none", "head", "full"]
+NormPlacement = Literal["pre", "post", "sandwich"]
 #: the [model] keys that say how the model computes, not what: a run may change them against its checkpoint
 HOW_KEYS = ("kernels", "fused_loss", "loss_chunk", "fused_proj")
 
@@ -21,6 +23,11 @@ class ModelConfig:
 
     preset: str | None = opt(
         None, "named shape to start from (trickles.models.PRESETS); keys given beside it override it"
+    )
+    from_hf: str | None = opt(
+        None,
+        "take the shape from this Hugging Face model directory's config.json (no weights: for trickles memory, plan, "
+        "or a model trained from scratch); shape keys given beside it must agree with it (none: these keys)",
     )
     flavor: Flavor = opt(
         "llama",
@@ -44,10 +51,20 @@ class ModelConfig:
     )
     o_bias: bool | None = opt(None, "a bias on the attention output projection (none: true for gpt2, false for llama)")
     mlp_bias: bool | None = opt(None, "a bias on every MLP projection (none: true for gpt2, false for llama)")
+    qk_norm: QKNorm = opt(
+        "none",
+        "RMSNorm of queries and keys after their projections, before rotary: none; head (each head over head_dim, "
+        "one weight shared by the heads: Qwen3); full (the whole projected width: OLMo 2)",
+    )
+    norm_placement: NormPlacement = opt(
+        "pre",
+        "where a block's norms sit: pre (before attention and MLP); post (on their outputs, before the residual "
+        "add: OLMo 2); sandwich (both)",
+    )
     family: str | None = opt(
         None,
-        "the Hugging Face model_type an export writes (llama, mistral, qwen2, mixtral, gpt2; none: the one the "
-        "model's parts pick, docs/model-families.md)",
+        "the Hugging Face model_type an export writes (llama, mistral, qwen2, qwen3, olmo2, mixtral, gpt2; none: the "
+        "one the model's parts pick, docs/model-families.md)",
     )
     vocab_size: int | None = opt(None, "vocabulary size (none: the tokenizer's, rounded up to vocab_multiple)")
     vocab_multiple: int = opt(64, "rounding of the vocabulary size taken from the tokenizer")
@@ -254,6 +271,11 @@ class ModelConfig:
         if self.flavor == "gpt2" and not all(self.bias(p) for p in ("qkv", "o", "mlp")):
             raise ConfigError(
                 "gpt2 has a bias on every projection; leave model.qkv_bias, o_bias and mlp_bias unset for a gpt2 model"
+            )
+        if self.qk_norm != "none" and self.flavor != "llama":
+            raise ConfigError(
+                f"model.qk_norm={self.qk_norm} normalizes rotary queries and keys (llama flavor); set "
+                "model.qk_norm=none"
             )
         if self.mlp_bias and self.moe_experts:
             raise ConfigError(

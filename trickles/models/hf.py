@@ -1,5 +1,5 @@
 """Hugging Face import/export: directories of the families of :mod:`trickles.models.families` (Llama, Mistral,
-Qwen2, Mixtral, GPT-2).
+Qwen2, Qwen3, OLMo 2, Mixtral, GPT-2).
 
 A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). Tensors are read

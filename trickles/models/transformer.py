@@ -5,7 +5,8 @@
 ``gpt2``: LayerNorm, learned absolute positions, GELU (tanh) MLP ``down(gelu(up(x)))``,
 biases everywhere, output projection tied to the token embedding.
 
-Both are pre-norm: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``. Attention
+Both are pre-norm by default: ``h = x + attn(norm(x)); out = h + mlp(norm(h))``; ``model.norm_placement`` moves
+the norms onto the branches' outputs or puts them in both places (see :class:`Block`). Attention
 (:mod:`trickles.models.attention`) runs through ``torch.nn.functional.scaled_dot_product_attention``
 (causal), so the fused flash / memory-efficient kernels are used where the device has them.
 
@@ -54,14 +55,21 @@ def _embedding(rows: int, dim: int) -> nn.Embedding:
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: ``h = x + attn(attn_norm(x)); y = h + mlp(mlp_norm(h))``; ``mlp`` is a
-    :class:`~trickles.models.moe.MoE` in the mixture-of-experts blocks."""
+    """Transformer block: ``h = x + attn_post_norm(attn(attn_norm(x))); y = h + mlp_post_norm(mlp(mlp_norm(h)))``;
+    ``mlp`` is a :class:`~trickles.models.moe.MoE` in the mixture-of-experts blocks.
+
+    ``model.norm_placement`` picks which norms are real and which are ``nn.Identity``: ``pre`` the ``*_norm``
+    before each branch (Llama, GPT-2), ``post`` the ``*_post_norm`` on each branch's output before the residual add
+    (OLMo 2), ``sandwich`` all four (Gemma 2/3)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int, moe_stats: MoEStats | None = None):
         super().__init__()
-        self.attn_norm = make_norm(cfg)
+        pre, post = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("post", "sandwich")
+        self.attn_norm = make_norm(cfg) if pre else nn.Identity()
         self.attn = Attention(cfg, layer_id)
-        self.mlp_norm = make_norm(cfg)
+        self.attn_post_norm = make_norm(cfg) if post else nn.Identity()
+        self.mlp_norm = make_norm(cfg) if pre else nn.Identity()
+        self.mlp_post_norm = make_norm(cfg) if post else nn.Identity()
         self.moe = layer_id in cfg.moe_layers
         self.mlp = MoE(cfg, layer_id, moe_stats) if self.moe else MLP(cfg)
 
@@ -78,8 +86,8 @@ class Block(nn.Module):
         """``labels``: the samples' label ids, for hard-routed experts (see :class:`~trickles.models.moe.MoE`);
         ``pad_mask``, ``documents``: see :meth:`~trickles.models.attention.Attention.core`."""
         extra = {} if documents is None else {"documents": documents}
-        h = x + self.attn(self.attn_norm(x), rope, cache, start, pad_mask, **extra)
-        return h + (self.mlp(self.mlp_norm(h), labels) if self.moe else self.mlp(self.mlp_norm(h)))
+        h = x + self.attn_post_norm(self.attn(self.attn_norm(x), rope, cache, start, pad_mask, **extra))
+        return h + self.mlp_post_norm(self.mlp(self.mlp_norm(h), labels) if self.moe else self.mlp(self.mlp_norm(h)))
 
 
 class Transformer(nn.Module):

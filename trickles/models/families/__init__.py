@@ -26,10 +26,10 @@ from types import ModuleType
 from ...errors import CheckpointError, ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
-from . import gpt2, llama, mistral, mixtral, qwen2
+from . import gpt2, llama, mistral, mixtral, olmo2, qwen2, qwen3
 
 #: model_type -> family module; for a model with ``model.family`` unset, the first whose ``picks`` says yes
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, gpt2, qwen2, llama, mistral)}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, gpt2, qwen3, olmo2, qwen2, llama, mistral)}
 
 
 def _supported() -> str:

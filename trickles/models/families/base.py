@@ -52,8 +52,22 @@ def llama_shape(c: dict, source: str, family: str, **fields) -> ModelConfig:
     )
 
 
-def llama_keys(cfg: ModelConfig, model_type: str, architecture: str, ffn: int) -> dict:
-    """The ``config.json`` keys every llama-style family writes alike."""
+def require_norms(cfg: ModelConfig, family: str, qk_norm: str = "none", placement: str = "pre") -> None:
+    """ConfigError unless ``cfg``'s q/k norm and norm placement are ``family``'s."""
+    for key, want in (("qk_norm", qk_norm), ("norm_placement", placement)):
+        if getattr(cfg, key) != want:
+            raise ConfigError(
+                f"{family} has model.{key}={want}, but this model has {getattr(cfg, key)}; set model.family to one "
+                "that has it (docs/model-families.md) or unset model.family"
+            )
+
+
+def llama_keys(
+    cfg: ModelConfig, model_type: str, architecture: str, ffn: int, qk_norm: str = "none", placement: str = "pre"
+) -> dict:
+    """The ``config.json`` keys every llama-style family writes alike (ConfigError unless ``cfg``'s q/k norm and
+    norm placement are the family's ``qk_norm`` and ``placement``)."""
+    require_norms(cfg, architecture, qk_norm, placement)
     return dict(
         architectures=[architecture],
         model_type=model_type,
@@ -82,18 +96,33 @@ def require_biases(cfg: ModelConfig, family: str, qkv: bool, o: bool, mlp: bool,
             )
 
 
+#: a block's norms in transformers' llama-style names, by ``model.norm_placement``: (theirs, ours)
+NORM_NAMES = {
+    "pre": (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm")),
+    "post": (("post_attention_layernorm", "attn_post_norm"), ("post_feedforward_layernorm", "mlp_post_norm")),
+    "sandwich": (
+        ("input_layernorm", "attn_norm"),
+        ("post_attention_layernorm", "attn_post_norm"),
+        ("pre_feedforward_layernorm", "mlp_norm"),
+        ("post_feedforward_layernorm", "mlp_post_norm"),
+    ),
+}
+
+
 def llama_names(cfg: ModelConfig, moe_entries=None) -> list[Entry]:
     """The llama-style tensor names (every tensor copied as is, ``[out, in]`` like ``nn.Linear``), with each
     projection's ``.bias`` where ``cfg`` has one; ``moe_entries(i, hf, us)``: a mixture-of-experts block's MLP."""
     b = {part: cfg.bias(part) for part in ("qkv", "o", "mlp")}
+    norms = NORM_NAMES[cfg.norm_placement]
     out = [Entry("model.embed_tokens.weight", ("embed.weight",))]
     for i in range(cfg.n_layers):
         hf, us = f"model.layers.{i}.", f"layers.{i}."
-        out.append(Entry(hf + "input_layernorm.weight", (us + "attn_norm.weight",)))
+        out += [Entry(f"{hf}{theirs}.weight", (f"{us}{ours}.weight",)) for theirs, ours in norms]
         for p in "qkvo":
             leaves = ("weight", "bias") if b["o" if p == "o" else "qkv"] else ("weight",)
             out += [Entry(f"{hf}self_attn.{p}_proj.{leaf}", (f"{us}attn.{p}_proj.{leaf}",)) for leaf in leaves]
-        out.append(Entry(hf + "post_attention_layernorm.weight", (us + "mlp_norm.weight",)))
+        if cfg.qk_norm != "none":
+            out += [Entry(f"{hf}self_attn.{p}_norm.weight", (f"{us}attn.{p}_norm.weight",)) for p in "qk"]
         if i in cfg.moe_layers:
             out += moe_entries(i, hf, us)
         else:

@@ -31,7 +31,7 @@ from collections.abc import Collection
 from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
-from .base import merged, refuse
+from .base import merged, refuse, require_norms
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
@@ -90,6 +90,7 @@ def picks(cfg: ModelConfig) -> bool:
 def to_hf(cfg: ModelConfig) -> dict:
     if cfg.flavor != "gpt2":
         raise ConfigError(f"model.family={MODEL_TYPE} needs model.flavor=gpt2; unset model.family to export this one")
+    require_norms(cfg, "GPT-2")
     if cfg.moe_experts:
         raise ConfigError(
             "Hugging Face has no GPT-2 mixture of experts (Mixtral is llama-flavoured); "

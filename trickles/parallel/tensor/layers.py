@@ -24,6 +24,8 @@
   :func:`~trickles.parallel.tensor.loss.vocab_parallel_cross_entropy` computes the loss from the logit shards (max and
   sum of exponentials reduced over the group) without gathering the logits; a tied output projection shares the
   embedding's shard, which is split the same way.
+* q/k norms: a per-head one (``model.qk_norm=head``) is local to a rank, its weight replicated and its gradient (from
+  this rank's heads) summed; a full-width one is :class:`SplitWidthRMSNorm`, its weight split with the heads.
 * Grouped-query attention: query heads are split ``n_heads / tp`` per rank. If ``n_kv_heads``
   divides by ``tp`` the key/value projections are split the same way; otherwise each rank keeps
   the whole (small) key/value projection (:class:`ReplicatedKV`), computes all key/value heads
@@ -277,6 +279,30 @@ class ReplicatedKV(nn.Module):
         kv = self.ctx.linear(x, self.weight, self.bias, self.regather)
         kv = kv.view(*kv.shape[:-1], -1, self.head_dim)[..., self._heads, :]
         return kv.reshape(*kv.shape[:-2], -1)
+
+
+class SplitWidthRMSNorm(nn.Module):
+    """Full-width q/k RMSNorm (``model.qk_norm=full``) of heads split over the group: this rank's ``[B, T, h/tp, D]``
+    normalized over all ``h D`` of them, with its slice of the weight ``[h D]`` (split with the heads).
+
+    The mean square needs every rank's heads: the local sum of squares ``s_i`` is all-reduced in forward, ``S = sum_i
+    s_i``, and since every rank's heads use ``S``, the gradient of ``s_i`` is the all-reduce of theirs in backward
+    (``copy_to_region`` then ``reduce_from_region``: one ``[B, T, 1]`` fp32 all-reduce each way, in the ledger).
+    """
+
+    def __init__(self, width: int, eps: float, ctx: TPContext, device=None):
+        super().__init__()
+        tp, r = ctx.comm.size, ctx.comm.rank
+        local = _shard(width, tp, "q/k norm width")
+        self.ctx, self.eps, self.width = ctx, eps, width
+        self.weight = set_spec(nn.Parameter(torch.empty(local, device=device)), TPSpec((width,), (r * local,)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.flatten(-2).float()
+        comm = self.ctx.comm
+        total = reduce_from_region(copy_to_region(xf.pow(2).sum(-1, keepdim=True), comm), comm)
+        rstd = torch.rsqrt(total / self.width + self.eps)
+        return (self.weight * (xf * rstd).type_as(x)).view_as(x)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -18,6 +18,8 @@ module                              becomes
                                     query heads and the key/value heads they use (``tp`` divides ``n_kv_heads``)
 ``attn.o_proj``, ``mlp.down_proj``  row-parallel, leaving the region (all-reduce / reduce-scatter)
 ``mlp.gate_proj``, ``up_proj``      column-parallel (fused ``gate_up_proj``: by channel pairs)
+``attn.q_norm``, ``k_norm``          per head: replicated, gradient summed; full width: :class:`SplitWidthRMSNorm`
+``attn_post_norm``, ``mlp_post_norm``  replicated (gradient summed under sequence parallel), outside the region
 ``attn.core``                       run with this rank's private random stream (its heads' dropout)
 ``mlp`` of a mixture-of-experts block  unchanged: router and experts whole on every tp rank, no region;
                                     its ``mlp_norm`` stays plain. Without sequence parallelism each rank
@@ -49,6 +51,7 @@ from .layers import (
     ForkRNG,
     ReplicatedKV,
     RowParallelLinear,
+    SplitWidthRMSNorm,
     TPContext,
     VocabParallelEmbedding,
     enter_after,
@@ -114,6 +117,15 @@ def apply_tensor_parallel(
             attn.k_proj = kv(cfg.d_model, *args, qkv_bias, ctx, device=dev, regather=rg)
             attn.v_proj = kv(cfg.d_model, *args, qkv_bias, ctx, device=dev, regather=rg)
         attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, o_bias, ctx, device=dev)
+        if cfg.qk_norm == "full":  # the config check made tp divide the key/value heads
+            attn.q_norm = SplitWidthRMSNorm(cfg.n_heads * hd, cfg.norm_eps, ctx, device=dev)
+            attn.k_norm = SplitWidthRMSNorm(cfg.kv_heads * hd, cfg.norm_eps, ctx, device=dev)
+        # per-head q/k norms (each rank's gradient from its own heads) and post norms (from its sequence shard)
+        for p, partial in [
+            *((p, True) for p in attn.parameters() if not hasattr(p, "tp_spec")),
+            *((p, sp) for p in [*block.attn_post_norm.parameters(), *block.mlp_post_norm.parameters()]),
+        ]:
+            set_spec(p, replicated_spec(p.shape, partial=partial))
         # an instance attribute (not a submodule): it must shadow the class's ``core`` method
         object.__setattr__(attn, "core", ForkRNG(attn.core, ctx, cfg.dropout, owner=attn))
         if not block.moe and mlp.fused:

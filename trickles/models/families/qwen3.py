@@ -1,0 +1,107 @@
+"""Qwen3 (``model_type: qwen3``, ``Qwen3ForCausalLM``): Llama with a per-head RMSNorm of queries and keys.
+
+Config, both ways: as :mod:`.llama`, with ``model.qk_norm=head`` (``self_attn.q_norm`` and ``k_norm``: an RMSNorm
+over each head's ``head_dim``, one weight ``[head_dim]`` shared by the heads, after the projections and before
+rotary) and Qwen3's defaults (``head_dim`` 128, written explicitly, so it is usually not ``hidden_size /
+num_attention_heads``). ``attention_bias`` (false by default) puts a bias on q, k, v **and** o, as Llama's does; the
+MLP has no bias and no field to add one.
+
+Sliding windows: refused as :mod:`.qwen2` refuses them (``use_sliding_window: true``, or a ``layer_types`` entry
+``sliding_attention``); with windows off ``sliding_window`` and ``max_window_layers`` are ignored, as transformers
+ignores them. Exports write ``use_sliding_window: false``. Tensor names: :mod:`.llama`'s plus
+``self_attn.{q,k}_norm.weight``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from ...errors import ConfigError
+from ..config import ModelConfig
+from ..hf_names import Entry
+from ..rope import rope_fields_from_hf
+from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+
+MODEL_TYPE = "qwen3"
+ARCHITECTURE = "Qwen3ForCausalLM"
+DEFAULTS = dict(
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=22016,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    head_dim=128,
+    hidden_act="silu",
+    max_position_embeddings=32768,
+    initializer_range=0.02,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    attention_bias=False,
+    use_sliding_window=False,
+)
+
+
+def from_hf(raw: dict, source: str) -> ModelConfig:
+    c = merged(DEFAULTS, raw)
+    if c["use_sliding_window"]:
+        raise refuse(
+            source,
+            f"use_sliding_window=true (a window of {c.get('sliding_window')} tokens; sliding-window attention is not "
+            "built yet)",
+        )
+    if "sliding_attention" in (c.get("layer_types") or ()):
+        raise refuse(source, "layer_types names sliding_attention layers (sliding-window attention is not built yet)")
+    if not isinstance(c["attention_bias"], bool):
+        raise refuse(source, f"attention_bias={c['attention_bias']!r} is not true or false")
+    attn = c["attention_bias"]
+    return llama_shape(
+        c,
+        source,
+        MODEL_TYPE,
+        qkv_bias=attn,
+        o_bias=attn,
+        mlp_bias=False,
+        qk_norm="head",
+        **rope_fields_from_hf(raw, source),
+    )
+
+
+def picks(cfg: ModelConfig) -> bool:
+    """Qwen3 writes a dense llama-flavour pre-norm model with per-head q/k norms."""
+    return (
+        cfg.flavor == "llama"
+        and not cfg.moe_experts
+        and cfg.qk_norm == "head"
+        and cfg.norm_placement == "pre"
+        and cfg.bias("qkv") == cfg.bias("o")
+        and not cfg.bias("mlp")
+    )
+
+
+def to_hf(cfg: ModelConfig) -> dict:
+    if cfg.flavor != "llama" or cfg.moe_experts:
+        raise ConfigError(
+            f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
+        )
+    attn = cfg.bias("qkv")
+    require_biases(
+        cfg,
+        "Qwen3 (attention_bias)",
+        attn,
+        attn,
+        False,
+        "Qwen3's attention_bias is on q, k, v and o alike, its MLP has none: set them so, or unset model.family",
+    )
+    return dict(
+        **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim, qk_norm="head"),
+        attention_bias=attn,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=cfg.n_layers,
+        layer_types=["full_attention"] * cfg.n_layers,
+    )
+
+
+def weight_map(cfg: ModelConfig, found: Collection[str] = ()) -> list[Entry]:
+    return llama_names(cfg)
