@@ -40,7 +40,7 @@ def add_run_args(p) -> None:
 def add_model_args(p, dimension: str, batch: str, defaults: dict, world: int = 2) -> None:
     """The options of the benchmarks that train a model of ``trickles.models.PRESETS``: ranks, preset, vocabulary, batch
     (``batch`` says how it is split) and sequence length (the defaults per device type from ``defaults``)."""
-    from trickles.models.config import PRESETS
+    from trickles.models.presets import PRESETS
 
     p.add_argument(
         "--world", type=int, default=world, help=f"{dimension} degree (processes); under torchrun its WORLD_SIZE"

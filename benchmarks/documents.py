@@ -37,7 +37,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_name, interleaved, model_options, one_device, paired, rel_error, timing_options, write_json  # noqa: E402
 
-from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
+from trickles.models.config import ModelConfig  # noqa: E402
+from trickles.models.presets import PRESETS, apply_preset  # noqa: E402
 from trickles.models.transformer import build_model  # noqa: E402
 
 

@@ -53,9 +53,10 @@ from _timing import device_name, interleaved, paired, summarize, table, write_js
 
 from trickles.data.tokenizers import ByteTokenizer  # noqa: E402
 from trickles.infer.streaming import load_streaming, save_for_inference  # noqa: E402
-from trickles.models.config import ModelConfig, apply_preset  # noqa: E402
+from trickles.models.config import ModelConfig  # noqa: E402
 from trickles.models.generate import generate  # noqa: E402
 from trickles.models.hf import save_hf  # noqa: E402
+from trickles.models.presets import apply_preset  # noqa: E402
 from trickles.models.transformer import build_model, count_params  # noqa: E402
 from trickles.train.trainer import load_for_inference  # noqa: E402
 

@@ -132,7 +132,8 @@ from _ranks import Ours as EngineContestant
 from _timing import table, write_json  # noqa: E402
 
 from trickles.errors import ConfigError  # noqa: E402
-from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
+from trickles.models.config import ModelConfig, resolve_model  # noqa: E402
+from trickles.models.presets import PRESETS, apply_preset  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402

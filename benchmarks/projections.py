@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _timing import device_name, interleaved, one_device, rel_error  # noqa: E402
 
 from trickles.models import fused  # noqa: E402
-from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
+from trickles.models.config import ModelConfig  # noqa: E402
+from trickles.models.presets import PRESETS, apply_preset  # noqa: E402
 from trickles.models.transformer import MLP, Attention, initial_value  # noqa: E402
 
 

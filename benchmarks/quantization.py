@@ -152,7 +152,8 @@ def main(argv=None) -> None:
 def speed_only(args) -> None:
     """The contestants built in memory from an untrained ``--speed-preset`` model (no held-out loss)."""
     from trickles.compress import quantize_model
-    from trickles.models.config import ModelConfig, apply_preset, resolve_model
+    from trickles.models.config import ModelConfig, resolve_model
+    from trickles.models.presets import apply_preset
     from trickles.models.transformer import build_model
 
     cfg = resolve_model(apply_preset(ModelConfig(), args.speed_preset), 32000, args.prompt_tokens + args.new_tokens)

@@ -75,8 +75,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_name, paired, rotations, si, summarize, table, timed, write_json  # noqa: E402
 
 from trickles.memory.precision import autocast  # noqa: E402
-from trickles.models.config import PRESETS, ModelConfig, apply_preset, resolve_model  # noqa: E402
+from trickles.models.config import ModelConfig, resolve_model  # noqa: E402
 from trickles.models.hf import save_hf  # noqa: E402
+from trickles.models.presets import PRESETS, apply_preset  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import build_adamw  # noqa: E402
 from trickles.train.flops import flops_per_token, peak_flops  # noqa: E402

@@ -48,7 +48,8 @@ from _timing import (
     write_json,
 )  # noqa: E402
 
-from trickles.models.config import PRESETS, ModelConfig, apply_preset  # noqa: E402
+from trickles.models.config import ModelConfig  # noqa: E402
+from trickles.models.presets import PRESETS, apply_preset  # noqa: E402
 from trickles.models.transformer import build_model  # noqa: E402
 from trickles.parallel.pipeline.split import backward_input, backward_weight  # noqa: E402
 from trickles.parallel.pipeline.stages import StageChunk  # noqa: E402

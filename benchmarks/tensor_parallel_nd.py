@@ -94,7 +94,8 @@ from _timing import table, write_json  # noqa: E402
 from tensor_parallel import expected_comm  # noqa: E402
 
 from trickles.errors import ConfigError  # noqa: E402
-from trickles.models.config import ModelConfig, apply_preset, resolve_model  # noqa: E402
+from trickles.models.config import ModelConfig, resolve_model  # noqa: E402
+from trickles.models.presets import apply_preset  # noqa: E402
 from trickles.models.transformer import Transformer, build_model, count_params  # noqa: E402
 from trickles.optim.adamw import adamw_kwargs, param_groups  # noqa: E402
 from trickles.optim.settings import OptimizerSettings  # noqa: E402

@@ -61,7 +61,8 @@ def _warm_up() -> None:
 
     import torch._dynamo  # noqa: F401
 
-    from trickles.models.config import ModelConfig, apply_preset
+    from trickles.models.config import ModelConfig
+    from trickles.models.presets import apply_preset
     from trickles.models.transformer import Transformer
 
     with torch.device("meta"):

@@ -23,7 +23,8 @@ from .config_checks import LayoutChecks
 from .data.config import DataConfig
 from .errors import ConfigError
 from .memory.config import MemoryConfig
-from .models.config import HOW_KEYS, ModelConfig, apply_preset
+from .models.config import HOW_KEYS, ModelConfig
+from .models.presets import apply_preset
 from .options import field_docs, section_from_dict, unknown_key_error
 from .parallel.config import ParallelConfig
 from .topology import ParallelDims
@@ -330,7 +331,7 @@ def describe_keys() -> str:
 
 def keys_markdown() -> str:
     """The key tables (and model presets) of docs/configuration.md, rendered from :func:`key_rows`."""
-    from .models.config import PRESETS
+    from .models.presets import PRESETS
 
     def cell(text: str) -> str:
         return str(text).replace("|", "\\|").replace("<", "&lt;")

@@ -74,6 +74,11 @@ class LayoutChecks:
             ),
             (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
             (
+                m.sliding_window is not None and m.sliding_window < self.data.seq_len,
+                f"model.sliding_window ({m.sliding_window}) shorter than data.seq_len",
+                "set model.sliding_window=none or parallel.tp_mode=1d",
+            ),
+            (
                 self.train.qat,
                 "train.qat",
                 "quantization-aware training scales whole rows; set train.qat=false or parallel.tp_mode=1d",
@@ -123,6 +128,11 @@ class LayoutChecks:
             raise ConfigError(
                 f"each context-parallel rank's {seq // cp} tokens must divide by parallel.tp ({dims.tp}) for "
                 f"sequence parallelism; set data.seq_len to a multiple of {unit * dims.tp}"
+            )
+        if m.sliding_window is not None and m.sliding_window < seq:
+            raise ConfigError(
+                f"model.sliding_window ({m.sliding_window}) shorter than data.seq_len ({seq}) is not built with "
+                "parallel.cp > 1 yet; set parallel.cp=1"
             )
         if m.dropout > 0:
             raise ConfigError(

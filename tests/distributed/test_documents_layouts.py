@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from helpers import assert_losses_track, efficient_attention_stand_in, short_documents, tiny_config
 
-from trickles.models.config import ModelConfig, apply_preset
+from trickles.models.config import ModelConfig
 from trickles.models.documents import document_ids
+from trickles.models.presets import apply_preset
 from trickles.models.transformer import build_model
 from trickles.parallel.context import apply_context_parallel
 from trickles.parallel.ring_blocks import Matmul

@@ -191,6 +191,43 @@ def _one_d_report(tmp, cache, tp):
     return tr.model_cfg, params, {k: report.predicted[k] for k in keys}, {k: report.measured[k] for k in keys}
 
 
+def _norms_report(tmp, cache, tp, *overrides):
+    """The report's prediction and measure, the parameters a rank holds and the ledger's bytes of one step."""
+    from trickles.memory.report import measure, predict
+
+    tr, dims = _trainer(tmp, cache, "1d", tp, 1, "tiny", *overrides)
+    params = sum(p.numel() for p in {id(p): p for p in tr.model.parameters()}.values())
+    report = measure(tr, predict(tr.cfg, dims, tr.model_cfg), steps=1)
+    keys = ("parameters", "gradients", "optimizer", "activations", "head")
+    tr.topo.ledger.reset()
+    tr.train_step()
+    return (
+        tr.model_cfg,
+        params,
+        [{k: r[k] for k in keys} for r in (report.predicted, report.measured)],
+        (tr.topo.ledger.bytes(wire=True)),
+    )
+
+
+@pytest.mark.parametrize(
+    "tp,overrides",
+    [
+        (1, ("model.qk_norm=head", "model.norm_placement=sandwich")),
+        (2, ("model.qk_norm=full", "model.norm_placement=post", "parallel.sequence_parallel=true")),
+    ],
+    ids=["head-sandwich", "full-post-tp2-sp"],
+)
+def test_q_k_norms_and_placements_are_counted_as_the_model_holds_them(tmp_path, cache, tp, overrides):
+    """Per-head q/k norms with norms before and after each branch in one process; full-width q/k norms (their sums
+    of squares all-reduced over tp) with post norms only at tp2+sp: the report predicts what it measures, the
+    formula counts the parameters a rank holds, and the ledger sends the formula's bytes."""
+    lay = Layout.of("1d", tp, sequence_parallel=tp > 1)
+    for cfg, params, (predicted, measured), sent in run_ranks(tp, _norms_report, str(tmp_path), cache, tp, *overrides):
+        assert predicted == measured, (predicted, measured)
+        assert predicted["parameters"] == 4 * params == 4 * param_count(cfg, lay)["total"], params
+        assert tp == 1 or sent == step_comm(cfg, lay, MICRO, SEQ, 4, micro_batches=2), sent
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_biases_per_part_are_counted_as_the_model_holds_them(tmp_path, cache, tp):
     """q, k, v and the MLP's projections with a bias, o without: the report's parameter, gradient and optimizer bytes

@@ -15,7 +15,8 @@ from trickles.data.tokenizers import ByteTokenizer
 from trickles.infer import Sampling, decode
 from trickles.infer.engine import Engine, EngineConfig
 from trickles.infer.streaming import block_bytes, kv_cache_bytes, load_streaming, save_for_inference
-from trickles.models.config import ModelConfig, apply_preset
+from trickles.models.config import ModelConfig
+from trickles.models.presets import apply_preset
 from trickles.models.transformer import build_model
 from trickles.testing import run_command
 from trickles.train.load import load_for_inference

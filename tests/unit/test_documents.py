@@ -10,7 +10,7 @@ from helpers import cli_here, short_documents, tiny_config
 from trickles.config import Config
 from trickles.data import ShardedBatches, require_boundaries
 from trickles.errors import ConfigError, DataError
-from trickles.models.config import ModelConfig, apply_preset
+from trickles.models.config import ModelConfig
 from trickles.models.documents import (
     DocumentMask,
     block_mask,
@@ -20,6 +20,7 @@ from trickles.models.documents import (
     flex_attention,
     reference_attention,
 )
+from trickles.models.presets import apply_preset
 from trickles.models.transformer import build_model
 from trickles.topology import ParallelDims
 from trickles.train.trainer import Trainer

@@ -1,4 +1,5 @@
-"""Model families against transformers: Llama with attention and MLP biases, Qwen2, Mistral (no window), Qwen3
+"""Model families against transformers: Llama with attention and MLP biases, Qwen2, Mistral (no window: windows are
+in tests/unit/test_windows.py), Qwen3
 (per-head q/k norm) and OLMo 2 (full-width q/k norm, norms after attention and MLP).
 
 Each tiny random model is built by transformers from its family's config class, its weights perturbed so that norms
@@ -194,11 +195,9 @@ def _config(name, **changes):
 @pytest.mark.parametrize(
     "name, changes, message",
     [
-        ("qwen2", dict(use_sliding_window=True), "use_sliding_window=true"),
-        ("mistral", dict(sliding_window=16), "sliding_window=16 is shorter than max_position_embeddings=64"),
         ("llama-biases", dict(model_type="gptj"), "model_type 'gptj' is not supported; load_hf reads 'gpt2'"),
         ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types names sliding_attention"),
-        ("qwen3", dict(use_sliding_window=True), "use_sliding_window=true"),
+        ("qwen3", dict(use_sliding_window=True, layer_types=["local"] * 2), "only sliding_attention and full_att"),
     ],
 )
 def test_family_configs_refused_in_one_line(name, changes, message):
@@ -209,11 +208,15 @@ def test_family_configs_refused_in_one_line(name, changes, message):
 
 def test_windows_that_never_cut_are_full_attention():
     """Qwen2's window is ignored while use_sliding_window is false (max_window_layers too); a Mistral window as long
-    as the context never cuts."""
+    as the context never cuts, and is written back; Qwen3 takes its windows as Qwen2 does (more: test_windows.py)."""
     qwen = config_from_hf(_config("qwen2", sliding_window=8, max_window_layers=1), "config.json")
     mistral = config_from_hf(_config("mistral", sliding_window=64), "config.json")
-    assert qwen.family == "qwen2" and mistral.family == "mistral"
-    assert config_to_hf(mistral, torch.float32)["sliding_window"] is None
+    assert qwen.family == "qwen2" and qwen.sliding_window is None and mistral.family == "mistral"
+    assert config_to_hf(mistral, torch.float32)["sliding_window"] == 64
+    windowed = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, layer_types=None)
+    qwen3 = config_from_hf(_config("qwen3", **windowed), "config.json")
+    assert (qwen3.sliding_window, qwen3.window_layers) == (8, [False, True])
+    assert config_to_hf(qwen3, torch.float32)["layer_types"] == ["full_attention", "sliding_attention"]
 
 
 @pytest.mark.parametrize(

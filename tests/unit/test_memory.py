@@ -102,6 +102,29 @@ def test_activation_prediction_matches_measurement(tmp_path, flavor, precision, 
     assert measured["full"] < measured["selective"] < measured["none"]
 
 
+@pytest.mark.parametrize("qk,placement,precision", [("head", "sandwich", "fp32"), ("full", "post", "bf16")])
+def test_q_k_norms_and_norm_placements_are_counted_in_every_recompute_mode(tmp_path, qk, placement, precision):
+    """Each q/k norm keeps its input and fp32 ``1/rms``, each post norm its input and ``1/rms``; without pre norms the
+    linears keep the residual stream itself, which elementwise recomputation leaves kept (no recipe for it)."""
+    for mode in ("none", "elementwise", "selective", "full"):
+        tr = _trainer(
+            tmp_path,
+            f"model.qk_norm={qk}",
+            f"model.norm_placement={placement}",
+            f"memory.precision={precision}",
+            f"memory.recompute={mode}",
+            "train.micro_batch=2",
+            "train.global_batch=2",
+        )
+        x, y = tr.train_data.micro_batches(0, 2, 2)[0]
+        with ActivationMeter(tr.model) as meter:
+            tr._loss(x, y).backward()
+        predicted = activation_bytes(tr.model_cfg, 2, 32, mode, 2 if precision == "bf16" else 4)
+        for i in range(tr.model_cfg.n_layers):
+            assert meter.per_layer[f"layers.{i}"] == predicted["layer"], (mode, meter.per_layer, predicted["layer"])
+        assert sum(predicted["terms"].values()) == predicted["layer"]
+
+
 # Mixture-of-experts blocks (layer 1 of 2; layer 0 stays dense): llama in fp32 with top-2 and a shared expert, in every
 # recompute mode; gpt2 in bf16 with top-1 (no renormalization, the norm's output kept by nobody but the router's copy).
 MOE = [
@@ -320,7 +343,8 @@ def test_a_rank_model_holds_its_share_of_the_experts(ep):
     """Expert parallelism over ``ep`` ranks: the meta model a rank's memory is counted on holds ``E / ep`` experts of
     each MoE block (at ep = 2 as at 4), and the rest of the model whole."""
     from trickles.memory.meta import rank_model
-    from trickles.models.config import ModelConfig, apply_preset
+    from trickles.models.config import ModelConfig
+    from trickles.models.presets import apply_preset
 
     cfg = dataclasses.replace(
         apply_preset(ModelConfig(), "tiny"), moe_experts=4, moe_every=2, vocab_size=256, max_seq_len=32

@@ -380,6 +380,8 @@ def test_an_expert_parallel_rank_runs_the_gemms_of_its_own_experts():
         ["model.preset=tiny", "model.moe_experts=4", "model.moe_every=2", "model.moe_shared_experts=1"],
         ["model.preset=gpt2-tiny", "model.moe_experts=2", "model.tie_embeddings=false"],
         ["model.preset=tiny", "model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true"],
+        ["model.preset=tiny", "model.qk_norm=head", "model.norm_placement=sandwich"],
+        ["model.preset=tiny", "model.qk_norm=full", "model.norm_placement=post"],
     ],
 )
 def test_parameter_counts_are_the_models(sets):
@@ -397,15 +399,30 @@ def test_parameter_counts_are_the_models(sets):
 
 @pytest.mark.parametrize(
     "preset,tp,sp",
-    [("tiny", 4, False), ("tiny", 4, True), ("tiny", 2, True), ("gpt2-tiny", 2, True), ("tiny-biased", 4, True)],
+    [
+        ("tiny", 4, False),
+        ("tiny", 4, True),
+        ("tiny", 2, True),
+        ("gpt2-tiny", 2, True),
+        ("tiny-biased", 4, True),
+        ("tiny-head-sandwich", 2, False),
+        ("tiny-head-sandwich", 2, True),
+        ("tiny-full-post", 2, True),
+    ],
 )
 def test_partial_gradients_are_the_plans(preset, tp, sp):
-    """tiny-biased: replicated key/value heads with their biases, and the MLP's row-parallel bias (none on o)."""
+    """tiny-biased: replicated key/value heads with their biases, and the MLP's row-parallel bias (none on o);
+    per-head q/k norms (partial at any tp), post norms (under sequence parallelism), full-width q/k norms (split)."""
     from trickles.models.transformer import Transformer
     from trickles.parallel.tensor.plan import apply_tensor_parallel
 
-    biases = ["model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true"] if "biased" in preset else []
-    cfg = Config.load(None, [*TINY, f"model.preset={preset.removesuffix('-biased')}", *biases])
+    extra = {
+        "biased": ["model.qkv_bias=true", "model.o_bias=false", "model.mlp_bias=true"],
+        "head-sandwich": ["model.qk_norm=head", "model.norm_placement=sandwich"],
+        "full-post": ["model.qk_norm=full", "model.norm_placement=post"],
+    }
+    name, _, variant = preset.partition("-") if preset.startswith("tiny-") else (preset, "", "")
+    cfg = Config.load(None, [*TINY, f"model.preset={name}", *extra.get(variant, [])])
     mc = resolve_model(cfg.model, 320, 32)
     with torch.device("meta"):
         model = Transformer(mc)

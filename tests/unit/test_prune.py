@@ -188,3 +188,24 @@ def test_taylor_scores_sum_every_weight_and_bias_of_the_unit():
         s = t["attn.q_proj.weight"][q].sum() + t["attn.q_proj.bias"][q].sum() + t["attn.o_proj.weight"][:, q].sum()
         s = s + sum(t[f"attn.{p}_proj.weight"][kv].sum() + t[f"attn.{p}_proj.bias"][kv].sum() for p in "kv")
         assert float(imp.groups[0][g]) == pytest.approx(float(s), rel=1e-5)
+
+
+def test_a_full_width_q_k_norm_prunes_with_its_heads():
+    """OLMo 2's q/k norms run along all heads' features: the pruned model keeps the kept groups' slice of each weight
+    (the query heads' of q's, the key/value heads' of k's); pruning channels only leaves the logits exact."""
+    cfg = tiny(qk_norm="full", norm_placement="post")
+    model = noisy(cfg)
+    dead = kill_units(model)
+    p = plan(measure(model, batches(), "taylor"), cfg, heads=0.5, ffn=0.25)
+    small = prune_model(model, p)
+    rep, d = cfg.n_heads // cfg.kv_heads, cfg.head_dim
+    for layer in range(cfg.n_layers):
+        (g,) = p.groups[layer]
+        assert set(p.channels[layer]).isdisjoint(dead[layer])
+        old, new = model.layers[str(layer)].attn, small.layers[str(layer)].attn
+        assert torch.equal(new.q_norm.weight, old.q_norm.weight[g * rep * d : (g + 1) * rep * d])
+        assert torch.equal(new.k_norm.weight, old.k_norm.weight[g * d : (g + 1) * d])
+    channels_only = prune_model(model, plan(measure(model, batches(), "taylor"), cfg, ffn=0.25))
+    x = batches(1)[0][0]
+    with torch.no_grad():
+        assert torch.equal(channels_only(x), model(x))

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from trickles.memory.recompute import apply_recompute
-from trickles.models.config import ModelConfig, apply_preset
+from trickles.models.config import ModelConfig
+from trickles.models.presets import apply_preset
 from trickles.models.transformer import build_model
 from trickles.parallel.pipeline.split import backward_input, backward_weight, phase
 from trickles.parallel.pipeline.stages import StageChunk

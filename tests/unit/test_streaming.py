@@ -17,8 +17,9 @@ from trickles.data.tokenizers import ByteTokenizer
 from trickles.errors import UserError
 from trickles.infer.placement import plan_placement, spaced
 from trickles.infer.streaming import CheckpointTensors, block_bytes, kv_cache_bytes, load_streaming, save_for_inference
-from trickles.models.config import ModelConfig, apply_preset
+from trickles.models.config import ModelConfig
 from trickles.models.generate import generate
+from trickles.models.presets import apply_preset
 from trickles.models.transformer import build_model
 from trickles.train import checkpoint as ckpt
 from trickles.train.load import load_for_inference

@@ -62,6 +62,18 @@ def test_param_count_is_what_the_plan_leaves_a_rank(preset, mode, tp, depth, sp)
     assert count_params(meta) == param_count(model_cfg, Layout.of(mode, tp, depth, sp))["total"]
 
 
+@pytest.mark.parametrize("tp,sp", [(1, False), (2, True)])
+def test_param_count_holds_the_q_k_norms_and_every_norm_placement(tp, sp):
+    """Per-head q/k norms ``[h]`` whole on every rank, full-width ones split with the heads, post norms ``[d]`` beside
+    (sandwich) or in place of (post) the pre norms: the formula is what the plan leaves rank 0, for each pair."""
+    for qk in ("none", "head", "full"):
+        for placement in ("pre", "post", "sandwich"):
+            model_cfg = _model(_config(*TINY, f"model.qk_norm={qk}", f"model.norm_placement={placement}"))
+            with torch.device("meta"):
+                meta = shard_meta(Transformer(model_cfg), ParallelDims(tp=tp), sp)
+            assert count_params(meta) == param_count(model_cfg, Layout.of("1d", tp, 1, sp))["total"], (qk, placement)
+
+
 def test_fused_projections_change_the_grid_bytes_as_the_formula_says():
     """One qkv and one gate/up linear: one gathered input each, not three and two (the same weights)."""
     cfg = _model(_config(*TINY))

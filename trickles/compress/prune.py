@@ -15,7 +15,9 @@ logits, bit for bit.
 
 Head size is kept (``model.head_size`` is written into the pruned config, so ``d_model`` need not be
 ``n_heads x head_size`` any more); every layer keeps the same number of groups and channels (the model config
-has one ``n_heads`` and ``ffn_hidden``), each layer its own best ones.
+has one ``n_heads`` and ``ffn_hidden``), each layer its own best ones. Per-head q/k norms (``model.qk_norm=head``)
+are kept whole; a full-width one keeps its weight's slice of the kept heads, and its mean square is then over those
+heads only (removing heads changes what the others see, so removing a dead head is not exact there).
 
 Importance, summed over calibration batches (the run's training data):
 
@@ -258,9 +260,11 @@ def prune_state(state: dict[str, torch.Tensor], cfg: ModelConfig, p: Plan) -> di
         q_idx = torch.tensor([g * rep * d + i for g in p.groups[layer] for i in range(rep * d)], dtype=torch.long)
         kv_idx = torch.tensor([g * d + i for g in p.groups[layer] for i in range(d)], dtype=torch.long)
         ch = torch.tensor(p.channels[layer], dtype=torch.long)
-        if rest.startswith("attn.q_proj."):
-            t = t.index_select(0, q_idx)
-        elif rest.startswith(("attn.k_proj.", "attn.v_proj.")):
+        if rest.startswith("attn.q_proj.") or (rest == "attn.q_norm.weight" and cfg.qk_norm == "full"):
+            t = t.index_select(0, q_idx)  # a full-width q/k norm's weight runs along the heads' features
+        elif rest.startswith(("attn.k_proj.", "attn.v_proj.")) or (
+            rest == "attn.k_norm.weight" and cfg.qk_norm == "full"
+        ):
             t = t.index_select(0, kv_idx)
         elif rest == "attn.o_proj.weight":
             t = t.index_select(1, q_idx)

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import ConfigError
+
 __all__ = ["BlockPool", "PagedCall", "block_bytes", "kv_layout", "pool_blocks"]
 
 
@@ -70,6 +72,12 @@ class BlockPool:
     """``num_blocks`` blocks of ``block_size`` positions for every layer of ``model``, allocated once."""
 
     def __init__(self, model, num_blocks: int, block_size: int = 16, device=None):
+        window, context = model.cfg.sliding_window, model.cfg.max_seq_len
+        if window is not None and (context is None or window < context):
+            raise ConfigError(
+                f"the paged serving engine does not build sliding windows yet (model.sliding_window={window}); "
+                "use trickles generate"
+            )
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"a KV pool needs at least one block of at least one position, got {num_blocks} x {block_size}"

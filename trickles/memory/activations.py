@@ -77,8 +77,15 @@ row once, ``8sh`` in fp32 (not under full recomputation), and in low precision t
 Recomputation treats an MoE block like a dense one (``selective``: the attention core; ``full``: the block input,
 and with hard routing the first block also keeps the per-token label ids, ``8s``, counted with ``"tables"``).
 
+**Norm placement and q/k norms.** A post norm (``model.norm_placement`` post, sandwich) keeps its input and fp32
+``1/rms``, ``p s_n d + 4 s_n`` (its output goes to the residual add, which keeps nothing); without pre norms (post)
+the branches' linears keep the residual stream itself, ``p s_n d`` each. A q/k norm (``model.qk_norm``) keeps its
+input and fp32 ``1/rms``: per head ``p s (a + a_kv) h + 4 s (a + a_kv)``, full width ``p s (a + a_kv) h + 8 s``;
+split over ``tp > 1`` (its sum of squares all-reduced) the input in fp32 and the normalized product,
+``(4 + p) s (a + a_kv) h + 8 s``. Both count with attention: selective keeps them, full drops them.
+
 A layer holds two norms, the attention and the MLP. ``elementwise`` recomputation (:mod:`trickles.memory.recompute`)
-drops each norm's output, ``p s_n d`` (gpt2's on CUDA in low precision excepted: its linears keep autocast's cast of
+drops each pre norm's output, ``p s_n d`` (gpt2's on CUDA in low precision excepted: its linears keep autocast's cast of
 the fp32 output), and the activation's product, ``psf``. ``selective`` recomputation of the
 attention core drops what the core keeps beyond its inputs -- with a fused kernel only the
 log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabilities);
@@ -159,6 +166,9 @@ def activation_bytes(
         norm = 4 * sn * d + 8 * sn + p * sn * d
     else:
         norm = 2 * p * sn * d + 2 * p * sn
+    pre, post = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("post", "sandwich")
+    # the branches' linears keep the norm's output (pre) or the residual stream itself; a post norm keeps its input
+    norms = (2 * norm if pre else 2 * p * sn * d) + (2 * (norm - p * sn * d) if post else 0)
     drop = cfg.dropout > 0
     mask = (1 if device_type == "cuda" else p) if drop else 0  # bytes per element one dropout keeps (module docstring)
     qkv = p * s * (a * h + 2 * kv * h)
@@ -170,6 +180,9 @@ def activation_bytes(
         s if documents else seq
     )  # low-precision llama: the rotary tables cast for q and k, per row with documents
     attention = qkv + p * s * a * h + lse + (4 * cast_tokens * h * p if llama and p != 4 else 0)
+    if cfg.qk_norm != "none":  # q's and k's norms: input, fp32 1/rms (per head or per token); tensor-parallel full
+        split = cfg.qk_norm == "full" and t > 1  # width: its input in fp32 and the normalized product
+        attention += (p + 4 * split) * s * (a + kv) * h + 4 * s * (a + kv if cfg.qk_norm == "head" else 2)
     if (
         t > 1 and cfg.kv_heads % t
     ):  # replicated key/value heads: k and v each keep the int64 index of the heads they select
@@ -193,15 +206,15 @@ def activation_bytes(
     # elementwise: the linears after a norm keep a recipe in place of its output -- except gpt2's on CUDA in low
     # precision, whose linears keep autocast's cast of the fp32 output, not the output -- and the down projection
     # one in place of the activation's
-    out_dropped = p * sn * d if elementwise and not (not llama and device_type == "cuda" and p != 4) else 0
+    out_dropped = p * sn * d if elementwise and pre and not (not llama and device_type == "cuda" and p != 4) else 0
     act_dropped = p * s * f if elementwise else 0
 
     def block(ffn: int, drops: int = 2) -> int:  # ``drops``: the dropouts on the residual branches
         ffn += drops * mask * sn * d
         return {
-            "none": 2 * norm + attention + ffn,
-            "selective": 2 * norm + attention + ffn - lse - core_extra,
-            "elementwise": 2 * norm + attention + ffn - 2 * out_dropped - act_dropped,
+            "none": norms + attention + ffn,
+            "selective": norms + attention + ffn - lse - core_extra,
+            "elementwise": norms + attention + ffn - 2 * out_dropped - act_dropped,
             "full": full,
         }[recompute]
 
@@ -213,7 +226,7 @@ def activation_bytes(
         {"block input": full}
         if recomputed is None
         else {
-            "norms": 2 * (norm - p * sn * d),
+            "norms": norms - 2 * p * sn * d,
             "attention": kept + attention - recomputed,
             "mlp": kept + mlp - act_dropped,
             "dropout masks": 2 * mask * sn * d,

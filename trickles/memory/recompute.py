@@ -9,7 +9,8 @@
   statistics (with a non-fused attention: the ``T x T`` probabilities); redoing it is cheap
   next to the matmuls (Korthikanti et al., "Reducing Activation Recomputation in Large
   Transformer Models").
-* ``elementwise``: no matmul runs again. Each block's two norms and its MLP activation keep, for their own
+* ``elementwise``: no matmul runs again. Each block's norms (before attention and MLP and, where
+  ``model.norm_placement`` puts them, on their outputs) and its MLP activation keep, for their own
   backward, their inputs (a norm: ``x`` and the fp32 ``1/rms``; SwiGLU: the gate and up outputs; GELU: its
   input); their outputs are kept a second time by the linears that read them (for ``dW = dy^T x``). Under this
   mode those linears keep a *recipe* in their place -- the module and the inputs its own backward keeps anyway --
@@ -25,7 +26,9 @@
   in a marked output's storage (the output or a view of it, as ``F.linear`` saves a 2-D view of a 3-D input) for
   the recipe and that view's size, stride and offset, and hands every other tensor to the hooks outside (the
   memory meter's), if any. The unpack hook reruns the module's forward under ``no_grad`` with the autocast state
-  of the forward and takes the same view of the result.
+  of the forward and takes the same view of the result. A norm the placement leaves out (``nn.Identity``) is not
+  marked: its output is its input, which a recipe would keep unseen. A post norm's output is read by the residual
+  add, which saves nothing, so marking it saves nothing today; it is marked so that whatever keeps it is covered.
 
 All of them give bit-identical losses and gradients: the recomputation repeats the same operations,
 with the random state of dropout restored. Recomputation only happens when autograd records a
@@ -38,6 +41,7 @@ import functools
 import weakref
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 MODES = ("none", "elementwise", "selective", "full")
@@ -123,8 +127,9 @@ class _ElementwiseHooks:
 
 def _elementwise(block) -> None:
     hooks = _ElementwiseHooks()
-    for module in (block.attn_norm, block.mlp_norm, block.mlp.act):
-        module.register_forward_hook(hooks.mark)
+    for module in (block.attn_norm, block.attn_post_norm, block.mlp_norm, block.mlp_post_norm, block.mlp.act):
+        if not isinstance(module, nn.Identity):  # an absent norm's output is its input: no recipe rebuilds that
+            module.register_forward_hook(hooks.mark)
     forward = block.forward
 
     @functools.wraps(forward)

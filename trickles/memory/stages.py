@@ -53,6 +53,7 @@ from functools import lru_cache
 
 from ..parallel.pipeline.actions import Action, Shape, _messages, _producer, uniform_times
 from ..parallel.pipeline.schedules import SPLIT, compute_order, handoff
+from ..parallel.tensor.layout import block_norms
 
 
 def chunk_bytes(act: dict, embedding: int, parts: list[list[int]], shape: Shape, rank: int) -> list[tuple[int, int]]:
@@ -227,8 +228,9 @@ def recorded_bytes(
     (:mod:`~trickles.parallel.pipeline.split`): the gradient arriving at every node with an edge toward a weight, kept
     until ``W`` multiplies it by the saved input -- per block the outputs of the query, key and value projections and of
     the gate and up (llama) or first MLP (gpt2) projection, sharded over ``tp`` (column-parallel), of the attention's
-    and the MLP's output projections (row-parallel: whole before their reduction), and of the two norms (sharded over
-    ``tp`` under sequence parallelism): ``tokens (q + 2 kv + 2f [gpt2: f]) / tp + 2 tokens d + 2 tokens' d``
+    and the MLP's output projections (row-parallel: whole before their reduction), of the norms (two, four with
+    ``model.norm_placement=sandwich``; sharded over ``tp`` under sequence parallelism) and of the q/k norms
+    (``model.qk_norm``): ``tokens (q + 2 kv + 2f [gpt2: f] [+ q + kv]) / tp + 2 tokens d + n tokens' d``
     elements of ``p`` bytes; with ``head`` (the last stage) the final norm's ``tokens' d`` and the output projection's
     ``tokens V / tp`` unless the loss is fused (its own function computes both gradients from the loss's).
     """
@@ -236,7 +238,8 @@ def recorded_bytes(
     q, kv = mc.n_heads * mc.head_dim, mc.kv_heads * mc.head_dim
     column = q + 2 * kv + (2 * f if mc.flavor == "llama" else f)
     norm_tokens = tokens // tp if sp and tp > 1 else tokens
-    per_block = tokens * column // tp + 2 * tokens * d + 2 * norm_tokens * d
+    column += q + kv if mc.qk_norm != "none" else 0
+    per_block = tokens * column // tp + 2 * tokens * d + block_norms(mc) * norm_tokens * d
     out = p * layers * per_block
     if head:
         out += p * norm_tokens * d + (0 if fused_loss else p * tokens * mc.vocab_size // tp)

@@ -1,7 +1,8 @@
 """Single-device models and their Hugging Face import/export."""
 
-from .config import PRESETS, ModelConfig, apply_preset
+from .config import ModelConfig
 from .kv_cache import KVCache
+from .presets import PRESETS, apply_preset
 from .transformer import Transformer, build_model, count_params, initial_value
 
 __all__ = [

@@ -33,7 +33,7 @@ from . import fused
 from .config import ModelConfig
 from .documents import DocumentMask
 from .kv_cache import KVCache
-from .masks import attend_head_major, padded_attention_mask
+from .masks import attend_head_major, layer_window, padded_attention_mask, window_mask
 
 # ``enable_gqa`` arrived in torch 2.5; older versions repeat the key/value heads instead.
 _SDPA_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
@@ -61,6 +61,7 @@ class Attention(nn.Module):
         super().__init__()
         bias = cfg.bias("qkv")
         self.layer_id = layer_id
+        self.window = layer_window(cfg, layer_id)  # sliding window of this layer (None: full causal)
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.kernels = cfg.kernels
@@ -104,7 +105,9 @@ class Attention(nn.Module):
         """
         b, _, t_q, _ = q.shape
         if documents is not None:
-            out = documents.attend(q, k, v, self.dropout if self.training else 0.0)
+            # (context parallelism's document masks take no window: config checks refuse windows there)
+            window = {} if self.window is None else {"window": self.window}
+            out = documents.attend(q, k, v, self.dropout if self.training else 0.0, **window)
             return out.transpose(1, 2).reshape(b, t_q, -1)
         # (context parallelism swaps in a 4-argument _attend)
         extra = {} if pad_mask is None else {"pad_mask": pad_mask}
@@ -113,13 +116,18 @@ class Attention(nn.Module):
     def _attend(self, q, k, v, causal_offset, pad_mask=None):
         p = self.dropout if self.training else 0.0
         rep = q.shape[1] // k.shape[1]
-        t_q = q.shape[2]
-        if pad_mask is not None:
-            mask = (
-                pad_mask
-                if pad_mask.dim() == 4
-                else padded_attention_mask(pad_mask, causal_offset or 0, t_q, k.shape[2])
-            )
+        t_q, start = q.shape[2], causal_offset or 0
+        # a window cuts only where some query is at least ``window`` positions past the first key
+        window = self.window if self.window is not None and start + t_q > self.window else None
+        if pad_mask is not None or window is not None:
+            if pad_mask is None:
+                mask = window_mask(start, t_q, k.shape[2], window, q.device)[None, None]
+            elif pad_mask.dim() == 4:
+                mask = pad_mask
+            else:
+                mask = padded_attention_mask(pad_mask, start, t_q, k.shape[2])
+                if window is not None:
+                    mask = mask & window_mask(start, t_q, k.shape[2], window, q.device)
             if k.stride(0) < k.stride(1):  # keys stored head-major (a paged cache's gather): attend in that order
                 return attend_head_major(q, k, v, mask, p)
             if rep == 1:

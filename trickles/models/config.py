@@ -22,7 +22,7 @@ class ModelConfig:
     """Shape of a decoder-only transformer (the ``[model]`` section)."""
 
     preset: str | None = opt(
-        None, "named shape to start from (trickles.models.PRESETS); keys given beside it override it"
+        None, "named shape to start from (trickles.models.presets.PRESETS); keys given beside it override it"
     )
     from_hf: str | None = opt(
         None,
@@ -61,6 +61,8 @@ class ModelConfig:
         "where a block's norms sit: pre (before attention and MLP); post (on their outputs, before the residual "
         "add: OLMo 2); sandwich (both)",
     )
+    sliding_window: int | None = opt(None, "keys a query sees, itself included: q - window < k <= q (none: all)")
+    window_layers: list[bool] | None = opt(None, "per layer, whether sliding_window applies (none: every layer)")
     family: str | None = opt(
         None,
         "the Hugging Face model_type an export writes (llama, mistral, qwen2, qwen3, olmo2, mixtral, gpt2; none: the "
@@ -292,66 +294,10 @@ class ModelConfig:
                 )
         if self.max_seq_len is not None and self.max_seq_len < 1:
             raise ConfigError(f"model.max_seq_len must be at least 1, got {self.max_seq_len}")
-
-
-def _llama(n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, vocab_size, **extra):
-    return dict(
-        flavor="llama",
-        n_layers=n_layers,
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        ffn_hidden=ffn_hidden,
-        vocab_size=vocab_size,
-        **extra,
-    )
-
-
-def _gpt2(n_layers, d_model, n_heads):
-    return dict(
-        flavor="gpt2",
-        n_layers=n_layers,
-        d_model=d_model,
-        n_heads=n_heads,
-        n_kv_heads=None,
-        ffn_hidden=None,
-        vocab_size=50257,
-        max_seq_len=1024,
-    )
-
-
-#: Named shapes. The small ones train on a CPU; the large ones are for planning and GPU runs.
-PRESETS: dict[str, dict] = {
-    "tiny": _llama(2, 64, 4, 2, 128, None),
-    "demo": _llama(4, 256, 8, 4, None, None),
-    "llama-125m": _llama(12, 768, 12, 12, 2048, 32000),
-    "llama-350m": _llama(24, 1024, 16, 8, 2816, 32000),
-    "llama-1b": _llama(16, 2048, 32, 8, 8192, 128256, rope_theta=500000.0, tie_embeddings=True),
-    "llama-3b": _llama(28, 3072, 24, 8, 8192, 128256, rope_theta=500000.0, tie_embeddings=True),
-    "llama-7b": _llama(32, 4096, 32, 32, 11008, 32000),
-    "gpt2-tiny": dict(_gpt2(2, 64, 4), vocab_size=None, max_seq_len=None),
-    "gpt2-small": _gpt2(12, 768, 12),
-    "gpt2-medium": _gpt2(24, 1024, 16),
-    "gpt2-large": _gpt2(36, 1280, 20),
-    "gpt2-xl": _gpt2(48, 1600, 25),
-}
-
-
-def apply_preset(cfg: ModelConfig, name: str) -> ModelConfig:
-    """``cfg`` with the preset's values (fields the preset does not name keep their defaults)."""
-    if name not in PRESETS:
-        import difflib
-
-        hint = difflib.get_close_matches(name, PRESETS, n=1)
-        raise ConfigError(
-            f"unknown model.preset {name!r}"
-            + (f"; did you mean {hint[0]!r}?" if hint else f"; choose one of {', '.join(PRESETS)}")
-        )
-    defaults = ModelConfig()
-    base = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(ModelConfig)}
-    base.update(PRESETS[name])
-    base["preset"] = name
-    return dataclasses.replace(cfg, **base)
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"model.sliding_window must be at least 1 or none, got {self.sliding_window}")
+        if self.window_layers is not None and len(self.window_layers) != self.n_layers:
+            raise ConfigError(f"model.window_layers has {len(self.window_layers)} entries; give {self.n_layers}")
 
 
 def resolve_model(cfg: ModelConfig, tokenizer_vocab: int, seq_len: int) -> ModelConfig:

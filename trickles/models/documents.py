@@ -26,6 +26,9 @@ document starting at position 0.
 * ``dense`` -- scaled dot-product attention with a boolean ``[B, 1, T, T]`` mask built from the ids inside the forward
   (nothing per sequence is stored beforehand). PyTorch's CPU flash kernel takes the mask; this is the CPU path.
 
+A layer with a sliding window (``model.sliding_window``) adds ``i - window < j`` to either mask (a second block
+mask, built once per forward and window, on the flex path).
+
 Both give the attention of :func:`reference_attention` (the test's hand-written one). The plain causal case (no
 ids) never comes here: it keeps SDPA's ``is_causal`` path.
 """
@@ -80,11 +83,13 @@ def _compiled_flex():
     return _COMPILED["flex"]
 
 
-def block_mask(documents: torch.Tensor):
-    """flex attention's ``BlockMask`` for ``documents [B, T]`` (same document and causal), heads broadcast."""
+def block_mask(documents: torch.Tensor, window: int | None = None):
+    """flex attention's ``BlockMask`` for ``documents [B, T]`` (same document and causal, and with ``window`` only
+    ``q - window < k``), heads broadcast."""
 
     def same_document_causal(b, h, q, k):
-        return (documents[b, q] == documents[b, k]) & (k <= q)
+        seen = (documents[b, q] == documents[b, k]) & (k <= q)
+        return seen if window is None else seen & (k > q - window)
 
     b, t = documents.shape
     return create_block_mask(
@@ -110,25 +115,47 @@ class DocumentMask:
         self.documents, self.backend = documents, backend
         self.positions = document_positions(documents)
         self._mask = block_mask(documents) if backend == "flex" else dense_mask(documents)
+        self._windowed: dict[int, object] = {}  # flex block masks with a sliding window, built on first use
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
-        """``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]`` -> ``[B, H, T, D]``, within documents."""
+    def attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window: int | None = None
+    ) -> torch.Tensor:
+        """``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]`` -> ``[B, H, T, D]``, within documents; with ``window`` a query
+        at ``i`` sees only keys ``i - window < j`` as well (:func:`~trickles.models.masks.window_mask`)."""
         rep = q.shape[1] // k.shape[1]
+        t = q.shape[2]
+        window = window if window is not None and window < t else None  # a window as long as the row cuts nothing
         if self.backend == "flex":
             if dropout_p:
                 raise ValueError(
                     "flex attention has no dropout; set model.dropout=0 with data.document_mask=true on CUDA"
                 )
-            return _compiled_flex()(q, k, v, block_mask=self._mask, enable_gqa=rep > 1)
+            mask = self._mask
+            if window is not None:
+                if window not in self._windowed:
+                    self._windowed[window] = block_mask(self.documents, window)
+                mask = self._windowed[window]
+            return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=rep > 1)
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self._mask, dropout_p=dropout_p)
+        mask = self._mask
+        if window is not None:
+            index = torch.arange(t, device=q.device)
+            mask = mask & (index[None, :] > index[:, None] - window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor) -> torch.Tensor:
-    """The plainest same-document causal attention, fp32 scores and an explicit softmax (tests compare to it)."""
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """The plainest same-document causal attention (with ``window``: keys ``i - window < j`` only), fp32 scores and
+    an explicit softmax (tests compare to it)."""
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     scores = (q.float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
-    scores = scores.masked_fill(~dense_mask(documents), float("-inf"))
+    mask = dense_mask(documents)
+    if window is not None:
+        index = torch.arange(q.shape[2], device=q.device)
+        mask = mask & (index[None, :] > index[:, None] - window)
+    scores = scores.masked_fill(~mask, float("-inf"))
     return (scores.softmax(-1) @ v.float()).to(q.dtype)

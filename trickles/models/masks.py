@@ -2,6 +2,8 @@
 
 * :func:`padded_attention_mask`: a left-padded batch (:mod:`trickles.infer.decode`): causal over cache slots, and no
   real query sees a padding slot; a padding query sees itself, so its row stays finite.
+* :func:`layer_window`: a layer's sliding window (``model.sliding_window`` where ``model.window_layers`` says so).
+* :func:`window_mask`: a sliding window over positions: query ``q`` sees key ``k`` iff ``q - window < k <= q``.
 * :func:`attend_head_major`: SDPA over keys and values that a paged cache (:mod:`trickles.infer.paged`) gathered into
   one ``[H_kv, B, S, D]`` buffer and hands over as its ``[B, H_kv, S, D]`` view.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend_head_major", "padded_attention_mask"]
+__all__ = ["attend_head_major", "layer_window", "padded_attention_mask", "window_mask"]
 
 
 def attend_head_major(q, k, v, mask, p: float) -> torch.Tensor:
@@ -34,3 +36,18 @@ def padded_attention_mask(pad_mask: torch.Tensor, start: int, t_q: int, t_k: int
     qslots = torch.arange(start, start + t_q, device=pad_mask.device)[:, None]
     causal = slots[None, :] <= qslots
     return (causal & pad_mask[:, None, None, :t_k]) | (slots[None, :] == qslots)
+
+
+def layer_window(cfg, layer: int) -> int | None:
+    """The sliding window of layer ``layer`` of model config ``cfg`` (None: full causal attention)."""
+    return None if cfg.window_layers is not None and not cfg.window_layers[layer] else cfg.sliding_window
+
+
+def window_mask(start: int, t_q: int, t_k: int, window: int, device) -> torch.Tensor:
+    """``[t_q, t_k]`` boolean: query at position ``start + i`` sees key at position ``j`` iff
+    ``start + i - window < j <= start + i`` (causal, and the last ``window`` positions, itself included: the mask of
+    transformers' ``sliding_window_overlay``). Over left-padded cache slots it is the same band, as slots and
+    positions differ by one shift per row."""
+    keys = torch.arange(t_k, device=device)[None, :]
+    queries = torch.arange(start, start + t_q, device=device)[:, None]
+    return (keys <= queries) & (keys > queries - window)

@@ -41,7 +41,9 @@ times in forward and backward by one rank's fused log-softmax, 11 times by the v
 (:data:`LOSS_BYTES`). An estimate: GPUs fuse some of it, and calibration measures only GEMMs.
 
 **Parameters** (:func:`param_elements`): a dense block ``d (a + 2 a_kv) h_d + a h_d d + (3 | 2) d f`` matrix elements
-plus norms (``2 d``, LayerNorm ``4 d``) and the biases of the linears that have one
+plus norms (``d`` each, LayerNorm ``2 d``; two or four as ``model.norm_placement`` places them), q/k norms
+(``model.qk_norm``: per head ``2 h_d``, a vector; full width ``(a + a_kv) h_d``, split with the heads like a matrix)
+and the biases of the linears that have one
 (:func:`~trickles.parallel.tensor.layout.block_linears`: ``model.qkv_bias``, ``o_bias``, ``mlp_bias``); an MoE block the
 router ``d E`` and ``E`` experts of ``(3 | 2) d f_e``; the embedding ``V d``, gpt2's positions ``T_max d``, the final
 norm, an untied output ``V d``. Tested equal to the built model's count.
@@ -52,7 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
-from ..parallel.tensor.layout import bias_elements
+from ..parallel.tensor.layout import bias_elements, block_norms, qk_norm_elements
 from ..topology import ParallelDims
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
@@ -249,7 +251,11 @@ def block_params(cfg: ModelConfig, moe: bool) -> tuple[int, int, int]:
     a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
     mats, mlp_bias = 3 if _gated(cfg) else 2, cfg.bias("mlp")
     matrices = d * (a + 2 * kv) + a * d
-    vectors = (4 if gpt2 else 2) * d + bias_elements(cfg, ATTENTION_LINEARS)
+    vectors = (2 if gpt2 else 1) * d * block_norms(cfg) + bias_elements(cfg, ATTENTION_LINEARS)
+    if cfg.qk_norm == "full":  # split with the heads, as the matrices are
+        matrices += qk_norm_elements(cfg)[0]
+    else:
+        vectors += qk_norm_elements(cfg)[0]
     experts = 0
     if moe:
         f = cfg.moe_ffn_dim

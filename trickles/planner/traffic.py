@@ -84,6 +84,7 @@ def tensor_1d(r: RankPlan) -> list[Traffic]:
         r.last,
         r.cfg.memory.recompute,
         sum(1 for i in r.layers if modes[i] == "full"),
+        mc.qk_norm == "full",
     )
     out = [Traffic("tp", "tp", op, calls * m, wire * m) for op, (calls, _, wire) in per.items()]
     partial = partial_grad_elements(mc, d.tp, r.sp, len(r.layers), r.first, r.last, r.moe_elements if r.sp else 0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from ...errors import CheckpointError, ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
+from ..masks import layer_window
 from ..rope import rope_fields_to_hf
 
 
@@ -49,6 +50,36 @@ def llama_shape(c: dict, source: str, family: str, **fields) -> ModelConfig:
         tie_embeddings=bool(c["tie_word_embeddings"]),
         init_std=float(c["initializer_range"]),
         **fields,
+    )
+
+
+def qwen_windows(c: dict, source: str) -> dict:
+    """``model.sliding_window`` and ``model.window_layers`` of a Qwen2/Qwen3 ``config.json``, as transformers'
+    ``Qwen2Config`` reads it: windows only with ``use_sliding_window``; layer ``i`` slides where ``layer_types[i]`` is
+    ``sliding_attention``, or, without ``layer_types``, where ``i >= max_window_layers``."""
+    window = c.get("sliding_window", 4096) if c.get("use_sliding_window") else None
+    types = c.get("layer_types")
+    if types is None:
+        first = c.get("max_window_layers", 28)
+        types = [
+            "sliding_attention" if window is not None and i >= first else "full_attention"
+            for i in range(c["num_hidden_layers"])
+        ]
+    if set(types) - {"sliding_attention", "full_attention"}:
+        raise refuse(source, f"layer_types={types} (only sliding_attention and full_attention are built)")
+    if window is None and "sliding_attention" in types:
+        raise refuse(source, "layer_types names sliding_attention layers but use_sliding_window is false (no window)")
+    pattern = [t == "sliding_attention" for t in types]
+    return dict(sliding_window=window, window_layers=pattern) if window is not None and any(pattern) else {}
+
+
+def qwen_window_keys(cfg: ModelConfig) -> dict:
+    """The Qwen2/Qwen3 ``config.json`` keys of ``cfg``'s sliding windows (the inverse of :func:`qwen_windows`)."""
+    return dict(
+        use_sliding_window=cfg.sliding_window is not None,
+        sliding_window=cfg.sliding_window,
+        max_window_layers=cfg.n_layers,
+        layer_types=[("sliding" if layer_window(cfg, i) else "full") + "_attention" for i in range(cfg.n_layers)],
     )
 
 

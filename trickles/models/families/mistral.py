@@ -3,11 +3,12 @@
 Config, both ways: as :mod:`.llama` (no ``attention_bias`` / ``mlp_bias``: Mistral has no biases), with Mistral's
 defaults (8 key/value heads, ``rms_norm_eps`` 1e-6, ``max_position_embeddings`` 131072).
 
-``sliding_window``: each token attends to the last ``sliding_window`` positions. A null window, or one at least
-``max_position_embeddings`` long (no sequence the model accepts is longer, so it never cuts), is full causal
-attention and imports; a shorter window is refused for now (sliding-window attention is not built yet). Note a
-config.json that leaves the field out gets transformers' default window of 4096. Exports write
-``sliding_window: null``. Tensor names: :mod:`.llama`'s, without biases.
+``sliding_window`` is ``model.sliding_window``, on every layer: each token attends to the last ``sliding_window``
+positions, itself included (transformers' ``kv_idx > q_idx - sliding_window``). A null window is full causal
+attention; one at least ``max_position_embeddings`` long never cuts and imports as it is. Note a config.json that
+leaves the field out gets transformers' default window of 4096. A per-layer pattern (``model.window_layers``) has
+no Mistral field: such a model exports as another family. Exports write ``sliding_window`` back.
+Tensor names: :mod:`.llama`'s, without biases.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+from .base import llama_keys, llama_names, llama_shape, merged, require_biases
 
 MODEL_TYPE = "mistral"
 ARCHITECTURE = "MistralForCausalLM"
@@ -43,14 +44,8 @@ def from_hf(raw: dict, source: str) -> ModelConfig:
     c = merged(DEFAULTS, raw)
     if "sliding_window" in raw and raw["sliding_window"] is None:
         c["sliding_window"] = None
-    window, context = c["sliding_window"], c["max_position_embeddings"]
-    if window is not None and window < context:
-        raise refuse(
-            source,
-            f"sliding_window={window} is shorter than max_position_embeddings={context} (sliding-window attention "
-            "is not built yet)",
-        )
-    return llama_shape(c, source, MODEL_TYPE, **rope_fields_from_hf(raw, source))
+    # (a layer_types list is ignored, as transformers' MistralForCausalLM ignores it)
+    return llama_shape(c, source, MODEL_TYPE, sliding_window=c["sliding_window"], **rope_fields_from_hf(raw, source))
 
 
 def picks(cfg: ModelConfig) -> bool:
@@ -64,7 +59,11 @@ def to_hf(cfg: ModelConfig) -> dict:
             f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
         )
     require_biases(cfg, "Mistral", False, False, False, "unset model.family to export it as a Llama")
-    return dict(**llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim), sliding_window=None)
+    if cfg.window_layers is not None and not all(cfg.window_layers):
+        raise ConfigError(
+            "Mistral's sliding window applies to every layer; set model.window_layers=none or export as qwen2"
+        )
+    return dict(**llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim), sliding_window=cfg.sliding_window)
 
 
 def weight_map(cfg: ModelConfig, found: Collection[str] = ()) -> list[Entry]:

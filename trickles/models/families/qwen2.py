@@ -3,11 +3,14 @@
 Config, both ways: as :mod:`.llama` (``qkv_bias=true``, ``o_bias=false``, ``mlp_bias=false``: Qwen2's attention
 output and MLP projections have no bias, and its config has no field to change that), with Qwen2's defaults.
 
-Sliding windows: ``use_sliding_window: true`` (or a ``layer_types`` entry ``sliding_attention``) is refused for now
-(sliding-window attention is not built yet). With ``use_sliding_window: false``, ``sliding_window`` may hold any
-value (the published Qwen2.5 configs carry 32768 or 131072): transformers ignores it, and so does this import;
-``max_window_layers`` (the first layers that keep full attention when windows are on) is ignored as well. Exports
-write ``use_sliding_window: false``. Tensor names: :mod:`.llama`'s, with ``self_attn.{q,k,v}_proj.bias``.
+Sliding windows, as transformers' ``Qwen2Config`` reads them: with ``use_sliding_window: true`` and a
+``sliding_window``, layer ``i`` slides where ``layer_types[i]`` is ``sliding_attention``, or, without
+``layer_types``, where ``i >= max_window_layers`` (the first ``max_window_layers`` keep full attention):
+``model.sliding_window`` and ``model.window_layers``. With ``use_sliding_window: false``, ``sliding_window`` may
+hold any value (the published Qwen2.5 configs carry 32768 or 131072): transformers ignores it, and so does this
+import; ``layer_types`` naming ``sliding_attention`` layers then has no window to apply and is refused. Exports write
+``use_sliding_window`` with the window and ``layer_types`` (all ``full_attention`` without a window).
+Tensor names: :mod:`.llama`'s, with ``self_attn.{q,k,v}_proj.bias``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+from .base import llama_keys, llama_names, llama_shape, merged, qwen_window_keys, qwen_windows, require_biases
 
 MODEL_TYPE = "qwen2"
 ARCHITECTURE = "Qwen2ForCausalLM"
@@ -41,16 +44,15 @@ DEFAULTS = dict(
 
 def from_hf(raw: dict, source: str) -> ModelConfig:
     c = merged(DEFAULTS, raw)
-    if c["use_sliding_window"]:
-        raise refuse(
-            source,
-            f"use_sliding_window=true (a window of {c.get('sliding_window')} tokens; sliding-window attention is not "
-            "built yet)",
-        )
-    if "sliding_attention" in (c.get("layer_types") or ()):
-        raise refuse(source, "layer_types names sliding_attention layers (sliding-window attention is not built yet)")
     return llama_shape(
-        c, source, MODEL_TYPE, qkv_bias=True, o_bias=False, mlp_bias=False, **rope_fields_from_hf(raw, source)
+        c,
+        source,
+        MODEL_TYPE,
+        qkv_bias=True,
+        o_bias=False,
+        mlp_bias=False,
+        **qwen_windows(c, source),
+        **rope_fields_from_hf(raw, source),
     )
 
 
@@ -67,12 +69,7 @@ def to_hf(cfg: ModelConfig) -> dict:
             f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
         )
     require_biases(cfg, "Qwen2", True, False, False, "set it so, or unset model.family to export it as a Llama")
-    return dict(
-        **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim),
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=cfg.n_layers,
-    )
+    return dict(**llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim), **qwen_window_keys(cfg))
 
 
 def weight_map(cfg: ModelConfig, found: Collection[str] = ()) -> list[Entry]:

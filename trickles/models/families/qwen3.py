@@ -6,10 +6,9 @@ rotary) and Qwen3's defaults (``head_dim`` 128, written explicitly, so it is usu
 num_attention_heads``). ``attention_bias`` (false by default) puts a bias on q, k, v **and** o, as Llama's does; the
 MLP has no bias and no field to add one.
 
-Sliding windows: refused as :mod:`.qwen2` refuses them (``use_sliding_window: true``, or a ``layer_types`` entry
-``sliding_attention``); with windows off ``sliding_window`` and ``max_window_layers`` are ignored, as transformers
-ignores them. Exports write ``use_sliding_window: false``. Tensor names: :mod:`.llama`'s plus
-``self_attn.{q,k}_norm.weight``.
+Sliding windows: as :mod:`.qwen2` reads and writes them (``use_sliding_window``, ``sliding_window``,
+``max_window_layers``, ``layer_types``; the same rules in transformers' ``Qwen3Config``).
+Tensor names: :mod:`.llama`'s plus ``self_attn.{q,k}_norm.weight``.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+from .base import llama_keys, llama_names, llama_shape, merged, qwen_window_keys, qwen_windows, refuse, require_biases
 
 MODEL_TYPE = "qwen3"
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -44,14 +43,6 @@ DEFAULTS = dict(
 
 def from_hf(raw: dict, source: str) -> ModelConfig:
     c = merged(DEFAULTS, raw)
-    if c["use_sliding_window"]:
-        raise refuse(
-            source,
-            f"use_sliding_window=true (a window of {c.get('sliding_window')} tokens; sliding-window attention is not "
-            "built yet)",
-        )
-    if "sliding_attention" in (c.get("layer_types") or ()):
-        raise refuse(source, "layer_types names sliding_attention layers (sliding-window attention is not built yet)")
     if not isinstance(c["attention_bias"], bool):
         raise refuse(source, f"attention_bias={c['attention_bias']!r} is not true or false")
     attn = c["attention_bias"]
@@ -63,6 +54,7 @@ def from_hf(raw: dict, source: str) -> ModelConfig:
         o_bias=attn,
         mlp_bias=False,
         qk_norm="head",
+        **qwen_windows(c, source),
         **rope_fields_from_hf(raw, source),
     )
 
@@ -96,10 +88,7 @@ def to_hf(cfg: ModelConfig) -> dict:
     return dict(
         **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim, qk_norm="head"),
         attention_bias=attn,
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=cfg.n_layers,
-        layer_types=["full_attention"] * cfg.n_layers,
+        **qwen_window_keys(cfg),
     )
 
 

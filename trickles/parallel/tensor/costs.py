@@ -14,7 +14,9 @@ its features (:class:`~trickles.parallel.tensor.grid_model.GridContext`): ``n = 
 
 **Communication** (:func:`comm_bytes`), per micro-batch, forward / backward:
 
-* 1-D (Megatron): a block all-reduces its ``[N, d]`` activation twice each way, ``4 AR(p N d)``; the model adds the
+* 1-D (Megatron): a block all-reduces its ``[N, d]`` activation twice each way, ``4 AR(p N d)`` (with a full-width
+  q/k norm, :class:`~trickles.parallel.tensor.layers.SplitWidthRMSNorm`, also its two ``[N]`` fp32 sums of squares
+  each way, ``4 AR(4 N)``); the model adds the
   embedding's exit (forward) and the final norm's entry (backward), and the loss's three ``[N]`` fp32 all-reduces.
   Sequence parallelism turns each all-reduce into a reduce-scatter + all-gather of the same volume and gathers
   each region's input again in backward (``2 L + 1`` more ``AG(p N d / tp)``).
@@ -37,7 +39,9 @@ its features (:class:`~trickles.parallel.tensor.grid_model.GridContext`): ``n = 
 **Parameters** (:func:`param_count`) a rank holds: a grid splits every matrix ``q^2`` ways (3-D ``q^3``; 2.5-D
 replicates it over the depth), every vector (norms, biases) and the positions ``q`` ways; the embedding is
 ``V d/q^2`` (3-D ``V d/q^3``). 1-D: matrices and the vocabulary ``tp`` ways, norms, row-parallel biases and
-positions whole, key/value projections whole when ``tp`` does not divide ``a_kv``.
+positions whole, key/value projections whole when ``tp`` does not divide ``a_kv``; a block's norms as
+``model.norm_placement`` places them (:func:`~.layout.block_norms`) and its q/k norms' weights
+(:func:`~.layout.qk_norm_elements`: per head whole, full width split with the heads).
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from __future__ import annotations
 from ...comm import wire_bytes
 from ...models.config import ModelConfig
 from .grid_linear import cube_bytes, summa_bytes
-from .layout import ROW_PARALLEL, Layout, block_linears
+from .layout import ROW_PARALLEL, Layout, block_linears, block_norms, qk_norm_elements
 from .region_bytes import partial_grad_elements
 
 # ---- collectives, as the ledger counts them (one call each: :func:`trickles.comm.wire_bytes`, rounded) ----------
@@ -96,10 +100,11 @@ def block_comm(cfg: ModelConfig, lay: Layout, batch: int, seq: int, p: int) -> d
     """Bytes one rank sends in one dense block's forward and backward, for a micro-batch of ``batch x seq``."""
     if not lay.grid:
         act = p * batch * seq * cfg.d_model
+        width = 2 * all_reduce(lay.tp, 4 * batch * seq) if cfg.qk_norm == "full" else 0  # q/k sums of squares
         if not lay.sequence_parallel:
-            return _fb(2 * all_reduce(lay.tp, act), 2 * all_reduce(lay.tp, act))
+            return _fb(2 * all_reduce(lay.tp, act) + width, 2 * all_reduce(lay.tp, act) + width)
         pair = reduce_scatter(lay.tp, act) + all_gather(lay.tp, act / lay.tp)
-        return _fb(2 * pair, 2 * pair + 2 * all_gather(lay.tp, act / lay.tp))  # backward: the regathered inputs
+        return _fb(2 * pair + width, 2 * pair + 2 * all_gather(lay.tp, act / lay.tp) + width)  # backward: regathers
     norms = norm_comm(cfg, lay, lay.tokens(batch, seq), p)
     return _add(norms, norms, *(linear_comm(lay, batch, seq, h, h2, b, p) for _, h, h2, b in block_linears(cfg)))
 
@@ -220,7 +225,7 @@ def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
     positions = cfg.max_seq_len * d if cfg.flavor == "gpt2" else 0
     if not lay.grid:
         t = lay.tp
-        block = 2 * norm
+        block = block_norms(cfg) * norm + qk_norm_elements(cfg, t)[0]
         for name, h, h2, b in block_linears(cfg):
             whole = name in ("k_proj", "v_proj") and cfg.kv_heads % t != 0  # replicated key/value heads
             row = name in ROW_PARALLEL  # row-parallel: the bias is whole
@@ -229,6 +234,8 @@ def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
     else:
         q = lay.q
         mat = q**3 if lay.mode == "3d" else q * q
-        block = 2 * norm // q + sum(h * h2 // mat + (h2 // q if b else 0) for _, h, h2, b in block_linears(cfg))
+        block = block_norms(cfg) * norm // q + sum(
+            h * h2 // mat + (h2 // q if b else 0) for _, h, h2, b in block_linears(cfg)
+        )
         rest = norm // q + positions // q + v * d // mat * (1 if cfg.tied else 2)
     return {"block": block, "rest": rest, "total": L * block + rest}

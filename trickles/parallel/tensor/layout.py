@@ -95,3 +95,21 @@ def block_linears(cfg: ModelConfig) -> list[tuple[str, int, int, bool]]:
 def bias_elements(cfg: ModelConfig, names: tuple[str, ...] | None = None) -> int:
     """Bias elements of one dense block (of its linears ``names`` only, where given)."""
     return sum(h2 for name, _, h2, b in block_linears(cfg) if b and (names is None or name in names))
+
+
+def block_norms(cfg: ModelConfig) -> int:
+    """``d``-wide norms of one block: two before attention and MLP (``model.norm_placement`` pre, sandwich), two on
+    their outputs (post, sandwich)."""
+    return 2 * (cfg.norm_placement in ("pre", "sandwich")) + 2 * (cfg.norm_placement in ("post", "sandwich"))
+
+
+def qk_norm_elements(cfg: ModelConfig, tp: int = 1) -> tuple[int, int]:
+    """``(held, partial)``: q/k norm weight elements one 1-D tensor-parallel rank holds per block, and those of them
+    whose gradient is summed over ``tp`` (``model.qk_norm``): per head ``[h]`` each, replicated, its gradient from the
+    rank's heads (partial at ``tp > 1``); full width ``[a h]`` and ``[a_kv h]``, split with the heads."""
+    hd = cfg.head_dim
+    if cfg.qk_norm == "head":
+        return 2 * hd, 2 * hd if tp > 1 else 0
+    if cfg.qk_norm == "full":
+        return (cfg.n_heads + cfg.kv_heads) * hd // tp, 0
+    return 0, 0

@@ -11,7 +11,7 @@ reads them (:mod:`trickles.planner.traffic`). A tensor-parallel grid's formulas 
 from __future__ import annotations
 
 from ...comm import wire_bytes
-from .layout import ROW_PARALLEL, bias_elements, has_bias
+from .layout import ROW_PARALLEL, bias_elements, block_norms, has_bias, qk_norm_elements
 
 
 def region_wire_bytes(
@@ -26,6 +26,7 @@ def region_wire_bytes(
     head: bool = True,
     recompute: str = "none",
     whole: int | None = None,
+    width_norms: bool = False,
 ) -> dict[str, tuple[int, int, int]]:
     """``{op: (calls, bytes, wire bytes)}`` one rank's tensor-parallel collectives take for one micro-batch of
     ``tokens`` (of the whole sequence, ``B T``, or ``B T / cp``), model width ``d``, ``p`` bytes per element.
@@ -46,8 +47,10 @@ def region_wire_bytes(
     sequence parallel the entries' all-gathers and the attention's reduce-scatter, and the rerun keeps the gathered
     inputs, so the blocks' backward regathers go away (as many all-gathers as the rerun adds). ``whole``: how many of
     the blocks are recomputed so (``memory.recompute_num_layers``; default all under ``full``). (Selective and
-    elementwise recomputation rerun no collective.) Per step add :func:`partial_grad_elements`' all-reduce and the
-    gradient norm's (4 bytes)."""
+    elementwise recomputation rerun no collective.) ``width_norms``: full-width q/k norms (``model.qk_norm=full``,
+    :class:`~.layers.SplitWidthRMSNorm`) all-reduce their ``[tokens]`` fp32 sums of squares, q's and k's, in
+    forward and in backward: 4 more all-reduces per block (and 2 per block its rerun runs again). Per step add
+    :func:`partial_grad_elements`' all-reduce and the gradient norm's (4 bytes)."""
     if tp <= 1:
         return {}
     act = tokens * d * p
@@ -60,6 +63,8 @@ def region_wire_bytes(
         return calls, calls * size, calls * int(round(wire_bytes(op, size, tp)))
 
     loss = [entry("all_reduce", 3, tokens * 4)] if head else []
+    if width_norms:
+        loss.append(entry("all_reduce", 4 * (dense_layers + moe_layers) + 2 * rerun, tokens * 4))
     if not sequence_parallel:
         parts = [entry("all_reduce", n + rerun, act), *loss]
         return {"all_reduce": tuple(map(sum, zip(*parts)))}
@@ -69,7 +74,7 @@ def region_wire_bytes(
         "all_gather": entry("all_gather", gathers, act // tp),
     }
     if loss:
-        out["all_reduce"] = loss[0]
+        out["all_reduce"] = tuple(map(sum, zip(*loss)))
     return out
 
 
@@ -94,12 +99,14 @@ def partial_grad_elements(
         return 0
     layers = cfg.n_layers if layers is None else layers
     d, hd, gpt2 = cfg.d_model, cfg.head_dim, cfg.flavor == "gpt2"
-    n = 0
+    n = layers * qk_norm_elements(cfg, tp)[1]
     if cfg.kv_heads % tp and not cfg.fuses_projections:
         n += layers * 2 * cfg.kv_heads * hd * (d + (1 if has_bias(cfg, "k_proj") else 0))
     if sequence_parallel:
         norm = 2 * d if gpt2 else d
-        n += layers * (2 * norm + bias_elements(cfg, ROW_PARALLEL)) + (norm if last else 0) + moe_elements
+        n += (
+            layers * (block_norms(cfg) * norm + bias_elements(cfg, ROW_PARALLEL)) + (norm if last else 0) + moe_elements
+        )
         if gpt2:
             n += cfg.max_seq_len * d if first else 0
     return n

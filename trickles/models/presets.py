@@ -1,0 +1,93 @@
+"""The named shapes (``model.preset``): small ones for tests and demos, and the released models' own (their
+config.json files: Llama 3.1/3.2, Mistral, Qwen2.5, Qwen3, GPT-2), with :func:`apply_preset` that starts a
+:class:`~trickles.models.config.ModelConfig` from one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..errors import ConfigError
+from .config import ModelConfig
+
+
+def _llama(n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, vocab_size, **extra):
+    return dict(
+        flavor="llama",
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_hidden=ffn_hidden,
+        vocab_size=vocab_size,
+        **extra,
+    )
+
+
+def _gpt2(n_layers, d_model, n_heads):
+    return dict(
+        flavor="gpt2",
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=None,
+        ffn_hidden=None,
+        vocab_size=50257,
+        max_seq_len=1024,
+    )
+
+
+#: Named shapes. The small ones train on a CPU; the large ones are for planning and GPU runs.
+_LLAMA3 = dict(
+    family="llama",
+    rope_theta=500000.0,
+    rope_type="llama3",
+    rope_original_max_positions=8192,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=4.0,
+)
+_QWEN = dict(rope_theta=1e6, norm_eps=1e-6)
+_QWEN3 = dict(_QWEN, family="qwen3", head_size=128, qk_norm="head")
+
+PRESETS: dict[str, dict] = {
+    "tiny": _llama(2, 64, 4, 2, 128, None),
+    "demo": _llama(4, 256, 8, 4, None, None),
+    "llama-125m": _llama(12, 768, 12, 12, 2048, 32000),
+    "llama-350m": _llama(24, 1024, 16, 8, 2816, 32000),
+    "llama-1b": _llama(16, 2048, 32, 8, 8192, 128256, rope_theta=500000.0, tie_embeddings=True),
+    "llama-3b": _llama(28, 3072, 24, 8, 8192, 128256, rope_theta=500000.0, tie_embeddings=True),
+    "llama-7b": _llama(32, 4096, 32, 32, 11008, 32000),
+    # the released models' shapes (their config.json files), for memory, plan and training from scratch
+    "llama3.2-1b": _llama(16, 2048, 32, 8, 8192, 128256, **_LLAMA3, rope_factor=32.0, tie_embeddings=True),
+    "llama3.2-3b": _llama(28, 3072, 24, 8, 8192, 128256, **_LLAMA3, rope_factor=32.0, tie_embeddings=True),
+    "llama3.1-8b": _llama(32, 4096, 32, 8, 14336, 128256, **_LLAMA3, rope_factor=8.0),
+    "llama3.1-70b": _llama(80, 8192, 64, 8, 28672, 128256, **_LLAMA3, rope_factor=8.0),
+    "llama3.1-405b": _llama(126, 16384, 128, 8, 53248, 128256, **_LLAMA3, rope_factor=8.0),
+    "mistral-7b": _llama(32, 4096, 32, 8, 14336, 32768, family="mistral", rope_theta=1e6),
+    "qwen2.5-7b": _llama(28, 3584, 28, 4, 18944, 152064, **_QWEN, family="qwen2", qkv_bias=True),
+    "qwen2.5-72b": _llama(80, 8192, 64, 8, 29568, 152064, **_QWEN, family="qwen2", qkv_bias=True),
+    "qwen3-0.6b": _llama(28, 1024, 16, 8, 3072, 151936, **_QWEN3, tie_embeddings=True),
+    "qwen3-8b": _llama(36, 4096, 32, 8, 12288, 151936, **_QWEN3),
+    "qwen3-32b": _llama(64, 5120, 64, 8, 25600, 151936, **_QWEN3),
+    "gpt2-tiny": dict(_gpt2(2, 64, 4), vocab_size=None, max_seq_len=None),
+    "gpt2-small": _gpt2(12, 768, 12),
+    "gpt2-medium": _gpt2(24, 1024, 16),
+    "gpt2-large": _gpt2(36, 1280, 20),
+    "gpt2-xl": _gpt2(48, 1600, 25),
+}
+
+
+def apply_preset(cfg: ModelConfig, name: str) -> ModelConfig:
+    """``cfg`` with the preset's values (fields the preset does not name keep their defaults)."""
+    if name not in PRESETS:
+        import difflib
+
+        hint = difflib.get_close_matches(name, PRESETS, n=1)
+        raise ConfigError(
+            f"unknown model.preset {name!r}"
+            + (f"; did you mean {hint[0]!r}?" if hint else f"; choose one of {', '.join(PRESETS)}")
+        )
+    defaults = ModelConfig()
+    base = {f.name: getattr(defaults, f.name) for f in dataclasses.fields(ModelConfig)}
+    base.update(PRESETS[name])
+    base["preset"] = name
+    return dataclasses.replace(cfg, **base)
