@@ -116,6 +116,14 @@ def llama_keys(
     )
 
 
+def require_dense_llama(cfg: ModelConfig, model_type: str) -> None:
+    """Refuses, in one line, to export as ``model_type`` a model that is not a dense llama-flavour one."""
+    if cfg.flavor != "llama" or cfg.moe_experts:
+        raise ConfigError(
+            f"model.family={model_type} needs a dense llama-flavour model; unset model.family to export this one"
+        )
+
+
 def require_biases(cfg: ModelConfig, family: str, qkv: bool, o: bool, mlp: bool, hint: str) -> None:
     """ConfigError unless ``cfg``'s biases are exactly ``family``'s (``hint``: what to change)."""
     want = {"qkv": qkv, "o": o, "mlp": mlp}

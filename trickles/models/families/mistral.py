@@ -19,7 +19,7 @@ from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, require_biases
+from .base import llama_keys, llama_names, llama_shape, merged, require_biases, require_dense_llama
 
 MODEL_TYPE = "mistral"
 ARCHITECTURE = "MistralForCausalLM"
@@ -54,10 +54,7 @@ def picks(cfg: ModelConfig) -> bool:
 
 
 def to_hf(cfg: ModelConfig) -> dict:
-    if cfg.flavor != "llama" or cfg.moe_experts:
-        raise ConfigError(
-            f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
-        )
+    require_dense_llama(cfg, MODEL_TYPE)
     require_biases(cfg, "Mistral", False, False, False, "unset model.family to export it as a Llama")
     if cfg.window_layers is not None and not all(cfg.window_layers):
         raise ConfigError(

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases, require_dense_llama
 
 MODEL_TYPE = "olmo2"
 ARCHITECTURE = "Olmo2ForCausalLM"
@@ -70,10 +69,7 @@ def picks(cfg: ModelConfig) -> bool:
 
 
 def to_hf(cfg: ModelConfig) -> dict:
-    if cfg.flavor != "llama" or cfg.moe_experts:
-        raise ConfigError(
-            f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
-        )
+    require_dense_llama(cfg, MODEL_TYPE)
     attn = cfg.bias("qkv")
     require_biases(
         cfg,

@@ -17,11 +17,19 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, qwen_window_keys, qwen_windows, require_biases
+from .base import (
+    llama_keys,
+    llama_names,
+    llama_shape,
+    merged,
+    qwen_window_keys,
+    qwen_windows,
+    require_biases,
+    require_dense_llama,
+)
 
 MODEL_TYPE = "qwen2"
 ARCHITECTURE = "Qwen2ForCausalLM"
@@ -64,10 +72,7 @@ def picks(cfg: ModelConfig) -> bool:
 
 
 def to_hf(cfg: ModelConfig) -> dict:
-    if cfg.flavor != "llama" or cfg.moe_experts:
-        raise ConfigError(
-            f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
-        )
+    require_dense_llama(cfg, MODEL_TYPE)
     require_biases(cfg, "Qwen2", True, False, False, "set it so, or unset model.family to export it as a Llama")
     return dict(**llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim), **qwen_window_keys(cfg))
 

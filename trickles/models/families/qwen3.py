@@ -15,11 +15,20 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, qwen_window_keys, qwen_windows, refuse, require_biases
+from .base import (
+    llama_keys,
+    llama_names,
+    llama_shape,
+    merged,
+    qwen_window_keys,
+    qwen_windows,
+    refuse,
+    require_biases,
+    require_dense_llama,
+)
 
 MODEL_TYPE = "qwen3"
 ARCHITECTURE = "Qwen3ForCausalLM"
@@ -72,10 +81,7 @@ def picks(cfg: ModelConfig) -> bool:
 
 
 def to_hf(cfg: ModelConfig) -> dict:
-    if cfg.flavor != "llama" or cfg.moe_experts:
-        raise ConfigError(
-            f"model.family={MODEL_TYPE} needs a dense llama-flavour model; unset model.family to export this one"
-        )
+    require_dense_llama(cfg, MODEL_TYPE)
     attn = cfg.bias("qkv")
     require_biases(
         cfg,
