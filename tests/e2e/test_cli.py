@@ -310,7 +310,8 @@ def test_bad_input_is_one_line_status_two_and_leaves_nothing(tmp_path, extra, ne
 GENERATE_MEMORY_REFUSED = [
     (
         ["generate", "{tmp}/no/such/run"],
-        "checkpoint {tmp}/no/such/run does not exist; give a checkpoint directory, a run's out_dir or a Hugging Face model directory",
+        "checkpoint {tmp}/no/such/run does not exist; give a checkpoint directory, a run's out_dir or a Hugging Face "
+        "model directory",
     ),
     (["generate", "{tmp}"], "no complete checkpoint found at {tmp}; give a step_* directory or a run's out_dir"),
     (["generate", "{tmp}", "--max-new-tokens", "-1"], "--max-new-tokens must be at least 0, got -1"),
