@@ -105,7 +105,7 @@ def test_train_init_from_the_directory_exports_the_same_model(hf_dir, tmp_path, 
     """Two steps at a learning rate of 1e-9 from the directory's weights (one process, and tensor parallel over two,
     projections separate and fused), exported to Hugging Face: transformers loads the same class with the
     directory's logits. The fused case reads the sharded copy."""
-    path, model, _ = hf_dir
+    path, model, tok = hf_dir
     path = path + "-sharded" if fused else path
     run = tmp_path / "run"
     args = [
@@ -130,6 +130,13 @@ def test_train_init_from_the_directory_exports_the_same_model(hf_dir, tmp_path, 
     assert r.returncode == 0, r.stderr
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(back) is transformers.LlamaForCausalLM
+    # the directory's own tokenizer files came along: the same ids and the same chat template
+    assert "tokenizer" not in r.stdout  # no note of missing tokenizer files
+    assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    again = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": PROMPT}]
+    assert again(PROMPT).input_ids == tok(PROMPT).input_ids
+    assert again.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages, tokenize=False)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     want, got = _logits(model, ids), _logits(back, ids)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()

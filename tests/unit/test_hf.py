@@ -11,6 +11,7 @@ transformers = pytest.importorskip(
 )  # a broken install skips too (CI=true fails it)
 
 from safetensors.torch import load_file, save_file  # noqa: E402
+from test_families import assert_close as assert_relative  # noqa: E402
 
 from trickles.errors import CheckpointError, ConfigError  # noqa: E402
 from trickles.models import ModelConfig, build_model, load_hf, save_hf  # noqa: E402
@@ -60,7 +61,7 @@ def gpt2_hf(tied: bool = True):
     return perturb(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN), 2)
 
 
-def mixtral_hf(tied: bool = False):
+def mixtral_hf(tied: bool = False, **extra):
     cfg = transformers.MixtralConfig(
         vocab_size=VOCAB,
         hidden_size=32,
@@ -75,6 +76,7 @@ def mixtral_hf(tied: bool = False):
         router_jitter_noise=0.0,
         router_aux_loss_coef=0.02,
         tie_word_embeddings=tied,
+        **extra,
     )
     return perturb(transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=ATTN), 5)
 
@@ -393,7 +395,6 @@ def test_unexportable_moe_models(changes, message, tmp_path):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        (dict(sliding_window=16), "sliding_window=16"),
         (dict(num_experts_per_tok=1), "num_experts_per_tok=1"),
         (dict(hidden_act="gelu"), "hidden_act='gelu'"),
         (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 5000.0, "factor": 4.0}), "rope_type=.dynamic."),
@@ -405,3 +406,20 @@ def test_unsupported_mixtral_configs(changes, message, tmp_path):
     with pytest.raises(CheckpointError, match=message) as err:
         load_hf(tmp_path)
     assert "\n" not in str(err.value)
+
+
+@torch.no_grad()
+def test_mixtral_sliding_window_like_transformers(tmp_path):
+    """Mixtral's window slides on every layer, as Mistral's; 24 tokens through a window of 8."""
+    hf = mixtral_hf(sliding_window=8)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_hf(tmp_path / "hf").eval()
+    assert (ours.cfg.sliding_window, ours.cfg.window_layers) == (8, None)
+    x = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+    theirs = hf(x).logits
+    assert_relative(ours(x).float(), theirs)
+    hf.config.sliding_window = None  # the window cuts: full attention is far off
+    assert (hf(x).logits - theirs).abs().max() > 1e-3
+    save_hf(ours, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["sliding_window"] == 8
+    assert_relative(load_transformers(tmp_path / "out")(x).logits, theirs)

@@ -18,13 +18,16 @@ def add_parser(sub) -> None:
         choices=["trickles", "hf"],
         default="trickles",
         help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
-        "hf: a Hugging Face directory (config.json + model.safetensors)",
+        "hf: a Hugging Face directory (config.json + model.safetensors, the tokenizer's files)",
     )
 
 
 def run(args) -> int:
     from ..train.export import export_checkpoint
 
-    out = export_checkpoint(args.checkpoint, args.out, args.fmt)
+    notes: list[str] = []
+    out = export_checkpoint(args.checkpoint, args.out, args.fmt, notes)
     print(f"[trickles] exported {args.checkpoint} to {out} ({args.fmt})")
+    for note in notes:
+        print(f"[trickles] {note}")
     return 0

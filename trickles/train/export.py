@@ -15,7 +15,11 @@ its manifest, and writes
   and the rest of the config are kept. Like any checkpoint it loads at any layout.
 * ``fmt="hf"``: the whole model through :func:`~trickles.train.load.load_for_inference` and
   :func:`~trickles.models.hf.save_hf` (``config.json`` + ``model.safetensors``, the tokenizer's
-  eos id in the config), with the tokenizer's files beside them.
+  eos id in the config), with the tokenizer's files beside them. When the run's tokenizer is a Hugging Face
+  tokenizer directory (``data.tokenizer``) that still holds the tokenizer the run trained with, its own files
+  (:data:`HF_FILES`, those that exist) are copied instead, so that ``transformers.AutoTokenizer`` loads the same
+  tokenizer with the same special tokens and chat template; otherwise the checkpoint's ``tokenizer/`` files are, and
+  a note (appended to ``notes``) says which Hugging Face tokenizer files are missing.
 
 Either is written in ``<out>.tmp`` and renamed to ``out`` once complete; a failure removes
 ``<out>.tmp``, and an existing ``out`` is refused.
@@ -31,7 +35,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, UserError
+from ..data.tokenizers import load_hf_tokenizer
+from ..errors import CheckpointError, DataError, UserError
 from ..models.config import ModelConfig
 from ..models.transformer import Transformer
 from ..parallel.config import ParallelConfig
@@ -42,11 +47,19 @@ from .pieces import PieceReader, save_whole
 
 FORMATS = ("trickles", "hf")
 TOKENIZER = "tokenizer"
+#: what a Hugging Face export copies from the run's tokenizer directory, where they exist
+HF_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "generation_config.json",
+)
 
 
-def export_checkpoint(src: str, out: str, fmt: str = "trickles") -> str:
+def export_checkpoint(src: str, out: str, fmt: str = "trickles", notes: list[str] | None = None) -> str:
     """Writes the checkpoint at ``src`` (a step_N directory, a checkpoints folder or a run's out_dir) to ``out`` as
-    ``fmt``.
+    ``fmt``; one-line remarks for the user (which tokenizer files an ``hf`` export lacks) are appended to ``notes``.
 
     Returns ``out``. Raises :class:`CheckpointError` for a missing or damaged source (nothing is
     written then) and for an ``out`` that already exists.
@@ -64,7 +77,9 @@ def export_checkpoint(src: str, out: str, fmt: str = "trickles") -> str:
             _write_single_process(path, tmp, meta)
             ckpt.write_manifest(tmp)
         else:
-            _write_hf(path, tmp)
+            note = _write_hf(path, tmp, meta)
+            if note and notes is not None:
+                notes.append(note)
         if os.path.lexists(out):
             raise CheckpointError(f"{out} appeared while exporting; choose another path or delete it")
         os.replace(tmp, out)
@@ -130,15 +145,28 @@ def single_process_meta(meta: dict[str, Any], source: str) -> dict[str, Any]:
     return out
 
 
-def _write_hf(path: str, tmp: str) -> None:
+def _write_hf(path: str, tmp: str, meta: dict[str, Any]) -> str | None:
     """The whole model of the checkpoint at ``path`` as a Hugging Face directory ``tmp``, the tokenizer's files beside
-    it."""
+    it (the run's Hugging Face tokenizer directory's own where it has one). Returns a note when the export holds no
+    Hugging Face tokenizer, or only the checkpoint's copy of one."""
     from ..models.hf import save_hf
 
     model, tokenizer, _ = load_for_inference(path, verify=False)  # verified by the caller
     model.hf_token_ids = {"eos_token_id": tokenizer.eos_id}
     save_hf(model, tmp)
     del model
+    source = str(((meta.get("config") or {}).get("data") or {}).get("tokenizer") or "")
+    if getattr(tokenizer, "kind", None) == "hf":
+        directory = os.path.dirname(source) if os.path.isfile(source) else source
+        try:
+            same = load_hf_tokenizer(directory).identity() == tokenizer.identity()
+        except DataError:
+            same = False
+        if same:
+            for name in HF_FILES:
+                if os.path.isfile(os.path.join(directory, name)):
+                    shutil.copy2(os.path.join(directory, name), os.path.join(tmp, name))
+            return None
     tok = _tokenizer_dir(path)
     for name in sorted(os.listdir(tok)):
         if os.path.exists(os.path.join(tmp, name)):
@@ -147,6 +175,15 @@ def _write_hf(path: str, tmp: str) -> None:
             )
         copy = shutil.copytree if os.path.isdir(os.path.join(tok, name)) else shutil.copy2
         copy(os.path.join(tok, name), os.path.join(tmp, name))
+    if getattr(tokenizer, "kind", None) == "hf":
+        return (
+            f"the run's tokenizer directory {source} is gone or holds another tokenizer: wrote the checkpoint's "
+            "tokenizer.json with only its eos token and chat template (no special_tokens_map.json or "
+            "generation_config.json)"
+        )
+    if not os.path.exists(os.path.join(tmp, "tokenizer.json")):
+        return f"no Hugging Face tokenizer files written: the run's tokenizer ({tokenizer.name}) has none"
+    return None
 
 
 def _tokenizer_dir(path: str) -> str:

@@ -6,8 +6,10 @@ hidden size, ``router_aux_loss_coef`` moe_aux_loss. Mixtral's router (softmax in
 renormalized to sum 1) is trickles' for ``k > 1``; ``k = 1`` is refused both ways, since Mixtral then gives the
 expert weight 1 and trickles the router probability. Mixtral has no z-loss (an imported model has
 ``moe_z_loss=0``; export drops it) and its ``router_jitter_noise``, like dropout, only acts in training and is not
-imported. Refused: a ``sliding_window``, a ``head_dim`` other than ``hidden_size / num_attention_heads``; on export,
-what Mixtral cannot express (shared experts, a capacity factor, dense blocks between MoE ones, hard routing).
+imported. ``sliding_window`` is ``model.sliding_window`` on every layer, exactly as :mod:`.mistral`'s (transformers
+masks Mixtral as Mistral; here a missing or null window is full causal attention); exports write it back. Refused:
+a ``head_dim`` other than ``hidden_size / num_attention_heads``; on export, what Mixtral cannot express (shared
+experts, a capacity factor, dense blocks between MoE ones, hard routing, a per-layer window pattern).
 
 Tensor names: :mod:`.llama`'s for attention, norms, embeddings and head; each block's MLP per expert, the layout
 of the published checkpoints (transformers 4.x reads it as is, 5.x converts it on load and writes it too)::
@@ -56,8 +58,6 @@ DEFAULTS = dict(
 
 def from_hf(raw: dict, source: str) -> ModelConfig:
     c = merged(DEFAULTS, raw)
-    if c["sliding_window"] is not None:
-        raise refuse(source, f"sliding_window={c['sliding_window']} is set (only full causal attention)")
     if c["num_experts_per_tok"] == 1:
         raise refuse(
             source, "num_experts_per_tok=1 (Mixtral gives the one expert weight 1, trickles its router probability)"
@@ -78,6 +78,7 @@ def from_hf(raw: dict, source: str) -> ModelConfig:
         moe_shared_experts=0,
         moe_aux_loss=float(c["router_aux_loss_coef"]),
         moe_z_loss=0.0,
+        sliding_window=c["sliding_window"],
         **rope_fields_from_hf(raw, source, 1e6),
     )
 
@@ -91,7 +92,7 @@ def to_hf(cfg: ModelConfig) -> dict:
     _check(cfg)
     return dict(
         **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.moe_ffn_dim),
-        sliding_window=None,
+        sliding_window=cfg.sliding_window,
         num_local_experts=cfg.moe_experts,
         num_experts_per_tok=cfg.moe_top_k,
         router_aux_loss_coef=cfg.moe_aux_loss,
@@ -154,6 +155,10 @@ def _check(cfg: ModelConfig) -> None:
         raise ConfigError(
             "Mixtral renormalizes the top-k weights, so with model.moe_top_k=1 its expert weight is 1 "
             "where trickles uses the router probability; use model.moe_top_k >= 2 to export to Hugging Face"
+        )
+    if cfg.window_layers is not None and not all(cfg.window_layers):
+        raise ConfigError(
+            "Mixtral's sliding window applies to every layer; set model.window_layers=none to export to Hugging Face"
         )
     for part in ("qkv", "o"):
         if cfg.bias(part):
