@@ -116,9 +116,14 @@ def llama_keys(
     )
 
 
+def dense_llama(cfg: ModelConfig) -> bool:
+    """A llama-flavour model without experts: what every dense llama-like family writes."""
+    return cfg.flavor == "llama" and not cfg.moe_experts
+
+
 def require_dense_llama(cfg: ModelConfig, model_type: str) -> None:
     """Refuses, in one line, to export as ``model_type`` a model that is not a dense llama-flavour one."""
-    if cfg.flavor != "llama" or cfg.moe_experts:
+    if not dense_llama(cfg):
         raise ConfigError(
             f"model.family={model_type} needs a dense llama-flavour model; unset model.family to export this one"
         )

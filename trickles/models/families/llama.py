@@ -23,7 +23,7 @@ from collections.abc import Collection
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases, require_dense_llama
+from .base import dense_llama, llama_keys, llama_names, llama_shape, merged, refuse, require_biases, require_dense_llama
 
 MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
@@ -58,7 +58,7 @@ def from_hf(raw: dict, source: str) -> ModelConfig:
 
 def picks(cfg: ModelConfig) -> bool:
     """Llama writes every dense llama-flavour model whose q/k/v and o biases agree."""
-    return cfg.flavor == "llama" and not cfg.moe_experts and cfg.bias("qkv") == cfg.bias("o")
+    return dense_llama(cfg) and cfg.bias("qkv") == cfg.bias("o")
 
 
 def to_hf(cfg: ModelConfig) -> dict:

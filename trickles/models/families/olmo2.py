@@ -18,7 +18,7 @@ from collections.abc import Collection
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases, require_dense_llama
+from .base import dense_llama, llama_keys, llama_names, llama_shape, merged, refuse, require_biases, require_dense_llama
 
 MODEL_TYPE = "olmo2"
 ARCHITECTURE = "Olmo2ForCausalLM"
@@ -59,8 +59,7 @@ def from_hf(raw: dict, source: str) -> ModelConfig:
 def picks(cfg: ModelConfig) -> bool:
     """OLMo 2 writes a dense llama-flavour post-norm model with full-width q/k norms."""
     return (
-        cfg.flavor == "llama"
-        and not cfg.moe_experts
+        dense_llama(cfg)
         and cfg.qk_norm == "full"
         and cfg.norm_placement == "post"
         and cfg.bias("qkv") == cfg.bias("o")

@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
 from .base import (
+    dense_llama,
     llama_keys,
     llama_names,
     llama_shape,
@@ -66,9 +67,7 @@ def from_hf(raw: dict, source: str) -> ModelConfig:
 
 def picks(cfg: ModelConfig) -> bool:
     """Qwen2 writes a dense llama-flavour model with biases on q, k and v only."""
-    return (
-        cfg.flavor == "llama" and not cfg.moe_experts and cfg.bias("qkv") and not cfg.bias("o") and not cfg.bias("mlp")
-    )
+    return dense_llama(cfg) and cfg.bias("qkv") and not cfg.bias("o") and not cfg.bias("mlp")
 
 
 def to_hf(cfg: ModelConfig) -> dict:

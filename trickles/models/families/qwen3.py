@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
 from .base import (
+    dense_llama,
     llama_keys,
     llama_names,
     llama_shape,
@@ -71,8 +72,7 @@ def from_hf(raw: dict, source: str) -> ModelConfig:
 def picks(cfg: ModelConfig) -> bool:
     """Qwen3 writes a dense llama-flavour pre-norm model with per-head q/k norms."""
     return (
-        cfg.flavor == "llama"
-        and not cfg.moe_experts
+        dense_llama(cfg)
         and cfg.qk_norm == "head"
         and cfg.norm_placement == "pre"
         and cfg.bias("qkv") == cfg.bias("o")
