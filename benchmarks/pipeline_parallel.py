@@ -291,6 +291,7 @@ class StageModule(nn.Module):
         self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
         self.norm = model.norm if last else None
         self.output = model.output if last else None
+        model.ensure_rope(model.cfg.max_seq_len)  # (the model fills its tables lazily; this stage reads them whole)
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 

@@ -18,6 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from .adapters.lora import check_lora
 from .compress.config import DistillConfig
 from .config_checks import LayoutChecks
 from .data.config import DataConfig
@@ -25,6 +28,7 @@ from .errors import ConfigError
 from .memory.config import MemoryConfig
 from .models.config import HOW_KEYS, ModelConfig
 from .models.presets import apply_preset
+from .models.transformer import Transformer
 from .options import field_docs, section_from_dict, unknown_key_error
 from .parallel.config import ParallelConfig
 from .topology import ParallelDims
@@ -150,6 +154,24 @@ class Config(LayoutChecks):
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
     # ---- checks --------------------------------------------------------------------------
+    def _check_lora(self, dims: ParallelDims) -> None:
+        """LoRA (``train.lora_rank``) trains with the frozen base at the layouts built for it."""
+        if not self.train.lora_rank:
+            return
+        for bad, what, fix in (
+            (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "use parallel.tp_mode=1d"),
+            (self.train.qat, "train.qat", "set train.qat=false"),
+            (bool(self.distill.teacher), "distillation", "unset distill.teacher"),
+        ):
+            if bad:
+                raise ConfigError(f"LoRA (train.lora_rank) is not built with {what} yet; {fix} or train.lora_rank=0")
+        # the targets and the rank against the model's linears, on the meta device (no memory)
+        shape = dataclasses.replace(
+            self.model, vocab_size=self.model.vocab_size or 1 << 20, max_seq_len=self.model.max_seq_len or 1
+        )
+        with torch.device("meta"):
+            check_lora(Transformer(shape), self.train.lora())
+
     def validate(self, world_size: int) -> ParallelDims:
         """Checks every section and the combinations; returns the degrees to build."""
         if self.train.init_from:  # the checkpoint's model shape is the run's (a pruned model's, say)
@@ -204,6 +226,7 @@ class Config(LayoutChecks):
                 "train.compile does not work with parallel.zero=3 yet (its gather hooks run around each block); "
                 "use parallel.zero=2 or train.compile=false"
             )
+        self._check_lora(dims)
         self.batch_plan(dims.dp)
         if self.model.max_seq_len is not None and self.model.max_seq_len < self.data.seq_len:
             raise ConfigError(
@@ -297,6 +320,8 @@ def _toml_value(v: Any) -> str:
         return repr(v)
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):  # an inline table (a [[data.sources]] entry); unset keys left out
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items() if x is not None) + "}"
     return json.dumps(str(v))
 
 
@@ -314,7 +339,15 @@ def key_rows() -> list[tuple[str, str, str, Any, str]]:
         defaults = cls()
         for key, doc in field_docs(cls).items():
             tp = hints[key].__name__ if isinstance(hints[key], type) else str(hints[key]).replace("typing.", "")
-            rows.append((name, key, tp, getattr(defaults, key), doc))
+            table = (typing.get_args(hints[key]) or [None])[0]
+            if not dataclasses.is_dataclass(table):
+                rows.append((name, key, tp, getattr(defaults, key), doc))
+                continue
+            rows.append((name, key, f"list of [[{name}.{key}]] tables", getattr(defaults, key), doc))
+            sub_hints, sub_defaults = typing.get_type_hints(table), table()  # each table's keys
+            for sub, sub_doc in field_docs(table).items():
+                tp = sub_hints[sub].__name__ if isinstance(sub_hints[sub], type) else str(sub_hints[sub])
+                rows.append((name, f"{key}[].{sub}", tp.replace("typing.", ""), getattr(sub_defaults, sub), sub_doc))
     return rows
 
 

@@ -24,6 +24,8 @@ class LayoutChecks:
             )
         if tp == 1:
             return
+        if m.attention == "mla":
+            raise ConfigError("model.attention=mla is not built with parallel.tp > 1 yet; set parallel.tp=1")
         if m.n_heads % tp:
             raise ConfigError(
                 f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp}): each rank takes whole heads"
@@ -66,11 +68,17 @@ class LayoutChecks:
                 "a grid splits the activations already; set it to false",
             ),
             (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
+            (m.attention == "mla", "model.attention=mla", "set parallel.tp=1"),
             (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
             (
                 m.qk_norm != "none" or m.norm_placement != "pre",
                 "q/k norms or norms after attention and MLP (model.qk_norm, model.norm_placement)",
                 "set model.qk_norm=none and norm_placement=pre, or parallel.tp_mode=1d",
+            ),
+            (
+                m.norm_unit_offset or m.final_softcap is not None,
+                "(1 + w) norms or final-logit soft-capping (model.norm_unit_offset, model.final_softcap)",
+                "unset them or use parallel.tp_mode=1d",
             ),
             (m.fused_loss is True, "model.fused_loss=true", "the grid's loss is unfused; leave model.fused_loss unset"),
             (
@@ -114,6 +122,8 @@ class LayoutChecks:
         cp, m, p, seq = dims.cp, self.model, self.parallel, self.data.seq_len
         if cp == 1:
             return
+        if m.attention == "mla":
+            raise ConfigError("model.attention=mla is not built with parallel.cp > 1 yet; set parallel.cp=1")
         unit = 2 * cp if p.cp_mode == "ring" else cp
         if seq % unit:
             what = (
@@ -128,11 +138,6 @@ class LayoutChecks:
             raise ConfigError(
                 f"each context-parallel rank's {seq // cp} tokens must divide by parallel.tp ({dims.tp}) for "
                 f"sequence parallelism; set data.seq_len to a multiple of {unit * dims.tp}"
-            )
-        if m.sliding_window is not None and m.sliding_window < seq:
-            raise ConfigError(
-                f"model.sliding_window ({m.sliding_window}) shorter than data.seq_len ({seq}) is not built with "
-                "parallel.cp > 1 yet; set parallel.cp=1"
             )
         if m.dropout > 0:
             raise ConfigError(

@@ -57,6 +57,8 @@ CASES = {
         ],
     ),
     "zb-h1-elementwise": (2, ["parallel.pp=2", "parallel.schedule=zb-h1", "memory.recompute=elementwise"]),
+    # norms after the branches only: the last stage's B ends in the branch's input gradient, no norm's backward
+    "zb-h1-post": (2, ["parallel.pp=2", "parallel.schedule=zb-h1", "model.norm_placement=post"]),
     "zb-v": (2, ["parallel.pp=2", "parallel.schedule=zb-v", "parallel.virtual_stages=2", "model.n_layers=4"]),
     "gpt2-tied-bf16-dropout": (
         2,

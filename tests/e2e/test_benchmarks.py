@@ -183,6 +183,10 @@ RUNS = {
             "{tmp}/context_parallel.json",
         ],
     ),
+    "test_context_window": (
+        "context_window",
+        ["--world", "2", "--seq", "64", "--heads", "2", "--head-dim", "16", *ONE_ROUND, "--json", "{tmp}/cw.json"],
+    ),
     "test_memory_layouts": ("memory_layouts", ["--only", "one process", "--json", "{tmp}/memory_layouts.json"]),
     "test_pipeline_parallel": (
         "pipeline_parallel",
@@ -564,6 +568,19 @@ def test_context_parallel(run):
         assert _finite(doc["results"][n]["median"], doc["memory"][n]["saved"])
     if not ds:
         assert doc["peers"]["deepspeed ulysses"].startswith("did not run: import failed")
+
+
+def test_context_window(run):
+    """The windowed ring and the fully causal ring agree with SDPA on the whole sequence; the windowed one computes
+    fewer scores and sends the same bytes."""
+    out, tmp = run
+    doc = _json(tmp / "cw.json")
+    assert sorted(doc["results"]) == ["ring, causal", "ring, window"]
+    assert all(max(e) <= doc["args"]["tol"] for e in doc["errors"].values())
+    scores = {n: max(rank[0] for rank in doc["work"][n]) for n in doc["results"]}  # the busiest rank's, per forward
+    assert scores["ring, window"] < scores["ring, causal"]
+    assert doc["sent"]["ring, window"] == doc["sent"]["ring, causal"]
+    assert re.search(r"^target causal/window >= 1.5x:  [0-9.]+x", out, re.M)
 
 
 def test_memory_layouts(run):

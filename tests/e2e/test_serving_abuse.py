@@ -52,8 +52,9 @@ def _corpus(rng: random.Random) -> list[tuple[str, bytes]]:
         "stream": ['"yes"', "2", "{}"],
         "stream_options": ['{"include_usage": "x"}', '{"x": 1}', "[]", "1"],
         "model": ["1", "[]", '"\\udbff"'],
-        "logprobs": ["5"],
-        "echo": ["true"],
+        "logprobs": ['"5"', "-1", "21", "1.5"],
+        "echo": ['"true"', "1"],
+        "presence_penalty": ["2.5", '"x"', "1e400"],
         "suffix": ['"x"'],
     }
     out = []

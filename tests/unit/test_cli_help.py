@@ -47,6 +47,7 @@ def test_every_command_has_its_own_module():
         "train",
         "generate",
         "serve",
+        "eval",
         "memory",
         "bench",
         "config",

@@ -159,6 +159,12 @@ BAD_VALUES = [
         "set model.moe_experts=0",
     ),
     (
+        ["model.final_softcap=30", "parallel.tp=4", "parallel.tp_mode=2d"],
+        4,
+        "(1 + w) norms or final-logit soft-capping (model.norm_unit_offset, model.final_softcap) does not combine "
+        "with parallel.tp_mode=2d",
+    ),
+    (
         ["memory.recompute=elementwise", "parallel.tp=4", "parallel.tp_mode=2d"],
         4,
         "memory.recompute=elementwise does not combine with parallel.tp_mode=2d; use parallel.tp_mode=1d",

@@ -239,8 +239,8 @@ def test_config_keys_command_and_page_list_the_same_keys(capsys):
     assert main(["config", "--keys"]) == 0
     printed = capsys.readouterr().out
     assert printed.strip() == describe_keys().strip()
-    cli_keys = re.findall(r"^  (\w+\.\w+) = ", printed, flags=re.M)
-    page_keys = re.findall(r"^\| `(\w+\.\w+)` \|", _text(ROOT / "docs" / "configuration.md"), flags=re.M)
+    cli_keys = re.findall(r"^  (\w+\.[\w.\[\]]+) = ", printed, flags=re.M)  # (a table's keys: data.sources[].path)
+    page_keys = re.findall(r"^\| `(\w+\.[\w.\[\]]+)` \|", _text(ROOT / "docs" / "configuration.md"), flags=re.M)
     assert cli_keys == page_keys == [f"{s}.{k}" for s, k, *_ in key_rows()]
 
 

@@ -195,7 +195,11 @@ def _config(name, **changes):
 @pytest.mark.parametrize(
     "name, changes, message",
     [
-        ("llama-biases", dict(model_type="gptj"), "model_type 'gptj' is not supported; load_hf reads 'gpt2'"),
+        (
+            "llama-biases",
+            dict(model_type="gptj"),
+            "model_type 'gptj' is not supported; load_hf reads 'deepseek_v3'.*'gemma2'.*'gpt2'.*'phi3'",
+        ),
         ("qwen3", dict(layer_types=["sliding_attention", "full_attention"]), "layer_types names sliding_attention"),
         ("qwen3", dict(use_sliding_window=True, layer_types=["local"] * 2), "only sliding_attention and full_att"),
     ],

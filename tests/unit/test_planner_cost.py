@@ -15,7 +15,7 @@ from trickles.parallel.pipeline.timeline import simulate
 from trickles.parallel.reduction import reduction_wire_bytes
 from trickles.parallel.tensor.region_bytes import partial_grad_elements
 from trickles.planner import load_cluster, step_time
-from trickles.planner.compute import chunk_work, param_elements, rank_params
+from trickles.planner.compute import causal_pairs, chunk_work, param_elements, rank_params
 from trickles.planner.cost import IN_LAYER, rank_step
 from trickles.planner.placement import group_members, group_size, spans_nodes
 from trickles.planner.rank_plan import rank_plans
@@ -355,7 +355,8 @@ def test_the_ranks_gemms_add_up_to_the_models_flops(world, sets):
                 cp_mode=cfg.parallel.cp_mode,
             )
             attention = sum(g.flops for g in work.gemms if g.name in ("scores", "weighted"))
-            total += 3 * (work.flops + attention) * r.micro_batches  # forward + backward; the causal half undone
+            undone = attention * (r.seq**2 / causal_pairs(r.seq) - 1)  # every score, as PaLM's formula counts them
+            total += 3 * (work.flops + undone) * r.micro_batches  # forward + backward
     ranks_per_stage = dims.dp * dims.cp * dims.tp
     assert total * ranks_per_stage == pytest.approx(
         flops_per_token(mc, cfg.data.seq_len) * cfg.train.global_batch * cfg.data.seq_len, rel=1e-9
@@ -489,7 +490,8 @@ def test_a_materialized_attention_computes_every_score_and_moves_the_score_matri
     flash = block_work(mc, dims, 4, 32, False, False, 4)
     full = block_work(mc, dims, 4, 32, False, False, 4, attention="materialized")
     att = lambda w: sum(g.flops for g in w.gemms if g.name in ("scores", "weighted"))  # noqa: E731
-    assert att(full) == 2 * att(flash) and flash.attention_bytes == 0
+    assert att(full) * causal_pairs(32) == pytest.approx(att(flash) * 32 * 32, rel=1e-12)
+    assert flash.attention_bytes == 0
     scores = 4 * (mc.n_heads // 2) * 32 * 32  # sequences x local heads x T x T
     assert full.attention_bytes == scores * (4 * 4 + 2 * 4 + 1)  # written, softmax, dropout and its mask, read
     assert full.elementwise_bytes == flash.elementwise_bytes + full.attention_bytes
@@ -546,3 +548,42 @@ def test_a_pipeline_message_is_the_stage_output_cut_by_sequence_parallelism():
         )
         for r in rank_plans(cfg, dims, mc):
             assert r.message_bytes == 2 * cfg.data.seq_len * mc.d_model * r.p // split, (sp, r.message_bytes)
+
+
+def test_the_memory_bound_estimate_counts_q_k_norms_and_the_norms_a_placement_adds():
+    """A sandwich block's two extra norms read and write the residual stream (``2 r p`` each); q/k norms read and
+    write q and k as rotary does; a post-norm block's linears read the residual stream, so elementwise recomputation
+    reruns only the activation."""
+    from trickles.planner.compute import block_work, rebuilt_bytes
+
+    cfg = Config.load(None, TINY)
+    base = resolve_model(cfg.model, 320, 32)
+    dims, p, n = ParallelDims(tp=2), 4, 4 * 32
+    work = lambda **kw: block_work(dataclasses.replace(base, **kw), dims, 4, 32, False, True, p)  # noqa: E731
+    r, heads = n * base.d_model / 2, n * (base.n_heads + base.kv_heads) * base.head_dim / 2
+    plain = work().elementwise_bytes
+    assert work(norm_placement="sandwich").elementwise_bytes == plain + 2 * 2 * r * p
+    assert work(norm_placement="post").elementwise_bytes == plain
+    assert work(qk_norm="head").elementwise_bytes == work(qk_norm="full").elementwise_bytes == plain + 2 * heads * p
+    rebuilt = lambda **kw: rebuilt_bytes(dataclasses.replace(base, **kw), dims, 4, 32, True, p)  # noqa: E731
+    assert (
+        rebuilt(norm_placement="post") == p * 3 * n * base.ffn_dim / 2 < rebuilt() == rebuilt(norm_placement="sandwich")
+    )
+
+
+def test_soft_capped_scores_are_all_computed_and_moved_through_memory():
+    """Soft-capped attention runs the explicit path under any kernel: every score computed (as a materialized core)
+    and its passes over the scores counted; capped logits add three passes over the rank's logits."""
+    from trickles.planner.compute import attention_flops, block_work, head_work
+
+    cfg = Config.load(None, TINY)
+    base = resolve_model(cfg.model, 320, 32)
+    capped = dataclasses.replace(base, attn_softcap=50.0, final_softcap=30.0)
+    dims = ParallelDims(tp=2)
+    plain, soft = (block_work(m, dims, 4, 32, False, False, 2) for m in (base, capped))
+    scores = 4 * (base.n_heads // 2) * 32 * 32
+    assert attention_flops(soft) == 4 * base.head_dim * scores
+    assert soft.attention_bytes == scores * (13 * 2 + 5 + 2 + 4) and plain.attention_bytes == 0
+    assert soft.elementwise_bytes == plain.elementwise_bytes + soft.attention_bytes
+    heads = [head_work(m, dims, 4, 32, False, 2).elementwise_bytes for m in (base, capped)]
+    assert heads[1] - heads[0] == pytest.approx(6 * 2 * 4 * 32 * 320 / 2, rel=1e-12)

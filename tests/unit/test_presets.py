@@ -25,6 +25,11 @@ RELEASED = {
     "qwen3-0.6b": (0.60, "qwen3"),
     "qwen3-8b": (8.19, "qwen3"),
     "qwen3-32b": (32.8, "qwen3"),
+    "gemma2-9b": (9.24, "gemma2"),
+    "gemma2-27b": (27.2, "gemma2"),
+    # the Gemma 3 report's embedding plus non-embedding parameters (1,012M + 10,759M): the card's 12B adds vision
+    "gemma3-12b": (11.77, "gemma3_text"),
+    "phi3-mini": (3.82, "phi3"),
 }
 
 
@@ -44,3 +49,6 @@ def test_a_released_models_preset_has_its_parameters_and_family(preset):
     assert ours == theirs, (preset, ours, theirs)
     if preset.startswith("llama3"):
         assert hf["rope_scaling"]["rope_type"] == "llama3" and hf["rope_theta"] == 500000.0
+    if preset.startswith("gemma3"):
+        rope = AutoConfig.for_model(**hf).rope_parameters
+        assert rope["full_attention"]["factor"] == 8.0 and rope["sliding_attention"]["rope_theta"] == 1e4

@@ -197,4 +197,21 @@ def test_fields_are_documented_keys_with_one_set_of_defaults():
     # a scaled model carries its scaling into the tables every layout indexes
     cfg = ours(rope_fields_from_hf({"rope_scaling": SCALINGS["yarn"]}, "c"), n_layers=1, vocab_size=VOCAB)
     model = build_model(cfg, seed=0)
-    assert_tables_equal((model.rope_cos, model.rope_sin), our_tables(cfg))
+    assert_tables_equal(model.rope(0, MAX_POS), our_tables(cfg))
+
+
+def test_tables_fill_lazily_and_equal_the_whole_computation():
+    """The model's tables are filled on first read up to what is read (at least doubling), and every row equals the
+    one-shot computation; an earlier graph's views of filled rows see no version change when later rows fill."""
+    cfg = ModelConfig(d_model=64, n_heads=4, n_kv_heads=2, max_seq_len=20000, n_layers=1, vocab_size=VOCAB)
+    model = build_model(cfg, seed=0)
+    assert model._rope_rows == 0  # nothing computed at build
+    cos, sin = model.rope(0, 16)
+    assert model._rope_rows == 4096
+    version = cos._version
+    later = model.rope(5000, 10)  # fills 4096..8192 at least
+    assert model._rope_rows == 8192 and cos._version == version
+    whole = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    assert torch.equal(later[0], whole[0][5000:5010]) and torch.equal(cos, whole[0][:16])
+    model.rope(0, 1, torch.tensor([[19999]]))  # rows named by a tensor: all of them
+    assert model._rope_rows == 20000 and torch.equal(model.rope_sin, whole[1])

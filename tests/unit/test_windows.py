@@ -17,7 +17,6 @@ from test_families import SHAPE, VOCAB, assert_close
 from trickles.config import Config
 from trickles.errors import CheckpointError, ConfigError
 from trickles.infer.decode import Sampling, decode
-from trickles.infer.paged import BlockPool
 from trickles.models import ModelConfig, build_model, load_hf, save_hf
 from trickles.models.documents import DocumentMask, block_mask, document_ids, flex_attention, reference_attention
 from trickles.models.generate import generate
@@ -164,22 +163,14 @@ def test_windows_at_least_the_context_are_accepted_and_qwen_types_checked():
         config_to_hf(dataclasses.replace(cfg, family="mistral", window_layers=[True, False]), torch.float32)
 
 
-def test_the_paged_engine_refuses_a_window_that_cuts():
-    cfg = ModelConfig(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1, vocab_size=64, max_seq_len=16, sliding_window=4)
-    with pytest.raises(ConfigError, match="paged serving engine does not build sliding windows") as e:
-        BlockPool(build_model(cfg, seed=0), 4, 4)
-    assert "\n" not in str(e.value)
-
-
 @pytest.mark.parametrize(
     "sets, world, message",
     [
-        (["parallel.cp=2"], 2, "model.sliding_window (8) shorter than data.seq_len (64) is not built with parallel.cp"),
         (
             ["parallel.tp=4", "parallel.tp_mode=2d", "model.n_kv_heads=4", "train.micro_batch=2"],
             4,
             "model.sliding_window (8) shorter than data.seq_len does not combine with parallel.tp_mode=2d",
-        ),
+        )
     ],
 )
 def test_layouts_without_windows_refuse_them_in_one_line(sets, world, message):

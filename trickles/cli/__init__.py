@@ -5,6 +5,8 @@
                      [--repetition-penalty R] [--stop S ...] [--beams N --length-penalty A] [--label L]
                      [--device-budget-gb X]
     trickles serve CHECKPOINT [--host H] [--port P] [--max-batch N] [--device-budget-gb X]
+    trickles eval CHECKPOINT_OR_HF_DIR [--config run.toml] [--set ...] [--data PATH] [--max-tokens N] [--json]
+                  [--nproc N]
     trickles memory [--config run.toml] [--set ...] [--nproc N] [--measure STEPS] [--png F] [--device-gb X]
     trickles bench scaling [--config run.toml] [--set ...] [--ranks 1 2 4 ...] [--steps N] [--warmup W]
                            [--png F | --no-png] [--json F]
@@ -41,7 +43,7 @@ import sys
 from typing import NoReturn
 
 from ..errors import EXIT_TERMINATED, ONE_LINE_ERRORS
-from . import bench, checkpoint, compress, config, generate, memory, plan, serve, train
+from . import bench, checkpoint, compress, config, eval, generate, memory, plan, serve, train
 from .common import Parser
 
 # in the order ``trickles --help`` lists them
@@ -49,6 +51,7 @@ COMMANDS = {
     "train": train,
     "generate": generate,
     "serve": serve,
+    "eval": eval,
     "memory": memory,
     "bench": bench,
     "config": config,

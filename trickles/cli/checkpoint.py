@@ -1,6 +1,6 @@
 """``trickles checkpoint export``: consolidate a checkpoint written by any number of ranks, in one process, into a
-single-device checkpoint (every tensor whole, optimizer state included) or a Hugging Face directory
-(:mod:`trickles.train.export`)."""
+single-device checkpoint (every tensor whole, optimizer state included), a Hugging Face directory or a LoRA run's
+PEFT adapter (:mod:`trickles.train.export`)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ def add_parser(sub) -> None:
     e.add_argument(
         "--format",
         dest="fmt",
-        choices=["trickles", "hf"],
+        choices=["trickles", "hf", "peft"],
         default="trickles",
         help="trickles: a single-device checkpoint, every tensor whole, optimizer state included (default); "
-        "hf: a Hugging Face directory (config.json + model.safetensors, the tokenizer's files)",
+        "hf: a Hugging Face directory (config.json + model.safetensors, the tokenizer's files; a LoRA run's adapters "
+        "merged); peft: a LoRA run's adapters as a PEFT adapter directory",
     )
 
 

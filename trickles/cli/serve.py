@@ -63,6 +63,12 @@ def add_parser(sub) -> None:
         "decode steps (default: 256; continuous batching only)",
     )
     v.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not keep the KV blocks of finished prompts for requests that share their prefix (default: "
+        "cached, evicted least recently used when the pool needs the blocks; continuous batching only)",
+    )
+    v.add_argument(
         "--batching",
         choices=["continuous", "static"],
         default="continuous",
@@ -118,6 +124,7 @@ def run(args) -> int:
                 ("--block-size", args.block_size),
                 ("--prefill-chunk", args.prefill_chunk),
                 ("--kv-cache-gb", args.kv_cache_gb),
+                ("--no-prefix-caching", True if args.no_prefix_caching else None),
             )
             if v is not None
         ]
@@ -186,6 +193,7 @@ def run(args) -> int:
                 block_size=args.block_size,
                 prefill_chunk=args.prefill_chunk,
                 kv_cache_bytes=pool,
+                prefix_caching=not args.no_prefix_caching,
             ),
         )
     except OSError as e:

@@ -61,7 +61,7 @@ def forward_states(model, tokens: torch.Tensor, keep: set[int], labels: torch.Te
         h = block(h, rope, None, 0, labels)
         if int(key) in keep:
             states[int(key)] = h
-    return model.output(model.norm(h)), states
+    return model.head(h), states
 
 
 def load_teacher(path: str, device: torch.device | str = "cpu"):

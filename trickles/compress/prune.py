@@ -228,7 +228,8 @@ def plan(
 
 
 def pruned_config(cfg: ModelConfig, p: Plan) -> ModelConfig:
-    """``cfg`` with the plan's layer, head and channel counts (head size kept as ``head_size``)."""
+    """``cfg`` with the plan's layer, head and channel counts (head size kept as ``head_size``) and the kept layers'
+    entries of ``model.window_layers``."""
     rep = cfg.n_heads // cfg.kv_heads
     groups = len(next(iter(p.groups.values())))
     out = dataclasses.replace(
@@ -238,6 +239,8 @@ def pruned_config(cfg: ModelConfig, p: Plan) -> ModelConfig:
         n_heads=groups * rep,
         n_kv_heads=groups if cfg.n_kv_heads is not None else None,
         ffn_hidden=len(next(iter(p.channels.values()))),
+        # a per-layer window pattern follows its layers (with it each layer's rotary base, model.rope_local_theta)
+        window_layers=None if cfg.window_layers is None else [cfg.window_layers[i] for i in p.layers],
     )
     if out.n_heads != cfg.n_heads:
         out.head_size = cfg.head_dim

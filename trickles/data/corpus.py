@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import DataError
+from . import chat
 from .config import DataConfig
 from .loader import require_boundaries
 from .sources import Format, labelled_documents, resolve_files, resolve_format, source_fingerprint
@@ -48,6 +49,10 @@ class Corpus:
     train_labels: np.ndarray | None = None  # with labels: each token's document label id, aligned with ``train``
     val_labels: np.ndarray | None = None
     label_documents: dict[str, int] | None = None  # documents per label read
+    train_flags: np.ndarray | None = None  # chat data: each token's flags (trickles.data.chat), aligned with ``train``
+    val_flags: np.ndarray | None = None
+    chat: dict[str, int] | None = None  # chat data: conversations, sequences, truncated, dropped, untrained
+    overlong: str = "truncate"
 
     def describe(self) -> str:
         """One line: source, documents, bytes, tokens train/val, tokenizer."""
@@ -59,6 +64,8 @@ class Corpus:
         parts.append(f"{len(self.train):,} train / {len(self.val):,} val tokens")
         if self.tokenizer:
             parts.append(f"tokenizer {self.tokenizer}")
+        if self.chat is not None:
+            parts.append(chat.describe(self.chat, self.overlong))
         if self.label_documents:
             parts.append("labels " + ", ".join(f"{k} ({v} docs)" for k, v in self.label_documents.items()))
         return ", ".join(parts)
@@ -144,15 +151,22 @@ def check_boundaries(cfg: DataConfig) -> None:
     """Before any process starts: with ``data.document_mask``, the tokenizer has an end-of-text id (loading it
     refuses one without) and each token file holds it somewhere (else it was written without document
     boundaries). Text sources get an eos after every document; a BPE still to be trained is checked by the
-    trainer instead (:func:`~trickles.data.loader.require_boundaries`)."""
+    trainer instead (:func:`~trickles.data.loader.require_boundaries`). A chat source: the tokenizer is a Hugging Face
+    one with a chat template and every record has a shape chat data takes (:func:`trickles.data.chat.check_chat`)."""
+    chats = [one for one in cfg.per_source() if one.format == "chat"]
+    if chats and cfg.tokenizer in ("byte", "bpe"):
+        chat.chat_template(cfg, None)  # (refuses in one line)
     if not cfg.document_mask or cfg.tokenizer == "bpe":
         return
-    eos = build_tokenizer(cfg).eos_id
-    files = resolve_files(cfg)
-    if resolve_format(cfg, files) != "tokens":
-        return
-    for f in files:
-        require_boundaries(_open_token_file(cfg, f), eos, f)
+    tokenizer = build_tokenizer(cfg)
+    for one in chats:
+        chat.check_chat(one, tokenizer)
+    for one in cfg.per_source():  # (every source of a mixture)
+        files = resolve_files(one)
+        if resolve_format(one, files) == "tokens":
+            eos = tokenizer.eos_id
+            for f in files:
+                require_boundaries(_open_token_file(one, f), eos, f)
 
 
 def _check_ids(arr: np.ndarray, path: str, tokenizer: Tokenizer) -> None:
@@ -202,10 +216,12 @@ def load_corpus(
     ]
     if labels is not None:
         key_parts += [cfg.label_field, cfg.label_path, list(labels)]
+    if fmt == "chat":
+        key_parts += chat.cache_key(cfg, chat.chat_template(cfg, tokenizer))
     key = hashlib.sha256(json.dumps(key_parts).encode()).hexdigest()[:24]
     directory = os.path.join(cache_root(cache_dir if cache_dir is not None else cfg.cache_dir), "corpus")
     npy, meta_path = os.path.join(directory, f"{key}.npy"), os.path.join(directory, f"{key}.json")
-    meta = _read_cached(npy, meta_path)
+    meta = _read_cached(npy, meta_path, fmt == "chat")
     if meta is None:
         os.makedirs(directory, exist_ok=True)
         meta = _tokenize_to(npy, cfg, files, fmt, tokenizer, labels)
@@ -216,6 +232,9 @@ def load_corpus(
     arr = np.load(npy, mmap_mode="r")
     train, val = _split(arr, meta["split"])
     corpus = Corpus(train, val, label, meta["documents"], meta["bytes"], tokenizer.name)
+    if fmt == "chat":
+        corpus.train_flags, corpus.val_flags = _split(np.load(_flags_path(npy), mmap_mode="r"), meta["split"])
+        corpus.chat, corpus.overlong = meta["chat"], cfg.overlong
     if labels is not None:
         corpus.train_labels, corpus.val_labels = _split(np.load(_labels_path(npy), mmap_mode="r"), meta["split"])
         corpus.label_documents = meta["label_documents"]
@@ -226,11 +245,17 @@ def _labels_path(npy: str) -> str:
     return npy[: -len(".npy")] + ".labels.npy"
 
 
-def _read_cached(npy: str, meta_path: str) -> dict | None:
+def _flags_path(npy: str) -> str:
+    return npy[: -len(".npy")] + ".flags.npy"
+
+
+def _read_cached(npy: str, meta_path: str, flags: bool = False) -> dict | None:
     try:
         with open(meta_path, encoding="utf-8") as f:
             meta = json.load(f)
-        if np.load(npy, mmap_mode="r").shape == (meta["tokens"],):
+        if np.load(npy, mmap_mode="r").shape == (meta["tokens"],) and (
+            not flags or np.load(_flags_path(npy), mmap_mode="r").shape == (meta["tokens"],)
+        ):
             return meta
     except (OSError, ValueError, KeyError, TypeError):
         pass
@@ -242,6 +267,8 @@ def _tokenize_to(
 ) -> dict:
     """Writes the concatenated tokens to ``npy`` (and with ``labels`` each token's label id beside it);
     returns ``{tokens, split, documents, bytes}`` (and ``label_documents``)."""
+    if fmt == "chat":
+        return _chat_to(npy, cfg, files, tokenizer)
     writer = _NpyWriter(npy, token_dtype(tokenizer.vocab_size))
     label_writer = _NpyWriter(_labels_path(npy), np.dtype(np.uint16)) if labels is not None else None
     ids = {name: i for i, name in enumerate(labels or [])}
@@ -308,3 +335,41 @@ def _write_batch(
         if label_writer is not None:
             label_writer.write(np.full(len(a), label_ids[i], dtype=np.uint16))
     return [len(a) for a in arrays]
+
+
+def _chat_to(npy: str, cfg: DataConfig, files: list[str], tokenizer: Tokenizer) -> dict:
+    """Writes a chat source's packed sequences to ``npy`` and their flags beside it (:mod:`trickles.data.chat`:
+    training sequences, a padding token, held-out sequences, a padding token); returns the meta with the counts."""
+    packer = chat.Packer(cfg.seq_len, tokenizer.eos_id, cfg.overlong)
+    sequences: list[tuple[np.ndarray, np.ndarray]] = []
+    for ids, trained in chat.examples(cfg, tokenizer, files):
+        sequences += packer.add(ids, trained)
+    sequences += packer.finish()
+    if not sequences:
+        raise DataError(
+            f"data.source {cfg.source!r} holds no conversation with assistant tokens that fits "
+            f"(data.overlong={cfg.overlong}); give conversations with assistant messages"
+        )
+    held = chat.held_out_sequences(len(sequences), cfg.val_fraction)
+    pad = (np.array([tokenizer.eos_id], dtype=np.int64), np.array([chat.START], dtype=np.uint8))
+    stream = sequences[: len(sequences) - held] + [pad] + sequences[len(sequences) - held :] + [pad]
+    writer = _NpyWriter(npy, token_dtype(tokenizer.vocab_size))
+    flag_writer = _NpyWriter(_flags_path(npy), np.dtype(np.uint8))
+    try:
+        for ids, flags in stream:
+            writer.write(ids)
+            flag_writer.write(flags)
+        writer.commit()
+        flag_writer.commit()
+    except BaseException:
+        writer.abort()
+        flag_writer.abort()
+        raise
+    split = (len(sequences) - held) * cfg.seq_len + 1
+    return {
+        "tokens": writer.n,
+        "split": split,
+        "documents": packer.counts["conversations"],
+        "bytes": None,
+        "chat": packer.counts,
+    }

@@ -19,6 +19,20 @@ sliced the same way.
 A micro-batch is ``(inputs, targets)``; with labels (hard-routed experts) ``(inputs, targets, labels)``; with
 ``eos_id`` (``data.document_mask``) ``(inputs, targets, labels or None, documents)``, the inputs' document ids
 (:func:`trickles.models.documents.document_ids`: a document starts at each eos).
+
+With ``flags`` (chat data, :mod:`trickles.data.chat`: one ``uint8`` per token) the targets are ``-100`` -- no loss --
+wherever the predicted token lacks the ``TRAINED`` flag (:func:`masked_targets`), and the document ids count the
+``START`` flags instead of eos tokens (:func:`flag_documents`), always given: ``(inputs, targets, labels or None,
+documents)``. These are the training loss's positions: whatever computes a loss from these batches counts the targets
+that are not ``-100``.
+
+**The loss of a step with chat data** is the mean over every trained target of the global batch, whatever the layout:
+the model's loss is a micro-batch's mean over its own trained targets, so :func:`weigh` appends each micro-batch's
+weight ``n * replicas * micro-batches / N`` (``n``: its trained targets on this rank, after context parallelism's cut;
+``N``: the global batch's, :meth:`ShardedBatches.trained_targets`), and the mean of the weighted losses over the
+micro-batches and the replicas (``dp x cp``) is ``sum of the token losses / N``, as on one process (a micro-batch
+with no trained target on this rank, a context-parallel slice of padding, has loss 0 and weight 0). Without flags
+every target counts and nothing is appended.
 """
 
 from __future__ import annotations
@@ -28,6 +42,26 @@ import torch
 
 from ..errors import DataError
 from ..models.documents import document_ids
+
+IGNORE = -100  # a target that takes no loss (the model's cross-entropy skips it)
+TRAINED, START = 1, 2  # chat data's flag bits: the token is trained (its target counts); it opens a document
+
+
+def masked_targets(targets: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
+    """``targets`` with ``-100`` where the predicted token's ``flags`` (aligned with ``targets``) lack ``TRAINED``."""
+    return targets.masked_fill((flags & TRAINED) == 0, IGNORE)
+
+
+def flag_documents(flags: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` int32 document ids of the inputs' ``flags``: the count of ``START`` flags at or before each token."""
+    return torch.cumsum((flags & START) != 0, dim=1, dtype=torch.int32)
+
+
+def weigh(micro: list[tuple], total: int | None, replicas: int) -> list[tuple]:
+    """``micro`` with each micro-batch's loss weight appended (module doc); unchanged when ``total`` is None."""
+    if total is None:
+        return micro
+    return [(*b, int((b[1] != IGNORE).sum()) * replicas * len(micro) / max(total, 1)) for b in micro]
 
 
 def require_boundaries(tokens: np.ndarray, eos_id: int, source: str, chunk: int = 1 << 22) -> None:
@@ -57,6 +91,7 @@ class ShardedBatches:
         dp_size: int = 1,
         labels: np.ndarray | None = None,
         eos_id: int | None = None,
+        flags: np.ndarray | None = None,
     ):
         if seq_len < 1:
             raise ValueError(f"seq_len must be at least 1, got {seq_len}")
@@ -65,6 +100,7 @@ class ShardedBatches:
         self.tokens, self.seq_len, self.seed = tokens, seq_len, int(seed)
         self.labels = labels  # each token's label id (hard-routed experts): batches then carry the inputs' labels
         self.eos_id = eos_id  # packed documents (data.document_mask): batches then carry the inputs' document ids
+        self.flags = flags  # chat data: each token's flags; batches then carry masked targets and their documents
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.n_windows = max(0, (len(tokens) - 1) // seq_len)
         self._perms: dict[int, np.ndarray] = {}
@@ -82,7 +118,11 @@ class ShardedBatches:
 
     def windows(self, first: int, count: int) -> np.ndarray:
         """Window indices of global samples ``first .. first + count - 1``."""
-        g = np.arange(first, first + count, dtype=np.int64)
+        return self.windows_at(np.arange(first, first + count, dtype=np.int64))
+
+    def windows_at(self, g: np.ndarray) -> np.ndarray:
+        """Window indices of the samples numbered ``g`` (any order)."""
+        count = len(g)
         epochs = g // self.n_windows
         out = np.empty(count, dtype=np.int64)
         for e in np.unique(epochs):
@@ -115,6 +155,24 @@ class ShardedBatches:
         first = index * global_batch + start
         return self._gather(np.arange(first, first + rows, dtype=np.int64) % self.n_windows, micro_batch)
 
+    def trained_targets(self, consumed: int, global_batch: int) -> int | None:
+        """The targets that take a loss in the whole global batch starting at sample ``consumed`` (every rank's rows);
+        None without flags (every target does)."""
+        return None if self.flags is None else self.count_trained(self.windows(consumed, global_batch))
+
+    def val_trained_targets(self, index: int, global_batch: int) -> int | None:
+        """As :meth:`trained_targets`, for held-out batch ``index``."""
+        first = index * global_batch
+        windows = np.arange(first, first + global_batch, dtype=np.int64) % max(self.n_windows, 1)
+        return None if self.flags is None else self.count_trained(windows)
+
+    def count_trained(self, windows: np.ndarray) -> int:
+        """The trained targets of ``windows`` (``seq_len`` per window without flags)."""
+        if self.flags is None:
+            return len(windows) * self.seq_len
+        index = windows[:, None] * self.seq_len + np.arange(1, self.seq_len + 1, dtype=np.int64)
+        return int(np.count_nonzero(np.asarray(self.flags[index]) & TRAINED))
+
     # ---- helpers ---------------------------------------------------------------------------
     def _require(self, split: str) -> None:
         if self.n_windows < 1:
@@ -141,18 +199,29 @@ class ShardedBatches:
     def _gather(self, windows: np.ndarray, micro_batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         index = windows[:, None] * self.seq_len + np.arange(self.seq_len + 1, dtype=np.int64)
         rows = torch.from_numpy(np.asarray(self.tokens[index], dtype=np.int64))
+        inputs, targets = rows[:, :-1], rows[:, 1:]
+        flags = None if self.flags is None else torch.from_numpy(np.asarray(self.flags[index], dtype=np.uint8))
+        if flags is not None:
+            targets = masked_targets(targets, flags[:, 1:])
         # each micro-batch in storage of its own (of one row, .contiguous() would keep a view of the whole batch, which
         # the embedding's backward then holds)
+        starts = range(0, len(rows), micro_batch)
         out = [
             (
-                rows[i : i + micro_batch, :-1].clone(memory_format=torch.contiguous_format),
-                rows[i : i + micro_batch, 1:].clone(memory_format=torch.contiguous_format),
+                inputs[i : i + micro_batch].clone(memory_format=torch.contiguous_format),
+                targets[i : i + micro_batch].clone(memory_format=torch.contiguous_format),
             )
-            for i in range(0, len(rows), micro_batch)
+            for i in starts
         ]
         if self.labels is not None:
             labels = torch.from_numpy(np.asarray(self.labels[index[:, :-1]], dtype=np.int64))
-            out = [(x, y, labels[i : i + micro_batch]) for (x, y), i in zip(out, range(0, len(rows), micro_batch))]
-        if self.eos_id is not None:
+            out = [(x, y, labels[i : i + micro_batch]) for (x, y), i in zip(out, starts)]
+        if flags is not None:
+            docs = flag_documents(flags[:, :-1])
+            out = [
+                (b[0], b[1], b[2] if len(b) > 2 else None, docs[i : i + micro_batch].clone())
+                for b, i in zip(out, starts)
+            ]
+        elif self.eos_id is not None:
             out = [(b[0], b[1], b[2] if len(b) > 2 else None, document_ids(b[0], self.eos_id)) for b in out]
         return out

@@ -7,15 +7,22 @@
   ``site-packages``/``dist-packages`` and test directories (``test``, ``tests``, ``idle_test``);
 * a text file, or a glob of them (sorted) — each file is one document;
 * a ``.jsonl`` file (or glob) — one JSON object per line, the text under ``data.text_field``;
+* a ``.parquet`` file (or glob) — the column ``data.text_field``, one document per row; a directory written by
+  ``datasets``' ``save_to_disk`` — the same column of its rows (of split ``data.dataset_split`` if it holds several);
+  both read by :mod:`trickles.data.formats`;
+* with ``data.format = "chat"``, a ``.jsonl``/``.parquet`` file (or glob) or a saved dataset of conversations or
+  prompt/completion records (:mod:`trickles.data.chat`);
 * a token file (or glob) — ``.bin``: a raw array of ``data.token_dtype``; ``.npy``: read with
   ``np.load(mmap_mode="r")``. These are already tokenized; the tokenizer only decodes samples.
 
-``data.format = "auto"`` decides per file by extension (``.jsonl`` -> jsonl, ``.bin``/``.npy``
--> tokens, anything else -> text). Text is read as UTF-8 with undecodable bytes replaced;
-empty documents are skipped; ``data.max_bytes`` stops reading after that many bytes of text
-(the last document is cut), and does not apply to token files.
+``data.format = "auto"`` decides per file by extension (``.jsonl`` -> jsonl, ``.parquet`` -> parquet,
+``.bin``/``.npy`` -> tokens, a saved dataset's directory -> datasets, anything else -> text). Text is read as
+UTF-8 with undecodable bytes replaced; empty documents are skipped; ``data.max_bytes`` stops reading after that many
+bytes of text (the last document is cut), and does not apply to token files.
 
-The documents are tokenized into the cached corpus by :mod:`trickles.data.corpus`.
+The documents are tokenized into the cached corpus by :mod:`trickles.data.corpus`. With a mixture
+(``[[data.sources]]``), :func:`check_source`, :func:`source_fingerprint` and :func:`iter_documents` cover every source
+(:meth:`~trickles.data.config.DataConfig.per_source`); each source is tokenized into a corpus of its own.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ import numpy as np
 
 from ..errors import DataError
 from .config import DataConfig
+from .formats import TABLES, check_table, dataset_files, is_saved_dataset, table_documents
 
-Format = Literal["text", "jsonl", "tokens"]
+Format = Literal["text", "jsonl", "parquet", "datasets", "tokens"]
 STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
 
 
@@ -76,13 +84,20 @@ def resolve_files(cfg: DataConfig) -> list[str]:
     pattern = os.path.expanduser(cfg.source)
     if _is_glob(pattern):
         files = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+    elif os.path.isdir(pattern) and cfg.format in ("auto", "datasets", "chat"):
+        if not is_saved_dataset(pattern):
+            raise DataError(
+                f"data.source {cfg.source!r} is a directory but not one written by datasets' save_to_disk (no "
+                "dataset_info.json and state.json, nor dataset_dict.json); give a file, a glob or such a directory"
+            )
+        files = [pattern]
     else:
         files = [pattern] if os.path.isfile(pattern) else []
     if not files:
         what = "matches no file" if _is_glob(pattern) else "is not a file"
         raise DataError(
-            f"data.source {cfg.source!r} {what}; give an existing file, a glob, a .jsonl file, "
-            "a token file, or 'stdlib'"
+            f"data.source {cfg.source!r} {what}; give an existing file, a glob, a .jsonl or .parquet file, "
+            "a datasets directory, a token file, or 'stdlib'"
         )
     return files
 
@@ -91,12 +106,19 @@ def file_format(cfg: DataConfig, path: str) -> Format:
     """How ``path`` is read: ``data.format``, or by extension when it is ``"auto"``."""
     if cfg.format != "auto":
         return cfg.format
+    if os.path.isdir(path):
+        return "datasets"
     ext = os.path.splitext(path)[1].lower()
-    return "jsonl" if ext == ".jsonl" else "tokens" if ext in (".bin", ".npy") else "text"
+    by_ext = {".jsonl": "jsonl", ".parquet": "parquet", ".bin": "tokens", ".npy": "tokens"}
+    return by_ext.get(ext, "text")
 
 
 def resolve_format(cfg: DataConfig, files: list[str] | None = None) -> Format:
-    """``"tokens"`` when every file is a token file, else ``"text"``/``"jsonl"``; mixing is a DataError."""
+    """``"tokens"`` when every file is a token file, else the files' one format (``"text"`` when they mix kinds of
+    text); mixing tokens with text is a DataError. A mixture is ``"tokens"`` when every source is."""
+    if cfg.sources:
+        kinds = {resolve_format(c) for c in cfg.per_source()}
+        return "tokens" if kinds == {"tokens"} else "text"
     if cfg.source == "stdlib":
         return "text"
     formats = {file_format(cfg, f) for f in (files if files is not None else resolve_files(cfg))}
@@ -108,12 +130,21 @@ def resolve_format(cfg: DataConfig, files: list[str] | None = None) -> Format:
 
 
 def check_source(cfg: DataConfig) -> None:
-    """Cheap checks, before any process starts, that the source (and a tokenizer path) exist."""
+    """Cheap checks, before any process starts, that the source -- every source of a mixture -- (and a tokenizer
+    path) exist, and that a parquet file or saved dataset opens and holds ``data.text_field``."""
+    for one in cfg.per_source():
+        _check_files(one)
+    _check_tokenizer(cfg)
+
+
+def _check_files(cfg: DataConfig) -> None:
     files = resolve_files(cfg)
     fmt = resolve_format(cfg, files)
     for f in files if cfg.source != "stdlib" else ():
         if not os.access(f, os.R_OK):
             raise DataError(f"data.source: {f} is not readable; fix its permissions or choose another file")
+        if file_format(cfg, f) in TABLES:
+            check_table(cfg, f, file_format(cfg, f), [cfg.text_field])
         if fmt == "tokens" and not f.endswith(".npy"):
             size = np.dtype(cfg.token_dtype).itemsize
             if os.path.getsize(f) % size:
@@ -121,6 +152,9 @@ def check_source(cfg: DataConfig) -> None:
                     f"data.source: {f} is {os.path.getsize(f)} bytes, not a whole number of "
                     f"{cfg.token_dtype} tokens; check data.token_dtype"
                 )
+
+
+def _check_tokenizer(cfg: DataConfig) -> None:
     if cfg.tokenizer not in ("byte", "bpe"):
         path = os.path.expanduser(cfg.tokenizer)
         if not (
@@ -133,11 +167,17 @@ def check_source(cfg: DataConfig) -> None:
 
 
 def source_fingerprint(cfg: DataConfig) -> list:
-    """What identifies the source's content cheaply: format, field and ``[path, size, mtime_ns]`` per file."""
+    """What identifies the source's content cheaply: format, field and ``[path, size, mtime_ns]`` per file (a saved
+    dataset's files and split); a mixture's is its sources' (with each one's ``max_bytes``)."""
+    if cfg.sources:
+        return [[c.max_bytes, source_fingerprint(c)] for c in cfg.per_source()]
     entries = []
     for f in resolve_files(cfg):
         st = os.stat(f)
-        entries.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
+        if os.path.isdir(f):
+            entries.append([os.path.abspath(f), cfg.dataset_split, dataset_files(f)])
+        else:
+            entries.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
     return [cfg.source, cfg.format, cfg.text_field, entries]
 
 
@@ -176,8 +216,10 @@ def labelled_documents(cfg: DataConfig, keep: set[str] | None = None) -> Iterato
         if left is not None and left <= 0:
             return
         try:
-            if file_format(cfg, path) == "jsonl":
-                for text, n, label in _jsonl_documents(cfg, path, left, keep):
+            fmt = file_format(cfg, path)
+            if fmt in ("jsonl", *TABLES):
+                read = _jsonl_documents if fmt == "jsonl" else functools.partial(table_documents, fmt=fmt)
+                for text, n, label in read(cfg, path, left=left, keep=keep):
                     left = None if left is None else left - n
                     yield text, n, label
                 continue
@@ -235,6 +277,9 @@ def _jsonl_documents(
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:
-    """The source's documents as strings, in order (what a BPE tokenizer trains on)."""
-    for text, _, _ in labelled_documents(cfg):
-        yield text
+    """The source's documents as strings, in order (what a BPE tokenizer trains on); a mixture's text sources' one
+    after another."""
+    for one in cfg.per_source():
+        if not cfg.sources or resolve_format(one) != "tokens":
+            for text, _, _ in labelled_documents(one):
+                yield text

@@ -52,6 +52,10 @@ class Sampling:
     repetition_penalty: float = 1.0  #: > 1 discourages tokens already in the row (1: off)
     stop: tuple[str, ...] = ()  #: stop strings: the text ends before the first one to appear
     seed: int | None = None  #: the row's own generator (None: a random seed)
+    presence_penalty: float = 0.0  #: OpenAI's: subtracted from the logit of every token generated so far (engine)
+    frequency_penalty: float = 0.0  #: OpenAI's: times each token's count among those generated so far (engine)
+    logprobs: int | None = None  #: each drawn token's log-probability and the N most likely (engine; None: off)
+    prompt_logprobs: int | None = None  #: the same for every prompt token after the first (engine; None: off)
 
     def validate(self) -> None:
         """ValueError saying which field is wrong and what it must be."""
@@ -67,6 +71,26 @@ class Sampling:
             raise ValueError(f"repetition_penalty must be a number > 0 (1: off), got {self.repetition_penalty:g}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number (0: off), got {getattr(self, name):g}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be at least 0 (None: off), got {getattr(self, name)}")
+
+    @property
+    def engine_only(self) -> list[str]:
+        """The settings set here that only the continuous-batching engine applies (not :func:`decode`)."""
+        return [
+            name
+            for name, off in (
+                ("presence_penalty", 0),
+                ("frequency_penalty", 0),
+                ("logprobs", None),
+                ("prompt_logprobs", None),
+            )
+            if getattr(self, name) != off
+        ]
 
     def for_choice(self, j: int) -> Sampling:
         """The settings of choice ``j`` of ``n``: a seeded request's choice ``j`` draws with ``seed + j``."""
@@ -91,6 +115,8 @@ class Completion:
     finish_reason: str  #: "stop" (end of sequence or a stop string) or "length"
     prompt_tokens: int  #: tokens of the prompt the model saw (after any cut from the left)
     score: float | None = None  #: beam search: the length-normalized log-probability
+    logprobs: list | None = None  #: the engine with ``Sampling.logprobs``: a ``TokenLogprob`` per new token
+    prompt_logprobs: list | None = None  #: with ``Sampling.prompt_logprobs``: one per prompt token after the first
 
 
 class PaddedBatch:
@@ -250,6 +276,8 @@ def decode(
         s.validate()
         if s.stop and tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
+        if s.engine_only:
+            raise ValueError(f"{', '.join(s.engine_only)}: only the continuous-batching engine applies these")
     limit = model.cfg.max_seq_len
     prompts = [list(p)[-max(1, limit - 1) :] for p in prompts]
     budgets = [min(s.max_new_tokens, limit - len(p)) for s, p in zip(settings, prompts)]

@@ -8,7 +8,7 @@ is a :class:`Sequence` with its own generator (choice ``j`` of a seeded request 
 
 1. cancelled sequences leave and free their blocks;
 2. waiting sequences are admitted in order while fewer than ``max_batch`` run and the pool has blocks for their
-   tokens with one block to spare for every running sequence (so the running ones can grow);
+   tokens (their first chunk, see Windows) with one block to spare for every running sequence (to grow);
 3. **prefill**: sequences with more than one token not yet in the cache feed up to ``prefill_chunk`` of them in
    total, oldest first, in one model call (a long prompt is thus spread over several iterations and decoding of
    the others is never stalled for more than one chunk); a sequence whose prompt is then all cached draws its
@@ -19,9 +19,10 @@ is a :class:`Sequence` with its own generator (choice ``j`` of a seeded request 
    tokens drawn so far, and goes on drawing from where its generator stands: vLLM's recompute preemption);
 5. sequences that stop (end-of-text token, a stop string, their budget) leave and free their blocks.
 
-Tokens are drawn per row exactly as :func:`trickles.infer.decode.decode` draws them for a row of its own
-(repetition penalty, then greedy or :func:`~trickles.models.generate.sample_next` with the row's generator), so a
-request's tokens do not depend on what it ran with, up to float rounding of batched matmuls.
+Tokens are drawn per row as :func:`trickles.infer.decode.decode` draws them for a row of its own, with OpenAI's
+presence and frequency penalties and log-probabilities on top (:mod:`.sampler`), so a request's tokens do not depend
+on what it ran with, up to float rounding of batched matmuls. A request with prompt log-probabilities gets them from
+its prefill calls' logits at every position, and is prefilled even when it asks for no new token.
 
 **Budgets.** A prompt is cut from the left to leave room for a token in the context; ``max_new_tokens`` is
 shortened to what the context and the whole pool leave (``finish_reason: "length"``). A prompt that does not fit
@@ -29,6 +30,14 @@ in the pool at all is refused at :meth:`Engine.submit` (:class:`PoolTooSmall`); 
 mid-batch, since the sequence admitted first can always take the blocks of the ones after it. So a sequence that
 waits while nothing runs always fits in the free blocks; one that does not (blocks lost to a bug) could wait forever,
 and instead fails at once with :class:`PoolStalled` (the server answers it as an error), the engine going on.
+
+**Prefix caching** (on by default, :mod:`~trickles.infer.prefix`): a sequence admitted takes the cached blocks of
+the longest cached prefix of its tokens and prefills only the rest (after preemption too: its own blocks are likely
+still cached); its blocks enter the cache as they fill and stay there, once released, until the pool needs them.
+
+**Windows.** With every layer windowed (window ``w``), blocks that slid out of every window go back to the pool
+after each call and prefill takes blocks chunk by chunk, so a decoding sequence holds ``ceil(w / P) + 1`` blocks
+however long it runs and only the context bounds its budget (:mod:`~trickles.infer.paged`'s notes).
 
 **Timestamps.** Every sequence records the iteration (``engine.steps``) and ``time.perf_counter()`` at which it
 arrived, was admitted, drew its first token and finished: scheduling is tested from these, not from wall clocks.
@@ -46,10 +55,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.generate import sample_next
-from .decode import Completion, Sampling, TextTracker, apply_repetition_penalty
+from .decode import Sampling, TextTracker
 from .paged import BlockPool, PagedCall, pool_blocks
 from .requests import Cancelled, Event, PoolStalled, PoolTooSmall, Request, Sequence
+from .sampler import draw, record_prompt
 
 __all__ = ["Engine", "EngineConfig", "Event", "Request", "Sequence", "PoolStalled", "PoolTooSmall", "Cancelled"]
 
@@ -63,6 +72,7 @@ class EngineConfig:
     num_blocks: int = 0  #: blocks in the pool (0: from kv_cache_bytes, or enough for max_batch full contexts)
     kv_cache_bytes: int = 0  #: bytes of the pool when num_blocks is 0 (0: see num_blocks)
     prefill_chunk: int = 256  #: most prompt tokens prefilled in one iteration (long prompts are chunked)
+    prefix_caching: bool = True  #: reuse the KV blocks of prefixes computed before (:mod:`~trickles.infer.prefix`)
 
 
 class Engine:
@@ -71,7 +81,7 @@ class Engine:
     the model while it runs: the first iteration puts it in eval mode, and it stays there.
 
     ``metrics``: an object with ``on_request(outcome)``, ``on_tokens(prompt, generated)``, ``on_first_token(s)``,
-    ``on_inter_token(s)`` (:class:`trickles.infer.metrics.ServingMetrics`), or None.
+    ``on_inter_token(s)``, ``on_prefix_cache(queried, hit)`` (:class:`trickles.infer.metrics.ServingMetrics`), or None.
     """
 
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, logits_fn=None, metrics=None):
@@ -83,7 +93,7 @@ class Engine:
             )
         self.context = model.cfg.max_seq_len
         blocks = pool_blocks(model, cfg.block_size, cfg.num_blocks, cfg.kv_cache_bytes, cfg.max_batch)
-        self.pool = BlockPool(model, blocks, cfg.block_size)
+        self.pool = BlockPool(model, blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.steps = 0
@@ -105,13 +115,8 @@ class Engine:
         prompt = list(prompt)[-max(1, self.context - 1) :]
         if not prompt:
             raise ValueError("a prompt needs at least one token")
-        capacity = self.pool.num_blocks * self.pool.block_size
-        if len(prompt) + 1 > capacity:
-            raise PoolTooSmall(
-                f"the prompt is {len(prompt)} tokens; the KV pool holds {capacity} positions "
-                f"({self.pool.num_blocks} blocks of {self.pool.block_size}): give the server more KV cache memory"
-            )
-        budget = max(0, min(sampling.max_new_tokens, self.context - len(prompt), capacity - len(prompt)))
+        room = self.pool.room(len(prompt), self.context)  # (PoolTooSmall for a prompt it can never hold)
+        budget = max(0, min(sampling.max_new_tokens, self.context - len(prompt), room - len(prompt)))
         request = Request(self, next(self._ids), on_event, on_finish)
         device = self.pool.device
         for j in range(n):
@@ -216,7 +221,7 @@ class Engine:
         """One iteration: cancellations, admission, a prefill chunk, one decode step (see the module's notes)."""
         with self._lock:
             for s in self._inbox:
-                if s.budget == 0:
+                if s.budget == 0 and s.settings.prompt_logprobs is None:
                     self._finish(s, "length")
                 else:
                     self.waiting.append(s)
@@ -230,64 +235,72 @@ class Engine:
         prefill = self._prefill_rows()
         if prefill:
             self._call(prefill)
-        decode = self._reserve([s for s in self.running if s.pending == 1])
+        decode = self._reserve([(s, 1) for s in self.running if s.pending == 1])
         if decode:
-            self._call([(s, 1) for s in decode])
+            self._call(decode)
         self.steps += 1
 
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_batch:
             s = self.waiting[0]
-            need = self.pool.blocks_for(len(s.tokens)) - len(s.table)
-            if self.pool.free - need < len(self.running) and self.running:
-                return  # keep one block per running sequence so they can grow
-            if not self.pool.grow(s.table, len(s.tokens)):
-                if not self.running:  # nothing will ever free a block: fail it rather than wait forever
-                    self._drop(s.request, self._stalled(s, need), "error")
+            if not s.table and s.settings.prompt_logprobs is None:  # the cached blocks of its prefix, if any
+                s.table = self.pool.blocks.share(s.tokens, s.keys)
+                s.cached, s.registered = len(s.table) * self.pool.block_size, len(s.table)
+                self.pool.slide(s.table, s.cached)
+            first = self._prefill_span(s, len(s.tokens))  # positions its first call holds
+            need = self.pool.blocks_for(first) - len(s.table)
+            fits = not (self.pool.free - need < len(self.running) and self.running)  # one block per runner to grow
+            if not fits or not self.pool.grow(s.table, first):
+                self._unadmit(s)
+                if fits and not self.running:  # nothing will ever free a block: fail it rather than wait forever
+                    need = self.pool.blocks_for(self._prefill_span(s, len(s.tokens)))
+                    self._drop(s.request, PoolStalled.of(s, need, self.pool, self.waiting), "error")
                     continue
                 return
             self.waiting.popleft()
             if s.admitted_step is None:
                 s.admitted_step = self.steps
+            if self.metrics is not None and self.pool.blocks.caching:
+                self.metrics.on_prefix_cache(len(s.tokens), s.cached)
             self.running.append(s)
 
-    def _stalled(self, s: Sequence, need: int) -> PoolStalled:
-        """The error of a waiting sequence that can never be admitted: nothing runs, yet too few blocks are free."""
-        lost = self.pool.used - sum(len(q.table) for q in self.waiting)
-        return PoolStalled(
-            f"request {s.request.id} cannot be admitted: it needs {need} KV blocks, {self.pool.free} of "
-            f"{self.pool.num_blocks} are free and no sequence runs that could free more ({lost} blocks are held by "
-            "no sequence: a block leak in the engine); the server goes on, this request fails"
-        )
+    def _prefill_span(self, s: Sequence, end: int) -> int:
+        """Where the blocks ``s`` holds to prefill towards ``end`` reach: ``end``, or a chunk (all layers windowed)."""
+        if self.pool.slide_window is None:
+            return end
+        return min(end, s.cached + min(self.config.prefill_chunk, self.pool.chunk_cap))
 
     def _prefill_rows(self) -> list[tuple[Sequence, int]]:
         rows, left = [], self.config.prefill_chunk
         for s in self.running:
             if s.pending > 1 and left > 0:
-                take = min(s.pending, left)
+                take = self._prefill_span(s, s.cached + min(s.pending, left)) - s.cached
                 rows.append((s, take))
                 left -= take
-        return rows
+        return self._reserve(rows)  # (a no-op under full attention: admission reserved the prompt)
 
-    def _reserve(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Blocks for one more position of each of ``seqs`` (oldest first), preempting the newest sequences when the
-        pool is out of blocks; the sequences that still run."""
-        for s in list(seqs):
+    def _reserve(self, rows: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int]]:
+        """Blocks for the next ``n`` positions of each ``(s, n)`` of ``rows`` (oldest first), preempting the newest
+        sequences when the pool is out of blocks; the rows whose sequences still run."""
+        for s, n in rows:
             if s not in self.running:
                 continue
-            while not self.pool.grow(s.table, s.cached + 1):
+            while not self.pool.grow(s.table, s.cached + n):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is s:
                     break
-        return [s for s in seqs if s in self.running]
+        return [(s, n) for s, n in rows if s in self.running]
 
     def _preempt(self, s: Sequence) -> None:
         self.running.remove(s)
-        self.pool.release(s.table)
-        s.cached = 0
+        self._unadmit(s)
         s.preemptions += 1
         self.waiting.appendleft(s)
+
+    def _unadmit(self, s: Sequence) -> None:
+        self.pool.release(s.table)
+        s.cached = s.registered = 0
 
     def _call(self, rows: list[tuple[Sequence, int]]) -> None:
         seqs = [s for s, _ in rows]
@@ -299,44 +312,34 @@ class Engine:
         try:
             out = self.model(tokens, cache=call, start=call.start, positions=call.positions, pad_mask=call.pad_mask)
             logits = (self.logits_fn or (lambda z: z))(out[:, -1:])[:, -1]
+            record_prompt(rows, out, self.logits_fn)
         except Exception as e:  # noqa: BLE001 -- reported to the requests of this call, the engine goes on
             for request in {s.request for s in seqs}:
                 self._drop(request, e, "error")
             return
         for s, n in rows:
             s.cached += n
+            s.registered = self.pool.blocks.register(s.table, s.tokens, s.cached, s.keys, s.registered)
+            self.pool.slide(s.table, s.cached)  # (every layer windowed: what slid out of every window goes back)
         ready = [i for i, s in enumerate(seqs) if s.pending == 0]
         if ready:
             self._draw([seqs[i] for i in ready], logits[ready] if len(ready) < len(seqs) else logits)
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
-        """The next token of each of ``seqs`` from its logits row, as :func:`~trickles.infer.decode.decode` draws it."""
-        device = logits.device
-        for i, s in enumerate(seqs):
-            if s.settings.repetition_penalty != 1:
-                if s.seen is None:
-                    s.seen = torch.zeros(logits.shape[-1], dtype=torch.bool, device=device)
-                    s.seen[torch.tensor(s.tokens, device=device)] = True
-                logits[i] = apply_repetition_penalty(
-                    logits[i : i + 1], s.seen[None], logits.new_tensor([s.settings.repetition_penalty])
-                )[0]
-        nxt = logits.argmax(dim=-1)
-        for i, s in enumerate(seqs):
-            try:
-                if s.settings.temperature > 0:
-                    z, g = logits[i : i + 1], s.generator
-                    nxt[i] = sample_next(z, s.settings.temperature, s.settings.top_k, s.settings.top_p, g)[0]
-            except RuntimeError as e:  # this row's settings broke its sampling (overflow): it fails, the rest go on
-                self._drop(s.request, e, "error")
+        """The next token of each of ``seqs`` from its logits row (:func:`~.sampler.draw`)."""
+        tokens, records, failed = draw(seqs, logits)
+        for s, error in failed:
+            self._drop(s.request, error, "error")
         now = time.perf_counter()
-        for s, tok in zip(seqs, nxt.tolist()):
+        for s, tok, lp in zip(seqs, tokens, records):
             if s.finish_reason is not None:  # dropped above
                 continue
-            if s.seen is not None:
-                s.seen[tok] = True
-            self._accept(s, tok, now)
+            if len(s.generated) >= s.budget:  # (a budget of 0: prefilled for its prompt's log-probabilities)
+                self._finish(s, "length")
+            else:
+                self._accept(s, tok, now, lp)
 
-    def _accept(self, s: Sequence, tok: int, now: float) -> None:
+    def _accept(self, s: Sequence, tok: int, now: float, lp=None) -> None:
         if s.first_token_at is None:
             s.first_token_at, s.first_token_step = now, self.steps
             if self.metrics is not None:
@@ -348,23 +351,25 @@ class Engine:
         if eos is not None and tok == eos:
             return self._finish(s, "stop")
         s.tokens.append(tok)
+        if lp is not None:
+            s.logprobs.append(lp)
         if s.text.update(s.generated):
-            return self._finish(s, "stop", tok)
+            return self._finish(s, "stop", tok, lp)
         if len(s.generated) >= s.budget:
-            return self._finish(s, "length", tok)
-        s.request._emit(Event(s.row, tok, s.text.delta(final=False)))
+            return self._finish(s, "length", tok, lp)
+        s.request._emit(Event(s.row, tok, s.text.delta(final=False), logprob=lp))
 
-    def _finish(self, s: Sequence, reason: str, tok: int | None = None) -> None:
+    def _finish(self, s: Sequence, reason: str, tok: int | None = None, lp=None) -> None:
         s.finish_reason, s.finished_step, s.finished_at = reason, self.steps, time.perf_counter()
         if s in self.running:
             self.running.remove(s)
         self.pool.release(s.table)
         if tok is not None:
-            s.request._emit(Event(s.row, tok, ""))
+            s.request._emit(Event(s.row, tok, "", logprob=lp))
         s.request._emit(Event(s.row, None, s.text.delta(final=True), reason))
         request = s.request
         if all(q.finish_reason is not None for q in request.sequences) and not request.finished:
-            done = [Completion(q.generated, q.text.text, q.finish_reason, len(q.prompt)) for q in request.sequences]
+            done = [q.completion() for q in request.sequences]
             if self.metrics is not None:
                 self.metrics.on_tokens(sum(c.prompt_tokens for c in done), sum(len(c.tokens) for c in done))
                 self.metrics.on_request("ok")

@@ -7,6 +7,8 @@ one exists, under the ``trickles_`` prefix:
 * ``trickles_prompt_tokens_total``, ``trickles_generation_tokens_total``: tokens of finished requests;
 * ``trickles_running_sequences``, ``trickles_waiting_sequences``: the scheduler's queues when scraped;
 * ``trickles_kv_blocks_used``, ``trickles_kv_blocks_total``: the paged cache's blocks;
+* ``trickles_prefix_cache_queries_total``, ``trickles_prefix_cache_hits_total``: prompt tokens of admitted sequences
+  looked up in the prefix cache, and those found there (not prefilled), with prefix caching on;
 * ``trickles_time_to_first_token_seconds``, ``trickles_inter_token_latency_seconds``: histograms, from a request's
   arrival to its first token and between consecutive tokens of a sequence.
 """
@@ -29,6 +31,12 @@ class ServingMetrics:
         self.prompt_tokens = Counter("trickles_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
         self.generation_tokens = Counter(
             "trickles_generation_tokens", "Tokens generated for finished requests.", registry=r
+        )
+        self.prefix_queries = Counter(
+            "trickles_prefix_cache_queries", "Tokens of admitted sequences looked up in the prefix cache.", registry=r
+        )
+        self.prefix_hits = Counter(
+            "trickles_prefix_cache_hits", "Tokens found in the prefix cache (not prefilled).", registry=r
         )
         self.running = Gauge("trickles_running_sequences", "Sequences admitted to the running batch.", registry=r)
         self.waiting = Gauge("trickles_waiting_sequences", "Sequences waiting for admission.", registry=r)
@@ -60,6 +68,10 @@ class ServingMetrics:
     def on_tokens(self, prompt: int, generated: int) -> None:
         self.prompt_tokens.inc(prompt)
         self.generation_tokens.inc(generated)
+
+    def on_prefix_cache(self, queried: int, hit: int) -> None:
+        self.prefix_queries.inc(queried)
+        self.prefix_hits.inc(hit)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

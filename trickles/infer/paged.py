@@ -4,7 +4,8 @@
 ``P`` positions (``block_size``). Position ``p`` of a sequence whose block table is ``[b_0, b_1, ...]`` lives in pool
 slot ``b_{p // P} * P + p % P``. A sequence holds ``ceil(L / P)`` blocks for its ``L`` cached positions, so memory
 follows the tokens actually held (at most ``P - 1`` positions wasted per sequence), and a finished sequence's
-blocks go straight back to the free list. Bytes: ``2 * n_layers * N * P * H_kv * D * element_size``
+blocks go straight back to the pool (its full blocks stay cached there, for sequences that share their prefix,
+until the pool hands them out again: :mod:`.prefix`). Bytes: ``2 * n_layers * N * P * H_kv * D * element_size``
 (:func:`block_bytes` is one block of every layer). The pool starts zeroed, so a slot read but masked out never
 holds NaN (a masked score times a NaN value would still be NaN).
 
@@ -19,6 +20,17 @@ keys is made (on a CPU, SDPA on keys strided the other way is about twice as slo
 memory costs page faults). The attention mask ``[B, 1, T, S]`` lets the query at position ``q`` see slots
 ``s <= q``: causal, and never a slot past its row's end. The kernel sees a dense batch, the cache stays paged; the
 gather moves ``2 B S H_kv D`` elements per layer, what attention reads anyway.
+
+**Sliding windows** (``Attention.window``: the query at ``q`` sees keys ``q - w < k <= q``). A windowed layer
+gathers only each row's last ``S_w = min(S, T + w - 1)`` positions, ``L_b - S_w ..`` (every key its real queries
+see), into a ``[H_kv, B, S_w, D]`` buffer, and its mask is the band (:meth:`PagedCall.mask`: the attention asks the
+call for its layer's mask; a padding query takes its row's first real query's band, so no row is empty). When every
+layer is windowed, a block all of whose positions lie below ``c - w + 1`` (the first key a query at ``c``, the next
+one fed, can see) is freed back to the pool as the sequence runs (:meth:`BlockPool.slide`); its table entry becomes
+:data:`FREED` (read as block 0 where a row's span still covers it, and masked). A decoding sequence then holds at
+most ``ceil(w / P) + 1`` blocks, a prefill chunk of ``n`` tokens ``ceil((w + n - 1) / P) + 1``. With one
+full-attention layer every position stays visible to it, so nothing is freed: a mixed pattern (Qwen2's, Gemma's)
+holds ``ceil(L / P)`` blocks as full attention does, and only its windowed layers read less.
 """
 
 from __future__ import annotations
@@ -28,9 +40,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import ConfigError
+from .prefix import Blocks
+from .requests import PoolTooSmall
 
-__all__ = ["BlockPool", "PagedCall", "block_bytes", "kv_layout", "pool_blocks"]
+__all__ = ["FREED", "BlockPool", "PagedCall", "block_bytes", "kv_layout", "layer_windows", "pool_blocks"]
+
+FREED = -1  #: a block table entry whose block slid out of every layer's window and went back to the pool
 
 
 def kv_layout(model) -> tuple[list[int], int, int, torch.dtype, torch.device]:
@@ -38,6 +53,8 @@ def kv_layout(model) -> tuple[list[int], int, int, torch.dtype, torch.device]:
     plan may hold a slice of the heads)."""
     attn = next(iter(model.layers.values())).attn
     head_dim = model.cfg.head_dim
+    if model.cfg.attention == "mla":
+        raise ValueError("the paged engine has no latent cache for model.attention=mla yet; use trickles generate")
     if attn.fused:
         kv_heads = attn.qkv_proj.out_features // ((attn.rep + 2) * head_dim)
     else:
@@ -45,6 +62,14 @@ def kv_layout(model) -> tuple[list[int], int, int, torch.dtype, torch.device]:
     p = next(model.parameters())
     dtype = p.dtype if p.dtype.is_floating_point else torch.float32
     return [blk.attn.layer_id for blk in model.layers.values()], kv_heads, head_dim, dtype, p.device
+
+
+def layer_windows(model) -> dict[int, int | None]:
+    """Each layer's sliding window by layer id (None: full causal attention, or a window no shorter than the
+    context, which never cuts)."""
+    context = model.cfg.max_seq_len
+    windows = {blk.attn.layer_id: blk.attn.window for blk in model.layers.values()}
+    return {i: None if w is not None and context is not None and w >= context else w for i, w in windows.items()}
 
 
 def block_bytes(model, block_size: int) -> int:
@@ -69,15 +94,13 @@ def pool_blocks(model, block_size: int, num_blocks: int, kv_bytes: int, sequence
 
 
 class BlockPool:
-    """``num_blocks`` blocks of ``block_size`` positions for every layer of ``model``, allocated once."""
+    """``num_blocks`` blocks of ``block_size`` positions for every layer of ``model``, allocated once.
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, device=None):
-        window, context = model.cfg.sliding_window, model.cfg.max_seq_len
-        if window is not None and (context is None or window < context):
-            raise ConfigError(
-                f"the paged serving engine does not build sliding windows yet (model.sliding_window={window}); "
-                "use trickles generate"
-            )
+    ``windows``: each layer's sliding window; ``slide_window``: the longest of them when every layer has one (blocks
+    slide out of it and are freed), None when some layer attends to every position (nothing is ever freed).
+    ``blocks``: who holds which block, and the prefix cache when ``prefix_caching`` (:mod:`.prefix`)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int = 16, device=None, prefix_caching: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(
                 f"a KV pool needs at least one block of at least one position, got {num_blocks} x {block_size}"
@@ -85,39 +108,88 @@ class BlockPool:
         layers, heads, dim, dtype, where = kv_layout(model)
         device = device or where
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.windows = layer_windows(model)
+        spans = set(self.windows.values())
+        self.slide_window: int | None = None if None in spans else max(spans)
         shape = (heads, num_blocks * block_size, dim)  # head-major: a row's gathered keys are contiguous per head
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.device = device
-        self._free = list(range(num_blocks - 1, -1, -1))  # popped from the end: block 0 first
+        self.blocks = Blocks(num_blocks, block_size, prefix_caching)
         self._workspaces: dict[str, torch.Tensor] = {}
 
     @property
     def free(self) -> int:
-        """Blocks not held by any sequence."""
-        return len(self._free)
+        """Blocks not held by any sequence (cached prefix blocks among them: handed out when needed)."""
+        return self.blocks.free
 
     @property
     def used(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.blocks.free
 
     def blocks_for(self, positions: int) -> int:
         return math.ceil(positions / self.block_size)
+
+    @property
+    def chunk_cap(self) -> int:
+        """Every layer windowed: the most tokens one call may feed a sequence so that its blocks,
+        ``ceil((w + n - 1) / P) + 1``, fit in the pool (below 1: not even a decode step does)."""
+        return (self.num_blocks - 1) * self.block_size - self.slide_window + 1
+
+    def room(self, prompt: int, context: int) -> int:
+        """The positions a sequence with a ``prompt``-token prompt may reach: ``context`` when every layer is
+        windowed (it holds its window, not its length), else the whole pool's. :class:`PoolTooSmall` (one line) for
+        a prompt, or a window and a block, that the pool can never hold."""
+        capacity = self.num_blocks * self.block_size
+        if self.slide_window is None and prompt + 1 > capacity:
+            raise PoolTooSmall(
+                f"the prompt is {prompt} tokens; the KV pool holds {capacity} positions ({self.num_blocks} blocks of "
+                f"{self.block_size}): give the server more KV cache memory"
+            )
+        if self.slide_window is not None and self.chunk_cap < 1:
+            raise PoolTooSmall(
+                f"the KV pool holds {capacity} positions ({self.num_blocks} blocks of {self.block_size}), too few for "
+                f"the sliding window of {self.slide_window} and a block: give the server more KV cache memory"
+            )
+        return capacity if self.slide_window is None else context
+
+    @staticmethod
+    def held(table: Sequence[int]) -> int:
+        """Blocks of ``table`` still held (not :data:`FREED`)."""
+        return sum(b != FREED for b in table)
 
     def grow(self, table: list[int], positions: int) -> bool:
         """Appends blocks to ``table`` until it covers ``positions``; False (``table`` unchanged) if too few are
         free."""
         need = self.blocks_for(positions) - len(table)
-        if need > len(self._free):
+        if need > self.blocks.free:
             return False
         for _ in range(max(0, need)):
-            table.append(self._free.pop())
+            table.append(self.blocks.take())
         return True
 
     def release(self, table: list[int]) -> None:
-        """Returns every block of ``table`` to the pool and empties it."""
-        self._free.extend(reversed(table))
+        """Returns every block of ``table`` to the pool (the last first: cached, it is evicted first) and empties it."""
+        for b in reversed(table):
+            if b != FREED:
+                self.blocks.drop(b)
         table.clear()
+
+    def slide(self, table: list[int], cached: int) -> int:
+        """Frees the blocks of ``table`` (a sequence with ``cached`` positions, its next query at ``cached`` or
+        later) whose positions all lie before every window of it, ``< cached - slide_window + 1``, marking them
+        :data:`FREED`; how many were freed (none when some layer has no window)."""
+        if self.slide_window is None:
+            return 0
+        freed = 0
+        # freed entries are a prefix of the table: walk back from the last block to free, to the first freed one
+        for j in range(min(len(table), (cached - self.slide_window + 1) // self.block_size) - 1, -1, -1):
+            if table[j] == FREED:
+                break
+            self.blocks.drop(table[j])
+            table[j] = FREED
+            freed += 1
+        return freed
 
     def workspace(self, name: str, numel: int) -> torch.Tensor:
         """A flat scratch tensor of at least ``numel`` elements kept between calls (a model call reuses the same two
@@ -134,7 +206,7 @@ class BlockPool:
 class PagedCall:
     """The cache a model call reads and writes, for rows with ``cached[b]`` positions in blocks ``tables[b]``
     feeding ``new[b]`` tokens (see the module's notes). Passed to the model as ``cache``, with :attr:`positions` and
-    the 4-D :attr:`pad_mask` (the attention mask)."""
+    the 4-D :attr:`pad_mask` (a full-attention layer's mask if there is one; each layer's own is :meth:`mask`)."""
 
     def __init__(self, pool: BlockPool, tables: Sequence[Sequence[int]], cached: Sequence[int], new: Sequence[int]):
         self.pool = pool
@@ -143,32 +215,49 @@ class PagedCall:
         blocks = max(len(tb) for tb in tables)
         s = max(c + n for c, n in zip(cached, new))
         self.width, self.slots, self.start, self.batch = t, s, 0, b
-        table = torch.tensor([list(tb) + [0] * (blocks - len(tb)) for tb in tables], device=dev)  # [B, blocks]
-        slot = torch.arange(s, device=dev)[None, :].expand(b, s)
-        self.read = (
-            table.gather(1, slot // p) * p + slot % p
-        ).flatten()  # [B * S] pool slots (past a row's end: masked)
+        # [B, blocks]; a freed block is read as block 0 (only where every query of the row masks it out)
+        table = torch.tensor([[max(x, 0) for x in tb] + [0] * (blocks - len(tb)) for tb in tables], device=dev)
         c = torch.tensor(list(cached), device=dev)[:, None]
+        n = torch.tensor(list(new), device=dev)[:, None]
         q = torch.arange(t, device=dev)[None, :]
-        qpos = c + q - (t - torch.tensor(list(new), device=dev)[:, None])  # positions of the fed tokens
+        qpos = c + q - (t - n)  # positions of the fed tokens
         real = qpos >= c
         self.positions = qpos.clamp(min=0)
-        self.pad_mask = (torch.arange(s, device=dev)[None, None, :] <= self.positions[:, :, None])[:, None]
+        band = torch.maximum(qpos, c)[:, :, None]  # a padding query takes its row's first real query's window
+        # per window (None: full attention): pool slots read [B * S_w] and mask [B, 1, T, S_w]; slot j of row b
+        # holds position first_b + j, first_b = max(0, L_b - S_w)
+        self._read: dict[int | None, tuple[torch.Tensor, int]] = {}
+        self._mask: dict[int | None, torch.Tensor] = {}
+        for w in set(pool.windows.values()):
+            span = s if w is None else min(s, t + w - 1)
+            kpos = (c + n - span).clamp(min=0) + torch.arange(span, device=dev)[None, :]  # [B, S_w]
+            self._read[w] = ((table.gather(1, kpos // p) * p + kpos % p).flatten(), span)
+            keys = kpos[:, None, :]
+            mask = keys <= self.positions[:, :, None] if w is None else (keys <= band) & (keys > band - w)
+            self._mask[w] = mask[:, None]
+        self.pad_mask = self._mask[None if None in self._mask else pool.slide_window]
         rows = torch.arange(b, device=dev)[:, None].expand(b, t)
         self.src = (rows * t + q)[real]  # [N] flat (row, query) of the real new tokens
         wpos = qpos[real]
         self.write = table[rows[real], wpos // p] * p + wpos % p
 
+    def mask(self, layer: int) -> torch.Tensor:
+        """The attention mask ``[B, 1, T, S_w]`` of layer ``layer`` (True: may attend) over the keys :meth:`update`
+        returns for it: causal up to each row's end, and within the layer's window if it has one."""
+        return self._mask[self.pool.windows[layer]]
+
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Writes the real new ``k, v [B, H_kv, T, D]`` into the pool; every row's keys and values ``[B, H_kv, S, D]``,
-        stored head-major (a view of one ``[H_kv, B, S, D]`` buffer, which the model's attention uses as it is)."""
+        """Writes the real new ``k, v [B, H_kv, T, D]`` into the pool; every row's keys and values ``[B, H_kv, S_w, D]``
+        (``S_w = S`` for a full-attention layer), stored head-major (a view of one ``[H_kv, B, S_w, D]`` buffer, which
+        the model's attention uses as it is)."""
+        read, span = self._read[self.pool.windows[layer]]
         out = []
         for name, new, pool in (("k", k, self.pool.k[layer]), ("v", v, self.pool.v[layer])):
             heads, dim = new.shape[1], new.shape[3]
             flat = new.transpose(0, 1).reshape(heads, self.batch * self.width, dim)
             pool.index_copy_(1, self.write, flat.index_select(1, self.src).to(pool.dtype))
             # one buffer per name serves every layer, which is done with its keys before the next layer asks
-            gathered = self.pool.workspace(name, heads * self.batch * self.slots * dim).view(heads, -1, dim)
-            torch.index_select(pool, 1, self.read, out=gathered)
-            out.append(gathered.view(heads, self.batch, self.slots, dim).transpose(0, 1))
+            gathered = self.pool.workspace(name, heads * self.batch * span * dim).view(heads, -1, dim)
+            torch.index_select(pool, 1, read, out=gathered)
+            out.append(gathered.view(heads, self.batch, span, dim).transpose(0, 1))
         return out[0], out[1]

@@ -1,21 +1,22 @@
 """The OpenAI request bodies the server takes and the answers it gives (``/v1/completions``, ``/v1/chat/completions``).
 
-Requests carry OpenAI's fields that apply, plus ``top_k`` and ``repetition_penalty`` (as vLLM takes them); any
-other field is refused by name and every value must have its field's JSON type, so a typo never silently changes
-decoding. Every text must be encodable: a JSON
+Requests carry OpenAI's fields that apply, plus ``top_k`` and ``repetition_penalty`` (as vLLM takes them): among them
+``presence_penalty`` and ``frequency_penalty`` in [-2, 2], a completion's ``logprobs`` (0-20) and ``echo``, a chat's
+``logprobs`` and ``top_logprobs`` (0-20, only with ``logprobs``). Any other field is refused by name and every value
+must have its field's JSON type, so a typo never silently changes decoding. Every text must be encodable: a JSON
 string may spell a lone surrogate (``"\\ud800"``), which no UTF-8 tokenizer takes, so it is refused by field.
 Numbers are bounded where decoding would overflow: ``seed`` fits a generator's 64 bits, a ``repetition_penalty``
 lies in [0.01, 100], and a temperature below :data:`GREEDY_BELOW` decodes greedily (its limit; dividing the logits by
-it would overflow, as vLLM also does). Answers are OpenAI's shapes: a
-completion's choices carry ``text``, a chat completion's ``message`` (``delta`` when streamed, the first chunk of
-each choice carrying ``role``), ``usage`` counts prompt and generated tokens.
+it would overflow, as vLLM also does). Answers are OpenAI's shapes: a completion's choices carry ``text`` (after the
+prompt's with ``echo``), a chat completion's ``message`` (``delta`` when streamed, the first chunk of each choice
+carrying ``role``), both ``logprobs`` when asked (:mod:`.logprobs`); ``usage`` counts prompt and generated tokens.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .chat import ROLES
 from .decode import Completion, Sampling
@@ -64,6 +65,8 @@ class _Sampled(_Body):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
     repetition_penalty: float = Field(1.0, ge=0.01, le=100)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)  #: OpenAI's, over the tokens generated so far
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)  #: OpenAI's, times each token's count so far
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     n: int = Field(1, ge=1, le=16)
@@ -89,6 +92,8 @@ class _Sampled(_Body):
             repetition_penalty=self.repetition_penalty,
             stop=stop,
             seed=self.seed,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
         )
 
 
@@ -96,6 +101,13 @@ class CompletionRequest(_Sampled):
     """The body of ``POST /v1/completions`` (``max_tokens`` defaults to 16, as OpenAI's)."""
 
     prompt: str | list[str]
+    logprobs: int | None = Field(None, ge=0, le=20)  #: each token's log-probability and the N most likely
+    echo: bool = False  #: the prompt's text (and, with ``logprobs``, its tokens) before the completion's
+
+    def sampling(self, default_tokens: int) -> Sampling:
+        out = super().sampling(default_tokens)
+        out.logprobs, out.prompt_logprobs = self.logprobs, self.logprobs if self.echo else None
+        return out
 
 
 class _TextPart(_Body):
@@ -129,6 +141,19 @@ class ChatRequest(_Sampled):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False  #: each token's log-probability (``top_logprobs``: and the N most likely)
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: set logprobs to true to use top_logprobs")
+        return self
+
+    def sampling(self, default_tokens: int) -> Sampling:
+        out = super().sampling(default_tokens)
+        out.logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return out
 
     @field_validator("messages")
     @classmethod

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decode import Completion, Sampling, TextTracker
+from .logprobs import TokenLogprob
 
 __all__ = ["Cancelled", "Event", "PoolStalled", "PoolTooSmall", "Request", "Sequence"]
 
@@ -27,6 +28,16 @@ class PoolTooSmall(ValueError):
 
 class PoolStalled(RuntimeError):
     """A waiting sequence can never be admitted: nothing runs, and the pool's free blocks are too few for it."""
+
+    @classmethod
+    def of(cls, s: Sequence, need: int, pool, waiting) -> PoolStalled:
+        """The error of ``s``, which needs ``need`` blocks of ``pool`` while nothing runs and ``waiting`` wait."""
+        lost = pool.used - sum(pool.held(q.table) for q in waiting)
+        return cls(
+            f"request {s.request.id} cannot be admitted: it needs {need} KV blocks, {pool.free} of "
+            f"{pool.num_blocks} are free and no sequence runs that could free more ({lost} blocks are held by "
+            "no sequence: a block leak in the engine); the server goes on, this request fails"
+        )
 
 
 class Cancelled(RuntimeError):
@@ -42,6 +53,8 @@ class Event:
     token: int | None
     text: str
     finish_reason: str | None = None
+    logprob: TokenLogprob | None = None  #: the token's, when its request asked for logprobs
+    prompt_logprobs: list[TokenLogprob] | None = None  #: on a choice's first event, when its request asked for them
 
 
 @dataclass(eq=False)
@@ -59,6 +72,12 @@ class Sequence:
     cached: int = 0  #: tokens whose keys and values are in the pool
     table: list[int] = field(default_factory=list)  #: block ids in position order
     seen: torch.Tensor | None = None  #: repetition penalty: token ids in the row so far
+    counts: torch.Tensor | None = None  #: presence and frequency penalties: times each token was drawn
+    logprobs: list[TokenLogprob] = field(default_factory=list)  #: of the drawn tokens, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  #: of the prompt's tokens after the first
+    announced: bool = False  #: its first event went out
+    keys: list[bytes] = field(default_factory=list)  #: prefix cache: the keys of its full blocks so far
+    registered: int = 0  #: prefix cache: blocks of its table entered in the cache (or passed over)
     finish_reason: str | None = None
     arrived_step: int = 0
     admitted_step: int | None = None
@@ -79,6 +98,18 @@ class Sequence:
         """Tokens to feed before the next draw."""
         return len(self.tokens) - self.cached
 
+    def completion(self) -> Completion:
+        """What the choice returns once finished."""
+        asked = self.settings.logprobs is not None, self.settings.prompt_logprobs is not None
+        return Completion(
+            self.generated,
+            self.text.text,
+            self.finish_reason,
+            len(self.prompt),
+            logprobs=self.logprobs if asked[0] else None,
+            prompt_logprobs=self.prompt_logprobs if asked[1] else None,
+        )
+
 
 class Request:
     """What :meth:`~trickles.infer.engine.Engine.submit` returns: ``n`` sequences of one prompt; :meth:`events`
@@ -97,6 +128,11 @@ class Request:
         self.result: list[Completion] | BaseException | None = None
 
     def _emit(self, event: Event) -> None:
+        s = self.sequences[event.row]
+        if not s.announced:
+            s.announced = True
+            if s.settings.prompt_logprobs is not None:
+                event.prompt_logprobs = s.prompt_logprobs
         if self._on_event is not None:
             self._on_event(event)
             return

@@ -39,6 +39,7 @@ from .chat import render_chat
 from .decode import Sampling
 from .engine import Engine, EngineConfig
 from .http import ApiKey, BodyLimit, RequestLog, error_body, validation_message
+from .logprobs import chat_logprobs, completion_logprobs
 from .metrics import CONTENT_TYPE_LATEST, ServingMetrics
 from .protocol import ChatRequest, CompletionRequest, chat_body, completion_body
 from .sse import Mailbox, event_stream
@@ -230,14 +231,30 @@ def create_app(
             "model": req.model or name,
         }
 
-        def chunk(k, ev, first):
-            return {
-                **head,
-                "choices": [{"text": ev.text, "index": k, "logprobs": None, "finish_reason": ev.finish_reason}],
-            }
+        echo = [t if req.echo else "" for t in texts]
+        offsets: dict[int, int] = {}  # streamed: each choice's text so far, for its tokens' text_offset
+
+        def logprobs(k, records, prompt_records, first):
+            start, prompt = offsets.get(k, 0), prompts[k // req.n] if req.echo and first else None
+            out = completion_logprobs(tokenizer, records, prompt, prompt_records, start)
+            offsets[k] = out.pop("end")
+            return out
+
+        def chunk(k, ev, first, records):
+            lp = None if req.logprobs is None else logprobs(k, records, ev.prompt_logprobs, first)
+            text = (echo[k // req.n] if first else "") + ev.text
+            return {**head, "choices": [{"text": text, "index": k, "logprobs": lp, "finish_reason": ev.finish_reason}]}
+
+        def body(h, results):
+            out = completion_body(h, results)
+            for k, (choice, c) in enumerate(zip(out["choices"], results)):
+                choice["text"] = echo[k // req.n] + choice["text"]
+                if req.logprobs is not None:
+                    choice["logprobs"] = logprobs(k, c.logprobs, c.prompt_logprobs, True)
+            return out
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(http, prompts, req.sampling(16), req.n, req.stream, head, chunk, completion_body, include)
+        return await run(http, prompts, req.sampling(16), req.n, req.stream, head, chunk, body, include)
 
     async def chat(req: ChatRequest, http: HTTPRequest):
         try:
@@ -257,7 +274,7 @@ def create_app(
             "model": req.model or name,
         }
 
-        def chunk(k, ev, first):
+        def chunk(k, ev, first, records):
             delta = (
                 ({"role": "assistant", "content": ev.text} if first else {"content": ev.text})
                 if ev.text or first
@@ -265,11 +282,17 @@ def create_app(
             )
             return {
                 **head,
-                "choices": [{"index": k, "delta": delta, "logprobs": None, "finish_reason": ev.finish_reason}],
+                "choices": [{"index": k, "delta": delta, "logprobs": lp(records), "finish_reason": ev.finish_reason}],
             }
 
+        def lp(records):
+            return chat_logprobs(tokenizer, records) if req.logprobs else None
+
         def body(h, results):
-            return chat_body({**h, "object": "chat.completion"}, results)
+            out = chat_body({**h, "object": "chat.completion"}, results)
+            for choice, c in zip(out["choices"], results):
+                choice["logprobs"] = lp(c.logprobs)
+            return out
 
         include = bool(req.stream_options and req.stream_options.include_usage)
         return await run(http, [tokens], sampling, req.n, req.stream, head, chunk, body, include)

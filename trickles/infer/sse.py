@@ -57,8 +57,11 @@ async def event_stream(
     include_usage: bool,
     cancel: Callable[[], None],
 ):
-    """Server-sent events of one request; closing the stream early cancels what is still decoding."""
+    """Server-sent events of one request; closing the stream early cancels what is still decoding. ``chunk(k, event,
+    first, records)`` makes choice ``k``'s chunk of ``event``, ``records`` the log-probabilities of the tokens drawn
+    since its last chunk (a token whose text is held back sends no chunk of its own)."""
     done, started, results, failed = 0, set(), [], False
+    pending: dict[int, list] = {}
     try:
         while done < prompts and not failed:
             out = []
@@ -74,8 +77,10 @@ async def event_stream(
                 else:
                     ev: Event = x
                     k = i * n + ev.row
+                    if ev.logprob is not None:
+                        pending.setdefault(k, []).append(ev.logprob)
                     if ev.text or ev.finish_reason is not None or k not in started:
-                        out.append(f"data: {json.dumps(chunk(k, ev, k not in started))}\n\n")
+                        out.append(f"data: {json.dumps(chunk(k, ev, k not in started, pending.pop(k, [])))}\n\n")
                         started.add(k)
                 if events.empty():
                     break

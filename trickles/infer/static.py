@@ -131,6 +131,12 @@ class StaticBackend:
         return self.batcher.queue.qsize()
 
     def submit(self, prompt, sampling: Sampling, n: int = 1, *, on_event, on_finish) -> Job:
+        """Queues ``n`` rows of ``prompt``; ValueError for settings only the continuous engine applies."""
+        if sampling.engine_only:
+            raise ValueError(
+                f"{', '.join(sampling.engine_only)}: the static batcher does not apply these; serve with "
+                "continuous batching"
+            )
         settings = [sampling.for_choice(j) for j in range(n)]
 
         def finish(result):

@@ -2,6 +2,8 @@
 
 * SwiGLU (llama): ``h = silu(a) b`` with ``silu(a) = a sigma(a)``. Backward:
   ``da = dh b sigma(a) (1 + a (1 - sigma(a)))``, ``db = dh silu(a)``.
+* GeGLU (Gemma, ``model.mlp_activation=gelu_tanh``): ``h = gelu_tanh(a) b``, the same kernels with the GELU below in
+  place of silu (``GELU`` flag), saving the same ``a`` and ``b`` (:class:`GeGLUFunction` on the PyTorch path).
 * GELU, tanh approximation (gpt2): ``h = a (1 + tanh(u)) / 2`` with ``u = sqrt(2/pi) (a + 0.044715 a^3)``.
   Backward: ``da = dh ((1 + tanh u) / 2 + a (1 - tanh^2 u) sqrt(2/pi) (1 + 3 0.044715 a^2) / 2)``.
 
@@ -32,26 +34,38 @@ if HAVE_TRITON:
         return 2.0 / (1.0 + tl.exp(-2.0 * u)) - 1.0
 
     @triton.jit
-    def _swiglu_forward(A, B, H, n, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    def _gate(a, GELU: tl.constexpr):
+        """The gate's activation of fp32 ``a`` and its derivative: silu, or with ``GELU`` GELU (tanh)."""
+        if GELU:
+            th = _tanh(0.7978845608028654 * (a + 0.044715 * a * a * a))
+            act = 0.5 * a * (1.0 + th)
+            grad = 0.5 * (1.0 + th) + 0.5 * a * (1.0 - th * th) * 0.7978845608028654 * (1.0 + 0.134145 * a * a)
+        else:
+            sig = tl.sigmoid(a)
+            act = a * sig
+            grad = sig * (1.0 + a * (1.0 - sig))
+        return act, grad
+
+    @triton.jit
+    def _swiglu_forward(A, B, H, n, STRIDE: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         a = tl.load(A + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(B + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
-        silu = (a * tl.sigmoid(a)).to(A.dtype.element_ty).to(tl.float32)
-        tl.store(H + offs, (silu * b).to(H.dtype.element_ty), mask=mask)
+        act, _ = _gate(a, GELU)
+        tl.store(H + offs, (act.to(A.dtype.element_ty).to(tl.float32) * b).to(H.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_backward(DH, A, B, DA, DB, n, STRIDE: tl.constexpr, BLOCK: tl.constexpr):
+    def _swiglu_backward(DH, A, B, DA, DB, n, STRIDE: tl.constexpr, GELU: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
         a = tl.load(A + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
         b = tl.load(B + offs * STRIDE, mask=mask, other=0.0).to(tl.float32)
-        sig = tl.sigmoid(a)
-        silu = a * sig
-        tl.store(DA + offs * STRIDE, (dh * b * sig * (1.0 + a * (1.0 - sig))).to(DA.dtype.element_ty), mask=mask)
+        act, grad = _gate(a, GELU)
+        tl.store(DA + offs * STRIDE, (dh * b * grad).to(DA.dtype.element_ty), mask=mask)
         tl.store(
-            DB + offs * STRIDE, (dh * silu.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=mask
+            DB + offs * STRIDE, (dh * act.to(A.dtype.element_ty).to(tl.float32)).to(DB.dtype.element_ty), mask=mask
         )
 
     @triton.jit
@@ -81,34 +95,35 @@ def _out(like: torch.Tensor, out: torch.Tensor | None, dtype: torch.dtype | None
     return torch.empty_like(like, dtype=dtype) if out is None else out
 
 
-def swiglu_forward(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton forward on contiguous ``a``, ``b`` (into ``out`` if given, contiguous, of their shape)."""
+def swiglu_forward(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None, gelu: bool = False):
+    """The Triton forward on contiguous ``a``, ``b`` (into ``out`` if given, contiguous, of their shape); ``gelu``:
+    GeGLU's ``gelu_tanh(a) * b``."""
     h = _out(a, out, torch.promote_types(a.dtype, b.dtype))
-    _swiglu_forward[_grid(a.numel())](a, b, h, a.numel(), STRIDE=1, BLOCK=BLOCK)
+    _swiglu_forward[_grid(a.numel())](a, b, h, a.numel(), STRIDE=1, GELU=gelu, BLOCK=BLOCK)
     return h
 
 
-def swiglu_backward(dh, a, b, da=None, db=None) -> tuple[torch.Tensor, torch.Tensor]:
+def swiglu_backward(dh, a, b, da=None, db=None, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     da, db = _out(a, da), _out(b, db)
-    _swiglu_backward[_grid(a.numel())](dh, a, b, da, db, a.numel(), STRIDE=1, BLOCK=BLOCK)
+    _swiglu_backward[_grid(a.numel())](dh, a, b, da, db, a.numel(), STRIDE=1, GELU=gelu, BLOCK=BLOCK)
     return da, db
 
 
-def swiglu_packed_forward(ab: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_packed_forward(ab: torch.Tensor, out: torch.Tensor | None = None, gelu: bool = False) -> torch.Tensor:
     """The Triton forward on a contiguous packed ``ab [..., 2 f]`` (``a`` at even, ``b`` at odd positions)."""
     n = ab.numel() // 2
     h = torch.empty((*ab.shape[:-1], ab.shape[-1] // 2), dtype=ab.dtype, device=ab.device) if out is None else out
     flat = ab.view(-1)
-    _swiglu_forward[_grid(n)](flat, flat[1:], h, n, STRIDE=2, BLOCK=BLOCK)
+    _swiglu_forward[_grid(n)](flat, flat[1:], h, n, STRIDE=2, GELU=gelu, BLOCK=BLOCK)
     return h
 
 
-def swiglu_packed_backward(dh: torch.Tensor, ab: torch.Tensor, dab: torch.Tensor | None = None) -> torch.Tensor:
+def swiglu_packed_backward(dh: torch.Tensor, ab: torch.Tensor, dab=None, gelu: bool = False) -> torch.Tensor:
     """The packed input's gradient ``[..., 2 f]`` (``da`` at even, ``db`` at odd positions), into ``dab`` if given."""
     n = ab.numel() // 2
     dab = _out(ab, dab)
     flat, dflat = ab.view(-1), dab.view(-1)
-    _swiglu_backward[_grid(n)](dh, flat, flat[1:], dflat, dflat[1:], n, STRIDE=2, BLOCK=BLOCK)
+    _swiglu_backward[_grid(n)](dh, flat, flat[1:], dflat, dflat[1:], n, STRIDE=2, GELU=gelu, BLOCK=BLOCK)
     return dab
 
 
@@ -125,40 +140,43 @@ def gelu_backward(dh: torch.Tensor, a: torch.Tensor, da: torch.Tensor | None = N
 
 
 @torch.library.custom_op("trickles::swiglu", mutates_args=())
-def swiglu_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``silu(a) * b`` in Triton (``a``, ``b`` of one shape)."""
-    return swiglu_forward(a.contiguous(), b.contiguous())
+def swiglu_op(a: torch.Tensor, b: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``silu(a) * b`` in Triton (``a``, ``b`` of one shape); ``gelu``: ``gelu_tanh(a) * b``."""
+    return swiglu_forward(a.contiguous(), b.contiguous(), gelu=gelu)
 
 
 @swiglu_op.register_fake
-def _(a, b):
+def _(a, b, gelu=False):
     return torch.empty(a.shape, dtype=torch.promote_types(a.dtype, b.dtype), device=a.device)
 
 
 @torch.library.custom_op("trickles::swiglu_backward", mutates_args=())
-def swiglu_backward_op(dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return swiglu_backward(dh.contiguous(), a.contiguous(), b.contiguous())
+def swiglu_backward_op(
+    dh: torch.Tensor, a: torch.Tensor, b: torch.Tensor, gelu: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward(dh.contiguous(), a.contiguous(), b.contiguous(), gelu=gelu)
 
 
 @swiglu_backward_op.register_fake
-def _(dh, a, b):
+def _(dh, a, b, gelu=False):
     return torch.empty(a.shape, dtype=a.dtype, device=a.device), torch.empty(b.shape, dtype=b.dtype, device=b.device)
 
 
 @torch.library.custom_op("trickles::swiglu_packed", mutates_args=())
-def swiglu_packed_op(ab: torch.Tensor) -> torch.Tensor:
-    """``silu(a) * b`` of a packed ``ab [..., 2 f]`` (``a`` at even, ``b`` at odd positions) in Triton."""
-    return swiglu_packed_forward(ab.contiguous())
+def swiglu_packed_op(ab: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    """``silu(a) * b`` (``gelu``: ``gelu_tanh(a) * b``) of a packed ``ab [..., 2 f]`` (``a`` at even, ``b`` at odd
+    positions) in Triton."""
+    return swiglu_packed_forward(ab.contiguous(), gelu=gelu)
 
 
 @swiglu_packed_op.register_fake
-def _(ab):
+def _(ab, gelu=False):
     return torch.empty((*ab.shape[:-1], ab.shape[-1] // 2), dtype=ab.dtype, device=ab.device)
 
 
 @torch.library.custom_op("trickles::swiglu_packed_backward", mutates_args=())
-def swiglu_packed_backward_op(dh: torch.Tensor, ab: torch.Tensor) -> torch.Tensor:
-    return swiglu_packed_backward(dh.contiguous(), ab.contiguous())
+def swiglu_packed_backward_op(dh: torch.Tensor, ab: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    return swiglu_packed_backward(dh.contiguous(), ab.contiguous(), gelu=gelu)
 
 
 @torch.library.custom_op("trickles::gelu_tanh", mutates_args=())
@@ -173,17 +191,26 @@ def gelu_tanh_backward_op(dh: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
 
 
 gelu_tanh_op.register_fake(lambda a: torch.empty(a.shape, dtype=a.dtype, device=a.device))
-swiglu_packed_backward_op.register_fake(lambda dh, ab: torch.empty(ab.shape, dtype=ab.dtype, device=ab.device))
+swiglu_packed_backward_op.register_fake(
+    lambda dh, ab, gelu=False: torch.empty(ab.shape, dtype=ab.dtype, device=ab.device)
+)
 gelu_tanh_backward_op.register_fake(lambda dh, a: torch.empty(a.shape, dtype=a.dtype, device=a.device))
 
 
 def _save_inputs(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)  # the pre-activations (a packed gate/up output as one tensor)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    ctx.gelu = [bool(x) for x in inputs[len(tensors) :]]  # the gated kernels' flag (none for gelu_tanh)
+    ctx.save_for_backward(*tensors)  # the pre-activations (a packed gate/up output as one tensor)
 
 
-swiglu_op.register_autograd(lambda ctx, dh: swiglu_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs)
+def _gated_backward(op, ctx, dh):
+    grads = op(dh, *ctx.saved_tensors, *ctx.gelu)
+    return (*grads, None) if isinstance(grads, tuple) else (grads, None)
+
+
+swiglu_op.register_autograd(lambda ctx, dh: _gated_backward(swiglu_backward_op, ctx, dh), setup_context=_save_inputs)
 swiglu_packed_op.register_autograd(
-    lambda ctx, dh: swiglu_packed_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs
+    lambda ctx, dh: _gated_backward(swiglu_packed_backward_op, ctx, dh), setup_context=_save_inputs
 )
 gelu_tanh_op.register_autograd(
     lambda ctx, dh: gelu_tanh_backward_op(dh, *ctx.saved_tensors), setup_context=_save_inputs
@@ -207,6 +234,39 @@ class SwiGLUFunction(torch.autograd.Function):
         db = F.silu(a).mul_(dh)
         da = dh * b
         return torch.ops.aten.silu_backward.grad_input(da, a, grad_input=da), db
+
+
+class GeGLUFunction(torch.autograd.Function):
+    """``gelu_tanh(a) * b`` (GeGLU, Gemma) saving only ``a`` and ``b``, as :class:`SwiGLUFunction` does: ``da =
+    gelu_backward(dh b, a)``, ``db = dh gelu_tanh(a)`` recomputed, the gradients of ``F.gelu(a, approximate="tanh") *
+    b`` bit for bit."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        return F.gelu(a, approximate="tanh") * b
+
+    @staticmethod
+    def backward(ctx, dh: torch.Tensor):
+        a, b = ctx.saved_tensors
+        db = F.gelu(a, approximate="tanh").mul_(dh)
+        da = dh * b
+        return torch.ops.aten.gelu_backward.grad_input(da, a, approximate="tanh", grad_input=da), db
+
+
+def geglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """``gelu_tanh(a) * b`` (GeGLU: the gated MLP's activation with ``model.mlp_activation=gelu_tanh``); the Triton
+    path is the SwiGLU kernel's GELU variant (measured as ``swiglu``)."""
+    if a.shape != b.shape:
+        return F.gelu(a, approximate="tanh") * b
+    return swiglu_op(a, b, True) if use_triton(kernels, a, "swiglu") else GeGLUFunction.apply(a, b)
+
+
+def geglu_packed(ab: torch.Tensor, kernels: str = "torch") -> torch.Tensor:
+    """:func:`geglu` of a fused gate/up projection's output ``ab [..., 2 f]`` (as :func:`swiglu_packed` reads it)."""
+    if use_triton(kernels, ab, "swiglu"):
+        return swiglu_packed_op(ab, True)
+    return GeGLUFunction.apply(*ab.unflatten(-1, (-1, 2)).unbind(-1))
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor, kernels: str = "torch") -> torch.Tensor:

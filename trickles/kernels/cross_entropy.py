@@ -37,6 +37,10 @@ summed into the fp32 ``dW`` as they are made; elsewhere each product is rounded 
 before it joins the sum. Vocabulary-parallel, the statistics and the gradient are two kernels with the
 all-reduces between them.
 
+**Soft-capped logits** (``model.final_softcap``, Gemma 2): each chunk's logits are capped, ``c = cap tanh(z / cap)``,
+before the statistics, and its gradient multiplied by ``1 - tanh^2`` before the matmuls
+(:mod:`trickles.kernels.softcap`): the chunk's transient grows by its ``tanh`` in the compute type, ``c V p``.
+
 **As an operator**: the loss is the custom operator ``trickles::linear_cross_entropy``, which returns the loss and
 the three gradients (0-element tensors where not needed); its registered backward scales them by the incoming
 gradient, in place when eager. Vocabulary-parallel, the operator takes the group by name
@@ -53,6 +57,7 @@ from torch import nn
 
 from . import HAVE_TRITON, runs_triton, use_triton, warps
 from .groups import comm_name, named_comm
+from .softcap import cap_chunk, softcap, uncap_grad
 
 IGNORE_INDEX = -100
 
@@ -159,9 +164,9 @@ def _dh_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.float32 if h.dtype == torch.float16 else h.dtype
 
 
-def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h, need_w, need_b):
+def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows, need_h, need_w, need_b, cap=None):
     """The loss and (where needed) ``dh``, ``dW``, ``db`` already divided by the count of kept targets (module
-    docstring), walking ``h``'s rows ``chunk`` at a time."""
+    docstring), walking ``h``'s rows ``chunk`` at a time; ``cap``: the logits soft-capped first."""
     n_rows, v_local = h.shape[0], weight.shape[0]
     device = h.device
     valid = target != IGNORE_INDEX
@@ -185,7 +190,9 @@ def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows,
         e = min(s + chunk, n_rows)
         hc = h[s:e].to(cd)
         z = F.linear(hc, w, b)
-        zf = None
+        zf = th = None
+        if cap is not None:
+            th, z = cap_chunk(z, cap)
         if one_kernel:
             block = min(4096, triton.next_power_of_2(v_local))
             _loss_grad[(e - s,)](
@@ -199,7 +206,7 @@ def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows,
                 BLOCK=block,
                 num_warps=warps(block),
             )
-            g = z
+            g = z if th is None or not grads else uncap_grad(z, th)
         else:
             picked = z.gather(1, gather_idx[s:e]).squeeze(1).float().masked_fill(~inside[s:e], 0.0)
             if triton_rows:
@@ -226,10 +233,11 @@ def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows,
                 _row_grad[(e - s,)](
                     g, lse, idx[s:e], row_scale[s:e], g.stride(0), v_local, BLOCK=block, num_warps=warps(block)
                 )
+                g = g if th is None else uncap_grad(g, th)
             else:
                 zf.mul_((torch.exp(m_local - lse) * row_scale[s:e])[:, None])  # softmax / n on the kept rows
                 zf.scatter_add_(1, gather_idx[s:e], -(inside[s:e].float() * row_scale[s:e])[:, None])
-                g = zf.to(cd)
+                g = (zf if th is None else uncap_grad(zf, th)).to(cd)
         if dh is not None:
             if dh.dtype == cd:
                 torch.mm(g, w, out=dh[s:e])  # straight into the rows of dh
@@ -246,7 +254,7 @@ def _chunked(h, weight, bias, target, chunk, cd, comm, vocab_start, triton_rows,
                 dw.addmm_(zf.t(), hc.float())
         if db is not None:
             db += g.float().sum(0)
-        z = zf = g = None  # let this chunk's logits go before the next chunk's are allocated
+        z = zf = g = th = None  # let this chunk's logits go before the next chunk's are allocated
     if one_kernel:
         total = losses.sum()
     return total * inv_n, dh, dw, db
@@ -278,21 +286,23 @@ def linear_cross_entropy_op(
     need_b: bool,
     group: str | None = None,
     vocab_start: int = 0,
+    softcap: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The mean loss over ``h [N, d]``'s rows and its gradients for ``h``, ``weight`` and ``bias`` (each a 0-element
     tensor where not needed, of the type it would have), computed together chunk by chunk (module docstring). Types:
     the loss, ``dW`` and ``db`` fp32; ``dh`` ``h``'s, fp32 for an fp16 ``h``. ``group``: the tensor-parallel group's
-    name (:func:`~trickles.kernels.groups.comm_name`), ``weight`` holding vocabulary rows from ``vocab_start``."""
+    name (:func:`~trickles.kernels.groups.comm_name`), ``weight`` holding vocabulary rows from ``vocab_start``;
+    ``softcap``: the logits capped to ``softcap * tanh(z / softcap)`` first."""
     comm = None if group is None else named_comm(group)
     loss, dh, dw, db = _chunked(
-        h, weight, bias, target, chunk, compute_dtype, comm, vocab_start, triton_rows, need_h, need_w, need_b
+        h, weight, bias, target, chunk, compute_dtype, comm, vocab_start, triton_rows, need_h, need_w, need_b, softcap
     )
     types = (_dh_dtype(h), torch.float32, torch.float32)  # (no two outputs may share storage)
     return loss, *(h.new_empty(0, dtype=dt) if t is None else t for t, dt in zip((dh, dw, db), types))
 
 
 @linear_cross_entropy_op.register_fake
-def _(h, weight, bias, target, chunk, compute_dtype, triton_rows, need_h, need_w, need_b, group=None, vocab_start=0):
+def _(h, weight, bias, target, chunk, cd, triton_rows, need_h, need_w, need_b, group=None, vocab_start=0, softcap=None):
     store = _dh_dtype(h)
     return (
         h.new_empty((), dtype=torch.float32),
@@ -312,7 +322,7 @@ def _ce_setup(ctx, inputs, output):
 def _ce_backward(ctx, grad, *_):
     saved = [t if need else None for t, need in zip(ctx.saved_tensors, ctx.needs)]
     out_h, out_w, out_b = (_scaled(t, grad, dtype) for t, dtype in zip(saved, ctx.dtypes))
-    return out_h, out_w, out_b, *(None,) * 9
+    return out_h, out_w, out_b, *(None,) * 10
 
 
 linear_cross_entropy_op.register_autograd(_ce_backward, setup_context=_ce_setup)
@@ -327,8 +337,10 @@ def linear_cross_entropy(
     kernels: str = "torch",
     comm=None,
     vocab_start: int = 0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Mean token cross-entropy of ``h [..., d] W^T + b`` against ``target [...]`` (module docstring), chunk by chunk.
+    """Mean token cross-entropy of ``h [..., d] W^T + b`` (capped to ``softcap * tanh(z / softcap)`` where given)
+    against ``target [...]`` (module docstring), chunk by chunk.
 
     ``chunk``: tokens per chunk (0: :func:`default_chunk`). ``comm``, ``vocab_start``: the tensor-parallel
     group and this rank's first vocabulary id when ``weight`` holds a slice of the vocabulary
@@ -346,13 +358,15 @@ def linear_cross_entropy(
     need_h, need_w = grads and h.requires_grad, grads and weight.requires_grad
     group = None if comm is None else comm_name(comm)
     return linear_cross_entropy_op(
-        h2, weight, bias, t, chunk, cd, triton_rows, need_h, need_w, need_b, group, vocab_start
+        h2, weight, bias, t, chunk, cd, triton_rows, need_h, need_w, need_b, group, vocab_start, softcap
     )[0]
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The unfused reference: mean token cross-entropy of the fp32 logits (``-100`` targets ignored)."""
-    return F.cross_entropy(logits.float().flatten(0, -2), target.flatten().to(logits.device))
+    """The unfused reference: mean token cross-entropy of the fp32 logits (``-100`` targets ignored; 0 when every
+    target is, as the fused and vocabulary-parallel losses: a chat micro-batch's slice may hold no assistant token)."""
+    t = target.flatten().to(logits.device)
+    return F.cross_entropy(logits.float().flatten(0, -2), t, reduction="sum") / (t != IGNORE_INDEX).sum().clamp(min=1)
 
 
 def fused_on(fused: bool | None, kernels: str, device_type: str) -> bool:
@@ -365,20 +379,20 @@ class OutputLoss(nn.Module):
     """The loss head of a model: the output projection's mean token cross-entropy, fused or not.
 
     ``fused``: True, the chunked :func:`linear_cross_entropy`; False, the logits then :func:`cross_entropy`;
-    None, fused when ``kernels`` runs Triton on the input's device. No parameters of its own: it uses the
-    output layer's. A tensor-parallel plan replaces it with its vocabulary-parallel counterpart.
+    None, fused when ``kernels`` runs Triton on the input's device. ``softcap``: the logits capped first
+    (``model.final_softcap``). No parameters of its own: it uses the output layer's. A tensor-parallel plan replaces it
+    with its vocabulary-parallel counterpart.
     """
 
-    def __init__(self, fused: bool | None = None, chunk: int = 0, kernels: str = "torch"):
+    def __init__(self, fused: bool | None = None, chunk: int = 0, kernels: str = "torch", softcap: float | None = None):
         super().__init__()
-        self.fused, self.chunk, self.kernels = fused, chunk, kernels
+        self.fused, self.chunk, self.kernels, self.softcap = fused, chunk, kernels, softcap
 
     def is_fused(self, h: torch.Tensor) -> bool:
         return fused_on(self.fused, self.kernels, h.device.type)
 
     def forward(self, h: torch.Tensor, output: nn.Module, target: torch.Tensor) -> torch.Tensor:
         if self.is_fused(h):
-            return linear_cross_entropy(
-                h, output.weight, target, getattr(output, "bias", None), self.chunk, self.kernels
-            )
-        return cross_entropy(output(h), target)
+            bias = getattr(output, "bias", None)
+            return linear_cross_entropy(h, output.weight, target, bias, self.chunk, self.kernels, softcap=self.softcap)
+        return cross_entropy(softcap(output(h), self.softcap), target)

@@ -5,6 +5,8 @@ Rows of ``x [..., H]`` are normalized independently, statistics in fp32.
 * RMSNorm (llama): ``r = 1/sqrt(mean(x^2) + eps)``, ``n = x r`` rounded to ``x``'s type, ``y = w n``
   (the type ``w * n`` promotes to). Backward, with ``g = dy w``:
   ``dx = r (g - n mean(g n))``, ``dw = sum_rows dy n``.
+* ``(1 + w)`` RMSNorm (Gemma, ``offset``): ``y = x r (1 + w)`` all in fp32, rounded once to ``x``'s type; backward
+  as RMSNorm's with ``g = dy (1 + w)`` and ``n`` unrounded. Same kernels, same saved tensors.
 * LayerNorm (gpt2): ``mu = mean(x)``, ``r = 1/sqrt(var(x) + eps)`` (biased variance), ``n = (x - mu) r``,
   ``y = w n + b``. Backward: ``dx = r (g - mean(g) - n mean(g n))``, ``dw = sum_rows dy n``,
   ``db = sum_rows dy``.
@@ -46,22 +48,27 @@ if HAVE_TRITON:
         return cols, mask, tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _rms_forward(X, W, Y, RSTD, stride, H, eps, BLOCK: tl.constexpr):
+    def _rms_forward(X, W, Y, RSTD, stride, H, eps, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < H
         x = tl.load(X + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-        n = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(Y + row * H + cols, (n * w).to(Y.dtype.element_ty), mask=mask)
+        if OFFSET:  # (1 + w), all in fp32, one rounding at the end
+            y = x * rstd * (w + 1.0)
+        else:
+            y = (x * rstd).to(X.dtype.element_ty).to(tl.float32) * w
+        tl.store(Y + row * H + cols, y.to(Y.dtype.element_ty), mask=mask)
         tl.store(RSTD + row, rstd)
 
     @triton.jit
-    def _rms_backward(DY, X, W, RSTD, DX, DW, stride, rows, H, BLOCK: tl.constexpr):
+    def _rms_backward(DY, X, W, RSTD, DX, DW, stride, rows, H, OFFSET: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         step = tl.num_programs(0)
         cols, mask, w = _row_weight(W, H, BLOCK)
+        if OFFSET:
+            w = tl.where(mask, w + 1.0, 0.0)
         dw = tl.zeros((BLOCK,), dtype=tl.float32)
         for row in range(pid, rows, step):
             x = tl.load(X + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -71,7 +78,10 @@ if HAVE_TRITON:
             g = dy * w
             dx = rstd * (g - n * (tl.sum(g * n, axis=0) / H))
             tl.store(DX + row * H + cols, dx.to(DX.dtype.element_ty), mask=mask)
-            dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
+            if OFFSET:
+                dw += dy * n
+            else:
+                dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
         tl.store(DW + pid * H + cols, dw, mask=mask)
 
     @triton.jit
@@ -117,17 +127,24 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _normed(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` as rows, the output buffer (the type ``w * n`` promotes to) and the per-row fp32 1/std."""
+def _out_dtype(x: torch.Tensor, weight: torch.Tensor, offset: bool = False) -> torch.dtype:
+    """A norm's output type: ``x``'s for the ``(1 + w)`` RMSNorm, else the type ``w * n`` promotes to."""
+    return x.dtype if offset else torch.promote_types(x.dtype, weight.dtype)
+
+
+def _normed(
+    x: torch.Tensor, weight: torch.Tensor, offset: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` as rows, the output buffer (:func:`_out_dtype`) and the per-row fp32 1/std."""
     x2 = _rows(x)
-    y = torch.empty(x2.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    y = torch.empty(x2.shape, dtype=_out_dtype(x, weight, offset), device=x.device)
     return x2, y, torch.empty(x2.shape[0], dtype=torch.float32, device=x.device)
 
 
-def _fake_forward(x: torch.Tensor, weight: torch.Tensor, stats: int) -> tuple[torch.Tensor, ...]:
+def _fake_forward(x: torch.Tensor, weight: torch.Tensor, stats: int, offset: bool = False) -> tuple[torch.Tensor, ...]:
     """The shapes and types a norm's forward op returns: the output and ``stats`` fp32 vectors of one value per row."""
     rows = x.numel() // x.shape[-1]
-    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype))
+    y = x.new_empty(x.shape, dtype=_out_dtype(x, weight, offset))
     return (y, *(x.new_empty(rows, dtype=torch.float32) for _ in range(stats)))
 
 
@@ -138,23 +155,26 @@ def _weight_grad_buffers(x2: torch.Tensor, n: int) -> list[torch.Tensor]:
 
 
 @torch.library.custom_op("trickles::rms_norm", mutates_args=())
-def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm forward in Triton: the output and the per-row fp32 ``1/rms`` (saved for backward)."""
-    x2, y, rstd = _normed(x, weight)
+def rms_norm_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm forward in Triton (``offset``: by ``1 + weight``): the output and the per-row fp32 ``1/rms`` (saved for
+    backward)."""
+    x2, y, rstd = _normed(x, weight, offset)
     rows, h = x2.shape
     block = triton.next_power_of_2(h)
-    _rms_forward[(rows,)](x2, weight, y, rstd, x2.stride(0), h, eps, BLOCK=block, num_warps=warps(block))
+    _rms_forward[(rows,)](x2, weight, y, rstd, x2.stride(0), h, eps, OFFSET=offset, BLOCK=block, num_warps=warps(block))
     return y.view(x.shape), rstd
 
 
 @rms_norm_op.register_fake
-def _(x, weight, eps):
-    return _fake_forward(x, weight, 1)
+def _(x, weight, eps, offset=False):
+    return _fake_forward(x, weight, 1, offset)
 
 
 @torch.library.custom_op("trickles::rms_norm_backward", mutates_args=())
 def rms_norm_backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm backward in Triton: the input and weight gradients."""
     x2 = _rows(x)
@@ -164,25 +184,26 @@ def rms_norm_backward_op(
     (dw,) = _weight_grad_buffers(x2, 1)
     block = triton.next_power_of_2(h)
     _rms_backward[(dw.shape[0],)](
-        dy2, x2, weight, rstd, dx, dw, x2.stride(0), rows, h, BLOCK=block, num_warps=warps(block)
+        dy2, x2, weight, rstd, dx, dw, x2.stride(0), rows, h, OFFSET=offset, BLOCK=block, num_warps=warps(block)
     )
     return dx.view(x.shape), dw.sum(0).to(weight.dtype)
 
 
 @rms_norm_backward_op.register_fake
-def _(dy, x, weight, rstd):
+def _(dy, x, weight, rstd, offset=False):
     return torch.empty_like(x), torch.empty_like(weight)
 
 
 def _rms_setup(ctx, inputs, output):
-    x, weight, _ = inputs
+    x, weight = inputs[:2]
+    ctx.offset = bool(inputs[3]) if len(inputs) > 3 else False
     ctx.save_for_backward(x, weight, output[1])
 
 
 def _rms_backward_rule(ctx, dy, _drstd):
     x, weight, rstd = ctx.saved_tensors
-    dx, dw = rms_norm_backward_op(dy, x, weight, rstd)
-    return dx, dw, None
+    dx, dw = rms_norm_backward_op(dy, x, weight, rstd, ctx.offset)
+    return dx, dw, None, None
 
 
 rms_norm_op.register_autograd(_rms_backward_rule, setup_context=_rms_setup)
@@ -242,21 +263,29 @@ def _ln_backward_rule(ctx, dy, _dmean, _drstd):
 layer_norm_op.register_autograd(_ln_backward_rule, setup_context=_ln_setup)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * rms_norm(x)`` in eager PyTorch, the statistics in fp32."""
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """``weight * rms_norm(x)`` in eager PyTorch, the statistics in fp32; ``offset``: Gemma's
+    ``(rms_norm(x) (1 + weight))`` all in fp32, cast to ``x``'s type at the end."""
+    if offset:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.float())).type_as(x)
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).type_as(x)
 
 
 class RMSNormFunction(torch.autograd.Function):
     """RMSNorm in PyTorch operations that saves what the Triton kernel saves -- ``x``, the weight and the fp32
     ``r`` -- and computes the gradients from the module docstring's formulas; the forward is
-    :func:`rms_norm_reference`'s, operation for operation."""
+    :func:`rms_norm_reference`'s, operation for operation. ``offset``: the ``(1 + w)`` norm, with ``1 + w`` for
+    ``w`` in the formulas and ``n`` kept in fp32 (never rounded to ``x``'s type)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
         xf = x.float()
         rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        if offset:
+            return (xf * rstd * (1.0 + weight.float())).type_as(x)
         return weight * (xf * rstd).type_as(x)
 
     @staticmethod
@@ -264,18 +293,27 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         n = x.float() * rstd
         dw = None
-        if ctx.needs_input_grad[1]:  # as autograd reduces ``dy * n`` (n rounded to x's type) over the rows
-            dw = (dy * n.type_as(x)).reshape(-1, dy.shape[-1]).sum(0).to(weight.dtype)
-        g = (dy * weight).float()
+        if ctx.offset:
+            dyf = dy.float()
+            if ctx.needs_input_grad[1]:  # as autograd reduces the fp32 ``dy * n`` over the rows
+                dw = (dyf * n).reshape(-1, dy.shape[-1]).sum(0).to(weight.dtype)
+            g = dyf.mul_(1.0 + weight.float()) if dyf is not dy else dyf * (1.0 + weight.float())
+        else:
+            if ctx.needs_input_grad[1]:  # as autograd reduces ``dy * n`` (n rounded to x's type) over the rows
+                dw = (dy * n.type_as(x)).reshape(-1, dy.shape[-1]).sum(0).to(weight.dtype)
+            g = (dy * weight).float()
         dot = (g * n).mean(-1, keepdim=True)
-        return n.mul_(-dot).add_(g).mul_(rstd).type_as(x), dw, None  # r (g - n mean(g n)), in n's storage
+        return n.mul_(-dot).add_(g).mul_(rstd).type_as(x), dw, None, None  # r (g - n mean(g n)), in n's storage
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "torch") -> torch.Tensor:
-    """RMSNorm of ``x``'s last dimension (module docstring); ``kernels`` picks the implementation."""
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "torch", offset: bool = False
+) -> torch.Tensor:
+    """RMSNorm of ``x``'s last dimension (module docstring), by ``1 + weight`` with ``offset``; ``kernels`` picks the
+    implementation."""
     if use_triton(kernels, x, "rms_norm"):
-        return rms_norm_op(x, weight, eps)[0]
-    return RMSNormFunction.apply(x, weight, eps)
+        return rms_norm_op(x, weight, eps, offset)[0]
+    return RMSNormFunction.apply(x, weight, eps, offset)
 
 
 def layer_norm(
@@ -290,15 +328,16 @@ def layer_norm(
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, with the statistics in fp32."""
+    """``x / sqrt(mean(x^2) + eps) * weight``, with the statistics in fp32; ``offset`` (``model.norm_unit_offset``):
+    ``* (1 + weight)`` in fp32, cast to ``x``'s type at the end, the weight starting at 0 (Gemma)."""
 
-    def __init__(self, dim: int, eps: float, kernels: str = "torch"):
+    def __init__(self, dim: int, eps: float, kernels: str = "torch", offset: bool = False):
         super().__init__()
-        self.eps, self.kernels = eps, kernels
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.kernels, self.offset = eps, kernels, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, self.kernels)
+        return rms_norm(x, self.weight, self.eps, self.kernels, self.offset)
 
 
 class LayerNorm(nn.Module):

@@ -72,6 +72,9 @@ row positions replace shared ones: gpt2's position ids ``8s`` (for ``8T``), llam
 row once, ``8sh`` in fp32 (not under full recomputation), and in low precision their casts ``4psh`` per layer
 (for ``4Thp``).
 
+**Per layer**, beside the formula above (``"layer"``: a dense layer over all earlier keys), a sliding window's mask and
+the explicit path of soft-capped scores, :mod:`trickles.memory.attention_cores` (in ``"per_layer"``).
+
 **Mixture-of-experts blocks** keep, in place of the MLP, what :mod:`trickles.memory.moe_activations` counts
 (router, routing, experts, combine, auxiliary losses, shared experts; with expert parallelism the dispatch's rows).
 Recomputation treats an MoE block like a dense one (``selective``: the attention core; ``full``: the block input,
@@ -91,7 +94,9 @@ attention core drops what the core keeps beyond its inputs -- with a fused kerne
 log-sum-exp, ``4sa`` (a non-fused core would also drop the ``a T^2`` probabilities);
 ``full`` keeps only the block input, ``psd``. The head keeps token ids and targets (``16s``),
 position ids (gpt2), the final norm, and the fp32 log-softmax of the logits, ``4sV``, with the
-loss's fp32 total weight (one scalar, ``4``) beside it.
+loss's fp32 total weight (one scalar, ``4``) and on one rank the int64 count of kept targets it is divided by
+(``8``) beside it; soft-capped logits (``model.final_softcap``) their ``tanh``, ``psV`` (a scaled embedding,
+``model.embed_scale``, keeps nothing more: its scale is a number).
 
 **Fused loss** (``model.fused_loss``, :mod:`trickles.kernels.cross_entropy`): the head keeps, in place
 of the targets and the log-softmax, the input and weight gradients computed in forward: ``p' s d + 4 V d``
@@ -108,6 +113,7 @@ from torch import nn
 
 from ..models.config import ModelConfig
 from ..parallel.context import kv_repeats
+from .attention_cores import core_bytes
 from .moe_activations import moe_bytes
 
 
@@ -128,10 +134,11 @@ def activation_bytes(
     documents: bool = False,
 ) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
-    "per_layer": [what the meter charges each layer], "layers": all layers (tables apart), "head": bytes,
-    "embedding": the part of the head the embedding keeps (a pipeline's first stage; the rest is the last's), "loss":
-    the part the loss's own nodes keep (unfused: what a zero-bubble B frees on the last stage), "terms": a dense
-    layer by piece -- norms, attention, MLP (each with the norm output its linears keep), dropout masks,
+    "per_layer": [what the meter charges each layer, :mod:`~trickles.memory.attention_cores`' terms included],
+    "layers": all layers (tables apart), "head": bytes, "embedding": the part of the head the embedding keeps (a
+    pipeline's first stage; the rest is the last's), "loss": the part the loss's own nodes keep (unfused: what a
+    zero-bubble B frees on the last stage), "terms": a dense layer (``"layer"``, no attention-core terms) by piece --
+    norms, attention, MLP (each with the norm output its linears keep), dropout masks,
     "tables": what the first layer keeps once for all (the rotary tables, hard routing's labels), "total": ...,
     "rebuilt": the largest output elementwise recomputation rebuilds in a backward, alive while a linear uses it}``
     for one micro-batch of ``seq``-token sequences on one rank (``cp > 1``: its ``seq / cp`` tokens of each).
@@ -178,14 +185,12 @@ def activation_bytes(
         lse = 4 * s * a
     cast_tokens = (
         s if documents else seq
-    )  # low-precision llama: the rotary tables cast for q and k, per row with documents
+    )  # low-precision llama: the rotary tables cast for q and k (documents: per row)
     attention = qkv + p * s * a * h + lse + (4 * cast_tokens * h * p if llama and p != 4 else 0)
     if cfg.qk_norm != "none":  # q's and k's norms: input, fp32 1/rms (per head or per token); tensor-parallel full
         split = cfg.qk_norm == "full" and t > 1  # width: its input in fp32 and the normalized product
         attention += (p + 4 * split) * s * (a + kv) * h + 4 * s * (a + kv if cfg.qk_norm == "head" else 2)
-    if (
-        t > 1 and cfg.kv_heads % t
-    ):  # replicated key/value heads: k and v each keep the int64 index of the heads they select
+    if t > 1 and cfg.kv_heads % t:  # replicated key/value heads: k and v each keep the int64 index of theirs
         attention += 2 * 8 * a
     mlp = (3 if llama else 2) * p * s * f
     core_extra = 0  # all-to-all: the fused output in head shards beside o_proj's input, the repeated heads
@@ -232,27 +237,26 @@ def activation_bytes(
             "dropout masks": 2 * mask * sn * d,
         }
     )
-    moe_layer = (
-        block(
-            moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type),
-            3 if cfg.moe_shared_experts else 2,
-        )
-        if cfg.moe_experts
-        else 0
-    )
+    experts = moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type) if cfg.moe_experts else 0
+    moe_layer = block(experts, 3 if cfg.moe_shared_experts else 2) if cfg.moe_experts else 0
     vocab = _vocab(cfg)
     if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
         # gradient over all tokens, the fp32 weight gradient
         head = (9 if t > 1 else 8) * s + norm - p * sn * d + (4 if fp16 else p) * s * d + 4 * (vocab // t) * d
         loss = 0  # (its own function computes the output projection's gradients)
     else:  # the loss's own: its ids (tp: and mask), the fp32 log-softmax (tp: probabilities), the target count
-        loss = (9 if t > 1 else 8) * s + 4 * s * (vocab // t) + 4  # (or F.cross_entropy's fp32 total weight)
+        loss = (9 if t > 1 else 8) * s + 4 * s * (vocab // t) + 4  # (or F.cross_entropy's fp32 total weight,
+        loss += 8 if t == 1 else 0  # and on one rank the int64 count of kept targets its sum is divided by)
+        loss += p * s * (vocab // t) if cfg.final_softcap is not None else 0  # the capped logits' tanh
         head = (9 if t > 1 else 8) * s + norm + loss  # the embedding's ids (tp: shifted, and the out-of-range mask)
     positions = 8 * (s if documents else seq)  # gpt2's position ids (with documents, each row's)
     embedding = (9 if t > 1 else 8) * s + (0 if llama else positions) + mask * sn * d  # ids, gpt2's positions, dropout
     head += embedding - (9 if t > 1 else 8) * s  # (the ids are counted above)
     moe = set(cfg.moe_layers)
     per_layer = [moe_layer if i in moe else layer for i in range(cfg.n_layers)]
+    if (cp == 1 or ulysses) and not documents and recompute in ("none", "elementwise"):  # a window's, soft caps'
+        core = (batch, whole_seq, a // cp, kv * kv_repeats(a, kv, cp) // cp, p, not ulysses)  # whole sequences
+        per_layer = [b + core_bytes(cfg, i, *core) for i, b in enumerate(per_layer)]
     layers = sum(per_layer)
     tables = (
         8 * (s if documents else seq) * h if (cp > 1 or documents) and llama and p == 4 and recompute != "full" else 0
@@ -296,7 +300,9 @@ def loss_transient_bytes(
     work on the logits in their own type, the chunk's weight gradient in it before it joins the fp32 sum
     (``p c V/tp + p V d / tp``), or, where ``fp32_mm`` (a GPU whose matmul adds its low-precision product into
     fp32 as it makes it, :func:`~trickles.kernels.cross_entropy.fp32_accumulating_mm`), straight into the sum
-    (``p c V/tp``).
+    (``p c V/tp``). Soft-capped logits (``model.final_softcap``) add the chunk's ``tanh`` beside them, ``p c V/tp``
+    (the PyTorch path in low precision: its fp32 copy, ``4 c V/tp``, as it turns the fp32 gradient into the raw
+    logits').
     """
     from ..kernels.cross_entropy import default_chunk
 
@@ -306,11 +312,13 @@ def loss_transient_bytes(
     p = dtype_bytes
     c = cfg.loss_chunk or default_chunk(tokens, _vocab(cfg), cfg.d_model)
     c = min(c, tokens)
+    # capped logits: the chunk's tanh beside them (PyTorch in low precision: its fp32 copy for the fp32 gradient)
+    capped = (4 if p != 4 and not triton else p) * c * v if cfg.final_softcap is not None else 0
     if p == 4:
-        return 4 * c * v
+        return capped + 4 * c * v
     if triton:
-        return p * c * v + (0 if fp32_mm else p * v * cfg.d_model)
-    return (2 * p + 4) * c * v + 4 * c * cfg.d_model
+        return capped + p * c * v + (0 if fp32_mm else p * v * cfg.d_model)
+    return capped + (2 * p + 4) * c * v + 4 * c * cfg.d_model
 
 
 def _vocab(cfg: ModelConfig) -> int:

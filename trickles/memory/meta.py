@@ -23,6 +23,8 @@ from types import SimpleNamespace
 
 import torch
 
+from ..adapters.lora import LoRASettings, apply_lora, freeze_base
+from ..adapters.tensor import adapted_modules, apply_lora_tensor_parallel
 from ..models.config import ModelConfig
 from ..topology import ParallelDims
 from .tp_modes import shard_meta
@@ -47,12 +49,20 @@ class RankModel:
 
 
 def rank_model(
-    model_cfg: ModelConfig, dims: ParallelDims, sequence_parallel: bool, ep_rank: int, dtype: torch.dtype
+    model_cfg: ModelConfig,
+    dims: ParallelDims,
+    sequence_parallel: bool,
+    ep_rank: int,
+    dtype: torch.dtype,
+    lora: LoRASettings | None = None,
 ) -> RankModel:
-    """The parameters tensor-parallel rank 0, expert-parallel rank ``ep_rank`` holds (cached, module docstring)."""
+    """The parameters tensor-parallel rank 0, expert-parallel rank ``ep_rank`` holds (cached, module docstring);
+    with ``lora`` (``train.lora_rank``) its adapters too, split as the parallel plan splits them, and every base
+    parameter frozen (``requires_grad=False``: no gradient, no optimizer state)."""
     from ..parallel.engine import unique_named_parameters
 
     key = (
+        repr(lora),
         repr(model_cfg),
         dims.tp,
         dims.tp_mode,
@@ -77,7 +87,15 @@ def rank_model(
 
         # (the dispatch it installs would talk over the ep group; the meta model never runs it)
         apply_expert_parallel(meta, SimpleNamespace(size=dims.ep, rank=ep_rank % dims.ep))
+    adapted = {}
+    if lora is not None:
+        apply_lora(meta, lora)
+        adapted = adapted_modules(meta)
     shard_meta(meta, dims, sequence_parallel)  # what one tensor-parallel rank holds (1-D or a grid)
+    if adapted and dims.tp > 1:  # the adapters back on the parallel layers, as parallelize puts them
+        apply_lora_tensor_parallel(meta, adapted, dims.tp)
+    if adapted:
+        freeze_base(meta)
     meta = meta.to(dtype)
     out = RankModel(meta, unique_named_parameters(meta), total, active, key)
     _CACHE[key] = out

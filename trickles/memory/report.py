@@ -74,7 +74,7 @@ from .stages import (
 from .states import _root_params, engine_state_bytes
 from .table import GiB, MemoryReport, _fmt  # noqa: F401 (the report's public names)
 from .tp_modes import activations, brought_back, compare_tp_modes, recomputed_in_backward, without_recompute
-from .transients import block_backward_bytes, head_backward_bytes, norm_backward_bytes
+from .transients import block_backward_bytes, head_backward_bytes, split_end_bytes
 
 
 def predict(
@@ -88,7 +88,7 @@ def predict(
     With pipeline stages (``parallel.pp > 1``) every pipeline rank is predicted (:mod:`~trickles.memory.stages`):
     ``report.stages[r]`` holds rank ``r``'s categories and ``report.predicted`` is the stage with the highest peak."""
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
-    rm = rank_model(model_cfg, dims, cfg.parallel.sequence_parallel, dp_rank, prec.param_dtype)
+    rm = rank_model(model_cfg, dims, cfg.parallel.sequence_parallel, dp_rank, prec.param_dtype, cfg.train.lora())
     total_params, active_params, n_rank = rm.total_params, rm.active_params, rm.numel
     p = torch.finfo(prec.param_dtype).bits // 8
     g = torch.finfo(prec.grad_dtype).bits // 8
@@ -196,7 +196,7 @@ def predict(
         )
         rows, layer_ids, split = [], [], cfg.parallel.schedule in SPLIT  # (a B leaves the weights' gradients to W)
         head_bwd = 0 if split else head_backward_bytes(model_cfg, tokens, p, g, dims.tp, fused)
-        norm_end = norm_backward_bytes(tokens // dims.tp if lay.sequence_parallel else tokens, model_cfg.d_model, p)
+        norm_end = split_end_bytes(model_cfg, tokens, p, dims.tp, lay.sequence_parallel)
         batch = 16 * micro * m * cfg.data.seq_len  # the step's token ids and labels (int64), on every stage
         for r in range(dims.pp):
             chunks = shape.chunks(parts, r)

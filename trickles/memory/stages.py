@@ -129,7 +129,7 @@ def buffers_peak(
     backward_transient: int | list[int] = 0,
     gathered: list[tuple[int, int]] | None = None,
     recorded: list[int] | None = None,
-    split_end: int = 0,
+    split_end: int | tuple[int, int] = 0,
     loss_saved: int = 0,
 ) -> int:
     """The most bytes alive at once on ``rank`` over a step -- saved activations, the stage outputs and inputs the
@@ -142,9 +142,10 @@ def buffers_peak(
     backward (its transient then), the received gradient held until it. A ``B`` elsewhere peaks as it ends, in the
     chunk's first norm's backward: every gradient for ``W`` recorded by then (the received one among them: the last
     block's output projection reads it as it came), the input gradient it makes, and ``split_end``, that backward's
-    own (:func:`~trickles.memory.transients.norm_backward_bytes`); ``loss_saved``: what the loss's own nodes save, freed
-    as the last stage's ``B`` ends. ``saves_input`` and ``backward_transient`` may be given per chunk (layers
-    recomputed in different ways: ``memory.recompute_num_layers``)."""
+    own (:func:`~trickles.memory.transients.split_end_bytes`; a pair: elsewhere and on the last stage);
+    ``loss_saved``: what the loss's own nodes save, freed as the last stage's ``B`` ends. ``saves_input`` and
+    ``backward_transient`` may be given per chunk (layers recomputed in different ways:
+    ``memory.recompute_num_layers``)."""
     per_chunk = [
         (
             saves_input[c] if isinstance(saves_input, list) else saves_input,
@@ -198,7 +199,8 @@ def buffers_peak(
             peak = max(peak, alive + during)
             if split and recorded:  # B's end: what it recorded (the received gradient among it, already alive but
                 # on the last stage), the input gradient it makes, its first norm's backward
-                peak = max(peak, alive + recorded[a.chunk] + (msg if s == last else 0) + split_end)
+                end = split_end if isinstance(split_end, int) else split_end[s == last]
+                peak = max(peak, alive + recorded[a.chunk] + (msg if s == last else 0) + end)
             kept = lay + head + (msg if s > 0 and not saves_input else 0)  # (until W, when split)
             alive -= 0 if split else kept
             alive -= msg if s < last else 0  # the received gradient, consumed

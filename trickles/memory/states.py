@@ -51,27 +51,39 @@ def engine_state_bytes(
     stage = cfg.parallel.zero
     worlds, ranks = ([dp], [dp_rank]) if experts is None else ([dp, experts[0]], [dp_rank, experts[1]])
     if stage == 3:
-        from ..parallel.data.zero3 import _owned
+        from ..parallel.data.zero3_units import owned_parameters as _owned
+        from ..parallel.data.zero3_units import split_parts
         from ..parallel.expert import expert_modules
 
         names = {id(m): name for name, m in meta.named_modules()}
         expert_units = expert_modules(meta) if experts is not None else []
         units = [*meta.layers.values(), *expert_units, meta]
         unit_ids = {id(m) for m in units}
-        layouts, group = [], []
+        # each unit's trainable part and (a LoRA run's base) frozen part, both sharded: the frozen one has no gradient
+        # shard and no optimizer state (trickles.parallel.data.zero3_units)
+        layouts, frozen_layouts = [], []
         for m in units:
             named = _owned(m, names[id(m)], unit_ids - {id(m)})[0]
             if keep is not None:  # a pipeline stage: its blocks' units, and the root with what the stage holds of it
                 named = [(n, prm) for n, prm in named if n in keep]
                 if not named and m is not meta:
                     continue
-            group.append(1 if any(m is e for e in expert_units) else 0)
-            layouts.append(FlatLayout(named, worlds[group[-1]], None))
-        shard = sum(lay.shard_numel for lay in layouts)
-        params, grads = p * shard, g * shard
-        segments = [seg for lay, gi in zip(layouts, group) for seg in lay.segments(ranks[gi])]
+            gi = 1 if any(m is e for e in expert_units) else 0
+            trainable, frozen = split_parts(named)
+            if trainable is not None:
+                layouts.append((FlatLayout(trainable, worlds[gi], None), gi))
+            if frozen is not None:
+                frozen_layouts.append((FlatLayout(frozen, worlds[gi], None), gi))
+        shard = sum(lay.shard_numel for lay, _ in layouts)
+        params, grads = p * (shard + sum(lay.shard_numel for lay, _ in frozen_layouts)), g * shard
+        segments = [seg for lay, gi in layouts for seg in lay.segments(ranks[gi])]
+        frozen_owned = sum(seg.numel for lay, gi in frozen_layouts for seg in lay.segments(ranks[gi]))
     else:
         named = meta if isinstance(meta, list) else unique_named_parameters(meta)
+        # frozen parameters (a LoRA run's base) stay whole on each rank, outside the flat buffers: no gradient, no
+        # optimizer state; the first rank of the replicas writes them into checkpoints
+        frozen = sum(prm.numel() for _, prm in named if not prm.requires_grad)
+        named = [(n, prm) for n, prm in named if prm.requires_grad]
         layout = FlatLayout(
             named,
             worlds,
@@ -80,7 +92,7 @@ def engine_state_bytes(
             group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")),
         )
         params = p * (
-            layout.numel if stage == 0 else layout.total
+            (layout.numel if stage == 0 else layout.total) + frozen
         )  # ZeRO-1/2: parameters are views of a padded flat buffer
         sharded = stage == 2 or (stage == 1 and not accumulates)  # stage 1 reduces like stage 2 unless it accumulates
         grads = g * (layout.shard_numel if sharded else layout.total)
@@ -92,9 +104,10 @@ def engine_state_bytes(
     # (all of it on the first rank without ZeRO) -- moments, a 4-byte step per segment, fp32 masters in low precision
     owned = sum(s.numel for s in segments)
     if stage == 3:
-        written = owned
+        written = owned + frozen_owned
     else:
         written = sum(s.numel for s in layout.slots if ranks[layout.buckets[s.bucket].group] == 0)
+        written += frozen if ranks[0] == 0 else 0
         if stage == 0 and dp_rank != 0:
             owned, segments = 0, []
     state = (

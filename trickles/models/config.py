@@ -8,6 +8,8 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..options import opt
+from .mla_config import check_mla
+from .moe_checks import check_routing
 from .rope import RopeScaling, RopeType
 
 Flavor = Literal["llama", "gpt2"]
@@ -61,17 +63,47 @@ class ModelConfig:
         "where a block's norms sit: pre (before attention and MLP); post (on their outputs, before the residual "
         "add: OLMo 2); sandwich (both)",
     )
+    norm_unit_offset: bool = opt(
+        False, "every RMSNorm scales by (1 + weight), in fp32, cast at the end (Gemma); its weights start at 0"
+    )
+    mlp_activation: Literal["silu", "gelu_tanh"] = opt(
+        "silu", "the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)"
+    )
+    embed_scale: bool = opt(
+        False, "token embeddings times sqrt(d_model), the factor rounded to the embedding's type first (Gemma)"
+    )
+    query_pre_attn_scalar: float | None = opt(
+        None, "attention scores scaled by this ** -0.5 instead of head_dim ** -0.5 (Gemma; none: head_dim)"
+    )
+    attn_softcap: float | None = opt(
+        None, "attention scores become cap * tanh(scores / cap) before mask and softmax (Gemma 2; none: off)"
+    )
+    final_softcap: float | None = opt(
+        None, "output logits become cap * tanh(logits / cap), in the loss too (Gemma 2; none: off)"
+    )
+    attention: Literal["mha", "mla"] = opt("mha", "mha (grouped-query heads) or mla (latent attention, docs/mla.md)")
+    q_lora_rank: int | None = opt(1536, "mla: rank of the low-rank query path, RMSNorm between (none: one projection)")
+    kv_lora_rank: int = opt(512, "mla: width of the compressed key/value latent, what a decoding cache keeps")
+    qk_nope_head_dim: int = opt(128, "mla: per-head query/key dimensions without rotary, up-projected from the latent")
+    qk_rope_head_dim: int = opt(64, "mla: query/key dimensions with rotary (the key's shared by the heads)")
+    v_head_dim: int = opt(128, "mla: per-head value size")
+    rope_interleave: bool = opt(False, "mla: rotary dimensions in interleaved pairs (DeepSeek's), reordered to rotate")
     sliding_window: int | None = opt(None, "keys a query sees, itself included: q - window < k <= q (none: all)")
     window_layers: list[bool] | None = opt(None, "per layer, whether sliding_window applies (none: every layer)")
     family: str | None = opt(
         None,
-        "the Hugging Face model_type an export writes (llama, mistral, qwen2, qwen3, olmo2, mixtral, gpt2; none: the "
-        "one the model's parts pick, docs/model-families.md)",
+        "the Hugging Face model_type an export writes (llama, mistral, qwen2, qwen3, olmo2, gemma2, gemma3_text, phi3, "
+        "mixtral, deepseek_v3, gpt2; none: the one the model's parts pick, docs/model-families.md)",
     )
     vocab_size: int | None = opt(None, "vocabulary size (none: the tokenizer's, rounded up to vocab_multiple)")
     vocab_multiple: int = opt(64, "rounding of the vocabulary size taken from the tokenizer")
     max_seq_len: int | None = opt(None, "longest sequence the model accepts (none: data.seq_len)")
     rope_theta: float = opt(10000.0, "rotary embedding base (llama)")
+    rope_local_theta: float | None = opt(
+        None,
+        "rotary base of the sliding-window layers, unscaled (Gemma 3's rope_local_base_freq; none: rope_theta and "
+        "model.rope_type for every layer)",
+    )
     rope_type: RopeType = opt(
         "default",
         "rotary frequencies (docs/model-families.md): default (rope_theta alone); linear (divided by rope_factor); "
@@ -143,6 +175,14 @@ class ModelConfig:
         "hard routing: 'label:expert[+expert...]' per label, e.g. json:0 email:1 (each label the same number of "
         "experts)",
     )
+    moe_router_score: Literal["softmax", "sigmoid"] = opt("softmax", "expert scores: softmax or sigmoid (DeepSeek)")
+    moe_groups: int = opt(1, "group-limited routing: the experts form this many equal groups (n_group; 1: none)")
+    moe_topk_groups: int | None = opt(None, "groups a token may route into (topk_group, docs/moe.md; none: all)")
+    moe_norm_topk: bool | None = opt(None, "divide the top-k weights by their sum (none: when model.moe_top_k > 1)")
+    moe_routed_scale: float = opt(1.0, "factor on the routed experts' weights (routed_scaling_factor)")
+    moe_bias_rate: float = opt(0.0, "loss-free balancing: the routing bias's step after each optimizer step (0: off)")
+    moe_shared_ffn_hidden: int | None = opt(None, "the shared experts' hidden size (none: shared x moe_ffn_hidden)")
+    moe_shared_gate: bool = opt(False, "scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
 
     @property
     def kv_heads(self) -> int:
@@ -150,7 +190,15 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
+        """The query/key head size: ``head_size`` or ``d_model / n_heads`` (mla: ``qk_nope + qk_rope_head_dim``)."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotary tables' size: the head size (mla: ``qk_rope_head_dim``)."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def ffn_dim(self) -> int:
@@ -192,8 +240,8 @@ class ModelConfig:
     def fuses_projections(self) -> bool:
         """Whether the blocks use fused q/k/v and gate/up projections (:mod:`trickles.models.fused`); unset,
         :func:`~trickles.kernels.fused_proj_default` on this machine's device."""
-        if self.fused_proj is not None:
-            return self.fused_proj
+        if self.fused_proj is not None or self.attention == "mla":  # latent attention: no fused projections
+            return bool(self.fused_proj)
         import torch
 
         from ..kernels import fused_proj_default
@@ -217,17 +265,22 @@ class ModelConfig:
                 raise ConfigError(f"model.{key} must be at least 1, got {getattr(self, key)}")
         if self.head_size is not None and self.head_size < 1:
             raise ConfigError(f"model.head_size must be at least 1 or none (d_model / n_heads), got {self.head_size}")
-        if self.head_size is None and self.d_model % self.n_heads:
+        check_mla(self)
+        if self.attention == "mha" and self.head_size is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of "
                 "them"
             )
-        if self.n_kv_heads is not None and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads):
+        if (
+            self.attention == "mha"
+            and self.n_kv_heads is not None
+            and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads)
+        ):
             raise ConfigError(
                 f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change "
                 "n_kv_heads to a divisor of n_heads"
             )
-        if self.flavor == "llama" and self.head_dim % 2:
+        if self.flavor == "llama" and self.rope_dim % 2:
             raise ConfigError(
                 f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change "
                 "model.d_model, model.n_heads or model.head_size"
@@ -270,6 +323,7 @@ class ModelConfig:
                         f"hard routing sends each token to all of its label's experts: every label of "
                         f"model.moe_label_experts must name model.moe_top_k ({self.moe_top_k}) distinct experts"
                     )
+            check_routing(self)
         if self.flavor == "gpt2" and not all(self.bias(p) for p in ("qkv", "o", "mlp")):
             raise ConfigError(
                 "gpt2 has a bias on every projection; leave model.qkv_bias, o_bias and mlp_bias unset for a gpt2 model"
@@ -298,6 +352,35 @@ class ModelConfig:
             raise ConfigError(f"model.sliding_window must be at least 1 or none, got {self.sliding_window}")
         if self.window_layers is not None and len(self.window_layers) != self.n_layers:
             raise ConfigError(f"model.window_layers has {len(self.window_layers)} entries; give {self.n_layers}")
+        self._check_gemma_parts()
+
+    def _check_gemma_parts(self) -> None:
+        """The Gemma pieces: positive caps and scalars, llama flavor, a window for the local rotary base."""
+        for key in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
+            value = getattr(self, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"model.{key} must be positive or none, got {value}")
+        on = [
+            k
+            for k in ("norm_unit_offset", "embed_scale", "query_pre_attn_scalar", "attn_softcap", "final_softcap")
+            if getattr(self, k) not in (None, False)
+        ]
+        if self.mlp_activation != "silu":
+            on.append(f"mlp_activation={self.mlp_activation}")
+        if self.rope_local_theta is not None:
+            on.append("rope_local_theta")
+        if on and self.flavor != "llama":
+            raise ConfigError(f"model.{on[0]} is built for the llama flavor; set model.flavor=llama or leave it unset")
+        if self.mlp_activation != "silu" and self.moe_experts:
+            raise ConfigError(
+                f"model.mlp_activation={self.mlp_activation} is built for dense MLPs only; set model.moe_experts=0 "
+                "or model.mlp_activation=silu"
+            )
+        if self.rope_local_theta is not None and self.sliding_window is None:
+            raise ConfigError(
+                "model.rope_local_theta is the rotary base of the sliding-window layers; set model.sliding_window "
+                "or leave rope_local_theta unset"
+            )
 
 
 def resolve_model(cfg: ModelConfig, tokenizer_vocab: int, seq_len: int) -> ModelConfig:

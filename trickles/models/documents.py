@@ -29,6 +29,10 @@ document starting at position 0.
 A layer with a sliding window (``model.sliding_window``) adds ``i - window < j`` to either mask (a second block
 mask, built once per forward and window, on the flex path).
 
+Both take the layer's score scale (``model.query_pre_attn_scalar``) and soft cap (``model.attn_softcap``): flex as
+its ``scale`` and a ``score_mod`` capping each score, the dense path through
+:func:`~trickles.models.masks.capped_attention` with the mask when capped.
+
 Both give the attention of :func:`reference_attention` (the test's hand-written one). The plain causal case (no
 ids) never comes here: it keeps SDPA's ``is_causal`` path.
 """
@@ -37,6 +41,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .masks import capped_attention
 
 try:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -74,6 +80,18 @@ def flex_available(device: torch.device) -> bool:
 
 
 _COMPILED: dict[str, object] = {}
+_CAPS: dict[float, object] = {}  # flex score_mods by soft cap, made once each (a new function would recompile)
+
+
+def _cap_scores(softcap: float):
+    """flex attention's ``score_mod`` turning a (scaled) score into ``softcap * tanh(score / softcap)``."""
+    if softcap not in _CAPS:
+
+        def cap(score, b, h, q, k):
+            return torch.tanh(score / softcap) * softcap
+
+        _CAPS[softcap] = cap
+    return _CAPS[softcap]
 
 
 def _compiled_flex():
@@ -118,10 +136,18 @@ class DocumentMask:
         self._windowed: dict[int, object] = {}  # flex block masks with a sliding window, built on first use
 
     def attend(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0, window: int | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float = 0.0,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """``q [B, H, T, D]``, ``k, v [B, H_kv, T, D]`` -> ``[B, H, T, D]``, within documents; with ``window`` a query
-        at ``i`` sees only keys ``i - window < j`` as well (:func:`~trickles.models.masks.window_mask`)."""
+        at ``i`` sees only keys ``i - window < j`` as well (:func:`~trickles.models.masks.window_mask`). ``scale``:
+        the scores' (none: ``1/sqrt(D)``); ``softcap``: scores capped to ``softcap * tanh(s / softcap)``."""
         rep = q.shape[1] // k.shape[1]
         t = q.shape[2]
         window = window if window is not None and window < t else None  # a window as long as the row cuts nothing
@@ -135,14 +161,17 @@ class DocumentMask:
                 if window not in self._windowed:
                     self._windowed[window] = block_mask(self.documents, window)
                 mask = self._windowed[window]
-            return _compiled_flex()(q, k, v, block_mask=mask, enable_gqa=rep > 1)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            mod = None if softcap is None else _cap_scores(softcap)
+            return _compiled_flex()(q, k, v, score_mod=mod, block_mask=mask, scale=scale, enable_gqa=rep > 1)
         mask = self._mask
         if window is not None:
             index = torch.arange(t, device=q.device)
             mask = mask & (index[None, :] > index[:, None] - window)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+        if softcap is not None:
+            return capped_attention(q, k, v, mask, scale, softcap, dropout_p)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale)
 
 
 def reference_attention(

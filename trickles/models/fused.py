@@ -81,7 +81,10 @@ class FusedLayout:
 
 
 def layout_of(cfg: ModelConfig, name: str) -> FusedLayout | None:
-    """The layout of parameter ``name`` of a model of ``cfg`` (None: not fused)."""
+    """The layout of parameter ``name`` of a model of ``cfg`` (None: not fused). Only the fused weight and bias
+    themselves are: a module inside a fused projection (an adapter's ``qkv_proj.lora_A...``) has its own shape."""
+    if name.rsplit(".", 1)[0].rsplit(".", 1)[-1] not in FUSED_PARTS:
+        return None
     if ".attn.qkv_proj." in name:
         rep = cfg.n_heads // cfg.kv_heads
         d = cfg.head_dim

@@ -1,5 +1,5 @@
 """Hugging Face import/export: directories of the families of :mod:`trickles.models.families` (Llama, Mistral,
-Qwen2, Qwen3, OLMo 2, Mixtral, GPT-2).
+Qwen2, Qwen3, OLMo 2, Gemma 2, Gemma 3, Phi-3, Mixtral, GPT-2).
 
 A directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` (``{"weight_map": {tensor name: shard file}}``). Tensors are read
@@ -88,12 +88,28 @@ def _tensor_index(root: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     return found
 
 
+def _maps_file(entry: Entry, value: torch.Tensor, target: torch.Tensor, own: dict[str, torch.nn.Parameter]) -> bool:
+    """Whether the file's tensor ``value`` can be the parameter itself: stored as is (a ``copy`` entry) in the
+    parameter's dtype, on the CPU, for a parameter of the model's own (not a part of a fused projection)."""
+    return (
+        entry.kind == "copy"
+        and value.dtype == target.dtype
+        and value.device == target.device
+        and value.shape == target.shape
+        and value.is_contiguous()
+        and entry.ours[0] in own
+    )
+
+
 def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> Transformer:
     """Reads a Hugging Face directory of a supported family (:mod:`trickles.models.families`) into a
     :class:`Transformer`.
 
     Parameters are ``dtype`` (default float32, whatever the file holds) on ``device``; ``fused_proj`` sets
-    ``model.fused_proj`` (fused q/k/v and gate/up projections, :mod:`trickles.models.fused`). Raises
+    ``model.fused_proj`` (fused q/k/v and gate/up projections, :mod:`trickles.models.fused`). A CPU parameter
+    stored in its file as is, in ``dtype``, is not copied: it is the file's memory map, private and copy-on-write
+    (as transformers' ``from_pretrained`` loads it), so the files must not be overwritten in place while the model
+    lives (replace them by renaming, as :func:`save_hf` does); a parameter that is converted or fused is copied. Raises
     CheckpointError naming the problem: no safetensors weights, an architecture or option this
     model cannot reproduce, missing or unexpected tensors, wrong shapes.
     """
@@ -136,6 +152,7 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
         if shape != want:
             raise CheckpointError(f"{file}: {e.hf} has shape {list(shape)}, but {CONFIG} implies {list(want)}")
 
+    own = dict(model.named_parameters())
     by_file: dict[Path, list[Entry]] = {}
     for e in entries:
         by_file.setdefault(found[e.hf][0], []).append(e)
@@ -151,7 +168,10 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
                             )
                         dim = 1 if e.kind == "cat1" else 0
                         for name, value in zip(e.ours, to_ours(e, t, [params[n].shape[dim] for n in e.ours])):
-                            (params[name][e.index] if e.kind == "expert" else params[name]).copy_(value)
+                            if _maps_file(e, value, params[name], own):
+                                own[name].data = value  # the file's pages themselves, copy-on-write: no copy
+                            else:
+                                (params[name][e.index] if e.kind == "expert" else params[name]).copy_(value)
             except UserError:
                 raise
             except Exception as err:
@@ -167,7 +187,6 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
                     f"{root}: tie_word_embeddings is true but lm_head.weight differs from the "
                     "token embedding; set tie_word_embeddings to false in config.json"
                 )
-        own = dict(model.named_parameters())
         for name, value in fusion.fuse_state(cfg, params).items():
             if fusion.layout_of(cfg, name) is not None:
                 own[name].copy_(value)

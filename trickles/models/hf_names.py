@@ -32,7 +32,8 @@ class Entry:
     """One Hugging Face tensor and the trickles parameter(s) it holds.
 
     ``kind``: ``copy`` (same layout), ``conv1d`` (HF stores the transpose), ``fused`` (HF
-    concatenates ``ours`` along the output dimension; a 2-D one is also transposed), ``expert`` (HF
+    concatenates ``ours`` along the output dimension; a 2-D one is also transposed), ``cat0`` (HF concatenates
+    ``ours`` along dim 0, their output dimension, in ``nn.Linear``'s layout: Phi-3's ``qkv_proj``), ``expert`` (HF
     holds slice ``index`` of the stacked ``ours[0]``, one expert's weight) or ``cat1`` (HF concatenates
     the stacked ``ours`` along dim 1, their output dimension).
     """
@@ -52,6 +53,8 @@ def to_ours(entry: Entry, t: torch.Tensor, sizes: list[int]) -> list[torch.Tenso
         return [t.t()]
     if entry.kind == "cat1":
         return list(t.split(sizes, dim=1))
+    if entry.kind == "cat0":
+        return list(t.split(sizes, dim=0))
     return list((t.t() if t.dim() == 2 else t).split(sizes, dim=0))
 
 
@@ -65,6 +68,8 @@ def to_hf(entry: Entry, tensors: list[torch.Tensor]) -> torch.Tensor:
         return tensors[0].t()
     if entry.kind == "cat1":
         return torch.cat(tensors, dim=1)
+    if entry.kind == "cat0":
+        return torch.cat(tensors, dim=0)
     fused = torch.cat(tensors, dim=0)
     return fused.t() if fused.dim() == 2 else fused
 
@@ -78,6 +83,8 @@ def _hf_shape(entry: Entry, shapes: list[tuple[int, ...]]) -> tuple[int, ...]:
         return shapes[0][1:]
     if entry.kind == "cat1":
         return (shapes[0][0], sum(s[1] for s in shapes), *shapes[0][2:])
+    if entry.kind == "cat0":
+        return (sum(s[0] for s in shapes), *shapes[0][1:])
     out = sum(s[0] for s in shapes)
     return (shapes[0][1], out) if len(shapes[0]) == 2 else (out,)
 

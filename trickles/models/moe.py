@@ -5,7 +5,9 @@ whatever the precision policy), ``p = softmax(logits)`` (fp32). It goes to its `
 experts ``e_1 .. e_k`` with weights ``w_j = p_{e_j}`` (renormalized to sum to 1 when ``k > 1``, as
 Mixtral does; ``k = 1`` keeps the raw probability, as Switch does, so the router still gets a
 gradient), and the layer's output is ``sum_j w_j MLP_{e_j}(x)`` plus, with shared experts, an always-on
-MLP ``MLP_s(x)`` of ``n_shared x moe_ffn_hidden`` hidden units. Each expert is an MLP of the model's
+MLP ``MLP_s(x)`` of ``n_shared x moe_ffn_hidden`` hidden units (or ``moe_shared_ffn_hidden``), with
+``moe_shared_gate`` scaled by ``sigmoid(w_s . x)`` (Qwen2-MoE). The router's scores, groups, weights and
+bias balancing are :mod:`trickles.models.routers`'. Each expert is an MLP of the model's
 flavour (llama: ``down(silu(gate x) * up x)``; gpt2: ``down(gelu(up x))`` with biases) of
 ``moe_ffn_hidden`` hidden units. The experts' weights are stacked on a leading expert axis
 (``experts.gate_proj.weight [E, F, d]``, ``up_proj [E, F, d]``, ``down_proj [E, d, F]``): the checkpoint
@@ -56,14 +58,9 @@ from torch import nn
 from ..kernels.activations import gelu_tanh, swiglu
 from .config import ModelConfig
 from .mlp import MLP
+from .routers import Router, graph_task
 
 GROUPED_MM = getattr(F, "grouped_mm", None)  # torch >= 2.9
-
-
-def _graph_task() -> int:
-    """-1 outside backward (a recomputed forward runs inside one)."""
-    probe = getattr(torch._C, "_current_graph_task_id", None)
-    return probe() if probe is not None else -1
 
 
 class MoEStats:
@@ -83,7 +80,7 @@ class MoEStats:
         self.load: dict[int, torch.Tensor] = {}  # layer -> assignments kept per expert (int64, [E])
 
     def record(self, layer: int, aux: torch.Tensor, z: torch.Tensor, assigned: int, kept: torch.Tensor) -> None:
-        if _graph_task() != -1:  # the forward recomputed in backward: already counted
+        if graph_task() != -1:  # the forward recomputed in backward: already counted
             return
         self.forwards += 1
         self.aux += float(aux)
@@ -107,19 +104,6 @@ class AuxLossGrad(torch.autograd.Function):
     def backward(ctx, grad):
         dtype, device = ctx.meta
         return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None
-
-
-class Router(nn.Module):
-    """``weight [E, d]``; logits in fp32 (or the input's type when wider), never autocast."""
-
-    def __init__(self, d_model: int, n_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_experts, d_model))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(dtype), self.weight.to(dtype))
 
 
 class StackedLinear(nn.Module):
@@ -265,9 +249,11 @@ class MoE(nn.Module):
             self.label_names = list(cfg.label_experts)
             self._label_experts = list(cfg.label_experts.values())
             self._allowed: dict[torch.device, torch.Tensor] = {}
-        self.router = Router(cfg.d_model, cfg.moe_experts)
+        self.router = Router(cfg)
         self.experts = Experts(cfg, cfg.moe_experts)
-        self.shared = MLP(cfg, cfg.moe_shared_experts * cfg.moe_ffn_dim) if cfg.moe_shared_experts else None
+        shared = cfg.moe_shared_ffn_hidden or cfg.moe_shared_experts * cfg.moe_ffn_dim
+        self.shared = MLP(cfg, shared) if cfg.moe_shared_experts else None
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if cfg.moe_shared_gate else None
         self.resid_drop = nn.Dropout(cfg.dropout)
         # the auxiliary losses' share of the gradient this rank starts (sequence parallelism: 1 / tp, each tp
         # rank's losses being one of tp equal parts of the whole sequences' and its gradients summed over tp)
@@ -288,7 +274,7 @@ class MoE(nn.Module):
             labels = labels.to(x.device)
             labels = labels[:, None].expand(b, t) if labels.dim() == 1 else labels
             route_logits = logits.masked_fill(~self.allowed(x.device)[labels], float("-inf"))
-        probs, experts, weights = top_k(route_logits, self.top_k)
+        probs, experts, weights = self.router.choose(route_logits)
         keep = self.keep(experts)
         out = self.dispatch(
             x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1), keep.reshape(b * t, -1)
@@ -297,7 +283,8 @@ class MoE(nn.Module):
         kept = torch.bincount(experts[keep].flatten(), minlength=self.n_experts)
         self.stats.record(self.layer_id, balance.detach(), z.detach(), experts.numel(), kept)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         out = self.resid_drop(out)
         aux = (0.0 if self.hard else self.aux_weight) * balance + self.z_weight * z  # a fixed route needs no balancing
         if aux.requires_grad:

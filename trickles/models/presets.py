@@ -1,6 +1,6 @@
 """The named shapes (``model.preset``): small ones for tests and demos, and the released models' own (their
-config.json files: Llama 3.1/3.2, Mistral, Qwen2.5, Qwen3, GPT-2), with :func:`apply_preset` that starts a
-:class:`~trickles.models.config.ModelConfig` from one."""
+config.json files: Llama 3.1/3.2, Mistral, Qwen2.5, Qwen3, Gemma 2/3, Phi-3, GPT-2), with :func:`apply_preset` that
+starts a :class:`~trickles.models.config.ModelConfig` from one."""
 
 from __future__ import annotations
 
@@ -47,6 +47,34 @@ _LLAMA3 = dict(
 )
 _QWEN = dict(rope_theta=1e6, norm_eps=1e-6)
 _QWEN3 = dict(_QWEN, family="qwen3", head_size=128, qk_norm="head")
+_GEMMA = dict(
+    embed_scale=True,
+    norm_unit_offset=True,
+    mlp_activation="gelu_tanh",
+    norm_placement="sandwich",
+    norm_eps=1e-6,
+    tie_embeddings=True,
+)
+
+
+def _gemma2(n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, head_size, scalar):
+    """Gemma 2: local (window 4096) and global layers alternating from a local one, soft-capped scores/logits."""
+    return _llama(
+        n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, 256000, **_GEMMA, family="gemma2", head_size=head_size,
+        query_pre_attn_scalar=scalar, attn_softcap=50.0, final_softcap=30.0, sliding_window=4096,
+        window_layers=[i % 2 == 0 for i in range(n_layers)],
+    )  # fmt: skip
+
+
+def _gemma3(n_layers, d_model, n_heads, n_kv_heads, ffn_hidden):
+    """Gemma 3 (text): five local layers (window 1024, base 1e4) per global one (base 1e6, linear factor 8)."""
+    return _llama(
+        n_layers, d_model, n_heads, n_kv_heads, ffn_hidden, 262208, **_GEMMA, family="gemma3_text", head_size=256,
+        qk_norm="head", query_pre_attn_scalar=256.0, sliding_window=1024,
+        window_layers=[(i + 1) % 6 != 0 for i in range(n_layers)], rope_theta=1e6, rope_local_theta=1e4,
+        rope_type="linear", rope_factor=8.0,
+    )  # fmt: skip
+
 
 PRESETS: dict[str, dict] = {
     "tiny": _llama(2, 64, 4, 2, 128, None),
@@ -68,6 +96,11 @@ PRESETS: dict[str, dict] = {
     "qwen3-0.6b": _llama(28, 1024, 16, 8, 3072, 151936, **_QWEN3, tie_embeddings=True),
     "qwen3-8b": _llama(36, 4096, 32, 8, 12288, 151936, **_QWEN3),
     "qwen3-32b": _llama(64, 5120, 64, 8, 25600, 151936, **_QWEN3),
+    "gemma2-9b": _gemma2(42, 3584, 16, 8, 14336, 256, 256.0),
+    "gemma2-27b": _gemma2(46, 4608, 32, 16, 36864, 128, 144.0),
+    "gemma3-12b": _gemma3(48, 3840, 16, 8, 15360),
+    # Phi-3-mini-4k: a window of 2047 keys on every layer
+    "phi3-mini": _llama(32, 3072, 32, 32, 8192, 32064, family="phi3", norm_eps=1e-5, sliding_window=2047),
     "gpt2-tiny": dict(_gpt2(2, 64, 4), vocab_size=None, max_seq_len=None),
     "gpt2-small": _gpt2(12, 768, 12),
     "gpt2-medium": _gpt2(24, 1024, 16),

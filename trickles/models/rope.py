@@ -183,18 +183,21 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
 
 
 def rope_tables(
-    head_dim: int, length: int, theta: float, device=None, scaling: RopeScaling | None = None
+    head_dim: int, length: int, theta: float, device=None, scaling: RopeScaling | None = None, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape ``[length, head_dim]`` (each frequency repeated for both halves) for positions
-    ``0..length-1``, scaled by ``scaling`` (None: default; a model's is ``RopeScaling.of(cfg)``) and multiplied by
-    its attention factor. ``theta`` and ``head_dim`` are given apart from it, so a layer can have a base of its own."""
+    """cos and sin tables of shape ``[length - start, head_dim]`` (each frequency repeated for both halves) for
+    positions ``start..length-1``, scaled by ``scaling`` (None: default; a model's is ``RopeScaling.of(cfg)``) and
+    multiplied by its attention factor. ``theta`` and ``head_dim`` are given apart from it, so a layer can have a base
+    of its own. A row does not depend on which rows are computed with it."""
     inv = inverse_frequencies(head_dim, theta, scaling, device)
-    freqs = torch.outer(torch.arange(length, dtype=torch.float32, device=device), inv)
-    emb = torch.cat([freqs, freqs], dim=-1)
+    freqs = torch.outer(torch.arange(start, length, dtype=torch.float32, device=device), inv)
+    # cos and sin of each frequency once, then repeated for both halves (the same values as of the repeated
+    # frequencies, at half the transcendental work: a 128k-position table is a noticeable part of a model's build)
+    cos, sin = freqs.cos(), freqs.sin()
     scale = 1.0 if scaling is None else scaling.attention
-    if scale == 1.0:
-        return emb.cos(), emb.sin()
-    return emb.cos() * scale, emb.sin() * scale
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
 
 
 # ---- Hugging Face config.json ------------------------------------------------------------

@@ -26,7 +26,7 @@ import math
 import torch
 from torch import nn
 
-from ..kernels.cross_entropy import OutputLoss
+from ..kernels.cross_entropy import OutputLoss, softcap
 from ..kernels.norms import LayerNorm, RMSNorm
 from ..kernels.rotary import apply_rope
 from . import fused
@@ -34,16 +34,21 @@ from .attention import Attention
 from .config import ModelConfig
 from .documents import DocumentMask
 from .kv_cache import KVCache
+from .latent_cache import LatentCache
+from .mla import LatentAttention
 from .mlp import MLP
 from .moe import MoE, MoEStats
 from .rope import RopeScaling, rope_tables
 
 __all__ = ["RMSNorm", "LayerNorm", "apply_rope", "Transformer", "build_model"]
 
+#: the attention part of each ``model.attention``: multi-head (grouped-query) or multi-head latent attention
+ATTENTION = {"mha": Attention, "mla": LatentAttention}
+
 
 def make_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.flavor == "llama":
-        return RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
+        return RMSNorm(cfg.d_model, cfg.norm_eps, cfg.kernels, cfg.norm_unit_offset)
     return LayerNorm(cfg.d_model, cfg.norm_eps, cfg.kernels)
 
 
@@ -56,7 +61,8 @@ def _embedding(rows: int, dim: int) -> nn.Embedding:
 
 class Block(nn.Module):
     """Transformer block: ``h = x + attn_post_norm(attn(attn_norm(x))); y = h + mlp_post_norm(mlp(mlp_norm(h)))``;
-    ``mlp`` is a :class:`~trickles.models.moe.MoE` in the mixture-of-experts blocks.
+    ``mlp`` is a :class:`~trickles.models.moe.MoE` in the mixture-of-experts blocks, ``attn`` the part
+    ``model.attention`` names (:data:`ATTENTION`: grouped-query or latent attention).
 
     ``model.norm_placement`` picks which norms are real and which are ``nn.Identity``: ``pre`` the ``*_norm``
     before each branch (Llama, GPT-2), ``post`` the ``*_post_norm`` on each branch's output before the residual add
@@ -66,7 +72,7 @@ class Block(nn.Module):
         super().__init__()
         pre, post = cfg.norm_placement in ("pre", "sandwich"), cfg.norm_placement in ("post", "sandwich")
         self.attn_norm = make_norm(cfg) if pre else nn.Identity()
-        self.attn = Attention(cfg, layer_id)
+        self.attn = ATTENTION[cfg.attention](cfg, layer_id)
         self.attn_post_norm = make_norm(cfg) if post else nn.Identity()
         self.mlp_norm = make_norm(cfg) if pre else nn.Identity()
         self.mlp_post_norm = make_norm(cfg) if post else nn.Identity()
@@ -116,12 +122,14 @@ class Transformer(nn.Module):
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:
             self.output.weight = self.embed.weight
-        self.loss = OutputLoss(cfg.fused_loss, cfg.loss_chunk, cfg.kernels)
-        if cfg.flavor == "llama":
-            self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
-            self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, cfg.head_dim), persistent=False)
+        self.loss = OutputLoss(cfg.fused_loss, cfg.loss_chunk, cfg.kernels, cfg.final_softcap)
+        if cfg.flavor == "llama":  # with a local rotary base: [global | local] side by side (Attention.rope_part)
+            width = cfg.rope_dim * (1 if cfg.rope_local_theta is None else 2)
+            self.register_buffer("rope_cos", torch.empty(cfg.max_seq_len, width), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(cfg.max_seq_len, width), persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        self._rope_rows = 0  # rows of the rotary tables filled so far (ensure_rope)
         if not self.output.weight.is_meta:  # built for real (on the meta device: after to_empty, by init_weights)
             self.reset_buffers()
         fused.tag(self, cfg)
@@ -162,12 +170,15 @@ class Transformer(nn.Module):
         self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None, bound: int | None = None
     ) -> torch.Tensor:
         """Token (and, for gpt2, position) embeddings of ``tokens [B, T]`` at positions ``start..`` (or each row's
-        ``positions [B, T]``, below ``bound`` where the caller knows it: otherwise read, a host sync), after dropout."""
+        ``positions [B, T]``, below ``bound`` where the caller knows it: otherwise read, a host sync), after dropout.
+        With ``model.embed_scale`` the token embeddings are multiplied by ``sqrt(d_model)`` rounded to their type."""
         t = tokens.shape[1]
         last = start + t if positions is None else (bound if bound is not None else int(positions.max()) + 1)
         if last > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {last} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
         h = self.embed(tokens)
+        if self.cfg.embed_scale:
+            h = h * float(torch.tensor(self.cfg.d_model**0.5, dtype=h.dtype))  # (a number: nothing saved)
         if self.pos_embed is not None:
             h = h + self.pos_embed(
                 torch.arange(start, start + t, device=tokens.device) if positions is None else positions
@@ -178,11 +189,14 @@ class Transformer(nn.Module):
         self, start: int, length: int, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary tables of positions ``start..start+length`` ``[T, D]``, or of each row's ``positions [B, T]``
-        ``[B, T, D]`` (None for learned positions)."""
+        ``[B, T, D]`` (None for learned positions); ``D`` is ``2 head_dim`` with ``model.rope_local_theta`` (each
+        layer reads its part, :attr:`~trickles.models.attention.Attention.rope_part`)."""
         if self.rope_cos is None:
             return None
-        if positions is not None:
+        if positions is not None:  # rows named by a tensor (no host sync to read them): every row, filled once
+            self.ensure_rope(self.cfg.max_seq_len)
             return self.rope_cos[positions], self.rope_sin[positions]
+        self.ensure_rope(start + length)
         return self.rope_cos[start : start + length], self.rope_sin[start : start + length]
 
     def document_mask(self, documents: torch.Tensor, device: torch.device) -> DocumentMask:
@@ -190,17 +204,18 @@ class Transformer(nn.Module):
         return DocumentMask(documents, device=device)
 
     def head(self, h: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
-        """Final norm and output projection: hidden states in, logits out; with ``target``, the mean token
-        cross-entropy."""
+        """Final norm and output projection: hidden states in, logits out (``model.final_softcap``: capped, ``cap *
+        tanh(z / cap)``); with ``target``, the mean token cross-entropy of those logits."""
         h = self.norm(h)
         if target is None:
-            return self.output(h)
+            return softcap(self.output(h), self.cfg.final_softcap)
         return self.loss(h, self.output, target)
 
     # ---- initialization -------------------------------------------------------------------
     def to_empty(self, *, device, recurse: bool = True) -> Transformer:
         """Allocates uninitialized storage on ``device``, keeping a tied output projection tied."""
         super().to_empty(device=device, recurse=recurse)
+        self._rope_rows = 0  # the tables' new storage holds nothing yet
         if self.cfg.tied and self.output is not None and self.embed is not None:
             self.output.weight = self.embed.weight
         fused.tag(self, self.cfg)  # new Parameter objects
@@ -217,16 +232,42 @@ class Transformer(nn.Module):
         self.reset_buffers()
 
     def reset_buffers(self) -> None:
-        """Recomputes the rotary tables from the config (:func:`~trickles.models.rope.rope_tables`, scaled by
-        ``model.rope_type``)."""
-        if self.rope_cos is not None:
-            c = self.cfg
-            cos, sin = rope_tables(c.head_dim, c.max_seq_len, c.rope_theta, self.rope_cos.device, RopeScaling.of(c))
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        """Marks the rotary tables for recomputation from the config: :meth:`ensure_rope` fills the rows a forward
+        reads, when it first reads them."""
+        self._rope_rows = 0
+        for m in self.modules():  # the routing biases start at zero (a checkpoint's are loaded after)
+            if isinstance(m, MoE):
+                m.router.reset_bias()
 
-    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache:
+    @torch.no_grad()
+    def ensure_rope(self, rows: int) -> None:
+        """Fills the rotary tables (:func:`~trickles.models.rope.rope_tables`, scaled by ``model.rope_type``; with
+        ``model.rope_local_theta`` the sliding-window layers' unscaled tables beside them) up to position ``rows``.
+
+        Lazily, because a model's tables span ``max_seq_len`` (131,072 positions for Llama 3.1), most of which a short
+        run never reads, and computing them all was most of what importing a 1B model took. Each fill at least doubles
+        the rows (4,096 at first), so a decode that grows fills O(log) times. The rows are written through ``.data``:
+        a graph still holding views of rows already filled (gradient accumulation) must not see its buffer's version
+        change."""
+        if self.rope_cos is None or rows <= self._rope_rows:
+            return
+        c, start = self.cfg, self._rope_rows
+        end = min(c.max_seq_len, max(rows, 2 * start, 4096))
+        dev = self.rope_cos.device
+        cos, sin = rope_tables(c.rope_dim, end, c.rope_theta, dev, RopeScaling.of(c), start=start)
+        if c.rope_local_theta is not None:
+            local = rope_tables(c.head_dim, end, c.rope_local_theta, dev, start=start)
+            cos, sin = torch.cat([cos, local[0]], -1), torch.cat([sin, local[1]], -1)
+        self.rope_cos.data[start:end].copy_(cos)
+        self.rope_sin.data[start:end].copy_(sin)
+        self._rope_rows = end
+
+    def new_cache(self, batch: int, max_len: int, dtype=None) -> KVCache | LatentCache:
+        """The decoding cache of ``batch`` rows of ``max_len`` positions (a latent one with ``model.attention=mla``)."""
         p = next(self.parameters())
+        if self.cfg.attention == "mla":
+            width = self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim
+            return LatentCache(self.cfg.n_layers, batch, max_len, width, dtype or p.dtype, p.device)
         # key/value heads this model holds (fewer than cfg.kv_heads when a parallel plan split them)
         attn = next(iter(self.layers.values())).attn
         if attn.fused:
@@ -245,7 +286,8 @@ def param_seed(seed: int, name: str) -> int:
 def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     """The full initial value of parameter ``name`` (fp32, CPU), independent of any layout.
 
-    Norm weights are one, biases zero, other weights ``N(0, init_std)``; the projections that
+    Norm weights are one (zero with ``model.norm_unit_offset``: they scale by ``1 + w``), biases zero, other weights
+    ``N(0, init_std)``; the projections that
     write into the residual stream (``o_proj``, ``down_proj``) use ``init_std / sqrt(2 n_layers)``
     (GPT-2). A parallel plan that holds a slice of a parameter computes this and keeps its slice. A fused
     projection's value is its parts' values (each by its own name) fused, so it starts where an unfused
@@ -261,7 +303,7 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple[int, ...], seed: int
         )
     leaf = name.rsplit(".", 1)[-1]
     if "norm" in name:
-        return torch.ones(shape) if leaf == "weight" else torch.zeros(shape)
+        return torch.ones(shape) if leaf == "weight" and not cfg.norm_unit_offset else torch.zeros(shape)
     if leaf == "bias":
         return torch.zeros(shape)
     std = cfg.init_std

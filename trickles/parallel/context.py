@@ -7,12 +7,14 @@ tokens, so the average of the per-rank means is the mean over the global batch).
 attention is per token; attention needs the other ranks' keys and values. Two ways:
 
 **Ring** (``parallel.cp_mode = "ring"``): the load-balanced ring of key/value blocks, its exact merge, its
-backward and bytes are :mod:`trickles.parallel.ring`'s.
+backward and bytes are :mod:`trickles.parallel.ring`'s; it takes each layer's sliding window (skipping the blocks
+wholly outside it, :mod:`trickles.parallel.ring_plan`), scale and soft cap.
 
 **All-to-all** (``parallel.cp_mode = "ulysses"``). Rank ``i`` holds the contiguous positions
 ``[i t, (i+1) t)``. Before attention one all-to-all per tensor trades sequence shards for head
 shards -- ``q [B, H, t, D] -> [B, H / cp, T, D]``, likewise ``k`` and ``v`` -- attention runs on
-whole sequences for ``H / cp`` heads (the model's own attention, causal), and one all-to-all trades
+whole sequences for ``H / cp`` heads (the model's own attention, causal, with the layer's sliding window, scale and
+soft cap; packed documents' mask on the whole sequence), and one all-to-all trades
 the output back. Four all-to-alls forward and, by autograd, the four reverse ones backward; each
 sends ``(cp - 1) / cp`` of its tensor: ``(cp - 1) / cp * B t D e * (2 H + 2 H_kv')`` per layer each
 way, where ``H_kv' = H_kv`` when ``cp`` divides it, else the key/value heads are first repeated
@@ -140,12 +142,25 @@ class ContextDocumentMask:
             whole = document_positions(self._ring.ids)
         self.positions = whole[:, ctx.positions(device)]
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dropout_p: float = 0.0,
+        window: int | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """As :meth:`~trickles.models.documents.DocumentMask.attend` on the whole sequence: within documents, with
+        ``window`` a query at ``i`` sees keys ``i - window < j`` only, scores scaled by ``scale`` and soft-capped at
+        ``softcap`` where given."""
         if dropout_p:
             raise ValueError("attention dropout does not run split over context-parallel ranks; set model.dropout=0")
         if self._ring is not None:
-            return ring_attention(q, k, v, self.ctx.comm, self._ring)
-        return ulysses_attention(q, k, v, self.ctx.comm, self._whole.attend)
+            return ring_attention(q, k, v, self.ctx.comm, self._ring, window, scale, softcap)
+        given = {n: x for n, x in (("window", window), ("scale", scale), ("softcap", softcap)) if x is not None}
+        return ulysses_attention(q, k, v, self.ctx.comm, lambda q_, k_, v_: self._whole.attend(q_, k_, v_, **given))
 
 
 # ---- applying it to a model --------------------------------------------------------------------
@@ -159,11 +174,14 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
         attn = block.attn
         plain = attn._attend  # the model's own attention (SDPA), used when not split and by all-to-all
 
-        def attend(q, k, v, causal_offset, plain=plain):
+        def attend(q, k, v, causal_offset, plain=plain, attn=attn):
             if not ctx.active or causal_offset is not None:
                 return plain(q, k, v, causal_offset)
-            if mode == "ring":
-                return ring_attention(q, k, v, ctx.comm)
+            if mode == "ring":  # the layer's window, scale and soft cap (absent attributes: none of them)
+                return ring_attention(
+                    q, k, v, ctx.comm, None, attn.window, getattr(attn, "scale", None), getattr(attn, "softcap", None)
+                )
+            # the model's own attention on whole sequences applies the layer's window, scale and soft cap itself
             return ulysses_attention(q, k, v, ctx.comm, lambda q_, k_, v_: plain(q_, k_, v_, None))
 
         # instance attribute shadowing the method; ``core`` (and what wraps it) calls ``self._attend``
@@ -186,6 +204,7 @@ def apply_context_parallel(model: Transformer, comm: GroupComm, mode: str) -> CP
         if not ctx.active or model.rope_cos is None:
             return rope(start, length)
         pos = ctx.positions(model.rope_cos.device)
+        model.ensure_rope(model.cfg.max_seq_len)  # (rows named by a tensor: every row, filled once)
         return model.rope_cos[pos], model.rope_sin[pos]
 
     object.__setattr__(model, "rope", global_rope)

@@ -11,6 +11,7 @@ optimizer step as::
     engine.finish_backward()          # wait for the reductions still in flight
     norm = engine.clip_grad_norm(max_norm)
     engine.step(lr)
+    engine.balance_routers()          # mixture of experts: the routing biases follow the step's loads
 
 With pipeline stages the loop over micro-batches is ``engine.pipeline.forward_backward``
 (:class:`~trickles.parallel.pipeline.runner.PipelineRunner`), which wraps each backward in
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 
 from ..comm import GroupComm
+from ..models.routers import update_router_bias
 
 
 class Engine:
@@ -259,6 +261,13 @@ class Engine:
     def step(self, lr: float) -> None:
         raise NotImplementedError
 
+    def balance_routers(self, update: bool = True) -> None:
+        """Auxiliary-loss-free balancing after a step (:func:`~trickles.models.routers.update_router_bias`): the
+        routers' loads summed over the replicas (data, context and expert parallel) and the tensor-parallel ranks
+        (sequence parallel: each routed its shard), so every rank moves the same bias alike. ``update=False`` (a
+        skipped step): the step's loads are forgotten and the bias kept, without a collective."""
+        update_router_bias(self.model, [self.comm, self.tp] if update else None)
+
     def zero_grad(self) -> None:
         raise NotImplementedError
 
@@ -350,6 +359,12 @@ def weak_method(method):
         return m(*args, **kwargs) if m is not None else None
 
     return call
+
+
+def trainable_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """:func:`unique_named_parameters` that train: a frozen one (``requires_grad=False``: a LoRA run's base, see
+    :mod:`trickles.adapters`) gets no gradient buffer, reduction or optimizer state, and stays whole on each rank."""
+    return [(n, p) for n, p in unique_named_parameters(model) if p.requires_grad]
 
 
 def unique_named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

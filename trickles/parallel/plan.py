@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import torch
 
+from ..adapters.lora import adapter_initial_value, freeze_base, is_adapter
+from ..adapters.tensor import adapted_modules, apply_lora_tensor_parallel
 from ..config import Config
 from ..memory.precision import autocast, policy
 from ..memory.recompute import apply_recompute
-from ..models.transformer import Transformer, initial_value
+from ..models.transformer import Transformer, initial_value, param_seed
 from ..optim.settings import OptimizerSettings
 from ..topology import Topology
 from ..train.pieces import global_shape
@@ -56,7 +58,8 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
     """The engine that trains ``model`` (built on the meta device) on ``topo`` as ``cfg`` says.
 
     ``init(name, param)``: the full starting value of a parameter (default: :func:`initial_value` from ``seed``;
-    ``train.init_from`` reads it from a checkpoint)."""
+    ``train.init_from`` reads it from a checkpoint); LoRA adapters (:mod:`trickles.adapters`) start at their own
+    values."""
     comm, tp, cp, ep = topo.replicas(), topo.comm("tp"), topo.comm("cp"), topo.comm("ep")
     experts = {"ep": ep, "edp": topo.expert_group()} if ep.size > 1 else {}
     stage = cfg.parallel.zero
@@ -72,9 +75,15 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
     if tp.size > 1 and topo.dims.grid.mode != "1d":
         ctx = apply_tensor_nd(model, grid_context(topo))
     elif tp.size > 1:
+        adapted = adapted_modules(model)  # LoRA adapters, put back split on the parallel layers that replace them
         ctx = apply_tensor_parallel(
             model, tp, cfg.parallel.sequence_parallel, recomputed_blocks={i for i, m in modes.items() if m == "full"}
         )
+        apply_lora_tensor_parallel(model, adapted, tp.size)
+    if any(
+        is_adapter(n) for n, _ in model.named_parameters()
+    ):  # LoRA: the plans' new parameters (a split embedding, say) are base ones: frozen too
+        freeze_base(model)
     pp = topo.comm("pp")
     chunks = None
     if pp.size > 1:
@@ -84,7 +93,12 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         chunks = keep_stage(model, pp.rank, shape, parts)
 
     def init_value(name: str, param: torch.nn.Parameter) -> torch.Tensor:
-        full = init(name, param) if init is not None else initial_value(model.cfg, name, global_shape(param), seed)
+        if is_adapter(name):  # a LoRA adapter starts at its own value (A random, B zero), whatever init says
+            full = adapter_initial_value(name, global_shape(param), seed, param_seed)
+        elif init is not None:
+            full = init(name, param)
+        else:
+            full = initial_value(model.cfg, name, global_shape(param), seed)
         return init_tp_param(full, param)
 
     if stage == 3:

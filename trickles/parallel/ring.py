@@ -1,4 +1,5 @@
-"""Ring attention for context parallelism (:mod:`trickles.parallel.context`), with packed documents' block masks.
+"""Ring attention for context parallelism (:mod:`trickles.parallel.context`), with sliding windows, soft-capped
+scores and packed documents' block masks.
 
 **Ring** (``parallel.cp_mode = "ring"``). The sequence is cut into ``2 cp`` chunks of ``c = T / (2 cp)``
 tokens; rank ``i`` holds chunks ``i`` and ``2 cp - 1 - i`` (positions ``[i c, (i+1) c)`` and
@@ -8,8 +9,12 @@ attends to them it already sends them on to rank ``i + 1`` and receives rank ``j
 ``i - 1`` (one non-blocking send and receive, ``cp - 1`` per layer). For query chunk ``a`` and key chunk
 ``b``: ``b < a`` attends fully, ``b = a`` with the causal triangle, ``b > a`` is above the diagonal and
 skipped (never computed). Each step thus computes half of the ``2 x 2`` chunk pairs -- for ``j < i``
-both query chunks against key chunk ``j``; for ``j > i`` query chunk ``2 cp - 1 - i`` against both --
-and step 0 the two diagonal blocks and one full block.
+both query chunks against key chunk ``j``; for ``j > i`` query chunk ``2 cp - 1 - i`` against both -- and step 0 the
+two diagonal blocks and one full block. Which blocks run, and how they are cut, is
+:mod:`~trickles.parallel.ring_plan`'s: on a CPU a diagonal block in quarters down to pieces of ``c / 8`` rows (each
+causal kernel then computes a small triangle), and with a sliding window (``model.sliding_window`` on the layer) a
+block wholly outside the window skipped, a block the window's edge crosses cut the same way, the pieces along the
+edge masked. With packed documents, pieces no document spans are skipped too.
 
 The merge is exact: a block gives ``o_b = softmax(S_b) V_b`` and ``lse_b = log sum exp S_b`` per query
 row (fp32); with ``lse = logaddexp(lse_acc, lse_b)``,
@@ -18,13 +23,15 @@ because ``exp(S) / sum exp(S)`` over a union splits into each part's weights tim
 ``exp(lse_part - lse)``. The order of the blocks changes only rounding.
 
 Backward runs the ring again with the saved output ``O`` and ``lse``: per block
-``P = exp(S - lse)``, ``dV += P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ += dS K / sqrt(D)``,
-``dK += dS^T Q / sqrt(D)``. The keys and values travel as in forward (``cp - 1`` sends); their
+``P = exp(S - lse)``, ``dV += P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ += dS K scale``,
+``dK += dS^T Q scale`` (``S = Q K^T scale``, the layer's scale, ``1 / sqrt(D)`` unless set). The keys and values
+travel as in forward (``cp - 1`` sends, whatever a window skips: a block one rank skips, a later rank uses); their
 gradients (fp32) travel with them, each rank adding its part, and after ``cp`` sends are back with
 their owner. Grouped-query attention sends only the ``H_kv`` key/value heads (each rank repeats them to
 its query heads locally and sums the repeats' gradients). Each block runs the device's fused kernel that returns
 the log-sum-exp (flash attention on a CPU, memory-efficient attention on CUDA), else fp32 matmuls
-(:mod:`~trickles.parallel.ring_blocks`).
+(:mod:`~trickles.parallel.ring_blocks`); soft-capped scores (``model.attn_softcap``) run fp32 matmuls on the capped
+scores, with the cap's derivative in backward (:class:`~trickles.parallel.ring_blocks.Capped`).
 
 Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes per element: a
 key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward sends ``(cp - 1)`` blocks and ``cp``
@@ -39,65 +46,16 @@ import math
 import torch
 
 from ..comm import GroupComm
-from .ring_blocks import BlockMask, finite, kernel_for
+from .ring_blocks import Capped, finite, kernel_for
+from .ring_plan import RingDocuments, plain_blocks
+
+__all__ = ["RingDocuments", "repeat_heads", "ring_attention"]
 
 
-def _chunk_ids(rank: int, cp: int) -> tuple[int, int]:
-    return rank, 2 * cp - 1 - rank
-
-
-def _pairs(q_rank: int, kv_rank: int, cp: int, c: int):
-    """``(q slice, kv slice, causal, a, b)`` of every block of ``q_rank``'s queries against ``kv_rank``'s keys
-    that is not above the diagonal (local token offsets; ``a``, ``b``: the two chunks' places in the sequence)."""
-    for qa, a in enumerate(_chunk_ids(q_rank, cp)):
-        for kb, b in enumerate(_chunk_ids(kv_rank, cp)):
-            if b <= a:
-                yield slice(qa * c, (qa + 1) * c), slice(kb * c, (kb + 1) * c), b == a, a, b
-
-
-class RingDocuments:
-    """Packed documents' masks for the ring's blocks (``data.document_mask``): every rank holds the whole
-    sequence's document ids ``[B, T]`` -- on the host (:attr:`host`, where the loader made them) and on the device.
-
-    Block ``(a, b)`` of query chunk ``a`` against key chunk ``b <= a`` pairs tokens of one document only where
-    ``doc(last key of b) == doc(first query of a)`` in some row (the ids never decrease along a row); where no
-    row has such a pair the block is **skipped** (its keys and values still travel on). Where every row's two
-    chunks lie in one document the block runs unmasked, as without documents (causal on the diagonal); otherwise
-    with the mask ``doc_q == doc_k`` (and the causal triangle on the diagonal), built once per forward and reused
-    by backward (:class:`~trickles.parallel.ring_blocks.BlockMask`, which each block kernel takes in its own form,
-    :mod:`~trickles.parallel.ring_blocks`). All three decisions are read from the host ids: the device is never
-    waited for."""
-
-    def __init__(self, host: torch.Tensor, device_ids: torch.Tensor):
-        self.host, self.ids = host, device_ids
-        self._blocks: dict[tuple[int, int, int], list] = {}
-
-    def blocks(self, q_rank: int, kv_rank: int, cp: int, c: int) -> list:
-        """``(q slice, kv slice, causal, mask or None)`` of the blocks to compute (module doc)."""
-        key = (q_rank, kv_rank, c)
-        if key not in self._blocks:
-            out = []
-            for qs, ks, causal, a, b in _pairs(q_rank, kv_rank, cp, c):
-                first_q, last_q = self.host[:, a * c], self.host[:, a * c + c - 1]
-                first_k, last_k = self.host[:, b * c], self.host[:, b * c + c - 1]
-                if not causal and not bool((last_k == first_q).any()):
-                    continue  # no row pairs a query with a key of its document
-                if bool((first_k == last_q).all()):
-                    out.append((qs, ks, causal, None))  # one document throughout, in every row
-                    continue
-                dq, dk = self.ids[:, a * c : (a + 1) * c], self.ids[:, b * c : (b + 1) * c]
-                mask = dq[:, None, :, None] == dk[:, None, None, :]
-                if causal:
-                    mask = mask & torch.ones(c, c, dtype=torch.bool, device=mask.device).tril()
-                out.append((qs, ks, False, BlockMask(mask)))
-            self._blocks[key] = out
-        return self._blocks[key]
-
-
-def _blocks(q_rank: int, kv_rank: int, cp: int, c: int, documents: RingDocuments | None):
+def _blocks(q_rank: int, kv_rank: int, cp: int, c: int, documents: RingDocuments | None, window: int | None, device):
     if documents is not None:
-        return documents.blocks(q_rank, kv_rank, cp, c)
-    return [(qs, ks, causal, None) for qs, ks, causal, _, _ in _pairs(q_rank, kv_rank, cp, c)]
+        return documents.blocks(q_rank, kv_rank, cp, c, window)
+    return plain_blocks(q_rank, kv_rank, cp, c, window, device)
 
 
 def repeat_heads(kv: torch.Tensor, rep: int) -> torch.Tensor:
@@ -129,17 +87,18 @@ def _ring_step(comm: GroupComm, kv: torch.Tensor, step: int, rep: int):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, comm: GroupComm, documents: RingDocuments | None):
+    def forward(ctx, q, k, v, comm: GroupComm, documents: RingDocuments | None, window, scale, softcap):
         b, h, t, d = q.shape
         cp, rank = comm.size, comm.rank
-        rep, c, scale = h // k.shape[1], t // 2, 1.0 / math.sqrt(d)
+        rep, c = h // k.shape[1], t // 2
+        scale = 1.0 / math.sqrt(d) if scale is None else scale
         out = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per step
-        kernel = kernel_for(q)
+        kernel = Capped(softcap) if softcap else kernel_for(q)
         for step in range(cp):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
-            for qs, ks, causal, mask in _blocks(rank, src, cp, c, documents):
+            for qs, ks, causal, mask in _blocks(rank, src, cp, c, documents, window, q.device):
                 o_b, lse_b = kernel.forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
                 new = torch.logaddexp(lse[:, :, qs], lse_b)
                 safe = finite(new)  # (a row no block has shown a key yet stays 0 and -inf)
@@ -154,7 +113,7 @@ class _RingAttention(torch.autograd.Function):
         # keeps for its backward are a view of this same tensor (saved once)
         out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.documents = comm, documents
+        ctx.comm, ctx.documents, ctx.window, ctx.scale, ctx.softcap = comm, documents, window, scale, softcap
         return out
 
     @staticmethod
@@ -164,8 +123,8 @@ class _RingAttention(torch.autograd.Function):
         b, h, t, d = q.shape
         cp, rank = comm.size, comm.rank
         h_kv = k.shape[1]
-        rep, c, scale = h // h_kv, t // 2, 1.0 / math.sqrt(d)
-        kernel = kernel_for(q)
+        rep, c, scale = h // h_kv, t // 2, ctx.scale
+        kernel = Capped(ctx.softcap) if ctx.softcap else kernel_for(q)
         # rowsum(dO O), for the fp32 blocks (the fused kernels make their own)
         delta = (dout.float() * out.float()).sum(-1) if kernel.takes_delta else None
         dq = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
@@ -174,7 +133,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
-            for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents):
+            for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents, ctx.window, q.device):
                 dq_b, dk_b, dv_b = kernel.backward(
                     q[:, :, qs],
                     kk[:, :, ks],
@@ -203,15 +162,25 @@ class _RingAttention(torch.autograd.Function):
             _wait(handles)
             kv = nxt
         _wait(dkv_handles)
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: GroupComm, documents: RingDocuments | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    comm: GroupComm,
+    documents: RingDocuments | None = None,
+    window: int | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of this rank's ``q [B, H, t, D]`` over every rank's ``k, v [B, H_kv, t, D]``,
     tokens in the ring layout (:func:`positions`); returns ``[B, H, t, D]``. With ``documents``, within each
-    packed document (:class:`RingDocuments`)."""
+    packed document (:class:`RingDocuments`); with ``window``, a query at ``q`` sees keys ``q - window < k <= q``
+    only (blocks wholly outside it skipped, :mod:`~trickles.parallel.ring_plan`). Scores are
+    ``q k^T scale`` (None: ``1 / sqrt(D)``), soft-capped to ``softcap tanh(s / softcap)`` when given (then every
+    block runs :class:`~trickles.parallel.ring_blocks.Capped`)."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention holds two equal chunks per rank; got {q.shape[2]} local tokens")
-    return _RingAttention.apply(q, k, v, comm, documents)
+    return _RingAttention.apply(q, k, v, comm, documents, window, scale, softcap)

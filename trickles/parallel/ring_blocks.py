@@ -84,6 +84,41 @@ class Matmul:
         return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
+class Capped:
+    """Soft-capped scores (``model.attn_softcap``, Gemma 2), which no fused kernel takes: the block's formulas as fp32
+    matmuls on the capped scores ``C = cap tanh(S / cap)``. Forward ``O_b = softmax(C) V_b``, ``lse_b`` of ``C``;
+    backward as :class:`Matmul` with ``P = exp(C - lse)`` and the cap's derivative on ``dS``:
+    ``dS = P (dO V^T - rowsum(dO O)) (1 - (C / cap)^2)``."""
+
+    takes_delta = True
+
+    def __init__(self, cap: float):
+        self.cap = float(cap)
+
+    def _capped(self, q, k, scale, causal, mask):
+        s = torch.tanh(torch.matmul(q.float(), k.float().transpose(-1, -2)) * (scale / self.cap))
+        c = s * self.cap
+        if causal:
+            c.masked_fill_(torch.ones(c.shape[-2:], dtype=torch.bool, device=c.device).triu_(1), float("-inf"))
+        if mask is not None:
+            c.masked_fill_(~mask.mask, float("-inf"))
+        return c, s
+
+    def forward(self, q, k, v, scale, causal, mask: BlockMask | None = None):
+        c, _ = self._capped(q, k, scale, causal, mask)
+        lse = torch.logsumexp(c, dim=-1)
+        p = torch.exp(c - finite(lse)[..., None])
+        return torch.matmul(p, v.float()), lse
+
+    def backward(self, q, k, v, do, out, lse, delta, scale, causal, mask: BlockMask | None = None):
+        q, k, v, do = q.float(), k.float(), v.float(), do.float()
+        c, t = self._capped(q, k, scale, causal, mask)
+        p = torch.exp(c - lse[..., None])
+        dv = torch.matmul(p.transpose(-1, -2), do)
+        ds = p * (torch.matmul(do, v.transpose(-1, -2)) - delta[..., None]) * (1 - t * t)
+        return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
 class CpuFlash:
     """PyTorch's fused flash attention for CPUs (module docstring)."""
 

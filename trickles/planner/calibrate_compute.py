@@ -43,6 +43,7 @@ from collections.abc import Sequence
 import torch
 
 from .cluster import Cluster
+from .compute import causal_pairs
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TINY_PASS = 16  # tokens of the pass that measures the fixed cost
@@ -129,7 +130,8 @@ def measure_attention(
     fused kernel (``scaled_dot_product_attention``); ``q < k``: rank 0's share of ring attention over
     ``cp = k / q`` ranks (:mod:`trickles.parallel.context`: its ``2 cp + 1`` blocks and their merges, forward and
     backward), the ring's exchanges a local copy (:class:`_Loopback`; the links are timed apart). The rate is
-    counted as the time model counts it: ``3 x 2 x 2 q k d`` per sequence and head, halved for the causal mask."""
+    counted as the time model counts it: ``3 x 4 d`` per entry the causal mask leaves, per sequence and head
+    (:func:`~trickles.planner.compute.causal_pairs` of ``k`` keys, of which rank 0's share is ``q / k``)."""
     import torch.nn.functional as F
 
     from ..parallel.context import ring_attention
@@ -153,7 +155,7 @@ def measure_attention(
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
 
-            flops = 3 * 4.0 * b * h * q * k * d * 0.5
+            flops = 3 * 4.0 * b * h * d * causal_pairs(k) * q / k
             out[(q, k, d)] = flops / max(_timeit(run, repeats, min_s), 1e-9)
     return out
 

@@ -14,16 +14,19 @@ receives (balanced: as many as it routes, :func:`~trickles.memory.moe_activation
 on all ``N_r`` routed tokens -- ``N_r = N`` on every tensor-parallel rank (the experts are whole there), ``N/tp``
 with sequence parallelism. The output layer ``d -> V`` on the last stage.
 
-**Attention core**: per local head ``4 (T/cp) T h_d`` FLOPs per sequence (scores and weighted sum, as
-:func:`trickles.train.flops.flops_per_token` counts them), as GEMMs ``[T/cp, h_d] x [h_d, T]`` and
-``[T/cp, T] x [T, h_d]`` -- the ring's queries against every key (its blocks and merges timed as one by
-calibration); all-to-all context parallelism (``ulysses``) instead runs whole sequences for ``1/cp`` of the heads,
-``[T, h_d] x [h_d, T]`` and ``[T, T] x [T, h_d]`` on ``a_l / cp`` heads, the same FLOPs. How they run depends on
-the attention kernel (:data:`ATTENTION`):
+**Attention core**: per local head ``4 (T/cp) T h_d`` FLOPs per sequence for every score (scores and weighted sum,
+``4 h_d`` per (query, key) entry, as :func:`trickles.train.flops.flops_per_token` counts them), as GEMMs
+``[T/cp, h_d] x [h_d, T]`` and ``[T/cp, T] x [T, h_d]`` -- the ring's queries against every key (its blocks and
+merges timed as one by calibration); all-to-all context parallelism (``ulysses``) instead runs whole sequences for
+``1/cp`` of the heads, ``[T, h_d] x [h_d, T]`` and ``[T, T] x [T, h_d]`` on ``a_l / cp`` heads, the same FLOPs. How
+they run depends on the attention kernel (:data:`ATTENTION`):
 
-* ``flash`` (trickles: ``scaled_dot_product_attention``'s fused kernels) runs half of them under the causal mask
-  (flash attention and the ring skip the blocks above the diagonal) and never writes the ``[T/cp, T]`` scores to
-  memory;
+* ``flash`` (trickles: ``scaled_dot_product_attention``'s fused kernels) computes only the entries the mask leaves
+  (flash attention and the ring skip the blocks above the diagonal, and those wholly outside a sliding window) and
+  never writes the ``[T/cp, T]`` scores to memory: ``4 h_d P(T, w)`` per head and sequence, over the ``cp`` ranks,
+  with :func:`causal_pairs` ``P(T, w) = sum_{i<T} min(i + 1, w)`` the keys each query sees (a layer's window ``w``,
+  :func:`~trickles.models.masks.layer_window`; ``w = T`` without): ``T (T + 1) / 2`` for plain causal attention,
+  ``w (w + 1) / 2 + (T - w) w`` for ``w < T`` -- the GEMMs' ``count`` is the fraction ``P / T^2`` of them;
 * ``materialized`` (an unfused attention, e.g. Megatron-LM before FlashAttention: ``baddbmm``, a fused
   scale-mask-softmax, dropout, ``bmm``) computes all of them, the mask applied afterwards, and moves the score
   matrix through memory: ``S = a_l (T/cp) T`` elements per sequence (``a_l`` local heads), forward
@@ -31,10 +34,18 @@ the attention kernel (:data:`ATTENTION`):
   probabilities (``2 p``), dropout reading those and writing its output and a one-byte mask (``2 p + 1``), the
   weighted sum reading them (``p``). This is ``Work.attention_bytes``, which selective recomputation reruns.
 
+Soft-capped scores (``model.attn_softcap``) run trickles' explicit path
+(:func:`~trickles.models.masks.capped_attention`) whatever the kernel: every score computed, as ``materialized``, and
+moved through memory by its own passes -- written (``p``), scaled, divided by the cap, ``tanh``, multiplied back
+(``2 p`` each), masked (``2 p + 1``), the fp32 softmax (``p + 4``; below fp32 its cast, ``4 + p``), read by the
+weighted sum (``p``): ``S (13 p + 5 [+ p + 4])``, dropout as above (ring attention's capped blocks skip those the
+causal mask hides: an upper bound there).
+
 **Memory-bound work** (norms, residual adds, rotary, activation functions, dropout, softmax of the loss), bytes read and
 written in forward, ``p`` bytes per element, ``r`` the residual-stream elements the rank holds (``N d``; ``N d / tp``
-with sequence parallelism or a grid): per block ``12 r p`` (two norms, two residual adds, dropouts) + rotary
-``2 N (a + a_kv) h_d / tp p`` + the MLP's activation ``3 N f / tp p`` (gpt2: 2; an MoE block's over its ``m``
+with sequence parallelism or a grid): per block ``12 r p`` (two norms, two residual adds, dropouts) + ``2 r p`` for
+each norm beyond two (``model.norm_placement=sandwich``: four) + rotary ``2 N (a + a_kv) h_d / tp p`` (as much again
+for q/k norms, ``model.qk_norm``) + the MLP's activation ``3 N f / tp p`` (gpt2: 2; an MoE block's over its ``m``
 assignments, plus their dispatch and combine ``(5 m d + 3 N_r d) p``: the rows gathered, weighted and added back into a
 zeroed output); the head ``2 r p`` + the loss over the rank's vocabulary slice, ``N V / tp`` fp32 logits passed over 4
 times in forward and backward by one rank's fused log-softmax, 11 times by the vocabulary-parallel one
@@ -54,6 +65,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
+from ..models.masks import layer_window
 from ..parallel.tensor.layout import bias_elements, block_norms, qk_norm_elements
 from ..topology import ParallelDims
 
@@ -119,6 +131,14 @@ def linear_shape(dims: ParallelDims, tokens: int, h: int, h2: int, row: bool = F
     return tokens // (q * grid.depth), h2 // q, h
 
 
+def causal_pairs(seq: int, window: int | None = None) -> int:
+    """The (query, key) entries a causal mask leaves in one head's ``[seq, seq]`` scores, with a sliding ``window``
+    (query ``i`` sees keys ``i - window < j <= i``; None: all earlier keys): ``sum_{i<T} min(i + 1, w)``, which is
+    ``T (T + 1) / 2`` for ``w >= T`` and ``w (w + 1) / 2 + (T - w) w`` otherwise."""
+    w = seq if window is None else min(window, seq)
+    return w * (w + 1) // 2 + (seq - w) * w
+
+
 def block_work(
     cfg: ModelConfig,
     dims: ParallelDims,
@@ -129,9 +149,11 @@ def block_work(
     p: int,
     attention: str = "flash",
     cp_mode: str = "ring",
+    window: int | None = None,
 ) -> Work:
     """One block's forward for ``batch`` sequences of ``seq`` tokens on one rank (module docstring), its attention
-    core run by kernel ``attention`` (:data:`ATTENTION`), context parallelism by ``cp_mode``."""
+    core run by kernel ``attention`` (:data:`ATTENTION`), context parallelism by ``cp_mode``, over a sliding
+    ``window`` (None: full causal attention)."""
     d, hd, tp, cp = cfg.d_model, cfg.head_dim, dims.tp, dims.cp
     n = batch * seq // cp
     a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
@@ -140,14 +162,16 @@ def block_work(
     heads = cfg.n_heads // tp if dims.grid.mode == "1d" else cfg.n_heads // dims.grid.q
     g = dims.grid
     seqs = batch if g.mode == "1d" else batch // (g.q * (g.q if g.mode == "3d" else g.depth))  # a grid rank's samples
-    flash = attention == "flash"
-    count = (0.5 if flash else 1.0) * seqs * heads  # a causal flash kernel computes half of the T x T scores
+    flash = attention == "flash" and cfg.attn_softcap is None  # soft-capped scores: the explicit path
+    # a flash kernel computes the scores the causal mask and the window leave, P(T, w) of the T x T
+    count = (causal_pairs(seq, window) / (seq * seq) if flash else 1.0) * seqs * heads
     rows = seq // cp
     if cp > 1 and cp_mode == "ulysses":  # whole sequences, 1/cp of the heads
         rows, count = seq, count / cp
     gemms += [Gemm("scores", rows, seq, hd, count), Gemm("weighted", rows, hd, seq, count)]
     scores = 0.0 if flash else seqs * heads * (seq // cp) * seq
-    attention_bytes = scores * (4 * p + ((2 * p + 1) if cfg.dropout > 0 else 0))
+    passes = 4 * p if cfg.attn_softcap is None else 13 * p + 5 + (p + 4 if p != 4 else 0)
+    attention_bytes = scores * (passes + ((2 * p + 1) if cfg.dropout > 0 else 0))
     mats = 3 if _gated(cfg) else 2
     if moe:
         from ..memory.moe_activations import moe_assignments
@@ -171,8 +195,12 @@ def block_work(
         dispatch = 0
     split = tp if (sequence_parallel or dims.grid.mode != "1d") else 1
     r = n * d / split
+    heads_elements = n * (cfg.n_heads + cfg.kv_heads) * hd / tp  # q and k: rotary (and q/k norms) read and write them
+    extra_norms = block_norms(cfg) - 2  # sandwich: a norm on each branch's output as well
     elementwise = p * (
-        12 * r + 2 * n * (cfg.n_heads + cfg.kv_heads) * hd / tp + (3 if _gated(cfg) else 2) * ffn_elements
+        (12 + 2 * extra_norms) * r
+        + 2 * heads_elements * (2 if cfg.qk_norm != "none" else 1)
+        + (3 if _gated(cfg) else 2) * ffn_elements
     )
     elementwise += dispatch
     return Work(tuple(gemms), elementwise + attention_bytes, attention_bytes)
@@ -182,12 +210,15 @@ def rebuilt_bytes(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, se
     """The bytes one dense block's elementwise recomputation (:mod:`trickles.memory.recompute`) moves in one
     backward: each linear that reads a norm's output reruns the norm (reads ``x``, writes ``n``: ``2 r p``), the
     down projection reruns the activation (``3 N f / tp p``, gpt2 2) -- ``r`` as in :func:`block_work`; the linears
-    reading the attention norm are q, k and v (one fused qkv), the MLP norm's gate and up (one fused, gpt2's up)."""
+    reading the attention norm are q, k and v (one fused qkv), the MLP norm's gate and up (one fused, gpt2's up).
+    Without norms before the branches (``model.norm_placement=post``) the linears read the residual stream: no norm
+    reruns."""
     n = batch * seq // dims.cp
     split = dims.tp if sequence_parallel and dims.tp > 1 else 1
     r = n * cfg.d_model / split
     fused = cfg.fuses_projections
     readers = (1 if fused else 3) + (1 if fused or not _gated(cfg) else 2)
+    readers *= cfg.norm_placement != "post"
     return p * (2 * r * readers + (3 if _gated(cfg) else 2) * n * cfg.ffn_dim / dims.tp)
 
 
@@ -200,12 +231,14 @@ LOSS_BYTES = {"whole": 4 * 4, "split": 11 * 4}
 
 def head_work(cfg: ModelConfig, dims: ParallelDims, batch: int, seq: int, sequence_parallel: bool, p: int) -> Work:
     """The last stage's final norm, output layer ``d -> V`` and loss, for one micro-batch's forward (the loss's bytes
-    a third of :data:`LOSS_BYTES`, as backward counts twice the forward's)."""
+    a third of :data:`LOSS_BYTES`, as backward counts twice the forward's); soft-capped logits
+    (``model.final_softcap``) add the cap's three passes over the rank's logits, divided, ``tanh``, multiplied back:
+    ``6 p`` a logit."""
     n = batch * seq // dims.cp
     split = dims.tp if (sequence_parallel or dims.grid.mode != "1d") else 1
     vocab_split = dims.tp if dims.grid.mode == "1d" else dims.grid.q
     out = Gemm("output", *linear_shape(dims, n, cfg.d_model, cfg.vocab_size))
-    loss = LOSS_BYTES["split" if vocab_split > 1 else "whole"] / 3
+    loss = LOSS_BYTES["split" if vocab_split > 1 else "whole"] / 3 + (6 * p if cfg.final_softcap is not None else 0)
     return Work((out,), 2 * p * n * cfg.d_model / split + loss * n * cfg.vocab_size / vocab_split)
 
 
@@ -221,14 +254,15 @@ def chunk_work(
     attention: str = "flash",
     cp_mode: str = "ring",
 ) -> Work:
-    """Forward work of ``layers`` (and the head if ``last``) for one micro-batch on one rank."""
+    """Forward work of ``layers`` (and the head if ``last``) for one micro-batch on one rank, each layer over its own
+    sliding window (:func:`~trickles.models.masks.layer_window`)."""
     moe = set(cfg.moe_layers)
-    cache: dict[bool, Work] = {}
+    cache: dict[tuple[bool, int | None], Work] = {}
     work = NO_WORK
     for i in layers:
-        key = i in moe
+        key = (i in moe, layer_window(cfg, i))
         if key not in cache:
-            cache[key] = block_work(cfg, dims, batch, seq, key, sequence_parallel, p, attention, cp_mode)
+            cache[key] = block_work(cfg, dims, batch, seq, key[0], sequence_parallel, p, attention, cp_mode, key[1])
         work = work + cache[key]
     if last:
         work = work + head_work(cfg, dims, batch, seq, sequence_parallel, p)

@@ -17,8 +17,9 @@ forward (``full``), the attention core's (``selective``) or the norms' and activ
 costs, twice under a split backward (``elementwise``, :func:`~trickles.planner.compute.rebuilt_bytes`): ``t_rc``.
 ``compute = m (t_f + t_b + t_rc)``. Of ``t_b``, the weights' gradients take ``t_w`` = the forward time of the GEMMs with
 a weight (all but the attention core's): what a zero-bubble schedule's ``W`` moves into the bubble. Its FLOPs sum to
-:func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the ranks; the model's
-attention FLOPs are halved for a causal kernel).
+:func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the ranks), except that
+a causal kernel's attention core counts only the scores the mask and a layer's sliding window leave
+(:func:`~trickles.planner.compute.causal_pairs`).
 
 **Communication** (:mod:`trickles.planner.exposure`): each collective's time on the link its group spans, and the
 part of it compute does not hide: data-parallel reductions and ZeRO gathers behind a micro-batch's backward or

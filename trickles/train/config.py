@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..adapters.lora import DEFAULT_TARGETS, LoRASettings
 from ..errors import ConfigError
 from ..options import opt
 
@@ -63,6 +64,17 @@ class TrainConfig:
         "Hugging Face model directory (config.json + safetensors; data.tokenizer then defaults to its tokenizer), "
         "with its model shape, a fresh optimizer and step 0 (empty: initialize from seed)",
     )
+    lora_rank: int = opt(
+        0,
+        "LoRA: train rank-r adapters on the projections of train.lora_targets, every other weight frozen (no "
+        "gradient, no optimizer state; docs/lora.md); 0: off, the whole model trains",
+    )
+    lora_alpha: float = opt(16.0, "LoRA: the update is scaled by lora_alpha / lora_rank")
+    lora_dropout: float = opt(0.0, "LoRA: dropout on the adapters' input")
+    lora_targets: list[str] = opt(
+        list(DEFAULT_TARGETS),
+        "LoRA: the projections to adapt, by their Hugging Face module names (every linear whose name ends so)",
+    )
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
     async_checkpoint: bool = opt(
@@ -100,7 +112,17 @@ class TrainConfig:
     sample_temperature: float = opt(0.8, "temperature of the final sample")
     sample_top_k: int = opt(40, "top-k of the final sample (0: off)")
 
+    def lora(self) -> LoRASettings | None:
+        """The LoRA adapters this run trains (None: train.lora_rank=0, the whole model trains)."""
+        if not self.lora_rank:
+            return None
+        return LoRASettings(self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets))
+
     def validate(self) -> None:
+        if self.lora_rank < 0:
+            raise ConfigError(f"train.lora_rank must be 0 (off) or a rank, got {self.lora_rank}")
+        if self.lora_rank:
+            self.lora().check()
         for key in ("steps", "global_batch"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be at least 1, got {getattr(self, key)}")

@@ -13,6 +13,9 @@ its manifest, and writes
   ``[parallel]`` settings reset, rank 0's RNG state, and under ``exported_from`` the source and
   its layout), the tokenizer, and a fresh manifest. Step, consumed samples, loss scaler, model
   and the rest of the config are kept. Like any checkpoint it loads at any layout.
+* ``fmt="peft"``: a LoRA run's adapters as a PEFT adapter directory (``adapter_config.json``,
+  ``adapter_model.safetensors``; :mod:`trickles.adapters.peft`), which ``peft.PeftModel.from_pretrained`` loads onto
+  the Hugging Face model the run started from. (``fmt="hf"`` of a LoRA run writes the merged weights.)
 * ``fmt="hf"``: the whole model through :func:`~trickles.train.load.load_for_inference` and
   :func:`~trickles.models.hf.save_hf` (``config.json`` + ``model.safetensors``, the tokenizer's
   eos id in the config), with the tokenizer's files beside them. When the run's tokenizer is a Hugging Face
@@ -35,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.peft import save_peft
 from ..data.tokenizers import load_hf_tokenizer
 from ..errors import CheckpointError, DataError, UserError
 from ..models.config import ModelConfig
@@ -42,10 +46,10 @@ from ..models.transformer import Transformer
 from ..parallel.config import ParallelConfig
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .load import load_for_inference
+from .load import load_for_inference, run_lora
 from .pieces import PieceReader, save_whole
 
-FORMATS = ("trickles", "hf")
+FORMATS = ("trickles", "hf", "peft")
 TOKENIZER = "tokenizer"
 #: what a Hugging Face export copies from the run's tokenizer directory, where they exist
 HF_FILES = (
@@ -76,6 +80,8 @@ def export_checkpoint(src: str, out: str, fmt: str = "trickles", notes: list[str
         if fmt == "trickles":
             _write_single_process(path, tmp, meta)
             ckpt.write_manifest(tmp)
+        elif fmt == "peft":
+            _write_peft(path, tmp, meta)
         else:
             note = _write_hf(path, tmp, meta)
             if note and notes is not None:
@@ -184,6 +190,18 @@ def _write_hf(path: str, tmp: str, meta: dict[str, Any]) -> str | None:
     if not os.path.exists(os.path.join(tmp, "tokenizer.json")):
         return f"no Hugging Face tokenizer files written: the run's tokenizer ({tokenizer.name}) has none"
     return None
+
+
+def _write_peft(path: str, tmp: str, meta: dict[str, Any]) -> None:
+    """A LoRA run's adapters as a PEFT adapter directory ``tmp`` (:func:`~trickles.adapters.peft.save_peft`), for the
+    Hugging Face model the run started from (``train.init_from``, recorded as the base)."""
+    lora = run_lora(meta)
+    if lora is None:
+        raise UserError(f"{path} is not a LoRA run (train.lora_rank=0): it has no adapters; export it with --format hf")
+    model, _, _ = load_for_inference(path, verify=False, merge_adapters=False)
+    base = ((meta.get("config") or {}).get("train") or {}).get("init_from") or None
+    os.rmdir(tmp)  # save_peft writes a new directory and renames it into place
+    save_peft(model, tmp, lora, base=base)
 
 
 def _tokenizer_dir(path: str) -> str:

@@ -9,11 +9,13 @@ whether it holds a tokenizer, :func:`load_hf_for_inference` the model and tokeni
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import torch
 
+from ..adapters.lora import LoRASettings, apply_lora, merge_lora
 from ..data import load_tokenizer
 from ..data.tokenizers import load_hf_tokenizer
 from ..errors import CheckpointError
@@ -21,28 +23,49 @@ from ..models.config import ModelConfig
 from ..models.hf import config_from_hf, load_hf
 from ..models.transformer import Transformer
 from . import checkpoint as ckpt
+from .config import TrainConfig
 
 
 def load_for_inference(
-    path: str, device: torch.device | str = "cpu", verify: bool = True, fused_proj: bool | None = None
+    path: str,
+    device: torch.device | str = "cpu",
+    verify: bool = True,
+    fused_proj: bool | None = None,
+    merge_adapters: bool = True,
 ):
     """``(model, tokenizer, trainer_meta)`` from a checkpoint directory, run's out_dir or checkpoints folder.
 
     ``verify=False`` skips checking the manifest (the caller just did); ``fused_proj`` overrides ``model.fused_proj``
-    (how the model computes its projections; the checkpoint holds the same tensors either way).
+    (how the model computes its projections; the checkpoint holds the same tensors either way). A LoRA run's
+    adapters (``train.lora_rank``) are folded into their base weights (:func:`~trickles.adapters.merge_lora`) unless
+    ``merge_adapters=False`` keeps them apart (a PEFT export).
     """
     path = ckpt.resolve(path)
     if verify:
         ckpt.verify(path)
     meta = ckpt.read_json(os.path.join(path, "trainer.json"))
     model_cfg = ModelConfig(**{**meta["model"], **({} if fused_proj is None else {"fused_proj": fused_proj})})
+    lora = run_lora(meta)
     with torch.device("meta"):
         model = Transformer(model_cfg)
+        if lora is not None:
+            apply_lora(model, lora)
     model.to_empty(device=device)
     model.reset_buffers()
     ckpt.load_model_state(model, ckpt.PieceReader(path, "model"), path)
+    if lora is not None and merge_adapters:
+        merge_lora(model)
     model.eval()
     return model, load_tokenizer(os.path.join(path, "tokenizer")), meta
+
+
+def run_lora(meta: dict) -> LoRASettings | None:
+    """The LoRA adapters the run of ``trainer.json``'s ``meta`` trained (None: none)."""
+    train = (meta.get("config") or {}).get("train") or {}
+    if not train.get("lora_rank"):
+        return None
+    fields = {f.name: train[f.name] for f in dataclasses.fields(TrainConfig) if f.name in train}
+    return TrainConfig(**fields).lora()
 
 
 HF_CONFIG = "config.json"

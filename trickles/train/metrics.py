@@ -81,14 +81,25 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and v is not None and math.isfinite(v):
-                    self._tb.add_scalar(k, v, record["step"])
+            for k, v in scalars(record):
+                self._tb.add_scalar(k, v, record["step"])
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def scalars(record: dict[str, Any]) -> list[tuple[str, float]]:
+    """A record's finite numbers as ``(tag, value)``, a mixture's per-source tables (``source_tokens``,
+    ``source_val_loss``: ``{source: number}``) as ``key/source`` (what TensorBoard shows)."""
+    out = []
+    for k, v in record.items():
+        items = v.items() if isinstance(v, dict) else [(None, v)]
+        for name, x in items:
+            if k != "step" and isinstance(x, (int, float)) and math.isfinite(x):
+                out.append((k if name is None else f"{k}/{name}", x))
+    return out
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:

@@ -32,26 +32,26 @@ from typing import Any
 
 import torch
 
+from ..adapters.lora import apply_lora
 from ..comm import flight
 from ..compress.distill import Distiller
 from ..compress.qat import apply_qat
 from ..config import Config
-from ..data import ShardedBatches, build_tokenizer, load_corpus, require_boundaries
-from ..data.loader import DOCUMENTS
+from ..data import build_tokenizer
+from ..data.loader import DOCUMENTS, weigh
+from ..data.mixture import MixedBatches, data_batches, load_data
 from ..data.sources import iter_documents
 from ..errors import ConfigError, TrainingStopped
 from ..kernels.cross_entropy import OutputLoss
 from ..memory.precision import autocast, policy
 from ..memory.scaler import DynamicLossScaler
 from ..models.config import ModelConfig, resolve_model
-from ..models.generate import generate
 from ..models.transformer import Transformer, count_params
 from ..optim import lr_at
 from ..optim.schedule import schedule_kind
-from ..parallel.pipeline.runner import PipelinedModel
 from ..parallel.plan import parallelize
 from ..topology import Topology
-from . import outputs, stopping, trainer_state
+from . import outputs, sampling, stopping, trainer_state
 from .flops import flops_per_token, matmul_params, peak_flops
 from .load import load_for_inference  # noqa: F401 (re-exported: trickles.train.trainer.load_for_inference)
 from .metrics import MetricsLog, moe_metrics
@@ -80,21 +80,13 @@ class Trainer:
         self.tokenizer = build_tokenizer(cfg.data, documents=lambda: iter_documents(cfg.data))
         hard = cfg.model.moe_experts and cfg.model.moe_router == "hard"
         self.label_names = list(cfg.model.label_experts) if hard else None  # hard-routed experts' labels, by id
-        self.corpus = load_corpus(cfg.data, self.tokenizer, cfg.data.cache_dir, labels=self.label_names)
+        self.corpus = load_data(cfg.data, self.tokenizer, self.label_names)  # a Corpus, or a Mixture of sources
         if topo.is_main:
             world.barrier(limit_s=math.inf)
         seq = cfg.data.seq_len
         eos = self.tokenizer.eos_id if cfg.data.document_mask else None  # packed documents: batches carry their ids
-        if eos is not None:
-            require_boundaries(self.corpus.train, eos, cfg.data.source)
-        self.train_data = ShardedBatches(
-            self.corpus.train, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.train_labels, eos
-        )
-        self.val_data = (
-            ShardedBatches(self.corpus.val, seq, t.seed, self.dp.rank, self.dp.size, self.corpus.val_labels, eos)
-            if len(self.corpus.val) > seq
-            else None
-        )
+        self.train_data, self.val_data = data_batches(self.corpus, seq, t.seed, self.dp.rank, self.dp.size, eos)
+        self.source_val_loss: dict[str, float] = {}  # a mixture's last validation loss by source
 
         # Model, built without memory, then allocated and wrapped by the parallel plan.
         self.model_cfg: ModelConfig = resolve_model(cfg.model, self.tokenizer.vocab_size, seq)
@@ -105,6 +97,9 @@ class Trainer:
         # a mixture of experts: parameters a token passes through (the router and top-k of the experts)
         self.n_active = self.n_params - (matmul_params(self.model_cfg, active=False) - matmul_params(self.model_cfg))
         init = trainer_state.init_source(t.init_from, model) if t.init_from else None  # train.init_from's weights
+        self.lora = t.lora()  # LoRA: adapters on the targets, every base parameter frozen (trickles.adapters)
+        if self.lora is not None:
+            apply_lora(model, self.lora)
         self.engine = parallelize(model, topo, cfg, t.seed, init=init)
         self.model = self.engine.model
         self.pipeline = self.engine.pipeline  # a PipelineRunner when parallel.pp > 1
@@ -154,22 +149,27 @@ class Trainer:
         y: torch.Tensor,
         labels: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        weight: float | None = None,
         train: bool = False,
     ) -> torch.Tensor:
-        """The micro-batch's training loss (``train``: with distillation, its loss) or cross-entropy."""
+        """The micro-batch's training loss (``train``: with distillation, its loss) or cross-entropy, times ``weight``
+        (chat data: :func:`~trickles.data.loader.weigh`)."""
         x = x.to(self.device, non_blocking=True)
         y = y.to(self.device, non_blocking=True)
         extra = {} if documents is None else {"documents": documents}  # (on the host: the mask moves what it needs)
         with autocast(self.cfg.memory.precision, self.device):
             if train and self.distill is not None:
                 return self.distill.loss(self.model, x, y, labels)
-            return self.model(x, labels=labels, target=y, **extra)
+            loss = self.model(x, labels=labels, target=y, **extra)
+        return loss if weight is None else loss * weight
 
-    def _shard(self, micro: list) -> list:
+    def _shard(self, micro: list, total: int | None = None) -> list:
         """With context parallelism, this rank's tokens of each micro-batch's inputs and targets (and label ids); the
-        document ids stay whole: every rank's attention masks need the other ranks' ids too."""
+        document ids stay whole: every rank's attention masks need the other ranks' ids too. ``total``: the global
+        batch's trained targets (chat data), each micro-batch's loss weight appended (:func:`weigh`)."""
         cut = self.engine.shard_sequence
-        return [tuple(t if t is None or i == DOCUMENTS else cut(t) for i, t in enumerate(batch)) for batch in micro]
+        micro = [tuple(t if t is None or i == DOCUMENTS else cut(t) for i, t in enumerate(batch)) for batch in micro]
+        return weigh(micro, total, self.replicas.size)
 
     def train_step(self) -> dict[str, Any]:
         """Runs one optimizer step on the next global batch; returns its metrics."""
@@ -178,7 +178,10 @@ class Trainer:
         flight.step = self.step + 1  # named in hang reports
         lr = lr_at(self.step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio, schedule_kind(t), t.poly_power)
         total = torch.zeros((), device=self.device)
-        batches = self._shard(self.train_data.micro_batches(self.consumed, t.global_batch, self.micro_batch))
+        data, b = self.train_data, t.global_batch
+        batches = self._shard(
+            data.micro_batches(self.consumed, b, self.micro_batch), data.trained_targets(self.consumed, b)
+        )
         scale = self.scaler.scale if self.scaler else 1.0
         moe = self.moe_stats
         if moe is not None:  # the experts' auxiliary losses backpropagate scaled like the loss
@@ -204,6 +207,7 @@ class Trainer:
             self.engine.step(lr)
         else:
             self.skipped += 1
+        self.engine.balance_routers(update=finite)  # auxiliary-loss-free balancing moves the routing biases
         if self.distill is not None:  # a learned hidden-state projection steps with the model (or drops its gradients)
             self.distill.step(lr, scale, skip=not finite)
         if self.scaler:
@@ -233,6 +237,8 @@ class Trainer:
         }
         if self.scaler:
             record["loss_scale"] = scale
+        if isinstance(self.train_data, MixedBatches):  # tokens drawn from each source so far
+            record["source_tokens"] = self.train_data.source_tokens(self.consumed)
         if moe is not None:
             record.update(moe_metrics(moe, self.model_cfg, self.topo, self.cfg.parallel.sequence_parallel, self.device))
         return record
@@ -255,16 +261,26 @@ class Trainer:
                 f"train.warmup_steps, use memory.precision=bf16 or fp32, or check the data"
             )
 
-    @torch.no_grad()
     def evaluate(self) -> float | None:
-        """Mean loss over ``eval_batches`` held-out batches (None when there is no held-out data)."""
-        if self.val_data is None:
+        """Mean loss over ``eval_batches`` held-out batches (None when there is no held-out data); a mixture's is its
+        sources' losses (``eval_batches`` of each, kept in ``source_val_loss``) weighted by their shares."""
+        if not isinstance(self.val_data, dict):
+            return self.held_out_loss(self.val_data)
+        self.source_val_loss = {name: self.held_out_loss(data) for name, data in self.val_data.items()}
+        return self.corpus.weighted(self.source_val_loss)
+
+    @torch.no_grad()
+    def held_out_loss(self, data) -> float | None:
+        """Mean loss over ``eval_batches`` batches of ``data`` (held-out ShardedBatches; None: returns None)."""
+        if data is None:
             return None
         t = self.cfg.train
         self.model.eval()
         total, count = torch.zeros((), device=self.device), 0
         for i in range(t.eval_batches):
-            micro = self._shard(self.val_data.val_micro_batches(i, t.global_batch, self.micro_batch))
+            micro = self._shard(
+                data.val_micro_batches(i, t.global_batch, self.micro_batch), data.val_trained_targets(i, t.global_batch)
+            )
             if self.pipeline is not None:
                 total += self.pipeline.forward_only(micro) * len(micro)
                 count += len(micro)
@@ -310,6 +326,8 @@ class Trainer:
             last = self.step == t.steps
             if t.eval_every and (self.step % t.eval_every == 0 or last):
                 record["val_loss"] = self.evaluate()
+                if self.source_val_loss:
+                    record["source_val_loss"] = self.source_val_loss
             self.history.append(record)
             if log is not None:
                 log.write(record)
@@ -317,28 +335,8 @@ class Trainer:
             stopping.after_step(self, last)  # checkpoints, the final save, a SIGTERM's stop
 
     def sample(self, prompt: str, n_tokens: int, label: str | None = None) -> str:
-        """Prompt plus ``n_tokens`` sampled from the current model (settings from ``[train]``); hard-routed
-        experts decode with ``label``'s experts (default: the first label)."""
-        t = self.cfg.train
-        ids = self.tokenizer.encode(prompt) or [self.tokenizer.eos_id]
-        g = torch.Generator(device=self.device).manual_seed(t.seed)
-        model = self.model
-        if self.pipeline is not None:
-            vocab_local = self.model_cfg.vocab_size // self.topo.dims.tp
-            model = PipelinedModel(self.pipeline, self.model, vocab_local)
-        with autocast(self.cfg.memory.precision, self.device), _eager():
-            new = generate(
-                model,
-                torch.tensor([ids], device=self.device),
-                n_tokens,
-                t.sample_temperature,
-                t.sample_top_k,
-                eos_id=self.tokenizer.eos_id,
-                generator=g,
-                logits_fn=self.engine.full_logits,
-                labels=self.label_ids(label or self.label_names[0]) if self.label_names else None,
-            )
-        return prompt + self.tokenizer.decode(new[0].tolist())
+        """Prompt plus ``n_tokens`` sampled from the current model (:func:`trickles.train.sampling.sample`)."""
+        return sampling.sample(self, prompt, n_tokens, label)
 
     def label_ids(self, label: str, rows: int = 1) -> torch.Tensor:
         """``[rows]`` label ids of ``label`` for hard-routed experts; ConfigError naming the labels when unknown."""
@@ -378,11 +376,3 @@ class Trainer:
         self.step, self.consumed, self.skipped = trainer_state.load(
             path, self.engine, self.scaler, self.topo.rank, self.model_cfg, self.cfg.train.optimizer, verify
         )
-
-
-def _eager():
-    """Runs compiled blocks eagerly (decoding shapes would only trigger recompilation)."""
-    import contextlib
-
-    stance = getattr(torch.compiler, "set_stance", None)
-    return stance("force_eager") if stance is not None else contextlib.nullcontext()

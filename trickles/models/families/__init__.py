@@ -26,10 +26,41 @@ from types import ModuleType
 from ...errors import CheckpointError, ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
-from . import gpt2, llama, mistral, mixtral, olmo2, qwen2, qwen3
+from . import (
+    deepseek_v3,
+    gemma2,
+    gemma3,
+    gpt2,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+)
 
 #: model_type -> family module; for a model with ``model.family`` unset, the first whose ``picks`` says yes
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (mixtral, gpt2, qwen3, olmo2, qwen2, llama, mistral)}
+FAMILIES: dict[str, ModuleType] = {
+    m.MODEL_TYPE: m
+    for m in (
+        deepseek_v3,
+        qwen2_moe,
+        qwen3_moe,
+        mixtral,
+        gpt2,
+        gemma3,
+        gemma2,
+        qwen3,
+        olmo2,
+        qwen2,
+        llama,
+        mistral,
+        phi3,
+    )
+}
 
 
 def _supported() -> str:

@@ -30,8 +30,10 @@ def silu_only(c: dict, source: str) -> None:
 def llama_shape(c: dict, source: str, family: str, **fields) -> ModelConfig:
     """The :class:`ModelConfig` of a llama-style ``config.json`` (``c``: merged with its defaults); ``fields``
     are the family's own (biases, experts, rotary base). An explicit ``head_dim`` other than
-    ``hidden_size / num_attention_heads`` (a pruned model) is ``model.head_size``."""
-    silu_only(c, source)
+    ``hidden_size / num_attention_heads`` (a pruned model) is ``model.head_size``. A family whose MLP activation is
+    not silu gives it as ``mlp_activation`` (``hidden_act`` is then not read)."""
+    if "mlp_activation" not in fields:
+        silu_only(c, source)
     hidden, heads = c["hidden_size"], c["num_attention_heads"]
     head_dim = c.get("head_dim")
     return ModelConfig(
@@ -73,13 +75,34 @@ def qwen_windows(c: dict, source: str) -> dict:
     return dict(sliding_window=window, window_layers=pattern) if window is not None and any(pattern) else {}
 
 
+def typed_windows(types, window, source: str, n_layers: int) -> dict:
+    """``model.sliding_window`` and ``model.window_layers`` of a ``layer_types`` list (``sliding_attention`` layers
+    slide by ``window``; ``full_attention`` ones attend to every earlier key), refusing other types, a list whose
+    length is not ``n_layers`` and sliding layers without a window."""
+    if not isinstance(types, list) or len(types) != n_layers:
+        raise refuse(source, f"layer_types={types!r} (give one entry per layer, {n_layers})")
+    if set(types) - {"sliding_attention", "full_attention"}:
+        raise refuse(source, f"layer_types={types} (only sliding_attention and full_attention are built)")
+    pattern = [t == "sliding_attention" for t in types]
+    if not any(pattern):
+        return {}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise refuse(source, f"sliding_window={window!r} with sliding_attention layers (give a window of at least 1)")
+    return dict(sliding_window=window, window_layers=pattern)
+
+
+def layer_types(cfg: ModelConfig) -> list[str]:
+    """The ``layer_types`` list of ``cfg``: ``sliding_attention`` where a layer slides, else ``full_attention``."""
+    return [("sliding" if layer_window(cfg, i) else "full") + "_attention" for i in range(cfg.n_layers)]
+
+
 def qwen_window_keys(cfg: ModelConfig) -> dict:
     """The Qwen2/Qwen3 ``config.json`` keys of ``cfg``'s sliding windows (the inverse of :func:`qwen_windows`)."""
     return dict(
         use_sliding_window=cfg.sliding_window is not None,
         sliding_window=cfg.sliding_window,
         max_window_layers=cfg.n_layers,
-        layer_types=[("sliding" if layer_window(cfg, i) else "full") + "_attention" for i in range(cfg.n_layers)],
+        layer_types=layer_types(cfg),
     )
 
 
@@ -93,12 +116,35 @@ def require_norms(cfg: ModelConfig, family: str, qk_norm: str = "none", placemen
             )
 
 
+def require_no_gemma_parts(cfg: ModelConfig, architecture: str) -> None:
+    """ConfigError if ``cfg`` has one of Gemma's parts, which ``architecture`` (not a Gemma) does not have."""
+    on = [k for k in ("embed_scale", "norm_unit_offset") if getattr(cfg, k)]
+    on += [f"mlp_activation={cfg.mlp_activation}"] if cfg.mlp_activation != "silu" else []
+    on += [k for k in ("attn_softcap", "final_softcap", "rope_local_theta") if getattr(cfg, k) is not None]
+    scalar = cfg.query_pre_attn_scalar
+    on += ["query_pre_attn_scalar"] if scalar is not None and scalar != cfg.head_dim else []
+    if on:
+        raise ConfigError(
+            f"{architecture} has no model.{on[0]}; set model.family=gemma2 or gemma3_text (with every Gemma part), "
+            "or leave it unset"
+        )
+
+
 def llama_keys(
-    cfg: ModelConfig, model_type: str, architecture: str, ffn: int, qk_norm: str = "none", placement: str = "pre"
+    cfg: ModelConfig,
+    model_type: str,
+    architecture: str,
+    ffn: int,
+    qk_norm: str = "none",
+    placement: str = "pre",
+    gemma: bool = False,
 ) -> dict:
     """The ``config.json`` keys every llama-style family writes alike (ConfigError unless ``cfg``'s q/k norm and
-    norm placement are the family's ``qk_norm`` and ``placement``)."""
+    norm placement are the family's ``qk_norm`` and ``placement``, or, unless the family is a ``gemma``, if ``cfg``
+    has one of Gemma's parts)."""
     require_norms(cfg, architecture, qk_norm, placement)
+    if not gemma:
+        require_no_gemma_parts(cfg, architecture)
     return dict(
         architectures=[architecture],
         model_type=model_type,
@@ -118,7 +164,7 @@ def llama_keys(
 
 def dense_llama(cfg: ModelConfig) -> bool:
     """A llama-flavour model without experts: what every dense llama-like family writes."""
-    return cfg.flavor == "llama" and not cfg.moe_experts
+    return cfg.flavor == "llama" and not cfg.moe_experts and cfg.attention == "mha"
 
 
 def require_dense_llama(cfg: ModelConfig, model_type: str) -> None:

@@ -151,6 +151,14 @@ def _check(cfg: ModelConfig) -> None:
             f"Mixtral routes with its learned router only, but model.moe_router={cfg.moe_router}; "
             "set model.moe_router=learned to export to Hugging Face"
         )
+    routing = dict(moe_router_score="softmax", moe_groups=1, moe_routed_scale=1.0, moe_bias_rate=0.0)
+    routing.update(moe_shared_gate=False, moe_norm_topk=True if cfg.moe_norm_topk is False else cfg.moe_norm_topk)
+    for key, want in routing.items():
+        if getattr(cfg, key) != want:
+            raise ConfigError(
+                f"Mixtral routes by renormalized softmax top-k, but model.{key}={getattr(cfg, key)}; "
+                f"set model.{key}={want} to export to Hugging Face"
+            )
     if cfg.moe_top_k == 1:
         raise ConfigError(
             "Mixtral renormalizes the top-k weights, so with model.moe_top_k=1 its expert weight is 1 "

@@ -29,7 +29,7 @@ from ...comm import GroupComm, Handle
 from ...optim.adamw import decay_flags
 from ...optim.settings import OptimizerSettings
 from ...optim.sharded import ShardedOptimizer
-from ..engine import Engine, unique_named_parameters, weak_method
+from ..engine import Engine, trainable_named_parameters, unique_named_parameters, weak_method
 from ..reduction import FIRST_BUCKET_BYTES
 from .flat import FlatLayout
 
@@ -65,7 +65,7 @@ class DataParallel(Engine):
         edp: GroupComm | None = None,
     ):
         super().__init__(model, comm, tp, ep, edp)
-        self.named = unique_named_parameters(model)
+        self.named = trainable_named_parameters(model)
         self.params = [p for _, p in self.named]
         device = self.params[0].device
         self.layout = FlatLayout(
@@ -142,7 +142,7 @@ class DataParallel(Engine):
     # ---- accounting and checkpoints ------------------------------------------------------
     def memory(self) -> dict[str, int]:
         return {
-            "parameters": sum(p.numel() * p.element_size() for p in self.params),
+            "parameters": sum(p.numel() * p.element_size() for _, p in unique_named_parameters(self.model)),
             "gradients": self.grad_buffer.numel() * self.grad_buffer.element_size(),
             "optimizer": self.optimizer.state_bytes(),
         }

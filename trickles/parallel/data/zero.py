@@ -54,7 +54,7 @@ from ...comm import GroupComm, Handle
 from ...optim.adamw import decay_flags
 from ...optim.settings import OptimizerSettings
 from ...optim.sharded import ShardedOptimizer
-from ..engine import _spec, unique_named_parameters, weak_method
+from ..engine import _spec, trainable_named_parameters, unique_named_parameters, weak_method
 from ..reduction import FIRST_BUCKET_BYTES
 from .flat import FlatLayout
 from .zero_gather import GatheringEngine
@@ -90,7 +90,7 @@ class ZeroDataParallel(GatheringEngine):
         # stage 2 under pipeline stages has one during the step only (transient), reduced once into the shard
         self.transient = stage == 2 and pipelined
         self.full_grads = (stage == 1 and accumulates) or self.transient
-        self.named = unique_named_parameters(model)
+        self.named = trainable_named_parameters(model)
         self.params = [p for _, p in self.named]
         p0 = self.params[0]
         self.layout = FlatLayout(
@@ -342,7 +342,12 @@ class ZeroDataParallel(GatheringEngine):
             grads = self.grad_buffer.untyped_storage().nbytes() + (_nbytes(self.shard_grads) if self.transient else 0)
         else:  # the shard and the bucket buffers filling
             grads = _nbytes(self.shard_grads) + sum(_nbytes(t) for t in self._buffers.values())
-        return {"parameters": _nbytes(self.param_buffer), "gradients": grads, "optimizer": self.optimizer.state_bytes()}
+        frozen = sum(_nbytes(p) for _, p in unique_named_parameters(self.model) if not p.requires_grad)
+        return {
+            "parameters": _nbytes(self.param_buffer) + frozen,
+            "gradients": grads,
+            "optimizer": self.optimizer.state_bytes(),
+        }
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -252,6 +252,7 @@ class PipelineRunner:
         x, y, *rest = micro[a.micro]
         labels = rest[0] if rest else None  # hard-routed experts: the micro-batch's label ids
         documents = rest[1] if len(rest) > 1 else None  # packed documents: its document ids
+        weight = rest[2] if len(rest) > 2 else None  # chat data: its loss weight (trickles.data.loader.weigh)
         inp = x.to(self.device, non_blocking=True) if chunk.first else received.requires_grad_(train)
         seq_len = x.shape[1]
         for ctx in (self.cp_ctx, self.tp_ctx):
@@ -277,7 +278,7 @@ class PipelineRunner:
             if y is None:  # decoding: keep the last position's logits
                 self._logits = out[:, -1:].float()
                 return
-            loss = out
+            loss = out if weight is None else out * weight
             self._total += loss.detach()
             out = loss * (loss_scale / self.shape.m)
         else:

@@ -29,7 +29,10 @@ MLP         llama: gate and up (silu recomputed in backward); gpt2: the         
             pre-activation
 ==========  ==================================================================  ===============================
 
-``selective`` recomputation drops the attention core's output and log-sum-exp, ``p n a_l h + 4 n a_l`` (the
+Soft-capped scores (``model.attn_softcap``) keep, in place of the fused kernel's output and log-sum-exp, what
+:mod:`trickles.memory.attention_cores` counts for the rank's ``n / T`` sequences and ``a_l`` heads, less the output
+(``o_proj`` keeps its gathered copy, not the core's). ``selective`` recomputation drops the attention core's output
+and log-sum-exp, ``p n a_l h + 4 n a_l`` (the
 output projection keeps a gathered copy, not the core's output); ``full`` keeps the block input, ``p n d/q``.
 The head keeps the token ids (the whole micro-batch's ``8N``: a rank's rows are a view; 3-D: its column's
 shifted ids and out-of-range mask, ``9 N/q``), gpt2's positions ``8T``, the final norm, the output layer's
@@ -39,6 +42,7 @@ target index (int64) and mask, and its fp32 token count: ``4 n V/q + 9n + 4``.
 
 from __future__ import annotations
 
+from ...memory.attention_cores import core_bytes
 from ...models.config import ModelConfig
 from .layout import Layout, block_linears
 
@@ -66,6 +70,8 @@ def activation_bytes_nd(
     norm = p * n * d // q + (4 if llama else 8) * n
     linears = sum(p * n * h + p * h * h2 // mat for _, h, h2, _ in block_linears(cfg))
     core = p * n * a * hd + 4 * n * a  # the fused kernel's output and log-sum-exp
+    if cfg.attn_softcap is not None:  # the explicit path keeps neither, its scores' tensors instead
+        core += core_bytes(cfg, 0, n // seq, seq, a, kv, p, output_kept=False)
     attention = p * n * (a * hd + 2 * kv * hd) + core + (4 * seq * hd * p if llama and p != 4 and not rotary else 0)
     mlp = (2 if llama else 1) * p * n * fl
     layer = {

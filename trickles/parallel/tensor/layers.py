@@ -288,13 +288,14 @@ class SplitWidthRMSNorm(nn.Module):
     The mean square needs every rank's heads: the local sum of squares ``s_i`` is all-reduced in forward, ``S = sum_i
     s_i``, and since every rank's heads use ``S``, the gradient of ``s_i`` is the all-reduce of theirs in backward
     (``copy_to_region`` then ``reduce_from_region``: one ``[B, T, 1]`` fp32 all-reduce each way, in the ledger).
+    ``offset``: by ``1 + weight``, in fp32 to the end (``model.norm_unit_offset``).
     """
 
-    def __init__(self, width: int, eps: float, ctx: TPContext, device=None):
+    def __init__(self, width: int, eps: float, ctx: TPContext, device=None, offset: bool = False):
         super().__init__()
         tp, r = ctx.comm.size, ctx.comm.rank
         local = _shard(width, tp, "q/k norm width")
-        self.ctx, self.eps, self.width = ctx, eps, width
+        self.ctx, self.eps, self.width, self.offset = ctx, eps, width, offset
         self.weight = set_spec(nn.Parameter(torch.empty(local, device=device)), TPSpec((width,), (r * local,)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -302,6 +303,8 @@ class SplitWidthRMSNorm(nn.Module):
         comm = self.ctx.comm
         total = reduce_from_region(copy_to_region(xf.pow(2).sum(-1, keepdim=True), comm), comm)
         rstd = torch.rsqrt(total / self.width + self.eps)
+        if self.offset:
+            return (xf * rstd * (1.0 + self.weight.float())).type_as(x).view_as(x)
         return (self.weight * (xf * rstd).type_as(x)).view_as(x)
 
 

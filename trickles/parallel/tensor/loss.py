@@ -7,7 +7,9 @@ the target's shifted logit (zero on ranks not holding it) and ``S = sum_j exp(z_
 ``loss = log S - (z_t - m)``. Backward is local: ``softmax_j - [j = t]`` on the rank's slice, and the column-parallel
 projection's own backward completes ``dh`` across the group. The fused variant
 (:func:`~trickles.kernels.cross_entropy.linear_cross_entropy` with a communicator) reduces the same statistics per
-chunk without materializing the logits.
+chunk without materializing the logits. Soft-capped logits (``model.final_softcap``) are capped on each rank's
+slice before the statistics (elementwise: no communication of their own), through autograd's ``tanh`` unfused (which
+keeps the capped slice's ``tanh``, ``p N V/tp`` bytes) and inside the chunks fused.
 
 The loss is a custom operator, ``trickles::vocab_parallel_cross_entropy`` (``torch.library.custom_op``, with a fake
 implementation and its autograd formula registered), so ``torch.compile`` and AOTAutograd see one opaque node and
@@ -26,6 +28,7 @@ from torch import nn
 from ...comm import GroupComm
 from ...kernels.cross_entropy import IGNORE_INDEX, OutputLoss, cross_entropy, linear_cross_entropy
 from ...kernels.groups import comm_name, named_comm
+from ...kernels.softcap import softcap
 from .layers import TPContext
 
 
@@ -114,8 +117,8 @@ class VocabParallelLoss(OutputLoss):
     completes ``dh`` across the group.
     """
 
-    def __init__(self, ctx: TPContext, fused: bool | None, chunk: int, kernels: str):
-        super().__init__(fused, chunk, kernels)
+    def __init__(self, ctx: TPContext, fused: bool | None, chunk: int, kernels: str, cap: float | None = None):
+        super().__init__(fused, chunk, kernels, cap)
         self.ctx = ctx
         if getattr(ctx.comm, "group", None) is not None:  # (a planner's stand-in has no group and runs no loss)
             comm_name(ctx.comm)  # named once outside any compiled region, so that a compiled head finds it
@@ -132,5 +135,6 @@ class VocabParallelLoss(OutputLoss):
                 self.kernels,
                 comm if comm.size > 1 else None,
                 self.ctx.vocab_start,
+                self.softcap,
             )
-        return vocab_parallel_cross_entropy(output(h), target, comm, self.ctx.vocab_start)
+        return vocab_parallel_cross_entropy(softcap(output(h), self.softcap), target, comm, self.ctx.vocab_start)

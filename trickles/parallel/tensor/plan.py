@@ -118,8 +118,9 @@ def apply_tensor_parallel(
             attn.v_proj = kv(cfg.d_model, *args, qkv_bias, ctx, device=dev, regather=rg)
         attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, o_bias, ctx, device=dev)
         if cfg.qk_norm == "full":  # the config check made tp divide the key/value heads
-            attn.q_norm = SplitWidthRMSNorm(cfg.n_heads * hd, cfg.norm_eps, ctx, device=dev)
-            attn.k_norm = SplitWidthRMSNorm(cfg.kv_heads * hd, cfg.norm_eps, ctx, device=dev)
+            off = cfg.norm_unit_offset
+            attn.q_norm = SplitWidthRMSNorm(cfg.n_heads * hd, cfg.norm_eps, ctx, device=dev, offset=off)
+            attn.k_norm = SplitWidthRMSNorm(cfg.kv_heads * hd, cfg.norm_eps, ctx, device=dev, offset=off)
         # per-head q/k norms (each rank's gradient from its own heads) and post norms (from its sequence shard)
         for p, partial in [
             *((p, True) for p in attn.parameters() if not hasattr(p, "tp_spec")),
@@ -146,7 +147,7 @@ def apply_tensor_parallel(
     if cfg.tied:
         model.output.weight = model.embed.weight
     ctx.vocab_start = model.output.weight.tp_spec.offset[0]
-    model.loss = VocabParallelLoss(ctx, model.loss.fused, model.loss.chunk, model.loss.kernels)
+    model.loss = VocabParallelLoss(ctx, model.loss.fused, model.loss.chunk, model.loss.kernels, model.loss.softcap)
     fused.tag(model, cfg)
     model.register_forward_pre_hook(_sequence_parallel_switch(ctx), with_kwargs=True)
     model.register_forward_hook(lambda module, args, out: ctx.end_forward())
