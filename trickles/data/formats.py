@@ -105,6 +105,10 @@ def table_documents(
 ) -> Iterator[tuple[str, int, str | None]]:
     """``(text, bytes, label or None)`` per row with text, within ``left`` bytes (the last one cut), as
     :func:`trickles.data.sources.labelled_documents` reads a JSONL file; ``keep``: only rows with these labels."""
+    return within_budget(_table_records(cfg, path, fmt), left, keep)
+
+
+def _table_records(cfg: DataConfig, path: str, fmt: str) -> Iterator[tuple[str, str | None]]:
     columns = [cfg.text_field] + ([cfg.label_field] if cfg.label_field is not None else [])
     for n, row in rows(cfg, path, fmt, columns):
         text = row[cfg.text_field]
@@ -118,8 +122,18 @@ def table_documents(
             if not isinstance(row[cfg.label_field], (str, int)):
                 raise DataError(f"{path}: row {n} has no label in column {cfg.label_field!r}; fix the row")
             label = str(row[cfg.label_field])
-            if keep is not None and label not in keep:
-                continue
+        yield text, label
+
+
+def within_budget(
+    records: Iterator[tuple[str, str | None]], left: int | None, keep: set[str] | None = None
+) -> Iterator[tuple[str, int, str | None]]:
+    """``(text, bytes, label)`` of each ``(text, label)`` record (a JSONL line's, a table row's) whose label ``keep``
+    holds (None, or a record without a label: every one), within ``left`` bytes of UTF-8 (``data.max_bytes``: the
+    last one cut at a character); empty texts are skipped."""
+    for text, label in records:
+        if keep is not None and label is not None and label not in keep:
+            continue
         raw = text.encode("utf-8")
         if left is not None and len(raw) >= left:
             raw = raw[:left]

@@ -40,7 +40,7 @@ import numpy as np
 
 from ..errors import DataError
 from .config import DataConfig
-from .formats import TABLES, check_table, dataset_files, is_saved_dataset, table_documents
+from .formats import TABLES, check_table, dataset_files, is_saved_dataset, table_documents, within_budget
 
 Format = Literal["text", "jsonl", "parquet", "datasets", "tokens"]
 STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test"})
@@ -242,6 +242,10 @@ def labelled_documents(cfg: DataConfig, keep: set[str] | None = None) -> Iterato
 def _jsonl_documents(
     cfg: DataConfig, path: str, left: int | None, keep: set[str] | None = None
 ) -> Iterator[tuple[str, int, str | None]]:
+    return within_budget(_jsonl_records(cfg, path), left, keep)
+
+
+def _jsonl_records(cfg: DataConfig, path: str) -> Iterator[tuple[str, str | None]]:
     with open(path, encoding="utf-8", errors="replace") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -254,7 +258,6 @@ def _jsonl_documents(
                 raise DataError(
                     f"{path}:{lineno}: no string field {cfg.text_field!r}; fix the line or set data.text_field"
                 )
-            text = record[cfg.text_field]
             label = None
             if cfg.label_field is not None:
                 if not isinstance(record.get(cfg.label_field), (str, int)):
@@ -262,18 +265,7 @@ def _jsonl_documents(
                         f"{path}:{lineno}: no label field {cfg.label_field!r}; fix the line or set data.label_field"
                     )
                 label = str(record[cfg.label_field])
-                if keep is not None and label not in keep:
-                    continue
-            raw = text.encode("utf-8")
-            if left is not None and len(raw) >= left:
-                raw = raw[:left]
-                text = raw.decode("utf-8", errors="ignore")
-            if raw:
-                yield text, len(raw), label
-            if left is not None:
-                left -= len(raw)
-                if left <= 0:
-                    return
+            yield record[cfg.text_field], label
 
 
 def iter_documents(cfg: DataConfig) -> Iterator[str]:

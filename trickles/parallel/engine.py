@@ -121,8 +121,9 @@ class Engine:
     def _accumulate(self, p: nn.Parameter, main: torch.Tensor) -> None:
         """In the post-accumulate-grad hook: makes ``main`` hold ``p``'s gradient summed over the micro-steps."""
         g = p.grad
-        if g.data_ptr() == main.data_ptr():
+        if not g.is_sparse and g.data_ptr() == main.data_ptr():
             return  # autograd accumulated into the view in place
+        # (a sparse gradient: a tied embedding's looked-up rows, Transformer.embed_tokens, added below like any other)
         bound = id(p) in self._bound
         if bound and torch.is_grad_enabled():  # backward(create_graph=True) sums out of place: view + new
             main.copy_(g)
