@@ -24,7 +24,6 @@ import hashlib
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cross_entropy import OutputLoss, softcap
@@ -177,13 +176,7 @@ class Transformer(nn.Module):
         last = start + t if positions is None else (bound if bound is not None else int(positions.max()) + 1)
         if last > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {last} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
-        w = self.embed.weight
-        if self.cfg.tied and type(self.embed) is nn.Embedding and w.is_leaf and w.requires_grad:
-            # a tied table's gradient is already dense (the output projection's comes first in backward): the
-            # lookup's rows are added into it sparsely instead of as a zero-filled [vocab, d] tensor of their own
-            h = F.embedding(tokens, w, sparse=True)
-        else:
-            h = self.embed(tokens)
+        h = self.embed(tokens)
         if self.cfg.embed_scale:
             h = h * float(torch.tensor(self.cfg.d_model**0.5, dtype=h.dtype))  # (a number: nothing saved)
         if self.pos_embed is not None:
