@@ -175,6 +175,30 @@ def require_dense_llama(cfg: ModelConfig, model_type: str) -> None:
         )
 
 
+def attention_biases(c: dict, source: str) -> dict:
+    """``qkv_bias``, ``o_bias``, ``mlp_bias`` of a ``config.json`` (``c``: merged with its defaults) whose
+    ``attention_bias`` puts a bias on q, k, v **and** o and whose MLP has none (Qwen3, OLMo 2, Gemma, Qwen3-MoE)."""
+    if not isinstance(c["attention_bias"], bool):
+        raise refuse(source, f"attention_bias={c['attention_bias']!r} is not true or false")
+    attn = c["attention_bias"]
+    return dict(qkv_bias=attn, o_bias=attn, mlp_bias=False)
+
+
+def attention_bias_key(cfg: ModelConfig, family: str) -> dict:
+    """The ``attention_bias`` key of ``cfg`` for a family whose attention bias is on q, k, v and o alike and whose MLP
+    has none (the inverse of :func:`attention_biases`; ConfigError for other biases)."""
+    attn = cfg.bias("qkv")
+    require_biases(
+        cfg,
+        f"{family} (attention_bias)",
+        attn,
+        attn,
+        False,
+        f"{family}'s attention_bias is on q, k, v and o alike, its MLP has none: set them so, or unset model.family",
+    )
+    return dict(attention_bias=attn)
+
+
 def require_biases(cfg: ModelConfig, family: str, qkv: bool, o: bool, mlp: bool, hint: str) -> None:
     """ConfigError unless ``cfg``'s biases are exactly ``family``'s (``hint``: what to change)."""
     want = {"qkv": qkv, "o": o, "mlp": mlp}

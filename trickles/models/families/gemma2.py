@@ -32,6 +32,8 @@ from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
 from .base import (
+    attention_bias_key,
+    attention_biases,
     dense_llama,
     layer_types,
     llama_keys,
@@ -39,7 +41,6 @@ from .base import (
     llama_shape,
     merged,
     refuse,
-    require_biases,
     require_dense_llama,
     typed_windows,
 )
@@ -77,9 +78,6 @@ def gemma_shape(raw: dict, c: dict, source: str, family: str, types: list, **fie
         raise refuse(source, f"hidden_activation={c['hidden_activation']!r} (only {ACTIVATION})")
     if c.get("use_bidirectional_attention"):
         raise refuse(source, "use_bidirectional_attention=true (trickles' attention is causal)")
-    if not isinstance(c["attention_bias"], bool):
-        raise refuse(source, f"attention_bias={c['attention_bias']!r} is not true or false")
-    attn = c["attention_bias"]
     caps = {}
     for key, field in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
         value = raw[key] if key in raw else c.get(key)
@@ -89,9 +87,7 @@ def gemma_shape(raw: dict, c: dict, source: str, family: str, types: list, **fie
         c,
         source,
         family,
-        qkv_bias=attn,
-        o_bias=attn,
-        mlp_bias=False,
+        **attention_biases(c, source),
         mlp_activation="gelu_tanh",
         embed_scale=True,
         norm_unit_offset=True,
@@ -141,15 +137,7 @@ def gemma_keys(cfg: ModelConfig, model_type: str, architecture: str, qk_norm: st
                 f"{name} has model.{key}={str(want).lower()}, but this model has {str(getattr(cfg, key)).lower()}; "
                 "unset model.family to export it as another family"
             )
-    attn = cfg.bias("qkv")
-    require_biases(
-        cfg,
-        f"{name} (attention_bias)",
-        attn,
-        attn,
-        False,
-        f"{name}'s attention_bias is on q, k, v and o alike, its MLP has none: set them so, or unset model.family",
-    )
+    bias = attention_bias_key(cfg, name)
     scalar = cfg.query_pre_attn_scalar if cfg.query_pre_attn_scalar is not None else cfg.head_dim
     if scalar != int(scalar):
         raise ConfigError(f"{name}'s query_pre_attn_scalar is an integer, but model.query_pre_attn_scalar={scalar}")
@@ -158,7 +146,7 @@ def gemma_keys(cfg: ModelConfig, model_type: str, architecture: str, qk_norm: st
     keys.update(
         hidden_act=ACTIVATION,
         hidden_activation=ACTIVATION,
-        attention_bias=attn,
+        **bias,
         query_pre_attn_scalar=int(scalar),
         attn_logit_softcapping=cfg.attn_softcap,
         final_logit_softcapping=cfg.final_softcap,

@@ -18,7 +18,16 @@ from collections.abc import Collection
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import dense_llama, llama_keys, llama_names, llama_shape, merged, refuse, require_biases, require_dense_llama
+from .base import (
+    attention_bias_key,
+    attention_biases,
+    dense_llama,
+    llama_keys,
+    llama_names,
+    llama_shape,
+    merged,
+    require_dense_llama,
+)
 
 MODEL_TYPE = "olmo2"
 ARCHITECTURE = "Olmo2ForCausalLM"
@@ -40,16 +49,11 @@ DEFAULTS = dict(
 
 def from_hf(raw: dict, source: str) -> ModelConfig:
     c = merged(DEFAULTS, raw)
-    if not isinstance(c["attention_bias"], bool):
-        raise refuse(source, f"attention_bias={c['attention_bias']!r} is not true or false")
-    attn = c["attention_bias"]
     return llama_shape(
         c,
         source,
         MODEL_TYPE,
-        qkv_bias=attn,
-        o_bias=attn,
-        mlp_bias=False,
+        **attention_biases(c, source),
         qk_norm="full",
         norm_placement="post",
         **rope_fields_from_hf(raw, source),
@@ -69,17 +73,9 @@ def picks(cfg: ModelConfig) -> bool:
 
 def to_hf(cfg: ModelConfig) -> dict:
     require_dense_llama(cfg, MODEL_TYPE)
-    attn = cfg.bias("qkv")
-    require_biases(
-        cfg,
-        "OLMo 2 (attention_bias)",
-        attn,
-        attn,
-        False,
-        "OLMo 2's attention_bias is on q, k, v and o alike, its MLP has none: set them so, or unset model.family",
-    )
     return dict(
-        **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim, qk_norm="full", placement="post"), attention_bias=attn
+        **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim, qk_norm="full", placement="post"),
+        **attention_bias_key(cfg, "OLMo 2"),
     )
 
 

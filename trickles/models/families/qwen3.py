@@ -19,6 +19,8 @@ from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
 from .base import (
+    attention_bias_key,
+    attention_biases,
     dense_llama,
     llama_keys,
     llama_names,
@@ -26,8 +28,6 @@ from .base import (
     merged,
     qwen_window_keys,
     qwen_windows,
-    refuse,
-    require_biases,
     require_dense_llama,
 )
 
@@ -53,16 +53,11 @@ DEFAULTS = dict(
 
 def from_hf(raw: dict, source: str) -> ModelConfig:
     c = merged(DEFAULTS, raw)
-    if not isinstance(c["attention_bias"], bool):
-        raise refuse(source, f"attention_bias={c['attention_bias']!r} is not true or false")
-    attn = c["attention_bias"]
     return llama_shape(
         c,
         source,
         MODEL_TYPE,
-        qkv_bias=attn,
-        o_bias=attn,
-        mlp_bias=False,
+        **attention_biases(c, source),
         qk_norm="head",
         **qwen_windows(c, source),
         **rope_fields_from_hf(raw, source),
@@ -82,18 +77,9 @@ def picks(cfg: ModelConfig) -> bool:
 
 def to_hf(cfg: ModelConfig) -> dict:
     require_dense_llama(cfg, MODEL_TYPE)
-    attn = cfg.bias("qkv")
-    require_biases(
-        cfg,
-        "Qwen3 (attention_bias)",
-        attn,
-        attn,
-        False,
-        "Qwen3's attention_bias is on q, k, v and o alike, its MLP has none: set them so, or unset model.family",
-    )
     return dict(
         **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim, qk_norm="head"),
-        attention_bias=attn,
+        **attention_bias_key(cfg, "Qwen3"),
         **qwen_window_keys(cfg),
     )
 

@@ -19,7 +19,7 @@ from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
-from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
+from .base import attention_bias_key, attention_biases, llama_keys, llama_names, llama_shape, merged
 from .qwen2_moe import check_moe, experts, moe_fields, moe_keys
 
 MODEL_TYPE = "qwen3_moe"
@@ -51,16 +51,11 @@ DEFAULTS = dict(
 
 def from_hf(raw: dict, source: str) -> ModelConfig:
     c = merged(DEFAULTS, raw)
-    if not isinstance(c["attention_bias"], bool):
-        raise refuse(source, f"attention_bias={c['attention_bias']!r} is not true or false")
-    attn = c["attention_bias"]
     return llama_shape(
         c,
         source,
         MODEL_TYPE,
-        qkv_bias=attn,
-        o_bias=attn,
-        mlp_bias=False,
+        **attention_biases(c, source),
         qk_norm="head",
         moe_shared_experts=0,
         **moe_fields(c, source),
@@ -80,10 +75,10 @@ def to_hf(cfg: ModelConfig) -> dict:
             f"Qwen3-MoE has no shared experts, but model.moe_shared_experts={cfg.moe_shared_experts}; set it to 0 "
             "(or export a gated one as qwen2_moe)"
         )
-    attn = cfg.bias("qkv")
-    require_biases(cfg, "Qwen3-MoE (attention_bias)", attn, attn, False, "its attention_bias is on q, k, v and o")
     return dict(
-        **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim, qk_norm="head"), **moe_keys(cfg), attention_bias=attn
+        **llama_keys(cfg, MODEL_TYPE, ARCHITECTURE, cfg.ffn_dim, qk_norm="head"),
+        **moe_keys(cfg),
+        **attention_bias_key(cfg, "Qwen3-MoE"),
     )
 
 
