@@ -49,7 +49,6 @@ import collections
 import itertools
 import threading
 import time
-from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -59,6 +58,7 @@ from .decode import Sampling, TextTracker
 from .paged import BlockPool, PagedCall, pool_blocks
 from .requests import Cancelled, Event, PoolStalled, PoolTooSmall, Request, Sequence
 from .sampler import draw, record_prompt
+from .worker import Driven
 
 __all__ = ["Engine", "EngineConfig", "Event", "Request", "Sequence", "PoolStalled", "PoolTooSmall", "Cancelled"]
 
@@ -75,7 +75,7 @@ class EngineConfig:
     prefix_caching: bool = True  #: reuse the KV blocks of prefixes computed before (:mod:`~trickles.infer.prefix`)
 
 
-class Engine:
+class Engine(Driven):
     """The continuous-batching scheduler over ``model`` (see the module's notes). Drive it with :meth:`step` /
     :meth:`run_until_idle` in the calling thread, or :meth:`start` a worker thread (what the server does). It owns
     the model while it runs: the first iteration puts it in eval mode, and it stays there.
@@ -158,62 +158,6 @@ class Engine:
     @property
     def idle(self) -> bool:
         return not (self.running or self.waiting or self._inbox)
-
-    # ---- the worker thread ------------------------------------------------------------------
-    def start(self) -> None:
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="trickles-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Ends the worker thread; requests not finished fail with a RuntimeError."""
-        with self._lock:
-            self._stopping = True
-            self._lock.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
-        self._fail_all(RuntimeError("the server is shutting down"))
-
-    def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while self.idle and not self._cancels and not self._stopping:
-                    self._lock.wait()
-                if self._stopping:
-                    return
-            try:
-                self.step()
-            except Exception as e:  # noqa: BLE001 -- a fault of the engine itself: what it held fails, it goes on
-                self._fail_all(e)
-
-    def run_until_idle(self, max_steps: int | None = None) -> None:
-        """Steps in this thread until nothing runs or waits; with ``max_steps``, a RuntimeError if the engine is still
-        busy after that many iterations (a bound for callers that must not hang)."""
-        for _ in itertools.count() if max_steps is None else range(max_steps):
-            if self.idle and not self._cancels:
-                return
-            self.step()
-        if not (self.idle and not self._cancels):
-            raise RuntimeError(
-                f"the engine is still busy after {max_steps} iterations ({len(self.running)} running, "
-                f"{self.backlog} waiting, {self.pool.used} of {self.pool.num_blocks} KV blocks held)"
-            )
-
-    def generate(self, prompt: Seq[int], sampling: Sampling, n: int = 1) -> Iterator[Event]:
-        """Submits one request and yields its events, stepping the engine in this thread when no worker runs."""
-        request = self.submit(prompt, sampling, n)
-        if self._thread is not None:
-            yield from request.events()
-            return
-        while True:
-            while request._queue:
-                yield request._queue.popleft()
-            if request.finished:
-                if isinstance(request.result, BaseException):
-                    raise request.result
-                return
-            self.step()
 
     # ---- one iteration ------------------------------------------------------------------------
     @torch.no_grad()

@@ -8,9 +8,8 @@ from typing import Literal
 
 from ..errors import ConfigError
 from ..options import opt
-from .mla_config import check_mla
-from .moe_checks import check_routing
-from .rope import RopeScaling, RopeType
+from .model_checks import check_model
+from .rope import RopeType
 
 Flavor = Literal["llama", "gpt2"]
 QKNorm = Literal["none", "head", "full"]
@@ -259,128 +258,8 @@ class ModelConfig:
         return self.flavor == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
 
     def validate(self) -> None:
-        """Raises ConfigError for shapes no transformer can have."""
-        for key in ("n_layers", "d_model", "n_heads"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"model.{key} must be at least 1, got {getattr(self, key)}")
-        if self.head_size is not None and self.head_size < 1:
-            raise ConfigError(f"model.head_size must be at least 1 or none (d_model / n_heads), got {self.head_size}")
-        check_mla(self)
-        if self.attention == "mha" and self.head_size is None and self.d_model % self.n_heads:
-            raise ConfigError(
-                f"model.d_model ({self.d_model}) must be divisible by model.n_heads ({self.n_heads}); change one of "
-                "them"
-            )
-        if (
-            self.attention == "mha"
-            and self.n_kv_heads is not None
-            and (self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads)
-        ):
-            raise ConfigError(
-                f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads ({self.n_kv_heads}); change "
-                "n_kv_heads to a divisor of n_heads"
-            )
-        if self.flavor == "llama" and self.rope_dim % 2:
-            raise ConfigError(
-                f"rotary embeddings need an even head size, but the head size is {self.head_dim}; change "
-                "model.d_model, model.n_heads or model.head_size"
-            )
-        RopeScaling.of(self).check(self.rope_theta, self.flavor)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-        if self.vocab_size is not None and self.vocab_size < 2:
-            raise ConfigError(f"model.vocab_size must be at least 2, got {self.vocab_size}")
-        if self.moe_experts:
-            if self.moe_experts < 2:
-                raise ConfigError(f"model.moe_experts must be 0 (dense) or at least 2, got {self.moe_experts}")
-            if not 1 <= self.moe_top_k <= self.moe_experts:
-                raise ConfigError(
-                    f"model.moe_top_k must be between 1 and model.moe_experts ({self.moe_experts}), got "
-                    f"{self.moe_top_k}"
-                )
-            if self.moe_every < 1:
-                raise ConfigError(f"model.moe_every must be at least 1, got {self.moe_every}")
-            if self.moe_ffn_hidden is not None and self.moe_ffn_hidden < 1:
-                raise ConfigError(f"model.moe_ffn_hidden must be at least 1, got {self.moe_ffn_hidden}")
-            for key in ("moe_capacity_factor", "moe_aux_loss", "moe_z_loss", "moe_shared_experts"):
-                if not getattr(self, key) >= 0:
-                    raise ConfigError(f"model.{key} must be at least 0, got {getattr(self, key)}")
-            if self.moe_router == "hard":
-                table = self.label_experts
-                if not table:
-                    raise ConfigError("model.moe_router=hard needs model.moe_label_experts, e.g. ['json:0', 'email:1']")
-                if len(table) != len(self.moe_label_experts):
-                    raise ConfigError("model.moe_label_experts names a label twice; give each label once")
-                sizes = {len(v) for v in table.values()}
-                bad = [e for v in table.values() for e in v if not 0 <= e < self.moe_experts]
-                if bad:
-                    raise ConfigError(
-                        f"model.moe_label_experts names expert {bad[0]}, but there are {self.moe_experts} "
-                        f"(0..{self.moe_experts - 1})"
-                    )
-                if len(sizes) != 1 or sizes != {self.moe_top_k} or any(len(set(v)) != len(v) for v in table.values()):
-                    raise ConfigError(
-                        f"hard routing sends each token to all of its label's experts: every label of "
-                        f"model.moe_label_experts must name model.moe_top_k ({self.moe_top_k}) distinct experts"
-                    )
-            check_routing(self)
-        if self.flavor == "gpt2" and not all(self.bias(p) for p in ("qkv", "o", "mlp")):
-            raise ConfigError(
-                "gpt2 has a bias on every projection; leave model.qkv_bias, o_bias and mlp_bias unset for a gpt2 model"
-            )
-        if self.qk_norm != "none" and self.flavor != "llama":
-            raise ConfigError(
-                f"model.qk_norm={self.qk_norm} normalizes rotary queries and keys (llama flavor); set "
-                "model.qk_norm=none"
-            )
-        if self.mlp_bias and self.moe_experts:
-            raise ConfigError(
-                "model.mlp_bias is built for dense MLPs only; set model.mlp_bias=false or model.moe_experts=0"
-            )
-        if self.loss_chunk < 0:
-            raise ConfigError(f"model.loss_chunk must be 0 (automatic) or a number of tokens, got {self.loss_chunk}")
-        if self.kernels == "triton":
-            from ..kernels import HAVE_TRITON
-
-            if not HAVE_TRITON:
-                raise ConfigError(
-                    "model.kernels=triton needs Triton (pip install triton); use model.kernels=auto or torch"
-                )
-        if self.max_seq_len is not None and self.max_seq_len < 1:
-            raise ConfigError(f"model.max_seq_len must be at least 1, got {self.max_seq_len}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"model.sliding_window must be at least 1 or none, got {self.sliding_window}")
-        if self.window_layers is not None and len(self.window_layers) != self.n_layers:
-            raise ConfigError(f"model.window_layers has {len(self.window_layers)} entries; give {self.n_layers}")
-        self._check_gemma_parts()
-
-    def _check_gemma_parts(self) -> None:
-        """The Gemma pieces: positive caps and scalars, llama flavor, a window for the local rotary base."""
-        for key in ("query_pre_attn_scalar", "attn_softcap", "final_softcap", "rope_local_theta"):
-            value = getattr(self, key)
-            if value is not None and not value > 0:
-                raise ConfigError(f"model.{key} must be positive or none, got {value}")
-        on = [
-            k
-            for k in ("norm_unit_offset", "embed_scale", "query_pre_attn_scalar", "attn_softcap", "final_softcap")
-            if getattr(self, k) not in (None, False)
-        ]
-        if self.mlp_activation != "silu":
-            on.append(f"mlp_activation={self.mlp_activation}")
-        if self.rope_local_theta is not None:
-            on.append("rope_local_theta")
-        if on and self.flavor != "llama":
-            raise ConfigError(f"model.{on[0]} is built for the llama flavor; set model.flavor=llama or leave it unset")
-        if self.mlp_activation != "silu" and self.moe_experts:
-            raise ConfigError(
-                f"model.mlp_activation={self.mlp_activation} is built for dense MLPs only; set model.moe_experts=0 "
-                "or model.mlp_activation=silu"
-            )
-        if self.rope_local_theta is not None and self.sliding_window is None:
-            raise ConfigError(
-                "model.rope_local_theta is the rotary base of the sliding-window layers; set model.sliding_window "
-                "or leave rope_local_theta unset"
-            )
+        """Raises ConfigError for shapes no transformer can have (:func:`~.model_checks.check_model`)."""
+        check_model(self)
 
 
 def resolve_model(cfg: ModelConfig, tokenizer_vocab: int, seq_len: int) -> ModelConfig:
