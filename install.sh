@@ -10,8 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}
 case "${1:-demo}" in
-  demo|test|all|hf|plots|tensorboard|serve) extras=${1:-demo} ;;
-  *) echo "usage: bash install.sh [demo|test|all|hf|plots|tensorboard|serve]" >&2; exit 2 ;;
+  demo|test|all|hf|plots|tensorboard|serve|grammar) extras=${1:-demo} ;;
+  *) echo "usage: bash install.sh [demo|test|all|hf|plots|tensorboard|serve|grammar]" >&2; exit 2 ;;
 esac
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
   "$PY" -m pip install --quiet "torch==2.13.0"

@@ -26,7 +26,7 @@ from .config_checks import LayoutChecks
 from .data.config import DataConfig
 from .errors import ConfigError
 from .memory.config import MemoryConfig
-from .models.config import HOW_KEYS, ModelConfig
+from .models.config import HF_RUN_KEYS, HOW_KEYS, ModelConfig
 from .models.presets import apply_preset
 from .models.transformer import Transformer
 from .options import field_docs, section_from_dict, unknown_key_error
@@ -158,10 +158,13 @@ class Config(LayoutChecks):
         """LoRA (``train.lora_rank``) trains with the frozen base at the layouts built for it."""
         if not self.train.lora_rank:
             return
+        int8 = "train.lora_base=int8" if self.train.lora_base == "int8" else ""
         for bad, what, fix in (
             (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "use parallel.tp_mode=1d"),
             (self.train.qat, "train.qat", "set train.qat=false"),
             (bool(self.distill.teacher), "distillation", "unset distill.teacher"),
+            (int8 and dims.tp > 1, f"{int8} and parallel.tp={dims.tp}", "use parallel.tp=1, train.lora_base=same"),
+            (int8 and self.parallel.zero == 3, f"{int8} and ZeRO-3", "use parallel.zero=2, train.lora_base=same"),
         ):
             if bad:
                 raise ConfigError(f"LoRA (train.lora_rank) is not built with {what} yet; {fix} or train.lora_rank=0")
@@ -180,7 +183,7 @@ class Config(LayoutChecks):
 
             init = self.train.init_from
             if is_hf_dir(init):  # a Hugging Face directory: its config.json's shape, how to compute it from ours
-                how = {k: getattr(self.model, k) for k in HOW_KEYS}
+                how = {k: getattr(self.model, k) for k in (*HOW_KEYS, *HF_RUN_KEYS)}
                 self.model = dataclasses.replace(hf_model_config(init, "train.init_from"), **how)
             else:
                 self.model = model_config_of(init, self.model)
@@ -292,7 +295,7 @@ class Config(LayoutChecks):
 
 
 #: model keys that may be given beside ``model.from_hf``: how the model computes and trains, not its shape
-FREE_OF_SHAPE = ("from_hf", *HOW_KEYS, "dropout", "init_std")
+FREE_OF_SHAPE = ("from_hf", *HOW_KEYS, *HF_RUN_KEYS, "dropout", "init_std")
 
 
 def _shape_from_hf(values: dict[str, Any], where: str) -> ModelConfig:

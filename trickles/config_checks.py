@@ -7,6 +7,7 @@ change.
 from __future__ import annotations
 
 from .errors import ConfigError
+from .models.model_checks import check_mtp_layout
 from .topology import ParallelDims
 
 
@@ -24,8 +25,6 @@ class LayoutChecks:
             )
         if tp == 1:
             return
-        if m.attention == "mla":
-            raise ConfigError("model.attention=mla is not built with parallel.tp > 1 yet; set parallel.tp=1")
         if m.n_heads % tp:
             raise ConfigError(
                 f"model.n_heads ({m.n_heads}) must be divisible by parallel.tp ({tp}): each rank takes whole heads"
@@ -68,7 +67,7 @@ class LayoutChecks:
                 "a grid splits the activations already; set it to false",
             ),
             (dims.cp > 1, "context parallelism", "set parallel.cp=1 or parallel.tp_mode=1d"),
-            (m.attention == "mla", "model.attention=mla", "set parallel.tp=1"),
+            (m.attention == "mla", "model.attention=mla", "set parallel.tp_mode=1d (heads split) or parallel.tp=1"),
             (bool(m.moe_experts), "mixture-of-experts blocks", "set model.moe_experts=0 or parallel.tp_mode=1d"),
             (
                 m.qk_norm != "none" or m.norm_placement != "pre",
@@ -122,8 +121,6 @@ class LayoutChecks:
         cp, m, p, seq = dims.cp, self.model, self.parallel, self.data.seq_len
         if cp == 1:
             return
-        if m.attention == "mla":
-            raise ConfigError("model.attention=mla is not built with parallel.cp > 1 yet; set parallel.cp=1")
         unit = 2 * cp if p.cp_mode == "ring" else cp
         if seq % unit:
             what = (
@@ -158,6 +155,7 @@ class LayoutChecks:
         from .parallel.pipeline.stages import partition_layers
 
         p = self.parallel
+        check_mtp_layout(self.model, p, dims, self.data.seq_len)  # the last stage's prediction modules (any pp)
         if dims.pp == 1:
             if self.train.pipeline_trace:
                 raise ConfigError(

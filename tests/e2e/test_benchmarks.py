@@ -291,6 +291,29 @@ RUNS = {
             "{tmp}/serving.json",
         ],
     ),
+    "test_speculative": (
+        "speculative",
+        [
+            *("--layers", "1", "--d-model", "32", "--draft-layers", "1", "--seq", "64", "--train-steps", "2"),
+            *("--train-batch", "2", "--requests", "3", "--max-tokens", "8", "--max-batch", "2", "--block-size", "4"),
+            *("--rounds", "1", "--json", "{tmp}/speculative.json"),
+        ],
+    ),
+    "test_mla_decoding": (
+        "mla_decoding",
+        [
+            *("--layers", "1", "--d-model", "64", "--heads", "2", "--q-rank", "24", "--kv-rank", "16", "--nope", "8"),
+            *("--rope", "8", "--v-dim", "8", "--vocab", "256", "--context", "16", "--batch", "1", "--new", "3"),
+            *("--rounds", "1", "--json", "{tmp}/mla_decoding.json"),
+        ],
+    ),
+    "test_prefix_cache": (
+        "prefix_cache",
+        [
+            *("--preset", "tiny", "--prompt-len", "40", "--prompts", "1", "--max-tokens", "2", "--block-size", "4"),
+            *("--prefill-chunk", "16", "--json", "{tmp}/prefix_cache.json"),
+        ],
+    ),
     "test_checkpoint_stall": (
         "checkpoint_stall",
         [
@@ -685,6 +708,31 @@ def test_serving(run):
     assert all(r["sent"] == r["answered"] == 6 and r["tokens"] > 0 for r in doc["results"].values())
     assert "agreement: our contestants give every request the same text" in out
     assert _finite(*doc["ratios"].values()) and len(doc["ratios"]) == 4
+
+
+def test_speculative(run):
+    """Plain decoding, ngram and a draft model on a tiny model trained in the run to recite: each ratio computed."""
+    out, tmp = run
+    doc = _json(tmp / "speculative.json")
+    assert set(doc["medians"]) == {"plain", "ngram", "draft"} and _finite(*doc["ratios"].values())
+    assert re.search(r"^ngram/plain tokens/s: [0-9.]+x", out, re.M)
+
+
+def test_mla_decoding(run):
+    """Our latent cache against transformers' DeepSeek-V3 decoding: tokens agreeing first, both ratios, the KV bytes."""
+    out, tmp = run
+    doc = _json(tmp / "mla_decoding.json")
+    assert "differ" not in doc["agreement"] and doc["kv_bytes"]["multi-head"] > doc["kv_bytes"]["latent"]
+    assert _finite(doc["tokens_per_s_ours_over_hf"], doc["decoding_tokens_per_s_ours_over_hf"])
+    assert "KV bytes a token per layer: latent" in out
+
+
+def test_prefix_cache(run):
+    """A repeated prompt's time to first token against its first sending, the cache on and off; the hits counted."""
+    out, tmp = run
+    doc = _json(tmp / "prefix_cache.json")
+    assert set(doc["ratios"]) == {"cache on", "cache off"} and _finite(*doc["ratios"].values()) and doc["hits"] > 0
+    assert "cache on: again/first" in out
 
 
 def _script(name: str):

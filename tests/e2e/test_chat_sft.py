@@ -1,7 +1,8 @@
 """Chat SFT through the command line: ``trickles train`` on conversations (``data.format = "chat"``, a Llama-3 style
 template whose eos ends every turn) trains on the assistant's tokens only -- its first loss is the model's loss on the
-assistant targets of the first batch -- says in its data line how many conversations it packed and cut, and trains at
-tp2, cp2, pp2 and dp2 like one process (the loss is the mean over the global batch's assistant
+assistant targets of the first batch -- says in its data line and in every metrics record (``overlong_cut``,
+``overlong_dropped``: the same at every layout and after a resume) how many conversations it packed and cut, and
+trains at tp2, cp2, pp2 and dp2 like one process (the loss is the mean over the global batch's assistant
 tokens at every layout); bad chat input is refused in one line before any process starts."""
 
 from __future__ import annotations
@@ -83,9 +84,13 @@ def _keys(root, out, *more):
     return [a for kv in keys for a in ("--set", kv)]
 
 
-def _losses(out) -> list[float]:
+def _losses(out, cut: int | None = None) -> list[float]:
+    """The run's losses; ``cut``: every record also says how many conversations were cut (none dropped)."""
     with open(out / "metrics.jsonl") as f:
-        return [json.loads(line)["loss"] for line in f]
+        records = [json.loads(line) for line in f]
+    if cut is not None:
+        assert all((r["overlong_cut"], r["overlong_dropped"]) == (cut, 0) for r in records), (out, records[0])
+    return [r["loss"] for r in records]
 
 
 def test_chat_sft_trains_on_assistant_tokens_like_one_process_at_tp2_cp2_pp2_dp2(chat_data, tmp_path):
@@ -96,7 +101,7 @@ def test_chat_sft_trains_on_assistant_tokens_like_one_process_at_tp2_cp2_pp2_dp2
     assert "conversations in" in line and "longer than data.seq_len cut (data.overlong=truncate)" in line
     cut = int(line.split("sequences, ")[1].split(" longer")[0])
     assert cut >= 10  # (every fifth conversation is longer than data.seq_len)
-    losses = _losses(tmp_path / "one")
+    losses = _losses(tmp_path / "one", cut)
     # the first step's loss is the initial model's on the assistant targets of the first batch, the others -100
     cfg = tiny_config(tmp_path, *[kv for kv in _keys(root, tmp_path / "ref") if kv != "--set"])
     tr = Trainer(cfg, cfg.validate(1).build(torch.device("cpu")), quiet=True)
@@ -107,8 +112,11 @@ def test_chat_sft_trains_on_assistant_tokens_like_one_process_at_tp2_cp2_pp2_dp2
     for layout in ("parallel.tp=2", "parallel.cp=2", "parallel.pp=2", "parallel.dp=2"):
         run = cli_here("train", "--quiet", "--nproc", "2", *_keys(root, tmp_path / layout, layout))
         assert run.returncode == 0, run.stderr
-        other = _losses(tmp_path / layout)
+        other = _losses(tmp_path / layout, cut)
         assert max(abs(a - b) / b for a, b in zip(other, losses)) < 1e-4, (layout, other, losses)
+    tr.load_checkpoint(str(next((tmp_path / "one" / "checkpoints").glob("step_*"))))  # a resume counts the same
+    record = tr.train_step()
+    assert record["step"] == 4 and (record["overlong_cut"], record["overlong_dropped"]) == (cut, 0)
 
 
 def test_bad_chat_input_is_refused_before_any_process_starts(chat_data, tmp_path):

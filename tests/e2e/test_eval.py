@@ -1,6 +1,7 @@
 """``trickles eval``: the loss over a whole source equals transformers' on the same windows, whatever the file format,
-the layout or the mixture around a source; a LoRA run is evaluated with its adapters; ``--json`` prints one line of the
-documented shape; bad input is refused in one line.
+the layout or the mixture around a source; chat data's equals transformers' assistant-only loss on each conversation
+alone, and counts the conversations left out for their length; a LoRA run is evaluated with its adapters; ``--json``
+prints one line of the documented shape; bad input is refused in one line.
 
 One tiny ``LlamaForCausalLM`` built by transformers (hidden 32, 2 layers, 4 heads, 2 key/value heads, vocabulary 320
 so the byte tokenizer fits), saved without a tokenizer, and two small JSONL sources (lines of ``argparse`` and of
@@ -279,6 +280,16 @@ def test_chat_data_counts_the_assistant_tokens_of_each_conversation_alone(tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     got, (loss, count) = json.loads(r.stdout), _assistant_loss(lambda ids: model(ids).logits, tok, chats)
     assert got["tokens"] == count and _close(got["loss"], loss), (got, loss)
+    assert (got["overlong_cut"], got["overlong_dropped"]) == (0, 0)
+    # shorter sequences, the conversations that no longer fit left out: counted, and the loss is the others'
+    fits = [c for c in chats if len(tok.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]) <= 40]
+    assert 0 < len(fits) < len(chats)
+    short = ("--set", "data.seq_len=40", "--set", "data.overlong=drop")
+    r = cli_here("eval", tmp_path / "hf", *args, *short, "--set", f"data.cache_dir={tmp_path}/cache", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    got, (loss, count) = json.loads(r.stdout), _assistant_loss(lambda ids: model(ids).logits, tok, fits)
+    assert got["tokens"] == count and _close(got["loss"], loss), (got, loss)
+    assert (got["overlong_cut"], got["overlong_dropped"]) == (0, len(chats) - len(fits))
 
     # a chat run's checkpoint, given no data: its run's conversations, read with its run's tokenizer and template
     from trickles.train.load import load_for_inference

@@ -1,6 +1,8 @@
 """Layout invariance through the command line for the families users bring: a tiny Qwen3 (per-head q/k norms, sliding
-windows on some layers) and a tiny Gemma 2 (sandwich norms, ``(1 + w)`` RMSNorm, GeGLU, attention and final soft-caps,
-``query_pre_attn_scalar``, local/global alternation, tied embeddings), each built by transformers from the family's
+windows on some layers), a tiny Gemma 2 (sandwich norms, ``(1 + w)`` RMSNorm, GeGLU, attention and final soft-caps,
+``query_pre_attn_scalar``, local/global alternation, tied embeddings) and a tiny DeepSeek-V3 of dense blocks (latent
+attention: heads split under tensor parallelism with the compressions replicated, values narrower than the keys
+through the ring and the all-to-all), each built by transformers from the family's
 config class, its weights perturbed, saved with ``save_pretrained`` beside a byte-level BPE tokenizer, and trained
 with ``trickles train --init-from DIR`` on a small JSONL corpus for 6 steps.
 
@@ -88,7 +90,84 @@ def _gemma2(vocab: int):
     )
 
 
-FAMILIES = {"qwen3": _qwen3, "gemma2": _gemma2}
+def _deepseek_v3(vocab: int):
+    """Latent attention (a low-rank query, a compressed key/value latent, a shared rotary key, values narrower than
+    the keys) in dense blocks: the first ``first_k_dense_replace`` blocks of DeepSeek-V3 are all of them here."""
+    return transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            max_position_embeddings=128,
+            rope_interleave=True,
+            first_k_dense_replace=4,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
+def _deepseek_v3_moe(vocab: int):
+    """DeepSeek-V3's mixture of experts behind latent attention: a dense first block, then fine-grained routed experts
+    (sigmoid scores, two groups of which each token may use one, top-2, a routed scale) beside a shared expert."""
+    return transformers.DeepseekV3ForCausalLM(
+        transformers.DeepseekV3Config(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            q_lora_rank=24,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            max_position_embeddings=128,
+            rope_interleave=True,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            n_shared_experts=1,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            tie_word_embeddings=False,
+            bos_token_id=0,
+            eos_token_id=1,
+        )
+    )
+
+
+FAMILIES = {"qwen3": _qwen3, "gemma2": _gemma2, "deepseek_v3": _deepseek_v3, "deepseek_v3_moe": _deepseek_v3_moe}
+# expert parallelism (dropless: DeepSeek's routing keeps every assignment) alone and under tensor parallelism, and
+# ZeRO-3 with the routing bias moved by the loads (the one process moving it the same way)
+MOE_LAYOUTS = {
+    "ep2": (2, ["parallel.ep=2"], "(dp=2, ep=2"),
+    "ep2-tp2": (4, ["parallel.ep=2", "parallel.tp=2"], "(dp=2, tp=2, ep=2"),
+    "dp2-zero3-bias": (2, ["parallel.zero=3"], "(dp=2, ZeRO-3)"),
+}
+LAYOUTS.update(MOE_LAYOUTS)
+#: the layouts each family runs (latent attention: every layout that splits it, plain dp2 left to the others)
+FAMILY_LAYOUTS = {
+    "qwen3": [k for k in LAYOUTS if k not in MOE_LAYOUTS],
+    "gemma2": [k for k in LAYOUTS if k not in MOE_LAYOUTS],
+    "deepseek_v3": [k for k in LAYOUTS if k not in MOE_LAYOUTS and k != "dp2"],
+    "deepseek_v3_moe": list(MOE_LAYOUTS),
+}
+#: settings every run of a family takes (one process's too)
+FAMILY_SETTINGS = {"deepseek_v3_moe": ["model.moe_bias_rate=0.01"]}
 
 
 def _documents() -> list[str]:
@@ -133,7 +212,7 @@ def _hf_dir(root, family: str, tok) -> str:
         for name, p in model.named_parameters():
             if "norm" in name:  # norms not all ones (or zeros), so a norm mapped or placed wrongly shows
                 p.add_(0.1 * torch.randn_like(p))
-            if "q_proj" in name or "k_proj" in name:  # sharp attention: scores of several units, which the cap bends
+            if "q_proj" in name or "k_proj" in name or "kv_a_proj" in name:  # sharp attention (the cap bends it)
                 p.mul_(8)
     path = root / f"tiny-{family}"
     model.save_pretrained(path)
@@ -190,19 +269,18 @@ def references(tmp_path_factory, corpus):
         if family not in made:
             hf = _hf_dir(root, family, corpus[1])
             out = root / f"{family}-one"
-            _train(hf, corpus[0], out, 1, [])
+            _train(hf, corpus[0], out, 1, FAMILY_SETTINGS.get(family, []))
             made[family] = hf, _losses(out), _weights(out)
         return made[family]
 
     return get
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family, layout", [(f, la) for f in FAMILIES for la in FAMILY_LAYOUTS[f]])
 def test_a_family_from_its_directory_trains_like_one_process(family, layout, references, corpus, tmp_path):
     hf, want_losses, want = references(family)
     ranks, settings, banner = LAYOUTS[layout]
-    r = _train(hf, corpus[0], tmp_path / "run", ranks, settings)
+    r = _train(hf, corpus[0], tmp_path / "run", ranks, [*FAMILY_SETTINGS.get(family, []), *settings])
     assert f"{ranks} rank(s) {banner}" in r.stdout, r.stdout
     losses = _losses(tmp_path / "run")
     assert max(abs(a - b) for a, b in zip(losses, want_losses)) <= TOL, (losses, want_losses)

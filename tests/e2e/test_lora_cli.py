@@ -1,7 +1,8 @@
 """LoRA through the command line (``train.lora_rank``): a run started from a Hugging Face directory trains only its
 adapters -- the base weights come out bitwise unchanged --, exports them in PEFT's format, which ``peft`` loads onto
 the original transformers model with our logits, and merged as a Hugging Face directory with the same logits; data
-parallelism (ZeRO-1) and a two-stage pipeline train like one process.
+parallelism (replicated, ZeRO-1, ZeRO-3), tensor parallelism and a two-stage pipeline train like one process over
+six steps.
 
 One tiny ``LlamaForCausalLM`` (hidden 32, 2 layers, 4 heads, 2 key/value heads, vocabulary 320 so the byte tokenizer
 fits) built by transformers serves every test; one single-process run is the reference."""
@@ -73,6 +74,7 @@ def reference(hf_dir, tmp_path_factory):
 
 
 def test_base_frozen_peft_and_merged_exports_give_our_logits(hf_dir, reference, tmp_path):
+    from trickles.models.hf import load_hf
     from trickles.train.load import load_for_inference
 
     run, losses, state = reference
@@ -80,7 +82,12 @@ def test_base_frozen_peft_and_merged_exports_give_our_logits(hf_dir, reference, 
     base = load_file(hf_dir / "model.safetensors")
     names = {"model.layers.0.self_attn.q_proj.weight": "layers.0.attn.q_proj.weight", "lm_head.weight": "output.weight"}
     for hf, ours in names.items():
-        assert torch.equal(state[ours], base[hf]), ours  # bitwise: the base never moved
+        assert torch.equal(state[ours], base[hf]), ours
+    start = load_hf(hf_dir, fused_proj=False).state_dict()  # every base weight, in our names, as the run began
+    frozen = sorted(n for n in state if "lora_" not in n)
+    assert frozen == sorted(start) and len(frozen) == 2 + 2 * 9 + 1  # embedding, output, 9 per block, final norm
+    for n in frozen:
+        assert torch.equal(state[n], start[n]), n  # bitwise: the base never moved
     assert any("lora_B" in n and state[n].abs().max() > 0 for n in state)  # the adapters did
 
     r = cli_here("checkpoint", "export", run, tmp_path / "adapter", "--format", "peft")
@@ -114,13 +121,15 @@ def test_base_frozen_peft_and_merged_exports_give_our_logits(hf_dir, reference, 
 @pytest.mark.parametrize(
     "nproc, extra",
     [
+        (2, ()),
         (2, ("--set", "parallel.zero=1")),
         (2, ("--set", "parallel.zero=3")),
         (2, ("--set", "parallel.pp=2", "--set", "train.micro_batch=2")),
         (2, ("--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true")),
         (2, ("--set", "parallel.tp=2", "--set", "model.fused_proj=true")),
+        (2, ("--set", "parallel.cp=2")),
     ],
-    ids=["dp2-zero1", "dp2-zero3", "pp2", "tp2-sp", "tp2-fused"],
+    ids=["dp2", "dp2-zero1", "dp2-zero3", "pp2", "tp2-sp", "tp2-fused", "cp2-ring"],
 )
 def test_layouts_train_like_one_process(hf_dir, reference, tmp_path, nproc, extra):
     """Losses and adapters of each layout against the single-process run (a fused projection's part adapters by

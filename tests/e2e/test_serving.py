@@ -89,6 +89,11 @@ def test_the_openai_client_chats_plain_and_streamed(server, client):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == alone.text
     assert chunks[-1].usage.completion_tokens == len(alone.tokens) and chunks[-1].choices == []
     assert [m.id for m in client.models.list().data] == ["tiny"]
+    color = {"type": "json_schema", "json_schema": {"name": "color", "schema": {"enum": ["red", "blue"]}}}
+    structured = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=16, seed=0, response_format=color
+    )  # (structured output: tests/e2e/test_serving_structured.py)
+    assert json.loads(structured.choices[0].message.content) in ("red", "blue")
 
 
 def test_a_wrong_key_is_refused_by_the_client_and_health_needs_none(server):

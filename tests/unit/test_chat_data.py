@@ -1,8 +1,9 @@
 """Chat data (``data.format = "chat"``): the trained positions of three locally built tokenizers' templates -- one
 with ``{% generation %}`` blocks (exactly transformers' assistant mask), one without and one in the Llama-3 style
 (the documented rendering rule) -- prompt/completion records as TRL tokenizes them, conversations packed whole with
-their document ids and ``-100`` targets, a packed batch's loss equal to the conversations' own, the overlong counts,
-and the one-line refusals."""
+their document ids and ``-100`` targets, a packed batch's loss equal to the conversations' own, the overlong counts
+(the run's data line, and its metrics records' ``overlong_cut`` / ``overlong_dropped``), a checkpoint's copy of
+the tokenizer rendering as its source, and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 from helpers import tiny_config
 
 from trickles.data.chat import START, TRAINED, chat_template
-from trickles.data.corpus import check_boundaries, load_corpus
+from trickles.data.corpus import Corpus, check_boundaries, load_corpus
 from trickles.data.loader import ShardedBatches
+from trickles.data.mixture import Mixture, overlong_counts
 from trickles.data.tokenizers import build_tokenizer
 from trickles.errors import DataError
 
@@ -149,6 +151,35 @@ def test_prompt_completion_as_trl_tokenizes_it(toks):
     assert ids.tolist() == whole and mask.tolist() == [False] * len(head) + [True] * (len(whole) - len(head))
 
 
+def test_a_saved_copy_renders_the_template_as_its_source_does(toks, tmp_path):
+    """A checkpoint's copy of the tokenizer (``HFTokenizer.save``, read back as ``trickles eval``, ``generate`` and
+    ``serve`` read it) renders a Llama-3 style template -- which begins with ``bos_token`` -- exactly as the source
+    directory does: the training data's ids and trained positions, the chat prompt, and transformers' own rendering;
+    and a copy of the copy as well."""
+    import dataclasses
+
+    from trickles.data.tokenizers import load_tokenizer
+    from trickles.infer.chat import render_chat
+
+    path, tok = toks["llama3"]
+    cfg = tiny_config(tmp_path, f"data.tokenizer={path}", "data.format=chat").data
+    source = build_tokenizer(cfg)
+    want = chat_template(cfg, source)
+    source.save(tmp_path / "ckpt")
+    load_tokenizer(tmp_path / "ckpt").save(tmp_path / "again")
+    for saved in (str(tmp_path / "ckpt"), str(tmp_path / "again")):
+        copy = load_tokenizer(saved)
+        got = chat_template(dataclasses.replace(cfg, tokenizer=saved), copy)
+        theirs = transformers.AutoTokenizer.from_pretrained(saved)
+        for chat in CHATS:
+            text = want.render(chat)[0]
+            assert text.startswith("<|begin_of_text|>") and got.render(chat)[0] == text
+            assert [a.tolist() for a in got.conversation(chat)] == [a.tolist() for a in want.conversation(chat)]
+            prompt = tok.apply_chat_template(chat[:-1], tokenize=False, add_generation_prompt=True)
+            assert render_chat(chat[:-1], copy) == prompt  # generate / serve of the checkpoint
+            assert theirs.apply_chat_template(chat, tokenize=False) == tok.apply_chat_template(chat, tokenize=False)
+
+
 def _write(path, records):
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
@@ -161,7 +192,7 @@ def test_conversations_pack_whole_with_documents_and_masked_targets(toks, tmp_pa
         tmp_path / "c.jsonl",
         [{"messages": c} for c in CHATS * 4] + [{"messages": long}] + [{"prompt": "a", "completion": "b"}],
     )
-    counts = {}
+    counts, corpora = {}, {}
     for overlong in ("truncate", "drop"):
         cfg = tiny_config(
             tmp_path,
@@ -174,11 +205,19 @@ def test_conversations_pack_whole_with_documents_and_masked_targets(toks, tmp_pa
         ).data
         assert cfg.document_mask  # implied by chat data
         corpus = load_corpus(cfg, build_tokenizer(cfg))
-        counts[overlong] = corpus.chat
+        counts[overlong], corpora[overlong] = corpus.chat, corpus
         assert "chat: " in corpus.describe() and f"data.overlong={overlong}" in corpus.describe()
     assert counts["truncate"]["truncated"] == 1 and counts["truncate"]["dropped"] == 0
     assert counts["drop"]["dropped"] == 1 and counts["drop"]["conversations"] == 13
     assert counts["truncate"]["conversations"] == 14 and counts["truncate"]["untrained"] == 0
+    # what every metrics record says: one source's counts, a mixture's summed over its chat sources
+    assert overlong_counts(corpora["truncate"]) == {"overlong_cut": 1, "overlong_dropped": 0}
+    assert overlong_counts(corpora["drop"]) == {"overlong_cut": 0, "overlong_dropped": 1}
+    mixed = Mixture(
+        ["a", "b", "c"], [0.4, 0.4, 0.2], [corpora["truncate"], corpora["drop"], Corpus(corpus.train, corpus.val)]
+    )
+    assert overlong_counts(mixed) == {"overlong_cut": 1, "overlong_dropped": 1}
+    assert overlong_counts(Corpus(corpus.train, corpus.val)) == {}  # no chat data: no counts
     template = _template(path)
     expected = [template.conversation(c) for c in CHATS * 4]
     flags = np.asarray(corpus.train_flags)

@@ -175,6 +175,25 @@ def test_moe_activation_prediction_matches_measurement(tmp_path, flavor, precisi
         assert mode == "full" or predicted["moe_layer"] > predicted["layer"], mode  # the formulas do differ
 
 
+def test_deepseek_and_qwen2_routing_parts_are_counted(tmp_path):
+    """DeepSeek's router (sigmoid scores normalized for the balancing loss, a routing bias, group-limited choice, a
+    routed scale) and Qwen2-MoE's gated shared expert, to the byte: the sum the scores are divided by, and the
+    product with the gate (the shared experts' output and the gate)."""
+    for extra in (
+        [
+            "model.moe_router_score=sigmoid",
+            "model.moe_groups=2",
+            "model.moe_topk_groups=1",
+            "model.moe_routed_scale=2.5",
+            "model.moe_bias_rate=0.001",
+        ],
+        ["model.moe_shared_experts=1", "model.moe_shared_gate=true"],
+    ):
+        tr, meter = _moe_forward(tmp_path, "model.moe_top_k=2", *extra)
+        predicted = activation_bytes(tr.model_cfg, 2, 32, "none", 4)
+        assert [meter.per_layer[f"layers.{i}"] for i in range(2)] == predicted["per_layer"], extra
+
+
 def test_moe_capacity_prediction_bounds_the_kept_rows(tmp_path):
     """With capacity the kept assignments depend on the routes: the prediction assumes every expert full
     (``m = min(k s, S E C)``), no less than measured; given the kept count the formula is exact."""

@@ -1,9 +1,12 @@
 """A weighted mixture of sources (:mod:`trickles.data.mixture`): the ``[[data.sources]]`` tables and their refusals,
-the sampler's shares (over 200 steps of three sources, each source's tokens within 2% of its weight), its batches
+the sampler's shares (over 200 steps of three sources, each source's tokens within 2% of its weight), the per-source
+counts of metrics.jsonl (the tokens that are data, and the trained targets, the batches held), its batches
 being a pure function of seed and position (so a resume, or another data-parallel degree, continues the mixture where
 it was), and each source going through its own windows epoch by epoch."""
 
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -46,6 +49,63 @@ def test_three_sources_over_200_steps_take_their_weights_within_two_percent():
     assert np.abs(counts - np.outer(range(0, 1601, 8), WEIGHTS)).max() <= 6
     ends = np.array([data.sampler.counts(n) for n in range(0, 10**6, 16 * BLOCK)])
     assert np.abs(ends - np.outer(range(0, 10**6, 16 * BLOCK), WEIGHTS)).max() < 2
+
+
+PAD = 7  # the synthetic chat source's padding token
+
+
+def _packed(n_sequences=12, seed=0):
+    """A chat source as :mod:`trickles.data.chat` packs one: sequences of ``SEQ`` tokens holding whole conversations
+    (``START`` on the first token, ``TRAINED`` on some of the others) and then padding (``PAD``; ``START`` on its
+    first token), one padding token after the last; tokens ``3000 + position`` but the padding."""
+    from trickles.data.loader import START, TRAINED
+
+    rng = np.random.default_rng(seed)
+    tokens, flags = [], []
+    for _ in range(n_sequences):
+        used = 0
+        while SEQ - used >= 2 and (used == 0 or rng.random() < 0.4):
+            n = int(rng.integers(2, SEQ - used + 1))
+            f = np.where(rng.random(n) < 0.5, TRAINED, 0)
+            f[0], f[rng.integers(1, n)] = START, TRAINED
+            tokens += [3000 + len(tokens) + i for i in range(n)]
+            flags += f.tolist()
+            used += n
+        tokens += [PAD] * (SEQ - used)
+        flags += [START] + [0] * (SEQ - used - 1) if used < SEQ else []
+    return np.array(tokens + [PAD]), np.array(flags + [START], dtype=np.uint8)
+
+
+def test_source_counts_are_the_data_and_trained_tokens_the_batches_held():
+    """metrics.jsonl's ``source_tokens`` counts the tokens drawn from each source that are data -- a chat source's
+    padding left out -- and ``source_trained_tokens`` the targets that took a loss, exactly what the batches held; at
+    any point, asked by a fresh loader (a resume) or step by step, across the chat source's epochs."""
+    chat, flags = _packed()
+
+    def mixed():
+        parts = [
+            ShardedBatches(1000 * (s + 1) + np.arange(n), SEQ, derived_seed(11, s)) for s, n in enumerate((400, 250))
+        ]
+        parts.append(ShardedBatches(chat, SEQ, derived_seed(11, 2), flags=flags))
+        return MixedBatches(["s0", "s1", "s2"], MixtureSampler(WEIGHTS, 11), parts)
+
+    data, tokens, trained = mixed(), np.zeros(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
+    assert (chat == PAD).sum() > 12 and data.parts[2].n_windows == 12
+    for step in range(60):  # (about 96 samples of the chat source: 8 epochs of its 12 windows)
+        batch = data.micro_batches(step * 8, 8, 2)
+        x, y = (np.concatenate([b[i].numpy() for b in batch]) for i in (0, 1))
+        source = x[:, 0] // 1000 - 1
+        tokens += np.bincount(source, weights=(x != PAD).sum(1), minlength=3).astype(np.int64)
+        trained += np.bincount(source, weights=(y != -100).sum(1), minlength=3).astype(np.int64)
+        got = json.loads(json.dumps(data.source_counts((step + 1) * 8)))  # (as metrics.jsonl writes it)
+        assert got == {
+            "source_tokens": dict(zip(data.names, tokens.tolist())),
+            "source_trained_tokens": dict(zip(data.names, trained.tolist())),
+        }
+    assert tokens[2] < data.sampler.counts(480)[2] * SEQ and trained[2] < tokens[2]  # padding and prompts left out
+    assert tokens[0] == trained[0] == data.sampler.counts(480)[0] * SEQ  # a text source: every token of every sample
+    for consumed in (0, 8, 96, 480):
+        assert mixed().source_counts(consumed) == data.source_counts(consumed)
 
 
 def test_every_sample_is_of_each_source_with_its_weight():

@@ -3,6 +3,8 @@ decode path against the uncompressed one, the latent cache's bytes per token, an
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -206,11 +208,7 @@ def test_dense_deepseek_v3_imports_exports_and_generates_like_transformers(tmp_p
 
 @pytest.mark.parametrize(
     "layout, world, match",
-    [
-        (["parallel.tp=2"], 2, r"model.attention=mla is not built with parallel.tp > 1 yet; set parallel.tp=1"),
-        (["parallel.cp=2"], 2, r"model.attention=mla is not built with parallel.cp > 1 yet; set parallel.cp=1"),
-        (["parallel.tp=4", "parallel.tp_mode=2d"], 4, r"model.attention=mla does not combine with parallel.tp_mode"),
-    ],
+    [(["parallel.tp=4", "parallel.tp_mode=2d"], 4, r"model.attention=mla does not combine with parallel.tp_mode")],
 )
 def test_layouts_not_built_for_mla_are_refused(layout, world, match):
     from trickles.config import Config
@@ -219,3 +217,41 @@ def test_layouts_not_built_for_mla_are_refused(layout, world, match):
     Config.load(None, ["model.attention=mla", *shape]).validate(1)
     with pytest.raises(ConfigError, match=match):
         Config.load(None, ["model.attention=mla", *shape, *layout]).validate(world)
+
+
+def test_the_paged_engine_serves_from_latent_rows():
+    """The continuous-batching engine over a paged pool of latent rows (``kv_lora_rank + qk_rope_head_dim`` values a
+    position per layer, no keys and values): six greedy requests submitted between iterations, chunked prefill, a
+    pool small enough to preempt, prefix caching on, each equal to plain decoding with the dense latent cache; a
+    block holds exactly the rows' bytes, and a repeated prompt's full blocks are taken from the prefix cache."""
+    import random
+
+    from trickles.infer import Sampling, decode
+    from trickles.infer.engine import Engine, EngineConfig
+    from trickles.infer.paged import block_bytes
+
+    cfg = ModelConfig(
+        **SHAPE, attention="mla", q_lora_rank=24, v_head_dim=10, n_layers=2, ffn_hidden=64, vocab_size=260
+    )
+    cfg = dataclasses.replace(cfg, max_seq_len=96)
+    cfg.validate()
+    model = build_model(cfg, seed=3).eval()
+    greedy = lambda n: Sampling(max_new_tokens=n, temperature=0)  # noqa: E731
+    engine = Engine(model, None, EngineConfig(max_batch=4, block_size=4, num_blocks=14, prefill_chunk=5))
+    rng = random.Random(7)
+    jobs = [(rng.sample(range(256), k), n) for k, n in [(3, 30), (11, 12), (17, 25), (1, 40), (9, 7), (23, 20)]]
+    requests = []
+    for prompt, n in jobs:
+        requests.append(engine.submit(prompt, greedy(n)))
+        for _ in range(rng.randrange(3)):
+            engine.step()
+    engine.run_until_idle(max_steps=2000)
+    assert any(s.preemptions for r in requests for s in r.sequences)
+    assert [r.result[0].tokens for r in requests] == [decode(model, [p], greedy(n))[0].tokens for p, n in jobs]
+    rows = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert block_bytes(model, 4) == 2 * 4 * rows * 4  # layers x positions x (L + r) x fp32
+    assert engine.pool.bytes() == 14 * block_bytes(model, 4) and engine.pool.used == 0
+    again = engine.submit(jobs[5][0], greedy(3))
+    engine.run_until_idle(max_steps=200)
+    assert again.sequences[0].cached >= 20  # (23 prompt tokens: five full blocks of 4 taken from the cache)
+    assert again.result[0].tokens == decode(model, [jobs[5][0]], greedy(3))[0].tokens

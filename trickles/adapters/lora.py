@@ -21,6 +21,9 @@ Targets are module names as Hugging Face models spell them (``q_proj``, ``k_proj
 The experts of a mixture-of-experts block are not linears of those names and are never adapted. A fused projection
 (``model.fused_proj``: ``qkv_proj``, ``gate_up_proj``) answers to its parts' names and keeps one adapter per adapted
 part (:class:`FusedLoRALinear`), so it computes what the unfused model with the same adapters computes.
+
+With ``base="int8"`` (``train.lora_base``) every adapted linear holds its frozen weight as per-row int8 codes and
+scales (:mod:`trickles.adapters.int8_base`).
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ConfigError
 from ..models.fused import FUSED_PARTS, FusedLayout, layout_of
+from .int8_base import BASES, base_linear, dense_weight, hold_int8
 
 #: every attention and MLP projection of a llama-style block
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -48,6 +51,7 @@ class LoRASettings:
     dropout: float = 0.0
     targets: tuple[str, ...] = DEFAULT_TARGETS
     rslora: bool = False
+    base: str = "same"  # the frozen base's type: the run's, or per-row int8 (trickles.adapters.int8_base)
 
     @property
     def scaling(self) -> float:
@@ -61,6 +65,55 @@ class LoRASettings:
             raise ConfigError(f"train.lora_dropout must be in [0, 1), got {self.dropout}")
         if not self.targets:
             raise ConfigError("train.lora_targets is empty; name the projections to adapt, e.g. ['q_proj', 'v_proj']")
+        if self.base not in BASES:
+            raise ConfigError(f"train.lora_base must be one of {list(BASES)}, got {self.base!r}")
+
+
+class AddLowRank(torch.autograd.Function):
+    """``y + s (h A^T) B^T`` for the base's output ``y [..., out]`` and the adapter's input ``h [..., in]``.
+
+    One product adds the update to ``y`` (``addmm``), in the type ``y`` was computed in (autocast's, or the
+    parameters'), so no ``[..., out]`` temporary is made for ``B``'s output or its scaling, in forward or backward.
+    Saved: ``h`` (in that type) and ``u = h A^T`` ``[..., r]``, what ``A``'s and ``B``'s gradients need, as
+    ``nn.Linear`` modules would keep them; with ``du = s dy B``: ``dh = du A``, ``dA = du^T h``, ``dB = s dy^T u``,
+    and ``dy`` passes to ``y`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, y, h, a, b, scaling):
+        dt = y.dtype
+        with torch.autocast(y.device.type, enabled=False):
+            h = h.to(dt)
+            u = h.reshape(-1, h.shape[-1]) @ a.to(dt).t()
+            out = torch.addmm(y.reshape(-1, y.shape[-1]), u, b.to(dt).t(), alpha=scaling)
+        ctx.save_for_backward(h, u, a, b)
+        ctx.scaling = scaling
+        return out.view(y.shape)
+
+    @staticmethod
+    def backward(ctx, dy):
+        h, u, a, b = ctx.saved_tensors
+        s, need = ctx.scaling, ctx.needs_input_grad
+        dh = da = db = None
+        with torch.autocast(dy.device.type, enabled=False):
+            dy2 = dy.reshape(-1, dy.shape[-1])
+            du = (dy2 @ b.to(dy.dtype)).mul_(s)
+            if need[1]:
+                dh = (du @ a.to(dy.dtype)).view(h.shape)
+            if need[2]:
+                da = du.t() @ h.reshape(-1, h.shape[-1])
+            if need[3]:
+                db = (dy2.t() @ u).mul_(s)
+        return dy, dh, da, db, None
+
+
+def add_low_rank(y: torch.Tensor, h: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``y + scaling * (h A^T) B^T``: :class:`AddLowRank` where autograd records, else the same two products."""
+    if torch.is_grad_enabled() and (y.requires_grad or h.requires_grad or a.requires_grad or b.requires_grad):
+        return AddLowRank.apply(y, h, a, b, scaling)
+    dt = y.dtype
+    with torch.autocast(y.device.type, enabled=False):
+        u = h.reshape(-1, h.shape[-1]).to(dt) @ a.to(dt).t()
+        return torch.addmm(y.reshape(-1, y.shape[-1]), u, b.to(dt).t(), alpha=scaling).view(y.shape)
 
 
 class LoRALinear(nn.Linear):
@@ -84,13 +137,15 @@ class LoRALinear(nn.Linear):
         self.lora_dropout = nn.Dropout(dropout) if dropout else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling
+        return add_low_rank(
+            base_linear(self, x), self.lora_dropout(x), self.lora_A.weight, self.lora_B.weight, self.scaling
+        )
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         """``W + s B A``: the weight of the plain linear this one computes (without dropout)."""
         delta = self.lora_B.weight.float() @ self.lora_A.weight.float()
-        return (self.weight.float() + self.scaling * delta).to(self.weight.dtype)
+        return (dense_weight(self) + self.scaling * delta).to(self.lora_A.weight.dtype)
 
 
 class FusedLoRALinear(nn.Linear):
@@ -131,14 +186,14 @@ class FusedLoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lora_dropout(x)
         delta = {p: self.lora_B[p](self.lora_A[p](h)) for p in self.lora_A}
-        return F.linear(x, self.weight, self.bias) + self._fused_rows(delta, x.shape[:-1], x) * self.scaling
+        return base_linear(self, x) + self._fused_rows(delta, x.shape[:-1], x) * self.scaling
 
     @torch.no_grad()
     def merged_weight(self) -> torch.Tensor:
         delta = {p: (self.lora_B[p].weight.float() @ self.lora_A[p].weight.float()).t() for p in self.lora_A}
-        w = self.weight.float()
+        w = dense_weight(self)
         fused = self._fused_rows(delta, (self.in_features,), w).t()
-        return (w + self.scaling * fused).to(self.weight.dtype)
+        return (w + self.scaling * fused).to(next(self.lora_A.parameters()).dtype)
 
     def part_adapters(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """``{part: (A, B)}`` of the adapted parts."""
@@ -209,6 +264,8 @@ def apply_lora(model: nn.Module, settings: LoRASettings) -> list[str]:
             adapted = FusedLoRALinear(lin, layout_of(model.cfg, name + ".weight"), parts, *args)
         else:
             adapted = LoRALinear(lin, *args)
+        if settings.base == "int8":  # the frozen base weight as per-row int8 codes and scales
+            hold_int8(adapted)
         setattr(parent, leaf, adapted)
     freeze_base(model)
     return [n for n, _, _ in found]

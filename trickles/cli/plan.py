@@ -49,9 +49,11 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    import dataclasses
     import json
 
     from ..config import Config
+    from ..memory.report import predict
     from ..planner.cluster_files import load_cluster
     from ..planner.report import explain, no_fit_message, plan_json, plan_table, summary, winner_toml
     from ..planner.search import Search, pinned_keys, plan_model
@@ -66,6 +68,8 @@ def run(args) -> int:
             "table in the config, or --calibrate"
         )
     cfg = Config.load(args.config, args.overrides)
+    if not _gives_expert_load(args.config, args.overrides):  # plan for the most the router can send an expert rank
+        cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, expert_load="bound"))
     pins = pinned_keys(args.config, args.overrides)
     model_cfg = plan_model(cfg)
     if args.calibrate is not None:
@@ -83,6 +87,10 @@ def run(args) -> int:
     lines = explain(search, top[0])
     print(summary(search))
     print(plan_table(search, top))
+    win = top[0]
+    if win.dims.ep > 1 and model_cfg.moe_layers:  # the winner at both expert loads (the plan assumes one)
+        rep = predict(win.cfg, win.dims, model_cfg, search.device_type)
+        print("\n".join(n for n in rep.notes if n.startswith("expert parallelism:")))
     if lines:
         print("why not ...")
         print("\n".join(f"  {line}" for line in lines))
@@ -104,6 +112,21 @@ def _cuda() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def _gives_expert_load(path: str | None, overrides) -> bool:
+    """Whether the config file or a ``--set`` names ``memory.expert_load`` (else the planner assumes the bound)."""
+    from ..config import tomllib
+
+    if any(o.replace(" ", "").startswith("memory.expert_load=") for o in overrides or ()):
+        return True
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return "expert_load" in tomllib.load(f).get("memory", {})
+    except (OSError, tomllib.TOMLDecodeError):
+        return False
 
 
 def _has_cluster(path: str) -> bool:

@@ -104,6 +104,8 @@ class ShardedBatches:
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.n_windows = max(0, (len(tokens) - 1) // seq_len)
         self._perms: dict[int, np.ndarray] = {}
+        self._counts: tuple[np.ndarray, np.ndarray] | None = None  # (window_counts)
+        self._drawn: tuple[int, tuple[int, int]] = (-1, (0, 0))  # the last call of drawn: (samples, its totals)
 
     # ---- which windows -------------------------------------------------------------------
     def permutation(self, epoch: int) -> np.ndarray:
@@ -172,6 +174,52 @@ class ShardedBatches:
             return len(windows) * self.seq_len
         index = windows[:, None] * self.seq_len + np.arange(1, self.seq_len + 1, dtype=np.int64)
         return int(np.count_nonzero(np.asarray(self.flags[index]) & TRAINED))
+
+    def window_counts(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """``(tokens, trained)``, int64 per window: its inputs that are data rather than a packed sequence's padding,
+        and its targets that take a loss; None without flags (every input is data, every target trains). A packed
+        sequence's padding is its last document when that one has no trained token (a conversation always has one:
+        :class:`trickles.data.chat.Packer`)."""
+        if self.flags is None:
+            return None
+        if self._counts is None:
+            seq, out = self.seq_len, np.zeros((2, self.n_windows), dtype=np.int64)
+            step = max(1, (1 << 22) // seq)
+            for w0 in range(0, self.n_windows, step):
+                w1 = min(w0 + step, self.n_windows)
+                f = np.asarray(self.flags[w0 * seq : w1 * seq + 1])
+                inputs, trained = f[:-1].reshape(-1, seq), (f[1:].reshape(-1, seq) & TRAINED) != 0
+                last_start = seq - 1 - np.argmax((inputs[:, ::-1] & START) != 0, axis=1)
+                has = (inputs & TRAINED) != 0
+                last_trained = np.where(has.any(1), seq - 1 - np.argmax(has[:, ::-1], axis=1), -1)
+                out[0, w0:w1] = np.where(last_trained >= last_start, seq, last_start)
+                out[1, w0:w1] = trained.sum(1)
+            self._counts = (out[0], out[1])
+        return self._counts
+
+    def drawn(self, samples: int) -> tuple[int, int]:
+        """``(tokens, trained)`` of samples ``0 .. samples - 1`` together (:meth:`window_counts`; ``seq_len`` per sample
+        each without flags): whole epochs at once and the windows of the last one, or the windows drawn since the
+        previous call when that is less than an epoch before."""
+        samples = int(samples)
+        if self.flags is None:
+            return samples * self.seq_len, samples * self.seq_len
+        tokens, trained = self.window_counts()
+        known, done = self._drawn
+        if 0 <= known <= samples <= known + self.n_windows:
+            w = self.windows(known, samples - known)
+            done = (done[0] + int(tokens[w].sum()), done[1] + int(trained[w].sum()))
+        elif samples > 0:
+            epochs, rest = divmod(samples, self.n_windows)
+            w = self.permutation(epochs)[:rest]
+            done = (
+                epochs * int(tokens.sum()) + int(tokens[w].sum()),
+                epochs * int(trained.sum()) + int(trained[w].sum()),
+            )
+        else:
+            done = (0, 0)
+        self._drawn = (samples, done)
+        return done
 
     # ---- helpers ---------------------------------------------------------------------------
     def _require(self, split: str) -> None:

@@ -22,6 +22,10 @@ order of its own, whatever the others do. :class:`MixedBatches` gathers a step's
 into micro-batches exactly as :class:`~trickles.data.loader.ShardedBatches` does (data-parallel rank ``r`` takes rows
 ``[r B/dp, (r+1) B/dp)`` of the global batch). Held out are each source's own validation split, evaluated source by
 source; the mixture's validation loss is their mean weighted by ``p``.
+
+**What the metrics count** (:meth:`MixedBatches.source_counts`): of the first ``g`` samples, each source's tokens that
+are data (``seq_len`` per sample of a text source; a packed chat sequence's without its padding) and its targets that
+took a loss -- sums over its samples' windows (whole epochs at once), so, like the draw, a function of ``g`` alone.
 """
 
 from __future__ import annotations
@@ -163,8 +167,32 @@ class MixedBatches:
         return dict(zip(self.names, (int(c) for c in self.sampler.counts(consumed))))
 
     def source_tokens(self, consumed: int) -> dict[str, int]:
-        """Tokens trained on from each source in the first ``consumed`` samples (``seq_len`` per sample)."""
-        return {k: v * self.seq_len for k, v in self.source_samples(consumed).items()}
+        """Tokens drawn from each source in the first ``consumed`` samples: the inputs of its samples that are data --
+        ``seq_len`` per sample of a text source, a chat sequence's conversations without the padding after them."""
+        return dict(zip(self.names, (part.drawn(n)[0] for part, n in zip(self.parts, self.sampler.counts(consumed)))))
+
+    def source_trained_tokens(self, consumed: int) -> dict[str, int]:
+        """Targets that took a loss from each source in the first ``consumed`` samples (a chat source's assistant
+        tokens; ``seq_len`` per sample of a text source)."""
+        return dict(zip(self.names, (part.drawn(n)[1] for part, n in zip(self.parts, self.sampler.counts(consumed)))))
+
+    def source_counts(self, consumed: int) -> dict[str, dict[str, int]]:
+        """What a metrics record holds of the first ``consumed`` samples: ``source_tokens``, and with a chat source
+        ``source_trained_tokens`` (docs/data.md)."""
+        out = {"source_tokens": self.source_tokens(consumed)}
+        if any(part.flags is not None for part in self.parts):
+            out["source_trained_tokens"] = self.source_trained_tokens(consumed)
+        return out
+
+
+def overlong_counts(data: Corpus | Mixture) -> dict[str, int]:
+    """Chat data: ``{"overlong_cut": n, "overlong_dropped": m}``, the conversations longer than ``data.seq_len`` cut
+    to it or left out while packing (every chat source's, training and held-out split together: the corpus's, the
+    same at every layout and on every resume); empty without chat data."""
+    counts = [c.chat for c in (data.corpora if isinstance(data, Mixture) else [data]) if c.chat is not None]
+    if not counts:
+        return {}
+    return {"overlong_cut": sum(c["truncated"] for c in counts), "overlong_dropped": sum(c["dropped"] for c in counts)}
 
 
 def source_names(cfg: DataConfig) -> list[str]:

@@ -12,8 +12,10 @@ Every tokenizer has ``name``, ``vocab_size`` (ids are ``0 .. vocab_size-1``) and
   or ``special_tokens_map.json`` (``eos_token``), else from a common name (``</s>``, ...).
 
 A saved directory holds ``tokenizer_meta.json`` (``{"kind", "name", "eos_token", "eos_id"}``)
-and, for the BPE and Hugging Face kinds, ``tokenizer.json`` plus a minimal
-``tokenizer_config.json`` so that ``transformers.AutoTokenizer`` can read it too.
+and, for the BPE and Hugging Face kinds, ``tokenizer.json`` plus ``tokenizer_config.json`` (and
+``special_tokens_map.json``) so that ``transformers.AutoTokenizer`` can read it too: a Hugging Face tokenizer's as
+its source directory had them, so that the copy renders a chat template as the source does
+(:mod:`trickles.data.tokenizer_files`); a BPE's minimal.
 
 The ``tokenizers`` library is optional: it is imported only when a BPE or Hugging Face
 tokenizer is asked for.
@@ -34,10 +36,10 @@ import numpy as np
 from ..errors import DataError
 from .config import DataConfig
 from .sources import iter_documents, resolve_format, source_fingerprint
+from .tokenizer_files import config_files, find_chat_template, find_eos, find_special, saved_config
 
 META_FILE = "tokenizer_meta.json"
 EOS_TEXT = "<|endoftext|>"
-COMMON_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "[SEP]")
 _CHUNK_CHARS = 1 << 16  # long documents are encoded in pieces of about this many characters
 
 
@@ -117,7 +119,7 @@ class HFTokenizer(Tokenizer):
     only change how the text right at a cut is split.
     """
 
-    #: a model directory's tokenizer (prompts get its special tokens) and its BOS text (for chat templates)
+    #: a model directory's tokenizer (prompts get its special tokens); the BOS text its directory names (chat templates)
     prompt_specials, bos_token = False, None
 
     def __init__(self, tk: Any, eos_token: str, kind: str, name: str, chat_template: str | None = None):
@@ -132,6 +134,7 @@ class HFTokenizer(Tokenizer):
         self.vocab_size = max(tk.get_vocab_size(with_added_tokens=True), max(vocab.values(), default=-1) + 1)
         self._identity: str | None = None
         self.chat_template = chat_template
+        self.hf_files: dict[str, dict] = {}  # a Hugging Face directory's config files, kept by save (module doc)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tk.encode(text, add_special_tokens=False).ids)
@@ -160,10 +163,10 @@ class HFTokenizer(Tokenizer):
     def save(self, directory: str | os.PathLike) -> None:
         os.makedirs(directory, exist_ok=True)
         _write_text(os.path.join(directory, "tokenizer.json"), self.tk.to_str())
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": self.eos_token}
-        if self.chat_template is not None:
-            config["chat_template"] = self.chat_template
+        config = saved_config(self.hf_files, self.eos_token, self.chat_template)
         _write_json(os.path.join(directory, "tokenizer_config.json"), config)
+        if "special_tokens_map.json" in self.hf_files:
+            _write_json(os.path.join(directory, "special_tokens_map.json"), self.hf_files["special_tokens_map.json"])
         _write_json(
             os.path.join(directory, META_FILE),
             {"kind": self.kind, "name": self.name, "eos_token": self.eos_token, "eos_id": self.eos_id},
@@ -268,7 +271,7 @@ def _cached_bpe(cfg: DataConfig, documents: Callable[[], Iterable[str]] | None) 
 
 def load_hf_tokenizer(path: str | os.PathLike, key: str = "tokenizer", model_dir: bool = False) -> HFTokenizer:
     """A Hugging Face tokenizer from a directory holding ``tokenizer.json`` (or that file itself); ``model_dir``: a
-    model's own, whose prompts get its special tokens (:meth:`HFTokenizer.encode_prompt`) and chats its BOS."""
+    model's own, whose prompts get its special tokens (:meth:`HFTokenizer.encode_prompt`)."""
     path = os.fspath(path)
     directory, file = (
         (os.path.dirname(path), path) if os.path.isfile(path) else (path, os.path.join(path, "tokenizer.json"))
@@ -286,59 +289,17 @@ def load_hf_tokenizer(path: str | os.PathLike, key: str = "tokenizer", model_dir
             f"{key}: cannot read {file} ({str(e).splitlines()[0] if str(e) else type(e).__name__}); "
             "give a tokenizer.json written by the tokenizers library"
         ) from None
-    eos = _find_eos(directory, tk)
+    eos = find_eos(directory, tk)
     if eos is None:
         raise DataError(
             f"{key}: the tokenizer in {path} names no end-of-text token; set eos_token in "
             f"{os.path.join(directory, 'tokenizer_config.json')}"
         )
     name = f"hf:{os.path.basename(os.path.normpath(directory)) or directory}"
-    out = HFTokenizer(tk, eos, "hf", name, _find_chat_template(directory))
-    if model_dir:
-        out.prompt_specials, out.bos_token = True, _find_special(directory, tk, "bos_token")
+    out = HFTokenizer(tk, eos, "hf", name, find_chat_template(directory))
+    out.hf_files, out.bos_token = config_files(directory), find_special(directory, tk, "bos_token")
+    out.prompt_specials = model_dir
     return out
-
-
-def _find_chat_template(directory: str) -> str | None:
-    """The chat template of a Hugging Face tokenizer directory: ``chat_template.jinja``, else ``chat_template`` in
-    ``tokenizer_config.json`` (a string, or a list of named templates: the one named ``default``, else the first)."""
-    jinja = os.path.join(directory, "chat_template.jinja")
-    if os.path.isfile(jinja):
-        with open(jinja, encoding="utf-8") as f:
-            return f.read()
-    try:
-        with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as f:
-            template = json.load(f).get("chat_template")
-    except (OSError, ValueError, AttributeError):
-        return None
-    if isinstance(template, list):
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default", next(iter(named.values()), None))
-    return template if isinstance(template, str) else None
-
-
-def _find_eos(directory: str, tk: Any) -> str | None:
-    """The eos token named by the directory's config files, else the first common name it knows."""
-    eos = _find_special(directory, tk, "eos_token")
-    return eos if eos is not None else next((n for n in COMMON_EOS if tk.token_to_id(n) is not None), None)
-
-
-def _find_special(directory: str, tk: Any, which: str) -> str | None:
-    """The special token ``which`` (``eos_token``, ``bos_token``) the directory's config files name, if a token."""
-    for fname in ("tokenizer_config.json", "special_tokens_map.json"):
-        p = os.path.join(directory, fname)
-        if not os.path.isfile(p):
-            continue
-        try:
-            with open(p, encoding="utf-8") as f:
-                eos = json.load(f).get(which)
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(eos, dict):
-            eos = eos.get("content")
-        if isinstance(eos, str) and tk.token_to_id(eos) is not None:
-            return eos
-    return None
 
 
 def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
@@ -363,14 +324,10 @@ def load_tokenizer(directory: str | os.PathLike) -> Tokenizer:
         file = os.path.join(directory, "tokenizer.json")
         if not os.path.isfile(file):
             raise DataError(f"{directory} has no tokenizer.json; save the tokenizer again")
-        lib = _tokenizers_lib()
-        return HFTokenizer(
-            lib.Tokenizer.from_file(file),
-            meta["eos_token"],
-            kind,
-            meta.get("name", kind),
-            _find_chat_template(directory),
-        )
+        tk = _tokenizers_lib().Tokenizer.from_file(file)
+        out = HFTokenizer(tk, meta["eos_token"], kind, meta.get("name", kind), find_chat_template(directory))
+        out.hf_files, out.bos_token = config_files(directory), find_special(directory, tk, "bos_token")
+        return out
     raise DataError(f"{meta_path} names an unknown tokenizer kind {kind!r}; expected 'byte', 'bpe' or 'hf'")
 
 

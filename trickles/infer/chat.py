@@ -3,9 +3,9 @@
 A chat template (Hugging Face's ``chat_template``, a Jinja template kept with a Hugging Face tokenizer's files) is
 rendered as ``transformers``' ``apply_chat_template`` renders it: in a sandboxed Jinja environment with
 ``messages``, ``add_generation_prompt=True``, ``bos_token``/``eos_token`` and ``raise_exception``. ``bos_token`` is
-the BOS text of a Hugging Face model directory's tokenizer (``trickles serve DIR``), empty for a tokenizer a trickles
-run saved (trained without one); the rendered text is then encoded without adding special tokens, as transformers'
-``apply_chat_template(tokenize=True)`` encodes it.
+the BOS text of a Hugging Face model directory's tokenizer (``trickles serve DIR``) or of the copy a trickles run
+saved of one (its special tokens kept), empty for the byte and BPE tokenizers trained here; the rendered text is
+then encoded without adding special tokens, as transformers' ``apply_chat_template(tokenize=True)`` encodes it.
 
 **The plain template** (tokenizers without one: the byte and BPE tokenizers trained here)::
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ..models.generate import sample_next
+from .grammar import JsonFormat
 
 __all__ = ["Sampling", "Completion", "PaddedBatch", "decode", "apply_repetition_penalty", "TextTracker"]
 
@@ -56,6 +57,7 @@ class Sampling:
     frequency_penalty: float = 0.0  #: OpenAI's: times each token's count among those generated so far (engine)
     logprobs: int | None = None  #: each drawn token's log-probability and the N most likely (engine; None: off)
     prompt_logprobs: int | None = None  #: the same for every prompt token after the first (engine; None: off)
+    response_format: JsonFormat | None = None  #: structured output: the reply's JSON (engine, :mod:`.grammar`)
 
     def validate(self) -> None:
         """ValueError saying which field is wrong and what it must be."""
@@ -88,6 +90,7 @@ class Sampling:
                 ("frequency_penalty", 0),
                 ("logprobs", None),
                 ("prompt_logprobs", None),
+                ("response_format", None),
             )
             if getattr(self, name) != off
         ]

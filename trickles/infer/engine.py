@@ -22,7 +22,9 @@ is a :class:`Sequence` with its own generator (choice ``j`` of a seeded request 
 Tokens are drawn per row as :func:`trickles.infer.decode.decode` draws them for a row of its own, with OpenAI's
 presence and frequency penalties and log-probabilities on top (:mod:`.sampler`), so a request's tokens do not depend
 on what it ran with, up to float rounding of batched matmuls. A request with prompt log-probabilities gets them from
-its prefill calls' logits at every position, and is prefilled even when it asks for no new token.
+its prefill calls' logits at every position, and is prefilled even when it asks for no new token. A request with a
+``response_format`` draws every token under its JSON grammar (:mod:`.grammar`: compiled at :meth:`Engine.submit`, a
+matcher per choice, the mask applied to its rows only).
 
 **Budgets.** A prompt is cut from the left to leave room for a token in the context; ``max_new_tokens`` is
 shortened to what the context and the whole pool leave (``finish_reason: "length"``). A prompt that does not fit
@@ -38,6 +40,10 @@ still cached); its blocks enter the cache as they fill and stay there, once rele
 **Windows.** With every layer windowed (window ``w``), blocks that slid out of every window go back to the pool
 after each call and prefill takes blocks chunk by chunk, so a decoding sequence holds ``ceil(w / P) + 1`` blocks
 however long it runs and only the context bounds its budget (:mod:`~trickles.infer.paged`'s notes).
+
+**Speculative decoding** (off by default, :mod:`~trickles.infer.speculative`): step 4 feeds each sequence's last
+token and up to ``num_speculative_tokens`` proposed ones (n-gram lookup or a draft model) in one call, and keeps the
+proposals the target's own sampling accepts, plus one token of its own.
 
 **Timestamps.** Every sequence records the iteration (``engine.steps``) and ``time.perf_counter()`` at which it
 arrived, was admitted, drew its first token and finished: scheduling is tested from these, not from wall clocks.
@@ -55,9 +61,11 @@ from dataclasses import dataclass
 import torch
 
 from .decode import Sampling, TextTracker
+from .grammar import Grammars
 from .paged import BlockPool, PagedCall, pool_blocks
 from .requests import Cancelled, Event, PoolStalled, PoolTooSmall, Request, Sequence
 from .sampler import draw, record_prompt
+from .speculative import Speculator
 from .worker import Driven
 
 __all__ = ["Engine", "EngineConfig", "Event", "Request", "Sequence", "PoolStalled", "PoolTooSmall", "Cancelled"]
@@ -73,6 +81,11 @@ class EngineConfig:
     kv_cache_bytes: int = 0  #: bytes of the pool when num_blocks is 0 (0: see num_blocks)
     prefill_chunk: int = 256  #: most prompt tokens prefilled in one iteration (long prompts are chunked)
     prefix_caching: bool = True  #: reuse the KV blocks of prefixes computed before (:mod:`~trickles.infer.prefix`)
+    speculative: str | None = None  #: propose tokens and verify them in one call: "ngram" or "draft" (None: off)
+    num_speculative_tokens: int = 4  #: speculative: tokens proposed per sequence and step
+    ngram_min: int = 1  #: speculative="ngram": the shortest suffix looked up earlier in the sequence
+    ngram_max: int = 4  #: speculative="ngram": the longest suffix looked up earlier in the sequence
+    draft_model: torch.nn.Module | None = None  #: speculative="draft": a smaller model with the target's tokenizer
 
 
 class Engine(Driven):
@@ -81,11 +94,15 @@ class Engine(Driven):
     the model while it runs: the first iteration puts it in eval mode, and it stays there.
 
     ``metrics``: an object with ``on_request(outcome)``, ``on_tokens(prompt, generated)``, ``on_first_token(s)``,
-    ``on_inter_token(s)``, ``on_prefix_cache(queried, hit)`` (:class:`trickles.infer.metrics.ServingMetrics`), or None.
+    ``on_inter_token(s)``, ``on_prefix_cache(queried, hit)``, with speculative decoding ``on_spec_decode(drafted,
+    accepted)`` (:class:`trickles.infer.metrics.ServingMetrics`), or None.
     """
 
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, *, logits_fn=None, metrics=None):
+    def __init__(
+        self, model, tokenizer=None, config: EngineConfig | None = None, *, logits_fn=None, metrics=None, forward=None
+    ):
         self.model, self.tokenizer, self.logits_fn, self.metrics = model, tokenizer, logits_fn, metrics
+        self.forward = forward  # (call, tokens, every) -> logits: makes the call on every rank too (:mod:`.ranks`)
         self.config = cfg = config or EngineConfig()
         if cfg.max_batch < 1 or cfg.prefill_chunk < 1:
             raise ValueError(
@@ -94,6 +111,8 @@ class Engine(Driven):
         self.context = model.cfg.max_seq_len
         blocks = pool_blocks(model, cfg.block_size, cfg.num_blocks, cfg.kv_cache_bytes, cfg.max_batch)
         self.pool = BlockPool(model, blocks, cfg.block_size, prefix_caching=cfg.prefix_caching)
+        self.grammars = Grammars(tokenizer, model.cfg.vocab_size)  # (structured output: :mod:`.grammar`)
+        self.spec = Speculator(self) if cfg.speculative is not None else None
         self.waiting: collections.deque[Sequence] = collections.deque()
         self.running: list[Sequence] = []
         self.steps = 0
@@ -117,6 +136,7 @@ class Engine(Driven):
             raise ValueError("a prompt needs at least one token")
         room = self.pool.room(len(prompt), self.context)  # (PoolTooSmall for a prompt it can never hold)
         budget = max(0, min(sampling.max_new_tokens, self.context - len(prompt), room - len(prompt)))
+        grammars = self.grammars.matchers(sampling.response_format, n, speculative=self.spec is not None)
         request = Request(self, next(self._ids), on_event, on_finish)
         device = self.pool.device
         for j in range(n):
@@ -133,6 +153,7 @@ class Engine(Driven):
                     TextTracker(self.tokenizer, sampling.stop),
                     tokens=list(prompt),
                     arrived_at=time.perf_counter(),
+                    grammar=grammars[j],
                 )
             )
         with self._lock:
@@ -179,8 +200,9 @@ class Engine(Driven):
         prefill = self._prefill_rows()
         if prefill:
             self._call(prefill)
-        decode = self._reserve([(s, 1) for s in self.running if s.pending == 1])
-        if decode:
+        if self.spec is not None:
+            self.spec.decode([s for s in self.running if s.pending == 1])
+        elif decode := self._reserve([(s, 1) for s in self.running if s.pending == 1]):
             self._call(decode)
         self.steps += 1
 
@@ -254,7 +276,7 @@ class Engine(Driven):
             [[0] * (t - n) + s.tokens[s.cached : s.cached + n] for s, n in rows], device=self.pool.device
         )
         try:
-            out = self.model(tokens, cache=call, start=call.start, positions=call.positions, pad_mask=call.pad_mask)
+            out = self._forward(call, tokens, any(s.settings.prompt_logprobs is not None for s in seqs))
             logits = (self.logits_fn or (lambda z: z))(out[:, -1:])[:, -1]
             record_prompt(rows, out, self.logits_fn)
         except Exception as e:  # noqa: BLE001 -- reported to the requests of this call, the engine goes on
@@ -268,6 +290,13 @@ class Engine(Driven):
         ready = [i for i, s in enumerate(seqs) if s.pending == 0]
         if ready:
             self._draw([seqs[i] for i in ready], logits[ready] if len(ready) < len(seqs) else logits)
+
+    def _forward(self, call: PagedCall, tokens: torch.Tensor, every: bool = False) -> torch.Tensor:
+        """The model's output for ``tokens [B, T]`` over ``call`` (the engine's one model call); with ``forward``
+        (tensor/expert-parallel serving) every rank makes it, and only the last position's logits unless ``every``."""
+        if self.forward is not None:
+            return self.forward(call, tokens, every)
+        return self.model(tokens, cache=call, start=call.start, positions=call.positions, pad_mask=call.pad_mask)
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
         """The next token of each of ``seqs`` from its logits row (:func:`~.sampler.draw`)."""

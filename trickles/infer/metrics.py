@@ -9,6 +9,8 @@ one exists, under the ``trickles_`` prefix:
 * ``trickles_kv_blocks_used``, ``trickles_kv_blocks_total``: the paged cache's blocks;
 * ``trickles_prefix_cache_queries_total``, ``trickles_prefix_cache_hits_total``: prompt tokens of admitted sequences
   looked up in the prefix cache, and those found there (not prefilled), with prefix caching on;
+* ``trickles_spec_decode_draft_tokens_total``, ``trickles_spec_decode_accepted_tokens_total``: with speculative
+  decoding, tokens proposed and tokens of those the target accepted (:mod:`.speculative`);
 * ``trickles_time_to_first_token_seconds``, ``trickles_inter_token_latency_seconds``: histograms, from a request's
   arrival to its first token and between consecutive tokens of a sequence.
 """
@@ -37,6 +39,12 @@ class ServingMetrics:
         )
         self.prefix_hits = Counter(
             "trickles_prefix_cache_hits", "Tokens found in the prefix cache (not prefilled).", registry=r
+        )
+        self.spec_drafts = Counter(
+            "trickles_spec_decode_draft_tokens", "Speculative decoding: tokens proposed.", registry=r
+        )
+        self.spec_accepted = Counter(
+            "trickles_spec_decode_accepted_tokens", "Speculative decoding: proposed tokens accepted.", registry=r
         )
         self.running = Gauge("trickles_running_sequences", "Sequences admitted to the running batch.", registry=r)
         self.waiting = Gauge("trickles_waiting_sequences", "Sequences waiting for admission.", registry=r)
@@ -72,6 +80,10 @@ class ServingMetrics:
     def on_prefix_cache(self, queried: int, hit: int) -> None:
         self.prefix_queries.inc(queried)
         self.prefix_hits.inc(hit)
+
+    def on_spec_decode(self, drafted: int, accepted: int) -> None:
+        self.spec_drafts.inc(drafted)
+        self.spec_accepted.inc(accepted)
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -6,8 +6,10 @@ slot ``b_{p // P} * P + p % P``. A sequence holds ``ceil(L / P)`` blocks for its
 follows the tokens actually held (at most ``P - 1`` positions wasted per sequence), and a finished sequence's
 blocks go straight back to the pool (its full blocks stay cached there, for sequences that share their prefix,
 until the pool hands them out again: :mod:`.prefix`). Bytes: ``2 * n_layers * N * P * H_kv * D * element_size``
-(:func:`block_bytes` is one block of every layer). The pool starts zeroed, so a slot read but masked out never
-holds NaN (a masked score times a NaN value would still be NaN).
+(:func:`block_bytes` is one block of every layer). Multi-head latent attention keeps one row of ``L + r``
+(``kv_lora_rank + qk_rope_head_dim``) values per position and layer instead, ``n_layers * N * P * (L + r) *
+element_size`` (:meth:`PagedCall.update_latent`; the absorbed decode attends to those rows). The pool starts
+zeroed, so a slot read but masked out never holds NaN (a masked score times a NaN value would still be NaN).
 
 **One model call over paged sequences** (:class:`PagedCall`). Row ``b`` has ``c_b`` positions cached and feeds
 ``n_b`` new tokens (a prefill chunk, or one token when decoding), ``T = max n_b``, right-aligned in the ``[B, T]``
@@ -50,18 +52,25 @@ FREED = -1  #: a block table entry whose block slid out of every layer's window 
 
 def kv_layout(model) -> tuple[list[int], int, int, torch.dtype, torch.device]:
     """``(layer ids, key/value heads held, head dim, dtype, device)`` of ``model``'s cache (a tensor-parallel
-    plan may hold a slice of the heads)."""
+    plan may hold a slice of the heads). Latent attention caches one row of ``kv_lora_rank + qk_rope_head_dim``
+    values a token (reported as one head of that size; no values: :func:`latent`)."""
     attn = next(iter(model.layers.values())).attn
     head_dim = model.cfg.head_dim
-    if model.cfg.attention == "mla":
-        raise ValueError("the paged engine has no latent cache for model.attention=mla yet; use trickles generate")
-    if attn.fused:
+    if latent(model):
+        kv_heads, head_dim = 1, model.cfg.kv_lora_rank + model.cfg.qk_rope_head_dim
+    elif attn.fused:
         kv_heads = attn.qkv_proj.out_features // ((attn.rep + 2) * head_dim)
     else:
         kv_heads = attn.k_proj.out_features // head_dim
     p = next(model.parameters())
     dtype = p.dtype if p.dtype.is_floating_point else torch.float32
     return [blk.attn.layer_id for blk in model.layers.values()], kv_heads, head_dim, dtype, p.device
+
+
+def latent(model) -> bool:
+    """Whether ``model``'s layers cache a compressed latent (multi-head latent attention): the pool then keeps one
+    row per position and layer, no separate keys and values (:meth:`PagedCall.update_latent`)."""
+    return model.cfg.attention == "mla"
 
 
 def layer_windows(model) -> dict[int, int | None]:
@@ -75,7 +84,8 @@ def layer_windows(model) -> dict[int, int | None]:
 def block_bytes(model, block_size: int) -> int:
     """Bytes of one block of every layer's keys and values."""
     layers, heads, dim, dtype, _ = kv_layout(model)
-    return 2 * len(layers) * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
+    parts = 1 if latent(model) else 2  # keys and values, or the latent rows alone
+    return parts * len(layers) * block_size * heads * dim * torch.empty((), dtype=dtype).element_size()
 
 
 def pool_blocks(model, block_size: int, num_blocks: int, kv_bytes: int, sequences: int) -> int:
@@ -113,7 +123,7 @@ class BlockPool:
         self.slide_window: int | None = None if None in spans else max(spans)
         shape = (heads, num_blocks * block_size, dim)  # head-major: a row's gathered keys are contiguous per head
         self.k = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
-        self.v = {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
+        self.v = {} if latent(model) else {i: torch.zeros(shape, dtype=dtype, device=device) for i in layers}
         self.device = device
         self.blocks = Blocks(num_blocks, block_size, prefix_caching)
         self._workspaces: dict[str, torch.Tensor] = {}
@@ -210,6 +220,7 @@ class PagedCall:
 
     def __init__(self, pool: BlockPool, tables: Sequence[Sequence[int]], cached: Sequence[int], new: Sequence[int]):
         self.pool = pool
+        self.inputs = (tables, cached, new)  # (what other ranks build the same call from: :mod:`.ranks`)
         dev, p = pool.device, pool.block_size
         b, t = len(tables), max(new)
         blocks = max(len(tb) for tb in tables)
@@ -250,9 +261,18 @@ class PagedCall:
         """Writes the real new ``k, v [B, H_kv, T, D]`` into the pool; every row's keys and values ``[B, H_kv, S_w, D]``
         (``S_w = S`` for a full-attention layer), stored head-major (a view of one ``[H_kv, B, S_w, D]`` buffer, which
         the model's attention uses as it is)."""
+        return tuple(self._write_read(layer, (("k", k, self.pool.k[layer]), ("v", v, self.pool.v[layer]))))
+
+    def update_latent(self, layer: int, start: int, rows: torch.Tensor) -> torch.Tensor:
+        """Latent attention's :meth:`update`: writes the real new ``rows [B, T, L + r]`` (latent and rotated key) into
+        the pool; every row's cached rows ``[B, S, L + r]``."""
+        (got,) = self._write_read(layer, (("k", rows[:, None], self.pool.k[layer]),))
+        return got[:, 0]
+
+    def _write_read(self, layer: int, parts) -> list[torch.Tensor]:
         read, span = self._read[self.pool.windows[layer]]
         out = []
-        for name, new, pool in (("k", k, self.pool.k[layer]), ("v", v, self.pool.v[layer])):
+        for name, new, pool in parts:
             heads, dim = new.shape[1], new.shape[3]
             flat = new.transpose(0, 1).reshape(heads, self.batch * self.width, dim)
             pool.index_copy_(1, self.write, flat.index_select(1, self.src).to(pool.dtype))
@@ -260,4 +280,4 @@ class PagedCall:
             gathered = self.pool.workspace(name, heads * self.batch * span * dim).view(heads, -1, dim)
             torch.index_select(pool, 1, read, out=gathered)
             out.append(gathered.view(heads, self.batch, span, dim).transpose(0, 1))
-        return out[0], out[1]
+        return out

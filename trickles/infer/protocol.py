@@ -2,14 +2,17 @@
 
 Requests carry OpenAI's fields that apply, plus ``top_k`` and ``repetition_penalty`` (as vLLM takes them): among them
 ``presence_penalty`` and ``frequency_penalty`` in [-2, 2], a completion's ``logprobs`` (0-20) and ``echo``, a chat's
-``logprobs`` and ``top_logprobs`` (0-20, only with ``logprobs``). Any other field is refused by name and every value
-must have its field's JSON type, so a typo never silently changes decoding. Every text must be encodable: a JSON
-string may spell a lone surrogate (``"\\ud800"``), which no UTF-8 tokenizer takes, so it is refused by field.
-Numbers are bounded where decoding would overflow: ``seed`` fits a generator's 64 bits, a ``repetition_penalty``
-lies in [0.01, 100], and a temperature below :data:`GREEDY_BELOW` decodes greedily (its limit; dividing the logits by
-it would overflow, as vLLM also does). Answers are OpenAI's shapes: a completion's choices carry ``text`` (after the
-prompt's with ``echo``), a chat completion's ``message`` (``delta`` when streamed, the first chunk of each choice
-carrying ``role``), both ``logprobs`` when asked (:mod:`.logprobs`); ``usage`` counts prompt and generated tokens.
+``logprobs`` and ``top_logprobs`` (0-20, only with ``logprobs``), and both endpoints' ``response_format``: ``text``
+(free), ``json_object`` or ``json_schema`` with its ``schema`` (the reply's tokens drawn under a JSON grammar,
+:mod:`.grammar`; a schema the grammar library cannot compile is refused when the request is submitted, a 400). Any
+other field is refused by name and every value must have its field's JSON type, so a typo never silently changes
+decoding. Every text must be encodable: a JSON string may spell a lone surrogate (``"\\ud800"``), which no UTF-8
+tokenizer takes, so it is refused by field. Numbers are bounded where decoding would overflow: ``seed`` fits a
+generator's 64 bits, a ``repetition_penalty`` lies in [0.01, 100], and a temperature below :data:`GREEDY_BELOW`
+decodes greedily (its limit; dividing the logits by it would overflow, as vLLM also does). Answers are OpenAI's
+shapes: a completion's choices carry ``text`` (after the prompt's with ``echo``), a chat completion's ``message``
+(``delta`` when streamed, the first chunk of each choice carrying ``role``), both ``logprobs`` when asked
+(:mod:`.logprobs`); ``usage`` counts prompt and generated tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .chat import ROLES
 from .decode import Completion, Sampling
+from .grammar import JsonFormat
 
 __all__ = ["CompletionRequest", "ChatRequest", "ChatMessage", "completion_body", "chat_body", "usage", "GREEDY_BELOW"]
 
@@ -56,6 +60,35 @@ class _StreamOptions(_Body):
     include_usage: bool = False
 
 
+class _JsonSchema(_Body):
+    """OpenAI's ``json_schema`` format: ``schema`` is enforced (``strict`` is accepted; the schema is always applied
+    strictly, see :mod:`.grammar`)."""
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict = Field(alias="schema")  #: a JSON Schema
+    strict: bool | None = None
+
+
+class _ResponseFormat(_Body):
+    """``response_format``: ``text`` (free, the default), ``json_object`` (any JSON object) or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: _JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError('give json_schema with type "json_schema", and only then')
+        return self
+
+    def format(self) -> JsonFormat | None:
+        """The :class:`~.grammar.JsonFormat` asked for (None: free text)."""
+        if self.type == "text":
+            return None
+        return JsonFormat.of(self.json_schema.schema_ if self.json_schema is not None else None)
+
+
 class _Sampled(_Body):
     """The fields both endpoints share."""
 
@@ -73,6 +106,7 @@ class _Sampled(_Body):
     stream: bool = False
     stream_options: _StreamOptions | None = None  #: ``include_usage``: a last chunk with the usage, no choices
     user: str | None = None  #: accepted and ignored (OpenAI's end-user id)
+    response_format: _ResponseFormat | None = None  #: structured output: JSON, or JSON under a schema (:mod:`.grammar`)
 
     @field_validator("stop")
     @classmethod
@@ -94,6 +128,7 @@ class _Sampled(_Body):
             seed=self.seed,
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
+            response_format=self.response_format.format() if self.response_format is not None else None,
         )
 
 

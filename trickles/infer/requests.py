@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .decode import Completion, Sampling, TextTracker
+from .grammar import Matcher
 from .logprobs import TokenLogprob
 
 __all__ = ["Cancelled", "Event", "PoolStalled", "PoolTooSmall", "Request", "Sequence"]
@@ -78,6 +79,7 @@ class Sequence:
     announced: bool = False  #: its first event went out
     keys: list[bytes] = field(default_factory=list)  #: prefix cache: the keys of its full blocks so far
     registered: int = 0  #: prefix cache: blocks of its table entered in the cache (or passed over)
+    grammar: Matcher | None = None  #: structured output: its grammar's state (:mod:`.grammar`; None: free)
     finish_reason: str | None = None
     arrived_step: int = 0
     admitted_step: int | None = None

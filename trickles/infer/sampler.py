@@ -1,8 +1,11 @@
 """How the serving engine turns one call's logits into a token for each sequence, every row as its request asks, so
 that requests with different settings (logprobs or not, penalties or not, greedy or sampled) share a batch.
 
-Per row, in vLLM's order (the first two steps as :func:`~trickles.infer.decode.decode` takes them for a row):
+Per row, in vLLM's order (the penalty of step 2 and the draw of step 4 as :func:`~trickles.infer.decode.decode` takes
+them for a row):
 
+0. structured output: the grammar's mask, for the rows that have one (:func:`~.grammar.constrain`: the tokens it
+   forbids get ``-inf``), so their log-probabilities are those of the masked distribution, as vLLM V1 reports them;
 1. the raw log-probabilities, for the rows that ask (:mod:`.logprobs`), before anything below changes the logits;
 2. the repetition penalty ``r`` over the prompt and the tokens drawn so far
    (:func:`~trickles.infer.decode.apply_repetition_penalty`);
@@ -11,8 +14,9 @@ Per row, in vLLM's order (the first two steps as :func:`~trickles.infer.decode.d
 4. the argmax (temperature 0) or one draw from :func:`~trickles.models.generate.sample_next` with the row's own
    generator.
 
-The tokens (and the logprob rows, packed with them) reach the host in one transfer per call. A row whose sampling
-fails (its settings overflow) is returned with its error; the others are drawn.
+The tokens (and the logprob rows, packed with them) reach the host in one transfer per call; then each grammar
+takes its row's token (:func:`~.grammar.advance`). A row whose sampling fails (its settings overflow, or its grammar
+allows nothing) is returned with its error; the others are drawn.
 
 Prompt log-probabilities (``echo`` with ``logprobs``) are read from a prefill call's logits at every position
 (:func:`record_prompt`): position ``q``'s logits score prompt token ``q + 1``.
@@ -24,6 +28,7 @@ import torch
 
 from ..models.generate import sample_next
 from .decode import apply_repetition_penalty
+from .grammar import HIDDEN_LOGPROB, advance, constrain
 from .logprobs import TokenLogprob, pack, prompt_records, raw_logprobs, unpack
 from .requests import Sequence
 
@@ -54,20 +59,24 @@ def draw(
 ) -> tuple[list[int], list[TokenLogprob | None], list[tuple[Sequence, BaseException]]]:
     """The next token of each of ``seqs`` from its row of ``logits [B, V]`` (changed in place), its
     :class:`~.logprobs.TokenLogprob` when it asked for logprobs, and the rows whose sampling failed with the error."""
+    failed = constrain(seqs, logits)
     wants = [s.settings.logprobs for s in seqs]
     raw = raw_logprobs(logits, wants)
+    if raw is not None and any(s.grammar is not None for s in seqs):
+        raw[1].clamp_(min=HIDDEN_LOGPROB)  # (a forbidden token's -inf)
     for i, s in enumerate(seqs):
         _penalize(s, logits, i)
     nxt = logits.argmax(dim=-1)
-    failed = []
     for i, s in enumerate(seqs):
-        if s.settings.temperature > 0:
+        if s.settings.temperature > 0 and all(s is not f for f, _ in failed):
             try:
                 z, st = logits[i : i + 1], s.settings
                 nxt[i] = sample_next(z, st.temperature, st.top_k, st.top_p, s.generator)[0]
             except RuntimeError as e:  # this row's settings broke its sampling (overflow): it fails, the rest go on
                 failed.append((s, e))
     tokens, records = unpack(pack(nxt, raw, wants), wants)
+    broken = {id(s) for s, _ in failed}
+    failed += advance(seqs, tokens, broken)
     broken = {id(s) for s, _ in failed}
     for s, tok in zip(seqs, tokens):
         if id(s) in broken:

@@ -64,10 +64,12 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = MAX_BODY_BYTES,
     max_waiting: int = 1024,
+    forward=None,
 ):
     """The FastAPI application serving ``model``. Its scheduler (``app.state.engine``: an :class:`Engine`, or a
     :class:`StaticBackend` with ``batching="static"``, which uses ``window_s``) starts and stops with the app;
-    ``app.state.metrics`` are its Prometheus metrics. ``log_requests``: one line per request on stderr."""
+    ``app.state.metrics`` are its Prometheus metrics. ``log_requests``: one line per request on stderr. ``forward``: the
+    engine's model call when other ranks make it too (:class:`~.ranks.Leader`; continuous batching only)."""
     if batching not in ("continuous", "static"):
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
     metrics = ServingMetrics()
@@ -75,7 +77,7 @@ def create_app(
         backend = StaticBackend(model, tokenizer, max_batch, window_s, logits_fn, metrics)
     else:
         config = engine_config or EngineConfig(max_batch=max_batch)
-        backend = Engine(model, tokenizer, config, logits_fn=logits_fn, metrics=metrics)
+        backend = Engine(model, tokenizer, config, logits_fn=logits_fn, metrics=metrics, forward=forward)
         metrics.watch(backend)
     context = model.cfg.max_seq_len
 

@@ -227,7 +227,10 @@ class BlockStreamer:
 
 
 def kv_cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32) -> int:
-    """Bytes of the KV cache of ``batch`` sequences of ``max_len`` positions: ``2 L B H_kv T D`` elements."""
+    """Bytes of the KV cache of ``batch`` sequences of ``max_len`` positions: ``2 L B H_kv T D`` elements (latent
+    attention: ``L B T (kv_lora_rank + qk_rope_head_dim)``, :class:`~trickles.models.latent_cache.LatentCache`)."""
+    if cfg.attention == "mla":
+        return cfg.n_layers * batch * max_len * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype.itemsize
     return 2 * cfg.n_layers * batch * cfg.kv_heads * max_len * cfg.head_dim * dtype.itemsize
 
 

@@ -376,13 +376,11 @@ def fused_on(fused: bool | None, kernels: str, device_type: str) -> bool:
 
 
 class OutputLoss(nn.Module):
-    """The loss head of a model: the output projection's mean token cross-entropy, fused or not.
-
-    ``fused``: True, the chunked :func:`linear_cross_entropy`; False, the logits then :func:`cross_entropy`;
-    None, fused when ``kernels`` runs Triton on the input's device. ``softcap``: the logits capped first
-    (``model.final_softcap``). No parameters of its own: it uses the output layer's. A tensor-parallel plan replaces it
-    with its vocabulary-parallel counterpart.
-    """
+    """The loss head of a model: the output projection's mean token cross-entropy, fused or not. ``fused``: True,
+    the chunked :func:`linear_cross_entropy`; False, the logits then :func:`cross_entropy` (on a CPU, of the rows
+    whose target counts only); None, fused when ``kernels`` runs Triton on the input's device. ``softcap``: the
+    logits capped first (``model.final_softcap``). No parameters of its own: it uses the output layer's. A
+    tensor-parallel plan replaces it with its vocabulary-parallel counterpart."""
 
     def __init__(self, fused: bool | None = None, chunk: int = 0, kernels: str = "torch", softcap: float | None = None):
         super().__init__()
@@ -395,4 +393,7 @@ class OutputLoss(nn.Module):
         if self.is_fused(h):
             bias = getattr(output, "bias", None)
             return linear_cross_entropy(h, output.weight, target, bias, self.chunk, self.kernels, softcap=self.softcap)
+        keep = None if h.device.type != "cpu" or torch.compiler.is_compiling() else target.flatten() != IGNORE_INDEX
+        if keep is not None and not keep.all():  # a loss mask on a CPU (no device sync): the trained rows' logits only
+            h, target = h.flatten(0, -2)[keep], target.flatten()[keep]
         return cross_entropy(softcap(output(h), self.softcap), target)

@@ -114,7 +114,9 @@ from torch import nn
 from ..models.config import ModelConfig
 from ..parallel.context import kv_repeats
 from .attention_cores import core_bytes
+from .latent_activations import latent_attention_bytes
 from .moe_activations import moe_bytes
+from .mtp_activations import mtp_bytes
 
 
 def activation_bytes(
@@ -132,6 +134,7 @@ def activation_bytes(
     fused_loss: bool = False,
     fp16: bool = False,
     documents: bool = False,
+    expert_load: str = "balanced",
 ) -> dict:
     """``{"layer": bytes per dense layer, "moe_layer": per mixture-of-experts layer (0 without experts),
     "per_layer": [what the meter charges each layer, :mod:`~trickles.memory.attention_cores`' terms included],
@@ -161,7 +164,8 @@ def activation_bytes(
     seq //= cp
     s = batch * seq
     t = tp
-    d, a, kv, h, f, p = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_dim, dtype_bytes
+    d, a, h, f, p, r = cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.ffn_dim, dtype_bytes, cfg.rope_dim
+    kv = a if cfg.attention == "mla" else cfg.kv_heads  # (latent attention: every head its own keys and values)
     if t > 1:
         a, f, kv = a // t, f // t, (kv // t if kv % t == 0 else a // t)
     ulysses = cp > 1 and cp_mode == "ulysses"
@@ -183,10 +187,8 @@ def activation_bytes(
         lse = 4 * 3 * s * a * h + 12 * batch * a * seq * seq - qkv  # copies; in place of what the fused kernel keeps
     else:
         lse = 4 * s * a
-    cast_tokens = (
-        s if documents else seq
-    )  # low-precision llama: the rotary tables cast for q and k (documents: per row)
-    attention = qkv + p * s * a * h + lse + (4 * cast_tokens * h * p if llama and p != 4 else 0)
+    cast_tokens = s if documents else seq  # low-precision llama: rotary tables cast for q and k (per row: documents)
+    attention = qkv + p * s * a * h + lse + (4 * cast_tokens * r * p if llama and p != 4 else 0)
     if cfg.qk_norm != "none":  # q's and k's norms: input, fp32 1/rms (per head or per token); tensor-parallel full
         split = cfg.qk_norm == "full" and t > 1  # width: its input in fp32 and the normalized product
         attention += (p + 4 * split) * s * (a + kv) * h + 4 * s * (a + kv if cfg.qk_norm == "head" else 2)
@@ -200,6 +202,8 @@ def activation_bytes(
         f_kv = kv_repeats(a, kv, cp) if ulysses else 1  # SDPA keeps k, v repeated to the query heads in place of theirs
         core_extra += p * batch * whole_seq * whole_seq + 2 * p * batch * whole_seq * (a - f_kv * kv) // cp * h
     attention += core_extra
+    if cfg.attention == "mla":  # latent attention's terms in place of these (trickles.memory.latent_activations)
+        attention, lse, core_extra = latent_attention_bytes(cfg, batch, seq, p, t, cp, cp_mode, documents, device_type)
     full = p * sn * d  # the block input, on this rank's sequence shard under sequence parallelism
     if recompute not in ("none", "elementwise", "selective", "full"):
         raise ValueError(f"recompute must be none, elementwise, selective or full, got {recompute!r}")
@@ -237,7 +241,8 @@ def activation_bytes(
             "dropout masks": 2 * mask * sn * d,
         }
     )
-    experts = moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, device_type=device_type) if cfg.moe_experts else 0
+    load = {"device_type": device_type, "expert_load": expert_load}
+    experts = moe_bytes(cfg, batch, sn // batch, whole_seq, p, ep, **load) if cfg.moe_experts else 0
     moe_layer = block(experts, 3 if cfg.moe_shared_experts else 2) if cfg.moe_experts else 0
     vocab = _vocab(cfg)
     if fused_loss:  # ids (tp: shifted ids and mask), the final norm (no linear keeps its output), the input
@@ -259,12 +264,13 @@ def activation_bytes(
         per_layer = [b + core_bytes(cfg, i, *core) for i, b in enumerate(per_layer)]
     layers = sum(per_layer)
     tables = (
-        8 * (s if documents else seq) * h if (cp > 1 or documents) and llama and p == 4 and recompute != "full" else 0
+        8 * (s if documents else seq) * r if (cp > 1 or documents) and llama and p == 4 and recompute != "full" else 0
     )
     # full recomputation keeps each block's inputs, hard routing's per-token label ids among them (one storage)
     labels = 8 * s if recompute == "full" and cfg.moe_experts and cfg.moe_router == "hard" else 0
     if per_layer:
         per_layer[0] += tables + labels
+    head += mtp_bytes(cfg, batch, seq, sn, p, t, norm, norms + attention, mlp, experts, mask, fused_loss, fp16)
     return {
         "layer": layer,
         "moe_layer": moe_layer,

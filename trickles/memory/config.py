@@ -36,6 +36,12 @@ class MemoryConfig:
     recompute_rest: Literal["none", "elementwise", "selective"] = opt(
         "none", "with memory.recompute_num_layers > 0: the recomputation of the layers not recomputed whole"
     )
+    expert_load: Literal["balanced", "bound"] = opt(
+        "balanced",
+        "expert parallelism: the load the report's figures assume on a rank's experts -- balanced (each receives as "
+        "many rows as its tokens send) or bound (as many as the router can send it: every token's experts on it as "
+        "far as it holds them); the other is given in a note, and trickles plan assumes the bound",
+    )
     offload_optimizer: bool = opt(False, "keep the optimizer state and step in host memory (needs parallel.zero >= 1)")
     offload_overlap: bool = opt(
         True,

@@ -13,15 +13,17 @@ from ..models.config import ModelConfig
 from .moe_activations import moe_assignments
 
 
-def expert_rows_in_flight(cfg: ModelConfig, batch: int, tokens: int, seq: int, p: int) -> int:
+def expert_rows_in_flight(cfg: ModelConfig, batch: int, tokens: int, seq: int, p: int, received: int = 0) -> int:
     """Expert parallelism's rows alive at once beyond the saved activations, in one MoE block (one at a time):
     ``2 p m d`` with ``m`` the assignments of the rank's ``batch x tokens`` routed tokens
     (:func:`~trickles.memory.moe_activations.moe_assignments`; balanced, each rank receiving what it sends). Forward,
     the first all-to-all holds the gathered rows sent and the rows received; the second the received rows (still
     referenced by the dispatch) and the outputs being sent back (those that arrive are saved). Backward, each
     all-to-all holds the gradient rows sent and those received: ``2 p m d`` in every case
-    (:func:`~trickles.parallel.expert.expert_dispatch`)."""
-    return 2 * p * moe_assignments(cfg, batch, tokens, seq) * cfg.d_model
+    (:func:`~trickles.parallel.expert.expert_dispatch`). ``received``: the rows the rank's experts receive when
+    more than it sends (the routing bound, :func:`~trickles.memory.moe_activations.received_bound`): the second
+    all-to-all then holds ``2 p m_in d``, the largest."""
+    return 2 * p * max(received, moe_assignments(cfg, batch, tokens, seq)) * cfg.d_model
 
 
 def ring_blocks_in_flight(cfg: ModelConfig, tokens: int, p: int, tp: int = 1) -> int:

@@ -9,8 +9,9 @@ configuration, the tensor-parallel layout (``tp``, mode, depth, sequence paralle
 and this rank's place in it, and the parameters' type; :func:`rank_model` builds one per such key and keeps it.
 
 A pipeline stage's parameters (:func:`stage_parameters`) are a filter of these by name, in the model's order --
-the layers of its chunks, the embedding (and gpt2's positions) on the first rank, the final norm and output
-projection on the last, where a tied embedding is the last rank's copy (``embed.weight``, the holder
+the layers of its chunks, the embedding (and gpt2's positions) on the first rank, the final norm, output
+projection and multi-token prediction modules on the last, where a tied embedding (or the embedding multi-token
+prediction reads) is the last rank's copy (``embed.weight``, the holder
 :func:`~trickles.parallel.pipeline.stages.keep_stage` keeps) -- exactly the parameters, in the order, of the model
 :func:`~trickles.parallel.pipeline.stages.keep_stage` prunes (the tests compare the two).
 """
@@ -23,6 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..adapters.int8_base import is_int8_base
 from ..adapters.lora import LoRASettings, apply_lora, freeze_base
 from ..adapters.tensor import adapted_modules, apply_lora_tensor_parallel
 from ..models.config import ModelConfig
@@ -97,6 +99,9 @@ def rank_model(
     if adapted:
         freeze_base(meta)
     meta = meta.to(dtype)
+    for name, prm in meta.named_parameters():  # an int8 base's scales stay fp32 (train.lora_base=int8)
+        if is_int8_base(name, prm) and prm.is_floating_point():
+            prm.data = prm.data.float()
     out = RankModel(meta, unique_named_parameters(meta), total, active, key)
     _CACHE[key] = out
     while len(_CACHE) > _KEEP:
@@ -108,15 +113,17 @@ def stage_parameters(rm: RankModel, layers: set[int], first: bool, last: bool, t
     """The (name, parameter) pairs of the pipeline rank holding ``layers`` (``first``, ``last``: the pipeline's
     first or last rank; ``tied``: input and output embeddings share a weight), in the model's order."""
 
+    embeds = last and rm.module.mtp is not None  # multi-token prediction embeds tokens on the last rank
+
     def kept(name: str) -> bool:
         top, _, rest = name.partition(".")
         if top == "layers":
             return int(rest.partition(".")[0]) in layers
         if top == "pos_embed":
-            return first
+            return first or embeds
         if top == "embed":
-            return first or (last and tied)
-        if top in ("norm", "output"):
+            return first or (last and tied) or embeds
+        if top in ("norm", "output", "mtp"):
             return last
         return True  # (nothing else holds parameters at the top of the model)
 

@@ -45,6 +45,8 @@ optimizer state is host memory (``predicted["host"]``): held and peak count the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..config import Config
@@ -58,8 +60,11 @@ from ..parallel.tensor.layout import Layout
 from ..topology import ParallelDims
 from .activations import loss_transient_bytes
 from .in_flight import expert_rows_in_flight, ring_blocks_in_flight
+from .latent_activations import latent_notes
+from .lora_activations import lora_note
 from .measure import measure
 from .meta import rank_model, stage_parameters
+from .moe_activations import moe_assignments, received_bound
 from .notes import describe
 from .precision import policy
 from .stages import (
@@ -78,7 +83,12 @@ from .transients import block_backward_bytes, head_backward_bytes, split_end_byt
 
 
 def predict(
-    cfg: Config, dims: ParallelDims, model_cfg: ModelConfig, device_type: str = "cpu", dp_rank: int = 0
+    cfg: Config,
+    dims: ParallelDims,
+    model_cfg: ModelConfig,
+    device_type: str = "cpu",
+    dp_rank: int = 0,
+    both_loads: bool = True,
 ) -> MemoryReport:
     """The memory one device needs for ``cfg`` at ``dims`` (``model_cfg`` fully resolved): the device of
     data-parallel rank ``dp_rank`` (ranks differ by a few bytes under ZeRO >= 1: the segments each owns; with
@@ -86,7 +96,8 @@ def predict(
     expert parallelism that rank's experts and its place, ``dp_rank // ep``, in its ``edp`` group).
 
     With pipeline stages (``parallel.pp > 1``) every pipeline rank is predicted (:mod:`~trickles.memory.stages`):
-    ``report.stages[r]`` holds rank ``r``'s categories and ``report.predicted`` is the stage with the highest peak."""
+    ``report.stages[r]`` holds rank ``r``'s categories and ``report.predicted`` is the stage with the highest peak.
+    With expert parallelism and ``both_loads`` the other expert load's figures too (``report.expert_bound``)."""
     prec = policy(cfg.memory.precision, cfg.memory.grad_dtype)
     rm = rank_model(model_cfg, dims, cfg.parallel.sequence_parallel, dp_rank, prec.param_dtype, cfg.train.lora())
     total_params, active_params, n_rank = rm.total_params, rm.active_params, rm.numel
@@ -135,7 +146,9 @@ def predict(
         layer_transient += ring_blocks_in_flight(model_cfg, tokens, p, dims.tp)
     if dims.ep > 1 and model_cfg.moe_layers:
         routed = tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens
-        layer_transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p)
+        bound = cfg.memory.expert_load == "bound"
+        most = received_bound(model_cfg, micro, routed // micro, cfg.data.seq_len, dims.ep) if bound else 0
+        layer_transient += expert_rows_in_flight(model_cfg, micro, routed // micro, cfg.data.seq_len, p, most)
 
     def states_of(named, key, keep: set[str] | None = None) -> dict:
         memo = (
@@ -175,7 +188,8 @@ def predict(
         out["checkpoint_host"] = states["checkpoint"] if cfg.train.async_checkpoint else 0
         return out
 
-    notes = []
+    notes = [lora_note(cfg, model_cfg, dims)] if cfg.train.lora_rank else []
+    notes += latent_notes(model_cfg, device_type)
     if dims.pp == 1:
         states = states_of(rm.module if stage == 3 else rm.named, "all")
         transient = loss + layer_transient
@@ -293,11 +307,47 @@ def predict(
         if dims.pp == 1
         else sum(prm.numel() for _, prm in stage_parameters(rm, set(layer_ids[top]), *shape.ends(top), model_cfg.tied))
     )
+    if dims.ep > 1 and model_cfg.moe_layers and both_loads:
+        report.expert_bound = _both_loads(report, cfg, dims, model_cfg, device_type, dp_rank, micro, tokens, notes)
     describe(report, cfg, dims, model_cfg, lay, n, total_params, active_params, fused, notes)
     return report
 
 
-# engine_state_bytes by rank model, stage and what else it reads (a layout search asks again and again)
+def _both_loads(report, cfg, dims, model_cfg, device_type, dp_rank, micro, tokens, notes) -> dict:
+    """Expert parallelism: the prediction at the other load of ``memory.expert_load`` (balanced, or as many rows as
+    the router can send a rank's experts), so the report gives both: ``{"balanced", "received"}`` rows a block on a
+    rank's experts and the ``activations`` and ``peak`` at the bound; a note says both."""
+    routed = tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens
+    seq, bound = cfg.data.seq_len, cfg.memory.expert_load == "bound"
+    load = "balanced" if bound else "bound"
+    other = predict(
+        dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, expert_load=load)),
+        dims,
+        model_cfg,
+        device_type,
+        dp_rank,
+        both_loads=False,
+    ).predicted
+    at_bound = report.predicted if bound else other
+    out = {
+        "balanced": moe_assignments(model_cfg, micro, routed // micro, seq),
+        "received": received_bound(model_cfg, micro, routed // micro, seq, dims.ep),
+        "activations": at_bound["activations"],
+        "peak": at_bound["peak"],
+    }
+    most = f"{out['received']:,} rows a block (every token's experts on the rank as far as it holds them)"
+    even = f"{out['balanced']:,} rows a block"
+    notes.append(
+        f"expert parallelism: the figures assume the most the router can send a rank's experts, {most}; at a balanced "
+        f"load, {even}: activations {_fmt(other['activations'])}, peak {_fmt(other['peak'])} (memory.expert_load)"
+        if bound
+        else f"expert parallelism: the figures assume a balanced load on a rank's experts, {even}; the router can "
+        f"send up to {most}: activations {_fmt(other['activations'])}, peak {_fmt(other['peak'])} "
+        "(memory.expert_load=bound, what trickles plan assumes unless the config sets it)"
+    )
+    return out
+
+
 _STATES: dict = {}
 
 

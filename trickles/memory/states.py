@@ -82,7 +82,8 @@ def engine_state_bytes(
         named = meta if isinstance(meta, list) else unique_named_parameters(meta)
         # frozen parameters (a LoRA run's base) stay whole on each rank, outside the flat buffers: no gradient, no
         # optimizer state; the first rank of the replicas writes them into checkpoints
-        frozen = sum(prm.numel() for _, prm in named if not prm.requires_grad)
+        # (in their own types: an int8 base's codes and fp32 scales, train.lora_base=int8)
+        frozen = sum(prm.numel() * prm.element_size() for _, prm in named if not prm.requires_grad)
         named = [(n, prm) for n, prm in named if prm.requires_grad]
         layout = FlatLayout(
             named,
@@ -91,9 +92,8 @@ def engine_state_bytes(
             first_bucket_bytes=FIRST_BUCKET_BYTES,
             group_of=lambda t: int(experts is not None and _spec(t, "ep_sharded")),
         )
-        params = p * (
-            (layout.numel if stage == 0 else layout.total) + frozen
-        )  # ZeRO-1/2: parameters are views of a padded flat buffer
+        # ZeRO-1/2: parameters are views of a padded flat buffer
+        params = p * (layout.numel if stage == 0 else layout.total) + frozen
         sharded = stage == 2 or (stage == 1 and not accumulates)  # stage 1 reduces like stage 2 unless it accumulates
         grads = g * (layout.shard_numel if sharded else layout.total)
         segments = layout.whole_segments() if stage == 0 else layout.segments(ranks)
@@ -104,9 +104,9 @@ def engine_state_bytes(
     # (all of it on the first rank without ZeRO) -- moments, a 4-byte step per segment, fp32 masters in low precision
     owned = sum(s.numel for s in segments)
     if stage == 3:
-        written = owned + frozen_owned
+        written = p * (owned + frozen_owned)
     else:
-        written = sum(s.numel for s in layout.slots if ranks[layout.buckets[s.bucket].group] == 0)
+        written = p * sum(s.numel for s in layout.slots if ranks[layout.buckets[s.bucket].group] == 0)
         written += frozen if ranks[0] == 0 else 0
         if stage == 0 and dp_rank != 0:
             owned, segments = 0, []
@@ -120,7 +120,7 @@ def engine_state_bytes(
         "gradients": grads,
         "optimizer": optimizer,
         "step_gradients": step,
-        "checkpoint": p * written + state,
+        "checkpoint": written + state,
     }
 
 

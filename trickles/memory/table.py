@@ -27,6 +27,9 @@ class MemoryReport:
     routing: dict = field(
         default_factory=dict
     )  # MoE with ep: block -> rows received, balanced, predicted at that load, measured
+    # MoE with ep at a balanced load: the rows a rank's experts get a block, balanced and at the routing's most
+    # ("received"), and the activations and peak at that most (report._at_the_bound)
+    expert_bound: dict = field(default_factory=dict)
 
     CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "head", "held", "transient", "peak")
 

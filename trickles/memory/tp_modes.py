@@ -27,6 +27,7 @@ from ..parallel.tensor.activation_costs import activation_bytes_nd
 from ..parallel.tensor.costs import param_count, step_comm
 from ..parallel.tensor.layout import Layout
 from ..topology import ParallelDims
+from .lora_activations import with_lora
 from .precision import policy
 from .states import engine_state_bytes
 from .table import _fmt
@@ -73,7 +74,10 @@ def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: Parallel
     if lay.grid:
         return activation_bytes_nd(model_cfg, lay, micro, cfg.data.seq_len, p, cfg.memory.recompute, device_type)
 
-    def one(mode: str) -> dict:
+    def one(mode: str) -> dict:  # (a LoRA run's: trickles.memory.lora_activations)
+        return with_lora(full(mode), cfg, model_cfg, lay, dims, device_type, mode)
+
+    def full(mode: str) -> dict:
         return activation_bytes(
             model_cfg,
             micro,
@@ -89,6 +93,7 @@ def activations(cfg: Config, model_cfg: ModelConfig, lay: Layout, dims: Parallel
             fused_loss=fused_on(model_cfg.fused_loss, model_cfg.kernels, device_type),
             fp16=cfg.memory.precision == "fp16",
             documents=cfg.data.document_mask,
+            expert_load=cfg.memory.expert_load,
         )
 
     if not cfg.memory.recompute_num_layers:

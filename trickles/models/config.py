@@ -16,6 +16,8 @@ QKNorm = Literal["none", "head", "full"]
 NormPlacement = Literal["pre", "post", "sandwich"]
 #: the [model] keys that say how the model computes, not what: a run may change them against its checkpoint
 HOW_KEYS = ("kernels", "fused_loss", "loss_chunk", "fused_proj")
+#: the [model] keys a run gives that a Hugging Face config.json does not hold: kept from the run's over the directory's
+HF_RUN_KEYS = ("mtp_depth", "mtp_weight")
 
 
 @dataclass
@@ -86,6 +88,16 @@ class ModelConfig:
     qk_nope_head_dim: int = opt(128, "mla: per-head query/key dimensions without rotary, up-projected from the latent")
     qk_rope_head_dim: int = opt(64, "mla: query/key dimensions with rotary (the key's shared by the heads)")
     v_head_dim: int = opt(128, "mla: per-head value size")
+    mtp_depth: int = opt(
+        0,
+        "multi-token prediction (DeepSeek-V3, docs/mtp.md): D modules predicting tokens t+2 .. t+1+D from the shared "
+        "embedding and output head, trained only (0: off)",
+    )
+    mtp_weight: float = opt(
+        0.1,
+        "multi-token prediction: weight of the depths' mean cross-entropy added to the training loss (DeepSeek-V3: "
+        "0.3, later 0.1)",
+    )
     rope_interleave: bool = opt(False, "mla: rotary dimensions in interleaved pairs (DeepSeek's), reordered to rotate")
     sliding_window: int | None = opt(None, "keys a query sees, itself included: q - window < k <= q (none: all)")
     window_layers: list[bool] | None = opt(None, "per layer, whether sliding_window applies (none: every layer)")
@@ -182,6 +194,11 @@ class ModelConfig:
     moe_bias_rate: float = opt(0.0, "loss-free balancing: the routing bias's step after each optimizer step (0: off)")
     moe_shared_ffn_hidden: int | None = opt(None, "the shared experts' hidden size (none: shared x moe_ffn_hidden)")
     moe_shared_gate: bool = opt(False, "scale the shared experts' output by a learned sigmoid gate (Qwen2-MoE)")
+    moe_first_dense: int = opt(
+        0,
+        "the first k blocks keep a dense MLP (first_k_dense_replace, DeepSeek); from block k on, moe_every's pattern "
+        "picks the mixture-of-experts blocks",
+    )
 
     @property
     def kv_heads(self) -> int:
@@ -215,10 +232,12 @@ class ModelConfig:
 
     @property
     def moe_layers(self) -> list[int]:
-        """Indices of the mixture-of-experts blocks."""
+        """Indices of the mixture-of-experts blocks: block ``i >= moe_first_dense`` with ``i % moe_every ==
+        moe_every - 1`` (DeepSeek-V3: blocks 3 onwards; Qwen MoE: every ``decoder_sparse_step``-th)."""
         if not self.moe_experts:
             return []
-        return [i for i in range(self.n_layers) if i % self.moe_every == self.moe_every - 1]
+        every, first = self.moe_every, self.moe_first_dense
+        return [i for i in range(first, self.n_layers) if i % every == every - 1]
 
     @property
     def label_experts(self) -> dict[str, list[int]]:

@@ -18,9 +18,16 @@ def sample_next(
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """One token id per row of ``logits [B, V]``."""
+    """One token id per row of ``logits [B, V]``: the argmax (``temperature == 0``), else one draw from
+    :func:`sample_probs`."""
     if temperature == 0:
         return logits.argmax(dim=-1)
+    return torch.multinomial(sample_probs(logits, temperature, top_k, top_p), 1, generator=generator).squeeze(-1)
+
+
+def sample_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The distribution ``[B, V]`` (fp32) that :func:`sample_next` draws from (``temperature > 0``): the softmax of
+    ``logits / temperature`` restricted to the ``top_k`` largest and to the smallest prefix holding ``top_p``."""
     logits = logits.float() / temperature
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -31,8 +38,7 @@ def sample_next(
         drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(-1)
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ from .hf_names import (
     to_hf,  # noqa: F401  (re-exported)
     to_ours,
 )
+from .mtp import hf_depth
 from .transformer import Transformer
 
 
@@ -101,6 +102,12 @@ def _maps_file(entry: Entry, value: torch.Tensor, target: torch.Tensor, own: dic
     )
 
 
+def checkpoint_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers a Hugging Face checkpoint holds beside the weights (``{name: buffer}``): the routers'
+    ``e_score_correction_bias`` (fp32 in the file and in the model, whatever the weights' type)."""
+    return {n: b for n, b in model.named_buffers() if n.endswith(".router.e_score_correction_bias")}
+
+
 def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> Transformer:
     """Reads a Hugging Face directory of a supported family (:mod:`trickles.models.families`) into a
     :class:`Transformer`.
@@ -122,14 +129,18 @@ def load_hf(path, dtype=None, device="cpu", fused_proj: bool | None = None) -> T
         raise CheckpointError(f"{root / CONFIG} is not valid JSON ({e})") from None
     cfg = dataclasses.replace(config_from_hf(raw, str(root / CONFIG)), fused_proj=fused_proj)
     found = _tensor_index(root)
+    cfg = dataclasses.replace(cfg, mtp_depth=hf_depth(cfg, found))  # multi-token prediction layers, where present
 
     entries = weight_map(cfg, found)
     with torch.device("meta"):
         model = Transformer(cfg)
     model.to(dtype=_as_dtype(dtype) or torch.float32).to_empty(device=device)
+    for bias in checkpoint_buffers(model).values():  # fp32 whatever the weights' type (Router's contract)
+        bias.data = bias.data.float()
     model.reset_buffers()
     # the Hugging Face tensors map to the unfused parts; a fused projection is put together after reading them
     params = fusion.split_state(cfg, {n: p.detach() for n, p in model.named_parameters()})
+    params.update(checkpoint_buffers(model))  # the routing biases: read like weights, kept in fp32
     covered = {n for e in entries for n in e.ours}
     if covered != set(params):  # a bug in weight_map, not in the checkpoint
         raise RuntimeError(f"weight_map does not cover the model: {sorted(covered ^ set(params))}")

@@ -16,6 +16,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
 from safetensors.torch import save_file
 
 from ..errors import CheckpointError
@@ -40,12 +41,14 @@ def save_hf(model: Transformer, path, dtype=None) -> Path:
     dtype = _as_dtype(dtype) or model.embed.weight.dtype
     config = config_to_hf(cfg, dtype, getattr(model, "hf_token_ids", None))
     state = fusion.split_state(cfg, model.state_dict())
+    buffers = {n for n, _ in model.named_buffers()}
     tensors = {}
     for e in weight_map(cfg):
         absent = [n for n in e.ours if n not in state]
         if absent:
             raise CheckpointError(f"cannot export: the model has no {absent[:3]}; save the full, unparallelized model")
-        tensors[e.hf] = to_hf(e, [state[n].detach() for n in e.ours]).to(device="cpu", dtype=dtype).contiguous()
+        kind = torch.float32 if e.ours[0] in buffers else dtype  # a routing bias stays fp32, as transformers keeps it
+        tensors[e.hf] = to_hf(e, [state[n].detach() for n in e.ours]).to(device="cpu", dtype=kind).contiguous()
 
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent))

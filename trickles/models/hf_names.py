@@ -23,8 +23,12 @@ from ..errors import ConfigError
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-# Non-parameter buffers that some versions of transformers saved; safe to ignore.
-IGNORED = re.compile(r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|layers\.\d+\.self_attn\.rotary_emb\.inv_freq)$")
+# Non-parameter buffers that some versions of transformers saved, and DeepSeek-V3's copies of the output projection
+# (trickles.models.mtp); safe to ignore.
+IGNORED = re.compile(
+    r"(^|\.)(h\.\d+\.attn\.(bias|masked_bias)|layers\.\d+\.self_attn\.rotary_emb\.inv_freq"
+    r"|layers\.\d+\.shared_head\.head\.weight)$"  # DeepSeek-V3's copies of lm_head in its MTP layers
+)
 
 
 @dataclass(frozen=True)

@@ -124,6 +124,23 @@ class LatentAttention(nn.Module):
         out = self._sdpa(query, key, key[..., : self.rank], mask)  # [B, H, T, L]
         return torch.einsum("bhtl,hvl->bthv", out, w_uv).flatten(2)
 
+    def core(self, q, k, v, pad_mask=None, documents=None) -> torch.Tensor:
+        """The uncompressed attention of training and a prefill without a cache: ``q, k [B, H, T, n + r]``,
+        ``v [B, H, T, v]`` -> ``[B, T, H v]``. Tensor parallelism runs it with its rank's random stream (the heads'
+        dropout); context parallelism swaps :meth:`_attend`, the causal case, for its ring or all-to-all (and
+        packed documents' mask for its own)."""
+        if documents is not None:
+            out = documents.attend(q, k, v, self.dropout if self.training else 0.0, scale=self.scale)
+        elif pad_mask is not None:
+            out = self._sdpa(q, k, v, padded_attention_mask(pad_mask, 0, q.shape[2], k.shape[2]))
+        else:
+            out = self._attend(q, k, v, None)
+        return out.transpose(1, 2).flatten(2)
+
+    def _attend(self, q, k, v, causal_offset: int | None) -> torch.Tensor:
+        """Causal attention of queries and keys starting together (``causal_offset`` None, all that is asked)."""
+        return self._sdpa(q, k, v, None, causal=True)
+
     def _sdpa(self, q, k, v, mask, causal: bool = False) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, scale=self.scale)
@@ -131,24 +148,18 @@ class LatentAttention(nn.Module):
     def forward(self, x, rope=None, cache: LatentCache | None = None, start: int = 0, pad_mask=None, documents=None):
         """As :meth:`~trickles.models.attention.Attention.forward`, with a
         :class:`~trickles.models.latent_cache.LatentCache` for a cache. A paged cache's 4-D mask is not built."""
-        b, t, _ = x.shape
+        t = x.shape[1]
         q_nope, q_rot = self.queries(x)
         c, k_rot = self.latent(x)
         if rope is not None:
             cos, sin = rope
             q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
-        if pad_mask is not None and pad_mask.dim() == 4:
-            raise ValueError("model.attention=mla has no paged-cache path yet; decode with the dense latent cache")
         if cache is None:
-            q = torch.cat([q_nope, q_rot], dim=-1).transpose(1, 2)
             k, v = self.expand(c, k_rot)
-            if documents is not None:
-                out = documents.attend(q, k, v, self.dropout if self.training else 0.0, scale=self.scale)
-            elif pad_mask is not None:
-                out = self._sdpa(q, k, v, padded_attention_mask(pad_mask, 0, t, t))
-            else:
-                out = self._sdpa(q, k, v, None, causal=True)
-            out = out.transpose(1, 2).flatten(2)
+            out = self.core(torch.cat([q_nope, q_rot], dim=-1).transpose(1, 2), k, v, pad_mask, documents)
+        elif pad_mask is not None and pad_mask.dim() == 4:  # a paged cache: its rows, and its mask for this layer
+            rows = cache.update_latent(self.layer_id, start, torch.cat([c, k_rot[:, :, 0]], dim=-1))
+            out = self._cached(q_nope, q_rot, rows, cache.mask(self.layer_id))
         else:
             rows = cache.update(self.layer_id, start, torch.cat([c, k_rot[:, :, 0]], dim=-1))
             s = rows.shape[1]
@@ -156,10 +167,14 @@ class LatentAttention(nn.Module):
                 mask = padded_attention_mask(pad_mask, start, t, s)
             else:
                 mask = None if t == 1 else window_mask(start, t, s, None, x.device)[None, None]
-            if t <= self.absorb_queries:
-                out = self.absorbed(q_nope, q_rot, rows, mask)
-            else:
-                k, v = self.expand(rows[..., : self.rank], rows[:, :, None, self.rank :])
-                q = torch.cat([q_nope, q_rot], dim=-1).transpose(1, 2)
-                out = self._sdpa(q, k, v, mask).transpose(1, 2).flatten(2)
+            out = self._cached(q_nope, q_rot, rows, mask)
         return self.resid_drop(self.o_proj(out))
+
+    def _cached(self, q_nope, q_rot, rows: torch.Tensor, mask) -> torch.Tensor:
+        """Attention of new queries over cached ``rows [B, S, L + r]``: absorbed for a step of at most
+        :attr:`absorb_queries` queries, else over the up-projected latent; ``[B, T, H v]``."""
+        if q_nope.shape[1] <= self.absorb_queries:
+            return self.absorbed(q_nope, q_rot, rows, mask)
+        k, v = self.expand(rows[..., : self.rank], rows[:, :, None, self.rank :])
+        q = torch.cat([q_nope, q_rot], dim=-1).transpose(1, 2)
+        return self._sdpa(q, k, v, mask).transpose(1, 2).flatten(2)

@@ -62,3 +62,33 @@ def check_mla(cfg) -> None:
                 f"model.{key}={getattr(cfg, key)} is not built with model.attention=mla; "
                 f"{'set it to ' + off if off else 'leave it unset'}"
             )
+
+
+def latent_linears(cfg) -> list[tuple[str, int, int, bool]]:
+    """``(name, in, out, replicated)`` of a latent attention block's linears, in the order they run (module
+    docstring); ``replicated``: whole on every tensor-parallel rank (else split by heads)."""
+    d, h, rank, r = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    k, nv = cfg.qk_nope_head_dim + r, cfg.qk_nope_head_dim + cfg.v_head_dim
+    if cfg.q_lora_rank is None:
+        query = [("q_proj", d, h * k, False)]
+    else:
+        query = [("q_a_proj", d, cfg.q_lora_rank, True), ("q_b_proj", cfg.q_lora_rank, h * k, False)]
+    latent = [("kv_a_proj_with_mqa", d, rank + r, True), ("kv_b_proj", rank, h * nv, False)]
+    return query + latent + [("o_proj", h * cfg.v_head_dim, d, False)]
+
+
+def latent_params(cfg) -> tuple[int, int]:
+    """``(split, whole)``: a latent attention block's parameter elements that tensor parallelism splits by heads, and
+    those every rank holds whole (the compressions, their norms and biases, ``o_proj``'s bias)."""
+    split = whole = 0
+    for _, n_in, n_out, replicated in latent_linears(cfg):
+        if replicated:
+            whole += n_in * n_out
+        else:
+            split += n_in * n_out
+    whole += cfg.kv_lora_rank + (cfg.q_lora_rank or 0)  # the latent norms' weights
+    if cfg.bias("qkv"):  # q_a_proj's and kv_a_proj_with_mqa's
+        whole += (cfg.q_lora_rank or 0) + cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    if cfg.bias("o"):
+        whole += cfg.d_model
+    return split, whole

@@ -44,6 +44,11 @@ def check_model(cfg) -> None:
             )
         if cfg.moe_every < 1:
             raise ConfigError(f"model.moe_every must be at least 1, got {cfg.moe_every}")
+        if not 0 <= cfg.moe_first_dense < cfg.n_layers:
+            raise ConfigError(
+                f"model.moe_first_dense ({cfg.moe_first_dense}) must be from 0 to model.n_layers - 1 "
+                f"({cfg.n_layers - 1}), or no block has experts; lower it or set model.moe_experts=0"
+            )
         if cfg.moe_ffn_hidden is not None and cfg.moe_ffn_hidden < 1:
             raise ConfigError(f"model.moe_ffn_hidden must be at least 1, got {cfg.moe_ffn_hidden}")
         for key in ("moe_capacity_factor", "moe_aux_loss", "moe_z_loss", "moe_shared_experts"):
@@ -94,6 +99,7 @@ def check_model(cfg) -> None:
     if cfg.window_layers is not None and len(cfg.window_layers) != cfg.n_layers:
         raise ConfigError(f"model.window_layers has {len(cfg.window_layers)} entries; give {cfg.n_layers}")
     _check_gemma_parts(cfg)
+    _check_mtp(cfg)
 
 
 def _check_gemma_parts(cfg) -> None:
@@ -123,3 +129,56 @@ def _check_gemma_parts(cfg) -> None:
             "model.rope_local_theta is the rotary base of the sliding-window layers; set model.sliding_window "
             "or leave rope_local_theta unset"
         )
+
+
+def _check_mtp(cfg) -> None:
+    """Multi-token prediction: a depth and weight that exist, and a sequence with a token past each depth."""
+    if cfg.mtp_depth < 0:
+        raise ConfigError(f"model.mtp_depth must be 0 (off) or a number of depths, got {cfg.mtp_depth}")
+    if not cfg.mtp_weight >= 0:
+        raise ConfigError(f"model.mtp_weight must be at least 0, got {cfg.mtp_weight}")
+    if cfg.mtp_depth and cfg.max_seq_len is not None and cfg.max_seq_len <= cfg.mtp_depth:
+        raise ConfigError(
+            f"model.mtp_depth ({cfg.mtp_depth}) needs sequences longer than it, but model.max_seq_len is "
+            f"{cfg.max_seq_len}; lower model.mtp_depth or raise model.max_seq_len"
+        )
+
+
+def check_mtp_layout(model, parallel, dims, seq_len: int) -> None:
+    """Where multi-token prediction cannot run (``model``, ``parallel``: the config's sections; ``dims``: the degrees):
+    its modules read whole sequences on the last pipeline stage, beside a copy of the embedding."""
+    depth = model.mtp_depth
+    if not depth:
+        return
+    if seq_len <= depth:
+        raise ConfigError(
+            f"model.mtp_depth ({depth}) predicts up to {depth + 1} tokens ahead, but data.seq_len is {seq_len}; set "
+            f"data.seq_len above {depth} or lower model.mtp_depth"
+        )
+    for bad, what, fix in (
+        (dims.cp > 1, f"parallel.cp={dims.cp} (each depth shifts whole sequences)", "parallel.cp=1"),
+        (dims.tp > 1 and dims.tp_mode != "1d", f"parallel.tp_mode={dims.tp_mode}", "parallel.tp_mode=1d"),
+        (
+            dims.pp > 1 and parallel.schedule in ("zb-h1", "zb-v"),
+            f"parallel.schedule={parallel.schedule} (its split backward)",
+            "parallel.schedule=1f1b, interleaved or gpipe",
+        ),
+        (
+            dims.pp > 1 and parallel.zero == 3,
+            "parallel.zero=3 at parallel.pp > 1 (the last stage holds a copy of the embedding)",
+            "parallel.zero=2 (or 0, 1)",
+        ),
+        (
+            dims.ep > 1 and _mtp_experts(model),
+            f"parallel.ep={dims.ep} (the prediction blocks' experts stay whole)",
+            "parallel.ep=1",
+        ),
+    ):
+        if bad:
+            raise ConfigError(f"model.mtp_depth does not run with {what} yet; use {fix} or model.mtp_depth=0")
+
+
+def _mtp_experts(model) -> bool:
+    """Whether a prediction block is a mixture of experts (the model's pattern past its last block)."""
+    every, first, n = model.moe_every, model.moe_first_dense, model.n_layers
+    return bool(model.moe_experts) and any(i >= first and i % every == every - 1 for i in range(n, n + model.mtp_depth))

@@ -279,8 +279,12 @@ class MoE(nn.Module):
         out = self.dispatch(
             x.reshape(b * t, d), experts.reshape(b * t, -1), weights.reshape(b * t, -1), keep.reshape(b * t, -1)
         ).view(b, t, d)
-        balance, z = aux_losses(logits, probs, self.load_fraction(experts))  # z-loss on the router's own logits
-        kept = torch.bincount(experts[keep].flatten(), minlength=self.n_experts)
+        weighted = (not self.hard and self.aux_weight != 0) or self.z_weight != 0
+        with torch.set_grad_enabled(torch.is_grad_enabled() and weighted):  # weights 0: no graph, the values only
+            balance, z = aux_losses(logits, probs, self.load_fraction(experts))  # z-loss on the router's own logits
+        kept = torch.bincount(
+            (experts if self.capacity_factor <= 0 else experts[keep]).flatten(), minlength=self.n_experts
+        )
         self.stats.record(self.layer_id, balance.detach(), z.detach(), experts.numel(), kept)
         if self.shared is not None:
             shared = self.shared(x)
@@ -316,9 +320,14 @@ class MoE(nn.Module):
         """``sum_j w_j MLP_{e_j}(x)`` over the kept assignments of the rows ``x [N, d]`` (one device: the rows
         grouped by expert, one matmul per expert; expert parallelism replaces this method)."""
         n, k = experts.shape
-        token = torch.arange(n, device=x.device).repeat_interleave(k)[keep.flatten()]
-        expert = experts.flatten()[keep.flatten()]
-        weight = weights.flatten()[keep.flatten()]
+        token, expert, weight = (
+            torch.arange(n, device=x.device).repeat_interleave(k),
+            experts.flatten(),
+            weights.flatten(),
+        )
+        if self.capacity_factor > 0:  # dropless keeps every assignment: no mask to apply
+            mask = keep.flatten()
+            token, expert, weight = token[mask], expert[mask], weight[mask]
         order = torch.argsort(expert, stable=True)
         token, expert, weight = token[order], expert[order], weight[order]
         counts = torch.bincount(expert, minlength=self.experts.count).tolist()
@@ -329,5 +338,6 @@ class MoE(nn.Module):
 
 
 def is_moe_layer(cfg: ModelConfig, layer_id: int) -> bool:
-    """Every ``moe_every``-th block is a mixture of experts: layers ``moe_every - 1, 2 moe_every - 1, ...``."""
-    return cfg.moe_experts > 0 and layer_id % cfg.moe_every == cfg.moe_every - 1
+    """Whether block ``layer_id`` is a mixture of experts (:attr:`ModelConfig.moe_layers`: every ``moe_every``-th
+    block from ``moe_first_dense`` on)."""
+    return layer_id in cfg.moe_layers

@@ -1,5 +1,6 @@
 """The named shapes (``model.preset``): small ones for tests and demos, and the released models' own (their
-config.json files: Llama 3.1/3.2, Mistral, Qwen2.5, Qwen3, Gemma 2/3, Phi-3, GPT-2), with :func:`apply_preset` that
+config.json files: Llama 3.1/3.2, Mistral, Qwen2.5, Qwen3, Gemma 2/3, Phi-3, GPT-2; the mixtures of experts Qwen2-MoE,
+Qwen3-MoE and DeepSeek-V3), with :func:`apply_preset` that
 starts a :class:`~trickles.models.config.ModelConfig` from one."""
 
 from __future__ import annotations
@@ -76,6 +77,29 @@ def _gemma3(n_layers, d_model, n_heads, n_kv_heads, ffn_hidden):
     )  # fmt: skip
 
 
+_QWEN_MOE = dict(moe_aux_loss=0.001, moe_z_loss=0.0)  # dropless softmax top-k, no z-loss
+
+
+def _qwen3_moe(n_layers, d_model, n_heads, ffn_hidden, moe_ffn_hidden):
+    """Qwen3-MoE: 128 experts, 8 a token, top-k weights renormalized, no shared expert, every block MoE."""
+    return _llama(
+        n_layers, d_model, n_heads, 4, ffn_hidden, 151936, **{**_QWEN3, "family": "qwen3_moe"}, **_QWEN_MOE,
+        moe_experts=128, moe_top_k=8, moe_ffn_hidden=moe_ffn_hidden, moe_norm_topk=True,
+    )  # fmt: skip
+
+
+#: DeepSeek-V3 (671B, 37B active): latent attention, yarn x40 from 4,096 positions, 3 dense blocks then 58 DeepSeekMoE
+#: ones (256 routed experts of 2,048 in 8 groups, 8 a token from 4 groups, one shared), sigmoid scores balanced by
+#: the routing bias (gamma 0.001) and the sequence-wise loss (alpha 0.0001 in the report; 0.001 in config.json)
+_DEEPSEEK_V3 = _llama(
+    61, 7168, 128, 128, 18432, 129280, family="deepseek_v3", attention="mla", q_lora_rank=1536, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, rope_interleave=True, norm_eps=1e-6,
+    rope_type="yarn", rope_factor=40.0, rope_original_max_positions=4096, rope_mscale=1.0, rope_mscale_all_dim=1.0,
+    moe_experts=256, moe_top_k=8, moe_ffn_hidden=2048, moe_shared_experts=1, moe_first_dense=3,
+    moe_router_score="sigmoid", moe_groups=8, moe_topk_groups=4, moe_routed_scale=2.5, moe_norm_topk=True,
+    moe_bias_rate=0.001, moe_aux_loss=0.001, moe_z_loss=0.0,
+)  # fmt: skip
+
 PRESETS: dict[str, dict] = {
     "tiny": _llama(2, 64, 4, 2, 128, None),
     "demo": _llama(4, 256, 8, 4, None, None),
@@ -101,6 +125,29 @@ PRESETS: dict[str, dict] = {
     "gemma3-12b": _gemma3(48, 3840, 16, 8, 15360),
     # Phi-3-mini-4k: a window of 2047 keys on every layer
     "phi3-mini": _llama(32, 3072, 32, 32, 8192, 32064, family="phi3", norm_eps=1e-5, sliding_window=2047),
+    # mixtures of experts
+    "qwen2-57b-a14b": _llama(
+        28,
+        3584,
+        28,
+        4,
+        18944,
+        151936,
+        **_QWEN,
+        family="qwen2_moe",
+        qkv_bias=True,
+        **_QWEN_MOE,
+        moe_experts=64,
+        moe_top_k=8,
+        moe_ffn_hidden=2560,
+        moe_norm_topk=False,
+        moe_shared_experts=1,
+        moe_shared_ffn_hidden=20480,
+        moe_shared_gate=True,
+    ),  # fmt: skip
+    "qwen3-30b-a3b": _qwen3_moe(48, 2048, 32, 6144, 768),
+    "qwen3-235b-a22b": _qwen3_moe(94, 4096, 64, 12288, 1536),
+    "deepseek-v3": _DEEPSEEK_V3,
     "gpt2-tiny": dict(_gpt2(2, 64, 4), vocab_size=None, max_seq_len=None),
     "gpt2-small": _gpt2(12, 768, 12),
     "gpt2-medium": _gpt2(24, 1024, 16),

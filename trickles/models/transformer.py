@@ -20,10 +20,12 @@ Initialization is a pure function of (seed, parameter name, shape): see :func:`i
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cross_entropy import OutputLoss, softcap
@@ -38,6 +40,7 @@ from .latent_cache import LatentCache
 from .mla import LatentAttention
 from .mlp import MLP
 from .moe import MoE, MoEStats
+from .mtp import MTPLayer, mtp_loss
 from .rope import RopeScaling, rope_tables
 
 __all__ = ["RMSNorm", "LayerNorm", "apply_rope", "Transformer", "build_model"]
@@ -118,6 +121,8 @@ class Transformer(nn.Module):
         #: what the mixture-of-experts blocks report (auxiliary losses, load), None without experts
         self.moe_stats = MoEStats() if cfg.moe_experts else None
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, self.moe_stats) for i in range(cfg.n_layers)})
+        #: the multi-token prediction modules (model.mtp_depth, :mod:`trickles.models.mtp`): trained, never inferred
+        self.mtp = mtp_modules(cfg, self.moe_stats)
         self.norm = make_norm(cfg)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tied:
@@ -146,7 +151,8 @@ class Transformer(nn.Module):
         documents: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``labels``: label ids per sample ``[B]`` or per token ``[B, T]``, used by hard-routed experts only.
-        ``target``: next-token ids ``[B, T]`` (``-100``: ignored); given, the mean cross-entropy is returned.
+        ``target``: next-token ids ``[B, T]`` (``-100``: ignored); given, the mean cross-entropy is returned (in
+        training mode with ``model.mtp_depth``, plus the weighted multi-token prediction loss, :mod:`.mtp`).
 
         Left-padded batches (prompts of different lengths, :mod:`trickles.infer.decode`): ``positions [B, T]`` are
         each row's own token positions (``start..`` by default) and ``pad_mask [B, S]`` (True: a real token) covers
@@ -159,24 +165,42 @@ class Transformer(nn.Module):
         if documents is not None:
             mask = extra["documents"] = self.document_mask(documents, tokens.device)
             positions = mask.positions
-        h = self.embed_tokens(tokens, start, positions, documents.shape[1] if documents is not None else None)
+        h = self.embed_tokens(
+            tokens, start, positions, documents.shape[1] if documents is not None else None, with_head=True
+        )
         rope = self.rope(start, tokens.shape[1]) if positions is None else self.rope(start, tokens.shape[1], positions)
         for block in self.layers.values():
             h = block(h, rope, cache, start, labels, **extra)
-        return self.head(h, target)
+        if self.mtp is None or target is None or not self.training:
+            return self.head(h, target)
+        return self.head(h, target) + mtp_loss(self, h, tokens, target, rope, positions, labels, documents, **extra)
 
     # The three parts of ``forward``, callable on their own (a pipeline stage runs some of them).
     def embed_tokens(
-        self, tokens: torch.Tensor, start: int = 0, positions: torch.Tensor | None = None, bound: int | None = None
+        self,
+        tokens: torch.Tensor,
+        start: int = 0,
+        positions: torch.Tensor | None = None,
+        bound: int | None = None,
+        with_head: bool = False,
     ) -> torch.Tensor:
         """Token (and, for gpt2, position) embeddings of ``tokens [B, T]`` at positions ``start..`` (or each row's
         ``positions [B, T]``, below ``bound`` where the caller knows it: otherwise read, a host sync), after dropout.
-        With ``model.embed_scale`` the token embeddings are multiplied by ``sqrt(d_model)`` rounded to their type."""
+        With ``model.embed_scale`` the token embeddings are multiplied by ``sqrt(d_model)`` rounded to their type.
+
+        ``with_head``: the same backward also takes the tied output projection's gradient (:meth:`forward`), whose
+        dense ``[vocab, d]`` tensor autograd sums with this lookup's before the table's gradient is stored, so the
+        lookup's gradient is sparse (its rows only) instead of a zero-filled dense table: the stored gradient is
+        dense either way. A caller without the head (a pipeline's first stage) gets the dense lookup."""
         t = tokens.shape[1]
         last = start + t if positions is None else (bound if bound is not None else int(positions.max()) + 1)
         if last > self.cfg.max_seq_len:
             raise ValueError(f"sequence of {last} tokens is longer than model.max_seq_len={self.cfg.max_seq_len}")
-        h = self.embed(tokens)
+        w = self.embed.weight
+        if with_head and self.cfg.tied and type(self.embed) is nn.Embedding and w.requires_grad and w.is_leaf:
+            h = F.embedding(tokens, w, sparse=torch.is_grad_enabled())
+        else:
+            h = self.embed(tokens)
         if self.cfg.embed_scale:
             h = h * float(torch.tensor(self.cfg.d_model**0.5, dtype=h.dtype))  # (a number: nothing saved)
         if self.pos_embed is not None:
@@ -275,6 +299,22 @@ class Transformer(nn.Module):
         else:
             kv_heads = attn.k_proj.out_features // self.cfg.head_dim
         return KVCache(self.cfg.n_layers, batch, kv_heads, max_len, self.cfg.head_dim, dtype or p.dtype, p.device)
+
+
+def mtp_modules(cfg: ModelConfig, moe_stats: MoEStats | None) -> nn.ModuleDict | None:
+    """The ``model.mtp_depth`` multi-token prediction modules (None without): depth ``k``'s block is block
+    ``n_layers + k - 1`` of the model extended by ``mtp_depth`` blocks (its attention, window and experts by the
+    model's own rules: the last block's window, DeepSeek-V3's experts)."""
+    if not cfg.mtp_depth:
+        return None
+    windows = None if cfg.window_layers is None else [*cfg.window_layers, *cfg.window_layers[-1:] * cfg.mtp_depth]
+    ext = dataclasses.replace(cfg, n_layers=cfg.n_layers + cfg.mtp_depth, window_layers=windows)
+    return nn.ModuleDict(
+        {
+            str(k): MTPLayer(cfg.d_model, lambda: make_norm(cfg), Block(ext, cfg.n_layers + k, moe_stats))
+            for k in range(cfg.mtp_depth)
+        }
+    )
 
 
 def param_seed(seed: int, name: str) -> int:

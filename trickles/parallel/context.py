@@ -86,7 +86,7 @@ def kv_repeats(n_heads: int, kv_heads: int, cp: int) -> int:
 
 
 def layer_bytes(
-    mode: str, cp: int, b: int, h: int, h_kv: int, t: int, d: int, e: int = 4
+    mode: str, cp: int, b: int, h: int, h_kv: int, t: int, d: int, e: int = 4, dv: int | None = None
 ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[int, int]]]:
     """``(forward, backward)``, each ``{op: (calls, bytes)}``: one rank's context-parallel messages in one layer (the
     module docstring's formulas), for ``b`` rows of ``t = T / cp`` local tokens, ``h`` query and ``h_kv`` key/value
@@ -95,14 +95,17 @@ def layer_bytes(
 
     Ring (sends; a key/value block is ``2 b h_kv t d e``): forward ``cp - 1`` blocks; backward ``cp - 1`` blocks
     and ``cp`` fp32 gradient blocks (``2 b h_kv t d 4``), ``2 cp - 1`` sends. Ulysses (all-to-alls): four each way
-    (q, k, v, out) holding ``b t d e (2 h + 2 f h_kv)`` together, ``f`` = :func:`kv_repeats`."""
+    (q, k, v, out) holding ``b t d e (2 h + 2 f h_kv)`` together, ``f`` = :func:`kv_repeats`.
+
+    ``dv``: the values' (and output's) size where it differs from the keys' ``d`` (latent attention): the ring
+    pads values to ``d`` (the same bytes as above); Ulysses sends ``b t e (h + f h_kv) (d + dv)``."""
     if cp <= 1:
         return {}, {}
     if mode == "ring":
         block = 2 * b * h_kv * t * d
         return ({"send": (cp - 1, (cp - 1) * block * e)}, {"send": (2 * cp - 1, (cp - 1) * block * e + cp * block * 4)})
     f = kv_repeats(h, h_kv, cp)
-    each = {"all_to_all": (4, b * t * d * e * (2 * h + 2 * f * h_kv))}
+    each = {"all_to_all": (4, b * t * e * (h + f * h_kv) * (d + (d if dv is None else dv)))}
     return each, dict(each)
 
 

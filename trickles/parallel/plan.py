@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ..adapters.int8_base import Int8Values, is_int8_base
 from ..adapters.lora import adapter_initial_value, freeze_base, is_adapter
 from ..adapters.tensor import adapted_modules, apply_lora_tensor_parallel
 from ..config import Config
@@ -92,13 +93,18 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         parts = partition_layers(model.cfg.n_layers, shape.stages, cfg.parallel.pipeline_layers)
         chunks = keep_stage(model, pp.rank, shape, parts)
 
+    def float_value(name: str, param: torch.nn.Parameter) -> torch.Tensor:
+        return init(name, param) if init is not None else initial_value(model.cfg, name, global_shape(param), seed)
+
+    int8_value = Int8Values(model, float_value)  # train.lora_base=int8: codes and scales of the float value
+
     def init_value(name: str, param: torch.nn.Parameter) -> torch.Tensor:
         if is_adapter(name):  # a LoRA adapter starts at its own value (A random, B zero), whatever init says
             full = adapter_initial_value(name, global_shape(param), seed, param_seed)
-        elif init is not None:
-            full = init(name, param)
+        elif is_int8_base(name, param):
+            full = int8_value(name, param)
         else:
-            full = initial_value(model.cfg, name, global_shape(param), seed)
+            full = float_value(name, param)
         return init_tp_param(full, param)
 
     if stage == 3:
@@ -126,7 +132,7 @@ def parallelize(model: Transformer, topo: Topology, cfg: Config, seed: int, init
         with torch.no_grad():
             for name, p in model.named_parameters():
                 p.copy_(init_value(name, p))
-                if prec.low:
+                if prec.low and not is_int8_base(name, p):
                     p.data = p.data.to(prec.param_dtype)
         model.reset_buffers()
         buckets = bucket_bytes(cfg.parallel.bucket_mb)

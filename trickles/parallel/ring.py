@@ -33,6 +33,10 @@ the log-sum-exp (flash attention on a CPU, memory-efficient attention on CUDA), 
 (:mod:`~trickles.parallel.ring_blocks`); soft-capped scores (``model.attn_softcap``) run fp32 matmuls on the capped
 scores, with the cap's derivative in backward (:class:`~trickles.parallel.ring_blocks.Capped`).
 
+Values narrower than the keys (latent attention: ``v_head_dim < qk_nope + qk_rope``) are padded with zeros to the
+keys' size before the ring, so one fused kernel and one message serve both, and the output's padding is cut off
+(its gradient there is zero): ``D`` below is then the keys' size.
+
 Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes per element: a
 key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward sends ``(cp - 1)`` blocks and ``cp``
 gradient blocks of ``2 B H_kv t D 4`` (a ring of one rank sends nothing). In flight at once: the block being used and
@@ -46,16 +50,19 @@ import math
 import torch
 
 from ..comm import GroupComm
-from .ring_blocks import Capped, finite, kernel_for
+from .ring_blocks import Capped, kernel_for, merge
 from .ring_plan import RingDocuments, plain_blocks
 
 __all__ = ["RingDocuments", "repeat_heads", "ring_attention"]
 
 
-def _blocks(q_rank: int, kv_rank: int, cp: int, c: int, documents: RingDocuments | None, window: int | None, device):
+def _plan(rank: int, cp: int, c: int, documents: RingDocuments | None, window: int | None, device) -> list[list]:
+    """Each ring step's blocks ``(q slice, kv slice, causal, mask or None)``, planned once per layer call (forward
+    keeps them for backward), a band mask built once per distinct shape."""
     if documents is not None:
-        return documents.blocks(q_rank, kv_rank, cp, c, window)
-    return plain_blocks(q_rank, kv_rank, cp, c, window, device)
+        return [documents.blocks(rank, (rank - step) % cp, cp, c, window) for step in range(cp)]
+    masks: dict = {}
+    return [plain_blocks(rank, (rank - step) % cp, cp, c, window, device, masks) for step in range(cp)]
 
 
 def repeat_heads(kv: torch.Tensor, rep: int) -> torch.Tensor:
@@ -96,24 +103,20 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()  # one message per step
         kernel = Capped(softcap) if softcap else kernel_for(q)
+        # each step's blocks, planned once and kept for backward (their masks built once per layer call)
+        plan = _plan(rank, cp, c, documents, window, q.device)
         for step in range(cp):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
-            for qs, ks, causal, mask in _blocks(rank, src, cp, c, documents, window, q.device):
+            for qs, ks, causal, mask in plan[step]:
                 o_b, lse_b = kernel.forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
-                new = torch.logaddexp(lse[:, :, qs], lse_b)
-                safe = finite(new)  # (a row no block has shown a key yet stays 0 and -inf)
-                out[:, :, qs] = (
-                    out[:, :, qs] * torch.exp(lse[:, :, qs] - safe)[..., None]
-                    + o_b * torch.exp(lse_b - safe)[..., None]
-                )
-                lse[:, :, qs] = new
+                merge(out[:, :, qs], lse[:, :, qs], o_b, lse_b)
             _wait(handles)
             kv = nxt
         # laid out [B, t, H, D] like the fused kernels' output, so the heads side by side that ``o_proj``
         # keeps for its backward are a view of this same tensor (saved once)
         out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.documents, ctx.window, ctx.scale, ctx.softcap = comm, documents, window, scale, softcap
+        ctx.comm, ctx.plan, ctx.scale, ctx.softcap = comm, plan, scale, softcap
         return out
 
     @staticmethod
@@ -121,9 +124,8 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         comm = ctx.comm
         b, h, t, d = q.shape
-        cp, rank = comm.size, comm.rank
-        h_kv = k.shape[1]
-        rep, c, scale = h // h_kv, t // 2, ctx.scale
+        cp, h_kv = comm.size, k.shape[1]
+        rep, scale = h // h_kv, ctx.scale
         kernel = Capped(ctx.softcap) if ctx.softcap else kernel_for(q)
         # rowsum(dO O), for the fp32 blocks (the fused kernels make their own)
         delta = (dout.float() * out.float()).sum(-1) if kernel.takes_delta else None
@@ -133,7 +135,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(cp):
             handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
             part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
-            for qs, ks, causal, mask in _blocks(rank, src, cp, c, ctx.documents, ctx.window, q.device):
+            for qs, ks, causal, mask in ctx.plan[step]:
                 dq_b, dk_b, dv_b = kernel.backward(
                     q[:, :, qs],
                     kk[:, :, ks],
@@ -183,4 +185,10 @@ def ring_attention(
     block runs :class:`~trickles.parallel.ring_blocks.Capped`)."""
     if q.shape[2] % 2:
         raise ValueError(f"ring attention holds two equal chunks per rank; got {q.shape[2]} local tokens")
+    dv = v.shape[-1]
+    if dv != q.shape[-1]:  # latent attention's values are narrower: padded to the key size, the pad cut off again
+        if dv > q.shape[-1]:
+            raise ValueError(f"ring attention takes values at most as wide as the keys, got {dv} > {q.shape[-1]}")
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - dv))
+        return _RingAttention.apply(q, k, v, comm, documents, window, scale, softcap)[..., :dv]
     return _RingAttention.apply(q, k, v, comm, documents, window, scale, softcap)

@@ -54,6 +54,17 @@ def finite(lse: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
 
 
+def merge(out: torch.Tensor, lse: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """Folds a block's ``o_b [B, H, n, D]``, ``lse_b [B, H, n]`` into the running ``out``, ``lse`` (views of the
+    accumulators, updated in place): with ``lse' = logaddexp(lse, lse_b)`` the new output is
+    ``out exp(lse - lse') + o_b exp(lse_b - lse') = out + (o_b - out) sigmoid(lse_b - lse)``, one ``lerp``; a row
+    that has seen no key yet (``lse = -inf``) takes ``o_b``, a row the block shows no key keeps ``out``, and one
+    that has seen none in either (both ``-inf``, weight NaN) stays 0."""
+    weight = torch.sigmoid(lse_b - lse).nan_to_num_(0.0)
+    out.lerp_(o_b, weight[..., None])
+    torch.logaddexp(lse, lse_b, out=lse)
+
+
 def _scores(q, k, scale, causal, mask: BlockMask | None = None):
     s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if causal:  # a diagonal block: query i sees keys 0..i

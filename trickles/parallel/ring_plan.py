@@ -107,19 +107,26 @@ def _pieces(q_rank: int, kv_rank: int, cp: int, c: int, window: int | None, cut_
                 yield qs, ks, kind, a * c + i0, b * c + j0
 
 
-def plain_blocks(q_rank: int, kv_rank: int, cp: int, c: int, window: int | None, device) -> list:
+def plain_blocks(
+    q_rank: int, kv_rank: int, cp: int, c: int, window: int | None, device, masks: dict | None = None
+) -> list:
     """``(q slice, kv slice, causal, mask or None)`` of the blocks to compute without documents (module doc). The
-    pieces are planned once per shape (cached); their band masks are built per call, so no device tensor outlives
-    the step that uses it."""
+    pieces are planned once per shape (cached); their band masks are built by the caller's call, one per distinct
+    ``(offset, rows, cols)`` (kept in ``masks`` when given, shared by the steps of one layer call), so no device
+    tensor outlives the layer call that uses it."""
     if window is not None and window >= 2 * cp * c:
         window = None  # a window as long as the sequence cuts nothing
-    device = str(device)
-    return [
-        (qs, ks, kind == "causal", _band_mask(delta, qs.stop - qs.start, ks.stop - ks.start, window, device))
-        if kind == "band"
-        else (qs, ks, kind == "causal", None)
-        for qs, ks, kind, delta in _plan(q_rank, kv_rank, cp, c, window, device.startswith("cpu"))
-    ]
+    device, masks = str(device), {} if masks is None else masks
+    out = []
+    for qs, ks, kind, delta in _plan(q_rank, kv_rank, cp, c, window, device.startswith("cpu")):
+        mask = None
+        if kind == "band":
+            key = (delta, qs.stop - qs.start, ks.stop - ks.start)
+            if key not in masks:
+                masks[key] = _band_mask(*key, window, device)
+            mask = masks[key]
+        out.append((qs, ks, kind == "causal", mask))
+    return out
 
 
 @lru_cache(maxsize=256)

@@ -83,6 +83,7 @@ def memory_bound(
     from ..kernels.cross_entropy import fp32_accumulating_mm, fused_on
     from ..memory.activations import loss_transient_bytes
     from ..memory.in_flight import expert_rows_in_flight, ring_blocks_in_flight
+    from ..memory.lora_activations import lora_states
     from ..memory.report import embedding_bytes
     from ..memory.tp_modes import activations, brought_back, recomputed_in_backward
     from ..optim.settings import OptimizerSettings
@@ -93,6 +94,7 @@ def memory_bound(
 
     par, mem = cfg.parallel, cfg.memory
     p, g = element_bytes(cfg)
+    lora = cfg.train.lora()  # LoRA: the adapters' gradients and optimizer state only (memory.lora_activations)
     offload = mem.offload_optimizer
     settings = OptimizerSettings.from_train(cfg.train)
     k = 4 * len(settings.state_keys) + (4 if p != 4 or offload else 0) + (4 if g != 4 or offload else 0)
@@ -202,6 +204,13 @@ def memory_bound(
         whole = dense + experts
         states = p * (owned if zero == 3 else whole) + g * (owned if sharded_grads else whole)
         optimizer = k * (owned if zero >= 1 else whole)
+        trained = owned if zero >= 1 else whole  # what the rank keeps optimizer state for
+        if lora is not None:  # the base frozen (an int8 base in its codes and scales), only the adapters train
+            a, codes, scales = lora_states(mc, lora, [i for c in chunks for i in c], last, dims.tp)
+            frozen = p * owned if zero == 3 else p * (whole - codes) + codes + 4 * scales
+            states = frozen + p * (a / replicas if zero == 3 else a) + g * (a / replicas if sharded_grads else a)
+            trained = a / replicas if zero >= 1 else a
+            optimizer = k * trained
         alive = in_flight(par.schedule, dims.pp, v, m, r)
         chunk_bytes = [sum(per_layer[i] for i in c) for c in chunks]
         held = alive * (chunk_bytes[0] if v == 1 else min(chunk_bytes))
@@ -214,6 +223,6 @@ def memory_bound(
             )
         stages.append(states + (0 if offload else optimizer) + held + buffers(whole, first, last))
         # the host copies of an asynchronous save: at least the optimizer state each rank writes (its moments)
-        save = 4 * len(settings.state_keys) * (owned if zero >= 1 else whole) if cfg.train.async_checkpoint else 0.0
+        save = 4 * len(settings.state_keys) * trained if cfg.train.async_checkpoint else 0.0
         host = max(host, (optimizer if offload else 0.0) * ranks_per_node + save * ranks_per_node)
     return Bound(max(stages), host, stages)

@@ -181,7 +181,7 @@ def _block_model(model_cfg, moe: bool = False):
     from ..models.transformer import Transformer
 
     one = (
-        dataclasses.replace(model_cfg, n_layers=1, moe_every=1, moe_router="learned")
+        dataclasses.replace(model_cfg, n_layers=1, moe_every=1, moe_first_dense=0, moe_router="learned")
         if moe
         else dataclasses.replace(model_cfg, n_layers=1, moe_experts=0)
     )

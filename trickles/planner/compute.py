@@ -57,7 +57,8 @@ plus norms (``d`` each, LayerNorm ``2 d``; two or four as ``model.norm_placement
 and the biases of the linears that have one
 (:func:`~trickles.parallel.tensor.layout.block_linears`: ``model.qkv_bias``, ``o_bias``, ``mlp_bias``); an MoE block the
 router ``d E`` and ``E`` experts of ``(3 | 2) d f_e``; the embedding ``V d``, gpt2's positions ``T_max d``, the final
-norm, an untied output ``V d``. Tested equal to the built model's count.
+norm, an untied output ``V d``. Tested equal to the built model's count. Latent attention (``model.attention=mla``)
+has its own linears, head sizes and parameters (:mod:`~trickles.planner.compute_latent`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ from ..models.config import ModelConfig
 from ..models.masks import layer_window
 from ..parallel.tensor.layout import bias_elements, block_norms, qk_norm_elements
 from ..topology import ParallelDims
+from .compute_latent import latent_linears, latent_params, latent_score_width
 
 ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
@@ -159,6 +161,10 @@ def block_work(
     a, kv = cfg.n_heads * hd, cfg.kv_heads * hd
     lin = lambda name, h, h2, row=False: Gemm(name, *linear_shape(dims, n, h, h2, row))  # noqa: E731
     gemms = [lin("qkv", d, a + 2 * kv), lin("o", a, d, row=True)]
+    hk = hv = hd  # the scores' and the values' head sizes
+    if cfg.attention == "mla":  # its compressions whole on every rank, the rest split by heads (.compute_latent)
+        gemms = [Gemm(w, n, o, i) if rep else lin(w, i, o, w == "o_proj") for w, i, o, rep in latent_linears(cfg)]
+        hk, hv = latent_score_width(cfg)
     heads = cfg.n_heads // tp if dims.grid.mode == "1d" else cfg.n_heads // dims.grid.q
     g = dims.grid
     seqs = batch if g.mode == "1d" else batch // (g.q * (g.q if g.mode == "3d" else g.depth))  # a grid rank's samples
@@ -168,7 +174,7 @@ def block_work(
     rows = seq // cp
     if cp > 1 and cp_mode == "ulysses":  # whole sequences, 1/cp of the heads
         rows, count = seq, count / cp
-    gemms += [Gemm("scores", rows, seq, hd, count), Gemm("weighted", rows, hd, seq, count)]
+    gemms += [Gemm("scores", rows, seq, hk, count), Gemm("weighted", rows, hv, seq, count)]
     scores = 0.0 if flash else seqs * heads * (seq // cp) * seq
     passes = 4 * p if cfg.attn_softcap is None else 13 * p + 5 + (p + 4 if p != 4 else 0)
     attention_bytes = scores * (passes + ((2 * p + 1) if cfg.dropout > 0 else 0))
@@ -196,6 +202,8 @@ def block_work(
     split = tp if (sequence_parallel or dims.grid.mode != "1d") else 1
     r = n * d / split
     heads_elements = n * (cfg.n_heads + cfg.kv_heads) * hd / tp  # q and k: rotary (and q/k norms) read and write them
+    if cfg.attention == "mla":  # rotary turns q_rot on the rank's heads and the one shared k_rot
+        heads_elements = n * (cfg.n_heads // tp + 1) * cfg.qk_rope_head_dim
     extra_norms = block_norms(cfg) - 2  # sandwich: a norm on each branch's output as well
     elementwise = p * (
         (12 + 2 * extra_norms) * r
@@ -286,6 +294,9 @@ def block_params(cfg: ModelConfig, moe: bool) -> tuple[int, int, int]:
     mats, mlp_bias = 3 if _gated(cfg) else 2, cfg.bias("mlp")
     matrices = d * (a + 2 * kv) + a * d
     vectors = (2 if gpt2 else 1) * d * block_norms(cfg) + bias_elements(cfg, ATTENTION_LINEARS)
+    if cfg.attention == "mla":  # split by heads, or whole on every rank (:mod:`.compute_latent`)
+        matrices, whole = latent_params(cfg)
+        vectors += whole - bias_elements(cfg, ATTENTION_LINEARS)
     if cfg.qk_norm == "full":  # split with the heads, as the matrices are
         matrices += qk_norm_elements(cfg)[0]
     else:

@@ -21,7 +21,9 @@ must pass :meth:`~trickles.config.Config.validate` at ``N`` ranks; the search ne
 **Pruning by memory**, cheapest first. (1) :func:`memory_bound` -- for each pipeline rank its parameters
 (:func:`~trickles.planner.compute.rank_params`) with the ZeRO formulas, ``p n / R^[z=3] + g n / R^[sharded
 gradients] + k n / R^[z>=1]`` (``R = dp cp`` replicas, experts over ``edp = R / ep``; ``k`` the optimizer's
-bytes per element as the memory report counts them; the optimizer on the host under offload), plus the saved
+bytes per element as the memory report counts them; the optimizer on the host under offload; with LoRA,
+``train.lora_rank``, ``n`` in the gradient and optimizer terms is the adapters' values and the frozen base is counted
+at its own bytes, :func:`~trickles.memory.lora_activations.lora_states`), plus the saved
 activations of its layers (:func:`trickles.memory.tp_modes.activations`) times the micro-batches in flight
 (GPipe ``m``, 1F1B ``min(p - r, m)``, interleaved ``min(2 (p - r - 1) + (v - 1) p + 1, v m)`` chunks), the
 head and the larger of the loss's transient and (without a pipeline) the last block's backward on the last rank,
@@ -272,7 +274,7 @@ class Search:
         from ..memory.report import predict
 
         try:
-            c.report = predict(c.cfg, c.dims, self.model_cfg, self.device_type)
+            c.report = predict(c.cfg, c.dims, self.model_cfg, self.device_type, both_loads=False)
             c.peak = float(c.report.predicted["peak"])
             c.host = (
                 float(c.report.predicted["optimizer"]) * self.per_node if c.cfg.memory.offload_optimizer else 0.0

@@ -270,7 +270,10 @@ def context_parallel(r: RankPlan) -> list[Traffic]:
     heads = mc.n_heads // tp
     kv = mc.kv_heads // tp if mc.kv_heads % tp == 0 else heads
     mode = r.cfg.parallel.cp_mode
-    fwd, bwd = layer_bytes(mode, d.cp, r.micro, heads, kv, r.tokens // r.micro, mc.head_dim, r.p)
+    dv = mc.v_head_dim if mc.attention == "mla" else None  # (latent attention: every head has its own keys)
+    if mc.attention == "mla":
+        kv = heads
+    fwd, bwd = layer_bytes(mode, d.cp, r.micro, heads, kv, r.tokens // r.micro, mc.head_dim, r.p, dv)
     modes = r.recompute
     passes = len(r.layers) * r.micro_batches
     reruns = sum(1 for i in r.layers if modes[i] == "full") * r.micro_batches  # layers whose forward runs again

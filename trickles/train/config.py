@@ -75,6 +75,11 @@ class TrainConfig:
         list(DEFAULT_TARGETS),
         "LoRA: the projections to adapt, by their Hugging Face module names (every linear whose name ends so)",
     )
+    lora_base: str = opt(
+        "same",
+        "LoRA: the frozen base weight of every adapted linear: same (the run's parameter type) or int8 (per-row int8 "
+        "codes and fp32 scales, dequantized in each product; QLoRA's idea; docs/lora.md)",
+    )
     checkpoint_every: int = opt(0, "save a checkpoint every N steps (0: only at the end)")
     keep_checkpoints: int = opt(2, "keep the newest K complete checkpoints, delete older ones")
     async_checkpoint: bool = opt(
@@ -116,13 +121,20 @@ class TrainConfig:
         """The LoRA adapters this run trains (None: train.lora_rank=0, the whole model trains)."""
         if not self.lora_rank:
             return None
-        return LoRASettings(self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets))
+        return LoRASettings(
+            self.lora_rank, self.lora_alpha, self.lora_dropout, tuple(self.lora_targets), base=self.lora_base
+        )
 
     def validate(self) -> None:
         if self.lora_rank < 0:
             raise ConfigError(f"train.lora_rank must be 0 (off) or a rank, got {self.lora_rank}")
         if self.lora_rank:
             self.lora().check()
+        elif self.lora_base != "same":
+            raise ConfigError(
+                f"train.lora_base={self.lora_base} sets the type of LoRA's frozen base, but train.lora_rank=0 trains "
+                "the whole model; set train.lora_rank or train.lora_base=same"
+            )
         for key in ("steps", "global_batch"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"train.{key} must be at least 1, got {getattr(self, key)}")

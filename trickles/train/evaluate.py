@@ -18,7 +18,8 @@ micro-batch at a time (its evaluation returns the mean over the micro-batches it
 **Results.** ``loss`` is the total over the total count and ``perplexity`` its exponential; with a mixture, each
 source's own ``loss`` and ``tokens``, the overall ``loss`` over all counted tokens of all sources (each token weighs
 the same, whatever the source's weight), and ``weighted_loss``, the sources' losses weighted by their shares as
-training's validation loss weights them.
+training's validation loss weights them. With chat data, ``overlong_cut`` and ``overlong_dropped`` count the
+conversations longer than ``data.seq_len`` that were cut or left out (``data.overlong``), as training's metrics do.
 
 :func:`eval_config` builds the configuration before any process starts (one-line errors for bad input);
 :func:`evaluate` runs in each rank.
@@ -46,7 +47,7 @@ from ..config import Config
 from ..data import DataConfig, build_tokenizer, load_tokenizer
 from ..data.corpus import check_boundaries
 from ..data.loader import DOCUMENTS
-from ..data.mixture import MixedBatches, Mixture, data_batches, load_data
+from ..data.mixture import MixedBatches, Mixture, data_batches, load_data, overlong_counts
 from ..data.sources import check_source
 from ..data.tokenizers import Tokenizer
 from ..errors import DataError, UserError
@@ -90,6 +91,7 @@ class EvalResult:
     seq_len: int
     sources: dict[str, SourceResult] | None = None  # a mixture's, by name
     weighted_loss: float | None = None  # a mixture's: the sources' losses weighted by their shares
+    overlong: dict[str, int] | None = None  # chat data: conversations cut or dropped (overlong_cut, overlong_dropped)
 
     @property
     def perplexity(self) -> float:
@@ -97,7 +99,8 @@ class EvalResult:
 
     def to_dict(self) -> dict[str, Any]:
         """``loss``, ``tokens``, ``perplexity``, ``windows``, ``seq_len``; a mixture's ``sources`` (each one's
-        ``loss``, ``tokens``, ``perplexity``, ``windows``) and ``weighted_loss``."""
+        ``loss``, ``tokens``, ``perplexity``, ``windows``) and ``weighted_loss``; chat data's ``overlong_cut`` and
+        ``overlong_dropped``."""
         out: dict[str, Any] = {
             "loss": self.loss,
             "tokens": self.tokens,
@@ -111,6 +114,7 @@ class EvalResult:
                 for n, s in self.sources.items()
             }
             out["weighted_loss"] = self.weighted_loss
+        out.update(self.overlong or {})
         return out
 
     def describe(self, model: str) -> str:
@@ -127,6 +131,11 @@ class EvalResult:
         if self.sources is not None:
             lines.append(
                 f"  (loss: the mean over every counted token; by the sources' shares: {self.weighted_loss:.6f})"
+            )
+        if self.overlong:
+            lines.append(
+                f"  ({self.overlong['overlong_cut']} conversations longer than data.seq_len {self.seq_len} cut, "
+                f"{self.overlong['overlong_dropped']} left out: data.overlong)"
             )
         return "\n".join(lines)
 
@@ -219,8 +228,8 @@ def eval_config(
 
 def _run_tokenizer(checkpoint: str, recorded: str | None) -> str:
     """``data.tokenizer`` for reading a checkpoint's data: ``byte``; the run's own tokenizer directory when it still
-    holds the tokenizer the checkpoint saved (a chat template's special tokens are read from there, as in training);
-    else the copy in the checkpoint."""
+    holds the tokenizer the checkpoint saved (what training read); else the copy in the checkpoint, which keeps the
+    directory's special tokens and chat template (:mod:`trickles.data.tokenizer_files`) and so renders the same."""
     saved_dir = os.path.join(checkpoint, "tokenizer")
     saved = load_tokenizer(saved_dir)
     if saved.identity() == "byte":
@@ -306,6 +315,7 @@ def evaluate(cfg: Config, topo: Topology, max_tokens: int | None = None) -> Eval
     if isinstance(data, Mixture):
         result.sources = {n: SourceResult(s / c, c, w) for n, (s, c, w) in zip(names, totals)}
         result.weighted_loss = data.weighted({n: r.loss for n, r in result.sources.items()})
+    result.overlong = overlong_counts(data) or None
     del engine
     return result
 

@@ -184,8 +184,7 @@ def _write_hf(path: str, tmp: str, meta: dict[str, Any]) -> str | None:
     if getattr(tokenizer, "kind", None) == "hf":
         return (
             f"the run's tokenizer directory {source} is gone or holds another tokenizer: wrote the checkpoint's "
-            "tokenizer.json with only its eos token and chat template (no special_tokens_map.json or "
-            "generation_config.json)"
+            "tokenizer files as the run saved them (no generation_config.json)"
         )
     if not os.path.exists(os.path.join(tmp, "tokenizer.json")):
         return f"no Hugging Face tokenizer files written: the run's tokenizer ({tokenizer.name}) has none"

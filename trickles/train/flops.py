@@ -4,8 +4,10 @@ Training FLOPs per token (PaLM, appendix B): ``6 N + 12 L d T``, with ``N`` the 
 taking part in matrix multiplies (attention and MLP projections and the output head; the
 embedding lookup is free; of a mixture-of-experts block only the router and the experts a token
 passes through) and ``12 L d T`` the attention scores and weighted sums over a
-sequence of ``T`` (forward ``4 L d T``, backward twice that). MFU is achieved model FLOP/s over
-the devices' dense peak.
+sequence of ``T`` (forward ``4 L d T``, backward twice that). Multi-head latent attention
+(``model.attention=mla``) counts its own projections (:mod:`trickles.planner.compute_latent`) and, for its scores
+over ``k = qk_nope + qk_rope_head_dim`` and values of ``v = v_head_dim`` on ``H`` heads, ``6 L T H (k + v)``.
+MFU is achieved model FLOP/s over the devices' dense peak.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..models.config import ModelConfig
+from ..planner.compute_latent import latent_matmul_params, latent_score_width
 
 # Dense peak FLOP/s per device by (name fragment, precision); fp32 means TF32 tensor cores.
 PEAKS = [
@@ -33,6 +36,8 @@ def matmul_params(cfg: ModelConfig, active: bool = True) -> int:
     use); ``active=False`` counts every expert."""
     d, L, hd = cfg.d_model, cfg.n_layers, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.kv_heads * hd * 2
+    if cfg.attention == "mla":
+        attn = latent_matmul_params(cfg)
     per_mlp = (3 if cfg.flavor == "llama" else 2) * d
     mlp = per_mlp * cfg.ffn_dim
     experts = (cfg.moe_top_k if active else cfg.moe_experts) + cfg.moe_shared_experts
@@ -43,6 +48,9 @@ def matmul_params(cfg: ModelConfig, active: bool = True) -> int:
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Training FLOPs (forward + backward) per token."""
+    if cfg.attention == "mla":  # scores over k, values over v, on every head
+        k, v = latent_score_width(cfg)
+        return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * (k + v)
     return 6.0 * matmul_params(cfg) + 12.0 * cfg.n_layers * cfg.d_model * seq_len
 
 

@@ -39,7 +39,7 @@ from ..compress.qat import apply_qat
 from ..config import Config
 from ..data import build_tokenizer
 from ..data.loader import DOCUMENTS, weigh
-from ..data.mixture import MixedBatches, data_batches, load_data
+from ..data.mixture import MixedBatches, data_batches, load_data, overlong_counts
 from ..data.sources import iter_documents
 from ..errors import ConfigError, TrainingStopped
 from ..kernels.cross_entropy import OutputLoss
@@ -96,7 +96,7 @@ class Trainer:
         self.moe_stats = model.moe_stats  # what the mixture-of-experts blocks report (None without experts)
         # a mixture of experts: parameters a token passes through (the router and top-k of the experts)
         self.n_active = self.n_params - (matmul_params(self.model_cfg, active=False) - matmul_params(self.model_cfg))
-        init = trainer_state.init_source(t.init_from, model) if t.init_from else None  # train.init_from's weights
+        init = trainer_state.init_source(t.init_from, model, t.seed) if t.init_from else None  # its weights
         self.lora = t.lora()  # LoRA: adapters on the targets, every base parameter frozen (trickles.adapters)
         if self.lora is not None:
             apply_lora(model, self.lora)
@@ -237,8 +237,9 @@ class Trainer:
         }
         if self.scaler:
             record["loss_scale"] = scale
-        if isinstance(self.train_data, MixedBatches):  # tokens drawn from each source so far
-            record["source_tokens"] = self.train_data.source_tokens(self.consumed)
+        if isinstance(self.train_data, MixedBatches):  # tokens drawn from (and trained on) each source so far
+            record.update(self.train_data.source_counts(self.consumed))
+        record.update(overlong_counts(self.corpus))  # chat data: conversations cut or dropped while packing
         if moe is not None:
             record.update(moe_metrics(moe, self.model_cfg, self.topo, self.cfg.parallel.sequence_parallel, self.device))
         return record

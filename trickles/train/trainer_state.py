@@ -30,7 +30,7 @@ from ..errors import CheckpointError, SavesFailed
 from ..memory.scaler import DynamicLossScaler
 from ..models.config import HOW_KEYS, ModelConfig
 from ..models.hf import load_hf
-from ..models.transformer import Transformer
+from ..models.transformer import Transformer, initial_value
 from ..parallel.engine import Engine
 from ..topology import Topology
 from . import checkpoint as ckpt
@@ -128,15 +128,19 @@ def load(
     return step, consumed, skipped
 
 
-def init_source(init_from: str, model: Transformer):
+def init_source(init_from: str, model: Transformer, seed: int = 0):
     """``train.init_from``: each parameter's full value read from the checkpoint (checked against it first), or
-    from a Hugging Face directory (read whole by every rank, projections unfused, then fused as ``model`` is)."""
+    from a Hugging Face directory (read whole by every rank, projections unfused, then fused as ``model`` is; a
+    multi-token prediction module the directory does not hold starts from its initial value of ``seed``)."""
     if is_hf_dir(init_from):
         state = {n: p.detach() for n, p in load_hf(init_from, fused_proj=False).named_parameters()}
 
         def value(name, p):
             layout = ckpt.fused_layout(p)
-            full = layout.fuse([state[k] for k in layout.part_keys(name)]) if layout is not None else state[name]
+            held = layout.part_keys(name) if layout is not None else [name]
+            if name.startswith("mtp.") and not any(k in state for k in held):  # a module the directory lacks
+                return initial_value(model.cfg, name, ckpt.global_shape(p), seed)
+            full = layout.fuse([state[k] for k in held]) if layout is not None else state[name]
             if tuple(full.shape) != ckpt.global_shape(p):
                 raise CheckpointError(
                     f"{init_from}: {name} has shape {list(full.shape)}, the model expects {list(ckpt.global_shape(p))}"

@@ -30,6 +30,7 @@ from ...errors import ConfigError
 from ..config import ModelConfig
 from ..hf_names import Entry
 from ..rope import rope_fields_from_hf
+from ..routers import has_bias
 from .base import llama_keys, llama_names, llama_shape, merged, refuse, require_biases
 
 MODEL_TYPE = "qwen2_moe"
@@ -111,14 +112,19 @@ def check_moe(cfg: ModelConfig, family: str) -> None:
             raise ConfigError(f"{family} has no model.{key}={got}; set model.{key}={want} to export to Hugging Face")
 
 
-def experts(cfg: ModelConfig, found: Collection[str]):
-    """``moe_entries`` for :func:`~.base.llama_names`: the routed experts per expert (or fused, when ``found`` holds
-    transformers 5's in-memory names) and, with one, the gated shared expert."""
+def experts(cfg: ModelConfig, found: Collection[str], shared: str = "shared_expert"):
+    """``moe_entries`` for :func:`~.base.llama_names`: the router (and its ``e_score_correction_bias`` where the
+    routers carry one), the routed experts per expert (or fused, when ``found`` holds transformers 5's in-memory
+    names) and, with them, the shared experts under ``mlp.<shared>`` and their gate."""
     fused = bool(cfg.moe_layers) and f"model.layers.{cfg.moe_layers[0]}.mlp.experts.gate_up_proj" in found
+    router_bias = has_bias(cfg)
 
     def entries(i: int, hf: str, us: str) -> list[Entry]:
         ex = f"{us}mlp.experts."
         out = [Entry(hf + "mlp.gate.weight", (us + "mlp.router.weight",))]
+        if router_bias:
+            bias = "e_score_correction_bias"
+            out.append(Entry(f"{hf}mlp.gate.{bias}", (f"{us}mlp.router.{bias}",)))
         if fused:
             out += [
                 Entry(hf + "mlp.experts.gate_up_proj", (ex + "gate_proj.weight", ex + "up_proj.weight"), "cat1"),
@@ -132,9 +138,10 @@ def experts(cfg: ModelConfig, found: Collection[str]):
             ]
         if cfg.moe_shared_experts:
             out += [
-                Entry(f"{hf}mlp.shared_expert.{p}_proj.weight", (f"{us}mlp.shared.{p}_proj.weight",))
+                Entry(f"{hf}mlp.{shared}.{p}_proj.weight", (f"{us}mlp.shared.{p}_proj.weight",))
                 for p in ("gate", "up", "down")
             ]
+        if cfg.moe_shared_gate:
             out.append(Entry(hf + "mlp.shared_expert_gate.weight", (us + "mlp.shared_gate.weight",)))
         return out
 

@@ -135,6 +135,7 @@ class PipelineRunner:
         self.engine.finish_backward()
         self.engine.clip_grad_norm(grad_clip)
         self.engine.step(lr)
+        self.engine.balance_routers()  # auxiliary-loss-free balancing: this stage's routing biases follow the loads
         return float(loss.wait())
 
     # ---- the executor ----------------------------------------------------------------------
@@ -259,19 +260,12 @@ class PipelineRunner:
             if ctx is not None:
                 ctx.begin_forward(seq_len, decoding=self._decoding)
         target = y.to(self.device, non_blocking=True) if chunk.last and y is not None else None
+        mtp = target is not None and chunk.model.mtp is not None  # multi-token prediction reads the input ids
+        extra = {"tokens": x.to(self.device, non_blocking=True)} if mtp else {}
+        if documents is not None:
+            extra["documents"] = documents  # (moved by the mask)
         with self.autocast():
-            out = self.engine.run_chunk(
-                chunk,
-                lambda: chunk(
-                    inp,
-                    seq_len,
-                    cache,
-                    start,
-                    labels,
-                    target,
-                    **({} if documents is None else {"documents": documents}),
-                ),
-            )  # (moved by the mask)
+            out = self.engine.run_chunk(chunk, lambda: chunk(inp, seq_len, cache, start, labels, target, **extra))
         if self.tp_ctx is not None:
             self.tp_ctx.end_forward()
         if chunk.last:

@@ -4,7 +4,8 @@ The ``n_layers`` blocks are cut into ``S = pp * v`` consecutive parts (virtual s
 possible by count -- the earlier parts taking the extra layers, e.g. 7 layers on 2 stages as
 ``[4, 3]`` -- or as ``parallel.pipeline_layers`` lists them. Part ``s`` becomes chunk ``s // pp`` of
 pipeline rank ``s % pp`` (see :mod:`trickles.parallel.pipeline.schedules`). The token and position
-embeddings go with part 0, the final norm, output projection and loss with part ``S - 1``.
+embeddings go with part 0, the final norm, output projection and loss with part ``S - 1`` -- and the multi-token
+prediction modules (``model.mtp_depth``, :mod:`trickles.models.mtp`), which read the micro-batch's input ids there.
 
 :func:`keep_stage` prunes the model, still on the meta device, to what one rank holds, so the
 rank only ever allocates and initializes its own stage; parameters keep their global names
@@ -15,7 +16,8 @@ Tied input and output embeddings (gpt2): the last rank keeps the ``embed`` modul
 its copy of the weight, used only by the output projection. The two copies start equal (same
 name, same initial value), their gradients are summed over the first and last rank
 (``pp_ends`` group) before the data-parallel reduction, so they get the same update and stay
-equal, as in Megatron-LM.
+equal, as in Megatron-LM. Multi-token prediction embeds tokens on the last stage: it keeps the embedding (and the
+learned positions) there the same way, tied or not.
 
 Messages (:func:`send_bytes`): every micro-batch's activation leaves each virtual stage but the last
 (``pp`` group) and its gradient each virtual stage but the first (``pp_grad``), one tensor of the
@@ -32,6 +34,7 @@ import torch
 
 from ...errors import ConfigError
 from ...models.kv_cache import KVCache
+from ...models.mtp import mtp_loss
 from ...models.transformer import Transformer
 from .schedules import Shape
 
@@ -85,11 +88,13 @@ class StageChunk:
         labels: torch.Tensor | None = None,
         target: torch.Tensor | None = None,
         documents: torch.Tensor | None = None,
+        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token ids ``[B, T]`` (first chunk) or hidden states in; hidden states or, from the last chunk, logits
         (the mean token cross-entropy when ``target`` is given) out. ``labels``: the micro-batch's label ids
         (hard-routed experts); ``documents``: its document ids (packed documents: every chunk builds the mask and
-        positions from them, as :meth:`Transformer.forward` does)."""
+        positions from them, as :meth:`Transformer.forward` does); ``tokens``: its input ids, which the last chunk's
+        multi-token prediction reads in training (its loss added as :meth:`Transformer.forward` adds it)."""
         m = self.model
         extra, positions = {}, None
         if documents is not None:
@@ -105,7 +110,11 @@ class StageChunk:
         rope = m.rope(start, seq_len) if positions is None else m.rope(start, seq_len, positions)
         for i in self.layers:
             h = m.layers[str(i)](h, rope, cache, start, labels, **extra)
-        return m.head(h, target) if self.last else h
+        if not self.last:
+            return h
+        if m.mtp is None or target is None or not m.training:
+            return m.head(h, target)
+        return m.head(h, target) + mtp_loss(m, h, tokens, target, rope, positions, labels, documents, **extra)
 
     def __repr__(self) -> str:
         ends = (
@@ -124,24 +133,29 @@ def keep_stage(model: Transformer, rank: int, shape: Shape, parts: list[list[int
         if int(key) not in keep:
             del model.layers[key]
     first, last = shape.ends(rank)
+    embeds = last and model.mtp is not None  # multi-token prediction embeds tokens on the last stage
     if not first:
-        model.pos_embed = None
-        if not (last and model.cfg.tied):
+        if not embeds:
+            model.pos_embed = None
+        if not (last and model.cfg.tied) and not embeds:
             model.embed = None
     if not last:
         model.norm = None
         model.output = None
+        model.mtp = None
     stages = [shape.stage(rank, c) for c in range(shape.v)]
     return [StageChunk(model, owned[c], stages[c] == 0, stages[c] == shape.stages - 1) for c in range(shape.v)]
 
 
 def tied_parameters(model: Transformer, rank: int, shape: Shape) -> list[torch.nn.Parameter]:
     """The weights this rank shares with another stage: the tied embedding on the first and last rank, when they
-    differ (ZB-V holds both ends on rank 0)."""
+    differ (ZB-V holds both ends on rank 0); with multi-token prediction the embedding and learned positions."""
     first, last = shape.ends(rank)
-    if shape.p == 1 or not model.cfg.tied or first == last:
+    if shape.p == 1 or not (model.cfg.tied or model.cfg.mtp_depth) or first == last:
         return []
-    return [model.embed.weight]
+    if not model.cfg.mtp_depth:
+        return [model.embed.weight]
+    return [model.embed.weight] + ([] if model.pos_embed is None else [model.pos_embed.weight])
 
 
 def reused_parameters(model: Transformer, rank: int, shape: Shape) -> list[torch.nn.Parameter]:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from ...comm import wire_bytes
 from ...models.config import ModelConfig
+from ...models.mla_config import latent_params
 from .grid_linear import cube_bytes, summa_bytes
 from .layout import ROW_PARALLEL, Layout, block_linears, block_norms, qk_norm_elements
 from .region_bytes import partial_grad_elements
@@ -226,7 +227,12 @@ def param_count(cfg: ModelConfig, lay: Layout) -> dict[str, int]:
     if not lay.grid:
         t = lay.tp
         block = block_norms(cfg) * norm + qk_norm_elements(cfg, t)[0]
+        if cfg.attention == "mla":  # heads split, the compressions whole (:mod:`.latent`)
+            split, whole = latent_params(cfg)
+            block += split // t + whole
         for name, h, h2, b in block_linears(cfg):
+            if cfg.attention == "mla" and name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                continue  # (counted above)
             whole = name in ("k_proj", "v_proj") and cfg.kv_heads % t != 0  # replicated key/value heads
             row = name in ROW_PARALLEL  # row-parallel: the bias is whole
             block += h * h2 // (1 if whole else t) + (h2 // (1 if whole or row else t) if b else 0)

@@ -17,6 +17,8 @@ module                              becomes
 ``attn.qkv_proj`` (fused)           column-parallel by key/value groups: a rank's contiguous rows are its
                                     query heads and the key/value heads they use (``tp`` divides ``n_kv_heads``)
 ``attn.o_proj``, ``mlp.down_proj``  row-parallel, leaving the region (all-reduce / reduce-scatter)
+latent attention (``model.attention=mla``)  heads split, the compressions and their norms replicated
+                                    (:mod:`~trickles.parallel.tensor.latent`)
 ``mlp.gate_proj``, ``up_proj``      column-parallel (fused ``gate_up_proj``: by channel pairs)
 ``attn.q_norm``, ``k_norm``          per head: replicated, gradient summed; full width: :class:`SplitWidthRMSNorm`
 ``attn_post_norm``, ``mlp_post_norm``  replicated (gradient summed under sequence parallel), outside the region
@@ -33,6 +35,9 @@ module                              becomes
                                     shard when tied)
 ``loss``                            :class:`VocabParallelLoss`: the loss from the logit shards (or fused,
                                     chunk by chunk, over the weight's vocabulary slice)
+``mtp.k`` (multi-token prediction)  ``block`` as the blocks above; ``enorm``, ``hnorm``, ``eh_proj``
+                                    replicated (gradient summed under sequence parallel); ``norm`` as the
+                                    final norm (:mod:`trickles.models.mtp`)
 ==================================  =========================================================
 """
 
@@ -46,6 +51,7 @@ from ...comm import GroupComm, gather_from_region
 from ...models import fused
 from ...models.transformer import Transformer
 from ..expert import split_sequence
+from .latent import split_latent_attention
 from .layers import (
     ColumnParallelLinear,
     ForkRNG,
@@ -90,7 +96,8 @@ def apply_tensor_parallel(
         model.pos_embed.register_forward_pre_hook(_own_positions(ctx))
     if sp:
         model.embed_drop = ForkRNG(model.embed_drop, ctx, cfg.dropout)
-    for name, block in model.layers.items():
+    mtp = [] if model.mtp is None else list(model.mtp.values())  # multi-token prediction: blocks n_layers.. alike
+    for name, block in [*model.layers.items(), *((str(cfg.n_layers + k), m.block) for k, m in enumerate(mtp))]:
         attn, mlp = block.attn, block.mlp
         rg = int(name) not in recomputed_blocks
         block.attn_norm = norm(block.attn_norm)
@@ -106,7 +113,9 @@ def apply_tensor_parallel(
         else:
             block.mlp_norm = norm(block.mlp_norm)
         hd = cfg.head_dim
-        if attn.fused:  # the config check made tp divide the key/value heads: whole groups per rank
+        if cfg.attention == "mla":  # heads split, the compressions replicated (:mod:`.latent`)
+            split_latent_attention(attn, cfg, ctx, rg, dev)
+        elif attn.fused:  # the config check made tp divide the key/value heads: whole groups per rank
             attn.qkv_proj = ColumnParallelLinear(
                 cfg.d_model, (cfg.n_heads + 2 * cfg.kv_heads) * hd, qkv_bias, ctx, device=dev, regather=rg
             )
@@ -116,7 +125,8 @@ def apply_tensor_parallel(
             args = (cfg.kv_heads * hd,) if kv is ColumnParallelLinear else (cfg.n_heads, cfg.kv_heads, hd)
             attn.k_proj = kv(cfg.d_model, *args, qkv_bias, ctx, device=dev, regather=rg)
             attn.v_proj = kv(cfg.d_model, *args, qkv_bias, ctx, device=dev, regather=rg)
-        attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, o_bias, ctx, device=dev)
+        if cfg.attention != "mla":
+            attn.o_proj = RowParallelLinear(cfg.n_heads * hd, cfg.d_model, o_bias, ctx, device=dev)
         if cfg.qk_norm == "full":  # the config check made tp divide the key/value heads
             off = cfg.norm_unit_offset
             attn.q_norm = SplitWidthRMSNorm(cfg.n_heads * hd, cfg.norm_eps, ctx, device=dev, offset=off)
@@ -143,6 +153,10 @@ def apply_tensor_parallel(
             attn.resid_drop = ForkRNG(attn.resid_drop, ctx, cfg.dropout)
             mlp.resid_drop = ForkRNG(mlp.resid_drop, ctx, cfg.dropout)
     model.norm = norm(model.norm)
+    for m in mtp:  # enorm, hnorm, eh_proj replicated outside the region; the head's norm enters it (models/mtp.py)
+        for p in [*m.enorm.parameters(), *m.hnorm.parameters(), *m.eh_proj.parameters()]:
+            set_spec(p, replicated_spec(p.shape, partial=sp))
+        m.norm = norm(m.norm)
     model.output = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, False, ctx, device=dev)
     if cfg.tied:
         model.output.weight = model.embed.weight
