@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import subprocess
 from collections.abc import Mapping, Sequence
@@ -21,6 +22,8 @@ import torch
 
 from trickles.config import Config
 from trickles.parallel.ring_blocks import CudaEfficient
+from trickles.train import checkpoint as ckpt
+from trickles.train.pieces import PieceReader
 
 
 def tiny_config(tmp, *overrides, steps=6, corpus_bytes=120_000):
@@ -213,3 +216,31 @@ def efficient_attention_stand_in():
         )
 
     return CudaEfficient(forward, backward)
+
+
+def run_losses(out, steps: int) -> list[float]:
+    """The per-step losses a run logged in ``out/metrics.jsonl`` (one record per step 1..steps, asserted)."""
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == list(range(1, steps + 1))
+    return [x["loss"] for x in records]
+
+
+def final_weights(out, steps: int) -> dict[str, torch.Tensor]:
+    """The whole tensors of a run's checkpoint at step ``steps`` (its latest), whatever layout wrote it."""
+    path = ckpt.find_latest(str(out / "checkpoints"))
+    assert path is not None and path.endswith(f"step_{steps:06d}"), path
+    reader = PieceReader(path, "model")
+    return {k: reader.read(k) for k in reader.keys()}
+
+
+#: a tiny latent attention (``model.attention=mla``): ``n + r = 12`` keys against ``v = 6`` values, so on a CPU SDPA's
+#: math path runs (the fused kernel needs equal sizes)
+MLA_SHAPE = (
+    "model.attention=mla",
+    "model.d_model=64",
+    "model.n_heads=4",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=8",
+    "model.qk_rope_head_dim=4",
+    "model.v_head_dim=6",
+)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers import tiny_config
 
+from trickles.optim import lr_at
 from trickles.testing import run_ranks
 from trickles.train.load import load_for_inference
 from trickles.train.trainer import Trainer
@@ -81,3 +82,30 @@ def test_every_rank_holds_one_processes_bias_and_the_checkpoint_keeps_it(tmp_pat
     assert loaded.keys() == reference.keys()
     for name, bias in loaded.items():
         assert torch.allclose(bias, reference[name], atol=1e-7), name
+
+
+def _pipeline_steps(tmp):
+    """Each pipeline stage's biases after 2 trainer steps and after as many ``pipeline.train_step`` calls."""
+    made = []
+    for _ in range(2):
+        cfg = tiny_config(tmp, *BALANCED[:-1], "parallel.pp=2", "train.micro_batch=2", steps=2)  # (default eps)
+        made.append(Trainer(cfg, cfg.validate(2).build(CPU), quiet=True))
+    by_trainer, by_api = made
+    t = by_api.cfg.train
+    for step in range(2):
+        by_trainer.train_step()
+        micro = by_api.train_data.micro_batches(step * t.global_batch, t.global_batch, by_api.micro_batch)
+        tokens, targets = torch.cat([x for x, _ in micro]), torch.cat([y for _, y in micro])
+        by_api.pipeline.train_step(tokens, targets, lr_at(step, t.lr, t.warmup_steps, t.steps, t.min_lr_ratio))
+    return _biases(by_trainer.model), _biases(by_api.model)
+
+
+def test_pipeline_train_step_moves_the_routing_bias(tmp_path):
+    """Through ``engine.pipeline.train_step`` (no trainer) at pp=2 each stage moves its own routers' biases after the
+    step, exactly as the trainer's step does."""
+    results = run_ranks(2, _pipeline_steps, str(tmp_path))
+    for by_trainer, by_api in results:  # each stage its own layers' routers
+        assert by_trainer and by_api.keys() == by_trainer.keys()
+        for name, bias in by_trainer.items():
+            assert bias.abs().max() > 0, name  # the trainer's step moved it
+            assert torch.equal(by_api[name], bias), (name, by_api[name], bias)

@@ -5,21 +5,14 @@ each rank's bytes per layer and for the head equal the formula."""
 
 import pytest
 import torch
-from helpers import short_documents, tiny_config
+from helpers import MLA_SHAPE, short_documents, tiny_config
 
 from trickles.memory.activations import ActivationMeter, activation_bytes
 from trickles.testing import run_ranks
 from trickles.train.trainer import Trainer
 
-MLA = (
-    "model.attention=mla",
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.kv_lora_rank=16",
-    "model.qk_nope_head_dim=8",
-    "model.qk_rope_head_dim=4",
-    "model.v_head_dim=6",
-)
+MLA = MLA_SHAPE
+
 LAYOUTS = {
     "tp2": ("parallel.tp=2", "model.q_lora_rank=24"),
     "tp2-sp-bf16-selective": (

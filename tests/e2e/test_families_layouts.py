@@ -18,10 +18,9 @@ import sys
 
 import pytest
 import torch
+from helpers import final_weights, run_losses
 
 from trickles.testing import run_command
-from trickles.train import checkpoint as ckpt
-from trickles.train.pieces import PieceReader
 
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
@@ -90,15 +89,15 @@ def _gemma2(vocab: int):
     )
 
 
-def _deepseek_v3(vocab: int):
+def _deepseek_v3(vocab: int, **moe):
     """Latent attention (a low-rank query, a compressed key/value latent, a shared rotary key, values narrower than
-    the keys) in dense blocks: the first ``first_k_dense_replace`` blocks of DeepSeek-V3 are all of them here."""
+    the keys) in dense blocks: the first ``first_k_dense_replace`` blocks of DeepSeek-V3 are all of them here (or,
+    with ``moe``, the settings of its mixture-of-experts blocks after them)."""
     return transformers.DeepseekV3ForCausalLM(
         transformers.DeepseekV3Config(
             vocab_size=vocab,
             hidden_size=64,
             intermediate_size=128,
-            num_hidden_layers=4,
             num_attention_heads=4,
             num_key_value_heads=4,
             q_lora_rank=24,
@@ -108,10 +107,10 @@ def _deepseek_v3(vocab: int):
             v_head_dim=12,
             max_position_embeddings=128,
             rope_interleave=True,
-            first_k_dense_replace=4,
             tie_word_embeddings=False,
             bos_token_id=0,
             eos_token_id=1,
+            **({"num_hidden_layers": 4, "first_k_dense_replace": 4} | moe),
         )
     )
 
@@ -119,34 +118,18 @@ def _deepseek_v3(vocab: int):
 def _deepseek_v3_moe(vocab: int):
     """DeepSeek-V3's mixture of experts behind latent attention: a dense first block, then fine-grained routed experts
     (sigmoid scores, two groups of which each token may use one, top-2, a routed scale) beside a shared expert."""
-    return transformers.DeepseekV3ForCausalLM(
-        transformers.DeepseekV3Config(
-            vocab_size=vocab,
-            hidden_size=64,
-            intermediate_size=128,
-            moe_intermediate_size=32,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            q_lora_rank=24,
-            kv_lora_rank=16,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=8,
-            v_head_dim=12,
-            max_position_embeddings=128,
-            rope_interleave=True,
-            first_k_dense_replace=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            n_group=2,
-            topk_group=1,
-            n_shared_experts=1,
-            routed_scaling_factor=2.5,
-            norm_topk_prob=True,
-            tie_word_embeddings=False,
-            bos_token_id=0,
-            eos_token_id=1,
-        )
+    return _deepseek_v3(
+        vocab,
+        num_hidden_layers=3,
+        first_k_dense_replace=1,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
     )
 
 
@@ -246,17 +229,11 @@ def _train(hf: str, corpus, out, ranks: int, settings: list[str]):
 
 
 def _losses(out) -> list[float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in records] == list(range(1, STEPS + 1))
-    return [x["loss"] for x in records]
+    return run_losses(out, STEPS)
 
 
 def _weights(out) -> dict[str, torch.Tensor]:
-    """The final checkpoint's whole tensors, whatever layout wrote it."""
-    path = ckpt.find_latest(str(out / "checkpoints"))
-    assert path is not None and path.endswith(f"step_{STEPS:06d}"), path
-    reader = PieceReader(path, "model")
-    return {k: reader.read(k) for k in reader.keys()}
+    return final_weights(out, STEPS)
 
 
 @pytest.fixture(scope="module")

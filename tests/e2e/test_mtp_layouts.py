@@ -11,16 +11,13 @@ micro-batch to the next, and each depth's loss is a mean over its micro-batch's.
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 import torch
-from helpers import short_documents
+from helpers import final_weights, run_losses, short_documents
 
 from trickles.testing import run_command
-from trickles.train import checkpoint as ckpt
-from trickles.train.pieces import PieceReader
 
 STEPS = 6
 TOL = 1e-4
@@ -62,16 +59,11 @@ def _train(tmp, out, ranks: int, settings: list[str]):
 
 
 def _losses(out) -> list[float]:
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in records] == list(range(1, STEPS + 1))
-    return [x["loss"] for x in records]
+    return run_losses(out, STEPS)
 
 
 def _weights(out) -> dict[str, torch.Tensor]:
-    path = ckpt.find_latest(str(out / "checkpoints"))
-    assert path is not None and path.endswith(f"step_{STEPS:06d}"), path
-    reader = PieceReader(path, "model")
-    return {k: reader.read(k) for k in reader.keys()}
+    return final_weights(out, STEPS)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ dims; the parameters and matrix-product FLOPs of the planner and of MFU against 
 
 import pytest
 import torch
-from helpers import short_documents, tiny_config
+from helpers import MLA_SHAPE, short_documents, tiny_config
 from torch.utils.flop_counter import FlopCounterMode
 
 from trickles.config import Config
@@ -24,15 +24,7 @@ from trickles.train.flops import flops_per_token, matmul_params
 from trickles.train.trainer import Trainer
 
 # n + r = 12 against v = 6: SDPA's math path on a CPU; v = 12 below: the fused kernel
-MLA = (
-    "model.attention=mla",
-    "model.d_model=64",
-    "model.n_heads=4",
-    "model.kv_lora_rank=16",
-    "model.qk_nope_head_dim=8",
-    "model.qk_rope_head_dim=4",
-    "model.v_head_dim=6",
-)
+MLA = MLA_SHAPE
 _CASES = {
     "fp32-q_lora": ("fp32", ("model.q_lora_rank=24",), ("none", "selective", "full")),
     "bf16-q_proj": ("bf16", ("model.q_lora_rank=none",), ("none", "selective")),
