@@ -41,9 +41,14 @@ def checkpoint(tmp_path_factory):
 def tp_server(checkpoint, tmp_path_factory):
     """The two-rank server; its follower raises at its first model call once the file ``fail`` exists."""
     fail = str(tmp_path_factory.mktemp("serve-tp-fault") / "fail")
+    yield from _server(checkpoint, fail)
+
+
+def _server(checkpoint: str, fail: str, *extra: str):
+    """``(port, process, fail)`` of a two-rank server started with ``extra`` flags, killed when the caller is done."""
     command = [sys.executable, "-m", "trickles", "serve", checkpoint, "--port", "0", "--device", "cpu"]
     proc = subprocess.Popen(
-        [*command, "--nproc", "2", "--tp", "2", *ENGINE],
+        [*command, "--nproc", "2", "--tp", "2", *ENGINE, *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -157,6 +162,23 @@ def test_two_ranks_answer_as_one_process(tp_server, one_process):
     assert len(texts) > 16  # varied text, not one reply repeated
 
 
+def test_ngram_speculation_on_two_ranks_gives_the_greedy_text(checkpoint, one_process, tmp_path):
+    """``--speculative ngram`` on two tensor-parallel ranks: every rank runs the verifying call (several positions
+    of each row), and every greedy reply equals one process's without speculation."""
+    greedy = [(path, body) for path, body in _requests() if body.get("temperature", 1.0) == 0 and body.get("n", 1) == 1]
+    assert len(greedy) >= 8
+    for port, proc, _ in _server(checkpoint, str(tmp_path / "fail"), "--speculative", "ngram"):
+        for path, body in greedy:
+            stream = bool(body.get("stream"))
+            got = _choices(*_post(port, path, {"model": "tiny", **body}), stream)
+            want = _choices(*_post(one_process, path, {"model": "tiny", **body}), stream)
+            assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}, (path, body)
+        metrics = _post(port, "/metrics", None)[1]
+        drafted = [line for line in metrics.splitlines() if line.startswith("trickles_spec_decode_draft_tokens_total")]
+        assert drafted and float(drafted[0].split()[-1]) > 0  # the verifying calls ran, on both ranks
+        assert proc.poll() is None
+
+
 def test_a_failing_follower_stops_the_server(tp_server):
     port, proc, fail = tp_server
     open(fail, "w").close()
@@ -175,10 +197,13 @@ def test_a_failing_follower_stops_the_server(tp_server):
         (["--nproc", "3", "--tp", "2"], "--nproc 3 must be --tp x --ep = 2 x 1 = 2: every rank serves its own part"),
         (["--tp", "3"], "model.n_heads (4) must be divisible by --tp (3): each rank takes whole heads"),
         (["--tp", "2", "--ep", "2"], "--ep=2 splits the experts of mixture-of-experts blocks, but model.moe_experts"),
-        (["--tp", "2", "--speculative", "ngram"], "--speculative cannot serve on several ranks yet: drop it or serve"),
+        (
+            ["--tp", "2", "--speculative", "draft", "--draft", "{checkpoint}"],
+            "--speculative draft cannot serve on several ranks yet: drop it or serve",
+        ),
         (["--nproc", "0"], "--nproc must be at least 1, got 0"),
     ],
 )
 def test_bad_layouts_are_refused_in_one_line(checkpoint, args, message):
-    r = cli_here("serve", checkpoint, "--port", "0", *args)
+    r = cli_here("serve", checkpoint, "--port", "0", *(a.format(checkpoint=checkpoint) for a in args))
     assert r.returncode == 2 and r.stderr.startswith(f"error: {message}") and r.stderr.count("\n") == 1, r.stderr

@@ -279,7 +279,7 @@ def check_layout(args):
 
     if args.nproc in (None, 1) and args.tp == args.ep == 1 and env_world_size() <= 1:
         return None  # one process (the checkpoint is read once, by the server)
-    flags = {"--batching static": args.batching == "static", "--speculative": args.speculative}
+    flags = {"--batching static": args.batching == "static", "--speculative draft": args.speculative == "draft"}
     flags.update({"--device-budget-gb": args.device_budget_gb, "--int8": args.int8})
     refused = [f for f, v in flags.items() if v]
     path = args.checkpoint if is_hf_dir(args.checkpoint) else resolved(args.checkpoint)

@@ -276,8 +276,7 @@ class Speculator:
         tokens = [[0] * (t - n) + s.tokens[s.cached :] + d for s, n, d in zip(seqs, new, drafts)]
         try:
             tokens = torch.tensor(tokens, device=e.pool.device)
-            out = e.model(tokens, cache=call, start=call.start, positions=call.positions, pad_mask=call.pad_mask)
-            logits = (e.logits_fn or (lambda z: z))(out)
+            logits = (e.logits_fn or (lambda z: z))(e._forward(call, tokens, True))  # (every rank, when several)
         except Exception as error:  # noqa: BLE001 -- reported to the requests of this call, the engine goes on
             for request in {s.request for s in seqs}:
                 e._drop(request, error, "error")
