@@ -308,16 +308,15 @@ def predict(
         else sum(prm.numel() for _, prm in stage_parameters(rm, set(layer_ids[top]), *shape.ends(top), model_cfg.tied))
     )
     if dims.ep > 1 and model_cfg.moe_layers and both_loads:
-        report.expert_bound = _both_loads(report, cfg, dims, model_cfg, device_type, dp_rank, micro, tokens, notes)
+        report.expert_bound = _both_loads(report, cfg, dims, model_cfg, device_type, dp_rank, micro, routed, notes)
     describe(report, cfg, dims, model_cfg, lay, n, total_params, active_params, fused, notes)
     return report
 
 
-def _both_loads(report, cfg, dims, model_cfg, device_type, dp_rank, micro, tokens, notes) -> dict:
+def _both_loads(report, cfg, dims, model_cfg, device_type, dp_rank, micro, routed, notes) -> dict:
     """Expert parallelism: the prediction at the other load of ``memory.expert_load`` (balanced, or as many rows as
     the router can send a rank's experts), so the report gives both: ``{"balanced", "received"}`` rows a block on a
     rank's experts and the ``activations`` and ``peak`` at the bound; a note says both."""
-    routed = tokens // dims.tp if cfg.parallel.sequence_parallel and dims.tp > 1 else tokens
     seq, bound = cfg.data.seq_len, cfg.memory.expert_load == "bound"
     load = "balanced" if bound else "bound"
     other = predict(
