@@ -1,4 +1,5 @@
-"""Serving under load: trickles' continuous batching vs its static batcher vs ``transformers``' continuous batching.
+"""Serving under load: trickles' continuous batching vs its static batcher vs ``transformers``' continuous batching,
+with rows for many LoRA adapters and for two tensor-parallel ranks.
 
 The workload is fixed by the seed: ``--requests`` prompts of random printable bytes whose lengths cycle through
 ``--prompt-lens`` and whose ``max_tokens`` cycle through ``--output-lens`` (greedy decoding, the same model and
@@ -8,7 +9,7 @@ requests a second in a Poisson process. A contestant's clock runs from the first
 received (after ``--warmup`` untimed requests), bounded by ``--time-limit`` (a request not answered by then counts
 as lost and fails the run).
 
-Contestants:
+Contestants (the first four run by default; the last two when ``--only`` names them):
 
 * ``continuous``: ``trickles serve``'s application (:mod:`trickles.infer.server`) under uvicorn on loopback, in a
   child process (so that the load generator's threads do not share its interpreter lock; on CUDA, which a forked
@@ -17,31 +18,52 @@ Contestants:
 * ``static``: the same server with ``batching="static"`` (a batch runs to its end before the next starts);
 * ``engine``: our :class:`~trickles.infer.engine.Engine` called in this process (no HTTP), next to
 * ``transformers``: ``transformers``' continuous-batching manager (``init_continuous_batching``, the machinery of
-  ``generate_batch``), requests added and results read in this process, streamed for the first token.
+  ``generate_batch``), requests added and results read in this process, streamed for the first token;
+* ``engine-lora``: ``engine`` over the same model serving ``--adapters K`` random LoRA adapters (seeded, rank
+  ``--lora-rank``, on all seven projections of every block; :class:`~trickles.adapters.multi.AdapterBank` with
+  ``--max-loras`` slots, default K), request ``i`` choosing adapter ``i mod (K+1)`` (the last choice: the base), so
+  every batch mixes adapters and the base;
+* ``continuous-tp``: ``python -m trickles serve CKPT --nproc 2 --tp 2 --port 0`` (the model written as a trickles
+  checkpoint with the byte tokenizer, one torch thread a rank; rank 0 serves HTTP) driven by the same streaming
+  clients as ``continuous``; stopped (SIGINT, then SIGKILL) however the run ends. Refused in one line where it cannot
+  run (``--device cuda`` with fewer than 2 GPUs). On a CPU of few cores it is slower than one process: a row to
+  report, not a target.
 
 With ``--rounds R`` every contestant runs R times, each round starting one contestant further on; the table holds the
 median of each number, and each ratio is the median of the rounds' own ratios. Reported per contestant: generated
 tokens/s, time to first token and end-to-end latency (p50, p99), requests sent
 and answered, where answered means whole: a non-200, a stream that carries an ``{"error": ...}`` event, or one that
 ends without its ``finish_reason``, usage or ``[DONE]``, is a failed request, and any failed request fails the run.
-Agreement first: every request's greedy text must be the same from our three contestants; each request transformers
+Ratios (when both sides ran): continuous/static (tokens/s, p99 time to first token), engine/transformers and
+continuous/transformers (tokens/s), engine-lora/engine and continuous-tp/continuous (tokens/s).
+Agreement first: every request's greedy text must be the same from our contestants without adapters (continuous,
+static, engine, continuous-tp); each request transformers
 answers differently is printed with the reason, read from our model's logits where the two answers part: a near-tie
 (the two tokens' logits within ``--tie-tolerance``, which kernels' rounding may break either way) is reported, a
-disagreement without one fails the run. Targets (CPU, 16 clients): continuous >= 2x
+disagreement without one fails the run. engine-lora's replies to ``--lora-checks`` of the requests (the cheapest of
+each choice, in turn) must equal the greedy tokens of that adapter merged into the weights (``W + B A``) and run
+alone (:func:`trickles.infer.decode`), up to such a near-tie of the merged model; printed too: on how many of the
+checked requests an adapter changes the base model's reply. Targets (CPU, 16 clients): continuous >= 2x
 static's tokens/s with at most half its p99 time to first token, and engine >= 1.0x transformers'.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import dataclasses
 import http.client
 import json
+import math
 import multiprocessing
 import os
 import random
+import re
+import signal
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -52,14 +74,22 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _timing import device_name, one_device, table, write_json  # noqa: E402
 
+from trickles.adapters.loaded import LoadedAdapter  # noqa: E402
+from trickles.adapters.multi import AdapterBank  # noqa: E402
 from trickles.data import ByteTokenizer  # noqa: E402
 from trickles.infer import Sampling, decode  # noqa: E402
 from trickles.infer.engine import Engine, EngineConfig  # noqa: E402
 from trickles.infer.listen import BackgroundServer  # noqa: E402
 from trickles.models import ModelConfig, apply_preset, build_model, save_hf  # noqa: E402
+from trickles.models.fused import fuse_state, split_state  # noqa: E402
+from trickles.train.checkpoint import model_pieces, write_model_dir  # noqa: E402
 
 TOK = ByteTokenizer()
-CONTESTANTS = ("continuous", "static", "engine", "transformers")
+CONTESTANTS = ("continuous", "static", "engine", "transformers", "engine-lora", "continuous-tp")
+DEFAULT = CONTESTANTS[:4]  # the adapter and tensor-parallel rows when --only names them
+OURS = ("continuous", "static", "engine", "continuous-tp")  # the contestants that must give the same texts
+#: the projections the benchmark's adapters update, in every block
+LORA_TARGETS = re.compile(r"^layers\.\d+\.(attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 def workload(args) -> list[tuple[str, int]]:
@@ -264,14 +294,17 @@ def run_ours(args, model, requests, batching: str, device) -> dict:
         stop()
 
 
-def run_engine(args, model, requests) -> dict:
-    engine = Engine(model, TOK, EngineConfig(max_batch=args.max_batch, block_size=args.block_size))
+def run_engine(args, model, requests, bank: AdapterBank | None = None) -> dict:
+    """Our engine in this process; with ``bank`` (engine-lora), request ``i`` chooses :func:`lora_choice`'s adapter."""
+    engine = Engine(model, TOK, EngineConfig(max_batch=args.max_batch, block_size=args.block_size, adapters=bank))
     engine.start()
 
     def send(i):
         prompt, max_tokens = requests[i]
         started, first, toks = time.perf_counter(), None, []
-        for ev in engine.submit(TOK.encode(prompt), Sampling(max_new_tokens=max_tokens, temperature=0)).events(600):
+        greedy = Sampling(max_new_tokens=max_tokens, temperature=0)
+        adapter = lora_choice(i, bank.names) if bank is not None else None
+        for ev in engine.submit(TOK.encode(prompt), greedy, adapter=adapter).events(600):
             if ev.token is not None:
                 toks.append(ev.token)
                 if first is None:
@@ -282,6 +315,192 @@ def run_engine(args, model, requests) -> dict:
         return drive(args, requests, send)
     finally:
         engine.stop()
+
+
+def lora_choice(i: int, names: list[str]) -> str | None:
+    """The adapter request ``i`` chooses: ``names`` in turn, then the base (None)."""
+    return ([*names, None])[i % (len(names) + 1)]
+
+
+def random_adapters(model, k: int, rank: int, seed: int) -> list[LoadedAdapter]:
+    """``k`` LoRA adapters ``lora0``, ``lora1``, ... of rank ``rank`` on every q/k/v/o/gate/up/down projection of
+    ``model``'s blocks, from ``seed``: ``A ~ N(0, 1/in)`` and ``B ~ N(0, (s/2)^2 in / rank)``, ``s`` the base
+    weight's standard deviation, so that ``B A``'s entries are about half the size of the weight's (a reply changes
+    visibly)."""
+    state = split_state(model.cfg, model.state_dict())
+    targets = {n: t for n, t in state.items() if LORA_TARGETS.match(n)}
+    if not targets:
+        raise ValueError("the model has no q/k/v/o/gate/up/down projections in its blocks for the adapters")
+    out = []
+    for j in range(k):
+        g = torch.Generator().manual_seed(seed * 1000 + j)
+        weights = {}
+        for n, w in sorted(targets.items()):
+            d_out, d_in = w.shape
+            a = torch.randn(rank, d_in, generator=g) / math.sqrt(d_in)
+            scale = 0.5 * float(w.float().std()) * math.sqrt(d_in / rank)
+            weights[n[: -len(".weight")]] = (a, torch.randn(d_out, rank, generator=g) * scale)
+        out.append(LoadedAdapter(name=f"lora{j}", path=f"random:seed={seed},index={j}", weights=weights))
+    return out
+
+
+def merged(model, adapter: LoadedAdapter | None):
+    """A copy of ``model`` with ``adapter``'s ``B A`` added to its weights (None: ``model`` itself)."""
+    if adapter is None:
+        return model
+    out = copy.deepcopy(model)
+    state = split_state(out.cfg, {k: v.clone() for k, v in out.state_dict().items()})
+    for name, (a, b) in adapter.weights.items():
+        w = state[name + ".weight"]
+        w += (b.to(w.device, torch.float32) @ a.to(w.device, torch.float32)).to(w.dtype)
+    out.load_state_dict(fuse_state(out.cfg, state))
+    return out
+
+
+def lora_checks(requests, k: int, count: int) -> list[int]:
+    """The ``count`` requests whose engine-lora replies are checked: the cheapest (prompt bytes + max_tokens) of each
+    of the ``k + 1`` choices in turn, then the next cheapest of each, and so on."""
+    by_choice = [
+        sorted(range(c, len(requests), k + 1), key=lambda i: (len(requests[i][0]) + requests[i][1], i))
+        for c in range(k + 1)
+    ]
+    picks = [i for depth in range(len(requests)) for ids in by_choice if depth < len(ids) for i in [ids[depth]]]
+    return sorted(picks[:count])
+
+
+def lora_agree(model, requests, result: dict, adapters: list, checks: list[int], tolerance: float):
+    """engine-lora's replies to ``checks`` against each adapter merged into ``model`` and run alone: ``(agreement
+    record, the error or None)``. A reply that differs is printed with :func:`explain`'s reason (read from the merged
+    model's logits); one without a near-tie fails the run."""
+    names = [a.name for a in adapters]
+    by_name = {a.name: a for a in adapters}
+    models, base_replies = {}, {}
+    ties, wrong, changed = [], [], []
+    for i in checks:
+        prompt, max_tokens = requests[i]
+        choice = lora_choice(i, names)
+        if choice not in models:
+            models[choice] = merged(model, by_name.get(choice))
+        greedy = Sampling(max_new_tokens=max_tokens, temperature=0)
+        [alone] = decode(models[choice], [TOK.encode(prompt)], greedy, eos_id=TOK.eos_id)
+        mine = result["ids"][i]
+        if mine != alone.tokens:
+            tie, why = explain(models[choice], TOK.encode(prompt), mine, alone.tokens, tolerance, "merged alone")
+            (ties if tie else wrong).append(i)
+            print(f"  engine-lora request {i} ({choice or 'base'}) differs from its adapter merged alone {why}")
+        if choice is not None:
+            [base] = decode(model, [TOK.encode(prompt)], greedy, eos_id=TOK.eos_id)
+            base_replies[i] = base.tokens
+            if base.tokens != alone.tokens:
+                changed.append(i)
+    record = {
+        "checked": checks,
+        "equal": len(checks) - len(ties) - len(wrong),
+        "near_ties": ties,
+        "disagreements": wrong,
+        "adapter_changes_reply": f"{len(changed)}/{len(base_replies)}",
+    }
+    print(
+        f"engine-lora agreement: {record['equal']}/{len(checks)} checked replies equal their adapter merged and run "
+        f"alone, {len(ties)} differing at a near-tie; the adapter changes the base model's reply on "
+        f"{record['adapter_changes_reply']} of them"
+    )
+    problem = f"engine-lora disagrees with its adapters merged alone on requests {wrong} without a tie"
+    return record, (problem if wrong else None)
+
+
+def tp_refusal(device) -> str | None:
+    """Why ``continuous-tp`` cannot run on ``device`` (one line), or None."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return (
+            f"continuous-tp: --tp 2 on --device cuda needs 2 GPUs, this machine has {torch.cuda.device_count()}; "
+            "not run"
+        )
+    return None
+
+
+def save_checkpoint(model, path: str) -> str:
+    """``model`` written as a one-process trickles checkpoint at ``path`` with the byte tokenizer, which
+    ``trickles serve`` reads (a Hugging Face directory would need a Hugging Face tokenizer)."""
+    with tempfile.TemporaryDirectory() as tokenizer:
+        TOK.save(tokenizer)
+        return write_model_dir(path, model_pieces(model), tokenizer, {"model": dataclasses.asdict(model.cfg)})
+
+
+READY = re.compile(r"\[trickles\] serving .* on http://\S+:(\d+) ")
+
+
+@contextlib.contextmanager
+def child_server(command: list[str], env: dict, timeout: float, grace: float = 30.0):
+    """Starts ``command`` (a ``trickles serve ... --port 0`` line) and yields ``(port, process)`` once it prints the
+    line naming its port; however the block is left (an error, Ctrl-C, SIGTERM to this process) the server is
+    stopped: SIGINT, its normal way to stop, then SIGKILL after ``grace`` seconds, and waited for. RuntimeError with
+    the server's last line when it exits, or prints no port within ``timeout`` seconds."""
+    previous = signal.getsignal(signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    if in_main:  # SIGTERM leaves the block through the finally clause (the default would leave the server running)
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = None
+    try:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        deadline = time.monotonic() + timeout
+        while True:
+            log.seek(0)
+            text = log.read()
+            found = READY.search(text)
+            if found:
+                break
+            last = (text.strip().splitlines() or ["(no output)"])[-1]
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode} before serving: {last}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the server printed no port within {timeout:g} s; its last line: {last}")
+            time.sleep(0.1)
+        yield int(found.group(1)), proc
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        log.close()
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def wait_healthy(port: int, timeout: float) -> None:
+    """Until ``GET /health`` on ``port`` answers 200 (the socket may be bound before it accepts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server on port {port} did not answer /health within {timeout:g} s")
+        time.sleep(0.1)
+
+
+def run_tp(args, checkpoint: str, requests, device) -> dict:
+    """``continuous-tp``: ``trickles serve`` on two tensor-parallel ranks, one torch thread each on a CPU (``--threads``
+    each), driven as ``continuous`` is."""
+    command = [sys.executable, "-m", "trickles", "serve", checkpoint, "--nproc", "2", "--tp", "2", "--port", "0"]
+    command += ["--device", device.type, "--max-batch", str(args.max_batch), "--block-size", str(args.block_size)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(args.threads or 1))
+    env.pop("TRICKLES_API_KEY", None)  # (the clients send no key, as continuous's)
+    limit = min(args.time_limit, 600.0)
+    with child_server(command, env, limit) as (port, proc):
+        wait_healthy(port, limit)
+        record = drive(args, requests, http_send(port, requests))
+        if proc.poll() is not None:
+            record["errors"] = [f"the server exited with status {proc.returncode} during the run", *record["errors"]]
+        return record
 
 
 def run_transformers(args, hf, requests) -> dict:
@@ -365,7 +584,22 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--time-limit", type=float, default=600.0, help="seconds a contestant may take")
     p.add_argument("--warmup", type=int, default=1, help="requests sent one by one, untimed, before the clock starts")
-    p.add_argument("--only", nargs="*", default=list(CONTESTANTS), choices=CONTESTANTS)
+    p.add_argument(
+        "--only",
+        nargs="*",
+        default=list(DEFAULT),
+        choices=CONTESTANTS,
+        help=f"contestants to run (default: {' '.join(DEFAULT)})",
+    )
+    p.add_argument("--adapters", type=int, default=4, help="engine-lora: random LoRA adapters served (default 4)")
+    p.add_argument("--lora-rank", type=int, default=16, help="engine-lora: the adapters' rank (default 16)")
+    p.add_argument("--max-loras", type=int, default=None, help="engine-lora: adapters resident at once (default: all)")
+    p.add_argument(
+        "--lora-checks",
+        type=int,
+        default=8,
+        help="engine-lora: replies checked against their adapter merged and run alone (default 8)",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: 1 on a CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1, help="runs of every contestant, in rotated order (default 1)")
@@ -389,8 +623,17 @@ def main(argv=None) -> int:
         f"tokens, {f'rate {args.rate:g}/s' if args.rate else f'{args.concurrency} clients'}, "
         f"{cfg.n_layers} layers d={cfg.d_model}, {device_name(device)}"
     )
-    hf = None
-    names = list(args.only)
+    hf = bank = adapters = None
+    names = list(dict.fromkeys(args.only))
+    if "engine-lora" in names:
+        if args.adapters < 1 or args.lora_rank < 1 or args.lora_checks < 0:
+            p.error("--adapters and --lora-rank must be at least 1, --lora-checks at least 0")
+        adapters = random_adapters(model, args.adapters, args.lora_rank, args.seed)
+        lora_model = copy.deepcopy(model)  # (the bank swaps its linears; the other contestants keep the plain model)
+        bank = AdapterBank(lora_model, adapters, args.max_loras or args.adapters)
+    if "continuous-tp" in names and (refusal := tp_refusal(device)):
+        print(refusal)
+        names.remove("continuous-tp")
     if "transformers" in names:
         try:
             import transformers
@@ -401,20 +644,35 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as d:
                 save_hf(model, d)
                 hf = transformers.AutoModelForCausalLM.from_pretrained(d, attn_implementation="sdpa").to(device).eval()
-    rounds = []
-    for r, _ in enumerate(range(args.rounds)):
-        results = {}
-        for name in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one contestant further on
-            if name == "transformers":
-                results[name] = run_transformers(args, hf, requests)
-            elif name == "engine":
-                results[name] = run_engine(args, model, requests)
-            else:
-                results[name] = run_ours(args, model, requests, name, device)
-            x = results[name]
-            print(f"  round {r + 1}, {name}: {x['answered']}/{x['sent']} answered in {x['wall_s']:.1f} s", flush=True)
-        rounds.append({k: results[k] for k in names})
-    return report(args, rounds, device, model, requests)
+    if not names:
+        print("no contestant left to run")
+        return 1
+    with tempfile.TemporaryDirectory() as scratch:
+        checkpoint = save_checkpoint(model, os.path.join(scratch, "model")) if "continuous-tp" in names else None
+        rounds = []
+        for r, _ in enumerate(range(args.rounds)):
+            results = {}
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one further on
+                if name == "transformers":
+                    results[name] = run_transformers(args, hf, requests)
+                elif name == "engine":
+                    results[name] = run_engine(args, model, requests)
+                elif name == "engine-lora":
+                    results[name] = run_engine(args, lora_model, requests, bank)
+                elif name == "continuous-tp":
+                    try:
+                        results[name] = run_tp(args, checkpoint, requests, device)
+                    except RuntimeError as e:
+                        print(f"continuous-tp: {e}")
+                        return 1
+                else:
+                    results[name] = run_ours(args, model, requests, name, device)
+                x = results[name]
+                print(
+                    f"  round {r + 1}, {name}: {x['answered']}/{x['sent']} answered in {x['wall_s']:.1f} s", flush=True
+                )
+            rounds.append({k: results[k] for k in names})
+    return report(args, rounds, device, model, requests, adapters)
 
 
 def check(results: dict) -> str | None:
@@ -422,7 +680,7 @@ def check(results: dict) -> str | None:
     lost = {k: r["errors"] or r["sent"] - r["answered"] for k, r in results.items() if r["answered"] < r["sent"]}
     if lost:
         return f"requests lost or failed: {lost}"
-    ours = [k for k in ("continuous", "static", "engine") if k in results]
+    ours = [k for k in OURS if k in results]
     for k in ours[1:]:
         differ = [i for i, t in results[ours[0]]["texts"].items() if results[k]["texts"][i] != t]
         if differ:
@@ -435,15 +693,20 @@ RATIOS = {  # name -> (numerator, denominator, metric)
     "continuous_over_static_ttft_p99": ("continuous", "static", "ttft_p99"),
     "engine_over_transformers_tokens_per_s": ("engine", "transformers", "tokens_per_s"),
     "continuous_over_transformers_tokens_per_s": ("continuous", "transformers", "tokens_per_s"),
+    "engine_lora_over_engine_tokens_per_s": ("engine-lora", "engine", "tokens_per_s"),
+    "continuous_tp_over_continuous_tokens_per_s": ("continuous-tp", "continuous", "tokens_per_s"),
 }
 
 
 @torch.no_grad()
-def explain(model, prompt: list[int], ours: list[int], theirs: list[int], tolerance: float) -> tuple[bool, str]:
-    """Why two greedy answers to ``prompt`` differ: ``(a tie, the reason)``. At the first token where they part, our
-    model's logits after the common prefix are read: when the two tokens' logits are within ``tolerance`` (a tie, or
-    a near-tie that float rounding of different kernels may break either way) the difference is explained; otherwise
-    one side did not pick the larger logit, and it is an error. An answer that ended there stands for end-of-text."""
+def explain(
+    model, prompt: list[int], ours: list[int], theirs: list[int], tolerance: float, who: str = "transformers"
+) -> tuple[bool, str]:
+    """Why two greedy answers to ``prompt`` differ (``theirs``: ``who``'s): ``(a tie, the reason)``. At the first
+    token where they part, ``model``'s logits after the common prefix are read: when the two tokens' logits are
+    within ``tolerance`` (a tie, or a near-tie that float rounding of different kernels may break either way) the
+    difference is explained; otherwise one side did not pick the larger logit, and it is an error. An answer that
+    ended there stands for end-of-text."""
     k = next((j for j, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     context = torch.tensor([prompt + ours[:k]], device=next(model.parameters()).device)
     logits = model(context)[0, -1].float()
@@ -452,7 +715,7 @@ def explain(model, prompt: list[int], ours: list[int], theirs: list[int], tolera
     gap = abs(float(logits[a] - logits[b]))
     tie = gap <= tolerance
     return tie, (
-        f"at generated token {k}: ours {a} (logit {float(logits[a]):.6f}), transformers {b} (logit "
+        f"at generated token {k}: ours {a} (logit {float(logits[a]):.6f}), {who} {b} (logit "
         f"{float(logits[b]):.6f}), gap {gap:.2e} {'<=' if tie else '>'} {tolerance:g}"
         f"{': a near-tie that rounding may break either way' if tie else ': no tie, a real disagreement'}"
     )
@@ -461,7 +724,7 @@ def explain(model, prompt: list[int], ours: list[int], theirs: list[int], tolera
 def agree(model, requests, results: dict, tolerance: float) -> tuple[dict, str | None]:
     """Our texts against transformers' per request: ``(agreement record, the error or None)``. Every request that
     differs is printed with :func:`explain`'s reason; one that differs without a tie fails the run."""
-    ours = [k for k in ("engine", "continuous", "static") if k in results]
+    ours = [k for k in ("engine", "continuous", "static", "continuous-tp") if k in results]
     if "transformers" not in results or not ours:
         return {}, None
     base, theirs = results[ours[0]], results["transformers"]
@@ -472,7 +735,7 @@ def agree(model, requests, results: dict, tolerance: float) -> tuple[dict, str |
         mine = base["ids"].get(i)
         if mine is None:  # an HTTP contestant: our model's greedy tokens for this prompt alone
             [alone] = decode(
-                model, [TOK.encode(prompt)], Sampling(max_new_tokens=max_tokens, temperature=0), TOK.eos_id
+                model, [TOK.encode(prompt)], Sampling(max_new_tokens=max_tokens, temperature=0), eos_id=TOK.eos_id
             )
             mine = alone.tokens
         tie, why = explain(model, TOK.encode(prompt), mine, theirs["ids"][i], tolerance)
@@ -486,19 +749,29 @@ def agree(model, requests, results: dict, tolerance: float) -> tuple[dict, str |
     return record, (f"transformers disagrees with us on requests {wrong} without a tie" if wrong else None)
 
 
-def report(args, rounds: list[dict], device, model, requests) -> int:
+def report(args, rounds: list[dict], device, model, requests, adapters=None) -> int:
     """Every round checked; per contestant the median of each number over the rounds; each ratio the median of the
-    rounds' own ratios (paired: a noisy round falls on both sides of it)."""
+    rounds' own ratios (paired: a noisy round falls on both sides of it). ``adapters``: engine-lora's."""
     for r, results in enumerate(rounds):
         problem = check(results)
         if problem:
             print(f"round {r + 1}: {problem}")
             return 1
     first = rounds[0]
+    same = [k for k in OURS if k in first]
+    if len(same) > 1 and "transformers" not in first:
+        print(f"agreement: {', '.join(same)} give every request the same text")
     agreement, problem = agree(model, requests, first, args.tie_tolerance)
     if problem:
         print(f"round 1: {problem}")
         return 1
+    if "engine-lora" in first:
+        checks = lora_checks(requests, len(adapters), args.lora_checks)
+        lora, problem = lora_agree(model, requests, first["engine-lora"], adapters, checks, args.tie_tolerance)
+        agreement["engine_lora"] = lora
+        if problem:
+            print(f"round 1: {problem}")
+            return 1
     keys = ("tokens_per_s", "ttft_p50", "ttft_p99", "latency_p50", "latency_p99", "wall_s", "tokens")
     med = {k: {x: statistics.median(r[k][x] for r in rounds) for x in keys} for k in first}
     rows = [

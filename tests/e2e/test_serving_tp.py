@@ -1,7 +1,8 @@
 """``trickles serve --nproc 2 --tp 2``: rank 0 serves HTTP and schedules, both ranks run every model call
 (:mod:`trickles.infer.ranks`). 32 concurrent requests -- greedy and seeded samples, plain and streamed, with
 log-probabilities of the new tokens and of an echoed prompt, chat -- get what a one-process server of the same
-checkpoint answers; a follower that fails takes the server down with one line per rank involved and a nonzero exit,
+checkpoint answers, also when requests choose two LoRA adapters sharing one slot (every rank mirroring rank 0's
+slots); a follower that fails takes the server down with one line per rank involved and a nonzero exit,
 never a hang; bad layouts are refused in one line before any process starts."""
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi", exc_type=ImportError)  # the serve extra (CI installs it: a skip there fails)
 pytest.importorskip("uvicorn", exc_type=ImportError)
 
 from helpers import cli_here, trained_checkpoint  # noqa: E402
 
+from trickles.adapters import LoRASettings, apply_lora  # noqa: E402
+from trickles.adapters.loaded import load_adapter  # noqa: E402
+from trickles.adapters.multi import AdapterBank  # noqa: E402
+from trickles.adapters.peft import save_peft  # noqa: E402
 from trickles.infer.engine import EngineConfig  # noqa: E402
 from trickles.infer.listen import BackgroundServer  # noqa: E402
 from trickles.infer.server import create_app  # noqa: E402
@@ -38,10 +44,29 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_server(checkpoint, tmp_path_factory):
-    """The two-rank server; its follower raises at its first model call once the file ``fail`` exists."""
+def adapters(checkpoint, tmp_path_factory):
+    """Two PEFT adapter directories for the checkpoint's model: ``{name: dir}``."""
+    root, out = tmp_path_factory.mktemp("serve-tp-lora"), {}
+    for i, (name, targets) in enumerate({"a": ("q_proj", "v_proj", "o_proj"), "b": ("k_proj", "down_proj")}.items()):
+        model, _, _ = load_for_inference(checkpoint)
+        settings = LoRASettings(rank=2 + i, alpha=4.0, targets=targets)
+        apply_lora(model, settings)
+        g = torch.Generator().manual_seed(i)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_" in n:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+        out[name] = str(save_peft(model, root / name, settings))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_server(checkpoint, adapters, tmp_path_factory):
+    """The two-rank server, with the two adapters sharing one slot; its follower raises at its first model call once
+    the file ``fail`` exists."""
     fail = str(tmp_path_factory.mktemp("serve-tp-fault") / "fail")
-    yield from _server(checkpoint, fail)
+    loras = [x for name, path in adapters.items() for x in ("--lora", f"{name}={path}")]
+    yield from _server(checkpoint, fail, *loras, "--max-loras", "1")
 
 
 def _server(checkpoint: str, fail: str, *extra: str):
@@ -74,10 +99,12 @@ def _server(checkpoint: str, fail: str, *extra: str):
 
 
 @pytest.fixture(scope="module")
-def one_process(checkpoint):
+def one_process(checkpoint, adapters):
     model, tokenizer, _ = load_for_inference(checkpoint)
-    config = EngineConfig(max_batch=8, block_size=4, prefill_chunk=16)
-    background = BackgroundServer(create_app(model, tokenizer, name="tiny", engine_config=config))
+    bank = AdapterBank(model, [load_adapter(path, model.cfg, name) for name, path in adapters.items()], 1)
+    config = EngineConfig(max_batch=8, block_size=4, prefill_chunk=16, adapters=bank)
+    name = os.path.basename(checkpoint)  # the name trickles serve gives it: requests choose the base by it
+    background = BackgroundServer(create_app(model, tokenizer, name=name, engine_config=config))
     yield background.port
     background.stop()
 
@@ -142,7 +169,7 @@ def _choices(status: int, text: str, stream: bool) -> dict:
 def _answers(port: int) -> list[dict]:
     requests = _requests()
     with ThreadPoolExecutor(16) as pool:
-        replies = list(pool.map(lambda r: _post(port, r[0], {"model": "tiny", **r[1]}), requests))
+        replies = list(pool.map(lambda r: _post(port, r[0], r[1]), requests))
     return [_choices(*reply, bool(r[1].get("stream"))) for reply, r in zip(replies, requests)]
 
 
@@ -162,6 +189,27 @@ def test_two_ranks_answer_as_one_process(tp_server, one_process):
     assert len(texts) > 16  # varied text, not one reply repeated
 
 
+def test_lora_adapters_on_two_ranks_answer_as_one_process(checkpoint, tp_server, one_process):
+    """Requests of two adapters (one slot: they wait for it and reload it) and of the base, in flight together."""
+    port, proc, _ = tp_server
+    base = os.path.basename(checkpoint)
+    requests = [  # prompt j for each of a, b and the base; the first prompt sampled (seeded), the others greedy
+        ("/v1/completions", {"model": ["a", "b", base][i % 3], "prompt": PROMPTS[i // 3], "max_tokens": 6})
+        for i in range(12)
+    ]
+    for i, (_, body) in enumerate(requests):
+        body.update({"temperature": 1.0, "seed": i} if i < 3 else {"temperature": 0})
+
+    def answers(at):
+        with ThreadPoolExecutor(12) as pool:
+            replies = list(pool.map(lambda r: _post(at, *r), requests))
+        return [_choices(*reply, False)[0][:2] for reply in replies]
+
+    got, want = answers(port), answers(one_process)
+    assert got == want and proc.poll() is None
+    assert all(len({text for text, _ in got[j : j + 3]}) == 3 for j in range(3, 12, 3))  # a, b and the base differ
+
+
 def test_ngram_speculation_on_two_ranks_gives_the_greedy_text(checkpoint, one_process, tmp_path):
     """``--speculative ngram`` on two tensor-parallel ranks: every rank runs the verifying call (several positions
     of each row), and every greedy reply equals one process's without speculation."""
@@ -170,8 +218,8 @@ def test_ngram_speculation_on_two_ranks_gives_the_greedy_text(checkpoint, one_pr
     for port, proc, _ in _server(checkpoint, str(tmp_path / "fail"), "--speculative", "ngram"):
         for path, body in greedy:
             stream = bool(body.get("stream"))
-            got = _choices(*_post(port, path, {"model": "tiny", **body}), stream)
-            want = _choices(*_post(one_process, path, {"model": "tiny", **body}), stream)
+            got = _choices(*_post(port, path, body), stream)
+            want = _choices(*_post(one_process, path, body), stream)
             assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}, (path, body)
         metrics = _post(port, "/metrics", None)[1]
         drafted = [line for line in metrics.splitlines() if line.startswith("trickles_spec_decode_draft_tokens_total")]
@@ -183,7 +231,7 @@ def test_a_failing_follower_stops_the_server(tp_server):
     port, proc, fail = tp_server
     open(fail, "w").close()
     with pytest.raises((ConnectionError, http.client.HTTPException)):
-        _post(port, "/v1/completions", {"model": "tiny", "prompt": "def ", "max_tokens": 4})
+        _post(port, "/v1/completions", {"prompt": "def ", "max_tokens": 4})
     assert proc.wait(TIMEOUT) == 1  # (a hang would fail here)
     err = proc.stderr.read()
     assert "[trickles] rank 1: model call " in err and "RuntimeError: injected fault (TRICKLES_FAIL_SERVING)" in err

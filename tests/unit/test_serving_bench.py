@@ -1,12 +1,16 @@
 """benchmarks/serving.py counts truthfully: a request is answered only when its stream is whole (no error event, its
 ``finish_reason``, usage and ``[DONE]`` all there; a non-200 is a failure), a failed request fails the round, and a
-text that differs from transformers' is explained from the logits (a near-tie) or fails the run."""
+text that differs from transformers' is explained from the logits (a near-tie) or fails the run; engine-lora's replies
+equal each adapter merged alone, and the tensor-parallel server it starts is always stopped."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import signal
+import sys
+import time
 
 import pytest
 import torch
@@ -88,3 +92,76 @@ def test_a_difference_from_transformers_is_a_near_tie_or_fails_the_run():
     assert problem is None and record["near_ties"] == [0] and record["transformers_equal_rows"] == 1
     record, problem = bench.agree(model, requests, {"engine": ours, "transformers": theirs}, gap / 2)
     assert problem == "transformers disagrees with us on requests [0] without a tie" and record["disagreements"] == [0]
+
+
+def test_engine_lora_replies_equal_each_adapter_merged_alone(tmp_path, capsys):
+    """A tiny run of engine and engine-lora: every batch mixes two adapters and the base, the checked replies equal
+    each adapter merged into the weights and run alone, and the ratio is reported; a reply from the wrong adapter
+    fails the check."""
+    out = tmp_path / "bench.json"
+    argv = ["--preset", "tiny", "--requests", "9", "--concurrency", "3", "--prompt-lens", "8,12"]
+    argv += ["--output-lens", "6,9", "--only", "engine", "engine-lora", "--adapters", "2", "--lora-rank", "4"]
+    assert bench.main([*argv, "--max-loras", "1", "--lora-checks", "6", "--json", str(out)]) == 0
+    record = json.loads(out.read_text())
+    lora = record["agreement"]["engine_lora"]
+    assert lora["equal"] == 6 and len(lora["checked"]) == 6 and not lora["disagreements"]
+    assert lora["adapter_changes_reply"] == "4/4"  # the adapters matter: the check is not vacuous
+    assert record["ratios"]["engine_lora_over_engine_tokens_per_s"] > 0
+    assert "engine-lora agreement: 6/6 checked replies equal" in capsys.readouterr().out
+
+    # the cheapest request of each of the three choices (3, 4, 5), then the next cheapest of the first (0)
+    assert bench.lora_checks([("ab", 1), ("a", 9), ("abc", 1), ("a", 1), ("a", 2), ("a", 1)], 2, 4) == [0, 3, 4, 5]
+    assert [bench.lora_choice(i, ["x", "y"]) for i in range(4)] == ["x", "y", None, "x"]
+    from trickles.models import ModelConfig, build_model
+
+    cfg = ModelConfig(n_layers=1, d_model=16, n_heads=2, n_kv_heads=1, ffn_hidden=32, vocab_size=260, max_seq_len=32)
+    model = build_model(cfg, seed=0).eval()
+    adapters = bench.random_adapters(model, 2, 4, seed=0)
+    assert len(adapters[0].weights) == 7  # the seven projections of the one block
+    greedy = bench.Sampling(max_new_tokens=8, temperature=0)
+    requests = [("hello", 8)]
+    ids = {
+        a.name: bench.decode(bench.merged(model, a), [list(b"hello")], greedy, eos_id=bench.TOK.eos_id)[0].tokens
+        for a in adapters
+    }
+    assert ids["lora0"] != ids["lora1"]
+    record, problem = bench.lora_agree(model, requests, {"ids": {0: ids["lora0"]}}, adapters, [0], 1e-6)
+    assert problem is None and record["equal"] == 1
+    record, problem = bench.lora_agree(model, requests, {"ids": {0: ids["lora1"]}}, adapters, [0], 1e-6)
+    assert problem.startswith("engine-lora disagrees with its adapters merged alone on requests [0] without a tie")
+
+
+def _fake_server(body: str) -> list[str]:
+    return [sys.executable, "-c", f"import signal, sys, time\n{body}"]
+
+
+READY = "print('[trickles] serving /tmp/m on http://127.0.0.1:4321 (POST /v1/completions; 2 ranks)', flush=True)"
+
+
+def test_the_tensor_parallel_server_is_stopped_however_the_run_ends():
+    """continuous-tp's child server: its port read from its line, and stopped (SIGINT; SIGKILL when it ignores that)
+    when the run fails, when this process gets SIGTERM, and when it ends; one line when it cannot run."""
+    with pytest.raises(RuntimeError, match="^boom"):
+        with bench.child_server(_fake_server(f"{READY}\ntime.sleep(120)"), dict(os.environ), 60) as (port, proc):
+            assert port == 4321 and proc.poll() is None
+            raise RuntimeError("boom")
+    assert proc.returncode is not None
+    ignores = f"signal.signal(signal.SIGINT, signal.SIG_IGN)\n{READY}\ntime.sleep(120)"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit):
+        with bench.child_server(_fake_server(ignores), dict(os.environ), 60, grace=0.5) as (port, proc):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(30)  # (the handler leaves the block at once)
+    assert proc.returncode == -signal.SIGKILL
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+    failing = _fake_server("print('error: --tp 2 needs n_heads divisible by 2'); sys.exit(2)")
+    with pytest.raises(RuntimeError, match="^the server exited with status 2 before serving: error: --tp 2 needs"):
+        with bench.child_server(failing, dict(os.environ), 60):
+            pass
+    assert bench.tp_refusal(torch.device("cpu")) is None
+    if torch.cuda.device_count() < 2:
+        assert bench.tp_refusal(torch.device("cuda")).startswith("continuous-tp: --tp 2 on --device cuda needs 2 GPUs")
+    same = {"sent": 1, "answered": 1, "errors": [], "texts": {0: "abc"}}
+    assert bench.check({"continuous": same, "continuous-tp": same, "engine-lora": {**same, "texts": {0: "x"}}}) is None
+    other = {**same, "texts": {0: "abd"}}
+    assert bench.check({"continuous": same, "continuous-tp": other}).startswith("disagreement: continuous-tp answers")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from ..errors import UserError
+from . import serve_lora
 from .common import (
     DEVICE_HELP,
     add_command,
@@ -105,6 +106,7 @@ def add_parser(sub) -> None:
         help="with --speculative draft: the draft model, a checkpoint or Hugging Face directory with the served "
         "model's tokenizer (default: none)",
     )
+    serve_lora.add_arguments(v)
     v.add_argument(
         "--batching",
         choices=["continuous", "static"],
@@ -185,6 +187,7 @@ def run(args) -> int:
                 f"{'it' if len(given) == 1 else 'them'} or serve with continuous batching"
             )
     check_speculative(args)
+    loras = serve_lora.check(args, served_name(args))
     args.block_size = 16 if args.block_size is None else args.block_size
     args.prefill_chunk = 256 if args.prefill_chunk is None else args.prefill_chunk
     if args.kv_cache_gb is not None and not args.kv_cache_gb > 0:
@@ -199,7 +202,7 @@ def run(args) -> int:
     if missing:
         raise UserError(f"trickles serve needs {' and '.join(missing)}: pip install 'trickles[serve]'")
     if (layout := check_layout(args)) is not None:
-        return serve_ranks(args, api_key, *layout)
+        return serve_ranks(args, api_key, loras, *layout)
     device = select_device(args.device)
     model, tokenizer, _ = load_model(
         args.checkpoint, device, args.device_budget_gb, args.max_batch, context_length(args.checkpoint), args.int8
@@ -210,17 +213,22 @@ def run(args) -> int:
             "field yet: use trickles generate --label L"
         )
     draft = load_draft(args, device, model, tokenizer)
-    return listen(args, model, tokenizer, api_key, device, draft)
+    return listen(args, model, tokenizer, api_key, device, draft, adapters=serve_lora.bank(args, model, loras))
 
 
-def listen(args, model, tokenizer, api_key, device, draft=None, forward=None, layout: str = "") -> int:
+def served_name(args) -> str:
+    """The served model's name (``model`` in requests and replies): its directory's."""
+    return os.path.basename(os.path.normpath(args.checkpoint))
+
+
+def listen(args, model, tokenizer, api_key, device, draft=None, forward=None, layout: str = "", adapters=None) -> int:
     """Serves ``model`` as ``args`` say until interrupted: one process's server, or rank 0's (``forward``: the model
     call every rank makes, :class:`~trickles.infer.ranks.Leader`; ``layout`` ends the line printed)."""
     from ..infer.engine import EngineConfig
     from ..infer.listen import serve
     from ..infer.paged import block_bytes
 
-    name = os.path.basename(os.path.normpath(args.checkpoint))
+    name = served_name(args)
     per_block = block_bytes(model, args.block_size)
     pool = kv_pool_bytes(model, device, args, per_block)
     if pool < per_block:
@@ -230,8 +238,9 @@ def listen(args, model, tokenizer, api_key, device, draft=None, forward=None, la
         )
 
     def ready(host, port):
+        loras = f" with adapters {', '.join(adapters.names)}" if adapters is not None else ""
         print(
-            f"[trickles] serving {args.checkpoint} on http://{host}:{port} (POST /v1/completions, "
+            f"[trickles] serving {args.checkpoint}{loras} on http://{host}:{port} (POST /v1/completions, "
             f"/v1/chat/completions; GET /v1/models, /health, /metrics{layout})",
             flush=True,
         )
@@ -260,6 +269,7 @@ def listen(args, model, tokenizer, api_key, device, draft=None, forward=None, la
                 ngram_min=args.ngram_min or 1,
                 ngram_max=args.ngram_max or 4,
                 draft_model=draft,
+                adapters=adapters,
             ),
         )
     except OSError as e:
@@ -287,22 +297,22 @@ def check_layout(args):
     return serving_config(path, context, args.nproc, args.tp, args.ep, args.device, refused)
 
 
-def serve_ranks(args, api_key, world: int, dims, cfg) -> int:
-    """Serves on ``world`` ranks: spawned here, or this process one of torchrun's."""
+def serve_ranks(args, api_key, loras, world: int, dims, cfg) -> int:
+    """Serves on ``world`` ranks: spawned here, or this process one of torchrun's (``loras``: ``--lora``'s pairs)."""
     from ..errors import EXIT_INTERRUPTED
     from ..launch import launch
     from ..process import env_world_size
 
     if env_world_size() > 1:
-        return serve_rank(args, api_key, dims, cfg)
-    status = launch(serve_rank, (args, api_key, dims, cfg), world)
+        return serve_rank(args, api_key, loras, dims, cfg)
+    status = launch(serve_rank, (args, api_key, loras, dims, cfg), world)
     if status == EXIT_INTERRUPTED:  # Ctrl-C: the launcher stopped every rank, the normal way to stop
         print("[trickles] server stopped", flush=True)
         return 0
     return status
 
 
-def serve_rank(args, api_key, dims, cfg) -> int:
+def serve_rank(args, api_key, loras, dims, cfg) -> int:
     """One rank of a server on several: its part of the model; rank 0 serves HTTP and leads every model call, the
     others follow it (:mod:`trickles.infer.ranks`)."""
     import torch
@@ -316,14 +326,17 @@ def serve_rank(args, api_key, dims, cfg) -> int:
         full, tokenizer, _ = load_model(args.checkpoint, torch.device("cpu"), None, args.max_batch, 0)
         model, logits_fn = ranks.shard(full, topo, cfg)
         del full
+        bank = serve_lora.bank(args, model, loras)  # (every rank: its parts of the adapters)
         group = ranks.control_group()
         if topo.rank != 0:
-            ranks.follow(model, logits_fn, group, topo.rank)
+            ranks.follow(model, logits_fn, group, topo.rank, bank)
             return 0
-        leader = ranks.Leader(model, logits_fn, group)
+        leader = ranks.Leader(model, logits_fn, group, bank)
         try:
             layout = f"; {topo.world_size} ranks: --tp {dims.tp} --ep {dims.ep}"
-            return listen(args, model, tokenizer, api_key, topo.device, forward=leader.forward, layout=layout)
+            return listen(
+                args, model, tokenizer, api_key, topo.device, forward=leader.forward, layout=layout, adapters=bank
+            )
         finally:
             leader.stop()
 

@@ -45,6 +45,12 @@ however long it runs and only the context bounds its budget (:mod:`~trickles.inf
 token and up to ``num_speculative_tokens`` proposed ones (n-gram lookup or a draft model) in one call, and keeps the
 proposals the target's own sampling accepts, plus one token of its own.
 
+**Adapters** (``EngineConfig.adapters``, :mod:`trickles.adapters.multi`): a request may choose a LoRA adapter. A
+sequence holds a slot of the adapter bank from admission until it leaves or is preempted; admission stops at a
+sequence whose adapter no slot can take (every slot held by running sequences) until one is let go, so arrival order
+is kept. Every model call tells the bank each row's slot, and the rows of each adapter get its update. Prefix cache
+keys start from the adapter's name, so blocks are shared only between sequences of the same adapter.
+
 **Timestamps.** Every sequence records the iteration (``engine.steps``) and ``time.perf_counter()`` at which it
 arrived, was admitted, drew its first token and finished: scheduling is tested from these, not from wall clocks.
 """
@@ -60,6 +66,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..adapters.multi import AdapterBank
 from .decode import Sampling, TextTracker
 from .grammar import Grammars
 from .paged import BlockPool, PagedCall, pool_blocks
@@ -86,6 +93,7 @@ class EngineConfig:
     ngram_min: int = 1  #: speculative="ngram": the shortest suffix looked up earlier in the sequence
     ngram_max: int = 4  #: speculative="ngram": the longest suffix looked up earlier in the sequence
     draft_model: torch.nn.Module | None = None  #: speculative="draft": a smaller model with the target's tokenizer
+    adapters: AdapterBank | None = None  #: LoRA adapters requests may choose (:mod:`trickles.adapters.multi`)
 
 
 class Engine(Driven):
@@ -124,11 +132,16 @@ class Engine(Driven):
         self._stopping = False
 
     # ---- requests ---------------------------------------------------------------------------
-    def submit(self, prompt: Seq[int], sampling: Sampling, n: int = 1, *, on_event=None, on_finish=None) -> Request:
-        """Queues ``n`` choices of ``prompt``; ``on_event(Event)`` and ``on_finish(completions or exception)`` are
-        called from the thread that steps the engine. Raises ValueError (:class:`PoolTooSmall` included) for what
-        can never run."""
+    def submit(
+        self, prompt: Seq[int], sampling: Sampling, n: int = 1, *, on_event=None, on_finish=None, adapter=None
+    ) -> Request:
+        """Queues ``n`` choices of ``prompt`` (with LoRA ``adapter``: one of ``config.adapters``' names; None: the
+        base); ``on_event(Event)`` and ``on_finish(completions or exception)`` are called from the thread that steps
+        the engine. Raises ValueError (:class:`PoolTooSmall` included) for what can never run."""
         sampling.validate()
+        bank = self.config.adapters
+        if adapter is not None and (bank is None or adapter not in bank.names):
+            raise ValueError(f"no adapter {adapter!r} is served here; choose one of {bank.names if bank else []}")
         if sampling.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         prompt = list(prompt)[-max(1, self.context - 1) :]
@@ -154,6 +167,7 @@ class Engine(Driven):
                     tokens=list(prompt),
                     arrived_at=time.perf_counter(),
                     grammar=grammars[j],
+                    adapter=adapter,
                 )
             )
         with self._lock:
@@ -209,8 +223,12 @@ class Engine(Driven):
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.config.max_batch:
             s = self.waiting[0]
+            if s.adapter is not None and s.slot is None:
+                s.slot = self.config.adapters.acquire(s.adapter)
+                if s.slot is None:  # every slot is held by running sequences: wait for one
+                    return
             if not s.table and s.settings.prompt_logprobs is None:  # the cached blocks of its prefix, if any
-                s.table = self.pool.blocks.share(s.tokens, s.keys)
+                s.table = self.pool.blocks.share(s.tokens, s.keys, s.salt)
                 s.cached, s.registered = len(s.table) * self.pool.block_size, len(s.table)
                 self.pool.slide(s.table, s.cached)
             first = self._prefill_span(s, len(s.tokens))  # positions its first call holds
@@ -265,8 +283,15 @@ class Engine(Driven):
         self.waiting.appendleft(s)
 
     def _unadmit(self, s: Sequence) -> None:
-        self.pool.release(s.table)
+        self._let_go(s)
         s.cached = s.registered = 0
+
+    def _let_go(self, s: Sequence) -> None:
+        """Gives back what ``s`` holds: its blocks and its adapter slot."""
+        self.pool.release(s.table)
+        if s.slot is not None:
+            self.config.adapters.release(s.slot)
+            s.slot = None
 
     def _call(self, rows: list[tuple[Sequence, int]]) -> None:
         seqs = [s for s, _ in rows]
@@ -276,7 +301,7 @@ class Engine(Driven):
             [[0] * (t - n) + s.tokens[s.cached : s.cached + n] for s, n in rows], device=self.pool.device
         )
         try:
-            out = self._forward(call, tokens, any(s.settings.prompt_logprobs is not None for s in seqs))
+            out = self._forward(call, tokens, any(s.settings.prompt_logprobs is not None for s in seqs), seqs)
             logits = (self.logits_fn or (lambda z: z))(out[:, -1:])[:, -1]
             record_prompt(rows, out, self.logits_fn)
         except Exception as e:  # noqa: BLE001 -- reported to the requests of this call, the engine goes on
@@ -285,15 +310,18 @@ class Engine(Driven):
             return
         for s, n in rows:
             s.cached += n
-            s.registered = self.pool.blocks.register(s.table, s.tokens, s.cached, s.keys, s.registered)
+            s.registered = self.pool.blocks.register(s.table, s.tokens, s.cached, s.keys, s.registered, s.salt)
             self.pool.slide(s.table, s.cached)  # (every layer windowed: what slid out of every window goes back)
         ready = [i for i, s in enumerate(seqs) if s.pending == 0]
         if ready:
             self._draw([seqs[i] for i in ready], logits[ready] if len(ready) < len(seqs) else logits)
 
-    def _forward(self, call: PagedCall, tokens: torch.Tensor, every: bool = False) -> torch.Tensor:
-        """The model's output for ``tokens [B, T]`` over ``call`` (the engine's one model call); with ``forward``
-        (tensor/expert-parallel serving) every rank makes it, and only the last position's logits unless ``every``."""
+    def _forward(self, call: PagedCall, tokens: torch.Tensor, every: bool = False, seqs=()) -> torch.Tensor:
+        """The model's output for ``tokens [B, T]`` over ``call`` (the engine's one model call; ``seqs``: its rows,
+        whose adapters the bank selects); with ``forward`` (tensor/expert-parallel serving) every rank makes it, and
+        only the last position's logits unless ``every``."""
+        if self.config.adapters is not None:
+            self.config.adapters.select([s.slot for s in seqs])
         if self.forward is not None:
             return self.forward(call, tokens, every)
         return self.model(tokens, cache=call, start=call.start, positions=call.positions, pad_mask=call.pad_mask)
@@ -336,7 +364,7 @@ class Engine(Driven):
         s.finish_reason, s.finished_step, s.finished_at = reason, self.steps, time.perf_counter()
         if s in self.running:
             self.running.remove(s)
-        self.pool.release(s.table)
+        self._let_go(s)
         if tok is not None:
             s.request._emit(Event(s.row, tok, "", logprob=lp))
         s.request._emit(Event(s.row, None, s.text.delta(final=True), reason))
@@ -355,7 +383,7 @@ class Engine(Driven):
                 self.running.remove(s)
             if s in self.waiting:
                 self.waiting.remove(s)
-            self.pool.release(s.table)
+            self._let_go(s)
             if s.finish_reason is None:
                 s.finish_reason, s.finished_step, s.finished_at = outcome, self.steps, time.perf_counter()
         if not request.finished:

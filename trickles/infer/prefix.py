@@ -8,8 +8,10 @@ costs a sequence a block, and a pool too small to keep everything evicts as it g
 
 **Keys.** Block ``j`` of a sequence, once full (its ``P`` positions in the pool), is identified by the hash of its
 tokens and of the key of block ``j - 1`` (so, by the whole prefix ``0 .. (j + 1) P - 1``): ``blake2b`` of the parent's
-16-byte key and the token ids. :meth:`Blocks.register` enters a sequence's newly full blocks into the cache (a key
-already cached keeps its first block; the copy stays uncached and returns to the free list when released).
+16-byte key and the token ids. Block 0's parent is the sequence's ``salt``: its LoRA adapter's name (empty for the base
+model), since an adapter's keys and values differ from the base's for the same tokens. :meth:`Blocks.register` enters
+a sequence's newly full blocks into the cache (a key already cached keeps its first block; the copy stays uncached
+and returns to the free list when released).
 
 **Reuse.** :meth:`Blocks.share` looks up a new sequence's full blocks in order and hands it the cached ones, up to the
 first miss and leaving at least its last token to be fed (a call must produce its next-token logits): the sequence
@@ -29,11 +31,12 @@ from collections.abc import Sequence
 __all__ = ["Blocks", "block_keys"]
 
 
-def block_keys(tokens: Sequence[int], block_size: int, keys: list[bytes], upto: int) -> list[bytes]:
-    """``keys`` (a sequence's keys so far, extended in place) covering its first ``upto`` full blocks."""
+def block_keys(tokens: Sequence[int], block_size: int, keys: list[bytes], upto: int, salt: bytes = b"") -> list[bytes]:
+    """``keys`` (a sequence's keys so far, extended in place) covering its first ``upto`` full blocks; ``salt``: the
+    parent of block 0."""
     while len(keys) < upto:
         j = len(keys)
-        h = hashlib.blake2b(keys[-1] if keys else b"", digest_size=16)
+        h = hashlib.blake2b(keys[-1] if keys else salt, digest_size=16)
         h.update(b",".join(str(t).encode() for t in tokens[j * block_size : (j + 1) * block_size]))
         keys.append(h.digest())
     return keys
@@ -83,12 +86,12 @@ class Blocks:
             else:
                 self._free.append(block)
 
-    def share(self, tokens: Sequence[int], keys: list[bytes]) -> list[int]:
+    def share(self, tokens: Sequence[int], keys: list[bytes], salt: bytes = b"") -> list[int]:
         """The cached blocks of the longest cached prefix of ``tokens`` (whole blocks, its last token left out), each
-        with one more reference; ``keys``: the sequence's block keys (extended)."""
+        with one more reference; ``keys``: the sequence's block keys (extended), ``salt``: block 0's parent."""
         usable = (len(tokens) - 1) // self.block_size if self.caching else 0
         out = []
-        for key in block_keys(tokens, self.block_size, keys, usable):
+        for key in block_keys(tokens, self.block_size, keys, usable, salt):
             b = self._block_of.get(key)
             if b is None:
                 break
@@ -99,7 +102,9 @@ class Blocks:
         self.hits += len(out) * self.block_size
         return out
 
-    def register(self, table: Sequence[int], tokens: Sequence[int], cached: int, keys: list[bytes], start: int) -> int:
+    def register(
+        self, table: Sequence[int], tokens: Sequence[int], cached: int, keys: list[bytes], start: int, salt: bytes = b""
+    ) -> int:
         """Enters the full blocks from ``start`` on of a sequence (``table``, ``tokens``, ``cached`` positions in the
         pool) into the cache, skipping entries below zero (blocks already freed); the blocks now entered or passed
         over, the next call's ``start``."""
@@ -107,7 +112,7 @@ class Blocks:
         if not self.caching or full <= start:
             return start
         for j in range(start, full):
-            b, key = table[j], block_keys(tokens, self.block_size, keys, j + 1)[j]
+            b, key = table[j], block_keys(tokens, self.block_size, keys, j + 1, salt)[j]
             if b >= 0 and b not in self._key_of and key not in self._block_of:
                 self._key_of[b], self._block_of[key] = key, b
         return full

@@ -18,7 +18,10 @@ idle), by ``torch.distributed.broadcast`` from rank 0 of ``int64`` tensors, two 
 * for a call, a body of ``B * (W + 2 + T)`` values (``8 * B * (W + T + 2)`` bytes): the block tables padded to
   ``W`` with :data:`PAD` (:data:`~trickles.infer.paged.FREED` entries as they are), the cached positions ``[B]``,
   the new counts ``[B]`` and the tokens ``[B, T]`` -- what :class:`~trickles.infer.paged.PagedCall` is built from.
-  A decode step of 32 sequences of 8 blocks sends 2,816 bytes; a prefill chunk of 256 tokens about 2 KB.
+  A decode step of 32 sequences of 8 blocks sends 2,816 bytes; a prefill chunk of 256 tokens about 2 KB. With LoRA
+  adapters (``--lora``: every rank holds a bank of its parts of them, :mod:`trickles.adapters.multi`) the body ends
+  with each row's slot ``[B]`` (-1: the base) and which adapter each of the ``S`` slots holds ``[S]`` (-1: none), rank
+  0's choices, which the followers' banks mirror: ``8 (B + S)`` bytes more.
 
 Every rank then runs the model on the call and gathers the vocabulary shards of the output projection (it is
 column-parallel: ``logits_fn``, an all-gather over the tensor-parallel group) for the last position of each row
@@ -135,7 +138,7 @@ def shard(full: Transformer, topo, cfg) -> tuple[torch.nn.Module, Callable]:
     return model.eval(), logits_fn
 
 
-def _pack(tables, cached, new, tokens: torch.Tensor, every: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(tables, cached, new, tokens: torch.Tensor, every: bool, bank=None) -> tuple[torch.Tensor, torch.Tensor]:
     b, t = tokens.shape
     w = max(len(row) for row in tables)
     padded = [list(row) + [PAD] * (w - len(row)) for row in tables]
@@ -145,16 +148,29 @@ def _pack(tables, cached, new, tokens: torch.Tensor, every: bool) -> tuple[torch
             torch.tensor(padded, dtype=torch.int64).reshape(-1),
             torch.tensor([*cached, *new], dtype=torch.int64),
             tokens.detach().to("cpu", torch.int64).reshape(-1),
+            torch.tensor(_adapters(bank), dtype=torch.int64),
         ]
     )
     return header, body
 
 
-def _unpack(b: int, t: int, w: int, body: torch.Tensor):
+def _adapters(bank) -> list[int]:
+    """The LoRA part of a call's body: each row's slot (-1: the base), then what each slot holds (-1: nothing)."""
+    if bank is None:
+        return []
+    return [-1 if s is None else s for s in bank.selected] + bank.residency()
+
+
+def _unpack(b: int, t: int, w: int, body: torch.Tensor, bank=None):
     rows = body[: b * w].view(b, w).tolist()
     tables = [[x for x in row if x != PAD] for row in rows]
     counts = body[b * w : b * w + 2 * b].tolist()
-    return tables, counts[:b], counts[b:], body[b * w + 2 * b :].view(b, t)
+    end = b * (w + 2 + t)
+    if bank is not None:  # rank 0's slots: the same adapters in the same slots here, the same rows selected
+        extra = body[end:].tolist()
+        bank.mirror(extra[b:])
+        bank.select([None if s < 0 else s for s in extra[:b]])
+    return tables, counts[:b], counts[b:], body[b * w + 2 * b : end].view(b, t)
 
 
 def _run(model, logits_fn, call: PagedCall, tokens: torch.Tensor, every: bool) -> torch.Tensor:
@@ -172,10 +188,10 @@ def _where(e: BaseException) -> str:
 class Leader:
     """Rank 0's side: ``forward(call, tokens, every)`` is the engine's model call (``Engine(forward=...)``), sent to
     every rank before it runs here (the first one preceded by ``HELLO`` with its pool's size); ``stop()`` releases the
-    followers."""
+    followers. ``bank``: the LoRA adapters' bank the engine selects rows in (None: none)."""
 
-    def __init__(self, model, logits_fn, group):
-        self.model, self.logits_fn, self.group = model, logits_fn, group
+    def __init__(self, model, logits_fn, group, bank=None):
+        self.model, self.logits_fn, self.group, self.bank = model, logits_fn, group, bank
         self.calls, self.failed, self.pool = 0, False, None
 
     def _send(self, *tensors: torch.Tensor) -> None:
@@ -191,7 +207,7 @@ class Leader:
             elif call.pool is not self.pool:
                 raise RuntimeError("every call of a served model must use the one pool the other ranks mirror")
             self.calls += 1
-            self._send(*_pack(*call.inputs, tokens, every))
+            self._send(*_pack(*call.inputs, tokens, every, self.bank))
             return _run(self.model, self.logits_fn, call, tokens, every)
         except Exception as e:  # noqa: BLE001 -- the ranks no longer agree: the server stops (module notes)
             self.failed = True
@@ -223,9 +239,10 @@ def _strike(fault: tuple[int | str, str] | None, calls: int) -> None:
     raise RuntimeError(f"injected fault ({FAULT_ENV})")
 
 
-def follow(model, logits_fn, group, rank: int) -> int:
+def follow(model, logits_fn, group, rank: int, bank=None) -> int:
     """A follower's loop (see the module's notes): builds its pool on ``HELLO``, makes every call rank 0 sends, returns
-    the number of calls made on ``STOP``. A failed call ends this process: one line on stderr, status 1."""
+    the number of calls made on ``STOP``; ``bank``: its LoRA adapters' bank, mirroring rank 0's. A failed call ends
+    this process: one line on stderr, status 1."""
     header, pool = torch.empty(4, dtype=torch.int64), None
     device = next(model.parameters()).device
     fault, calls = _fault(), 0
@@ -239,12 +256,12 @@ def follow(model, logits_fn, group, rank: int) -> int:
             if kind == HELLO:
                 pool = BlockPool(model, b, t, device=device)  # (blocks, block size)
                 continue
-            body = torch.empty(b * (w + 2 + t), dtype=torch.int64)
+            body = torch.empty(b * (w + 2 + t) + (0 if bank is None else b + bank.max_loras), dtype=torch.int64)
             dist.broadcast(body, 0, group=group)
             calls += 1
             try:
                 _strike(fault, calls)
-                tables, cached, new, tokens = _unpack(b, t, w, body)
+                tables, cached, new, tokens = _unpack(b, t, w, body, bank)
                 call = PagedCall(pool, tables, cached, new)
                 _run(model, logits_fn, call, tokens.to(device), kind == EVERY)
             except Exception as e:  # noqa: BLE001 -- one line, and the launcher stops the others

@@ -80,6 +80,8 @@ class Sequence:
     keys: list[bytes] = field(default_factory=list)  #: prefix cache: the keys of its full blocks so far
     registered: int = 0  #: prefix cache: blocks of its table entered in the cache (or passed over)
     grammar: Matcher | None = None  #: structured output: its grammar's state (:mod:`.grammar`; None: free)
+    adapter: str | None = None  #: the LoRA adapter its request chose (None: the base model)
+    slot: int | None = None  #: the adapter bank's slot it holds while admitted (:mod:`trickles.adapters.multi`)
     finish_reason: str | None = None
     arrived_step: int = 0
     admitted_step: int | None = None
@@ -94,6 +96,11 @@ class Sequence:
     @property
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
+
+    @property
+    def salt(self) -> bytes:
+        """The prefix cache's key of nothing (:mod:`.prefix`): its adapter's name, or empty for the base model."""
+        return (self.adapter or "").encode()
 
     @property
     def pending(self) -> int:

@@ -13,9 +13,12 @@ Refusals, each a JSON error ``{"error": {"message", "type"}}``, the server alive
 unknown fields, values out of range, a prompt that leaves no room in the context or needs more KV blocks than
 the pool has, empty ``messages`` or an unknown role; 401 without the API key (:class:`~.http.ApiKey`); 413 for a
 body over the limit (:class:`~.http.BodyLimit`); 400 for a request of more sequences (prompts times ``n``) than
-``max_waiting``, 503 with ``Retry-After`` when ``max_waiting`` sequences already wait; 500 when decoding fails.
-With ``n > 1`` choice ``j`` of a seeded request uses ``seed + j``; a list of prompts answers choice ``i * n + j``
-for prompt ``i``'s ``j``-th.
+``max_waiting``, 503 with ``Retry-After`` when ``max_waiting`` sequences already wait; with LoRA adapters, 404 for a ``model``
+that is neither the served model's name nor an adapter's (without adapters any name is the one model); 500 when
+decoding fails. A request's ``model`` chooses
+an adapter of the engine's bank by name (``EngineConfig.adapters``; ``/v1/models`` lists them, each with its ``root``
+directory and its ``parent``, the base). With ``n > 1`` choice ``j`` of a seeded request uses ``seed + j``; a list
+of prompts answers choice ``i * n + j`` for prompt ``i``'s ``j``-th.
 
 Around it: the streams' plumbing in :mod:`.sse`, the middlewares in :mod:`.http`, the bodies in :mod:`.protocol`, and
 running it on a socket (:func:`~.listen.serve`) or in a thread (:class:`~.listen.BackgroundServer`) in :mod:`.listen`.
@@ -74,12 +77,15 @@ def create_app(
         raise ValueError(f"batching must be 'continuous' or 'static', got {batching!r}")
     metrics = ServingMetrics()
     if batching == "static":
+        if engine_config is not None and engine_config.adapters is not None:
+            raise ValueError("LoRA adapters are served with continuous batching only")
         backend = StaticBackend(model, tokenizer, max_batch, window_s, logits_fn, metrics)
     else:
         config = engine_config or EngineConfig(max_batch=max_batch)
         backend = Engine(model, tokenizer, config, logits_fn=logits_fn, metrics=metrics, forward=forward)
         metrics.watch(backend)
     context = model.cfg.max_seq_len
+    bank = None if batching == "static" else backend.config.adapters
 
     @asynccontextmanager
     async def lifespan(app):
@@ -114,18 +120,22 @@ def create_app(
 
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "trickles",
-                    "max_model_len": context,
-                }
-            ],
-        }
+        now = int(time.time())
+        base = {"id": name, "object": "model", "created": now, "owned_by": "trickles", "max_model_len": context}
+        loras = [
+            {**base, "id": a, "root": bank.paths[a], "parent": name} for a in (bank.names if bank is not None else ())
+        ]
+        return {"object": "list", "data": [{**base, "root": name, "parent": None}, *loras]}
+
+    def adapter_of(model_name: str | None):
+        """The adapter a request's ``model`` names (None: the base model), or a 404 for a name not served here (with
+        adapters only: without any, every name is the one model, as before adapters existed)."""
+        if model_name is None or model_name == name or bank is None:
+            return None
+        if bank is not None and model_name in bank.names:
+            return model_name
+        served = [name, *(bank.names if bank is not None else ())]
+        return error(404, f"the model {model_name!r} is not served here; choose one of {served} (GET /v1/models)")
 
     @app.get("/metrics")
     async def prometheus():
@@ -152,6 +162,7 @@ def create_app(
         chunk: Callable,
         body: Callable,
         include_usage: bool = False,
+        adapter: str | None = None,
     ):
         if n * len(prompts) > max_waiting:  # never fits, however long the client waits: not a 503 to retry
             metrics.on_request("rejected")
@@ -180,6 +191,7 @@ def create_app(
                         n,
                         on_event=lambda ev, i=i: post(events, ("event", i, ev)),
                         on_finish=lambda r, i=i: post(events, ("done", i, r)),
+                        **({} if adapter is None else {"adapter": adapter}),
                     )
                 )
         except ValueError as e:
@@ -217,6 +229,9 @@ def create_app(
         return body(head, [c for i in range(len(prompts)) for c in results[i]])
 
     async def completions(req: CompletionRequest, http: HTTPRequest):
+        adapter = adapter_of(req.model)
+        if isinstance(adapter, JSONResponse):
+            return adapter
         texts = [req.prompt] if isinstance(req.prompt, str) else list(req.prompt)
         if not texts:
             return error(400, "prompt: give a string or a non-empty list of strings")
@@ -256,9 +271,12 @@ def create_app(
             return out
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(http, prompts, req.sampling(16), req.n, req.stream, head, chunk, body, include)
+        return await run(http, prompts, req.sampling(16), req.n, req.stream, head, chunk, body, include, adapter)
 
     async def chat(req: ChatRequest, http: HTTPRequest):
+        adapter = adapter_of(req.model)
+        if isinstance(adapter, JSONResponse):
+            return adapter
         try:
             text = render_chat([{"role": m.role, "content": m.text()} for m in req.messages], tokenizer)
         except ValueError as e:
@@ -297,7 +315,7 @@ def create_app(
             return out
 
         include = bool(req.stream_options and req.stream_options.include_usage)
-        return await run(http, [tokens], sampling, req.n, req.stream, head, chunk, body, include)
+        return await run(http, [tokens], sampling, req.n, req.stream, head, chunk, body, include, adapter)
 
     app.post("/v1/completions")(completions)
     app.post("/v1/chat/completions")(chat)

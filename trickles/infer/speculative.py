@@ -276,7 +276,7 @@ class Speculator:
         tokens = [[0] * (t - n) + s.tokens[s.cached :] + d for s, n, d in zip(seqs, new, drafts)]
         try:
             tokens = torch.tensor(tokens, device=e.pool.device)
-            logits = (e.logits_fn or (lambda z: z))(e._forward(call, tokens, True))  # (every rank, when several)
+            logits = (e.logits_fn or (lambda z: z))(e._forward(call, tokens, True, seqs))  # (every rank, when several)
         except Exception as error:  # noqa: BLE001 -- reported to the requests of this call, the engine goes on
             for request in {s.request for s in seqs}:
                 e._drop(request, error, "error")
@@ -344,7 +344,7 @@ class Speculator:
         for b in reversed(s.table[keep:]):
             pool.blocks.drop(b)
         del s.table[keep:]
-        s.registered = pool.blocks.register(s.table, s.tokens, s.cached, s.keys, s.registered)
+        s.registered = pool.blocks.register(s.table, s.tokens, s.cached, s.keys, s.registered, s.salt)
         pool.slide(s.table, s.cached)
 
 
