@@ -123,14 +123,21 @@ def test_peft_adapter_merged_gives_peft_logits(family, case, tmp_path):
     torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-5 * scale)
 
 
-def test_trickles_lora_run_gives_its_A_and_scaled_B(tmp_path):
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """``(tmp, checkpoint)`` of a one-step LoRA run (fused projections, rank 4, alpha 6)."""
     from helpers import trained_checkpoint
 
+    tmp = tmp_path_factory.mktemp("lora_run")
+    overrides = ("train.lora_rank=4", "train.lora_alpha=6", "train.warmup_steps=0", "model.fused_proj=true")
+    return tmp, trained_checkpoint(tmp, 1, *overrides)
+
+
+def test_trickles_lora_run_gives_its_A_and_scaled_B(lora_run):
     from trickles.adapters.lora import part_name
     from trickles.train.load import load_for_inference
 
-    overrides = ("train.lora_rank=4", "train.lora_alpha=6", "train.warmup_steps=0", "model.fused_proj=true")
-    path = trained_checkpoint(tmp_path, 1, *overrides)
+    tmp_path, path = lora_run
     assert check_adapter_dir(str(tmp_path / "run")) == check_adapter_dir(path) == "run"
     model, _, meta = load_for_inference(path, merge_adapters=False)
     cfg = dataclasses.replace(model.cfg, fused_proj=False)  # the served model need not fuse as the run did
@@ -203,3 +210,42 @@ def test_refusals_are_one_line(family, tmp_path):
     )
     plain, renamed = load_adapter(str(src), ours.cfg, "x").weights, load_adapter(str(named), ours.cfg, "x").weights
     assert plain.keys() == renamed.keys() and all(torch.equal(plain[k][1], renamed[k][1]) for k in plain)
+
+
+def test_a_lora_run_initializes_a_run_merged_or_with_its_adapters(lora_run):
+    """``train.init_from`` a LoRA run: into a run without adapters each adapter is folded into its weight, into a run
+    with the same adapters they carry on, into one with other targets a one-line refusal. Its one-process export
+    (``checkpoint export --format trickles``) keeps the adapters."""
+    from trickles.adapters import LoRASettings, apply_lora
+    from trickles.models.transformer import Transformer
+    from trickles.train.export import export_checkpoint
+    from trickles.train.load import load_for_inference
+    from trickles.train.trainer_state import init_source
+
+    tmp, path = lora_run
+    single = export_checkpoint(path, str(tmp / "single"), "trickles")
+    merged, _, _ = load_for_inference(path)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(load_for_inference(single)[0].state_dict().values(), merged.state_dict().values())
+    )
+    kept, _, _ = load_for_inference(path, merge_adapters=False)
+    for fused in (False, True):
+        with torch.device("meta"):
+            plain = Transformer(dataclasses.replace(merged.cfg, fused_proj=fused))
+        init = init_source(path, plain)
+        want = fusion.fuse_state(plain.cfg, fusion.split_state(merged.cfg, merged.state_dict()))
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(init(name, p), want[name], rtol=0, atol=0)
+    with torch.device("meta"):
+        adapted = Transformer(merged.cfg)
+        apply_lora(adapted, LoRASettings(rank=4, alpha=6.0))
+    init = init_source(path, adapted)
+    for name, p in kept.named_parameters():
+        assert torch.equal(init(name, dict(adapted.named_parameters())[name]), p.detach()), name
+    with torch.device("meta"):
+        other = Transformer(merged.cfg)
+        apply_lora(other, LoRASettings(rank=4, alpha=6.0, targets=("q_proj",)))
+    with pytest.raises(CheckpointError, match=r"does not fit this model: missing \[\], unexpected \[.*lora_A") as e:
+        init_source(path, other)
+    assert "\n" not in str(e.value)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from ..adapters.lora import apply_lora
 from ..adapters.peft import save_peft
 from ..data.tokenizers import load_hf_tokenizer
 from ..errors import CheckpointError, DataError, UserError
@@ -100,6 +101,8 @@ def _write_single_process(path: str, tmp: str, meta: dict[str, Any]) -> None:
     models = PieceReader(path, "model")
     with torch.device("meta"):
         model = Transformer(ModelConfig(**meta["model"]))
+        if (lora := run_lora(meta)) is not None:  # a LoRA run's checkpoint holds its adapters too
+            apply_lora(model, lora)
     ckpt.check_fits(models, ckpt.unique_state(model), path)
     save_whole(models, tmp, "model")
     if any(n.startswith("optimizer") and n.endswith(".safetensors") for n in os.listdir(path)):

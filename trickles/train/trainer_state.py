@@ -23,18 +23,20 @@ import math
 import os
 from typing import Any
 
+from ..adapters.lora import is_adapter, part_name
 from ..compress.checkpoint import quantize_checkpoint
 from ..config import Config
 from ..data import Tokenizer
 from ..errors import CheckpointError, SavesFailed
 from ..memory.scaler import DynamicLossScaler
+from ..models import fused as fuse
 from ..models.config import HOW_KEYS, ModelConfig
 from ..models.hf import load_hf
 from ..models.transformer import Transformer, initial_value
 from ..parallel.engine import Engine
 from ..topology import Topology
 from . import checkpoint as ckpt
-from .load import is_hf_dir
+from .load import is_hf_dir, load_for_inference, run_lora
 from .saver import Snapshot, host_copy
 
 
@@ -131,28 +133,55 @@ def load(
 def init_source(init_from: str, model: Transformer, seed: int = 0):
     """``train.init_from``: each parameter's full value read from the checkpoint (checked against it first), or
     from a Hugging Face directory (read whole by every rank, projections unfused, then fused as ``model`` is; a
-    multi-token prediction module the directory does not hold starts from its initial value of ``seed``)."""
+    multi-token prediction module the directory does not hold starts from its initial value of ``seed``).
+
+    A LoRA run's checkpoint (``train.lora_rank > 0`` there) is read whole too: into a run without adapters with each
+    adapter folded into its base weight (``W + s B A``), into a run with adapters as it is (its adapters go on
+    training; a different rank or target set is refused by shape or name)."""
     if is_hf_dir(init_from):
-        state = {n: p.detach() for n, p in load_hf(init_from, fused_proj=False).named_parameters()}
-
-        def value(name, p):
-            layout = ckpt.fused_layout(p)
-            held = layout.part_keys(name) if layout is not None else [name]
-            if name.startswith("mtp.") and not any(k in state for k in held):  # a module the directory lacks
-                return initial_value(model.cfg, name, ckpt.global_shape(p), seed)
-            full = layout.fuse([state[k] for k in held]) if layout is not None else state[name]
-            if tuple(full.shape) != ckpt.global_shape(p):
-                raise CheckpointError(
-                    f"{init_from}: {name} has shape {list(full.shape)}, the model expects {list(ckpt.global_shape(p))}"
-                )
-            return full
-
-        return value
+        source = load_hf(init_from, fused_proj=False)
+        return _whole_state({n: p.detach() for n, p in source.named_parameters()}, model, seed, init_from)
     path = ckpt.resolve(init_from)
     ckpt.verify(path)
+    if run_lora(ckpt.read_json(os.path.join(path, "trainer.json"))) is not None:
+        adapters = any(is_adapter(n) for n in ckpt.unique_state(model))
+        source, _, _ = load_for_inference(path, verify=False, merge_adapters=not adapters)
+        whole = fuse.split_state(source.cfg, {n: p.detach() for n, p in source.named_parameters()})
+        return _whole_state({part_name(n): t for n, t in whole.items()}, model, seed, init_from)
     reader = ckpt.PieceReader(path, "model")
     ckpt.check_fits(reader, ckpt.unique_state(model), path)
     return lambda name, p: reader.read(name, ((0,) * p.dim(), ckpt.global_shape(p)), layout=ckpt.fused_layout(p))
+
+
+def _whole_state(state: dict, model: Transformer, seed: int, where: str):
+    """``init(name, p)`` of ``model``'s parameters from ``state``, a whole model's tensors by their unfused names in
+    host memory (fused as ``model`` is; a fused projection's adapters by their parts' names)."""
+
+    def keys(name, p) -> list[str]:
+        layout = ckpt.fused_layout(p)
+        return layout.part_keys(name) if layout is not None else [part_name(name)]
+
+    wanted = {k for n, p in ckpt.unique_state(model).items() if not n.startswith("mtp.") for k in keys(n, p)}
+    missing = sorted(wanted - set(state))
+    extra = sorted(k for k in state if is_adapter(k) and k not in wanted)  # adapters the new run would drop
+    if missing or extra:
+        raise CheckpointError(
+            f"{where} does not fit this model: missing {missing[:3]}, unexpected {extra[:3]}; check that model.* "
+            "and train.lora_* settings match the run that wrote it"
+        )
+
+    def value(name, p):
+        layout, held = ckpt.fused_layout(p), keys(name, p)
+        if name.startswith("mtp.") and not any(k in state for k in held):  # a module the source lacks
+            return initial_value(model.cfg, name, ckpt.global_shape(p), seed)
+        full = layout.fuse([state[k] for k in held]) if layout is not None else state[held[0]]
+        if tuple(full.shape) != ckpt.global_shape(p):
+            raise CheckpointError(
+                f"{where}: {name} has shape {list(full.shape)}, the model expects {list(ckpt.global_shape(p))}"
+            )
+        return full
+
+    return value
 
 
 def export_int8(path: str | None, out_dir: str, step: int, topo: Topology, quiet: bool) -> str:
