@@ -48,6 +48,26 @@ def tiny_config(tmp, *overrides, steps=6, corpus_bytes=120_000):
     )
 
 
+def tiny_hf_llama(path, vocab_size: int = 320, seed: int = 0):
+    """A tiny random ``LlamaForCausalLM`` (2 layers, width 32, grouped-query heads, untied), saved at ``path``."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(path)
+    return model
+
+
 def short_documents(path, count: int = 5000) -> list[str]:
     """A JSONL corpus of short documents written to ``path`` -- the non-blank lines of the standard library's
     ``argparse``, ``typing`` and ``inspect`` sources, about 45 bytes each, so a window of 32-64 tokens packs

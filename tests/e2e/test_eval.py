@@ -19,7 +19,7 @@ import typing
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import cli_here
+from helpers import cli_here, tiny_hf_llama
 
 from trickles.testing import run_command
 
@@ -37,18 +37,7 @@ def _lines(module, n: int) -> list[str]:
 def files(tmp_path_factory):
     """``(hf_dir, {name: (jsonl path, texts)}, cache_dir)``, with ``a``'s texts also as parquet (``a.parquet``)."""
     root = tmp_path_factory.mktemp("eval")
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "hf")
+    tiny_hf_llama(root / "hf")
     sources = {}
     for name, module, n in (("a", argparse, 120), ("b", typing, 60)):
         texts = _lines(module, n)

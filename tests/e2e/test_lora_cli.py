@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from helpers import cli_here
+from helpers import cli_here, tiny_hf_llama
 from safetensors.torch import load_file
 
 from trickles.testing import run_command
@@ -29,18 +29,7 @@ STEPS = 6
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora") / "base"
-    config = transformers.LlamaConfig(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(root)
+    tiny_hf_llama(root)
     return root
 
 

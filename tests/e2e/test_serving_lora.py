@@ -10,7 +10,7 @@ import concurrent.futures
 
 import pytest
 import torch
-from helpers import cli_here
+from helpers import cli_here, tiny_hf_llama
 
 pytest.importorskip("fastapi", exc_type=ImportError)  # the serve extra (CI installs it: a skip there fails)
 pytest.importorskip("uvicorn", exc_type=ImportError)
@@ -39,19 +39,8 @@ PROMPTS = {"sql": "select ", "chat": "hello", "tiny": "def f"}
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_serving")
-    cfg = transformers.LlamaConfig(
-        vocab_size=260,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    with torch.no_grad():
+    hf = tiny_hf_llama(root / "base", vocab_size=260)
+    with torch.no_grad():  # norms that are not all ones
         for p in hf.parameters():
             p.add_(torch.randn_like(p) * 0.1)
     hf.save_pretrained(root / "base")
