@@ -1,15 +1,33 @@
 """Serving under load: trickles' continuous batching vs its static batcher vs ``transformers``' continuous batching,
-with rows for many LoRA adapters and for two tensor-parallel ranks.
+with rows for many LoRA adapters, for two tensor-parallel ranks, for prefix caching on a shared system prompt and for
+speculative decoding on repetitive text.
 
-The workload is fixed by the seed: ``--requests`` prompts of random printable bytes whose lengths cycle through
-``--prompt-lens`` and whose ``max_tokens`` cycle through ``--output-lens`` (greedy decoding, the same model and
-weights for everyone; ours is exported with ``save_hf`` for transformers). Arrivals: ``--concurrency C`` clients,
-each sending its next request as soon as its previous one is answered (closed loop, the default), or ``--rate R``
-requests a second in a Poisson process. A contestant's clock runs from the first request sent to the last answer
-received (after ``--warmup`` untimed requests), bounded by ``--time-limit`` (a request not answered by then counts
-as lost and fails the run).
+The workload (``--workload``) is fixed by the seed: ``--requests`` prompts, each with a ``max_tokens`` from the cycle
+``--output-lens`` (greedy decoding, the same model and weights for everyone; ours is exported with ``save_hf`` for
+transformers). Its prompts:
 
-Contestants (the first four run by default; the last two when ``--only`` names them):
+* ``random`` (the default): random printable bytes whose lengths cycle through ``--prompt-lens``;
+* ``shared-prefix``: one system prompt of ``--prefix-len`` random printable bytes (1,024 by default), the same for
+  every request, followed by a short question of its own (random printable bytes, lengths from ``--prompt-lens``):
+  a chat service's many questions under one long instruction. The untimed ``--warmup`` request leaves the prefix's
+  full blocks in the prefix cache, as a running server's traffic would;
+* ``repetitive``: code of three ``def`` lines that differ only in their numbers (as ``benchmarks/speculative.py``
+  builds it), written out once and then again up to a random point, so that its continuation repeats text the prompt
+  holds (the shape of code edits and quoting, what prompt lookup is for; ``--prompt-lens`` is not used). A random
+  model does not go on with its prompt: its greedy reply soon falls into a loop of a few tokens, which prompt lookup
+  drafts from the generated text whatever the prompt (``engine-ngram`` gains on ``random`` prompts too), so its ratio
+  would not show prompt lookup at work. With this workload the model is therefore first trained in the run
+  (:func:`recite`, ``--train-steps`` AdamW steps, 100 by default; 0 keeps the random model) to recite that code from
+  any point at every position of its context, as a model trained on code goes on with code; every contestant serves
+  the trained weights, and prompt lookup's drafts are the prompt's own text.
+
+Arrivals: ``--concurrency C`` clients, each sending its next request as soon as its previous one is answered (closed
+loop, the default), or ``--rate R`` requests a second in a Poisson process. A contestant's clock runs from the first
+request sent to the last answer received (after ``--warmup`` untimed requests), bounded by ``--time-limit`` (a
+request not answered by then counts as lost and fails the run).
+
+Contestants (``--only`` names them; by default the first four with ``--workload random``, ``engine`` and
+``engine-noprefix`` with ``shared-prefix``, ``engine`` and ``engine-ngram`` with ``repetitive``):
 
 * ``continuous``: ``trickles serve``'s application (:mod:`trickles.infer.server`) under uvicorn on loopback, in a
   child process (so that the load generator's threads do not share its interpreter lock; on CUDA, which a forked
@@ -27,7 +45,12 @@ Contestants (the first four run by default; the last two when ``--only`` names t
   checkpoint with the byte tokenizer, one torch thread a rank; rank 0 serves HTTP) driven by the same streaming
   clients as ``continuous``; stopped (SIGINT, then SIGKILL) however the run ends. Refused in one line where it cannot
   run (``--device cuda`` with fewer than 2 GPUs). On a CPU of few cores it is slower than one process: a row to
-  report, not a target.
+  report, not a target;
+* ``engine-noprefix``: ``engine`` with ``EngineConfig(prefix_caching=False)``: every prompt prefilled whole, the
+  reference that shows what the prefix cache saves on ``shared-prefix`` (``engine``, like ``trickles serve``, caches
+  prefixes by default);
+* ``engine-ngram``: ``engine`` with ``EngineConfig(speculative="ngram")`` (prompt lookup, ``--num-speculative-tokens``
+  drafts a sequence and step, verified in one call of the model inside the batch), for ``repetitive``.
 
 With ``--rounds R`` every contestant runs R times, each round starting one contestant further on; the table holds the
 median of each number, and each ratio is the median of the rounds' own ratios. Reported per contestant: generated
@@ -35,12 +58,18 @@ tokens/s, time to first token and end-to-end latency (p50, p99), requests sent
 and answered, where answered means whole: a non-200, a stream that carries an ``{"error": ...}`` event, or one that
 ends without its ``finish_reason``, usage or ``[DONE]``, is a failed request, and any failed request fails the run.
 Ratios (when both sides ran): continuous/static (tokens/s, p99 time to first token), engine/transformers and
-continuous/transformers (tokens/s), engine-lora/engine and continuous-tp/continuous (tokens/s).
+continuous/transformers (tokens/s), engine-lora/engine and continuous-tp/continuous (tokens/s), engine/engine-noprefix
+(tokens/s, and time to first token p50 and p99: below 1 when the cache shortens it) and engine-ngram/engine
+(tokens/s). Printed under the table: the prompt tokens each engine contestant found in its prefix cache (of those it
+looked up; the warmup request's included), and engine-ngram's drafts proposed and accepted.
 Agreement first: every request's greedy text must be the same from our contestants without adapters (continuous,
-static, engine, continuous-tp); each request transformers
-answers differently is printed with the reason, read from our model's logits where the two answers part: a near-tie
-(the two tokens' logits within ``--tie-tolerance``, which kernels' rounding may break either way) is reported, a
-disagreement without one fails the run. engine-lora's replies to ``--lora-checks`` of the requests (the cheapest of
+static, engine, continuous-tp). Each request transformers answers differently is printed with the reason, read from
+our model's logits where the two answers part: a near-tie (the two tokens' logits within ``--tie-tolerance``, which
+kernels' rounding may break either way) is reported, a disagreement without one fails the run. engine-noprefix and
+engine-ngram must give engine's greedy tokens in every round (prefix caching and greedy speculative decoding are
+exact up to the float rounding of differently batched products): a request one of them answers differently is
+explained the same way, a disagreement without a near-tie fails the run, and so does engine-noprefix finding any
+token in a prefix cache. engine-lora's replies to ``--lora-checks`` of the requests (the cheapest of
 each choice, in turn) must equal the greedy tokens of that adapter merged into the weights (``W + B A``) and run
 alone (:func:`trickles.infer.decode`), up to such a near-tie of the merged model; printed too: on how many of the
 checked requests an adapter changes the base model's reply. Targets (CPU, 16 clients): continuous >= 2x
@@ -85,21 +114,81 @@ from trickles.models.fused import fuse_state, split_state  # noqa: E402
 from trickles.train.checkpoint import model_pieces, write_model_dir  # noqa: E402
 
 TOK = ByteTokenizer()
-CONTESTANTS = ("continuous", "static", "engine", "transformers", "engine-lora", "continuous-tp")
-DEFAULT = CONTESTANTS[:4]  # the adapter and tensor-parallel rows when --only names them
+CONTESTANTS = (
+    "continuous",
+    "static",
+    "engine",
+    "transformers",
+    "engine-lora",
+    "continuous-tp",
+    "engine-noprefix",
+    "engine-ngram",
+)
+WORKLOADS = ("random", "shared-prefix", "repetitive")
+#: the contestants run when --only is not given, per workload
+DEFAULTS = {
+    "random": CONTESTANTS[:4],
+    "shared-prefix": ("engine", "engine-noprefix"),
+    "repetitive": ("engine", "engine-ngram"),
+}
+DEFAULT = DEFAULTS["random"]
+#: the engine's settings per engine contestant (besides --max-batch and --block-size)
+VARIANTS = {"engine": {}, "engine-noprefix": {"prefix_caching": False}, "engine-ngram": {"speculative": "ngram"}}
 OURS = ("continuous", "static", "engine", "continuous-tp")  # the contestants that must give the same texts
 #: the projections the benchmark's adapters update, in every block
 LORA_TARGETS = re.compile(r"^layers\.\d+\.(attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.weight$")
 
 
 def workload(args) -> list[tuple[str, int]]:
-    """``(prompt text, max_tokens)`` per request."""
+    """``(prompt text, max_tokens)`` per request, of ``--workload``'s kind (see the module's notes)."""
     rng = random.Random(args.seed)
     plens, olens = [int(x) for x in args.prompt_lens.split(",")], [int(x) for x in args.output_lens.split(",")]
-    return [
-        ("".join(chr(rng.randrange(32, 127)) for _ in range(plens[i % len(plens)])), olens[i % len(olens)])
-        for i in range(args.requests)
-    ]
+
+    def printable(n: int) -> str:
+        return "".join(chr(rng.randrange(32, 127)) for _ in range(n))
+
+    if args.workload == "repetitive":
+        return [(repetitive_prompt(rng), olens[i % len(olens)]) for i in range(args.requests)]
+    prefix = printable(args.prefix_len) if args.workload == "shared-prefix" else ""
+    return [(prefix + printable(plens[i % len(plens)]), olens[i % len(olens)]) for i in range(args.requests)]
+
+
+def repetitive_code() -> str:
+    """Three code-like lines that differ only in their numbers (about 110 bytes)."""
+    return "".join(f"def f{i}(x):\n    return x * {i + 2} + {7 * i % 10}\n" for i in range(3))
+
+
+def repetitive_prompt(rng: random.Random) -> str:
+    """:func:`repetitive_code`, then the same lines again up to a random point: the text's continuation is already in
+    the prompt."""
+    code = repetitive_code()
+    return code + code[: rng.randrange(8, len(code) - 8)]
+
+
+def recite(model, steps: int, seed: int, batch: int = 2, lr: float = 3e-3):
+    """Trains ``model`` in place for ``steps`` AdamW steps (learning rate ``lr``, warmed up over 20 steps, then decayed
+    linearly) on windows as long as its context, at random offsets, of :func:`repetitive_code` written out again and
+    again: it learns to go on reciting the code from any point, at every position a reply reaches. Returns the last
+    loss."""
+    rng, device, seq = random.Random(seed), next(model.parameters()).device, model.cfg.max_seq_len - 1
+    code = TOK.encode(repetitive_code())
+    stream = code * (2 + seq // len(code))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    model.train()
+    loss = float("nan")
+    for step in range(steps):
+        starts = [rng.randrange(len(code)) for _ in range(batch)]
+        x = torch.tensor([stream[j : j + seq + 1] for j in starts], device=device)
+        for group in opt.param_groups:
+            group["lr"] = lr * min(1.0, (step + 1) / 20) * (1 - step / steps)
+        logits = model(x[:, :-1])
+        out = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        out.backward()
+        opt.step()
+        loss = out.item()
+    model.eval()
+    return loss
 
 
 def arrivals(args, n: int) -> list[float] | None:
@@ -294,9 +383,16 @@ def run_ours(args, model, requests, batching: str, device) -> dict:
         stop()
 
 
-def run_engine(args, model, requests, bank: AdapterBank | None = None) -> dict:
-    """Our engine in this process; with ``bank`` (engine-lora), request ``i`` chooses :func:`lora_choice`'s adapter."""
-    engine = Engine(model, TOK, EngineConfig(max_batch=args.max_batch, block_size=args.block_size, adapters=bank))
+def run_engine(args, model, requests, bank: AdapterBank | None = None, variant: str = "engine") -> dict:
+    """Our engine in this process, set up as :data:`VARIANTS` says for ``variant``; with ``bank`` (engine-lora),
+    request ``i`` chooses :func:`lora_choice`'s adapter. The record holds the engine's prefix-cache counts (prompt
+    tokens looked up and found, the warmup's included) and its speculative drafts proposed and accepted."""
+    config = dict(VARIANTS[variant])
+    if config.get("speculative"):
+        config["num_speculative_tokens"] = args.num_speculative_tokens
+    engine = Engine(
+        model, TOK, EngineConfig(max_batch=args.max_batch, block_size=args.block_size, adapters=bank, **config)
+    )
     engine.start()
 
     def send(i):
@@ -312,9 +408,15 @@ def run_engine(args, model, requests, bank: AdapterBank | None = None) -> dict:
         return first if first is not None else time.perf_counter() - started, TOK.decode(toks), len(toks), toks
 
     try:
-        return drive(args, requests, send)
+        record = drive(args, requests, send)
     finally:
         engine.stop()
+    blocks = engine.pool.blocks
+    record.update(prefix_queries=blocks.queries, prefix_hits=blocks.hits)
+    record.update(
+        drafted=engine.spec.drafted if engine.spec else 0, accepted=engine.spec.accepted if engine.spec else 0
+    )
+    return record
 
 
 def lora_choice(i: int, names: list[str]) -> str | None:
@@ -578,7 +680,13 @@ def main(argv=None) -> int:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--concurrency", type=int, default=16, help="closed-loop clients (default 16)")
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals at this many requests/s instead")
-    p.add_argument("--prompt-lens", default="32,128,16,64")
+    p.add_argument("--workload", default="random", choices=WORKLOADS, help="the prompts' kind (default random)")
+    p.add_argument(
+        "--prefix-len", type=int, default=1024, help="shared-prefix: bytes of the shared system prompt (default 1024)"
+    )
+    p.add_argument(
+        "--prompt-lens", default="32,128,16,64", help="random: prompt bytes; shared-prefix: question bytes (cycled)"
+    )
     p.add_argument("--output-lens", default="16,512,32,8,128,64")
     p.add_argument("--max-batch", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
@@ -587,9 +695,20 @@ def main(argv=None) -> int:
     p.add_argument(
         "--only",
         nargs="*",
-        default=list(DEFAULT),
+        default=None,
         choices=CONTESTANTS,
-        help=f"contestants to run (default: {' '.join(DEFAULT)})",
+        help=f"contestants to run (default: {' '.join(DEFAULT)}; with shared-prefix: engine engine-noprefix; with "
+        "repetitive: engine engine-ngram)",
+    )
+    p.add_argument(
+        "--train-steps",
+        type=int,
+        default=None,
+        help="repetitive: AdamW steps teaching the model to recite the workload's code first (default 100; 0: the "
+        "random model)",
+    )
+    p.add_argument(
+        "--num-speculative-tokens", type=int, default=4, help="engine-ngram: drafts a sequence and step (default 4)"
     )
     p.add_argument("--adapters", type=int, default=4, help="engine-lora: random LoRA adapters served (default 4)")
     p.add_argument("--lora-rank", type=int, default=16, help="engine-lora: the adapters' rank (default 16)")
@@ -611,6 +730,14 @@ def main(argv=None) -> int:
     )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    if args.only is None:
+        args.only = list(DEFAULTS[args.workload])
+    if args.prefix_len < 0 or args.num_speculative_tokens < 1:
+        p.error("--prefix-len must be at least 0 and --num-speculative-tokens at least 1")
+    if args.train_steps is None:
+        args.train_steps = 100 if args.workload == "repetitive" else 0
+    if args.train_steps and args.workload != "repetitive":
+        p.error("--train-steps teaches the model the repetitive workload's code: use it with --workload repetitive")
     device = one_device(args.device, args.threads)
     requests = workload(args)
     context = max(len(t) for t, _ in requests) + max(m for _, m in requests) + 1
@@ -618,8 +745,19 @@ def main(argv=None) -> int:
     if args.layers:
         cfg = dataclasses.replace(cfg, n_layers=args.layers)
     model = build_model(cfg, seed=0).to(device).eval()
+    if args.train_steps:
+        started = time.perf_counter()
+        loss = recite(model, args.train_steps, args.seed + 2)
+        took = time.perf_counter() - started
+        print(f"trained to recite code: {args.train_steps} steps in {took:.0f} s, loss {loss:.3f}")
+    prompts = {
+        "random": f"prompts {args.prompt_lens} bytes",
+        "shared-prefix": f"a shared {args.prefix_len}-byte prefix + questions {args.prompt_lens} bytes",
+        "repetitive": f"repetitive code prompts {min(len(t) for t, _ in requests)}-{max(len(t) for t, _ in requests)} "
+        "bytes",
+    }[args.workload]
     print(
-        f"serving benchmark: {args.requests} requests, prompts {args.prompt_lens} bytes, outputs {args.output_lens} "
+        f"serving benchmark ({args.workload}): {args.requests} requests, {prompts}, outputs {args.output_lens} "
         f"tokens, {f'rate {args.rate:g}/s' if args.rate else f'{args.concurrency} clients'}, "
         f"{cfg.n_layers} layers d={cfg.d_model}, {device_name(device)}"
     )
@@ -655,8 +793,8 @@ def main(argv=None) -> int:
             for name in names[r % len(names) :] + names[: r % len(names)]:  # each round starts one further on
                 if name == "transformers":
                     results[name] = run_transformers(args, hf, requests)
-                elif name == "engine":
-                    results[name] = run_engine(args, model, requests)
+                elif name in VARIANTS:
+                    results[name] = run_engine(args, model, requests, variant=name)
                 elif name == "engine-lora":
                     results[name] = run_engine(args, lora_model, requests, bank)
                 elif name == "continuous-tp":
@@ -695,6 +833,10 @@ RATIOS = {  # name -> (numerator, denominator, metric)
     "continuous_over_transformers_tokens_per_s": ("continuous", "transformers", "tokens_per_s"),
     "engine_lora_over_engine_tokens_per_s": ("engine-lora", "engine", "tokens_per_s"),
     "continuous_tp_over_continuous_tokens_per_s": ("continuous-tp", "continuous", "tokens_per_s"),
+    "engine_over_engine_noprefix_tokens_per_s": ("engine", "engine-noprefix", "tokens_per_s"),
+    "engine_over_engine_noprefix_ttft_p50": ("engine", "engine-noprefix", "ttft_p50"),
+    "engine_over_engine_noprefix_ttft_p99": ("engine", "engine-noprefix", "ttft_p99"),
+    "engine_ngram_over_engine_tokens_per_s": ("engine-ngram", "engine", "tokens_per_s"),
 }
 
 
@@ -749,6 +891,48 @@ def agree(model, requests, results: dict, tolerance: float) -> tuple[dict, str |
     return record, (f"transformers disagrees with us on requests {wrong} without a tie" if wrong else None)
 
 
+def variant_agree(model, requests, results: dict, tolerance: float, summary: bool = True) -> tuple[dict, str | None]:
+    """engine-noprefix's and engine-ngram's tokens against engine's per request in one round: ``(agreement record, the
+    error or None)``. A request answered differently is printed with :func:`explain`'s reason; one without a near-tie
+    fails the run, and so does engine-noprefix finding a token in a prefix cache (it has none). ``summary``: print a
+    line per contestant."""
+    if "engine" not in results:
+        return {}, None
+    base, out, problems = results["engine"], {}, []
+    for name in [k for k in ("engine-noprefix", "engine-ngram") if k in results]:
+        theirs, ties, wrong = results[name], [], []
+        for i, mine in base["ids"].items():
+            if theirs["ids"][i] != mine:
+                tie, why = explain(model, TOK.encode(requests[i][0]), mine, theirs["ids"][i], tolerance, name)
+                (ties if tie else wrong).append(i)
+                print(f"  request {i}: engine and {name} differ {why}")
+        out[name] = {"equal_rows": len(base["ids"]) - len(ties) - len(wrong), "near_ties": ties, "disagreements": wrong}
+        if summary:
+            print(
+                f"agreement: {name} gives engine's greedy tokens on {out[name]['equal_rows']}/{len(base['ids'])} "
+                f"requests, {len(ties)} differing at a near-tie"
+            )
+        if wrong:
+            problems.append(f"{name} disagrees with engine on requests {wrong[:5]} without a tie")
+    if results.get("engine-noprefix", {}).get("prefix_hits"):
+        problems.append(
+            f"engine-noprefix found {results['engine-noprefix']['prefix_hits']} prompt tokens in a prefix cache it "
+            "should not have"
+        )
+    return out, "; ".join(problems) or None
+
+
+def counters(results: dict) -> None:
+    """Prints each engine contestant's prefix-cache hits and, where it speculated, its drafts accepted."""
+    for name, r in results.items():
+        if "prefix_queries" not in r:
+            continue
+        line = f"{name}: {r['prefix_hits']}/{r['prefix_queries']} prompt tokens found in the prefix cache"
+        if r["drafted"]:
+            line += f"; {r['accepted']}/{r['drafted']} drafts accepted ({r['accepted'] / r['drafted']:.2f})"
+        print(line)
+
+
 def report(args, rounds: list[dict], device, model, requests, adapters=None) -> int:
     """Every round checked; per contestant the median of each number over the rounds; each ratio the median of the
     rounds' own ratios (paired: a noisy round falls on both sides of it). ``adapters``: engine-lora's."""
@@ -765,6 +949,13 @@ def report(args, rounds: list[dict], device, model, requests, adapters=None) -> 
     if problem:
         print(f"round 1: {problem}")
         return 1
+    for r, results in enumerate(rounds):
+        variants, problem = variant_agree(model, requests, results, args.tie_tolerance, summary=r == 0)
+        if problem:
+            print(f"round {r + 1}: {problem}")
+            return 1
+        if r == 0 and variants:
+            agreement["variants"] = variants
     if "engine-lora" in first:
         checks = lora_checks(requests, len(adapters), args.lora_checks)
         lora, problem = lora_agree(model, requests, first["engine-lora"], adapters, checks, args.tie_tolerance)
@@ -793,6 +984,7 @@ def report(args, rounds: list[dict], device, model, requests, adapters=None) -> 
             rows,
         )
     )
+    counters(first)
     ratios, per_round = {}, {}
     for name, (a, b, metric) in RATIOS.items():
         if a in first and b in first:

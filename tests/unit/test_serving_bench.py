@@ -11,9 +11,12 @@ import os
 import signal
 import sys
 import time
+import types
 
 import pytest
 import torch
+
+from trickles.infer import speculative
 
 pytest.importorskip("fastapi", exc_type=ImportError)  # the benchmark imports the server (the serve extra)
 
@@ -165,3 +168,58 @@ def test_the_tensor_parallel_server_is_stopped_however_the_run_ends():
     assert bench.check({"continuous": same, "continuous-tp": same, "engine-lora": {**same, "texts": {0: "x"}}}) is None
     other = {**same, "texts": {0: "abd"}}
     assert bench.check({"continuous": same, "continuous-tp": other}).startswith("disagreement: continuous-tp answers")
+
+
+def test_shared_prefix_and_repetitive_workloads_check_their_contestants(tmp_path, capsys, monkeypatch):
+    """shared-prefix: every prompt is the one system prompt and a question of its own; engine finds the prefix in its
+    cache and engine-noprefix nothing, with the same greedy tokens, and a reference that caches fails the run.
+    repetitive: the prompt's continuation is text it holds; engine-ngram's drafts are accepted and its tokens equal
+    engine's, and a verifier that keeps every draft fails the run."""
+    common = ["--preset", "tiny", "--concurrency", "3", "--block-size", "4", "--max-batch", "4"]
+    shared = [*common, "--workload", "shared-prefix", "--prefix-len", "64", "--requests", "6"]
+    shared += ["--prompt-lens", "5,9", "--output-lens", "6,9"]
+    sizes = dict(seed=0, requests=4, prefix_len=64, prompt_lens="5,9", output_lens="3")
+    prompts = [t for t, _ in bench.workload(types.SimpleNamespace(workload="shared-prefix", **sizes))]
+    assert len({t[:64] for t in prompts}) == 1 and len({t[64:] for t in prompts}) == 4
+    out = tmp_path / "shared.json"
+    assert bench.main([*shared, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"engine", "engine-noprefix"}
+    assert doc["results"]["engine"]["prefix_hits"] >= 6 * 64 and doc["results"]["engine-noprefix"]["prefix_hits"] == 0
+    assert doc["agreement"]["variants"]["engine-noprefix"]["equal_rows"] == 6
+    assert {"engine_over_engine_noprefix_tokens_per_s", "engine_over_engine_noprefix_ttft_p99"} <= set(doc["ratios"])
+    monkeypatch.setitem(bench.VARIANTS, "engine-noprefix", {})  # a reference that caches after all
+    assert bench.main(shared) == 1
+    assert "engine-noprefix found" in capsys.readouterr().out
+    monkeypatch.undo()
+
+    for prompt, _ in bench.workload(types.SimpleNamespace(workload="repetitive", **sizes)):
+        assert prompt[-8:] in prompt[:-8]  # the prompt's end already occurred in it: so did its continuation
+    repetitive = [
+        *common,
+        "--workload",
+        "repetitive",
+        "--requests",
+        "4",
+        "--output-lens",
+        "24,40",
+        "--train-steps",
+        "2",
+    ]
+    out = tmp_path / "repetitive.json"
+    assert bench.main([*repetitive, "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    ngram = doc["results"]["engine-ngram"]
+    assert set(doc["results"]) == {"engine", "engine-ngram"} and 0 < ngram["accepted"] < ngram["drafted"]
+    assert doc["agreement"]["variants"]["engine-ngram"]["equal_rows"] == 4
+    assert doc["ratios"]["engine_ngram_over_engine_tokens_per_s"] > 0
+    assert "trained to recite code: 2 steps" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # (the training is the repetitive workload's)
+        bench.main([*shared, "--train-steps", "2"])
+
+    def keeps_every_draft(top_at, drafts):
+        return [*drafts, top_at(len(drafts))]
+
+    monkeypatch.setattr(speculative, "accept_greedy", keeps_every_draft)
+    assert bench.main(repetitive) == 1
+    assert "engine-ngram disagrees with engine on requests" in capsys.readouterr().out

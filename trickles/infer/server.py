@@ -13,11 +13,11 @@ Refusals, each a JSON error ``{"error": {"message", "type"}}``, the server alive
 unknown fields, values out of range, a prompt that leaves no room in the context or needs more KV blocks than
 the pool has, empty ``messages`` or an unknown role; 401 without the API key (:class:`~.http.ApiKey`); 413 for a
 body over the limit (:class:`~.http.BodyLimit`); 400 for a request of more sequences (prompts times ``n``) than
-``max_waiting``, 503 with ``Retry-After`` when ``max_waiting`` sequences already wait; with LoRA adapters, 404 for a ``model``
-that is neither the served model's name nor an adapter's (without adapters any name is the one model); 500 when
-decoding fails. A request's ``model`` chooses
-an adapter of the engine's bank by name (``EngineConfig.adapters``; ``/v1/models`` lists them, each with its ``root``
-directory and its ``parent``, the base). With ``n > 1`` choice ``j`` of a seeded request uses ``seed + j``; a list
+``max_waiting``, 503 with ``Retry-After`` when ``max_waiting`` sequences already wait; with LoRA adapters, 404 for
+a ``model`` that is neither the served model's name nor an adapter's (without adapters any name is the one model);
+500 when decoding fails. A request's ``model`` chooses an adapter of the engine's bank by name
+(``EngineConfig.adapters``; ``/v1/models`` lists them, each with its ``root`` directory and its ``parent``, the
+base). With ``n > 1`` choice ``j`` of a seeded request uses ``seed + j``; a list
 of prompts answers choice ``i * n + j`` for prompt ``i``'s ``j``-th.
 
 Around it: the streams' plumbing in :mod:`.sse`, the middlewares in :mod:`.http`, the bodies in :mod:`.protocol`, and
