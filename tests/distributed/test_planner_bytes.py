@@ -29,6 +29,11 @@ LAYOUTS = {
         "train.micro_batch=1",
         "model.n_layers=4",
     ],
+    # LoRA: the adapters' gradients alone reduced; ZeRO-3 gathers the frozen base too; no gradient into the embedding
+    "dp2-zero0-lora": ["parallel.dp=2", "parallel.bucket_mb=0", "train.lora_rank=4"],
+    "dp2-zero3-lora": ["parallel.dp=2", "parallel.zero=3", "train.lora_rank=4", "train.lora_targets=q_proj,v_proj"],
+    "tp2-sp-lora": ["parallel.tp=2", "parallel.sequence_parallel=true", "train.lora_rank=4"],
+    "tp2-lora": ["parallel.tp=2", "train.lora_rank=4", "train.lora_targets=v_proj,o_proj,down_proj"],
     "dp2-ep2": ["parallel.dp=2", "parallel.ep=2", "model.moe_experts=4", "model.moe_capacity_factor=1.0"],
     # the first layer recomputed whole (its ring exchanges again), the second not
     "cp2-ring-full:1": ["parallel.cp=2", "memory.recompute=full", "memory.recompute_num_layers=1"],

@@ -2,7 +2,8 @@
 
 Everything is for one micro-batch of ``B`` sequences of ``T`` tokens on one rank, ``N = B T / cp`` of them local
 (context parallelism splits the sequence), forward only; backward is twice the forward's GEMM FLOPs
-(``dX`` and ``dW``, the same shapes transposed) and twice its memory-bound bytes.
+(``dX`` and ``dW``, the same shapes transposed: :attr:`Gemm.dx`, :attr:`Gemm.dw`; a LoRA run's frozen base has no
+``dW``, :mod:`trickles.planner.compute_lora`) and twice its memory-bound bytes.
 
 **GEMMs** (``[M, K] x [K, N]``, ``2 M N K`` FLOPs) of a linear ``h -> h'`` on a rank, by tensor-parallel mode:
 1-D column-parallel ``[N, h] x [h, h'/tp]``, row-parallel ``[N, h/tp] x [h/tp, h']`` (sequence parallelism
@@ -76,17 +77,27 @@ ATTENTION_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
 
 @dataclass(frozen=True)
 class Gemm:
-    """``count`` GEMMs ``[m, k] x [k, n]`` (``count`` may be fractional: a causal kernel's half)."""
+    """``count`` GEMMs ``[m, k] x [k, n]`` (``count`` may be fractional: a causal kernel's half); backward runs ``dx``
+    products of the same FLOPs for the input's gradient and ``dw`` for the weight's (1 and 1 in full training; a
+    frozen weight's ``dw`` is 0: :mod:`trickles.planner.compute_lora`); ``moved``: the bytes each of its products
+    reads and writes, for a product timed on the memory's roofline as well (a LoRA adapter's rank-``r`` side)."""
 
     name: str
     m: int
     n: int
     k: int
     count: float = 1.0
+    dx: float = 1.0
+    dw: float = 1.0
+    moved: float = 0.0
 
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.n * self.k * self.count
+
+    @property
+    def backward_flops(self) -> float:
+        return self.flops * (self.dx + self.dw)
 
 
 @dataclass(frozen=True)
@@ -100,6 +111,10 @@ class Work:
     @property
     def flops(self) -> float:
         return sum(g.flops for g in self.gemms)
+
+    @property
+    def backward_flops(self) -> float:
+        return sum(g.backward_flops for g in self.gemms)
 
     def __add__(self, other: Work) -> Work:
         return Work(

@@ -12,12 +12,18 @@ work achieves (``Cluster.elementwise_gbps``, calibrated on the model's block; el
 of ``o`` per pass -- ``o`` the fixed cost of one block's (or the head's) forward and backward for a micro-batch,
 ``Cluster.pass_overhead_us`` (operator dispatch: 0 on GPUs), an MoE block ``o + o_moe``
 (``Cluster.moe_pass_overhead_us``: its routing's many small operations); ``share`` is the fraction of a device a rank
-gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``. Recomputation adds, per micro-batch, the blocks'
-forward (``full``), the attention core's (``selective``) or the norms' and activations' passes each rebuilt output
-costs, twice under a split backward (``elementwise``, :func:`~trickles.planner.compute.rebuilt_bytes`): ``t_rc``.
+gets (CPU ranks beyond the cores share them). Backward ``t_b = 2 t_f``: each GEMM's ``dx`` and ``dw`` products
+(:class:`~trickles.planner.compute.Gemm`) -- in a LoRA run (``train.lora_rank``) the frozen base's ``dx`` alone,
+the adapters' products added (:mod:`trickles.planner.compute_lora`), about ``t_b = t_f``; an adapter's rank-``r``
+products, each ``max(2 M N K / (peak x gemm_efficiency), moved / BW_elementwise)`` (memory-bound: their bytes
+``p (M K + K N + M N)`` outweigh their FLOPs). Recomputation adds, per
+micro-batch, the blocks' forward (``full``), the attention core's (``selective``) or the norms' and activations'
+passes each rebuilt output costs, twice under a split backward (``elementwise``,
+:func:`~trickles.planner.compute.rebuilt_bytes`): ``t_rc``.
 ``compute = m (t_f + t_b + t_rc)``. Of ``t_b``, the weights' gradients take ``t_w`` = the forward time of the GEMMs with
-a weight (all but the attention core's): what a zero-bubble schedule's ``W`` moves into the bubble. Its FLOPs sum to
-:func:`trickles.train.flops.flops_per_token` (PaLM's ``6 N + 12 L d T`` per token, divided over the ranks), except that
+a weight gradient (all but the attention core's; LoRA: the adapters'), in proportion to their FLOPs: what a zero-bubble
+schedule's ``W`` moves into the bubble. Its FLOPs sum to :func:`trickles.train.flops.flops_per_token` (PaLM's
+``6 N + 12 L d T`` per token, divided over the ranks; LoRA's about ``4 N``), except that
 a causal kernel's attention core counts only the scores the mask and a layer's sliding window leave
 (:func:`~trickles.planner.compute.causal_pairs`).
 
@@ -38,10 +44,10 @@ last stage) the slowest stage waits only for the lighter ones. The zero-bubble s
 (``Cluster.core_contention``, :func:`_stages`).
 
 **Optimizer step**: memory-bound, ``n (2 k + 2 p + g) / BW_mem`` for the ``n`` elements the rank updates (all
-it holds, or ``1 / (dp cp)`` under ZeRO; experts ``1 / edp``) with ``k`` bytes of state each (the memory
-report's). **Offload**: gradients down and parameters up the host link, ``n (g + p) / BW_host``, and the step
-on the host at its memory bandwidth (shared by the node's ranks); overlapped (``memory.offload_overlap``, ZeRO-1/2,
-AdamW/SGD) the copies down hide behind backward and the step and copies up behind the next forward.
+it holds, or ``1 / (dp cp)`` under ZeRO; experts ``1 / edp``; LoRA: the adapters alone) with ``k`` bytes of state
+each (the memory report's). **Offload**: gradients down and parameters up the host link, ``n (g + p) / BW_host``, and
+the step on the host at its memory bandwidth (shared by the node's ranks); overlapped (``memory.offload_overlap``,
+ZeRO-1/2, AdamW/SGD) the copies down hide behind backward and the step and copies up behind the next forward.
 
 ``total = compute + bubble + exposed communication + optimizer + offload``. A pipeline of CPU ranks outnumbering the
 cores is the exception (:func:`_shared_cores`): a waiting rank lends its core to a busy one.
@@ -58,6 +64,7 @@ from ..parallel.pipeline.schedules import SPLIT
 from ..topology import ParallelDims
 from .cluster import Cluster
 from .compute import ATTENTION, Work, attention_flops, chunk_work, rebuilt_bytes
+from .compute_lora import CORE, lora_chunk_work
 from .exposure import TimedTraffic, timed_traffic
 from .placement import group_members, group_size, spans_nodes
 from .rank_plan import RankPlan, rank_plans
@@ -112,9 +119,9 @@ class StepTime:
         return self.exposed_comm_s / self.total_s
 
 
-def work_seconds(work: Work, cluster: Cluster, precision: str, share: float) -> tuple[float, float]:
+def work_seconds(work: Work, cluster: Cluster, precision: str, share: float, bwd: bool = False) -> tuple[float, float]:
     """``(GEMM seconds, element-wise seconds)`` of ``work``'s forward on one rank getting ``share`` of a device (the
-    module docstring's ``t_f`` without the pass overhead)."""
+    module docstring's ``t_f`` without the pass overhead); ``bwd``: the GEMMs' backward products instead."""
     peak = cluster.peak_flops(precision) * share
     gemm = 0.0
     for gm in work.gemms:
@@ -122,9 +129,15 @@ def work_seconds(work: Work, cluster: Cluster, precision: str, share: float) -> 
             fraction = cluster.attention_fraction(precision, gm.m, gm.n, gm.k, (gm.m, gm.n, gm.k, gm.count))
         elif gm.name == "weighted":  # [T/cp, T] x [T, h_d]
             fraction = cluster.attention_fraction(precision, gm.m, gm.k, gm.n, (gm.m, gm.n, gm.k, gm.count))
+        elif gm.moved:  # a rank-r product: on the roofline, the memory's time if longer (skinny tiles: no quantization)
+            once = max(
+                gm.flops / cluster.gemm_efficiency, peak * gm.moved * gm.count / (cluster.elementwise_Bps * share)
+            )
+            gemm += once * ((gm.dx + gm.dw) if bwd else 1.0) / peak
+            continue
         else:
             fraction = cluster.gemm_fraction(precision, gm.m, gm.n, gm.k, gm.count)
-        gemm += gm.flops / (peak * fraction)
+        gemm += (gm.backward_flops if bwd else gm.flops) / (peak * fraction)
     return gemm, work.elementwise_bytes / (cluster.elementwise_Bps * share)
 
 
@@ -135,21 +148,26 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
     precision, share, m = cfg.memory.precision, cluster.compute_share(dims.world_size), plan.micro_batches
     modes = plan.recompute
     whole = [i for i in plan.layers if modes[i] == "full"]  # the layers recomputed whole
-    work = None
+    lora, work = cfg.train.lora(), None
+
+    def chunk(layers: list[int], last: bool) -> Work:  # (a LoRA run's: its adapters, the base's backward dx only)
+        args = (mc, dims, plan.micro, plan.seq, layers, last, plan.sp, plan.p)
+        if lora is None:
+            return chunk_work(*args, attention, cfg.parallel.cp_mode)
+        return lora_chunk_work(*args, lora, attention, cfg.parallel.cp_mode)
+
     for c, layers in enumerate(plan.chunks):
-        is_last = plan.last and c == len(plan.chunks) - 1
-        w = chunk_work(
-            mc, dims, plan.micro, plan.seq, layers, is_last, plan.sp, plan.p, attention, cfg.parallel.cp_mode
-        )
+        w = chunk(layers, plan.last and c == len(plan.chunks) - 1)
         work = w if work is None else work + w
-    blocks = chunk_work(mc, dims, plan.micro, plan.seq, whole, False, plan.sp, plan.p, attention, cfg.parallel.cp_mode)
+    blocks = chunk(whole, False)
     gemm_f, elem_f = work_seconds(work, cluster, precision, share)
     overhead = cluster.pass_overhead_us * 1e-6 / share  # one block's (or the head's) forward + backward
     moe_layers = len(set(plan.layers) & set(mc.moe_layers))
     fixed = (
         len(plan.layers) + (1 if plan.last else 0)
     ) * overhead + moe_layers * cluster.moe_pass_overhead_us * 1e-6 / share
-    t_f, t_b = gemm_f + elem_f + fixed / 3, 2 * (gemm_f + elem_f + fixed / 3)
+    gemm_b = work_seconds(work, cluster, precision, share, bwd=True)[0]  # 2 gemm_f in full training
+    t_f, t_b = gemm_f + elem_f + fixed / 3, gemm_b + 2 * (elem_f + fixed / 3)
     # each layer's recomputation (memory.recompute_num_layers: the first ones whole, the rest otherwise): blocks' work
     # and passes; the rebuilt outputs' reads (a split backward reads in B and W); the attention cores' share
     count = {mode: sum(1 for i in plan.layers if modes[i] == mode) for mode in ("elementwise", "selective")}
@@ -178,8 +196,9 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
         / max(len(plan.layers), 1)
     )
     compute = m * (t_f + t_b + t_rc)
-    attention_s = 3 * gemm_f * attention_flops(work) / max(work.flops, 1.0)  # forward + backward, one micro-batch
-    t_w = gemm_f * (1 - attention_flops(work) / max(work.flops, 1.0))  # the GEMMs with a weight, once
+    core = sum(g.flops + g.backward_flops for g in work.gemms if g.name in CORE)
+    attention_s = gemm_f * core / max(work.flops, 1.0)  # forward + backward, one micro-batch
+    t_w = gemm_f * sum(g.flops * g.dw for g in work.gemms if g.name not in CORE) / max(work.flops, 1.0)  # weights
     z = (t_f + t_b - 2 * t_w) / (t_f + t_b) if cfg.parallel.schedule in SPLIT and dims.pp > 1 else 1.0
 
     timed = timed_traffic(plan, cluster, t_f, t_b, t_rc, attention_s)
@@ -214,7 +233,7 @@ def rank_step(plan: RankPlan, cluster: Cluster, attention: str = "flash") -> Ste
         optimizer,
         offload,
         tokens,
-        flops_per_token(mc, plan.seq) * tokens,
+        flops_per_token(mc, plan.seq, lora) * tokens,
         dims.world_size,
         cluster.peak_flops(precision),
         in_layer,
@@ -232,6 +251,8 @@ def _optimizer(plan: RankPlan, cluster: Cluster, t_f: float, t_b: float) -> tupl
     zero, offload = cfg.parallel.zero, cfg.memory.offload_optimizer
     replicas = dims.dp * dims.cp
     owned = plan.dense_params / (replicas if zero else 1) + plan.expert_params / ((replicas // dims.ep) if zero else 1)
+    if plan.trained_params is not None:  # LoRA: the adapters alone
+        owned = plan.trained_params / (replicas if zero else 1)
     settings = OptimizerSettings.from_train(cfg.train)
     p, g = plan.p, plan.g
     k = 4 * len(settings.state_keys) + (4 if p != 4 or offload else 0) + (4 if g != 4 or offload else 0)

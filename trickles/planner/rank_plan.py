@@ -1,6 +1,11 @@
 """What one pipeline rank of a layout holds and does in a step: :class:`RankPlan`, one per pipeline rank from
 :func:`rank_plans` -- its layers, micro-batches, parameters and data-parallel buckets. The traffic terms
-(:mod:`trickles.planner.traffic`) and the step-time model (:mod:`trickles.planner.cost`) both read it."""
+(:mod:`trickles.planner.traffic`) and the step-time model (:mod:`trickles.planner.cost`) both read it.
+
+A LoRA run (``train.lora_rank > 0``) trains its adapters only (:func:`~trickles.planner.compute_lora.adapter_elements`):
+the data-parallel buckets hold them alone (DDP and ZeRO-1/2 reduce, and ZeRO-1/2 gather after the step, only trainable
+parameters), and ZeRO-3's units are each a trainable part (the block's adapters; reduce-scattered and gathered) and a
+frozen part (its base; gathered for forward and again for backward, never reduced): ``frozen_buckets``."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from ..models.config import ModelConfig
 from ..parallel.pipeline.schedules import Shape
 from ..topology import ParallelDims
 from .compute import block_params, rank_params
+from .compute_lora import adapter_elements
 
 
 @dataclass
@@ -37,6 +43,9 @@ class RankPlan:
     moe_elements: int  # expert (and router) elements of its MoE blocks
     buckets: list[int] = field(default_factory=list)  # data-parallel bucket elements (ZeRO-3: units)
     expert_buckets: list[int] = field(default_factory=list)
+    trained_params: int | None = None  # LoRA: the adapter elements the rank holds (None: every parameter trains)
+    frozen_buckets: list[int] = field(default_factory=list)  # LoRA under ZeRO-3: the units' frozen parts
+    frozen_expert_buckets: list[int] = field(default_factory=list)
 
     @property
     def layers(self) -> list[int]:
@@ -123,15 +132,24 @@ def rank_plans(cfg: Config, dims: ParallelDims, model_cfg: ModelConfig) -> list[
             moe_elements,
         )
         own_experts = dims.ep > 1
+        lora = cfg.train.lora()
+        if lora is not None:
+            plan.trained_params = adapter_elements(model_cfg, lora, layers, last, dims.tp)
         if par.zero == 3:  # a unit per block (experts their own under expert parallelism) and the root
-            for i in layers:
-                d_i, e_i = rank_params(model_cfg, dims, [i], False, False)
-                plan.buckets.append(d_i + (0 if own_experts else e_i))
-                if own_experts and e_i:
-                    plan.expert_buckets.append(e_i)
-            root = rank_params(model_cfg, dims, [], first, last)[0]
-            if root:
-                plan.buckets.append(root)
+            units = [(rank_params(model_cfg, dims, [i], False, False), [i], False) for i in layers]
+            units.append(((rank_params(model_cfg, dims, [], first, last)[0], 0), [], last))
+            for (d_i, e_i), unit_layers, head in units:
+                dense_i = d_i + (0 if own_experts else e_i)
+                if lora is None:
+                    plan.buckets += [dense_i] if dense_i or unit_layers else []
+                    plan.expert_buckets += [e_i] if own_experts and e_i else []
+                    continue
+                trained = adapter_elements(model_cfg, lora, unit_layers, head, dims.tp)
+                plan.buckets += [trained] if trained else []
+                plan.frozen_buckets += [dense_i] if dense_i else []
+                plan.frozen_expert_buckets += [e_i] if own_experts and e_i else []
+        elif lora is not None:
+            plan.buckets = _buckets(plan.trained_params, p, par.bucket_mb)
         else:
             plan.buckets = _buckets(dense + (0 if own_experts else experts), p, par.bucket_mb)
             plan.expert_buckets = _buckets(experts, p, par.bucket_mb) if own_experts else []

@@ -16,8 +16,8 @@ tensor grid         :func:`trickles.parallel.tensor.grid_linear.summa_bytes` /  
                     linear (:func:`grid_traffic`), split by row / column / depth
                     line
 data / ZeRO         :func:`trickles.parallel.reduction.reduction_wire_bytes` on the  ``backward`` (bucket
-                    rank's buckets, over the replicas (experts: ``edp``)             reductions), ``forward``
-                                                                                     (ZeRO-1/2 parameter
+                    rank's buckets, over the replicas (experts: ``edp``); LoRA: the  reductions), ``forward``
+                    adapters' buckets, ZeRO-3 also gathering the frozen parts'       (ZeRO-1/2 parameter
                                                                                      gathers), ``prefetch``
                                                                                      (ZeRO-3 gathers)
 pipeline            :func:`trickles.parallel.pipeline.stages.send_bytes`; a tied     ``pipeline`` (fill and
@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from ..comm import wire_bytes
 from ..parallel.tensor.layout import block_linears
+from .compute_lora import adapter_partial_elements
 from .rank_plan import RankPlan
 
 OVERLAPS = ("none", "backward", "forward", "prefetch", "attention", "pipeline")
@@ -63,7 +64,14 @@ class Traffic:
 
 def tensor_1d(r: RankPlan) -> list[Traffic]:
     """1-D tensor (and sequence) parallelism: the regions' collectives each micro-batch, the partial gradients' and
-    the norm's all-reduces once a step."""
+    the norm's all-reduces once a step. LoRA: the partial gradients are the adapters' replicated factors
+    (:func:`~trickles.planner.compute_lora.adapter_partial_elements`); on the first stage the frozen embedding's
+    output needs no gradient, so the first attention region's entry takes no backward all-reduce (sequence parallel:
+    reduce-scatter) and under sequence parallelism the embedding's exit no backward all-gather -- exact when the first
+    block adapts q, k or v (else more of its backward is skipped: an upper bound); and under sequence parallelism no
+    region (nor the output layer) gathers its input again in backward, since its frozen linears take no weight
+    gradient (:class:`~trickles.parallel.tensor.layers.TPContext`; fully recomputed blocks keep their rerun's
+    entries)."""
     from ..parallel.tensor.region_bytes import partial_grad_elements, region_wire_bytes
 
     d = r.dims
@@ -86,8 +94,23 @@ def tensor_1d(r: RankPlan) -> list[Traffic]:
         sum(1 for i in r.layers if modes[i] == "full"),
         mc.qk_norm == "full",
     )
+    lora = r.cfg.train.lora()
+    act = r.tokens * mc.d_model * r.p
+    skipped = {}
+    if lora is not None and r.first and r.layers and r.layers[0] == 0:  # no gradient into the embedding's output
+        skipped = {"reduce_scatter": (1, act), "all_gather": (1, act // d.tp)} if r.sp else {"all_reduce": (1, act)}
+    if lora is not None and r.sp:  # frozen linears gather no input again in backward (they take no weight gradient)
+        moe_layers = set(mc.moe_layers)
+        again = sum(1 if i in moe_layers else 2 for i in r.layers if modes[i] != "full") + int(r.last)
+        calls = skipped.get("all_gather", (0, 0))[0] + again
+        skipped["all_gather"] = (calls, act // d.tp)
+    for op, (calls, size) in skipped.items():
+        c0, b0, w0 = per[op]
+        per[op] = (c0 - calls, b0 - calls * size, w0 - calls * int(round(wire_bytes(op, size, d.tp))))
     out = [Traffic("tp", "tp", op, calls * m, wire * m) for op, (calls, _, wire) in per.items()]
     partial = partial_grad_elements(mc, d.tp, r.sp, len(r.layers), r.first, r.last, r.moe_elements if r.sp else 0)
+    if lora is not None:  # LoRA: only the adapters' replicated factors have gradients
+        partial = adapter_partial_elements(mc, lora, r.layers, r.last, d.tp)
     for nbytes in [4] + ([partial * r.g] if partial else []):
         out.append(Traffic("tp", "tp", "all_reduce", 1, wire_bytes("all_reduce", nbytes, d.tp)))
     return out
@@ -217,10 +240,15 @@ def data_parallel(r: RankPlan) -> list[Traffic]:
     stage, m = cfg.parallel.zero, r.micro_batches
     replicas = "dp_cp" if d.cp > 1 else "dp"
     out: list[Traffic] = []
-    groups = [(replicas, d.dp * d.cp, r.buckets)]
+    groups = [(replicas, d.dp * d.cp, r.buckets, r.frozen_buckets)]
     if d.ep > 1:
-        groups.append(("edp", d.dp * d.cp // d.ep, r.expert_buckets))
-    for group, n, buckets in groups:
+        groups.append(("edp", d.dp * d.cp // d.ep, r.expert_buckets, r.frozen_expert_buckets))
+    for group, n, buckets, frozen in groups:
+        if n > 1 and frozen:  # LoRA under ZeRO-3: the frozen parts gathered for forward and backward, not reduced
+            calls, wire = reduction_wire_bytes(frozen, n, 3, m, r.g, r.p)["all_gather"]
+            out.append(
+                Traffic("dp", group, "all_gather", calls, wire, "prefetch" if cfg.parallel.prefetch else "none", 2 * m)
+            )
         if n <= 1 or not buckets:
             continue
         pipelined = d.pp > 1

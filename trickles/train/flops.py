@@ -8,14 +8,29 @@ sequence of ``T`` (forward ``4 L d T``, backward twice that). Multi-head latent 
 (``model.attention=mla``) counts its own projections (:mod:`trickles.planner.compute_latent`) and, for its scores
 over ``k = qk_nope + qk_rope_head_dim`` and values of ``v = v_head_dim`` on ``H`` heads, ``6 L T H (k + v)``.
 MFU is achieved model FLOP/s over the devices' dense peak.
+
+**LoRA** (``train.lora_rank > 0``): the base is frozen, so a run needs no weight gradient but the adapters'. Its MFU
+counts the FLOPs the step needs, not ``6 N``: per token the forward ``2 N``, the frozen weights' input gradients
+``2 (N - N_0)``, the adapters ``sum 6 r (in + out)`` (forward ``2 r (in + out)``; backward ``2 r out`` each for ``dx``
+of ``B`` and ``dB``, ``2 r in`` each for ``dA`` and ``dx`` of ``A``) less ``2 r in`` for each adapter in ``A_0``, and
+the attention core ``4 L d T`` forward plus ``8 d T`` backward for each of the ``L - L_0`` blocks whose q, k or v needs
+a gradient. ``N_0``, ``A_0``, ``L_0``: the weights, adapters and attention cores before the first adapter, whose
+inputs need no gradient since the embedding is frozen (the first block's q/k/v projections at least;
+:mod:`trickles.planner.compute_lora`). A step of a LoRA run thus counts about ``4 N`` rather than ``6 N``: the
+same step at the same speed shows a lower MFU than full training, the share of the device it actually used. The
+count is the planner's (:func:`~trickles.planner.compute_lora.lora_chunk_work` on one sequence, every score), tested
+against ``FlopCounterMode`` on a real LoRA step.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..adapters.lora import LoRASettings
 from ..models.config import ModelConfig
 from ..planner.compute_latent import latent_matmul_params, latent_score_width
+from ..planner.compute_lora import lora_chunk_work
+from ..topology import ParallelDims
 
 # Dense peak FLOP/s per device by (name fragment, precision); fp32 means TF32 tensor cores.
 PEAKS = [
@@ -46,8 +61,14 @@ def matmul_params(cfg: ModelConfig, active: bool = True) -> int:
     return L * attn + (L - n_moe) * mlp + n_moe * moe + d * (cfg.vocab_size or 0)
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token."""
+def flops_per_token(cfg: ModelConfig, seq_len: int, lora: LoRASettings | None = None) -> float:
+    """Training FLOPs (forward + backward) per token; with ``lora`` (``train.lora()``) a LoRA run's (module
+    docstring)."""
+    if lora is not None:
+        work = lora_chunk_work(
+            cfg, ParallelDims(), 1, seq_len, list(range(cfg.n_layers)), True, False, 4, lora, "materialized"
+        )
+        return (work.flops + work.backward_flops) / seq_len
     if cfg.attention == "mla":  # scores over k, values over v, on every head
         k, v = latent_score_width(cfg)
         return 6.0 * matmul_params(cfg) + 6.0 * cfg.n_layers * seq_len * cfg.n_heads * (k + v)

@@ -128,7 +128,7 @@ class Trainer:
         self.consumed = 0
         self.skipped = 0  # optimizer steps skipped for non-finite gradients
         self._bad_streak: list[int] = []  # consecutive steps whose loss or gradients were not finite
-        self.flops_per_token = flops_per_token(self.model_cfg, seq)
+        self.flops_per_token = flops_per_token(self.model_cfg, seq, self.lora)  # LoRA: the FLOPs its step needs
         self.peak = peak_flops(self.device, cfg.memory.precision)
         self.ckpt_dir = os.path.join(t.out_dir, "checkpoints")
         probe_writable(self.ckpt_dir, self.topo.rank)  # a read-only or missing filesystem: now, not at the first save

@@ -141,8 +141,10 @@ class _Regather:
         self.readers = 0
         self.full: torch.Tensor | None = None
 
-    def take(self, shard: torch.Tensor) -> torch.Tensor:
-        if self.full is None:
+    def take(self, shard: torch.Tensor | None) -> torch.Tensor | None:
+        """The gathered input for one reader (None: ``shard`` None, a reader that needs no weight gradient: it only
+        counts itself off, and gathers nothing)."""
+        if self.full is None and shard is not None:
             self.full = self.comm.all_gather(shard.contiguous(), dim=1)
         full = self.full
         self.readers -= 1
@@ -172,6 +174,9 @@ class _LinearKeepingShard(torch.autograd.Function):
         step = phase()  # a zero-bubble schedule's B (the input's gradient) or W (the weights')
         dx = None if step == "weight" else g.matmul(weight.to(g.dtype)).to(ctx.in_dtype)
         if step == "input":
+            return dx, None, None, None, None
+        if not (ctx.needs_input_grad[2] or ctx.needs_input_grad[3]):  # a frozen weight (LoRA's base): no dW, no gather
+            ctx.regather.take(None)
             return dx, None, None, None, None
         full = ctx.regather.take(shard)
         g2 = g.flatten(0, -2)
