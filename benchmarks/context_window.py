@@ -18,7 +18,7 @@ How
       error ``||a - b|| / ||b||`` at most ``--tol`` (1e-5), else the run stops.
     * What each computes: the scores every rank's block kernels are handed (a causal block counted as its triangle)
       and the blocks skipped, from the ring's own plan; the bytes each rank sends, from the topology's ``CommLedger``
-      (the same for both: every key/value block still travels the whole ring).
+      (with the window only the chunks some rank further on sees travel, ``trickles.parallel.ring_plan.route``).
     * Timing: after ``--warmup`` untimed rounds, ``--steps`` rounds of one step each, the order alternating; a step
       starts after a barrier and ends when its backward has returned; its time is the slowest rank's. CPU:
       ``torch.set_num_threads(cores // N)`` per rank, gloo; CUDA: one GPU per rank under ``torchrun``.

@@ -40,8 +40,8 @@ def reference(q, k, v, window, scale=None, softcap=None, documents=None):
 
 
 def _ring_case(seq, window, blocks=None, softcap=None, scale=None, documents=False, slab_min=None, record=None):
-    """This rank's relative errors of the ring's output and gradients of q, k, v against :func:`reference`, and,
-    with ``record``, the blocks the ring computed (``(q positions, key positions)`` per kernel call)."""
+    """This rank's relative errors of the ring's output and gradients of q, k, v against :func:`reference`, with
+    ``record`` the scores of each kernel call (a causal block its triangle), and the bytes it sent (the ledger's)."""
     import trickles.parallel.ring as ring
     import trickles.parallel.ring_plan as plan
 
@@ -85,11 +85,12 @@ def _ring_case(seq, window, blocks=None, softcap=None, scale=None, documents=Fal
         pos = positions(seq, comm.size, comm.rank, "ring")
         mine = [x[:, :, pos].clone().requires_grad_() for x in (q, k, v)]
         docs = None if ids is None else ring.RingDocuments(ids, ids)
+        comm.ledger.reset()
         out = ring.ring_attention(*mine, comm, docs, window, scale, softcap)
         out.backward(dout[:, :, pos])
         rel = lambda a, b: float((a.detach() - b).norm() / b.norm())  # noqa: E731
         errors = [rel(out, want[:, :, pos])] + [rel(m.grad, w.grad[:, :, pos]) for m, w in zip(mine, whole)]
-        return errors, calls
+        return errors, calls, comm.ledger.snapshot().get("send/cp", {}).get("bytes", 0)
     finally:
         ring.kernel_for, plan.SLAB_MIN = real_kernel, real_slab
         plan._plan.cache_clear()
@@ -118,7 +119,7 @@ CASES = [  # (world, seq, window, kwargs): c = seq / (2 world) tokens a chunk
 def test_the_ring_with_a_window_equals_the_whole_sequence(world, seq, window, kwargs):
     """Output and the gradients of q, k and v within 1e-5 (relative, 2-norm over the tensor) of plain fp32 attention
     on the whole sequence with the same window, scale, soft cap and documents."""
-    for errors, _ in run_ranks(world, _ring_case, seq, window, **kwargs):
+    for errors, _, _ in run_ranks(world, _ring_case, seq, window, **kwargs):
         assert max(errors) < 1e-5, errors
 
 
@@ -171,12 +172,14 @@ def test_blocks_wholly_outside_the_window_are_skipped(monkeypatch, world, seq, w
     """A window of one chunk: the ring plans (and its kernels receive) exactly the pieces of the chunk pairs the window
     reaches -- the diagonal and the pair below it -- and computes far fewer scores than plain causal attention
     (counted per kernel call, a causal piece as its triangle; measured: at cp=2 0.40 and 0.54 of them, the diagonal
-    triangles staying, at cp=4 at most 0.354)."""
+    triangles staying, at cp=4 at most 0.354). It sends just the chunks :func:`route` says travel (at cp=2 one chunk
+    of keys and values each way and one of their gradients, 3/16 of the causal ring's bytes)."""
     import trickles.parallel.ring_plan as plan
-    from trickles.parallel.ring_plan import plain_blocks
+    from trickles.parallel.ring_plan import plain_blocks, route
 
     c = seq // (2 * world)
-    for rank, ((_, windowed), (_, causal)) in enumerate(
+    chunk = 2 * 2 * 2 * c * 8 * 4  # keys and values of one chunk (B 2, H_kv 2, D 8, fp32), or their gradient
+    for rank, ((_, windowed, sent), (_, causal, sent_causal)) in enumerate(
         zip(*(run_ranks(world, _ring_case, seq, w, slab_min=slab_min, record=True) for w in (window, None)))
     ):
         monkeypatch.setattr(plan, "SLAB_MIN", slab_min or plan.SLAB_MIN)  # as the ranks planned
@@ -193,7 +196,48 @@ def test_blocks_wholly_outside_the_window_are_skipped(monkeypatch, world, seq, w
         )
         computed, plain = sum(windowed), sum(causal)
         assert computed < bound * plain, (computed, plain)
+        way = route(rank, world, c, window)
+        assert sent == chunk * (2 * sum(map(sum, way.sent)) + sum(map(sum, way.grad_sent))), (sent, way)
+        assert sent_causal == 2 * chunk * (2 * (world - 1) + world)  # every block and its gradient whole
+        assert world > 2 or sent == 3 * chunk
     plan._plan.cache_clear()
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3, 4, 5])
+def test_what_travels_is_what_the_ranks_further_on_see(cp):
+    """:func:`route`: a rank receives what its predecessor sends, keys and values as gradients; it holds every chunk
+    its plan's pieces read; each message carries the chunks some rank further on sees, and a block's gradient, summed
+    along the ring, brings home the part of every rank that sees it (the owner's kept at home); without a window
+    (or one as long as the sequence) everything travels whole."""
+    from trickles.parallel.ring_plan import BOTH, NONE, plain_blocks, route
+
+    either = lambda *xs: tuple(any(x) for x in zip(*xs, NONE))  # noqa: E731
+    for c, window in itertools.product((3, 4), (None, 1, 2, 3, 4, 5, 8, 9, 24, 40)):
+        ways = [route(r, cp, c, window) for r in range(cp)]
+        seen = {  # (rank, block) -> the block's chunks the rank's planned pieces read
+            (r, (r - s) % cp): tuple(
+                any(ks.start // c == x for _, ks, _, _ in plain_blocks(r, (r - s) % cp, cp, c, window, "cpu"))
+                for x in (0, 1)
+            )
+            for r in range(cp)
+            for s in range(cp)
+        }
+        whole = window is None or window >= 2 * cp * c
+        for r, way in enumerate(ways):
+            prev = ways[r - 1]
+            assert way.held[0] == BOTH and way.held[1:] == prev.sent and way.grad_recv == prev.grad_sent
+            if whole:
+                assert cp == 1 or (way.sent + way.grad_sent == (BOTH,) * (2 * cp - 1) and not way.keep_home)
+                continue
+            for s in range(cp):
+                j = (r - s) % cp
+                assert way.seen[s] == seen[r, j] and either(way.seen[s], way.held[s]) == way.held[s]
+                later = either(*(seen[(j + u) % cp, j] for u in range(s + 1, cp)))
+                assert s == cp - 1 or way.sent[s] == later, (cp, c, window, r, s)
+                summed = either(way.seen[s], way.grad_recv[s - 1]) if s else NONE  # the owner's part stays home
+                assert way.grad_sent[s] == summed, (cp, c, window, r, s)
+            arrived = either(way.grad_recv[-1], way.seen[0] if way.keep_home else NONE)
+            assert arrived == either(*(seen[u, r] for u in range(cp))), (cp, c, window, r)
 
 
 # ---- training: one process against cp=2 --------------------------------------------------------------------------

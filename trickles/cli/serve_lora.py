@@ -18,7 +18,7 @@ def add_arguments(v) -> None:
         metavar="NAME=DIR",
         help="serve a LoRA adapter under the model name NAME (repeatable): a PEFT adapter directory "
         "(adapter_config.json, adapter_model.safetensors) or a trickles LoRA run; one batch mixes adapters and "
-        "the base model (docs/inference.md; continuous batching)",
+        "the base model (docs/inference.md; continuous batching; default: no adapters)",
     )
     v.add_argument(
         "--max-loras",

@@ -22,16 +22,17 @@ row (fp32); with ``lse = logaddexp(lse_acc, lse_b)``,
 because ``exp(S) / sum exp(S)`` over a union splits into each part's weights times its share
 ``exp(lse_part - lse)``. The order of the blocks changes only rounding.
 
-Backward runs the ring again with the saved output ``O`` and ``lse``: per block
-``P = exp(S - lse)``, ``dV += P^T dO``, ``dS = P (dO V^T - rowsum(dO O))``, ``dQ += dS K scale``,
-``dK += dS^T Q scale`` (``S = Q K^T scale``, the layer's scale, ``1 / sqrt(D)`` unless set). The keys and values
-travel as in forward (``cp - 1`` sends, whatever a window skips: a block one rank skips, a later rank uses); their
-gradients (fp32) travel with them, each rank adding its part, and after ``cp`` sends are back with
-their owner. Grouped-query attention sends only the ``H_kv`` key/value heads (each rank repeats them to
-its query heads locally and sums the repeats' gradients). Each block runs the device's fused kernel that returns
-the log-sum-exp (flash attention on a CPU, memory-efficient attention on CUDA), else fp32 matmuls
-(:mod:`~trickles.parallel.ring_blocks`); soft-capped scores (``model.attn_softcap``) run fp32 matmuls on the capped
-scores, with the cap's derivative in backward (:class:`~trickles.parallel.ring_blocks.Capped`).
+Backward runs the ring again with the saved output ``O`` and ``lse``: per block ``P = exp(S - lse)``, ``dV += P^T dO``,
+``dS = P (dO V^T - rowsum(dO O))``, ``dQ += dS K scale``, ``dK += dS^T Q scale`` (``S = Q K^T scale``, the layer's
+scale, ``1 / sqrt(D)`` unless set). The keys and values travel as in forward; their gradients (fp32) travel with them,
+each rank adding its part, and after ``cp`` sends are back with their owner. With a window only the chunks some rank
+further on sees travel, and a block's gradient starts at the first rank after its owner that sees it, the owner keeping
+its own part until the sum comes home (:func:`~trickles.parallel.ring_plan.route`). Grouped-query attention sends only
+the ``H_kv`` key/value heads (each rank repeats them to its query heads locally and sums the repeats' gradients). Each
+block runs the device's fused kernel that returns the log-sum-exp (flash attention on a CPU, memory-efficient attention
+on CUDA), else fp32 matmuls (:mod:`~trickles.parallel.ring_blocks`); soft-capped scores (``model.attn_softcap``) run
+fp32 matmuls on the capped scores, with the cap's derivative in backward
+(:class:`~trickles.parallel.ring_blocks.Capped`).
 
 Values narrower than the keys (latent attention: ``v_head_dim < qk_nope + qk_rope``) are padded with zeros to the
 keys' size before the ring, so one fused kernel and one message serve both, and the output's padding is cut off
@@ -40,7 +41,9 @@ keys' size before the ring, so one fused kernel and one message serve both, and 
 Bytes per layer per rank, ``B`` rows, ``t = T / cp`` local tokens, head dimension ``D``, ``e`` bytes per element: a
 key/value block is ``2 B H_kv t D e``; forward sends ``(cp - 1)`` of them; backward sends ``(cp - 1)`` blocks and ``cp``
 gradient blocks of ``2 B H_kv t D 4`` (a ring of one rank sends nothing). In flight at once: the block being used and
-the one arriving (forward), plus one gradient block each way (backward).
+the one arriving (forward), plus one gradient block each way (backward). A window sends less: the chunks of
+:func:`~trickles.parallel.ring_plan.route` (at cp=2 with ``w <= c``, half a block forward, and half a block and half
+a gradient block backward), its rank holding its own gradient part besides through backward.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ import torch
 
 from ..comm import GroupComm
 from .ring_blocks import Capped, kernel_for, merge
-from .ring_plan import RingDocuments, plain_blocks
+from .ring_plan import BOTH, NONE, Chunks, RingDocuments, Route, plain_blocks, route
 
 __all__ = ["RingDocuments", "repeat_heads", "ring_attention"]
 
@@ -70,10 +73,12 @@ def repeat_heads(kv: torch.Tensor, rep: int) -> torch.Tensor:
     return kv if rep == 1 else kv.repeat_interleave(rep, dim=1)
 
 
-def _exchange(comm: GroupComm, send: torch.Tensor, recv: torch.Tensor):
-    """Starts sending ``send`` to the next rank and receiving into ``recv`` from the previous one."""
+def _swap(comm: GroupComm, send: torch.Tensor | None, recv: torch.Tensor | None) -> list:
+    """Starts sending ``send`` to the next rank and receiving into ``recv`` from the previous one (either None:
+    nothing moves that way)."""
     nxt, prev = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    return comm.batch_p2p([("send", send, nxt), ("recv", recv, prev)])
+    ops = [op for op in (("send", send, nxt), ("recv", recv, prev)) if op[1] is not None]
+    return comm.batch_p2p(ops) if ops else []
 
 
 def _wait(handles) -> None:
@@ -81,15 +86,60 @@ def _wait(handles) -> None:
         h.wait()
 
 
-def _ring_step(comm: GroupComm, kv: torch.Tensor, step: int, rep: int):
-    """Step ``step`` of the ring: the exchange of ``kv`` (the stacked keys and values held now) posted to the
-    neighbours unless it is the last step (its handles and the buffer the next block arrives in), the rank whose
-    block ``kv`` is, and its keys and values with each key/value head repeated ``rep`` times."""
-    handles, nxt = [], None
-    if step < comm.size - 1:
-        nxt = torch.empty_like(kv)
-        handles = _exchange(comm, kv, nxt)
-    return handles, nxt, (comm.rank - step) % comm.size, repeat_heads(kv[0], rep), repeat_heads(kv[1], rep)
+def _span(have: Chunks, chunk: int, c: int) -> slice:
+    """Where chunk ``chunk`` (0: low, 1: high) lies along the tokens of a tensor holding the chunks ``have``."""
+    start = c if chunk and have[0] else 0
+    return slice(start, start + c)
+
+
+def _keys(ks: slice, have: Chunks, c: int) -> slice:
+    """A plan's key slice (local to a whole block) in a tensor holding the chunks ``have`` (its own among them)."""
+    shift = c if ks.start >= c and not have[0] else 0
+    return slice(ks.start - shift, ks.stop - shift)
+
+
+def _tokens(x: torch.Tensor, n: int, c: int) -> torch.Tensor:
+    """A new tensor like ``x [..., tokens, D]`` with ``n`` chunks of ``c`` tokens."""
+    return x.new_empty((*x.shape[:-2], n * c, x.shape[-1]))
+
+
+def _take(kv, have: Chunks, want: Chunks, c: int) -> torch.Tensor | None:
+    """The chunks ``want`` (some of ``have``) of the keys and values ``kv`` (a stacked ``[2, ..., tokens, D]`` or the
+    pair ``(k, v)``) stacked in one contiguous message; None for none."""
+    if not any(want):
+        return None
+    if want != have:
+        kv = [x[..., _span(have, want.index(True), c), :] for x in kv]
+    return kv if isinstance(kv, torch.Tensor) else torch.stack(list(kv))
+
+
+def _summed(want: Chunks, c: int, *parts) -> torch.Tensor | None:
+    """The sum of ``parts`` ``(tensor or None, the chunks it holds)`` as a tensor holding the chunks ``want`` (each
+    part's among them), made in place in the first part holding just ``want``; None for no chunks or no parts."""
+    parts = [(x, have) for x, have in parts if x is not None]
+    if not any(want) or not parts:
+        return None
+    dst = next((x for x, have in parts if have == want), None)
+    if dst is None:
+        dst = _tokens(parts[0][0], sum(want), c).zero_()
+    for x, have in parts:
+        if x is not dst:
+            for chunk in (0, 1):
+                if have[chunk]:
+                    dst[..., _span(want, chunk, c), :] += x[..., _span(have, chunk, c), :]
+    return dst
+
+
+def _pass(comm: GroupComm, kv, k: torch.Tensor, way: Route, step: int, c: int):
+    """Step ``step`` of the ring: the chunks of the block ``kv`` (:func:`_take`'s; None: none held) that ranks further
+    on see, posted to the next rank, and the previous rank's arriving into a buffer for keys and values like ``k``
+    (not on the last step); returns the handles, that buffer and the chunks ``kv`` holds."""
+    have = way.held[step]
+    if step == comm.size - 1:
+        return [], None, have
+    want = way.held[step + 1]
+    nxt = _tokens(k.expand(2, *k.shape), sum(want), c) if any(want) else None
+    return _swap(comm, _take(kv, have, way.sent[step], c), nxt), nxt, have
 
 
 class _RingAttention(torch.autograd.Function):
@@ -101,13 +151,16 @@ class _RingAttention(torch.autograd.Function):
         scale = 1.0 / math.sqrt(d) if scale is None else scale
         out = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, t), float("-inf"), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()  # one message per step
         kernel = Capped(softcap) if softcap else kernel_for(q)
         # each step's blocks, planned once and kept for backward (their masks built once per layer call)
-        plan = _plan(rank, cp, c, documents, window, q.device)
+        plan, way = _plan(rank, cp, c, documents, window, q.device), route(rank, cp, c, window)
+        kv = (k, v)  # then the stacked keys and values that arrive, one message per step
         for step in range(cp):
-            handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
+            handles, nxt, have = _pass(comm, kv, k, way, step, c)
+            if plan[step]:
+                kk, vv = repeat_heads(kv[0], rep), repeat_heads(kv[1], rep)
             for qs, ks, causal, mask in plan[step]:
+                ks = _keys(ks, have, c)
                 o_b, lse_b = kernel.forward(q[:, :, qs], kk[:, :, ks], vv[:, :, ks], scale, causal, mask)
                 merge(out[:, :, qs], lse[:, :, qs], o_b, lse_b)
             _wait(handles)
@@ -116,30 +169,34 @@ class _RingAttention(torch.autograd.Function):
         # keeps for its backward are a view of this same tensor (saved once)
         out = torch.empty((b, t, h, d), dtype=q.dtype, device=q.device).transpose(1, 2).copy_(out)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.comm, ctx.plan, ctx.scale, ctx.softcap = comm, plan, scale, softcap
+        ctx.comm, ctx.plan, ctx.way, ctx.scale, ctx.softcap = comm, plan, way, scale, softcap
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        comm = ctx.comm
+        comm, way = ctx.comm, ctx.way
         b, h, t, d = q.shape
-        cp, h_kv = comm.size, k.shape[1]
+        cp, h_kv, c = comm.size, k.shape[1], t // 2
         rep, scale = h // h_kv, ctx.scale
         kernel = Capped(ctx.softcap) if ctx.softcap else kernel_for(q)
         # rowsum(dO O), for the fp32 blocks (the fused kernels make their own)
         delta = (dout.float() * out.float()).sum(-1) if kernel.takes_delta else None
         dq = torch.zeros((b, h, t, d), dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        dkv, dkv_handles = None, []  # the gradient block arriving with the keys and values being held
+        kv = (k, v)
+        home = None  # this rank's part of its own block's gradient, while the others' travel (Route.keep_home)
+        dkv, dkv_handles = None, []  # the gradient message arriving (the ranks' before summed) and its handles
         for step in range(cp):
-            handles, nxt, src, kk, vv = _ring_step(comm, kv, step, rep)
-            part = torch.zeros((2, b, h, t, d), dtype=torch.float32, device=q.device)
+            handles, nxt, have = _pass(comm, kv, k, way, step, c)
+            if ctx.plan[step]:
+                kk, vv = repeat_heads(kv[0], rep), repeat_heads(kv[1], rep)
+            seen = way.seen[step]
+            part = torch.zeros((2, b, h, sum(seen) * c, d), dtype=torch.float32, device=q.device)
             for qs, ks, causal, mask in ctx.plan[step]:
                 dq_b, dk_b, dv_b = kernel.backward(
                     q[:, :, qs],
-                    kk[:, :, ks],
-                    vv[:, :, ks],
+                    kk[:, :, _keys(ks, have, c)],
+                    vv[:, :, _keys(ks, have, c)],
                     dout[:, :, qs],
                     out[:, :, qs],
                     lse[:, :, qs],
@@ -149,21 +206,22 @@ class _RingAttention(torch.autograd.Function):
                     mask,
                 )
                 dq[:, :, qs] += dq_b
-                part[0][:, :, ks] += dk_b
-                part[1][:, :, ks] += dv_b
+                part[0][:, :, _keys(ks, seen, c)] += dk_b
+                part[1][:, :, _keys(ks, seen, c)] += dv_b
             if rep > 1:  # the repeats' gradients back onto the key/value heads
-                part = part.view(2, b, h_kv, rep, t, d).sum(3)
+                part = part.view(2, b, h_kv, rep, sum(seen) * c, d).sum(3)
             _wait(dkv_handles)
-            if dkv is not None:
-                part += dkv
-            if cp == 1:  # already home
-                dkv = part
-                continue
-            dkv = torch.empty_like(part)
-            dkv_handles = _exchange(comm, part, dkv)  # on to the next rank; after cp sends, home
+            if step == 0 and way.keep_home:
+                home, part = part, None
+            arrived = way.grad_recv[step - 1] if step else NONE
+            send = _summed(way.grad_sent[step], c, (part, seen), (dkv, arrived))
+            recv = way.grad_recv[step]
+            dkv = _tokens(home if part is None else part, sum(recv), c) if any(recv) else None
+            dkv_handles = _swap(comm, send, dkv)  # on to the next rank; after the last step, home
             _wait(handles)
             kv = nxt
         _wait(dkv_handles)
+        dkv = _summed(BOTH, c, (home, way.seen[0]), (dkv, way.grad_recv[-1]))
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None, None
 
 

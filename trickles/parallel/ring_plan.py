@@ -25,17 +25,25 @@ of one document only where some row's id ranges meet; where none does it is skip
 keys lie in one document it runs with the window's mask alone; otherwise with the same-document mask too. The
 decisions are read from the host ids, so the device is never waited for.
 
-What still travels: every key/value block goes round the whole ring, as without a window (forward ``cp - 1``
-sends; backward ``cp - 1`` sends of blocks and ``cp`` of their gradients). In this layout a rank's high chunk
-``2 cp - 1 - i`` sits next to its successor's (``2 cp - 2 - i``), whose block reaches it only at the ring's last step,
-so the ring cannot stop early; a block relayed at a step where its holder skips it is used by a later rank. (Sending
-each chunk straight to the ranks whose windows reach it, both ways round, would move about ``1.5 m`` blocks for a
-window over ``m`` chunks instead of ``cp - 1``, fewer once ``cp - 1 > 1.5 m``; not built.)
+**What travels** (:func:`route`). Without a window every key/value block goes round the whole ring (forward
+``cp - 1`` sends; backward ``cp - 1`` sends of blocks and ``cp`` of their fp32 gradients, each starting at the
+block's owner and summed on by every rank it passes). With a window a message carries only the chunks of its block
+(:func:`seen_chunks`) that some rank further on sees, and none when no rank does; a block's gradient starts at the
+first rank after its owner that sees it, carries the chunks seen so far, and its owner keeps its own part until the
+sum comes home. So at cp=2 with ``w <= c`` each rank sends one chunk of keys and values forward and one of keys and
+values and one of their gradients backward, ``B H_kv c D (2 e + 2 e + 8)`` bytes, against
+``B H_kv c D (4 e + 4 e + 32)`` without the window. Which chunks travel is read from the window alone (packed
+documents may leave a travelling chunk unused). In this layout a rank's high chunk ``2 cp - 1 - i`` sits next to its
+successor's (``2 cp - 2 - i``), whose block reaches it only at the ring's last step, so the ring cannot stop early;
+a chunk relayed by ranks that skip it still passes through them (sending each chunk straight to the ranks whose
+windows reach it, both ways round, would move about ``1.5 m`` blocks for a window over ``m`` chunks instead of
+``cp - 1``, fewer once ``cp - 1 > 1.5 m``; not built).
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 import torch
 
@@ -45,9 +53,66 @@ SLAB_PARTS = 8  # the smallest pieces a block is cut into have about ``min(c, wi
 SLAB_MIN = 16  # ... and at least this many (each piece is one kernel call)
 
 
+Chunks = tuple[bool, bool]  # which of a rank's two chunks (its low, then its high one) a message or a buffer holds
+BOTH, NONE = (True, True), (False, False)
+
+
 def chunk_ids(rank: int, cp: int) -> tuple[int, int]:
     """The two chunks of the sequence rank ``rank`` of ``cp`` holds, in its local order."""
     return rank, 2 * cp - 1 - rank
+
+
+def seen_chunks(q_rank: int, kv_rank: int, cp: int, c: int, window: int | None) -> Chunks:
+    """Which of ``kv_rank``'s chunks some query of ``q_rank`` sees: a chunk at or below a query chunk and not wholly
+    below its first query's window (module doc; packed documents may skip more, never less)."""
+    return tuple(
+        any(b <= a and (window is None or (b + 1) * c - 1 > a * c - window) for a in chunk_ids(q_rank, cp))
+        for b in chunk_ids(kv_rank, cp)
+    )
+
+
+def _either(chunks) -> Chunks:
+    return tuple(any(x) for x in zip(*chunks, NONE))
+
+
+class Route(NamedTuple):
+    """What travels for one rank (module doc), per ring step ``s`` and the block of rank ``rank - s`` it holds then."""
+
+    held: tuple[Chunks, ...]  # the block's chunks held at step s (s = 0: this rank's own, whole)
+    seen: tuple[Chunks, ...]  # the block's chunks this rank's queries see (its gradient part at step s)
+    sent: tuple[Chunks, ...]  # the block's chunks sent on at step s < cp - 1 (what the next rank holds at s + 1)
+    grad_sent: tuple[Chunks, ...]  # the chunks of the block's gradient, summed so far, sent on at step s
+    grad_recv: tuple[Chunks, ...]  # the chunks of the previous rank's gradient message received at step s
+    keep_home: bool  # the rank keeps its own block's gradient part until the others' parts come home
+
+
+@lru_cache(maxsize=256)
+def route(rank: int, cp: int, c: int, window: int | None) -> Route:
+    """The rank's :class:`Route` (module doc, "What travels"): with a window, a block's chunks travel while some rank
+    further on sees them, and its gradient's chunks from the first rank after the owner that sees them; without one,
+    every block and its gradient go whole (from the owner) round the ring."""
+    if window is not None and window >= 2 * cp * c:
+        window = None
+    first = 0 if window is None and cp > 1 else 1  # the first step whose part starts a block's gradient message
+
+    def seen(s: int, j: int) -> Chunks:  # rank j + s's view of block j
+        return BOTH if window is None else seen_chunks((j + s) % cp, j % cp, cp, c, window)
+
+    def ahead(j: int, s: int) -> Chunks:  # what block j's message sent at step s carries: seen further on
+        return _either(seen(u, j) for u in range(s + 1, cp))
+
+    def behind(j: int, s: int) -> Chunks:  # what block j's gradient holds after step s
+        return _either(seen(u, j) for u in range(first, s + 1))
+
+    steps = range(cp)
+    return Route(
+        held=tuple(BOTH if s == 0 else ahead(rank - s, s - 1) for s in steps),
+        seen=tuple(seen(s, rank - s) for s in steps),
+        sent=tuple(ahead(rank - s, s) for s in range(cp - 1)),
+        grad_sent=tuple(behind(rank - s, s) for s in steps),
+        grad_recv=tuple(behind(rank - 1 - s, s) for s in steps),
+        keep_home=first == 1,
+    )
 
 
 def slab_rows(c: int, window: int | None) -> int:

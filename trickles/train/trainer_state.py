@@ -161,7 +161,7 @@ def _whole_state(state: dict, model: Transformer, seed: int, where: str):
         layout = ckpt.fused_layout(p)
         return layout.part_keys(name) if layout is not None else [part_name(name)]
 
-    wanted = {k for n, p in ckpt.unique_state(model).items() if not n.startswith("mtp.") for k in keys(n, p)}
+    wanted = {k for n, p in model.named_parameters() if not n.startswith("mtp.") for k in keys(n, p)}
     missing = sorted(wanted - set(state))
     extra = sorted(k for k in state if is_adapter(k) and k not in wanted)  # adapters the new run would drop
     if missing or extra:
