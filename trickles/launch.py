@@ -16,7 +16,10 @@ and watches them:
   (:mod:`trickles.train.stopping`), within ``TERM_GRACE_S``; the status is what the ranks did: 143 when every rank
   reported its checkpoint saved and verified, 6 when that save failed or a rank had to be killed after the grace
   period (or ended before it could save), a rank's own status when it failed otherwise, 0 when the run had finished;
-* the launcher itself is interrupted or dies -> the ranks die with it (``PR_SET_PDEATHSIG``).
+* the launcher itself is interrupted or dies, even by SIGKILL -> the ranks die with it: each rank holds the read end
+  of a pipe whose write end only the launcher holds (:class:`Lifeline`), and a thread of the rank kills the rank's
+  process group when it reads end-of-file. (``PR_SET_PDEATHSIG`` alone does not do it: a rank's parent is the
+  forkserver, which by design lives while any rank it forked lives.)
 
 With ``max_restarts`` a failed attempt is retried unless its status is one a restart cannot cure
 (:data:`~trickles.errors.NO_RESTART`: bad input, failed saves, a stop on purpose, SIGTERM, Ctrl-C).
@@ -41,6 +44,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -108,6 +112,32 @@ def _received_streams(out, err) -> tuple[int, int]:
     return out.detach(), err.detach()
 
 
+class Lifeline:
+    """The read end of the launcher's lifeline pipe as a forked rank receives it (pickled as a file descriptor)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received_fd, (reduction.DupFd(self.fd),)
+
+
+def _received_fd(fd) -> int:
+    return fd.detach()
+
+
+def _die_with_launcher(fd: int) -> None:
+    """Kills this rank's process group once ``fd`` (:class:`Lifeline`'s read end) reads end-of-file: the launcher is
+    gone (its write end closed, however it ended)."""
+
+    def watch():
+        while os.read(fd, 1):
+            pass
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="trickles-lifeline", daemon=True).start()
+
+
 def adopt_streams(fds: tuple[int, int]) -> None:
     """Makes the received descriptors (:class:`Streams`, unpickled) this process's standard output and error."""
     for fd, target in zip(fds, (1, 2)):
@@ -115,12 +145,15 @@ def adopt_streams(fds: tuple[int, int]) -> None:
         os.close(fd)
 
 
-def _rank_main(fn: Callable, args: tuple, env: dict[str, str], error_file: str, streams: tuple[int, int]) -> None:
+def _rank_main(
+    fn: Callable, args: tuple, env: dict[str, str], error_file: str, streams: tuple[int, int], lifeline: int
+) -> None:
     from .process import exit_process
 
     adopt_streams(streams)
     _die_with_parent()
     os.setpgrp()
+    _die_with_launcher(lifeline)
     os.environ.clear()
     os.environ.update(env)
     if "OMP_NUM_THREADS" not in os.environ:  # the ranks share this machine's cores (torchrun sets 1 per rank)
@@ -216,6 +249,7 @@ def launch(fn: Callable[..., Any], args: tuple, nproc: int, max_restarts: int = 
 def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) -> int:
     errors = tempfile.mkdtemp(prefix="trickles-ranks-")
     procs, late = [], []
+    life_r, life_w = os.pipe()  # the ranks' lifeline: only this process holds the write end
     previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def on_signal(signum, frame):
@@ -233,7 +267,7 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
             env["TRICKLES_LAUNCHER_PID"] = str(os.getpid())  # where an injected SIGTERM goes (trickles.train.faults)
             p = ctx.Process(
                 target=_rank_main,
-                args=(fn, args, env, os.path.join(errors, f"rank{r}.txt"), Streams()),
+                args=(fn, args, env, os.path.join(errors, f"rank{r}.txt"), Streams(), Lifeline(life_r)),
                 name=f"trickles-rank{r}",
             )
             p.start()
@@ -260,6 +294,8 @@ def _attempt(ctx, fn, args, nproc: int, port: int, attempt: int, quiet: bool) ->
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        os.close(life_r)
+        os.close(life_w)  # (a rank still alive here dies with it)
         for name in os.listdir(errors):
             os.unlink(os.path.join(errors, name))
         os.rmdir(errors)

@@ -134,3 +134,46 @@ def test_after_sigterm_the_status_is_what_the_ranks_did(tmp_path, capfd, monkeyp
     assert status == EXIT_TERM_UNSAVED, err
     assert "[trickles] SIGTERM: rank(s) 1 did not stop within 2 s and were killed" in err
     assert "saved a checkpoint" not in err
+
+
+def _sleeper(folder):
+    with open(os.path.join(folder, f"rank{os.environ['RANK']}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+    return 0
+
+
+def test_ranks_die_with_a_launcher_killed_outright(tmp_path):
+    """SIGKILL to the launcher (no handler runs) ends its ranks too, within seconds (the lifeline pipe)."""
+    import subprocess
+
+    script = (
+        "import sys; sys.path.insert(0, sys.argv[1]); from test_launch import _sleeper; "
+        "from trickles.launch import launch; launch(_sleeper, (sys.argv[2],), 2)"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    launcher = subprocess.Popen([sys.executable, "-c", script, here, str(tmp_path)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("rank*.pid"))) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "the ranks did not start"
+            time.sleep(0.1)
+        time.sleep(0.2)
+        pids = [int(p.read_text()) for p in tmp_path.glob("rank*.pid")]
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, f"ranks {[p for p in pids if _alive(p)]} outlived their launcher"
+            time.sleep(0.1)
+    finally:
+        launcher.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # (a zombie has ended)
+        return f.read().split(")")[-1].split()[0] != "Z"
