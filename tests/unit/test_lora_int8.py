@@ -100,6 +100,7 @@ def _steps(tmp, overrides, world, steps=3):
     cfg = tiny_config(tmp, *INT8, *overrides, "train.eps=1e-6", steps=steps)
     tr = Trainer(cfg, cfg.validate(world).build(torch.device("cpu")), quiet=True)
     losses = [tr.train_step()["loss"] for _ in range(steps)]
+    getattr(tr.engine, "wait_for_parameters", lambda: None)()  # ZeRO-1/2: the last update's all-gathers in flight
     state = {n: p.detach().clone() for n, p in tr.model.named_parameters()}
     return losses, state
 
