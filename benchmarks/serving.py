@@ -545,7 +545,15 @@ def child_server(command: list[str], env: dict, timeout: float, grace: float = 3
     log = tempfile.TemporaryFile(mode="w+")
     proc = None
     try:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+        proc = subprocess.Popen(
+            command,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            # SIGINT as Python's default: a job started in the background by a shell inherits it ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         deadline = time.monotonic() + timeout
         while True:
             log.seek(0)

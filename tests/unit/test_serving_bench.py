@@ -145,7 +145,10 @@ def test_the_tensor_parallel_server_is_stopped_however_the_run_ends():
     """continuous-tp's child server: its port read from its line, and stopped (SIGINT; SIGKILL when it ignores that)
     when the run fails, when this process gets SIGTERM, and when it ends; one line when it cannot run."""
     with pytest.raises(RuntimeError, match="^boom"):
-        with bench.child_server(_fake_server(f"{READY}\ntime.sleep(120)"), dict(os.environ), 60) as (port, proc):
+        with bench.child_server(_fake_server(f"{READY}\ntime.sleep(120)"), dict(os.environ), 60, grace=5) as (
+            port,
+            proc,
+        ):
             assert port == 4321 and proc.poll() is None
             raise RuntimeError("boom")
     assert proc.returncode is not None
