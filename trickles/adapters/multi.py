@@ -175,11 +175,6 @@ class AdapterBank:
 
         return add_updates
 
-    @property
-    def resident(self) -> list[str]:
-        """The adapters in slots now."""
-        return sorted(self.slot_of)
-
     def residency(self) -> list[int]:
         """Per slot, the index (in :attr:`names`) of the adapter it holds, -1 for none."""
         out = [-1] * self.max_loras
@@ -192,11 +187,7 @@ class AdapterBank:
         mine = self.residency()
         for slot, (want, have) in enumerate(zip(residency, mine)):
             if want != have:
-                for old in [n for n, s in self.slot_of.items() if s == slot]:
-                    del self.slot_of[old]
-                if want >= 0:
-                    self._load(self.names[want], slot)
-                    self.slot_of[self.names[want]] = slot
+                self._place(self.names[want] if want >= 0 else None, slot)
 
     def acquire(self, name: str) -> int | None:
         """A slot holding adapter ``name`` for one more sequence (loaded into a free or least recently used unheld
@@ -207,11 +198,7 @@ class AdapterBank:
             if not free:
                 return None
             slot = free[0]
-            for old, s in list(self.slot_of.items()):
-                if s == slot:
-                    del self.slot_of[old]
-            self._load(name, slot)
-            self.slot_of[name] = slot
+            self._place(name, slot)
         self.holds[slot] += 1
         self.lru.move_to_end(slot)
         return slot
@@ -231,6 +218,14 @@ class AdapterBank:
         else:
             base = self.max_loras  # the zero slot
             self.rows = torch.tensor([base if s is None else s for s in slots], device=self.device)
+
+    def _place(self, name: str | None, slot: int) -> None:
+        """Puts adapter ``name`` (None: none) in ``slot``, in place of what it held."""
+        for old in [n for n, s in self.slot_of.items() if s == slot]:
+            del self.slot_of[old]
+        if name is not None:
+            self._load(name, slot)
+            self.slot_of[name] = slot
 
     @torch.no_grad()
     def _load(self, name: str, slot: int) -> None:
